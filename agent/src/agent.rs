@@ -1,0 +1,239 @@
+//! `berth agent`: configuration and the wiring of the server role, the HTTP
+//! API and the client into one process.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+use berth_server::{Server, ServerConfig};
+use tokio::sync::watch;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::client::{Client, ClientConfig};
+
+/// What `berth agent` was asked to run.
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub dev: bool,
+    pub data_dir: Option<PathBuf>,
+    pub http_addr: SocketAddr,
+    /// Where the server role serves the agent protocol; port 0 picks one.
+    pub rpc_addr: SocketAddr,
+    pub node_name: Option<String>,
+    /// Shortest heartbeat TTL the servers hand out.
+    pub min_heartbeat_ttl: Duration,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            dev: false,
+            data_dir: None,
+            http_addr: "127.0.0.1:4747".parse().expect("valid literal"),
+            rpc_addr: "127.0.0.1:0".parse().expect("valid literal"),
+            node_name: None,
+            min_heartbeat_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+const AGENT_USAGE: &str = "\
+Usage: berth agent -dev [options]
+
+  -dev                  run a server and a client in one process
+  -data-dir DIR         keep state here (default: a new temp dir)
+  -http-addr ADDR       HTTP API address (default 127.0.0.1:4747)
+  -rpc-addr ADDR        agent protocol address (default 127.0.0.1:0, any free port)
+  -node-name NAME       the node's name (default: the host name)
+  -heartbeat-ttl DUR    shortest heartbeat TTL the servers hand out (default 10s)
+";
+
+impl AgentConfig {
+    pub fn from_args(args: &[String]) -> Result<AgentConfig> {
+        let mut c = AgentConfig::default();
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            let flag = a.trim_start_matches('-');
+            let (name, inline) = match flag.split_once('=') {
+                Some((n, v)) => (n, Some(v.to_string())),
+                None => (flag, None),
+            };
+            let mut value = |what: &str| -> Result<String> {
+                match &inline {
+                    Some(v) => Ok(v.clone()),
+                    None => it
+                        .next()
+                        .cloned()
+                        .ok_or_else(|| anyhow!("berth agent: -{what} needs a value")),
+                }
+            };
+            match name {
+                "dev" => c.dev = true,
+                "data-dir" => c.data_dir = Some(PathBuf::from(value(name)?)),
+                "http-addr" => {
+                    let v = value(name)?;
+                    c.http_addr = v.parse().with_context(|| {
+                        format!("berth agent: -http-addr {v:?} is not HOST:PORT")
+                    })?;
+                }
+                "rpc-addr" => {
+                    let v = value(name)?;
+                    c.rpc_addr = v.parse().with_context(|| {
+                        format!("berth agent: -rpc-addr {v:?} is not HOST:PORT")
+                    })?;
+                }
+                "node-name" => c.node_name = Some(value(name)?),
+                "heartbeat-ttl" => {
+                    let v = value(name)?;
+                    c.min_heartbeat_ttl = humantime::parse_duration(&v)
+                        .with_context(|| format!("berth agent: -heartbeat-ttl {v:?}"))?;
+                }
+                "config" => bail!(
+                    "berth agent: -config is not supported yet; run `berth agent -dev` with flags"
+                ),
+                "h" | "help" => {
+                    print!("{AGENT_USAGE}");
+                    std::process::exit(0);
+                }
+                _ => bail!("berth agent: unknown flag {a:?}\n\n{AGENT_USAGE}"),
+            }
+        }
+        if !c.dev {
+            bail!("berth agent: only -dev mode is available in this version\n\n{AGENT_USAGE}");
+        }
+        Ok(c)
+    }
+}
+
+pub fn run_from_args(args: &[String]) -> Result<i32> {
+    let config = AgentConfig::from_args(args)?;
+    crate::logging::init();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("berth-agent")
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(run(config))?;
+    Ok(0)
+}
+
+/// Runs the agent until SIGINT or SIGTERM.
+pub async fn run(config: AgentConfig) -> Result<()> {
+    let data_dir = match &config.data_dir {
+        Some(d) => {
+            std::fs::create_dir_all(d)
+                .with_context(|| format!("creating data dir {}", d.display()))?;
+            d.canonicalize()?
+        }
+        None => {
+            // Kept after exit: a dev agent's tasks and mounts outlive it.
+            let d = tempfile::Builder::new()
+                .prefix("berth-dev-")
+                .tempdir()
+                .context("creating a temp data dir")?
+                .keep();
+            tracing::info!(data_dir = %d.display(), "dev agent uses a fresh temp data dir");
+            d
+        }
+    };
+
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+
+    let server = Server::open(ServerConfig {
+        data_dir: data_dir.clone(),
+        min_heartbeat_ttl: config.min_heartbeat_ttl,
+        ..ServerConfig::default()
+    })
+    .context("opening the server state")?;
+
+    let rpc_listener = tokio::net::TcpListener::bind(config.rpc_addr)
+        .await
+        .with_context(|| format!("binding the agent protocol to {}", config.rpc_addr))?;
+    let rpc_addr = rpc_listener.local_addr()?;
+    let http_listener = tokio::net::TcpListener::bind(config.http_addr)
+        .await
+        .with_context(|| format!("binding the HTTP API to {}", config.http_addr))?;
+    tracing::info!(rpc_addr = %rpc_addr, http_addr = %http_listener.local_addr()?, "agent starting");
+
+    let mut tasks = tokio::task::JoinSet::new();
+    {
+        let server = server.clone();
+        let rx = shutdown_rx.clone();
+        tasks.spawn(async move {
+            server.run(rx).await;
+            Ok::<(), anyhow::Error>(())
+        });
+    }
+    {
+        let router = tonic::transport::Server::builder()
+            .add_service(server.node_service())
+            .add_service(server.csi_volume_service());
+        let mut rx = shutdown_rx.clone();
+        tasks.spawn(async move {
+            router
+                .serve_with_incoming_shutdown(TcpListenerStream::new(rpc_listener), async move {
+                    let _ = rx.wait_for(|v| *v).await;
+                })
+                .await
+                .context("agent protocol server")
+        });
+    }
+    {
+        let server = server.clone();
+        let rx = shutdown_rx.clone();
+        tasks.spawn(async move {
+            crate::http::serve(http_listener, server, rx)
+                .await
+                .context("HTTP API")
+        });
+    }
+
+    let client = Client::start(
+        ClientConfig {
+            data_dir: data_dir.clone(),
+            server_addr: format!("http://{rpc_addr}"),
+            node_name: config.node_name.clone(),
+        },
+        shutdown_rx.clone(),
+    )
+    .await
+    .context("starting the client")?;
+    {
+        let rx = shutdown_rx.clone();
+        tasks.spawn(async move {
+            client.run(rx).await;
+            Ok(())
+        });
+    }
+
+    crate::logging::notify_systemd_ready();
+    let term = async {
+        let mut sigterm =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = sigterm.recv() => {}
+        }
+        Ok::<(), std::io::Error>(())
+    };
+    tokio::select! {
+        r = term => { r.context("waiting for signals")?; tracing::info!("shutting down; tasks keep running"); }
+        Some(r) = tasks.join_next() => {
+            match r {
+                Ok(Ok(())) => tracing::warn!("an agent component stopped; shutting down"),
+                Ok(Err(e)) => { let _ = shutdown_tx.send(true); return Err(e) }
+                Err(e) => { let _ = shutdown_tx.send(true); return Err(anyhow!("agent component panicked: {e}")) }
+            }
+        }
+    }
+    let _ = shutdown_tx.send(true);
+    let drain = async { while tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(Duration::from_secs(10), drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!("components did not stop within 10s; exiting anyway");
+    }
+    Ok(())
+}

@@ -1,0 +1,197 @@
+//! A small blocking HTTP/1.1 client for the CLI: one request per
+//! connection, JSON bodies. The CLI makes a handful of requests, so nothing
+//! heavier is warranted.
+
+use std::io::{Read, Write};
+use std::net::{TcpStream, ToSocketAddrs};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context, Result};
+
+/// The API's base address, from `-address`, `BERTH_ADDR`, or the default.
+#[derive(Debug, Clone)]
+pub struct ApiClient {
+    /// `host:port`.
+    authority: String,
+    timeout: Duration,
+}
+
+pub const DEFAULT_ADDR: &str = "http://127.0.0.1:4747";
+
+/// A response that is not 2xx: the API's error message.
+#[derive(Debug)]
+pub struct ApiError {
+    pub status: u16,
+    pub message: String,
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (HTTP {})", self.message, self.status)
+    }
+}
+
+impl std::error::Error for ApiError {}
+
+impl ApiClient {
+    pub fn new(address: &str) -> Result<ApiClient> {
+        let authority = address
+            .strip_prefix("http://")
+            .unwrap_or(address)
+            .trim_end_matches('/');
+        if address.starts_with("https://") {
+            bail!("address {address:?}: https is not supported yet; use http://");
+        }
+        if authority.is_empty() || authority.contains('/') {
+            bail!("address {address:?} is not of the form http://HOST:PORT");
+        }
+        Ok(ApiClient {
+            authority: authority.to_string(),
+            timeout: Duration::from_secs(30),
+        })
+    }
+
+    pub fn get(&self, path: &str) -> Result<serde_json::Value> {
+        self.request("GET", path, None)
+    }
+
+    pub fn put(&self, path: &str, body: &serde_json::Value) -> Result<serde_json::Value> {
+        self.request("PUT", path, Some(body))
+    }
+
+    pub fn delete(&self, path: &str) -> Result<serde_json::Value> {
+        self.request("DELETE", path, None)
+    }
+
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<serde_json::Value> {
+        let addr = self
+            .authority
+            .to_socket_addrs()
+            .with_context(|| format!("resolving berth API address {}", self.authority))?
+            .next()
+            .ok_or_else(|| anyhow!("berth API address {} resolves to nothing", self.authority))?;
+        let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).with_context(
+            || {
+                format!(
+                    "cannot reach the berth API at http://{} (is an agent running? set -address or BERTH_ADDR)",
+                    self.authority
+                )
+            },
+        )?;
+        stream.set_read_timeout(Some(self.timeout))?;
+        stream.set_write_timeout(Some(self.timeout))?;
+        let body = body
+            .map(serde_json::to_vec)
+            .transpose()?
+            .unwrap_or_default();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nUser-Agent: berth-cli\r\nAccept: application/json\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            self.authority,
+            body.len()
+        );
+        stream.write_all(head.as_bytes())?;
+        stream.write_all(&body)?;
+        let mut raw = Vec::new();
+        stream
+            .read_to_end(&mut raw)
+            .with_context(|| format!("reading the answer to {method} {path}"))?;
+        let (status, body) = parse_response(&raw)
+            .with_context(|| format!("malformed HTTP answer to {method} {path}"))?;
+        let value: serde_json::Value = if body.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_slice(&body).unwrap_or_else(|_| {
+                serde_json::Value::String(String::from_utf8_lossy(&body).into_owned())
+            })
+        };
+        if !(200..300).contains(&status) {
+            let message = value
+                .get("error")
+                .and_then(|e| e.as_str())
+                .map(str::to_string)
+                .unwrap_or_else(|| value.to_string());
+            return Err(ApiError { status, message }.into());
+        }
+        Ok(value)
+    }
+}
+
+/// Splits a full HTTP/1.1 response into its status and decoded body.
+fn parse_response(raw: &[u8]) -> Result<(u16, Vec<u8>)> {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow!("no end of headers"))?;
+    let head = std::str::from_utf8(&raw[..split])?;
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap_or_default();
+    let status: u16 = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("bad status line {status_line:?}"))?;
+    let chunked = lines.any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let body = &raw[split + 4..];
+    let body = if chunked {
+        decode_chunked(body)?
+    } else {
+        body.to_vec()
+    };
+    Ok((status, body))
+}
+
+fn decode_chunked(mut body: &[u8]) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = body
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or_else(|| anyhow!("truncated chunk header"))?;
+        let size_str = std::str::from_utf8(&body[..eol])?;
+        let size = usize::from_str_radix(size_str.split(';').next().unwrap_or("").trim(), 16)
+            .map_err(|_| anyhow!("bad chunk size {size_str:?}"))?;
+        body = &body[eol + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        if body.len() < size + 2 {
+            bail!("truncated chunk");
+        }
+        out.extend_from_slice(&body[..size]);
+        body = &body[size + 2..];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_plain_and_chunked_responses() {
+        let (s, b) = parse_response(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").unwrap();
+        assert_eq!((s, b.as_slice()), (200, b"{}".as_slice()));
+        let (s, b) = parse_response(
+            b"HTTP/1.1 404 Not Found\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!((s, b.as_slice()), (404, b"abcde".as_slice()));
+        assert!(parse_response(b"garbage").is_err());
+    }
+
+    #[test]
+    fn address_forms() {
+        assert!(ApiClient::new("http://127.0.0.1:4747").is_ok());
+        assert!(ApiClient::new("127.0.0.1:4747").is_ok());
+        assert!(ApiClient::new("https://x:1").is_err());
+        assert!(ApiClient::new("http://x:1/path").is_err());
+    }
+}

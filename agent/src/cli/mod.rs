@@ -1,0 +1,535 @@
+//! The command line: Nomad-shaped commands and single-dash flags. Every
+//! command but `agent` is a client of the HTTP API.
+
+pub mod http_client;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::{json, Value};
+
+use http_client::{ApiClient, DEFAULT_ADDR};
+
+const USAGE: &str = "\
+Usage: berth <command> [args]
+
+Commands:
+  agent -dev [-data-dir DIR] [-http-addr ADDR]   run a dev agent (server and client)
+  job run [-detach] FILE                          submit a job and wait for its allocs
+  job stop JOB                                    stop a job
+  job status [-json] [JOB]                        show jobs
+  alloc status [-json] ALLOC                      show an allocation
+  node status [-json] [NODE]                      show nodes
+  volume create FILE                              create a CSI volume through its plugin
+  volume register FILE                            register an existing CSI volume
+  volume deregister [-force] VOLUME               forget a CSI volume
+  volume delete VOLUME                            delete a CSI volume through its plugin
+  volume status [-json] [VOLUME]                  show CSI volumes
+  plugin status [-json] [PLUGIN]                  show CSI plugins
+
+Every command but agent takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747).
+";
+
+/// Flags common to API commands, and the positional arguments left over.
+struct ApiArgs {
+    api: ApiClient,
+    json: bool,
+    detach: bool,
+    force: bool,
+    positional: Vec<String>,
+}
+
+/// Parses `args` with the flags the command `allowed`.
+fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs> {
+    let mut address = std::env::var("BERTH_ADDR").unwrap_or_else(|_| DEFAULT_ADDR.to_string());
+    let mut json = false;
+    let mut detach = false;
+    let mut force = false;
+    let mut positional = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let flag = a.trim_start_matches('-');
+        if !a.starts_with('-') || a == "-" {
+            positional.push(a.clone());
+            continue;
+        }
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_string())),
+            None => (flag, None),
+        };
+        if name != "address" && !allowed.contains(&name) {
+            bail!("berth {command}: unknown flag -{name}\n\n{USAGE}");
+        }
+        match name {
+            "address" => {
+                address = match inline {
+                    Some(v) => v,
+                    None => it
+                        .next()
+                        .cloned()
+                        .ok_or_else(|| anyhow!("berth {command}: -address needs a value"))?,
+                }
+            }
+            "json" => json = true,
+            "detach" => detach = true,
+            "force" => force = true,
+            _ => unreachable!("allowed flags are handled above"),
+        }
+    }
+    Ok(ApiArgs {
+        api: ApiClient::new(&address)?,
+        json,
+        detach,
+        force,
+        positional,
+    })
+}
+
+fn one_positional(command: &str, a: &ApiArgs, what: &str) -> Result<String> {
+    match a.positional.as_slice() {
+        [one] => Ok(one.clone()),
+        [] => bail!("berth {command}: missing {what}"),
+        _ => bail!("berth {command}: takes one {what}, got {:?}", a.positional),
+    }
+}
+
+fn optional_positional(command: &str, a: &ApiArgs, what: &str) -> Result<Option<String>> {
+    match a.positional.as_slice() {
+        [] => Ok(None),
+        [one] => Ok(Some(one.clone())),
+        _ => bail!(
+            "berth {command}: takes at most one {what}, got {:?}",
+            a.positional
+        ),
+    }
+}
+
+/// Runs the command line; returns the process exit code.
+pub fn run(args: Vec<String>) -> Result<i32> {
+    let (cmd, rest) = match args.as_slice() {
+        [] => {
+            eprint!("{USAGE}");
+            return Ok(1);
+        }
+        [c, rest @ ..] => (c.as_str(), rest),
+    };
+    let sub = rest.first().map(String::as_str);
+    let tail = rest.get(1..).unwrap_or_default();
+    match (cmd, sub) {
+        ("agent", _) => crate::agent::run_from_args(rest),
+        ("executor", _) => bail!("berth executor is internal"),
+        ("job", Some("run")) => job_run(tail),
+        ("job", Some("stop")) => job_stop(tail),
+        ("job", Some("status")) => job_status(tail),
+        ("alloc", Some("status")) => alloc_status(tail),
+        ("node", Some("status")) => node_status(tail),
+        ("volume", Some("create")) => volume_submit(tail, true),
+        ("volume", Some("register")) => volume_submit(tail, false),
+        ("volume", Some("deregister")) => volume_deregister(tail),
+        ("volume", Some("delete")) => volume_delete(tail),
+        ("volume", Some("status")) => volume_status(tail),
+        ("plugin", Some("status")) => plugin_status(tail),
+        ("help" | "-h" | "-help" | "--help", _) => {
+            print!("{USAGE}");
+            Ok(0)
+        }
+        _ => {
+            eprint!("berth: unknown command {:?}\n\n{USAGE}", args.join(" "));
+            Ok(1)
+        }
+    }
+}
+
+fn print_json(v: &Value) -> Result<i32> {
+    println!("{}", serde_json::to_string_pretty(v)?);
+    Ok(0)
+}
+
+fn read_spec(path: &str) -> Result<String> {
+    std::fs::read_to_string(path).with_context(|| format!("reading {path}"))
+}
+
+fn job_run(args: &[String]) -> Result<i32> {
+    let a = api_args("job run", args, &["detach"])?;
+    let path = one_positional("job run", &a, "job file")?;
+    let src = read_spec(&path)?;
+    let job = berth_structs::spec::parse_job(&src).map_err(|e| anyhow!("{path}: {e}"))?;
+    job.validate().map_err(|e| anyhow!("{path}: {e}"))?;
+    let resp = a.api.put("/v1/jobs", &json!({ "job": job }))?;
+    let index = resp.get("index").and_then(Value::as_u64).unwrap_or(0);
+    println!("Job {:?} submitted (index {index})", job.id);
+    if a.detach {
+        return Ok(0);
+    }
+    monitor_job(&a.api, &job.id, job.job_type, index)
+}
+
+/// Waits until the allocs placed for this submission run (service, system)
+/// or finish (batch). Exit code 2 when any fails.
+fn monitor_job(
+    api: &ApiClient,
+    job_id: &str,
+    job_type: berth_structs::JobType,
+    index: u64,
+) -> Result<i32> {
+    let mut last_line = String::new();
+    let started = Instant::now();
+    loop {
+        let job = api.get(&format!("/v1/job/{job_id}"))?;
+        let allocs = api.get(&format!("/v1/job/{job_id}/allocations"))?;
+        let allocs: Vec<&Value> = allocs
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter(|x| x.get("create_index").and_then(Value::as_u64).unwrap_or(0) >= index)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let status_of = |x: &Value| {
+            x.get("client_status")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string()
+        };
+        let count = |s: &str| allocs.iter().filter(|x| status_of(x) == s).count();
+        let (pending, running, complete, failed, lost) = (
+            count("pending"),
+            count("running"),
+            count("complete"),
+            count("failed"),
+            count("lost"),
+        );
+        let line = format!(
+            "allocs: {} placed, {pending} pending, {running} running, {complete} complete, {failed} failed, {lost} lost",
+            allocs.len()
+        );
+        if line != last_line {
+            println!("{line}");
+            last_line = line;
+        }
+        let blocked = job
+            .get("status_description")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        if allocs.is_empty() && !blocked.is_empty() && started.elapsed() > Duration::from_secs(2) {
+            println!("waiting for placement: {blocked}");
+        }
+        if !allocs.is_empty() {
+            if failed + lost > 0 && pending + running == 0 {
+                println!("Job {job_id:?}: {failed} alloc(s) failed");
+                return Ok(2);
+            }
+            let done = match job_type {
+                berth_structs::JobType::Batch => pending + running == 0,
+                _ => pending == 0,
+            };
+            if done {
+                if failed + lost > 0 {
+                    println!("Job {job_id:?}: {failed} alloc(s) failed");
+                    return Ok(2);
+                }
+                println!("Job {job_id:?}: done");
+                return Ok(0);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn job_stop(args: &[String]) -> Result<i32> {
+    let a = api_args("job stop", args, &[])?;
+    let id = one_positional("job stop", &a, "job ID")?;
+    a.api.delete(&format!("/v1/job/{id}"))?;
+    println!("Job {id:?} stopped");
+    Ok(0)
+}
+
+fn job_view(api: &ApiClient, job: &Value) -> Result<Value> {
+    let id = job.get("id").and_then(Value::as_str).unwrap_or_default();
+    let allocs = api.get(&format!("/v1/job/{id}/allocations"))?;
+    let stubs: Vec<Value> = allocs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|a| {
+            json!({
+                "id": a["id"],
+                "name": a["name"],
+                "node_id": a["node_id"],
+                "task_group": a["task_group"],
+                "client_status": a["client_status"],
+                "desired_status": a["desired_status"],
+                "create_index": a["create_index"],
+            })
+        })
+        .collect();
+    let mut v = job.clone();
+    v["allocations"] = Value::Array(stubs);
+    Ok(v)
+}
+
+fn job_status(args: &[String]) -> Result<i32> {
+    let a = api_args("job status", args, &["json"])?;
+    match optional_positional("job status", &a, "job ID")? {
+        Some(id) => {
+            let job = a.api.get(&format!("/v1/job/{id}"))?;
+            let v = job_view(&a.api, &job)?;
+            if a.json {
+                return print_json(&v);
+            }
+            println!("ID      = {}", v["id"].as_str().unwrap_or_default());
+            println!("Type    = {}", v["type"].as_str().unwrap_or_default());
+            println!("Status  = {}", v["status"].as_str().unwrap_or_default());
+            println!("\nAllocations");
+            println!(
+                "{:<38} {:<38} {:<10} {:<10}",
+                "ID", "Node ID", "Desired", "Status"
+            );
+            for al in v["allocations"].as_array().into_iter().flatten() {
+                println!(
+                    "{:<38} {:<38} {:<10} {:<10}",
+                    al["id"].as_str().unwrap_or_default(),
+                    al["node_id"].as_str().unwrap_or_default(),
+                    al["desired_status"].as_str().unwrap_or_default(),
+                    al["client_status"].as_str().unwrap_or_default()
+                );
+            }
+            Ok(0)
+        }
+        None => {
+            let jobs = a.api.get("/v1/jobs")?;
+            let views = jobs
+                .as_array()
+                .into_iter()
+                .flatten()
+                .map(|j| job_view(&a.api, j))
+                .collect::<Result<Vec<_>>>()?;
+            if a.json {
+                return print_json(&Value::Array(views));
+            }
+            println!("{:<30} {:<8} {:<8}", "ID", "Type", "Status");
+            for j in &views {
+                println!(
+                    "{:<30} {:<8} {:<8}",
+                    j["id"].as_str().unwrap_or_default(),
+                    j["type"].as_str().unwrap_or_default(),
+                    j["status"].as_str().unwrap_or_default()
+                );
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn alloc_status(args: &[String]) -> Result<i32> {
+    let a = api_args("alloc status", args, &["json"])?;
+    let id = one_positional("alloc status", &a, "alloc ID")?;
+    let v = a.api.get(&format!("/v1/allocation/{id}"))?;
+    if a.json {
+        return print_json(&v);
+    }
+    println!("ID            = {}", v["id"].as_str().unwrap_or_default());
+    println!("Name          = {}", v["name"].as_str().unwrap_or_default());
+    println!(
+        "Node ID       = {}",
+        v["node_id"].as_str().unwrap_or_default()
+    );
+    println!(
+        "Client Status = {}",
+        v["client_status"].as_str().unwrap_or_default()
+    );
+    println!(
+        "Desired       = {}",
+        v["desired_status"].as_str().unwrap_or_default()
+    );
+    if let Some(states) = v["task_states"].as_object() {
+        for (task, st) in states {
+            println!(
+                "\nTask {task:?} is {:?}{}",
+                st["state"].as_str().unwrap_or_default(),
+                if st["failed"].as_bool() == Some(true) {
+                    " (failed)"
+                } else {
+                    ""
+                }
+            );
+            for ev in st["events"].as_array().into_iter().flatten() {
+                println!(
+                    "  {:<24} {}",
+                    ev["type"].as_str().unwrap_or_default(),
+                    ev["message"].as_str().unwrap_or_default()
+                );
+            }
+        }
+    }
+    Ok(0)
+}
+
+fn node_status(args: &[String]) -> Result<i32> {
+    let a = api_args("node status", args, &["json"])?;
+    let v = match optional_positional("node status", &a, "node ID")? {
+        Some(id) => a.api.get(&format!("/v1/node/{id}"))?,
+        None => a.api.get("/v1/nodes")?,
+    };
+    if a.json {
+        return print_json(&v);
+    }
+    let nodes = match &v {
+        Value::Array(a) => a.clone(),
+        other => vec![other.clone()],
+    };
+    println!("{:<38} {:<20} {:<8}", "ID", "Name", "Status");
+    for n in &nodes {
+        println!(
+            "{:<38} {:<20} {:<8}",
+            n["id"].as_str().unwrap_or_default(),
+            n["name"].as_str().unwrap_or_default(),
+            n["status"].as_str().unwrap_or_default()
+        );
+    }
+    if let [n] = nodes.as_slice() {
+        println!("\nEvents");
+        for e in n["events"].as_array().into_iter().flatten() {
+            println!(
+                "  {:<10} {:<20} {}",
+                e["subsystem"].as_str().unwrap_or_default(),
+                e["message"].as_str().unwrap_or_default(),
+                e["details"]
+            );
+        }
+    }
+    Ok(0)
+}
+
+fn volume_submit(args: &[String], create: bool) -> Result<i32> {
+    let command = if create {
+        "volume create"
+    } else {
+        "volume register"
+    };
+    let a = api_args(command, args, &[])?;
+    let path = one_positional(command, &a, "volume file")?;
+    let src = read_spec(&path)?;
+    let vol = berth_structs::spec::parse_volume(&src).map_err(|e| anyhow!("{path}: {e}"))?;
+    vol.validate(!create).map_err(|e| anyhow!("{path}: {e}"))?;
+    let url = if create {
+        format!("/v1/volume/csi/{}/create", vol.id)
+    } else {
+        format!("/v1/volume/csi/{}", vol.id)
+    };
+    let resp = a.api.put(&url, &json!({ "volume": vol }))?;
+    let ext = resp
+        .get("external_id")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    if create {
+        println!("Created volume {:?} (external ID {ext:?})", vol.id);
+    } else {
+        println!("Registered volume {:?}", vol.id);
+    }
+    Ok(0)
+}
+
+fn volume_deregister(args: &[String]) -> Result<i32> {
+    let a = api_args("volume deregister", args, &["force"])?;
+    let id = one_positional("volume deregister", &a, "volume ID")?;
+    a.api
+        .delete(&format!("/v1/volume/csi/{id}?force={}", a.force))?;
+    println!("Deregistered volume {id:?}");
+    Ok(0)
+}
+
+fn volume_delete(args: &[String]) -> Result<i32> {
+    let a = api_args("volume delete", args, &[])?;
+    let id = one_positional("volume delete", &a, "volume ID")?;
+    a.api.delete(&format!("/v1/volume/csi/{id}/delete"))?;
+    println!("Deleted volume {id:?}");
+    Ok(0)
+}
+
+fn volume_status(args: &[String]) -> Result<i32> {
+    let a = api_args("volume status", args, &["json"])?;
+    let v = match optional_positional("volume status", &a, "volume ID")? {
+        Some(id) => a.api.get(&format!("/v1/volume/csi/{id}"))?,
+        None => a.api.get("/v1/volumes")?,
+    };
+    if a.json {
+        return print_json(&v);
+    }
+    let vols = match &v {
+        Value::Array(a) => a.clone(),
+        other => vec![other.clone()],
+    };
+    println!(
+        "{:<20} {:<14} {:<12} {:<8} {:<8}",
+        "ID", "Plugin", "Schedulable", "Readers", "Writers"
+    );
+    for vol in &vols {
+        println!(
+            "{:<20} {:<14} {:<12} {:<8} {:<8}",
+            vol["id"].as_str().unwrap_or_default(),
+            vol["plugin_id"].as_str().unwrap_or_default(),
+            vol["schedulable"].as_bool().unwrap_or_default(),
+            vol["read_allocs"].as_array().map_or(0, Vec::len),
+            vol["write_allocs"].as_array().map_or(0, Vec::len)
+        );
+    }
+    Ok(0)
+}
+
+fn plugin_status(args: &[String]) -> Result<i32> {
+    let a = api_args("plugin status", args, &["json"])?;
+    let v = match optional_positional("plugin status", &a, "plugin ID")? {
+        Some(id) => a.api.get(&format!("/v1/plugin/csi/{id}"))?,
+        None => a.api.get("/v1/plugins")?,
+    };
+    if a.json {
+        return print_json(&v);
+    }
+    let plugins = match &v {
+        Value::Array(a) => a.clone(),
+        other => vec![other.clone()],
+    };
+    println!(
+        "{:<20} {:<28} {:<20} {:<20}",
+        "ID", "Provider", "Controllers", "Nodes"
+    );
+    for p in &plugins {
+        println!(
+            "{:<20} {:<28} {:<20} {:<20}",
+            p["id"].as_str().unwrap_or_default(),
+            p["provider"].as_str().unwrap_or_default(),
+            format!(
+                "{}/{} healthy",
+                p["controllers_healthy"], p["controllers_expected"]
+            ),
+            format!("{}/{} healthy", p["nodes_healthy"], p["nodes_expected"])
+        );
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(v: &[&str]) -> Vec<String> {
+        v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn flags_and_positionals() {
+        let a = api_args("job run", &s(&["-detach", "x.hcl"]), &["detach"]).unwrap();
+        assert!(a.detach);
+        assert_eq!(a.positional, vec!["x.hcl"]);
+        let a = api_args(
+            "job status",
+            &s(&["-address=http://h:1", "-json"]),
+            &["json"],
+        )
+        .unwrap();
+        assert!(a.json);
+        assert!(api_args("job stop", &s(&["-json", "x"]), &[]).is_err());
+        assert!(api_args("job stop", &s(&["-address"]), &[]).is_err());
+    }
+}

@@ -1,0 +1,261 @@
+//! The calls the servers make on this client, over the stream the client
+//! opens (`Node.OpenCallStream`): node detach, and the controller RPCs of
+//! plugins that run here. The stream is reopened whenever it drops.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_csimanager::{CsiError, CsiManager, UnmountRequest};
+use berth_proto::berth::v1 as pb;
+use berth_proto::csi::v1 as csi;
+use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions};
+use pb::server_call::Call;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+use super::rpc::ServerConn;
+
+/// Keeps the call stream open until `shutdown`.
+pub async fn run_call_stream(
+    conn: ServerConn,
+    csi: Arc<CsiManager>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut failures: u32 = 0;
+    loop {
+        let result = tokio::select! {
+            r = serve_once(&conn, &csi) => r,
+            _ = shutdown.wait_for(|v| *v) => return,
+        };
+        match result {
+            Ok(()) => failures = 0,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = %e, "call stream to the servers dropped");
+            }
+        }
+        let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.wait_for(|v| *v) => return,
+        }
+    }
+}
+
+async fn serve_once(conn: &ServerConn, csi: &Arc<CsiManager>) -> Result<(), tonic::Status> {
+    let (tx, rx) = mpsc::channel::<pb::ClientMessage>(64);
+    tx.send(pb::ClientMessage {
+        msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
+            node_id: conn.node_id(),
+        })),
+    })
+    .await
+    .map_err(|_| tonic::Status::internal("call stream closed before hello"))?;
+    let mut inbound = conn
+        .node_client()
+        .open_call_stream(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    tracing::debug!("call stream to the servers open");
+    while let Some(call) = inbound.next().await {
+        let call = call?;
+        let tx = tx.clone();
+        let csi = csi.clone();
+        tokio::spawn(async move {
+            let call_id = call.call_id;
+            let deadline = Duration::from_millis(call.deadline_ms.max(1000));
+            let result = match tokio::time::timeout(deadline, handle_call(&csi, call)).await {
+                Ok(r) => r,
+                Err(_) => Err(pb::CallError {
+                    code: tonic::Code::DeadlineExceeded as i32,
+                    message: "the client did not finish the call before its deadline".into(),
+                }),
+            };
+            let result = match result {
+                Ok(r) => r,
+                Err(e) => pb::call_reply::Result::Error(e),
+            };
+            let reply = pb::ClientMessage {
+                msg: Some(pb::client_message::Msg::Reply(pb::CallReply {
+                    call_id,
+                    result: Some(result),
+                })),
+            };
+            let _ = tx.send(reply).await;
+        });
+    }
+    Ok(())
+}
+
+fn call_error(e: CsiError) -> pb::CallError {
+    pb::CallError {
+        code: e.code() as i32,
+        message: e.to_string(),
+    }
+}
+
+fn bad_call(msg: impl Into<String>) -> pb::CallError {
+    pb::CallError {
+        code: tonic::Code::InvalidArgument as i32,
+        message: msg.into(),
+    }
+}
+
+/// The berth spelling of a capability, in CSI's terms.
+fn csi_capability(
+    cap: Option<&pb::VolumeCapability>,
+) -> Result<csi::VolumeCapability, pb::CallError> {
+    let cap = cap.ok_or_else(|| bad_call("capability is required"))?;
+    let access: AccessMode = cap.access_mode.parse().map_err(bad_call)?;
+    let attach: AttachmentMode = cap.attachment_mode.parse().map_err(bad_call)?;
+    Ok(berth_csimanager::volume_manager::volume_capability(
+        access,
+        attach,
+        &CsiMountOptions {
+            fs_type: cap.fs_type.clone(),
+            mount_flags: cap.mount_flags.clone(),
+        },
+    ))
+}
+
+async fn handle_call(
+    csi: &Arc<CsiManager>,
+    call: pb::ServerCall,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let empty = || pb::call_reply::Result::Empty(pb::Empty {});
+    match call.call {
+        None => Err(bad_call("empty call")),
+        Some(Call::NodeDetach(d)) => {
+            let cap = d
+                .capability
+                .ok_or_else(|| bad_call("node detach needs the claim's capability"))?;
+            let access: AccessMode = cap.access_mode.parse().map_err(bad_call)?;
+            let attach: AttachmentMode = cap.attachment_mode.parse().map_err(bad_call)?;
+            csi.unmount_volume(UnmountRequest {
+                plugin_id: d.plugin_id,
+                volume_id: d.volume_id,
+                external_id: d.external_id,
+                alloc_id: d.alloc_id,
+                access_mode: access,
+                attachment_mode: attach,
+                read_only: d.read_only,
+            })
+            .await
+            .map_err(call_error)?;
+            Ok(empty())
+        }
+        Some(Call::ControllerPublish(p)) => {
+            let client = csi.client(&p.plugin_id).await.map_err(call_error)?;
+            let resp = client
+                .controller_publish_volume(csi::ControllerPublishVolumeRequest {
+                    volume_id: p.external_id,
+                    node_id: p.external_node_id,
+                    volume_capability: Some(csi_capability(p.capability.as_ref())?),
+                    readonly: p.read_only,
+                    secrets: p.secrets,
+                    volume_context: p.volume_context,
+                })
+                .await
+                .map_err(call_error)?;
+            Ok(pb::call_reply::Result::ControllerPublish(
+                pb::ControllerPublishReply {
+                    publish_context: resp.publish_context,
+                },
+            ))
+        }
+        Some(Call::ControllerUnpublish(u)) => {
+            let client = csi.client(&u.plugin_id).await.map_err(call_error)?;
+            client
+                .controller_unpublish_volume(csi::ControllerUnpublishVolumeRequest {
+                    volume_id: u.external_id,
+                    node_id: u.external_node_id,
+                    secrets: u.secrets,
+                })
+                .await
+                .map_err(call_error)?;
+            Ok(empty())
+        }
+        Some(Call::CreateVolume(c)) => {
+            let client = csi.client(&c.plugin_id).await.map_err(call_error)?;
+            let caps = c
+                .capabilities
+                .iter()
+                .map(|cap| csi_capability(Some(cap)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let capacity_range =
+                (c.capacity_min > 0 || c.capacity_max > 0).then_some(csi::CapacityRange {
+                    required_bytes: c.capacity_min,
+                    limit_bytes: c.capacity_max,
+                });
+            let resp = client
+                .create_volume(csi::CreateVolumeRequest {
+                    name: c.name,
+                    capacity_range,
+                    volume_capabilities: caps,
+                    parameters: c.parameters,
+                    secrets: c.secrets,
+                    ..Default::default()
+                })
+                .await
+                .map_err(call_error)?;
+            let vol = resp.volume.ok_or_else(|| pb::CallError {
+                code: tonic::Code::Internal as i32,
+                message: "plugin answered CreateVolume without a volume".into(),
+            })?;
+            if vol.volume_id.is_empty() {
+                return Err(pb::CallError {
+                    code: tonic::Code::Internal as i32,
+                    message: "plugin answered CreateVolume with an empty volume_id".into(),
+                });
+            }
+            Ok(pb::call_reply::Result::CreateVolume(
+                pb::CreateVolumeReply {
+                    external_id: vol.volume_id,
+                    capacity_bytes: vol.capacity_bytes,
+                    volume_context: vol.volume_context,
+                },
+            ))
+        }
+        Some(Call::DeleteVolume(d)) => {
+            let client = csi.client(&d.plugin_id).await.map_err(call_error)?;
+            client
+                .delete_volume(csi::DeleteVolumeRequest {
+                    volume_id: d.external_id,
+                    secrets: d.secrets,
+                })
+                .await
+                .map_err(call_error)?;
+            Ok(empty())
+        }
+        Some(Call::ValidateVolume(v)) => {
+            let client = csi.client(&v.plugin_id).await.map_err(call_error)?;
+            let caps = v
+                .capabilities
+                .iter()
+                .map(|cap| csi_capability(Some(cap)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let resp = client
+                .validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
+                    volume_id: v.external_id,
+                    volume_context: v.volume_context,
+                    volume_capabilities: caps,
+                    parameters: v.parameters,
+                    secrets: v.secrets,
+                    ..Default::default()
+                })
+                .await
+                .map_err(call_error)?;
+            if resp.confirmed.is_none() {
+                return Err(pb::CallError {
+                    code: tonic::Code::FailedPrecondition as i32,
+                    message: format!(
+                        "plugin did not confirm the volume's capabilities: {}",
+                        resp.message
+                    ),
+                });
+            }
+            Ok(empty())
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! The client role: registers the node, keeps it alive with heartbeats,
+//! watches the allocs the servers place here and runs them, and answers the
+//! servers' calls. Its durable state lives in one database file under
+//! `<data_dir>/client/`.
+
+pub mod calls;
+pub mod rpc;
+pub mod state;
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use berth_allocrunner::{AllocRunner, AllocRunnerConfig};
+use berth_csimanager::{CsiManager, ManagerConfig, PluginRegistry};
+use berth_proto::berth::v1 as pb;
+use berth_structs::{Allocation, Node, NodeResources, NodeStatus};
+use tokio::sync::{watch, Mutex};
+use tokio_stream::StreamExt;
+
+use rpc::ServerConn;
+use state::ClientState;
+
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    pub data_dir: PathBuf,
+    /// `http://HOST:PORT` of a server's agent protocol.
+    pub server_addr: String,
+    pub node_name: Option<String>,
+}
+
+pub struct Client {
+    conn: ServerConn,
+    csi: Arc<CsiManager>,
+    state: ClientState,
+    runner_config: Arc<AllocRunnerConfig>,
+    runners: Mutex<HashMap<String, AllocRunner>>,
+}
+
+fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "berth-node".to_string())
+}
+
+/// What this machine offers.
+fn fingerprint_resources() -> NodeResources {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
+    let memory_mb = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(1024, |kb| kb / 1024);
+    NodeResources {
+        cpu: cpus * 1000,
+        memory_mb,
+    }
+}
+
+impl Client {
+    pub async fn start(
+        config: ClientConfig,
+        _shutdown: watch::Receiver<bool>,
+    ) -> Result<Arc<Client>> {
+        let client_dir = config.data_dir.join("client");
+        let state = ClientState::open(&client_dir)?;
+        let quarantined = state.quarantined()?;
+        if !quarantined.is_empty() {
+            tracing::warn!(records = ?quarantined, "client state holds quarantined records that did not decode");
+        }
+        let node_id = match state.meta("node_id")? {
+            Some(id) => id,
+            None => {
+                let id = berth_structs::generate_id();
+                state.set_meta("node_id", &id)?;
+                id
+            }
+        };
+        let node = Node {
+            id: node_id.clone(),
+            name: config.node_name.clone().unwrap_or_else(host_name),
+            datacenter: "dc1".into(),
+            status: NodeStatus::Initializing,
+            resources: fingerprint_resources(),
+            drivers: berth_structs::SUPPORTED_DRIVERS
+                .iter()
+                .map(|d| d.to_string())
+                .collect(),
+            attributes: [
+                ("os.name".to_string(), std::env::consts::OS.to_string()),
+                ("cpu.arch".to_string(), std::env::consts::ARCH.to_string()),
+                (
+                    "berth.version".to_string(),
+                    env!("CARGO_PKG_VERSION").to_string(),
+                ),
+            ]
+            .into(),
+            ..Node::default()
+        };
+        tracing::info!(node_id = %node.id, name = %node.name, "client starting");
+        let channel = tonic::transport::Endpoint::from_shared(config.server_addr.clone())
+            .with_context(|| format!("server address {:?}", config.server_addr))?
+            .connect_timeout(Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        let conn = ServerConn::new(channel, node);
+        let store = Arc::new(state.clone());
+        let csi = CsiManager::new(
+            ManagerConfig {
+                root_dir: client_dir.join("csi"),
+                node_id: node_id.clone(),
+                call_timeout: Duration::from_secs(30),
+                fingerprint_interval: Duration::from_secs(30),
+            },
+            PluginRegistry::new(),
+            store,
+            Arc::new(conn.clone()),
+            Arc::new(conn.clone()),
+        )
+        .context("starting the CSI manager")?;
+        let runner_config = Arc::new(AllocRunnerConfig::new(
+            config.data_dir.join("alloc"),
+            client_dir.join("plugins"),
+            node_id,
+            csi.clone(),
+            Arc::new(conn.clone()),
+            Arc::new(conn.clone()),
+        ));
+        Ok(Arc::new(Client {
+            conn,
+            csi,
+            state,
+            runner_config,
+            runners: Mutex::new(HashMap::new()),
+        }))
+    }
+
+    /// Runs the client until `shutdown`. Allocs keep running after it
+    /// returns.
+    pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
+        self.register_until_done(shutdown.clone()).await;
+        let mut tasks = tokio::task::JoinSet::new();
+        {
+            let conn = self.conn.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { conn.run_flusher(rx).await });
+        }
+        {
+            let csi = self.csi.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { csi.run(rx).await });
+        }
+        {
+            let conn = self.conn.clone();
+            let csi = self.csi.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { calls::run_call_stream(conn, csi, rx).await });
+        }
+        {
+            let this = self.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { this.run_heartbeats(rx).await });
+        }
+        {
+            let this = self.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { this.watch_allocs(rx).await });
+        }
+        while tasks.join_next().await.is_some() {}
+    }
+
+    async fn register_until_done(&self, mut shutdown: watch::Receiver<bool>) {
+        let mut failures: u32 = 0;
+        loop {
+            match self.conn.register().await {
+                Ok(ttl) => {
+                    tracing::info!(ttl = ?ttl, "node registered");
+                    return;
+                }
+                Err(e) => {
+                    failures += 1;
+                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+                    tracing::warn!(error = %e, retry_in = ?wait, "registering the node failed");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.wait_for(|v| *v) => return,
+                    }
+                }
+            }
+        }
+    }
+
+    async fn run_heartbeats(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
+        let heartbeater = berth_heartbeat::Heartbeater::new(
+            berth_heartbeat::HeartbeatConfig::default(),
+            Arc::new(self.conn.clone()),
+            Arc::new(self.conn.clone()),
+            Arc::new(self.state.clone()),
+        );
+        heartbeater.run(shutdown).await;
+    }
+
+    /// Follows the servers' view of this node's allocs and reconciles the
+    /// runners with it.
+    async fn watch_allocs(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let mut failures: u32 = 0;
+        loop {
+            let req = pb::WatchAllocationsRequest {
+                node_id: self.conn.node_id(),
+            };
+            let mut node_client = self.conn.node_client();
+            let stream = tokio::select! {
+                r = node_client.watch_allocations(req) => r,
+                _ = shutdown.wait_for(|v| *v) => return,
+            };
+            match stream {
+                Ok(resp) => {
+                    let mut stream = resp.into_inner();
+                    loop {
+                        let next = tokio::select! {
+                            n = stream.next() => n,
+                            _ = shutdown.wait_for(|v| *v) => return,
+                        };
+                        match next {
+                            Some(Ok(update)) => {
+                                failures = 0;
+                                self.reconcile(update).await;
+                            }
+                            Some(Err(e)) => {
+                                tracing::warn!(error = %e, "alloc watch failed");
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "opening the alloc watch failed"),
+            }
+            failures += 1;
+            let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.wait_for(|v| *v) => return,
+            }
+        }
+    }
+
+    async fn reconcile(&self, update: pb::AllocationsUpdate) {
+        let mut allocs = Vec::with_capacity(update.allocs_json.len());
+        for raw in &update.allocs_json {
+            match serde_json::from_slice::<Allocation>(raw) {
+                Ok(a) => allocs.push(a),
+                Err(e) => {
+                    tracing::error!(error = %e, "the servers sent an alloc that does not decode; skipped")
+                }
+            }
+        }
+        let mut runners = self.runners.lock().await;
+        let seen: std::collections::HashSet<String> = allocs.iter().map(|a| a.id.clone()).collect();
+        for alloc in allocs {
+            match runners.get(&alloc.id) {
+                Some(r) => r.update(alloc),
+                None => {
+                    if alloc.client_status.is_terminal() || alloc.server_terminal() {
+                        continue;
+                    }
+                    tracing::info!(alloc_id = %alloc.id, job = %alloc.job_id, group = %alloc.task_group, "starting alloc");
+                    let id = alloc.id.clone();
+                    let runner = AllocRunner::new(self.runner_config.clone(), alloc);
+                    runner.run();
+                    runners.insert(id, runner);
+                }
+            }
+        }
+        // Allocs the servers no longer know were garbage collected.
+        let gone: Vec<String> = runners
+            .keys()
+            .filter(|id| !seen.contains(*id))
+            .cloned()
+            .collect();
+        for id in gone {
+            if let Some(r) = runners.remove(&id) {
+                tracing::info!(alloc_id = %id, "alloc garbage collected; destroying");
+                tokio::spawn(async move { r.destroy().await });
+            }
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! The client's side of the agent protocol: one gRPC channel to the servers,
+//! and the traits the lower crates define (claims, heartbeats, fingerprints,
+//! node events, alloc updates) implemented on it. Node events and alloc
+//! updates are batched: callers never wait on the network.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use berth_allocrunner::{AllocStateUpdater, ClaimError, ClaimRequest, ClaimResult, VolumeClaimer};
+use berth_csimanager::{FingerprintSink, NodeEventSink};
+use berth_heartbeat::{HeartbeatError, HeartbeatRpc, NodeRegistrar};
+use berth_proto::berth::v1 as pb;
+use berth_proto::berth::v1::csi_volume_client::CsiVolumeClient;
+use berth_proto::berth::v1::node_client::NodeClient;
+use berth_structs::{AllocClientStatus, CsiInfo, CsiMountOptions, Node, NodeEvent, TaskState};
+use tokio::sync::Notify;
+use tonic::transport::Channel;
+use tonic::Code;
+
+/// Deadline of unary calls to the servers.
+const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long updates gather before they are sent together.
+const BATCH_WINDOW: Duration = Duration::from_millis(50);
+
+/// The client's connection to the servers. Cheap to clone.
+#[derive(Clone)]
+pub struct ServerConn {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    channel: Channel,
+    node: Mutex<Node>,
+    pending_updates: Mutex<HashMap<String, pb::AllocStatusUpdate>>,
+    pending_events: Mutex<Vec<NodeEvent>>,
+    flush: Notify,
+}
+
+fn status_retryable(code: Code) -> bool {
+    berth_csimanager::error::is_uncertain(code)
+}
+
+impl ServerConn {
+    pub fn new(channel: Channel, node: Node) -> ServerConn {
+        ServerConn {
+            inner: Arc::new(Inner {
+                channel,
+                node: Mutex::new(node),
+                pending_updates: Mutex::default(),
+                pending_events: Mutex::default(),
+                flush: Notify::new(),
+            }),
+        }
+    }
+
+    pub fn node_id(&self) -> String {
+        self.node().id
+    }
+
+    pub fn node(&self) -> Node {
+        self.inner
+            .node
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn node_client(&self) -> NodeClient<Channel> {
+        NodeClient::new(self.inner.channel.clone())
+    }
+
+    fn volume_client(&self) -> CsiVolumeClient<Channel> {
+        CsiVolumeClient::new(self.inner.channel.clone())
+    }
+
+    /// Registers the node (with its current fingerprints); returns the TTL.
+    pub async fn register(&self) -> Result<Duration, tonic::Status> {
+        let node_json = serde_json::to_vec(&self.node())
+            .map_err(|e| tonic::Status::internal(format!("encoding the node: {e}")))?;
+        let mut req = tonic::Request::new(pb::RegisterRequest { node_json });
+        req.set_timeout(RPC_TIMEOUT);
+        let resp = self.node_client().register(req).await?.into_inner();
+        Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
+    }
+
+    /// Sends batched alloc updates and node events until `shutdown`.
+    pub async fn run_flusher(&self, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+        let mut failures: u32 = 0;
+        loop {
+            tokio::select! {
+                _ = self.inner.flush.notified() => {}
+                _ = shutdown.wait_for(|v| *v) => return,
+            }
+            tokio::time::sleep(BATCH_WINDOW).await;
+            match self.flush_once().await {
+                Ok(()) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    let wait = Duration::from_millis(200 * 2u64.pow(failures.min(5)));
+                    tracing::warn!(error = %e, retry_in = ?wait, "sending updates to the servers failed");
+                    tokio::time::sleep(wait).await;
+                    self.inner.flush.notify_one();
+                }
+            }
+        }
+    }
+
+    async fn flush_once(&self) -> Result<(), tonic::Status> {
+        let node_id = self.node_id();
+        let updates: Vec<pb::AllocStatusUpdate> = {
+            let mut p = self
+                .inner
+                .pending_updates
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            p.drain().map(|(_, v)| v).collect()
+        };
+        if !updates.is_empty() {
+            let mut req = tonic::Request::new(pb::UpdateAllocationsRequest {
+                node_id: node_id.clone(),
+                updates: updates.clone(),
+            });
+            req.set_timeout(RPC_TIMEOUT);
+            if let Err(e) = self.node_client().update_allocations(req).await {
+                // Put them back unless a newer update arrived meanwhile.
+                let mut p = self
+                    .inner
+                    .pending_updates
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                for u in updates {
+                    p.entry(u.alloc_id.clone()).or_insert(u);
+                }
+                return Err(e);
+            }
+        }
+        let events: Vec<NodeEvent> = std::mem::take(
+            &mut *self
+                .inner
+                .pending_events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+        );
+        if !events.is_empty() {
+            let pb_events = events
+                .iter()
+                .map(|e| pb::NodeEvent {
+                    subsystem: e.subsystem.clone(),
+                    message: e.message.clone(),
+                    details: e.details.clone().into_iter().collect(),
+                    timestamp_ms: e.timestamp,
+                })
+                .collect();
+            let mut req = tonic::Request::new(pb::EmitEventsRequest {
+                node_id,
+                events: pb_events,
+            });
+            req.set_timeout(RPC_TIMEOUT);
+            if let Err(e) = self.node_client().emit_events(req).await {
+                let mut p = self
+                    .inner
+                    .pending_events
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                let newer = std::mem::take(&mut *p);
+                *p = events;
+                p.extend(newer);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl AllocStateUpdater for ServerConn {
+    fn alloc_updated(
+        &self,
+        alloc_id: &str,
+        client_status: AllocClientStatus,
+        description: &str,
+        task_states: &BTreeMap<String, TaskState>,
+    ) {
+        let update = pb::AllocStatusUpdate {
+            alloc_id: alloc_id.to_string(),
+            client_status: client_status.as_str().to_string(),
+            client_description: description.to_string(),
+            task_states_json: serde_json::to_vec(task_states).unwrap_or_default(),
+        };
+        self.inner
+            .pending_updates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(alloc_id.to_string(), update);
+        self.inner.flush.notify_one();
+    }
+}
+
+impl NodeEventSink for ServerConn {
+    fn emit(&self, event: NodeEvent) {
+        tracing::info!(
+            subsystem = %event.subsystem,
+            message = %event.message,
+            details = ?event.details,
+            "node event"
+        );
+        self.inner
+            .pending_events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(event);
+        self.inner.flush.notify_one();
+    }
+}
+
+#[async_trait::async_trait]
+impl FingerprintSink for ServerConn {
+    async fn update_plugins(
+        &self,
+        node_plugins: BTreeMap<String, CsiInfo>,
+        controller_plugins: BTreeMap<String, CsiInfo>,
+    ) {
+        {
+            let mut node = self.inner.node.lock().unwrap_or_else(|e| e.into_inner());
+            node.csi_node_plugins = node_plugins.clone();
+            node.csi_controller_plugins = controller_plugins.clone();
+        }
+        let fp = |kind: &str, info: &CsiInfo| pb::PluginFingerprint {
+            plugin_id: info.plugin_id.clone(),
+            kind: kind.to_string(),
+            provider: info.provider.clone(),
+            version: info.version.clone(),
+            healthy: info.healthy,
+            health_description: info.health_description.clone(),
+            alloc_id: info.alloc_id.clone(),
+            external_node_id: info.external_node_id.clone(),
+            max_volumes: info.max_volumes,
+            requires_controller_publish: info.requires_controller_publish,
+            supports_stage_unstage: info.supports_stage_unstage,
+            supports_create_delete: info.supports_create_delete,
+            accessible_topology: Default::default(),
+        };
+        let plugins: Vec<_> = node_plugins
+            .values()
+            .map(|i| fp("node", i))
+            .chain(controller_plugins.values().map(|i| fp("controller", i)))
+            .collect();
+        // Fingerprints must reach the servers: retry until they do. A newer
+        // set supersedes this one through re-registration if it never does.
+        let mut wait = Duration::from_millis(100);
+        for _ in 0..10 {
+            let mut req = tonic::Request::new(pb::UpdatePluginsRequest {
+                node_id: self.node_id(),
+                plugins: plugins.clone(),
+            });
+            req.set_timeout(RPC_TIMEOUT);
+            match self.node_client().update_plugins(req).await {
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!(error = %e, "sending plugin fingerprints failed; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl VolumeClaimer for ServerConn {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimResult, ClaimError> {
+        let pb_req = pb::ClaimRequest {
+            volume_id: req.volume_id.clone(),
+            alloc_id: req.alloc_id.clone(),
+            node_id: self.node_id(),
+            mode: req.mode.as_str().to_string(),
+            capability: Some(pb::VolumeCapability {
+                access_mode: req.access_mode.as_str().to_string(),
+                attachment_mode: req.attachment_mode.as_str().to_string(),
+                fs_type: String::new(),
+                mount_flags: Vec::new(),
+            }),
+        };
+        let mut r = tonic::Request::new(pb_req);
+        // Claims may wait for a controller publish on another node.
+        r.set_timeout(Duration::from_secs(120));
+        let resp = self
+            .volume_client()
+            .claim(r)
+            .await
+            .map_err(|s| ClaimError {
+                retryable: status_retryable(s.code()),
+                message: format!("claiming volume {:?}: {}", req.volume_id, s.message()),
+            })?
+            .into_inner();
+        Ok(ClaimResult {
+            volume_id: resp.volume_id,
+            external_id: resp.external_id,
+            plugin_id: resp.plugin_id,
+            publish_context: resp.publish_context.into_iter().collect(),
+            volume_context: resp.volume_context.into_iter().collect(),
+            secrets: resp.secrets.into_iter().collect(),
+            mount_options: CsiMountOptions {
+                fs_type: resp.fs_type,
+                mount_flags: resp.mount_flags,
+            },
+        })
+    }
+
+    async fn unpublish(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
+        let mut r = tonic::Request::new(pb::UnpublishRequest {
+            volume_id: volume_id.to_string(),
+            alloc_id: alloc_id.to_string(),
+            node_id: self.node_id(),
+        });
+        r.set_timeout(Duration::from_secs(120));
+        self.volume_client()
+            .unpublish(r)
+            .await
+            .map_err(|s| ClaimError {
+                retryable: status_retryable(s.code()),
+                message: format!(
+                    "releasing the claim on volume {volume_id:?}: {}",
+                    s.message()
+                ),
+            })?;
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl HeartbeatRpc for ServerConn {
+    async fn heartbeat(&self) -> Result<Duration, HeartbeatError> {
+        let mut r = tonic::Request::new(pb::HeartbeatRequest {
+            node_id: self.node_id(),
+        });
+        r.set_timeout(RPC_TIMEOUT);
+        match self.node_client().heartbeat(r).await {
+            Ok(resp) => Ok(Duration::from_millis(resp.into_inner().heartbeat_ttl_ms)),
+            Err(s) if s.code() == Code::NotFound => Err(HeartbeatError::NodeUnknown),
+            Err(s) => Err(HeartbeatError::Transient(s.to_string())),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl NodeRegistrar for ServerConn {
+    async fn reregister(&self) -> Result<(), HeartbeatError> {
+        self.register()
+            .await
+            .map(|ttl| tracing::info!(ttl = ?ttl, "node registered again"))
+            .map_err(|s| HeartbeatError::Transient(s.to_string()))
+    }
+}

@@ -1,0 +1,212 @@
+//! The HTTP JSON API: a thin layer over the server role's Rust API. Each
+//! handler decodes, calls the server, and maps errors to status codes in one
+//! place ([`ApiError`]). Keys are snake_case; secrets are never returned.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, put};
+use axum::{Json, Router};
+use berth_server::{Server, ServerError};
+use berth_structs::{CsiVolume, Job};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+pub struct ApiError(ServerError);
+
+impl From<ServerError> for ApiError {
+    fn from(e: ServerError) -> Self {
+        ApiError(e)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        if status.is_server_error() {
+            tracing::warn!(error = %self.0, "API request failed");
+        }
+        (status, Json(json!({ "error": self.0.to_string() }))).into_response()
+    }
+}
+
+type ApiResult = Result<Json<Value>, ApiError>;
+
+fn to_json<T: serde::Serialize>(v: &T) -> ApiResult {
+    serde_json::to_value(v)
+        .map(Json)
+        .map_err(|e| ApiError(ServerError::Internal(format!("encoding the answer: {e}"))))
+}
+
+/// The API view of a volume: the volume, without secrets, with the allocs
+/// that hold its claims.
+fn volume_view(v: &CsiVolume) -> Value {
+    let mut clean = v.clone();
+    clean.secrets.clear();
+    let mut out = serde_json::to_value(&clean).unwrap_or(Value::Null);
+    out["read_allocs"] = json!(v.read_claims.keys().collect::<Vec<_>>());
+    out["write_allocs"] = json!(v.write_claims.keys().collect::<Vec<_>>());
+    out
+}
+
+#[derive(Deserialize)]
+struct JobRegister {
+    job: Job,
+}
+
+#[derive(Deserialize)]
+struct VolumeSubmit {
+    volume: CsiVolume,
+}
+
+#[derive(Deserialize)]
+struct ForceQuery {
+    #[serde(default)]
+    force: bool,
+}
+
+pub fn router(server: Arc<Server>) -> Router {
+    Router::new()
+        .route(
+            "/v1/agent/health",
+            get(|| async { Json(json!({"ok": true})) }),
+        )
+        .route("/v1/jobs", get(list_jobs).put(register_job))
+        .route("/v1/job/{id}", get(get_job).delete(stop_job))
+        .route("/v1/job/{id}/allocations", get(job_allocations))
+        .route("/v1/allocations", get(list_allocations))
+        .route("/v1/allocation/{id}", get(get_allocation))
+        .route("/v1/nodes", get(list_nodes))
+        .route("/v1/node/{id}", get(get_node))
+        .route("/v1/volumes", get(list_volumes))
+        .route(
+            "/v1/volume/csi/{id}",
+            get(get_volume)
+                .put(register_volume)
+                .delete(deregister_volume),
+        )
+        .route("/v1/volume/csi/{id}/create", put(create_volume))
+        .route("/v1/volume/csi/{id}/delete", delete(delete_volume))
+        .route("/v1/plugins", get(list_plugins))
+        .route("/v1/plugin/csi/{id}", get(get_plugin))
+        .with_state(server)
+}
+
+async fn list_jobs(State(s): State<Arc<Server>>) -> ApiResult {
+    to_json(&s.jobs())
+}
+
+async fn register_job(State(s): State<Arc<Server>>, Json(body): Json<JobRegister>) -> ApiResult {
+    let resp = s.register_job(body.job).await?;
+    to_json(&resp)
+}
+
+async fn get_job(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    to_json(&s.job(&id)?)
+}
+
+async fn stop_job(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    let resp = s.stop_job(&id).await?;
+    to_json(&resp)
+}
+
+async fn job_allocations(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    to_json(&s.job_allocations(&id)?)
+}
+
+async fn list_allocations(State(s): State<Arc<Server>>) -> ApiResult {
+    to_json(&s.allocations())
+}
+
+async fn get_allocation(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    to_json(&s.allocation(&id)?)
+}
+
+async fn list_nodes(State(s): State<Arc<Server>>) -> ApiResult {
+    to_json(&s.nodes())
+}
+
+async fn get_node(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    to_json(&s.node(&id)?)
+}
+
+async fn list_volumes(State(s): State<Arc<Server>>) -> ApiResult {
+    Ok(Json(Value::Array(
+        s.volumes().iter().map(volume_view).collect(),
+    )))
+}
+
+async fn get_volume(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    Ok(Json(volume_view(&s.volume(&id)?)))
+}
+
+fn check_volume_id(path_id: &str, vol: &CsiVolume) -> Result<(), ApiError> {
+    if vol.id != path_id {
+        return Err(ApiError(ServerError::BadRequest(format!(
+            "volume ID in the path ({path_id:?}) differs from the one in the body ({:?})",
+            vol.id
+        ))));
+    }
+    Ok(())
+}
+
+async fn register_volume(
+    State(s): State<Arc<Server>>,
+    Path(id): Path<String>,
+    Json(body): Json<VolumeSubmit>,
+) -> ApiResult {
+    check_volume_id(&id, &body.volume)?;
+    let v = s.register_volume(body.volume).await?;
+    Ok(Json(volume_view(&v)))
+}
+
+async fn create_volume(
+    State(s): State<Arc<Server>>,
+    Path(id): Path<String>,
+    Json(body): Json<VolumeSubmit>,
+) -> ApiResult {
+    check_volume_id(&id, &body.volume)?;
+    let v = s.create_volume(body.volume).await?;
+    Ok(Json(volume_view(&v)))
+}
+
+async fn deregister_volume(
+    State(s): State<Arc<Server>>,
+    Path(id): Path<String>,
+    Query(q): Query<ForceQuery>,
+) -> ApiResult {
+    s.deregister_volume(&id, q.force).await?;
+    Ok(Json(json!({})))
+}
+
+async fn delete_volume(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    s.delete_volume(&id).await?;
+    Ok(Json(json!({})))
+}
+
+async fn list_plugins(State(s): State<Arc<Server>>) -> ApiResult {
+    to_json(&s.plugins())
+}
+
+async fn get_plugin(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+    to_json(&s.plugin(&id)?)
+}
+
+/// Serves the API on `listener` until `shutdown` flips.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    server: Arc<Server>,
+    mut shutdown: tokio::sync::watch::Receiver<bool>,
+) -> std::io::Result<()> {
+    let addr: Option<SocketAddr> = listener.local_addr().ok();
+    tracing::info!(addr = ?addr, "HTTP API listening");
+    axum::serve(listener, router(server))
+        .with_graceful_shutdown(async move {
+            let _ = shutdown.wait_for(|v| *v).await;
+        })
+        .await
+}

@@ -1,0 +1,205 @@
+//! The alloc directory:
+//! `<alloc_root>/<alloc_id>/alloc/{data,logs,tmp}` shared by the tasks, and
+//! `<alloc_root>/<alloc_id>/<task>/{local,secrets,tmp}` per task.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Component, Path, PathBuf};
+
+use tracing::{info, warn};
+
+use crate::error::{AllocRunnerError, HookError};
+
+/// The directory of one alloc.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocDir {
+    path: PathBuf,
+}
+
+/// The directory of one task of an alloc.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskDir {
+    /// `<alloc_dir>/<task>`: the task's working directory; volume mounts
+    /// land below it.
+    pub dir: PathBuf,
+    pub local: PathBuf,
+    /// Mode 0700.
+    pub secrets: PathBuf,
+    pub tmp: PathBuf,
+}
+
+impl AllocDir {
+    pub fn new(alloc_root: &Path, alloc_id: &str) -> AllocDir {
+        AllocDir {
+            path: alloc_root.join(alloc_id),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `<alloc_dir>/alloc`, shared by the tasks (`BERTH_ALLOC_DIR`).
+    pub fn shared_dir(&self) -> PathBuf {
+        self.path.join("alloc")
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.shared_dir().join("data")
+    }
+
+    pub fn logs_dir(&self) -> PathBuf {
+        self.shared_dir().join("logs")
+    }
+
+    pub fn tmp_dir(&self) -> PathBuf {
+        self.shared_dir().join("tmp")
+    }
+
+    /// `<alloc_dir>/alloc/logs/<task>.stdout.0`.
+    pub fn stdout_path(&self, task: &str) -> PathBuf {
+        self.logs_dir().join(format!("{task}.stdout.0"))
+    }
+
+    pub fn stderr_path(&self, task: &str) -> PathBuf {
+        self.logs_dir().join(format!("{task}.stderr.0"))
+    }
+
+    pub fn task_dir(&self, task: &str) -> TaskDir {
+        let dir = self.path.join(task);
+        TaskDir {
+            local: dir.join("local"),
+            secrets: dir.join("secrets"),
+            tmp: dir.join("tmp"),
+            dir,
+        }
+    }
+
+    /// Makes the shared directories. Idempotent.
+    pub fn build_shared(&self) -> Result<(), HookError> {
+        for d in [self.data_dir(), self.logs_dir(), self.tmp_dir()] {
+            create_dir(&d)?;
+        }
+        Ok(())
+    }
+
+    /// Makes one task's directories. Idempotent. `task` must be a plain
+    /// file name: it becomes a path component.
+    pub fn build_task(&self, task: &str) -> Result<TaskDir, HookError> {
+        check_task_name(task)?;
+        let td = self.task_dir(task);
+        for d in [&td.local, &td.secrets, &td.tmp] {
+            create_dir(d)?;
+        }
+        std::fs::set_permissions(&td.secrets, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| HookError::io("restricting secrets dir", &td.secrets, e))?;
+        Ok(td)
+    }
+
+    /// Unmounts whatever is still mounted below the alloc dir, then removes
+    /// it. Refuses to remove anything while a mount remains: removing the
+    /// dir through a live bind mount would delete a volume's data.
+    pub fn destroy(&self) -> Result<(), AllocRunnerError> {
+        if !self.path.exists() {
+            return Ok(());
+        }
+        let real = self.path.canonicalize().map_err(|e| AllocRunnerError::Io {
+            what: "resolving alloc dir",
+            path: self.path.clone(),
+            error: e,
+        })?;
+        for m in mounts_below(&real) {
+            warn!(mount = %m.display(), "unmounting what was left mounted in the alloc dir");
+            if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+                warn!(mount = %m.display(), error = %e, "unmount failed");
+            }
+        }
+        let left = mounts_below(&real);
+        if !left.is_empty() {
+            return Err(AllocRunnerError::StillMounted {
+                path: self.path.clone(),
+                mounts: left.iter().map(|m| m.display().to_string()).collect(),
+            });
+        }
+        std::fs::remove_dir_all(&self.path).map_err(|e| AllocRunnerError::Io {
+            what: "removing alloc dir",
+            path: self.path.clone(),
+            error: e,
+        })?;
+        info!(path = %self.path.display(), "removed alloc dir");
+        Ok(())
+    }
+}
+
+fn create_dir(d: &Path) -> Result<(), HookError> {
+    std::fs::create_dir_all(d).map_err(|e| HookError::io("creating", d, e))
+}
+
+fn check_task_name(task: &str) -> Result<(), HookError> {
+    let mut comps = Path::new(task).components();
+    match (comps.next(), comps.next()) {
+        (Some(Component::Normal(c)), None) if c == task && task != "alloc" => Ok(()),
+        _ => Err(HookError::Invalid(format!(
+            "task name {task:?} cannot be used as a directory name"
+        ))),
+    }
+}
+
+/// Mount points at or below `dir` (a canonical path), deepest first.
+pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut found: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(unescape_mountinfo(p)))
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    found.dedup();
+    found
+}
+
+/// Mount points in mountinfo escape space, tab, newline and backslash as
+/// `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b[i] == b'\\'
+            && i + 3 < b.len()
+            && b[i + 1..=i + 3].iter().all(|c| (b'0'..=b'7').contains(c));
+        if octal {
+            let v = u32::from(b[i + 1] - b'0') * 64
+                + u32::from(b[i + 2] - b'0') * 8
+                + u32::from(b[i + 3] - b'0');
+            out.push(v as u8);
+            i += 4;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_escapes_are_decoded() {
+        assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
+        assert_eq!(unescape_mountinfo(r"/plain"), "/plain");
+        assert_eq!(unescape_mountinfo(r"/end\04"), r"/end\04");
+    }
+
+    #[test]
+    fn task_names_must_be_plain() {
+        assert!(check_task_name("web").is_ok());
+        for bad in ["", ".", "..", "a/b", "/x", "alloc"] {
+            assert!(check_task_name(bad).is_err(), "{bad:?}");
+        }
+    }
+}

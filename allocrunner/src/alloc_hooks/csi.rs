@@ -1,0 +1,259 @@
+//! The CSI hook: claims the group's CSI volumes on the servers and mounts
+//! them on this node before the tasks start; unmounts and releases them
+//! after the tasks are done.
+
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use berth_csimanager::{MountRequest, UnmountRequest};
+use berth_structs::{AccessMode, AttachmentMode, ClaimMode};
+use tracing::{error, info, warn, Instrument};
+
+use super::{AllocHook, AllocHookContext};
+use crate::claims::{ClaimError, ClaimRequest, ClaimResult};
+use crate::error::HookError;
+
+/// One volume of the group, as far as prerun got with it.
+#[derive(Debug, Clone)]
+struct VolumeUse {
+    name: String,
+    volume_id: String,
+    access_mode: AccessMode,
+    attachment_mode: AttachmentMode,
+    read_only: bool,
+    /// Set once the servers granted the claim.
+    plugin_id: String,
+    external_id: String,
+    /// A mount was asked for: it may have (partly) happened even if it
+    /// failed, so postrun unmounts.
+    mount_attempted: bool,
+}
+
+/// Claims and mounts the group's CSI volumes; see the module docs. Every
+/// volume whose claim was sent is released at postrun, every volume whose
+/// mount was asked for is unmounted first, and a volume that cannot be
+/// unmounted is not released: the servers' volume watcher reaps its claim
+/// once the alloc is terminal.
+#[derive(Default)]
+pub struct CsiHook {
+    volumes: Vec<VolumeUse>,
+}
+
+fn backoff(total: Duration) -> ExponentialBuilder {
+    ExponentialBuilder::new()
+        .with_min_delay(Duration::from_millis(500))
+        .with_max_delay(Duration::from_secs(10))
+        .with_jitter()
+        .with_jitter_seed(berth_structs::now_ms() as u64)
+        .without_max_times()
+        .with_total_delay(Some(total))
+}
+
+impl CsiHook {
+    async fn claim(
+        &self,
+        ctx: &AllocHookContext,
+        req: ClaimRequest,
+    ) -> Result<ClaimResult, HookError> {
+        let volume_id = req.volume_id.clone();
+        let claimer = ctx.config.claimer.clone();
+        let attempt = || {
+            let claimer = claimer.clone();
+            let req = req.clone();
+            async move { claimer.claim(req).await }
+        };
+        let retried = attempt
+            .retry(backoff(ctx.config.claim_retry_timeout))
+            .sleep(tokio::time::sleep)
+            .when(|e: &ClaimError| e.retryable)
+            .notify(|e: &ClaimError, wait: Duration| {
+                warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "claim not granted yet; retrying");
+            });
+        let mut stop = ctx.stop.clone();
+        tokio::select! {
+            r = retried => r.map_err(|error| HookError::Claim { volume_id, error }),
+            _ = stop.wait_for(|s| *s) => Err(HookError::Stopped),
+        }
+    }
+
+    async fn release(ctx: &AllocHookContext, v: &VolumeUse) -> Result<(), HookError> {
+        let total = ctx.config.release_retry_timeout;
+        if v.mount_attempted {
+            let req = UnmountRequest {
+                plugin_id: v.plugin_id.clone(),
+                volume_id: v.volume_id.clone(),
+                external_id: v.external_id.clone(),
+                alloc_id: ctx.alloc.id.clone(),
+                access_mode: v.access_mode,
+                attachment_mode: v.attachment_mode,
+                read_only: v.read_only,
+            };
+            let csi = ctx.config.csi.clone();
+            let unmounted = (|| {
+                let csi = csi.clone();
+                let req = req.clone();
+                async move { csi.unmount_volume(req).await }
+            })
+            .retry(backoff(total))
+            .sleep(tokio::time::sleep)
+            .notify(|e, wait: Duration| {
+                warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
+            })
+            .await;
+            if let Err(error) = unmounted {
+                error!(error = %error, "unmount failed for good; leaving the claim for the servers to reap");
+                return Err(HookError::Unmount {
+                    volume_id: v.volume_id.clone(),
+                    error,
+                });
+            }
+            info!("unmounted volume");
+        }
+        let claimer = ctx.config.claimer.clone();
+        let alloc_id = ctx.alloc.id.clone();
+        let released = (|| {
+            let claimer = claimer.clone();
+            let volume_id = v.volume_id.clone();
+            let alloc_id = alloc_id.clone();
+            async move { claimer.unpublish(&volume_id, &alloc_id).await }
+        })
+        .retry(backoff(total))
+        .sleep(tokio::time::sleep)
+        .when(|e: &ClaimError| e.retryable)
+        .notify(|e: &ClaimError, wait: Duration| {
+            warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unpublish failed; retrying");
+        })
+        .await;
+        match released {
+            Ok(()) => {
+                info!("released claim");
+                Ok(())
+            }
+            Err(error) => {
+                error!(error = %error, "releasing the claim failed");
+                Err(HookError::Unpublish {
+                    volume_id: v.volume_id.clone(),
+                    error,
+                })
+            }
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl AllocHook for CsiHook {
+    fn name(&self) -> &'static str {
+        "csi"
+    }
+
+    async fn prerun(&mut self, ctx: &AllocHookContext) -> Result<(), HookError> {
+        let Some(group) = ctx.alloc.group() else {
+            return Err(HookError::Invalid(format!(
+                "group {:?} is not in the job",
+                ctx.alloc.task_group
+            )));
+        };
+        for (name, req) in &group.volumes {
+            if req.volume_type != "csi" {
+                return Err(HookError::Invalid(format!(
+                    "volume {name:?}: type {:?} is not supported",
+                    req.volume_type
+                )));
+            }
+            let volume_id = req.source_for(ctx.alloc.index);
+            let (Some(access_mode), Some(attachment_mode)) = (req.access_mode, req.attachment_mode)
+            else {
+                return Err(HookError::Invalid(format!(
+                    "volume {name:?}: access_mode and attachment_mode are required"
+                )));
+            };
+            let read_only = req.read_only || access_mode.is_reader_only();
+            let span = tracing::info_span!("csi_volume", volume = %name, volume_id = %volume_id);
+            // Recorded before the claim is sent: a claim cut short by a stop
+            // may still have been granted, and postrun releases it.
+            self.volumes.push(VolumeUse {
+                name: name.clone(),
+                volume_id: volume_id.clone(),
+                access_mode,
+                attachment_mode,
+                read_only,
+                plugin_id: String::new(),
+                external_id: String::new(),
+                mount_attempted: false,
+            });
+            let claim = self
+                .claim(
+                    ctx,
+                    ClaimRequest {
+                        volume_id: volume_id.clone(),
+                        alloc_id: ctx.alloc.id.clone(),
+                        mode: if read_only {
+                            ClaimMode::Read
+                        } else {
+                            ClaimMode::Write
+                        },
+                        access_mode,
+                        attachment_mode,
+                        read_only,
+                    },
+                )
+                .instrument(span.clone())
+                .await?;
+            let mount_options = req
+                .mount_options
+                .clone()
+                .unwrap_or_default()
+                .merged_over(&claim.mount_options);
+            if let Some(v) = self.volumes.last_mut() {
+                v.plugin_id = claim.plugin_id.clone();
+                v.external_id = claim.external_id.clone();
+                v.mount_attempted = true;
+            }
+            let mount = MountRequest {
+                plugin_id: claim.plugin_id,
+                volume_id: volume_id.clone(),
+                external_id: claim.external_id,
+                alloc_id: ctx.alloc.id.clone(),
+                access_mode,
+                attachment_mode,
+                read_only,
+                mount_options,
+                publish_context: claim.publish_context,
+                volume_context: claim.volume_context,
+                secrets: claim.secrets,
+            };
+            let info = ctx
+                .config
+                .csi
+                .mount_volume(mount)
+                .instrument(span.clone())
+                .await
+                .map_err(|error| HookError::Mount {
+                    volume_id: volume_id.clone(),
+                    error,
+                })?;
+            span.in_scope(|| info!(source = %info.source.display(), "mounted volume"));
+            ctx.mounts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(name.clone(), info);
+        }
+        Ok(())
+    }
+
+    async fn postrun(&mut self, ctx: &AllocHookContext) -> Result<(), HookError> {
+        let mut errs = Vec::new();
+        let volumes = std::mem::take(&mut self.volumes);
+        for v in volumes.iter().rev() {
+            let span = tracing::info_span!("csi_volume", volume = %v.name, volume_id = %v.volume_id, plugin_id = %v.plugin_id);
+            if let Err(e) = Self::release(ctx, v).instrument(span).await {
+                errs.push(e);
+            }
+            ctx.mounts
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&v.name);
+        }
+        HookError::from_many(errs)
+    }
+}

@@ -1,0 +1,334 @@
+//! The alloc runner: one alloc's lifecycle from prerun hooks through its
+//! task runners to postrun hooks, and the handle the agent drives it with.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use berth_structs::{AllocClientStatus, Allocation, TaskEvent, TaskGroup, TaskState};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+use tracing::{error, info, warn, Instrument};
+
+use crate::alloc_dir::AllocDir;
+use crate::alloc_hooks::{self, AllocHook, AllocHookContext};
+use crate::config::AllocRunnerConfig;
+use crate::error::{AllocRunnerError, HookError};
+use crate::state::AllocState;
+use crate::task_runner::TaskRunner;
+
+/// Runs one alloc. Cheap to clone; clones drive the same alloc.
+#[derive(Clone)]
+pub struct AllocRunner {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: Arc<AllocRunnerConfig>,
+    alloc_id: String,
+    alloc: Mutex<Arc<Allocation>>,
+    state: Arc<AllocState>,
+    /// True once the alloc must stop.
+    stop: watch::Sender<bool>,
+    /// True once postrun is done (or the alloc was destroyed unrun).
+    done: watch::Sender<bool>,
+    started: AtomicBool,
+    /// The prerun/postrun chain; taken when the lifecycle starts.
+    hooks: Mutex<Option<Vec<Box<dyn AllocHook>>>>,
+}
+
+impl AllocRunner {
+    /// A runner with the standard hook chain (alloc dir, then CSI).
+    pub fn new(config: Arc<AllocRunnerConfig>, alloc: Allocation) -> AllocRunner {
+        Self::with_hooks(config, alloc, alloc_hooks::default_hooks())
+    }
+
+    /// A runner with its own alloc hook chain, in prerun order.
+    pub fn with_hooks(
+        config: Arc<AllocRunnerConfig>,
+        alloc: Allocation,
+        hooks: Vec<Box<dyn AllocHook>>,
+    ) -> AllocRunner {
+        let tasks: Vec<String> = alloc
+            .group()
+            .map(|g| g.tasks.iter().map(|t| t.name.clone()).collect())
+            .unwrap_or_default();
+        let state = Arc::new(AllocState::new(
+            &alloc.id,
+            tasks.iter().map(String::as_str),
+            config.updater.clone(),
+        ));
+        AllocRunner {
+            inner: Arc::new(Inner {
+                alloc_id: alloc.id.clone(),
+                alloc: Mutex::new(Arc::new(alloc)),
+                config,
+                state,
+                stop: watch::channel(false).0,
+                done: watch::channel(false).0,
+                started: AtomicBool::new(false),
+                hooks: Mutex::new(Some(hooks)),
+            }),
+        }
+    }
+
+    pub fn alloc_id(&self) -> &str {
+        &self.inner.alloc_id
+    }
+
+    /// The latest version of the alloc given to the runner.
+    pub fn alloc(&self) -> Arc<Allocation> {
+        self.inner.alloc()
+    }
+
+    pub fn client_status(&self) -> AllocClientStatus {
+        self.inner.state.client_status()
+    }
+
+    pub fn task_states(&self) -> BTreeMap<String, TaskState> {
+        self.inner.state.task_states()
+    }
+
+    pub fn alloc_dir(&self) -> AllocDir {
+        AllocDir::new(&self.inner.config.alloc_root, &self.inner.alloc_id)
+    }
+
+    /// Starts the lifecycle on the tokio runtime. Later calls do nothing.
+    pub fn run(&self) {
+        if self.inner.started.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        if self.inner.alloc().server_terminal() {
+            self.stop();
+        }
+        let inner = self.inner.clone();
+        let span = tracing::info_span!("alloc", alloc_id = %inner.alloc_id);
+        tokio::spawn(lifecycle(inner).instrument(span));
+    }
+
+    /// A newer version of the alloc from the servers; one they want
+    /// stopped stops it.
+    pub fn update(&self, alloc: Allocation) {
+        if alloc.id != self.inner.alloc_id {
+            warn!(alloc_id = %self.inner.alloc_id, other = %alloc.id, "ignoring an update for another alloc");
+            return;
+        }
+        let stop = alloc.server_terminal();
+        *self.inner.alloc.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(alloc);
+        if stop {
+            info!(alloc_id = %self.inner.alloc_id, "the servers want the alloc stopped");
+            self.stop();
+        }
+    }
+
+    /// Kills the tasks (SIGTERM, SIGKILL after the kill timeout) and runs
+    /// postrun. Returns at once; [`Self::wait`] for it to finish.
+    pub fn stop(&self) {
+        self.inner.stop.send_replace(true);
+    }
+
+    /// Waits until the lifecycle has finished (postrun done). Returns at
+    /// once for an alloc destroyed without ever running.
+    pub async fn wait(&self) {
+        let mut done = self.inner.done.subscribe();
+        let _ = done.wait_for(|d| *d).await;
+    }
+
+    /// Stops the alloc if it runs, waits for postrun, then removes the
+    /// alloc dir (after unmounting whatever is still mounted in it).
+    pub async fn destroy(&self) -> Result<(), AllocRunnerError> {
+        self.stop();
+        if self.inner.started.swap(true, Ordering::SeqCst) {
+            self.wait().await;
+        } else {
+            let state = &self.inner.state;
+            for task in state.task_states().keys() {
+                state.task_dead(
+                    task,
+                    false,
+                    Some(TaskEvent::new(
+                        "Killed",
+                        "The alloc was destroyed before the task started",
+                    )),
+                );
+            }
+            state.set_terminal(
+                AllocClientStatus::Complete,
+                "Destroyed before it ran".into(),
+            );
+            self.inner.done.send_replace(true);
+        }
+        self.alloc_dir().destroy()
+    }
+}
+
+impl Inner {
+    fn alloc(&self) -> Arc<Allocation> {
+        self.alloc.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+async fn lifecycle(inner: Arc<Inner>) {
+    let state = inner.state.clone();
+    state.report();
+    let alloc = inner.alloc();
+    let Some(group) = alloc.group().cloned() else {
+        let msg = format!(
+            "group {:?} is not in job {:?}",
+            alloc.task_group, alloc.job_id
+        );
+        error!(error = %msg, "cannot run alloc");
+        state.set_terminal(AllocClientStatus::Failed, msg);
+        inner.done.send_replace(true);
+        return;
+    };
+    let ctx = AllocHookContext {
+        config: inner.config.clone(),
+        alloc: alloc.clone(),
+        alloc_dir: AllocDir::new(&inner.config.alloc_root, &alloc.id),
+        stop: inner.stop.subscribe(),
+        mounts: Mutex::default(),
+    };
+
+    let mut hooks = inner
+        .hooks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take()
+        .unwrap_or_default();
+    let mut ran = 0usize;
+    let mut prerun_failure: Option<String> = None;
+    let mut stopped = false;
+    for hook in hooks.iter_mut() {
+        if *ctx.stop.borrow() {
+            stopped = true;
+            break;
+        }
+        ran += 1;
+        let span = tracing::info_span!("prerun", hook = hook.name());
+        match hook.prerun(&ctx).instrument(span).await {
+            Ok(()) => {}
+            Err(HookError::Stopped) => {
+                stopped = true;
+                break;
+            }
+            Err(e) => {
+                let msg = format!("prerun hook {:?} failed: {e}", hook.name());
+                error!(hook = hook.name(), error = %e, "prerun hook failed");
+                prerun_failure = Some(msg);
+                break;
+            }
+        }
+    }
+
+    if let Some(msg) = &prerun_failure {
+        for task in &group.tasks {
+            state.task_dead(
+                &task.name,
+                true,
+                Some(TaskEvent::new("Setup Failure", msg.clone())),
+            );
+        }
+    } else if stopped || *ctx.stop.borrow() {
+        for task in &group.tasks {
+            state.task_dead(
+                &task.name,
+                false,
+                Some(TaskEvent::new(
+                    "Killed",
+                    "The alloc was stopped before the task started",
+                )),
+            );
+        }
+    } else {
+        run_tasks(&inner, &alloc, &group, &ctx).await;
+    }
+
+    let mut postrun_errors = Vec::new();
+    for hook in hooks[..ran].iter_mut().rev() {
+        let span = tracing::info_span!("postrun", hook = hook.name());
+        if let Err(e) = hook.postrun(&ctx).instrument(span).await {
+            error!(hook = hook.name(), error = %e, "postrun hook failed");
+            postrun_errors.push(format!("postrun hook {:?} failed: {e}", hook.name()));
+        }
+    }
+
+    let failed_tasks: Vec<String> = state
+        .task_states()
+        .into_iter()
+        .filter(|(_, s)| s.failed)
+        .map(|(t, _)| t)
+        .collect();
+    let (status, mut description) = match (&prerun_failure, failed_tasks.is_empty()) {
+        (Some(msg), _) => (AllocClientStatus::Failed, msg.clone()),
+        (None, false) => (
+            AllocClientStatus::Failed,
+            format!("Failed tasks: {}", failed_tasks.join(", ")),
+        ),
+        (None, true) => (
+            AllocClientStatus::Complete,
+            "All tasks have completed".into(),
+        ),
+    };
+    for e in &postrun_errors {
+        description.push_str("; ");
+        description.push_str(e);
+    }
+    info!(status = status.as_str(), description = %description, "alloc finished");
+    state.set_terminal(status, description);
+    inner.done.send_replace(true);
+}
+
+/// Runs every task of the group at once until all are done. A task that
+/// fails for good kills its siblings; a stop kills them all.
+async fn run_tasks(
+    inner: &Arc<Inner>,
+    alloc: &Arc<Allocation>,
+    group: &TaskGroup,
+    ctx: &AllocHookContext,
+) {
+    let mounts = Arc::new(ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).clone());
+    let (kill_tx, kill_rx) = watch::channel::<Option<String>>(None);
+    let mut set = JoinSet::new();
+    let mut names = HashMap::new();
+    for task in &group.tasks {
+        let runner = TaskRunner {
+            config: inner.config.clone(),
+            alloc: alloc.clone(),
+            task: task.clone(),
+            alloc_dir: ctx.alloc_dir.clone(),
+            state: inner.state.clone(),
+            mounts: mounts.clone(),
+            kill: kill_rx.clone(),
+        };
+        let span = tracing::info_span!("task", task = %task.name);
+        let handle = set.spawn(runner.run().instrument(span));
+        names.insert(handle.id(), task.name.clone());
+    }
+    let mut stop = inner.stop.subscribe();
+    loop {
+        let killing = kill_tx.borrow().is_some();
+        tokio::select! {
+            joined = set.join_next_with_id() => match joined {
+                None => break,
+                Some(Ok((id, failed))) => {
+                    if failed && !killing {
+                        let name = names.get(&id).cloned().unwrap_or_default();
+                        kill_tx.send_replace(Some(format!("Sibling task {name} failed")));
+                    }
+                }
+                Some(Err(e)) => {
+                    let name = names.get(&e.id()).cloned().unwrap_or_default();
+                    error!(task = %name, error = %e, "task runner panicked");
+                    inner.state.task_dead(&name, true, Some(TaskEvent::new("Driver Failure", format!("task runner crashed: {e}"))));
+                    if !killing {
+                        kill_tx.send_replace(Some(format!("Sibling task {name} failed")));
+                    }
+                }
+            },
+            _ = stop.wait_for(|s| *s), if !killing => {
+                kill_tx.send_replace(Some("The alloc is being stopped".into()));
+            }
+        }
+    }
+}

@@ -1,0 +1,73 @@
+//! What every alloc runner on a node shares.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_csimanager::CsiManager;
+
+use crate::claims::VolumeClaimer;
+use crate::driver::{Driver, RawExecDriver};
+use crate::state::AllocStateUpdater;
+
+/// Shared by all alloc runners of a client. Build it with
+/// [`AllocRunnerConfig::new`] and adjust the public fields.
+pub struct AllocRunnerConfig {
+    /// `<data_dir>/alloc`: each alloc's directory is `<alloc_root>/<alloc_id>`.
+    pub alloc_root: PathBuf,
+    /// `<data_dir>/client/csi/plugins`: a plugin task's socket is
+    /// `<plugin_root>/<plugin_id>/<alloc_id>/csi.sock`.
+    pub plugin_root: PathBuf,
+    pub node_id: String,
+    pub csi: Arc<CsiManager>,
+    pub claimer: Arc<dyn VolumeClaimer>,
+    pub updater: Arc<dyn AllocStateUpdater>,
+    /// Task drivers by name; `raw_exec` by default.
+    pub drivers: BTreeMap<String, Arc<dyn Driver>>,
+    /// Put before the agent's `PATH` in every task's `PATH`.
+    pub extra_path: Option<String>,
+    /// Time between SIGTERM and SIGKILL for tasks without `kill_timeout`.
+    pub default_kill_timeout: Duration,
+    /// How often a healthy plugin task is probed.
+    pub plugin_probe_interval: Duration,
+    /// Deadline of each probe and `GetPluginInfo` call to a plugin task.
+    pub plugin_call_timeout: Duration,
+    /// How long the CSI hook keeps retrying a claim the servers call
+    /// retryable (e.g. while a previous claim of the volume is freed).
+    pub claim_retry_timeout: Duration,
+    /// How long the CSI hook keeps retrying an unmount or an unpublish when
+    /// the alloc stops.
+    pub release_retry_timeout: Duration,
+}
+
+impl AllocRunnerConfig {
+    pub const DEFAULT_KILL_TIMEOUT: Duration = Duration::from_secs(5);
+
+    pub fn new(
+        alloc_root: PathBuf,
+        plugin_root: PathBuf,
+        node_id: String,
+        csi: Arc<CsiManager>,
+        claimer: Arc<dyn VolumeClaimer>,
+        updater: Arc<dyn AllocStateUpdater>,
+    ) -> AllocRunnerConfig {
+        let mut drivers: BTreeMap<String, Arc<dyn Driver>> = BTreeMap::new();
+        drivers.insert("raw_exec".into(), Arc::new(RawExecDriver::new()));
+        AllocRunnerConfig {
+            alloc_root,
+            plugin_root,
+            node_id,
+            csi,
+            claimer,
+            updater,
+            drivers,
+            extra_path: None,
+            default_kill_timeout: Self::DEFAULT_KILL_TIMEOUT,
+            plugin_probe_interval: Duration::from_secs(30),
+            plugin_call_timeout: Duration::from_secs(10),
+            claim_retry_timeout: Duration::from_secs(5 * 60),
+            release_retry_timeout: Duration::from_secs(2 * 60),
+        }
+    }
+}

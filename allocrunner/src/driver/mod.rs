@@ -1,0 +1,91 @@
+//! Task drivers: how a task's process is started, watched and stopped.
+//!
+//! A driver starts a task from a [`TaskSpec`] and hands back a
+//! [`TaskHandle`]. `raw_exec` runs the process as a child of the agent; the
+//! per-task executor (a process that outlives the agent and that the agent
+//! reattaches to) will be another implementation of the same traits.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+
+use crate::error::DriverError;
+
+mod raw_exec;
+
+pub use raw_exec::RawExecDriver;
+
+/// Everything a driver needs to start one task.
+#[derive(Debug, Clone)]
+pub struct TaskSpec {
+    pub alloc_id: String,
+    pub task: String,
+    /// Interpolated. A relative path with a `/` is relative to `task_dir`;
+    /// a bare name is looked up in the task's `PATH`.
+    pub command: String,
+    pub args: Vec<String>,
+    /// The whole environment of the task.
+    pub env: BTreeMap<String, String>,
+    /// The working directory.
+    pub task_dir: PathBuf,
+    /// Appended to.
+    pub stdout_path: PathBuf,
+    pub stderr_path: PathBuf,
+}
+
+/// How a task's process ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExitResult {
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    /// The process could not be waited for.
+    pub error: Option<String>,
+}
+
+impl ExitResult {
+    pub fn successful(&self) -> bool {
+        self.exit_code == Some(0) && self.signal.is_none() && self.error.is_none()
+    }
+}
+
+impl std::fmt::Display for ExitResult {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (self.exit_code, self.signal, &self.error) {
+            (_, _, Some(e)) => write!(f, "Error: {e}"),
+            (_, Some(sig), _) => {
+                let name = Signal::try_from(sig)
+                    .map(|s| s.as_str())
+                    .unwrap_or("unknown");
+                write!(f, "Signal: {sig} ({name})")
+            }
+            (Some(code), None, _) => write!(f, "Exit Code: {code}"),
+            (None, None, None) => f.write_str("exited"),
+        }
+    }
+}
+
+/// Starts tasks.
+#[async_trait::async_trait]
+pub trait Driver: Send + Sync {
+    fn name(&self) -> &'static str;
+    async fn start(&self, spec: &TaskSpec) -> Result<Arc<dyn TaskHandle>, DriverError>;
+}
+
+/// A started task.
+#[async_trait::async_trait]
+pub trait TaskHandle: Send + Sync {
+    fn pid(&self) -> u32;
+    /// Waits until the process exits. Cancel-safe; may be called again and
+    /// from several places.
+    async fn wait(&self) -> ExitResult;
+    /// The exit, if the process has exited.
+    fn try_exit(&self) -> Option<ExitResult>;
+    /// Signals the task's process group.
+    fn signal(&self, signal: Signal) -> Result<(), DriverError>;
+    /// SIGTERM to the process group, SIGKILL after `kill_timeout`; returns
+    /// once the process has exited and its group is gone.
+    async fn stop(&self, kill_timeout: Duration) -> ExitResult;
+}

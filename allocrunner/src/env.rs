@@ -1,0 +1,120 @@
+//! The task environment and `${NAME}` interpolation.
+
+use std::collections::BTreeMap;
+
+use berth_structs::{Allocation, Task};
+
+use crate::alloc_dir::{AllocDir, TaskDir};
+
+/// `PATH` for tasks when the agent has none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The variables berth sets for every task, and `PATH` (the agent's,
+/// after `extra_path`).
+pub fn base_env(
+    alloc: &Allocation,
+    task: &Task,
+    node_id: &str,
+    alloc_dir: &AllocDir,
+    task_dir: &TaskDir,
+    extra_path: Option<&str>,
+) -> BTreeMap<String, String> {
+    let agent_path = std::env::var("PATH").unwrap_or_else(|_| DEFAULT_PATH.to_string());
+    let path = match extra_path {
+        Some(extra) if !extra.is_empty() => format!("{extra}:{agent_path}"),
+        _ => agent_path,
+    };
+    let job_name = if alloc.job.name.is_empty() {
+        &alloc.job.id
+    } else {
+        &alloc.job.name
+    };
+    [
+        ("BERTH_ALLOC_ID", alloc.id.clone()),
+        (
+            "BERTH_ALLOC_DIR",
+            alloc_dir.shared_dir().display().to_string(),
+        ),
+        ("BERTH_TASK_DIR", task_dir.dir.display().to_string()),
+        ("BERTH_SECRETS_DIR", task_dir.secrets.display().to_string()),
+        ("BERTH_JOB_NAME", job_name.clone()),
+        ("BERTH_GROUP_NAME", alloc.task_group.clone()),
+        ("BERTH_TASK_NAME", task.name.clone()),
+        ("BERTH_NODE_ID", node_id.to_string()),
+        ("PATH", path),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// `base` with the task's `env` block laid over it; the block's values are
+/// interpolated from `base`.
+pub fn with_task_env(
+    mut base: BTreeMap<String, String>,
+    task_env: &BTreeMap<String, String>,
+) -> BTreeMap<String, String> {
+    let values: Vec<(String, String)> = task_env
+        .iter()
+        .map(|(k, v)| (k.clone(), interpolate(v, &base)))
+        .collect();
+    base.extend(values);
+    base
+}
+
+/// Replaces each `${NAME}` in `s` with its value in `env`; unknown names
+/// and unterminated `${` are left as they are.
+pub fn interpolate(s: &str, env: &BTreeMap<String, String>) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(start) = rest.find("${") {
+        out.push_str(&rest[..start]);
+        let after = &rest[start + 2..];
+        match after.find('}') {
+            Some(end) => {
+                let name = &after[..end];
+                match env.get(name) {
+                    Some(v) => out.push_str(v),
+                    None => out.push_str(&rest[start..start + 2 + end + 1]),
+                }
+                rest = &after[end + 1..];
+            }
+            None => {
+                out.push_str(&rest[start..]);
+                rest = "";
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env() -> BTreeMap<String, String> {
+        [
+            ("A".to_string(), "1".to_string()),
+            ("B_C".into(), "two".into()),
+        ]
+        .into()
+    }
+
+    #[test]
+    fn interpolates_known_names_and_keeps_the_rest() {
+        let e = env();
+        assert_eq!(interpolate("x${A}y${B_C}", &e), "x1ytwo");
+        assert_eq!(interpolate("${UNKNOWN}/${A}", &e), "${UNKNOWN}/1");
+        assert_eq!(interpolate("$A ${A", &e), "$A ${A");
+        assert_eq!(interpolate("", &e), "");
+        assert_eq!(interpolate("${}", &e), "${}");
+    }
+
+    #[test]
+    fn task_env_is_interpolated_from_the_base() {
+        let merged = with_task_env(env(), &[("X".to_string(), "${A}-x".to_string())].into());
+        assert_eq!(merged["X"], "1-x");
+        assert_eq!(merged["A"], "1");
+    }
+}

@@ -1,0 +1,119 @@
+//! Errors of the alloc runner, its hooks and its drivers.
+
+use std::path::PathBuf;
+
+use berth_csimanager::CsiError;
+
+use crate::claims::ClaimError;
+
+/// A hook that failed. Its message becomes a task event and, for prerun
+/// hooks, the alloc's description.
+#[derive(Debug, thiserror::Error)]
+pub enum HookError {
+    #[error("{what} {path}: {error}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error("claiming volume {volume_id}: {error}")]
+    Claim {
+        volume_id: String,
+        #[source]
+        error: ClaimError,
+    },
+    #[error("unpublishing volume {volume_id} on the servers: {error}")]
+    Unpublish {
+        volume_id: String,
+        #[source]
+        error: ClaimError,
+    },
+    #[error("mounting volume {volume_id}: {error}")]
+    Mount {
+        volume_id: String,
+        #[source]
+        error: CsiError,
+    },
+    #[error("unmounting volume {volume_id} (left claimed for the servers to reap): {error}")]
+    Unmount {
+        volume_id: String,
+        #[source]
+        error: CsiError,
+    },
+    #[error("bind-mounting {src} at {target}: {errno}")]
+    Bind {
+        src: PathBuf,
+        target: PathBuf,
+        errno: nix::Error,
+    },
+    #[error("unmounting {target}: {errno}")]
+    Unbind { target: PathBuf, errno: nix::Error },
+    #[error("plugin {plugin_id}: {message}")]
+    Plugin { plugin_id: String, message: String },
+    #[error("{0}")]
+    Invalid(String),
+    /// The alloc was stopped while the hook waited; not a failure.
+    #[error("the alloc was stopped")]
+    Stopped,
+    #[error("{}", .0.iter().map(|e| e.to_string()).collect::<Vec<_>>().join("; "))]
+    Multiple(Vec<HookError>),
+}
+
+impl HookError {
+    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, error: std::io::Error) -> Self {
+        HookError::Io {
+            what,
+            path: path.into(),
+            error,
+        }
+    }
+
+    /// `Ok` when `errs` is empty, the one error, or all of them.
+    pub(crate) fn from_many(mut errs: Vec<HookError>) -> Result<(), HookError> {
+        match errs.len() {
+            0 => Ok(()),
+            1 => Err(errs.remove(0)),
+            _ => Err(HookError::Multiple(errs)),
+        }
+    }
+}
+
+/// A task driver that could not do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    #[error("driver {0:?} is not available on this node")]
+    UnknownDriver(String),
+    #[error("command {command:?} not found")]
+    CommandNotFound { command: String },
+    #[error("command {command:?} cannot be executed: permission denied")]
+    PermissionDenied { command: String },
+    #[error("starting {command:?}: {error}")]
+    Spawn {
+        command: String,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error("opening log file {path}: {error}")]
+    Logs {
+        path: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error("signalling process group {pgid}: {errno}")]
+    Signal { pgid: i32, errno: nix::Error },
+}
+
+/// What [`crate::AllocRunner::destroy`] could not do.
+#[derive(Debug, thiserror::Error)]
+pub enum AllocRunnerError {
+    #[error("alloc dir {path} still has mounts ({}); not removing it", .mounts.join(", "))]
+    StillMounted { path: PathBuf, mounts: Vec<String> },
+    #[error("{what} {path}: {error}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+}

@@ -1,0 +1,272 @@
+//! The plugin supervisor: runs a `csi_plugin` task as a CSI plugin.
+//!
+//! Before the task starts it gets `CSI_ENDPOINT=unix://<socket>`. After it
+//! starts, the supervisor waits for the socket, probes until the plugin is
+//! healthy (or kills the task for a restart once `health_timeout` has
+//! passed), asks for `GetPluginInfo` and registers the plugin in
+//! csimanager's registry. It probes every `plugin_probe_interval` after
+//! that, with a task event on each health change, and deregisters the
+//! plugin when the task exits.
+
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_csimanager::{CsiClient, CsiManager, PluginRegistration};
+use berth_proto::csi::v1 as csi;
+use berth_structs::TaskCsiPluginConfig;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tracing::{debug, info, warn, Instrument};
+
+use super::{KillRequest, TaskControl, TaskHook, TaskHookContext};
+use crate::error::HookError;
+use crate::state::TaskEvents;
+
+/// The longest path a unix socket can have (`sun_path` is 108 bytes with
+/// its terminating NUL).
+pub const MAX_SOCKET_PATH_LEN: usize = 107;
+
+/// How often the socket and health are checked while the plugin starts.
+const STARTUP_POLL: Duration = Duration::from_millis(250);
+
+pub const EVENT_PLUGIN_HEALTHY: &str = "Plugin became healthy";
+pub const EVENT_PLUGIN_UNHEALTHY: &str = "Plugin became unhealthy";
+
+/// `<plugin_root>/<plugin_id>/<alloc_id>/csi.sock`.
+pub fn plugin_socket_path(plugin_root: &Path, plugin_id: &str, alloc_id: &str) -> PathBuf {
+    plugin_root.join(plugin_id).join(alloc_id).join("csi.sock")
+}
+
+pub struct PluginSupervisorHook {
+    plugin: TaskCsiPluginConfig,
+    socket: Option<PathBuf>,
+    supervisor: Option<JoinHandle<()>>,
+}
+
+impl PluginSupervisorHook {
+    pub fn new(plugin: TaskCsiPluginConfig) -> PluginSupervisorHook {
+        PluginSupervisorHook {
+            plugin,
+            socket: None,
+            supervisor: None,
+        }
+    }
+
+    fn plugin_error(&self, message: impl Into<String>) -> HookError {
+        HookError::Plugin {
+            plugin_id: self.plugin.id.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// Stops supervising and deregisters this alloc's instance.
+    fn halt(&mut self, ctx: &TaskHookContext) {
+        if let Some(s) = self.supervisor.take() {
+            s.abort();
+        }
+        if ctx
+            .config
+            .csi
+            .registry()
+            .deregister(&self.plugin.id, &ctx.alloc.id)
+        {
+            info!(plugin_id = %self.plugin.id, "deregistered plugin");
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl TaskHook for PluginSupervisorHook {
+    fn name(&self) -> &'static str {
+        "plugin_supervisor"
+    }
+
+    async fn prestart(&mut self, ctx: &mut TaskHookContext) -> Result<(), HookError> {
+        let id = &self.plugin.id;
+        let mut comps = Path::new(id).components();
+        if !matches!((comps.next(), comps.next()), (Some(Component::Normal(c)), None) if c == id.as_str())
+        {
+            return Err(self.plugin_error("the plugin ID cannot be used as a directory name"));
+        }
+        let socket = plugin_socket_path(&ctx.config.plugin_root, id, &ctx.alloc.id);
+        let len = socket.as_os_str().len();
+        if len > MAX_SOCKET_PATH_LEN {
+            return Err(self.plugin_error(format!(
+                "socket path {} is {len} bytes, longer than the {MAX_SOCKET_PATH_LEN} a unix socket allows; use a shorter data_dir",
+                socket.display()
+            )));
+        }
+        if let Some(dir) = socket.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| HookError::io("creating plugin socket dir", dir, e))?;
+        }
+        match std::fs::remove_file(&socket) {
+            Ok(()) => debug!(socket = %socket.display(), "removed a stale plugin socket"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(HookError::io("removing stale plugin socket", &socket, e)),
+        }
+        ctx.env.insert(
+            "CSI_ENDPOINT".into(),
+            format!("unix://{}", socket.display()),
+        );
+        self.socket = Some(socket);
+        Ok(())
+    }
+
+    async fn poststart(
+        &mut self,
+        ctx: &TaskHookContext,
+        task: &TaskControl,
+    ) -> Result<(), HookError> {
+        let Some(socket) = self.socket.clone() else {
+            return Err(self.plugin_error("poststart ran before prestart"));
+        };
+        if let Some(s) = self.supervisor.take() {
+            s.abort();
+        }
+        let health_timeout = if self.plugin.health_timeout.is_zero() {
+            TaskCsiPluginConfig::DEFAULT_HEALTH_TIMEOUT
+        } else {
+            self.plugin.health_timeout
+        };
+        let sup = Supervision {
+            csi: ctx.config.csi.clone(),
+            plugin: self.plugin.clone(),
+            socket,
+            alloc_id: ctx.alloc.id.clone(),
+            events: ctx.events.clone(),
+            task: task.clone(),
+            health_timeout,
+            probe_interval: ctx.config.plugin_probe_interval,
+            call_timeout: ctx.config.plugin_call_timeout,
+        };
+        let span = tracing::info_span!("plugin_supervisor", alloc_id = %ctx.alloc.id, task = %ctx.task.name, plugin_id = %self.plugin.id);
+        self.supervisor = Some(tokio::spawn(sup.run().instrument(span)));
+        Ok(())
+    }
+
+    async fn exited(&mut self, ctx: &TaskHookContext) {
+        self.halt(ctx);
+    }
+
+    async fn stop(&mut self, ctx: &TaskHookContext) -> Result<(), HookError> {
+        self.halt(ctx);
+        if let Some(socket) = self.socket.take() {
+            let _ = std::fs::remove_file(&socket);
+            if let Some(dir) = socket.parent() {
+                let _ = std::fs::remove_dir(dir);
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Supervision {
+    csi: Arc<CsiManager>,
+    plugin: TaskCsiPluginConfig,
+    socket: PathBuf,
+    alloc_id: String,
+    events: TaskEvents,
+    task: TaskControl,
+    health_timeout: Duration,
+    probe_interval: Duration,
+    call_timeout: Duration,
+}
+
+impl Supervision {
+    async fn probe(&self, client: &CsiClient) -> Result<(), String> {
+        if !self.socket.exists() {
+            return Err(format!(
+                "socket {} does not exist yet",
+                self.socket.display()
+            ));
+        }
+        match client.probe(csi::ProbeRequest {}).await {
+            Ok(r) if r.ready == Some(false) => Err("the plugin reports it is not ready".into()),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Probes, then asks for the plugin's name and version.
+    async fn check(&self, client: &CsiClient) -> Result<csi::GetPluginInfoResponse, String> {
+        self.probe(client).await?;
+        client
+            .get_plugin_info(csi::GetPluginInfoRequest {})
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    fn unhealthy_kill(&self, message: String) {
+        warn!(error = %message, "plugin did not become healthy; restarting its task");
+        self.events.emit(EVENT_PLUGIN_UNHEALTHY, message.clone());
+        self.task.kill(KillRequest {
+            reason: message,
+            restart: true,
+        });
+    }
+
+    async fn run(self) {
+        let deadline = Instant::now() + self.health_timeout;
+        let client = match CsiClient::connect(&self.plugin.id, &self.socket, self.call_timeout) {
+            Ok(c) => c,
+            Err(e) => return self.unhealthy_kill(format!("connecting to the plugin: {e}")),
+        };
+        let info = loop {
+            match self.check(&client).await {
+                Ok(info) => break info,
+                Err(e) if Instant::now() >= deadline => {
+                    return self.unhealthy_kill(format!(
+                        "plugin did not become healthy within {:?}: {e}",
+                        self.health_timeout
+                    ));
+                }
+                Err(e) => debug!(error = %e, "plugin not healthy yet"),
+            }
+            tokio::time::sleep(STARTUP_POLL).await;
+        };
+        let reg = PluginRegistration {
+            plugin_id: self.plugin.id.clone(),
+            plugin_type: self.plugin.plugin_type,
+            socket_path: self.socket.clone(),
+            alloc_id: self.alloc_id.clone(),
+            task: self.events.task().to_string(),
+            mount_root: PathBuf::from(
+                self.plugin
+                    .stage_publish_base_dir
+                    .as_deref()
+                    .unwrap_or(&self.plugin.mount_dir),
+            ),
+            provider: info.name.clone(),
+            version: info.vendor_version.clone(),
+        };
+        self.csi.registry().register(reg.clone());
+        let healthy_message = format!(
+            "plugin {} ({} {}) is healthy and registered",
+            self.plugin.id, info.name, info.vendor_version
+        );
+        info!(provider = %info.name, version = %info.vendor_version, "plugin became healthy; registered it");
+        self.events
+            .emit(EVENT_PLUGIN_HEALTHY, healthy_message.clone());
+        let mut healthy = true;
+        loop {
+            tokio::time::sleep(self.probe_interval).await;
+            match (healthy, self.probe(&client).await) {
+                (true, Err(e)) => {
+                    warn!(error = %e, "plugin became unhealthy");
+                    healthy = false;
+                    self.events.emit(EVENT_PLUGIN_UNHEALTHY, e);
+                }
+                (false, Ok(())) => {
+                    info!("plugin became healthy again");
+                    healthy = true;
+                    self.csi.registry().register(reg.clone());
+                    self.events
+                        .emit(EVENT_PLUGIN_HEALTHY, healthy_message.clone());
+                }
+                _ => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,206 @@
+//! Binds the alloc's mounted CSI volumes into the task directory.
+
+use std::collections::BTreeMap;
+use std::path::{Component, Path, PathBuf};
+
+use berth_csimanager::MountInfo;
+use berth_structs::{check_destination, VolumeMount};
+use nix::errno::Errno;
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use tracing::{info, warn};
+
+use super::{TaskHook, TaskHookContext};
+use crate::error::HookError;
+
+/// For each `volume_mount` of the task, bind-mounts the volume's
+/// [`MountInfo::source`] at `<task_dir>/<destination>` (read-only when the
+/// mount or the volume is); unmounts them when the task is done. The mounts
+/// stay across restarts of the task.
+#[derive(Debug, Default)]
+pub struct VolumeMountsHook {
+    mounted: Vec<PathBuf>,
+}
+
+impl VolumeMountsHook {
+    /// The targets this hook has mounted and not yet unmounted.
+    pub fn mounted(&self) -> &[PathBuf] {
+        &self.mounted
+    }
+
+    /// Mounts every one of `volume_mounts` below `task_dir` that is not
+    /// mounted yet. On failure, what was mounted stays recorded for
+    /// [`Self::unmount_all`].
+    pub fn mount_all(
+        &mut self,
+        task_dir: &Path,
+        volume_mounts: &[VolumeMount],
+        mounts: &BTreeMap<String, MountInfo>,
+    ) -> Result<(), HookError> {
+        let root = task_dir
+            .canonicalize()
+            .map_err(|e| HookError::io("resolving task dir", task_dir, e))?;
+        for m in volume_mounts {
+            check_destination(&m.destination).map_err(|e| {
+                HookError::Invalid(format!("volume_mount destination {:?} {e}", m.destination))
+            })?;
+            let info = mounts.get(&m.volume).ok_or_else(|| {
+                HookError::Invalid(format!(
+                    "volume_mount names volume {:?}, which is not mounted for this alloc",
+                    m.volume
+                ))
+            })?;
+            let target = make_dir_inside(&root, &m.destination)?;
+            if self.mounted.contains(&target) {
+                continue;
+            }
+            let read_only = m.read_only || info.read_only;
+            mount(
+                Some(&info.source),
+                &target,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            )
+            .map_err(|errno| HookError::Bind {
+                src: info.source.clone(),
+                target: target.clone(),
+                errno,
+            })?;
+            if read_only {
+                let remount = mount(
+                    None::<&str>,
+                    &target,
+                    None::<&str>,
+                    MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+                    None::<&str>,
+                );
+                if let Err(errno) = remount {
+                    if let Err(e) = umount2(&target, MntFlags::MNT_DETACH) {
+                        warn!(target = %target.display(), error = %e, "undoing a bind mount that could not be made read-only");
+                        self.mounted.push(target.clone());
+                    }
+                    return Err(HookError::Bind {
+                        src: info.source.clone(),
+                        target,
+                        errno,
+                    });
+                }
+            }
+            info!(volume = %m.volume, target = %target.display(), read_only, "bound volume into the task dir");
+            self.mounted.push(target);
+        }
+        Ok(())
+    }
+
+    /// Unmounts every target this hook mounted, last first. Targets that
+    /// cannot be unmounted stay recorded.
+    pub fn unmount_all(&mut self) -> Result<(), HookError> {
+        let mut errs = Vec::new();
+        let mut left = Vec::new();
+        while let Some(target) = self.mounted.pop() {
+            match unmount(&target) {
+                Ok(()) => info!(target = %target.display(), "unbound volume from the task dir"),
+                Err(errno) => {
+                    errs.push(HookError::Unbind {
+                        target: target.clone(),
+                        errno,
+                    });
+                    left.push(target);
+                }
+            }
+        }
+        left.reverse();
+        self.mounted = left;
+        HookError::from_many(errs)
+    }
+}
+
+fn unmount(target: &Path) -> Result<(), Errno> {
+    match umount2(target, MntFlags::empty()) {
+        // Not a mount point (any more) or gone: nothing to undo.
+        Ok(()) | Err(Errno::EINVAL) | Err(Errno::ENOENT) => Ok(()),
+        Err(Errno::EBUSY) => {
+            warn!(target = %target.display(), "mount busy; detaching it");
+            umount2(target, MntFlags::MNT_DETACH)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes `rel` (lexically normalized) below `root`, refusing to follow a
+/// symlink or to leave `root`: the task owns its directory and could have
+/// put a symlink where a mount should go.
+fn make_dir_inside(root: &Path, rel: &str) -> Result<PathBuf, HookError> {
+    let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+    for c in Path::new(rel).components() {
+        match c {
+            Component::Normal(p) => parts.push(p),
+            Component::ParentDir => {
+                parts.pop();
+            }
+            Component::CurDir => {}
+            Component::RootDir | Component::Prefix(_) => {
+                return Err(HookError::Invalid(format!(
+                    "volume_mount destination {rel:?} must be relative"
+                )))
+            }
+        }
+    }
+    let mut path = root.to_path_buf();
+    for p in parts {
+        path.push(p);
+        match std::fs::symlink_metadata(&path) {
+            Ok(md) if md.file_type().is_symlink() => {
+                return Err(HookError::Invalid(format!(
+                    "volume_mount destination {rel:?}: {} is a symlink",
+                    path.display()
+                )))
+            }
+            Ok(md) if md.is_dir() => {}
+            Ok(_) => {
+                return Err(HookError::Invalid(format!(
+                    "volume_mount destination {rel:?}: {} is not a directory",
+                    path.display()
+                )))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                std::fs::create_dir(&path)
+                    .map_err(|e| HookError::io("creating mount point", &path, e))?;
+            }
+            Err(e) => return Err(HookError::io("inspecting mount point", &path, e)),
+        }
+    }
+    Ok(path)
+}
+
+#[async_trait::async_trait]
+impl TaskHook for VolumeMountsHook {
+    fn name(&self) -> &'static str {
+        "volume_mounts"
+    }
+
+    async fn prestart(&mut self, ctx: &mut TaskHookContext) -> Result<(), HookError> {
+        self.mount_all(&ctx.task_dir.dir, &ctx.task.volume_mounts, &ctx.mounts)
+    }
+
+    async fn stop(&mut self, _ctx: &TaskHookContext) -> Result<(), HookError> {
+        self.unmount_all()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_points_are_made_inside_without_following_symlinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let p = make_dir_inside(&root, "a/../b/c").unwrap();
+        assert_eq!(p, root.join("b/c"));
+        assert!(p.is_dir());
+        std::os::unix::fs::symlink("/etc", root.join("evil")).unwrap();
+        assert!(make_dir_inside(&root, "evil/x").is_err());
+        assert!(!Path::new("/etc/x").exists());
+    }
+}

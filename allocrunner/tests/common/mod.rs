@@ -1,0 +1,431 @@
+//! Shared fixtures of the alloc runner tests: a recording state updater, a
+//! scripted volume claimer, a real CsiManager over in-memory stores, alloc
+//! builders, and guards that clean up mounts and processes on failure.
+
+#![allow(dead_code)]
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use berth_allocrunner::{
+    AllocRunner, AllocRunnerConfig, AllocStateUpdater, ClaimError, ClaimRequest, ClaimResult,
+    VolumeClaimer,
+};
+use berth_csimanager::{
+    CsiManager, FingerprintSink, ManagerConfig, NodeEventSink, PluginRegistration, PluginRegistry,
+    VolumeStateStore, VolumeStub,
+};
+use berth_structs::{
+    AllocClientStatus, Allocation, CsiInfo, Job, JobType, NodeEvent, RestartPolicy, Task,
+    TaskConfig, TaskGroup, TaskState,
+};
+
+// ---------------------------------------------------------------- updater
+
+#[derive(Debug, Clone)]
+pub struct Update {
+    pub status: AllocClientStatus,
+    pub description: String,
+    pub tasks: BTreeMap<String, TaskState>,
+}
+
+#[derive(Default)]
+pub struct RecordingUpdater(Mutex<Vec<Update>>);
+
+impl RecordingUpdater {
+    pub fn updates(&self) -> Vec<Update> {
+        self.0.lock().unwrap().clone()
+    }
+    pub fn last(&self) -> Option<Update> {
+        self.0.lock().unwrap().last().cloned()
+    }
+    /// The distinct client statuses reported, in order.
+    pub fn statuses(&self) -> Vec<AllocClientStatus> {
+        let mut out: Vec<AllocClientStatus> = Vec::new();
+        for u in self.updates() {
+            if out.last() != Some(&u.status) {
+                out.push(u.status);
+            }
+        }
+        out
+    }
+    pub fn events(&self, task: &str) -> Vec<String> {
+        self.last()
+            .and_then(|u| u.tasks.get(task).cloned())
+            .map(|s| s.events.into_iter().map(|e| e.event_type).collect())
+            .unwrap_or_default()
+    }
+}
+
+impl AllocStateUpdater for RecordingUpdater {
+    fn alloc_updated(
+        &self,
+        _alloc_id: &str,
+        status: AllocClientStatus,
+        description: &str,
+        tasks: &BTreeMap<String, TaskState>,
+    ) {
+        self.0.lock().unwrap().push(Update {
+            status,
+            description: description.to_string(),
+            tasks: tasks.clone(),
+        });
+    }
+}
+
+// ---------------------------------------------------------------- claimer
+
+/// Answers claims from a script per volume (then with `default`), and
+/// records every claim and unpublish.
+#[derive(Default)]
+pub struct ScriptedClaimer {
+    pub scripts: Mutex<BTreeMap<String, VecDeque<Result<ClaimResult, ClaimError>>>>,
+    pub defaults: Mutex<BTreeMap<String, ClaimResult>>,
+    pub claims: Mutex<Vec<ClaimRequest>>,
+    pub unpublishes: Mutex<Vec<(String, String)>>,
+}
+
+impl ScriptedClaimer {
+    pub fn grant(&self, result: ClaimResult) {
+        self.defaults
+            .lock()
+            .unwrap()
+            .insert(result.volume_id.clone(), result);
+    }
+    pub fn script(&self, volume_id: &str, answers: Vec<Result<ClaimResult, ClaimError>>) {
+        self.scripts
+            .lock()
+            .unwrap()
+            .insert(volume_id.to_string(), answers.into());
+    }
+    pub fn claims(&self) -> Vec<ClaimRequest> {
+        self.claims.lock().unwrap().clone()
+    }
+    pub fn unpublishes(&self) -> Vec<(String, String)> {
+        self.unpublishes.lock().unwrap().clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl VolumeClaimer for ScriptedClaimer {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimResult, ClaimError> {
+        self.claims.lock().unwrap().push(req.clone());
+        if let Some(next) = self
+            .scripts
+            .lock()
+            .unwrap()
+            .get_mut(&req.volume_id)
+            .and_then(|q| q.pop_front())
+        {
+            return next;
+        }
+        self.defaults
+            .lock()
+            .unwrap()
+            .get(&req.volume_id)
+            .cloned()
+            .ok_or_else(|| ClaimError::fatal(format!("volume {} not found", req.volume_id)))
+    }
+
+    async fn unpublish(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
+        self.unpublishes
+            .lock()
+            .unwrap()
+            .push((volume_id.to_string(), alloc_id.to_string()));
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------- csimanager
+
+#[derive(Default)]
+pub struct MemStore {
+    plugins: Mutex<Vec<PluginRegistration>>,
+    volumes: Mutex<BTreeMap<String, VolumeStub>>,
+}
+
+impl MemStore {
+    pub fn volumes(&self) -> BTreeMap<String, VolumeStub> {
+        self.volumes.lock().unwrap().clone()
+    }
+}
+
+impl VolumeStateStore for MemStore {
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
+        Ok(self.plugins.lock().unwrap().clone())
+    }
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
+        *self.plugins.lock().unwrap() = plugins.to_vec();
+        Ok(())
+    }
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+        Ok(self.volumes().into_values().collect())
+    }
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
+        self.volumes
+            .lock()
+            .unwrap()
+            .insert(stub.key(), stub.clone());
+        Ok(())
+    }
+    fn delete_volume(&self, key: &str) -> Result<(), String> {
+        self.volumes.lock().unwrap().remove(key);
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+pub struct EventLog(pub Mutex<Vec<NodeEvent>>);
+
+impl NodeEventSink for EventLog {
+    fn emit(&self, event: NodeEvent) {
+        self.0.lock().unwrap().push(event);
+    }
+}
+
+#[derive(Default)]
+pub struct NoFingerprints;
+
+#[async_trait::async_trait]
+impl FingerprintSink for NoFingerprints {
+    async fn update_plugins(
+        &self,
+        _node: BTreeMap<String, CsiInfo>,
+        _controller: BTreeMap<String, CsiInfo>,
+    ) {
+    }
+}
+
+// ---------------------------------------------------------------- harness
+
+/// A temp data dir, a CsiManager, a claimer and an updater. Drops in field
+/// order: mounts are cleaned, processes of the test killed, then the temp
+/// dir goes.
+pub struct Harness {
+    pub config: Arc<AllocRunnerConfig>,
+    pub csi: Arc<CsiManager>,
+    pub claimer: Arc<ScriptedClaimer>,
+    pub updater: Arc<RecordingUpdater>,
+    pub store: Arc<MemStore>,
+    pub node_events: Arc<EventLog>,
+    _mounts: MountCleanup,
+    pub dir: tempfile::TempDir,
+}
+
+impl Harness {
+    pub fn new() -> Harness {
+        Self::with(|_| {})
+    }
+
+    pub fn with(adjust: impl FnOnce(&mut AllocRunnerConfig)) -> Harness {
+        let dir = tempfile::Builder::new()
+            .prefix("ar")
+            .tempdir()
+            .expect("temp dir");
+        let data = dir.path().canonicalize().unwrap();
+        let store = Arc::new(MemStore::default());
+        let node_events = Arc::new(EventLog::default());
+        let csi = CsiManager::new(
+            ManagerConfig {
+                root_dir: data.join("client/csi"),
+                node_id: "node-1".into(),
+                call_timeout: Duration::from_secs(5),
+                fingerprint_interval: Duration::from_secs(30),
+            },
+            PluginRegistry::new(),
+            store.clone(),
+            node_events.clone(),
+            Arc::new(NoFingerprints),
+        )
+        .expect("CsiManager::new");
+        let claimer = Arc::new(ScriptedClaimer::default());
+        let updater = Arc::new(RecordingUpdater::default());
+        let mut config = AllocRunnerConfig::new(
+            data.join("alloc"),
+            data.join("client/csi/plugins"),
+            "node-1".into(),
+            csi.clone(),
+            claimer.clone(),
+            updater.clone(),
+        );
+        config.default_kill_timeout = Duration::from_secs(2);
+        config.release_retry_timeout = Duration::from_secs(2);
+        adjust(&mut config);
+        Harness {
+            config: Arc::new(config),
+            csi,
+            claimer,
+            updater,
+            store,
+            node_events,
+            _mounts: MountCleanup(data),
+            dir,
+        }
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().canonicalize().unwrap()
+    }
+
+    pub fn runner(&self, alloc: Allocation) -> AllocRunner {
+        AllocRunner::new(self.config.clone(), alloc)
+    }
+}
+
+/// Waits for the runner to finish, within `within`.
+pub async fn wait_done(runner: &AllocRunner, within: Duration) {
+    tokio::time::timeout(within, runner.wait())
+        .await
+        .expect("the alloc runner finishes in time");
+}
+
+/// Polls `cond` every 20 ms until it holds or `within` passes.
+pub async fn wait_for(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// ---------------------------------------------------------------- allocs
+
+pub fn sh_task(name: &str, script: &str) -> Task {
+    Task {
+        name: name.into(),
+        driver: "raw_exec".into(),
+        config: TaskConfig {
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), script.into()],
+        },
+        ..Task::default()
+    }
+}
+
+pub fn no_restarts() -> RestartPolicy {
+    RestartPolicy {
+        attempts: 0,
+        interval: Duration::from_secs(60),
+        delay: Duration::ZERO,
+        mode: "fail".into(),
+    }
+}
+
+pub fn alloc(job_type: JobType, tasks: Vec<Task>) -> Allocation {
+    let group = TaskGroup {
+        name: "g".into(),
+        count: 1,
+        tasks,
+        restart: no_restarts(),
+        ..TaskGroup::default()
+    };
+    let id = berth_structs::generate_id();
+    Allocation {
+        name: "j.g[0]".into(),
+        job_id: "j".into(),
+        job: Job {
+            id: "j".into(),
+            name: "j".into(),
+            job_type,
+            task_groups: vec![group],
+            ..Job::default()
+        },
+        task_group: "g".into(),
+        node_id: "node-1".into(),
+        id,
+        ..Allocation::default()
+    }
+}
+
+pub fn group_mut(alloc: &mut Allocation) -> &mut TaskGroup {
+    &mut alloc.job.task_groups[0]
+}
+
+// ---------------------------------------------------------------- cleanup
+
+/// Mount points (from /proc/self/mountinfo) at or below `dir`.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+    text.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|p| p.starts_with(dir))
+        .collect()
+}
+
+/// Lazily unmounts everything below its dir on drop, deepest first.
+pub struct MountCleanup(pub PathBuf);
+
+impl Drop for MountCleanup {
+    fn drop(&mut self) {
+        for _ in 0..10 {
+            let mut mounts = mounts_under(&self.0);
+            if mounts.is_empty() {
+                return;
+            }
+            mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+            for m in mounts {
+                let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+    }
+}
+
+/// Live (non-zombie) processes whose process group is `pgid`.
+pub fn live_group_members(pgid: i32) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Fields after the command (which is in parentheses): state ppid pgrp.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            continue;
+        };
+        let fields: Vec<&str> = rest.split(' ').collect();
+        if fields.len() > 2 && fields[0] != "Z" && fields[2] == pgid.to_string() {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Kills a process group on drop, so a failed test leaves no `sleep 1000`.
+pub struct GroupKiller(pub Option<i32>);
+
+impl Drop for GroupKiller {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0 {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pgid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
+/// Kills, on drop, the process group whose leader wrote its pid to a file
+/// (tasks started as `sh -c 'echo $$ > FILE; exec ...'`).
+pub struct PidFileKiller(pub PathBuf);
+
+impl Drop for PidFileKiller {
+    fn drop(&mut self) {
+        let pgid = std::fs::read_to_string(&self.0)
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok());
+        if let Some(pgid) = pgid {
+            let _ = nix::sys::signal::killpg(
+                nix::unistd::Pid::from_raw(pgid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}

@@ -1,0 +1,354 @@
+//! CSI through the alloc runner with the real `hostpath-plugin` run as a
+//! plugin task: plugin supervision and registration, claims with retries,
+//! mounts bound into the task dir, release at stop, rollback on failure.
+//!
+//! Needs `cargo build -p hostpath-plugin` first.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use berth_allocrunner::task_hooks::MAX_SOCKET_PATH_LEN;
+use berth_allocrunner::{AllocRunner, ClaimError, ClaimResult};
+use berth_csimanager::volume_manager::volume_capability;
+use berth_proto::csi::v1 as csi;
+use berth_structs::{
+    AccessMode, AllocClientStatus, AllocDesiredStatus, AttachmentMode, ClaimMode, CsiMountOptions,
+    CsiPluginType, JobType, RestartPolicy, Task, TaskCsiPluginConfig, VolumeMount, VolumeRequest,
+};
+use common::*;
+
+const PLUGIN_ID: &str = "hostpath";
+const WITHIN: Duration = Duration::from_secs(30);
+
+fn hostpath_plugin_binary() -> PathBuf {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/hostpath-plugin");
+    assert!(
+        path.is_file(),
+        "{} not found: build it first with `cargo build -p hostpath-plugin`",
+        path.display()
+    );
+    path
+}
+
+fn plugin_config(health_timeout: Duration) -> TaskCsiPluginConfig {
+    TaskCsiPluginConfig {
+        id: PLUGIN_ID.into(),
+        plugin_type: CsiPluginType::Monolith,
+        mount_dir: "/csi".into(),
+        stage_publish_base_dir: None,
+        health_timeout,
+    }
+}
+
+struct Plugin {
+    runner: AllocRunner,
+    state_dir: PathBuf,
+    _killer: PidFileKiller,
+}
+
+impl Plugin {
+    fn backing_dir(&self, external_id: &str) -> PathBuf {
+        self.state_dir.join("volumes").join(external_id)
+    }
+
+    async fn stop(&self) {
+        let mut a = (*self.runner.alloc()).clone();
+        a.desired_status = AllocDesiredStatus::Stop;
+        self.runner.update(a);
+        wait_done(&self.runner, WITHIN).await;
+    }
+}
+
+/// Runs the hostpath plugin as a plugin task and waits for it to register.
+async fn start_plugin(h: &Harness) -> Plugin {
+    let script = format!(
+        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec {} --state-dir "$BERTH_TASK_DIR/local/state" --node-id node-1"#,
+        hostpath_plugin_binary().display()
+    );
+    let mut task = sh_task("plugin", &script);
+    task.csi_plugin = Some(plugin_config(Duration::from_secs(20)));
+    let a = alloc(JobType::Service, vec![task]);
+    let task_dir = h.data_dir().join("alloc").join(&a.id).join("plugin");
+    let killer = PidFileKiller(task_dir.join("local/pid"));
+    let runner = h.runner(a);
+    runner.run();
+    wait_for("the plugin to register", WITHIN, || {
+        h.csi.registry().get(PLUGIN_ID).is_some()
+    })
+    .await;
+    Plugin {
+        runner,
+        state_dir: task_dir.join("local/state"),
+        _killer: killer,
+    }
+}
+
+async fn create_volume(h: &Harness, name: &str) -> String {
+    let client = h.csi.client(PLUGIN_ID).await.expect("client");
+    client
+        .create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            volume_capabilities: vec![volume_capability(
+                AccessMode::MultiNodeMultiWriter,
+                AttachmentMode::FileSystem,
+                &CsiMountOptions::default(),
+            )],
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .volume
+        .expect("a volume")
+        .volume_id
+}
+
+fn grant(volume_id: &str, external_id: &str) -> ClaimResult {
+    ClaimResult {
+        volume_id: volume_id.into(),
+        external_id: external_id.into(),
+        plugin_id: PLUGIN_ID.into(),
+        secrets: BTreeMap::from([("token".to_string(), "s3cr3t".to_string())]),
+        ..ClaimResult::default()
+    }
+}
+
+fn csi_volume(name: &str, source: &str) -> VolumeRequest {
+    VolumeRequest {
+        name: name.into(),
+        volume_type: "csi".into(),
+        source: source.into(),
+        access_mode: Some(AccessMode::MultiNodeMultiWriter),
+        attachment_mode: Some(AttachmentMode::FileSystem),
+        ..VolumeRequest::default()
+    }
+}
+
+fn consumer(volumes: &[&str], task: Task) -> berth_structs::Allocation {
+    let mut a = alloc(JobType::Service, vec![task]);
+    group_mut(&mut a).volumes = volumes
+        .iter()
+        .map(|v| (v.to_string(), csi_volume(v, v)))
+        .collect();
+    a
+}
+
+#[tokio::test]
+async fn csi_volume_is_claimed_mounted_bound_and_released() {
+    let h = Harness::with(|c| c.plugin_probe_interval = Duration::from_millis(200));
+    let plugin = start_plugin(&h).await;
+    let plugin_events = h.updater.events("plugin");
+    assert!(
+        plugin_events.contains(&"Plugin became healthy".to_string()),
+        "{plugin_events:?}"
+    );
+    let reg = h.csi.registry().get(PLUGIN_ID).unwrap();
+    assert_eq!(reg.alloc_id, plugin.runner.alloc_id());
+    assert_eq!(reg.provider, "hostpath.csi.berth.dev");
+    assert!(reg.socket_path.ends_with("csi.sock"));
+
+    let ext = create_volume(&h, "vol").await;
+    // The first claim is refused as retryable (a previous claim is being
+    // freed); the hook retries.
+    h.claimer.script(
+        "vol",
+        vec![Err(ClaimError::retryable("no free write claims"))],
+    );
+    h.claimer.grant(grant("vol", &ext));
+
+    let mut task = sh_task(
+        "web",
+        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"
+echo hello > "$BERTH_TASK_DIR/data/hello"
+if (echo x > "$BERTH_TASK_DIR/ro/x") 2>/dev/null; then r=writable; else r=readonly; fi
+echo $r > "$BERTH_TASK_DIR/local/ro-result"
+sleep 1000"#,
+    );
+    task.volume_mounts = vec![
+        VolumeMount {
+            volume: "vol".into(),
+            destination: "data".into(),
+            read_only: false,
+        },
+        VolumeMount {
+            volume: "vol".into(),
+            destination: "ro".into(),
+            read_only: true,
+        },
+    ];
+    let a = consumer(&["vol"], task);
+    let task_dir = h.data_dir().join("alloc").join(&a.id).join("web");
+    let _killer = PidFileKiller(task_dir.join("local/pid"));
+    let runner = h.runner(a.clone());
+    runner.run();
+    let result = task_dir.join("local/ro-result");
+    wait_for("the task to use its volume", WITHIN, || {
+        std::fs::read_to_string(&result).is_ok_and(|s| s.ends_with('\n'))
+    })
+    .await;
+    assert_eq!(std::fs::read_to_string(&result).unwrap(), "readonly\n");
+    assert_eq!(
+        std::fs::read_to_string(plugin.backing_dir(&ext).join("hello")).unwrap(),
+        "hello\n",
+        "the write landed in the plugin's volume"
+    );
+    let claims = h.claimer.claims();
+    assert_eq!(claims.len(), 2, "one refused claim, one granted");
+    assert_eq!(claims[1].alloc_id, a.id);
+    assert_eq!(claims[1].mode, ClaimMode::Write);
+    assert_eq!(runner.client_status(), AllocClientStatus::Running);
+
+    let mut stopped = a.clone();
+    stopped.desired_status = AllocDesiredStatus::Stop;
+    runner.update(stopped);
+    wait_done(&runner, WITHIN).await;
+    assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), a.id.clone())]
+    );
+    assert!(mounts_under(&task_dir).is_empty(), "bind mounts are gone");
+    assert!(
+        mounts_under(&h.data_dir().join("client/csi")).is_empty(),
+        "unpublished and unstaged"
+    );
+    assert!(h.store.volumes().is_empty());
+    runner.destroy().await.expect("destroy");
+
+    plugin.stop().await;
+    assert!(h.csi.registry().get(PLUGIN_ID).is_none(), "deregistered");
+}
+
+#[tokio::test]
+async fn a_failed_claim_rolls_back_the_volumes_already_mounted() {
+    let h = Harness::new();
+    let plugin = start_plugin(&h).await;
+    let ext = create_volume(&h, "a").await;
+    h.claimer.grant(grant("a", &ext));
+    h.claimer.script(
+        "b",
+        vec![Err(ClaimError::fatal("volume b has no free claims"))],
+    );
+
+    let mut task = sh_task("web", "exit 0");
+    task.volume_mounts = vec![VolumeMount {
+        volume: "a".into(),
+        destination: "a".into(),
+        read_only: false,
+    }];
+    let a = consumer(&["a", "b"], task);
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_done(&runner, WITHIN).await;
+
+    let last = h.updater.last().unwrap();
+    assert_eq!(last.status, AllocClientStatus::Failed);
+    assert!(
+        last.description.contains("prerun hook \"csi\" failed")
+            && last.description.contains("claiming volume b"),
+        "{}",
+        last.description
+    );
+    let events = h.updater.events("web");
+    assert!(events.contains(&"Setup Failure".to_string()), "{events:?}");
+    assert!(!events.contains(&"Started".to_string()), "{events:?}");
+    // Postrun released both: the mounted one after unmounting it, and the
+    // refused one in case the servers took it anyway.
+    let mut released = h.claimer.unpublishes();
+    released.sort();
+    assert_eq!(
+        released,
+        vec![
+            ("a".to_string(), a.id.clone()),
+            ("b".to_string(), a.id.clone())
+        ]
+    );
+    assert!(h.store.volumes().is_empty(), "volume a was unmounted");
+    assert!(mounts_under(&h.data_dir().join("client/csi")).is_empty());
+    plugin.stop().await;
+}
+
+#[tokio::test]
+async fn a_plugin_that_never_becomes_healthy_is_restarted_then_fails() {
+    let h = Harness::new();
+    let mut task = sh_task("plugin", "exec sleep 1000");
+    task.csi_plugin = Some(plugin_config(Duration::from_millis(500)));
+    let mut a = alloc(JobType::Service, vec![task]);
+    group_mut(&mut a).restart = RestartPolicy {
+        attempts: 1,
+        interval: Duration::from_secs(600),
+        delay: Duration::ZERO,
+        mode: "fail".into(),
+    };
+    let runner = h.runner(a);
+    runner.run();
+    wait_done(&runner, WITHIN).await;
+    assert_eq!(runner.client_status(), AllocClientStatus::Failed);
+    let state = &h.updater.last().unwrap().tasks["plugin"];
+    let count = |t: &str| state.events.iter().filter(|e| e.event_type == t).count();
+    assert_eq!(count("Plugin became unhealthy"), 2, "{:?}", state.events);
+    assert_eq!(count("Restarting"), 1);
+    assert_eq!(count("Started"), 2);
+    let unhealthy = state
+        .events
+        .iter()
+        .find(|e| e.event_type == "Plugin became unhealthy")
+        .unwrap();
+    assert!(
+        unhealthy.message.contains("did not become healthy within"),
+        "{}",
+        unhealthy.message
+    );
+    assert_eq!(state.events.last().unwrap().event_type, "Not Restarting");
+    assert!(h.csi.registry().get(PLUGIN_ID).is_none());
+}
+
+#[tokio::test]
+async fn a_plugin_socket_path_too_long_fails_setup_clearly() {
+    let h = Harness::with(|c| c.plugin_root = c.plugin_root.join("x".repeat(100)));
+    let mut task = sh_task("plugin", "exec sleep 1000");
+    task.csi_plugin = Some(plugin_config(Duration::from_secs(5)));
+    let runner = h.runner(alloc(JobType::Service, vec![task]));
+    runner.run();
+    wait_done(&runner, WITHIN).await;
+    assert_eq!(runner.client_status(), AllocClientStatus::Failed);
+    let state = &h.updater.last().unwrap().tasks["plugin"];
+    let failure = state
+        .events
+        .iter()
+        .find(|e| e.event_type == "Setup Failure")
+        .expect("a Setup Failure event");
+    assert!(
+        failure
+            .message
+            .contains(&format!("longer than the {MAX_SOCKET_PATH_LEN}")),
+        "{}",
+        failure.message
+    );
+}
+
+#[tokio::test]
+async fn a_stop_while_a_claim_is_retried_gives_up_and_releases_it() {
+    let h = Harness::new();
+    // Refused as retryable for longer than the test runs.
+    h.claimer.script(
+        "vol",
+        (0..1000)
+            .map(|_| Err(ClaimError::retryable("no free write claims")))
+            .collect(),
+    );
+    let a = consumer(&["vol"], sh_task("web", "sleep 1000"));
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_for("a claim attempt", WITHIN, || !h.claimer.claims().is_empty()).await;
+    runner.stop();
+    wait_done(&runner, WITHIN).await;
+    assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    assert!(!h.updater.events("web").contains(&"Started".to_string()));
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), a.id.clone())]
+    );
+}

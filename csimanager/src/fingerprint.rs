@@ -1,0 +1,236 @@
+//! Fingerprinting of registered plugins: what each plugin is, whether it is
+//! healthy, and what it can do, as the node reports it to the servers.
+
+use berth_proto::csi::v1 as csi;
+use berth_structs::CsiInfo;
+use csi::controller_service_capability::rpc::Type as ControllerRpc;
+use csi::node_service_capability::rpc::Type as NodeRpc;
+use csi::plugin_capability::service::Type as PluginService;
+
+use crate::client::CsiClient;
+use crate::error::CsiError;
+use crate::registry::PluginRegistration;
+
+/// The fingerprint of one plugin instance: its node entry when its type has
+/// a node service, its controller entry when its type has a controller
+/// service (a monolith has both).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PluginFingerprint {
+    pub node: Option<CsiInfo>,
+    pub controller: Option<CsiInfo>,
+}
+
+impl PluginFingerprint {
+    /// Healthy when every service the plugin is registered for is healthy.
+    pub fn healthy(&self) -> bool {
+        let entries = [self.node.as_ref(), self.controller.as_ref()];
+        let mut present = entries.into_iter().flatten().peekable();
+        present.peek().is_some() && present.all(|i| i.healthy)
+    }
+
+    /// The first unhealthy entry's description, or empty.
+    pub fn health_error(&self) -> String {
+        [self.node.as_ref(), self.controller.as_ref()]
+            .into_iter()
+            .flatten()
+            .find(|i| !i.healthy)
+            .map(|i| i.health_description.clone())
+            .unwrap_or_default()
+    }
+}
+
+const HEALTHY: &str = "healthy";
+
+/// Fingerprints the plugin registered as `reg` through `client`. Never
+/// fails: a plugin that cannot be fingerprinted is reported unhealthy, with
+/// the reason in `health_description`.
+pub async fn fingerprint(client: &CsiClient, reg: &PluginRegistration) -> PluginFingerprint {
+    let base = CsiInfo {
+        plugin_id: reg.plugin_id.clone(),
+        alloc_id: reg.alloc_id.clone(),
+        provider: reg.provider.clone(),
+        version: reg.version.clone(),
+        healthy: false,
+        health_description: String::new(),
+        ..CsiInfo::default()
+    };
+    let mut fp = PluginFingerprint {
+        node: reg.plugin_type.has_node().then(|| base.clone()),
+        controller: reg.plugin_type.has_controller().then(|| base.clone()),
+    };
+    let set_all_unhealthy = |fp: &mut PluginFingerprint, why: String| {
+        for info in [fp.node.as_mut(), fp.controller.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            info.healthy = false;
+            info.health_description = why.clone();
+        }
+    };
+
+    let identity = match identity(client).await {
+        Ok(i) => i,
+        Err(e) => {
+            set_all_unhealthy(&mut fp, e.to_string());
+            return fp;
+        }
+    };
+    for info in [fp.node.as_mut(), fp.controller.as_mut()]
+        .into_iter()
+        .flatten()
+    {
+        info.provider = identity.provider.clone();
+        info.version = identity.version.clone();
+    }
+    if !identity.ready {
+        set_all_unhealthy(&mut fp, "plugin is not ready (Probe)".to_string());
+        return fp;
+    }
+
+    if let Some(info) = fp.node.as_mut() {
+        match node_fingerprint(client, info).await {
+            Ok(()) => {
+                info.healthy = true;
+                info.health_description = HEALTHY.to_string();
+            }
+            Err(e) => {
+                info.healthy = false;
+                info.health_description = e.to_string();
+            }
+        }
+    }
+    if let Some(info) = fp.controller.as_mut() {
+        if !identity.controller_service {
+            info.healthy = false;
+            info.health_description =
+                "plugin does not advertise CONTROLLER_SERVICE (GetPluginCapabilities)".to_string();
+        } else {
+            match controller_fingerprint(client, info).await {
+                Ok(()) => {
+                    info.healthy = true;
+                    info.health_description = HEALTHY.to_string();
+                }
+                Err(e) => {
+                    info.healthy = false;
+                    info.health_description = e.to_string();
+                }
+            }
+        }
+    }
+    fp
+}
+
+struct Identity {
+    provider: String,
+    version: String,
+    ready: bool,
+    controller_service: bool,
+}
+
+async fn identity(client: &CsiClient) -> Result<Identity, CsiError> {
+    let info = client.get_plugin_info(csi::GetPluginInfoRequest {}).await?;
+    let caps = client
+        .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {})
+        .await?;
+    let probe = client.probe(csi::ProbeRequest {}).await?;
+    let controller_service = caps.capabilities.iter().any(|c| {
+        matches!(
+            c.r#type,
+            Some(csi::plugin_capability::Type::Service(s))
+                if s.r#type == PluginService::ControllerService as i32
+        )
+    });
+    Ok(Identity {
+        provider: info.name,
+        version: info.vendor_version,
+        // An unset `ready` means ready (CSI spec).
+        ready: probe.ready.unwrap_or(true),
+        controller_service,
+    })
+}
+
+async fn node_fingerprint(client: &CsiClient, info: &mut CsiInfo) -> Result<(), CsiError> {
+    let node = client.node_get_info(csi::NodeGetInfoRequest {}).await?;
+    let caps = client
+        .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+        .await?;
+    info.external_node_id = node.node_id;
+    info.max_volumes = u64::try_from(node.max_volumes_per_node).unwrap_or(0);
+    info.supports_stage_unstage = node_supports_stage_unstage(&caps);
+    Ok(())
+}
+
+async fn controller_fingerprint(client: &CsiClient, info: &mut CsiInfo) -> Result<(), CsiError> {
+    let caps = client
+        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await?;
+    let has = |want: ControllerRpc| {
+        caps.capabilities.iter().any(|c| {
+            matches!(
+                c.r#type,
+                Some(csi::controller_service_capability::Type::Rpc(r)) if r.r#type == want as i32
+            )
+        })
+    };
+    info.requires_controller_publish = has(ControllerRpc::PublishUnpublishVolume);
+    info.supports_create_delete = has(ControllerRpc::CreateDeleteVolume);
+    Ok(())
+}
+
+/// Whether the node service advertises `STAGE_UNSTAGE_VOLUME`.
+pub fn node_supports_stage_unstage(caps: &csi::NodeGetCapabilitiesResponse) -> bool {
+    caps.capabilities.iter().any(|c| {
+        matches!(
+            c.r#type,
+            Some(csi::node_service_capability::Type::Rpc(r))
+                if r.r#type == NodeRpc::StageUnstageVolume as i32
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(healthy: bool, why: &str) -> CsiInfo {
+        CsiInfo {
+            healthy,
+            health_description: why.into(),
+            ..CsiInfo::default()
+        }
+    }
+
+    #[test]
+    fn a_monolith_is_healthy_only_when_both_services_are() {
+        let mut fp = PluginFingerprint {
+            node: Some(info(true, "healthy")),
+            controller: Some(info(false, "boom")),
+        };
+        assert!(!fp.healthy());
+        assert_eq!(fp.health_error(), "boom");
+        fp.controller = Some(info(true, "healthy"));
+        assert!(fp.healthy());
+        assert_eq!(fp.health_error(), "");
+        assert!(!PluginFingerprint::default().healthy());
+    }
+
+    #[test]
+    fn stage_unstage_capability_is_read() {
+        let cap = |t: NodeRpc| csi::NodeServiceCapability {
+            r#type: Some(csi::node_service_capability::Type::Rpc(
+                csi::node_service_capability::Rpc { r#type: t as i32 },
+            )),
+        };
+        let yes = csi::NodeGetCapabilitiesResponse {
+            capabilities: vec![
+                cap(NodeRpc::GetVolumeStats),
+                cap(NodeRpc::StageUnstageVolume),
+            ],
+        };
+        let no = csi::NodeGetCapabilitiesResponse {
+            capabilities: vec![cap(NodeRpc::GetVolumeStats)],
+        };
+        assert!(node_supports_stage_unstage(&yes));
+        assert!(!node_supports_stage_unstage(&no));
+    }
+}

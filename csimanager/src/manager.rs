@@ -1,0 +1,418 @@
+//! The CSI manager: ties the registry, clients, fingerprinting and the
+//! volume manager together.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use berth_proto::csi::v1 as csi;
+use berth_structs::{CsiInfo, NodeEvent};
+use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+use crate::client::CsiClient;
+use crate::error::CsiError;
+use crate::fingerprint::{fingerprint, node_supports_stage_unstage, PluginFingerprint};
+use crate::registry::{PluginRegistration, PluginRegistry};
+use crate::sinks::{FingerprintSink, NodeEventSink, VolumeStateStore};
+use crate::volume::{MountInfo, MountRequest, UnmountRequest};
+use crate::volume_manager::{RetryPolicy, VolumeManager};
+
+#[derive(Debug, Clone)]
+pub struct ManagerConfig {
+    /// `<data_dir>/client/csi`: staging and per-alloc publish paths live
+    /// below it, per plugin.
+    pub root_dir: PathBuf,
+    pub node_id: String,
+    /// Deadline of each CSI call.
+    pub call_timeout: Duration,
+    /// How often registered plugins are probed and fingerprinted again.
+    pub fingerprint_interval: Duration,
+}
+
+/// A cached client, valid for one plugin instance.
+struct CachedClient {
+    registration: PluginRegistration,
+    client: CsiClient,
+}
+
+#[derive(Default)]
+struct FingerprintState {
+    /// The last fingerprint of each registered plugin.
+    plugins: BTreeMap<String, PluginFingerprint>,
+    /// What was last sent to the fingerprint sink (node, controller).
+    sent: Option<(BTreeMap<String, CsiInfo>, BTreeMap<String, CsiInfo>)>,
+}
+
+pub struct CsiManager {
+    config: ManagerConfig,
+    registry: PluginRegistry,
+    store: Arc<dyn VolumeStateStore>,
+    events: Arc<dyn NodeEventSink>,
+    fingerprints: Arc<dyn FingerprintSink>,
+    clients: Mutex<HashMap<String, CachedClient>>,
+    state: Mutex<FingerprintState>,
+    /// What the store holds of the registry.
+    saved_plugins: Mutex<Option<Vec<PluginRegistration>>>,
+    /// Serializes fingerprint rounds (the run loop and explicit calls).
+    refresh_lock: tokio::sync::Mutex<()>,
+    volumes: VolumeManager,
+}
+
+impl CsiManager {
+    /// Restores the plugin registry and the volume usage stubs from `store`.
+    pub fn new(
+        config: ManagerConfig,
+        registry: PluginRegistry,
+        store: Arc<dyn VolumeStateStore>,
+        events: Arc<dyn NodeEventSink>,
+        fingerprints: Arc<dyn FingerprintSink>,
+    ) -> Result<Arc<CsiManager>, CsiError> {
+        let plugins = store.load_plugins().map_err(CsiError::Store)?;
+        for reg in plugins {
+            // A plugin task that registered again before us wins.
+            if registry.get(&reg.plugin_id).is_none() {
+                tracing::info!(plugin_id = %reg.plugin_id, alloc_id = %reg.alloc_id, "restored CSI plugin registration");
+                registry.register(reg);
+            }
+        }
+        let stubs = store.load_volumes().map_err(CsiError::Store)?;
+        for s in &stubs {
+            tracing::info!(plugin_id = %s.plugin_id, volume_id = %s.volume_id, allocs = s.allocs.len(), staged = s.staged, "restored CSI volume usage");
+        }
+        let volumes = VolumeManager::new(
+            config.root_dir.clone(),
+            store.clone(),
+            events.clone(),
+            stubs,
+        );
+        let manager = Arc::new(CsiManager {
+            config,
+            registry,
+            store,
+            events,
+            fingerprints,
+            clients: Mutex::default(),
+            state: Mutex::default(),
+            saved_plugins: Mutex::default(),
+            refresh_lock: tokio::sync::Mutex::new(()),
+            volumes,
+        });
+        manager.persist_registry()?;
+        Ok(manager)
+    }
+
+    /// How uncertain errors of volume operations are retried (the default
+    /// gives up within about half a minute).
+    pub fn set_retry_policy(&self, policy: RetryPolicy) {
+        self.volumes.set_retry_policy(policy);
+    }
+
+    pub fn config(&self) -> &ManagerConfig {
+        &self.config
+    }
+
+    /// Fingerprints on every registry change and every interval, until
+    /// `shutdown` flips to true.
+    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let mut changes = self.registry.subscribe();
+        let mut tick = tokio::time::interval(self.config.fingerprint_interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut first = true;
+        loop {
+            if *shutdown.borrow() {
+                break;
+            }
+            tokio::select! {
+                r = shutdown.changed() => {
+                    if r.is_err() {
+                        break;
+                    }
+                    continue;
+                }
+                r = changes.changed() => {
+                    if r.is_err() {
+                        break;
+                    }
+                    changes.borrow_and_update();
+                }
+                _ = tick.tick() => {}
+            }
+            // Also catches changes made before this loop subscribed.
+            if let Err(e) = self.persist_registry() {
+                tracing::error!(error = %e, "persisting the CSI plugin registry failed");
+            }
+            self.refresh_fingerprints().await;
+            if first {
+                first = false;
+                self.reap_unused_volumes().await;
+            }
+        }
+        tracing::debug!("CSI manager stopped");
+    }
+
+    /// The registry plugin tasks register into.
+    pub fn registry(&self) -> &PluginRegistry {
+        &self.registry
+    }
+
+    /// The last fingerprint of a registered plugin.
+    pub fn plugin_fingerprint(&self, plugin_id: &str) -> Option<PluginFingerprint> {
+        self.lock_state().plugins.get(plugin_id).cloned()
+    }
+
+    /// A client for a registered plugin; connections are cached and reused.
+    pub async fn client(&self, plugin_id: &str) -> Result<CsiClient, CsiError> {
+        let reg = self
+            .registry
+            .get(plugin_id)
+            .ok_or_else(|| CsiError::PluginNotFound(plugin_id.to_string()))?;
+        self.client_for(&reg)
+    }
+
+    fn client_for(&self, reg: &PluginRegistration) -> Result<CsiClient, CsiError> {
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = clients.get(&reg.plugin_id) {
+            if c.registration.socket_path == reg.socket_path {
+                return Ok(c.client.clone());
+            }
+        }
+        let client =
+            CsiClient::connect(&reg.plugin_id, &reg.socket_path, self.config.call_timeout)?;
+        clients.insert(
+            reg.plugin_id.clone(),
+            CachedClient {
+                registration: reg.clone(),
+                client: client.clone(),
+            },
+        );
+        Ok(client)
+    }
+
+    /// Stages (once per volume and usage on the node) and publishes (once
+    /// per alloc) a volume.
+    pub async fn mount_volume(&self, req: MountRequest) -> Result<MountInfo, CsiError> {
+        let client = match self.client(&req.plugin_id).await {
+            Ok(c) => c,
+            Err(e) => {
+                self.emit_storage_failure("Mount volume", &req.volume_id, &req.alloc_id, &e);
+                return Err(e);
+            }
+        };
+        let supports_stage = match self.supports_stage_unstage(&client).await {
+            Ok(s) => s,
+            Err(e) => {
+                self.emit_storage_failure("Mount volume", &req.volume_id, &req.alloc_id, &e);
+                return Err(e);
+            }
+        };
+        self.volumes
+            .mount_volume(&client, supports_stage, &req)
+            .await
+    }
+
+    /// Unpublishes the alloc's target and unstages when it was the last user
+    /// of that usage on the node. Idempotent.
+    pub async fn unmount_volume(&self, req: UnmountRequest) -> Result<(), CsiError> {
+        let (alloc_uses, unfinished_undo) = self.volumes.unmount_work(&req);
+        let client = if alloc_uses {
+            match self.client(&req.plugin_id).await {
+                Ok(c) => Some(c),
+                Err(e) => {
+                    self.emit_storage_failure("Unmount volume", &req.volume_id, &req.alloc_id, &e);
+                    return Err(e);
+                }
+            }
+        } else if unfinished_undo {
+            // Not this alloc's to finish, but worth a try when the plugin is here.
+            self.client(&req.plugin_id).await.ok()
+        } else {
+            None
+        };
+        self.volumes.unmount_volume(client.as_ref(), &req).await
+    }
+
+    /// Staging and publish paths of a usage (for callers that inspect them).
+    pub fn staging_path(&self, req: &MountRequest) -> PathBuf {
+        self.volumes.staging_path(
+            &req.plugin_id,
+            &req.volume_id,
+            req.access_mode,
+            req.attachment_mode,
+            req.read_only,
+        )
+    }
+
+    pub fn target_path(&self, req: &MountRequest) -> PathBuf {
+        self.volumes.target_path(
+            &req.plugin_id,
+            &req.alloc_id,
+            &req.volume_id,
+            req.access_mode,
+            req.attachment_mode,
+            req.read_only,
+        )
+    }
+
+    /// The volume usages recorded on this node.
+    pub fn volume_stubs(&self) -> Vec<crate::volume::VolumeStub> {
+        self.volumes.stubs()
+    }
+
+    /// From the last fingerprint when there is one, else asked.
+    async fn supports_stage_unstage(&self, client: &CsiClient) -> Result<bool, CsiError> {
+        if let Some(node) = self
+            .lock_state()
+            .plugins
+            .get(client.plugin_id())
+            .and_then(|fp| fp.node.as_ref())
+            .filter(|n| n.healthy)
+        {
+            return Ok(node.supports_stage_unstage);
+        }
+        let caps = self
+            .volumes
+            .with_retry("NodeGetCapabilities", || {
+                client.node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+            })
+            .await?;
+        Ok(node_supports_stage_unstage(&caps))
+    }
+
+    /// Fingerprints every registered plugin, emits CSI node events for
+    /// health changes, and sends the full set to the fingerprint sink when it
+    /// changed (always the first time).
+    pub async fn refresh_fingerprints(&self) {
+        let _round = self.refresh_lock.lock().await;
+        let regs = self.registry.list();
+
+        // Forget clients of plugins that are gone or moved.
+        {
+            let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+            clients.retain(|id, c| {
+                regs.iter()
+                    .any(|r| &r.plugin_id == id && r.socket_path == c.registration.socket_path)
+            });
+        }
+
+        let mut set = JoinSet::new();
+        for reg in &regs {
+            let client = match self.client_for(reg) {
+                Ok(c) => c,
+                Err(e) => {
+                    tracing::warn!(plugin_id = %reg.plugin_id, error = %e, "cannot make a CSI client");
+                    continue;
+                }
+            };
+            let reg = reg.clone();
+            set.spawn(async move {
+                let fp = fingerprint(&client, &reg).await;
+                (reg.plugin_id, fp)
+            });
+        }
+        let mut fresh = BTreeMap::new();
+        while let Some(joined) = set.join_next().await {
+            match joined {
+                Ok((id, fp)) => {
+                    fresh.insert(id, fp);
+                }
+                Err(e) => tracing::error!(error = %e, "CSI fingerprint task failed"),
+            }
+        }
+
+        let (update, events) = {
+            let mut state = self.lock_state();
+            let mut events = Vec::new();
+            for (id, fp) in &fresh {
+                let was = state.plugins.get(id).map(PluginFingerprint::healthy);
+                let now = fp.healthy();
+                if was != Some(now) {
+                    let message = if now {
+                        "Plugin became healthy"
+                    } else {
+                        "Plugin became unhealthy"
+                    };
+                    if now {
+                        tracing::info!(plugin_id = %id, "CSI plugin became healthy");
+                    } else {
+                        tracing::warn!(plugin_id = %id, error = %fp.health_error(), "CSI plugin became unhealthy");
+                    }
+                    events.push(
+                        NodeEvent::new(NodeEvent::SUBSYSTEM_CSI, message)
+                            .with_detail("plugin_id", id.clone())
+                            .with_detail("error", fp.health_error()),
+                    );
+                }
+            }
+            state.plugins = fresh;
+            let mut nodes = BTreeMap::new();
+            let mut controllers = BTreeMap::new();
+            for (id, fp) in &state.plugins {
+                if let Some(n) = &fp.node {
+                    nodes.insert(id.clone(), n.clone());
+                }
+                if let Some(c) = &fp.controller {
+                    controllers.insert(id.clone(), c.clone());
+                }
+            }
+            let maps = (nodes, controllers);
+            let update = if state.sent.as_ref() != Some(&maps) {
+                state.sent = Some(maps.clone());
+                Some(maps)
+            } else {
+                None
+            };
+            (update, events)
+        };
+        for e in events {
+            self.events.emit(e);
+        }
+        if let Some((nodes, controllers)) = update {
+            self.fingerprints.update_plugins(nodes, controllers).await;
+        }
+    }
+
+    /// Finishes undoing usages that no alloc uses any more (an unstage that
+    /// failed before a restart).
+    async fn reap_unused_volumes(&self) {
+        for stub in self.volumes.stubs() {
+            if !stub.allocs.is_empty() {
+                continue;
+            }
+            let Ok(client) = self.client(&stub.plugin_id).await else {
+                continue;
+            };
+            if let Err(e) = self.volumes.reap_unused(&client, &stub).await {
+                tracing::warn!(plugin_id = %stub.plugin_id, volume_id = %stub.volume_id, error = %e, "unstaging an unused volume failed");
+            }
+        }
+    }
+
+    /// Saves the registry when it differs from what was saved last.
+    fn persist_registry(&self) -> Result<(), CsiError> {
+        let plugins = self.registry.list();
+        let mut saved = self.saved_plugins.lock().unwrap_or_else(|e| e.into_inner());
+        if saved.as_ref() == Some(&plugins) {
+            return Ok(());
+        }
+        self.store.save_plugins(&plugins).map_err(CsiError::Store)?;
+        *saved = Some(plugins);
+        Ok(())
+    }
+
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, FingerprintState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn emit_storage_failure(&self, message: &str, volume_id: &str, alloc_id: &str, e: &CsiError) {
+        tracing::warn!(volume_id, alloc_id, error = %e, "{message} failed");
+        self.events.emit(
+            NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, message)
+                .with_detail("volume_id", volume_id)
+                .with_detail("alloc_id", alloc_id)
+                .with_detail("success", "false")
+                .with_detail("error", e.to_string()),
+        );
+    }
+}

@@ -1,0 +1,114 @@
+//! The volume manager: stages and publishes volumes for allocs, counts
+//! usage per volume on the node, and undoes it all on unmount.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions};
+use serde::{Deserialize, Serialize};
+
+/// What the CSI hook asks for to mount one volume for one alloc.
+/// `secrets` are passed to the plugin and never logged (Debug redacts them).
+#[derive(Clone)]
+pub struct MountRequest {
+    pub plugin_id: String,
+    pub volume_id: String,
+    pub external_id: String,
+    pub alloc_id: String,
+    pub access_mode: AccessMode,
+    pub attachment_mode: AttachmentMode,
+    pub read_only: bool,
+    pub mount_options: CsiMountOptions,
+    pub publish_context: BTreeMap<String, String>,
+    pub volume_context: BTreeMap<String, String>,
+    pub secrets: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for MountRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MountRequest")
+            .field("plugin_id", &self.plugin_id)
+            .field("volume_id", &self.volume_id)
+            .field("external_id", &self.external_id)
+            .field("alloc_id", &self.alloc_id)
+            .field("access_mode", &self.access_mode)
+            .field("attachment_mode", &self.attachment_mode)
+            .field("read_only", &self.read_only)
+            .field("secrets", &"<redacted>")
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a mounted volume is on the host, for the task runner to bind.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountInfo {
+    /// The per-alloc publish target (host path).
+    pub source: PathBuf,
+    pub read_only: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct UnmountRequest {
+    pub plugin_id: String,
+    pub volume_id: String,
+    pub external_id: String,
+    pub alloc_id: String,
+    pub access_mode: AccessMode,
+    pub attachment_mode: AttachmentMode,
+    pub read_only: bool,
+}
+
+/// What is persisted about one volume on this node, per usage (access mode,
+/// attachment mode, read-only): enough to unpublish and unstage it after a
+/// restart, and the allocs that use it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeStub {
+    pub plugin_id: String,
+    pub volume_id: String,
+    pub external_id: String,
+    pub access_mode: AccessMode,
+    pub attachment_mode: AttachmentMode,
+    pub read_only: bool,
+    pub staging_path: PathBuf,
+    /// Whether NodeStageVolume has succeeded (or may have: it is set before
+    /// the call, so a restart still unstages).
+    pub staged: bool,
+    /// Allocs using the volume with this usage, with their publish targets.
+    pub allocs: BTreeMap<String, PathBuf>,
+}
+
+impl VolumeStub {
+    /// `<plugin>/<volume>/<usage>`: unique per usage of a volume on a node.
+    pub fn key(&self) -> String {
+        stub_key(
+            &self.plugin_id,
+            &self.volume_id,
+            self.access_mode,
+            self.attachment_mode,
+            self.read_only,
+        )
+    }
+}
+
+/// The name of a usage: `<access>-<attachment>[-ro]`.
+pub fn usage_name(access: AccessMode, attach: AttachmentMode, read_only: bool) -> String {
+    format!(
+        "{}-{}{}",
+        access.as_str(),
+        attach.as_str(),
+        if read_only { "-ro" } else { "" }
+    )
+}
+
+pub fn stub_key(
+    plugin_id: &str,
+    volume_id: &str,
+    access: AccessMode,
+    attach: AttachmentMode,
+    read_only: bool,
+) -> String {
+    format!(
+        "{plugin_id}/{volume_id}/{}",
+        usage_name(access, attach, read_only)
+    )
+}

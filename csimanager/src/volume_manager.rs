@@ -1,0 +1,727 @@
+//! The volume manager: stages and publishes volumes for allocs, counts usage
+//! per volume on the node, undoes it all on unmount, and emits a `Storage`
+//! node event for every mount and unmount.
+//!
+//! Paths (all host paths under `ManagerConfig::root_dir`; the registration's
+//! `mount_root` is not used, because plugins run as host processes and see
+//! these paths as they are):
+//! - staging: `<root>/<plugin_id>/staging/<volume_id>/<usage>`
+//! - publish target: `<root>/<plugin_id>/per-alloc/<alloc_id>/<volume_id>/<usage>`
+//!
+//! Rules kept here:
+//! - One operation in flight per volume on the node ([`VolumeLocks`]).
+//! - The usage (the alloc in the volume's [`VolumeStub`]) is persisted before
+//!   `NodeStageVolume`, with `staged = true`, and given back if staging fails.
+//! - Uncertain errors are retried with bounded backoff; a publish that finally
+//!   fails is undone (unpublish, and unstage when it was the last user).
+//! - An undo that fails leaves the stub recording what remains to be undone,
+//!   so a later `unmount_volume` (or a restarted agent) finishes it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use berth_proto::csi::v1 as csi;
+use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions, NodeEvent};
+use tokio::sync::OwnedMutexGuard;
+use tonic::Code;
+use tracing::Instrument;
+
+use crate::client::CsiClient;
+use crate::error::CsiError;
+use crate::sinks::{NodeEventSink, VolumeStateStore};
+use crate::volume::{stub_key, usage_name, MountInfo, MountRequest, UnmountRequest, VolumeStub};
+
+/// How uncertain CSI calls are retried: exponential backoff from
+/// `min_delay` to `max_delay`, at most `max_retries` retries, and no more
+/// than `max_total_delay` spent sleeping between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    pub min_delay: Duration,
+    pub max_delay: Duration,
+    pub max_retries: usize,
+    pub max_total_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    /// Up to 4 retries (0.5 s, 1 s, 2 s, 4 s): with the call deadlines, an
+    /// operation gives up well within half a minute.
+    fn default() -> Self {
+        RetryPolicy {
+            min_delay: Duration::from_millis(500),
+            max_delay: Duration::from_secs(5),
+            max_retries: 4,
+            max_total_delay: Duration::from_secs(20),
+        }
+    }
+}
+
+impl RetryPolicy {
+    fn backoff(&self) -> ExponentialBuilder {
+        ExponentialBuilder::default()
+            .with_min_delay(self.min_delay)
+            .with_max_delay(self.max_delay)
+            .with_max_times(self.max_retries)
+            .with_total_delay(Some(self.max_total_delay))
+    }
+}
+
+/// Per-volume async locks, keyed by plugin and volume. An entry lives only
+/// while someone holds or waits for it.
+#[derive(Default)]
+struct VolumeLocks {
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+struct VolumeLockGuard<'a> {
+    locks: &'a VolumeLocks,
+    key: String,
+    guard: Option<OwnedMutexGuard<()>>,
+}
+
+impl VolumeLocks {
+    async fn lock(&self, plugin_id: &str, volume_id: &str) -> VolumeLockGuard<'_> {
+        let key = format!("{plugin_id}/{volume_id}");
+        let mutex = {
+            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+            locks.entry(key.clone()).or_default().clone()
+        };
+        let guard = mutex.lock_owned().await;
+        VolumeLockGuard {
+            locks: self,
+            key,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl Drop for VolumeLockGuard<'_> {
+    fn drop(&mut self) {
+        let mut locks = self.locks.locks.lock().unwrap_or_else(|e| e.into_inner());
+        // Held by the map and by our guard only: nobody waits, forget it.
+        // New waiters must take the map lock first, so this cannot race.
+        if locks
+            .get(&self.key)
+            .is_some_and(|m| Arc::strong_count(m) == 2)
+        {
+            locks.remove(&self.key);
+        }
+        self.guard.take();
+    }
+}
+
+pub(crate) struct VolumeManager {
+    root_dir: PathBuf,
+    store: Arc<dyn VolumeStateStore>,
+    events: Arc<dyn NodeEventSink>,
+    /// By `VolumeStub::key`; mirrors the store.
+    stubs: Mutex<BTreeMap<String, VolumeStub>>,
+    locks: VolumeLocks,
+    retry: Mutex<RetryPolicy>,
+}
+
+impl VolumeManager {
+    pub(crate) fn new(
+        root_dir: PathBuf,
+        store: Arc<dyn VolumeStateStore>,
+        events: Arc<dyn NodeEventSink>,
+        stubs: Vec<VolumeStub>,
+    ) -> VolumeManager {
+        VolumeManager {
+            root_dir,
+            store,
+            events,
+            stubs: Mutex::new(stubs.into_iter().map(|s| (s.key(), s)).collect()),
+            locks: VolumeLocks::default(),
+            retry: Mutex::new(RetryPolicy::default()),
+        }
+    }
+
+    pub(crate) fn set_retry_policy(&self, policy: RetryPolicy) {
+        *self.retry.lock().unwrap_or_else(|e| e.into_inner()) = policy;
+    }
+
+    /// The usage stubs on this node.
+    pub(crate) fn stubs(&self) -> Vec<VolumeStub> {
+        self.lock_stubs().values().cloned().collect()
+    }
+
+    /// Whether `req.alloc_id` uses the volume with this usage, and whether
+    /// the usage has an unfinished undo (no alloc uses it, still staged).
+    pub(crate) fn unmount_work(&self, req: &UnmountRequest) -> (bool, bool) {
+        let key = stub_key(
+            &req.plugin_id,
+            &req.volume_id,
+            req.access_mode,
+            req.attachment_mode,
+            req.read_only,
+        );
+        self.lock_stubs().get(&key).map_or((false, false), |s| {
+            (
+                s.allocs.contains_key(&req.alloc_id),
+                s.allocs.is_empty() && s.staged,
+            )
+        })
+    }
+
+    pub(crate) fn staging_path(
+        &self,
+        plugin_id: &str,
+        volume_id: &str,
+        access: AccessMode,
+        attach: AttachmentMode,
+        read_only: bool,
+    ) -> PathBuf {
+        self.root_dir
+            .join(plugin_id)
+            .join("staging")
+            .join(volume_id)
+            .join(usage_name(access, attach, read_only))
+    }
+
+    pub(crate) fn target_path(
+        &self,
+        plugin_id: &str,
+        alloc_id: &str,
+        volume_id: &str,
+        access: AccessMode,
+        attach: AttachmentMode,
+        read_only: bool,
+    ) -> PathBuf {
+        self.root_dir
+            .join(plugin_id)
+            .join("per-alloc")
+            .join(alloc_id)
+            .join(volume_id)
+            .join(usage_name(access, attach, read_only))
+    }
+
+    /// Stages (when the plugin supports it and the usage is not staged yet)
+    /// and publishes `req.volume_id` for `req.alloc_id`.
+    pub(crate) async fn mount_volume(
+        &self,
+        client: &CsiClient,
+        supports_stage: bool,
+        req: &MountRequest,
+    ) -> Result<MountInfo, CsiError> {
+        let span = tracing::info_span!(
+            "mount_volume",
+            plugin_id = %req.plugin_id,
+            volume_id = %req.volume_id,
+            alloc_id = %req.alloc_id,
+        );
+        let result = async {
+            validate_ids(
+                &req.volume_id,
+                &[&req.plugin_id, &req.volume_id, &req.alloc_id],
+            )?;
+            let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
+            self.mount_locked(client, supports_stage, req).await
+        }
+        .instrument(span)
+        .await;
+        match &result {
+            Ok(m) => {
+                tracing::info!(plugin_id = %req.plugin_id, volume_id = %req.volume_id, alloc_id = %req.alloc_id, target = %m.source.display(), "volume mounted")
+            }
+            Err(e) => {
+                tracing::warn!(plugin_id = %req.plugin_id, volume_id = %req.volume_id, alloc_id = %req.alloc_id, error = %e, "mounting volume failed")
+            }
+        }
+        self.emit(
+            "Mount volume",
+            &req.volume_id,
+            &req.alloc_id,
+            result.as_ref().err(),
+        );
+        result
+    }
+
+    /// Unpublishes the alloc's target and, when it was the last user of the
+    /// usage on the node, unstages. Idempotent.
+    pub(crate) async fn unmount_volume(
+        &self,
+        client: Option<&CsiClient>,
+        req: &UnmountRequest,
+    ) -> Result<(), CsiError> {
+        let span = tracing::info_span!(
+            "unmount_volume",
+            plugin_id = %req.plugin_id,
+            volume_id = %req.volume_id,
+            alloc_id = %req.alloc_id,
+        );
+        let result = async {
+            validate_ids(
+                &req.volume_id,
+                &[&req.plugin_id, &req.volume_id, &req.alloc_id],
+            )?;
+            let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
+            let key = stub_key(
+                &req.plugin_id,
+                &req.volume_id,
+                req.access_mode,
+                req.attachment_mode,
+                req.read_only,
+            );
+            self.release_usage(client, &key, &req.alloc_id).await
+        }
+        .instrument(span)
+        .await;
+        match &result {
+            Ok(()) => {
+                tracing::info!(plugin_id = %req.plugin_id, volume_id = %req.volume_id, alloc_id = %req.alloc_id, "volume unmounted")
+            }
+            Err(e) => {
+                tracing::warn!(plugin_id = %req.plugin_id, volume_id = %req.volume_id, alloc_id = %req.alloc_id, error = %e, "unmounting volume failed")
+            }
+        }
+        self.emit(
+            "Unmount volume",
+            &req.volume_id,
+            &req.alloc_id,
+            result.as_ref().err(),
+        );
+        result
+    }
+
+    /// Finishes the undo of a usage that no alloc uses any more (an unstage
+    /// that failed before). No event: no alloc asked for it.
+    pub(crate) async fn reap_unused(
+        &self,
+        client: &CsiClient,
+        stub: &VolumeStub,
+    ) -> Result<(), CsiError> {
+        let _lock = self.locks.lock(&stub.plugin_id, &stub.volume_id).await;
+        self.release_usage(Some(client), &stub.key(), "").await
+    }
+
+    async fn mount_locked(
+        &self,
+        client: &CsiClient,
+        supports_stage: bool,
+        req: &MountRequest,
+    ) -> Result<MountInfo, CsiError> {
+        let (access, attach) = (req.access_mode, req.attachment_mode);
+        let key = stub_key(
+            &req.plugin_id,
+            &req.volume_id,
+            access,
+            attach,
+            req.read_only,
+        );
+        let staging = self.staging_path(
+            &req.plugin_id,
+            &req.volume_id,
+            access,
+            attach,
+            req.read_only,
+        );
+        let target = self.target_path(
+            &req.plugin_id,
+            &req.alloc_id,
+            &req.volume_id,
+            access,
+            attach,
+            req.read_only,
+        );
+        let read_only = req.read_only || access.is_reader_only();
+        let capability = volume_capability(access, attach, &req.mount_options);
+
+        let prior = self.lock_stubs().get(&key).cloned();
+        // A mount again for an alloc that already uses the volume (restore
+        // after a restart) stages again: what vanished is made again, and
+        // NodeStageVolume is idempotent.
+        let remount = prior
+            .as_ref()
+            .is_some_and(|s| s.allocs.contains_key(&req.alloc_id));
+        let staged_for_others = prior
+            .as_ref()
+            .is_some_and(|s| s.staged && s.allocs.keys().any(|a| a != &req.alloc_id));
+        let need_stage = supports_stage && (remount || !staged_for_others);
+
+        // Take the usage, durably, before any CSI call.
+        let mut stub = prior.clone().unwrap_or_else(|| VolumeStub {
+            plugin_id: req.plugin_id.clone(),
+            volume_id: req.volume_id.clone(),
+            external_id: req.external_id.clone(),
+            access_mode: access,
+            attachment_mode: attach,
+            read_only: req.read_only,
+            staging_path: staging.clone(),
+            staged: false,
+            allocs: BTreeMap::new(),
+        });
+        stub.external_id = req.external_id.clone();
+        stub.allocs.insert(req.alloc_id.clone(), target.clone());
+        stub.staged |= need_stage;
+        self.put_stub(&stub)?;
+
+        if need_stage {
+            let staged = async {
+                create_dir_all(&staging)?;
+                let stage_req = csi::NodeStageVolumeRequest {
+                    volume_id: req.external_id.clone(),
+                    publish_context: to_map(&req.publish_context),
+                    staging_target_path: path_string(&staging)?,
+                    volume_capability: Some(capability.clone()),
+                    secrets: to_map(&req.secrets),
+                    volume_context: to_map(&req.volume_context),
+                };
+                self.with_retry("NodeStageVolume", || {
+                    client.node_stage_volume(stage_req.clone())
+                })
+                .await
+            }
+            .await;
+            if let Err(e) = staged {
+                let prior_staged = prior.as_ref().is_some_and(|s| s.staged);
+                self.give_back_failed_stage(
+                    client,
+                    &key,
+                    &req.alloc_id,
+                    e.is_uncertain() || prior_staged,
+                )
+                .await;
+                return Err(e);
+            }
+        }
+
+        let published = async {
+            match attach {
+                AttachmentMode::FileSystem => create_dir_all(&target)?,
+                AttachmentMode::BlockDevice => {
+                    if let Some(parent) = target.parent() {
+                        create_dir_all(parent)?;
+                    }
+                }
+            }
+            let publish_req = csi::NodePublishVolumeRequest {
+                volume_id: req.external_id.clone(),
+                publish_context: to_map(&req.publish_context),
+                staging_target_path: if supports_stage {
+                    path_string(&staging)?
+                } else {
+                    String::new()
+                },
+                target_path: path_string(&target)?,
+                volume_capability: Some(capability.clone()),
+                readonly: read_only,
+                secrets: to_map(&req.secrets),
+                volume_context: to_map(&req.volume_context),
+            };
+            self.with_retry("NodePublishVolume", || {
+                client.node_publish_volume(publish_req.clone())
+            })
+            .await
+        }
+        .await;
+        if let Err(e) = published {
+            // Unpublish what may have been published; unstage when this was
+            // the last user. A failing undo stays recorded in the stub.
+            if let Err(undo) = self.release_usage(Some(client), &key, &req.alloc_id).await {
+                tracing::warn!(error = %undo, "undoing a failed publish failed; the stub keeps what remains to undo");
+            }
+            return Err(e);
+        }
+        Ok(MountInfo {
+            source: target,
+            read_only,
+        })
+    }
+
+    /// Gives back the usage taken for a stage that failed. `may_be_staged`:
+    /// the volume may be staged anyway (uncertain error, or staged before),
+    /// so when no alloc is left it is unstaged before the stub goes.
+    async fn give_back_failed_stage(
+        &self,
+        client: &CsiClient,
+        key: &str,
+        alloc_id: &str,
+        may_be_staged: bool,
+    ) {
+        let Some(mut stub) = self.lock_stubs().get(key).cloned() else {
+            return;
+        };
+        stub.allocs.remove(alloc_id);
+        if !stub.allocs.is_empty() {
+            if let Err(e) = self.put_stub(&stub) {
+                tracing::error!(error = %e, "giving back a volume usage failed");
+            }
+            return;
+        }
+        if may_be_staged {
+            // Record that no alloc uses it, then undo the stage.
+            if let Err(e) = self.put_stub(&stub) {
+                tracing::error!(error = %e, "giving back a volume usage failed");
+                return;
+            }
+            if let Err(e) = self.release_usage(Some(client), key, alloc_id).await {
+                tracing::warn!(error = %e, "unstaging after a failed stage failed; the stub keeps it to undo");
+            }
+            return;
+        }
+        if let Err(e) = self.delete_stub(key) {
+            tracing::error!(error = %e, "giving back a volume usage failed");
+            return;
+        }
+        remove_empty_dirs(&stub.staging_path, &self.root_dir);
+    }
+
+    /// Unpublishes `alloc_id`'s target (if the stub records it), and when no
+    /// alloc is left, unstages (if staged) and deletes the stub. Every step
+    /// is persisted before the next CSI call.
+    async fn release_usage(
+        &self,
+        client: Option<&CsiClient>,
+        key: &str,
+        alloc_id: &str,
+    ) -> Result<(), CsiError> {
+        let Some(mut stub) = self.lock_stubs().get(key).cloned() else {
+            return Ok(());
+        };
+        let uses = stub.allocs.contains_key(alloc_id);
+        let Some(client) = client else {
+            if uses {
+                return Err(CsiError::PluginNotFound(stub.plugin_id.clone()));
+            }
+            // Nothing of this alloc's; an unfinished unstage of the usage
+            // waits for the plugin (`CsiManager::run` finishes it).
+            if stub.allocs.is_empty() && !stub.staged {
+                self.delete_stub(key)?;
+            }
+            return Ok(());
+        };
+
+        if let Some(target) = stub.allocs.get(alloc_id).cloned() {
+            let unpublish_req = csi::NodeUnpublishVolumeRequest {
+                volume_id: stub.external_id.clone(),
+                target_path: path_string(&target)?,
+            };
+            self.with_retry("NodeUnpublishVolume", || async {
+                done_if_not_found(client.node_unpublish_volume(unpublish_req.clone()).await)
+            })
+            .await?;
+            remove_empty_dirs(&target, &self.root_dir);
+            stub.allocs.remove(alloc_id);
+            self.put_stub(&stub)?;
+        }
+        if !stub.allocs.is_empty() {
+            return Ok(());
+        }
+        if stub.staged {
+            let unstage_req = csi::NodeUnstageVolumeRequest {
+                volume_id: stub.external_id.clone(),
+                staging_target_path: path_string(&stub.staging_path)?,
+            };
+            self.with_retry("NodeUnstageVolume", || async {
+                done_if_not_found(client.node_unstage_volume(unstage_req.clone()).await)
+            })
+            .await?;
+        }
+        self.delete_stub(key)?;
+        remove_empty_dirs(&stub.staging_path, &self.root_dir);
+        Ok(())
+    }
+
+    /// Runs `call`, retrying uncertain errors per the retry policy.
+    pub(crate) async fn with_retry<T, F, Fut>(
+        &self,
+        op: &'static str,
+        call: F,
+    ) -> Result<T, CsiError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, CsiError>>,
+    {
+        let policy = *self.retry.lock().unwrap_or_else(|e| e.into_inner());
+        call.retry(policy.backoff())
+            .when(CsiError::is_uncertain)
+            .notify(|e: &CsiError, after: Duration| {
+                tracing::warn!(op, error = %e, retry_in = ?after, "uncertain CSI error, retrying");
+            })
+            .await
+    }
+
+    fn lock_stubs(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, VolumeStub>> {
+        self.stubs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Persists `stub`, then records it in memory.
+    fn put_stub(&self, stub: &VolumeStub) -> Result<(), CsiError> {
+        self.store.put_volume(stub).map_err(CsiError::Store)?;
+        self.lock_stubs().insert(stub.key(), stub.clone());
+        Ok(())
+    }
+
+    fn delete_stub(&self, key: &str) -> Result<(), CsiError> {
+        self.store.delete_volume(key).map_err(CsiError::Store)?;
+        self.lock_stubs().remove(key);
+        Ok(())
+    }
+
+    fn emit(&self, message: &str, volume_id: &str, alloc_id: &str, error: Option<&CsiError>) {
+        self.events.emit(
+            NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, message)
+                .with_detail("volume_id", volume_id)
+                .with_detail("alloc_id", alloc_id)
+                .with_detail("success", if error.is_none() { "true" } else { "false" })
+                .with_detail("error", error.map(|e| e.to_string()).unwrap_or_default()),
+        );
+    }
+}
+
+/// `NotFound` from an unpublish or unstage: the volume does not exist, so
+/// nothing of it is published or staged.
+fn done_if_not_found<T: Default>(r: Result<T, CsiError>) -> Result<T, CsiError> {
+    match r {
+        Err(CsiError::Final {
+            code: Code::NotFound,
+            op,
+            message,
+            ..
+        }) => {
+            tracing::info!(op, message = %message, "volume not found; treating as done");
+            Ok(T::default())
+        }
+        other => other,
+    }
+}
+
+/// The CSI volume capability for an access mode, attachment mode and mount
+/// options.
+pub fn volume_capability(
+    access: AccessMode,
+    attach: AttachmentMode,
+    options: &CsiMountOptions,
+) -> csi::VolumeCapability {
+    use csi::volume_capability::access_mode::Mode;
+    let mode = match access {
+        AccessMode::SingleNodeReader => Mode::SingleNodeReaderOnly,
+        AccessMode::SingleNodeWriter => Mode::SingleNodeWriter,
+        AccessMode::MultiNodeReader => Mode::MultiNodeReaderOnly,
+        AccessMode::MultiNodeSingleWriter => Mode::MultiNodeSingleWriter,
+        AccessMode::MultiNodeMultiWriter => Mode::MultiNodeMultiWriter,
+    };
+    let access_type = match attach {
+        AttachmentMode::FileSystem => {
+            csi::volume_capability::AccessType::Mount(csi::volume_capability::MountVolume {
+                fs_type: options.fs_type.clone(),
+                mount_flags: options.mount_flags.clone(),
+                volume_mount_group: String::new(),
+            })
+        }
+        AttachmentMode::BlockDevice => {
+            csi::volume_capability::AccessType::Block(csi::volume_capability::BlockVolume {})
+        }
+    };
+    csi::VolumeCapability {
+        access_mode: Some(csi::volume_capability::AccessMode { mode: mode as i32 }),
+        access_type: Some(access_type),
+    }
+}
+
+/// Plugin, volume and alloc IDs become path components: they must be one.
+fn validate_ids(volume_id: &str, ids: &[&str]) -> Result<(), CsiError> {
+    for id in ids {
+        if id.is_empty() || *id == "." || *id == ".." || id.contains(['/', '\0']) {
+            return Err(CsiError::Volume {
+                volume_id: volume_id.to_string(),
+                message: format!("{id:?} cannot be used in a mount path"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn to_map(m: &BTreeMap<String, String>) -> HashMap<String, String> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+fn path_string(p: &Path) -> Result<String, CsiError> {
+    p.to_str()
+        .map(str::to_string)
+        .ok_or_else(|| CsiError::Io(format!("path {} is not UTF-8", p.display())))
+}
+
+fn create_dir_all(p: &Path) -> Result<(), CsiError> {
+    std::fs::create_dir_all(p).map_err(|e| CsiError::Io(format!("creating {}: {e}", p.display())))
+}
+
+/// Removes `path` and its parents up to (not including) `root`, stopping at
+/// the first that is not empty (or is still a mount point).
+fn remove_empty_dirs(path: &Path, root: &Path) {
+    let mut dir = Some(path);
+    while let Some(d) = dir {
+        if d == root || !d.starts_with(root) || std::fs::remove_dir(d).is_err() {
+            break;
+        }
+        dir = d.parent();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_that_escape_a_path_are_refused() {
+        for bad in ["", ".", "..", "a/b", "a\0b"] {
+            assert!(validate_ids("v", &[bad]).is_err(), "{bad:?}");
+        }
+        assert!(validate_ids("v", &["vol[0]", "8c2f-11"]).is_ok());
+    }
+
+    #[test]
+    fn capability_carries_mode_and_mount_options() {
+        let cap = volume_capability(
+            AccessMode::MultiNodeReader,
+            AttachmentMode::FileSystem,
+            &CsiMountOptions {
+                fs_type: "ext4".into(),
+                mount_flags: vec!["noatime".into()],
+            },
+        );
+        assert_eq!(
+            cap.access_mode.unwrap().mode,
+            csi::volume_capability::access_mode::Mode::MultiNodeReaderOnly as i32
+        );
+        match cap.access_type {
+            Some(csi::volume_capability::AccessType::Mount(m)) => {
+                assert_eq!(m.fs_type, "ext4");
+                assert_eq!(m.mount_flags, vec!["noatime".to_string()]);
+            }
+            other => panic!("want a mount access type, got {other:?}"),
+        }
+        let block = volume_capability(
+            AccessMode::SingleNodeWriter,
+            AttachmentMode::BlockDevice,
+            &CsiMountOptions::default(),
+        );
+        assert!(matches!(
+            block.access_type,
+            Some(csi::volume_capability::AccessType::Block(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn volume_lock_serializes_and_forgets_unused_entries() {
+        let locks = VolumeLocks::default();
+        let g = locks.lock("p", "v").await;
+        let second = locks.lock("p", "v");
+        tokio::pin!(second);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), &mut second)
+                .await
+                .is_err(),
+            "a second lock on the same volume must wait"
+        );
+        // Another volume is not blocked.
+        drop(locks.lock("p", "other").await);
+        drop(g);
+        drop(second.await);
+        assert!(locks.locks.lock().unwrap().is_empty());
+    }
+}

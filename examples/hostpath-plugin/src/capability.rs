@@ -1,0 +1,218 @@
+//! Which volume capabilities a directory-backed volume can offer.
+
+use berth_proto::csi::v1::volume_capability::access_mode::Mode;
+use berth_proto::csi::v1::volume_capability::AccessType;
+use berth_proto::csi::v1::{CapacityRange, VolumeCapability};
+
+use crate::error::Error;
+
+/// Capacity given to a volume when CreateVolume does not ask for one.
+pub const DEFAULT_CAPACITY_BYTES: i64 = 1 << 30;
+
+/// Why a capability cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejection {
+    /// The capability is not well formed (a REQUIRED part is missing).
+    Malformed(String),
+    /// Well formed, but this plugin cannot offer it.
+    Unsupported(String),
+}
+
+/// A capability this plugin can serve.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Checked {
+    pub mode: Mode,
+    /// The `ro` mount flag was given.
+    pub ro_flag: bool,
+}
+
+impl Checked {
+    /// Whether the access mode only ever reads.
+    pub fn is_reader_only(&self) -> bool {
+        matches!(
+            self.mode,
+            Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly
+        )
+    }
+}
+
+/// Checks one capability.
+pub fn classify(cap: &VolumeCapability) -> Result<Checked, Rejection> {
+    let mode = cap
+        .access_mode
+        .as_ref()
+        .map(|m| Mode::try_from(m.mode).unwrap_or(Mode::Unknown))
+        .unwrap_or(Mode::Unknown);
+    if mode == Mode::Unknown {
+        return Err(Rejection::Malformed(
+            "access_mode is required and must be a known mode".to_owned(),
+        ));
+    }
+    match &cap.access_type {
+        None => Err(Rejection::Malformed(
+            "access_type (mount or block) is required".to_owned(),
+        )),
+        Some(AccessType::Block(_)) => Err(Rejection::Unsupported(
+            "block volumes are not supported: volumes are directories".to_owned(),
+        )),
+        // fs_type and volume_mount_group mean nothing to a bind mount; the
+        // `ro` flag is honoured, other flags are ignored.
+        Some(AccessType::Mount(mount)) => Ok(Checked {
+            mode,
+            ro_flag: mount.mount_flags.iter().any(|f| f == "ro"),
+        }),
+    }
+}
+
+/// Checks a REQUIRED single capability field.
+pub fn check(cap: Option<&VolumeCapability>, field: &'static str) -> Result<Checked, Error> {
+    let cap = cap.ok_or(Error::MissingField(field))?;
+    classify(cap).map_err(|r| match r {
+        Rejection::Malformed(reason) | Rejection::Unsupported(reason) => {
+            Error::invalid(field, reason)
+        }
+    })
+}
+
+/// Checks a REQUIRED list of capabilities.
+pub fn check_all(caps: &[VolumeCapability], field: &'static str) -> Result<Vec<Checked>, Error> {
+    if caps.is_empty() {
+        return Err(Error::MissingField(field));
+    }
+    caps.iter().map(|c| check(Some(c), field)).collect()
+}
+
+/// The capacity range as (required, limit), 0 meaning unset.
+pub fn range_bounds(range: Option<&CapacityRange>) -> Result<(i64, i64), Error> {
+    let (required, limit) = range.map_or((0, 0), |r| (r.required_bytes, r.limit_bytes));
+    if required < 0 || limit < 0 {
+        return Err(Error::invalid(
+            "capacity_range",
+            "bytes must not be negative",
+        ));
+    }
+    if limit > 0 && required > limit {
+        return Err(Error::invalid(
+            "capacity_range",
+            format!("required_bytes {required} exceeds limit_bytes {limit}"),
+        ));
+    }
+    Ok((required, limit))
+}
+
+/// The capacity to provision for a range: what is required, else the
+/// default bounded by the limit.
+pub fn capacity_for((required, limit): (i64, i64)) -> i64 {
+    if required > 0 {
+        required
+    } else if limit > 0 {
+        limit.min(DEFAULT_CAPACITY_BYTES)
+    } else {
+        DEFAULT_CAPACITY_BYTES
+    }
+}
+
+/// Whether an existing capacity satisfies a range.
+pub fn fits(capacity: i64, (required, limit): (i64, i64)) -> bool {
+    capacity >= required && (limit == 0 || capacity <= limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_proto::csi::v1::volume_capability::{AccessMode, BlockVolume, MountVolume};
+
+    use super::*;
+
+    fn mount_cap(mode: Mode, flags: &[&str]) -> VolumeCapability {
+        VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume {
+                fs_type: String::new(),
+                mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+                volume_mount_group: String::new(),
+            })),
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+        }
+    }
+
+    #[test]
+    fn classifies_capabilities() {
+        let ok = classify(&mount_cap(Mode::SingleNodeWriter, &[])).unwrap();
+        assert_eq!(ok.mode, Mode::SingleNodeWriter);
+        assert!(!ok.ro_flag && !ok.is_reader_only());
+        let ro = classify(&mount_cap(Mode::MultiNodeReaderOnly, &["ro", "noatime"])).unwrap();
+        assert!(ro.ro_flag && ro.is_reader_only());
+
+        let block = VolumeCapability {
+            access_type: Some(AccessType::Block(BlockVolume {})),
+            access_mode: Some(AccessMode {
+                mode: Mode::SingleNodeWriter as i32,
+            }),
+        };
+        assert!(matches!(classify(&block), Err(Rejection::Unsupported(_))));
+        assert!(matches!(
+            classify(&mount_cap(Mode::Unknown, &[])),
+            Err(Rejection::Malformed(_))
+        ));
+        let no_type = VolumeCapability {
+            access_type: None,
+            ..mount_cap(Mode::SingleNodeWriter, &[])
+        };
+        assert!(matches!(classify(&no_type), Err(Rejection::Malformed(_))));
+        let bad_mode = VolumeCapability {
+            access_mode: Some(AccessMode { mode: 99 }),
+            ..mount_cap(Mode::SingleNodeWriter, &[])
+        };
+        assert!(matches!(classify(&bad_mode), Err(Rejection::Malformed(_))));
+    }
+
+    #[test]
+    fn required_capabilities() {
+        assert!(matches!(
+            check(None, "volume_capability"),
+            Err(Error::MissingField("volume_capability"))
+        ));
+        assert!(matches!(
+            check_all(&[], "volume_capabilities"),
+            Err(Error::MissingField("volume_capabilities"))
+        ));
+        assert_eq!(
+            check_all(
+                &[
+                    mount_cap(Mode::SingleNodeWriter, &[]),
+                    mount_cap(Mode::MultiNodeMultiWriter, &[])
+                ],
+                "volume_capabilities"
+            )
+            .unwrap()
+            .len(),
+            2
+        );
+    }
+
+    #[test]
+    fn capacity_ranges() {
+        let range = |r, l| {
+            range_bounds(Some(&CapacityRange {
+                required_bytes: r,
+                limit_bytes: l,
+            }))
+        };
+        assert_eq!(range_bounds(None).unwrap(), (0, 0));
+        assert!(range(-1, 0).is_err());
+        assert!(range(0, -1).is_err());
+        assert!(range(10, 5).is_err());
+        assert_eq!(capacity_for(range(0, 0).unwrap()), DEFAULT_CAPACITY_BYTES);
+        assert_eq!(capacity_for(range(100, 0).unwrap()), 100);
+        assert_eq!(capacity_for(range(100, 200).unwrap()), 100);
+        assert_eq!(capacity_for(range(0, 4096).unwrap()), 4096);
+        assert_eq!(
+            capacity_for(range(0, 4 << 30).unwrap()),
+            DEFAULT_CAPACITY_BYTES
+        );
+        assert!(fits(100, (100, 0)));
+        assert!(fits(100, (0, 100)));
+        assert!(fits(100, (0, 0)));
+        assert!(!fits(100, (101, 0)));
+        assert!(!fits(100, (0, 99)));
+    }
+}

@@ -1,0 +1,802 @@
+//! The CSI Controller service: volumes are directories under
+//! `<state-dir>/volumes`, and controller publication is bookkeeping.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs;
+use std::io;
+use std::ops::Bound;
+
+use berth_proto::csi::v1::controller_server::Controller;
+use berth_proto::csi::v1::controller_service_capability::{self, rpc};
+use berth_proto::csi::v1::list_volumes_response::{Entry, VolumeStatus};
+use berth_proto::csi::v1::validate_volume_capabilities_response::Confirmed;
+use berth_proto::csi::v1::*;
+use tonic::{Request, Response, Status};
+
+use crate::capability::{self, Rejection};
+use crate::error::{require, Error};
+use crate::mount;
+use crate::plugin::{blocking, Plugin};
+use crate::state::{self, Publication, VolumeRecord};
+
+/// The publish_context key naming the node a volume was published to.
+pub const PUBLISHED_BY: &str = "published_by";
+
+fn volume_of(record: &VolumeRecord) -> Volume {
+    Volume {
+        capacity_bytes: record.capacity_bytes,
+        volume_id: record.volume_id.clone(),
+        ..Default::default()
+    }
+}
+
+impl Plugin {
+    async fn create(&self, req: CreateVolumeRequest) -> Result<CreateVolumeResponse, Error> {
+        let name = require(&req.name, "name")?.to_owned();
+        if name
+            .chars()
+            .any(|c| c.is_control() && !matches!(c, '\t' | '\n' | '\r'))
+        {
+            return Err(Error::invalid(
+                "name",
+                "must not contain control characters",
+            ));
+        }
+        capability::check_all(&req.volume_capabilities, "volume_capabilities")?;
+        if req.volume_content_source.is_some() {
+            return Err(Error::invalid(
+                "volume_content_source",
+                "creating a volume from a snapshot or another volume is not supported",
+            ));
+        }
+        let range = capability::range_bounds(req.capacity_range.as_ref())?;
+        let volume_id = state::volume_id_for(&name);
+        let _guard = self.begin("CreateVolume", &volume_id).await?;
+        tracing::debug!(%name, %volume_id, "creating volume");
+
+        let dir = self.volume_dir(&volume_id);
+        let existing = self
+            .store()
+            .read(|s| s.volumes.get(&volume_id).cloned())
+            .await;
+        if let Some(existing) = existing {
+            if existing.name != name {
+                return Err(Error::AlreadyExists(format!(
+                    "volume ID {volume_id} of name {name:?} is taken by volume {:?}",
+                    existing.name
+                )));
+            }
+            if !capability::fits(existing.capacity_bytes, range) {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {name:?} exists with capacity {} bytes, outside the requested range",
+                    existing.capacity_bytes
+                )));
+            }
+            let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
+            if existing.parameters != parameters {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {name:?} exists with different parameters"
+                )));
+            }
+            // Recreate the directory should it have gone missing.
+            blocking(move || fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))).await?;
+            tracing::info!(%name, %volume_id, "volume already exists");
+            return Ok(CreateVolumeResponse {
+                volume: Some(volume_of(&existing)),
+            });
+        }
+
+        let record = VolumeRecord {
+            volume_id: volume_id.clone(),
+            name: name.clone(),
+            capacity_bytes: capability::capacity_for(range),
+            parameters: req.parameters.into_iter().collect(),
+            publications: Default::default(),
+        };
+        blocking(move || fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))).await?;
+        let saved = record.clone();
+        self.store()
+            .update(move |s| {
+                s.volumes.insert(saved.volume_id.clone(), saved);
+                Ok(())
+            })
+            .await?;
+        tracing::info!(%name, %volume_id, capacity_bytes = record.capacity_bytes, "created volume");
+        Ok(CreateVolumeResponse {
+            volume: Some(volume_of(&record)),
+        })
+    }
+
+    async fn delete(&self, req: DeleteVolumeRequest) -> Result<DeleteVolumeResponse, Error> {
+        let volume_id = require(&req.volume_id, "volume_id")?.to_owned();
+        let _guard = self.begin("DeleteVolume", &volume_id).await?;
+        if !state::is_volume_id(&volume_id) {
+            // Never one of ours, so there is nothing to delete.
+            tracing::info!(%volume_id, "volume does not exist; nothing to delete");
+            return Ok(DeleteVolumeResponse {});
+        }
+        let record = self
+            .store()
+            .read(|s| s.volumes.get(&volume_id).cloned())
+            .await;
+        if let Some(record) = &record {
+            if !record.publications.is_empty() {
+                let nodes: Vec<_> = record.publications.keys().cloned().collect();
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {volume_id} is still published to node(s) {}",
+                    nodes.join(", ")
+                )));
+            }
+        }
+
+        let dir = self.volume_dir(&volume_id);
+        let id = volume_id.clone();
+        blocking(move || {
+            if !dir.exists() {
+                return Ok(());
+            }
+            let mounts = mount::mounts_of(&dir)?;
+            if !mounts.is_empty() {
+                let paths: Vec<_> = mounts.iter().map(|p| p.display().to_string()).collect();
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {id} is still mounted at {}",
+                    paths.join(", ")
+                )));
+            }
+            match fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                    Err(Error::io("removing", &dir)(e))
+                }
+                _ => Ok(()),
+            }
+        })
+        .await?;
+        self.store()
+            .update(|s| {
+                s.volumes.remove(&volume_id);
+                Ok(())
+            })
+            .await?;
+        match record {
+            Some(r) => tracing::info!(%volume_id, name = %r.name, "deleted volume"),
+            None => tracing::info!(%volume_id, "volume does not exist; nothing to delete"),
+        }
+        Ok(DeleteVolumeResponse {})
+    }
+
+    async fn controller_publish(
+        &self,
+        req: ControllerPublishVolumeRequest,
+    ) -> Result<ControllerPublishVolumeResponse, Error> {
+        if !self.enable_attach() {
+            return Err(Error::Unimplemented("ControllerPublishVolume"));
+        }
+        let volume_id = require(&req.volume_id, "volume_id")?.to_owned();
+        let node_id = require(&req.node_id, "node_id")?.to_owned();
+        let cap = capability::check(req.volume_capability.as_ref(), "volume_capability")?;
+        let _guard = self.begin("ControllerPublishVolume", &volume_id).await?;
+
+        let record = self.lookup(&volume_id).await?;
+        if node_id != self.node_id() {
+            return Err(Error::NotFound(format!(
+                "node {node_id} does not exist: volumes of this plugin live on node {}",
+                self.node_id()
+            )));
+        }
+        let wanted = Publication {
+            readonly: req.readonly,
+            access_mode: cap.mode.as_str_name().to_owned(),
+        };
+        let context = HashMap::from([(PUBLISHED_BY.to_owned(), node_id.clone())]);
+        if let Some(current) = record.publications.get(&node_id) {
+            if *current == wanted {
+                tracing::info!(%volume_id, %node_id, "volume already published to node");
+                return Ok(ControllerPublishVolumeResponse {
+                    publish_context: context,
+                });
+            }
+            return Err(Error::AlreadyExists(format!(
+                "volume {volume_id} is published to node {node_id} with access mode {} and readonly={}, \
+                 incompatible with the request",
+                current.access_mode, current.readonly
+            )));
+        }
+        let multi_node = cap.mode.as_str_name().starts_with("MULTI_NODE");
+        if let Some(other) = record.publications.keys().find(|n| **n != node_id) {
+            if !multi_node {
+                return Err(Error::FailedPrecondition(format!(
+                    "volume {volume_id} is published to node {other} and the access mode is not multi-node"
+                )));
+            }
+        }
+        let node = node_id.clone();
+        self.store()
+            .update(|s| {
+                let record = s
+                    .volumes
+                    .get_mut(&volume_id)
+                    .ok_or_else(|| Error::NotFound(format!("volume {volume_id} does not exist")))?;
+                record.publications.insert(node, wanted);
+                Ok(())
+            })
+            .await?;
+        tracing::info!(%volume_id, %node_id, readonly = req.readonly, "published volume to node");
+        Ok(ControllerPublishVolumeResponse {
+            publish_context: context,
+        })
+    }
+
+    async fn controller_unpublish(
+        &self,
+        req: ControllerUnpublishVolumeRequest,
+    ) -> Result<ControllerUnpublishVolumeResponse, Error> {
+        if !self.enable_attach() {
+            return Err(Error::Unimplemented("ControllerUnpublishVolume"));
+        }
+        let volume_id = require(&req.volume_id, "volume_id")?.to_owned();
+        let node_id = req.node_id;
+        let _guard = self.begin("ControllerUnpublishVolume", &volume_id).await?;
+        // An unknown volume or node is regarded as unpublished.
+        let removed = self
+            .store()
+            .update(|s| {
+                let Some(record) = s.volumes.get_mut(&volume_id) else {
+                    return Ok(0);
+                };
+                let before = record.publications.len();
+                if node_id.is_empty() {
+                    record.publications.clear();
+                } else {
+                    record.publications.remove(&node_id);
+                }
+                Ok(before - record.publications.len())
+            })
+            .await?;
+        let node = if node_id.is_empty() { "*" } else { &node_id };
+        if removed > 0 {
+            tracing::info!(%volume_id, node, "unpublished volume");
+        } else {
+            tracing::info!(%volume_id, node, "volume was not published; nothing to do");
+        }
+        Ok(ControllerUnpublishVolumeResponse {})
+    }
+
+    async fn validate_capabilities(
+        &self,
+        req: ValidateVolumeCapabilitiesRequest,
+    ) -> Result<ValidateVolumeCapabilitiesResponse, Error> {
+        let volume_id = require(&req.volume_id, "volume_id")?.to_owned();
+        if req.volume_capabilities.is_empty() {
+            return Err(Error::MissingField("volume_capabilities"));
+        }
+        self.inject("ValidateVolumeCapabilities").await?;
+        let record = self.lookup(&volume_id).await?;
+
+        let not_confirmed = |message: String| ValidateVolumeCapabilitiesResponse {
+            confirmed: None,
+            message,
+        };
+        for cap in &req.volume_capabilities {
+            match capability::classify(cap) {
+                Ok(_) => {}
+                Err(Rejection::Malformed(reason)) => {
+                    return Err(Error::invalid("volume_capabilities", reason))
+                }
+                Err(Rejection::Unsupported(reason)) => return Ok(not_confirmed(reason)),
+            }
+        }
+        let parameters: BTreeMap<String, String> = req.parameters.clone().into_iter().collect();
+        if !parameters.is_empty() && parameters != record.parameters {
+            return Ok(not_confirmed(
+                "parameters differ from those the volume was created with".to_owned(),
+            ));
+        }
+        Ok(ValidateVolumeCapabilitiesResponse {
+            confirmed: Some(Confirmed {
+                volume_context: req.volume_context,
+                volume_capabilities: req.volume_capabilities,
+                parameters: req.parameters,
+                mutable_parameters: Default::default(),
+            }),
+            message: String::new(),
+        })
+    }
+
+    async fn list(&self, req: ListVolumesRequest) -> Result<ListVolumesResponse, Error> {
+        self.inject("ListVolumes").await?;
+        let max = match req.max_entries {
+            n if n < 0 => {
+                return Err(Error::invalid("max_entries", "must not be negative"));
+            }
+            0 => usize::MAX,
+            n => n as usize,
+        };
+        let start = req.starting_token;
+        // Tokens are the ID of the first volume of the next page.
+        if !start.is_empty() && !state::is_volume_id(&start) {
+            return Err(Error::BadToken(start));
+        }
+        let with_status = self.enable_attach();
+        let (entries, next_token) = self
+            .store()
+            .read(|s| {
+                let mut page = s
+                    .volumes
+                    .range::<str, _>((Bound::Included(start.as_str()), Bound::Unbounded))
+                    .map(|(_, v)| v);
+                let entries: Vec<Entry> = page
+                    .by_ref()
+                    .take(max)
+                    .map(|v| Entry {
+                        volume: Some(volume_of(v)),
+                        status: with_status.then(|| VolumeStatus {
+                            published_node_ids: v.publications.keys().cloned().collect(),
+                            volume_condition: None,
+                        }),
+                    })
+                    .collect();
+                let next = page.next().map(|v| v.volume_id.clone()).unwrap_or_default();
+                (entries, next)
+            })
+            .await;
+        Ok(ListVolumesResponse {
+            entries,
+            next_token,
+        })
+    }
+
+    fn controller_capabilities(&self) -> ControllerGetCapabilitiesResponse {
+        let mut types = vec![rpc::Type::CreateDeleteVolume, rpc::Type::ListVolumes];
+        if self.enable_attach() {
+            types.push(rpc::Type::PublishUnpublishVolume);
+        }
+        ControllerGetCapabilitiesResponse {
+            capabilities: types
+                .into_iter()
+                .map(|t| ControllerServiceCapability {
+                    r#type: Some(controller_service_capability::Type::Rpc(
+                        controller_service_capability::Rpc { r#type: t as i32 },
+                    )),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Answers an RPC this plugin does not implement (after any injected fault).
+async fn unimplemented<T>(plugin: &Plugin, rpc: &'static str) -> Result<Response<T>, Status>
+where
+    T: Send + 'static,
+{
+    plugin
+        .call(rpc, move |p| async move {
+            p.inject(rpc).await?;
+            Err(Error::Unimplemented(rpc))
+        })
+        .await
+}
+
+#[tonic::async_trait]
+impl Controller for Plugin {
+    async fn create_volume(
+        &self,
+        request: Request<CreateVolumeRequest>,
+    ) -> Result<Response<CreateVolumeResponse>, Status> {
+        let req = request.into_inner();
+        self.call("CreateVolume", |p| async move { p.create(req).await })
+            .await
+    }
+
+    async fn delete_volume(
+        &self,
+        request: Request<DeleteVolumeRequest>,
+    ) -> Result<Response<DeleteVolumeResponse>, Status> {
+        let req = request.into_inner();
+        self.call("DeleteVolume", |p| async move { p.delete(req).await })
+            .await
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        request: Request<ControllerPublishVolumeRequest>,
+    ) -> Result<Response<ControllerPublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        self.call("ControllerPublishVolume", |p| async move {
+            p.controller_publish(req).await
+        })
+        .await
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        request: Request<ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<ControllerUnpublishVolumeResponse>, Status> {
+        let req = request.into_inner();
+        self.call("ControllerUnpublishVolume", |p| async move {
+            p.controller_unpublish(req).await
+        })
+        .await
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        request: Request<ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<ValidateVolumeCapabilitiesResponse>, Status> {
+        let req = request.into_inner();
+        self.call("ValidateVolumeCapabilities", |p| async move {
+            p.validate_capabilities(req).await
+        })
+        .await
+    }
+
+    async fn list_volumes(
+        &self,
+        request: Request<ListVolumesRequest>,
+    ) -> Result<Response<ListVolumesResponse>, Status> {
+        let req = request.into_inner();
+        self.call("ListVolumes", |p| async move { p.list(req).await })
+            .await
+    }
+
+    async fn get_capacity(
+        &self,
+        _request: Request<GetCapacityRequest>,
+    ) -> Result<Response<GetCapacityResponse>, Status> {
+        unimplemented(self, "GetCapacity").await
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _request: Request<ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<ControllerGetCapabilitiesResponse>, Status> {
+        self.call("ControllerGetCapabilities", |p| async move {
+            p.inject("ControllerGetCapabilities").await?;
+            Ok(p.controller_capabilities())
+        })
+        .await
+    }
+
+    async fn create_snapshot(
+        &self,
+        _request: Request<CreateSnapshotRequest>,
+    ) -> Result<Response<CreateSnapshotResponse>, Status> {
+        unimplemented(self, "CreateSnapshot").await
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _request: Request<DeleteSnapshotRequest>,
+    ) -> Result<Response<DeleteSnapshotResponse>, Status> {
+        unimplemented(self, "DeleteSnapshot").await
+    }
+
+    async fn list_snapshots(
+        &self,
+        _request: Request<ListSnapshotsRequest>,
+    ) -> Result<Response<ListSnapshotsResponse>, Status> {
+        unimplemented(self, "ListSnapshots").await
+    }
+
+    async fn get_snapshot(
+        &self,
+        _request: Request<GetSnapshotRequest>,
+    ) -> Result<Response<GetSnapshotResponse>, Status> {
+        unimplemented(self, "GetSnapshot").await
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        _request: Request<ControllerExpandVolumeRequest>,
+    ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
+        unimplemented(self, "ControllerExpandVolume").await
+    }
+
+    async fn controller_get_volume(
+        &self,
+        _request: Request<ControllerGetVolumeRequest>,
+    ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
+        unimplemented(self, "ControllerGetVolume").await
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        _request: Request<ControllerModifyVolumeRequest>,
+    ) -> Result<Response<ControllerModifyVolumeResponse>, Status> {
+        unimplemented(self, "ControllerModifyVolume").await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_proto::csi::v1::volume_capability::access_mode::Mode;
+    use berth_proto::csi::v1::volume_capability::{AccessMode, AccessType, MountVolume};
+    use tonic::Code;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn plugin(dir: &std::path::Path, enable_attach: bool) -> Plugin {
+        Plugin::new(&Config {
+            socket_path: dir.join("csi.sock"),
+            state_dir: dir.join("state"),
+            node_id: "node-1".into(),
+            enable_attach,
+            faults: Default::default(),
+        })
+        .unwrap()
+    }
+
+    fn cap(mode: Mode) -> VolumeCapability {
+        VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume::default())),
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+        }
+    }
+
+    fn create(name: &str, required: i64) -> CreateVolumeRequest {
+        CreateVolumeRequest {
+            name: name.into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: required,
+                limit_bytes: 0,
+            }),
+            volume_capabilities: vec![cap(Mode::SingleNodeWriter)],
+            ..Default::default()
+        }
+    }
+
+    fn code<T>(r: Result<T, Error>) -> Code {
+        match r {
+            Ok(_) => panic!("expected an error"),
+            Err(e) => e.code(),
+        }
+    }
+
+    #[tokio::test]
+    async fn create_is_idempotent_and_checks_compatibility() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let v1 = p.create(create("a", 100)).await.unwrap().volume.unwrap();
+        assert_eq!(v1.capacity_bytes, 100);
+        assert!(p.volume_dir(&v1.volume_id).is_dir());
+        let v2 = p.create(create("a", 50)).await.unwrap().volume.unwrap();
+        assert_eq!(v1, v2, "a smaller request is satisfied by the volume");
+        assert_eq!(code(p.create(create("a", 200)).await), Code::AlreadyExists);
+        let mut with_params = create("a", 100);
+        with_params.parameters.insert("k".into(), "v".into());
+        assert_eq!(code(p.create(with_params).await), Code::AlreadyExists);
+
+        // The volume survives a restart.
+        drop(p);
+        let p = plugin(dir.path(), false);
+        let v3 = p.create(create("a", 100)).await.unwrap().volume.unwrap();
+        assert_eq!(v1, v3);
+    }
+
+    #[tokio::test]
+    async fn create_validates_the_request() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        assert_eq!(code(p.create(create("", 0)).await), Code::InvalidArgument);
+        assert_eq!(
+            code(p.create(create("bad\u{1}name", 0)).await),
+            Code::InvalidArgument
+        );
+        let mut no_caps = create("a", 0);
+        no_caps.volume_capabilities.clear();
+        let err = p.create(no_caps).await.unwrap_err();
+        assert!(err.to_string().contains("volume_capabilities"), "{err}");
+        assert_eq!(code(p.create(create("a", -1)).await), Code::InvalidArgument);
+    }
+
+    #[tokio::test]
+    async fn delete_is_idempotent() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let v = p.create(create("a", 0)).await.unwrap().volume.unwrap();
+        let del = || DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        };
+        p.delete(del()).await.unwrap();
+        assert!(!p.volume_dir(&v.volume_id).exists());
+        p.delete(del()).await.unwrap();
+        p.delete(DeleteVolumeRequest {
+            volume_id: "../../etc".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        assert!(p.store().read(|s| s.volumes.is_empty()).await);
+    }
+
+    #[tokio::test]
+    async fn list_pages_through_every_volume() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let mut want = Vec::new();
+        for i in 0..5 {
+            let v = p.create(create(&format!("v{i}"), 0)).await.unwrap();
+            want.push(v.volume.unwrap().volume_id);
+        }
+        want.sort();
+        let mut seen = Vec::new();
+        let mut token = String::new();
+        let mut pages = 0;
+        loop {
+            let page = p
+                .list(ListVolumesRequest {
+                    max_entries: 2,
+                    starting_token: token,
+                })
+                .await
+                .unwrap();
+            pages += 1;
+            assert!(page.entries.len() <= 2);
+            seen.extend(page.entries.into_iter().map(|e| {
+                assert!(e.status.is_none(), "no status without --enable-attach");
+                e.volume.unwrap().volume_id
+            }));
+            if page.next_token.is_empty() {
+                break;
+            }
+            token = page.next_token;
+        }
+        assert_eq!(seen, want);
+        assert_eq!(pages, 3);
+        let all = p.list(ListVolumesRequest::default()).await.unwrap();
+        assert_eq!(all.entries.len(), 5);
+        assert!(all.next_token.is_empty());
+        assert_eq!(
+            code(
+                p.list(ListVolumesRequest {
+                    max_entries: -1,
+                    ..Default::default()
+                })
+                .await
+            ),
+            Code::InvalidArgument
+        );
+        assert_eq!(
+            code(
+                p.list(ListVolumesRequest {
+                    max_entries: 0,
+                    starting_token: "garbage".into()
+                })
+                .await
+            ),
+            Code::Aborted
+        );
+    }
+
+    #[tokio::test]
+    async fn publish_records_the_node() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), true);
+        let v = p.create(create("a", 0)).await.unwrap().volume.unwrap();
+        let publish = |node: &str, mode: Mode, readonly: bool| ControllerPublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: node.into(),
+            volume_capability: Some(cap(mode)),
+            readonly,
+            ..Default::default()
+        };
+        let ctx = p
+            .controller_publish(publish("node-1", Mode::SingleNodeWriter, false))
+            .await
+            .unwrap()
+            .publish_context;
+        assert_eq!(ctx[PUBLISHED_BY], "node-1");
+        p.controller_publish(publish("node-1", Mode::SingleNodeWriter, false))
+            .await
+            .unwrap();
+        assert_eq!(
+            code(
+                p.controller_publish(publish("node-1", Mode::SingleNodeWriter, true))
+                    .await
+            ),
+            Code::AlreadyExists
+        );
+        assert_eq!(
+            code(
+                p.controller_publish(publish("node-2", Mode::SingleNodeWriter, false))
+                    .await
+            ),
+            Code::NotFound
+        );
+        let mut unknown = publish("node-1", Mode::SingleNodeWriter, false);
+        unknown.volume_id = state::volume_id_for("nope");
+        assert_eq!(code(p.controller_publish(unknown).await), Code::NotFound);
+
+        // Published volumes are listed with their node, and cannot be deleted.
+        let listed = p.list(ListVolumesRequest::default()).await.unwrap();
+        assert_eq!(
+            listed.entries[0]
+                .status
+                .as_ref()
+                .unwrap()
+                .published_node_ids,
+            ["node-1"]
+        );
+        let del = DeleteVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            ..Default::default()
+        };
+        assert_eq!(code(p.delete(del.clone()).await), Code::FailedPrecondition);
+
+        let unpublish = ControllerUnpublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: "node-1".into(),
+            ..Default::default()
+        };
+        p.controller_unpublish(unpublish.clone()).await.unwrap();
+        p.controller_unpublish(unpublish).await.unwrap();
+        p.delete(del).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn publish_is_unimplemented_without_attach() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        assert_eq!(
+            code(
+                p.controller_publish(ControllerPublishVolumeRequest::default())
+                    .await
+            ),
+            Code::Unimplemented
+        );
+        let caps = p.controller_capabilities().capabilities;
+        assert_eq!(caps.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn busy_volume_is_aborted() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let _held = p
+            .begin("CreateVolume", &state::volume_id_for("a"))
+            .await
+            .unwrap();
+        assert_eq!(code(p.create(create("a", 0)).await), Code::Aborted);
+    }
+
+    #[tokio::test]
+    async fn validate_confirms_or_explains() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let v = p.create(create("a", 0)).await.unwrap().volume.unwrap();
+        let ok = p
+            .validate_capabilities(ValidateVolumeCapabilitiesRequest {
+                volume_id: v.volume_id.clone(),
+                volume_capabilities: vec![cap(Mode::MultiNodeReaderOnly)],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(ok.confirmed.is_some());
+        let block = VolumeCapability {
+            access_type: Some(AccessType::Block(Default::default())),
+            ..cap(Mode::SingleNodeWriter)
+        };
+        let no = p
+            .validate_capabilities(ValidateVolumeCapabilitiesRequest {
+                volume_id: v.volume_id.clone(),
+                volume_capabilities: vec![block],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(no.confirmed.is_none() && !no.message.is_empty());
+        assert_eq!(
+            code(
+                p.validate_capabilities(ValidateVolumeCapabilitiesRequest {
+                    volume_id: state::volume_id_for("other"),
+                    volume_capabilities: vec![cap(Mode::SingleNodeWriter)],
+                    ..Default::default()
+                })
+                .await
+            ),
+            Code::NotFound
+        );
+    }
+}

@@ -1,0 +1,673 @@
+//! Runs the real `hostpath-plugin` binary on a temporary unix socket and
+//! drives volumes through their whole life over CSI, with real bind mounts.
+//! Needs root (to mount).
+
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use berth_proto::csi::v1::controller_client::ControllerClient;
+use berth_proto::csi::v1::controller_service_capability::{self, rpc};
+use berth_proto::csi::v1::identity_client::IdentityClient;
+use berth_proto::csi::v1::node_client::NodeClient;
+use berth_proto::csi::v1::volume_capability::access_mode::Mode;
+use berth_proto::csi::v1::volume_capability::{AccessMode, AccessType, MountVolume};
+use berth_proto::csi::v1::volume_usage::Unit;
+use berth_proto::csi::v1::*;
+use hyper_util::rt::TokioIo;
+use nix::mount::{umount2, MntFlags};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::Code;
+use tower::service_fn;
+
+const BIN: &str = env!("CARGO_BIN_EXE_hostpath-plugin");
+const DEADLINE: Duration = Duration::from_secs(20);
+const MIB: i64 = 1 << 20;
+
+/// A running plugin and its temporary directory. Dropping it kills the
+/// plugin and unmounts whatever is still mounted under the directory, so a
+/// failing test leaves nothing behind.
+struct PluginProcess {
+    child: Option<Child>,
+    root: PathBuf,
+    socket: PathBuf,
+    state_dir: PathBuf,
+    log: PathBuf,
+    // Dropped last, after the cleanup in `Drop::drop`.
+    _dir: tempfile::TempDir,
+}
+
+impl PluginProcess {
+    fn start(args: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let root = fs::canonicalize(dir.path()).expect("canonical temp dir");
+        let mut plugin = Self {
+            child: None,
+            socket: root.join("run/csi.sock"),
+            state_dir: root.join("state"),
+            log: root.join("plugin.log"),
+            root,
+            _dir: dir,
+        };
+        plugin.spawn(args);
+        plugin
+    }
+
+    fn spawn(&mut self, args: &[&str]) {
+        assert!(self.child.is_none(), "plugin already running");
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let child = Command::new(BIN)
+            .arg("--endpoint")
+            .arg(format!("unix://{}", self.socket.display()))
+            .arg(format!("--state-dir={}", self.state_dir.display()))
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .env_remove("CSI_ENDPOINT")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start hostpath-plugin");
+        self.child = Some(child);
+    }
+
+    fn path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    /// Waits for the socket to accept connections, then opens a channel.
+    async fn connect(&mut self) -> Channel {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().unwrap()) {
+                panic!("plugin exited early with {status}:\n{}", self.logs());
+            }
+            if UnixStream::connect(&self.socket).await.is_ok() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "socket {} never came up:\n{}",
+                self.socket.display(),
+                self.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let socket = self.socket.clone();
+        Endpoint::try_from("http://[::1]:50051")
+            .unwrap()
+            .connect_timeout(Duration::from_secs(5))
+            .timeout(DEADLINE)
+            .connect_with_connector(service_fn(move |_: Uri| {
+                let socket = socket.clone();
+                async move { Ok::<_, io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+            }))
+            .await
+            .expect("connect to the plugin")
+    }
+
+    /// Sends SIGTERM and waits for the plugin to exit.
+    fn stop(&mut self) -> ExitStatus {
+        let mut child = self.child.take().expect("plugin running");
+        kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).expect("SIGTERM");
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("plugin ignored SIGTERM:\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn logs(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for PluginProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        // Deepest first; lazily, so a busy mount cannot wedge the cleanup.
+        for _ in 0..8 {
+            let mut mounts = mounts_under(&self.root);
+            if mounts.is_empty() {
+                break;
+            }
+            mounts.sort_by_key(|m| std::cmp::Reverse(m.0.components().count()));
+            for (mount_point, _) in mounts {
+                let _ = umount2(&mount_point, MntFlags::MNT_DETACH);
+            }
+        }
+        if std::thread::panicking() {
+            let _ = writeln!(io::stderr(), "--- plugin log ---\n{}", self.logs());
+        }
+    }
+}
+
+/// Mount points (with their options) at or below `dir`, read straight from
+/// the kernel's mount table.
+fn mounts_under(dir: &Path) -> Vec<(PathBuf, Vec<String>)> {
+    let table = fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
+    table
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.split(' ');
+            let mount_point = unescape(fields.nth(4)?);
+            let options = fields.next()?.split(',').map(str::to_owned).collect();
+            Some((PathBuf::from(mount_point), options))
+        })
+        .filter(|(mount_point, _)| mount_point.starts_with(dir))
+        .collect()
+}
+
+fn unescape(s: &str) -> String {
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+}
+
+fn mount_options(dir: &Path, mount_point: &Path) -> Option<Vec<String>> {
+    mounts_under(dir)
+        .into_iter()
+        .rev()
+        .find(|(m, _)| m == mount_point)
+        .map(|(_, options)| options)
+}
+
+fn capability(mode: Mode) -> VolumeCapability {
+    VolumeCapability {
+        access_type: Some(AccessType::Mount(MountVolume::default())),
+        access_mode: Some(AccessMode { mode: mode as i32 }),
+    }
+}
+
+fn create_request(name: &str, required: i64, limit: i64) -> CreateVolumeRequest {
+    CreateVolumeRequest {
+        name: name.to_owned(),
+        capacity_range: Some(CapacityRange {
+            required_bytes: required,
+            limit_bytes: limit,
+        }),
+        volume_capabilities: vec![capability(Mode::SingleNodeWriter)],
+        secrets: [("password".to_owned(), "hunter2".to_owned())].into(),
+        ..Default::default()
+    }
+}
+
+fn stage_request(volume_id: &str, staging: &Path) -> NodeStageVolumeRequest {
+    NodeStageVolumeRequest {
+        volume_id: volume_id.to_owned(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(capability(Mode::SingleNodeWriter)),
+        ..Default::default()
+    }
+}
+
+fn publish_request(
+    volume_id: &str,
+    staging: &Path,
+    target: &Path,
+    readonly: bool,
+) -> NodePublishVolumeRequest {
+    NodePublishVolumeRequest {
+        volume_id: volume_id.to_owned(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(capability(Mode::SingleNodeWriter)),
+        readonly,
+        ..Default::default()
+    }
+}
+
+fn code<T: std::fmt::Debug>(result: Result<T, tonic::Status>) -> Code {
+    result.expect_err("the call should fail").code()
+}
+
+#[tokio::test]
+async fn volume_lifecycle_with_read_only_publish() {
+    let mut plugin = PluginProcess::start(&["--node-id", "node-a"]);
+    let channel = plugin.connect().await;
+    let mut identity = IdentityClient::new(channel.clone());
+    let mut controller = ControllerClient::new(channel.clone());
+    let mut node = NodeClient::new(channel);
+
+    let info = identity
+        .get_plugin_info(GetPluginInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(info.name, "hostpath.csi.berth.dev");
+    assert_eq!(info.vendor_version, env!("CARGO_PKG_VERSION"));
+    let probe = identity.probe(ProbeRequest {}).await.unwrap().into_inner();
+    assert_eq!(probe.ready, Some(true));
+    let node_info = node
+        .node_get_info(NodeGetInfoRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(node_info.node_id, "node-a");
+
+    // Create, idempotently.
+    let volume = controller
+        .create_volume(create_request("vol-1", 10 * MIB, 0))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(volume.capacity_bytes, 10 * MIB);
+    let again = controller
+        .create_volume(create_request("vol-1", 10 * MIB, 20 * MIB))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(again.volume_id, volume.volume_id);
+    assert_eq!(
+        code(
+            controller
+                .create_volume(create_request("vol-1", 0, MIB))
+                .await
+        ),
+        Code::AlreadyExists
+    );
+    let volume_id = volume.volume_id;
+    let volume_dir = plugin.state_dir.join("volumes").join(&volume_id);
+    assert!(volume_dir.is_dir());
+
+    // Stage (the staging path does not exist yet), twice.
+    let staging = plugin.path("staging/vol-1");
+    let target = plugin.path("pods/p1/vol-1");
+    for _ in 0..2 {
+        node.node_stage_volume(stage_request(&volume_id, &staging))
+            .await
+            .unwrap();
+    }
+    // Publish read-only, twice; a read-write publish at the same target clashes.
+    for _ in 0..2 {
+        node.node_publish_volume(publish_request(&volume_id, &staging, &target, true))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        code(
+            node.node_publish_volume(publish_request(&volume_id, &staging, &target, false))
+                .await
+        ),
+        Code::AlreadyExists
+    );
+
+    let staged = mount_options(&plugin.root, &staging).expect("staging path is mounted");
+    assert!(staged.contains(&"rw".to_owned()), "{staged:?}");
+    let published = mount_options(&plugin.root, &target).expect("target path is mounted");
+    assert!(published.contains(&"ro".to_owned()), "{published:?}");
+
+    // Data written through the staging mount lands in the volume and shows
+    // through the target; the target itself refuses writes.
+    fs::write(staging.join("hello.txt"), b"hello").unwrap();
+    assert_eq!(fs::read(volume_dir.join("hello.txt")).unwrap(), b"hello");
+    assert_eq!(fs::read(target.join("hello.txt")).unwrap(), b"hello");
+    let err = fs::write(target.join("nope.txt"), b"x").expect_err("target is read-only");
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS), "{err}");
+
+    let stats = node
+        .node_get_volume_stats(NodeGetVolumeStatsRequest {
+            volume_id: volume_id.clone(),
+            volume_path: target.display().to_string(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let bytes = stats
+        .usage
+        .iter()
+        .find(|u| u.unit == Unit::Bytes as i32)
+        .expect("byte usage");
+    assert!(bytes.total > 0 && bytes.used >= 0 && bytes.available >= 0);
+
+    // Deleting a mounted volume is refused.
+    assert_eq!(
+        code(
+            controller
+                .delete_volume(DeleteVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    ..Default::default()
+                })
+                .await
+        ),
+        Code::FailedPrecondition
+    );
+
+    // Unpublish, twice.
+    for _ in 0..2 {
+        node.node_unpublish_volume(NodeUnpublishVolumeRequest {
+            volume_id: volume_id.clone(),
+            target_path: target.display().to_string(),
+        })
+        .await
+        .unwrap();
+    }
+    assert!(mount_options(&plugin.root, &target).is_none());
+    assert!(!target.exists(), "target directory is removed");
+    assert_eq!(
+        code(
+            node.node_get_volume_stats(NodeGetVolumeStatsRequest {
+                volume_id: volume_id.clone(),
+                volume_path: target.display().to_string(),
+                staging_target_path: String::new(),
+            })
+            .await
+        ),
+        Code::NotFound
+    );
+
+    // Unstage, twice.
+    for _ in 0..2 {
+        node.node_unstage_volume(NodeUnstageVolumeRequest {
+            volume_id: volume_id.clone(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+    }
+    assert!(!staging.exists(), "staging directory is removed");
+
+    // Delete, twice.
+    for _ in 0..2 {
+        controller
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: volume_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    assert!(!volume_dir.exists());
+    assert!(
+        mounts_under(&plugin.root).is_empty(),
+        "nothing is left mounted"
+    );
+
+    let status = plugin.stop();
+    assert!(status.success(), "{status}");
+    assert!(!plugin.socket.exists(), "socket removed on shutdown");
+    let logs = plugin.logs();
+    assert!(!logs.contains("hunter2"), "secrets must never be logged");
+}
+
+#[tokio::test]
+async fn attach_faults_concurrency_and_restart() {
+    let mut plugin = PluginProcess::start(&[
+        "--node-id=node-b",
+        "--enable-attach",
+        "--fail",
+        "NodeStageVolume=unavailable:1",
+        "--delay=NodePublishVolume=1s",
+    ]);
+    let channel = plugin.connect().await;
+    let mut controller = ControllerClient::new(channel.clone());
+    let mut node = NodeClient::new(channel);
+
+    let caps = controller
+        .controller_get_capabilities(ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let types: Vec<i32> = caps
+        .capabilities
+        .iter()
+        .filter_map(|c| {
+            let controller_service_capability::Type::Rpc(r) = c.r#type?;
+            Some(r.r#type)
+        })
+        .collect();
+    assert!(types.contains(&(rpc::Type::PublishUnpublishVolume as i32)));
+
+    let mut ids = Vec::new();
+    for name in ["a", "b", "c"] {
+        let v = controller
+            .create_volume(create_request(name, 0, 0))
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        ids.push(v.volume_id);
+    }
+    let volume_id = ids[0].clone();
+    let staging = plugin.path("staging/a");
+    let target = plugin.path("target/a");
+
+    // The first stage call gets the injected failure; the second is refused
+    // because the volume is not controller-published yet.
+    assert_eq!(
+        code(
+            node.node_stage_volume(stage_request(&volume_id, &staging))
+                .await
+        ),
+        Code::Unavailable
+    );
+    assert_eq!(
+        code(
+            node.node_stage_volume(stage_request(&volume_id, &staging))
+                .await
+        ),
+        Code::FailedPrecondition
+    );
+
+    let publish = |node_id: &str, readonly: bool| ControllerPublishVolumeRequest {
+        volume_id: volume_id.clone(),
+        node_id: node_id.to_owned(),
+        volume_capability: Some(capability(Mode::SingleNodeWriter)),
+        readonly,
+        ..Default::default()
+    };
+    assert_eq!(
+        code(
+            controller
+                .controller_publish_volume(publish("elsewhere", false))
+                .await
+        ),
+        Code::NotFound
+    );
+    let context = controller
+        .controller_publish_volume(publish("node-b", false))
+        .await
+        .unwrap()
+        .into_inner()
+        .publish_context;
+    assert_eq!(
+        context.get("published_by").map(String::as_str),
+        Some("node-b")
+    );
+    controller
+        .controller_publish_volume(publish("node-b", false))
+        .await
+        .unwrap();
+    assert_eq!(
+        code(
+            controller
+                .controller_publish_volume(publish("node-b", true))
+                .await
+        ),
+        Code::AlreadyExists
+    );
+    let mut stage = stage_request(&volume_id, &staging);
+    stage.publish_context = context;
+    node.node_stage_volume(stage).await.unwrap();
+
+    // Two publishes of one volume at once: the second is turned away while
+    // the first (delayed by a second) is in flight.
+    let mut node2 = node.clone();
+    let req = publish_request(&volume_id, &staging, &target, false);
+    let (first, second) = tokio::join!(node.node_publish_volume(req.clone()), async {
+        // Let the first call claim the volume.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        node2.node_publish_volume(req.clone()).await
+    });
+    first.unwrap();
+    assert_eq!(code(second), Code::Aborted);
+    assert!(mount_options(&plugin.root, &target).is_some());
+
+    // State survives a restart.
+    assert!(plugin.stop().success());
+    plugin.spawn(&["--node-id=node-b", "--enable-attach"]);
+    let channel = plugin.connect().await;
+    let mut controller = ControllerClient::new(channel.clone());
+    let mut node = NodeClient::new(channel);
+
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    loop {
+        let page = controller
+            .list_volumes(ListVolumesRequest {
+                max_entries: 2,
+                starting_token: token.clone(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(page.entries.len() <= 2);
+        for entry in page.entries {
+            let volume = entry.volume.unwrap();
+            let published = entry.status.unwrap().published_node_ids;
+            if volume.volume_id == volume_id {
+                assert_eq!(published, ["node-b"]);
+            } else {
+                assert!(published.is_empty());
+            }
+            seen.push(volume.volume_id);
+        }
+        if page.next_token.is_empty() {
+            break;
+        }
+        token = page.next_token;
+    }
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(seen, want);
+    assert_eq!(
+        code(
+            controller
+                .list_volumes(ListVolumesRequest {
+                    max_entries: 0,
+                    starting_token: "not-a-token".into(),
+                })
+                .await
+        ),
+        Code::Aborted
+    );
+
+    // Tear down in order; unpublishing twice is fine.
+    node.node_unpublish_volume(NodeUnpublishVolumeRequest {
+        volume_id: volume_id.clone(),
+        target_path: target.display().to_string(),
+    })
+    .await
+    .unwrap();
+    node.node_unstage_volume(NodeUnstageVolumeRequest {
+        volume_id: volume_id.clone(),
+        staging_target_path: staging.display().to_string(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        code(
+            controller
+                .delete_volume(DeleteVolumeRequest {
+                    volume_id: volume_id.clone(),
+                    ..Default::default()
+                })
+                .await
+        ),
+        Code::FailedPrecondition,
+        "a controller-published volume cannot be deleted"
+    );
+    for _ in 0..2 {
+        controller
+            .controller_unpublish_volume(ControllerUnpublishVolumeRequest {
+                volume_id: volume_id.clone(),
+                node_id: "node-b".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    for id in &ids {
+        controller
+            .delete_volume(DeleteVolumeRequest {
+                volume_id: id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    assert!(mounts_under(&plugin.root).is_empty());
+    assert!(plugin.stop().success());
+}
+
+#[test]
+fn bad_flags_exit_2() {
+    for args in [
+        &["--bogus"][..],
+        &[
+            "--endpoint=unix:///tmp/x.sock",
+            "--state-dir=/tmp/x",
+            "--fail",
+            "Probe=nope",
+        ],
+        &["--endpoint=tcp://x", "--state-dir=/tmp/x"],
+    ] {
+        let out = Command::new(BIN)
+            .args(args)
+            .env_remove("CSI_ENDPOINT")
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("--help"), "{stderr}");
+    }
+    let help = Command::new(BIN).arg("--help").output().unwrap();
+    assert!(help.status.success());
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--fail RPC=CODE[:COUNT]"));
+}
+
+#[test]
+fn refuses_to_replace_a_non_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("not-a-socket");
+    fs::write(&path, b"data").unwrap();
+    let out = Command::new(BIN)
+        .arg(format!("--endpoint=unix://{}", path.display()))
+        .arg(format!(
+            "--state-dir={}",
+            dir.path().join("state").display()
+        ))
+        .arg("--node-id=n")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(fs::read(&path).unwrap(), b"data");
+    assert!(!fs::symlink_metadata(&path).unwrap().file_type().is_socket());
+}

@@ -1,0 +1,59 @@
+//! Configuration of the server role.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The agent's data dir; the state lives in `<data_dir>/server/state.redb`.
+    pub data_dir: PathBuf,
+    /// The shortest heartbeat TTL handed to a node.
+    pub min_heartbeat_ttl: Duration,
+    /// TTLs are stretched as nodes grow so that the servers see at most
+    /// this many heartbeats per second.
+    pub max_heartbeats_per_second: f64,
+    /// Time past its TTL before a silent node is marked down.
+    pub heartbeat_grace: Duration,
+    /// Deadline of a call the server makes on a client (ControllerPublish,
+    /// NodeDetach, ...).
+    pub client_call_timeout: Duration,
+    /// How long after an alloc turned terminal the volume watcher leaves its
+    /// claims for the client's own `Unpublish` before reaping them. Claims of
+    /// allocs that are gone or whose node is down are reaped at once.
+    pub claim_reap_grace: Duration,
+    /// How often blocked jobs are re-evaluated even when nothing changed
+    /// (delayed replacements become due this way).
+    pub scheduler_retry_interval: Duration,
+    /// A failed service alloc is replaced only this long after it failed.
+    pub reschedule_delay: Duration,
+    /// Allocs terminal on the client for this long are garbage collected.
+    pub alloc_gc_threshold: Duration,
+    /// How often the garbage collector runs.
+    pub gc_interval: Duration,
+}
+
+/// Production defaults with an empty `data_dir`, which `Server::open`
+/// refuses: set it.
+impl Default for ServerConfig {
+    fn default() -> ServerConfig {
+        ServerConfig::new(PathBuf::new())
+    }
+}
+
+impl ServerConfig {
+    /// Production defaults under `data_dir`.
+    pub fn new(data_dir: impl Into<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            data_dir: data_dir.into(),
+            min_heartbeat_ttl: Duration::from_secs(10),
+            max_heartbeats_per_second: 50.0,
+            heartbeat_grace: Duration::from_secs(10),
+            client_call_timeout: Duration::from_secs(60),
+            claim_reap_grace: Duration::from_secs(5),
+            scheduler_retry_interval: Duration::from_secs(5),
+            reschedule_delay: Duration::from_secs(5),
+            alloc_gc_threshold: Duration::from_secs(60 * 60),
+            gc_interval: Duration::from_secs(5 * 60),
+        }
+    }
+}

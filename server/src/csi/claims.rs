@@ -1,0 +1,454 @@
+//! Claims: taking a volume for an alloc (with `ControllerPublishVolume` when
+//! the plugin needs it) and releasing it through
+//! `taken → node-detached → controller-detached → ready-to-free → freed`.
+//!
+//! Each step is checkpointed in the state store before the next starts, so a
+//! step that fails (or a server restart) resumes where it stopped. Error codes
+//! a client sees from `Claim`:
+//! - `NotFound`: the volume or alloc does not exist (final);
+//! - `FailedPrecondition` (`ServerError::Conflict`): the volume lacks the
+//!   requested capability, the alloc is terminal or on another node (final);
+//! - `ResourceExhausted` (`ServerError::InUse`): the claims of that kind are
+//!   taken, retry once they are freed;
+//! - `Unavailable`: no client runs a controller (or the node plugin) now;
+//! - a controller plugin's own code, passed through.
+
+use std::collections::BTreeMap;
+
+use berth_proto::berth::v1 as pb;
+use berth_structs::{
+    AccessMode, AttachmentMode, ClaimMode, ClaimState, CsiMountOptions, CsiVolumeClaim, NodeStatus,
+};
+
+use super::capability_pb;
+use crate::error::ServerError;
+use crate::plugins::requires_controller_publish;
+use crate::server::Server;
+use crate::state::Change;
+
+/// A request to claim a volume for an alloc.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeClaimRequest {
+    pub volume_id: String,
+    pub alloc_id: String,
+    pub node_id: String,
+    pub mode: ClaimMode,
+    pub access_mode: AccessMode,
+    pub attachment_mode: AttachmentMode,
+    /// The job's mount options; they lie over the volume's.
+    pub mount_options: CsiMountOptions,
+}
+
+/// What a claimant needs to stage and publish the volume.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ClaimGrant {
+    pub volume_id: String,
+    pub external_id: String,
+    pub plugin_id: String,
+    pub publish_context: BTreeMap<String, String>,
+    pub volume_context: BTreeMap<String, String>,
+    /// For the node plugin only; never logged.
+    pub secrets: BTreeMap<String, String>,
+    pub mount_options: CsiMountOptions,
+}
+
+impl std::fmt::Debug for ClaimGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimGrant")
+            .field("volume_id", &self.volume_id)
+            .field("external_id", &self.external_id)
+            .field("plugin_id", &self.plugin_id)
+            .field("publish_context", &self.publish_context)
+            .field("volume_context", &self.volume_context)
+            .field(
+                "secrets",
+                &format_args!("<{} redacted>", self.secrets.len()),
+            )
+            .field("mount_options", &self.mount_options)
+            .finish()
+    }
+}
+
+/// Who releases a claim; it decides whether the node detach is needed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReleaseOrigin {
+    /// The client of `node_id` already unpublished and unstaged the volume
+    /// locally before asking (`CSIVolume.Unpublish`); when it is the claim's
+    /// node, the node detach step is done.
+    Client { node_id: String },
+    /// The volume watcher reaping a claim nobody released.
+    Watcher,
+    /// An operator (`volume detach`, forced deregister).
+    Operator,
+}
+
+/// gRPC codes after which a plugin certainly did not act.
+fn is_final(e: &ServerError) -> bool {
+    matches!(
+        e.grpc_code(),
+        tonic::Code::InvalidArgument
+            | tonic::Code::NotFound
+            | tonic::Code::AlreadyExists
+            | tonic::Code::FailedPrecondition
+            | tonic::Code::PermissionDenied
+    )
+}
+
+impl Server {
+    /// Claim a volume for an alloc. The claim is persisted before the
+    /// answer; a repeated claim by the same alloc is answered again (and
+    /// ControllerPublish, idempotent, is repeated when the plugin needs it).
+    pub async fn claim_volume(&self, req: VolumeClaimRequest) -> Result<ClaimGrant, ServerError> {
+        let _lock = self.volume_locks.lock(&req.volume_id).await;
+        let vid = req.volume_id.as_str();
+        let alloc_id = req.alloc_id.as_str();
+        // Check and reserve in one write.
+        let ((vol, external_node_id, reserved_now, needs_publish), _) =
+            self.store.write(|t, changes| {
+                let vol = t
+                    .volumes
+                    .get(vid)
+                    .ok_or_else(|| ServerError::not_found(format!("volume {vid:?} not found")))?;
+                if !vol.has_capability(req.access_mode, req.attachment_mode) {
+                    return Err(ServerError::Conflict(format!(
+                        "volume {vid:?} does not have capability {}/{}",
+                        req.access_mode, req.attachment_mode
+                    )));
+                }
+                if req.mode == ClaimMode::Write && req.access_mode.is_reader_only() {
+                    return Err(ServerError::Conflict(format!(
+                        "access mode {} of volume {vid:?} does not allow a write claim",
+                        req.access_mode
+                    )));
+                }
+                let alloc = t.allocs.get(alloc_id).ok_or_else(|| {
+                    ServerError::not_found(format!("alloc {alloc_id:?} not found"))
+                })?;
+                if alloc.node_id != req.node_id {
+                    return Err(ServerError::Conflict(format!(
+                        "alloc {alloc_id} is placed on node {}, not {}",
+                        alloc.node_id, req.node_id
+                    )));
+                }
+                if alloc.is_terminal() {
+                    return Err(ServerError::Conflict(format!(
+                        "alloc {alloc_id} is terminal and cannot claim volume {vid:?}"
+                    )));
+                }
+                let node = t.nodes.get(&req.node_id).ok_or_else(|| {
+                    ServerError::not_found(format!("node {:?} not found", req.node_id))
+                })?;
+                let node_plugin = node.csi_node_plugins.get(&vol.plugin_id).ok_or_else(|| {
+                    ServerError::Unavailable(format!(
+                        "node {} does not run CSI node plugin {:?}",
+                        req.node_id, vol.plugin_id
+                    ))
+                })?;
+                let external_node_id = node_plugin.external_node_id.clone();
+                let needs_publish = requires_controller_publish(t, &vol.plugin_id);
+                let mut reserved_now = false;
+                match vol.claim_for(alloc_id) {
+                    Some(c) if c.releasing => {
+                        return Err(ServerError::Conflict(format!(
+                            "the claim of alloc {alloc_id} on volume {vid:?} is being released"
+                        )));
+                    }
+                    Some(c)
+                        if c.mode == req.mode
+                            && c.access_mode == req.access_mode
+                            && c.attachment_mode == req.attachment_mode => {}
+                    Some(c) => {
+                        return Err(ServerError::Conflict(format!(
+                            "alloc {alloc_id} already claims volume {vid:?} as {} {}/{}",
+                            c.mode.as_str(),
+                            c.access_mode,
+                            c.attachment_mode
+                        )));
+                    }
+                    None => {
+                        if let Some(why) =
+                            vol.claim_conflict(alloc_id, &req.node_id, req.access_mode, req.mode)
+                        {
+                            return Err(ServerError::InUse(why));
+                        }
+                        let claim = CsiVolumeClaim {
+                            alloc_id: alloc_id.to_string(),
+                            node_id: req.node_id.clone(),
+                            external_node_id: external_node_id.clone(),
+                            mode: req.mode,
+                            access_mode: req.access_mode,
+                            attachment_mode: req.attachment_mode,
+                            state: ClaimState::Taken,
+                            publish_context: BTreeMap::new(),
+                            releasing: false,
+                        };
+                        let mut v = vol.clone();
+                        match req.mode {
+                            ClaimMode::Read => v.read_claims.insert(alloc_id.to_string(), claim),
+                            ClaimMode::Write => v.write_claims.insert(alloc_id.to_string(), claim),
+                        };
+                        changes.push(Change::PutVolume(v));
+                        reserved_now = true;
+                    }
+                }
+                Ok((vol.clone(), external_node_id, reserved_now, needs_publish))
+            })?;
+        if reserved_now {
+            tracing::info!(volume_id = vid, alloc_id, node_id = %req.node_id, mode = req.mode.as_str(), "volume claimed");
+        }
+        let mount_options = req.mount_options.merged_over(&vol.mount_options);
+        let mut publish_context = vol
+            .claim_for(alloc_id)
+            .map(|c| c.publish_context.clone())
+            .unwrap_or_default();
+        if needs_publish {
+            match self
+                .controller_publish(&vol, &req, &external_node_id, &mount_options)
+                .await
+            {
+                Ok(ctx) => {
+                    publish_context = ctx.clone();
+                    self.store.write(|t, changes| {
+                        if let Some(mut v) = t.volumes.get(vid).cloned() {
+                            let claim = v
+                                .write_claims
+                                .get_mut(alloc_id)
+                                .or(v.read_claims.get_mut(alloc_id));
+                            if let Some(c) = claim {
+                                if c.publish_context != ctx {
+                                    c.publish_context = ctx;
+                                    changes.push(Change::PutVolume(v));
+                                }
+                            }
+                        }
+                        Ok::<_, ServerError>(())
+                    })?;
+                }
+                Err(e) => {
+                    tracing::warn!(volume_id = vid, alloc_id, plugin_id = %vol.plugin_id, error = %e,
+                        "ControllerPublish failed");
+                    if reserved_now && is_final(&e) {
+                        // The controller certainly did not publish: give the
+                        // reservation back.
+                        self.drop_claim(vid, alloc_id)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ClaimGrant {
+            volume_id: vol.id.clone(),
+            external_id: vol.external_id.clone(),
+            plugin_id: vol.plugin_id.clone(),
+            publish_context,
+            volume_context: vol.context.clone(),
+            secrets: vol.secrets.clone(),
+            mount_options,
+        })
+    }
+
+    async fn controller_publish(
+        &self,
+        vol: &berth_structs::CsiVolume,
+        req: &VolumeClaimRequest,
+        external_node_id: &str,
+        mount: &CsiMountOptions,
+    ) -> Result<BTreeMap<String, String>, ServerError> {
+        let controller = self.controller_client(&vol.plugin_id)?;
+        let call = pb::server_call::Call::ControllerPublish(pb::ControllerPublish {
+            plugin_id: vol.plugin_id.clone(),
+            external_id: vol.external_id.clone(),
+            external_node_id: external_node_id.to_string(),
+            capability: Some(capability_pb(req.access_mode, req.attachment_mode, mount)),
+            read_only: req.mode == ClaimMode::Read,
+            secrets: vol.secrets.clone().into_iter().collect(),
+            volume_context: vol.context.clone().into_iter().collect(),
+        });
+        match self
+            .calls
+            .call(&controller, call, self.config.client_call_timeout)
+            .await?
+        {
+            pb::call_reply::Result::ControllerPublish(r) => {
+                Ok(r.publish_context.into_iter().collect())
+            }
+            pb::call_reply::Result::Empty(_) => Ok(BTreeMap::new()),
+            _ => Err(ServerError::Internal(format!(
+                "node {controller} answered ControllerPublish with another kind of reply"
+            ))),
+        }
+    }
+
+    /// Remove a claim without any detach (only when nothing was attached).
+    fn drop_claim(&self, volume_id: &str, alloc_id: &str) -> Result<(), ServerError> {
+        self.store.write(|t, changes| {
+            if let Some(mut v) = t.volumes.get(volume_id).cloned() {
+                if v.read_claims.remove(alloc_id).is_some()
+                    | v.write_claims.remove(alloc_id).is_some()
+                {
+                    changes.push(Change::PutVolume(v));
+                }
+            }
+            Ok::<_, ServerError>(())
+        })?;
+        Ok(())
+    }
+
+    /// Release the claim of `alloc_id` on `volume_id`: node detach,
+    /// controller detach, free. An unknown volume or claim is already
+    /// released. Blocked jobs are evaluated after a free.
+    pub async fn unpublish_claim(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        origin: ReleaseOrigin,
+    ) -> Result<(), ServerError> {
+        let freed = {
+            let _lock = self.volume_locks.lock(volume_id).await;
+            self.release_claim_locked(volume_id, alloc_id, &origin)
+                .await?
+        };
+        if freed {
+            self.evaluate_blocked().await;
+        }
+        Ok(())
+    }
+
+    /// Set the claim's state (and mark it releasing); returns false when
+    /// the claim is gone.
+    fn checkpoint_claim(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        state: ClaimState,
+    ) -> Result<bool, ServerError> {
+        let (found, _) = self.store.write(|t, changes| {
+            let Some(mut v) = t.volumes.get(volume_id).cloned() else {
+                return Ok::<_, ServerError>(false);
+            };
+            let claim = match v.write_claims.get_mut(alloc_id) {
+                Some(c) => Some(c),
+                None => v.read_claims.get_mut(alloc_id),
+            };
+            let Some(c) = claim else { return Ok(false) };
+            if c.state != state || !c.releasing {
+                c.state = state;
+                c.releasing = true;
+                changes.push(Change::PutVolume(v));
+            }
+            Ok(true)
+        })?;
+        if found {
+            tracing::debug!(
+                volume_id,
+                alloc_id,
+                state = state.as_str(),
+                "claim checkpointed"
+            );
+        }
+        Ok(found)
+    }
+
+    /// Drive a claim to freed; the caller holds the volume lock. Returns
+    /// whether a claim was freed.
+    pub(crate) async fn release_claim_locked(
+        &self,
+        volume_id: &str,
+        alloc_id: &str,
+        origin: &ReleaseOrigin,
+    ) -> Result<bool, ServerError> {
+        loop {
+            let Some((vol, claim)) = self.store.read(|t| {
+                t.volumes
+                    .get(volume_id)
+                    .and_then(|v| v.claim_for(alloc_id).map(|c| (v.clone(), c.clone())))
+            }) else {
+                return Ok(false);
+            };
+            match claim.state {
+                ClaimState::Taken => {
+                    if !claim.releasing {
+                        tracing::info!(volume_id, alloc_id, node_id = %claim.node_id, origin = ?origin, "releasing claim");
+                        self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)?;
+                    }
+                    self.node_detach(&vol, &claim, origin).await?;
+                    self.checkpoint_claim(volume_id, alloc_id, ClaimState::NodeDetached)?;
+                }
+                ClaimState::NodeDetached => {
+                    let needed = self
+                        .store
+                        .read(|t| requires_controller_publish(t, &vol.plugin_id));
+                    if needed {
+                        let controller = self.controller_client(&vol.plugin_id)?;
+                        let call =
+                            pb::server_call::Call::ControllerUnpublish(pb::ControllerUnpublish {
+                                plugin_id: vol.plugin_id.clone(),
+                                external_id: vol.external_id.clone(),
+                                external_node_id: claim.external_node_id.clone(),
+                                secrets: vol.secrets.clone().into_iter().collect(),
+                            });
+                        self.calls
+                            .call(&controller, call, self.config.client_call_timeout)
+                            .await
+                            .inspect_err(|e| {
+                                tracing::warn!(volume_id, alloc_id, plugin_id = %vol.plugin_id, error = %e,
+                                    "ControllerUnpublish failed; the claim stays node-detached")
+                            })?;
+                    }
+                    self.checkpoint_claim(volume_id, alloc_id, ClaimState::ControllerDetached)?;
+                }
+                ClaimState::ControllerDetached => {
+                    self.checkpoint_claim(volume_id, alloc_id, ClaimState::ReadyToFree)?;
+                }
+                ClaimState::ReadyToFree => {
+                    self.drop_claim(volume_id, alloc_id)?;
+                    tracing::info!(volume_id, alloc_id, "claim freed");
+                    return Ok(true);
+                }
+            }
+        }
+    }
+
+    async fn node_detach(
+        &self,
+        vol: &berth_structs::CsiVolume,
+        claim: &CsiVolumeClaim,
+        origin: &ReleaseOrigin,
+    ) -> Result<(), ServerError> {
+        if let ReleaseOrigin::Client { node_id } = origin {
+            if *node_id == claim.node_id {
+                return Ok(());
+            }
+        }
+        let node_up = self.store.read(|t| {
+            t.nodes
+                .get(&claim.node_id)
+                .is_some_and(|n| n.status != NodeStatus::Down)
+        });
+        if !node_up {
+            tracing::info!(volume_id = %vol.id, alloc_id = %claim.alloc_id, node_id = %claim.node_id,
+                "node is down or gone; skipping node detach");
+            return Ok(());
+        }
+        let call = pb::server_call::Call::NodeDetach(pb::NodeDetach {
+            plugin_id: vol.plugin_id.clone(),
+            volume_id: vol.id.clone(),
+            external_id: vol.external_id.clone(),
+            alloc_id: claim.alloc_id.clone(),
+            capability: Some(capability_pb(
+                claim.access_mode,
+                claim.attachment_mode,
+                &vol.mount_options,
+            )),
+            read_only: claim.mode == ClaimMode::Read,
+        });
+        self.calls
+            .call(&claim.node_id, call, self.config.client_call_timeout)
+            .await
+            .inspect_err(|e| {
+                tracing::warn!(volume_id = %vol.id, alloc_id = %claim.alloc_id, node_id = %claim.node_id,
+                    error = %e, "node detach failed; the claim stays taken")
+            })?;
+        Ok(())
+    }
+}

@@ -1,0 +1,332 @@
+//! CSI volumes on the servers: create, register, deregister, delete and
+//! read (here), claims and their release (`claims.rs`), and the volume
+//! watcher that frees claims nobody released (`watcher.rs`).
+//!
+//! Every operation that changes a volume's claims or talks to its plugin
+//! holds the volume's lock, so a claim, an unpublish and a delete of the
+//! same volume never interleave. Secrets are passed to plugins and never
+//! returned by a read or logged.
+
+mod claims;
+mod watcher;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use berth_proto::berth::v1 as pb;
+use berth_structs::{CsiVolume, NodeStatus};
+use tokio::sync::OwnedMutexGuard;
+
+pub use claims::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest};
+
+use crate::error::ServerError;
+use crate::plugins::controller_nodes;
+use crate::server::Server;
+use crate::state::{Change, Tables};
+
+/// One async lock per volume ID.
+#[derive(Default)]
+pub(crate) struct VolumeLocks {
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl VolumeLocks {
+    pub(crate) async fn lock(&self, volume_id: &str) -> OwnedMutexGuard<()> {
+        let m = self
+            .locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(volume_id.to_string())
+            .or_default()
+            .clone();
+        m.lock_owned().await
+    }
+
+    fn forget(&self, volume_id: &str) {
+        self.locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(volume_id);
+    }
+}
+
+/// A volume as the API shows it: secrets cleared, `schedulable` computed.
+pub(crate) fn public_view(v: &CsiVolume, t: &Tables) -> CsiVolume {
+    let mut v = v.clone();
+    v.secrets.clear();
+    v.schedulable = t
+        .nodes
+        .values()
+        .any(|n| n.status == NodeStatus::Ready && n.has_healthy_node_plugin(&v.plugin_id));
+    v
+}
+
+pub(crate) fn capability_pb(
+    access: berth_structs::AccessMode,
+    attach: berth_structs::AttachmentMode,
+    mount: &berth_structs::CsiMountOptions,
+) -> pb::VolumeCapability {
+    pb::VolumeCapability {
+        access_mode: access.as_str().to_string(),
+        attachment_mode: attach.as_str().to_string(),
+        fs_type: mount.fs_type.clone(),
+        mount_flags: mount.mount_flags.clone(),
+    }
+}
+
+impl Server {
+    /// A ready, connected node running a healthy controller of `plugin_id`.
+    pub(crate) fn controller_client(&self, plugin_id: &str) -> Result<String, ServerError> {
+        let candidates = self.store.read(|t| controller_nodes(t, plugin_id));
+        candidates
+            .into_iter()
+            .find(|n| self.calls.is_connected(n))
+            .ok_or_else(|| {
+                ServerError::Unavailable(format!(
+                    "no connected client runs a healthy controller of CSI plugin {plugin_id:?}"
+                ))
+            })
+    }
+
+    pub fn volumes(&self) -> Vec<CsiVolume> {
+        self.store
+            .read(|t| t.volumes.values().map(|v| public_view(v, t)).collect())
+    }
+
+    pub fn volume(&self, id: &str) -> Result<CsiVolume, ServerError> {
+        self.store
+            .read(|t| t.volumes.get(id).map(|v| public_view(v, t)))
+            .ok_or_else(|| ServerError::not_found(format!("volume {id:?} not found")))
+    }
+
+    /// Create a volume through a controller plugin (`CreateVolume`) and
+    /// register it.
+    pub async fn create_volume(&self, mut vol: CsiVolume) -> Result<CsiVolume, ServerError> {
+        vol.validate(false)?;
+        let _lock = self.volume_locks.lock(&vol.id).await;
+        if self.store.read(|t| t.volumes.contains_key(&vol.id)) {
+            return Err(ServerError::Conflict(format!(
+                "volume {:?} already exists",
+                vol.id
+            )));
+        }
+        let controller = self.controller_client(&vol.plugin_id)?;
+        let supports = self.store.read(|t| {
+            t.nodes
+                .get(&controller)
+                .and_then(|n| n.csi_controller_plugins.get(&vol.plugin_id))
+                .is_some_and(|c| c.supports_create_delete)
+        });
+        if !supports {
+            return Err(ServerError::BadRequest(format!(
+                "CSI plugin {:?} does not support creating volumes",
+                vol.plugin_id
+            )));
+        }
+        let call = pb::server_call::Call::CreateVolume(pb::CreateVolume {
+            plugin_id: vol.plugin_id.clone(),
+            name: if vol.name.is_empty() {
+                vol.id.clone()
+            } else {
+                vol.name.clone()
+            },
+            capacity_min: vol.capacity_min.unwrap_or(0) as i64,
+            capacity_max: vol.capacity_max.unwrap_or(0) as i64,
+            capabilities: vol
+                .capabilities
+                .iter()
+                .map(|c| capability_pb(c.access_mode, c.attachment_mode, &vol.mount_options))
+                .collect(),
+            parameters: vol.parameters.clone().into_iter().collect(),
+            secrets: vol.secrets.clone().into_iter().collect(),
+        });
+        let reply = self
+            .calls
+            .call(&controller, call, self.config.client_call_timeout)
+            .await?;
+        let pb::call_reply::Result::CreateVolume(created) = reply else {
+            return Err(ServerError::Internal(format!(
+                "node {controller} answered CreateVolume with another kind of reply"
+            )));
+        };
+        vol.external_id = created.external_id;
+        vol.capacity = created.capacity_bytes.max(0) as u64;
+        vol.context = created.volume_context.into_iter().collect();
+        vol.read_claims.clear();
+        vol.write_claims.clear();
+        if vol.provider.is_empty() {
+            vol.provider = self.plugin_provider(&vol.plugin_id);
+        }
+        let stored = vol.clone();
+        self.store.write(|_, changes| {
+            changes.push(Change::PutVolume(stored));
+            Ok::<_, ServerError>(())
+        })?;
+        tracing::info!(volume_id = %vol.id, plugin_id = %vol.plugin_id, external_id = %vol.external_id, "volume created");
+        drop(_lock);
+        self.evaluate_blocked().await;
+        self.volume(&vol.id)
+    }
+
+    fn plugin_provider(&self, plugin_id: &str) -> String {
+        self.store.read(|t| {
+            t.nodes
+                .values()
+                .flat_map(|n| {
+                    n.csi_controller_plugins
+                        .get(plugin_id)
+                        .into_iter()
+                        .chain(n.csi_node_plugins.get(plugin_id))
+                })
+                .map(|i| i.provider.clone())
+                .find(|p| !p.is_empty())
+                .unwrap_or_default()
+        })
+    }
+
+    /// Register an existing volume. Re-registering may change it, but not
+    /// in a way that contradicts its claims.
+    pub async fn register_volume(&self, mut vol: CsiVolume) -> Result<CsiVolume, ServerError> {
+        vol.validate(true)?;
+        let provider = self.plugin_provider(&vol.plugin_id);
+        let _lock = self.volume_locks.lock(&vol.id).await;
+        self.store.write(|t, changes| {
+            match t.volumes.get(&vol.id) {
+                Some(old) => {
+                    let claimed = old.claims().count();
+                    if claimed > 0 {
+                        if old.plugin_id != vol.plugin_id || old.external_id != vol.external_id {
+                            return Err(ServerError::Conflict(format!(
+                                "volume {:?} has {claimed} claims; its plugin_id and external_id cannot change",
+                                vol.id
+                            )));
+                        }
+                        if let Some(c) = old
+                            .claims()
+                            .find(|c| !vol.has_capability(c.access_mode, c.attachment_mode))
+                        {
+                            return Err(ServerError::Conflict(format!(
+                                "volume {:?} is claimed as {}/{} by alloc {}; that capability cannot be removed",
+                                vol.id, c.access_mode, c.attachment_mode, c.alloc_id
+                            )));
+                        }
+                    }
+                    vol.read_claims = old.read_claims.clone();
+                    vol.write_claims = old.write_claims.clone();
+                }
+                None => {
+                    vol.read_claims.clear();
+                    vol.write_claims.clear();
+                }
+            }
+            if vol.provider.is_empty() {
+                vol.provider = provider;
+            }
+            vol.schedulable = false;
+            changes.push(Change::PutVolume(vol.clone()));
+            Ok(())
+        })?;
+        tracing::info!(volume_id = %vol.id, plugin_id = %vol.plugin_id, "volume registered");
+        drop(_lock);
+        self.evaluate_blocked().await;
+        self.volume(&vol.id)
+    }
+
+    /// Deregister a volume (the storage is kept). A claimed volume is
+    /// refused unless `force`; with `force` every claim is released first
+    /// (node and controller detach), so nothing stays attached.
+    pub async fn deregister_volume(&self, id: &str, force: bool) -> Result<(), ServerError> {
+        let _lock = self.volume_locks.lock(id).await;
+        let claims: Vec<String> = self
+            .store
+            .read(|t| {
+                t.volumes
+                    .get(id)
+                    .map(|v| v.claims().map(|c| c.alloc_id.clone()).collect())
+            })
+            .ok_or_else(|| ServerError::not_found(format!("volume {id:?} not found")))?;
+        if !claims.is_empty() {
+            if !force {
+                return Err(ServerError::Conflict(format!(
+                    "volume {id:?} has {} claims (allocs {}); stop them first or deregister with force",
+                    claims.len(),
+                    claims.join(", ")
+                )));
+            }
+            for alloc_id in &claims {
+                self.release_claim_locked(id, alloc_id, &ReleaseOrigin::Operator)
+                    .await?;
+            }
+        }
+        self.store.write(|_, changes| {
+            changes.push(Change::DeleteVolume(id.to_string()));
+            Ok::<_, ServerError>(())
+        })?;
+        tracing::info!(volume_id = id, force, "volume deregistered");
+        drop(_lock);
+        self.volume_locks.forget(id);
+        Ok(())
+    }
+
+    /// Delete a volume through its controller plugin (`DeleteVolume`) and
+    /// deregister it. A claimed volume is refused.
+    pub async fn delete_volume(&self, id: &str) -> Result<(), ServerError> {
+        let _lock = self.volume_locks.lock(id).await;
+        let vol = self
+            .store
+            .read(|t| t.volumes.get(id).cloned())
+            .ok_or_else(|| ServerError::not_found(format!("volume {id:?} not found")))?;
+        let claims = vol.claims().count();
+        if claims > 0 {
+            return Err(ServerError::Conflict(format!(
+                "volume {id:?} has {claims} claims; it cannot be deleted while in use"
+            )));
+        }
+        let controller = self.controller_client(&vol.plugin_id)?;
+        let call = pb::server_call::Call::DeleteVolume(pb::DeleteVolume {
+            plugin_id: vol.plugin_id.clone(),
+            external_id: vol.external_id.clone(),
+            secrets: vol.secrets.clone().into_iter().collect(),
+        });
+        self.calls
+            .call(&controller, call, self.config.client_call_timeout)
+            .await?;
+        self.store.write(|_, changes| {
+            changes.push(Change::DeleteVolume(id.to_string()));
+            Ok::<_, ServerError>(())
+        })?;
+        tracing::info!(volume_id = id, plugin_id = %vol.plugin_id, "volume deleted");
+        drop(_lock);
+        self.volume_locks.forget(id);
+        Ok(())
+    }
+
+    /// Release the claims of `volume_id` held on `node_id` by allocs that
+    /// are terminal (or gone) — `volume detach`.
+    pub async fn detach_volume(&self, volume_id: &str, node_id: &str) -> Result<(), ServerError> {
+        let claims: Vec<(String, bool)> = self
+            .store
+            .read(|t| {
+                t.volumes.get(volume_id).map(|v| {
+                    v.claims()
+                        .filter(|c| c.node_id == node_id)
+                        .map(|c| {
+                            let live = t.allocs.get(&c.alloc_id).is_some_and(|a| !a.is_terminal());
+                            (c.alloc_id.clone(), live)
+                        })
+                        .collect()
+                })
+            })
+            .ok_or_else(|| ServerError::not_found(format!("volume {volume_id:?} not found")))?;
+        if let Some((alloc, _)) = claims.iter().find(|(_, live)| *live) {
+            return Err(ServerError::Conflict(format!(
+                "volume {volume_id:?} is in use on node {node_id} by alloc {alloc}, which is not terminal"
+            )));
+        }
+        for (alloc_id, _) in claims {
+            self.unpublish_claim(volume_id, &alloc_id, ReleaseOrigin::Operator)
+                .await?;
+        }
+        Ok(())
+    }
+}

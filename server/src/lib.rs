@@ -1,0 +1,30 @@
+//! berth-server: the control plane. It owns the cluster state (the state
+//! store and its redb persistence), the scheduler, node liveness, CSI
+//! volumes, claims and the volume watcher, garbage collection, and the
+//! gRPC services clients call (`berth.v1.Node`, `berth.v1.CSIVolume`).
+//!
+//! It knows nothing of the client side (alloc runners, csimanager, the
+//! heartbeat loop), the HTTP API or the CLI: clients reach it only through
+//! `berth-proto`, and the agent crate calls the public API of [`Server`].
+//! Calls the server makes on clients (node detach, controller RPCs) travel
+//! over the client-opened call stream (`rpc::calls`).
+
+mod config;
+mod csi;
+mod error;
+mod liveness;
+mod nodes;
+mod plugins;
+mod rpc;
+mod scheduler;
+mod server;
+pub mod state;
+
+pub use config::ServerConfig;
+pub use csi::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest};
+pub use error::{ServerError, StoreError};
+pub use nodes::{AllocUpdate, NodeRegistration};
+pub use rpc::{CsiVolumeService, NodeService};
+pub use scheduler::JobRegisterResponse;
+pub use server::{GcReport, Server};
+pub use state::Table;

@@ -1,0 +1,206 @@
+//! What clients tell the servers about their nodes: registration,
+//! heartbeats, node events, CSI plugin fingerprints and alloc status.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use berth_structs::{AllocClientStatus, CsiInfo, Node, NodeEvent, NodeStatus, TaskState};
+
+use crate::error::ServerError;
+use crate::server::Server;
+use crate::state::Change;
+
+/// The answer to a node registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRegistration {
+    pub heartbeat_ttl: Duration,
+    pub index: u64,
+}
+
+/// One alloc status report from a client.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AllocUpdate {
+    pub alloc_id: String,
+    pub client_status: AllocClientStatus,
+    pub client_description: String,
+    /// None keeps the task states the servers have.
+    pub task_states: Option<BTreeMap<String, TaskState>>,
+}
+
+impl Server {
+    /// Register (or re-register) a node; it becomes `ready`. Plugin
+    /// fingerprints and events the servers already have are kept when the
+    /// registration carries none.
+    pub async fn register_node(&self, mut node: Node) -> Result<NodeRegistration, ServerError> {
+        if node.id.is_empty() {
+            return Err(ServerError::BadRequest("node: id is required".into()));
+        }
+        let ((), index) = self.store.write(|t, changes| {
+            let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
+            if let Some(old) = t.nodes.get(&node.id) {
+                let mut events = old.events.clone();
+                events.extend(std::mem::take(&mut node.events));
+                node.events = events;
+                if node.csi_node_plugins.is_empty() {
+                    node.csi_node_plugins = old.csi_node_plugins.clone();
+                }
+                if node.csi_controller_plugins.is_empty() {
+                    node.csi_controller_plugins = old.csi_controller_plugins.clone();
+                }
+                if old.status == NodeStatus::Down {
+                    event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node re-registered");
+                }
+            }
+            node.push_events([event]);
+            node.status = NodeStatus::Ready;
+            node.last_heartbeat_ms = berth_structs::now_ms();
+            changes.push(Change::PutNode(node.clone()));
+            Ok::<_, ServerError>(())
+        })?;
+        let ttl = self.heartbeat_ttl();
+        self.reset_heartbeat_timer(&node.id, ttl);
+        tracing::info!(node_id = %node.id, name = %node.name, ttl_ms = ttl.as_millis() as u64, "node registered");
+        self.evaluate_after_cluster_change().await;
+        Ok(NodeRegistration {
+            heartbeat_ttl: ttl,
+            index,
+        })
+    }
+
+    /// A heartbeat from `node_id`; returns the next TTL. An unknown node
+    /// gets NotFound and must register again.
+    pub async fn node_heartbeat(&self, node_id: &str) -> Result<Duration, ServerError> {
+        let (was_down, _) = self.store.write(|t, changes| {
+            let node = t.nodes.get(node_id).ok_or_else(|| {
+                ServerError::not_found(format!("node {node_id:?} is not registered"))
+            })?;
+            let mut node = node.clone();
+            let was_down = node.status != NodeStatus::Ready;
+            if was_down {
+                node.status = NodeStatus::Ready;
+                node.push_events([NodeEvent::new(
+                    NodeEvent::SUBSYSTEM_CLUSTER,
+                    "Node heartbeat received; node ready",
+                )
+                .with_detail("status", NodeStatus::Ready.as_str())]);
+            }
+            node.last_heartbeat_ms = berth_structs::now_ms();
+            changes.push(Change::PutNode(node));
+            Ok::<_, ServerError>(was_down)
+        })?;
+        let ttl = self.heartbeat_ttl();
+        self.reset_heartbeat_timer(node_id, ttl);
+        if was_down {
+            tracing::info!(node_id, "node ready again");
+            self.evaluate_after_cluster_change().await;
+        }
+        Ok(ttl)
+    }
+
+    /// Record node events (the oldest beyond the cap are dropped).
+    pub fn emit_node_events(
+        &self,
+        node_id: &str,
+        events: Vec<NodeEvent>,
+    ) -> Result<(), ServerError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        self.store.write(|t, changes| {
+            let mut node = t
+                .nodes
+                .get(node_id)
+                .ok_or_else(|| {
+                    ServerError::not_found(format!("node {node_id:?} is not registered"))
+                })?
+                .clone();
+            node.push_events(events);
+            changes.push(Change::PutNode(node));
+            Ok::<_, ServerError>(())
+        })?;
+        Ok(())
+    }
+
+    /// Replace the CSI plugins fingerprinted on `node_id`.
+    pub async fn update_node_plugins(
+        &self,
+        node_id: &str,
+        node_plugins: BTreeMap<String, CsiInfo>,
+        controller_plugins: BTreeMap<String, CsiInfo>,
+    ) -> Result<(), ServerError> {
+        let (changed, _) = self.store.write(|t, changes| {
+            let node = t.nodes.get(node_id).ok_or_else(|| {
+                ServerError::not_found(format!("node {node_id:?} is not registered"))
+            })?;
+            if node.csi_node_plugins == node_plugins
+                && node.csi_controller_plugins == controller_plugins
+            {
+                return Ok::<_, ServerError>(false);
+            }
+            let mut node = node.clone();
+            node.csi_node_plugins = node_plugins;
+            node.csi_controller_plugins = controller_plugins;
+            changes.push(Change::PutNode(node));
+            Ok(true)
+        })?;
+        if changed {
+            tracing::info!(node_id, "node CSI plugins updated");
+            self.evaluate_after_cluster_change().await;
+        }
+        Ok(())
+    }
+
+    /// Apply alloc status reports of `node_id`. A terminal alloc never
+    /// becomes non-terminal again; reports about allocs of another node are
+    /// ignored. Returns the index.
+    pub async fn update_allocations(
+        &self,
+        node_id: &str,
+        updates: Vec<AllocUpdate>,
+    ) -> Result<u64, ServerError> {
+        let (jobs, index) = self.store.write(|t, changes| {
+            let mut jobs = BTreeSet::new();
+            for u in updates {
+                let Some(a) = t.allocs.get(&u.alloc_id) else {
+                    tracing::debug!(alloc_id = %u.alloc_id, node_id, "status update of an unknown alloc");
+                    continue;
+                };
+                if a.node_id != node_id {
+                    tracing::warn!(alloc_id = %u.alloc_id, node_id, owner = %a.node_id,
+                        "status update of an alloc placed on another node; ignored");
+                    continue;
+                }
+                let mut a = a.clone();
+                let was_terminal = a.client_status.is_terminal();
+                if was_terminal && !u.client_status.is_terminal() {
+                    tracing::debug!(alloc_id = %a.id, from = a.client_status.as_str(),
+                        to = u.client_status.as_str(), "refusing to make a terminal alloc live again");
+                } else {
+                    a.client_status = u.client_status;
+                    a.client_description = u.client_description;
+                }
+                if let Some(ts) = u.task_states {
+                    a.task_states = ts;
+                }
+                if !was_terminal && a.client_status.is_terminal() {
+                    tracing::info!(alloc_id = %a.id, node_id, status = a.client_status.as_str(), "alloc terminal");
+                }
+                let old = &t.allocs[&a.id];
+                if old.client_status != a.client_status {
+                    jobs.insert(a.job_id.clone());
+                }
+                if *old != a {
+                    changes.push(Change::PutAlloc(a));
+                }
+            }
+            Ok::<_, ServerError>(jobs)
+        })?;
+        if !jobs.is_empty() {
+            for job_id in &jobs {
+                self.evaluate_job(job_id).await;
+            }
+            self.evaluate_blocked().await;
+        }
+        Ok(index)
+    }
+}

@@ -1,0 +1,92 @@
+//! `berth.v1.CSIVolume`: claims and unpublish for clients.
+
+use std::sync::Arc;
+
+use berth_proto::berth::v1 as pb;
+use berth_proto::berth::v1::csi_volume_server::CsiVolume;
+use berth_structs::CsiMountOptions;
+use tonic::{Request, Response, Status};
+
+use super::parse;
+use crate::csi::{ReleaseOrigin, VolumeClaimRequest};
+use crate::error::ServerError;
+use crate::server::Server;
+
+pub struct CsiVolumeService {
+    server: Arc<Server>,
+}
+
+impl CsiVolumeService {
+    pub(crate) fn new(server: Arc<Server>) -> CsiVolumeService {
+        CsiVolumeService { server }
+    }
+}
+
+fn claim_request(r: pb::ClaimRequest) -> Result<VolumeClaimRequest, ServerError> {
+    let cap = r
+        .capability
+        .ok_or_else(|| ServerError::BadRequest("claim: capability is required".into()))?;
+    if r.volume_id.is_empty() || r.alloc_id.is_empty() || r.node_id.is_empty() {
+        return Err(ServerError::BadRequest(
+            "claim: volume_id, alloc_id and node_id are required".into(),
+        ));
+    }
+    Ok(VolumeClaimRequest {
+        mode: parse("mode", &r.mode)?,
+        access_mode: parse("capability.access_mode", &cap.access_mode)?,
+        attachment_mode: parse("capability.attachment_mode", &cap.attachment_mode)?,
+        volume_id: r.volume_id,
+        alloc_id: r.alloc_id,
+        node_id: r.node_id,
+        mount_options: CsiMountOptions {
+            fs_type: cap.fs_type,
+            mount_flags: cap.mount_flags,
+        },
+    })
+}
+
+#[tonic::async_trait]
+impl CsiVolume for CsiVolumeService {
+    async fn claim(
+        &self,
+        req: Request<pb::ClaimRequest>,
+    ) -> Result<Response<pb::ClaimResponse>, Status> {
+        let req = claim_request(req.into_inner())?;
+        let (vid, aid) = (req.volume_id.clone(), req.alloc_id.clone());
+        let grant = self.server.claim_volume(req).await.inspect_err(
+            |e| tracing::info!(volume_id = %vid, alloc_id = %aid, error = %e, "claim refused"),
+        )?;
+        Ok(Response::new(pb::ClaimResponse {
+            volume_id: grant.volume_id,
+            external_id: grant.external_id,
+            plugin_id: grant.plugin_id,
+            publish_context: grant.publish_context.into_iter().collect(),
+            volume_context: grant.volume_context.into_iter().collect(),
+            secrets: grant.secrets.into_iter().collect(),
+            mount_flags: grant.mount_options.mount_flags,
+            fs_type: grant.mount_options.fs_type,
+        }))
+    }
+
+    async fn unpublish(
+        &self,
+        req: Request<pb::UnpublishRequest>,
+    ) -> Result<Response<pb::UnpublishResponse>, Status> {
+        let r = req.into_inner();
+        if r.volume_id.is_empty() || r.alloc_id.is_empty() {
+            return Err(ServerError::BadRequest(
+                "unpublish: volume_id and alloc_id are required".into(),
+            )
+            .into());
+        }
+        let origin = if r.node_id.is_empty() {
+            ReleaseOrigin::Operator
+        } else {
+            ReleaseOrigin::Client { node_id: r.node_id }
+        };
+        self.server
+            .unpublish_claim(&r.volume_id, &r.alloc_id, origin)
+            .await?;
+        Ok(Response::new(pb::UnpublishResponse {}))
+    }
+}

@@ -1,0 +1,270 @@
+//! `berth.v1.Node`: what clients tell the servers, the alloc watch, and
+//! the call stream.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use berth_proto::berth::v1 as pb;
+use berth_proto::berth::v1::node_server::Node;
+use berth_structs::{CsiInfo, NodeEvent};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::{decode_json, parse};
+use crate::error::ServerError;
+use crate::nodes::AllocUpdate;
+use crate::server::Server;
+
+pub struct NodeService {
+    server: Arc<Server>,
+}
+
+impl NodeService {
+    pub(crate) fn new(server: Arc<Server>) -> NodeService {
+        NodeService { server }
+    }
+}
+
+fn plugin_info(f: &pb::PluginFingerprint) -> CsiInfo {
+    CsiInfo {
+        plugin_id: f.plugin_id.clone(),
+        alloc_id: f.alloc_id.clone(),
+        provider: f.provider.clone(),
+        version: f.version.clone(),
+        healthy: f.healthy,
+        health_description: f.health_description.clone(),
+        requires_controller_publish: f.requires_controller_publish,
+        supports_stage_unstage: f.supports_stage_unstage,
+        supports_create_delete: f.supports_create_delete,
+        external_node_id: f.external_node_id.clone(),
+        max_volumes: f.max_volumes,
+    }
+}
+
+/// Send the node's allocs now and after each change of them, until the
+/// client goes away or the server shuts down.
+async fn stream_allocations(
+    server: Arc<Server>,
+    node_id: String,
+    tx: mpsc::Sender<Result<pb::AllocationsUpdate, Status>>,
+) {
+    let mut index_rx = server.store.subscribe();
+    let mut shutdown = server.shutdown_rx();
+    let mut last: Option<Vec<(String, u64)>> = None;
+    loop {
+        index_rx.borrow_and_update();
+        let (index, allocs) = server.store.read(|t| {
+            (
+                t.index,
+                t.allocs_on_node(&node_id).cloned().collect::<Vec<_>>(),
+            )
+        });
+        let seen: Vec<(String, u64)> = allocs
+            .iter()
+            .map(|a| (a.id.clone(), a.modify_index))
+            .collect();
+        if last.as_ref() != Some(&seen) {
+            let mut allocs_json = Vec::with_capacity(allocs.len());
+            for a in &allocs {
+                match serde_json::to_vec(a) {
+                    Ok(b) => allocs_json.push(b),
+                    Err(e) => {
+                        tracing::error!(alloc_id = %a.id, error = %e, "encoding alloc failed");
+                        let _ = tx
+                            .send(Err(Status::internal(format!(
+                                "encoding alloc {}: {e}",
+                                a.id
+                            ))))
+                            .await;
+                        return;
+                    }
+                }
+            }
+            tracing::debug!(node_id, index, allocs = allocs.len(), "sending allocs");
+            if tx
+                .send(Ok(pb::AllocationsUpdate { index, allocs_json }))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            last = Some(seen);
+        }
+        tokio::select! {
+            _ = shutdown.wait_for(|s| *s) => return,
+            _ = tx.closed() => return,
+            r = index_rx.changed() => if r.is_err() { return },
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    async fn register(
+        &self,
+        req: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterResponse>, Status> {
+        let node: berth_structs::Node = decode_json("node", &req.get_ref().node_json)?;
+        let reg = self.server.register_node(node).await?;
+        Ok(Response::new(pb::RegisterResponse {
+            heartbeat_ttl_ms: reg.heartbeat_ttl.as_millis() as u64,
+            index: reg.index,
+        }))
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> Result<Response<pb::HeartbeatResponse>, Status> {
+        let ttl = self.server.node_heartbeat(&req.get_ref().node_id).await?;
+        Ok(Response::new(pb::HeartbeatResponse {
+            heartbeat_ttl_ms: ttl.as_millis() as u64,
+        }))
+    }
+
+    type WatchAllocationsStream = ReceiverStream<Result<pb::AllocationsUpdate, Status>>;
+
+    async fn watch_allocations(
+        &self,
+        req: Request<pb::WatchAllocationsRequest>,
+    ) -> Result<Response<Self::WatchAllocationsStream>, Status> {
+        let node_id = req.into_inner().node_id;
+        // Unknown node: NotFound, so the client registers first.
+        if !self.server.store.read(|t| t.nodes.contains_key(&node_id)) {
+            return Err(
+                ServerError::not_found(format!("node {node_id:?} is not registered")).into(),
+            );
+        }
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(stream_allocations(self.server.clone(), node_id, tx));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn update_allocations(
+        &self,
+        req: Request<pb::UpdateAllocationsRequest>,
+    ) -> Result<Response<pb::UpdateAllocationsResponse>, Status> {
+        let r = req.into_inner();
+        let mut updates = Vec::with_capacity(r.updates.len());
+        for u in r.updates {
+            let task_states = if u.task_states_json.is_empty() {
+                None
+            } else {
+                Some(decode_json("task_states", &u.task_states_json)?)
+            };
+            updates.push(AllocUpdate {
+                client_status: parse("client_status", &u.client_status)?,
+                alloc_id: u.alloc_id,
+                client_description: u.client_description,
+                task_states,
+            });
+        }
+        let index = self.server.update_allocations(&r.node_id, updates).await?;
+        Ok(Response::new(pb::UpdateAllocationsResponse { index }))
+    }
+
+    async fn emit_events(
+        &self,
+        req: Request<pb::EmitEventsRequest>,
+    ) -> Result<Response<pb::EmitEventsResponse>, Status> {
+        let r = req.into_inner();
+        let events = r
+            .events
+            .into_iter()
+            .map(|e| NodeEvent {
+                subsystem: e.subsystem,
+                message: e.message,
+                details: e.details.into_iter().collect(),
+                timestamp: if e.timestamp_ms > 0 {
+                    e.timestamp_ms
+                } else {
+                    berth_structs::now_ms()
+                },
+            })
+            .collect();
+        self.server.emit_node_events(&r.node_id, events)?;
+        Ok(Response::new(pb::EmitEventsResponse {}))
+    }
+
+    async fn update_plugins(
+        &self,
+        req: Request<pb::UpdatePluginsRequest>,
+    ) -> Result<Response<pb::UpdatePluginsResponse>, Status> {
+        let r = req.into_inner();
+        let mut nodes = BTreeMap::new();
+        let mut controllers = BTreeMap::new();
+        for f in &r.plugins {
+            if f.plugin_id.is_empty() {
+                return Err(
+                    ServerError::BadRequest("plugin fingerprint without plugin_id".into()).into(),
+                );
+            }
+            match f.kind.as_str() {
+                "node" => nodes.insert(f.plugin_id.clone(), plugin_info(f)),
+                "controller" => controllers.insert(f.plugin_id.clone(), plugin_info(f)),
+                other => {
+                    return Err(ServerError::BadRequest(format!(
+                        "plugin {:?}: kind {other:?} is neither node nor controller",
+                        f.plugin_id
+                    ))
+                    .into())
+                }
+            };
+        }
+        self.server
+            .update_node_plugins(&r.node_id, nodes, controllers)
+            .await?;
+        Ok(Response::new(pb::UpdatePluginsResponse {}))
+    }
+
+    type OpenCallStreamStream = ReceiverStream<Result<pb::ServerCall, Status>>;
+
+    async fn open_call_stream(
+        &self,
+        req: Request<Streaming<pb::ClientMessage>>,
+    ) -> Result<Response<Self::OpenCallStreamStream>, Status> {
+        let mut inbound = req.into_inner();
+        let node_id = match inbound.message().await? {
+            Some(pb::ClientMessage {
+                msg: Some(pb::client_message::Msg::Hello(h)),
+            }) if !h.node_id.is_empty() => h.node_id,
+            Some(_) => {
+                return Err(Status::invalid_argument(
+                    "the first message of a call stream must be a ClientHello with a node_id",
+                ))
+            }
+            None => {
+                return Err(Status::invalid_argument(
+                    "call stream closed before ClientHello",
+                ))
+            }
+        };
+        let (tx, rx) = mpsc::channel(16);
+        let server = self.server.clone();
+        let conn_id = server.calls.attach(&node_id, tx);
+        tokio::spawn(async move {
+            let mut shutdown = server.shutdown_rx();
+            loop {
+                tokio::select! {
+                    _ = shutdown.wait_for(|s| *s) => break,
+                    msg = inbound.message() => match msg {
+                        Ok(Some(pb::ClientMessage { msg: Some(pb::client_message::Msg::Reply(reply)) })) => {
+                            server.calls.deliver(&node_id, conn_id, reply);
+                        }
+                        Ok(Some(_)) => {
+                            tracing::warn!(node_id, "unexpected message on the call stream; ignored");
+                        }
+                        Ok(None) => break,
+                        Err(e) => {
+                            tracing::info!(node_id, error = %e, "call stream broke");
+                            break;
+                        }
+                    }
+                }
+            }
+            server.calls.detach(&node_id, conn_id);
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}

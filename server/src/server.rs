@@ -1,0 +1,272 @@
+//! The [`Server`]: opening the store, the background loops, the RPC services
+//! and the read side of the public API. The write side lives with its
+//! concern: jobs in `scheduler.rs`, nodes in `nodes.rs` and `liveness.rs`,
+//! volumes and claims under `csi/`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
+use berth_proto::berth::v1::node_server::NodeServer;
+use berth_structs::{AllocClientStatus, Allocation, Job, Node};
+use tokio::sync::{watch, Notify};
+
+use crate::config::ServerConfig;
+use crate::csi::VolumeLocks;
+use crate::error::ServerError;
+use crate::rpc::calls::CallRegistry;
+use crate::rpc::{CsiVolumeService, NodeService};
+use crate::state::{Change, QuarantinedRecord, RedbBackend, StateStore, Table};
+
+/// The server role: cluster state, scheduling, node liveness, CSI claims.
+pub struct Server {
+    pub(crate) config: ServerConfig,
+    pub(crate) store: StateStore,
+    pub(crate) calls: CallRegistry,
+    /// Jobs with placements that could not be made, and why.
+    pub(crate) blocked: Mutex<BTreeMap<String, Vec<String>>>,
+    /// Heartbeat deadlines by node ID.
+    pub(crate) heartbeats: Mutex<HashMap<String, tokio::time::Instant>>,
+    pub(crate) heartbeats_changed: Notify,
+    pub(crate) volume_locks: VolumeLocks,
+    /// Set when `run` is told to shut down; streams end on it.
+    pub(crate) shutdown: watch::Sender<bool>,
+}
+
+/// What `garbage_collect` removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GcReport {
+    pub allocs: Vec<String>,
+    pub jobs: Vec<String>,
+}
+
+impl Server {
+    /// Open the state under `config.data_dir` (created if missing) and load
+    /// it. Nothing runs until [`Server::run`].
+    pub fn open(config: ServerConfig) -> Result<Arc<Server>, ServerError> {
+        if config.data_dir.as_os_str().is_empty() {
+            return Err(ServerError::BadRequest(
+                "server config: data_dir is required".into(),
+            ));
+        }
+        let path = RedbBackend::path_in(&config.data_dir);
+        let backend = RedbBackend::open(&path)?;
+        let store = StateStore::open(Box::new(backend))?;
+        let (shutdown, _) = watch::channel(false);
+        let server = Arc::new(Server {
+            config,
+            store,
+            calls: CallRegistry::default(),
+            blocked: Mutex::new(BTreeMap::new()),
+            heartbeats: Mutex::new(HashMap::new()),
+            heartbeats_changed: Notify::new(),
+            volume_locks: VolumeLocks::default(),
+            shutdown,
+        });
+        server.arm_heartbeats_after_restore();
+        Ok(server)
+    }
+
+    /// Run the background loops (node liveness, the volume watcher,
+    /// scheduler retries, garbage collection) until `shutdown` turns true.
+    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        tracing::info!(index = self.store.index(), "server running");
+        // Evaluate everything once: a restart may have left work undone.
+        self.evaluate_all().await;
+        let tasks = vec![
+            tokio::spawn(self.clone().liveness_loop()),
+            tokio::spawn(self.clone().volume_watcher_loop()),
+            tokio::spawn(self.clone().scheduler_retry_loop()),
+            tokio::spawn(self.clone().gc_loop()),
+        ];
+        let _ = shutdown.wait_for(|s| *s).await;
+        tracing::info!("server shutting down");
+        self.shutdown.send_replace(true);
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
+
+    pub(crate) fn shutdown_rx(&self) -> watch::Receiver<bool> {
+        self.shutdown.subscribe()
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.config
+    }
+
+    /// The gRPC `Node` service, for a `tonic::transport::Server` router.
+    pub fn node_service(self: &Arc<Self>) -> NodeServer<NodeService> {
+        NodeServer::new(NodeService::new(self.clone()))
+    }
+
+    /// The gRPC `CSIVolume` service, for a `tonic::transport::Server` router.
+    pub fn csi_volume_service(self: &Arc<Self>) -> CsiVolumeServer<CsiVolumeService> {
+        CsiVolumeServer::new(CsiVolumeService::new(self.clone()))
+    }
+
+    /// The index of the last write.
+    pub fn index(&self) -> u64 {
+        self.store.index()
+    }
+
+    /// The index of the last write to `table` (for blocking-query headers).
+    pub fn table_index(&self, table: Table) -> u64 {
+        self.store.table_index(table)
+    }
+
+    /// Wait until the state index is greater than `min_index` or `timeout`
+    /// passes; returns the index then (Nomad's blocking-query rule).
+    pub async fn wait_for_index(&self, min_index: u64, timeout: Duration) -> u64 {
+        self.store.wait_for_index(min_index, timeout).await
+    }
+
+    /// Records of the state database that failed to decode at open and were
+    /// set aside.
+    pub fn quarantined_records(&self) -> Result<Vec<QuarantinedRecord>, ServerError> {
+        Ok(self.store.quarantined()?)
+    }
+
+    pub fn jobs(&self) -> Vec<Job> {
+        self.store.read(|t| t.jobs.values().cloned().collect())
+    }
+
+    pub fn job(&self, id: &str) -> Result<Job, ServerError> {
+        self.store
+            .read(|t| t.jobs.get(id).cloned())
+            .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))
+    }
+
+    pub fn job_allocations(&self, id: &str) -> Result<Vec<Allocation>, ServerError> {
+        self.store.read(|t| {
+            if !t.jobs.contains_key(id) {
+                return Err(ServerError::not_found(format!("job {id:?} not found")));
+            }
+            Ok(t.allocs_of_job(id).cloned().collect())
+        })
+    }
+
+    pub fn allocations(&self) -> Vec<Allocation> {
+        self.store.read(|t| t.allocs.values().cloned().collect())
+    }
+
+    /// An alloc by ID, or by a unique ID prefix.
+    pub fn allocation(&self, id: &str) -> Result<Allocation, ServerError> {
+        self.store.read(|t| {
+            if let Some(a) = t.allocs.get(id) {
+                return Ok(a.clone());
+            }
+            let mut m = t
+                .allocs
+                .range(id.to_string()..)
+                .take_while(|(k, _)| k.starts_with(id));
+            match (m.next(), m.next()) {
+                (Some((_, a)), None) if !id.is_empty() => Ok(a.clone()),
+                (Some(_), Some(_)) => Err(ServerError::BadRequest(format!(
+                    "alloc ID prefix {id:?} matches more than one alloc"
+                ))),
+                _ => Err(ServerError::not_found(format!("alloc {id:?} not found"))),
+            }
+        })
+    }
+
+    pub fn allocations_on_node(&self, node_id: &str) -> Vec<Allocation> {
+        self.store
+            .read(|t| t.allocs_on_node(node_id).cloned().collect())
+    }
+
+    pub fn nodes(&self) -> Vec<Node> {
+        self.store.read(|t| t.nodes.values().cloned().collect())
+    }
+
+    /// A node by ID, or by a unique ID prefix.
+    pub fn node(&self, id: &str) -> Result<Node, ServerError> {
+        self.store.read(|t| {
+            if let Some(n) = t.nodes.get(id) {
+                return Ok(n.clone());
+            }
+            let mut m = t
+                .nodes
+                .range(id.to_string()..)
+                .take_while(|(k, _)| k.starts_with(id));
+            match (m.next(), m.next()) {
+                (Some((_, n)), None) if !id.is_empty() => Ok(n.clone()),
+                (Some(_), Some(_)) => Err(ServerError::BadRequest(format!(
+                    "node ID prefix {id:?} matches more than one node"
+                ))),
+                _ => Err(ServerError::not_found(format!("node {id:?} not found"))),
+            }
+        })
+    }
+
+    /// Whether `node_id` has a call stream open (the server can call it).
+    pub fn node_connected(&self, node_id: &str) -> bool {
+        self.calls.is_connected(node_id)
+    }
+
+    /// Placement failures of a job that is waiting for capacity, a plugin
+    /// or a volume claim (empty when nothing is blocked).
+    pub fn job_placement_failures(&self, job_id: &str) -> Vec<String> {
+        self.blocked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(job_id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Remove allocs that have been terminal on their client for longer
+    /// than `alloc_gc_threshold` (the volume watcher frees claims they
+    /// still hold), and stopped jobs
+    /// whose last allocs went in this pass.
+    pub async fn garbage_collect(&self) -> Result<GcReport, ServerError> {
+        let threshold_ms = self.config.alloc_gc_threshold.as_millis() as i64;
+        let now = berth_structs::now_ms();
+        let (report, _) = self.store.write(|t, changes| {
+            let mut report = GcReport::default();
+            for a in t.allocs.values() {
+                let done = a.client_status.is_terminal()
+                    || (a.server_terminal()
+                        && a.client_status == AllocClientStatus::Pending
+                        && !t.nodes.contains_key(&a.node_id));
+                if done && now - a.modify_time_ms >= threshold_ms {
+                    report.allocs.push(a.id.clone());
+                    changes.push(Change::DeleteAlloc(a.id.clone()));
+                }
+            }
+            // A stopped job goes with the last of its allocs.
+            for j in t.jobs.values().filter(|j| j.stop) {
+                let (gone, remaining): (Vec<_>, Vec<_>) = t
+                    .allocs_of_job(&j.id)
+                    .partition(|a| report.allocs.contains(&a.id));
+                if !gone.is_empty() && remaining.is_empty() {
+                    report.jobs.push(j.id.clone());
+                    changes.push(Change::DeleteJob(j.id.clone()));
+                }
+            }
+            Ok::<_, ServerError>(report)
+        })?;
+        if !report.allocs.is_empty() || !report.jobs.is_empty() {
+            tracing::info!(
+                allocs = report.allocs.len(),
+                jobs = report.jobs.len(),
+                "garbage collected"
+            );
+        }
+        Ok(report)
+    }
+
+    async fn gc_loop(self: Arc<Self>) {
+        let mut shutdown = self.shutdown_rx();
+        loop {
+            tokio::select! {
+                _ = shutdown.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(self.config.gc_interval) => {}
+            }
+            if let Err(e) = self.garbage_collect().await {
+                tracing::warn!(error = %e, "garbage collection failed");
+            }
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! The state store: in-memory tables of jobs, allocations, nodes and CSI
+//! volumes, a raft-style global index, watches for blocking queries, and a
+//! [`Backend`] that makes every write durable before it becomes visible.
+//!
+//! Writes go through [`StateStore::write`]: the closure reads the current
+//! tables and returns the changes it wants; the store stamps them with the
+//! next index, commits them to the backend, and only then applies them in
+//! memory and wakes the watchers. Writes are serialized; reads never wait
+//! for a backend commit.
+//!
+//! CSI plugins are not stored: they are derived from node fingerprints and
+//! plugin allocs (see `crate::plugins`).
+
+mod redb_backend;
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
+use std::time::Duration;
+
+use berth_structs::{Allocation, CsiVolume, Job, Node};
+use tokio::sync::watch;
+
+use crate::error::StoreError;
+
+pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
+
+/// The tables of the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Table {
+    Jobs,
+    Allocs,
+    Nodes,
+    Volumes,
+}
+
+impl Table {
+    pub const ALL: [Table; 4] = [Table::Jobs, Table::Allocs, Table::Nodes, Table::Volumes];
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            Table::Jobs => "jobs",
+            Table::Allocs => "allocs",
+            Table::Nodes => "nodes",
+            Table::Volumes => "volumes",
+        }
+    }
+}
+
+/// The in-memory tables and their indexes.
+#[derive(Debug, Default, Clone)]
+pub struct Tables {
+    pub jobs: BTreeMap<String, Job>,
+    pub allocs: BTreeMap<String, Allocation>,
+    pub nodes: BTreeMap<String, Node>,
+    pub volumes: BTreeMap<String, CsiVolume>,
+    /// The index of the last write.
+    pub index: u64,
+    /// The index of the last write to each table.
+    pub table_index: BTreeMap<Table, u64>,
+}
+
+impl Tables {
+    pub fn allocs_on_node<'a>(&'a self, node_id: &'a str) -> impl Iterator<Item = &'a Allocation> {
+        self.allocs.values().filter(move |a| a.node_id == node_id)
+    }
+
+    pub fn allocs_of_job<'a>(&'a self, job_id: &'a str) -> impl Iterator<Item = &'a Allocation> {
+        self.allocs.values().filter(move |a| a.job_id == job_id)
+    }
+}
+
+/// One change of a write.
+#[derive(Debug, Clone)]
+pub enum Change {
+    PutJob(Job),
+    DeleteJob(String),
+    PutAlloc(Allocation),
+    DeleteAlloc(String),
+    PutNode(Node),
+    DeleteNode(String),
+    PutVolume(CsiVolume),
+    DeleteVolume(String),
+}
+
+impl Change {
+    pub fn table(&self) -> Table {
+        match self {
+            Change::PutJob(_) | Change::DeleteJob(_) => Table::Jobs,
+            Change::PutAlloc(_) | Change::DeleteAlloc(_) => Table::Allocs,
+            Change::PutNode(_) | Change::DeleteNode(_) => Table::Nodes,
+            Change::PutVolume(_) | Change::DeleteVolume(_) => Table::Volumes,
+        }
+    }
+
+    pub fn key(&self) -> &str {
+        match self {
+            Change::PutJob(j) => &j.id,
+            Change::PutAlloc(a) => &a.id,
+            Change::PutNode(n) => &n.id,
+            Change::PutVolume(v) => &v.id,
+            Change::DeleteJob(k)
+            | Change::DeleteAlloc(k)
+            | Change::DeleteNode(k)
+            | Change::DeleteVolume(k) => k,
+        }
+    }
+}
+
+/// Where the tables are made durable. A second implementation (a replicated
+/// log) slots in here.
+pub trait Backend: Send + Sync {
+    /// Read everything back. Records that fail to decode are reported and
+    /// set aside, never fatal.
+    fn load(&self) -> Result<Tables, StoreError>;
+    /// Make `changes`, stamped with `index`, durable. When this returns Ok
+    /// the write survives a crash.
+    fn commit(&self, index: u64, changes: &[Change]) -> Result<(), StoreError>;
+    /// Records set aside because they failed to decode.
+    fn quarantined(&self) -> Result<Vec<QuarantinedRecord>, StoreError> {
+        Ok(Vec::new())
+    }
+}
+
+/// The state store. Cheap reads through [`StateStore::read`], serialized
+/// durable writes through [`StateStore::write`].
+pub struct StateStore {
+    backend: Box<dyn Backend>,
+    tables: RwLock<Tables>,
+    writer: Mutex<()>,
+    index_tx: watch::Sender<u64>,
+}
+
+impl StateStore {
+    /// Load the tables from `backend`.
+    pub fn open(backend: Box<dyn Backend>) -> Result<StateStore, StoreError> {
+        let tables = backend.load()?;
+        let (index_tx, _) = watch::channel(tables.index);
+        Ok(StateStore {
+            backend,
+            tables: RwLock::new(tables),
+            writer: Mutex::new(()),
+            index_tx,
+        })
+    }
+
+    fn tables(&self) -> RwLockReadGuard<'_, Tables> {
+        // A poisoned lock means a panic while applying in-memory changes that
+        // were already durable; the tables are still the last good state.
+        self.tables.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn writer(&self) -> MutexGuard<'_, ()> {
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Read the tables.
+    pub fn read<R>(&self, f: impl FnOnce(&Tables) -> R) -> R {
+        f(&self.tables())
+    }
+
+    /// Records the backend set aside because they failed to decode.
+    pub fn quarantined(&self) -> Result<Vec<QuarantinedRecord>, StoreError> {
+        self.backend.quarantined()
+    }
+
+    /// The index of the last write.
+    pub fn index(&self) -> u64 {
+        *self.index_tx.borrow()
+    }
+
+    /// The index of the last write to `table`.
+    pub fn table_index(&self, table: Table) -> u64 {
+        self.tables().table_index.get(&table).copied().unwrap_or(0)
+    }
+
+    /// A receiver that sees the index of every write.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.index_tx.subscribe()
+    }
+
+    /// Wait until the index is greater than `min_index`, or `timeout`
+    /// passes. Returns the index then.
+    pub async fn wait_for_index(&self, min_index: u64, timeout: Duration) -> u64 {
+        let mut rx = self.subscribe();
+        let _ = tokio::time::timeout(timeout, rx.wait_for(|i| *i > min_index)).await;
+        self.index()
+    }
+
+    /// Run `f` against the current tables and commit the changes it asks
+    /// for. Returns what `f` returned and the index of the write (the
+    /// current index when `f` asked for no change).
+    pub fn write<R, E>(
+        &self,
+        f: impl FnOnce(&Tables, &mut Vec<Change>) -> Result<R, E>,
+    ) -> Result<(R, u64), E>
+    where
+        E: From<StoreError>,
+    {
+        let _writer = self.writer();
+        let mut changes = Vec::new();
+        let (result, index) = {
+            let tables = self.tables();
+            let result = f(&tables, &mut changes)?;
+            if changes.is_empty() {
+                return Ok((result, tables.index));
+            }
+            let index = tables.index + 1;
+            stamp(&tables, index, &mut changes);
+            (result, index)
+        };
+        self.backend.commit(index, &changes)?;
+        {
+            let mut tables = self.tables.write().unwrap_or_else(|p| p.into_inner());
+            for change in changes {
+                tables.table_index.insert(change.table(), index);
+                match change {
+                    Change::PutJob(j) => {
+                        tables.jobs.insert(j.id.clone(), j);
+                    }
+                    Change::DeleteJob(k) => {
+                        tables.jobs.remove(&k);
+                    }
+                    Change::PutAlloc(a) => {
+                        tables.allocs.insert(a.id.clone(), a);
+                    }
+                    Change::DeleteAlloc(k) => {
+                        tables.allocs.remove(&k);
+                    }
+                    Change::PutNode(n) => {
+                        tables.nodes.insert(n.id.clone(), n);
+                    }
+                    Change::DeleteNode(k) => {
+                        tables.nodes.remove(&k);
+                    }
+                    Change::PutVolume(v) => {
+                        tables.volumes.insert(v.id.clone(), v);
+                    }
+                    Change::DeleteVolume(k) => {
+                        tables.volumes.remove(&k);
+                    }
+                }
+            }
+            tables.index = index;
+        }
+        self.index_tx.send_replace(index);
+        Ok((result, index))
+    }
+}
+
+/// Set create/modify indexes (and alloc times) on the changes of a write.
+fn stamp(tables: &Tables, index: u64, changes: &mut [Change]) {
+    let now = berth_structs::now_ms();
+    for change in changes.iter_mut() {
+        match change {
+            Change::PutJob(j) => {
+                j.create_index = tables.jobs.get(&j.id).map_or(index, |o| o.create_index);
+                j.modify_index = index;
+            }
+            Change::PutAlloc(a) => {
+                match tables.allocs.get(&a.id) {
+                    Some(o) => {
+                        a.create_index = o.create_index;
+                        a.create_time_ms = o.create_time_ms;
+                    }
+                    None => {
+                        a.create_index = index;
+                        a.create_time_ms = now;
+                    }
+                }
+                a.modify_index = index;
+                a.modify_time_ms = now;
+            }
+            Change::PutNode(n) => {
+                n.create_index = tables.nodes.get(&n.id).map_or(index, |o| o.create_index);
+                n.modify_index = index;
+            }
+            Change::PutVolume(v) => {
+                v.create_index = tables.volumes.get(&v.id).map_or(index, |o| o.create_index);
+                v.modify_index = index;
+            }
+            Change::DeleteJob(_)
+            | Change::DeleteAlloc(_)
+            | Change::DeleteNode(_)
+            | Change::DeleteVolume(_) => {}
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! CSI claims over real gRPC, their release through the checkpointed
+//! states, calls to clients over real call streams, and the volume watcher.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_proto::berth::v1 as pb;
+use berth_server::ServerError;
+use berth_structs::{AccessMode, AllocClientStatus, ClaimState, CsiVolume};
+use support::*;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+/// n1 with a node plugin (and a controller that needs publish when asked),
+/// a volume "data" and a job "db" placed on n1.
+async fn setup(
+    ts: &TestServer,
+    controller: bool,
+    caps: &[AccessMode],
+) -> berth_structs::Allocation {
+    let s = &ts.server;
+    s.register_node(node("n1")).await.unwrap();
+    give_plugin(s, "n1", "hostpath", true, controller, controller).await;
+    s.register_volume(volume("data", "hostpath", caps))
+        .await
+        .unwrap();
+    s.register_job(volume_job("db", "data", caps[0]))
+        .await
+        .unwrap();
+    live_allocs(s, "db").pop().expect("db placed")
+}
+
+fn claim_state(s: &berth_server::Server, alloc_id: &str) -> Option<(ClaimState, bool)> {
+    let store_view: CsiVolume = s.volume("data").ok()?;
+    store_view
+        .claim_for(alloc_id)
+        .map(|c| (c.state, c.releasing))
+}
+
+#[tokio::test]
+async fn claim_refuses_an_access_mode_the_volume_does_not_list() {
+    let ts = TestServer::start(|_| {}).await;
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let mut csi = ts.csi_client().await;
+    let err = csi
+        .claim(claim_request(
+            "data",
+            &alloc,
+            AccessMode::MultiNodeMultiWriter,
+        ))
+        .await
+        .expect_err("claim must be refused");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(
+        err.message(),
+        "volume \"data\" does not have capability multi-node-multi-writer/file-system"
+    );
+    assert!(ts.server.volume("data").unwrap().write_claims.is_empty());
+
+    // The listed mode works; a claim of an unknown volume is NotFound.
+    let ok = csi
+        .claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(ok.external_id, "ext-data");
+    assert_eq!(ok.secrets.get("token").map(String::as_str), Some("s3cret"));
+    let err = csi
+        .claim(claim_request("nope", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+}
+
+#[tokio::test]
+async fn unpublish_drives_the_claim_states_and_frees_it_through_controller_detach() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, true, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+
+    let grant = csi
+        .claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        grant.publish_context.get("device").map(String::as_str),
+        Some("/dev/test0")
+    );
+    // Persisted before the answer, with the publish context.
+    let vol = s.volume("data").unwrap();
+    let c = vol.claim_for(&alloc.id).expect("claim stored");
+    assert_eq!(c.state, ClaimState::Taken);
+    assert_eq!(
+        c.publish_context.get("device").map(String::as_str),
+        Some("/dev/test0")
+    );
+    assert_eq!(c.external_node_id, "ext-node");
+    {
+        let calls = client.calls.lock().unwrap();
+        let Some(pb::server_call::Call::ControllerPublish(p)) = &calls[0].call else {
+            panic!("expected ControllerPublish, got {:?}", calls[0]);
+        };
+        assert_eq!(p.external_node_id, "ext-node");
+        assert_eq!(p.external_id, "ext-data");
+        assert_eq!(p.secrets.get("token").map(String::as_str), Some("s3cret"));
+    }
+    // A repeated claim by the same alloc is answered, not doubled.
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert_eq!(s.volume("data").unwrap().write_claims.len(), 1);
+
+    // The alloc stops; the controller is unavailable: the claim stops at
+    // node-detached (the client unpublished locally) and the call fails.
+    s.stop_job("db").await.unwrap();
+    report(&s, &alloc, AllocClientStatus::Complete).await;
+    client.set_handler(Arc::new(|call| match call.call {
+        Some(pb::server_call::Call::ControllerUnpublish(_)) => {
+            pb::call_reply::Result::Error(pb::CallError {
+                code: tonic::Code::Unavailable as i32,
+                message: "controller is restarting".into(),
+            })
+        }
+        _ => pb::call_reply::Result::Empty(pb::Empty {}),
+    }));
+    let unpublish = pb::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: alloc.id.clone(),
+        node_id: "n1".into(),
+    };
+    let err = csi
+        .unpublish(unpublish.clone())
+        .await
+        .expect_err("controller detach must fail");
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+    assert!(
+        err.message().contains("controller is restarting"),
+        "{}",
+        err.message()
+    );
+    assert_eq!(
+        claim_state(&s, &alloc.id),
+        Some((ClaimState::NodeDetached, true))
+    );
+
+    // The controller comes back: the claim is freed.
+    client.set_handler(ok_handler());
+    csi.unpublish(unpublish.clone()).await.unwrap();
+    assert_eq!(claim_state(&s, &alloc.id), None);
+    let kinds = client.call_kinds();
+    assert!(
+        !kinds.contains(&"NodeDetach"),
+        "the client detached itself: {kinds:?}"
+    );
+    assert_eq!(kinds.last(), Some(&"ControllerUnpublish"));
+    assert!(
+        kinds
+            .iter()
+            .filter(|k| **k == "ControllerUnpublish")
+            .count()
+            >= 2,
+        "{kinds:?}"
+    );
+    // Unknown claims are released already.
+    csi.unpublish(unpublish).await.unwrap();
+}
+
+#[tokio::test]
+async fn volume_watcher_reaps_the_claim_of_a_garbage_collected_alloc() {
+    let ts = TestServer::start(|c| c.alloc_gc_threshold = Duration::ZERO).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+
+    s.stop_job("db").await.unwrap();
+    report(&s, &alloc, AllocClientStatus::Complete).await;
+    // The grace for the client's own unpublish is an hour; the watcher
+    // leaves the claim alone until the alloc is gone.
+    assert!(claim_state(&s, &alloc.id).is_some());
+    let gc = s.garbage_collect().await.unwrap();
+    assert!(gc.allocs.contains(&alloc.id));
+    assert!(s.allocation(&alloc.id).is_err());
+
+    wait_until(
+        "claim of the GC'd alloc freed",
+        Duration::from_secs(10),
+        || claim_state(&s, &alloc.id).is_none(),
+    )
+    .await;
+    let calls = client.calls.lock().unwrap().clone();
+    let detach = calls
+        .iter()
+        .find_map(|c| match &c.call {
+            Some(pb::server_call::Call::NodeDetach(d)) => Some(d.clone()),
+            _ => None,
+        })
+        .expect("the watcher asked the node to detach");
+    assert_eq!(detach.alloc_id, alloc.id);
+    assert_eq!(detach.volume_id, "data");
+    assert_eq!(detach.external_id, "ext-data");
+}
+
+#[tokio::test]
+async fn volume_watcher_reaps_claims_of_terminal_allocs_and_down_nodes() {
+    let ts = TestServer::start(|c| c.claim_reap_grace = Duration::from_millis(200)).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    report(&s, &alloc, AllocClientStatus::Failed).await;
+    wait_until(
+        "claim of the failed alloc freed",
+        Duration::from_secs(10),
+        || claim_state(&s, &alloc.id).is_none(),
+    )
+    .await;
+    assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
+
+    // The replacement claims; its node goes down: freed without a detach
+    // call (nobody to call).
+    let next = wait_for_live(&s, "db").await;
+    assert_ne!(next.id, alloc.id);
+    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    s.mark_node_down("n1", "test").await.unwrap();
+    assert_eq!(
+        s.allocation(&next.id).unwrap().client_status,
+        AllocClientStatus::Lost
+    );
+    wait_until(
+        "claim on the down node freed",
+        Duration::from_secs(10),
+        || claim_state(&s, &next.id).is_none(),
+    )
+    .await;
+    assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
+}
+
+async fn wait_for_live(s: &berth_server::Server, job: &str) -> berth_structs::Allocation {
+    let mut found = None;
+    wait_until("a live alloc", Duration::from_secs(10), || {
+        found = live_allocs(s, job).pop();
+        found.is_some()
+    })
+    .await;
+    found.unwrap()
+}
+
+#[tokio::test]
+async fn pending_call_fails_unavailable_when_the_stream_drops_and_new_stream_replaces_old() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    s.register_node(node("n1")).await.unwrap();
+    give_plugin(&s, "n1", "hostpath", true, true, true).await;
+
+    // A raw stream that never answers.
+    let mut nc = ts.node_client().await;
+    let (out, rx) = mpsc::channel(4);
+    out.send(pb::ClientMessage {
+        msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
+            node_id: "n1".into(),
+        })),
+    })
+    .await
+    .unwrap();
+    let mut inbound = nc
+        .open_call_stream(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    wait_until("stream registered", Duration::from_secs(5), || {
+        s.node_connected("n1")
+    })
+    .await;
+
+    let s2 = s.clone();
+    let create = tokio::spawn(async move {
+        let mut v = volume("new", "hostpath", &[AccessMode::SingleNodeWriter]);
+        v.external_id.clear();
+        s2.create_volume(v).await
+    });
+    let call = inbound.message().await.unwrap().expect("a call");
+    assert!(matches!(
+        call.call,
+        Some(pb::server_call::Call::CreateVolume(_))
+    ));
+    assert!(call.deadline_ms > 0);
+    drop(inbound);
+    drop(out);
+    let started = tokio::time::Instant::now();
+    let err = create.await.unwrap().expect_err("the stream dropped");
+    assert!(matches!(err, ServerError::Unavailable(_)), "{err:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "failed by the drop, not the deadline"
+    );
+    wait_until("stream forgotten", Duration::from_secs(5), || {
+        !s.node_connected("n1")
+    })
+    .await;
+
+    // Two streams of the same node: the newer wins, the older ends.
+    let (out_a, rx_a) = mpsc::channel(4);
+    out_a
+        .send(pb::ClientMessage {
+            msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
+                node_id: "n1".into(),
+            })),
+        })
+        .await
+        .unwrap();
+    let mut old = nc
+        .open_call_stream(ReceiverStream::new(rx_a))
+        .await
+        .unwrap()
+        .into_inner();
+    wait_until("old stream registered", Duration::from_secs(5), || {
+        s.node_connected("n1")
+    })
+    .await;
+    let newer = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let ended = tokio::time::timeout(Duration::from_secs(5), old.message())
+        .await
+        .expect("old stream ends");
+    assert!(matches!(ended, Ok(None)), "{ended:?}");
+    let mut v = volume("new", "hostpath", &[AccessMode::SingleNodeWriter]);
+    v.external_id.clear();
+    v.capacity_min = Some(1 << 20);
+    let created = s.create_volume(v).await.unwrap();
+    assert_eq!(created.external_id, "ext-new");
+    assert_eq!(created.capacity, 1 << 20);
+    assert!(created.secrets.is_empty(), "secrets never returned");
+    assert_eq!(newer.call_kinds(), vec!["CreateVolume"]);
+    drop(out_a);
+
+    s.delete_volume("new").await.unwrap();
+    assert!(matches!(s.volume("new"), Err(ServerError::NotFound(_))));
+    assert_eq!(newer.call_kinds(), vec!["CreateVolume", "DeleteVolume"]);
+}
+
+#[tokio::test]
+async fn deregister_refuses_a_claimed_volume_unless_forced_and_force_reaps_first() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+
+    let err = s.deregister_volume("data", false).await.unwrap_err();
+    assert!(matches!(err, ServerError::Conflict(_)), "{err:?}");
+    assert!(matches!(
+        s.delete_volume("data").await,
+        Err(ServerError::Conflict(_))
+    ));
+    // Removing a claimed capability is refused too.
+    let mut changed = volume("data", "hostpath", &[AccessMode::MultiNodeReader]);
+    changed.external_id = "ext-data".into();
+    assert!(matches!(
+        s.register_volume(changed).await,
+        Err(ServerError::Conflict(_))
+    ));
+
+    s.deregister_volume("data", true).await.unwrap();
+    assert!(matches!(s.volume("data"), Err(ServerError::NotFound(_))));
+    assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
+}

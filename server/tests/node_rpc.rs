@@ -1,0 +1,203 @@
+//! The Node service over real gRPC: register, heartbeat, the alloc watch,
+//! status updates, plugin fingerprints and events.
+
+mod support;
+
+use std::time::Duration;
+
+use berth_proto::berth::v1 as pb;
+use berth_structs::{AllocClientStatus, Allocation, JobType, TaskState, TaskStateKind};
+use support::*;
+
+fn decode(update: &pb::AllocationsUpdate) -> Vec<Allocation> {
+    update
+        .allocs_json
+        .iter()
+        .map(|b| serde_json::from_slice(b).expect("alloc JSON"))
+        .collect()
+}
+
+#[tokio::test]
+async fn client_registers_watches_its_allocs_and_reports_status() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let mut nc = ts.node_client().await;
+
+    // Unknown node: heartbeat and watch say NotFound.
+    let err = nc
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+    let err = nc
+        .watch_allocations(pb::WatchAllocationsRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound);
+
+    let reg = nc
+        .register(pb::RegisterRequest {
+            node_json: serde_json::to_vec(&node("n1")).unwrap(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(reg.heartbeat_ttl_ms >= 10_000);
+    assert!(reg.index > 0);
+    let hb = nc
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(hb.heartbeat_ttl_ms >= 10_000);
+
+    let mut watch = nc
+        .watch_allocations(pb::WatchAllocationsRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = watch.message().await.unwrap().unwrap();
+    assert!(first.allocs_json.is_empty());
+
+    s.register_job(job("web", JobType::Service, 1))
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let allocs = decode(&next);
+    assert_eq!(allocs.len(), 1);
+    assert_eq!(allocs[0].name, "web.g[0]");
+    assert!(next.index >= allocs[0].modify_index);
+
+    // A status report is applied and streamed back.
+    let states = std::collections::BTreeMap::from([(
+        "t".to_string(),
+        TaskState {
+            state: TaskStateKind::Running,
+            ..Default::default()
+        },
+    )]);
+    nc.update_allocations(pb::UpdateAllocationsRequest {
+        node_id: "n1".into(),
+        updates: vec![pb::AllocStatusUpdate {
+            alloc_id: allocs[0].id.clone(),
+            client_status: "running".into(),
+            client_description: "Tasks are running".into(),
+            task_states_json: serde_json::to_vec(&states).unwrap(),
+        }],
+    })
+    .await
+    .unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let a = &decode(&next)[0];
+    assert_eq!(a.client_status, AllocClientStatus::Running);
+    assert_eq!(a.task_states["t"].state, TaskStateKind::Running);
+
+    // A bad status is refused as InvalidArgument.
+    let err = nc
+        .update_allocations(pb::UpdateAllocationsRequest {
+            node_id: "n1".into(),
+            updates: vec![pb::AllocStatusUpdate {
+                alloc_id: allocs[0].id.clone(),
+                client_status: "sleeping".into(),
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+
+    // Stop: the stream carries desired_status stop.
+    s.stop_job("web").await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert!(decode(&next)[0].server_terminal());
+}
+
+#[tokio::test]
+async fn plugin_fingerprints_and_events_reach_the_node_and_plugin_table() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let mut nc = ts.node_client().await;
+    nc.register(pb::RegisterRequest {
+        node_json: serde_json::to_vec(&node("n1")).unwrap(),
+    })
+    .await
+    .unwrap();
+    let fp = |kind: &str, healthy: bool| pb::PluginFingerprint {
+        plugin_id: "hostpath".into(),
+        kind: kind.into(),
+        provider: "hostpath.csi.berth".into(),
+        version: "0.1.0".into(),
+        healthy,
+        external_node_id: "node-ext".into(),
+        requires_controller_publish: true,
+        ..Default::default()
+    };
+    nc.update_plugins(pb::UpdatePluginsRequest {
+        node_id: "n1".into(),
+        plugins: vec![fp("node", true), fp("controller", false)],
+    })
+    .await
+    .unwrap();
+    let n = s.node("n1").unwrap();
+    assert_eq!(n.csi_node_plugins["hostpath"].external_node_id, "node-ext");
+    let p = s.plugin("hostpath").unwrap();
+    assert_eq!(p.provider, "hostpath.csi.berth");
+    assert_eq!((p.nodes_healthy, p.nodes_expected), (1, 1));
+    assert_eq!((p.controllers_healthy, p.controllers_expected), (0, 1));
+    assert!(p.controller_required);
+
+    // A re-registration without plugins keeps the fingerprints.
+    nc.register(pb::RegisterRequest {
+        node_json: serde_json::to_vec(&node("n1")).unwrap(),
+    })
+    .await
+    .unwrap();
+    assert!(s.node("n1").unwrap().has_healthy_node_plugin("hostpath"));
+
+    // Plugins missing from the full set are gone.
+    nc.update_plugins(pb::UpdatePluginsRequest {
+        node_id: "n1".into(),
+        plugins: vec![],
+    })
+    .await
+    .unwrap();
+    assert!(s.plugin("hostpath").is_err());
+
+    nc.emit_events(pb::EmitEventsRequest {
+        node_id: "n1".into(),
+        events: vec![pb::NodeEvent {
+            subsystem: "Storage".into(),
+            message: "Mount volume".into(),
+            details: [("volume_id".to_string(), "data".to_string())].into(),
+            timestamp_ms: 42,
+        }],
+    })
+    .await
+    .unwrap();
+    let ev = s.node("n1").unwrap().events.last().cloned().unwrap();
+    assert_eq!(
+        (ev.subsystem.as_str(), ev.message.as_str(), ev.timestamp),
+        ("Storage", "Mount volume", 42)
+    );
+    assert_eq!(ev.details["volume_id"], "data");
+}

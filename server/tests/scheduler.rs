@@ -1,0 +1,228 @@
+//! Scheduling: system jobs on every ready node, CSI feasibility, claims
+//! that block a second writer until freed.
+
+mod support;
+
+use berth_structs::{
+    AccessMode, AllocClientStatus, AllocDesiredStatus, JobStatus, JobType, NodeStatus,
+};
+use support::*;
+
+#[tokio::test]
+async fn system_job_runs_on_every_ready_node() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    for id in ["n1", "n2", "n3"] {
+        s.register_node(node(id)).await.unwrap();
+    }
+    let mut no_driver = node("n4");
+    no_driver.drivers.clear();
+    s.register_node(no_driver).await.unwrap();
+    s.mark_node_down("n3", "test").await.unwrap();
+
+    let resp = s
+        .register_job(job("sys", JobType::System, 1))
+        .await
+        .unwrap();
+    assert!(resp.changed);
+    let mut on: Vec<String> = live_allocs(s, "sys")
+        .into_iter()
+        .map(|a| a.node_id)
+        .collect();
+    on.sort();
+    assert_eq!(on, vec!["n1", "n2"]);
+    assert!(
+        resp.placement_failures
+            .iter()
+            .any(|f| f.contains("missing driver")),
+        "{:?}",
+        resp.placement_failures
+    );
+    assert_eq!(s.job("sys").unwrap().status, JobStatus::Running);
+
+    // A node that joins gets one too; re-registering the same job changes nothing.
+    s.register_node(node("n5")).await.unwrap();
+    assert_eq!(live_allocs(s, "sys").len(), 3);
+    let again = s
+        .register_job(job("sys", JobType::System, 1))
+        .await
+        .unwrap();
+    assert!(!again.changed);
+    assert_eq!(again.version, 0);
+    assert_eq!(live_allocs(s, "sys").len(), 3);
+    for a in live_allocs(s, "sys") {
+        assert_eq!(a.name, "sys.g[0]");
+    }
+
+    // Stop: every alloc is asked to stop; dead once the clients report.
+    s.stop_job("sys").await.unwrap();
+    let allocs = s.job_allocations("sys").unwrap();
+    assert!(allocs
+        .iter()
+        .all(|a| a.desired_status == AllocDesiredStatus::Stop));
+    assert_eq!(
+        s.job("sys").unwrap().status,
+        JobStatus::Dead,
+        "never-started allocs count as stopped"
+    );
+}
+
+#[tokio::test]
+async fn csi_group_waits_for_a_healthy_node_plugin() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    s.register_node(node("n1")).await.unwrap();
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    assert!(!s.volume("data").unwrap().schedulable);
+
+    let resp = s
+        .register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert!(live_allocs(s, "db").is_empty());
+    assert!(
+        resp.placement_failures
+            .iter()
+            .any(|f| f.contains("no healthy node plugin \"hostpath\"")),
+        "{:?}",
+        resp.placement_failures
+    );
+    assert_eq!(s.job("db").unwrap().status, JobStatus::Pending);
+
+    // An unhealthy fingerprint is not enough.
+    give_plugin(s, "n1", "hostpath", false, false, false).await;
+    assert!(live_allocs(s, "db").is_empty());
+
+    give_plugin(s, "n1", "hostpath", true, false, false).await;
+    let allocs = live_allocs(s, "db");
+    assert_eq!(allocs.len(), 1);
+    assert_eq!(allocs[0].node_id, "n1");
+    assert_eq!(allocs[0].name, "db.g[0]");
+    assert!(s.job_placement_failures("db").is_empty());
+    assert!(s.volume("data").unwrap().schedulable);
+    let plugin = s.plugin("hostpath").unwrap();
+    assert_eq!((plugin.nodes_healthy, plugin.nodes_expected), (1, 1));
+}
+
+#[tokio::test]
+async fn second_single_node_writer_waits_until_the_first_claim_is_freed() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    s.register_node(node("n1")).await.unwrap();
+    s.register_node(node("n2")).await.unwrap();
+    give_plugin(s, "n1", "hostpath", true, false, false).await;
+    give_plugin(s, "n2", "hostpath", true, false, false).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+
+    s.register_job(volume_job("first", "data", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let first = live_allocs(s, "first").pop().expect("first placed");
+    // The second writer is infeasible even before the first claims.
+    let resp = s
+        .register_job(volume_job("second", "data", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert!(live_allocs(s, "second").is_empty());
+    assert!(
+        resp.placement_failures
+            .iter()
+            .any(|f| f.contains("already has a writer")),
+        "{:?}",
+        resp.placement_failures
+    );
+
+    // The first claims over real gRPC.
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &first, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert_eq!(s.volume("data").unwrap().write_claims.len(), 1);
+
+    // The first stops and its client says so: the claim still holds.
+    s.stop_job("first").await.unwrap();
+    report(s, &first, AllocClientStatus::Complete).await;
+    // (The status report evaluated the blocked jobs synchronously.)
+    assert!(
+        live_allocs(s, "second").is_empty(),
+        "placed before the claim was freed"
+    );
+
+    // Freed: the second is placed at once.
+    let mut csi2 = ts.csi_client().await;
+    csi2.unpublish(berth_proto::berth::v1::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: first.id.clone(),
+        node_id: first.node_id.clone(),
+    })
+    .await
+    .unwrap();
+    assert!(s.volume("data").unwrap().write_claims.is_empty());
+    assert_eq!(live_allocs(s, "second").len(), 1);
+    assert!(s.job_placement_failures("second").is_empty());
+}
+
+#[tokio::test]
+async fn failed_service_alloc_is_replaced_and_batch_completes() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    s.register_node(node("n1")).await.unwrap();
+
+    s.register_job(job("svc", JobType::Service, 2))
+        .await
+        .unwrap();
+    let allocs = live_allocs(s, "svc");
+    assert_eq!(allocs.len(), 2);
+    report(s, &allocs[0], AllocClientStatus::Failed).await;
+    let now = live_allocs(s, "svc");
+    assert_eq!(now.len(), 2);
+    assert!(now.iter().all(|a| a.id != allocs[0].id));
+    assert!(now.iter().any(|a| a.index == allocs[0].index));
+
+    // A terminal alloc never becomes live again.
+    report(s, &allocs[0], AllocClientStatus::Running).await;
+    assert_eq!(
+        s.allocation(&allocs[0].id).unwrap().client_status,
+        AllocClientStatus::Failed
+    );
+
+    s.register_job(job("once", JobType::Batch, 1))
+        .await
+        .unwrap();
+    let b = live_allocs(s, "once").pop().unwrap();
+    report(s, &b, AllocClientStatus::Complete).await;
+    assert!(
+        live_allocs(s, "once").is_empty(),
+        "completed batch alloc replaced"
+    );
+    assert_eq!(s.job("once").unwrap().status, JobStatus::Dead);
+}
+
+#[tokio::test]
+async fn resources_limit_placements() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    let mut small = node("n1");
+    small.resources.memory_mb = 300; // two 128 MiB allocs fit, not three
+    s.register_node(small).await.unwrap();
+    let resp = s
+        .register_job(job("web", JobType::Service, 3))
+        .await
+        .unwrap();
+    assert_eq!(live_allocs(s, "web").len(), 2);
+    assert!(
+        resp.placement_failures
+            .iter()
+            .any(|f| f.contains("memory exhausted")),
+        "{:?}",
+        resp.placement_failures
+    );
+    // A second node unblocks the third.
+    s.register_node(node("n2")).await.unwrap();
+    assert_eq!(live_allocs(s, "web").len(), 3);
+    assert_eq!(s.node("n1").unwrap().status, NodeStatus::Ready);
+}

@@ -1,0 +1,409 @@
+//! Shared test fixtures: a server on a real loopback gRPC port, a test
+//! client that answers server calls over a real call stream, and builders
+//! for nodes, jobs and volumes.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use berth_proto::berth::v1 as pb;
+use berth_proto::berth::v1::csi_volume_client::CsiVolumeClient;
+use berth_proto::berth::v1::node_client::NodeClient;
+use berth_server::{Server, ServerConfig};
+use berth_structs::*;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "berth_server=debug".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}
+
+/// Poll `cond` until it holds or `timeout` passes.
+pub async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        if cond() {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+pub fn test_config(dir: &std::path::Path) -> ServerConfig {
+    let mut c = ServerConfig::new(dir);
+    c.claim_reap_grace = Duration::from_secs(3600);
+    c.scheduler_retry_interval = Duration::from_millis(200);
+    c.reschedule_delay = Duration::ZERO;
+    c.client_call_timeout = Duration::from_secs(5);
+    c
+}
+
+/// A server running its loops and serving gRPC on a loopback port. Shuts
+/// down when dropped.
+pub struct TestServer {
+    pub server: Arc<Server>,
+    pub addr: SocketAddr,
+    pub dir: tempfile::TempDir,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl TestServer {
+    pub async fn start(tweak: impl FnOnce(&mut ServerConfig)) -> TestServer {
+        init_tracing();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cfg = test_config(dir.path());
+        tweak(&mut cfg);
+        let server = Server::open(cfg).expect("open server");
+        let (shutdown, rx) = watch::channel(false);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let router = tonic::transport::Server::builder()
+            .add_service(server.node_service())
+            .add_service(server.csi_volume_service());
+        let mut grpc_rx = rx.clone();
+        let grpc = tokio::spawn(async move {
+            let _ = router
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = grpc_rx.wait_for(|s| *s).await;
+                })
+                .await;
+        });
+        let run = tokio::spawn(server.clone().run(rx));
+        TestServer {
+            server,
+            addr,
+            dir,
+            shutdown,
+            tasks: vec![grpc, run],
+        }
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub async fn node_client(&self) -> NodeClient<Channel> {
+        NodeClient::connect(self.endpoint())
+            .await
+            .expect("connect node client")
+    }
+
+    pub async fn csi_client(&self) -> CsiVolumeClient<Channel> {
+        CsiVolumeClient::connect(self.endpoint())
+            .await
+            .expect("connect csi client")
+    }
+
+    pub async fn stop(mut self) {
+        self.shutdown.send_replace(true);
+        for t in self.tasks.drain(..) {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.shutdown.send_replace(true);
+    }
+}
+
+/// How the test client answers one server call.
+pub type CallHandler = Arc<dyn Fn(&pb::ServerCall) -> pb::call_reply::Result + Send + Sync>;
+
+pub fn ok_handler() -> CallHandler {
+    Arc::new(|call| match &call.call {
+        Some(pb::server_call::Call::ControllerPublish(_)) => {
+            pb::call_reply::Result::ControllerPublish(pb::ControllerPublishReply {
+                publish_context: [("device".to_string(), "/dev/test0".to_string())].into(),
+            })
+        }
+        Some(pb::server_call::Call::CreateVolume(c)) => {
+            pb::call_reply::Result::CreateVolume(pb::CreateVolumeReply {
+                external_id: format!("ext-{}", c.name),
+                capacity_bytes: c.capacity_min,
+                volume_context: [("created".to_string(), "yes".to_string())].into(),
+            })
+        }
+        _ => pb::call_reply::Result::Empty(pb::Empty {}),
+    })
+}
+
+/// A test client: opens `Node.OpenCallStream` over real gRPC as `node_id`
+/// and answers every server call with `handler`, recording the calls.
+pub struct TestClient {
+    pub node_id: String,
+    pub calls: Arc<Mutex<Vec<pb::ServerCall>>>,
+    handler: Arc<Mutex<CallHandler>>,
+    task: tokio::task::JoinHandle<()>,
+    _out: mpsc::Sender<pb::ClientMessage>,
+}
+
+impl TestClient {
+    pub async fn connect(ts: &TestServer, node_id: &str, handler: CallHandler) -> TestClient {
+        let mut client = ts.node_client().await;
+        let (out, rx) = mpsc::channel(16);
+        out.send(pb::ClientMessage {
+            msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
+                node_id: node_id.to_string(),
+            })),
+        })
+        .await
+        .expect("send hello");
+        let mut inbound = client
+            .open_call_stream(ReceiverStream::new(rx))
+            .await
+            .expect("open call stream")
+            .into_inner();
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let handler = Arc::new(Mutex::new(handler));
+        let (rec, h, reply_out) = (calls.clone(), handler.clone(), out.clone());
+        let task = tokio::spawn(async move {
+            while let Ok(Some(call)) = inbound.message().await {
+                rec.lock().unwrap().push(call.clone());
+                let f = h.lock().unwrap().clone();
+                let result = f(&call);
+                let reply = pb::ClientMessage {
+                    msg: Some(pb::client_message::Msg::Reply(pb::CallReply {
+                        call_id: call.call_id,
+                        result: Some(result),
+                    })),
+                };
+                if reply_out.send(reply).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let c = TestClient {
+            node_id: node_id.to_string(),
+            calls,
+            handler,
+            task,
+            _out: out,
+        };
+        let server = ts.server.clone();
+        let id = node_id.to_string();
+        wait_until("call stream registered", Duration::from_secs(5), || {
+            server.node_connected(&id)
+        })
+        .await;
+        c
+    }
+
+    pub fn set_handler(&self, handler: CallHandler) {
+        *self.handler.lock().unwrap() = handler;
+    }
+
+    pub fn call_kinds(&self) -> Vec<&'static str> {
+        self.calls
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| match &c.call {
+                Some(pb::server_call::Call::NodeDetach(_)) => "NodeDetach",
+                Some(pb::server_call::Call::ControllerPublish(_)) => "ControllerPublish",
+                Some(pb::server_call::Call::ControllerUnpublish(_)) => "ControllerUnpublish",
+                Some(pb::server_call::Call::CreateVolume(_)) => "CreateVolume",
+                Some(pb::server_call::Call::DeleteVolume(_)) => "DeleteVolume",
+                Some(pb::server_call::Call::ValidateVolume(_)) => "ValidateVolume",
+                None => "none",
+            })
+            .collect()
+    }
+
+    /// Drop the call stream (the client goes away).
+    pub fn disconnect(self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for TestClient {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub fn node(id: &str) -> Node {
+    Node {
+        id: id.to_string(),
+        name: id.to_string(),
+        datacenter: "dc1".into(),
+        resources: NodeResources {
+            cpu: 4000,
+            memory_mb: 8192,
+        },
+        drivers: vec!["raw_exec".into()],
+        ..Default::default()
+    }
+}
+
+pub fn plugin_info(plugin_id: &str, healthy: bool, requires_publish: bool) -> CsiInfo {
+    CsiInfo {
+        plugin_id: plugin_id.to_string(),
+        alloc_id: "plugin-alloc".into(),
+        provider: "test.csi.berth".into(),
+        version: "1.0.0".into(),
+        healthy,
+        requires_controller_publish: requires_publish,
+        supports_create_delete: true,
+        external_node_id: "ext-node".into(),
+        ..Default::default()
+    }
+}
+
+/// Give `node_id` a node plugin (and a controller when `controller`).
+pub async fn give_plugin(
+    server: &Server,
+    node_id: &str,
+    plugin_id: &str,
+    healthy: bool,
+    controller: bool,
+    requires_publish: bool,
+) {
+    let nodes = BTreeMap::from([(
+        plugin_id.to_string(),
+        plugin_info(plugin_id, healthy, requires_publish),
+    )]);
+    let controllers = if controller {
+        BTreeMap::from([(
+            plugin_id.to_string(),
+            plugin_info(plugin_id, healthy, requires_publish),
+        )])
+    } else {
+        BTreeMap::new()
+    };
+    server
+        .update_node_plugins(node_id, nodes, controllers)
+        .await
+        .expect("update plugins");
+}
+
+pub fn task(name: &str) -> Task {
+    Task {
+        name: name.into(),
+        driver: "raw_exec".into(),
+        config: TaskConfig {
+            command: "/bin/sleep".into(),
+            args: vec!["1000".into()],
+        },
+        resources: Resources {
+            cpu: 100,
+            memory_mb: 128,
+        },
+        ..Default::default()
+    }
+}
+
+pub fn job(id: &str, job_type: JobType, count: u32) -> Job {
+    Job {
+        id: id.into(),
+        name: id.into(),
+        job_type,
+        task_groups: vec![TaskGroup {
+            name: "g".into(),
+            count,
+            tasks: vec![task("t")],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+}
+
+/// A service job whose group mounts CSI volume `volume_id`.
+pub fn volume_job(id: &str, volume_id: &str, access: AccessMode) -> Job {
+    let mut j = job(id, JobType::Service, 1);
+    let g = &mut j.task_groups[0];
+    g.volumes.insert(
+        "data".into(),
+        VolumeRequest {
+            name: "data".into(),
+            volume_type: "csi".into(),
+            source: volume_id.into(),
+            read_only: access.is_reader_only(),
+            access_mode: Some(access),
+            attachment_mode: Some(AttachmentMode::FileSystem),
+            ..Default::default()
+        },
+    );
+    g.tasks[0].volume_mounts.push(VolumeMount {
+        volume: "data".into(),
+        destination: "data".into(),
+        read_only: access.is_reader_only(),
+    });
+    j
+}
+
+pub fn volume(id: &str, plugin_id: &str, caps: &[AccessMode]) -> CsiVolume {
+    CsiVolume {
+        id: id.into(),
+        name: id.into(),
+        external_id: format!("ext-{id}"),
+        plugin_id: plugin_id.into(),
+        capabilities: caps
+            .iter()
+            .map(|a| VolumeCapability {
+                access_mode: *a,
+                attachment_mode: AttachmentMode::FileSystem,
+            })
+            .collect(),
+        secrets: [("token".to_string(), "s3cret".to_string())].into(),
+        ..Default::default()
+    }
+}
+
+/// The claim request a client sends for alloc `alloc`.
+pub fn claim_request(volume_id: &str, alloc: &Allocation, access: AccessMode) -> pb::ClaimRequest {
+    pb::ClaimRequest {
+        volume_id: volume_id.into(),
+        alloc_id: alloc.id.clone(),
+        node_id: alloc.node_id.clone(),
+        mode: access.claim_mode().as_str().into(),
+        capability: Some(pb::VolumeCapability {
+            access_mode: access.as_str().into(),
+            attachment_mode: "file-system".into(),
+            fs_type: String::new(),
+            mount_flags: vec![],
+        }),
+    }
+}
+
+/// Report an alloc's client status as its client would.
+pub async fn report(server: &Server, alloc: &Allocation, status: AllocClientStatus) {
+    server
+        .update_allocations(
+            &alloc.node_id,
+            vec![berth_server::AllocUpdate {
+                alloc_id: alloc.id.clone(),
+                client_status: status,
+                client_description: String::new(),
+                task_states: None,
+            }],
+        )
+        .await
+        .expect("update allocs");
+}
+
+pub fn live_allocs(server: &Server, job_id: &str) -> Vec<Allocation> {
+    server
+        .job_allocations(job_id)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|a| !a.is_terminal())
+        .collect()
+}

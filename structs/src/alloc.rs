@@ -1,0 +1,176 @@
+//! Allocations: a task group of a job placed on a node.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::job::{Job, TaskGroup};
+
+/// What the servers want of an alloc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AllocDesiredStatus {
+    #[default]
+    Run,
+    Stop,
+    Evict,
+}
+
+/// What the client reports of an alloc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum AllocClientStatus {
+    #[default]
+    Pending,
+    Running,
+    Complete,
+    Failed,
+    Lost,
+}
+
+impl AllocClientStatus {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AllocClientStatus::Pending => "pending",
+            AllocClientStatus::Running => "running",
+            AllocClientStatus::Complete => "complete",
+            AllocClientStatus::Failed => "failed",
+            AllocClientStatus::Lost => "lost",
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            AllocClientStatus::Complete | AllocClientStatus::Failed | AllocClientStatus::Lost
+        )
+    }
+}
+
+impl std::str::FromStr for AllocClientStatus {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "pending" => AllocClientStatus::Pending,
+            "running" => AllocClientStatus::Running,
+            "complete" => AllocClientStatus::Complete,
+            "failed" => AllocClientStatus::Failed,
+            "lost" => AllocClientStatus::Lost,
+            other => return Err(format!("unknown client status {other:?}")),
+        })
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Allocation {
+    pub id: String,
+    /// `<job>.<group>[<index>]`.
+    pub name: String,
+    pub job_id: String,
+    /// The job as it was when the alloc was placed.
+    pub job: Job,
+    pub task_group: String,
+    /// The index within its group, used by `per_alloc` volumes.
+    #[serde(default)]
+    pub index: u32,
+    pub node_id: String,
+    #[serde(default)]
+    pub desired_status: AllocDesiredStatus,
+    #[serde(default)]
+    pub desired_description: String,
+    #[serde(default)]
+    pub client_status: AllocClientStatus,
+    #[serde(default)]
+    pub client_description: String,
+    #[serde(default)]
+    pub task_states: BTreeMap<String, TaskState>,
+    #[serde(default)]
+    pub create_index: u64,
+    #[serde(default)]
+    pub modify_index: u64,
+    /// Unix milliseconds.
+    #[serde(default)]
+    pub create_time_ms: i64,
+    #[serde(default)]
+    pub modify_time_ms: i64,
+}
+
+impl Allocation {
+    pub fn group(&self) -> Option<&TaskGroup> {
+        self.job.lookup_group(&self.task_group)
+    }
+
+    /// Terminal on the servers' side or on the client's.
+    pub fn is_terminal(&self) -> bool {
+        self.client_status.is_terminal() || self.server_terminal()
+    }
+
+    /// The servers want it stopped.
+    pub fn server_terminal(&self) -> bool {
+        matches!(
+            self.desired_status,
+            AllocDesiredStatus::Stop | AllocDesiredStatus::Evict
+        )
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TaskStateKind {
+    #[default]
+    Pending,
+    Running,
+    Dead,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct TaskState {
+    pub state: TaskStateKind,
+    pub failed: bool,
+    #[serde(default)]
+    pub restarts: u32,
+    #[serde(default)]
+    pub started_at_ms: Option<i64>,
+    #[serde(default)]
+    pub finished_at_ms: Option<i64>,
+    #[serde(default)]
+    pub events: Vec<TaskEvent>,
+}
+
+/// Task events keep at most this many entries; older ones are dropped.
+pub const MAX_TASK_EVENTS: usize = 20;
+
+impl TaskState {
+    pub fn push_event(&mut self, event: TaskEvent) {
+        self.events.push(event);
+        if self.events.len() > MAX_TASK_EVENTS {
+            let extra = self.events.len() - MAX_TASK_EVENTS;
+            self.events.drain(..extra);
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct TaskEvent {
+    /// `Received`, `Started`, `Terminated`, `Plugin became healthy`, ...
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub message: String,
+    pub time_ms: i64,
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+    #[serde(default)]
+    pub signal: Option<i32>,
+}
+
+impl TaskEvent {
+    pub fn new(event_type: impl Into<String>, message: impl Into<String>) -> TaskEvent {
+        TaskEvent {
+            event_type: event_type.into(),
+            message: message.into(),
+            time_ms: crate::now_ms(),
+            exit_code: None,
+            signal: None,
+        }
+    }
+}

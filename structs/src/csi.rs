@@ -1,0 +1,439 @@
+//! CSI volumes, their claims, and CSI plugins as the servers track them.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ValidationError;
+
+/// The access modes of CSI, in Nomad's spelling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum AccessMode {
+    #[serde(rename = "single-node-reader-only")]
+    SingleNodeReader,
+    #[serde(rename = "single-node-writer")]
+    SingleNodeWriter,
+    #[serde(rename = "multi-node-reader-only")]
+    MultiNodeReader,
+    #[serde(rename = "multi-node-single-writer")]
+    MultiNodeSingleWriter,
+    #[serde(rename = "multi-node-multi-writer")]
+    MultiNodeMultiWriter,
+}
+
+impl AccessMode {
+    pub const ALL: [AccessMode; 5] = [
+        AccessMode::SingleNodeReader,
+        AccessMode::SingleNodeWriter,
+        AccessMode::MultiNodeReader,
+        AccessMode::MultiNodeSingleWriter,
+        AccessMode::MultiNodeMultiWriter,
+    ];
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AccessMode::SingleNodeReader => "single-node-reader-only",
+            AccessMode::SingleNodeWriter => "single-node-writer",
+            AccessMode::MultiNodeReader => "multi-node-reader-only",
+            AccessMode::MultiNodeSingleWriter => "multi-node-single-writer",
+            AccessMode::MultiNodeMultiWriter => "multi-node-multi-writer",
+        }
+    }
+
+    pub fn is_reader_only(&self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeReader | AccessMode::MultiNodeReader
+        )
+    }
+
+    pub fn is_single_node(&self) -> bool {
+        matches!(
+            self,
+            AccessMode::SingleNodeReader | AccessMode::SingleNodeWriter
+        )
+    }
+
+    /// The claim mode this access mode implies.
+    pub fn claim_mode(&self) -> ClaimMode {
+        if self.is_reader_only() {
+            ClaimMode::Read
+        } else {
+            ClaimMode::Write
+        }
+    }
+}
+
+impl std::fmt::Display for AccessMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for AccessMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        AccessMode::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown access_mode {s:?} (want one of {})",
+                    AccessMode::ALL.map(|m| m.as_str()).join(", ")
+                )
+            })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum AttachmentMode {
+    #[serde(rename = "file-system")]
+    FileSystem,
+    #[serde(rename = "block-device")]
+    BlockDevice,
+}
+
+impl AttachmentMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            AttachmentMode::FileSystem => "file-system",
+            AttachmentMode::BlockDevice => "block-device",
+        }
+    }
+}
+
+impl std::fmt::Display for AttachmentMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for AttachmentMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "file-system" => Ok(AttachmentMode::FileSystem),
+            "block-device" => Ok(AttachmentMode::BlockDevice),
+            other => Err(format!(
+                "unknown attachment_mode {other:?} (want file-system or block-device)"
+            )),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ClaimMode {
+    Read,
+    Write,
+}
+
+impl ClaimMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ClaimMode::Read => "read",
+            ClaimMode::Write => "write",
+        }
+    }
+}
+
+impl std::str::FromStr for ClaimMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "read" => Ok(ClaimMode::Read),
+            "write" => Ok(ClaimMode::Write),
+            other => Err(format!("unknown claim mode {other:?} (want read or write)")),
+        }
+    }
+}
+
+/// One `capability` block of a volume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct VolumeCapability {
+    pub access_mode: AccessMode,
+    pub attachment_mode: AttachmentMode,
+}
+
+/// Where a claim stands on its way to being freed. Each step is checkpointed
+/// in the state store, so a failed step is retried from where it stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ClaimState {
+    #[default]
+    Taken,
+    NodeDetached,
+    ControllerDetached,
+    ReadyToFree,
+}
+
+impl ClaimState {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ClaimState::Taken => "taken",
+            ClaimState::NodeDetached => "node-detached",
+            ClaimState::ControllerDetached => "controller-detached",
+            ClaimState::ReadyToFree => "ready-to-free",
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CsiVolumeClaim {
+    pub alloc_id: String,
+    pub node_id: String,
+    /// The storage provider's ID of the node (NodeGetInfo).
+    #[serde(default)]
+    pub external_node_id: String,
+    pub mode: ClaimMode,
+    pub access_mode: AccessMode,
+    pub attachment_mode: AttachmentMode,
+    #[serde(default)]
+    pub state: ClaimState,
+    /// What ControllerPublishVolume returned, handed to the node plugin.
+    #[serde(default)]
+    pub publish_context: BTreeMap<String, String>,
+    /// Set once the release has started (client unpublish or a reap).
+    #[serde(default)]
+    pub releasing: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct CsiVolume {
+    pub id: String,
+    #[serde(default)]
+    pub name: String,
+    /// The storage provider's ID of the volume.
+    #[serde(default)]
+    pub external_id: String,
+    pub plugin_id: String,
+    #[serde(default)]
+    pub provider: String,
+    #[serde(default)]
+    pub capabilities: Vec<VolumeCapability>,
+    #[serde(default)]
+    pub capacity_min: Option<u64>,
+    #[serde(default)]
+    pub capacity_max: Option<u64>,
+    #[serde(default)]
+    pub capacity: u64,
+    #[serde(default)]
+    pub mount_options: crate::job::CsiMountOptions,
+    /// Passed to the plugin; never returned by the API, never logged.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub secrets: BTreeMap<String, String>,
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+    #[serde(default)]
+    pub context: BTreeMap<String, String>,
+    /// Claims by alloc ID.
+    #[serde(default)]
+    pub read_claims: BTreeMap<String, CsiVolumeClaim>,
+    #[serde(default)]
+    pub write_claims: BTreeMap<String, CsiVolumeClaim>,
+    /// Whether a healthy node plugin exists for it; computed on read.
+    #[serde(default)]
+    pub schedulable: bool,
+    #[serde(default)]
+    pub create_index: u64,
+    #[serde(default)]
+    pub modify_index: u64,
+}
+
+impl CsiVolume {
+    /// The checks a volume passes before it is created or registered.
+    /// `register` also needs the provider's ID.
+    pub fn validate(&self, register: bool) -> Result<(), ValidationError> {
+        let mut errs = Vec::new();
+        if self.id.is_empty() {
+            errs.push("volume: id is required".to_string());
+        }
+        if self.plugin_id.is_empty() {
+            errs.push(format!("volume {:?}: plugin_id is required", self.id));
+        }
+        if self.capabilities.is_empty() {
+            errs.push(format!(
+                "volume {:?}: at least one capability block is required",
+                self.id
+            ));
+        }
+        if register && self.external_id.is_empty() {
+            errs.push(format!(
+                "volume {:?}: external_id is required to register a volume",
+                self.id
+            ));
+        }
+        if let (Some(min), Some(max)) = (self.capacity_min, self.capacity_max) {
+            if min > max {
+                errs.push(format!(
+                    "volume {:?}: capacity_min ({min}) is larger than capacity_max ({max})",
+                    self.id
+                ));
+            }
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(ValidationError(errs))
+        }
+    }
+
+    pub fn has_capability(&self, access: AccessMode, attach: AttachmentMode) -> bool {
+        self.capabilities
+            .iter()
+            .any(|c| c.access_mode == access && c.attachment_mode == attach)
+    }
+
+    pub fn claims(&self) -> impl Iterator<Item = &CsiVolumeClaim> {
+        self.read_claims.values().chain(self.write_claims.values())
+    }
+
+    pub fn claim_for(&self, alloc_id: &str) -> Option<&CsiVolumeClaim> {
+        self.read_claims
+            .get(alloc_id)
+            .or_else(|| self.write_claims.get(alloc_id))
+    }
+
+    /// Why a new claim of this kind cannot be taken now, if it cannot.
+    pub fn claim_conflict(
+        &self,
+        alloc_id: &str,
+        node_id: &str,
+        access: AccessMode,
+        mode: ClaimMode,
+    ) -> Option<String> {
+        let others = |m: &BTreeMap<String, CsiVolumeClaim>| {
+            m.values()
+                .filter(|c| c.alloc_id != alloc_id)
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        let writers = others(&self.write_claims);
+        let readers = others(&self.read_claims);
+        match mode {
+            ClaimMode::Write => {
+                if access.is_reader_only() {
+                    return Some(format!("access mode {access} does not allow a write claim"));
+                }
+                if access != AccessMode::MultiNodeMultiWriter && !writers.is_empty() {
+                    return Some(format!(
+                        "volume {:?} already has a writer (alloc {})",
+                        self.id, writers[0].alloc_id
+                    ));
+                }
+                if access.is_single_node() {
+                    if let Some(r) = readers.iter().find(|c| c.node_id != node_id) {
+                        return Some(format!(
+                            "volume {:?} is in use on node {} (alloc {}) and access mode {access} allows one node",
+                            self.id, r.node_id, r.alloc_id
+                        ));
+                    }
+                }
+            }
+            ClaimMode::Read => {
+                if access.is_single_node() {
+                    if let Some(c) = writers
+                        .iter()
+                        .chain(readers.iter())
+                        .find(|c| c.node_id != node_id)
+                    {
+                        return Some(format!(
+                            "volume {:?} is in use on node {} (alloc {}) and access mode {access} allows one node",
+                            self.id, c.node_id, c.alloc_id
+                        ));
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+/// A plugin's instance on one node, as fingerprinted there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CsiInfo {
+    pub plugin_id: String,
+    pub alloc_id: String,
+    pub provider: String,
+    pub version: String,
+    pub healthy: bool,
+    #[serde(default)]
+    pub health_description: String,
+    #[serde(default)]
+    pub requires_controller_publish: bool,
+    #[serde(default)]
+    pub supports_stage_unstage: bool,
+    #[serde(default)]
+    pub supports_create_delete: bool,
+    /// Node plugins: the provider's ID of the node.
+    #[serde(default)]
+    pub external_node_id: String,
+    #[serde(default)]
+    pub max_volumes: u64,
+}
+
+/// A plugin across the cluster, derived from node fingerprints and the jobs
+/// that run it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CsiPlugin {
+    pub id: String,
+    pub provider: String,
+    pub version: String,
+    pub controller_required: bool,
+    pub controllers_healthy: u32,
+    pub controllers_expected: u32,
+    pub nodes_healthy: u32,
+    pub nodes_expected: u32,
+    /// By node ID.
+    pub controllers: BTreeMap<String, CsiInfo>,
+    pub nodes: BTreeMap<String, CsiInfo>,
+    pub create_index: u64,
+    pub modify_index: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn claim(alloc: &str, node: &str, mode: ClaimMode, access: AccessMode) -> CsiVolumeClaim {
+        CsiVolumeClaim {
+            alloc_id: alloc.into(),
+            node_id: node.into(),
+            external_node_id: String::new(),
+            mode,
+            access_mode: access,
+            attachment_mode: AttachmentMode::FileSystem,
+            state: ClaimState::Taken,
+            publish_context: BTreeMap::new(),
+            releasing: false,
+        }
+    }
+
+    #[test]
+    fn single_writer_refuses_second_writer() {
+        let mut v = CsiVolume {
+            id: "data".into(),
+            ..Default::default()
+        };
+        let a = AccessMode::SingleNodeWriter;
+        assert!(v.claim_conflict("a1", "n1", a, ClaimMode::Write).is_none());
+        v.write_claims
+            .insert("a1".into(), claim("a1", "n1", ClaimMode::Write, a));
+        assert!(v.claim_conflict("a1", "n1", a, ClaimMode::Write).is_none());
+        assert!(v.claim_conflict("a2", "n1", a, ClaimMode::Write).is_some());
+        assert!(v
+            .claim_conflict("a3", "n2", AccessMode::SingleNodeReader, ClaimMode::Read)
+            .is_some());
+        assert!(v
+            .claim_conflict("a3", "n1", AccessMode::SingleNodeReader, ClaimMode::Read)
+            .is_none());
+    }
+
+    #[test]
+    fn access_modes_round_trip_their_names() {
+        for m in AccessMode::ALL {
+            assert_eq!(m.as_str().parse::<AccessMode>().unwrap(), m);
+        }
+        assert!("single-node".parse::<AccessMode>().is_err());
+    }
+}

@@ -1,0 +1,512 @@
+//! Jobs, task groups and tasks, and the checks a job passes at submit time.
+
+use std::collections::BTreeMap;
+use std::path::{Component, Path};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::csi::{AccessMode, AttachmentMode};
+use crate::ValidationError;
+
+/// How the scheduler treats a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum JobType {
+    /// Long-running; failed allocs are replaced.
+    #[default]
+    Service,
+    /// Runs to completion; allocs that complete are not replaced.
+    Batch,
+    /// One alloc per eligible node.
+    System,
+}
+
+impl JobType {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            JobType::Service => "service",
+            JobType::Batch => "batch",
+            JobType::System => "system",
+        }
+    }
+}
+
+/// The state of a job as the servers see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum JobStatus {
+    /// Accepted, nothing running yet.
+    #[default]
+    Pending,
+    /// At least one alloc is placed and not terminal.
+    Running,
+    /// Stopped, or every alloc is terminal.
+    Dead,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Job {
+    pub id: String,
+    pub name: String,
+    #[serde(rename = "type")]
+    pub job_type: JobType,
+    #[serde(default)]
+    pub datacenters: Vec<String>,
+    #[serde(default)]
+    pub priority: u32,
+    pub task_groups: Vec<TaskGroup>,
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
+    /// Set by `job stop`.
+    #[serde(default)]
+    pub stop: bool,
+    #[serde(default)]
+    pub status: JobStatus,
+    /// Why the job is not (fully) placed, when it is not.
+    #[serde(default)]
+    pub status_description: String,
+    /// Bumped each time the job is submitted with a change.
+    #[serde(default)]
+    pub version: u64,
+    #[serde(default)]
+    pub create_index: u64,
+    #[serde(default)]
+    pub modify_index: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct TaskGroup {
+    pub name: String,
+    pub count: u32,
+    #[serde(default)]
+    pub volumes: BTreeMap<String, VolumeRequest>,
+    pub tasks: Vec<Task>,
+    #[serde(default)]
+    pub restart: RestartPolicy,
+    /// Stop the group's allocs once the client has been without a successful
+    /// heartbeat for this long.
+    #[serde(default, with = "opt_duration")]
+    pub stop_after_client_disconnect: Option<Duration>,
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
+}
+
+/// A group's request for a volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct VolumeRequest {
+    /// The name of the request inside the group (the block label).
+    pub name: String,
+    /// `csi` or `host`; berth supports `csi`.
+    #[serde(rename = "type")]
+    pub volume_type: String,
+    /// The volume ID.
+    pub source: String,
+    #[serde(default)]
+    pub read_only: bool,
+    #[serde(default)]
+    pub access_mode: Option<AccessMode>,
+    #[serde(default)]
+    pub attachment_mode: Option<AttachmentMode>,
+    /// With `per_alloc`, alloc N claims `<source>[N]`.
+    #[serde(default)]
+    pub per_alloc: bool,
+    #[serde(default)]
+    pub mount_options: Option<CsiMountOptions>,
+}
+
+impl VolumeRequest {
+    /// The volume ID that the alloc with `alloc_index` claims.
+    pub fn source_for(&self, alloc_index: u32) -> String {
+        if self.per_alloc {
+            format!("{}[{}]", self.source, alloc_index)
+        } else {
+            self.source.clone()
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CsiMountOptions {
+    #[serde(default)]
+    pub fs_type: String,
+    #[serde(default)]
+    pub mount_flags: Vec<String>,
+}
+
+impl CsiMountOptions {
+    /// These options laid over `base`: a field set here wins.
+    pub fn merged_over(&self, base: &CsiMountOptions) -> CsiMountOptions {
+        CsiMountOptions {
+            fs_type: if self.fs_type.is_empty() {
+                base.fs_type.clone()
+            } else {
+                self.fs_type.clone()
+            },
+            mount_flags: if self.mount_flags.is_empty() {
+                base.mount_flags.clone()
+            } else {
+                self.mount_flags.clone()
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestartPolicy {
+    pub attempts: u32,
+    #[serde(with = "humantime_serde_compat")]
+    pub interval: Duration,
+    #[serde(with = "humantime_serde_compat")]
+    pub delay: Duration,
+    /// `fail` or `delay`.
+    pub mode: String,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy {
+            attempts: 2,
+            interval: Duration::from_secs(30 * 60),
+            delay: Duration::from_secs(15),
+            mode: "fail".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct Task {
+    pub name: String,
+    pub driver: String,
+    #[serde(default)]
+    pub config: TaskConfig,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub resources: Resources,
+    #[serde(default)]
+    pub volume_mounts: Vec<VolumeMount>,
+    #[serde(default)]
+    pub csi_plugin: Option<TaskCsiPluginConfig>,
+    #[serde(default, with = "opt_duration")]
+    pub kill_timeout: Option<Duration>,
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
+}
+
+/// Driver configuration. `raw_exec` reads `command` and `args`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct TaskConfig {
+    pub command: String,
+    #[serde(default)]
+    pub args: Vec<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resources {
+    /// MHz.
+    pub cpu: u64,
+    /// MiB.
+    pub memory_mb: u64,
+}
+
+impl Default for Resources {
+    fn default() -> Self {
+        Resources {
+            cpu: 100,
+            memory_mb: 300,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct VolumeMount {
+    /// The name of a `volume` block of the group.
+    pub volume: String,
+    /// Relative to the task directory.
+    pub destination: String,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// What a plugin task is: the `csi_plugin` block.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskCsiPluginConfig {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub plugin_type: CsiPluginType,
+    /// Where the plugin expects its socket and mounts inside an isolated
+    /// task. `raw_exec` tasks share the host's filesystem and see host paths.
+    pub mount_dir: String,
+    #[serde(default)]
+    pub stage_publish_base_dir: Option<String>,
+    #[serde(with = "humantime_serde_compat")]
+    pub health_timeout: Duration,
+}
+
+impl TaskCsiPluginConfig {
+    pub const DEFAULT_HEALTH_TIMEOUT: Duration = Duration::from_secs(30);
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CsiPluginType {
+    Node,
+    Controller,
+    Monolith,
+}
+
+impl CsiPluginType {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            CsiPluginType::Node => "node",
+            CsiPluginType::Controller => "controller",
+            CsiPluginType::Monolith => "monolith",
+        }
+    }
+    pub fn has_node(&self) -> bool {
+        matches!(self, CsiPluginType::Node | CsiPluginType::Monolith)
+    }
+    pub fn has_controller(&self) -> bool {
+        matches!(self, CsiPluginType::Controller | CsiPluginType::Monolith)
+    }
+}
+
+impl std::str::FromStr for CsiPluginType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "node" => Ok(CsiPluginType::Node),
+            "controller" => Ok(CsiPluginType::Controller),
+            "monolith" => Ok(CsiPluginType::Monolith),
+            other => Err(format!(
+                "unknown CSI plugin type {other:?} (want node, controller or monolith)"
+            )),
+        }
+    }
+}
+
+/// Drivers this build of berth runs.
+pub const SUPPORTED_DRIVERS: &[&str] = &["raw_exec"];
+
+impl Job {
+    /// The checks a job passes before the servers accept it.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        let mut errs = Vec::new();
+        if self.id.is_empty() {
+            errs.push("job: id must not be empty".to_string());
+        }
+        if self.task_groups.is_empty() {
+            errs.push(format!("job {:?}: at least one group is required", self.id));
+        }
+        let mut group_names = std::collections::BTreeSet::new();
+        for tg in &self.task_groups {
+            if !group_names.insert(&tg.name) {
+                errs.push(format!("group {:?}: defined twice", tg.name));
+            }
+            tg.validate(self.job_type, &mut errs);
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(ValidationError(errs))
+        }
+    }
+
+    pub fn lookup_group(&self, name: &str) -> Option<&TaskGroup> {
+        self.task_groups.iter().find(|g| g.name == name)
+    }
+}
+
+impl TaskGroup {
+    fn validate(&self, job_type: JobType, errs: &mut Vec<String>) {
+        let g = &self.name;
+        if g.is_empty() {
+            errs.push("group: name must not be empty".into());
+        }
+        if job_type == JobType::System && self.count > 1 {
+            errs.push(format!(
+                "group {g:?}: system jobs run one alloc per node; count must be 0 or 1"
+            ));
+        }
+        if self.tasks.is_empty() {
+            errs.push(format!("group {g:?}: at least one task is required"));
+        }
+        for (name, v) in &self.volumes {
+            v.validate(g, name, self.count, errs);
+        }
+        let mut task_names = std::collections::BTreeSet::new();
+        for t in &self.tasks {
+            if !task_names.insert(&t.name) {
+                errs.push(format!("group {g:?}: task {:?} defined twice", t.name));
+            }
+            t.validate(self, errs);
+        }
+    }
+}
+
+impl VolumeRequest {
+    fn validate(&self, group: &str, name: &str, count: u32, errs: &mut Vec<String>) {
+        let at = format!("group {group:?} volume {name:?}");
+        if self.volume_type != "csi" {
+            errs.push(format!(
+                "{at}: type {:?} is not supported (berth supports \"csi\")",
+                self.volume_type
+            ));
+            return;
+        }
+        if self.source.is_empty() {
+            errs.push(format!("{at}: source is required"));
+        }
+        match self.access_mode {
+            None => errs.push(format!("{at}: CSI volumes need access_mode")),
+            Some(mode) => {
+                if mode.is_reader_only() && !self.read_only {
+                    errs.push(format!(
+                        "{at}: access_mode {:?} needs read_only = true",
+                        mode.as_str()
+                    ));
+                }
+                if mode.is_single_node() && count > 1 && !self.per_alloc {
+                    errs.push(format!(
+                        "{at}: access_mode {:?} with count = {count} needs per_alloc = true",
+                        mode.as_str()
+                    ));
+                }
+            }
+        }
+        if self.attachment_mode.is_none() {
+            errs.push(format!("{at}: CSI volumes need attachment_mode"));
+        }
+    }
+}
+
+impl Task {
+    fn validate(&self, group: &TaskGroup, errs: &mut Vec<String>) {
+        let at = format!("group {:?} task {:?}", group.name, self.name);
+        if self.name.is_empty() {
+            errs.push(format!(
+                "group {:?}: task name must not be empty",
+                group.name
+            ));
+        }
+        if !SUPPORTED_DRIVERS.contains(&self.driver.as_str()) {
+            errs.push(format!(
+                "{at}: driver {:?} is not supported (supported: {})",
+                self.driver,
+                SUPPORTED_DRIVERS.join(", ")
+            ));
+        }
+        if self.config.command.is_empty() {
+            errs.push(format!("{at}: config.command is required"));
+        }
+        for m in &self.volume_mounts {
+            match group.volumes.get(&m.volume) {
+                None => errs.push(format!(
+                    "{at}: volume_mount names volume {:?}, which the group does not define",
+                    m.volume
+                )),
+                Some(v) => {
+                    if v.read_only && !m.read_only {
+                        errs.push(format!(
+                            "{at}: volume_mount of read-only volume {:?} needs read_only = true",
+                            m.volume
+                        ));
+                    }
+                }
+            }
+            if let Err(e) = check_destination(&m.destination) {
+                errs.push(format!(
+                    "{at}: volume_mount destination {:?} {e}",
+                    m.destination
+                ));
+            }
+        }
+        if let Some(p) = &self.csi_plugin {
+            if p.id.is_empty() {
+                errs.push(format!("{at}: csi_plugin.id is required"));
+            }
+            if p.mount_dir.is_empty() {
+                errs.push(format!("{at}: csi_plugin.mount_dir is required"));
+            }
+        }
+    }
+}
+
+/// A mount destination must stay inside the task directory.
+pub fn check_destination(dest: &str) -> Result<(), &'static str> {
+    if dest.is_empty() {
+        return Err("must not be empty");
+    }
+    let p = Path::new(dest);
+    let mut depth: i64 = 0;
+    for c in p.components() {
+        match c {
+            Component::RootDir | Component::Prefix(_) => {
+                return Err("must be relative to the task directory")
+            }
+            Component::ParentDir => {
+                depth -= 1;
+                if depth < 0 {
+                    return Err("escapes the task directory");
+                }
+            }
+            Component::Normal(_) => depth += 1,
+            Component::CurDir => {}
+        }
+    }
+    if depth == 0 {
+        return Err("must name a directory inside the task directory");
+    }
+    Ok(())
+}
+
+/// Durations serialize as humantime strings ("30s", "1m 30s").
+pub mod humantime_serde_compat {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Optional durations as humantime strings.
+pub mod opt_duration {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_str(&humantime::format_duration(*d).to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        let s = Option::<String>::deserialize(d)?;
+        s.map(|s| humantime::parse_duration(&s).map_err(serde::de::Error::custom))
+            .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destination_must_stay_inside_task_dir() {
+        assert!(check_destination("data").is_ok());
+        assert!(check_destination("a/../b").is_ok());
+        assert!(check_destination("../x").is_err());
+        assert!(check_destination("a/../../x").is_err());
+        assert!(check_destination("/etc").is_err());
+        assert!(check_destination(".").is_err());
+        assert!(check_destination("").is_err());
+    }
+}

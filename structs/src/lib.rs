@@ -1,0 +1,35 @@
+//! The berth data model: jobs, allocations, nodes, CSI volumes, claims and
+//! plugins; the checks they pass; and the HCL job and volume specs.
+//!
+//! This crate is plain data. It knows nothing of the client, the servers, the
+//! wire protocol or the HTTP API: every other crate speaks in its types.
+
+pub mod alloc;
+pub mod csi;
+pub mod job;
+pub mod node;
+pub mod spec;
+
+pub use alloc::*;
+pub use csi::*;
+pub use job::*;
+pub use node::*;
+
+/// A job or volume that fails its checks. Each entry names what is wrong and
+/// where.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", .0.join("; "))]
+pub struct ValidationError(pub Vec<String>);
+
+/// Unix time in milliseconds.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// A new random ID, as a UUID string.
+pub fn generate_id() -> String {
+    uuid::Uuid::new_v4().to_string()
+}

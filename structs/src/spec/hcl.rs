@@ -1,0 +1,492 @@
+//! Reading an HCL body against a fixed schema: every attribute and block
+//! must be one the caller names, values must be literals of the right type,
+//! and every error carries the line it was found on.
+
+use std::collections::BTreeMap;
+use std::str::FromStr;
+use std::time::Duration;
+
+use hcl_edit::expr::{Expression, ObjectKey, TraversalOperator};
+use hcl_edit::structure::{Attribute, Block, Body, Structure};
+use hcl_edit::template::{Element, Strip, Template};
+use hcl_edit::Span;
+
+use super::{units, SpecError};
+
+/// The text of a spec and where its lines start, to turn byte offsets into
+/// line numbers.
+pub(super) struct Source<'a> {
+    text: &'a str,
+    line_starts: Vec<usize>,
+}
+
+impl<'a> Source<'a> {
+    pub(super) fn new(text: &'a str) -> Self {
+        let line_starts = std::iter::once(0)
+            .chain(text.match_indices('\n').map(|(i, _)| i + 1))
+            .collect();
+        Source { text, line_starts }
+    }
+
+    /// The one-based line holding byte `offset`.
+    pub(super) fn line_at(&self, offset: usize) -> usize {
+        self.line_starts.partition_point(|&start| start <= offset)
+    }
+
+    /// The line where `node` starts; line 1 for nodes the parser did not
+    /// emit (never the case for parsed input).
+    pub(super) fn line_of<S: Span + ?Sized>(&self, node: &S) -> usize {
+        node.span().map_or(1, |r| self.line_at(r.start))
+    }
+
+    /// Parses the whole text as an HCL body.
+    pub(super) fn parse_body(&self) -> Result<Body, SpecError> {
+        hcl_edit::parser::parse_body(self.text).map_err(|e| {
+            let loc = e.location();
+            let message = if e.message().contains("redefined attribute") {
+                let key = e
+                    .line()
+                    .trim_start()
+                    .split(|c: char| c.is_whitespace() || c == '=')
+                    .next()
+                    .unwrap_or_default();
+                format!("attribute {key:?} is defined twice")
+            } else {
+                format!("syntax error at column {}: {}", loc.column(), e.message())
+            };
+            SpecError::at(loc.line(), message)
+        })
+    }
+}
+
+/// One body (the file, or a block's body) read against its schema.
+pub(super) struct BodyReader<'s, 'b> {
+    src: &'s Source<'s>,
+    body: &'b Body,
+    /// What this body is, for messages: `task "web"`, `restart in group "g"`.
+    ctx: String,
+    /// The line of the block that holds the body.
+    line: usize,
+}
+
+impl<'s, 'b> BodyReader<'s, 'b> {
+    /// Checks that `body` holds only the attributes and blocks named.
+    /// A name in both lists may be written either way (`meta = {...}` or
+    /// `meta { ... }`).
+    pub(super) fn new(
+        src: &'s Source<'s>,
+        body: &'b Body,
+        ctx: String,
+        line: usize,
+        attrs: &[&str],
+        blocks: &[&str],
+    ) -> Result<Self, SpecError> {
+        for s in body.iter() {
+            match s {
+                Structure::Attribute(a) => {
+                    let key = a.key.as_str();
+                    if !attrs.contains(&key) {
+                        let message = if blocks.contains(&key) {
+                            format!("{key:?} in {ctx} is a block: write `{key} {{ ... }}`")
+                        } else {
+                            format!("unknown attribute {key:?} in {ctx}")
+                        };
+                        return Err(SpecError::at(src.line_of(a), message));
+                    }
+                }
+                Structure::Block(b) => {
+                    let ident = b.ident.as_str();
+                    if !blocks.contains(&ident) {
+                        let message = if attrs.contains(&ident) {
+                            format!("{ident:?} in {ctx} is an attribute: write `{ident} = ...`")
+                        } else {
+                            format!("unsupported block {ident:?} in {ctx}")
+                        };
+                        return Err(SpecError::at(src.line_of(b), message));
+                    }
+                }
+            }
+        }
+        Ok(BodyReader {
+            src,
+            body,
+            ctx,
+            line,
+        })
+    }
+
+    /// A block with exactly one label (`task "web" { ... }`); returns the
+    /// label and a reader whose context is `task "web"`.
+    pub(super) fn labeled(
+        src: &'s Source<'s>,
+        block: &'b Block,
+        parent: &str,
+        label_is: &str,
+        attrs: &[&str],
+        blocks: &[&str],
+    ) -> Result<(String, Self), SpecError> {
+        let ident = block.ident.as_str();
+        let line = src.line_of(block);
+        let label = match block.labels.as_slice() {
+            [label] => label.as_str().to_string(),
+            _ => {
+                return Err(SpecError::at(
+                    line,
+                    format!(
+                        "block {ident:?} in {parent} needs exactly one label, {label_is} \
+                         (found {})",
+                        block.labels.len()
+                    ),
+                ))
+            }
+        };
+        let ctx = format!("{ident} {label:?}");
+        let reader = Self::new(src, &block.body, ctx, line, attrs, blocks)?;
+        Ok((label, reader))
+    }
+
+    /// A block without labels (`restart { ... }`); the reader's context is
+    /// `restart in group "g"`.
+    pub(super) fn unlabeled(
+        src: &'s Source<'s>,
+        block: &'b Block,
+        parent: &str,
+        attrs: &[&str],
+        blocks: &[&str],
+    ) -> Result<Self, SpecError> {
+        let ident = block.ident.as_str();
+        let line = src.line_of(block);
+        if !block.labels.is_empty() {
+            return Err(SpecError::at(
+                line,
+                format!("block {ident:?} in {parent} takes no labels"),
+            ));
+        }
+        Self::new(
+            src,
+            &block.body,
+            format!("{ident} in {parent}"),
+            line,
+            attrs,
+            blocks,
+        )
+    }
+
+    pub(super) fn ctx(&self) -> &str {
+        &self.ctx
+    }
+
+    pub(super) fn src(&self) -> &'s Source<'s> {
+        self.src
+    }
+
+    fn attr(&self, name: &str) -> Option<&'b Attribute> {
+        self.body.get_attribute(name)
+    }
+
+    fn what(&self, name: &str) -> String {
+        format!("attribute {name:?} in {}", self.ctx)
+    }
+
+    /// The error for a required attribute that is absent.
+    pub(super) fn missing(&self, name: &str) -> SpecError {
+        SpecError::at(
+            self.line,
+            format!("missing required attribute {name:?} in {}", self.ctx),
+        )
+    }
+
+    /// An error about the value of attribute `name` (which must be set).
+    pub(super) fn invalid(&self, name: &str, problem: impl std::fmt::Display) -> SpecError {
+        let line = self
+            .attr(name)
+            .map_or(self.line, |a| self.src.line_of(&a.value));
+        SpecError::at(line, format!("{}: {problem}", self.what(name)))
+    }
+
+    pub(super) fn string(&self, name: &str) -> Result<Option<String>, SpecError> {
+        self.attr(name)
+            .map(|a| to_string(self.src, &a.value, &self.what(name)))
+            .transpose()
+    }
+
+    pub(super) fn required_string(&self, name: &str) -> Result<String, SpecError> {
+        self.string(name)?.ok_or_else(|| self.missing(name))
+    }
+
+    pub(super) fn bool(&self, name: &str) -> Result<Option<bool>, SpecError> {
+        let Some(a) = self.attr(name) else {
+            return Ok(None);
+        };
+        check_literal(self.src, &a.value, &self.what(name))?;
+        match &a.value {
+            Expression::Bool(b) => Ok(Some(*b.value())),
+            other => Err(self.type_error(other, name, "a bool (true or false)")),
+        }
+    }
+
+    pub(super) fn u64(&self, name: &str) -> Result<Option<u64>, SpecError> {
+        let Some(a) = self.attr(name) else {
+            return Ok(None);
+        };
+        check_literal(self.src, &a.value, &self.what(name))?;
+        let Expression::Number(n) = &a.value else {
+            return Err(self.type_error(&a.value, name, "a number"));
+        };
+        let n = n.value();
+        match n.as_u64() {
+            Some(v) => Ok(Some(v)),
+            None if n.as_i64().is_some() => Err(self.invalid(name, "must not be negative")),
+            None => Err(self.invalid(name, format!("must be a whole number, not {n}"))),
+        }
+    }
+
+    pub(super) fn u32(&self, name: &str) -> Result<Option<u32>, SpecError> {
+        self.u64(name)?
+            .map(|v| u32::try_from(v).map_err(|_| self.invalid(name, format!("{v} is too large"))))
+            .transpose()
+    }
+
+    /// A duration written as a string: "30s", "5m", "1h30m".
+    pub(super) fn duration(&self, name: &str) -> Result<Option<Duration>, SpecError> {
+        self.string(name)?
+            .map(|s| units::parse_duration(&s).map_err(|e| self.invalid(name, e)))
+            .transpose()
+    }
+
+    /// A size in bytes, written as a string with a unit ("10MiB") or as a
+    /// number of bytes.
+    pub(super) fn size(&self, name: &str) -> Result<Option<u64>, SpecError> {
+        match self.attr(name).map(|a| &a.value) {
+            None => Ok(None),
+            Some(Expression::Number(_)) => self.u64(name),
+            Some(_) => self
+                .string(name)?
+                .map(|s| units::parse_size(&s).map_err(|e| self.invalid(name, e)))
+                .transpose(),
+        }
+    }
+
+    /// A string parsed with `T`'s `FromStr` (modes, plugin types).
+    pub(super) fn parsed<T: FromStr<Err = String>>(
+        &self,
+        name: &str,
+    ) -> Result<Option<T>, SpecError> {
+        self.string(name)?
+            .map(|s| s.parse::<T>().map_err(|e| self.invalid(name, e)))
+            .transpose()
+    }
+
+    /// A list of strings; numbers and bools in it are taken as their text.
+    pub(super) fn strings(&self, name: &str) -> Result<Option<Vec<String>>, SpecError> {
+        let Some(a) = self.attr(name) else {
+            return Ok(None);
+        };
+        let what = self.what(name);
+        check_literal(self.src, &a.value, &what)?;
+        let Expression::Array(items) = &a.value else {
+            return Err(self.type_error(&a.value, name, "a list of strings"));
+        };
+        items
+            .iter()
+            .map(|e| to_scalar_string(self.src, e, &what))
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+
+    /// A map of strings, written as a block (`env { A = "1" }`) or as an
+    /// attribute (`env = { A = "1" }`). Absent is empty.
+    pub(super) fn map(&self, name: &str) -> Result<BTreeMap<String, String>, SpecError> {
+        let mut out = BTreeMap::new();
+        let blocks = self.blocks(name);
+        if let Some(a) = self.attr(name) {
+            if let Some(b) = blocks.first() {
+                return Err(SpecError::at(
+                    self.src.line_of(*b),
+                    format!("{name:?} is defined twice in {}", self.ctx),
+                ));
+            }
+            let what = self.what(name);
+            check_literal(self.src, &a.value, &what)?;
+            let Expression::Object(obj) = &a.value else {
+                return Err(self.type_error(&a.value, name, "a map"));
+            };
+            for (key, value) in obj.iter() {
+                let key_line = self.src.line_of(key);
+                let key = match key {
+                    ObjectKey::Ident(i) => i.as_str().to_string(),
+                    ObjectKey::Expression(e) => to_string(self.src, e, &what)?,
+                };
+                let value = to_scalar_string(self.src, value.expr(), &what)?;
+                if out.insert(key.clone(), value).is_some() {
+                    return Err(SpecError::at(
+                        key_line,
+                        format!("{what}: key {key:?} is defined twice"),
+                    ));
+                }
+            }
+            return Ok(out);
+        }
+        let Some(block) = self.optional_block(name)? else {
+            return Ok(out);
+        };
+        let parent = self.ctx.clone();
+        if !block.labels.is_empty() {
+            return Err(SpecError::at(
+                self.src.line_of(block),
+                format!("block {name:?} in {parent} takes no labels"),
+            ));
+        }
+        let ctx = format!("{name} in {parent}");
+        for s in block.body.iter() {
+            match s {
+                Structure::Attribute(a) => {
+                    let key = a.key.as_str();
+                    let what = format!("{key:?} in {ctx}");
+                    out.insert(
+                        key.to_string(),
+                        to_scalar_string(self.src, &a.value, &what)?,
+                    );
+                }
+                Structure::Block(b) => {
+                    return Err(SpecError::at(
+                        self.src.line_of(b),
+                        format!("unsupported block {:?} in {ctx}", b.ident.as_str()),
+                    ))
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every block named `ident`, in order.
+    pub(super) fn blocks(&self, ident: &str) -> Vec<&'b Block> {
+        self.body.blocks().filter(|b| b.has_ident(ident)).collect()
+    }
+
+    /// The block named `ident`, which may appear at most once.
+    pub(super) fn optional_block(&self, ident: &str) -> Result<Option<&'b Block>, SpecError> {
+        let blocks = self.blocks(ident);
+        match blocks.as_slice() {
+            [] => Ok(None),
+            [b] => Ok(Some(b)),
+            [_, second, ..] => Err(SpecError::at(
+                self.src.line_of(*second),
+                format!("block {ident:?} may appear only once in {}", self.ctx),
+            )),
+        }
+    }
+
+    fn type_error(&self, found: &Expression, name: &str, want: &str) -> SpecError {
+        self.invalid(name, format!("expected {want}, found {}", kind(found)))
+    }
+}
+
+/// What a literal value is, for messages.
+fn kind(expr: &Expression) -> &'static str {
+    match expr {
+        Expression::Null(_) => "null",
+        Expression::Bool(_) => "a bool",
+        Expression::Number(_) => "a number",
+        Expression::String(_) | Expression::StringTemplate(_) | Expression::HeredocTemplate(_) => {
+            "a string"
+        }
+        Expression::Array(_) => "a list",
+        Expression::Object(_) => "a map",
+        _ => "an expression",
+    }
+}
+
+/// Specs hold literal values only: berth evaluates nothing.
+fn check_literal(src: &Source<'_>, expr: &Expression, what: &str) -> Result<(), SpecError> {
+    let found = match expr {
+        Expression::Variable(_) => "a variable reference",
+        Expression::FuncCall(_) => "a function call",
+        Expression::Traversal(_) => "an attribute or index access",
+        Expression::UnaryOp(_) | Expression::BinaryOp(_) => "an operator",
+        Expression::Conditional(_) => "a conditional",
+        Expression::ForExpr(_) => "a for expression",
+        Expression::Parenthesis(_) => "a parenthesized expression",
+        _ => return Ok(()),
+    };
+    Err(SpecError::at(
+        src.line_of(expr),
+        format!("{what}: expressions are not supported (found {found})"),
+    ))
+}
+
+/// A string value. `${NAME}` interpolations are kept verbatim: berth fills
+/// them in from the task environment when the task starts.
+fn to_string(src: &Source<'_>, expr: &Expression, what: &str) -> Result<String, SpecError> {
+    check_literal(src, expr, what)?;
+    match expr {
+        Expression::String(s) => Ok(s.value().clone()),
+        Expression::StringTemplate(t) => template_text(src, t, what),
+        Expression::HeredocTemplate(h) => template_text(src, &h.template, what),
+        other => Err(SpecError::at(
+            src.line_of(other),
+            format!("{what}: expected a string, found {}", kind(other)),
+        )),
+    }
+}
+
+/// A string, or a number or bool taken as its text (map values, args).
+fn to_scalar_string(src: &Source<'_>, expr: &Expression, what: &str) -> Result<String, SpecError> {
+    match expr {
+        Expression::Number(n) => Ok(n.value().to_string()),
+        Expression::Bool(b) => Ok(b.value().to_string()),
+        other => to_string(src, other, what),
+    }
+}
+
+fn template_text(src: &Source<'_>, template: &Template, what: &str) -> Result<String, SpecError> {
+    let mut out = String::new();
+    for element in template.iter() {
+        match element {
+            Element::Literal(lit) => out.push_str(lit.value()),
+            Element::Interpolation(interp) => {
+                let line = src.line_of(interp);
+                if interp.strip != Strip::None {
+                    return Err(SpecError::at(
+                        line,
+                        format!("{what}: strip markers (~) in interpolations are not supported"),
+                    ));
+                }
+                if !is_plain_reference(&interp.expr) {
+                    return Err(SpecError::at(
+                        line,
+                        format!(
+                            "{what}: expressions are not supported in interpolations; \
+                             only ${{NAME}} references to the task environment are"
+                        ),
+                    ));
+                }
+                let text = interp.span().and_then(|r| src.text.get(r)).ok_or_else(|| {
+                    SpecError::at(line, format!("{what}: interpolation without a position"))
+                })?;
+                out.push_str(text);
+            }
+            Element::Directive(d) => {
+                return Err(SpecError::at(
+                    src.line_of(d.as_ref()),
+                    format!("{what}: template directives (%{{...}}) are not supported"),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `NAME` or `a.b.c`: references berth may resolve at run time.
+fn is_plain_reference(expr: &Expression) -> bool {
+    match expr {
+        Expression::Variable(_) => true,
+        Expression::Traversal(t) => {
+            matches!(t.expr, Expression::Variable(_))
+                && t.operators
+                    .iter()
+                    .all(|op| matches!(op.value(), TraversalOperator::GetAttr(_)))
+        }
+        _ => false,
+    }
+}

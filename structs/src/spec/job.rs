@@ -1,0 +1,311 @@
+//! The job spec: `job "ID" { group "NAME" { volume ... task "NAME" { ... } } }`.
+
+use std::collections::BTreeMap;
+
+use hcl_edit::structure::{Block, Body};
+
+use super::hcl::{BodyReader, Source};
+use super::SpecError;
+use crate::job::{
+    CsiMountOptions, CsiPluginType, Job, JobType, Resources, RestartPolicy, Task, TaskConfig,
+    TaskCsiPluginConfig, TaskGroup, VolumeMount, VolumeRequest,
+};
+
+/// Nomad's default job priority.
+const DEFAULT_PRIORITY: u32 = 50;
+
+pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError> {
+    let file = BodyReader::new(src, body, "the job file".into(), 1, &[], &["job"])?;
+    let block = match file.blocks("job").as_slice() {
+        [] => return Err(SpecError::at(1, "no job block found")),
+        [b] => *b,
+        [_, second, ..] => {
+            return Err(SpecError::at(
+                src.line_of(*second),
+                "a job file holds exactly one job block",
+            ))
+        }
+    };
+    let (id, r) = BodyReader::labeled(
+        src,
+        block,
+        "the job file",
+        "the job ID",
+        &["name", "type", "datacenters", "priority", "meta"],
+        &["group", "meta"],
+    )?;
+
+    let job_type = match r.string("type")?.as_deref() {
+        None | Some("service") => JobType::Service,
+        Some("batch") => JobType::Batch,
+        Some("system") => JobType::System,
+        Some(other) => {
+            return Err(r.invalid(
+                "type",
+                format!("job type {other:?} is not supported (want service, batch or system)"),
+            ))
+        }
+    };
+    let priority = r.u32("priority")?.unwrap_or(DEFAULT_PRIORITY);
+    if !(1..=100).contains(&priority) {
+        return Err(r.invalid("priority", "must be between 1 and 100"));
+    }
+
+    let mut task_groups: Vec<TaskGroup> = Vec::new();
+    for g in r.blocks("group") {
+        let line = src.line_of(g);
+        let group = decode_group(src, g, r.ctx())?;
+        if task_groups.iter().any(|other| other.name == group.name) {
+            return Err(SpecError::at(
+                line,
+                format!("group {:?} is defined twice in {}", group.name, r.ctx()),
+            ));
+        }
+        task_groups.push(group);
+    }
+
+    Ok(Job {
+        name: r.string("name")?.unwrap_or_else(|| id.clone()),
+        id,
+        job_type,
+        datacenters: r.strings("datacenters")?.unwrap_or_default(),
+        priority,
+        task_groups,
+        meta: r.map("meta")?,
+        ..Job::default()
+    })
+}
+
+fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGroup, SpecError> {
+    let (name, r) = BodyReader::labeled(
+        src,
+        block,
+        parent,
+        "the group name",
+        &["count", "stop_after_client_disconnect", "meta"],
+        &["restart", "volume", "task", "meta"],
+    )?;
+
+    let restart = match r.optional_block("restart")? {
+        None => RestartPolicy::default(),
+        Some(b) => decode_restart(src, b, r.ctx())?,
+    };
+
+    let mut volumes = BTreeMap::new();
+    for v in r.blocks("volume") {
+        let line = src.line_of(v);
+        let request = decode_volume_request(src, v, r.ctx())?;
+        let name = request.name.clone();
+        if volumes.insert(name.clone(), request).is_some() {
+            return Err(SpecError::at(
+                line,
+                format!("volume {name:?} is defined twice in {}", r.ctx()),
+            ));
+        }
+    }
+
+    let mut tasks: Vec<Task> = Vec::new();
+    for t in r.blocks("task") {
+        let line = src.line_of(t);
+        let task = decode_task(src, t, r.ctx())?;
+        if tasks.iter().any(|other| other.name == task.name) {
+            return Err(SpecError::at(
+                line,
+                format!("task {:?} is defined twice in {}", task.name, r.ctx()),
+            ));
+        }
+        tasks.push(task);
+    }
+
+    Ok(TaskGroup {
+        name,
+        count: r.u32("count")?.unwrap_or(1),
+        volumes,
+        tasks,
+        restart,
+        stop_after_client_disconnect: r.duration("stop_after_client_disconnect")?,
+        meta: r.map("meta")?,
+    })
+}
+
+fn decode_restart(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+) -> Result<RestartPolicy, SpecError> {
+    let r = BodyReader::unlabeled(
+        src,
+        block,
+        parent,
+        &["attempts", "interval", "delay", "mode"],
+        &[],
+    )?;
+    let default = RestartPolicy::default();
+    let mode = r.string("mode")?.unwrap_or(default.mode);
+    if mode != "fail" && mode != "delay" {
+        return Err(r.invalid(
+            "mode",
+            format!("restart mode {mode:?} is not supported (want fail or delay)"),
+        ));
+    }
+    Ok(RestartPolicy {
+        attempts: r.u32("attempts")?.unwrap_or(default.attempts),
+        interval: r.duration("interval")?.unwrap_or(default.interval),
+        delay: r.duration("delay")?.unwrap_or(default.delay),
+        mode,
+    })
+}
+
+fn decode_volume_request(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+) -> Result<VolumeRequest, SpecError> {
+    let (name, r) = BodyReader::labeled(
+        src,
+        block,
+        parent,
+        "the volume name",
+        &[
+            "type",
+            "source",
+            "read_only",
+            "access_mode",
+            "attachment_mode",
+            "per_alloc",
+        ],
+        &["mount_options"],
+    )?;
+    let mount_options = r
+        .optional_block("mount_options")?
+        .map(|b| decode_mount_options(src, b, r.ctx()))
+        .transpose()?;
+    Ok(VolumeRequest {
+        name,
+        volume_type: r.required_string("type")?,
+        source: r.required_string("source")?,
+        read_only: r.bool("read_only")?.unwrap_or(false),
+        access_mode: r.parsed("access_mode")?,
+        attachment_mode: r.parsed("attachment_mode")?,
+        per_alloc: r.bool("per_alloc")?.unwrap_or(false),
+        mount_options,
+    })
+}
+
+/// `mount_options { fs_type mount_flags }`, in a group's volume or a volume spec.
+pub(super) fn decode_mount_options(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+) -> Result<CsiMountOptions, SpecError> {
+    let r = BodyReader::unlabeled(src, block, parent, &["fs_type", "mount_flags"], &[])?;
+    Ok(CsiMountOptions {
+        fs_type: r.string("fs_type")?.unwrap_or_default(),
+        mount_flags: r.strings("mount_flags")?.unwrap_or_default(),
+    })
+}
+
+fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, SpecError> {
+    let (name, r) = BodyReader::labeled(
+        src,
+        block,
+        parent,
+        "the task name",
+        &["driver", "kill_timeout", "env", "meta"],
+        &[
+            "config",
+            "env",
+            "resources",
+            "volume_mount",
+            "csi_plugin",
+            "meta",
+        ],
+    )?;
+
+    let config = match r.optional_block("config")? {
+        None => TaskConfig::default(),
+        Some(b) => {
+            let c = BodyReader::unlabeled(src, b, r.ctx(), &["command", "args"], &[])?;
+            TaskConfig {
+                command: c.string("command")?.unwrap_or_default(),
+                args: c.strings("args")?.unwrap_or_default(),
+            }
+        }
+    };
+
+    let resources = match r.optional_block("resources")? {
+        None => Resources::default(),
+        Some(b) => {
+            let res = BodyReader::unlabeled(src, b, r.ctx(), &["cpu", "memory"], &[])?;
+            let default = Resources::default();
+            Resources {
+                cpu: res.u64("cpu")?.unwrap_or(default.cpu),
+                memory_mb: res.u64("memory")?.unwrap_or(default.memory_mb),
+            }
+        }
+    };
+
+    let mut volume_mounts = Vec::new();
+    for b in r.blocks("volume_mount") {
+        let m = BodyReader::unlabeled(
+            src,
+            b,
+            r.ctx(),
+            &["volume", "destination", "read_only"],
+            &[],
+        )?;
+        volume_mounts.push(VolumeMount {
+            volume: m.required_string("volume")?,
+            destination: m.required_string("destination")?,
+            read_only: m.bool("read_only")?.unwrap_or(false),
+        });
+    }
+
+    let csi_plugin = r
+        .optional_block("csi_plugin")?
+        .map(|b| decode_csi_plugin(src, b, r.ctx()))
+        .transpose()?;
+
+    Ok(Task {
+        name,
+        driver: r.required_string("driver")?,
+        config,
+        env: r.map("env")?,
+        resources,
+        volume_mounts,
+        csi_plugin,
+        kill_timeout: r.duration("kill_timeout")?,
+        meta: r.map("meta")?,
+    })
+}
+
+fn decode_csi_plugin(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+) -> Result<TaskCsiPluginConfig, SpecError> {
+    let r = BodyReader::unlabeled(
+        src,
+        block,
+        parent,
+        &[
+            "id",
+            "type",
+            "mount_dir",
+            "stage_publish_base_dir",
+            "health_timeout",
+        ],
+        &[],
+    )?;
+    Ok(TaskCsiPluginConfig {
+        id: r.required_string("id")?,
+        plugin_type: r
+            .parsed::<CsiPluginType>("type")?
+            .ok_or_else(|| r.missing("type"))?,
+        mount_dir: r.required_string("mount_dir")?,
+        stage_publish_base_dir: r.string("stage_publish_base_dir")?,
+        health_timeout: r
+            .duration("health_timeout")?
+            .unwrap_or(TaskCsiPluginConfig::DEFAULT_HEALTH_TIMEOUT),
+    })
+}

@@ -1,0 +1,92 @@
+//! The volume spec for `volume create` and `volume register`: top-level
+//! attributes and blocks, in Nomad's shape.
+
+use hcl_edit::structure::Body;
+
+use super::hcl::{BodyReader, Source};
+use super::job::decode_mount_options;
+use super::SpecError;
+use crate::csi::{AccessMode, AttachmentMode, CsiVolume, VolumeCapability};
+
+pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, SpecError> {
+    let r = BodyReader::new(
+        src,
+        body,
+        "the volume spec".into(),
+        1,
+        &[
+            "id",
+            "name",
+            "type",
+            "plugin_id",
+            "external_id",
+            "capacity_min",
+            "capacity_max",
+            "secrets",
+            "parameters",
+            "context",
+        ],
+        &[
+            "capability",
+            "mount_options",
+            "secrets",
+            "parameters",
+            "context",
+        ],
+    )?;
+
+    match r.string("type")?.as_deref() {
+        None => return Err(r.missing("type")),
+        Some("csi") => {}
+        Some(other) => {
+            return Err(r.invalid(
+                "type",
+                format!("volume type {other:?} is not supported (berth supports \"csi\")"),
+            ))
+        }
+    }
+
+    let mut capabilities = Vec::new();
+    for b in r.blocks("capability") {
+        let c = BodyReader::unlabeled(
+            r.src(),
+            b,
+            r.ctx(),
+            &["access_mode", "attachment_mode"],
+            &[],
+        )?;
+        let capability = VolumeCapability {
+            access_mode: c
+                .parsed::<AccessMode>("access_mode")?
+                .ok_or_else(|| c.missing("access_mode"))?,
+            attachment_mode: c
+                .parsed::<AttachmentMode>("attachment_mode")?
+                .ok_or_else(|| c.missing("attachment_mode"))?,
+        };
+        if !capabilities.contains(&capability) {
+            capabilities.push(capability);
+        }
+    }
+
+    let mount_options = r
+        .optional_block("mount_options")?
+        .map(|b| decode_mount_options(src, b, r.ctx()))
+        .transpose()?
+        .unwrap_or_default();
+
+    let id = r.required_string("id")?;
+    Ok(CsiVolume {
+        name: r.string("name")?.unwrap_or_else(|| id.clone()),
+        id,
+        external_id: r.string("external_id")?.unwrap_or_default(),
+        plugin_id: r.required_string("plugin_id")?,
+        capabilities,
+        capacity_min: r.size("capacity_min")?,
+        capacity_max: r.size("capacity_max")?,
+        mount_options,
+        secrets: r.map("secrets")?,
+        parameters: r.map("parameters")?,
+        context: r.map("context")?,
+        ..CsiVolume::default()
+    })
+}

@@ -1,0 +1,309 @@
+//! Shared harness for the end-to-end tests: a real `berth agent -dev`
+//! process on a temp data dir, the real CLI, and a guard that, whatever the
+//! test's outcome, kills every process the test started (tasks outlive the
+//! agent by design) and unmounts every mount under the data dir.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::Value;
+
+/// The directory holding the workspace's built binaries (`target/debug`).
+pub fn bin_dir() -> PathBuf {
+    // The test executable lives in target/<profile>/deps/.
+    let exe = std::env::current_exe().expect("current_exe");
+    exe.parent()
+        .and_then(Path::parent)
+        .expect("test binary lives in target/<profile>/deps")
+        .to_path_buf()
+}
+
+/// Path of a workspace binary, which `cargo test --workspace` builds.
+pub fn binary(name: &str) -> PathBuf {
+    let p = bin_dir().join(name);
+    assert!(
+        p.exists(),
+        "{} is missing: run the tests with `cargo test --workspace`, which builds it",
+        p.display()
+    );
+    p
+}
+
+/// The repository root.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ lives in the repo root")
+        .to_path_buf()
+}
+
+/// Polls `f` until it returns `Ok(Some(v))`, or fails after `timeout` with
+/// the last error or `what`.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    mut f: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
+    let deadline = Instant::now() + timeout;
+    let mut last_err = None;
+    loop {
+        match f() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_err = Some(e),
+        }
+        if Instant::now() >= deadline {
+            return Err(match last_err {
+                Some(e) => e.context(format!("timed out after {timeout:?} waiting for {what}")),
+                None => anyhow!("timed out after {timeout:?} waiting for {what}"),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A free TCP port on loopback.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    l.local_addr().expect("local addr").port()
+}
+
+/// Mount points under `dir`, deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut v: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mount_path)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    v.dedup();
+    v
+}
+
+fn unescape_mount_path(s: &str) -> PathBuf {
+    // mountinfo escapes space, tab, newline and backslash as \ooo.
+    let mut out = Vec::new();
+    let b = s.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 4 <= b.len() {
+            if let Ok(n) = u8::from_str_radix(&s[i + 1..i + 4], 8) {
+                out.push(n);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    PathBuf::from(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// PIDs of processes whose command line mentions `needle`.
+fn pids_mentioning(needle: &str) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let mut pids = Vec::new();
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return pids;
+    };
+    for entry in dir.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
+        let hay = |b: &[u8]| String::from_utf8_lossy(b).contains(needle);
+        if hay(&cmdline) || hay(&environ) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// A running dev agent and everything it started.
+pub struct DevAgent {
+    pub data_dir: tempfile::TempDir,
+    pub http_addr: String,
+    child: Option<Child>,
+    /// Binaries tasks find on PATH (the example plugin).
+    path_env: String,
+    log_path: PathBuf,
+}
+
+impl DevAgent {
+    /// Starts `berth agent -dev` on a fresh data dir and waits until its
+    /// node is ready.
+    pub fn start() -> Result<DevAgent> {
+        let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
+        let port = free_port();
+        let http_addr = format!("http://127.0.0.1:{port}");
+        let path_env = format!(
+            "{}:{}",
+            bin_dir().display(),
+            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
+        );
+        let log_path = data_dir.path().join("agent.log");
+        let mut agent = DevAgent {
+            data_dir,
+            http_addr,
+            child: None,
+            path_env,
+            log_path,
+        };
+        agent.spawn(port)?;
+        agent.wait_ready()?;
+        Ok(agent)
+    }
+
+    fn spawn(&mut self, port: u16) -> Result<()> {
+        let log = std::fs::File::create(&self.log_path)?;
+        let child = Command::new(binary("berth"))
+            .args(["agent", "-dev", "-data-dir"])
+            .arg(self.data_dir.path())
+            .args(["-http-addr", &format!("127.0.0.1:{port}")])
+            .env("PATH", &self.path_env)
+            .env("BERTH_LOG", "info,berth=debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting berth agent")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    fn wait_ready(&mut self) -> Result<()> {
+        wait_for("the dev node to be ready", Duration::from_secs(30), || {
+            if let Some(c) = self.child.as_mut() {
+                if let Some(status) = c.try_wait()? {
+                    bail!("berth agent exited early ({status}); log:\n{}", self.log());
+                }
+            }
+            let out = self.cli(&["node", "status", "-json"])?;
+            if !out.status.success() {
+                return Ok(None);
+            }
+            let v: Value = serde_json::from_slice(&out.stdout)?;
+            let ready = v
+                .as_array()
+                .is_some_and(|a| a.iter().any(|n| n["status"] == "ready"));
+            Ok(ready.then_some(()))
+        })
+    }
+
+    /// The agent's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// Runs the CLI against this agent.
+    pub fn cli(&self, args: &[&str]) -> Result<Output> {
+        Command::new(binary("berth"))
+            .args(args)
+            .env("BERTH_ADDR", &self.http_addr)
+            .env("PATH", &self.path_env)
+            .stdin(Stdio::null())
+            .output()
+            .with_context(|| format!("running berth {}", args.join(" ")))
+    }
+
+    /// Runs the CLI and fails with its output unless it exits 0.
+    pub fn cli_ok(&self, args: &[&str]) -> Result<String> {
+        let out = self.cli(args)?;
+        if !out.status.success() {
+            bail!(
+                "berth {} failed ({}):\nstdout: {}\nstderr: {}\nagent log:\n{}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr),
+                self.log()
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Runs a read command with `-json` and decodes its output.
+    pub fn cli_json(&self, args: &[&str]) -> Result<Value> {
+        let mut a = args.to_vec();
+        a.push("-json");
+        // The ID, when given, goes last.
+        if args.len() == 3 {
+            a = vec![args[0], args[1], "-json", args[2]];
+        }
+        let out = self.cli_ok(&a)?;
+        serde_json::from_str(&out).with_context(|| format!("decoding {out:?}"))
+    }
+
+    /// Stops the agent with SIGTERM and waits for it to exit.
+    pub fn stop_agent(&mut self) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+            let exited = wait_for("the agent to exit", Duration::from_secs(15), || {
+                Ok(c.try_wait()?.map(|_| ()))
+            });
+            if exited.is_err() {
+                let _ = c.kill();
+                let _ = c.wait();
+                bail!("agent did not exit on SIGTERM within 15s");
+            }
+        }
+        Ok(())
+    }
+
+    /// Kills every process that mentions the data dir and unmounts
+    /// everything below it.
+    fn cleanup(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let dir = self.data_dir.path().to_path_buf();
+        for _ in 0..3 {
+            for pid in pids_mentioning(&dir.display().to_string()) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            for m in mounts_under(&dir) {
+                let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+            }
+            if mounts_under(&dir).is_empty()
+                && pids_mentioning(&dir.display().to_string()).is_empty()
+            {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+impl Drop for DevAgent {
+    fn drop(&mut self) {
+        self.cleanup();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape_mount_path("/a\\040b"), PathBuf::from("/a b"));
+        assert_eq!(unescape_mount_path("/plain"), PathBuf::from("/plain"));
+    }
+}

@@ -1,0 +1,198 @@
+//! The life of a volume on a dev agent, end to end: the real `berth`
+//! binary, the example hostpath plugin as its supervised task, the CLI, and
+//! real bind mounts. Run once with the plugin as shipped and once with
+//! `--enable-attach`, which makes the servers publish through the
+//! controller before the node may stage.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use berth_tests::{mounts_under, repo_root, wait_for, DevAgent};
+use serde_json::Value;
+
+fn example(path: &str) -> String {
+    repo_root()
+        .join("examples")
+        .join(path)
+        .display()
+        .to_string()
+}
+
+/// The plugin job, with `--enable-attach` added to the plugin's args when
+/// asked.
+fn plugin_job(dir: &std::path::Path, enable_attach: bool) -> Result<String> {
+    let src = std::fs::read_to_string(example("jobs/hostpath-plugin.hcl"))?;
+    let src = if enable_attach {
+        let patched = src.replacen("args = [", "args = [\"--enable-attach\", ", 1);
+        if patched == src {
+            bail!("the plugin job has no args list to add --enable-attach to");
+        }
+        patched
+    } else {
+        src
+    };
+    let path = dir.join("hostpath-plugin.hcl");
+    std::fs::write(&path, src)?;
+    Ok(path.display().to_string())
+}
+
+fn strs(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|x| x.as_str().map(str::to_string))
+        .collect()
+}
+
+/// The only alloc of a job.
+fn only_alloc(agent: &DevAgent, job: &str) -> Result<Value> {
+    let status = agent.cli_json(&["job", "status", job])?;
+    match status["allocations"].as_array().map(Vec::as_slice) {
+        Some([a]) => agent.cli_json(&["alloc", "status", a["id"].as_str().unwrap_or_default()]),
+        other => bail!("job {job} should have one alloc, has {other:?}"),
+    }
+}
+
+fn storage_events(node: &Value, message: &str, alloc_id: &str) -> Vec<Value> {
+    node["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| {
+            e["subsystem"] == "Storage"
+                && e["message"] == message
+                && e["details"]["alloc_id"] == alloc_id
+        })
+        .cloned()
+        .collect()
+}
+
+fn volume_life(enable_attach: bool) -> Result<()> {
+    let mut agent = DevAgent::start()?;
+    let data_dir = agent.data_dir.path().to_path_buf();
+
+    // The plugin runs as a supervised task and becomes healthy.
+    let job_file = plugin_job(&data_dir, enable_attach)?;
+    agent.cli_ok(&["job", "run", "-detach", &job_file])?;
+    wait_for(
+        "the hostpath plugin to be healthy",
+        Duration::from_secs(60),
+        || {
+            let out = agent.cli(&["plugin", "status", "-json", "hostpath"])?;
+            if !out.status.success() {
+                return Ok(None);
+            }
+            let p: Value = serde_json::from_slice(&out.stdout)?;
+            Ok((p["nodes_healthy"] == 1 && p["controllers_healthy"] == 1).then_some(()))
+        },
+    )
+    .with_context(|| agent.log())?;
+    let plugin = agent.cli_json(&["plugin", "status", "hostpath"])?;
+    assert_eq!(plugin["id"], "hostpath");
+    assert_eq!(plugin["provider"], "hostpath.csi.berth.dev");
+    assert_eq!(plugin["nodes_expected"], 1);
+    assert_eq!(plugin["controllers_expected"], 1);
+
+    // volume create makes the volume through the controller.
+    agent.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+    let vol = agent.cli_json(&["volume", "status", "data"])?;
+    assert_eq!(vol["id"], "data");
+    assert_eq!(vol["plugin_id"], "hostpath");
+    assert!(
+        !vol["external_id"].as_str().unwrap_or_default().is_empty(),
+        "the plugin's volume ID is recorded: {vol}"
+    );
+    assert_eq!(vol["schedulable"], true);
+
+    // The writer runs to completion and its claim is freed promptly.
+    agent.cli_ok(&["job", "run", &example("jobs/writer.hcl")])?;
+    let completed = Instant::now();
+    let writer = only_alloc(&agent, "writer")?;
+    assert_eq!(
+        writer["client_status"], "complete",
+        "writer alloc: {writer}"
+    );
+    let writer_id = writer["id"].as_str().unwrap_or_default().to_string();
+    wait_for(
+        "the writer's claim to be freed",
+        Duration::from_secs(5),
+        || {
+            let v = agent.cli_json(&["volume", "status", "data"])?;
+            Ok(
+                (strs(&v["read_allocs"]).is_empty() && strs(&v["write_allocs"]).is_empty())
+                    .then_some(()),
+            )
+        },
+    )
+    .with_context(|| format!("{:?} after the writer completed", completed.elapsed()))?;
+
+    // The reader mounts the same volume read-only and finds the text.
+    agent.cli_ok(&["job", "run", &example("jobs/reader.hcl")])?;
+    let reader = only_alloc(&agent, "reader")?;
+    assert_eq!(
+        reader["client_status"], "complete",
+        "reader alloc: {reader}"
+    );
+    assert_eq!(reader["task_states"]["read"]["failed"], false, "{reader}");
+    let reader_id = reader["id"].as_str().unwrap_or_default().to_string();
+    wait_for(
+        "the reader's claim to be freed",
+        Duration::from_secs(5),
+        || {
+            let v = agent.cli_json(&["volume", "status", "data"])?;
+            Ok(
+                (strs(&v["read_allocs"]).is_empty() && strs(&v["write_allocs"]).is_empty())
+                    .then_some(()),
+            )
+        },
+    )?;
+
+    // Every mount and unmount left a Storage node event.
+    let node_id = writer["node_id"].as_str().unwrap_or_default().to_string();
+    let node = wait_for("storage node events", Duration::from_secs(10), || {
+        let node = agent.cli_json(&["node", "status", &node_id])?;
+        let complete = [&writer_id, &reader_id].iter().all(|a| {
+            !storage_events(&node, "Mount volume", a).is_empty()
+                && !storage_events(&node, "Unmount volume", a).is_empty()
+        });
+        Ok(complete.then_some(node))
+    })?;
+    for alloc in [&writer_id, &reader_id] {
+        for message in ["Mount volume", "Unmount volume"] {
+            let evs = storage_events(&node, message, alloc);
+            assert!(
+                evs.iter().any(|e| e["details"]["volume_id"] == "data"
+                    && e["details"]["success"] == "true"
+                    && e["details"]["error"] == ""),
+                "{message} event for alloc {alloc}: {evs:?}"
+            );
+        }
+    }
+
+    // No volume mount is left behind once both jobs are done.
+    let left = mounts_under(&data_dir);
+    assert!(
+        left.is_empty(),
+        "mounts left after the jobs finished: {left:?}"
+    );
+
+    // Stopping the plugin job stops the plugin task.
+    agent.cli_ok(&["job", "stop", "hostpath-plugin"])?;
+    wait_for("the plugin alloc to stop", Duration::from_secs(30), || {
+        let a = only_alloc(&agent, "hostpath-plugin")?;
+        Ok((a["client_status"] == "complete" || a["client_status"] == "failed").then_some(()))
+    })?;
+    agent.stop_agent()?;
+    assert!(mounts_under(&data_dir).is_empty());
+    Ok(())
+}
+
+#[test]
+fn volume_life_on_a_dev_agent() {
+    volume_life(false).unwrap();
+}
+
+#[test]
+fn volume_life_with_controller_attach() {
+    volume_life(true).unwrap();
+}
