@@ -169,6 +169,20 @@ fn volume_life(enable_attach: bool) -> Result<()> {
         }
     }
 
+    // With attach, the servers published through the controller for each
+    // claim and unpublished it when the claim was released.
+    if enable_attach {
+        let plugin_alloc = only_alloc(&agent, "hostpath-plugin")?;
+        let log_path = data_dir
+            .join("alloc")
+            .join(plugin_alloc["id"].as_str().unwrap_or_default())
+            .join("alloc/logs/plugin.stderr.0");
+        let log = std::fs::read_to_string(&log_path)
+            .with_context(|| format!("reading {}", log_path.display()))?;
+        assert_eq!(log.matches("published volume to node").count(), 2, "{log}");
+        assert_eq!(log.matches("unpublished volume").count(), 2, "{log}");
+    }
+
     // No volume mount is left behind once both jobs are done.
     let left = mounts_under(&data_dir);
     assert!(
