@@ -96,8 +96,18 @@ pub fn router(server: Arc<Server>) -> Router {
         .with_state(server)
 }
 
+/// The API view of a job: the job, with why any of its allocs could not be
+/// placed.
+fn job_view(s: &Server, job: &Job) -> Value {
+    let mut out = serde_json::to_value(job).unwrap_or(Value::Null);
+    out["placement_failures"] = json!(s.job_placement_failures(&job.id));
+    out
+}
+
 async fn list_jobs(State(s): State<Arc<Server>>) -> ApiResult {
-    to_json(&s.jobs())
+    Ok(Json(Value::Array(
+        s.jobs().iter().map(|j| job_view(&s, j)).collect(),
+    )))
 }
 
 async fn register_job(State(s): State<Arc<Server>>, Json(body): Json<JobRegister>) -> ApiResult {
@@ -106,7 +116,7 @@ async fn register_job(State(s): State<Arc<Server>>, Json(body): Json<JobRegister
 }
 
 async fn get_job(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
-    to_json(&s.job(&id)?)
+    Ok(Json(job_view(&s, &s.job(&id)?)))
 }
 
 async fn stop_job(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {

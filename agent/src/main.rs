@@ -9,6 +9,14 @@ mod logging;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) != Some("agent") {
+        // A CLI command piped into `head` ends quietly, as other Unix tools
+        // do, instead of failing on a closed stdout.
+        // SAFETY: resetting a signal's disposition before any thread starts.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     match cli::run(args) {
         Ok(code) => std::process::exit(code),
         Err(e) => {

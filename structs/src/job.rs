@@ -63,9 +63,6 @@ pub struct Job {
     pub stop: bool,
     #[serde(default)]
     pub status: JobStatus,
-    /// Why the job is not (fully) placed, when it is not.
-    #[serde(default)]
-    pub status_description: String,
     /// Bumped each time the job is submitted with a change.
     #[serde(default)]
     pub version: u64,

@@ -3,7 +3,7 @@
 
 pub mod http_client;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
@@ -158,24 +158,41 @@ fn job_run(args: &[String]) -> Result<i32> {
     let resp = a.api.put("/v1/jobs", &json!({ "job": job }))?;
     let index = resp.get("index").and_then(Value::as_u64).unwrap_or(0);
     println!("Job {:?} submitted (index {index})", job.id);
+    let failures = strs(&resp["placement_failures"]);
+    if !failures.is_empty() {
+        println!("Placement failures (the job waits until they clear):");
+        for f in &failures {
+            println!("  {f}");
+        }
+    }
     if a.detach {
         return Ok(0);
     }
-    monitor_job(&a.api, &job.id, job.job_type, index)
+    let placed = monitor_job(&a.api, &job.id, job.job_type, index, !failures.is_empty())?;
+    Ok(if failures.is_empty() { placed } else { 2 })
+}
+
+fn strs(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|x| x.as_str().map(str::to_string))
+        .collect()
 }
 
 /// Waits until the allocs placed for this submission run (service, system)
-/// or finish (batch). Exit code 2 when any fails.
+/// or finish (batch). Exit code 2 when any fails. With `blocked`, some
+/// allocs could not be placed: it returns once the placed ones are done, or
+/// at once when none were placed.
 fn monitor_job(
     api: &ApiClient,
     job_id: &str,
     job_type: berth_structs::JobType,
     index: u64,
+    blocked: bool,
 ) -> Result<i32> {
     let mut last_line = String::new();
-    let started = Instant::now();
     loop {
-        let job = api.get(&format!("/v1/job/{job_id}"))?;
         let allocs = api.get(&format!("/v1/job/{job_id}/allocations"))?;
         let allocs: Vec<&Value> = allocs
             .as_array()
@@ -207,12 +224,8 @@ fn monitor_job(
             println!("{line}");
             last_line = line;
         }
-        let blocked = job
-            .get("status_description")
-            .and_then(Value::as_str)
-            .unwrap_or("");
-        if allocs.is_empty() && !blocked.is_empty() && started.elapsed() > Duration::from_secs(2) {
-            println!("waiting for placement: {blocked}");
+        if allocs.is_empty() && blocked {
+            return Ok(2);
         }
         if !allocs.is_empty() {
             if failed + lost > 0 && pending + running == 0 {
