@@ -91,6 +91,7 @@ pub fn router(server: Arc<Server>) -> Router {
         )
         .route("/v1/volume/csi/{id}/create", put(create_volume))
         .route("/v1/volume/csi/{id}/delete", delete(delete_volume))
+        .route("/v1/volume/csi/{id}/detach", delete(detach_volume))
         .route("/v1/plugins", get(list_plugins))
         .route("/v1/plugin/csi/{id}", get(get_plugin))
         .with_state(server)
@@ -195,6 +196,20 @@ async fn deregister_volume(
 
 async fn delete_volume(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
     s.delete_volume(&id).await?;
+    Ok(Json(json!({})))
+}
+
+#[derive(Deserialize)]
+struct DetachQuery {
+    node: String,
+}
+
+async fn detach_volume(
+    State(s): State<Arc<Server>>,
+    Path(id): Path<String>,
+    Query(q): Query<DetachQuery>,
+) -> ApiResult {
+    s.detach_volume(&id, &q.node).await?;
     Ok(Json(json!({})))
 }
 

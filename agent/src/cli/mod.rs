@@ -24,6 +24,7 @@ Commands:
   volume register FILE                            register an existing CSI volume
   volume deregister [-force] VOLUME               forget a CSI volume
   volume delete VOLUME                            delete a CSI volume through its plugin
+  volume detach VOLUME NODE                       release the volume's claims on a node
   volume status [-json] [VOLUME]                  show CSI volumes
   plugin status [-json] [PLUGIN]                  show CSI plugins
 
@@ -127,6 +128,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         ("volume", Some("register")) => volume_submit(tail, false),
         ("volume", Some("deregister")) => volume_deregister(tail),
         ("volume", Some("delete")) => volume_delete(tail),
+        ("volume", Some("detach")) => volume_detach(tail),
         ("volume", Some("status")) => volume_status(tail),
         ("plugin", Some("status")) => plugin_status(tail),
         ("help" | "-h" | "-help" | "--help", _) => {
@@ -138,6 +140,19 @@ pub fn run(args: Vec<String>) -> Result<i32> {
             Ok(1)
         }
     }
+}
+
+/// Percent-encodes an ID for a URL path segment or query value.
+fn enc(id: &str) -> String {
+    let mut out = String::with_capacity(id.len());
+    for b in id.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn print_json(v: &Value) -> Result<i32> {
@@ -193,7 +208,7 @@ fn monitor_job(
 ) -> Result<i32> {
     let mut last_line = String::new();
     loop {
-        let allocs = api.get(&format!("/v1/job/{job_id}/allocations"))?;
+        let allocs = api.get(&format!("/v1/job/{}/allocations", enc(job_id)))?;
         let allocs: Vec<&Value> = allocs
             .as_array()
             .map(|a| {
@@ -252,14 +267,14 @@ fn monitor_job(
 fn job_stop(args: &[String]) -> Result<i32> {
     let a = api_args("job stop", args, &[])?;
     let id = one_positional("job stop", &a, "job ID")?;
-    a.api.delete(&format!("/v1/job/{id}"))?;
+    a.api.delete(&format!("/v1/job/{}", enc(&id)))?;
     println!("Job {id:?} stopped");
     Ok(0)
 }
 
 fn job_view(api: &ApiClient, job: &Value) -> Result<Value> {
     let id = job.get("id").and_then(Value::as_str).unwrap_or_default();
-    let allocs = api.get(&format!("/v1/job/{id}/allocations"))?;
+    let allocs = api.get(&format!("/v1/job/{}/allocations", enc(id)))?;
     let stubs: Vec<Value> = allocs
         .as_array()
         .into_iter()
@@ -285,7 +300,7 @@ fn job_status(args: &[String]) -> Result<i32> {
     let a = api_args("job status", args, &["json"])?;
     match optional_positional("job status", &a, "job ID")? {
         Some(id) => {
-            let job = a.api.get(&format!("/v1/job/{id}"))?;
+            let job = a.api.get(&format!("/v1/job/{}", enc(&id)))?;
             let v = job_view(&a.api, &job)?;
             if a.json {
                 return print_json(&v);
@@ -337,7 +352,7 @@ fn job_status(args: &[String]) -> Result<i32> {
 fn alloc_status(args: &[String]) -> Result<i32> {
     let a = api_args("alloc status", args, &["json"])?;
     let id = one_positional("alloc status", &a, "alloc ID")?;
-    let v = a.api.get(&format!("/v1/allocation/{id}"))?;
+    let v = a.api.get(&format!("/v1/allocation/{}", enc(&id)))?;
     if a.json {
         return print_json(&v);
     }
@@ -381,7 +396,7 @@ fn alloc_status(args: &[String]) -> Result<i32> {
 fn node_status(args: &[String]) -> Result<i32> {
     let a = api_args("node status", args, &["json"])?;
     let v = match optional_positional("node status", &a, "node ID")? {
-        Some(id) => a.api.get(&format!("/v1/node/{id}"))?,
+        Some(id) => a.api.get(&format!("/v1/node/{}", enc(&id)))?,
         None => a.api.get("/v1/nodes")?,
     };
     if a.json {
@@ -426,9 +441,9 @@ fn volume_submit(args: &[String], create: bool) -> Result<i32> {
     let vol = berth_structs::spec::parse_volume(&src).map_err(|e| anyhow!("{path}: {e}"))?;
     vol.validate(!create).map_err(|e| anyhow!("{path}: {e}"))?;
     let url = if create {
-        format!("/v1/volume/csi/{}/create", vol.id)
+        format!("/v1/volume/csi/{}/create", enc(&vol.id))
     } else {
-        format!("/v1/volume/csi/{}", vol.id)
+        format!("/v1/volume/csi/{}", enc(&vol.id))
     };
     let resp = a.api.put(&url, &json!({ "volume": vol }))?;
     let ext = resp
@@ -447,7 +462,7 @@ fn volume_deregister(args: &[String]) -> Result<i32> {
     let a = api_args("volume deregister", args, &["force"])?;
     let id = one_positional("volume deregister", &a, "volume ID")?;
     a.api
-        .delete(&format!("/v1/volume/csi/{id}?force={}", a.force))?;
+        .delete(&format!("/v1/volume/csi/{}?force={}", enc(&id), a.force))?;
     println!("Deregistered volume {id:?}");
     Ok(0)
 }
@@ -455,15 +470,30 @@ fn volume_deregister(args: &[String]) -> Result<i32> {
 fn volume_delete(args: &[String]) -> Result<i32> {
     let a = api_args("volume delete", args, &[])?;
     let id = one_positional("volume delete", &a, "volume ID")?;
-    a.api.delete(&format!("/v1/volume/csi/{id}/delete"))?;
+    a.api
+        .delete(&format!("/v1/volume/csi/{}/delete", enc(&id)))?;
     println!("Deleted volume {id:?}");
+    Ok(0)
+}
+
+fn volume_detach(args: &[String]) -> Result<i32> {
+    let a = api_args("volume detach", args, &[])?;
+    let [volume, node] = a.positional.as_slice() else {
+        bail!("berth volume detach: takes a volume ID and a node ID");
+    };
+    a.api.delete(&format!(
+        "/v1/volume/csi/{}/detach?node={}",
+        enc(volume),
+        enc(node)
+    ))?;
+    println!("Detached volume {volume:?} from node {node:?}");
     Ok(0)
 }
 
 fn volume_status(args: &[String]) -> Result<i32> {
     let a = api_args("volume status", args, &["json"])?;
     let v = match optional_positional("volume status", &a, "volume ID")? {
-        Some(id) => a.api.get(&format!("/v1/volume/csi/{id}"))?,
+        Some(id) => a.api.get(&format!("/v1/volume/csi/{}", enc(&id)))?,
         None => a.api.get("/v1/volumes")?,
     };
     if a.json {
@@ -493,7 +523,7 @@ fn volume_status(args: &[String]) -> Result<i32> {
 fn plugin_status(args: &[String]) -> Result<i32> {
     let a = api_args("plugin status", args, &["json"])?;
     let v = match optional_positional("plugin status", &a, "plugin ID")? {
-        Some(id) => a.api.get(&format!("/v1/plugin/csi/{id}"))?,
+        Some(id) => a.api.get(&format!("/v1/plugin/csi/{}", enc(&id)))?,
         None => a.api.get("/v1/plugins")?,
     };
     if a.json {
@@ -528,6 +558,13 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn ids_are_percent_encoded() {
+        assert_eq!(enc("data[0]"), "data%5B0%5D");
+        assert_eq!(enc("a/b c"), "a%2Fb%20c");
+        assert_eq!(enc("plain-id_1.x~"), "plain-id_1.x~");
     }
 
     #[test]

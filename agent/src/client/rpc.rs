@@ -22,6 +22,18 @@ use tonic::Code;
 const RPC_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long updates gather before they are sent together.
 const BATCH_WINDOW: Duration = Duration::from_millis(50);
+/// Node events kept while the servers are unreachable; older ones are
+/// dropped first (the servers keep only the newest events of a node too).
+const MAX_PENDING_EVENTS: usize = 1000;
+
+/// Appends `new` to `pending`, keeping at most the newest
+/// [`MAX_PENDING_EVENTS`]. Returns how many were dropped.
+fn push_bounded(pending: &mut Vec<NodeEvent>, new: impl IntoIterator<Item = NodeEvent>) -> usize {
+    pending.extend(new);
+    let extra = pending.len().saturating_sub(MAX_PENDING_EVENTS);
+    pending.drain(..extra);
+    extra
+}
 
 /// The client's connection to the servers. Cheap to clone.
 #[derive(Clone)]
@@ -165,7 +177,13 @@ impl ServerConn {
                     .unwrap_or_else(|e| e.into_inner());
                 let newer = std::mem::take(&mut *p);
                 *p = events;
-                p.extend(newer);
+                let dropped = push_bounded(&mut p, newer);
+                if dropped > 0 {
+                    tracing::warn!(
+                        dropped,
+                        "servers unreachable; dropped the oldest node events"
+                    );
+                }
                 return Err(e);
             }
         }
@@ -204,11 +222,20 @@ impl NodeEventSink for ServerConn {
             details = ?event.details,
             "node event"
         );
-        self.inner
-            .pending_events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(event);
+        let dropped = push_bounded(
+            &mut self
+                .inner
+                .pending_events
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+            [event],
+        );
+        if dropped > 0 {
+            tracing::warn!(
+                dropped,
+                "servers unreachable; dropped the oldest node events"
+            );
+        }
         self.inner.flush.notify_one();
     }
 }
@@ -350,5 +377,23 @@ impl NodeRegistrar for ServerConn {
             .await
             .map(|ttl| tracing::info!(ttl = ?ttl, "node registered again"))
             .map_err(|s| HeartbeatError::Transient(s.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pending_events_keep_the_newest() {
+        let mut pending = Vec::new();
+        let events = (0..MAX_PENDING_EVENTS + 5).map(|i| NodeEvent::new("Storage", i.to_string()));
+        assert_eq!(push_bounded(&mut pending, events), 5);
+        assert_eq!(pending.len(), MAX_PENDING_EVENTS);
+        assert_eq!(pending[0].message, "5");
+        assert_eq!(
+            pending.last().map(|e| e.message.clone()),
+            Some((MAX_PENDING_EVENTS + 4).to_string())
+        );
     }
 }
