@@ -254,6 +254,7 @@ fn expected_claim(a: &Allocation, req: &berth_structs::VolumeRequest) -> Option<
         state: ClaimState::Taken,
         publish_context: BTreeMap::new(),
         releasing: false,
+        controller_published: false,
     })
 }
 
@@ -627,8 +628,8 @@ fn occupancy(
     }
     match a.client_status {
         AllocClientStatus::Complete | AllocClientStatus::Failed if batch => Occupancy::Held,
-        AllocClientStatus::Lost => match group.stop_after_client_disconnect {
-            Some(d) if now_ms < a.modify_time_ms + d.as_millis() as i64 => Occupancy::Delayed,
+        AllocClientStatus::Lost => match disconnect_window_end_ms(a, group) {
+            Some(end) if now_ms < end => Occupancy::Delayed,
             _ => Occupancy::Free,
         },
         AllocClientStatus::Failed
@@ -638,6 +639,19 @@ fn occupancy(
         }
         _ => Occupancy::Free,
     }
+}
+
+/// For a lost alloc whose group sets `stop_after_client_disconnect`: when
+/// (unix ms) the window ends, counted from when the alloc was marked lost.
+/// Until then its client may still run it (and write to its volumes), so
+/// no replacement is placed and its volume claims are not reaped.
+pub(crate) fn disconnect_window_end_ms(a: &Allocation, group: &TaskGroup) -> Option<i64> {
+    if a.client_status != AllocClientStatus::Lost {
+        return None;
+    }
+    let window = group.stop_after_client_disconnect?;
+    let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
+    Some(a.modify_time_ms.saturating_add(window_ms))
 }
 
 /// An alloc that counts as running for the job's status: not terminal on

@@ -3,7 +3,8 @@
 
 mod support;
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_proto::berth::v1 as pb;
@@ -379,4 +380,232 @@ async fn deregister_refuses_a_claimed_volume_unless_forced_and_force_reaps_first
     s.deregister_volume("data", true).await.unwrap();
     assert!(matches!(s.volume("data"), Err(ServerError::NotFound(_))));
     assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
+}
+
+/// Set n1's fingerprints: a healthy node plugin, and a controller with the
+/// given health and `requires_controller_publish`.
+async fn set_controller(s: &berth_server::Server, healthy: bool, requires_publish: bool) {
+    s.update_node_plugins(
+        "n1",
+        BTreeMap::from([("hostpath".to_string(), plugin_info("hostpath", true, true))]),
+        BTreeMap::from([(
+            "hostpath".to_string(),
+            plugin_info("hostpath", healthy, requires_publish),
+        )]),
+    )
+    .await
+    .expect("update plugins");
+}
+
+#[tokio::test]
+async fn release_controller_detaches_a_published_claim_while_the_controller_reports_unhealthy() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, true, &[AccessMode::SingleNodeWriter]).await;
+    // ControllerPublish answers without a publish context, so only the
+    // claim's record of the publish can call for the detach. The handler
+    // notes whether that record was persisted before the call arrived.
+    let flag_at_publish: Arc<Mutex<Option<bool>>> = Arc::default();
+    let (s2, seen, aid) = (s.clone(), flag_at_publish.clone(), alloc.id.clone());
+    let handler: CallHandler = Arc::new(move |call| match call.call {
+        Some(pb::server_call::Call::ControllerPublish(_)) => {
+            let flag = s2
+                .volume("data")
+                .ok()
+                .and_then(|v| v.claim_for(&aid).map(|c| c.controller_published));
+            *seen.lock().unwrap() = flag;
+            pb::call_reply::Result::ControllerPublish(pb::ControllerPublishReply::default())
+        }
+        _ => pb::call_reply::Result::Empty(pb::Empty {}),
+    });
+    let client = TestClient::connect(&ts, "n1", handler).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert_eq!(
+        *flag_at_publish.lock().unwrap(),
+        Some(true),
+        "controller_published is stored before ControllerPublish is sent"
+    );
+    assert_eq!(client.call_kinds(), vec!["ControllerPublish"]);
+
+    // The controller restarts: unhealthy, and its fingerprint no longer
+    // says it needs publishing. The alloc stops and its client unpublishes.
+    set_controller(&s, false, false).await;
+    s.stop_job("db").await.unwrap();
+    report(&s, &alloc, AllocClientStatus::Complete).await;
+    let err = csi
+        .unpublish(pb::UnpublishRequest {
+            volume_id: "data".into(),
+            alloc_id: alloc.id.clone(),
+            node_id: "n1".into(),
+        })
+        .await
+        .expect_err("no controller can detach the volume now");
+    assert_eq!(err.code(), tonic::Code::Unavailable, "{}", err.message());
+    assert_eq!(
+        claim_state(&s, &alloc.id),
+        Some((ClaimState::NodeDetached, true)),
+        "the claim is kept, not freed while the volume is attached"
+    );
+    assert_eq!(client.call_kinds(), vec!["ControllerPublish"]);
+
+    // The controller is healthy again (its fingerprint still says nothing
+    // about publishing): the watcher retries and the volume is detached
+    // from the controller before the claim is freed.
+    set_controller(&s, true, false).await;
+    wait_until("claim freed by a retry", Duration::from_secs(15), || {
+        claim_state(&s, &alloc.id).is_none()
+    })
+    .await;
+    let calls = client.calls.lock().unwrap().clone();
+    let unpublish = calls
+        .iter()
+        .find_map(|c| match &c.call {
+            Some(pb::server_call::Call::ControllerUnpublish(u)) => Some(u.clone()),
+            _ => None,
+        })
+        .expect("ControllerUnpublish was sent");
+    assert_eq!(unpublish.external_id, "ext-data");
+    assert_eq!(unpublish.external_node_id, "ext-node");
+}
+
+#[tokio::test]
+async fn controller_unpublish_not_found_counts_as_detached_and_frees_the_claim() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, true, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    s.stop_job("db").await.unwrap();
+    report(&s, &alloc, AllocClientStatus::Complete).await;
+    client.set_handler(Arc::new(|call| match call.call {
+        Some(pb::server_call::Call::ControllerUnpublish(_)) => {
+            pb::call_reply::Result::Error(pb::CallError {
+                code: tonic::Code::NotFound as i32,
+                message: "volume ext-data not found".into(),
+            })
+        }
+        _ => pb::call_reply::Result::Empty(pb::Empty {}),
+    }));
+    csi.unpublish(pb::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: alloc.id.clone(),
+        node_id: "n1".into(),
+    })
+    .await
+    .expect("NotFound means not published: the release succeeds");
+    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(
+        client.call_kinds(),
+        vec!["ControllerPublish", "ControllerUnpublish"]
+    );
+}
+
+#[tokio::test]
+async fn watcher_keeps_the_claim_of_a_lost_alloc_until_its_stop_after_client_disconnect_window_passes(
+) {
+    let window = Duration::from_secs(2);
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    for n in ["n1", "n2"] {
+        s.register_node(node(n)).await.unwrap();
+        give_plugin(&s, n, "hostpath", true, false, false).await;
+    }
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    let mut j = volume_job("db", "data", AccessMode::SingleNodeWriter);
+    j.task_groups[0].stop_after_client_disconnect = Some(window);
+    s.register_job(j).await.unwrap();
+    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    let (lost_node, other_node) = if alloc.node_id == "n1" {
+        ("n1", "n2")
+    } else {
+        ("n2", "n1")
+    };
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+
+    // The node is partitioned: its client may still run the alloc and
+    // write to the volume until the window has passed.
+    let marked = tokio::time::Instant::now();
+    s.mark_node_down(lost_node, "test").await.unwrap();
+    assert_eq!(
+        s.allocation(&alloc.id).unwrap().client_status,
+        AllocClientStatus::Lost
+    );
+    wait_until(
+        "claim of the lost alloc freed",
+        Duration::from_secs(15),
+        || claim_state(&s, &alloc.id).is_none(),
+    )
+    .await;
+    let held = marked.elapsed();
+    assert!(
+        held >= window - Duration::from_millis(50),
+        "the claim was freed {held:?} after the node went down, inside the {window:?} window"
+    );
+
+    // Then the replacement is placed on the other node and can claim.
+    let next = wait_for_live(&s, "db").await;
+    assert_eq!(next.node_id, other_node);
+    assert!(
+        marked.elapsed() >= window - Duration::from_millis(50),
+        "no replacement inside the window"
+    );
+    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the replacement claims the freed volume");
+}
+
+#[tokio::test]
+async fn unknown_volume_ids_sent_to_claim_and_unpublish_leave_no_lock_entries() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+    for i in 0..50 {
+        let err = csi
+            .claim(claim_request(
+                &format!("nope-{i}"),
+                &alloc,
+                AccessMode::SingleNodeWriter,
+            ))
+            .await
+            .expect_err("unknown volume");
+        assert_eq!(err.code(), tonic::Code::NotFound);
+        csi.unpublish(pb::UnpublishRequest {
+            volume_id: format!("gone-{i}"),
+            alloc_id: alloc.id.clone(),
+            node_id: "n1".into(),
+        })
+        .await
+        .expect("an unknown claim is released already");
+    }
+    // A real claim and its release leave nothing either.
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    s.stop_job("db").await.unwrap();
+    report(&s, &alloc, AllocClientStatus::Complete).await;
+    csi.unpublish(pb::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: alloc.id.clone(),
+        node_id: "n1".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(claim_state(&s, &alloc.id), None);
+    wait_until("no volume lock entries", Duration::from_secs(2), || {
+        s.volume_locks_in_use() == 0
+    })
+    .await;
 }

@@ -196,9 +196,15 @@ pub struct CsiVolumeClaim {
     /// Set once the release has started (client unpublish or a reap).
     #[serde(default)]
     pub releasing: bool,
+    /// Set (and persisted) before ControllerPublishVolume is sent for this
+    /// claim, whatever its outcome: the release then makes sure
+    /// ControllerUnpublishVolume is done, however the plugin's health looks.
+    #[serde(default)]
+    pub controller_published: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+/// A CSI volume. Its `Debug` shows how many secrets it has, never them.
+#[derive(Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct CsiVolume {
     pub id: String,
     #[serde(default)]
@@ -238,6 +244,52 @@ pub struct CsiVolume {
     pub create_index: u64,
     #[serde(default)]
     pub modify_index: u64,
+}
+
+impl std::fmt::Debug for CsiVolume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Destructured so that a new field cannot be left out silently.
+        let CsiVolume {
+            id,
+            name,
+            external_id,
+            plugin_id,
+            provider,
+            capabilities,
+            capacity_min,
+            capacity_max,
+            capacity,
+            mount_options,
+            secrets,
+            parameters,
+            context,
+            read_claims,
+            write_claims,
+            schedulable,
+            create_index,
+            modify_index,
+        } = self;
+        f.debug_struct("CsiVolume")
+            .field("id", id)
+            .field("name", name)
+            .field("external_id", external_id)
+            .field("plugin_id", plugin_id)
+            .field("provider", provider)
+            .field("capabilities", capabilities)
+            .field("capacity_min", capacity_min)
+            .field("capacity_max", capacity_max)
+            .field("capacity", capacity)
+            .field("mount_options", mount_options)
+            .field("secrets", &format_args!("<{} redacted>", secrets.len()))
+            .field("parameters", parameters)
+            .field("context", context)
+            .field("read_claims", read_claims)
+            .field("write_claims", write_claims)
+            .field("schedulable", schedulable)
+            .field("create_index", create_index)
+            .field("modify_index", modify_index)
+            .finish()
+    }
 }
 
 impl CsiVolume {
@@ -406,7 +458,32 @@ mod tests {
             state: ClaimState::Taken,
             publish_context: BTreeMap::new(),
             releasing: false,
+            controller_published: false,
         }
+    }
+
+    #[test]
+    fn debug_of_a_volume_redacts_its_secrets() {
+        let v = CsiVolume {
+            id: "data".into(),
+            plugin_id: "hostpath".into(),
+            secrets: [
+                ("token".to_string(), "s3cret-value".to_string()),
+                ("user".to_string(), "admin-name".to_string()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        for shown in [format!("{v:?}"), format!("{v:#?}")] {
+            assert!(!shown.contains("s3cret-value"), "{shown}");
+            assert!(!shown.contains("admin-name"), "{shown}");
+            assert!(!shown.contains("token"), "secret keys too: {shown}");
+            assert!(shown.contains("<2 redacted>"), "{shown}");
+            assert!(shown.contains("hostpath"), "{shown}");
+        }
+        // Inside a containing value (a state change, a vector) as well.
+        let shown = format!("{:?}", Some(vec![v]));
+        assert!(!shown.contains("s3cret-value"), "{shown}");
     }
 
     #[test]

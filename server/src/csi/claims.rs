@@ -3,7 +3,12 @@
 //! `taken → node-detached → controller-detached → ready-to-free → freed`.
 //!
 //! Each step is checkpointed in the state store before the next starts, so a
-//! step that fails (or a server restart) resumes where it stopped. Error codes
+//! step that fails (or a server restart) resumes where it stopped. The claim
+//! records (`controller_published`) that ControllerPublish was sent, before
+//! it is sent; the controller detach follows that record, never the plugin's
+//! current fingerprint, and waits (claim `node-detached`, retried) while no
+//! healthy controller is reachable. `NotFound` from ControllerUnpublish means
+//! the volume is not published: the step is done. Error codes
 //! a client sees from `Claim`:
 //! - `NotFound`: the volume or alloc does not exist (final);
 //! - `FailedPrecondition` (`ServerError::Conflict`): the volume lacks the
@@ -156,7 +161,21 @@ impl Server {
                     Some(c)
                         if c.mode == req.mode
                             && c.access_mode == req.access_mode
-                            && c.attachment_mode == req.attachment_mode => {}
+                            && c.attachment_mode == req.attachment_mode =>
+                    {
+                        if needs_publish && !c.controller_published {
+                            // Recorded before the ControllerPublish below.
+                            let mut v = vol.clone();
+                            if let Some(c) = v
+                                .write_claims
+                                .get_mut(alloc_id)
+                                .or(v.read_claims.get_mut(alloc_id))
+                            {
+                                c.controller_published = true;
+                            }
+                            changes.push(Change::PutVolume(v));
+                        }
+                    }
                     Some(c) => {
                         return Err(ServerError::Conflict(format!(
                             "alloc {alloc_id} already claims volume {vid:?} as {} {}/{}",
@@ -181,6 +200,10 @@ impl Server {
                             state: ClaimState::Taken,
                             publish_context: BTreeMap::new(),
                             releasing: false,
+                            // Persisted with the reservation, so before the
+                            // ControllerPublish below whose outcome may be
+                            // uncertain.
+                            controller_published: needs_publish,
                         };
                         let mut v = vol.clone();
                         match req.mode {
@@ -375,25 +398,12 @@ impl Server {
                     self.checkpoint_claim(volume_id, alloc_id, ClaimState::NodeDetached)?;
                 }
                 ClaimState::NodeDetached => {
-                    let needed = self
-                        .store
-                        .read(|t| requires_controller_publish(t, &vol.plugin_id));
-                    if needed {
-                        let controller = self.controller_client(&vol.plugin_id)?;
-                        let call =
-                            pb::server_call::Call::ControllerUnpublish(pb::ControllerUnpublish {
-                                plugin_id: vol.plugin_id.clone(),
-                                external_id: vol.external_id.clone(),
-                                external_node_id: claim.external_node_id.clone(),
-                                secrets: vol.secrets.clone().into_iter().collect(),
-                            });
-                        self.calls
-                            .call(&controller, call, self.config.client_call_timeout)
-                            .await
-                            .inspect_err(|e| {
-                                tracing::warn!(volume_id, alloc_id, plugin_id = %vol.plugin_id, error = %e,
-                                    "ControllerUnpublish failed; the claim stays node-detached")
-                            })?;
+                    // Decided by what was sent for this claim, never by the
+                    // plugin's current fingerprint: an unhealthy controller
+                    // reports no capabilities. A publish context is proof of
+                    // a publish too (claims stored before the flag existed).
+                    if claim.controller_published || !claim.publish_context.is_empty() {
+                        self.controller_detach(&vol, &claim).await?;
                     }
                     self.checkpoint_claim(volume_id, alloc_id, ClaimState::ControllerDetached)?;
                 }
@@ -405,6 +415,49 @@ impl Server {
                     tracing::info!(volume_id, alloc_id, "claim freed");
                     return Ok(true);
                 }
+            }
+        }
+    }
+
+    /// ControllerUnpublishVolume for a claim, through a client that runs a
+    /// healthy controller of the plugin. With none reachable the error is
+    /// `Unavailable` and the claim stays node-detached, to be retried.
+    async fn controller_detach(
+        &self,
+        vol: &berth_structs::CsiVolume,
+        claim: &CsiVolumeClaim,
+    ) -> Result<(), ServerError> {
+        let (volume_id, alloc_id) = (vol.id.as_str(), claim.alloc_id.as_str());
+        let controller = self.controller_client(&vol.plugin_id).inspect_err(|e| {
+            tracing::warn!(volume_id, alloc_id, plugin_id = %vol.plugin_id, error = %e,
+                "no controller to detach the volume; the claim stays node-detached")
+        })?;
+        let call = pb::server_call::Call::ControllerUnpublish(pb::ControllerUnpublish {
+            plugin_id: vol.plugin_id.clone(),
+            external_id: vol.external_id.clone(),
+            external_node_id: claim.external_node_id.clone(),
+            secrets: vol.secrets.clone().into_iter().collect(),
+        });
+        match self
+            .calls
+            .call(&controller, call, self.config.client_call_timeout)
+            .await
+        {
+            Ok(_) => Ok(()),
+            // CSI: NotFound for the volume or the node means the volume is
+            // not published there, which is what the call is for.
+            Err(ServerError::Remote {
+                code: tonic::Code::NotFound,
+                message,
+            }) => {
+                tracing::info!(volume_id, alloc_id, plugin_id = %vol.plugin_id, reason = %message,
+                    "ControllerUnpublish found the volume or node gone; treating it as detached");
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(volume_id, alloc_id, plugin_id = %vol.plugin_id, error = %e,
+                    "ControllerUnpublish failed; the claim stays node-detached");
+                Err(e)
             }
         }
     }

@@ -24,29 +24,79 @@ use crate::plugins::controller_nodes;
 use crate::server::Server;
 use crate::state::{Change, Tables};
 
-/// One async lock per volume ID.
+/// One async lock per volume ID. An entry lives only while someone holds
+/// or waits for its lock, so IDs that come and go (unknown ones included)
+/// leave nothing behind.
 #[derive(Default)]
 pub(crate) struct VolumeLocks {
-    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    locks: Mutex<HashMap<String, LockEntry>>,
+}
+
+struct LockEntry {
+    mutex: Arc<tokio::sync::Mutex<()>>,
+    /// Holders and waiters; counted under the map's mutex.
+    users: usize,
+}
+
+/// A held volume lock; dropping it unlocks, and removes the volume's entry
+/// when nobody else holds or waits for it.
+pub(crate) struct VolumeLockGuard<'a> {
+    // Field order matters: the lock is given back before the user is
+    // counted out, so an entry is never removed while its lock is held.
+    _guard: OwnedMutexGuard<()>,
+    _user: LockUser<'a>,
+}
+
+/// One holder or waiter of a volume's lock. Dropped also when a waiter is
+/// cancelled.
+struct LockUser<'a> {
+    locks: &'a VolumeLocks,
+    volume_id: String,
+}
+
+impl Drop for LockUser<'_> {
+    fn drop(&mut self) {
+        let mut map = self.locks.map();
+        if let Some(e) = map.get_mut(&self.volume_id) {
+            e.users = e.users.saturating_sub(1);
+            if e.users == 0 {
+                map.remove(&self.volume_id);
+            }
+        }
+    }
 }
 
 impl VolumeLocks {
-    pub(crate) async fn lock(&self, volume_id: &str) -> OwnedMutexGuard<()> {
-        let m = self
-            .locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(volume_id.to_string())
-            .or_default()
-            .clone();
-        m.lock_owned().await
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, LockEntry>> {
+        self.locks.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn forget(&self, volume_id: &str) {
-        self.locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(volume_id);
+    pub(crate) async fn lock(&self, volume_id: &str) -> VolumeLockGuard<'_> {
+        let (user, mutex) = {
+            let mut map = self.map();
+            let e = map
+                .entry(volume_id.to_string())
+                .or_insert_with(|| LockEntry {
+                    mutex: Arc::default(),
+                    users: 0,
+                });
+            e.users += 1;
+            let user = LockUser {
+                locks: self,
+                volume_id: volume_id.to_string(),
+            };
+            (user, e.mutex.clone())
+        };
+        let guard = mutex.lock_owned().await;
+        VolumeLockGuard {
+            _guard: guard,
+            _user: user,
+        }
+    }
+
+    /// How many volumes have a lock entry (held or waited for).
+    pub(crate) fn len(&self) -> usize {
+        self.map().len()
     }
 }
 
@@ -86,6 +136,12 @@ impl Server {
                     "no connected client runs a healthy controller of CSI plugin {plugin_id:?}"
                 ))
             })
+    }
+
+    /// How many volumes have a lock entry now (held or waited for); zero
+    /// whenever no volume operation is running.
+    pub fn volume_locks_in_use(&self) -> usize {
+        self.volume_locks.len()
     }
 
     pub fn volumes(&self) -> Vec<CsiVolume> {
@@ -264,7 +320,6 @@ impl Server {
         })?;
         tracing::info!(volume_id = id, force, "volume deregistered");
         drop(_lock);
-        self.volume_locks.forget(id);
         Ok(())
     }
 
@@ -297,7 +352,6 @@ impl Server {
         })?;
         tracing::info!(volume_id = id, plugin_id = %vol.plugin_id, "volume deleted");
         drop(_lock);
-        self.volume_locks.forget(id);
         Ok(())
     }
 
@@ -328,5 +382,72 @@ impl Server {
                 .await?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn volume_lock_entry_is_removed_by_the_last_holder_or_waiter() {
+        let locks = VolumeLocks::default();
+        {
+            let _a = locks.lock("v1").await;
+            let _b = locks.lock("v2").await;
+            assert_eq!(locks.len(), 2);
+        }
+        assert_eq!(locks.len(), 0, "released locks leave no entry");
+
+        // A waiter keeps the entry while the holder is gone, and is the
+        // one to remove it.
+        let held = locks.lock("v1").await;
+        let waiter = locks.lock("v1");
+        tokio::pin!(waiter);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), &mut waiter)
+                .await
+                .is_err(),
+            "the second locker waits"
+        );
+        drop(held);
+        assert_eq!(locks.len(), 1);
+        let second = waiter.await;
+        assert_eq!(locks.len(), 1);
+        drop(second);
+        assert_eq!(locks.len(), 0);
+
+        // A cancelled waiter gives its place back too.
+        let held = locks.lock("v1").await;
+        let cancelled = tokio::time::timeout(Duration::from_millis(20), locks.lock("v1")).await;
+        assert!(cancelled.is_err());
+        assert_eq!(locks.len(), 1);
+        drop(held);
+        assert_eq!(locks.len(), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn volume_lock_serializes_holders_of_the_same_volume() {
+        let locks = Arc::new(VolumeLocks::default());
+        let inside = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..8 {
+            let (locks, inside) = (locks.clone(), inside.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..20 {
+                    let _g = locks.lock("v").await;
+                    let n = inside.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    assert_eq!(n, 0, "two holders of one volume's lock");
+                    tokio::task::yield_now().await;
+                    inside.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }));
+        }
+        for t in tasks {
+            t.await.expect("task");
+        }
+        assert_eq!(locks.len(), 0);
     }
 }

@@ -6,7 +6,10 @@
 //! - the claim is already being released (a release that failed, or a
 //!   server restart in the middle of one);
 //! - its alloc is gone (garbage collected);
-//! - its alloc is terminal and its node is down or gone;
+//! - its alloc is terminal and its node is down or gone, except that a lost
+//!   alloc whose group sets `stop_after_client_disconnect` keeps its claims
+//!   until that window has passed (its partitioned client may still run it
+//!   and write; the same rule holds back its replacement);
 //! - its alloc is terminal on the client for longer than `claim_reap_grace`
 //!   (the client had its chance to unpublish itself).
 //!
@@ -23,6 +26,7 @@ use berth_structs::NodeStatus;
 use tokio::time::Instant;
 
 use super::ReleaseOrigin;
+use crate::scheduler::disconnect_window_end_ms;
 use crate::server::Server;
 use crate::state::Tables;
 
@@ -52,6 +56,12 @@ fn reapable(t: &Tables, now_ms: i64, grace: Duration) -> (Vec<ClaimKey>, Option<
             };
             if !a.is_terminal() {
                 continue;
+            }
+            if let Some(end) = a.group().and_then(|g| disconnect_window_end_ms(a, g)) {
+                if now_ms < end {
+                    next = Some(next.map_or(end, |n: i64| n.min(end)));
+                    continue;
+                }
             }
             let node_down = t
                 .nodes
