@@ -37,6 +37,37 @@ impl PluginFingerprint {
             .map(|i| i.health_description.clone())
             .unwrap_or_default()
     }
+
+    /// Gives each unhealthy entry the capability flags of the same service's
+    /// entry in `last_good` (the last healthy one): a plugin that is down or
+    /// restarting still needs, say, controller publishing. Only health and
+    /// its description say that it is unhealthy.
+    pub fn keep_capabilities_of(&mut self, last_good: &PluginFingerprint) {
+        for (now, good) in [
+            (self.node.as_mut(), last_good.node.as_ref()),
+            (self.controller.as_mut(), last_good.controller.as_ref()),
+        ] {
+            if let (Some(now), Some(good)) = (now, good) {
+                if !now.healthy {
+                    now.requires_controller_publish = good.requires_controller_publish;
+                    now.supports_stage_unstage = good.supports_stage_unstage;
+                    now.supports_create_delete = good.supports_create_delete;
+                    now.external_node_id = good.external_node_id.clone();
+                    now.max_volumes = good.max_volumes;
+                }
+            }
+        }
+    }
+
+    /// Records the healthy entries of `fp` as the last good ones.
+    pub fn remember_healthy(&mut self, fp: &PluginFingerprint) {
+        if let Some(n) = fp.node.as_ref().filter(|n| n.healthy) {
+            self.node = Some(n.clone());
+        }
+        if let Some(c) = fp.controller.as_ref().filter(|c| c.healthy) {
+            self.controller = Some(c.clone());
+        }
+    }
 }
 
 const HEALTHY: &str = "healthy";
@@ -212,6 +243,45 @@ mod tests {
         assert!(fp.healthy());
         assert_eq!(fp.health_error(), "");
         assert!(!PluginFingerprint::default().healthy());
+    }
+
+    #[test]
+    fn an_unhealthy_entry_keeps_the_last_good_capability_flags() {
+        let good = CsiInfo {
+            healthy: true,
+            health_description: "healthy".into(),
+            external_node_id: "node-1".into(),
+            max_volumes: 7,
+            supports_stage_unstage: true,
+            requires_controller_publish: true,
+            supports_create_delete: true,
+            ..CsiInfo::default()
+        };
+        let mut last_good = PluginFingerprint::default();
+        last_good.remember_healthy(&PluginFingerprint {
+            node: Some(good.clone()),
+            controller: Some(good.clone()),
+        });
+        // A failed round does not overwrite what was last good.
+        last_good.remember_healthy(&PluginFingerprint {
+            node: Some(info(false, "down")),
+            controller: Some(info(false, "down")),
+        });
+        let mut fp = PluginFingerprint {
+            node: Some(info(false, "down")),
+            controller: Some(info(true, "healthy")),
+        };
+        fp.keep_capabilities_of(&last_good);
+        let node = fp.node.as_ref().unwrap();
+        assert!(!node.healthy);
+        assert_eq!(node.health_description, "down");
+        assert_eq!(node.external_node_id, "node-1");
+        assert_eq!(node.max_volumes, 7);
+        assert!(node.supports_stage_unstage);
+        assert!(node.requires_controller_publish && node.supports_create_delete);
+        // A healthy entry reports what the plugin says now.
+        let ctrl = fp.controller.as_ref().unwrap();
+        assert!(!ctrl.requires_controller_publish && !ctrl.supports_create_delete);
     }
 
     #[test]

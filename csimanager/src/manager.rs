@@ -3,13 +3,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_proto::csi::v1 as csi;
 use berth_structs::{CsiInfo, NodeEvent};
 use tokio::sync::watch;
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::client::CsiClient;
 use crate::error::CsiError;
@@ -37,12 +38,19 @@ struct CachedClient {
     client: CsiClient,
 }
 
+/// The node's plugin fingerprints as the sink receives them: (node,
+/// controller), keyed by plugin ID.
+type PluginMaps = (BTreeMap<String, CsiInfo>, BTreeMap<String, CsiInfo>);
+
 #[derive(Default)]
 struct FingerprintState {
     /// The last fingerprint of each registered plugin.
     plugins: BTreeMap<String, PluginFingerprint>,
-    /// What was last sent to the fingerprint sink (node, controller).
-    sent: Option<(BTreeMap<String, CsiInfo>, BTreeMap<String, CsiInfo>)>,
+    /// The last healthy entries of each registered plugin, whose capability
+    /// flags an unhealthy fingerprint keeps.
+    last_good: BTreeMap<String, PluginFingerprint>,
+    /// What was last handed to the fingerprint sender.
+    sent: Option<PluginMaps>,
 }
 
 pub struct CsiManager {
@@ -57,6 +65,12 @@ pub struct CsiManager {
     saved_plugins: Mutex<Option<Vec<PluginRegistration>>>,
     /// Serializes fingerprint rounds (the run loop and explicit calls).
     refresh_lock: tokio::sync::Mutex<()>,
+    /// The newest fingerprint set for the sender task, which sends it to
+    /// `fingerprints` without holding up fingerprint rounds; sets that arrive
+    /// while one is being sent collapse into the newest.
+    latest_fingerprints: watch::Sender<Option<PluginMaps>>,
+    /// Whether the sender task was started (on the first set).
+    sender_started: AtomicBool,
     volumes: VolumeManager,
 }
 
@@ -97,6 +111,8 @@ impl CsiManager {
             state: Mutex::default(),
             saved_plugins: Mutex::default(),
             refresh_lock: tokio::sync::Mutex::new(()),
+            latest_fingerprints: watch::Sender::new(None),
+            sender_started: AtomicBool::new(false),
             volumes,
         });
         manager.persist_registry()?;
@@ -113,13 +129,14 @@ impl CsiManager {
         &self.config
     }
 
-    /// Fingerprints on every registry change and every interval, until
-    /// `shutdown` flips to true.
+    /// On every registry change and every interval, until `shutdown` flips
+    /// to true: persists the registry, fingerprints the plugins, and finishes
+    /// unstages left unfinished (in the background).
     pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
         let mut changes = self.registry.subscribe();
         let mut tick = tokio::time::interval(self.config.fingerprint_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut first = true;
+        let mut reaper: Option<JoinHandle<()>> = None;
         loop {
             if *shutdown.borrow() {
                 break;
@@ -144,10 +161,22 @@ impl CsiManager {
                 tracing::error!(error = %e, "persisting the CSI plugin registry failed");
             }
             self.refresh_fingerprints().await;
-            if first {
-                first = false;
-                self.reap_unused_volumes().await;
+            // An unstage that failed (or waited for its plugin) is tried
+            // again on every round, in its own task: retries against a
+            // hanging plugin must not hold up this loop. One at a time.
+            if reaper.as_ref().is_none_or(JoinHandle::is_finished)
+                && !self.volumes.unused_stubs().is_empty()
+            {
+                let manager = self.clone();
+                reaper = Some(tokio::spawn(async move {
+                    manager.reap_unused_volumes().await;
+                }));
             }
+        }
+        // An unstage cut short stays recorded in its stub; the next start
+        // finishes it.
+        if let Some(reaper) = reaper {
+            reaper.abort();
         }
         tracing::debug!("CSI manager stopped");
     }
@@ -193,6 +222,11 @@ impl CsiManager {
     /// Stages (once per volume and usage on the node) and publishes (once
     /// per alloc) a volume.
     pub async fn mount_volume(&self, req: MountRequest) -> Result<MountInfo, CsiError> {
+        // A restarted client must know the plugin of every volume it mounted.
+        if let Err(e) = self.persist_registry() {
+            self.emit_storage_failure("Mount volume", &req.volume_id, &req.alloc_id, &e);
+            return Err(e);
+        }
         let client = match self.client(&req.plugin_id).await {
             Ok(c) => c,
             Err(e) => {
@@ -213,10 +247,14 @@ impl CsiManager {
     }
 
     /// Unpublishes the alloc's target and unstages when it was the last user
-    /// of that usage on the node. Idempotent.
+    /// of that usage on the node. Idempotent. Fails while any undo of the
+    /// usage is unfinished (the alloc's unpublish, or an unstage left over
+    /// with no alloc using the volume), also when the plugin is gone: the
+    /// volume is still staged or published here, so the caller must retry
+    /// rather than let the servers detach it.
     pub async fn unmount_volume(&self, req: UnmountRequest) -> Result<(), CsiError> {
         let (alloc_uses, unfinished_undo) = self.volumes.unmount_work(&req);
-        let client = if alloc_uses {
+        let client = if alloc_uses || unfinished_undo {
             match self.client(&req.plugin_id).await {
                 Ok(c) => Some(c),
                 Err(e) => {
@@ -224,9 +262,6 @@ impl CsiManager {
                     return Err(e);
                 }
             }
-        } else if unfinished_undo {
-            // Not this alloc's to finish, but worth a try when the plugin is here.
-            self.client(&req.plugin_id).await.ok()
         } else {
             None
         };
@@ -281,8 +316,9 @@ impl CsiManager {
     }
 
     /// Fingerprints every registered plugin, emits CSI node events for
-    /// health changes, and sends the full set to the fingerprint sink when it
-    /// changed (always the first time).
+    /// health changes, and hands the full set to the fingerprint sender when
+    /// it changed (always the first time). Does not wait for the sink: the
+    /// sender task delivers the newest set, one at a time.
     pub async fn refresh_fingerprints(&self) {
         let _round = self.refresh_lock.lock().await;
         let regs = self.registry.list();
@@ -323,6 +359,15 @@ impl CsiManager {
 
         let (update, events) = {
             let mut state = self.lock_state();
+            // An unhealthy entry keeps the capability flags of the plugin's
+            // last healthy one: the servers still need to know, say, that
+            // its volumes are controller-published.
+            state.last_good.retain(|id, _| fresh.contains_key(id));
+            for (id, fp) in fresh.iter_mut() {
+                let last_good = state.last_good.entry(id.clone()).or_default();
+                fp.keep_capabilities_of(last_good);
+                last_good.remember_healthy(fp);
+            }
             let mut events = Vec::new();
             for (id, fp) in &fresh {
                 let was = state.plugins.get(id).map(PluginFingerprint::healthy);
@@ -368,18 +413,34 @@ impl CsiManager {
         for e in events {
             self.events.emit(e);
         }
-        if let Some((nodes, controllers)) = update {
-            self.fingerprints.update_plugins(nodes, controllers).await;
+        if let Some(maps) = update {
+            self.start_fingerprint_sender();
+            self.latest_fingerprints.send_replace(Some(maps));
         }
     }
 
-    /// Finishes undoing usages that no alloc uses any more (an unstage that
-    /// failed before a restart).
-    async fn reap_unused_volumes(&self) {
-        for stub in self.volumes.stubs() {
-            if !stub.allocs.is_empty() {
-                continue;
+    /// Starts the task that sends fingerprint sets to the sink, once. It
+    /// ends when the manager is dropped.
+    fn start_fingerprint_sender(&self) {
+        if self.sender_started.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let sink = self.fingerprints.clone();
+        let mut latest = self.latest_fingerprints.subscribe();
+        tokio::spawn(async move {
+            while latest.changed().await.is_ok() {
+                let Some((nodes, controllers)) = latest.borrow_and_update().clone() else {
+                    continue;
+                };
+                sink.update_plugins(nodes, controllers).await;
             }
+        });
+    }
+
+    /// Finishes undoing usages that no alloc uses any more (an unstage that
+    /// failed, or whose plugin was away, maybe before a restart).
+    async fn reap_unused_volumes(&self) {
+        for stub in self.volumes.unused_stubs() {
             let Ok(client) = self.client(&stub.plugin_id).await else {
                 continue;
             };

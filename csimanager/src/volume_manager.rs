@@ -15,7 +15,10 @@
 //! - Uncertain errors are retried with bounded backoff; a publish that finally
 //!   fails is undone (unpublish, and unstage when it was the last user).
 //! - An undo that fails leaves the stub recording what remains to be undone,
-//!   so a later `unmount_volume` (or a restarted agent) finishes it.
+//!   so a later `unmount_volume` (or the manager's run loop) finishes it; an
+//!   unmount reports an error while any undo of its usage is unfinished.
+//! - A mount again for an alloc the stub already records (restore) never
+//!   gives the usage back on failure: the alloc's target may be published.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -147,6 +150,16 @@ impl VolumeManager {
     /// The usage stubs on this node.
     pub(crate) fn stubs(&self) -> Vec<VolumeStub> {
         self.lock_stubs().values().cloned().collect()
+    }
+
+    /// The usages no alloc uses any more that still wait for their undo
+    /// (an unstage that failed).
+    pub(crate) fn unused_stubs(&self) -> Vec<VolumeStub> {
+        self.lock_stubs()
+            .values()
+            .filter(|s| s.allocs.is_empty())
+            .cloned()
+            .collect()
     }
 
     /// Whether `req.alloc_id` uses the volume with this usage, and whether
@@ -377,6 +390,16 @@ impl VolumeManager {
             }
             .await;
             if let Err(e) = staged {
+                if remount {
+                    // The alloc used the volume before (an agent restart
+                    // re-runs its hooks): its target may still be published
+                    // and a task may still use it. The stub keeps the alloc
+                    // (and `staged`), so the stage stays for it and its later
+                    // unmount unpublishes the target before anything is
+                    // unstaged.
+                    tracing::warn!(error = %e, "staging again on restore failed; the alloc keeps its usage");
+                    return Err(e);
+                }
                 let prior_staged = prior.as_ref().is_some_and(|s| s.staged);
                 self.give_back_failed_stage(
                     client,
@@ -484,12 +507,16 @@ impl VolumeManager {
         };
         let uses = stub.allocs.contains_key(alloc_id);
         let Some(client) = client else {
-            if uses {
+            // An undo that cannot be made without the plugin is not done:
+            // the alloc's unpublish, or an unstage left unfinished (no alloc
+            // uses the usage, still staged). Reporting success would let the
+            // servers free the claim and detach a volume still staged here.
+            // `CsiManager::run` also finishes such an unstage once the
+            // plugin is back.
+            if uses || (stub.allocs.is_empty() && stub.staged) {
                 return Err(CsiError::PluginNotFound(stub.plugin_id.clone()));
             }
-            // Nothing of this alloc's; an unfinished unstage of the usage
-            // waits for the plugin (`CsiManager::run` finishes it).
-            if stub.allocs.is_empty() && !stub.staged {
+            if stub.allocs.is_empty() {
                 self.delete_stub(key)?;
             }
             return Ok(());

@@ -316,3 +316,157 @@ async fn the_manager_reuses_one_connection_per_plugin() {
     manager.refresh_fingerprints().await;
     assert_eq!(accepted.load(Ordering::SeqCst), 1, "one connection, reused");
 }
+
+#[tokio::test]
+async fn an_unhealthy_plugin_keeps_its_last_good_capability_flags() {
+    let mut h = Harness::start(&["--enable-attach"]).await;
+    let (_stop, _task) = run_manager(&h);
+    wait_for("healthy", Duration::from_secs(10), || {
+        h.fingerprints.last().is_some_and(|(n, c)| {
+            n.get(PLUGIN_ID).is_some_and(|i| i.healthy)
+                && c.get(PLUGIN_ID).is_some_and(|i| i.healthy)
+        })
+    })
+    .await;
+    let (good_nodes, good_controllers) = h.fingerprints.last().unwrap();
+
+    h.plugin.kill();
+    wait_for("an unhealthy fingerprint", Duration::from_secs(10), || {
+        h.fingerprints.last().is_some_and(|(n, c)| {
+            n.get(PLUGIN_ID).is_some_and(|i| !i.healthy)
+                && c.get(PLUGIN_ID).is_some_and(|i| !i.healthy)
+        })
+    })
+    .await;
+    let (nodes, controllers) = h.fingerprints.last().unwrap();
+    for (now, good) in [
+        (&nodes[PLUGIN_ID], &good_nodes[PLUGIN_ID]),
+        (&controllers[PLUGIN_ID], &good_controllers[PLUGIN_ID]),
+    ] {
+        assert!(!now.health_description.is_empty());
+        assert_ne!(now.health_description, good.health_description);
+        assert_eq!(
+            now.requires_controller_publish,
+            good.requires_controller_publish
+        );
+        assert_eq!(now.supports_stage_unstage, good.supports_stage_unstage);
+        assert_eq!(now.supports_create_delete, good.supports_create_delete);
+        assert_eq!(now.external_node_id, good.external_node_id);
+        assert_eq!(now.max_volumes, good.max_volumes);
+    }
+    assert!(controllers[PLUGIN_ID].requires_controller_publish);
+    assert!(controllers[PLUGIN_ID].supports_create_delete);
+    assert!(nodes[PLUGIN_ID].supports_stage_unstage);
+    assert_eq!(nodes[PLUGIN_ID].external_node_id, "node-1");
+}
+
+/// A fingerprint sink whose calls block until released, like the agent's
+/// sink retrying against unreachable servers.
+struct BlockedSink {
+    calls: std::sync::Mutex<Vec<PluginMaps>>,
+    release: tokio::sync::Semaphore,
+}
+
+impl Default for BlockedSink {
+    fn default() -> Self {
+        BlockedSink {
+            calls: std::sync::Mutex::default(),
+            release: tokio::sync::Semaphore::new(0),
+        }
+    }
+}
+
+impl BlockedSink {
+    fn calls(&self) -> Vec<PluginMaps> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[async_trait::async_trait]
+impl berth_csimanager::FingerprintSink for BlockedSink {
+    async fn update_plugins(
+        &self,
+        node_plugins: std::collections::BTreeMap<String, berth_structs::CsiInfo>,
+        controller_plugins: std::collections::BTreeMap<String, berth_structs::CsiInfo>,
+    ) {
+        self.calls
+            .lock()
+            .unwrap()
+            .push((node_plugins, controller_plugins));
+        let _ = self.release.acquire().await;
+    }
+}
+
+#[tokio::test]
+async fn a_blocked_fingerprint_sink_holds_up_neither_the_registry_nor_health() {
+    let h = Harness::start(&[]).await;
+    let sink = Arc::new(BlockedSink::default());
+    let store = Arc::new(MemStore::default());
+    let events = Arc::new(EventLog::default());
+    let registry = PluginRegistry::new();
+    registry.register(registration(&h.plugin.socket, CsiPluginType::Monolith));
+    let manager = berth_csimanager::CsiManager::new(
+        berth_csimanager::ManagerConfig {
+            root_dir: h.dir.path().join("csi2"),
+            node_id: "node-1".into(),
+            call_timeout: Duration::from_secs(5),
+            fingerprint_interval: Duration::from_millis(200),
+        },
+        registry.clone(),
+        store.clone(),
+        events.clone(),
+        sink.clone(),
+    )
+    .unwrap();
+    let (stop, rx) = watch::channel(false);
+    let task = tokio::spawn(manager.clone().run(rx));
+    wait_for("the first set sent", Duration::from_secs(10), || {
+        sink.calls().len() == 1
+    })
+    .await;
+
+    // The sink is stuck in the first send; the loop still persists the
+    // registry and fingerprints new plugins.
+    let reg_of = |id: &str| {
+        let mut r = registration(&h.plugin.socket, CsiPluginType::Node);
+        r.plugin_id = id.into();
+        registry.register(r.clone());
+        r
+    };
+    let other = reg_of("other");
+    wait_for("other persisted", Duration::from_secs(5), || {
+        store.plugins().contains(&other)
+    })
+    .await;
+    wait_for("other fingerprinted", Duration::from_secs(5), || {
+        manager
+            .plugin_fingerprint("other")
+            .is_some_and(|fp| fp.healthy())
+    })
+    .await;
+    let third = reg_of("third");
+    wait_for("third fingerprinted", Duration::from_secs(5), || {
+        store.plugins().contains(&third)
+            && manager
+                .plugin_fingerprint("third")
+                .is_some_and(|fp| fp.healthy())
+    })
+    .await;
+    assert_eq!(sink.calls().len(), 1, "one send at a time");
+
+    // Released, the sink gets the newest set; the one in between is skipped.
+    sink.release.add_permits(1);
+    wait_for("the newest set sent", Duration::from_secs(5), || {
+        sink.calls()
+            .last()
+            .is_some_and(|(n, _)| n.contains_key("other") && n.contains_key("third"))
+    })
+    .await;
+    assert_eq!(sink.calls().len(), 2, "sets sent while blocked coalesce");
+
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .expect("run stops on shutdown")
+        .unwrap();
+}

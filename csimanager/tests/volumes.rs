@@ -423,3 +423,173 @@ async fn an_unfinished_unstage_is_finished_by_the_manager_after_a_restart() {
     stop.send(true).unwrap();
     task.await.unwrap();
 }
+
+#[tokio::test]
+async fn an_unmount_fails_while_an_unstage_is_unfinished_and_the_plugin_is_gone() {
+    let h = Harness::start(&["--fail", "NodeUnstageVolume=internal:1"]).await;
+    let ext = h.create_volume("v").await;
+    let m = mount_req("v", &ext, "alloc-1");
+    let target = h.manager.mount_volume(m.clone()).await.unwrap().source;
+    let staging = h.manager.staging_path(&m);
+    h.manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect_err("unstage fails");
+    assert_eq!(mount_count_at(&target), 0, "the unpublish was made");
+
+    // The plugin goes away before the caller retries: the volume is still
+    // staged, so the retry must not report the node detach as done.
+    assert!(h.registry.deregister(PLUGIN_ID, PLUGIN_ALLOC));
+    let err = h
+        .manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect_err("the unstage is still to do");
+    assert!(matches!(err, CsiError::PluginNotFound(_)), "{err:?}");
+    assert_eq!(err.code(), Code::Unavailable, "callers retry it");
+    assert_eq!(mount_count_at(&staging), 1, "still staged");
+    let stub = h.store.volumes().into_values().next().expect("stub kept");
+    assert!(stub.staged && stub.allocs.is_empty());
+    let unmounts = h
+        .events
+        .with_message(NodeEvent::SUBSYSTEM_STORAGE, "Unmount volume");
+    assert_eq!(unmounts.last().unwrap().details["success"], "false");
+
+    // Once the plugin is back the retry finishes the unstage.
+    h.registry.register(registration(
+        &h.plugin.socket,
+        berth_structs::CsiPluginType::Monolith,
+    ));
+    h.manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect("unmount once the plugin is back");
+    assert!(mounts_under(&h.root).is_empty());
+    assert!(h.store.volumes().is_empty());
+}
+
+#[tokio::test]
+async fn an_unfinished_unstage_is_retried_by_every_round_of_the_run_loop() {
+    let h = Harness::start(&["--fail", "NodeUnstageVolume=internal:1"]).await;
+    let (stop, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(h.manager.clone().run(rx));
+    // The loop has made its first round before the unstage fails.
+    wait_for("a first round", Duration::from_secs(10), || {
+        h.fingerprints.last().is_some()
+    })
+    .await;
+    let ext = h.create_volume("v").await;
+    let m = mount_req("v", &ext, "alloc-1");
+    h.manager.mount_volume(m.clone()).await.unwrap();
+    h.manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect_err("unstage fails");
+
+    // Nobody asks for the volume again: a later round unstages it.
+    wait_for("the stage to be undone", Duration::from_secs(10), || {
+        h.store.volumes().is_empty()
+    })
+    .await;
+    assert!(mounts_under(&h.root).is_empty());
+    stop.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), task)
+        .await
+        .expect("run stops on shutdown")
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_failed_stage_on_remount_keeps_the_alloc_and_its_published_target() {
+    let mut h = Harness::start(&[]).await;
+    let ext = h.create_volume("v").await;
+    let m = mount_req("v", &ext, "alloc-1");
+    let target = h.manager.mount_volume(m.clone()).await.unwrap().source;
+    let staging = h.manager.staging_path(&m);
+    std::fs::write(target.join("data"), "kept").unwrap();
+
+    // The agent restarts and re-runs the alloc's hooks; staging fails now.
+    h.restart();
+    h.restart_plugin(&["--fail", "NodeStageVolume=failedprecondition"])
+        .await;
+    let err = h
+        .manager
+        .mount_volume(m.clone())
+        .await
+        .expect_err("the stage fails");
+    assert_eq!(err.code(), Code::FailedPrecondition);
+
+    // The alloc's target is still published: the stub must keep the alloc,
+    // and the stage must stay under it.
+    let stub = h.store.volumes().into_values().next().expect("stub kept");
+    assert!(stub.staged);
+    assert_eq!(stub.allocs.get("alloc-1"), Some(&target));
+    assert_eq!(mount_count_at(&target), 1);
+    assert_eq!(mount_count_at(&staging), 1, "not unstaged under the target");
+    assert_eq!(
+        std::fs::read_to_string(target.join("data")).unwrap(),
+        "kept"
+    );
+
+    // The alloc's unmount undoes it all, publish first.
+    h.manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect("unmount");
+    assert!(mounts_under(&h.root).is_empty());
+    assert!(h.store.volumes().is_empty());
+}
+
+#[tokio::test]
+async fn mount_persists_the_registry_before_its_csi_calls() {
+    // Staging takes a while, so the store can be looked at meanwhile.
+    let h = Harness::start(&["--delay", "NodeStageVolume=2s"]).await;
+    let ext = h.create_volume("v").await;
+    // A manager started before the plugin registered, whose run loop has
+    // not persisted the registration (it is not running).
+    let store = std::sync::Arc::new(MemStore::default());
+    let events = std::sync::Arc::new(EventLog::default());
+    let fingerprints = std::sync::Arc::new(FingerprintLog::default());
+    let registry = berth_csimanager::PluginRegistry::new();
+    let manager = new_manager(
+        &h.root,
+        Duration::from_secs(5),
+        registry.clone(),
+        &store,
+        &events,
+        &fingerprints,
+    );
+    let reg = registration(&h.plugin.socket, berth_structs::CsiPluginType::Monolith);
+    registry.register(reg.clone());
+    assert!(store.plugins().is_empty());
+
+    let m = mount_req("v", &ext, "alloc-1");
+    let mount = tokio::spawn({
+        let manager = manager.clone();
+        let m = m.clone();
+        async move { manager.mount_volume(m).await }
+    });
+    wait_for(
+        "the registration persisted while staging",
+        Duration::from_secs(1),
+        || store.plugins() == vec![reg.clone()],
+    )
+    .await;
+    mount.await.unwrap().expect("mount");
+
+    // A restarted client knows the plugin, so it can unmount.
+    let manager = new_manager(
+        &h.root,
+        Duration::from_secs(5),
+        berth_csimanager::PluginRegistry::new(),
+        &store,
+        &events,
+        &fingerprints,
+    );
+    manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect("unmount after a restart");
+    assert!(mounts_under(&h.root).is_empty());
+    assert!(store.volumes().is_empty());
+}
