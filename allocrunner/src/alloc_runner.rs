@@ -355,21 +355,42 @@ async fn lifecycle(inner: Arc<Inner>) {
     inner.done.send_replace(true);
 }
 
+/// The later of the persisted handle and the executor's own record: the
+/// agent may have died after the executor started a task and before the
+/// handle was persisted.
+fn last_run(
+    persisted: Option<TaskHandleRecord>,
+    driver: &str,
+    executor_dir: &std::path::Path,
+) -> Option<TaskHandleRecord> {
+    let on_disk = TaskHandleRecord::from_executor_dir(driver, executor_dir);
+    match (persisted, on_disk) {
+        (Some(p), Some(d)) if d.started_at_ms > p.started_at_ms => Some(d),
+        (Some(p), _) => Some(p),
+        (None, d) => d,
+    }
+}
+
 /// Stops the tasks of a restored alloc that were left running.
 async fn kill_restored_tasks(
     inner: &Inner,
     group: &TaskGroup,
     handles: &BTreeMap<String, TaskHandleRecord>,
 ) {
+    let alloc_dir = AllocDir::new(&inner.config.alloc_root, &inner.alloc_id);
     for task in &group.tasks {
-        let Some(record) = handles.get(&task.name) else {
+        let Some(record) = last_run(
+            handles.get(&task.name).cloned(),
+            &task.driver,
+            &alloc_dir.executor_dir(&task.name),
+        ) else {
             continue;
         };
         let Some(driver) = inner.config.drivers.get(&record.driver) else {
             warn!(task = %task.name, driver = %record.driver, "cannot stop a restored task: its driver is not available");
             continue;
         };
-        match driver.reattach(record).await {
+        match driver.reattach(&record).await {
             Ok(handle) if handle.try_exit().is_none() => {
                 info!(task = %task.name, pid = handle.pid(), "stopping a restored task of an alloc that will not run");
                 let kill_timeout = task
@@ -407,7 +428,11 @@ async fn run_tasks(
                 info!(task = %task.name, "restored task was done; not running it");
                 continue;
             }
-            reattach = handles.get(&task.name).cloned();
+            reattach = last_run(
+                handles.get(&task.name).cloned(),
+                &task.driver,
+                &ctx.alloc_dir.executor_dir(&task.name),
+            );
         }
         let runner = TaskRunner {
             reattach,

@@ -54,6 +54,8 @@ pub enum StartFailure {
 pub enum ExecutorState {
     Running {
         executor_pid: u32,
+        /// The executor's own start time, like `task_start_ticks`.
+        executor_start_ticks: u64,
         task_pid: u32,
         /// The task's process group (its pid).
         pgid: i32,
@@ -190,6 +192,7 @@ pub fn run_executor(args: &[String]) -> i32 {
     let task_pid = child.id();
     let state = ExecutorState::Running {
         executor_pid: std::process::id(),
+        executor_start_ticks: process_start_ticks(std::process::id()).unwrap_or_default(),
         task_pid,
         pgid: task_pid as i32,
         task_start_ticks: process_start_ticks(task_pid).unwrap_or_default(),

@@ -175,6 +175,29 @@ fn a_restored_runner_reattaches_to_the_running_task_and_sees_its_real_exit() {
 }
 
 #[test]
+fn a_task_whose_handle_was_not_persisted_is_found_through_its_executor() {
+    let s = run_then_lose_the_agent(JobType::Service, waiting_task());
+    s.store.forget_handles(&s.alloc_id);
+    let second = runtime();
+    second.block_on(async {
+        let runner = restored_runner(&s);
+        runner.run();
+        wait_for("the restored task to be running", WITHIN, || {
+            runner
+                .task_states()
+                .get("web")
+                .is_some_and(|st| st.state == TaskStateKind::Running)
+        })
+        .await;
+        assert_eq!(starts(&s.local), 1, "reattached, not started again");
+        assert!(process_alive(s.pid));
+        runner.stop();
+        wait_done(&runner, WITHIN).await;
+        assert!(!process_alive(s.pid), "the stop reached the task");
+    });
+}
+
+#[test]
 fn a_task_that_exited_while_the_agent_was_down_gets_its_recorded_exit() {
     let s = run_then_lose_the_agent(JobType::Batch, waiting_task());
     std::fs::write(s.local.join("go"), "").unwrap();

@@ -6,7 +6,7 @@
 //! [`Driver::reattach`]es to it instead of starting the task again.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,6 +84,40 @@ impl std::fmt::Display for ExitResult {
             }
             (Some(code), None, _) => write!(f, "Exit Code: {code}"),
             (None, None, None) => f.write_str("exited"),
+        }
+    }
+}
+
+impl TaskHandleRecord {
+    /// The record of the run an executor wrote in `executor_dir`, if it
+    /// started its task. The executor writes it before the agent can
+    /// persist the handle, so it also finds a task whose agent died in
+    /// between.
+    pub fn from_executor_dir(driver: &str, executor_dir: &Path) -> Option<TaskHandleRecord> {
+        let state = crate::executor::read_record::<crate::executor::ExecutorState>(
+            executor_dir,
+            crate::executor::STATE_FILE,
+        )
+        .ok()??;
+        match state {
+            crate::executor::ExecutorState::Running {
+                executor_pid,
+                executor_start_ticks,
+                task_pid,
+                pgid,
+                task_start_ticks,
+                started_at_ms,
+            } => Some(TaskHandleRecord {
+                driver: driver.to_string(),
+                executor_dir: executor_dir.to_path_buf(),
+                executor_pid,
+                executor_start_ticks,
+                task_pid,
+                pgid,
+                task_start_ticks,
+                started_at_ms,
+            }),
+            crate::executor::ExecutorState::StartFailed { .. } => None,
         }
     }
 }

@@ -169,7 +169,6 @@ impl Driver for RawExecDriver {
                 warn!(alloc_id = %spec.alloc_id, task = %spec.task, error = %e, "sending the spec to the executor");
             }
         }
-        let executor_pid = child.id().unwrap_or_default();
         let deadline = Instant::now() + EXECUTOR_START_TIMEOUT;
         let executor_failed = |message: String| DriverError::ExecutorFailed {
             command: spec.command.clone(),
@@ -204,14 +203,24 @@ impl Driver for RawExecDriver {
             }
             tokio::time::sleep(EXECUTOR_START_POLL).await;
         };
-        let (task_pid, pgid, task_start_ticks, started_at_ms) = match state {
+        let record = match state {
             ExecutorState::Running {
+                executor_pid,
+                executor_start_ticks,
                 task_pid,
                 pgid,
                 task_start_ticks,
                 started_at_ms,
-                ..
-            } => (task_pid, pgid, task_start_ticks, started_at_ms),
+            } => TaskHandleRecord {
+                driver: self.name().into(),
+                executor_dir: dir.clone(),
+                executor_pid,
+                executor_start_ticks,
+                task_pid,
+                pgid,
+                task_start_ticks,
+                started_at_ms,
+            },
             ExecutorState::StartFailed { kind, message } => {
                 let _ = child.wait().await;
                 let command = spec.command.clone();
@@ -225,17 +234,7 @@ impl Driver for RawExecDriver {
                 });
             }
         };
-        let record = TaskHandleRecord {
-            driver: self.name().into(),
-            executor_dir: dir.clone(),
-            executor_pid,
-            executor_start_ticks: process_start_ticks(executor_pid).unwrap_or_default(),
-            task_pid,
-            pgid,
-            task_start_ticks,
-            started_at_ms,
-        };
-        debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid = task_pid, executor_pid, "started raw_exec task");
+        debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid = record.task_pid, executor_pid = record.executor_pid, "started raw_exec task");
         let (tx, exit) = watch::channel(None);
         let waited = record.clone();
         tokio::spawn(async move {

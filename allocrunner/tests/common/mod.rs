@@ -213,6 +213,14 @@ impl MemAllocStore {
         allocs.get(alloc_id)?.handles.get(task).cloned()
     }
 
+    /// Drops the persisted handles of an alloc, as if the agent died
+    /// between starting its tasks and persisting their handles.
+    pub fn forget_handles(&self, alloc_id: &str) {
+        if let Some(r) = self.allocs.lock().unwrap().get_mut(alloc_id) {
+            r.handles.clear();
+        }
+    }
+
     pub fn contains(&self, alloc_id: &str) -> bool {
         self.allocs.lock().unwrap().contains_key(alloc_id)
     }
