@@ -297,6 +297,15 @@ impl DevAgent {
     /// on the same data dir and HTTP port, ready once its node is.
     pub fn restart(&mut self) -> Result<()> {
         self.stop_agent()?;
+        self.start_again()
+    }
+
+    /// Starts a new agent on the same data dir and HTTP port after
+    /// [`Self::stop_agent`], ready once its node is.
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            bail!("the agent still runs");
+        }
         self.spawn(self.port)?;
         self.wait_ready()
     }

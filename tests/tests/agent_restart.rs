@@ -3,7 +3,8 @@
 //! SIGTERM and a new agent on the same data dir, the very same processes
 //! run (one of each), the plugin is healthy and registered again, the claim
 //! is still the service's, its mount is still in place and it still
-//! writes. Stopping the service afterwards frees the claim and the mounts.
+//! writes. A bind mount that vanished while the agent was down is made
+//! again. Stopping the service afterwards frees the claim and the mounts.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -228,6 +229,44 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
         Duration::from_secs(10),
         || Ok((lines(&ticks) >= written + 3).then_some(())),
     )?;
+
+    // A bind mount that vanished while the agent was down is made again;
+    // the holder writes through it to the volume once more.
+    agent.stop_agent()?;
+    let bind = holder_dir.join("hold/data");
+    assert!(mounts_before.contains(&bind), "{mounts_before:?}");
+    nix::mount::umount2(&bind, nix::mount::MntFlags::MNT_DETACH)?;
+    assert!(!mounts_under(&holder_dir).contains(&bind));
+    let healthy_before = count_events(&plugin, "plugin", "Plugin became healthy");
+    agent.start_again()?;
+    wait_for(
+        "the plugin to become healthy after the second restart",
+        Duration::from_secs(60),
+        || {
+            let a = only_alloc(&agent, "hostpath-plugin")?;
+            Ok(
+                (count_events(&a, "plugin", "Plugin became healthy") > healthy_before)
+                    .then_some(()),
+            )
+        },
+    )
+    .with_context(|| agent.log())?;
+    wait_for(
+        "the bind mount to be made again",
+        Duration::from_secs(30),
+        || Ok((mounts_under(&holder_dir) == mounts_before).then_some(())),
+    )
+    .with_context(|| agent.log())?;
+    let written = lines(&ticks);
+    wait_for(
+        "the holder to write to the volume again",
+        Duration::from_secs(10),
+        || Ok((lines(&ticks) >= written + 3).then_some(())),
+    )?;
+    assert_eq!(processes_with_cmdline(&plugin_needle), plugin_pids);
+    assert_eq!(processes_with_cmdline(HOLDER_MARK), holder_pids);
+    let vol = agent.cli_json(&["volume", "status", "data"])?;
+    assert_eq!(strs(&vol["write_allocs"]), vec![holder_id.clone()], "{vol}");
 
     // Stopping the holder frees the claim and unmounts everything of it.
     agent.cli_ok(&["job", "stop", "holder"])?;
