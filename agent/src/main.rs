@@ -1,5 +1,7 @@
 //! `berth`: one binary for every role. `berth agent -dev` runs a server and
-//! a client in one process; every other command talks to the HTTP API.
+//! a client in one process; `berth executor` (hidden) is the per-task
+//! executor that the client starts under every task; every other command
+//! talks to the HTTP API.
 
 mod agent;
 mod cli;

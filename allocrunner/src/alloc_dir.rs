@@ -74,6 +74,12 @@ impl AllocDir {
         }
     }
 
+    /// `<alloc_dir>/.executor/<task>`: the task's executor records; beside
+    /// the task dir, not in it, so neither the task nor its volumes see it.
+    pub fn executor_dir(&self, task: &str) -> PathBuf {
+        self.path.join(EXECUTOR_DIR).join(task)
+    }
+
     /// Makes the shared directories. Idempotent.
     pub fn build_shared(&self) -> Result<(), HookError> {
         for d in [self.data_dir(), self.logs_dir(), self.tmp_dir()] {
@@ -130,6 +136,10 @@ impl AllocDir {
     }
 }
 
+/// The directory of executor records below the alloc dir; no task may
+/// have this name.
+const EXECUTOR_DIR: &str = ".executor";
+
 fn create_dir(d: &Path) -> Result<(), HookError> {
     std::fs::create_dir_all(d).map_err(|e| HookError::io("creating", d, e))
 }
@@ -137,7 +147,11 @@ fn create_dir(d: &Path) -> Result<(), HookError> {
 fn check_task_name(task: &str) -> Result<(), HookError> {
     let mut comps = Path::new(task).components();
     match (comps.next(), comps.next()) {
-        (Some(Component::Normal(c)), None) if c == task && task != "alloc" => Ok(()),
+        (Some(Component::Normal(c)), None)
+            if c == task && task != "alloc" && task != EXECUTOR_DIR =>
+        {
+            Ok(())
+        }
         _ => Err(HookError::Invalid(format!(
             "task name {task:?} cannot be used as a directory name"
         ))),
@@ -198,7 +212,7 @@ mod tests {
     #[test]
     fn task_names_must_be_plain() {
         assert!(check_task_name("web").is_ok());
-        for bad in ["", ".", "..", "a/b", "/x", "alloc"] {
+        for bad in ["", ".", "..", "a/b", "/x", "alloc", ".executor"] {
             assert!(check_task_name(bad).is_err(), "{bad:?}");
         }
     }

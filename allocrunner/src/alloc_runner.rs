@@ -5,7 +5,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use berth_structs::{AllocClientStatus, Allocation, TaskEvent, TaskGroup, TaskState};
+use berth_structs::{
+    AllocClientStatus, Allocation, TaskEvent, TaskGroup, TaskState, TaskStateKind,
+};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
@@ -13,8 +15,9 @@ use tracing::{error, info, warn, Instrument};
 use crate::alloc_dir::AllocDir;
 use crate::alloc_hooks::{self, AllocHook, AllocHookContext};
 use crate::config::AllocRunnerConfig;
+use crate::driver::TaskHandleRecord;
 use crate::error::{AllocRunnerError, HookError};
-use crate::state::AllocState;
+use crate::state::{AllocState, RestoredAlloc};
 use crate::task_runner::TaskRunner;
 
 /// Runs one alloc. Cheap to clone; clones drive the same alloc.
@@ -35,6 +38,9 @@ struct Inner {
     started: AtomicBool,
     /// The prerun/postrun chain; taken when the lifecycle starts.
     hooks: Mutex<Option<Vec<Box<dyn AllocHook>>>>,
+    /// Set when the runner was restored after an agent restart: the last
+    /// handle of each task, to reattach to. Taken when the lifecycle starts.
+    restored: Mutex<Option<BTreeMap<String, TaskHandleRecord>>>,
 }
 
 impl AllocRunner {
@@ -49,6 +55,37 @@ impl AllocRunner {
         alloc: Allocation,
         hooks: Vec<Box<dyn AllocHook>>,
     ) -> AllocRunner {
+        Self::build(config, alloc, hooks, None)
+    }
+
+    /// A runner for an alloc this node ran before the agent restarted, as
+    /// the store had it. When run, its prerun hooks run again in restore
+    /// mode (the alloc dir is kept, the volumes are claimed and mounted
+    /// again, which keeps what is still there), tasks whose executor still
+    /// runs are reattached instead of started, tasks that exited meanwhile
+    /// get their recorded exit and follow the restart policy, tasks that
+    /// were done stay done, and an alloc that had finished stays finished.
+    pub fn restore(config: Arc<AllocRunnerConfig>, restored: RestoredAlloc) -> AllocRunner {
+        let RestoredAlloc {
+            alloc,
+            state,
+            handles,
+        } = restored;
+        let runner = Self::build(config, alloc, alloc_hooks::default_hooks(), state);
+        *runner
+            .inner
+            .restored
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(handles);
+        runner
+    }
+
+    fn build(
+        config: Arc<AllocRunnerConfig>,
+        alloc: Allocation,
+        hooks: Vec<Box<dyn AllocHook>>,
+        restored: Option<crate::state::PersistedAllocState>,
+    ) -> AllocRunner {
         let tasks: Vec<String> = alloc
             .group()
             .map(|g| g.tasks.iter().map(|t| t.name.clone()).collect())
@@ -57,6 +94,8 @@ impl AllocRunner {
             &alloc.id,
             tasks.iter().map(String::as_str),
             config.updater.clone(),
+            config.store.clone(),
+            restored,
         ));
         AllocRunner {
             inner: Arc::new(Inner {
@@ -68,6 +107,7 @@ impl AllocRunner {
                 done: watch::channel(false).0,
                 started: AtomicBool::new(false),
                 hooks: Mutex::new(Some(hooks)),
+                restored: Mutex::new(None),
             }),
         }
     }
@@ -98,6 +138,7 @@ impl AllocRunner {
         if self.inner.started.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.inner.persist_alloc();
         if self.inner.alloc().server_terminal() {
             self.stop();
         }
@@ -115,6 +156,9 @@ impl AllocRunner {
         }
         let stop = alloc.server_terminal();
         *self.inner.alloc.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(alloc);
+        if self.inner.started.load(Ordering::SeqCst) {
+            self.inner.persist_alloc();
+        }
         if stop {
             info!(alloc_id = %self.inner.alloc_id, "the servers want the alloc stopped");
             self.stop();
@@ -158,7 +202,11 @@ impl AllocRunner {
             );
             self.inner.done.send_replace(true);
         }
-        self.alloc_dir().destroy()
+        self.alloc_dir().destroy()?;
+        if let Err(e) = self.inner.config.store.delete_alloc(&self.inner.alloc_id) {
+            warn!(alloc_id = %self.inner.alloc_id, error = %e, "deleting the alloc's persisted state failed");
+        }
+        Ok(())
     }
 }
 
@@ -166,10 +214,31 @@ impl Inner {
     fn alloc(&self) -> Arc<Allocation> {
         self.alloc.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
+
+    fn persist_alloc(&self) {
+        if let Err(e) = self.config.store.put_alloc(&self.alloc()) {
+            warn!(alloc_id = %self.alloc_id, error = %e, "persisting the alloc failed; a restarted agent will not find it");
+        }
+    }
 }
 
 async fn lifecycle(inner: Arc<Inner>) {
     let state = inner.state.clone();
+    let restored = inner
+        .restored
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if restored.is_some() && state.client_status().is_terminal() {
+        // Postrun ran before the restart.
+        info!("restored alloc had finished; nothing to run");
+        state.report();
+        inner.done.send_replace(true);
+        return;
+    }
+    if restored.is_some() {
+        info!("restoring alloc");
+    }
     state.report();
     let alloc = inner.alloc();
     let Some(group) = alloc.group().cloned() else {
@@ -221,6 +290,13 @@ async fn lifecycle(inner: Arc<Inner>) {
         }
     }
 
+    if prerun_failure.is_some() || stopped || *ctx.stop.borrow() {
+        if let Some(handles) = &restored {
+            // Tasks left running by the previous agent must not outlive
+            // an alloc that will not run.
+            kill_restored_tasks(&inner, &group, handles).await;
+        }
+    }
     if let Some(msg) = &prerun_failure {
         for task in &group.tasks {
             state.task_dead(
@@ -241,7 +317,7 @@ async fn lifecycle(inner: Arc<Inner>) {
             );
         }
     } else {
-        run_tasks(&inner, &alloc, &group, &ctx).await;
+        run_tasks(&inner, &alloc, &group, &ctx, restored).await;
     }
 
     let mut postrun_errors = Vec::new();
@@ -279,6 +355,55 @@ async fn lifecycle(inner: Arc<Inner>) {
     inner.done.send_replace(true);
 }
 
+/// The later of the persisted handle and the executor's own record: the
+/// agent may have died after the executor started a task and before the
+/// handle was persisted.
+fn last_run(
+    persisted: Option<TaskHandleRecord>,
+    driver: &str,
+    executor_dir: &std::path::Path,
+) -> Option<TaskHandleRecord> {
+    let on_disk = TaskHandleRecord::from_executor_dir(driver, executor_dir);
+    match (persisted, on_disk) {
+        (Some(p), Some(d)) if d.started_at_ms > p.started_at_ms => Some(d),
+        (Some(p), _) => Some(p),
+        (None, d) => d,
+    }
+}
+
+/// Stops the tasks of a restored alloc that were left running.
+async fn kill_restored_tasks(
+    inner: &Inner,
+    group: &TaskGroup,
+    handles: &BTreeMap<String, TaskHandleRecord>,
+) {
+    let alloc_dir = AllocDir::new(&inner.config.alloc_root, &inner.alloc_id);
+    for task in &group.tasks {
+        let Some(record) = last_run(
+            handles.get(&task.name).cloned(),
+            &task.driver,
+            &alloc_dir.executor_dir(&task.name),
+        ) else {
+            continue;
+        };
+        let Some(driver) = inner.config.drivers.get(&record.driver) else {
+            warn!(task = %task.name, driver = %record.driver, "cannot stop a restored task: its driver is not available");
+            continue;
+        };
+        match driver.reattach(&record).await {
+            Ok(handle) if handle.try_exit().is_none() => {
+                info!(task = %task.name, pid = handle.pid(), "stopping a restored task of an alloc that will not run");
+                let kill_timeout = task
+                    .kill_timeout
+                    .unwrap_or(inner.config.default_kill_timeout);
+                handle.stop(kill_timeout).await;
+            }
+            Ok(_) => {}
+            Err(e) => warn!(task = %task.name, error = %e, "cannot stop a restored task"),
+        }
+    }
+}
+
 /// Runs every task of the group at once until all are done. A task that
 /// fails for good kills its siblings; a stop kills them all.
 async fn run_tasks(
@@ -286,13 +411,31 @@ async fn run_tasks(
     alloc: &Arc<Allocation>,
     group: &TaskGroup,
     ctx: &AllocHookContext,
+    restored: Option<BTreeMap<String, TaskHandleRecord>>,
 ) {
     let mounts = Arc::new(ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).clone());
     let (kill_tx, kill_rx) = watch::channel::<Option<String>>(None);
     let mut set = JoinSet::new();
     let mut names = HashMap::new();
+    let task_states = inner.state.task_states();
     for task in &group.tasks {
+        let mut reattach = None;
+        if let Some(handles) = &restored {
+            let dead = task_states
+                .get(&task.name)
+                .is_some_and(|s| s.state == TaskStateKind::Dead);
+            if dead {
+                info!(task = %task.name, "restored task was done; not running it");
+                continue;
+            }
+            reattach = last_run(
+                handles.get(&task.name).cloned(),
+                &task.driver,
+                &ctx.alloc_dir.executor_dir(&task.name),
+            );
+        }
         let runner = TaskRunner {
+            reattach,
             config: inner.config.clone(),
             alloc: alloc.clone(),
             task: task.clone(),

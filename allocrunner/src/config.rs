@@ -8,8 +8,8 @@ use std::time::Duration;
 use berth_csimanager::CsiManager;
 
 use crate::claims::VolumeClaimer;
-use crate::driver::{Driver, RawExecDriver};
-use crate::state::AllocStateUpdater;
+use crate::driver::{Driver, ExecutorCommand, RawExecDriver};
+use crate::state::{AllocStateStore, AllocStateUpdater, NoopStateStore};
 
 /// Shared by all alloc runners of a client. Build it with
 /// [`AllocRunnerConfig::new`] and adjust the public fields.
@@ -23,6 +23,9 @@ pub struct AllocRunnerConfig {
     pub csi: Arc<CsiManager>,
     pub claimer: Arc<dyn VolumeClaimer>,
     pub updater: Arc<dyn AllocStateUpdater>,
+    /// Where allocs, their states and task handles are persisted for a
+    /// restart; keeps nothing by default.
+    pub store: Arc<dyn AllocStateStore>,
     /// Task drivers by name; `raw_exec` by default.
     pub drivers: BTreeMap<String, Arc<dyn Driver>>,
     /// Put before the agent's `PATH` in every task's `PATH`.
@@ -61,6 +64,7 @@ impl AllocRunnerConfig {
             csi,
             claimer,
             updater,
+            store: Arc::new(NoopStateStore),
             drivers,
             extra_path: None,
             default_kill_timeout: Self::DEFAULT_KILL_TIMEOUT,
@@ -69,5 +73,14 @@ impl AllocRunnerConfig {
             claim_retry_timeout: Duration::from_secs(5 * 60),
             release_retry_timeout: Duration::from_secs(2 * 60),
         }
+    }
+
+    /// Runs `raw_exec` tasks under `executor` instead of
+    /// `<this binary> executor` (tests point it at a built binary).
+    pub fn set_executor(&mut self, executor: ExecutorCommand) {
+        self.drivers.insert(
+            "raw_exec".into(),
+            Arc::new(RawExecDriver::with_executor(executor)),
+        );
     }
 }

@@ -100,6 +100,16 @@ pub enum DriverError {
         #[source]
         error: std::io::Error,
     },
+    #[error("starting the executor {program}: {error}")]
+    Executor {
+        program: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    #[error("the executor of {command:?} failed: {message}")]
+    ExecutorFailed { command: String, message: String },
+    #[error("reattaching to task process {pid}: {message}")]
+    Reattach { pid: u32, message: String },
     #[error("signalling process group {pgid}: {errno}")]
     Signal { pgid: i32, errno: nix::Error },
 }

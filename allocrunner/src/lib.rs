@@ -2,15 +2,17 @@
 //!
 //! It owns the alloc runner and the task runners, their hook chains (alloc
 //! dir, CSI volumes, task dir, plugin supervisor, volume mounts), the task
-//! drivers (`raw_exec`) and the restart policy. An [`AllocRunner`] takes an
-//! [`berth_structs::Allocation`], makes its directories, claims and mounts its
-//! CSI volumes, runs its tasks, and undoes it all when the alloc stops.
+//! drivers (`raw_exec`), the per-task executor and the restart policy. An
+//! [`AllocRunner`] takes an [`berth_structs::Allocation`], makes its
+//! directories, claims and mounts its CSI volumes, runs its tasks, and
+//! undoes it all when the alloc stops. It persists what a restarted agent
+//! needs and picks running allocs up again ([`AllocRunner::restore`]).
 //!
 //! It knows nothing of the servers, the wire protocol, the state DB or the
 //! HTTP API: the agent plugs in what it needs from above through
-//! [`VolumeClaimer`] (CSI claims on the servers) and [`AllocStateUpdater`]
-//! (where alloc and task state changes go). CSI calls go through
-//! `berth-csimanager`.
+//! [`VolumeClaimer`] (CSI claims on the servers), [`AllocStateUpdater`]
+//! (where alloc and task state changes go) and [`AllocStateStore`] (what
+//! survives a restart). CSI calls go through `berth-csimanager`.
 
 pub mod alloc_dir;
 pub mod alloc_hooks;
@@ -20,6 +22,7 @@ pub mod config;
 pub mod driver;
 pub mod env;
 pub mod error;
+pub mod executor;
 pub mod restart;
 pub mod state;
 pub mod task_hooks;
@@ -29,6 +32,10 @@ pub use alloc_dir::{AllocDir, TaskDir};
 pub use alloc_runner::AllocRunner;
 pub use claims::{ClaimError, ClaimRequest, ClaimResult, VolumeClaimer};
 pub use config::AllocRunnerConfig;
-pub use driver::{Driver, ExitResult, RawExecDriver, TaskHandle, TaskSpec};
+pub use driver::{
+    Driver, ExecutorCommand, ExitResult, RawExecDriver, TaskHandle, TaskHandleRecord, TaskSpec,
+};
 pub use error::{AllocRunnerError, DriverError, HookError};
-pub use state::AllocStateUpdater;
+pub use state::{
+    AllocStateStore, AllocStateUpdater, NoopStateStore, PersistedAllocState, RestoredAlloc,
+};

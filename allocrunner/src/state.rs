@@ -3,8 +3,11 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use berth_structs::{now_ms, AllocClientStatus, TaskEvent, TaskState, TaskStateKind};
-use tracing::info;
+use berth_structs::{now_ms, AllocClientStatus, Allocation, TaskEvent, TaskState, TaskStateKind};
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::driver::TaskHandleRecord;
 
 /// Receives every change of an alloc's client status, description or task
 /// states; the agent batches them to the servers. Called with the runner's
@@ -20,6 +23,67 @@ pub trait AllocStateUpdater: Send + Sync {
     );
 }
 
+/// What an alloc runner persists so that a restarted agent picks its allocs
+/// up again instead of starting their tasks a second time. The agent
+/// implements it on its state database. Writes are made with the runner's
+/// state lock held: they must be quick.
+pub trait AllocStateStore: Send + Sync {
+    /// The alloc, when its runner starts and on every update.
+    fn put_alloc(&self, alloc: &Allocation) -> Result<(), String>;
+    /// The alloc's client status and task states, on every change.
+    fn put_alloc_state(&self, alloc_id: &str, state: &PersistedAllocState) -> Result<(), String>;
+    /// A task's handle, right after the task started.
+    fn put_task_handle(
+        &self,
+        alloc_id: &str,
+        task: &str,
+        handle: &TaskHandleRecord,
+    ) -> Result<(), String>;
+    /// Everything recorded of the alloc, once it is destroyed.
+    fn delete_alloc(&self, alloc_id: &str) -> Result<(), String>;
+    /// Every alloc recorded, for [`crate::AllocRunner::restore`].
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String>;
+}
+
+/// The alloc's state as persisted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedAllocState {
+    pub client_status: AllocClientStatus,
+    pub description: String,
+    pub task_states: BTreeMap<String, TaskState>,
+}
+
+/// One alloc as the store had it.
+#[derive(Debug, Clone)]
+pub struct RestoredAlloc {
+    pub alloc: Allocation,
+    pub state: Option<PersistedAllocState>,
+    /// The last started run of each task.
+    pub handles: BTreeMap<String, TaskHandleRecord>,
+}
+
+/// A store that keeps nothing: runners built on it cannot be restored.
+#[derive(Debug, Default)]
+pub struct NoopStateStore;
+
+impl AllocStateStore for NoopStateStore {
+    fn put_alloc(&self, _alloc: &Allocation) -> Result<(), String> {
+        Ok(())
+    }
+    fn put_alloc_state(&self, _id: &str, _state: &PersistedAllocState) -> Result<(), String> {
+        Ok(())
+    }
+    fn put_task_handle(&self, _id: &str, _task: &str, _h: &TaskHandleRecord) -> Result<(), String> {
+        Ok(())
+    }
+    fn delete_alloc(&self, _alloc_id: &str) -> Result<(), String> {
+        Ok(())
+    }
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String> {
+        Ok(Vec::new())
+    }
+}
+
 struct Inner {
     client_status: AllocClientStatus,
     description: String,
@@ -30,6 +94,7 @@ struct Inner {
 pub(crate) struct AllocState {
     alloc_id: String,
     updater: Arc<dyn AllocStateUpdater>,
+    store: Arc<dyn AllocStateStore>,
     inner: Mutex<Inner>,
 }
 
@@ -39,7 +104,21 @@ impl AllocState {
         alloc_id: &str,
         tasks: impl IntoIterator<Item = &'a str>,
         updater: Arc<dyn AllocStateUpdater>,
+        store: Arc<dyn AllocStateStore>,
+        restored: Option<PersistedAllocState>,
     ) -> AllocState {
+        if let Some(r) = restored {
+            return AllocState {
+                alloc_id: alloc_id.to_string(),
+                updater,
+                store,
+                inner: Mutex::new(Inner {
+                    client_status: r.client_status,
+                    description: r.description,
+                    task_states: r.task_states,
+                }),
+            };
+        }
         let task_states = tasks
             .into_iter()
             .map(|t| {
@@ -51,6 +130,7 @@ impl AllocState {
         AllocState {
             alloc_id: alloc_id.to_string(),
             updater,
+            store,
             inner: Mutex::new(Inner {
                 client_status: AllocClientStatus::Pending,
                 description: "No tasks have started".into(),
@@ -72,6 +152,14 @@ impl AllocState {
         {
             inner.client_status = AllocClientStatus::Running;
             inner.description = "Tasks are running".into();
+        }
+        let persisted = PersistedAllocState {
+            client_status: inner.client_status,
+            description: inner.description.clone(),
+            task_states: inner.task_states.clone(),
+        };
+        if let Err(e) = self.store.put_alloc_state(&self.alloc_id, &persisted) {
+            warn!(alloc_id = %self.alloc_id, error = %e, "persisting the alloc's state failed");
         }
         self.updater.alloc_updated(
             &self.alloc_id,
@@ -108,6 +196,18 @@ impl AllocState {
             let s = i.task_states.entry(task.to_string()).or_default();
             s.state = TaskStateKind::Running;
             s.started_at_ms = Some(now_ms());
+        });
+    }
+
+    /// A task found running after a restart: running again, keeping its
+    /// start time.
+    pub(crate) fn task_reattached(&self, task: &str) {
+        self.update(|i| {
+            let s = i.task_states.entry(task.to_string()).or_default();
+            s.state = TaskStateKind::Running;
+            if s.started_at_ms.is_none() {
+                s.started_at_ms = Some(now_ms());
+            }
         });
     }
 

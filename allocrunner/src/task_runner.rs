@@ -8,11 +8,11 @@ use berth_csimanager::MountInfo;
 use berth_structs::{Allocation, Task, TaskEvent};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tracing::{error, warn};
+use tracing::{error, info, warn};
 
 use crate::alloc_dir::AllocDir;
 use crate::config::AllocRunnerConfig;
-use crate::driver::{ExitResult, TaskSpec};
+use crate::driver::{ExitResult, TaskHandleRecord, TaskSpec};
 use crate::env;
 use crate::restart::{RestartDecision, RestartTracker};
 use crate::state::{AllocState, TaskEvents};
@@ -28,6 +28,9 @@ pub(crate) struct TaskRunner {
     /// Becomes `Some(reason)` when the task must be killed and not
     /// restarted (the alloc stops, or a sibling failed).
     pub kill: watch::Receiver<Option<String>>,
+    /// After an agent restart: the handle of the task's last run, to
+    /// reattach to instead of starting the task again.
+    pub reattach: Option<TaskHandleRecord>,
 }
 
 /// Why a run of the task ended.
@@ -61,6 +64,7 @@ impl TaskRunner {
             state,
             mounts,
             mut kill,
+            mut reattach,
         } = self;
         let name = task.name.clone();
         let events = TaskEvents::new(state.clone(), &name);
@@ -86,6 +90,7 @@ impl TaskRunner {
             env: base_env.clone(),
             mounts,
             events: events.clone(),
+            restoring: false,
         };
         let mut hooks = task_hooks::hooks_for(&task);
         let mut prestarted = 0usize;
@@ -95,7 +100,11 @@ impl TaskRunner {
                 break (false, None);
             }
             ctx.env = base_env.clone();
-            events.emit("Task Setup", "Building Task Directory");
+            let reattaching = reattach.take();
+            ctx.restoring = reattaching.is_some();
+            if !ctx.restoring {
+                events.emit("Task Setup", "Building Task Directory");
+            }
             for (i, hook) in hooks.iter_mut().enumerate() {
                 prestarted = prestarted.max(i + 1);
                 if let Err(e) = hook.prestart(&mut ctx).await {
@@ -130,17 +139,42 @@ impl TaskRunner {
                 task_dir: ctx.task_dir.dir.clone(),
                 stdout_path: alloc_dir.stdout_path(&name),
                 stderr_path: alloc_dir.stderr_path(&name),
+                executor_dir: alloc_dir.executor_dir(&name),
                 env,
             };
-            let handle = match driver.start(&spec).await {
-                Ok(h) => h,
-                Err(e) => {
-                    events.emit("Driver Failure", format!("failed to start task: {e}"));
-                    break (true, Some(not_restarting("Error was unrecoverable")));
+            let handle = if let Some(record) = &reattaching {
+                // Never started again here: a task the driver cannot tell
+                // about may still run, and two copies must not.
+                match driver.reattach(record).await {
+                    Ok(h) => {
+                        info!(alloc_id = %alloc.id, task = %name, pid = h.pid(), running = h.try_exit().is_none(), "reattached to the task");
+                        state.task_reattached(&name);
+                        h
+                    }
+                    Err(e) => {
+                        events.emit("Driver Failure", format!("failed to reattach: {e}"));
+                        break (true, Some(not_restarting("Error was unrecoverable")));
+                    }
                 }
+            } else {
+                let handle = match driver.start(&spec).await {
+                    Ok(h) => h,
+                    Err(e) => {
+                        events.emit("Driver Failure", format!("failed to start task: {e}"));
+                        break (true, Some(not_restarting("Error was unrecoverable")));
+                    }
+                };
+                // Persisted before the task is reported running: a restart
+                // from here on finds it.
+                if let Some(record) = handle.record() {
+                    if let Err(e) = config.store.put_task_handle(&alloc.id, &name, &record) {
+                        error!(alloc_id = %alloc.id, task = %name, error = %e, "persisting the task handle failed; a restarted agent will not find the task");
+                    }
+                }
+                state.task_running(&name);
+                events.emit("Started", "Task started by client");
+                handle
             };
-            state.task_running(&name);
-            events.emit("Started", "Task started by client");
 
             let (kill_tx, mut kill_rx) = mpsc::unbounded_channel::<KillRequest>();
             let control = TaskControl {

@@ -198,7 +198,11 @@ sleep 1000"#,
     assert_eq!(claims.len(), 2, "one refused claim, one granted");
     assert_eq!(claims[1].alloc_id, a.id);
     assert_eq!(claims[1].mode, ClaimMode::Write);
-    assert_eq!(runner.client_status(), AllocClientStatus::Running);
+    // The task may write before the driver has reported it started.
+    wait_for("the alloc to be running", WITHIN, || {
+        runner.client_status() == AllocClientStatus::Running
+    })
+    .await;
 
     let mut stopped = a.clone();
     stopped.desired_status = AllocDesiredStatus::Stop;

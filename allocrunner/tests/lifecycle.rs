@@ -247,7 +247,10 @@ async fn stop_kills_the_process_group_and_runs_postrun() {
         live_group_members(pgid).len() >= 3
     })
     .await;
-    assert_eq!(runner.client_status(), AllocClientStatus::Running);
+    wait_for("the alloc to be running", DONE_WITHIN, || {
+        runner.client_status() == AllocClientStatus::Running
+    })
+    .await;
 
     let mut stopped = alloc.clone();
     stopped.desired_status = AllocDesiredStatus::Stop;

@@ -131,10 +131,35 @@ fn pids_mentioning(needle: &str) -> Vec<i32> {
     pids
 }
 
+/// PIDs of live (non-zombie) processes whose command line contains
+/// `needle`.
+pub fn processes_with_cmdline(needle: &str) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<i32> = dir
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat
+                .rfind(')')
+                .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            !zombie && String::from_utf8_lossy(&cmdline).contains(needle)
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
+}
+
 /// A running dev agent and everything it started.
 pub struct DevAgent {
     pub data_dir: tempfile::TempDir,
     pub http_addr: String,
+    port: u16,
     child: Option<Child>,
     /// Binaries tasks find on PATH (the example plugin).
     path_env: String,
@@ -157,6 +182,7 @@ impl DevAgent {
         let mut agent = DevAgent {
             data_dir,
             http_addr,
+            port,
             child: None,
             path_env,
             log_path,
@@ -167,7 +193,11 @@ impl DevAgent {
     }
 
     fn spawn(&mut self, port: u16) -> Result<()> {
-        let log = std::fs::File::create(&self.log_path)?;
+        // Appended to: a restarted agent's log follows the first one's.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)?;
         let child = Command::new(binary("berth"))
             .args(["agent", "-dev", "-data-dir"])
             .arg(self.data_dir.path())
@@ -261,6 +291,28 @@ impl DevAgent {
             }
         }
         Ok(())
+    }
+
+    /// Restarts the agent as an operator would: SIGTERM, then a new agent
+    /// on the same data dir and HTTP port, ready once its node is.
+    pub fn restart(&mut self) -> Result<()> {
+        self.stop_agent()?;
+        self.start_again()
+    }
+
+    /// Starts a new agent on the same data dir and HTTP port after
+    /// [`Self::stop_agent`], ready once its node is.
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            bail!("the agent still runs");
+        }
+        self.spawn(self.port)?;
+        self.wait_ready()
+    }
+
+    /// PIDs of live processes whose command line contains `needle`.
+    pub fn processes_with_cmdline(&self, needle: &str) -> Vec<i32> {
+        processes_with_cmdline(needle)
     }
 
     /// Kills every process that mentions the data dir and unmounts

@@ -118,7 +118,8 @@ pub fn run(args: Vec<String>) -> Result<i32> {
     let tail = rest.get(1..).unwrap_or_default();
     match (cmd, sub) {
         ("agent", _) => crate::agent::run_from_args(rest),
-        ("executor", _) => bail!("berth executor is internal"),
+        // Hidden: the per-task executor the raw_exec driver starts.
+        ("executor", _) => Ok(berth_allocrunner::executor::run_executor(rest)),
         ("job", Some("run")) => job_run(tail),
         ("job", Some("stop")) => job_stop(tail),
         ("job", Some("status")) => job_status(tail),

@@ -125,14 +125,16 @@ impl Client {
             Arc::new(conn.clone()),
         )
         .context("starting the CSI manager")?;
-        let runner_config = Arc::new(AllocRunnerConfig::new(
+        let mut runner_config = AllocRunnerConfig::new(
             config.data_dir.join("alloc"),
             client_dir.join("plugins"),
             node_id,
             csi.clone(),
             Arc::new(conn.clone()),
             Arc::new(conn.clone()),
-        ));
+        );
+        runner_config.store = Arc::new(state.clone());
+        let runner_config = Arc::new(runner_config);
         Ok(Arc::new(Client {
             conn,
             csi,
@@ -146,6 +148,10 @@ impl Client {
     /// returns.
     pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
         self.register_until_done(shutdown.clone()).await;
+        if *shutdown.borrow() {
+            return;
+        }
+        self.restore_allocs().await;
         let mut tasks = tokio::task::JoinSet::new();
         {
             let conn = self.conn.clone();
@@ -174,6 +180,30 @@ impl Client {
             tasks.spawn(async move { this.watch_allocs(rx).await });
         }
         while tasks.join_next().await.is_some() {}
+    }
+
+    /// Picks up the allocs this node ran before the agent restarted, before
+    /// the alloc watch reconciles: their runners reattach to the tasks that
+    /// still run, so the watch does not start them a second time.
+    async fn restore_allocs(&self) {
+        let restored = match berth_allocrunner::AllocStateStore::load_allocs(&self.state) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "reading the allocs to restore failed; their tasks are left as they are");
+                return;
+            }
+        };
+        let mut runners = self.runners.lock().await;
+        for r in restored {
+            let id = r.alloc.id.clone();
+            if runners.contains_key(&id) {
+                continue;
+            }
+            tracing::info!(alloc_id = %id, job = %r.alloc.job_id, tasks = r.handles.len(), "restoring alloc");
+            let runner = AllocRunner::restore(self.runner_config.clone(), r);
+            runner.run();
+            runners.insert(id, runner);
+        }
     }
 
     async fn register_until_done(&self, mut shutdown: watch::Receiver<bool>) {

@@ -1,20 +1,27 @@
 //! The client's state database: one crash-safe redb file under
 //! `<data_dir>/client/`, with a schema version. It holds the node identity,
-//! the time of the last heartbeat, the CSI plugin registry and the volume
-//! stubs. A record that fails to decode is reported and moved to a
+//! the time of the last heartbeat, the CSI plugin registry, the volume
+//! stubs, and the allocs this node runs with their states and task handles
+//! (what a restarted client reattaches to). A record that fails to decode is reported and moved to a
 //! quarantine table; it never stops the agent from starting.
 
 use std::path::Path;
 use std::sync::Arc;
 
+use berth_allocrunner::{AllocStateStore, PersistedAllocState, RestoredAlloc, TaskHandleRecord};
 use berth_csimanager::{PluginRegistration, VolumeStateStore, VolumeStub};
+use berth_structs::Allocation;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 const META: TableDefinition<&str, &str> = TableDefinition::new("meta");
 const PLUGINS: TableDefinition<&str, &[u8]> = TableDefinition::new("csi_plugins");
 const VOLUMES: TableDefinition<&str, &[u8]> = TableDefinition::new("csi_volumes");
+const ALLOCS: TableDefinition<&str, &[u8]> = TableDefinition::new("allocs");
+const ALLOC_STATES: TableDefinition<&str, &[u8]> = TableDefinition::new("alloc_states");
+/// Keyed `<alloc_id>/<task>`.
+const TASK_HANDLES: TableDefinition<&str, &[u8]> = TableDefinition::new("task_handles");
 const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
 
 /// The schema this build writes. Opening a database with a newer schema is
@@ -194,6 +201,101 @@ impl ClientState {
     }
 }
 
+/// A row of [`ALLOC_STATES`]: says which alloc it belongs to, so that it
+/// can be read without its key.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct AllocStateRow {
+    alloc_id: String,
+    state: PersistedAllocState,
+}
+
+/// A row of [`TASK_HANDLES`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TaskHandleRow {
+    alloc_id: String,
+    task: String,
+    handle: TaskHandleRecord,
+}
+
+impl AllocStateStore for ClientState {
+    fn put_alloc(&self, alloc: &Allocation) -> Result<(), String> {
+        self.put(ALLOCS, &alloc.id, alloc)
+            .map_err(|e| e.to_string())
+    }
+
+    fn put_alloc_state(&self, alloc_id: &str, state: &PersistedAllocState) -> Result<(), String> {
+        let row = AllocStateRow {
+            alloc_id: alloc_id.to_string(),
+            state: state.clone(),
+        };
+        self.put(ALLOC_STATES, alloc_id, &row)
+            .map_err(|e| e.to_string())
+    }
+
+    fn put_task_handle(
+        &self,
+        alloc_id: &str,
+        task: &str,
+        handle: &TaskHandleRecord,
+    ) -> Result<(), String> {
+        let row = TaskHandleRow {
+            alloc_id: alloc_id.to_string(),
+            task: task.to_string(),
+            handle: handle.clone(),
+        };
+        self.put(TASK_HANDLES, &format!("{alloc_id}/{task}"), &row)
+            .map_err(|e| e.to_string())
+    }
+
+    fn delete_alloc(&self, alloc_id: &str) -> Result<(), String> {
+        let prefix = format!("{alloc_id}/");
+        let tx = self.db.begin_write().map_err(|e| e.to_string())?;
+        {
+            for table in [ALLOCS, ALLOC_STATES] {
+                let mut t = tx.open_table(table).map_err(|e| e.to_string())?;
+                t.remove(alloc_id).map_err(|e| e.to_string())?;
+            }
+            let mut t = tx.open_table(TASK_HANDLES).map_err(|e| e.to_string())?;
+            t.retain(|k, _| !k.starts_with(&prefix))
+                .map_err(|e| e.to_string())?;
+        }
+        tx.commit().map_err(|e| e.to_string())
+    }
+
+    /// Allocs with their states and handles. A state or handle whose alloc
+    /// is missing (or was quarantined) is ignored: without the alloc there
+    /// is nothing to restore.
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String> {
+        let allocs: Vec<Allocation> = self.load_all(ALLOCS).map_err(|e| e.to_string())?;
+        let states: Vec<AllocStateRow> = self.load_all(ALLOC_STATES).map_err(|e| e.to_string())?;
+        let handles: Vec<TaskHandleRow> = self.load_all(TASK_HANDLES).map_err(|e| e.to_string())?;
+        let mut out: std::collections::BTreeMap<String, RestoredAlloc> = allocs
+            .into_iter()
+            .map(|alloc| {
+                (
+                    alloc.id.clone(),
+                    RestoredAlloc {
+                        alloc,
+                        state: None,
+                        handles: Default::default(),
+                    },
+                )
+            })
+            .collect();
+        for row in states {
+            if let Some(r) = out.get_mut(&row.alloc_id) {
+                r.state = Some(row.state);
+            }
+        }
+        for row in handles {
+            if let Some(r) = out.get_mut(&row.alloc_id) {
+                r.handles.insert(row.task, row.handle);
+            }
+        }
+        Ok(out.into_values().collect())
+    }
+}
+
 const LAST_HEARTBEAT: &str = "last_heartbeat_ms";
 
 impl berth_heartbeat::LastHeartbeatStore for ClientState {
@@ -292,6 +394,72 @@ mod tests {
         );
         // The bad record is gone from its table: the next load is clean.
         assert_eq!(s.load_volumes().unwrap().len(), 1);
+    }
+
+    fn handle(pid: u32) -> TaskHandleRecord {
+        TaskHandleRecord {
+            driver: "raw_exec".into(),
+            executor_dir: "/tmp/x".into(),
+            executor_pid: pid,
+            executor_start_ticks: 1,
+            task_pid: pid + 1,
+            pgid: (pid + 1) as i32,
+            task_start_ticks: 2,
+            started_at_ms: 3,
+        }
+    }
+
+    fn alloc(id: &str) -> Allocation {
+        Allocation {
+            id: id.into(),
+            ..Allocation::default()
+        }
+    }
+
+    #[test]
+    fn allocs_states_and_handles_survive_reopen_and_are_deleted_together() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let s = ClientState::open(dir.path()).unwrap();
+            s.put_alloc(&alloc("a1")).unwrap();
+            s.put_alloc(&alloc("a2")).unwrap();
+            let state = PersistedAllocState {
+                description: "Tasks are running".into(),
+                ..Default::default()
+            };
+            s.put_alloc_state("a1", &state).unwrap();
+            s.put_task_handle("a1", "web", &handle(10)).unwrap();
+            s.put_task_handle("a1", "web", &handle(20)).unwrap();
+            s.put_task_handle("a2", "db", &handle(30)).unwrap();
+            s.delete_alloc("a2").unwrap();
+            // A handle of an alloc that was never recorded is ignored.
+            s.put_task_handle("ghost", "x", &handle(40)).unwrap();
+        }
+        let s = ClientState::open(dir.path()).unwrap();
+        let loaded = s.load_allocs().unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].alloc.id, "a1");
+        assert_eq!(
+            loaded[0].state.as_ref().map(|s| s.description.as_str()),
+            Some("Tasks are running")
+        );
+        assert_eq!(loaded[0].handles.len(), 1);
+        assert_eq!(loaded[0].handles["web"], handle(20), "the last run wins");
+        s.delete_alloc("a1").unwrap();
+        assert!(s.load_allocs().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_corrupt_task_handle_is_quarantined() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = ClientState::open(dir.path()).unwrap();
+        s.put_alloc(&alloc("a1")).unwrap();
+        s.put_raw(TASK_HANDLES, "a1/web", b"{\"alloc_id\": 3")
+            .unwrap();
+        let loaded = s.load_allocs().unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert!(loaded[0].handles.is_empty());
+        assert_eq!(s.quarantined().unwrap(), vec!["task_handles/a1/web"]);
     }
 
     #[test]

@@ -1,22 +1,23 @@
 //! Task drivers: how a task's process is started, watched and stopped.
 //!
 //! A driver starts a task from a [`TaskSpec`] and hands back a
-//! [`TaskHandle`]. `raw_exec` runs the process as a child of the agent; the
-//! per-task executor (a process that outlives the agent and that the agent
-//! reattaches to) will be another implementation of the same traits.
+//! [`TaskHandle`]. A handle that can outlive the agent gives a
+//! [`TaskHandleRecord`] to persist, and after a restart the driver
+//! [`Driver::reattach`]es to it instead of starting the task again.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use serde::{Deserialize, Serialize};
 
 use crate::error::DriverError;
 
 mod raw_exec;
 
-pub use raw_exec::RawExecDriver;
+pub use raw_exec::{ExecutorCommand, RawExecDriver};
 
 /// Everything a driver needs to start one task.
 #[derive(Debug, Clone)]
@@ -34,6 +35,26 @@ pub struct TaskSpec {
     /// Appended to.
     pub stdout_path: PathBuf,
     pub stderr_path: PathBuf,
+    /// Where the task's executor keeps its state and exit records; not
+    /// below `task_dir`, so the task and its volume mounts never see it.
+    pub executor_dir: PathBuf,
+}
+
+/// What the agent persists of a started task to find it again after a
+/// restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskHandleRecord {
+    pub driver: String,
+    /// The executor's state directory ([`TaskSpec::executor_dir`]).
+    pub executor_dir: PathBuf,
+    pub executor_pid: u32,
+    /// `/proc/<pid>/stat` start time of the executor: a pid whose start
+    /// time differs is another process.
+    pub executor_start_ticks: u64,
+    pub task_pid: u32,
+    pub pgid: i32,
+    pub task_start_ticks: u64,
+    pub started_at_ms: i64,
 }
 
 /// How a task's process ended.
@@ -67,17 +88,68 @@ impl std::fmt::Display for ExitResult {
     }
 }
 
+impl TaskHandleRecord {
+    /// The record of the run an executor wrote in `executor_dir`, if it
+    /// started its task. The executor writes it before the agent can
+    /// persist the handle, so it also finds a task whose agent died in
+    /// between.
+    pub fn from_executor_dir(driver: &str, executor_dir: &Path) -> Option<TaskHandleRecord> {
+        let state = crate::executor::read_record::<crate::executor::ExecutorState>(
+            executor_dir,
+            crate::executor::STATE_FILE,
+        )
+        .ok()??;
+        match state {
+            crate::executor::ExecutorState::Running {
+                executor_pid,
+                executor_start_ticks,
+                task_pid,
+                pgid,
+                task_start_ticks,
+                started_at_ms,
+            } => Some(TaskHandleRecord {
+                driver: driver.to_string(),
+                executor_dir: executor_dir.to_path_buf(),
+                executor_pid,
+                executor_start_ticks,
+                task_pid,
+                pgid,
+                task_start_ticks,
+                started_at_ms,
+            }),
+            crate::executor::ExecutorState::StartFailed { .. } => None,
+        }
+    }
+}
+
 /// Starts tasks.
 #[async_trait::async_trait]
 pub trait Driver: Send + Sync {
     fn name(&self) -> &'static str;
     async fn start(&self, spec: &TaskSpec) -> Result<Arc<dyn TaskHandle>, DriverError>;
+    /// A handle on a task started before the agent restarted. A task that
+    /// is gone gives a handle that has exited (with its recorded exit when
+    /// there is one); an error means the driver cannot tell.
+    async fn reattach(
+        &self,
+        record: &TaskHandleRecord,
+    ) -> Result<Arc<dyn TaskHandle>, DriverError> {
+        Err(DriverError::Reattach {
+            pid: record.task_pid,
+            message: format!("driver {} cannot reattach to tasks", self.name()),
+        })
+    }
 }
 
 /// A started task.
 #[async_trait::async_trait]
 pub trait TaskHandle: Send + Sync {
     fn pid(&self) -> u32;
+    /// What to persist to reattach after a restart; `None` for tasks that
+    /// do not outlive the agent.
+    fn record(&self) -> Option<TaskHandleRecord> {
+        None
+    }
     /// Waits until the process exits. Cancel-safe; may be called again and
     /// from several places.
     async fn wait(&self) -> ExitResult;

@@ -1,8 +1,11 @@
 //! `raw_exec`: the task is a plain process on the host, in its own process
 //! group, with the task dir as its working directory and its output
-//! appended to the alloc's log files.
+//! appended to the alloc's log files. It runs under a per-task executor
+//! (see [`crate::executor`]) that outlives the agent; after a restart the
+//! driver reattaches to the executor through its state records.
 
-use std::os::unix::process::ExitStatusExt;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -11,35 +14,61 @@ use std::time::Duration;
 use nix::errno::Errno;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
+use tokio::io::unix::AsyncFd;
+use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use super::{Driver, ExitResult, TaskHandle, TaskSpec};
+use super::{Driver, ExitResult, TaskHandle, TaskHandleRecord, TaskSpec};
 use crate::error::DriverError;
+use crate::executor::{
+    self, process_start_ticks, ExecutorExit, ExecutorSpec, ExecutorState, StartFailure,
+};
 
 /// How long to wait for a process to go after SIGKILL before giving up on it.
 const AFTER_SIGKILL: Duration = Duration::from_secs(30);
+/// How long the executor may take to report that the task runs.
+const EXECUTOR_START_TIMEOUT: Duration = Duration::from_secs(10);
+const EXECUTOR_START_POLL: Duration = Duration::from_millis(5);
 
-#[derive(Debug, Default, Clone)]
-pub struct RawExecDriver {
-    _private: (),
+/// How to run the executor: `<program> <args...> <state_dir>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecutorCommand {
+    pub program: PathBuf,
+    pub args: Vec<String>,
 }
 
-impl RawExecDriver {
-    pub fn new() -> RawExecDriver {
-        RawExecDriver::default()
+impl ExecutorCommand {
+    /// `<this binary> executor`: the agent's hidden subcommand.
+    pub fn current_exe() -> ExecutorCommand {
+        ExecutorCommand {
+            program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("berth")),
+            args: vec!["executor".into()],
+        }
     }
 }
 
-fn open_log(path: &Path) -> Result<std::fs::File, DriverError> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-        .map_err(|error| DriverError::Logs {
-            path: path.to_path_buf(),
-            error,
-        })
+#[derive(Debug, Clone)]
+pub struct RawExecDriver {
+    executor: ExecutorCommand,
+}
+
+impl Default for RawExecDriver {
+    fn default() -> Self {
+        RawExecDriver::with_executor(ExecutorCommand::current_exe())
+    }
+}
+
+impl RawExecDriver {
+    /// Runs tasks under `<this binary> executor`.
+    pub fn new() -> RawExecDriver {
+        RawExecDriver::default()
+    }
+
+    pub fn with_executor(executor: ExecutorCommand) -> RawExecDriver {
+        RawExecDriver { executor }
+    }
 }
 
 /// A relative command with a `/` is relative to the task dir.
@@ -52,6 +81,33 @@ fn program_path(spec: &TaskSpec) -> PathBuf {
     }
 }
 
+/// Makes the executor's state dir (0700) and removes the records of a
+/// previous run.
+fn prepare_executor_dir(dir: &Path) -> Result<(), std::io::Error> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    for name in [executor::STATE_FILE, executor::EXIT_FILE] {
+        match std::fs::remove_file(dir.join(name)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn executor_log(dir: &Path) -> String {
+    let text = std::fs::read_to_string(dir.join(executor::LOG_FILE)).unwrap_or_default();
+    let text = text.trim();
+    if text.is_empty() {
+        "no output".into()
+    } else {
+        text.lines().last().unwrap_or_default().to_string()
+    }
+}
+
 #[async_trait::async_trait]
 impl Driver for RawExecDriver {
     fn name(&self) -> &'static str {
@@ -59,7 +115,6 @@ impl Driver for RawExecDriver {
     }
 
     async fn start(&self, spec: &TaskSpec) -> Result<Arc<dyn TaskHandle>, DriverError> {
-        let program = program_path(spec);
         if !spec.task_dir.is_dir() {
             return Err(DriverError::Spawn {
                 command: spec.command.clone(),
@@ -69,74 +124,275 @@ impl Driver for RawExecDriver {
                 ),
             });
         }
-        let stdout = open_log(&spec.stdout_path)?;
-        let stderr = open_log(&spec.stderr_path)?;
-        let mut cmd = tokio::process::Command::new(&program);
-        cmd.args(&spec.args)
-            .env_clear()
-            .envs(&spec.env)
-            .current_dir(&spec.task_dir)
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(stderr)
-            .process_group(0)
-            .kill_on_drop(false);
-        let command = spec.command.clone();
-        let mut child = cmd.spawn().map_err(|error| match error.kind() {
-            std::io::ErrorKind::NotFound => DriverError::CommandNotFound { command },
-            std::io::ErrorKind::PermissionDenied => DriverError::PermissionDenied { command },
-            _ => DriverError::Spawn { command, error },
+        let dir = &spec.executor_dir;
+        prepare_executor_dir(dir).map_err(|error| DriverError::Spawn {
+            command: spec.command.clone(),
+            error,
         })?;
-        let Some(pid) = child.id() else {
-            return Err(DriverError::Spawn {
-                command: spec.command.clone(),
-                error: std::io::Error::other("the process exited before its pid was read"),
-            });
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(executor::LOG_FILE))
+            .map_err(|error| DriverError::Logs {
+                path: dir.join(executor::LOG_FILE),
+                error,
+            })?;
+        let exec_spec = ExecutorSpec {
+            command: program_path(spec),
+            args: spec.args.clone(),
+            env: spec.env.clone(),
+            cwd: spec.task_dir.clone(),
+            stdout_path: spec.stdout_path.clone(),
+            stderr_path: spec.stderr_path.clone(),
         };
-        debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid, "started raw_exec task");
+        let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
+            command: spec.command.clone(),
+            error: std::io::Error::other(e),
+        })?;
+        let program = self.executor.program.clone();
+        let mut child = tokio::process::Command::new(&program)
+            .args(&self.executor.args)
+            .arg(dir)
+            .env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|error| DriverError::Executor {
+                program: program.clone(),
+                error,
+            })?;
+        if let Some(mut stdin) = child.stdin.take() {
+            // A failed write shows as the executor exiting without a state.
+            if let Err(e) = stdin.write_all(&input).await {
+                warn!(alloc_id = %spec.alloc_id, task = %spec.task, error = %e, "sending the spec to the executor");
+            }
+        }
+        let deadline = Instant::now() + EXECUTOR_START_TIMEOUT;
+        let executor_failed = |message: String| DriverError::ExecutorFailed {
+            command: spec.command.clone(),
+            message,
+        };
+        let state = loop {
+            match executor::read_record::<ExecutorState>(dir, executor::STATE_FILE) {
+                Ok(Some(state)) => break state,
+                Ok(None) => {}
+                Err(e) => {
+                    let _ = child.start_kill();
+                    return Err(executor_failed(format!("reading its state: {e}")));
+                }
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                // It may have written its state just before exiting.
+                if let Ok(Some(state)) =
+                    executor::read_record::<ExecutorState>(dir, executor::STATE_FILE)
+                {
+                    break state;
+                }
+                return Err(executor_failed(format!(
+                    "it exited ({status}) before the task started: {}",
+                    executor_log(dir)
+                )));
+            }
+            if Instant::now() >= deadline {
+                let _ = child.start_kill();
+                return Err(executor_failed(format!(
+                    "the task did not start within {EXECUTOR_START_TIMEOUT:?}"
+                )));
+            }
+            tokio::time::sleep(EXECUTOR_START_POLL).await;
+        };
+        let record = match state {
+            ExecutorState::Running {
+                executor_pid,
+                executor_start_ticks,
+                task_pid,
+                pgid,
+                task_start_ticks,
+                started_at_ms,
+            } => TaskHandleRecord {
+                driver: self.name().into(),
+                executor_dir: dir.clone(),
+                executor_pid,
+                executor_start_ticks,
+                task_pid,
+                pgid,
+                task_start_ticks,
+                started_at_ms,
+            },
+            ExecutorState::StartFailed { kind, message } => {
+                let _ = child.wait().await;
+                let command = spec.command.clone();
+                return Err(match kind {
+                    StartFailure::NotFound => DriverError::CommandNotFound { command },
+                    StartFailure::PermissionDenied => DriverError::PermissionDenied { command },
+                    StartFailure::Other => DriverError::Spawn {
+                        command,
+                        error: std::io::Error::other(message),
+                    },
+                });
+            }
+        };
+        debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid = record.task_pid, executor_pid = record.executor_pid, "started raw_exec task");
         let (tx, exit) = watch::channel(None);
+        let waited = record.clone();
         tokio::spawn(async move {
-            let exit = match child.wait().await {
-                Ok(status) => ExitResult {
-                    exit_code: status.code(),
-                    signal: status.signal(),
-                    error: None,
-                },
-                Err(e) => ExitResult {
-                    error: Some(format!("waiting for process {pid}: {e}")),
-                    ..ExitResult::default()
-                },
-            };
-            tx.send_replace(Some(exit));
+            if let Err(e) = child.wait().await {
+                warn!(executor_pid = waited.executor_pid, error = %e, "waiting for the executor");
+            }
+            tx.send_replace(Some(exit_of(&waited)));
         });
-        Ok(Arc::new(RawExecHandle { pid, exit }))
+        Ok(Arc::new(ExecutorHandle { record, exit }))
+    }
+
+    async fn reattach(
+        &self,
+        record: &TaskHandleRecord,
+    ) -> Result<Arc<dyn TaskHandle>, DriverError> {
+        let (tx, exit) = watch::channel(None);
+        match open_executor(record) {
+            Some(pidfd) => {
+                debug!(
+                    pid = record.task_pid,
+                    executor_pid = record.executor_pid,
+                    "reattached to a running executor"
+                );
+                let waited = record.clone();
+                tokio::spawn(async move {
+                    // SAFETY: the AsyncFd owns the OwnedFd, which stays open
+                    // and names the same pidfd until the AsyncFd is dropped.
+                    let registered = unsafe {
+                        AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+                    };
+                    match registered {
+                        Ok(fd) => {
+                            // Readable once the process has exited.
+                            let _ = fd.readable().await;
+                        }
+                        Err(e) => {
+                            warn!(executor_pid = waited.executor_pid, error = %e, "watching the executor; polling instead");
+                            while process_start_ticks(waited.executor_pid)
+                                == Some(waited.executor_start_ticks)
+                            {
+                                tokio::time::sleep(Duration::from_millis(500)).await;
+                            }
+                        }
+                    }
+                    tx.send_replace(Some(exit_of(&waited)));
+                });
+            }
+            None => {
+                debug!(
+                    pid = record.task_pid,
+                    executor_pid = record.executor_pid,
+                    "the task's executor is gone"
+                );
+                tx.send_replace(Some(exit_of(record)));
+            }
+        }
+        Ok(Arc::new(ExecutorHandle {
+            record: record.clone(),
+            exit,
+        }))
     }
 }
 
-struct RawExecHandle {
-    pid: u32,
+/// A pidfd on the record's executor, if that very process still runs (its
+/// start time matches: the pid was not reused).
+fn open_executor(record: &TaskHandleRecord) -> Option<OwnedFd> {
+    let pid = record.executor_pid;
+    if pid == 0 || process_start_ticks(pid) != Some(record.executor_start_ticks) {
+        return None;
+    }
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: the syscall returned a fresh fd that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // Checked again with the fd held: the fd names the process we checked.
+    (process_start_ticks(pid) == Some(record.executor_start_ticks)).then_some(fd)
+}
+
+/// Signals a task's process group. A group of 0 or 1 (the caller's own, or
+/// every process) never comes from a started task: a record that says so
+/// is refused, not obeyed.
+fn signal_group(pgid: i32, signal: Signal) -> Result<(), Errno> {
+    if pgid <= 1 {
+        return Err(Errno::EINVAL);
+    }
+    killpg(Pid::from_raw(pgid), signal)
+}
+
+/// Whether the record's task process still runs (not reused, not a zombie).
+fn task_alive(record: &TaskHandleRecord) -> bool {
+    record.task_pid != 0 && process_start_ticks(record.task_pid) == Some(record.task_start_ticks)
+}
+
+/// The exit the executor recorded, once it is gone. An executor that died
+/// without recording one leaves its task unwatched: the task is killed.
+fn exit_of(record: &TaskHandleRecord) -> ExitResult {
+    match executor::read_record::<ExecutorExit>(&record.executor_dir, executor::EXIT_FILE) {
+        Ok(Some(e)) => ExitResult {
+            exit_code: e.exit_code,
+            signal: e.signal,
+            error: None,
+        },
+        Ok(None) => {
+            if task_alive(record) {
+                warn!(
+                    pid = record.task_pid,
+                    "the executor died and left its task running; killing the task"
+                );
+                let _ = signal_group(record.pgid, Signal::SIGKILL);
+            }
+            ExitResult {
+                error: Some(format!(
+                    "the executor (pid {}) died without recording the task's exit: {}",
+                    record.executor_pid,
+                    executor_log(&record.executor_dir)
+                )),
+                ..ExitResult::default()
+            }
+        }
+        Err(e) => ExitResult {
+            error: Some(format!("reading the task's recorded exit: {e}")),
+            ..ExitResult::default()
+        },
+    }
+}
+
+struct ExecutorHandle {
+    record: TaskHandleRecord,
     exit: watch::Receiver<Option<ExitResult>>,
 }
 
-impl RawExecHandle {
-    fn pgid(&self) -> Pid {
-        Pid::from_raw(self.pid as i32)
-    }
-
+impl ExecutorHandle {
     /// Kills what is left of the process group after its leader exited.
     fn kill_leftovers(&self) {
-        match killpg(self.pgid(), Signal::SIGKILL) {
-            Ok(()) => debug!(pgid = self.pid, "killed processes left in the task's group"),
+        match signal_group(self.record.pgid, Signal::SIGKILL) {
+            Ok(()) => debug!(
+                pgid = self.record.pgid,
+                "killed processes left in the task's group"
+            ),
             Err(Errno::ESRCH) => {}
-            Err(e) => warn!(pgid = self.pid, error = %e, "killing the task's process group"),
+            Err(e) => {
+                warn!(pgid = self.record.pgid, error = %e, "killing the task's process group")
+            }
         }
     }
 }
 
 #[async_trait::async_trait]
-impl TaskHandle for RawExecHandle {
+impl TaskHandle for ExecutorHandle {
     fn pid(&self) -> u32 {
-        self.pid
+        self.record.task_pid
+    }
+
+    fn record(&self) -> Option<TaskHandleRecord> {
+        Some(self.record.clone())
     }
 
     async fn wait(&self) -> ExitResult {
@@ -156,34 +412,38 @@ impl TaskHandle for RawExecHandle {
     }
 
     fn signal(&self, signal: Signal) -> Result<(), DriverError> {
-        match killpg(self.pgid(), signal) {
+        if self.try_exit().is_some() {
+            return Ok(());
+        }
+        match signal_group(self.record.pgid, signal) {
             Ok(()) | Err(Errno::ESRCH) => Ok(()),
             Err(errno) => Err(DriverError::Signal {
-                pgid: self.pid as i32,
+                pgid: self.record.pgid,
                 errno,
             }),
         }
     }
 
     async fn stop(&self, kill_timeout: Duration) -> ExitResult {
+        let pid = self.record.task_pid;
         if let Some(exit) = self.try_exit() {
             self.kill_leftovers();
             return exit;
         }
         if let Err(e) = self.signal(Signal::SIGTERM) {
-            warn!(pid = self.pid, error = %e, "sending SIGTERM");
+            warn!(pid, error = %e, "sending SIGTERM");
         }
         if let Ok(exit) = tokio::time::timeout(kill_timeout, self.wait()).await {
             self.kill_leftovers();
             return exit;
         }
         warn!(
-            pid = self.pid,
+            pid,
             ?kill_timeout,
             "task did not exit after SIGTERM; sending SIGKILL"
         );
         if let Err(e) = self.signal(Signal::SIGKILL) {
-            warn!(pid = self.pid, error = %e, "sending SIGKILL");
+            warn!(pid, error = %e, "sending SIGKILL");
         }
         match tokio::time::timeout(AFTER_SIGKILL, self.wait()).await {
             Ok(exit) => {
@@ -192,8 +452,7 @@ impl TaskHandle for RawExecHandle {
             }
             Err(_) => ExitResult {
                 error: Some(format!(
-                    "process {} did not exit {AFTER_SIGKILL:?} after SIGKILL",
-                    self.pid
+                    "process {pid} did not exit {AFTER_SIGKILL:?} after SIGKILL"
                 )),
                 ..ExitResult::default()
             },

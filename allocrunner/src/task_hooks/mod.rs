@@ -38,6 +38,10 @@ pub struct TaskHookContext {
     /// The alloc's mounted CSI volumes by volume request name.
     pub mounts: Arc<BTreeMap<String, MountInfo>>,
     pub events: TaskEvents,
+    /// True while the hooks run for a task that is being reattached after
+    /// an agent restart rather than started: what the running task uses
+    /// (its plugin socket, its bind mounts) must be kept, not made anew.
+    pub restoring: bool,
 }
 
 /// Asks the task runner to kill the running task.

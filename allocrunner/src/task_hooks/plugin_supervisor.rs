@@ -101,10 +101,13 @@ impl TaskHook for PluginSupervisorHook {
             std::fs::create_dir_all(dir)
                 .map_err(|e| HookError::io("creating plugin socket dir", dir, e))?;
         }
-        match std::fs::remove_file(&socket) {
-            Ok(()) => debug!(socket = %socket.display(), "removed a stale plugin socket"),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(HookError::io("removing stale plugin socket", &socket, e)),
+        // A reattached plugin still serves on its socket.
+        if !ctx.restoring {
+            match std::fs::remove_file(&socket) {
+                Ok(()) => debug!(socket = %socket.display(), "removed a stale plugin socket"),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(HookError::io("removing stale plugin socket", &socket, e)),
+            }
         }
         ctx.env.insert(
             "CSI_ENDPOINT".into(),

@@ -92,6 +92,32 @@ impl VolumeMountsHook {
         Ok(())
     }
 
+    /// Takes over the bind mounts of `volume_mounts` already present below
+    /// `task_dir` (made before an agent restart, still used by the task):
+    /// they are kept and unmounted when the task is done. Missing ones are
+    /// left for [`Self::mount_all`] to make.
+    pub fn adopt_existing(
+        &mut self,
+        task_dir: &Path,
+        volume_mounts: &[VolumeMount],
+    ) -> Result<(), HookError> {
+        let root = task_dir
+            .canonicalize()
+            .map_err(|e| HookError::io("resolving task dir", task_dir, e))?;
+        let present = crate::alloc_dir::mounts_below(&root);
+        for m in volume_mounts {
+            if check_destination(&m.destination).is_err() {
+                continue;
+            }
+            let target = lexical_join(&root, &m.destination);
+            if present.contains(&target) && !self.mounted.contains(&target) {
+                info!(volume = %m.volume, target = %target.display(), "kept the volume bound in the task dir");
+                self.mounted.push(target);
+            }
+        }
+        Ok(())
+    }
+
     /// Unmounts every target this hook mounted, last first. Targets that
     /// cannot be unmounted stay recorded.
     pub fn unmount_all(&mut self) -> Result<(), HookError> {
@@ -131,21 +157,7 @@ fn unmount(target: &Path) -> Result<(), Errno> {
 /// symlink or to leave `root`: the task owns its directory and could have
 /// put a symlink where a mount should go.
 fn make_dir_inside(root: &Path, rel: &str) -> Result<PathBuf, HookError> {
-    let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
-    for c in Path::new(rel).components() {
-        match c {
-            Component::Normal(p) => parts.push(p),
-            Component::ParentDir => {
-                parts.pop();
-            }
-            Component::CurDir => {}
-            Component::RootDir | Component::Prefix(_) => {
-                return Err(HookError::Invalid(format!(
-                    "volume_mount destination {rel:?} must be relative"
-                )))
-            }
-        }
-    }
+    let parts = normalized(rel)?;
     let mut path = root.to_path_buf();
     for p in parts {
         path.push(p);
@@ -173,6 +185,35 @@ fn make_dir_inside(root: &Path, rel: &str) -> Result<PathBuf, HookError> {
     Ok(path)
 }
 
+/// `rel` lexically normalized below `root`, without touching the disk.
+fn lexical_join(root: &Path, rel: &str) -> PathBuf {
+    let mut path = root.to_path_buf();
+    for p in normalized(rel).unwrap_or_default() {
+        path.push(p);
+    }
+    path
+}
+
+/// The components of a relative `rel`, with `.` and `..` resolved.
+fn normalized(rel: &str) -> Result<Vec<&std::ffi::OsStr>, HookError> {
+    let mut parts: Vec<&std::ffi::OsStr> = Vec::new();
+    for c in Path::new(rel).components() {
+        match c {
+            Component::Normal(p) => parts.push(p),
+            Component::ParentDir => {
+                parts.pop();
+            }
+            Component::CurDir => {}
+            Component::RootDir | Component::Prefix(_) => {
+                return Err(HookError::Invalid(format!(
+                    "volume_mount destination {rel:?} must be relative"
+                )))
+            }
+        }
+    }
+    Ok(parts)
+}
+
 #[async_trait::async_trait]
 impl TaskHook for VolumeMountsHook {
     fn name(&self) -> &'static str {
@@ -180,6 +221,9 @@ impl TaskHook for VolumeMountsHook {
     }
 
     async fn prestart(&mut self, ctx: &mut TaskHookContext) -> Result<(), HookError> {
+        if ctx.restoring {
+            self.adopt_existing(&ctx.task_dir.dir, &ctx.task.volume_mounts)?;
+        }
         self.mount_all(&ctx.task_dir.dir, &ctx.task.volume_mounts, &ctx.mounts)
     }
 

@@ -10,7 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_allocrunner::{
-    AllocRunner, AllocRunnerConfig, AllocStateUpdater, ClaimError, ClaimRequest, ClaimResult,
+    AllocRunner, AllocRunnerConfig, AllocStateStore, AllocStateUpdater, ClaimError, ClaimRequest,
+    ClaimResult, ExecutorCommand, PersistedAllocState, RestoredAlloc, TaskHandleRecord,
     VolumeClaimer,
 };
 use berth_csimanager::{
@@ -198,6 +199,76 @@ impl FingerprintSink for NoFingerprints {
     }
 }
 
+// ---------------------------------------------------------------- alloc store
+
+/// An in-memory [`AllocStateStore`]; a "restarted agent" reads it back.
+#[derive(Default)]
+pub struct MemAllocStore {
+    allocs: Mutex<BTreeMap<String, RestoredAlloc>>,
+}
+
+impl MemAllocStore {
+    pub fn handle(&self, alloc_id: &str, task: &str) -> Option<TaskHandleRecord> {
+        let allocs = self.allocs.lock().unwrap();
+        allocs.get(alloc_id)?.handles.get(task).cloned()
+    }
+
+    /// Drops the persisted handles of an alloc, as if the agent died
+    /// between starting its tasks and persisting their handles.
+    pub fn forget_handles(&self, alloc_id: &str) {
+        if let Some(r) = self.allocs.lock().unwrap().get_mut(alloc_id) {
+            r.handles.clear();
+        }
+    }
+
+    pub fn contains(&self, alloc_id: &str) -> bool {
+        self.allocs.lock().unwrap().contains_key(alloc_id)
+    }
+}
+
+impl AllocStateStore for MemAllocStore {
+    fn put_alloc(&self, alloc: &Allocation) -> Result<(), String> {
+        let mut allocs = self.allocs.lock().unwrap();
+        allocs
+            .entry(alloc.id.clone())
+            .and_modify(|r| r.alloc = alloc.clone())
+            .or_insert_with(|| RestoredAlloc {
+                alloc: alloc.clone(),
+                state: None,
+                handles: BTreeMap::new(),
+            });
+        Ok(())
+    }
+
+    fn put_alloc_state(&self, alloc_id: &str, state: &PersistedAllocState) -> Result<(), String> {
+        if let Some(r) = self.allocs.lock().unwrap().get_mut(alloc_id) {
+            r.state = Some(state.clone());
+        }
+        Ok(())
+    }
+
+    fn put_task_handle(
+        &self,
+        alloc_id: &str,
+        task: &str,
+        handle: &TaskHandleRecord,
+    ) -> Result<(), String> {
+        if let Some(r) = self.allocs.lock().unwrap().get_mut(alloc_id) {
+            r.handles.insert(task.to_string(), handle.clone());
+        }
+        Ok(())
+    }
+
+    fn delete_alloc(&self, alloc_id: &str) -> Result<(), String> {
+        self.allocs.lock().unwrap().remove(alloc_id);
+        Ok(())
+    }
+
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String> {
+        Ok(self.allocs.lock().unwrap().values().cloned().collect())
+    }
+}
+
 // ---------------------------------------------------------------- harness
 
 /// A temp data dir, a CsiManager, a claimer and an updater. Drops in field
@@ -250,6 +321,7 @@ impl Harness {
             claimer.clone(),
             updater.clone(),
         );
+        config.set_executor(test_executor());
         config.default_kill_timeout = Duration::from_secs(2);
         config.release_retry_timeout = Duration::from_secs(2);
         adjust(&mut config);
@@ -265,12 +337,37 @@ impl Harness {
         }
     }
 
+    /// The same config with another store (what a restarted agent has).
+    pub fn config_with_store(&self, store: Arc<dyn AllocStateStore>) -> Arc<AllocRunnerConfig> {
+        let mut config = AllocRunnerConfig::new(
+            self.config.alloc_root.clone(),
+            self.config.plugin_root.clone(),
+            self.config.node_id.clone(),
+            self.csi.clone(),
+            self.claimer.clone(),
+            self.updater.clone(),
+        );
+        config.set_executor(test_executor());
+        config.default_kill_timeout = self.config.default_kill_timeout;
+        config.release_retry_timeout = self.config.release_retry_timeout;
+        config.store = store;
+        Arc::new(config)
+    }
+
     pub fn data_dir(&self) -> PathBuf {
         self.dir.path().canonicalize().unwrap()
     }
 
     pub fn runner(&self, alloc: Allocation) -> AllocRunner {
         AllocRunner::new(self.config.clone(), alloc)
+    }
+}
+
+/// The executor binary this crate builds for its tests.
+pub fn test_executor() -> ExecutorCommand {
+    ExecutorCommand {
+        program: PathBuf::from(env!("CARGO_BIN_EXE_berth-allocrunner-executor")),
+        args: Vec::new(),
     }
 }
 

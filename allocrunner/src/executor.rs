@@ -1,0 +1,267 @@
+//! The per-task executor: a tiny process (the agent binary's hidden
+//! `executor` subcommand) that owns one run of one task.
+//!
+//! It reads an [`ExecutorSpec`] as JSON on stdin, becomes a session leader
+//! so that it outlives the agent, starts the task in its own process group
+//! (working directory, environment, output appended to the log files),
+//! records [`ExecutorState`] in `<state_dir>/state.json`, waits for the task
+//! and records its [`ExecutorExit`] in `<state_dir>/exit.json`, then exits.
+//! Both files are written atomically (temp file, fsync, rename, fsync of the
+//! directory), so a reader never sees half a record. It uses plain `std`
+//! and `nix`: no async runtime, no logging framework, no agent state.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+
+use serde::{Deserialize, Serialize};
+
+/// Written once the task runs, or once it could not be started.
+pub const STATE_FILE: &str = "state.json";
+/// Written once the task has exited.
+pub const EXIT_FILE: &str = "exit.json";
+/// The executor's own stderr.
+pub const LOG_FILE: &str = "executor.log";
+
+/// What the executor runs. Sent on its stdin, never written to disk (the
+/// environment may hold credentials).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecutorSpec {
+    /// Resolved: absolute, or a bare name looked up in the task's `PATH`.
+    pub command: PathBuf,
+    pub args: Vec<String>,
+    /// The whole environment of the task.
+    pub env: BTreeMap<String, String>,
+    pub cwd: PathBuf,
+    pub stdout_path: PathBuf,
+    pub stderr_path: PathBuf,
+}
+
+/// Why a task could not be started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StartFailure {
+    NotFound,
+    PermissionDenied,
+    Other,
+}
+
+/// `state.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "status", rename_all = "snake_case")]
+pub enum ExecutorState {
+    Running {
+        executor_pid: u32,
+        /// The executor's own start time, like `task_start_ticks`.
+        executor_start_ticks: u64,
+        task_pid: u32,
+        /// The task's process group (its pid).
+        pgid: i32,
+        /// The task's start time in clock ticks since boot
+        /// (`/proc/<pid>/stat` field 22): tells a reused pid apart.
+        task_start_ticks: u64,
+        started_at_ms: i64,
+    },
+    StartFailed {
+        kind: StartFailure,
+        message: String,
+    },
+}
+
+/// `exit.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecutorExit {
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub finished_at_ms: i64,
+}
+
+/// The start time of `pid` in clock ticks since boot, `None` when there is
+/// no such process (or it is a zombie already reaped).
+pub fn process_start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command (field 2) is in parentheses and may hold spaces; fields
+    // after it start with field 3 (state). Field 22 is starttime.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    rest.split(' ').nth(19)?.parse().ok()
+}
+
+/// Writes `value` as JSON to `dir/name` atomically.
+pub fn write_record<T: Serialize>(dir: &Path, name: &str, value: &T) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
+    let tmp = dir.join(format!(".{name}.tmp"));
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, dir.join(name))?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// Reads `dir/name`; `Ok(None)` when it does not exist.
+pub fn read_record<T: for<'de> Deserialize<'de>>(
+    dir: &Path,
+    name: &str,
+) -> std::io::Result<Option<T>> {
+    match std::fs::read(dir.join(name)) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(std::io::Error::other),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+}
+
+/// Runs the executor: `args` is what follows `executor` on the command
+/// line, the state directory. Returns the executor's exit code: 0 once the
+/// task's exit is recorded, 1 when the task could not be started or its
+/// exit not recorded, 2 on bad usage.
+pub fn run_executor(args: &[String]) -> i32 {
+    let [state_dir] = args else {
+        eprintln!("usage: berth executor STATE_DIR  (internal; the spec is read from stdin)");
+        return 2;
+    };
+    let state_dir = PathBuf::from(state_dir);
+    let mut raw = Vec::new();
+    if let Err(e) = std::io::stdin().read_to_end(&mut raw) {
+        eprintln!("berth executor: reading the spec from stdin: {e}");
+        return 1;
+    }
+    let spec: ExecutorSpec = match serde_json::from_slice(&raw) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("berth executor: decoding the spec: {e}");
+            return 1;
+        }
+    };
+    // A session of its own: no terminal, no signals meant for the agent's
+    // group; the executor lives on when the agent stops.
+    if let Err(e) = nix::unistd::setsid() {
+        eprintln!("berth executor: setsid: {e}");
+    }
+    let failed = |kind, message: String| {
+        eprintln!("berth executor: {message}");
+        if let Err(e) = write_record(
+            &state_dir,
+            STATE_FILE,
+            &ExecutorState::StartFailed { kind, message },
+        ) {
+            eprintln!("berth executor: recording the start failure: {e}");
+        }
+        1
+    };
+    let (stdout, stderr) = match (
+        open_append(&spec.stdout_path),
+        open_append(&spec.stderr_path),
+    ) {
+        (Ok(o), Ok(e)) => (o, e),
+        (Err(e), _) | (_, Err(e)) => {
+            return failed(StartFailure::Other, format!("opening the task's logs: {e}"))
+        }
+    };
+    let mut cmd = std::process::Command::new(&spec.command);
+    cmd.args(&spec.args)
+        .env_clear()
+        .envs(&spec.env)
+        .current_dir(&spec.cwd)
+        .stdin(Stdio::null())
+        .stdout(stdout)
+        .stderr(stderr)
+        .process_group(0);
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let kind = match e.kind() {
+                std::io::ErrorKind::NotFound => StartFailure::NotFound,
+                std::io::ErrorKind::PermissionDenied => StartFailure::PermissionDenied,
+                _ => StartFailure::Other,
+            };
+            return failed(kind, format!("starting {}: {e}", spec.command.display()));
+        }
+    };
+    let task_pid = child.id();
+    let state = ExecutorState::Running {
+        executor_pid: std::process::id(),
+        executor_start_ticks: process_start_ticks(std::process::id()).unwrap_or_default(),
+        task_pid,
+        pgid: task_pid as i32,
+        task_start_ticks: process_start_ticks(task_pid).unwrap_or_default(),
+        started_at_ms: berth_structs::now_ms(),
+    };
+    if let Err(e) = write_record(&state_dir, STATE_FILE, &state) {
+        // Nobody could find this task again: do not leave it running.
+        eprintln!("berth executor: recording the task's state: {e}; killing the task");
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(task_pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = child.wait();
+        return 1;
+    }
+    let status = match child.wait() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("berth executor: waiting for the task: {e}");
+            return 1;
+        }
+    };
+    let exit = ExecutorExit {
+        exit_code: status.code(),
+        signal: status.signal(),
+        finished_at_ms: berth_structs::now_ms(),
+    };
+    match write_record(&state_dir, EXIT_FILE, &exit) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("berth executor: recording the task's exit: {e}");
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn start_ticks_of_this_process_are_read() {
+        let mine = process_start_ticks(std::process::id());
+        assert!(mine.is_some());
+        assert_eq!(mine, process_start_ticks(std::process::id()));
+        assert_eq!(process_start_ticks(u32::MAX), None);
+    }
+
+    #[test]
+    fn records_round_trip_atomically() {
+        let dir = tempfile::tempdir().unwrap();
+        let exit = ExecutorExit {
+            exit_code: Some(3),
+            signal: None,
+            finished_at_ms: 7,
+        };
+        write_record(dir.path(), EXIT_FILE, &exit).unwrap();
+        assert_eq!(
+            read_record::<ExecutorExit>(dir.path(), EXIT_FILE).unwrap(),
+            Some(exit)
+        );
+        assert_eq!(
+            read_record::<ExecutorExit>(dir.path(), STATE_FILE).unwrap(),
+            None
+        );
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from(EXIT_FILE)]);
+    }
+}

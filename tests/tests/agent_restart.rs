@@ -1,0 +1,302 @@
+//! Restarting the agent never runs a task twice: a dev agent runs the
+//! hostpath plugin and a service that keeps writing to a CSI volume; after
+//! SIGTERM and a new agent on the same data dir, the very same processes
+//! run (one of each), the plugin is healthy and registered again, the claim
+//! is still the service's, its mount is still in place and it still
+//! writes. A bind mount that vanished while the agent was down is made
+//! again. Stopping the service afterwards frees the claim and the mounts.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use berth_tests::{mounts_under, processes_with_cmdline, repo_root, wait_for, DevAgent};
+use serde_json::Value;
+
+/// Marks the holder's shell in its command line (`$0`).
+const HOLDER_MARK: &str = "berth-restart-holder";
+
+const HOLDER_JOB: &str = r#"
+job "holder" {
+  type        = "service"
+  datacenters = ["dc1"]
+
+  group "holder" {
+    volume "data" {
+      type            = "csi"
+      source          = "data"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }
+
+    task "hold" {
+      driver = "raw_exec"
+
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "while true; do date +%s%N >> ${BERTH_TASK_DIR}/data/ticks; sleep 0.2; done", "berth-restart-holder"]
+      }
+
+      volume_mount {
+        volume      = "data"
+        destination = "data"
+      }
+
+      resources {
+        cpu    = 50
+        memory = 32
+      }
+    }
+  }
+}
+"#;
+
+fn example(path: &str) -> String {
+    repo_root()
+        .join("examples")
+        .join(path)
+        .display()
+        .to_string()
+}
+
+fn strs(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|x| x.as_str().map(str::to_string))
+        .collect()
+}
+
+/// The only alloc of a job.
+fn only_alloc(agent: &DevAgent, job: &str) -> Result<Value> {
+    let status = agent.cli_json(&["job", "status", job])?;
+    match status["allocations"].as_array().map(Vec::as_slice) {
+        Some([a]) => agent.cli_json(&["alloc", "status", a["id"].as_str().unwrap_or_default()]),
+        other => bail!("job {job} should have one alloc, has {other:?}"),
+    }
+}
+
+fn count_events(alloc: &Value, task: &str, event_type: &str) -> usize {
+    alloc["task_states"][task]["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["type"] == event_type)
+        .count()
+}
+
+/// The task pid its executor recorded.
+fn recorded_task_pid(data_dir: &Path, alloc_id: &str, task: &str) -> Result<i64> {
+    let path = data_dir
+        .join("alloc")
+        .join(alloc_id)
+        .join(".executor")
+        .join(task)
+        .join("state.json");
+    let v: Value = serde_json::from_slice(
+        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+    )?;
+    v["task_pid"]
+        .as_i64()
+        .with_context(|| format!("no task_pid in {v}"))
+}
+
+fn lines(path: &Path) -> usize {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .count()
+}
+
+fn wait_running(agent: &DevAgent, job: &str) -> Result<Value> {
+    wait_for(
+        &format!("the {job} alloc to run"),
+        Duration::from_secs(60),
+        || {
+            let a = only_alloc(agent, job)?;
+            Ok((a["client_status"] == "running").then_some(a))
+        },
+    )
+    .with_context(|| agent.log())
+}
+
+fn wait_plugin_healthy(agent: &DevAgent) -> Result<()> {
+    wait_for(
+        "the hostpath plugin to be healthy",
+        Duration::from_secs(60),
+        || {
+            let out = agent.cli(&["plugin", "status", "-json", "hostpath"])?;
+            if !out.status.success() {
+                return Ok(None);
+            }
+            let p: Value = serde_json::from_slice(&out.stdout)?;
+            Ok((p["nodes_healthy"] == 1 && p["controllers_healthy"] == 1).then_some(()))
+        },
+    )
+    .with_context(|| agent.log())
+}
+
+#[test]
+fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Result<()> {
+    let mut agent = DevAgent::start()?;
+    let data_dir = agent.data_dir.path().canonicalize()?;
+
+    // The plugin, the volume, and a service that holds it and writes.
+    agent.cli_ok(&[
+        "job",
+        "run",
+        "-detach",
+        &example("jobs/hostpath-plugin.hcl"),
+    ])?;
+    wait_plugin_healthy(&agent)?;
+    agent.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+    let holder_file = data_dir.join("holder.hcl");
+    std::fs::write(&holder_file, HOLDER_JOB)?;
+    agent.cli_ok(&["job", "run", "-detach", &holder_file.display().to_string()])?;
+    let plugin = wait_running(&agent, "hostpath-plugin")?;
+    let holder = wait_running(&agent, "holder")?;
+    let plugin_id = plugin["id"].as_str().unwrap_or_default().to_string();
+    let holder_id = holder["id"].as_str().unwrap_or_default().to_string();
+    let holder_dir = data_dir.join("alloc").join(&holder_id);
+    let ticks: PathBuf = holder_dir.join("hold/data/ticks");
+    wait_for("the holder to write", Duration::from_secs(30), || {
+        Ok((lines(&ticks) >= 2).then_some(()))
+    })?;
+
+    let plugin_needle = format!("--state-dir={}", data_dir.display());
+    let plugin_pids = processes_with_cmdline(&plugin_needle);
+    let holder_pids = processes_with_cmdline(HOLDER_MARK);
+    assert_eq!(plugin_pids.len(), 1, "one plugin process: {plugin_pids:?}");
+    assert_eq!(holder_pids.len(), 1, "one holder process: {holder_pids:?}");
+    assert_eq!(
+        recorded_task_pid(&data_dir, &plugin_id, "plugin")?,
+        i64::from(plugin_pids[0])
+    );
+    assert_eq!(
+        recorded_task_pid(&data_dir, &holder_id, "hold")?,
+        i64::from(holder_pids[0])
+    );
+    let mounts_before = mounts_under(&holder_dir);
+    assert!(
+        !mounts_before.is_empty(),
+        "the volume is bound into the holder's task dir"
+    );
+    let vol = agent.cli_json(&["volume", "status", "data"])?;
+    assert_eq!(strs(&vol["write_allocs"]), vec![holder_id.clone()], "{vol}");
+    let healthy_before = count_events(&plugin, "plugin", "Plugin became healthy");
+
+    // Restart the agent.
+    agent.restart()?;
+
+    // The plugin is supervised again: probed, healthy, registered.
+    let plugin = wait_for(
+        "the restored plugin to become healthy again",
+        Duration::from_secs(60),
+        || {
+            let a = only_alloc(&agent, "hostpath-plugin")?;
+            Ok((count_events(&a, "plugin", "Plugin became healthy") > healthy_before).then_some(a))
+        },
+    )
+    .with_context(|| agent.log())?;
+    assert_eq!(plugin["client_status"], "running", "{plugin}");
+    wait_plugin_healthy(&agent)?;
+    let holder = wait_running(&agent, "holder")?;
+    assert_eq!(holder["id"], holder_id.as_str());
+    assert_eq!(holder["task_states"]["hold"]["state"], "running");
+    assert_eq!(holder["task_states"]["hold"]["restarts"], 0, "{holder}");
+
+    // The same processes, one of each.
+    assert_eq!(
+        processes_with_cmdline(&plugin_needle),
+        plugin_pids,
+        "the plugin was not started again; log:\n{}",
+        agent.log()
+    );
+    assert_eq!(
+        processes_with_cmdline(HOLDER_MARK),
+        holder_pids,
+        "the holder was not started again; log:\n{}",
+        agent.log()
+    );
+    // The claim is still the holder's, the mount still there, and the
+    // holder still writes through it.
+    let vol = agent.cli_json(&["volume", "status", "data"])?;
+    assert_eq!(strs(&vol["write_allocs"]), vec![holder_id.clone()], "{vol}");
+    assert_eq!(mounts_under(&holder_dir), mounts_before);
+    let written = lines(&ticks);
+    wait_for(
+        "the holder to keep writing after the restart",
+        Duration::from_secs(10),
+        || Ok((lines(&ticks) >= written + 3).then_some(())),
+    )?;
+
+    // A bind mount that vanished while the agent was down is made again;
+    // the holder writes through it to the volume once more.
+    agent.stop_agent()?;
+    let bind = holder_dir.join("hold/data");
+    assert!(mounts_before.contains(&bind), "{mounts_before:?}");
+    nix::mount::umount2(&bind, nix::mount::MntFlags::MNT_DETACH)?;
+    assert!(!mounts_under(&holder_dir).contains(&bind));
+    let healthy_before = count_events(&plugin, "plugin", "Plugin became healthy");
+    agent.start_again()?;
+    wait_for(
+        "the plugin to become healthy after the second restart",
+        Duration::from_secs(60),
+        || {
+            let a = only_alloc(&agent, "hostpath-plugin")?;
+            Ok(
+                (count_events(&a, "plugin", "Plugin became healthy") > healthy_before)
+                    .then_some(()),
+            )
+        },
+    )
+    .with_context(|| agent.log())?;
+    wait_for(
+        "the bind mount to be made again",
+        Duration::from_secs(30),
+        || Ok((mounts_under(&holder_dir) == mounts_before).then_some(())),
+    )
+    .with_context(|| agent.log())?;
+    let written = lines(&ticks);
+    wait_for(
+        "the holder to write to the volume again",
+        Duration::from_secs(10),
+        || Ok((lines(&ticks) >= written + 3).then_some(())),
+    )?;
+    assert_eq!(processes_with_cmdline(&plugin_needle), plugin_pids);
+    assert_eq!(processes_with_cmdline(HOLDER_MARK), holder_pids);
+    let vol = agent.cli_json(&["volume", "status", "data"])?;
+    assert_eq!(strs(&vol["write_allocs"]), vec![holder_id.clone()], "{vol}");
+
+    // Stopping the holder frees the claim and unmounts everything of it.
+    agent.cli_ok(&["job", "stop", "holder"])?;
+    wait_for(
+        "the holder's claim to be freed",
+        Duration::from_secs(30),
+        || {
+            let v = agent.cli_json(&["volume", "status", "data"])?;
+            Ok(
+                (strs(&v["read_allocs"]).is_empty() && strs(&v["write_allocs"]).is_empty())
+                    .then_some(()),
+            )
+        },
+    )
+    .with_context(|| agent.log())?;
+    wait_for("the holder's mounts to go", Duration::from_secs(30), || {
+        Ok(mounts_under(&holder_dir).is_empty().then_some(()))
+    })?;
+    wait_for("the holder process to go", Duration::from_secs(30), || {
+        Ok(processes_with_cmdline(HOLDER_MARK).is_empty().then_some(()))
+    })?;
+
+    agent.cli_ok(&["job", "stop", "hostpath-plugin"])?;
+    wait_for("the plugin process to go", Duration::from_secs(30), || {
+        Ok(processes_with_cmdline(&plugin_needle)
+            .is_empty()
+            .then_some(()))
+    })?;
+    agent.stop_agent()?;
+    let left = mounts_under(&data_dir);
+    assert!(left.is_empty(), "mounts left: {left:?}");
+    Ok(())
+}
