@@ -24,6 +24,9 @@ pub struct ClaimRequest {
     pub access_mode: AccessMode,
     pub attachment_mode: AttachmentMode,
     pub read_only: bool,
+    /// The job's mount options; the servers lay them over the volume's for
+    /// ControllerPublishVolume and answer with the result.
+    pub mount_options: CsiMountOptions,
 }
 
 /// What the servers answer to a claim: enough to stage and publish the

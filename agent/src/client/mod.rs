@@ -284,10 +284,12 @@ impl Client {
 
     async fn reconcile(&self, update: pb::AllocationsUpdate) {
         let mut allocs = Vec::with_capacity(update.allocs_json.len());
+        let mut undecodable = 0;
         for raw in &update.allocs_json {
             match serde_json::from_slice::<Allocation>(raw) {
                 Ok(a) => allocs.push(a),
                 Err(e) => {
+                    undecodable += 1;
                     tracing::error!(error = %e, "the servers sent an alloc that does not decode; skipped")
                 }
             }
@@ -309,7 +311,16 @@ impl Client {
                 }
             }
         }
-        // Allocs the servers no longer know were garbage collected.
+        // Allocs the servers no longer know were garbage collected. When
+        // some did not decode, absence proves nothing: a running alloc is
+        // never destroyed over a message this client cannot read.
+        if undecodable > 0 {
+            tracing::warn!(
+                undecodable,
+                "not collecting allocs missing from an update that did not fully decode"
+            );
+            return;
+        }
         let gone: Vec<String> = runners
             .keys()
             .filter(|id| !seen.contains(*id))
@@ -318,7 +329,11 @@ impl Client {
         for id in gone {
             if let Some(r) = runners.remove(&id) {
                 tracing::info!(alloc_id = %id, "alloc garbage collected; destroying");
-                tokio::spawn(async move { r.destroy().await });
+                tokio::spawn(async move {
+                    if let Err(e) = r.destroy().await {
+                        tracing::error!(alloc_id = %id, error = %e, "destroying the alloc failed");
+                    }
+                });
             }
         }
     }

@@ -304,8 +304,8 @@ impl VolumeClaimer for ServerConn {
             capability: Some(pb::VolumeCapability {
                 access_mode: req.access_mode.as_str().to_string(),
                 attachment_mode: req.attachment_mode.as_str().to_string(),
-                fs_type: String::new(),
-                mount_flags: Vec::new(),
+                fs_type: req.mount_options.fs_type.clone(),
+                mount_flags: req.mount_options.mount_flags.clone(),
             }),
         };
         let mut r = tonic::Request::new(pb_req);

@@ -76,10 +76,13 @@ impl CsiHook {
         }
     }
 
-    async fn release(ctx: &AllocHookContext, v: &VolumeUse) -> Result<(), HookError> {
-        let total = ctx.config.release_retry_timeout;
+    /// What to unmount for `v` before its claim may be released: the mount
+    /// this run asked for, or else one that csimanager still records for the
+    /// alloc (made before an agent restart, when this run's claim or mount
+    /// did not get that far).
+    fn unmount_request(ctx: &AllocHookContext, v: &VolumeUse) -> Option<UnmountRequest> {
         if v.mount_attempted {
-            let req = UnmountRequest {
+            return Some(UnmountRequest {
                 plugin_id: v.plugin_id.clone(),
                 volume_id: v.volume_id.clone(),
                 external_id: v.external_id.clone(),
@@ -87,7 +90,27 @@ impl CsiHook {
                 access_mode: v.access_mode,
                 attachment_mode: v.attachment_mode,
                 read_only: v.read_only,
-            };
+            });
+        }
+        ctx.config
+            .csi
+            .volume_stubs()
+            .into_iter()
+            .find(|s| s.volume_id == v.volume_id && s.allocs.contains_key(&ctx.alloc.id))
+            .map(|s| UnmountRequest {
+                plugin_id: s.plugin_id,
+                volume_id: s.volume_id,
+                external_id: s.external_id,
+                alloc_id: ctx.alloc.id.clone(),
+                access_mode: s.access_mode,
+                attachment_mode: s.attachment_mode,
+                read_only: s.read_only,
+            })
+    }
+
+    async fn release(ctx: &AllocHookContext, v: &VolumeUse) -> Result<(), HookError> {
+        let total = ctx.config.release_retry_timeout;
+        if let Some(req) = Self::unmount_request(ctx, v) {
             let csi = ctx.config.csi.clone();
             let unmounted = (|| {
                 let csi = csi.clone();
@@ -195,6 +218,7 @@ impl AllocHook for CsiHook {
                         access_mode,
                         attachment_mode,
                         read_only,
+                        mount_options: req.mount_options.clone().unwrap_or_default(),
                     },
                 )
                 .instrument(span.clone())
