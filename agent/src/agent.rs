@@ -189,23 +189,21 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         });
     }
 
+    // The client stops before the server role, so that its last updates
+    // still reach the servers.
+    let (client_stop_tx, client_stop_rx) = watch::channel(false);
     let client = Client::start(
         ClientConfig {
             data_dir: data_dir.clone(),
             server_addr: format!("http://{rpc_addr}"),
             node_name: config.node_name.clone(),
         },
-        shutdown_rx.clone(),
+        client_stop_rx.clone(),
     )
     .await
     .context("starting the client")?;
-    {
-        let rx = shutdown_rx.clone();
-        tasks.spawn(async move {
-            client.run(rx).await;
-            Ok(())
-        });
-    }
+    let mut client_task = tokio::spawn(client.run(client_stop_rx));
+    let mut client_done = false;
 
     crate::logging::notify_systemd_ready();
     let term = async {
@@ -217,15 +215,35 @@ pub async fn run(config: AgentConfig) -> Result<()> {
         }
         Ok::<(), std::io::Error>(())
     };
+    let mut failure = None;
     tokio::select! {
-        r = term => { r.context("waiting for signals")?; tracing::info!("shutting down; tasks keep running"); }
+        r = term => {
+            r.context("waiting for signals")?;
+            tracing::info!("shutting down; tasks keep running");
+        }
+        r = &mut client_task => {
+            client_done = true;
+            if let Err(e) = r {
+                failure = Some(anyhow!("the client panicked: {e}"));
+            } else {
+                tracing::warn!("the client stopped; shutting down");
+            }
+        }
         Some(r) = tasks.join_next() => {
             match r {
                 Ok(Ok(())) => tracing::warn!("an agent component stopped; shutting down"),
-                Ok(Err(e)) => { let _ = shutdown_tx.send(true); return Err(e) }
-                Err(e) => { let _ = shutdown_tx.send(true); return Err(anyhow!("agent component panicked: {e}")) }
+                Ok(Err(e)) => failure = Some(e),
+                Err(e) => failure = Some(anyhow!("agent component panicked: {e}")),
             }
         }
+    }
+    let _ = client_stop_tx.send(true);
+    if !client_done
+        && tokio::time::timeout(Duration::from_secs(5), &mut client_task)
+            .await
+            .is_err()
+    {
+        tracing::warn!("the client did not stop within 5s; going on");
     }
     let _ = shutdown_tx.send(true);
     let drain = async { while tasks.join_next().await.is_some() {} };
@@ -235,5 +253,8 @@ pub async fn run(config: AgentConfig) -> Result<()> {
     {
         tracing::warn!("components did not stop within 10s; exiting anyway");
     }
-    Ok(())
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
 }

@@ -111,7 +111,10 @@ impl ServerConn {
                     failures += 1;
                     let wait = Duration::from_millis(200 * 2u64.pow(failures.min(5)));
                     tracing::warn!(error = %e, retry_in = ?wait, "sending updates to the servers failed");
-                    tokio::time::sleep(wait).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.wait_for(|v| *v) => return,
+                    }
                     self.inner.flush.notify_one();
                 }
             }
