@@ -18,6 +18,7 @@ use crate::config::AllocRunnerConfig;
 use crate::driver::TaskHandleRecord;
 use crate::error::{AllocRunnerError, HookError};
 use crate::state::{AllocState, RestoredAlloc};
+use crate::task_hooks::VolumeMountsHook;
 use crate::task_runner::TaskRunner;
 
 /// Runs one alloc. Cheap to clone; clones drive the same alloc.
@@ -371,7 +372,8 @@ fn last_run(
     }
 }
 
-/// Stops the tasks of a restored alloc that were left running.
+/// Stops the tasks of a restored alloc that were left running, and unbinds
+/// the volumes bound into their task dirs.
 async fn kill_restored_tasks(
     inner: &Inner,
     group: &TaskGroup,
@@ -400,6 +402,19 @@ async fn kill_restored_tasks(
             }
             Ok(_) => {}
             Err(e) => warn!(task = %task.name, error = %e, "cannot stop a restored task"),
+        }
+    }
+    // The task runners will not run, so their volume-mounts hooks will not
+    // unbind what the previous agent bound: do it here, before postrun
+    // unmounts the volumes and releases their claims.
+    for task in &group.tasks {
+        let task_dir = alloc_dir.task_dir(&task.name);
+        let mut binds = VolumeMountsHook::default();
+        let unbound = binds
+            .adopt_existing(&task_dir.dir, &task.volume_mounts)
+            .and_then(|()| binds.unmount_all());
+        if let Err(e) = unbound {
+            warn!(task = %task.name, error = %e, "cannot unbind a restored task's volumes");
         }
     }
 }

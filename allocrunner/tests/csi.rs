@@ -1,6 +1,7 @@
 //! CSI through the alloc runner with the real `hostpath-plugin` run as a
 //! plugin task: plugin supervision and registration, claims with retries,
-//! mounts bound into the task dir, release at stop, rollback on failure.
+//! mounts bound into the task dir, release at stop, rollback on failure,
+//! and unmount before release for an alloc restored after an agent restart.
 //!
 //! Needs `cargo build -p hostpath-plugin` first.
 
@@ -8,15 +9,17 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_allocrunner::task_hooks::MAX_SOCKET_PATH_LEN;
-use berth_allocrunner::{AllocRunner, ClaimError, ClaimResult};
+use berth_allocrunner::{AllocRunner, AllocStateStore, ClaimError, ClaimResult};
 use berth_csimanager::volume_manager::volume_capability;
 use berth_proto::csi::v1 as csi;
 use berth_structs::{
     AccessMode, AllocClientStatus, AllocDesiredStatus, AttachmentMode, ClaimMode, CsiMountOptions,
-    CsiPluginType, JobType, RestartPolicy, Task, TaskCsiPluginConfig, VolumeMount, VolumeRequest,
+    CsiPluginType, JobType, RestartPolicy, Task, TaskCsiPluginConfig, TaskStateKind, VolumeMount,
+    VolumeRequest,
 };
 use common::*;
 
@@ -354,5 +357,214 @@ async fn a_stop_while_a_claim_is_retried_gives_up_and_releases_it() {
     assert_eq!(
         h.claimer.unpublishes(),
         vec![("vol".to_string(), a.id.clone())]
+    );
+}
+
+#[tokio::test]
+async fn a_claim_carries_the_jobs_mount_options() {
+    let h = Harness::new();
+    let mut a = consumer(&["vol"], sh_task("web", "exit 0"));
+    let options = CsiMountOptions {
+        fs_type: String::new(),
+        mount_flags: vec!["noatime".into()],
+    };
+    group_mut(&mut a)
+        .volumes
+        .get_mut("vol")
+        .expect("the group's volume")
+        .mount_options = Some(options.clone());
+    // No grant: the claim is refused, and the request is what counts here.
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_done(&runner, WITHIN).await;
+    let claims = h.claimer.claims();
+    assert_eq!(claims.len(), 1, "{claims:?}");
+    assert_eq!(claims[0].volume_id, "vol");
+    assert_eq!(claims[0].alloc_id, a.id);
+    assert_eq!(claims[0].mount_options, options);
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// The node's state when the servers were asked to release a claim.
+#[derive(Debug)]
+struct AtUnpublish {
+    volume_id: String,
+    alloc_id: String,
+    /// Mounts below `<data>/client/csi` (staging and publish targets).
+    csi_mounts: Vec<PathBuf>,
+    /// Mounts below the alloc's dir (the task's binds of the volume).
+    alloc_mounts: Vec<PathBuf>,
+    /// Whether csimanager still recorded a mount of the alloc.
+    stubs_list_alloc: bool,
+}
+
+/// An agent mounts a volume for an alloc (bound into its task) and goes
+/// away without stopping it; the restarted agent's runner cannot claim the
+/// volume again (the servers refuse for good) and goes to postrun. Returns
+/// what the node had mounted when postrun asked the servers to release the
+/// claim, and the alloc's id.
+fn restore_with_a_refused_claim() -> (AtUnpublish, String) {
+    let allocs = Arc::new(MemAllocStore::default());
+    let s = allocs.clone();
+    let h = Harness::with(move |c| c.store = s);
+    let csi_dir = h.data_dir().join("client/csi");
+
+    // The first agent: plugin, volume, and an alloc using it.
+    let first = runtime();
+    let (_plugin, a, _task_killer) = first.block_on(async {
+        let plugin = start_plugin(&h).await;
+        let ext = create_volume(&h, "vol").await;
+        h.claimer.grant(grant("vol", &ext));
+        let mut task = sh_task(
+            "web",
+            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
+        );
+        task.volume_mounts = vec![VolumeMount {
+            volume: "vol".into(),
+            destination: "data".into(),
+            read_only: false,
+        }];
+        let a = consumer(&["vol"], task);
+        let task_dir = h.data_dir().join("alloc").join(&a.id).join("web");
+        let killer = PidFileKiller(task_dir.join("local/pid"));
+        let runner = h.runner(a.clone());
+        runner.run();
+        wait_for("the task to run with its volume", WITHIN, || {
+            runner
+                .task_states()
+                .get("web")
+                .is_some_and(|st| st.state == TaskStateKind::Running)
+                && allocs.handle(&a.id, "web").is_some()
+        })
+        .await;
+        (plugin, a, killer)
+    });
+    first.shutdown_timeout(Duration::from_secs(5));
+    let alloc_dir = h.data_dir().join("alloc").join(&a.id);
+    assert!(
+        !mounts_under(&csi_dir).is_empty(),
+        "the volume is staged and published"
+    );
+    assert!(
+        !mounts_under(&alloc_dir).is_empty(),
+        "the volume is bound into the task"
+    );
+
+    // The restarted agent: a new CsiManager from the same store, and the
+    // servers refuse the restored alloc's claim for good.
+    h.claimer.script(
+        "vol",
+        vec![Err(ClaimError::fatal("volume vol has no free claims"))],
+    );
+    let csi = h.restarted_csi();
+    assert!(
+        csi.volume_stubs()
+            .iter()
+            .any(|s| s.volume_id == "vol" && s.allocs.contains_key(&a.id)),
+        "the restarted csimanager knows the alloc's mount"
+    );
+    let observed: Arc<Mutex<Vec<AtUnpublish>>> = Arc::default();
+    {
+        let observed = observed.clone();
+        let csi = csi.clone();
+        let csi_dir = csi_dir.clone();
+        let alloc_dir = alloc_dir.clone();
+        h.claimer.observe_unpublish(move |volume_id, alloc_id| {
+            let at = AtUnpublish {
+                volume_id: volume_id.to_string(),
+                alloc_id: alloc_id.to_string(),
+                csi_mounts: mounts_under(&csi_dir),
+                alloc_mounts: mounts_under(&alloc_dir),
+                stubs_list_alloc: csi
+                    .volume_stubs()
+                    .iter()
+                    .any(|s| s.allocs.contains_key(alloc_id)),
+            };
+            observed.lock().unwrap().push(at);
+        });
+    }
+    let second = runtime();
+    second.block_on(async {
+        let restored = allocs
+            .load_allocs()
+            .expect("load allocs")
+            .into_iter()
+            .find(|r| r.alloc.id == a.id)
+            .expect("the alloc was persisted");
+        let runner = AllocRunner::restore(h.config_with(allocs.clone(), csi.clone()), restored);
+        runner.run();
+        wait_done(&runner, WITHIN).await;
+        assert_eq!(runner.client_status(), AllocClientStatus::Failed);
+        let last = h.updater.last().unwrap();
+        assert!(
+            last.description.contains("claiming volume vol"),
+            "{}",
+            last.description
+        );
+    });
+    second.shutdown_timeout(Duration::from_secs(5));
+
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), a.id.clone())],
+        "the claim is released"
+    );
+    assert!(
+        mounts_under(&csi_dir).is_empty(),
+        "unpublished and unstaged"
+    );
+    assert!(
+        h.store
+            .volumes()
+            .values()
+            .all(|s| !s.allocs.contains_key(&a.id)),
+        "{:?}",
+        h.store.volumes()
+    );
+    let mut observed = std::mem::take(&mut *observed.lock().unwrap());
+    assert_eq!(observed.len(), 1, "one unpublish: {observed:?}");
+    let at = observed.remove(0);
+    assert_eq!(
+        (at.volume_id.as_str(), at.alloc_id.as_str()),
+        ("vol", a.id.as_str())
+    );
+    (at, a.id)
+}
+
+/// Postrun unpublishes and unstages what csimanager recorded for the alloc
+/// before the previous agent's restart, even though this run never got to
+/// mount, and only then asks the servers to release the claim (which then
+/// run ControllerUnpublish).
+#[test]
+fn a_restored_alloc_whose_claim_is_refused_unmounts_before_releasing() {
+    let (at, _) = restore_with_a_refused_claim();
+    assert!(
+        at.csi_mounts.is_empty(),
+        "unpublished and unstaged before the claim was released: {:?}",
+        at.csi_mounts
+    );
+    assert!(
+        !at.stubs_list_alloc,
+        "csimanager forgot the alloc's mount before the claim was released"
+    );
+}
+
+/// The task's bind of the volume, made by the previous agent, keeps the
+/// volume's filesystem mounted on this node; it must be gone too before the
+/// claim is released.
+#[test]
+fn a_restored_alloc_whose_claim_is_refused_unbinds_its_tasks_before_releasing() {
+    let (at, alloc_id) = restore_with_a_refused_claim();
+    assert!(
+        at.alloc_mounts.is_empty(),
+        "alloc {alloc_id}: the task's binds were gone before the claim was released: {:?}",
+        at.alloc_mounts
     );
 }

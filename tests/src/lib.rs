@@ -103,6 +103,16 @@ fn unescape_mount_path(s: &str) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out).into_owned())
 }
 
+/// Resident memory of a process in KiB (`VmRSS`), if it runs.
+pub fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
 /// PIDs of processes whose command line mentions `needle`.
 fn pids_mentioning(needle: &str) -> Vec<i32> {
     let me = std::process::id() as i32;
@@ -147,8 +157,10 @@ pub fn processes_with_cmdline(needle: &str) -> Vec<i32> {
             let zombie = stat
                 .rfind(')')
                 .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+            // Arguments are NUL-separated; match them as a command line.
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            !zombie && String::from_utf8_lossy(&cmdline).contains(needle)
+            let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+            !zombie && cmdline.contains(needle)
         })
         .collect();
     pids.sort_unstable();
@@ -230,6 +242,11 @@ impl DevAgent {
                 .is_some_and(|a| a.iter().any(|n| n["status"] == "ready"));
             Ok(ready.then_some(()))
         })
+    }
+
+    /// The agent process's PID, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     /// The agent's log so far.

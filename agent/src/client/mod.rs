@@ -7,7 +7,7 @@ pub mod calls;
 pub mod rpc;
 pub mod state;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -283,19 +283,9 @@ impl Client {
     }
 
     async fn reconcile(&self, update: pb::AllocationsUpdate) {
-        let mut allocs = Vec::with_capacity(update.allocs_json.len());
-        let mut undecodable = 0;
-        for raw in &update.allocs_json {
-            match serde_json::from_slice::<Allocation>(raw) {
-                Ok(a) => allocs.push(a),
-                Err(e) => {
-                    undecodable += 1;
-                    tracing::error!(error = %e, "the servers sent an alloc that does not decode; skipped")
-                }
-            }
-        }
+        let (allocs, undecodable) = decode_allocs(&update.allocs_json);
         let mut runners = self.runners.lock().await;
-        let seen: std::collections::HashSet<String> = allocs.iter().map(|a| a.id.clone()).collect();
+        let seen: HashSet<String> = allocs.iter().map(|a| a.id.clone()).collect();
         for alloc in allocs {
             match runners.get(&alloc.id) {
                 Some(r) => r.update(alloc),
@@ -311,21 +301,7 @@ impl Client {
                 }
             }
         }
-        // Allocs the servers no longer know were garbage collected. When
-        // some did not decode, absence proves nothing: a running alloc is
-        // never destroyed over a message this client cannot read.
-        if undecodable > 0 {
-            tracing::warn!(
-                undecodable,
-                "not collecting allocs missing from an update that did not fully decode"
-            );
-            return;
-        }
-        let gone: Vec<String> = runners
-            .keys()
-            .filter(|id| !seen.contains(*id))
-            .cloned()
-            .collect();
+        let gone = allocs_to_collect(runners.keys(), &seen, undecodable);
         for id in gone {
             if let Some(r) = runners.remove(&id) {
                 tracing::info!(alloc_id = %id, "alloc garbage collected; destroying");
@@ -336,5 +312,94 @@ impl Client {
                 });
             }
         }
+    }
+}
+
+/// The allocs of an update that decode, and how many did not (each logged).
+fn decode_allocs(raw: &[Vec<u8>]) -> (Vec<Allocation>, usize) {
+    let mut allocs = Vec::with_capacity(raw.len());
+    let mut undecodable = 0;
+    for bytes in raw {
+        match serde_json::from_slice::<Allocation>(bytes) {
+            Ok(a) => allocs.push(a),
+            Err(e) => {
+                undecodable += 1;
+                tracing::error!(error = %e, "the servers sent an alloc that does not decode; skipped")
+            }
+        }
+    }
+    (allocs, undecodable)
+}
+
+/// The running allocs the servers no longer know, which were garbage
+/// collected. When some of the update did not decode, absence proves
+/// nothing: a running alloc is never destroyed over a message this client
+/// cannot read, so none are.
+fn allocs_to_collect<'a>(
+    running: impl Iterator<Item = &'a String>,
+    seen: &HashSet<String>,
+    undecodable: usize,
+) -> Vec<String> {
+    if undecodable > 0 {
+        tracing::warn!(
+            undecodable,
+            "not collecting allocs missing from an update that did not fully decode"
+        );
+        return Vec::new();
+    }
+    running.filter(|id| !seen.contains(*id)).cloned().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc_json(id: &str) -> Vec<u8> {
+        let a = Allocation {
+            id: id.to_string(),
+            ..Allocation::default()
+        };
+        serde_json::to_vec(&a).expect("an alloc encodes")
+    }
+
+    fn ids(ids: &[&str]) -> Vec<String> {
+        ids.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn decode_allocs_keeps_what_decodes_and_counts_the_rest() {
+        let raw = vec![alloc_json("a"), b"{not json".to_vec(), alloc_json("b")];
+        let (allocs, undecodable) = decode_allocs(&raw);
+        let decoded: Vec<&str> = allocs.iter().map(|a| a.id.as_str()).collect();
+        assert_eq!(decoded, vec!["a", "b"]);
+        assert_eq!(undecodable, 1);
+
+        let (allocs, undecodable) = decode_allocs(&[alloc_json("a")]);
+        assert_eq!(allocs.len(), 1);
+        assert_eq!(undecodable, 0);
+    }
+
+    #[test]
+    fn an_update_with_an_undecodable_alloc_collects_nothing() {
+        let running = ids(&["a", "b", "c"]);
+        // The update names only "a"; "b" may be the entry that did not decode.
+        let (allocs, undecodable) = decode_allocs(&[alloc_json("a"), b"garbage".to_vec()]);
+        let seen: HashSet<String> = allocs.iter().map(|a| a.id.clone()).collect();
+        assert!(allocs_to_collect(running.iter(), &seen, undecodable).is_empty());
+    }
+
+    #[test]
+    fn a_fully_decoded_update_collects_the_allocs_it_no_longer_names() {
+        let running = ids(&["a", "b", "c"]);
+        let (allocs, undecodable) = decode_allocs(&[alloc_json("b")]);
+        let seen: HashSet<String> = allocs.iter().map(|a| a.id.clone()).collect();
+        let mut gone = allocs_to_collect(running.iter(), &seen, undecodable);
+        gone.sort();
+        assert_eq!(gone, ids(&["a", "c"]));
+
+        // An empty update that decoded fully: the servers know none of them.
+        let mut gone = allocs_to_collect(running.iter(), &HashSet::new(), 0);
+        gone.sort();
+        assert_eq!(gone, ids(&["a", "b", "c"]));
     }
 }

@@ -78,6 +78,10 @@ impl AllocStateUpdater for RecordingUpdater {
 
 // ---------------------------------------------------------------- claimer
 
+/// Called with `(volume_id, alloc_id)` when an unpublish arrives, before it
+/// is answered: tests look at the node's state at that moment.
+pub type UnpublishObserver = Box<dyn Fn(&str, &str) + Send + Sync>;
+
 /// Answers claims from a script per volume (then with `default`), and
 /// records every claim and unpublish.
 #[derive(Default)]
@@ -86,6 +90,7 @@ pub struct ScriptedClaimer {
     pub defaults: Mutex<BTreeMap<String, ClaimResult>>,
     pub claims: Mutex<Vec<ClaimRequest>>,
     pub unpublishes: Mutex<Vec<(String, String)>>,
+    pub on_unpublish: Mutex<Option<UnpublishObserver>>,
 }
 
 impl ScriptedClaimer {
@@ -106,6 +111,10 @@ impl ScriptedClaimer {
     }
     pub fn unpublishes(&self) -> Vec<(String, String)> {
         self.unpublishes.lock().unwrap().clone()
+    }
+    /// Runs `f` on every later unpublish, before it is recorded and answered.
+    pub fn observe_unpublish(&self, f: impl Fn(&str, &str) + Send + Sync + 'static) {
+        *self.on_unpublish.lock().unwrap() = Some(Box::new(f));
     }
 }
 
@@ -131,6 +140,9 @@ impl VolumeClaimer for ScriptedClaimer {
     }
 
     async fn unpublish(&self, volume_id: &str, alloc_id: &str) -> Result<(), ClaimError> {
+        if let Some(observe) = self.on_unpublish.lock().unwrap().as_ref() {
+            observe(volume_id, alloc_id);
+        }
         self.unpublishes
             .lock()
             .unwrap()
@@ -339,11 +351,34 @@ impl Harness {
 
     /// The same config with another store (what a restarted agent has).
     pub fn config_with_store(&self, store: Arc<dyn AllocStateStore>) -> Arc<AllocRunnerConfig> {
+        self.config_with(store, self.csi.clone())
+    }
+
+    /// A new CsiManager over the same volume store with a fresh registry:
+    /// what a restarted agent builds (plugins and volume usage come back
+    /// from the store).
+    pub fn restarted_csi(&self) -> Arc<CsiManager> {
+        CsiManager::new(
+            self.csi.config().clone(),
+            PluginRegistry::new(),
+            self.store.clone(),
+            self.node_events.clone(),
+            Arc::new(NoFingerprints),
+        )
+        .expect("CsiManager::new on restart")
+    }
+
+    /// The same config with another alloc store and CsiManager.
+    pub fn config_with(
+        &self,
+        store: Arc<dyn AllocStateStore>,
+        csi: Arc<CsiManager>,
+    ) -> Arc<AllocRunnerConfig> {
         let mut config = AllocRunnerConfig::new(
             self.config.alloc_root.clone(),
             self.config.plugin_root.clone(),
             self.config.node_id.clone(),
-            self.csi.clone(),
+            csi,
             self.claimer.clone(),
             self.updater.clone(),
         );
