@@ -125,8 +125,48 @@ async fn stop_job(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiRe
     to_json(&resp)
 }
 
-async fn job_allocations(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
-    to_json(&s.job_allocations(&id)?)
+/// A blocking query: `?index=N` answers once the state's index passes N
+/// (or after `wait`, default 5 minutes at most), like Nomad's.
+#[derive(Deserialize)]
+struct BlockingQuery {
+    index: Option<u64>,
+    wait: Option<String>,
+}
+
+/// The longest a blocking query waits.
+const MAX_BLOCKING_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
+
+impl BlockingQuery {
+    async fn block(&self, s: &Server) -> Result<(), ApiError> {
+        let Some(index) = self.index else {
+            return Ok(());
+        };
+        let wait = match &self.wait {
+            None => MAX_BLOCKING_WAIT,
+            Some(w) => humantime::parse_duration(w)
+                .map_err(|e| ApiError(ServerError::BadRequest(format!("wait={w:?}: {e}"))))?,
+        };
+        s.wait_for_index(index, wait.min(MAX_BLOCKING_WAIT)).await;
+        Ok(())
+    }
+}
+
+/// The answer with the state index it reflects, in `X-Berth-Index`.
+fn indexed(s: &Server, body: Value) -> Response {
+    let index = s.index();
+    ([("x-berth-index", index.to_string())], Json(body)).into_response()
+}
+
+async fn job_allocations(
+    State(s): State<Arc<Server>>,
+    Path(id): Path<String>,
+    Query(q): Query<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    q.block(&s).await?;
+    let allocs = s.job_allocations(&id)?;
+    let body = serde_json::to_value(&allocs)
+        .map_err(|e| ApiError(ServerError::Internal(format!("encoding the answer: {e}"))))?;
+    Ok(indexed(&s, body))
 }
 
 async fn list_allocations(State(s): State<Arc<Server>>) -> ApiResult {

@@ -52,15 +52,22 @@ impl ApiClient {
     }
 
     pub fn get(&self, path: &str) -> Result<serde_json::Value> {
-        self.request("GET", path, None)
+        self.request("GET", path, None).map(|(v, _)| v)
+    }
+
+    /// A GET and the state index the answer reflects (`X-Berth-Index`),
+    /// for blocking queries.
+    pub fn get_indexed(&self, path: &str) -> Result<(serde_json::Value, u64)> {
+        let (v, index) = self.request("GET", path, None)?;
+        Ok((v, index.unwrap_or(0)))
     }
 
     pub fn put(&self, path: &str, body: &serde_json::Value) -> Result<serde_json::Value> {
-        self.request("PUT", path, Some(body))
+        self.request("PUT", path, Some(body)).map(|(v, _)| v)
     }
 
     pub fn delete(&self, path: &str) -> Result<serde_json::Value> {
-        self.request("DELETE", path, None)
+        self.request("DELETE", path, None).map(|(v, _)| v)
     }
 
     fn request(
@@ -68,7 +75,7 @@ impl ApiClient {
         method: &str,
         path: &str,
         body: Option<&serde_json::Value>,
-    ) -> Result<serde_json::Value> {
+    ) -> Result<(serde_json::Value, Option<u64>)> {
         let addr = self
             .authority
             .to_socket_addrs()
@@ -101,7 +108,7 @@ impl ApiClient {
         stream
             .read_to_end(&mut raw)
             .with_context(|| format!("reading the answer to {method} {path}"))?;
-        let (status, body) = parse_response(&raw)
+        let (status, index, body) = parse_response(&raw)
             .with_context(|| format!("malformed HTTP answer to {method} {path}"))?;
         let value: serde_json::Value = if body.is_empty() {
             serde_json::Value::Null
@@ -118,12 +125,13 @@ impl ApiClient {
                 .unwrap_or_else(|| value.to_string());
             return Err(ApiError { status, message }.into());
         }
-        Ok(value)
+        Ok((value, index))
     }
 }
 
-/// Splits a full HTTP/1.1 response into its status and decoded body.
-fn parse_response(raw: &[u8]) -> Result<(u16, Vec<u8>)> {
+/// Splits a full HTTP/1.1 response into its status, its `X-Berth-Index`
+/// and its decoded body.
+fn parse_response(raw: &[u8]) -> Result<(u16, Option<u64>, Vec<u8>)> {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")
@@ -136,17 +144,26 @@ fn parse_response(raw: &[u8]) -> Result<(u16, Vec<u8>)> {
         .nth(1)
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| anyhow!("bad status line {status_line:?}"))?;
-    let chunked = lines.any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
+    let mut chunked = false;
+    let mut index = None;
+    for line in lines {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let (name, value) = (name.trim().to_ascii_lowercase(), value.trim());
+        if name == "transfer-encoding" && value.to_ascii_lowercase().contains("chunked") {
+            chunked = true;
+        } else if name == "x-berth-index" {
+            index = value.parse().ok();
+        }
+    }
     let body = &raw[split + 4..];
     let body = if chunked {
         decode_chunked(body)?
     } else {
         body.to_vec()
     };
-    Ok((status, body))
+    Ok((status, index, body))
 }
 
 fn decode_chunked(mut body: &[u8]) -> Result<Vec<u8>> {
@@ -177,9 +194,11 @@ mod tests {
 
     #[test]
     fn parses_plain_and_chunked_responses() {
-        let (s, b) = parse_response(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").unwrap();
-        assert_eq!((s, b.as_slice()), (200, b"{}".as_slice()));
-        let (s, b) = parse_response(
+        let (s, i, b) =
+            parse_response(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nX-Berth-Index: 42\r\n\r\n{}")
+                .unwrap();
+        assert_eq!((s, i, b.as_slice()), (200, Some(42), b"{}".as_slice()));
+        let (s, _, b) = parse_response(
             b"HTTP/1.1 404 Not Found\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
         )
         .unwrap();

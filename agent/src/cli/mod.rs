@@ -3,8 +3,6 @@
 
 pub mod http_client;
 
-use std::time::Duration;
-
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
@@ -208,8 +206,14 @@ fn monitor_job(
     blocked: bool,
 ) -> Result<i32> {
     let mut last_line = String::new();
+    let mut seen_index = 0;
     loop {
-        let allocs = api.get(&format!("/v1/job/{}/allocations", enc(job_id)))?;
+        // A blocking query: answers as soon as anything changes.
+        let (allocs, state_index) = api.get_indexed(&format!(
+            "/v1/job/{}/allocations?index={seen_index}&wait=10s",
+            enc(job_id)
+        ))?;
+        seen_index = state_index;
         let allocs: Vec<&Value> = allocs
             .as_array()
             .map(|a| {
@@ -261,7 +265,6 @@ fn monitor_job(
                 return Ok(0);
             }
         }
-        std::thread::sleep(Duration::from_millis(250));
     }
 }
 
