@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use berth_tests::{repo_root, rss_kib, wait_for, DevAgent};
-use serde_json::Value;
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let idx = ((sorted.len() as f64 - 1.0) * p).round() as usize;
@@ -47,14 +46,7 @@ fn main() -> Result<()> {
             .display()
             .to_string(),
     ])?;
-    wait_for("a healthy plugin", Duration::from_secs(60), || {
-        let out = agent.cli(&["plugin", "status", "-json", "hostpath"])?;
-        if !out.status.success() {
-            return Ok(None);
-        }
-        let p: Value = serde_json::from_slice(&out.stdout)?;
-        Ok((p["nodes_healthy"] == 1 && p["controllers_healthy"] == 1).then_some(()))
-    })?;
+    agent.wait_plugin_healthy("hostpath")?;
     agent.cli_ok(&[
         "volume",
         "create",

@@ -39,6 +39,33 @@ pub fn repo_root() -> PathBuf {
         .to_path_buf()
 }
 
+/// Path of an example file, e.g. `jobs/writer.hcl`.
+pub fn example(path: &str) -> String {
+    repo_root()
+        .join("examples")
+        .join(path)
+        .display()
+        .to_string()
+}
+
+/// The strings of a JSON array (empty for anything else).
+pub fn strs(v: &Value) -> Vec<String> {
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|x| x.as_str().map(str::to_string))
+        .collect()
+}
+
+/// The full status of the only alloc of `job`.
+pub fn only_alloc(agent: &DevAgent, job: &str) -> Result<Value> {
+    let status = agent.cli_json(&["job", "status", job])?;
+    match status["allocations"].as_array().map(Vec::as_slice) {
+        Some([a]) => agent.cli_json(&["alloc", "status", a["id"].as_str().unwrap_or_default()]),
+        other => bail!("job {job} should have one alloc, has {other:?}"),
+    }
+}
+
 /// Polls `f` until it returns `Ok(Some(v))`, or fails after `timeout` with
 /// the last error or `what`.
 pub fn wait_for<T>(
@@ -242,6 +269,23 @@ impl DevAgent {
                 .is_some_and(|a| a.iter().any(|n| n["status"] == "ready"));
             Ok(ready.then_some(()))
         })
+    }
+
+    /// Waits until `plugin` has a healthy node and a healthy controller.
+    pub fn wait_plugin_healthy(&self, plugin: &str) -> Result<()> {
+        wait_for(
+            &format!("plugin {plugin} to be healthy"),
+            Duration::from_secs(60),
+            || {
+                let out = self.cli(&["plugin", "status", "-json", plugin])?;
+                if !out.status.success() {
+                    return Ok(None);
+                }
+                let p: Value = serde_json::from_slice(&out.stdout)?;
+                Ok((p["nodes_healthy"] == 1 && p["controllers_healthy"] == 1).then_some(()))
+            },
+        )
+        .with_context(|| self.log())
     }
 
     /// The agent process's PID, while it runs.

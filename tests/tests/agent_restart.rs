@@ -9,8 +9,10 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
-use berth_tests::{mounts_under, processes_with_cmdline, repo_root, wait_for, DevAgent};
+use anyhow::{Context, Result};
+use berth_tests::{
+    example, mounts_under, only_alloc, processes_with_cmdline, strs, wait_for, DevAgent,
+};
 use serde_json::Value;
 
 /// Marks the holder's shell in its command line (`$0`).
@@ -50,31 +52,6 @@ job "holder" {
   }
 }
 "#;
-
-fn example(path: &str) -> String {
-    repo_root()
-        .join("examples")
-        .join(path)
-        .display()
-        .to_string()
-}
-
-fn strs(v: &Value) -> Vec<String> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|x| x.as_str().map(str::to_string))
-        .collect()
-}
-
-/// The only alloc of a job.
-fn only_alloc(agent: &DevAgent, job: &str) -> Result<Value> {
-    let status = agent.cli_json(&["job", "status", job])?;
-    match status["allocations"].as_array().map(Vec::as_slice) {
-        Some([a]) => agent.cli_json(&["alloc", "status", a["id"].as_str().unwrap_or_default()]),
-        other => bail!("job {job} should have one alloc, has {other:?}"),
-    }
-}
 
 fn count_events(alloc: &Value, task: &str, event_type: &str) -> usize {
     alloc["task_states"][task]["events"]
@@ -120,22 +97,6 @@ fn wait_running(agent: &DevAgent, job: &str) -> Result<Value> {
     .with_context(|| agent.log())
 }
 
-fn wait_plugin_healthy(agent: &DevAgent) -> Result<()> {
-    wait_for(
-        "the hostpath plugin to be healthy",
-        Duration::from_secs(60),
-        || {
-            let out = agent.cli(&["plugin", "status", "-json", "hostpath"])?;
-            if !out.status.success() {
-                return Ok(None);
-            }
-            let p: Value = serde_json::from_slice(&out.stdout)?;
-            Ok((p["nodes_healthy"] == 1 && p["controllers_healthy"] == 1).then_some(()))
-        },
-    )
-    .with_context(|| agent.log())
-}
-
 #[test]
 fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Result<()> {
     let mut agent = DevAgent::start()?;
@@ -148,7 +109,7 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
         "-detach",
         &example("jobs/hostpath-plugin.hcl"),
     ])?;
-    wait_plugin_healthy(&agent)?;
+    agent.wait_plugin_healthy("hostpath")?;
     agent.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
     let holder_file = data_dir.join("holder.hcl");
     std::fs::write(&holder_file, HOLDER_JOB)?;
@@ -199,7 +160,7 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
     )
     .with_context(|| agent.log())?;
     assert_eq!(plugin["client_status"], "running", "{plugin}");
-    wait_plugin_healthy(&agent)?;
+    agent.wait_plugin_healthy("hostpath")?;
     let holder = wait_running(&agent, "holder")?;
     assert_eq!(holder["id"], holder_id.as_str());
     assert_eq!(holder["task_states"]["hold"]["state"], "running");

@@ -7,16 +7,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{mounts_under, repo_root, wait_for, DevAgent};
+use berth_tests::{example, mounts_under, only_alloc, strs, wait_for, DevAgent};
 use serde_json::Value;
-
-fn example(path: &str) -> String {
-    repo_root()
-        .join("examples")
-        .join(path)
-        .display()
-        .to_string()
-}
 
 /// The plugin job, with `--enable-attach` added to the plugin's args when
 /// asked.
@@ -34,23 +26,6 @@ fn plugin_job(dir: &std::path::Path, enable_attach: bool) -> Result<String> {
     let path = dir.join("hostpath-plugin.hcl");
     std::fs::write(&path, src)?;
     Ok(path.display().to_string())
-}
-
-fn strs(v: &Value) -> Vec<String> {
-    v.as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|x| x.as_str().map(str::to_string))
-        .collect()
-}
-
-/// The only alloc of a job.
-fn only_alloc(agent: &DevAgent, job: &str) -> Result<Value> {
-    let status = agent.cli_json(&["job", "status", job])?;
-    match status["allocations"].as_array().map(Vec::as_slice) {
-        Some([a]) => agent.cli_json(&["alloc", "status", a["id"].as_str().unwrap_or_default()]),
-        other => bail!("job {job} should have one alloc, has {other:?}"),
-    }
 }
 
 fn storage_events(node: &Value, message: &str, alloc_id: &str) -> Vec<Value> {
@@ -74,19 +49,7 @@ fn volume_life(enable_attach: bool) -> Result<()> {
     // The plugin runs as a supervised task and becomes healthy.
     let job_file = plugin_job(&data_dir, enable_attach)?;
     agent.cli_ok(&["job", "run", "-detach", &job_file])?;
-    wait_for(
-        "the hostpath plugin to be healthy",
-        Duration::from_secs(60),
-        || {
-            let out = agent.cli(&["plugin", "status", "-json", "hostpath"])?;
-            if !out.status.success() {
-                return Ok(None);
-            }
-            let p: Value = serde_json::from_slice(&out.stdout)?;
-            Ok((p["nodes_healthy"] == 1 && p["controllers_healthy"] == 1).then_some(()))
-        },
-    )
-    .with_context(|| agent.log())?;
+    agent.wait_plugin_healthy("hostpath")?;
     let plugin = agent.cli_json(&["plugin", "status", "hostpath"])?;
     assert_eq!(plugin["id"], "hostpath");
     assert_eq!(plugin["provider"], "hostpath.csi.berth.dev");

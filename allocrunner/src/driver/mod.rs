@@ -99,7 +99,17 @@ impl TaskHandleRecord {
             crate::executor::STATE_FILE,
         )
         .ok()??;
-        match state {
+        Self::from_state(driver, executor_dir, &state)
+    }
+
+    /// The handle of a task its executor reports running; `None` when the
+    /// executor could not start it.
+    pub fn from_state(
+        driver: &str,
+        executor_dir: &Path,
+        state: &crate::executor::ExecutorState,
+    ) -> Option<TaskHandleRecord> {
+        match *state {
             crate::executor::ExecutorState::Running {
                 executor_pid,
                 executor_start_ticks,

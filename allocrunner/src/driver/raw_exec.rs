@@ -203,36 +203,21 @@ impl Driver for RawExecDriver {
             }
             tokio::time::sleep(EXECUTOR_START_POLL).await;
         };
-        let record = match state {
-            ExecutorState::Running {
-                executor_pid,
-                executor_start_ticks,
-                task_pid,
-                pgid,
-                task_start_ticks,
-                started_at_ms,
-            } => TaskHandleRecord {
-                driver: self.name().into(),
-                executor_dir: dir.clone(),
-                executor_pid,
-                executor_start_ticks,
-                task_pid,
-                pgid,
-                task_start_ticks,
-                started_at_ms,
-            },
-            ExecutorState::StartFailed { kind, message } => {
-                let _ = child.wait().await;
-                let command = spec.command.clone();
-                return Err(match kind {
-                    StartFailure::NotFound => DriverError::CommandNotFound { command },
-                    StartFailure::PermissionDenied => DriverError::PermissionDenied { command },
-                    StartFailure::Other => DriverError::Spawn {
-                        command,
-                        error: std::io::Error::other(message),
-                    },
-                });
-            }
+        if let ExecutorState::StartFailed { kind, message } = state {
+            let _ = child.wait().await;
+            let command = spec.command.clone();
+            return Err(match kind {
+                StartFailure::NotFound => DriverError::CommandNotFound { command },
+                StartFailure::PermissionDenied => DriverError::PermissionDenied { command },
+                StartFailure::Other => DriverError::Spawn {
+                    command,
+                    error: std::io::Error::other(message),
+                },
+            });
+        }
+        let Some(record) = TaskHandleRecord::from_state(self.name(), dir, &state) else {
+            let _ = child.start_kill();
+            return Err(executor_failed("its state names no running task".into()));
         };
         debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid = record.task_pid, executor_pid = record.executor_pid, "started raw_exec task");
         let (tx, exit) = watch::channel(None);
