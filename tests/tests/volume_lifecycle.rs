@@ -42,6 +42,9 @@ fn storage_events(node: &Value, message: &str, alloc_id: &str) -> Vec<Value> {
         .collect()
 }
 
+/// A volume secret that must never show.
+const SECRET: &str = "s3cr3t-4f1c9e";
+
 fn volume_life(enable_attach: bool) -> Result<()> {
     let mut agent = DevAgent::start()?;
     let data_dir = agent.data_dir.path().to_path_buf();
@@ -56,8 +59,18 @@ fn volume_life(enable_attach: bool) -> Result<()> {
     assert_eq!(plugin["nodes_expected"], 1);
     assert_eq!(plugin["controllers_expected"], 1);
 
-    // volume create makes the volume through the controller.
-    agent.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+    // volume create makes the volume through the controller. The volume
+    // carries a secret, which every CSI call gets and no log or answer may
+    // show.
+    let volume_file = data_dir.join("hostpath-volume.hcl");
+    std::fs::write(
+        &volume_file,
+        format!(
+            "{}\nsecrets {{\n  token = \"{SECRET}\"\n}}\n",
+            std::fs::read_to_string(example("volumes/hostpath.hcl"))?
+        ),
+    )?;
+    agent.cli_ok(&["volume", "create", &volume_file.display().to_string()])?;
     let vol = agent.cli_json(&["volume", "status", "data"])?;
     assert_eq!(vol["id"], "data");
     assert_eq!(vol["plugin_id"], "hostpath");
@@ -144,6 +157,32 @@ fn volume_life(enable_attach: bool) -> Result<()> {
             .with_context(|| format!("reading {}", log_path.display()))?;
         assert_eq!(log.matches("published volume to node").count(), 2, "{log}");
         assert_eq!(log.matches("unpublished volume").count(), 2, "{log}");
+    }
+
+    // The secret reached no log line and no API answer.
+    let mut seen = vec![("agent log".to_string(), agent.log())];
+    for args in [
+        vec!["volume", "status", "data"],
+        vec!["node", "status", node_id.as_str()],
+        vec!["alloc", "status", writer_id.as_str()],
+        vec!["alloc", "status", reader_id.as_str()],
+        vec!["job", "status"],
+        vec!["plugin", "status", "hostpath"],
+    ] {
+        seen.push((args.join(" "), agent.cli_json(&args)?.to_string()));
+    }
+    for alloc in std::fs::read_dir(data_dir.join("alloc"))? {
+        let logs = alloc?.path().join("alloc/logs");
+        for f in std::fs::read_dir(&logs).into_iter().flatten() {
+            let f = f?.path();
+            seen.push((f.display().to_string(), std::fs::read_to_string(&f)?));
+        }
+    }
+    for (what, text) in &seen {
+        assert!(
+            !text.contains(SECRET),
+            "the volume's secret shows in {what}"
+        );
     }
 
     // No volume mount is left behind once both jobs are done.
