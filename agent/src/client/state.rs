@@ -5,8 +5,8 @@
 //! (what a restarted client reattaches to). A record that fails to decode is reported and moved to a
 //! quarantine table; it never stops the agent from starting.
 
-use std::path::Path;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 
 use berth_allocrunner::{AllocStateStore, PersistedAllocState, RestoredAlloc, TaskHandleRecord};
 use berth_csimanager::{PluginRegistration, VolumeStateStore, VolumeStub};
@@ -43,29 +43,88 @@ pub enum StateError {
          refusing to read it"
     )]
     TooNew { found: u32 },
+    #[error("client state database: an earlier write failed on I/O (is the disk full?)")]
+    PreviousIo,
 }
 
 fn db_err(e: impl std::fmt::Display) -> StateError {
     StateError::Db(e.to_string())
 }
 
-/// The client's state database. Cheap to clone.
+/// A redb error, keeping apart the one that asks for the database to be
+/// opened again.
+fn rdb(e: impl Into<redb::Error>) -> StateError {
+    match e.into() {
+        redb::Error::PreviousIo => StateError::PreviousIo,
+        other => StateError::Db(other.to_string()),
+    }
+}
+
+/// The client's state database. Cheap to clone; clones share it.
 #[derive(Clone)]
 pub struct ClientState {
-    db: Arc<Database>,
+    /// `None` once an I/O error poisoned it: redb refuses every transaction
+    /// after a failed write until the file is opened again.
+    db: Arc<RwLock<Option<Arc<Database>>>>,
+    path: Arc<PathBuf>,
 }
 
 impl ClientState {
     pub fn open(dir: &Path) -> Result<ClientState, StateError> {
         std::fs::create_dir_all(dir).map_err(db_err)?;
         let path = dir.join("state.redb");
-        let db = Database::create(&path).map_err(|source| StateError::Open {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let state = ClientState { db: Arc::new(db) };
+        let db = Self::open_db(&path)?;
+        let state = ClientState {
+            db: Arc::new(RwLock::new(Some(Arc::new(db)))),
+            path: Arc::new(path),
+        };
         state.migrate()?;
         Ok(state)
+    }
+
+    fn open_db(path: &Path) -> Result<Database, StateError> {
+        Database::create(path).map_err(|source| StateError::Open {
+            path: path.display().to_string(),
+            source,
+        })
+    }
+
+    /// The open database, opened again if an I/O error closed it.
+    fn db(&self) -> Result<Arc<Database>, StateError> {
+        if let Some(db) = self.db.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            return Ok(db.clone());
+        }
+        let mut slot = self.db.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(db) = slot.as_ref() {
+            return Ok(db.clone());
+        }
+        let db = Arc::new(Self::open_db(&self.path)?);
+        tracing::info!(path = %self.path.display(), "client state database opened again after an I/O error");
+        *slot = Some(db.clone());
+        Ok(db)
+    }
+
+    /// Runs `f` in a write transaction and commits it. After an I/O error
+    /// (a full disk) poisoned the database, it is opened again and `f` is
+    /// tried once more, so the agent recovers once space is freed.
+    fn write<T>(
+        &self,
+        f: impl Fn(&redb::WriteTransaction) -> Result<T, StateError>,
+    ) -> Result<T, StateError> {
+        let attempt = || {
+            let tx = self.db()?.begin_write().map_err(rdb)?;
+            let out = f(&tx)?;
+            tx.commit().map_err(rdb)?;
+            Ok(out)
+        };
+        match attempt() {
+            Err(StateError::PreviousIo) => {
+                tracing::warn!(path = %self.path.display(), "client state database hit an I/O error; reopening it");
+                self.db.write().unwrap_or_else(|e| e.into_inner()).take();
+                attempt()
+            }
+            other => other,
+        }
     }
 
     fn migrate(&self) -> Result<(), StateError> {
@@ -81,23 +140,22 @@ impl ClientState {
     }
 
     pub fn meta(&self, key: &str) -> Result<Option<String>, StateError> {
-        let tx = self.db.begin_read().map_err(db_err)?;
+        let tx = self.db()?.begin_read().map_err(rdb)?;
         let table = match tx.open_table(META) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(None),
             Err(e) => return Err(db_err(e)),
         };
-        let v = table.get(key).map_err(db_err)?;
+        let v = table.get(key).map_err(rdb)?;
         Ok(v.map(|v| v.value().to_string()))
     }
 
     pub fn set_meta(&self, key: &str, value: &str) -> Result<(), StateError> {
-        let tx = self.db.begin_write().map_err(db_err)?;
-        {
-            let mut t = tx.open_table(META).map_err(db_err)?;
-            t.insert(key, value).map_err(db_err)?;
-        }
-        tx.commit().map_err(db_err)
+        self.write(|tx| {
+            let mut t = tx.open_table(META).map_err(rdb)?;
+            t.insert(key, value).map_err(rdb)?;
+            Ok(())
+        })
     }
 
     /// Every record of `table`, decoded. Records that fail to decode are
@@ -109,14 +167,14 @@ impl ClientState {
         let mut good = Vec::new();
         let mut bad: Vec<(String, Vec<u8>, String)> = Vec::new();
         {
-            let tx = self.db.begin_read().map_err(db_err)?;
+            let tx = self.db()?.begin_read().map_err(rdb)?;
             let t = match tx.open_table(table) {
                 Ok(t) => t,
                 Err(redb::TableError::TableDoesNotExist(_)) => return Ok(good),
                 Err(e) => return Err(db_err(e)),
             };
-            for row in t.iter().map_err(db_err)? {
-                let (k, v) = row.map_err(db_err)?;
+            for row in t.iter().map_err(rdb)? {
+                let (k, v) = row.map_err(rdb)?;
                 match serde_json::from_slice::<T>(v.value()) {
                     Ok(rec) => good.push(rec),
                     Err(e) => bad.push((k.value().to_string(), v.value().to_vec(), e.to_string())),
@@ -124,10 +182,9 @@ impl ClientState {
             }
         }
         if !bad.is_empty() {
-            let tx = self.db.begin_write().map_err(db_err)?;
-            {
-                let mut src = tx.open_table(table).map_err(db_err)?;
-                let mut q = tx.open_table(QUARANTINE).map_err(db_err)?;
+            self.write(|tx| {
+                let mut src = tx.open_table(table).map_err(rdb)?;
+                let mut q = tx.open_table(QUARANTINE).map_err(rdb)?;
                 for (key, bytes, err) in &bad {
                     tracing::error!(
                         table = %redb::TableHandle::name(&table),
@@ -136,11 +193,11 @@ impl ClientState {
                         "client state record does not decode; moved to quarantine"
                     );
                     let qkey = format!("{}/{}", redb::TableHandle::name(&table), key);
-                    q.insert(qkey.as_str(), bytes.as_slice()).map_err(db_err)?;
-                    src.remove(key.as_str()).map_err(db_err)?;
+                    q.insert(qkey.as_str(), bytes.as_slice()).map_err(rdb)?;
+                    src.remove(key.as_str()).map_err(rdb)?;
                 }
-            }
-            tx.commit().map_err(db_err)?;
+                Ok(())
+            })?;
         }
         Ok(good)
     }
@@ -152,34 +209,32 @@ impl ClientState {
         value: &T,
     ) -> Result<(), StateError> {
         let bytes = serde_json::to_vec(value).map_err(db_err)?;
-        let tx = self.db.begin_write().map_err(db_err)?;
-        {
-            let mut t = tx.open_table(table).map_err(db_err)?;
-            t.insert(key, bytes.as_slice()).map_err(db_err)?;
-        }
-        tx.commit().map_err(db_err)
+        self.write(|tx| {
+            let mut t = tx.open_table(table).map_err(rdb)?;
+            t.insert(key, bytes.as_slice()).map_err(rdb)?;
+            Ok(())
+        })
     }
 
     fn delete(&self, table: TableDefinition<&str, &[u8]>, key: &str) -> Result<(), StateError> {
-        let tx = self.db.begin_write().map_err(db_err)?;
-        {
-            let mut t = tx.open_table(table).map_err(db_err)?;
-            t.remove(key).map_err(db_err)?;
-        }
-        tx.commit().map_err(db_err)
+        self.write(|tx| {
+            let mut t = tx.open_table(table).map_err(rdb)?;
+            t.remove(key).map_err(rdb)?;
+            Ok(())
+        })
     }
 
     /// Keys of quarantined records, `<table>/<key>`.
     pub fn quarantined(&self) -> Result<Vec<String>, StateError> {
-        let tx = self.db.begin_read().map_err(db_err)?;
+        let tx = self.db()?.begin_read().map_err(rdb)?;
         let t = match tx.open_table(QUARANTINE) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
             Err(e) => return Err(db_err(e)),
         };
         let mut out = Vec::new();
-        for row in t.iter().map_err(db_err)? {
-            let (k, _) = row.map_err(db_err)?;
+        for row in t.iter().map_err(rdb)? {
+            let (k, _) = row.map_err(rdb)?;
             out.push(k.value().to_string());
         }
         Ok(out)
@@ -192,12 +247,11 @@ impl ClientState {
         key: &str,
         bytes: &[u8],
     ) -> Result<(), StateError> {
-        let tx = self.db.begin_write().map_err(db_err)?;
-        {
-            let mut t = tx.open_table(table).map_err(db_err)?;
-            t.insert(key, bytes).map_err(db_err)?;
-        }
-        tx.commit().map_err(db_err)
+        self.write(|tx| {
+            let mut t = tx.open_table(table).map_err(rdb)?;
+            t.insert(key, bytes).map_err(rdb)?;
+            Ok(())
+        })
     }
 }
 
@@ -249,17 +303,16 @@ impl AllocStateStore for ClientState {
 
     fn delete_alloc(&self, alloc_id: &str) -> Result<(), String> {
         let prefix = format!("{alloc_id}/");
-        let tx = self.db.begin_write().map_err(|e| e.to_string())?;
-        {
+        self.write(|tx| {
             for table in [ALLOCS, ALLOC_STATES] {
-                let mut t = tx.open_table(table).map_err(|e| e.to_string())?;
-                t.remove(alloc_id).map_err(|e| e.to_string())?;
+                let mut t = tx.open_table(table).map_err(rdb)?;
+                t.remove(alloc_id).map_err(rdb)?;
             }
-            let mut t = tx.open_table(TASK_HANDLES).map_err(|e| e.to_string())?;
-            t.retain(|k, _| !k.starts_with(&prefix))
-                .map_err(|e| e.to_string())?;
-        }
-        tx.commit().map_err(|e| e.to_string())
+            let mut t = tx.open_table(TASK_HANDLES).map_err(rdb)?;
+            t.retain(|k, _| !k.starts_with(&prefix)).map_err(rdb)?;
+            Ok(())
+        })
+        .map_err(|e| e.to_string())
     }
 
     /// Allocs with their states and handles. A state or handle whose alloc
@@ -316,17 +369,17 @@ impl VolumeStateStore for ClientState {
     }
 
     fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
-        let tx = self.db.begin_write().map_err(|e| e.to_string())?;
-        {
-            let mut t = tx.open_table(PLUGINS).map_err(|e| e.to_string())?;
-            t.retain(|_, _| false).map_err(|e| e.to_string())?;
+        self.write(|tx| {
+            let mut t = tx.open_table(PLUGINS).map_err(rdb)?;
+            t.retain(|_, _| false).map_err(rdb)?;
             for p in plugins {
-                let bytes = serde_json::to_vec(p).map_err(|e| e.to_string())?;
+                let bytes = serde_json::to_vec(p).map_err(db_err)?;
                 t.insert(p.plugin_id.as_str(), bytes.as_slice())
-                    .map_err(|e| e.to_string())?;
+                    .map_err(rdb)?;
             }
-        }
-        tx.commit().map_err(|e| e.to_string())
+            Ok(())
+        })
+        .map_err(|e| e.to_string())
     }
 
     fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
@@ -474,5 +527,69 @@ mod tests {
             Err(e) => panic!("unexpected error: {e}"),
             Ok(_) => panic!("a newer schema must be refused"),
         }
+    }
+
+    /// A tmpfs of a few MiB, unmounted when dropped (also on failure).
+    struct SmallDisk {
+        dir: tempfile::TempDir,
+    }
+
+    impl SmallDisk {
+        fn new(size: &str) -> SmallDisk {
+            let dir = tempfile::tempdir().unwrap();
+            nix::mount::mount(
+                Some("tmpfs"),
+                dir.path(),
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some(format!("size={size}").as_str()),
+            )
+            .expect("mounting a tmpfs (the tests run as root)");
+            SmallDisk { dir }
+        }
+
+        /// Writes zeros until the disk is full.
+        fn fill(&self) -> std::path::PathBuf {
+            use std::io::Write;
+            let path = self.dir.path().join("fill");
+            let mut f = std::fs::File::create(&path).unwrap();
+            let chunk = vec![0u8; 64 * 1024];
+            while f.write_all(&chunk).is_ok() {}
+            let _ = f.sync_all();
+            path
+        }
+    }
+
+    impl Drop for SmallDisk {
+        fn drop(&mut self) {
+            let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+
+    #[test]
+    fn a_full_disk_fails_writes_clearly_and_they_work_again_once_space_is_freed() {
+        let disk = SmallDisk::new("4m");
+        let state = ClientState::open(&disk.dir.path().join("client")).unwrap();
+        state.put_volume(&stub("before")).unwrap();
+        let fill = disk.fill();
+
+        let mut big = stub("big");
+        // Larger than what is left, whatever redb's page slack.
+        big.external_id = "x".repeat(512 * 1024);
+        let err = state.put_volume(&big).expect_err("the disk is full");
+        assert!(!err.is_empty());
+        // A later write fails too, but never panics.
+        assert!(state.put_volume(&stub("during")).is_err());
+
+        std::fs::remove_file(fill).unwrap();
+        state.put_volume(&stub("after")).unwrap();
+        let mut keys: Vec<String> = state
+            .load_volumes()
+            .unwrap()
+            .into_iter()
+            .map(|s| s.volume_id)
+            .collect();
+        keys.sort();
+        assert_eq!(keys, vec!["after", "before"]);
     }
 }

@@ -42,8 +42,15 @@ pub struct QuarantinedRecord {
 }
 
 pub struct RedbBackend {
-    db: Database,
+    /// `None` after an I/O error closed it; the next use opens it again.
+    db: std::sync::RwLock<Option<std::sync::Arc<Database>>>,
     path: PathBuf,
+}
+
+/// redb refuses every transaction after one failed on I/O (a full disk,
+/// say) until the database is opened again.
+fn is_previous_io(e: &StoreError) -> bool {
+    matches!(e, StoreError::Db(redb::Error::PreviousIo))
 }
 
 impl RedbBackend {
@@ -60,18 +67,44 @@ impl RedbBackend {
                 source,
             })?;
         }
-        let db = Database::create(path).map_err(|e| StoreError::Open {
-            path: path.display().to_string(),
-            source: e.into(),
-        })?;
+        let db = Self::open_db(path)?;
         Ok(RedbBackend {
-            db,
+            db: std::sync::RwLock::new(Some(std::sync::Arc::new(db))),
             path: path.to_path_buf(),
         })
     }
 
+    fn open_db(path: &Path) -> Result<Database, StoreError> {
+        Database::create(path).map_err(|e| StoreError::Open {
+            path: path.display().to_string(),
+            source: e.into(),
+        })
+    }
+
+    /// The open database, opening it again if an I/O error closed it.
+    fn db(&self) -> Result<std::sync::Arc<Database>, StoreError> {
+        if let Some(db) = self.db.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            return Ok(db.clone());
+        }
+        let mut slot = self.db.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(db) = slot.as_ref() {
+            return Ok(db.clone());
+        }
+        let db = std::sync::Arc::new(Self::open_db(&self.path)?);
+        tracing::info!(path = %self.path.display(), "state database opened again after an I/O error");
+        *slot = Some(db.clone());
+        Ok(db)
+    }
+
+    /// Closes the database after an I/O error poisoned it, so that the next
+    /// use opens it afresh.
+    fn close_poisoned(&self) {
+        tracing::warn!(path = %self.path.display(), "state database hit an I/O error; reopening it");
+        self.db.write().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
     fn quarantined_records(&self) -> Result<Vec<QuarantinedRecord>, StoreError> {
-        let txn = self.db.begin_read()?;
+        let txn = self.db()?.begin_read()?;
         let table = match txn.open_table(QUARANTINE) {
             Ok(t) => t,
             Err(redb::TableError::TableDoesNotExist(_)) => return Ok(Vec::new()),
@@ -129,7 +162,7 @@ fn decode_table<T: DeserializeOwned>(
 
 impl Backend for RedbBackend {
     fn load(&self) -> Result<Tables, StoreError> {
-        let txn = self.db.begin_write()?;
+        let txn = self.db()?.begin_write()?;
         let mut tables = Tables::default();
         {
             let mut meta = txn.open_table(META)?;
@@ -231,7 +264,19 @@ impl Backend for RedbBackend {
     }
 
     fn commit(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
-        let txn = self.db.begin_write()?;
+        match self.commit_once(index, changes) {
+            Err(e) if is_previous_io(&e) => {
+                self.close_poisoned();
+                self.commit_once(index, changes)
+            }
+            other => other,
+        }
+    }
+}
+
+impl RedbBackend {
+    fn commit_once(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
+        let txn = self.db()?.begin_write()?;
         {
             let mut touched = std::collections::BTreeSet::new();
             for change in changes {
