@@ -30,7 +30,7 @@ mod task_runner;
 
 pub use alloc_dir::{AllocDir, TaskDir};
 pub use alloc_runner::AllocRunner;
-pub use claims::{ClaimError, ClaimRequest, ClaimResult, VolumeClaimer};
+pub use claims::{ClaimError, ClaimGrant, ClaimRequest, VolumeClaimer};
 pub use config::AllocRunnerConfig;
 pub use driver::{
     Driver, ExecutorCommand, ExitResult, RawExecDriver, TaskHandle, TaskHandleRecord, TaskSpec,

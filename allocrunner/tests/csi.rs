@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_allocrunner::task_hooks::MAX_SOCKET_PATH_LEN;
-use berth_allocrunner::{AllocRunner, AllocStateStore, ClaimError, ClaimResult};
+use berth_allocrunner::{AllocRunner, AllocStateStore, ClaimError, ClaimGrant};
 use berth_csimanager::volume_manager::volume_capability;
 use berth_proto::csi::v1 as csi;
 use berth_structs::{
@@ -108,13 +108,13 @@ async fn create_volume(h: &Harness, name: &str) -> String {
         .volume_id
 }
 
-fn grant(volume_id: &str, external_id: &str) -> ClaimResult {
-    ClaimResult {
+fn grant(volume_id: &str, external_id: &str) -> ClaimGrant {
+    ClaimGrant {
         volume_id: volume_id.into(),
         external_id: external_id.into(),
         plugin_id: PLUGIN_ID.into(),
         secrets: BTreeMap::from([("token".to_string(), "s3cr3t".to_string())]),
-        ..ClaimResult::default()
+        ..ClaimGrant::default()
     }
 }
 

@@ -401,6 +401,38 @@ impl CsiVolume {
     }
 }
 
+/// What a granted claim hands the node: enough to stage and publish the
+/// volume. The servers answer a claim with it; the client's CSI hook mounts
+/// with it. `secrets` go to the node plugin only: `Debug` redacts them.
+#[derive(Clone, PartialEq, Eq, Default)]
+pub struct ClaimGrant {
+    pub volume_id: String,
+    pub external_id: String,
+    pub plugin_id: String,
+    pub publish_context: BTreeMap<String, String>,
+    pub volume_context: BTreeMap<String, String>,
+    pub secrets: BTreeMap<String, String>,
+    /// The job's mount options laid over the volume's.
+    pub mount_options: crate::job::CsiMountOptions,
+}
+
+impl std::fmt::Debug for ClaimGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClaimGrant")
+            .field("volume_id", &self.volume_id)
+            .field("external_id", &self.external_id)
+            .field("plugin_id", &self.plugin_id)
+            .field("publish_context", &self.publish_context)
+            .field("volume_context", &self.volume_context)
+            .field(
+                "secrets",
+                &format_args!("<{} redacted>", self.secrets.len()),
+            )
+            .field("mount_options", &self.mount_options)
+            .finish()
+    }
+}
+
 /// A plugin's instance on one node, as fingerprinted there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct CsiInfo {
@@ -504,6 +536,17 @@ mod tests {
         assert!(v
             .claim_conflict("a3", "n1", AccessMode::SingleNodeReader, ClaimMode::Read)
             .is_none());
+    }
+
+    #[test]
+    fn debug_of_a_claim_grant_redacts_its_secrets() {
+        let g = ClaimGrant {
+            secrets: [("password".to_string(), "hunter2".to_string())].into(),
+            ..Default::default()
+        };
+        let s = format!("{g:?} {g:#?}");
+        assert!(!s.contains("hunter2") && !s.contains("password"), "{s}");
+        assert!(s.contains("<1 redacted>"), "{s}");
     }
 
     #[test]

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use berth_allocrunner::{AllocStateUpdater, ClaimError, ClaimRequest, ClaimResult, VolumeClaimer};
+use berth_allocrunner::{AllocStateUpdater, ClaimError, ClaimGrant, ClaimRequest, VolumeClaimer};
 use berth_csimanager::{FingerprintSink, NodeEventSink};
 use berth_heartbeat::{HeartbeatError, HeartbeatRpc, NodeRegistrar};
 use berth_proto::berth::v1 as pb;
@@ -298,7 +298,7 @@ impl FingerprintSink for ServerConn {
 
 #[async_trait::async_trait]
 impl VolumeClaimer for ServerConn {
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimResult, ClaimError> {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimGrant, ClaimError> {
         let pb_req = pb::ClaimRequest {
             volume_id: req.volume_id.clone(),
             alloc_id: req.alloc_id.clone(),
@@ -323,7 +323,7 @@ impl VolumeClaimer for ServerConn {
                 message: format!("claiming volume {:?}: {}", req.volume_id, s.message()),
             })?
             .into_inner();
-        Ok(ClaimResult {
+        Ok(ClaimGrant {
             volume_id: resp.volume_id,
             external_id: resp.external_id,
             plugin_id: resp.plugin_id,

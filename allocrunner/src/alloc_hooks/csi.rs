@@ -10,7 +10,7 @@ use berth_structs::{AccessMode, AttachmentMode, ClaimMode};
 use tracing::{error, info, warn, Instrument};
 
 use super::{AllocHook, AllocHookContext};
-use crate::claims::{ClaimError, ClaimRequest, ClaimResult};
+use crate::claims::{ClaimError, ClaimGrant, ClaimRequest};
 use crate::error::HookError;
 
 /// One volume of the group, as far as prerun got with it.
@@ -54,7 +54,7 @@ impl CsiHook {
         &self,
         ctx: &AllocHookContext,
         req: ClaimRequest,
-    ) -> Result<ClaimResult, HookError> {
+    ) -> Result<ClaimGrant, HookError> {
         let volume_id = req.volume_id.clone();
         let claimer = ctx.config.claimer.clone();
         let attempt = || {

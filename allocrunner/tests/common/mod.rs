@@ -10,8 +10,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_allocrunner::{
-    AllocRunner, AllocRunnerConfig, AllocStateStore, AllocStateUpdater, ClaimError, ClaimRequest,
-    ClaimResult, ExecutorCommand, PersistedAllocState, RestoredAlloc, TaskHandleRecord,
+    AllocRunner, AllocRunnerConfig, AllocStateStore, AllocStateUpdater, ClaimError, ClaimGrant,
+    ClaimRequest, ExecutorCommand, PersistedAllocState, RestoredAlloc, TaskHandleRecord,
     VolumeClaimer,
 };
 use berth_csimanager::{
@@ -86,21 +86,21 @@ pub type UnpublishObserver = Box<dyn Fn(&str, &str) + Send + Sync>;
 /// records every claim and unpublish.
 #[derive(Default)]
 pub struct ScriptedClaimer {
-    pub scripts: Mutex<BTreeMap<String, VecDeque<Result<ClaimResult, ClaimError>>>>,
-    pub defaults: Mutex<BTreeMap<String, ClaimResult>>,
+    pub scripts: Mutex<BTreeMap<String, VecDeque<Result<ClaimGrant, ClaimError>>>>,
+    pub defaults: Mutex<BTreeMap<String, ClaimGrant>>,
     pub claims: Mutex<Vec<ClaimRequest>>,
     pub unpublishes: Mutex<Vec<(String, String)>>,
     pub on_unpublish: Mutex<Option<UnpublishObserver>>,
 }
 
 impl ScriptedClaimer {
-    pub fn grant(&self, result: ClaimResult) {
+    pub fn grant(&self, result: ClaimGrant) {
         self.defaults
             .lock()
             .unwrap()
             .insert(result.volume_id.clone(), result);
     }
-    pub fn script(&self, volume_id: &str, answers: Vec<Result<ClaimResult, ClaimError>>) {
+    pub fn script(&self, volume_id: &str, answers: Vec<Result<ClaimGrant, ClaimError>>) {
         self.scripts
             .lock()
             .unwrap()
@@ -120,7 +120,7 @@ impl ScriptedClaimer {
 
 #[async_trait::async_trait]
 impl VolumeClaimer for ScriptedClaimer {
-    async fn claim(&self, req: ClaimRequest) -> Result<ClaimResult, ClaimError> {
+    async fn claim(&self, req: ClaimRequest) -> Result<ClaimGrant, ClaimError> {
         self.claims.lock().unwrap().push(req.clone());
         if let Some(next) = self
             .scripts

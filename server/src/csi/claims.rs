@@ -44,35 +44,7 @@ pub struct VolumeClaimRequest {
     pub mount_options: CsiMountOptions,
 }
 
-/// What a claimant needs to stage and publish the volume.
-#[derive(Clone, PartialEq, Eq)]
-pub struct ClaimGrant {
-    pub volume_id: String,
-    pub external_id: String,
-    pub plugin_id: String,
-    pub publish_context: BTreeMap<String, String>,
-    pub volume_context: BTreeMap<String, String>,
-    /// For the node plugin only; never logged.
-    pub secrets: BTreeMap<String, String>,
-    pub mount_options: CsiMountOptions,
-}
-
-impl std::fmt::Debug for ClaimGrant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClaimGrant")
-            .field("volume_id", &self.volume_id)
-            .field("external_id", &self.external_id)
-            .field("plugin_id", &self.plugin_id)
-            .field("publish_context", &self.publish_context)
-            .field("volume_context", &self.volume_context)
-            .field(
-                "secrets",
-                &format_args!("<{} redacted>", self.secrets.len()),
-            )
-            .field("mount_options", &self.mount_options)
-            .finish()
-    }
-}
+pub use berth_structs::ClaimGrant;
 
 /// Who releases a claim; it decides whether the node detach is needed.
 #[derive(Debug, Clone, PartialEq, Eq)]
