@@ -8,7 +8,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -25,16 +25,6 @@ use common::*;
 
 const PLUGIN_ID: &str = "hostpath";
 const WITHIN: Duration = Duration::from_secs(30);
-
-fn hostpath_plugin_binary() -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/hostpath-plugin");
-    assert!(
-        path.is_file(),
-        "{} not found: build it first with `cargo build -p hostpath-plugin`",
-        path.display()
-    );
-    path
-}
 
 fn plugin_config(health_timeout: Duration) -> TaskCsiPluginConfig {
     TaskCsiPluginConfig {

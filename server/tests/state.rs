@@ -146,48 +146,11 @@ async fn newer_schema_is_refused_with_a_clear_error() {
     );
 }
 
-/// A tmpfs of a few MiB, unmounted when dropped (also on failure).
-struct SmallDisk {
-    dir: tempfile::TempDir,
-}
-
-impl SmallDisk {
-    fn new(size: &str) -> SmallDisk {
-        let dir = tempfile::tempdir().unwrap();
-        nix::mount::mount(
-            Some("tmpfs"),
-            dir.path(),
-            Some("tmpfs"),
-            nix::mount::MsFlags::empty(),
-            Some(format!("size={size}").as_str()),
-        )
-        .expect("mounting a tmpfs (the tests run as root)");
-        SmallDisk { dir }
-    }
-
-    /// Writes zeros until the disk is full.
-    fn fill(&self) -> std::path::PathBuf {
-        use std::io::Write;
-        let path = self.dir.path().join("fill");
-        let mut f = std::fs::File::create(&path).unwrap();
-        let chunk = vec![0u8; 64 * 1024];
-        while f.write_all(&chunk).is_ok() {}
-        let _ = f.sync_all();
-        path
-    }
-}
-
-impl Drop for SmallDisk {
-    fn drop(&mut self) {
-        let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
-    }
-}
-
 #[tokio::test]
 async fn a_full_disk_fails_writes_clearly_and_they_work_again_once_space_is_freed() {
     init_tracing();
-    let disk = SmallDisk::new("4m");
-    let server = Server::open(test_config(disk.dir.path())).unwrap();
+    let disk = berth_testutil::SmallDisk::new("4m");
+    let server = Server::open(test_config(disk.path())).unwrap();
     server.register_node(node("n1")).await.unwrap();
     let fill = disk.fill();
 
@@ -214,7 +177,7 @@ async fn a_full_disk_fails_writes_clearly_and_they_work_again_once_space_is_free
         .await
         .expect("writes work again once space is freed");
     drop(server);
-    let server = Server::open(test_config(disk.dir.path())).unwrap();
+    let server = Server::open(test_config(disk.path())).unwrap();
     assert!(server.job("after").is_ok());
     assert!(server.job("big").is_err());
 }

@@ -10,6 +10,8 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
+pub use berth_testutil::mounts_under;
+
 /// The directory holding the workspace's built binaries (`target/debug`).
 pub fn bin_dir() -> PathBuf {
     // The test executable lives in target/<profile>/deps/.
@@ -95,39 +97,6 @@ pub fn wait_for<T>(
 pub fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind loopback");
     l.local_addr().expect("local addr").port()
-}
-
-/// Mount points under `dir`, deepest first.
-pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut v: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(unescape_mount_path)
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    v.dedup();
-    v
-}
-
-fn unescape_mount_path(s: &str) -> PathBuf {
-    // mountinfo escapes space, tab, newline and backslash as \ooo.
-    let mut out = Vec::new();
-    let b = s.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 4 <= b.len() {
-            if let Ok(n) = u8::from_str_radix(&s[i + 1..i + 4], 8) {
-                out.push(n);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    PathBuf::from(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// Resident memory of a process in KiB (`VmRSS`), if it runs.
@@ -407,16 +376,5 @@ impl DevAgent {
 impl Drop for DevAgent {
     fn drop(&mut self) {
         self.cleanup();
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn mountinfo_paths_are_unescaped() {
-        assert_eq!(unescape_mount_path("/a\\040b"), PathBuf::from("/a b"));
-        assert_eq!(unescape_mount_path("/plain"), PathBuf::from("/plain"));
     }
 }

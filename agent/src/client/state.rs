@@ -529,47 +529,10 @@ mod tests {
         }
     }
 
-    /// A tmpfs of a few MiB, unmounted when dropped (also on failure).
-    struct SmallDisk {
-        dir: tempfile::TempDir,
-    }
-
-    impl SmallDisk {
-        fn new(size: &str) -> SmallDisk {
-            let dir = tempfile::tempdir().unwrap();
-            nix::mount::mount(
-                Some("tmpfs"),
-                dir.path(),
-                Some("tmpfs"),
-                nix::mount::MsFlags::empty(),
-                Some(format!("size={size}").as_str()),
-            )
-            .expect("mounting a tmpfs (the tests run as root)");
-            SmallDisk { dir }
-        }
-
-        /// Writes zeros until the disk is full.
-        fn fill(&self) -> std::path::PathBuf {
-            use std::io::Write;
-            let path = self.dir.path().join("fill");
-            let mut f = std::fs::File::create(&path).unwrap();
-            let chunk = vec![0u8; 64 * 1024];
-            while f.write_all(&chunk).is_ok() {}
-            let _ = f.sync_all();
-            path
-        }
-    }
-
-    impl Drop for SmallDisk {
-        fn drop(&mut self) {
-            let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
-        }
-    }
-
     #[test]
     fn a_full_disk_fails_writes_clearly_and_they_work_again_once_space_is_freed() {
-        let disk = SmallDisk::new("4m");
-        let state = ClientState::open(&disk.dir.path().join("client")).unwrap();
+        let disk = berth_testutil::SmallDisk::new("4m");
+        let state = ClientState::open(&disk.path().join("client")).unwrap();
         state.put_volume(&stub("before")).unwrap();
         let fill = disk.fill();
 

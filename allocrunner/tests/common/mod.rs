@@ -4,10 +4,12 @@
 
 #![allow(dead_code)]
 
+#[allow(unused_imports)] // each test binary uses its own share
+pub use berth_testutil::{hostpath_plugin_binary, mounts_under, wait_for, MountCleanup};
 use std::collections::{BTreeMap, VecDeque};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use berth_allocrunner::{
     AllocRunner, AllocRunnerConfig, AllocStateStore, AllocStateUpdater, ClaimError, ClaimGrant,
@@ -413,15 +415,6 @@ pub async fn wait_done(runner: &AllocRunner, within: Duration) {
         .expect("the alloc runner finishes in time");
 }
 
-/// Polls `cond` every 20 ms until it holds or `within` passes.
-pub async fn wait_for(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 // ---------------------------------------------------------------- allocs
 
 pub fn sh_task(name: &str, script: &str) -> Task {
@@ -476,34 +469,6 @@ pub fn group_mut(alloc: &mut Allocation) -> &mut TaskGroup {
 }
 
 // ---------------------------------------------------------------- cleanup
-
-/// Mount points (from /proc/self/mountinfo) at or below `dir`.
-pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
-    text.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(PathBuf::from)
-        .filter(|p| p.starts_with(dir))
-        .collect()
-}
-
-/// Lazily unmounts everything below its dir on drop, deepest first.
-pub struct MountCleanup(pub PathBuf);
-
-impl Drop for MountCleanup {
-    fn drop(&mut self) {
-        for _ in 0..10 {
-            let mut mounts = mounts_under(&self.0);
-            if mounts.is_empty() {
-                return;
-            }
-            mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-            for m in mounts {
-                let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
-            }
-        }
-    }
-}
 
 /// Live (non-zombie) processes whose process group is `pgid`.
 pub fn live_group_members(pgid: i32) -> Vec<i32> {

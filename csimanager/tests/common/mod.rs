@@ -4,6 +4,10 @@
 
 #![allow(dead_code)]
 
+#[allow(unused_imports)] // each test binary uses its own share
+pub use berth_testutil::{
+    hostpath_plugin_binary, mount_count_at, mounts_under, wait_for, MountCleanup,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -114,80 +118,9 @@ impl FingerprintSink for FingerprintLog {
 
 // ---------------------------------------------------------------- polling
 
-/// Polls `cond` every 20 ms until it holds or `within` passes.
-pub async fn wait_for(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + within;
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 // ---------------------------------------------------------------- mounts
 
-/// Mount points (from /proc/self/mountinfo) at or below `dir`.
-pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").expect("read mountinfo");
-    text.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(unescape_mountinfo)
-        .filter(|p| p.starts_with(dir))
-        .collect()
-}
-
-fn unescape_mountinfo(s: &str) -> PathBuf {
-    let mut out = Vec::new();
-    let b = s.as_bytes();
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() {
-            if let Ok(n) = u8::from_str_radix(&s[i + 1..i + 4], 8) {
-                out.push(n);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(b[i]);
-        i += 1;
-    }
-    PathBuf::from(String::from_utf8_lossy(&out).into_owned())
-}
-
-/// How many mounts sit exactly at `path`.
-pub fn mount_count_at(path: &Path) -> usize {
-    mounts_under(path).iter().filter(|p| *p == path).count()
-}
-
-/// Lazily unmounts everything below `dir` on drop, deepest first.
-pub struct MountCleanup(pub PathBuf);
-
-impl Drop for MountCleanup {
-    fn drop(&mut self) {
-        for _ in 0..10 {
-            let mut mounts = mounts_under(&self.0);
-            if mounts.is_empty() {
-                return;
-            }
-            mounts.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-            for m in mounts {
-                let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
-            }
-        }
-    }
-}
-
 // ---------------------------------------------------------------- plugin
-
-/// The `hostpath-plugin` binary, built by `cargo build -p hostpath-plugin`.
-pub fn hostpath_plugin_binary() -> PathBuf {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug/hostpath-plugin");
-    assert!(
-        path.is_file(),
-        "{} not found: build it first with `cargo build -p hostpath-plugin`",
-        path.display()
-    );
-    path
-}
 
 /// A running `hostpath-plugin`; killed on drop.
 pub struct PluginProcess {

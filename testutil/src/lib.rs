@@ -1,0 +1,164 @@
+//! What berth's tests share, and nothing the product uses: reading and
+//! cleaning up mounts, a deliberately small disk, the location of the
+//! example plugin binary, and polling a condition with a deadline.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Mount points at or below `dir` (from /proc/self/mountinfo), deepest
+/// first.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut found: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(unescape_mountinfo)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    found
+}
+
+/// How many mounts sit exactly at `path`.
+pub fn mount_count_at(path: &Path) -> usize {
+    mounts_under(path).iter().filter(|p| *p == path).count()
+}
+
+/// mountinfo escapes space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> PathBuf {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() {
+            if let Ok(n) = u8::from_str_radix(&s[i + 1..i + 4], 8) {
+                out.push(n);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    PathBuf::from(String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Lazily unmounts everything below its dir on drop, deepest first, so a
+/// failing test leaves no mount behind.
+pub struct MountCleanup(pub PathBuf);
+
+impl Drop for MountCleanup {
+    fn drop(&mut self) {
+        unmount_all_under(&self.0);
+    }
+}
+
+/// Lazily unmounts everything below `dir`, deepest first.
+pub fn unmount_all_under(dir: &Path) {
+    for _ in 0..10 {
+        let mounts = mounts_under(dir);
+        if mounts.is_empty() {
+            return;
+        }
+        for m in mounts {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+        }
+    }
+}
+
+/// A tmpfs of a few MiB, for running out of disk space; unmounted when
+/// dropped (also when the test fails). Needs root.
+pub struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    /// `size` as tmpfs takes it: "4m".
+    pub fn new(size: &str) -> SmallDisk {
+        let dir = tempfile::tempdir().expect("a temp dir");
+        nix::mount::mount(
+            Some("tmpfs"),
+            dir.path(),
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some(format!("size={size}").as_str()),
+        )
+        .expect("mounting a tmpfs (the tests run as root)");
+        SmallDisk { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Writes zeros until the disk is full; returns the file to remove to
+    /// free the space again.
+    pub fn fill(&self) -> PathBuf {
+        use std::io::Write;
+        let path = self.dir.path().join("fill");
+        let mut f = std::fs::File::create(&path).expect("creating the fill file");
+        let chunk = vec![0u8; 64 * 1024];
+        while f.write_all(&chunk).is_ok() {}
+        let _ = f.sync_all();
+        path
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = nix::mount::umount2(self.dir.path(), nix::mount::MntFlags::MNT_DETACH);
+    }
+}
+
+/// The workspace's `target/debug` (where `cargo test --workspace` puts the
+/// binaries every test uses).
+pub fn target_debug_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug")
+}
+
+/// The example `hostpath-plugin` binary. `cargo test --workspace` builds
+/// it; a test that cannot find it fails saying so.
+pub fn hostpath_plugin_binary() -> PathBuf {
+    let path = target_debug_dir().join("hostpath-plugin");
+    assert!(
+        path.is_file(),
+        "{} not found: run the tests with `cargo test --workspace`, or build it first with `cargo build -p hostpath-plugin`",
+        path.display()
+    );
+    path
+}
+
+/// Polls `cond` every 20 ms until it holds; fails the test naming `what`
+/// once `within` has passed.
+pub async fn wait_for(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_paths_are_unescaped() {
+        assert_eq!(unescape_mountinfo("/a\\040b"), PathBuf::from("/a b"));
+        assert_eq!(unescape_mountinfo("/end\\040"), PathBuf::from("/end "));
+        assert_eq!(unescape_mountinfo("/plain"), PathBuf::from("/plain"));
+    }
+
+    #[test]
+    fn a_small_disk_fills_up_and_frees_again() {
+        let disk = SmallDisk::new("1m");
+        assert_eq!(mount_count_at(disk.path()), 1);
+        let fill = disk.fill();
+        assert!(std::fs::write(disk.path().join("more"), vec![0u8; 64 * 1024]).is_err());
+        std::fs::remove_file(fill).unwrap();
+        std::fs::write(disk.path().join("more"), b"x").unwrap();
+        let path = disk.path().to_path_buf();
+        drop(disk);
+        assert_eq!(mount_count_at(&path), 0);
+    }
+}
