@@ -182,6 +182,10 @@ fn job_run(args: &[String]) -> Result<i32> {
     if a.detach {
         return Ok(0);
     }
+    if resp.get("changed").and_then(Value::as_bool) == Some(false) && failures.is_empty() {
+        println!("Job {:?} is unchanged: nothing new to place", job.id);
+        return Ok(0);
+    }
     let placed = monitor_job(&a.api, &job.id, job.job_type, index, !failures.is_empty())?;
     Ok(if failures.is_empty() { placed } else { 2 })
 }
