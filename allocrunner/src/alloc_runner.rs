@@ -258,6 +258,7 @@ async fn lifecycle(inner: Arc<Inner>) {
         alloc_dir: AllocDir::new(&inner.config.alloc_root, &alloc.id),
         stop: inner.stop.subscribe(),
         mounts: Mutex::default(),
+        restoring: restored.is_some(),
     };
 
     let mut hooks = inner
@@ -321,8 +322,11 @@ async fn lifecycle(inner: Arc<Inner>) {
         run_tasks(&inner, &alloc, &group, &ctx, restored).await;
     }
 
+    // A restored alloc's hooks all ran their prerun before the restart, so
+    // all of them undo, even those this run stopped short of.
+    let undo = if ctx.restoring { hooks.len() } else { ran };
     let mut postrun_errors = Vec::new();
-    for hook in hooks[..ran].iter_mut().rev() {
+    for hook in hooks[..undo].iter_mut().rev() {
         let span = tracing::info_span!("postrun", hook = hook.name());
         if let Err(e) = hook.postrun(&ctx).instrument(span).await {
             error!(hook = hook.name(), error = %e, "postrun hook failed");

@@ -208,6 +208,10 @@ impl AllocState {
             if s.started_at_ms.is_none() {
                 s.started_at_ms = Some(now_ms());
             }
+            s.push_event(TaskEvent::new(
+                "Reattached",
+                "Task reattached after an agent restart",
+            ));
         });
     }
 

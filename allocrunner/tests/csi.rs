@@ -395,20 +395,28 @@ struct AtUnpublish {
     stubs_list_alloc: bool,
 }
 
+/// What the first agent left behind: the plugin and the task still run, the
+/// volume is staged, published and bound into the task.
+struct LeftRunning {
+    h: Harness,
+    allocs: Arc<MemAllocStore>,
+    _plugin: Plugin,
+    a: berth_structs::Allocation,
+    _task_killer: PidFileKiller,
+    csi_dir: PathBuf,
+    alloc_dir: PathBuf,
+}
+
 /// An agent mounts a volume for an alloc (bound into its task) and goes
-/// away without stopping it; the restarted agent's runner cannot claim the
-/// volume again (the servers refuse for good) and goes to postrun. Returns
-/// what the node had mounted when postrun asked the servers to release the
-/// claim, and the alloc's id.
-fn restore_with_a_refused_claim() -> (AtUnpublish, String) {
+/// away without stopping it.
+fn mount_and_leave_running() -> LeftRunning {
     let allocs = Arc::new(MemAllocStore::default());
     let s = allocs.clone();
     let h = Harness::with(move |c| c.store = s);
     let csi_dir = h.data_dir().join("client/csi");
 
-    // The first agent: plugin, volume, and an alloc using it.
     let first = runtime();
-    let (_plugin, a, _task_killer) = first.block_on(async {
+    let (plugin, a, task_killer) = first.block_on(async {
         let plugin = start_plugin(&h).await;
         let ext = create_volume(&h, "vol").await;
         h.claimer.grant(grant("vol", &ext));
@@ -446,6 +454,116 @@ fn restore_with_a_refused_claim() -> (AtUnpublish, String) {
         !mounts_under(&alloc_dir).is_empty(),
         "the volume is bound into the task"
     );
+    LeftRunning {
+        h,
+        allocs,
+        _plugin: plugin,
+        a,
+        _task_killer: task_killer,
+        csi_dir,
+        alloc_dir,
+    }
+}
+
+/// The restored runner of `left`'s alloc, over a restarted csimanager.
+fn restored_runner(left: &LeftRunning, csi: Arc<berth_csimanager::CsiManager>) -> AllocRunner {
+    let restored = left
+        .allocs
+        .load_allocs()
+        .expect("load allocs")
+        .into_iter()
+        .find(|r| r.alloc.id == left.a.id)
+        .expect("the alloc was persisted");
+    AllocRunner::restore(left.h.config_with(left.allocs.clone(), csi), restored)
+}
+
+/// After a restart, a volume still published for the alloc is kept as it
+/// is: the task goes on with it without a new claim, so servers that are
+/// unreachable (here: refusing every claim) cost the running task nothing.
+#[test]
+fn a_restored_alloc_keeps_its_published_volume_without_a_new_claim() {
+    let left = mount_and_leave_running();
+    let h = &left.h;
+    let claims_before = h.claimer.claims().len();
+    h.claimer.script(
+        "vol",
+        vec![Err(ClaimError::fatal("the servers refuse every claim"))],
+    );
+    let csi = h.restarted_csi();
+    let rt = runtime();
+    rt.block_on(async {
+        let runner = restored_runner(&left, csi.clone());
+        runner.run();
+        wait_for("the restored task to be reattached", WITHIN, || {
+            runner.task_states().get("web").is_some_and(|st| {
+                st.state == TaskStateKind::Running
+                    && st.events.iter().any(|e| e.event_type == "Reattached")
+            })
+        })
+        .await;
+        assert_eq!(h.claimer.claims().len(), claims_before, "no new claim");
+        assert_eq!(runner.client_status(), AllocClientStatus::Running);
+        assert!(!mounts_under(&left.csi_dir).is_empty(), "still published");
+
+        runner.stop();
+        wait_done(&runner, WITHIN).await;
+        assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), left.a.id.clone())],
+        "the claim is released at the end"
+    );
+    assert!(mounts_under(&left.csi_dir).is_empty());
+    assert!(mounts_under(&left.alloc_dir).is_empty());
+}
+
+/// A restored alloc that is stopped at once, before its hooks run again,
+/// still unmounts and releases what the previous agent mounted and claimed.
+#[test]
+fn a_restored_alloc_stopped_before_its_prerun_still_releases_its_volume() {
+    let left = mount_and_leave_running();
+    let h = &left.h;
+    let csi = h.restarted_csi();
+    let rt = runtime();
+    rt.block_on(async {
+        let runner = restored_runner(&left, csi.clone());
+        runner.stop();
+        runner.run();
+        wait_done(&runner, WITHIN).await;
+    });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), left.a.id.clone())],
+        "the claim is released"
+    );
+    assert!(
+        mounts_under(&left.csi_dir).is_empty(),
+        "unpublished and unstaged"
+    );
+    assert!(
+        mounts_under(&left.alloc_dir).is_empty(),
+        "unbound from the task"
+    );
+    assert!(csi.volume_stubs().is_empty(), "{:?}", csi.volume_stubs());
+}
+
+/// The restarted agent finds the volume's publish target gone (unmounted
+/// while it was down), so it must claim again, and the servers refuse for
+/// good: the runner goes to postrun. Returns what the node had mounted when
+/// postrun asked the servers to release the claim, and the alloc's id.
+fn restore_with_a_refused_claim() -> (AtUnpublish, String) {
+    let left = mount_and_leave_running();
+    let LeftRunning {
+        h,
+        a,
+        csi_dir,
+        alloc_dir,
+        ..
+    } = &left;
+    let (h, a, csi_dir, alloc_dir) = (h, a.clone(), csi_dir.clone(), alloc_dir.clone());
 
     // The restarted agent: a new CsiManager from the same store, and the
     // servers refuse the restored alloc's claim for good.
@@ -454,12 +572,13 @@ fn restore_with_a_refused_claim() -> (AtUnpublish, String) {
         vec![Err(ClaimError::fatal("volume vol has no free claims"))],
     );
     let csi = h.restarted_csi();
-    assert!(
-        csi.volume_stubs()
-            .iter()
-            .any(|s| s.volume_id == "vol" && s.allocs.contains_key(&a.id)),
-        "the restarted csimanager knows the alloc's mount"
-    );
+    let target = csi
+        .volume_stubs()
+        .iter()
+        .find(|s| s.volume_id == "vol")
+        .and_then(|s| s.allocs.get(&a.id).cloned())
+        .expect("the restarted csimanager knows the alloc's mount");
+    nix::mount::umount2(&target, nix::mount::MntFlags::MNT_DETACH).expect("unmount the target");
     let observed: Arc<Mutex<Vec<AtUnpublish>>> = Arc::default();
     {
         let observed = observed.clone();
@@ -482,13 +601,7 @@ fn restore_with_a_refused_claim() -> (AtUnpublish, String) {
     }
     let second = runtime();
     second.block_on(async {
-        let restored = allocs
-            .load_allocs()
-            .expect("load allocs")
-            .into_iter()
-            .find(|r| r.alloc.id == a.id)
-            .expect("the alloc was persisted");
-        let runner = AllocRunner::restore(h.config_with(allocs.clone(), csi.clone()), restored);
+        let runner = restored_runner(&left, csi.clone());
         runner.run();
         wait_done(&runner, WITHIN).await;
         assert_eq!(runner.client_status(), AllocClientStatus::Failed);

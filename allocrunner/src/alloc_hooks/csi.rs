@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use berth_csimanager::{MountRequest, UnmountRequest};
-use berth_structs::{AccessMode, AttachmentMode, ClaimMode};
+use berth_structs::{AccessMode, AttachmentMode, ClaimMode, VolumeRequest};
 use tracing::{error, info, warn, Instrument};
 
 use super::{AllocHook, AllocHookContext};
@@ -37,6 +37,9 @@ struct VolumeUse {
 #[derive(Default)]
 pub struct CsiHook {
     volumes: Vec<VolumeUse>,
+    /// Whether this run's prerun ran (a restored alloc may be stopped
+    /// before it does).
+    prerun_ran: bool,
 }
 
 fn backoff(total: Duration) -> ExponentialBuilder {
@@ -108,6 +111,53 @@ impl CsiHook {
             })
     }
 
+    /// What the alloc uses of the group's volume request `name`.
+    fn volume_use(
+        ctx: &AllocHookContext,
+        name: &str,
+        req: &VolumeRequest,
+    ) -> Result<VolumeUse, HookError> {
+        if req.volume_type != "csi" {
+            return Err(HookError::Invalid(format!(
+                "volume {name:?}: type {:?} is not supported",
+                req.volume_type
+            )));
+        }
+        let (Some(access_mode), Some(attachment_mode)) = (req.access_mode, req.attachment_mode)
+        else {
+            return Err(HookError::Invalid(format!(
+                "volume {name:?}: access_mode and attachment_mode are required"
+            )));
+        };
+        Ok(VolumeUse {
+            name: name.to_string(),
+            volume_id: req.source_for(ctx.alloc.index),
+            access_mode,
+            attachment_mode,
+            read_only: req.read_only || access_mode.is_reader_only(),
+            plugin_id: String::new(),
+            external_id: String::new(),
+            mount_attempted: false,
+        })
+    }
+
+    /// csimanager's record of `volume_id` for this alloc, when its publish
+    /// target is still a mount point.
+    fn still_published(
+        ctx: &AllocHookContext,
+        volume_id: &str,
+    ) -> Option<(berth_csimanager::VolumeStub, std::path::PathBuf)> {
+        ctx.config.csi.volume_stubs().into_iter().find_map(|stub| {
+            if stub.volume_id != volume_id {
+                return None;
+            }
+            let target = stub.allocs.get(&ctx.alloc.id)?.clone();
+            crate::alloc_dir::mounts_below(&target)
+                .contains(&target)
+                .then_some((stub, target))
+        })
+    }
+
     async fn release(ctx: &AllocHookContext, v: &VolumeUse) -> Result<(), HookError> {
         let total = ctx.config.release_retry_timeout;
         if let Some(req) = Self::unmount_request(ctx, v) {
@@ -176,34 +226,40 @@ impl AllocHook for CsiHook {
                 ctx.alloc.task_group
             )));
         };
+        self.prerun_ran = true;
         for (name, req) in &group.volumes {
-            if req.volume_type != "csi" {
-                return Err(HookError::Invalid(format!(
-                    "volume {name:?}: type {:?} is not supported",
-                    req.volume_type
-                )));
-            }
-            let volume_id = req.source_for(ctx.alloc.index);
-            let (Some(access_mode), Some(attachment_mode)) = (req.access_mode, req.attachment_mode)
-            else {
-                return Err(HookError::Invalid(format!(
-                    "volume {name:?}: access_mode and attachment_mode are required"
-                )));
-            };
-            let read_only = req.read_only || access_mode.is_reader_only();
+            let volume = Self::volume_use(ctx, name, req)?;
+            let (volume_id, access_mode, attachment_mode, read_only) = (
+                volume.volume_id.clone(),
+                volume.access_mode,
+                volume.attachment_mode,
+                volume.read_only,
+            );
             let span = tracing::info_span!("csi_volume", volume = %name, volume_id = %volume_id);
             // Recorded before the claim is sent: a claim cut short by a stop
             // may still have been granted, and postrun releases it.
-            self.volumes.push(VolumeUse {
-                name: name.clone(),
-                volume_id: volume_id.clone(),
-                access_mode,
-                attachment_mode,
-                read_only,
-                plugin_id: String::new(),
-                external_id: String::new(),
-                mount_attempted: false,
-            });
+            self.volumes.push(volume);
+            // After an agent restart a volume still published for this
+            // alloc is kept as it is: its claim is held on the servers, and
+            // the task goes on using it even while they are unreachable.
+            if ctx.restoring {
+                if let Some((stub, target)) = Self::still_published(ctx, &volume_id) {
+                    span.in_scope(|| info!(target = %target.display(), "kept the volume mounted from before the restart"));
+                    if let Some(v) = self.volumes.last_mut() {
+                        v.plugin_id = stub.plugin_id.clone();
+                        v.external_id = stub.external_id.clone();
+                        v.mount_attempted = true;
+                    }
+                    ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                        name.clone(),
+                        berth_csimanager::MountInfo {
+                            source: target,
+                            read_only: stub.read_only,
+                        },
+                    );
+                    continue;
+                }
+            }
             let claim = self
                 .claim(
                     ctx,
@@ -267,7 +323,21 @@ impl AllocHook for CsiHook {
 
     async fn postrun(&mut self, ctx: &AllocHookContext) -> Result<(), HookError> {
         let mut errs = Vec::new();
-        let volumes = std::mem::take(&mut self.volumes);
+        let volumes = if self.prerun_ran {
+            std::mem::take(&mut self.volumes)
+        } else {
+            // A restored alloc stopped before this run's prerun: what the
+            // previous agent mounted and claimed is released all the same.
+            ctx.alloc
+                .group()
+                .map(|g| {
+                    g.volumes
+                        .iter()
+                        .filter_map(|(name, req)| Self::volume_use(ctx, name, req).ok())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
         for v in volumes.iter().rev() {
             let span = tracing::info_span!("csi_volume", volume = %v.name, volume_id = %v.volume_id, plugin_id = %v.plugin_id);
             if let Err(e) = Self::release(ctx, v).instrument(span).await {

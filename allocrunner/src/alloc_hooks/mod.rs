@@ -31,6 +31,9 @@ pub struct AllocHookContext {
     /// Mounted CSI volumes by the name of the group's volume request; the
     /// task runners bind them into task dirs.
     pub mounts: Mutex<BTreeMap<String, MountInfo>>,
+    /// The runner was restored after an agent restart: what the previous
+    /// agent set up may still be in place.
+    pub restoring: bool,
 }
 
 #[async_trait::async_trait]
