@@ -11,6 +11,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
 pub use berth_testutil::mounts_under;
+use berth_testutil::pids_mentioning;
 
 /// The directory holding the workspace's built binaries (`target/debug`).
 pub fn bin_dir() -> PathBuf {
@@ -107,34 +108,6 @@ pub fn rss_kib(pid: u32) -> Option<u64> {
         .find(|l| l.starts_with("VmRSS:"))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
-}
-
-/// PIDs of processes whose command line mentions `needle`.
-fn pids_mentioning(needle: &str) -> Vec<i32> {
-    let me = std::process::id() as i32;
-    let mut pids = Vec::new();
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return pids;
-    };
-    for entry in dir.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<i32>().ok())
-        else {
-            continue;
-        };
-        if pid == me {
-            continue;
-        }
-        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
-        let environ = std::fs::read(entry.path().join("environ")).unwrap_or_default();
-        let hay = |b: &[u8]| String::from_utf8_lossy(b).contains(needle);
-        if hay(&cmdline) || hay(&environ) {
-            pids.push(pid);
-        }
-    }
-    pids
 }
 
 /// PIDs of live (non-zombie) processes whose command line contains

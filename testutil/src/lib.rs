@@ -66,6 +66,55 @@ pub fn unmount_all_under(dir: &Path) {
     }
 }
 
+/// PIDs of processes (other than this one) whose command line or
+/// environment mentions `needle`: with a test's temp dir as the needle,
+/// every process the test started, however detached (tasks run under
+/// executors that outlive whoever started them).
+pub fn pids_mentioning(needle: &str) -> Vec<i32> {
+    let me = std::process::id() as i32;
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| *pid != me)
+        .filter(|pid| {
+            let read = |f: &str| std::fs::read(format!("/proc/{pid}/{f}")).unwrap_or_default();
+            let hay = |b: Vec<u8>| String::from_utf8_lossy(&b).contains(needle);
+            hay(read("cmdline")) || hay(read("environ"))
+        })
+        .collect()
+}
+
+/// SIGKILLs every process that mentions `dir`, until none is left (or a
+/// few rounds have passed).
+pub fn kill_all_mentioning(dir: &Path) {
+    let needle = dir.display().to_string();
+    for _ in 0..20 {
+        let pids = pids_mentioning(&needle);
+        if pids.is_empty() {
+            return;
+        }
+        for pid in pids {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills, on drop, every process that mentions its dir, so a test leaves
+/// no process behind, also when it fails. Drop it before the dir goes.
+pub struct ProcessCleanup(pub PathBuf);
+
+impl Drop for ProcessCleanup {
+    fn drop(&mut self) {
+        kill_all_mentioning(&self.0);
+    }
+}
+
 /// A tmpfs of a few MiB, for running out of disk space; unmounted when
 /// dropped (also when the test fails). Needs root.
 pub struct SmallDisk {

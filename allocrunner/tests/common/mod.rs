@@ -295,6 +295,8 @@ pub struct Harness {
     pub updater: Arc<RecordingUpdater>,
     pub store: Arc<MemStore>,
     pub node_events: Arc<EventLog>,
+    // Dropped in this order: processes, then mounts, then the dir.
+    _processes: berth_testutil::ProcessCleanup,
     _mounts: MountCleanup,
     pub dir: tempfile::TempDir,
 }
@@ -346,6 +348,7 @@ impl Harness {
             updater,
             store,
             node_events,
+            _processes: berth_testutil::ProcessCleanup(data.clone()),
             _mounts: MountCleanup(data),
             dir,
         }
