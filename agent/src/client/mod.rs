@@ -147,11 +147,6 @@ impl Client {
     /// Runs the client until `shutdown`. Allocs keep running after it
     /// returns.
     pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
-        self.register_until_done(shutdown.clone()).await;
-        if *shutdown.borrow() {
-            return;
-        }
-        self.restore_allocs().await;
         let mut tasks = tokio::task::JoinSet::new();
         {
             let conn = self.conn.clone();
@@ -162,6 +157,15 @@ impl Client {
             let csi = self.csi.clone();
             let rx = shutdown.clone();
             tasks.spawn(async move { csi.run(rx).await });
+        }
+        // The allocs that ran before a restart are picked up first, whether
+        // or not the servers answer: their tasks are supervised again (and
+        // their plugins registered again) at once.
+        let restored = self.restore_allocs(shutdown.clone()).await;
+        self.register_until_done(shutdown.clone()).await;
+        if *shutdown.borrow() || !restored {
+            while tasks.join_next().await.is_some() {}
+            return;
         }
         {
             let conn = self.conn.clone();
@@ -184,13 +188,24 @@ impl Client {
 
     /// Picks up the allocs this node ran before the agent restarted, before
     /// the alloc watch reconciles: their runners reattach to the tasks that
-    /// still run, so the watch does not start them a second time.
-    async fn restore_allocs(&self) {
-        let restored = match berth_allocrunner::AllocStateStore::load_allocs(&self.state) {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::error!(error = %e, "reading the allocs to restore failed; their tasks are left as they are");
-                return;
+    /// still run, so the watch does not start them a second time. Reading
+    /// the state database is retried: without it the client cannot know
+    /// what runs here, and starting allocs blind could run a task twice.
+    /// Returns false only at shutdown.
+    async fn restore_allocs(&self, mut shutdown: watch::Receiver<bool>) -> bool {
+        let mut failures: u32 = 0;
+        let restored = loop {
+            match berth_allocrunner::AllocStateStore::load_allocs(&self.state) {
+                Ok(r) => break r,
+                Err(e) => {
+                    failures += 1;
+                    let wait = Duration::from_millis(500 * 2u64.pow(failures.min(6)));
+                    tracing::error!(error = %e, retry_in = ?wait, "reading the allocs to restore failed; no alloc starts until it succeeds");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.wait_for(|v| *v) => return false,
+                    }
+                }
             }
         };
         let mut runners = self.runners.lock().await;
@@ -204,6 +219,7 @@ impl Client {
             runner.run();
             runners.insert(id, runner);
         }
+        true
     }
 
     async fn register_until_done(&self, mut shutdown: watch::Receiver<bool>) {
