@@ -1,5 +1,5 @@
-//! berth-heartbeat: the client's heartbeat loop, and (later) the disconnect
-//! tracker that stops `stop_after_client_disconnect` allocs.
+//! berth-heartbeat: the client's heartbeat loop, and the disconnect tracker
+//! that stops `stop_after_client_disconnect` allocs.
 //!
 //! The [`Heartbeater`] heartbeats at a fraction of the TTL the servers
 //! return, backs off when a heartbeat fails, re-registers the node when the
@@ -11,7 +11,10 @@
 //! This crate knows nothing of the wire protocol, the state DB or allocs: the
 //! agent plugs those in through the small traits in [`heartbeater`].
 
+pub mod disconnect;
 pub mod heartbeater;
+
+pub use disconnect::{DisconnectConfig, DisconnectTarget, DisconnectTracker};
 
 pub use heartbeater::{
     HeartbeatConfig, HeartbeatError, HeartbeatRpc, Heartbeater, LastHeartbeatStore, NodeRegistrar,

@@ -39,6 +39,29 @@ pub struct Client {
     runners: Mutex<HashMap<String, AllocRunner>>,
 }
 
+#[async_trait::async_trait]
+impl berth_heartbeat::DisconnectTarget for Client {
+    async fn allocs_with_window(&self) -> Vec<(String, Duration)> {
+        let runners = self.runners.lock().await;
+        runners
+            .values()
+            .filter(|r| !r.client_status().is_terminal())
+            .filter_map(|r| {
+                let alloc = r.alloc();
+                let window = alloc.group()?.stop_after_client_disconnect?;
+                Some((alloc.id.clone(), window))
+            })
+            .collect()
+    }
+
+    async fn stop_alloc(&self, alloc_id: &str, reason: &str) {
+        if let Some(r) = self.runners.lock().await.get(alloc_id) {
+            tracing::warn!(alloc_id, reason, "stopping alloc");
+            r.stop();
+        }
+    }
+}
+
 fn host_name() -> String {
     nix::unistd::gethostname()
         .ok()
@@ -158,6 +181,25 @@ impl Client {
             let rx = shutdown.clone();
             tasks.spawn(async move { csi.run(rx).await });
         }
+        // The heartbeater restores the time of the last successful heartbeat
+        // from disk; from it, the disconnect tracker stops the allocs that
+        // must not outlive a partition, also while the servers are still
+        // unreachable after a restart.
+        let heartbeater = berth_heartbeat::Heartbeater::new(
+            berth_heartbeat::HeartbeatConfig::default(),
+            Arc::new(self.conn.clone()),
+            Arc::new(self.conn.clone()),
+            Arc::new(self.state.clone()),
+        );
+        {
+            let tracker = berth_heartbeat::DisconnectTracker::new(
+                berth_heartbeat::DisconnectConfig::default(),
+                self.clone(),
+                heartbeater.last_success(),
+            );
+            let rx = shutdown.clone();
+            tasks.spawn(async move { tracker.run(rx).await });
+        }
         // The allocs that ran before a restart are picked up first, whether
         // or not the servers answer: their tasks are supervised again (and
         // their plugins registered again) at once.
@@ -174,9 +216,8 @@ impl Client {
             tasks.spawn(async move { calls::run_call_stream(conn, csi, rx).await });
         }
         {
-            let this = self.clone();
             let rx = shutdown.clone();
-            tasks.spawn(async move { this.run_heartbeats(rx).await });
+            tasks.spawn(async move { heartbeater.run(rx).await });
         }
         {
             let this = self.clone();
@@ -241,16 +282,6 @@ impl Client {
                 }
             }
         }
-    }
-
-    async fn run_heartbeats(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
-        let heartbeater = berth_heartbeat::Heartbeater::new(
-            berth_heartbeat::HeartbeatConfig::default(),
-            Arc::new(self.conn.clone()),
-            Arc::new(self.conn.clone()),
-            Arc::new(self.state.clone()),
-        );
-        heartbeater.run(shutdown).await;
     }
 
     /// Follows the servers' view of this node's allocs and reconciles the
