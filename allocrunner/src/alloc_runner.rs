@@ -5,6 +5,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
+use backon::Retryable;
+use berth_csimanager::UnmountRequest;
 use berth_structs::{
     AllocClientStatus, Allocation, TaskEvent, TaskGroup, TaskState, TaskStateKind,
 };
@@ -204,8 +206,63 @@ impl AllocRunner {
             self.inner.done.send_replace(true);
         }
         self.alloc_dir().destroy()?;
+        // The records are what a restarted agent would clean a mount up
+        // from: they go only once no CSI mount of the alloc remains.
+        self.unmount_leftover_volumes().await?;
         if let Err(e) = self.inner.config.store.delete_alloc(&self.inner.alloc_id) {
             warn!(alloc_id = %self.inner.alloc_id, error = %e, "deleting the alloc's persisted state failed");
+        }
+        Ok(())
+    }
+}
+
+impl AllocRunner {
+    /// Unmounts (with retries) every CSI volume csimanager still records
+    /// as mounted for this alloc; an error when one remains.
+    async fn unmount_leftover_volumes(&self) -> Result<(), AllocRunnerError> {
+        let alloc_id = &self.inner.alloc_id;
+        let csi = self.inner.config.csi.clone();
+        let total = self.inner.config.release_retry_timeout;
+        let leftovers = |csi: &berth_csimanager::CsiManager| {
+            csi.volume_stubs()
+                .into_iter()
+                .filter(|s| s.allocs.contains_key(alloc_id))
+                .collect::<Vec<_>>()
+        };
+        for stub in leftovers(&csi) {
+            warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, "a volume is still mounted for the destroyed alloc; unmounting it");
+            let req = UnmountRequest {
+                plugin_id: stub.plugin_id.clone(),
+                volume_id: stub.volume_id.clone(),
+                external_id: stub.external_id.clone(),
+                alloc_id: alloc_id.clone(),
+                access_mode: stub.access_mode,
+                attachment_mode: stub.attachment_mode,
+                read_only: stub.read_only,
+            };
+            let unmounted = (|| {
+                let csi = csi.clone();
+                let req = req.clone();
+                async move { csi.unmount_volume(req).await }
+            })
+            .retry(crate::alloc_hooks::csi::backoff(total))
+            .sleep(tokio::time::sleep)
+            .notify(|e, wait: std::time::Duration| {
+                warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
+            })
+            .await;
+            if let Err(error) = unmounted {
+                error!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, error = %error, "cannot unmount a volume of the destroyed alloc; keeping its records");
+                return Err(AllocRunnerError::VolumeStillMounted {
+                    volume_id: stub.volume_id,
+                    error,
+                });
+            }
+        }
+        if let Some(stub) = leftovers(&csi).into_iter().next() {
+            return Err(AllocRunnerError::VolumeStillRecorded {
+                volume_id: stub.volume_id,
+            });
         }
         Ok(())
     }
@@ -360,20 +417,17 @@ async fn lifecycle(inner: Arc<Inner>) {
     inner.done.send_replace(true);
 }
 
-/// The later of the persisted handle and the executor's own record: the
-/// agent may have died after the executor started a task and before the
-/// handle was persisted.
+/// The task's latest run: the executor's own record whenever there is one
+/// (its dir is cleared before each start, so it is always the latest run,
+/// whatever the wall clock said), else the persisted handle. The agent may
+/// have died after the executor started a task and before the handle was
+/// persisted.
 fn last_run(
     persisted: Option<TaskHandleRecord>,
     driver: &str,
     executor_dir: &std::path::Path,
 ) -> Option<TaskHandleRecord> {
-    let on_disk = TaskHandleRecord::from_executor_dir(driver, executor_dir);
-    match (persisted, on_disk) {
-        (Some(p), Some(d)) if d.started_at_ms > p.started_at_ms => Some(d),
-        (Some(p), _) => Some(p),
-        (None, d) => d,
-    }
+    TaskHandleRecord::from_executor_dir(driver, executor_dir).or(persisted)
 }
 
 /// Stops the tasks of a restored alloc that were left running, and unbinds

@@ -119,6 +119,14 @@ pub enum DriverError {
 pub enum AllocRunnerError {
     #[error("alloc dir {path} still has mounts ({}); not removing it", .mounts.join(", "))]
     StillMounted { path: PathBuf, mounts: Vec<String> },
+    #[error("volume {volume_id} is still mounted for the alloc; keeping its records: {error}")]
+    VolumeStillMounted {
+        volume_id: String,
+        #[source]
+        error: CsiError,
+    },
+    #[error("volume {volume_id} is still recorded as mounted for the alloc; keeping its records")]
+    VolumeStillRecorded { volume_id: String },
     #[error("{what} {path}: {error}")]
     Io {
         what: &'static str,

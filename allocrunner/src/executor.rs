@@ -88,6 +88,17 @@ pub fn process_start_ticks(pid: u32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
+/// Like [`process_start_ticks`], but `None` for a zombie too: a process
+/// that has exited and waits to be reaped.
+pub fn live_process_start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    if rest.starts_with('Z') || rest.starts_with('X') {
+        return None;
+    }
+    rest.split(' ').nth(19)?.parse().ok()
+}
+
 /// Writes `value` as JSON to `dir/name` atomically.
 pub fn write_record<T: Serialize>(dir: &Path, name: &str, value: &T) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
@@ -145,9 +156,14 @@ pub fn run_executor(args: &[String]) -> i32 {
         }
     };
     // A session of its own: no terminal, no signals meant for the agent's
-    // group; the executor lives on when the agent stops.
-    if let Err(e) = nix::unistd::setsid() {
-        eprintln!("berth executor: setsid: {e}");
+    // group; the executor lives on when the agent stops. The driver makes
+    // it a session leader before exec; this covers an executor started by
+    // other means.
+    let me = nix::unistd::getpid();
+    if nix::unistd::getsid(None).ok() != Some(me) {
+        if let Err(e) = nix::unistd::setsid() {
+            eprintln!("berth executor: setsid: {e}");
+        }
     }
     let failed = |kind, message: String| {
         eprintln!("berth executor: {message}");
@@ -208,6 +224,19 @@ pub fn run_executor(args: &[String]) -> i32 {
         let _ = child.wait();
         return 1;
     }
+    // Wait for the leader without reaping it: its zombie keeps the group
+    // id reserved, so the kill below reaches the task's own leftovers and
+    // never a group that reused the id.
+    if let Err(e) = wait_unreaped(task_pid) {
+        eprintln!("berth executor: waiting for the task: {e}");
+    }
+    match nix::sys::signal::killpg(
+        nix::unistd::Pid::from_raw(task_pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    ) {
+        Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
+        Err(e) => eprintln!("berth executor: killing what is left of the task's group: {e}"),
+    }
     let status = match child.wait() {
         Ok(s) => s,
         Err(e) => {
@@ -225,6 +254,30 @@ pub fn run_executor(args: &[String]) -> i32 {
         Err(e) => {
             eprintln!("berth executor: recording the task's exit: {e}");
             1
+        }
+    }
+}
+
+/// Waits until `pid` (a child) has exited, leaving it unreaped.
+fn wait_unreaped(pid: u32) -> std::io::Result<()> {
+    loop {
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid writes only into `info`, which outlives the call.
+        let rc = unsafe {
+            libc::waitid(
+                libc::P_PID,
+                pid as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOWAIT,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
         }
     }
 }

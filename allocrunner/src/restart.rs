@@ -56,8 +56,13 @@ impl RestartTracker {
         }
         if self.policy.mode == "delay" {
             let start = self.interval_start.unwrap_or(now);
-            let wait = (start + self.policy.interval)
-                .saturating_duration_since(now)
+            // An interval too long to add (a huge configured value) waits
+            // as long as an Instant can say.
+            let wait = start
+                .checked_add(self.policy.interval)
+                .map_or(self.policy.interval, |end| {
+                    end.saturating_duration_since(now)
+                })
                 .max(self.policy.delay);
             self.interval_start = None;
             self.count = 0;
@@ -146,5 +151,19 @@ mod tests {
             t.on_exit(&exit(1), now),
             RestartDecision::Restart(Duration::from_secs(60))
         );
+    }
+
+    #[test]
+    fn a_huge_interval_in_delay_mode_does_not_overflow() {
+        let huge = RestartPolicy {
+            interval: Duration::MAX,
+            ..policy(0, "delay")
+        };
+        let mut t = RestartTracker::new(huge, JobType::Service);
+        let now = Instant::now();
+        assert!(matches!(
+            t.on_exit(&exit(1), now),
+            RestartDecision::Restart(d) if d >= Duration::from_secs(1)
+        ));
     }
 }

@@ -410,6 +410,12 @@ struct LeftRunning {
 /// An agent mounts a volume for an alloc (bound into its task) and goes
 /// away without stopping it.
 fn mount_and_leave_running() -> LeftRunning {
+    mount_and_leave_running_with(&["vol"])
+}
+
+/// [`mount_and_leave_running`] with the group's volumes `volumes`, each
+/// bound into the task at its own name.
+fn mount_and_leave_running_with(volumes: &[&str]) -> LeftRunning {
     let allocs = Arc::new(MemAllocStore::default());
     let s = allocs.clone();
     let h = Harness::with(move |c| c.store = s);
@@ -418,18 +424,27 @@ fn mount_and_leave_running() -> LeftRunning {
     let first = runtime();
     let (plugin, a, task_killer) = first.block_on(async {
         let plugin = start_plugin(&h).await;
-        let ext = create_volume(&h, "vol").await;
-        h.claimer.grant(grant("vol", &ext));
+        for v in volumes {
+            let ext = create_volume(&h, v).await;
+            h.claimer.grant(grant(v, &ext));
+        }
         let mut task = sh_task(
             "web",
             r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
         );
-        task.volume_mounts = vec![VolumeMount {
-            volume: "vol".into(),
-            destination: "data".into(),
-            read_only: false,
-        }];
-        let a = consumer(&["vol"], task);
+        task.volume_mounts = volumes
+            .iter()
+            .map(|v| VolumeMount {
+                volume: v.to_string(),
+                destination: if volumes.len() == 1 {
+                    "data".into()
+                } else {
+                    v.to_string()
+                },
+                read_only: false,
+            })
+            .collect();
+        let a = consumer(volumes, task);
         let task_dir = h.data_dir().join("alloc").join(&a.id).join("web");
         let killer = PidFileKiller(task_dir.join("local/pid"));
         let runner = h.runner(a.clone());
@@ -670,4 +685,110 @@ fn a_restored_alloc_whose_claim_is_refused_unbinds_its_tasks_before_releasing() 
         "alloc {alloc_id}: the task's binds were gone before the claim was released: {:?}",
         at.alloc_mounts
     );
+}
+
+/// A restored alloc stopped while its prerun waits on the claim of its
+/// first volume releases the volumes the prerun never reached too: what the
+/// previous agent mounted is unmounted and every claim released.
+#[test]
+fn a_restored_alloc_stopped_during_its_prerun_releases_every_volume() {
+    let left = mount_and_leave_running_with(&["va", "vb"]);
+    let h = &left.h;
+    let a = &left.a;
+    // The first volume's publish target is gone: it needs a new claim,
+    // which the servers keep refusing for now.
+    h.claimer.script(
+        "va",
+        (0..1000)
+            .map(|_| Err(ClaimError::retryable("no free write claims")))
+            .collect(),
+    );
+    let csi = h.restarted_csi();
+    let target = csi
+        .volume_stubs()
+        .iter()
+        .find(|s| s.volume_id == "va")
+        .and_then(|s| s.allocs.get(&a.id).cloned())
+        .expect("the restarted csimanager knows the alloc's mount");
+    nix::mount::umount2(&target, nix::mount::MntFlags::MNT_DETACH).expect("unmount the target");
+    let claims_before = h.claimer.claims().len();
+    let rt = runtime();
+    rt.block_on(async {
+        let runner = restored_runner(&left, csi.clone());
+        runner.run();
+        wait_for("the restored prerun to claim va", WITHIN, || {
+            h.claimer.claims().len() > claims_before
+        })
+        .await;
+        runner.stop();
+        wait_done(&runner, WITHIN).await;
+    });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    let mut released = h.claimer.unpublishes();
+    released.sort();
+    assert_eq!(
+        released,
+        vec![
+            ("va".to_string(), a.id.clone()),
+            ("vb".to_string(), a.id.clone())
+        ],
+        "both claims are released"
+    );
+    assert!(
+        mounts_under(&left.csi_dir).is_empty(),
+        "unpublished and unstaged: {:?}",
+        mounts_under(&left.csi_dir)
+    );
+    assert!(csi.volume_stubs().is_empty(), "{:?}", csi.volume_stubs());
+}
+
+/// A destroyed alloc whose volume cannot be unmounted (its plugin is gone)
+/// keeps its records, which are what a restarted agent cleans up from.
+#[tokio::test]
+async fn destroy_keeps_the_alloc_records_while_a_volume_stays_mounted() {
+    let allocs = Arc::new(MemAllocStore::default());
+    let s = allocs.clone();
+    let h = Harness::with(move |c| c.store = s);
+    let plugin = start_plugin(&h).await;
+    let ext = create_volume(&h, "vol").await;
+    h.claimer.grant(grant("vol", &ext));
+    let a = consumer(
+        &["vol"],
+        sh_task(
+            "web",
+            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
+        ),
+    );
+    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_for("the task to run", WITHIN, || {
+        runner
+            .task_states()
+            .get("web")
+            .is_some_and(|st| st.state == TaskStateKind::Running)
+    })
+    .await;
+    // The plugin goes away: nothing can unmount the volume now.
+    plugin.runner.stop();
+    wait_done(&plugin.runner, WITHIN).await;
+    wait_for("the plugin to be deregistered", WITHIN, || {
+        h.csi.registry().get(PLUGIN_ID).is_none()
+    })
+    .await;
+    runner.stop();
+    wait_done(&runner, WITHIN).await;
+    assert!(
+        h.csi
+            .volume_stubs()
+            .iter()
+            .any(|s| s.allocs.contains_key(&a.id)),
+        "the volume is still mounted for the alloc"
+    );
+    let err = runner
+        .destroy()
+        .await
+        .expect_err("a volume of the alloc is still mounted");
+    assert!(err.to_string().contains("vol"), "{err}");
+    assert!(allocs.contains(&a.id), "the alloc's records are kept");
 }

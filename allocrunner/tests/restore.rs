@@ -351,3 +351,80 @@ async fn a_handle_whose_executor_start_time_differs_is_treated_as_dead() {
         "the unrelated process is left alone"
     );
 }
+
+/// The agent lost the alloc's records (a quarantined database): the alloc
+/// comes back as new, with a fresh runner, while its task still runs under
+/// the executor of the previous agent. The runner reattaches to it instead
+/// of starting a second copy next to it.
+#[test]
+fn a_fresh_runner_reattaches_to_a_task_whose_records_were_lost() {
+    let s = run_then_lose_the_agent(JobType::Service, waiting_task());
+    let alloc = s
+        .store
+        .load_allocs_for_test()
+        .pop()
+        .expect("the alloc was persisted")
+        .alloc;
+    let lost = Arc::new(MemAllocStore::default());
+    let second = runtime();
+    second.block_on(async {
+        let runner = AllocRunner::new(s.h.config_with_store(lost.clone()), alloc);
+        runner.run();
+        wait_for("the task to be running", WITHIN, || {
+            runner
+                .task_states()
+                .get("web")
+                .is_some_and(|st| st.state == TaskStateKind::Running)
+        })
+        .await;
+        assert_eq!(starts(&s.local), 1, "not started a second time");
+        assert!(process_alive(s.pid), "the running task was kept");
+        assert_eq!(
+            lost.handle(&s.alloc_id, "web").map(|r| r.task_pid),
+            Some(s.pid as u32),
+            "the reattached task's handle is persisted again"
+        );
+        runner.stop();
+        wait_done(&runner, WITHIN).await;
+        assert!(!process_alive(s.pid), "the stop reached the task");
+    });
+}
+
+/// The persisted handle says it is newer (its wall clock ran ahead) than
+/// the executor's own record of the latest run; the executor's record wins,
+/// since the executor dir is cleared before each start.
+#[test]
+fn the_executors_record_wins_over_a_persisted_handle_with_a_later_clock() {
+    let s = run_then_lose_the_agent(JobType::Service, waiting_task());
+    let stale = s.store.handle(&s.alloc_id, "web").expect("a handle");
+    // A previous run's handle, stamped by a clock that ran ahead.
+    let stale = TaskHandleRecord {
+        executor_pid: 0,
+        executor_start_ticks: 0,
+        task_pid: 0,
+        pgid: 0,
+        task_start_ticks: 0,
+        started_at_ms: stale.started_at_ms + 3_600_000,
+        ..stale
+    };
+    berth_allocrunner::AllocStateStore::put_task_handle(&*s.store, &s.alloc_id, "web", &stale)
+        .unwrap();
+    let second = runtime();
+    second.block_on(async {
+        let runner = restored_runner(&s);
+        runner.run();
+        wait_for("the restored task to be running", WITHIN, || {
+            runner.task_states().get("web").is_some_and(|st| {
+                st.state == TaskStateKind::Running
+                    && st.events.iter().any(|e| e.event_type == "Reattached")
+            })
+        })
+        .await;
+        assert!(process_alive(s.pid));
+        assert_eq!(runner.client_status(), AllocClientStatus::Running);
+        assert_eq!(starts(&s.local), 1);
+        runner.stop();
+        wait_done(&runner, WITHIN).await;
+        assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    });
+}

@@ -352,9 +352,15 @@ impl Client {
         for id in gone {
             if let Some(r) = runners.remove(&id) {
                 tracing::info!(alloc_id = %id, "alloc garbage collected; destroying");
+                // Destroying waits for every volume of the alloc to be
+                // unmounted; until it is, the alloc's records are kept and
+                // destroying is tried again.
                 tokio::spawn(async move {
-                    if let Err(e) = r.destroy().await {
-                        tracing::error!(alloc_id = %id, error = %e, "destroying the alloc failed");
+                    let mut wait = Duration::from_secs(1);
+                    while let Err(e) = r.destroy().await {
+                        tracing::error!(alloc_id = %id, error = %e, retry_in = ?wait, "destroying the alloc failed");
+                        tokio::time::sleep(wait).await;
+                        wait = (wait * 2).min(Duration::from_secs(60));
                     }
                 });
             }

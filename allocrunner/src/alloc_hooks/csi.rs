@@ -42,7 +42,7 @@ pub struct CsiHook {
     prerun_ran: bool,
 }
 
-fn backoff(total: Duration) -> ExponentialBuilder {
+pub(crate) fn backoff(total: Duration) -> ExponentialBuilder {
     ExponentialBuilder::new()
         .with_min_delay(Duration::from_millis(500))
         .with_max_delay(Duration::from_secs(10))
@@ -323,21 +323,27 @@ impl AllocHook for CsiHook {
 
     async fn postrun(&mut self, ctx: &AllocHookContext) -> Result<(), HookError> {
         let mut errs = Vec::new();
-        let volumes = if self.prerun_ran {
-            std::mem::take(&mut self.volumes)
-        } else {
-            // A restored alloc stopped before this run's prerun: what the
-            // previous agent mounted and claimed is released all the same.
-            ctx.alloc
+        let mut volumes = std::mem::take(&mut self.volumes);
+        if ctx.restoring || !self.prerun_ran {
+            // A restored alloc stopped before (or during) this run's prerun:
+            // what the previous agent mounted and claimed is released all
+            // the same, also for the volumes this run's prerun never reached
+            // (unmounted through csimanager's records, then unpublished).
+            let reached: std::collections::BTreeSet<String> =
+                volumes.iter().map(|v| v.name.clone()).collect();
+            let rest: Vec<VolumeUse> = ctx
+                .alloc
                 .group()
                 .map(|g| {
                     g.volumes
                         .iter()
+                        .filter(|(name, _)| !reached.contains(*name))
                         .filter_map(|(name, req)| Self::volume_use(ctx, name, req).ok())
                         .collect()
                 })
-                .unwrap_or_default()
-        };
+                .unwrap_or_default();
+            volumes.extend(rest);
+        }
         for v in volumes.iter().rev() {
             let span = tracing::info_span!("csi_volume", volume = %v.name, volume_id = %v.volume_id, plugin_id = %v.plugin_id);
             if let Err(e) = Self::release(ctx, v).instrument(span).await {

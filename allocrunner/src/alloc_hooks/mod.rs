@@ -15,7 +15,7 @@ use crate::config::AllocRunnerConfig;
 use crate::error::HookError;
 
 mod alloc_dir;
-mod csi;
+pub(crate) mod csi;
 
 pub use alloc_dir::AllocDirHook;
 pub use csi::CsiHook;

@@ -18,12 +18,12 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::{Driver, ExitResult, TaskHandle, TaskHandleRecord, TaskSpec};
 use crate::error::DriverError;
 use crate::executor::{
-    self, process_start_ticks, ExecutorExit, ExecutorSpec, ExecutorState, StartFailure,
+    self, live_process_start_ticks, ExecutorExit, ExecutorSpec, ExecutorState, StartFailure,
 };
 
 /// How long to wait for a process to go after SIGKILL before giving up on it.
@@ -31,6 +31,8 @@ const AFTER_SIGKILL: Duration = Duration::from_secs(30);
 /// How long the executor may take to report that the task runs.
 const EXECUTOR_START_TIMEOUT: Duration = Duration::from_secs(10);
 const EXECUTOR_START_POLL: Duration = Duration::from_millis(5);
+/// How often a reattached executor that has no pidfd is checked.
+const EXECUTOR_POLL: Duration = Duration::from_millis(500);
 
 /// How to run the executor: `<program> <args...> <state_dir>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +127,21 @@ impl Driver for RawExecDriver {
             });
         }
         let dir = &spec.executor_dir;
+        // An executor of an earlier run that still runs (the agent lost the
+        // handle it persisted) keeps its task: reattach, never start a
+        // second copy next to it.
+        if let Some(record) = TaskHandleRecord::from_executor_dir(self.name(), dir) {
+            if executor_alive(&record) {
+                info!(
+                    alloc_id = %spec.alloc_id,
+                    task = %spec.task,
+                    pid = record.task_pid,
+                    executor_pid = record.executor_pid,
+                    "the task's executor still runs; reattaching instead of starting it again"
+                );
+                return self.reattach(&record).await;
+            }
+        }
         prepare_executor_dir(dir).map_err(|error| DriverError::Spawn {
             command: spec.command.clone(),
             error,
@@ -150,19 +167,32 @@ impl Driver for RawExecDriver {
             error: std::io::Error::other(e),
         })?;
         let program = self.executor.program.clone();
-        let mut child = tokio::process::Command::new(&program)
+        let mut command = tokio::process::Command::new(&program);
+        command
             .args(&self.executor.args)
             .arg(dir)
             .env_clear()
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
             .stderr(log)
-            .kill_on_drop(false)
-            .spawn()
-            .map_err(|error| DriverError::Executor {
-                program: program.clone(),
-                error,
-            })?;
+            .kill_on_drop(false);
+        // A session (and so a process group) of its own from its first
+        // instruction: a signal to the agent's group or terminal never
+        // reaches it, not even before it has read its spec.
+        // SAFETY: the closure runs in the forked child before exec and only
+        // calls setsid, which is async-signal-safe and touches no memory.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = command.spawn().map_err(|error| DriverError::Executor {
+            program: program.clone(),
+            error,
+        })?;
         if let Some(mut stdin) = child.stdin.take() {
             // A failed write shows as the executor exiting without a state.
             if let Err(e) = stdin.write_all(&input).await {
@@ -179,7 +209,7 @@ impl Driver for RawExecDriver {
                 Ok(Some(state)) => break state,
                 Ok(None) => {}
                 Err(e) => {
-                    let _ = child.start_kill();
+                    abandon_start(&mut child, dir).await;
                     return Err(executor_failed(format!("reading its state: {e}")));
                 }
             }
@@ -196,7 +226,7 @@ impl Driver for RawExecDriver {
                 )));
             }
             if Instant::now() >= deadline {
-                let _ = child.start_kill();
+                abandon_start(&mut child, dir).await;
                 return Err(executor_failed(format!(
                     "the task did not start within {EXECUTOR_START_TIMEOUT:?}"
                 )));
@@ -216,7 +246,7 @@ impl Driver for RawExecDriver {
             });
         }
         let Some(record) = TaskHandleRecord::from_state(self.name(), dir, &state) else {
-            let _ = child.start_kill();
+            abandon_start(&mut child, dir).await;
             return Err(executor_failed("its state names no running task".into()));
         };
         debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid = record.task_pid, executor_pid = record.executor_pid, "started raw_exec task");
@@ -237,7 +267,21 @@ impl Driver for RawExecDriver {
     ) -> Result<Arc<dyn TaskHandle>, DriverError> {
         let (tx, exit) = watch::channel(None);
         match open_executor(record) {
-            Some(pidfd) => {
+            ExecutorWatch::Poll => {
+                warn!(
+                    pid = record.task_pid,
+                    executor_pid = record.executor_pid,
+                    "reattached to a running executor that cannot be watched through a pidfd; polling it"
+                );
+                let waited = record.clone();
+                tokio::spawn(async move {
+                    while executor_alive(&waited) {
+                        tokio::time::sleep(EXECUTOR_POLL).await;
+                    }
+                    tx.send_replace(Some(exit_of(&waited)));
+                });
+            }
+            ExecutorWatch::Pidfd(pidfd) => {
                 debug!(
                     pid = record.task_pid,
                     executor_pid = record.executor_pid,
@@ -257,17 +301,15 @@ impl Driver for RawExecDriver {
                         }
                         Err(e) => {
                             warn!(executor_pid = waited.executor_pid, error = %e, "watching the executor; polling instead");
-                            while process_start_ticks(waited.executor_pid)
-                                == Some(waited.executor_start_ticks)
-                            {
-                                tokio::time::sleep(Duration::from_millis(500)).await;
+                            while executor_alive(&waited) {
+                                tokio::time::sleep(EXECUTOR_POLL).await;
                             }
                         }
                     }
                     tx.send_replace(Some(exit_of(&waited)));
                 });
             }
-            None => {
+            ExecutorWatch::Gone => {
                 debug!(
                     pid = record.task_pid,
                     executor_pid = record.executor_pid,
@@ -283,22 +325,77 @@ impl Driver for RawExecDriver {
     }
 }
 
-/// A pidfd on the record's executor, if that very process still runs (its
-/// start time matches: the pid was not reused).
-fn open_executor(record: &TaskHandleRecord) -> Option<OwnedFd> {
+/// How to learn that a reattached executor has exited.
+enum ExecutorWatch {
+    /// The recorded executor no longer runs (or its pid was reused).
+    Gone,
+    /// Readable once it exits.
+    Pidfd(OwnedFd),
+    /// It runs but no pidfd could be had (no pidfd_open, seccomp, out of
+    /// fds): poll its pid and start time.
+    Poll,
+}
+
+/// Whether the record's executor still runs: its pid names a process with
+/// the recorded start time (the pid was not reused).
+fn executor_alive(record: &TaskHandleRecord) -> bool {
+    record.executor_pid != 0
+        && live_process_start_ticks(record.executor_pid) == Some(record.executor_start_ticks)
+}
+
+/// How to watch the record's executor. Only a process that is not the
+/// recorded one makes it [`ExecutorWatch::Gone`]; a failing pidfd_open
+/// never does.
+fn open_executor(record: &TaskHandleRecord) -> ExecutorWatch {
     let pid = record.executor_pid;
-    if pid == 0 || process_start_ticks(pid) != Some(record.executor_start_ticks) {
-        return None;
+    if !executor_alive(record) {
+        return ExecutorWatch::Gone;
     }
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     if fd < 0 {
-        return None;
+        let error = std::io::Error::last_os_error();
+        return if error.raw_os_error() == Some(libc::ESRCH) {
+            ExecutorWatch::Gone
+        } else {
+            debug!(executor_pid = pid, error = %error, "pidfd_open failed");
+            ExecutorWatch::Poll
+        };
     }
     // SAFETY: the syscall returned a fresh fd that nothing else owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
     // Checked again with the fd held: the fd names the process we checked.
-    (process_start_ticks(pid) == Some(record.executor_start_ticks)).then_some(fd)
+    if executor_alive(record) {
+        ExecutorWatch::Pidfd(fd)
+    } else {
+        ExecutorWatch::Gone
+    }
+}
+
+/// Gives up on an executor that did not report its task in time: kills
+/// it, waits for it, and kills the task's group too if it had started
+/// the task (its own group, which the executor's death does not reach).
+async fn abandon_start(child: &mut tokio::process::Child, dir: &Path) {
+    let _ = child.start_kill();
+    if tokio::time::timeout(AFTER_SIGKILL, child.wait())
+        .await
+        .is_err()
+    {
+        warn!(executor_dir = %dir.display(), "the executor did not exit after SIGKILL");
+    }
+    let Some(record) = TaskHandleRecord::from_executor_dir("raw_exec", dir) else {
+        return;
+    };
+    if task_alive(&record) {
+        warn!(
+            pid = record.task_pid,
+            "the abandoned executor had started its task; killing the task"
+        );
+        match signal_group(record.pgid, Signal::SIGKILL) {
+            Ok(()) | Err(Errno::ESRCH) => {}
+            Err(e) => warn!(pgid = record.pgid, error = %e, "killing the task's process group"),
+        }
+    }
 }
 
 /// Signals a task's process group. A group of 0 or 1 (the caller's own, or
@@ -313,7 +410,8 @@ fn signal_group(pgid: i32, signal: Signal) -> Result<(), Errno> {
 
 /// Whether the record's task process still runs (not reused, not a zombie).
 fn task_alive(record: &TaskHandleRecord) -> bool {
-    record.task_pid != 0 && process_start_ticks(record.task_pid) == Some(record.task_start_ticks)
+    record.task_pid != 0
+        && live_process_start_ticks(record.task_pid) == Some(record.task_start_ticks)
 }
 
 /// The exit the executor recorded, once it is gone. An executor that died
@@ -352,22 +450,6 @@ fn exit_of(record: &TaskHandleRecord) -> ExitResult {
 struct ExecutorHandle {
     record: TaskHandleRecord,
     exit: watch::Receiver<Option<ExitResult>>,
-}
-
-impl ExecutorHandle {
-    /// Kills what is left of the process group after its leader exited.
-    fn kill_leftovers(&self) {
-        match signal_group(self.record.pgid, Signal::SIGKILL) {
-            Ok(()) => debug!(
-                pgid = self.record.pgid,
-                "killed processes left in the task's group"
-            ),
-            Err(Errno::ESRCH) => {}
-            Err(e) => {
-                warn!(pgid = self.record.pgid, error = %e, "killing the task's process group")
-            }
-        }
-    }
 }
 
 #[async_trait::async_trait]
@@ -411,15 +493,16 @@ impl TaskHandle for ExecutorHandle {
 
     async fn stop(&self, kill_timeout: Duration) -> ExitResult {
         let pid = self.record.task_pid;
+        // The executor kills what is left of the group before it records
+        // the exit, while the leader's zombie still holds the group id; a
+        // kill from here after that could reach a group that reused it.
         if let Some(exit) = self.try_exit() {
-            self.kill_leftovers();
             return exit;
         }
         if let Err(e) = self.signal(Signal::SIGTERM) {
             warn!(pid, error = %e, "sending SIGTERM");
         }
         if let Ok(exit) = tokio::time::timeout(kill_timeout, self.wait()).await {
-            self.kill_leftovers();
             return exit;
         }
         warn!(
@@ -431,10 +514,7 @@ impl TaskHandle for ExecutorHandle {
             warn!(pid, error = %e, "sending SIGKILL");
         }
         match tokio::time::timeout(AFTER_SIGKILL, self.wait()).await {
-            Ok(exit) => {
-                self.kill_leftovers();
-                exit
-            }
+            Ok(exit) => exit,
             Err(_) => ExitResult {
                 error: Some(format!(
                     "process {pid} did not exit {AFTER_SIGKILL:?} after SIGKILL"
@@ -442,5 +522,67 @@ impl TaskHandle for ExecutorHandle {
                 ..ExitResult::default()
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::{CommandExt, ExitStatusExt};
+
+    use super::*;
+
+    /// An executor given up on after it started its task (its state shows
+    /// the task running) takes the task's group down with it.
+    #[tokio::test]
+    async fn abandoning_a_start_kills_a_task_the_executor_had_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut executor = tokio::process::Command::new("sleep")
+            .arg("1000")
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut task = std::process::Command::new("sleep")
+            .arg("1000")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        struct Reap<'a>(&'a mut std::process::Child);
+        impl Drop for Reap<'_> {
+            fn drop(&mut self) {
+                let _ = self.0.kill();
+                let _ = self.0.wait();
+            }
+        }
+        let task_pid = task.id();
+        let task = Reap(&mut task);
+        let executor_pid = executor.id().unwrap();
+        let state = ExecutorState::Running {
+            executor_pid,
+            executor_start_ticks: live_process_start_ticks(executor_pid).unwrap(),
+            task_pid,
+            pgid: task_pid as i32,
+            task_start_ticks: live_process_start_ticks(task_pid).unwrap(),
+            started_at_ms: 0,
+        };
+        executor::write_record(dir.path(), executor::STATE_FILE, &state).unwrap();
+
+        abandon_start(&mut executor, dir.path()).await;
+
+        assert!(
+            executor.try_wait().unwrap().is_some(),
+            "the executor is gone"
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(status) = task.0.try_wait().unwrap() {
+                break status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the task was left running"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(status.signal(), Some(libc::SIGKILL));
     }
 }
