@@ -30,7 +30,7 @@ pub const SCHEMA_VERSION: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StateError {
-    #[error("client state database {path}: {source}")]
+    #[error("client state database {path}")]
     Open {
         path: String,
         #[source]
