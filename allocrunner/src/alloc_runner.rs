@@ -158,7 +158,19 @@ impl AllocRunner {
             return;
         }
         let stop = alloc.server_terminal();
-        *self.inner.alloc.lock().unwrap_or_else(|e| e.into_inner()) = Arc::new(alloc);
+        {
+            let mut current = self.inner.alloc.lock().unwrap_or_else(|e| e.into_inner());
+            // The servers send every alloc of the node on every change to
+            // any of them: an unchanged one costs nothing, not a write.
+            if **current == alloc {
+                drop(current);
+                if stop {
+                    self.stop();
+                }
+                return;
+            }
+            *current = Arc::new(alloc);
+        }
         if self.inner.started.load(Ordering::SeqCst) {
             self.inner.persist_alloc();
         }

@@ -428,3 +428,33 @@ fn the_executors_record_wins_over_a_persisted_handle_with_a_later_clock() {
         assert_eq!(runner.client_status(), AllocClientStatus::Complete);
     });
 }
+
+/// The servers send every alloc of the node on each change to any of them;
+/// an alloc that did not change is not written to the state DB again.
+#[tokio::test]
+async fn an_unchanged_alloc_from_the_servers_is_not_written_again() {
+    let allocs = Arc::new(MemAllocStore::default());
+    let s = allocs.clone();
+    let h = Harness::with(move |c| c.store = s);
+    let a = alloc(JobType::Service, vec![sh_task("web", "exec sleep 1000")]);
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_for("the task to run", WITHIN, || {
+        runner
+            .task_states()
+            .get("web")
+            .is_some_and(|st| st.state == TaskStateKind::Running)
+    })
+    .await;
+    let before = allocs.alloc_writes();
+    for _ in 0..10 {
+        runner.update(a.clone());
+    }
+    assert_eq!(allocs.alloc_writes(), before, "unchanged: no write");
+    let mut changed = a.clone();
+    changed.modify_index += 1;
+    runner.update(changed);
+    assert_eq!(allocs.alloc_writes(), before + 1, "changed: one write");
+    runner.stop();
+    wait_done(&runner, WITHIN).await;
+}

@@ -219,6 +219,7 @@ impl FingerprintSink for NoFingerprints {
 #[derive(Default)]
 pub struct MemAllocStore {
     allocs: Mutex<BTreeMap<String, RestoredAlloc>>,
+    alloc_writes: std::sync::atomic::AtomicUsize,
 }
 
 impl MemAllocStore {
@@ -238,10 +239,17 @@ impl MemAllocStore {
     pub fn contains(&self, alloc_id: &str) -> bool {
         self.allocs.lock().unwrap().contains_key(alloc_id)
     }
+
+    /// How many times an alloc was written.
+    pub fn alloc_writes(&self) -> usize {
+        self.alloc_writes.load(std::sync::atomic::Ordering::SeqCst)
+    }
 }
 
 impl AllocStateStore for MemAllocStore {
     fn put_alloc(&self, alloc: &Allocation) -> Result<(), String> {
+        self.alloc_writes
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut allocs = self.allocs.lock().unwrap();
         allocs
             .entry(alloc.id.clone())
