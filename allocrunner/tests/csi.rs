@@ -509,13 +509,7 @@ fn a_restored_alloc_keeps_its_published_volume_without_a_new_claim() {
     rt.block_on(async {
         let runner = restored_runner(&left, csi.clone());
         runner.run();
-        wait_for("the restored task to be reattached", WITHIN, || {
-            runner.task_states().get("web").is_some_and(|st| {
-                st.state == TaskStateKind::Running
-                    && st.events.iter().any(|e| e.event_type == "Reattached")
-            })
-        })
-        .await;
+        wait_reattached(&runner, "web", WITHIN).await;
         assert_eq!(h.claimer.claims().len(), claims_before, "no new claim");
         assert_eq!(runner.client_status(), AllocClientStatus::Running);
         assert!(!mounts_under(&left.csi_dir).is_empty(), "still published");
@@ -762,13 +756,7 @@ async fn destroy_keeps_the_alloc_records_while_a_volume_stays_mounted() {
     let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
     let runner = h.runner(a.clone());
     runner.run();
-    wait_for("the task to run", WITHIN, || {
-        runner
-            .task_states()
-            .get("web")
-            .is_some_and(|st| st.state == TaskStateKind::Running)
-    })
-    .await;
+    wait_running(&runner, "web", WITHIN).await;
     // The plugin goes away: nothing can unmount the volume now.
     plugin.runner.stop();
     wait_done(&plugin.runner, WITHIN).await;

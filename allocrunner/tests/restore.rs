@@ -143,13 +143,7 @@ fn a_restored_runner_reattaches_to_the_running_task_and_sees_its_real_exit() {
     second.block_on(async {
         let runner = restored_runner(&s);
         runner.run();
-        wait_for("the restored task to be running", WITHIN, || {
-            runner
-                .task_states()
-                .get("web")
-                .is_some_and(|st| st.state == TaskStateKind::Running)
-        })
-        .await;
+        wait_reattached(&runner, "web", WITHIN).await;
         // Reattached, not started again.
         assert_eq!(starts(&s.local), 1, "the task was started exactly once");
         assert_eq!(read_pid(&s.local.join("pid")), Some(s.pid));
@@ -182,13 +176,7 @@ fn a_task_whose_handle_was_not_persisted_is_found_through_its_executor() {
     second.block_on(async {
         let runner = restored_runner(&s);
         runner.run();
-        wait_for("the restored task to be running", WITHIN, || {
-            runner
-                .task_states()
-                .get("web")
-                .is_some_and(|st| st.state == TaskStateKind::Running)
-        })
-        .await;
+        wait_reattached(&runner, "web", WITHIN).await;
         assert_eq!(starts(&s.local), 1, "reattached, not started again");
         assert!(process_alive(s.pid));
         runner.stop();
@@ -244,13 +232,7 @@ fn stopping_a_reattached_task_kills_its_process_group() {
     second.block_on(async {
         let runner = restored_runner(&s);
         runner.run();
-        wait_for("the restored task to be running", WITHIN, || {
-            runner
-                .task_states()
-                .get("web")
-                .is_some_and(|st| st.state == TaskStateKind::Running)
-        })
-        .await;
+        wait_reattached(&runner, "web", WITHIN).await;
         runner.stop();
         wait_done(&runner, WITHIN).await;
         assert!(
@@ -370,13 +352,7 @@ fn a_fresh_runner_reattaches_to_a_task_whose_records_were_lost() {
     second.block_on(async {
         let runner = AllocRunner::new(s.h.config_with_store(lost.clone()), alloc);
         runner.run();
-        wait_for("the task to be running", WITHIN, || {
-            runner
-                .task_states()
-                .get("web")
-                .is_some_and(|st| st.state == TaskStateKind::Running)
-        })
-        .await;
+        wait_running(&runner, "web", WITHIN).await;
         assert_eq!(starts(&s.local), 1, "not started a second time");
         assert!(process_alive(s.pid), "the running task was kept");
         assert_eq!(
@@ -413,13 +389,7 @@ fn the_executors_record_wins_over_a_persisted_handle_with_a_later_clock() {
     second.block_on(async {
         let runner = restored_runner(&s);
         runner.run();
-        wait_for("the restored task to be running", WITHIN, || {
-            runner.task_states().get("web").is_some_and(|st| {
-                st.state == TaskStateKind::Running
-                    && st.events.iter().any(|e| e.event_type == "Reattached")
-            })
-        })
-        .await;
+        wait_reattached(&runner, "web", WITHIN).await;
         assert!(process_alive(s.pid));
         assert_eq!(runner.client_status(), AllocClientStatus::Running);
         assert_eq!(starts(&s.local), 1);
@@ -439,13 +409,7 @@ async fn an_unchanged_alloc_from_the_servers_is_not_written_again() {
     let a = alloc(JobType::Service, vec![sh_task("web", "exec sleep 1000")]);
     let runner = h.runner(a.clone());
     runner.run();
-    wait_for("the task to run", WITHIN, || {
-        runner
-            .task_states()
-            .get("web")
-            .is_some_and(|st| st.state == TaskStateKind::Running)
-    })
-    .await;
+    wait_running(&runner, "web", WITHIN).await;
     let before = allocs.alloc_writes();
     for _ in 0..10 {
         runner.update(a.clone());

@@ -22,7 +22,7 @@ use berth_csimanager::{
 };
 use berth_structs::{
     AllocClientStatus, Allocation, CsiInfo, Job, JobType, NodeEvent, RestartPolicy, Task,
-    TaskConfig, TaskGroup, TaskState,
+    TaskConfig, TaskGroup, TaskState, TaskStateKind,
 };
 
 // ---------------------------------------------------------------- updater
@@ -417,6 +417,29 @@ pub fn test_executor() -> ExecutorCommand {
         program: PathBuf::from(env!("CARGO_BIN_EXE_berth-allocrunner-executor")),
         args: Vec::new(),
     }
+}
+
+/// Waits until `task` of the runner is running.
+pub async fn wait_running(runner: &AllocRunner, task: &str, within: Duration) {
+    wait_for(&format!("task {task} to run"), within, || {
+        runner
+            .task_states()
+            .get(task)
+            .is_some_and(|st| st.state == TaskStateKind::Running)
+    })
+    .await;
+}
+
+/// Waits until a restored runner has reattached to `task` (its persisted
+/// state says running from the start, so that alone proves nothing).
+pub async fn wait_reattached(runner: &AllocRunner, task: &str, within: Duration) {
+    wait_for(&format!("task {task} to be reattached"), within, || {
+        runner.task_states().get(task).is_some_and(|st| {
+            st.state == TaskStateKind::Running
+                && st.events.iter().any(|e| e.event_type == "Reattached")
+        })
+    })
+    .await;
 }
 
 /// Waits for the runner to finish, within `within`.
