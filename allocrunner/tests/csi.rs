@@ -374,14 +374,6 @@ async fn a_claim_carries_the_jobs_mount_options() {
     assert_eq!(claims[0].mount_options, options);
 }
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 /// The node's state when the servers were asked to release a claim.
 #[derive(Debug)]
 struct AtUnpublish {

@@ -20,14 +20,6 @@ use common::*;
 
 const WITHIN: Duration = Duration::from_secs(20);
 
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("tokio runtime")
-}
-
 /// Polls `cond` from a plain thread until it holds or `within` passes.
 fn wait_blocking(what: &str, within: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + within;

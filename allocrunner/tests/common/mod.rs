@@ -419,6 +419,16 @@ pub fn test_executor() -> ExecutorCommand {
     }
 }
 
+/// A runtime of its own, for tests that play an agent that stops (its
+/// runtime shut down) and one that starts again.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
 /// Waits until `task` of the runner is running.
 pub async fn wait_running(runner: &AllocRunner, task: &str, within: Duration) {
     wait_for(&format!("task {task} to run"), within, || {
