@@ -4,6 +4,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::limits::{capacity_limit_text, too_large, MAX_VOLUME_CAPACITY_BYTES};
+use crate::names::{check_name, quoted};
 use crate::ValidationError;
 
 /// The access modes of CSI, in Nomad's spelling.
@@ -293,33 +295,44 @@ impl std::fmt::Debug for CsiVolume {
 }
 
 impl CsiVolume {
-    /// The checks a volume passes before it is created or registered.
-    /// `register` also needs the provider's ID.
+    /// The checks a volume passes before it is created or registered: its
+    /// ID and plugin ID pass [`check_name`] (both become path components on
+    /// nodes), its capacities are within
+    /// [`MAX_VOLUME_CAPACITY_BYTES`]. `register` also needs the provider's
+    /// ID.
     pub fn validate(&self, register: bool) -> Result<(), ValidationError> {
         let mut errs = Vec::new();
-        if self.id.is_empty() {
-            errs.push("volume: id is required".to_string());
+        if let Err(e) = check_name("volume ID", &self.id) {
+            errs.push(format!("volume: {e}"));
         }
-        if self.plugin_id.is_empty() {
-            errs.push(format!("volume {:?}: plugin_id is required", self.id));
+        let at = format!("volume {}", quoted(&self.id));
+        if let Err(e) = check_name("plugin_id", &self.plugin_id) {
+            errs.push(format!("{at}: {e}"));
         }
         if self.capabilities.is_empty() {
-            errs.push(format!(
-                "volume {:?}: at least one capability block is required",
-                self.id
-            ));
+            errs.push(format!("{at}: at least one capability block is required"));
         }
         if register && self.external_id.is_empty() {
             errs.push(format!(
-                "volume {:?}: external_id is required to register a volume",
-                self.id
+                "{at}: external_id is required to register a volume"
             ));
+        }
+        for (what, value) in [
+            ("capacity_min", self.capacity_min),
+            ("capacity_max", self.capacity_max),
+            ("capacity", Some(self.capacity)),
+        ] {
+            if let Some(v) = value.filter(|&v| v > MAX_VOLUME_CAPACITY_BYTES) {
+                errs.push(format!(
+                    "{at}: {what} {}",
+                    too_large(v, capacity_limit_text())
+                ));
+            }
         }
         if let (Some(min), Some(max)) = (self.capacity_min, self.capacity_max) {
             if min > max {
                 errs.push(format!(
-                    "volume {:?}: capacity_min ({min}) is larger than capacity_max ({max})",
-                    self.id
+                    "{at}: capacity_min ({min}) is larger than capacity_max ({max})"
                 ));
             }
         }

@@ -7,6 +7,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::csi::{AccessMode, AttachmentMode};
+use crate::limits::{
+    duration_text, too_large, MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_MEMORY_MB, MAX_PRIORITY,
+    MAX_RESTART_ATTEMPTS,
+};
+use crate::names::{check_name, quoted};
 use crate::ValidationError;
 
 /// How the scheduler treats a job.
@@ -70,6 +75,11 @@ pub struct Job {
     pub create_index: u64,
     #[serde(default)]
     pub modify_index: u64,
+    /// Unix milliseconds of the last change the servers stored (a
+    /// submission, a stop, a status change); garbage collection counts its
+    /// thresholds from it.
+    #[serde(default)]
+    pub modify_time_ms: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -287,19 +297,28 @@ impl std::str::FromStr for CsiPluginType {
 pub const SUPPORTED_DRIVERS: &[&str] = &["raw_exec"];
 
 impl Job {
-    /// The checks a job passes before the servers accept it.
+    /// The checks a job passes before the servers accept it: every name
+    /// that becomes a path or a key on a node passes [`check_name`], every
+    /// number is within its limit in [`crate::limits`].
     pub fn validate(&self) -> Result<(), ValidationError> {
         let mut errs = Vec::new();
-        if self.id.is_empty() {
-            errs.push("job: id must not be empty".to_string());
+        if let Err(e) = check_name("job ID", &self.id) {
+            errs.push(format!("job: {e}"));
+        }
+        let job = quoted(&self.id);
+        if self.priority > MAX_PRIORITY {
+            errs.push(format!(
+                "job {job}: priority {}",
+                too_large(self.priority, MAX_PRIORITY)
+            ));
         }
         if self.task_groups.is_empty() {
-            errs.push(format!("job {:?}: at least one group is required", self.id));
+            errs.push(format!("job {job}: at least one group is required"));
         }
         let mut group_names = std::collections::BTreeSet::new();
         for tg in &self.task_groups {
             if !group_names.insert(&tg.name) {
-                errs.push(format!("group {:?}: defined twice", tg.name));
+                errs.push(format!("group {}: defined twice", quoted(&tg.name)));
             }
             tg.validate(self.job_type, &mut errs);
         }
@@ -315,45 +334,101 @@ impl Job {
     }
 }
 
+/// `{at}: {what} 5y is too large (at most 1year)` when `d` is over
+/// [`MAX_DURATION`].
+fn check_duration(at: &str, what: &str, d: Duration, errs: &mut Vec<String>) {
+    if d > MAX_DURATION {
+        errs.push(format!(
+            "{at}: {what} {}",
+            too_large(duration_text(d), duration_text(MAX_DURATION))
+        ));
+    }
+}
+
 impl TaskGroup {
     fn validate(&self, job_type: JobType, errs: &mut Vec<String>) {
-        let g = &self.name;
-        if g.is_empty() {
-            errs.push("group: name must not be empty".into());
+        let g = quoted(&self.name);
+        let at = format!("group {g}");
+        if let Err(e) = check_name("group name", &self.name) {
+            errs.push(format!("{at}: {e}"));
+        }
+        if self.count > MAX_COUNT {
+            errs.push(format!("{at}: count {}", too_large(self.count, MAX_COUNT)));
         }
         if job_type == JobType::System && self.count > 1 {
             errs.push(format!(
-                "group {g:?}: system jobs run one alloc per node; count must be 0 or 1"
+                "{at}: system jobs run one alloc per node; count must be 0 or 1"
             ));
         }
+        self.restart.validate(&at, errs);
+        if let Some(d) = self.stop_after_client_disconnect {
+            check_duration(&at, "stop_after_client_disconnect", d, errs);
+        }
         if self.tasks.is_empty() {
-            errs.push(format!("group {g:?}: at least one task is required"));
+            errs.push(format!("{at}: at least one task is required"));
         }
         for (name, v) in &self.volumes {
-            v.validate(g, name, self.count, errs);
+            v.validate(&g, name, self.count, errs);
         }
         let mut task_names = std::collections::BTreeSet::new();
         for t in &self.tasks {
             if !task_names.insert(&t.name) {
-                errs.push(format!("group {g:?}: task {:?} defined twice", t.name));
+                errs.push(format!("{at}: task {} defined twice", quoted(&t.name)));
             }
             t.validate(self, errs);
         }
     }
 }
 
+impl RestartPolicy {
+    fn validate(&self, group_at: &str, errs: &mut Vec<String>) {
+        let at = format!("{group_at} restart");
+        if self.attempts > MAX_RESTART_ATTEMPTS {
+            errs.push(format!(
+                "{at}: attempts {}",
+                too_large(self.attempts, MAX_RESTART_ATTEMPTS)
+            ));
+        }
+        check_duration(&at, "interval", self.interval, errs);
+        check_duration(&at, "delay", self.delay, errs);
+        if self.mode != "fail" && self.mode != "delay" {
+            errs.push(format!(
+                "{at}: mode {} is not supported (want fail or delay)",
+                quoted(&self.mode)
+            ));
+        }
+    }
+}
+
 impl VolumeRequest {
     fn validate(&self, group: &str, name: &str, count: u32, errs: &mut Vec<String>) {
-        let at = format!("group {group:?} volume {name:?}");
+        let at = format!("group {group} volume {}", quoted(name));
+        if let Err(e) = check_name("volume name", name) {
+            errs.push(format!("{at}: {e}"));
+        }
+        if self.name != name {
+            errs.push(format!(
+                "{at}: the request's name {} differs from its key",
+                quoted(&self.name)
+            ));
+        }
         if self.volume_type != "csi" {
             errs.push(format!(
-                "{at}: type {:?} is not supported (berth supports \"csi\")",
-                self.volume_type
+                "{at}: type {} is not supported (berth supports \"csi\")",
+                quoted(&self.volume_type)
             ));
             return;
         }
-        if self.source.is_empty() {
-            errs.push(format!("{at}: source is required"));
+        match check_name("source", &self.source) {
+            Err(e) => errs.push(format!("{at}: {e}")),
+            // `[N]` adds only allowed characters, so the longest expansion
+            // (the last alloc's) passes exactly when every one does.
+            Ok(()) if self.per_alloc && count > 0 => {
+                if let Err(e) = check_name("per_alloc volume ID", &self.source_for(count - 1)) {
+                    errs.push(format!("{at}: {e}"));
+                }
+            }
+            Ok(()) => {}
         }
         match self.access_mode {
             None => errs.push(format!("{at}: CSI volumes need access_mode")),
@@ -378,54 +453,76 @@ impl VolumeRequest {
     }
 }
 
+/// Task names the alloc dir keeps for itself: `alloc` is the directory the
+/// tasks share.
+pub const RESERVED_TASK_NAMES: &[&str] = &["alloc"];
+
 impl Task {
     fn validate(&self, group: &TaskGroup, errs: &mut Vec<String>) {
-        let at = format!("group {:?} task {:?}", group.name, self.name);
-        if self.name.is_empty() {
+        let at = format!("group {} task {}", quoted(&group.name), quoted(&self.name));
+        if let Err(e) = check_name("task name", &self.name) {
+            errs.push(format!("{at}: {e}"));
+        } else if RESERVED_TASK_NAMES.contains(&self.name.as_str()) {
             errs.push(format!(
-                "group {:?}: task name must not be empty",
-                group.name
+                "{at}: task name {} is reserved for the alloc's shared directory",
+                quoted(&self.name)
             ));
         }
         if !SUPPORTED_DRIVERS.contains(&self.driver.as_str()) {
             errs.push(format!(
-                "{at}: driver {:?} is not supported (supported: {})",
-                self.driver,
+                "{at}: driver {} is not supported (supported: {})",
+                quoted(&self.driver),
                 SUPPORTED_DRIVERS.join(", ")
             ));
         }
         if self.config.command.is_empty() {
             errs.push(format!("{at}: config.command is required"));
         }
+        if self.resources.cpu > MAX_CPU_MHZ {
+            errs.push(format!(
+                "{at}: resources.cpu {}",
+                too_large(self.resources.cpu, format!("{MAX_CPU_MHZ} MHz"))
+            ));
+        }
+        if self.resources.memory_mb > MAX_MEMORY_MB {
+            errs.push(format!(
+                "{at}: resources.memory {}",
+                too_large(self.resources.memory_mb, format!("{MAX_MEMORY_MB} MiB"))
+            ));
+        }
+        if let Some(d) = self.kill_timeout {
+            check_duration(&at, "kill_timeout", d, errs);
+        }
         for m in &self.volume_mounts {
             match group.volumes.get(&m.volume) {
                 None => errs.push(format!(
-                    "{at}: volume_mount names volume {:?}, which the group does not define",
-                    m.volume
+                    "{at}: volume_mount names volume {}, which the group does not define",
+                    quoted(&m.volume)
                 )),
                 Some(v) => {
                     if v.read_only && !m.read_only {
                         errs.push(format!(
-                            "{at}: volume_mount of read-only volume {:?} needs read_only = true",
-                            m.volume
+                            "{at}: volume_mount of read-only volume {} needs read_only = true",
+                            quoted(&m.volume)
                         ));
                     }
                 }
             }
             if let Err(e) = check_destination(&m.destination) {
                 errs.push(format!(
-                    "{at}: volume_mount destination {:?} {e}",
-                    m.destination
+                    "{at}: volume_mount destination {} {e}",
+                    quoted(&m.destination)
                 ));
             }
         }
         if let Some(p) = &self.csi_plugin {
-            if p.id.is_empty() {
-                errs.push(format!("{at}: csi_plugin.id is required"));
+            if let Err(e) = check_name("csi_plugin.id", &p.id) {
+                errs.push(format!("{at}: {e}"));
             }
             if p.mount_dir.is_empty() {
                 errs.push(format!("{at}: csi_plugin.mount_dir is required"));
             }
+            check_duration(&at, "csi_plugin.health_timeout", p.health_timeout, errs);
         }
     }
 }

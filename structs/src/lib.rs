@@ -7,12 +7,15 @@
 pub mod alloc;
 pub mod csi;
 pub mod job;
+pub mod limits;
+pub mod names;
 pub mod node;
 pub mod spec;
 
 pub use alloc::*;
 pub use csi::*;
 pub use job::*;
+pub use names::{check_name, is_valid_name, NameError, NameProblem};
 pub use node::*;
 
 /// A job or volume that fails its checks. Each entry names what is wrong and

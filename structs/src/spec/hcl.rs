@@ -12,6 +12,7 @@ use hcl_edit::template::{Element, Strip, Template};
 use hcl_edit::Span;
 
 use super::{units, SpecError};
+use crate::limits;
 
 /// The text of a spec and where its lines start, to turn byte offsets into
 /// line numbers.
@@ -37,6 +38,11 @@ impl<'a> Source<'a> {
     /// emit (never the case for parsed input).
     pub(super) fn line_of<S: Span + ?Sized>(&self, node: &S) -> usize {
         node.span().map_or(1, |r| self.line_at(r.start))
+    }
+
+    /// The text `node` was parsed from, where the parser recorded it.
+    pub(super) fn text_of<S: Span + ?Sized>(&self, node: &S) -> Option<&'a str> {
+        node.span().and_then(|r| self.text.get(r))
     }
 
     /// Parses the whole text as an HCL body.
@@ -225,7 +231,20 @@ impl<'s, 'b> BodyReader<'s, 'b> {
         }
     }
 
-    pub(super) fn u64(&self, name: &str) -> Result<Option<u64>, SpecError> {
+    /// A whole number of at most `max`. hcl-edit reads an integer beyond
+    /// `u64` as a float, so an integral float is "too large", not "not a
+    /// whole number"; messages show the number as it was written.
+    pub(super) fn u64(&self, name: &str, max: u64) -> Result<Option<u64>, SpecError> {
+        self.number_at_most(name, max, max)
+    }
+
+    /// [`BodyReader::u64`], with `limit` saying `max` in messages.
+    fn number_at_most(
+        &self,
+        name: &str,
+        max: u64,
+        limit: impl std::fmt::Display,
+    ) -> Result<Option<u64>, SpecError> {
         let Some(a) = self.attr(name) else {
             return Ok(None);
         };
@@ -233,36 +252,69 @@ impl<'s, 'b> BodyReader<'s, 'b> {
         let Expression::Number(n) = &a.value else {
             return Err(self.type_error(&a.value, name, "a number"));
         };
+        let written = self
+            .src
+            .text_of(&a.value)
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map_or_else(|| n.value().to_string(), str::to_string);
         let n = n.value();
-        match n.as_u64() {
-            Some(v) => Ok(Some(v)),
-            None if n.as_i64().is_some() => Err(self.invalid(name, "must not be negative")),
-            None => Err(self.invalid(name, format!("must be a whole number, not {n}"))),
+        let value = match n.as_u64() {
+            Some(v) => v,
+            None => {
+                let f = n.as_f64().unwrap_or(f64::NAN);
+                if n.as_i64().is_some() || f < 0.0 {
+                    return Err(self.invalid(name, format!("{written} must not be negative")));
+                }
+                if !f.is_finite() || f.fract() != 0.0 {
+                    return Err(
+                        self.invalid(name, format!("must be a whole number, not {written}"))
+                    );
+                }
+                // 2^64: every integral float below it converts exactly.
+                if f >= 18_446_744_073_709_551_616.0 {
+                    return Err(self.invalid(name, limits::too_large(&written, limit)));
+                }
+                f as u64
+            }
+        };
+        if value > max {
+            return Err(self.invalid(name, limits::too_large(&written, limit)));
         }
+        Ok(Some(value))
     }
 
-    pub(super) fn u32(&self, name: &str) -> Result<Option<u32>, SpecError> {
-        self.u64(name)?
-            .map(|v| u32::try_from(v).map_err(|_| self.invalid(name, format!("{v} is too large"))))
+    /// A whole number of at most `max`, as [`BodyReader::u64`].
+    pub(super) fn u32(&self, name: &str, max: u32) -> Result<Option<u32>, SpecError> {
+        self.u64(name, u64::from(max))?
+            .map(|v| u32::try_from(v).map_err(|_| self.invalid(name, limits::too_large(v, max))))
             .transpose()
     }
 
-    /// A duration written as a string: "30s", "5m", "1h30m".
-    pub(super) fn duration(&self, name: &str) -> Result<Option<Duration>, SpecError> {
+    /// A duration written as a string ("30s", "5m", "1h30m") of at most
+    /// `max`.
+    pub(super) fn duration(
+        &self,
+        name: &str,
+        max: Duration,
+    ) -> Result<Option<Duration>, SpecError> {
         self.string(name)?
-            .map(|s| units::parse_duration(&s).map_err(|e| self.invalid(name, e)))
+            .map(|s| units::parse_duration_at_most(&s, max).map_err(|e| self.invalid(name, e)))
             .transpose()
     }
 
-    /// A size in bytes, written as a string with a unit ("10MiB") or as a
-    /// number of bytes.
-    pub(super) fn size(&self, name: &str) -> Result<Option<u64>, SpecError> {
+    /// A size in bytes of at most `max`, written as a string with a unit
+    /// ("10MiB") or as a number of bytes; `limit` says the limit in
+    /// messages.
+    pub(super) fn size(&self, name: &str, max: u64, limit: &str) -> Result<Option<u64>, SpecError> {
         match self.attr(name).map(|a| &a.value) {
             None => Ok(None),
-            Some(Expression::Number(_)) => self.u64(name),
+            Some(Expression::Number(_)) => self.number_at_most(name, max, limit),
             Some(_) => self
                 .string(name)?
-                .map(|s| units::parse_size(&s).map_err(|e| self.invalid(name, e)))
+                .map(|s| {
+                    units::parse_size_at_most(&s, max, limit).map_err(|e| self.invalid(name, e))
+                })
                 .transpose(),
         }
     }

@@ -10,6 +10,9 @@ use crate::job::{
     CsiMountOptions, CsiPluginType, Job, JobType, Resources, RestartPolicy, Task, TaskConfig,
     TaskCsiPluginConfig, TaskGroup, VolumeMount, VolumeRequest,
 };
+use crate::limits::{
+    MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_MEMORY_MB, MAX_PRIORITY, MAX_RESTART_ATTEMPTS,
+};
 
 /// Nomad's default job priority.
 const DEFAULT_PRIORITY: u32 = 50;
@@ -46,7 +49,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
             ))
         }
     };
-    let priority = r.u32("priority")?.unwrap_or(DEFAULT_PRIORITY);
+    let priority = r.u32("priority", MAX_PRIORITY)?.unwrap_or(DEFAULT_PRIORITY);
     if !(1..=100).contains(&priority) {
         return Err(r.invalid("priority", "must be between 1 and 100"));
     }
@@ -119,11 +122,11 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
 
     Ok(TaskGroup {
         name,
-        count: r.u32("count")?.unwrap_or(1),
+        count: r.u32("count", MAX_COUNT)?.unwrap_or(1),
         volumes,
         tasks,
         restart,
-        stop_after_client_disconnect: r.duration("stop_after_client_disconnect")?,
+        stop_after_client_disconnect: r.duration("stop_after_client_disconnect", MAX_DURATION)?,
         meta: r.map("meta")?,
     })
 }
@@ -149,9 +152,13 @@ fn decode_restart(
         ));
     }
     Ok(RestartPolicy {
-        attempts: r.u32("attempts")?.unwrap_or(default.attempts),
-        interval: r.duration("interval")?.unwrap_or(default.interval),
-        delay: r.duration("delay")?.unwrap_or(default.delay),
+        attempts: r
+            .u32("attempts", MAX_RESTART_ATTEMPTS)?
+            .unwrap_or(default.attempts),
+        interval: r
+            .duration("interval", MAX_DURATION)?
+            .unwrap_or(default.interval),
+        delay: r.duration("delay", MAX_DURATION)?.unwrap_or(default.delay),
         mode,
     })
 }
@@ -239,8 +246,10 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
             let res = BodyReader::unlabeled(src, b, r.ctx(), &["cpu", "memory"], &[])?;
             let default = Resources::default();
             Resources {
-                cpu: res.u64("cpu")?.unwrap_or(default.cpu),
-                memory_mb: res.u64("memory")?.unwrap_or(default.memory_mb),
+                cpu: res.u64("cpu", MAX_CPU_MHZ)?.unwrap_or(default.cpu),
+                memory_mb: res
+                    .u64("memory", MAX_MEMORY_MB)?
+                    .unwrap_or(default.memory_mb),
             }
         }
     };
@@ -274,7 +283,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         resources,
         volume_mounts,
         csi_plugin,
-        kill_timeout: r.duration("kill_timeout")?,
+        kill_timeout: r.duration("kill_timeout", MAX_DURATION)?,
         meta: r.map("meta")?,
     })
 }
@@ -305,7 +314,7 @@ fn decode_csi_plugin(
         mount_dir: r.required_string("mount_dir")?,
         stage_publish_base_dir: r.string("stage_publish_base_dir")?,
         health_timeout: r
-            .duration("health_timeout")?
+            .duration("health_timeout", MAX_DURATION)?
             .unwrap_or(TaskCsiPluginConfig::DEFAULT_HEALTH_TIMEOUT),
     })
 }

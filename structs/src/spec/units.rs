@@ -2,16 +2,50 @@
 
 use std::time::Duration;
 
+use crate::limits;
+
 /// A duration such as "30s", "5m", "1h30m" or "250ms".
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("invalid duration {s:?} ({e}); write e.g. \"30s\" or \"5m\""))
+    humantime::parse_duration(s.trim()).map_err(|e| match e {
+        humantime::DurationError::NumberOverflow => format!("duration {s:?} is too large"),
+        e => format!("invalid duration {s:?} ({e}); write e.g. \"30s\" or \"5m\""),
+    })
+}
+
+/// A duration of at most `max`: `"100y" is too large (at most 1year)`,
+/// also when it does not even fit a [`Duration`].
+pub(super) fn parse_duration_at_most(s: &str, max: Duration) -> Result<Duration, String> {
+    let too_large = || limits::too_large(format!("{s:?}"), limits::duration_text(max));
+    match humantime::parse_duration(s.trim()) {
+        Ok(d) if d <= max => Ok(d),
+        Ok(_) | Err(humantime::DurationError::NumberOverflow) => Err(too_large()),
+        Err(_) => parse_duration(s),
+    }
 }
 
 /// A size in bytes: a bare number of bytes ("1048576") or a number with a
 /// unit, decimal (KB, MB, GB, TB) or binary (KiB, MiB, GiB, TiB), any case,
 /// with or without a space: "10MiB", "1.5 GB".
 pub fn parse_size(s: &str) -> Result<u64, String> {
+    match size_bytes(s)? {
+        Some(bytes) => u64::try_from(bytes).map_err(|_| format!("invalid size {s:?}: too large")),
+        None => Err(format!("invalid size {s:?}: too large")),
+    }
+}
+
+/// A size of at most `max` bytes; `limit` says the limit in messages.
+pub(super) fn parse_size_at_most(s: &str, max: u64, limit: &str) -> Result<u64, String> {
+    match size_bytes(s)? {
+        Some(bytes) if bytes <= u128::from(max) => {
+            u64::try_from(bytes).map_err(|_| limits::too_large(format!("{s:?}"), limit))
+        }
+        _ => Err(limits::too_large(format!("{s:?}"), limit)),
+    }
+}
+
+/// The bytes `s` says, or None when they do not even fit a `u128`; an
+/// error for a malformed size.
+fn size_bytes(s: &str) -> Result<Option<u128>, String> {
     let text = s.trim();
     let split = text
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
@@ -46,17 +80,20 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     if whole.is_empty() || number.ends_with('.') || fraction.contains('.') {
         return Err(bad_number());
     }
-    let too_large = || format!("invalid size {s:?}: too large");
-    let whole: u128 = whole.parse().map_err(|_| too_large())?;
-    let mut bytes = whole.checked_mul(multiplier).ok_or_else(too_large)?;
+    // Only digits are left: a whole part that does not parse is too long.
+    let Ok(whole) = whole.parse::<u128>() else {
+        return Ok(None);
+    };
+    let mut bytes = whole.checked_mul(multiplier);
     if !fraction.is_empty() {
         // At most 12 fractional digits matter below the largest unit.
         let digits = &fraction[..fraction.len().min(12)];
         let scale = 10u128.pow(digits.len() as u32);
         let frac: u128 = digits.parse().map_err(|_| bad_number())?;
-        bytes += frac * multiplier / scale;
+        // frac < 10^12 and multiplier <= 2^40: the product fits.
+        bytes = bytes.and_then(|b| b.checked_add(frac.saturating_mul(multiplier) / scale));
     }
-    u64::try_from(bytes).map_err(|_| too_large())
+    Ok(bytes)
 }
 
 #[cfg(test)]

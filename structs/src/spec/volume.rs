@@ -7,6 +7,7 @@ use super::hcl::{BodyReader, Source};
 use super::job::decode_mount_options;
 use super::SpecError;
 use crate::csi::{AccessMode, AttachmentMode, CsiVolume, VolumeCapability};
+use crate::limits::{capacity_limit_text, MAX_VOLUME_CAPACITY_BYTES};
 
 pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, SpecError> {
     let r = BodyReader::new(
@@ -81,8 +82,16 @@ pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, 
         external_id: r.string("external_id")?.unwrap_or_default(),
         plugin_id: r.required_string("plugin_id")?,
         capabilities,
-        capacity_min: r.size("capacity_min")?,
-        capacity_max: r.size("capacity_max")?,
+        capacity_min: r.size(
+            "capacity_min",
+            MAX_VOLUME_CAPACITY_BYTES,
+            &capacity_limit_text(),
+        )?,
+        capacity_max: r.size(
+            "capacity_max",
+            MAX_VOLUME_CAPACITY_BYTES,
+            &capacity_limit_text(),
+        )?,
         mount_options,
         secrets: r.map("secrets")?,
         parameters: r.map("parameters")?,
