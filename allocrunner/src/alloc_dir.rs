@@ -3,7 +3,7 @@
 //! `<alloc_root>/<alloc_id>/<task>/{local,secrets,tmp}` per task.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 
 use tracing::{info, warn};
 
@@ -144,18 +144,17 @@ fn create_dir(d: &Path) -> Result<(), HookError> {
     std::fs::create_dir_all(d).map_err(|e| HookError::io("creating", d, e))
 }
 
+/// A task name becomes a directory name: it passes the name rule the
+/// servers checked when the job arrived, and is none of the alloc dir's own
+/// directories.
 fn check_task_name(task: &str) -> Result<(), HookError> {
-    let mut comps = Path::new(task).components();
-    match (comps.next(), comps.next()) {
-        (Some(Component::Normal(c)), None)
-            if c == task && task != "alloc" && task != EXECUTOR_DIR =>
-        {
-            Ok(())
-        }
-        _ => Err(HookError::Invalid(format!(
-            "task name {task:?} cannot be used as a directory name"
-        ))),
+    berth_structs::check_name("task name", task).map_err(|e| HookError::Invalid(e.to_string()))?;
+    if berth_structs::RESERVED_TASK_NAMES.contains(&task) || task == EXECUTOR_DIR {
+        return Err(HookError::Invalid(format!(
+            "task name {task:?} is reserved for the alloc dir's own use"
+        )));
     }
+    Ok(())
 }
 
 /// Mount points at or below `dir` (a canonical path), deepest first.
@@ -212,7 +211,17 @@ mod tests {
     #[test]
     fn task_names_must_be_plain() {
         assert!(check_task_name("web").is_ok());
-        for bad in ["", ".", "..", "a/b", "/x", "alloc", ".executor"] {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "a/b",
+            "/x",
+            "../x",
+            "a b",
+            "alloc",
+            ".executor",
+        ] {
             assert!(check_task_name(bad).is_err(), "{bad:?}");
         }
     }

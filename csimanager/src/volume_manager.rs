@@ -229,7 +229,11 @@ impl VolumeManager {
         let result = async {
             validate_ids(
                 &req.volume_id,
-                &[&req.plugin_id, &req.volume_id, &req.alloc_id],
+                &[
+                    ("plugin ID", &req.plugin_id),
+                    ("volume ID", &req.volume_id),
+                    ("alloc ID", &req.alloc_id),
+                ],
             )?;
             let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
             self.mount_locked(client, supports_stage, req).await
@@ -269,7 +273,11 @@ impl VolumeManager {
         let result = async {
             validate_ids(
                 &req.volume_id,
-                &[&req.plugin_id, &req.volume_id, &req.alloc_id],
+                &[
+                    ("plugin ID", &req.plugin_id),
+                    ("volume ID", &req.volume_id),
+                    ("alloc ID", &req.alloc_id),
+                ],
             )?;
             let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
             let key = stub_key(
@@ -650,15 +658,14 @@ pub fn volume_capability(
     }
 }
 
-/// Plugin, volume and alloc IDs become path components: they must be one.
-fn validate_ids(volume_id: &str, ids: &[&str]) -> Result<(), CsiError> {
-    for id in ids {
-        if id.is_empty() || *id == "." || *id == ".." || id.contains(['/', '\0']) {
-            return Err(CsiError::Volume {
-                volume_id: volume_id.to_string(),
-                message: format!("{id:?} cannot be used in a mount path"),
-            });
-        }
+/// Plugin, volume and alloc IDs become path components: each must pass the
+/// name rule that the servers checked when the job or volume arrived.
+fn validate_ids(volume_id: &str, ids: &[(&'static str, &str)]) -> Result<(), CsiError> {
+    for (field, id) in ids {
+        berth_structs::check_name(field, id).map_err(|e| CsiError::Volume {
+            volume_id: volume_id.to_string(),
+            message: e.to_string(),
+        })?;
     }
     Ok(())
 }
@@ -695,10 +702,11 @@ mod tests {
 
     #[test]
     fn ids_that_escape_a_path_are_refused() {
-        for bad in ["", ".", "..", "a/b", "a\0b"] {
-            assert!(validate_ids("v", &[bad]).is_err(), "{bad:?}");
+        for bad in ["", ".", "..", "a/b", "a\0b", "../../escape", "a b"] {
+            let e = validate_ids("v", &[("volume ID", bad)]).unwrap_err();
+            assert!(e.to_string().contains("volume ID"), "{bad:?}: {e}");
         }
-        assert!(validate_ids("v", &["vol[0]", "8c2f-11"]).is_ok());
+        assert!(validate_ids("v", &[("volume ID", "vol[0]"), ("alloc ID", "8c2f-11")]).is_ok());
     }
 
     #[test]

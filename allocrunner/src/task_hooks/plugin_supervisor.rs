@@ -8,7 +8,7 @@
 //! that, with a task event on each health change, and deregisters the
 //! plugin when the task exits.
 
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -84,10 +84,9 @@ impl TaskHook for PluginSupervisorHook {
 
     async fn prestart(&mut self, ctx: &mut TaskHookContext) -> Result<(), HookError> {
         let id = &self.plugin.id;
-        let mut comps = Path::new(id).components();
-        if !matches!((comps.next(), comps.next()), (Some(Component::Normal(c)), None) if c == id.as_str())
-        {
-            return Err(self.plugin_error("the plugin ID cannot be used as a directory name"));
+        // The ID becomes a directory name: the servers' rule, checked again.
+        if let Err(e) = berth_structs::check_name("csi_plugin.id", id) {
+            return Err(self.plugin_error(e.to_string()));
         }
         let socket = plugin_socket_path(&ctx.config.plugin_root, id, &ctx.alloc.id);
         let len = socket.as_os_str().len();
