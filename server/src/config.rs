@@ -26,8 +26,15 @@ pub struct ServerConfig {
     pub scheduler_retry_interval: Duration,
     /// A failed service alloc is replaced only this long after it failed.
     pub reschedule_delay: Duration,
-    /// Allocs terminal on the client for this long are garbage collected.
+    /// Allocs terminal on the client for this long are garbage collected
+    /// (once no volume claim names them).
     pub alloc_gc_threshold: Duration,
+    /// Jobs stopped or dead, with every alloc terminal, for this long are
+    /// garbage collected with their allocs (Nomad's `job_gc_threshold`).
+    pub job_gc_threshold: Duration,
+    /// Nodes down for this long with no alloc left are garbage collected
+    /// (Nomad's `node_gc_threshold`).
+    pub node_gc_threshold: Duration,
     /// How often the garbage collector runs.
     pub gc_interval: Duration,
 }
@@ -53,6 +60,8 @@ impl ServerConfig {
             scheduler_retry_interval: Duration::from_secs(5),
             reschedule_delay: Duration::from_secs(5),
             alloc_gc_threshold: Duration::from_secs(60 * 60),
+            job_gc_threshold: Duration::from_secs(4 * 60 * 60),
+            node_gc_threshold: Duration::from_secs(24 * 60 * 60),
             gc_interval: Duration::from_secs(5 * 60),
         }
     }

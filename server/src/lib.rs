@@ -12,6 +12,7 @@
 mod config;
 mod csi;
 mod error;
+mod gc;
 mod liveness;
 mod nodes;
 mod plugins;
@@ -23,8 +24,9 @@ pub mod state;
 pub use config::ServerConfig;
 pub use csi::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest};
 pub use error::{ServerError, StoreError};
+pub use gc::GcReport;
 pub use nodes::{AllocUpdate, NodeRegistration};
 pub use rpc::{CsiVolumeService, NodeService};
 pub use scheduler::JobRegisterResponse;
-pub use server::{GcReport, Server};
+pub use server::Server;
 pub use state::Table;

@@ -67,6 +67,7 @@ fn same_spec(a: &Job, b: &Job) -> bool {
         version: 0,
         create_index: 0,
         modify_index: 0,
+        modify_time_ms: 0,
         ..j.clone()
     };
     norm(a) == norm(b)

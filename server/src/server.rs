@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
 use berth_proto::berth::v1::node_server::NodeServer;
-use berth_structs::{AllocClientStatus, Allocation, Job, Node};
+use berth_structs::{Allocation, Job, Node};
 use tokio::sync::{watch, Notify};
 
 use crate::config::ServerConfig;
@@ -17,7 +17,7 @@ use crate::csi::VolumeLocks;
 use crate::error::ServerError;
 use crate::rpc::calls::CallRegistry;
 use crate::rpc::{CsiVolumeService, NodeService};
-use crate::state::{Change, QuarantinedRecord, RedbBackend, StateStore, Table};
+use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
 
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
 pub struct Server {
@@ -32,13 +32,6 @@ pub struct Server {
     pub(crate) volume_locks: VolumeLocks,
     /// Set when `run` is told to shut down; streams end on it.
     pub(crate) shutdown: watch::Sender<bool>,
-}
-
-/// What `garbage_collect` removed.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct GcReport {
-    pub allocs: Vec<String>,
-    pub jobs: Vec<String>,
 }
 
 impl Server {
@@ -214,59 +207,5 @@ impl Server {
             .get(job_id)
             .cloned()
             .unwrap_or_default()
-    }
-
-    /// Remove allocs that have been terminal on their client for longer
-    /// than `alloc_gc_threshold` (the volume watcher frees claims they
-    /// still hold), and stopped jobs
-    /// whose last allocs went in this pass.
-    pub async fn garbage_collect(&self) -> Result<GcReport, ServerError> {
-        let threshold_ms = self.config.alloc_gc_threshold.as_millis() as i64;
-        let now = berth_structs::now_ms();
-        let (report, _) = self.store.write(|t, changes| {
-            let mut report = GcReport::default();
-            for a in t.allocs.values() {
-                let done = a.client_status.is_terminal()
-                    || (a.server_terminal()
-                        && a.client_status == AllocClientStatus::Pending
-                        && !t.nodes.contains_key(&a.node_id));
-                if done && now - a.modify_time_ms >= threshold_ms {
-                    report.allocs.push(a.id.clone());
-                    changes.push(Change::DeleteAlloc(a.id.clone()));
-                }
-            }
-            // A stopped job goes with the last of its allocs.
-            for j in t.jobs.values().filter(|j| j.stop) {
-                let (gone, remaining): (Vec<_>, Vec<_>) = t
-                    .allocs_of_job(&j.id)
-                    .partition(|a| report.allocs.contains(&a.id));
-                if !gone.is_empty() && remaining.is_empty() {
-                    report.jobs.push(j.id.clone());
-                    changes.push(Change::DeleteJob(j.id.clone()));
-                }
-            }
-            Ok::<_, ServerError>(report)
-        })?;
-        if !report.allocs.is_empty() || !report.jobs.is_empty() {
-            tracing::info!(
-                allocs = report.allocs.len(),
-                jobs = report.jobs.len(),
-                "garbage collected"
-            );
-        }
-        Ok(report)
-    }
-
-    async fn gc_loop(self: Arc<Self>) {
-        let mut shutdown = self.shutdown_rx();
-        loop {
-            tokio::select! {
-                _ = shutdown.wait_for(|s| *s) => return,
-                _ = tokio::time::sleep(self.config.gc_interval) => {}
-            }
-            if let Err(e) = self.garbage_collect().await {
-                tracing::warn!(error = %e, "garbage collection failed");
-            }
-        }
     }
 }

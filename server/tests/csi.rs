@@ -172,7 +172,7 @@ async fn unpublish_drives_the_claim_states_and_frees_it_through_controller_detac
 }
 
 #[tokio::test]
-async fn volume_watcher_reaps_the_claim_of_a_garbage_collected_alloc() {
+async fn garbage_collection_keeps_an_alloc_until_its_claim_is_freed() {
     let ts = TestServer::start(|c| c.alloc_gc_threshold = Duration::ZERO).await;
     let s = ts.server.clone();
     let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
@@ -184,30 +184,35 @@ async fn volume_watcher_reaps_the_claim_of_a_garbage_collected_alloc() {
 
     s.stop_job("db").await.unwrap();
     report(&s, &alloc, AllocClientStatus::Complete).await;
-    // The grace for the client's own unpublish is an hour; the watcher
-    // leaves the claim alone until the alloc is gone.
+    // Terminal, past its threshold, but a claim names it: it stays, forced
+    // or not, so that the claim is released through its normal path and
+    // never because its alloc vanished.
+    for force in [false, true] {
+        let gc = s.garbage_collect(force).await.unwrap();
+        assert!(!gc.allocs.contains(&alloc.id), "force = {force}: {gc:?}");
+        assert!(gc.jobs.is_empty(), "force = {force}: {gc:?}");
+        assert!(s.allocation(&alloc.id).is_ok());
+    }
     assert!(claim_state(&s, &alloc.id).is_some());
-    let gc = s.garbage_collect().await.unwrap();
-    assert!(gc.allocs.contains(&alloc.id));
-    assert!(s.allocation(&alloc.id).is_err());
 
-    wait_until(
-        "claim of the GC'd alloc freed",
-        Duration::from_secs(10),
-        || claim_state(&s, &alloc.id).is_none(),
-    )
-    .await;
-    let calls = client.calls.lock().unwrap().clone();
-    let detach = calls
-        .iter()
-        .find_map(|c| match &c.call {
-            Some(pb::server_call::Call::NodeDetach(d)) => Some(d.clone()),
-            _ => None,
-        })
-        .expect("the watcher asked the node to detach");
-    assert_eq!(detach.alloc_id, alloc.id);
-    assert_eq!(detach.volume_id, "data");
-    assert_eq!(detach.external_id, "ext-data");
+    // The client unpublishes; then the alloc and its stopped job go.
+    csi.unpublish(pb::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: alloc.id.clone(),
+        node_id: "n1".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(claim_state(&s, &alloc.id), None);
+    let gc = s.garbage_collect(true).await.unwrap();
+    assert_eq!(gc.allocs, vec![alloc.id.clone()]);
+    assert_eq!(gc.jobs, vec!["db".to_string()]);
+    assert!(s.allocation(&alloc.id).is_err());
+    assert!(s.job("db").is_err());
+    assert!(
+        !client.call_kinds().contains(&"NodeDetach"),
+        "the client detached itself"
+    );
 }
 
 #[tokio::test]

@@ -255,6 +255,7 @@ fn stamp(tables: &Tables, index: u64, changes: &mut [Change]) {
             Change::PutJob(j) => {
                 j.create_index = tables.jobs.get(&j.id).map_or(index, |o| o.create_index);
                 j.modify_index = index;
+                j.modify_time_ms = now;
             }
             Change::PutAlloc(a) => {
                 match tables.allocs.get(&a.id) {

@@ -1,0 +1,414 @@
+//! Garbage collection on the servers: allocs, jobs and nodes that are done
+//! leave the state store once they have been done for a while, so that the
+//! tables (and every scan of them) stay the size of what is live.
+//!
+//! Rules, each a threshold from [`ServerConfig`](crate::ServerConfig):
+//! - an alloc terminal for `alloc_gc_threshold` goes, unless a volume claim
+//!   still names it: the claim is released through its normal path first
+//!   (an alloc that disappeared would make the volume watcher free a claim
+//!   that must be kept, such as the write claim of a lost alloc);
+//! - a job that is stopped, or dead (a batch job whose allocs all finished),
+//!   goes with all its allocs once it and every alloc have been unchanged
+//!   for `job_gc_threshold` and none is held by a claim;
+//! - a node that has been down, without a heartbeat, for
+//!   `node_gc_threshold` goes once no alloc is left on it.
+//!
+//! `berth system gc` runs a forced pass: every threshold counts as zero, as
+//! Nomad's does. What is live, claimed or not yet terminal is never
+//! collected, forced or not.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use berth_structs::{AllocClientStatus, Allocation, JobStatus, NodeStatus};
+
+use crate::error::ServerError;
+use crate::server::Server;
+use crate::state::{Change, Tables};
+
+/// What a garbage collection removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct GcReport {
+    pub allocs: Vec<String>,
+    pub jobs: Vec<String>,
+    pub nodes: Vec<String>,
+}
+
+impl GcReport {
+    pub fn is_empty(&self) -> bool {
+        self.allocs.is_empty() && self.jobs.is_empty() && self.nodes.is_empty()
+    }
+}
+
+/// The thresholds of one pass, in milliseconds.
+#[derive(Debug, Clone, Copy)]
+struct Thresholds {
+    alloc_ms: i64,
+    job_ms: i64,
+    node_ms: i64,
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Whether `since_ms` lies at least `threshold_ms` before `now_ms`.
+fn older_than(now_ms: i64, since_ms: i64, threshold_ms: i64) -> bool {
+    now_ms.saturating_sub(since_ms) >= threshold_ms
+}
+
+/// Done for good: terminal on the client, or stopped by the servers before
+/// its client ever ran it when that client is gone.
+fn alloc_done(t: &Tables, a: &Allocation) -> bool {
+    a.client_status.is_terminal()
+        || (a.server_terminal()
+            && a.client_status == AllocClientStatus::Pending
+            && !t.nodes.contains_key(&a.node_id))
+}
+
+/// Allocs that a volume claim still names.
+fn claimed_allocs(t: &Tables) -> BTreeSet<&str> {
+    t.volumes
+        .values()
+        .flat_map(|v| v.claims())
+        .map(|c| c.alloc_id.as_str())
+        .collect()
+}
+
+/// Plan one pass over the tables: the changes and what they remove.
+fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> GcReport {
+    let mut report = GcReport::default();
+    let claimed = claimed_allocs(t);
+    let collectable = |a: &Allocation, threshold_ms: i64| -> bool {
+        alloc_done(t, a)
+            && !claimed.contains(a.id.as_str())
+            && older_than(now_ms, a.modify_time_ms, threshold_ms)
+    };
+    let mut gone: BTreeSet<&str> = BTreeSet::new();
+
+    // Jobs that are done go with all their allocs.
+    for j in t.jobs.values() {
+        let done = j.stop || j.status == JobStatus::Dead;
+        if !done || !older_than(now_ms, j.modify_time_ms, th.job_ms) {
+            continue;
+        }
+        let allocs: Vec<&Allocation> = t.allocs_of_job(&j.id).collect();
+        if allocs.iter().all(|a| collectable(a, th.job_ms)) {
+            for a in allocs {
+                gone.insert(&a.id);
+            }
+            report.jobs.push(j.id.clone());
+            changes.push(Change::DeleteJob(j.id.clone()));
+        }
+    }
+    // Allocs done for long enough, of jobs that stay.
+    for a in t.allocs.values() {
+        if !gone.contains(a.id.as_str()) && collectable(a, th.alloc_ms) {
+            gone.insert(&a.id);
+        }
+    }
+    for id in &gone {
+        report.allocs.push(id.to_string());
+        changes.push(Change::DeleteAlloc(id.to_string()));
+    }
+    // Nodes down for long enough with nothing left on them.
+    for n in t.nodes.values() {
+        if n.status != NodeStatus::Down || !older_than(now_ms, n.last_heartbeat_ms, th.node_ms) {
+            continue;
+        }
+        if t.allocs_on_node(&n.id)
+            .all(|a| gone.contains(a.id.as_str()))
+        {
+            report.nodes.push(n.id.clone());
+            changes.push(Change::DeleteNode(n.id.clone()));
+        }
+    }
+    report
+}
+
+impl Server {
+    /// One garbage collection pass with the configured thresholds; `force`
+    /// (`berth system gc`) takes every threshold as zero.
+    pub async fn garbage_collect(&self, force: bool) -> Result<GcReport, ServerError> {
+        let th = if force {
+            Thresholds {
+                alloc_ms: 0,
+                job_ms: 0,
+                node_ms: 0,
+            }
+        } else {
+            Thresholds {
+                alloc_ms: millis(self.config.alloc_gc_threshold),
+                job_ms: millis(self.config.job_gc_threshold),
+                node_ms: millis(self.config.node_gc_threshold),
+            }
+        };
+        let now = berth_structs::now_ms();
+        let (report, _) = self
+            .store
+            .write(|t, changes| Ok::<_, ServerError>(plan(t, now, th, changes)))?;
+        if !report.is_empty() {
+            tracing::info!(
+                allocs = report.allocs.len(),
+                jobs = report.jobs.len(),
+                nodes = report.nodes.len(),
+                force,
+                "garbage collected"
+            );
+        }
+        Ok(report)
+    }
+
+    pub(crate) async fn gc_loop(self: Arc<Self>) {
+        let mut shutdown = self.shutdown_rx();
+        loop {
+            tokio::select! {
+                _ = shutdown.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(self.config.gc_interval) => {}
+            }
+            if let Err(e) = self.garbage_collect(false).await {
+                tracing::warn!(error = %e, "garbage collection failed");
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use berth_structs::{
+        AccessMode, AllocDesiredStatus, AttachmentMode, ClaimMode, ClaimState, CsiVolume,
+        CsiVolumeClaim, Job, JobType, Node,
+    };
+
+    use super::*;
+
+    const HOUR_MS: i64 = 3_600_000;
+    const TH: Thresholds = Thresholds {
+        alloc_ms: HOUR_MS,
+        job_ms: 4 * HOUR_MS,
+        node_ms: 24 * HOUR_MS,
+    };
+
+    fn job(id: &str, stop: bool, status: JobStatus, modified: i64) -> Job {
+        Job {
+            id: id.into(),
+            job_type: JobType::Batch,
+            stop,
+            status,
+            modify_time_ms: modified,
+            ..Job::default()
+        }
+    }
+
+    fn alloc(
+        id: &str,
+        job: &str,
+        node: &str,
+        status: AllocClientStatus,
+        modified: i64,
+    ) -> Allocation {
+        Allocation {
+            id: id.into(),
+            job_id: job.into(),
+            node_id: node.into(),
+            client_status: status,
+            modify_time_ms: modified,
+            ..Allocation::default()
+        }
+    }
+
+    fn node(id: &str, status: NodeStatus, last_heartbeat_ms: i64) -> Node {
+        Node {
+            id: id.into(),
+            status,
+            last_heartbeat_ms,
+            ..Node::default()
+        }
+    }
+
+    fn tables(jobs: Vec<Job>, allocs: Vec<Allocation>, nodes: Vec<Node>) -> Tables {
+        Tables {
+            jobs: jobs.into_iter().map(|j| (j.id.clone(), j)).collect(),
+            allocs: allocs.into_iter().map(|a| (a.id.clone(), a)).collect(),
+            nodes: nodes.into_iter().map(|n| (n.id.clone(), n)).collect(),
+            ..Tables::default()
+        }
+    }
+
+    fn claim_by(alloc_id: &str, node_id: &str) -> CsiVolume {
+        let claim = CsiVolumeClaim {
+            alloc_id: alloc_id.into(),
+            node_id: node_id.into(),
+            external_node_id: String::new(),
+            mode: ClaimMode::Write,
+            access_mode: AccessMode::SingleNodeWriter,
+            attachment_mode: AttachmentMode::FileSystem,
+            state: ClaimState::Taken,
+            publish_context: BTreeMap::new(),
+            releasing: false,
+            controller_published: false,
+        };
+        CsiVolume {
+            id: "data".into(),
+            write_claims: [(alloc_id.to_string(), claim)].into(),
+            ..CsiVolume::default()
+        }
+    }
+
+    fn run(t: &Tables, now: i64, th: Thresholds) -> (GcReport, Vec<Change>) {
+        let mut changes = Vec::new();
+        let report = plan(t, now, th, &mut changes);
+        (report, changes)
+    }
+
+    #[test]
+    fn terminal_allocs_go_after_the_threshold_and_live_ones_never() {
+        let now = 10 * HOUR_MS;
+        let t = tables(
+            vec![job("web", false, JobStatus::Running, 0)],
+            vec![
+                alloc(
+                    "old",
+                    "web",
+                    "n1",
+                    AllocClientStatus::Complete,
+                    now - 2 * HOUR_MS,
+                ),
+                alloc("new", "web", "n1", AllocClientStatus::Failed, now - 60_000),
+                alloc("live", "web", "n1", AllocClientStatus::Running, 0),
+            ],
+            vec![node("n1", NodeStatus::Ready, now)],
+        );
+        let (report, _) = run(&t, now, TH);
+        assert_eq!(report.allocs, vec!["old"]);
+        assert!(report.jobs.is_empty(), "a running job stays");
+
+        let (forced, _) = run(
+            &t,
+            now,
+            Thresholds {
+                alloc_ms: 0,
+                job_ms: 0,
+                node_ms: 0,
+            },
+        );
+        assert_eq!(
+            forced.allocs,
+            vec!["new", "old"],
+            "forced: every terminal alloc, no live one"
+        );
+    }
+
+    #[test]
+    fn a_stopped_or_dead_job_goes_with_its_allocs_once_all_are_done() {
+        let now = 10 * HOUR_MS;
+        let old = now - 5 * HOUR_MS;
+        let t = tables(
+            vec![
+                job("stopped", true, JobStatus::Dead, old),
+                job("batch-done", false, JobStatus::Dead, old),
+                job("stopping", true, JobStatus::Running, old),
+                job("no-allocs", true, JobStatus::Dead, old),
+                job("recent", true, JobStatus::Dead, now - HOUR_MS),
+            ],
+            vec![
+                alloc("s1", "stopped", "n1", AllocClientStatus::Complete, old),
+                alloc("b1", "batch-done", "n1", AllocClientStatus::Complete, old),
+                alloc("r1", "stopping", "n1", AllocClientStatus::Running, old),
+                alloc("x1", "recent", "n1", AllocClientStatus::Complete, old),
+            ],
+            vec![node("n1", NodeStatus::Ready, now)],
+        );
+        let (report, changes) = run(&t, now, TH);
+        assert_eq!(report.jobs, vec!["batch-done", "no-allocs", "stopped"]);
+        // "recent" stays (job threshold), but its alloc is past the alloc one.
+        assert_eq!(report.allocs, vec!["b1", "s1", "x1"]);
+        assert_eq!(changes.len(), 6);
+    }
+
+    #[test]
+    fn an_alloc_that_a_claim_names_is_kept_and_so_is_its_job() {
+        let now = 10 * HOUR_MS;
+        let mut t = tables(
+            vec![job("db", true, JobStatus::Dead, 0)],
+            vec![alloc("lost", "db", "n1", AllocClientStatus::Lost, 0)],
+            vec![node("n1", NodeStatus::Down, 0)],
+        );
+        t.volumes.insert("data".into(), claim_by("lost", "n1"));
+        let (report, changes) = run(
+            &t,
+            now,
+            Thresholds {
+                alloc_ms: 0,
+                job_ms: 0,
+                node_ms: 0,
+            },
+        );
+        assert_eq!(report, GcReport::default(), "nothing a claim names goes");
+        assert!(changes.is_empty());
+    }
+
+    #[test]
+    fn a_down_node_goes_once_nothing_is_left_on_it() {
+        let now = 100 * HOUR_MS;
+        let t = tables(
+            vec![job("web", false, JobStatus::Running, 0)],
+            vec![
+                alloc("a1", "web", "gone-soon", AllocClientStatus::Lost, 0),
+                alloc("a2", "web", "busy", AllocClientStatus::Running, 0),
+            ],
+            vec![
+                node("gone-soon", NodeStatus::Down, 0),
+                node("busy", NodeStatus::Down, 0),
+                node("recent", NodeStatus::Down, now - HOUR_MS),
+                node("ready", NodeStatus::Ready, 0),
+            ],
+        );
+        let (report, _) = run(&t, now, TH);
+        assert_eq!(report.allocs, vec!["a1"]);
+        assert_eq!(report.nodes, vec!["gone-soon"]);
+    }
+
+    #[test]
+    fn a_stopped_alloc_that_never_ran_goes_only_once_its_node_is_gone() {
+        let now = 10 * HOUR_MS;
+        let mut never = alloc("never", "web", "n1", AllocClientStatus::Pending, 0);
+        never.desired_status = AllocDesiredStatus::Stop;
+        let t = tables(
+            vec![job("web", false, JobStatus::Running, 0)],
+            vec![never.clone()],
+            vec![node("n1", NodeStatus::Ready, now)],
+        );
+        assert!(
+            run(&t, now, TH).0.allocs.is_empty(),
+            "its client may still report it"
+        );
+        let t = tables(
+            vec![job("web", false, JobStatus::Running, 0)],
+            vec![never],
+            vec![],
+        );
+        assert_eq!(run(&t, now, TH).0.allocs, vec!["never"]);
+    }
+
+    #[test]
+    fn thresholds_near_the_limits_do_not_wrap() {
+        let t = tables(
+            vec![job("j", true, JobStatus::Dead, i64::MIN)],
+            vec![alloc("a", "j", "n1", AllocClientStatus::Complete, i64::MIN)],
+            vec![node("n1", NodeStatus::Down, i64::MIN)],
+        );
+        let th = Thresholds {
+            alloc_ms: i64::MAX,
+            job_ms: i64::MAX,
+            node_ms: i64::MAX,
+        };
+        let (report, _) = run(&t, i64::MAX, th);
+        assert_eq!(report.jobs, vec!["j"]);
+        let (report, _) = run(&t, i64::MIN, th);
+        assert!(report.is_empty());
+    }
+}
