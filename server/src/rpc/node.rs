@@ -181,6 +181,7 @@ impl Node for NodeService {
                 } else {
                     berth_structs::now_ms()
                 },
+                count: 1,
             })
             .collect();
         self.server.emit_node_events(&r.node_id, events)?;
