@@ -30,6 +30,7 @@
 //! evaluated again whenever nodes, plugins, volumes or allocs change, and
 //! every `scheduler_retry_interval`.
 
+use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -54,8 +55,15 @@ pub struct JobRegisterResponse {
     pub version: u64,
     /// False when the job was already registered unchanged.
     pub changed: bool,
-    /// Placements that could not be made (the job waits for them).
+    /// Placements that could not be made (the job waits for them): one
+    /// line per group and distinct reason, with how many allocs it holds
+    /// back.
     pub placement_failures: Vec<String>,
+    /// The allocs the job wants: the groups' counts (for a system job, one
+    /// per ready node).
+    pub desired_allocs: u64,
+    /// How many of them could not be placed now.
+    pub unplaced_allocs: u64,
 }
 
 /// Whether two submissions of a job are the same, ignoring fields the
@@ -84,7 +92,7 @@ impl Server {
                 }
                 Some(old) => {
                     // A change, or a run of a stopped job: a new version.
-                    job.version = old.version + 1;
+                    job.version = old.version.saturating_add(1);
                     job.stop = false;
                     job.status = old.status;
                     changes.push(Change::PutJob(job.clone()));
@@ -102,7 +110,7 @@ impl Server {
         if changed {
             tracing::info!(job_id = %job.id, version, "job registered");
         }
-        self.evaluate_job(&job.id).await;
+        let placement = self.evaluate_job(&job.id).await;
         let job_modify_index = self
             .job(&job.id)
             .map(|j| j.modify_index)
@@ -113,6 +121,8 @@ impl Server {
             version,
             changed,
             placement_failures: self.job_placement_failures(&job.id),
+            desired_allocs: placement.desired,
+            unplaced_allocs: placement.unplaced,
         })
     }
 
@@ -136,7 +146,9 @@ impl Server {
     }
 
     /// Evaluate one job; failures are logged and the job stays blocked.
-    pub(crate) async fn evaluate_job(&self, job_id: &str) {
+    /// Returns how many allocs the job wants and how many could not be
+    /// placed.
+    pub(crate) async fn evaluate_job(&self, job_id: &str) -> PlacementCounts {
         let now = berth_structs::now_ms();
         let result = self.store.write(|t, changes| {
             Ok::<_, ServerError>(plan_job(t, job_id, &self.config, now, changes))
@@ -144,18 +156,21 @@ impl Server {
         let mut blocked = self.blocked.lock().unwrap_or_else(|p| p.into_inner());
         match result {
             Ok((outcome, _)) => {
+                let counts = outcome.counts;
                 if outcome.failures.is_empty() && !outcome.delayed {
                     blocked.remove(job_id);
                 } else {
                     if !outcome.failures.is_empty() {
-                        tracing::info!(job_id, failures = ?outcome.failures, "placements blocked");
+                        tracing::info!(job_id, unplaced = counts.unplaced, failures = ?outcome.failures, "placements blocked");
                     }
                     blocked.insert(job_id.to_string(), outcome.failures);
                 }
+                counts
             }
             Err(e) => {
                 tracing::error!(job_id, error = %e, "evaluation failed");
                 blocked.insert(job_id.to_string(), vec![format!("evaluation failed: {e}")]);
+                PlacementCounts::default()
             }
         }
     }
@@ -216,24 +231,80 @@ impl Server {
     }
 }
 
+/// How many allocs a job wants and how many of them could not be placed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PlacementCounts {
+    /// The groups' counts (a system group: one per ready node).
+    pub desired: u64,
+    pub unplaced: u64,
+}
+
 pub(crate) struct PlanOutcome {
+    /// One line per group and distinct reason.
     pub failures: Vec<String>,
     /// A replacement waits for a delay to pass.
     pub delayed: bool,
+    pub counts: PlacementCounts,
 }
 
-/// The resources a group needs.
-fn group_resources(g: &TaskGroup) -> (u64, u64) {
-    g.tasks.iter().fold((0, 0), |(c, m), t| {
-        (c + t.resources.cpu, m + t.resources.memory_mb)
-    })
+/// Resources in use on a node or asked for by a group. Sums of the u64
+/// asks of tasks and allocs are kept in u128, where they cannot wrap, and
+/// compared with a node's u64 totals there.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Usage {
+    /// MHz.
+    cpu: u128,
+    /// MiB.
+    memory_mb: u128,
+}
+
+impl Usage {
+    /// What a group asks for: the sums over its tasks.
+    fn of_group(g: &TaskGroup) -> Usage {
+        g.tasks.iter().fold(Usage::default(), |u, t| {
+            u.plus(Usage {
+                cpu: u128::from(t.resources.cpu),
+                memory_mb: u128::from(t.resources.memory_mb),
+            })
+        })
+    }
+
+    fn plus(self, o: Usage) -> Usage {
+        Usage {
+            cpu: self.cpu.saturating_add(o.cpu),
+            memory_mb: self.memory_mb.saturating_add(o.memory_mb),
+        }
+    }
+
+    fn minus(self, o: Usage) -> Usage {
+        Usage {
+            cpu: self.cpu.saturating_sub(o.cpu),
+            memory_mb: self.memory_mb.saturating_sub(o.memory_mb),
+        }
+    }
+}
+
+/// Why `asked` more of a resource does not fit beside `used` within
+/// `total`, if it does not.
+fn exhausted(what: &str, unit: &str, used: u128, asked: u128, total: u64) -> Option<String> {
+    if used.saturating_add(asked) <= u128::from(total) {
+        return None;
+    }
+    if asked > u128::from(u64::MAX) {
+        return Some(format!(
+            "the group asks for {asked} {unit} of {what} in total, more than any node can have"
+        ));
+    }
+    Some(format!(
+        "{what} exhausted ({used} of {total} {unit} in use, {asked} {unit} asked)"
+    ))
 }
 
 /// What an evaluation sees of the cluster, updated as it plans.
 struct PlanContext<'a> {
     tables: &'a Tables,
-    /// cpu, memory in use per node.
-    used: HashMap<String, (u64, u64)>,
+    /// Resources in use per node.
+    used: HashMap<String, Usage>,
     /// Volumes with expected claims added.
     volumes: BTreeMap<String, CsiVolume>,
 }
@@ -274,10 +345,8 @@ impl<'a> PlanContext<'a> {
 
     fn add(&mut self, a: &Allocation) {
         let Some(g) = a.group() else { return };
-        let (c, m) = group_resources(g);
         let u = self.used.entry(a.node_id.clone()).or_default();
-        u.0 += c;
-        u.1 += m;
+        *u = u.plus(Usage::of_group(g));
         for req in g.volumes.values() {
             let vid = req.source_for(a.index);
             let Some(v) = self.volumes.get_mut(&vid) else {
@@ -297,10 +366,8 @@ impl<'a> PlanContext<'a> {
 
     fn remove(&mut self, a: &Allocation) {
         let Some(g) = a.group() else { return };
-        let (c, m) = group_resources(g);
         if let Some(u) = self.used.get_mut(&a.node_id) {
-            u.0 = u.0.saturating_sub(c);
-            u.1 = u.1.saturating_sub(m);
+            *u = u.minus(Usage::of_group(g));
         }
         // Expected claims go; real claims stay until they are freed.
         for req in g.volumes.values() {
@@ -317,7 +384,8 @@ impl<'a> PlanContext<'a> {
     }
 
     /// Why `group` of `job` (alloc `index`) cannot run on `node`, if it
-    /// cannot.
+    /// cannot. Reasons name a per_alloc volume as `source[<index>]`, so
+    /// that allocs held back by the same cause give the same reason.
     fn infeasible(
         &self,
         job: &Job,
@@ -345,30 +413,35 @@ impl<'a> PlanContext<'a> {
                 return Some(format!("missing driver {:?} (task {:?})", t.driver, t.name));
             }
         }
-        let (c, m) = group_resources(group);
-        let (uc, um) = self.used.get(&node.id).copied().unwrap_or_default();
-        if uc + c > node.resources.cpu {
-            return Some(format!(
-                "cpu exhausted ({uc} + {c} MHz > {} MHz)",
-                node.resources.cpu
-            ));
+        let asked = Usage::of_group(group);
+        let used = self.used.get(&node.id).copied().unwrap_or_default();
+        if let Some(why) = exhausted("cpu", "MHz", used.cpu, asked.cpu, node.resources.cpu) {
+            return Some(why);
         }
-        if um + m > node.resources.memory_mb {
-            return Some(format!(
-                "memory exhausted ({um} + {m} MiB > {} MiB)",
-                node.resources.memory_mb
-            ));
+        if let Some(why) = exhausted(
+            "memory",
+            "MiB",
+            used.memory_mb,
+            asked.memory_mb,
+            node.resources.memory_mb,
+        ) {
+            return Some(why);
         }
         for (name, req) in &group.volumes {
             let vid = req.source_for(index);
+            let shown = if req.per_alloc {
+                format!("{}[<index>]", req.source)
+            } else {
+                vid.clone()
+            };
             let Some(v) = self.volumes.get(&vid) else {
                 return Some(format!(
-                    "volume {vid:?} (group volume {name:?}) does not exist"
+                    "volume {shown:?} (group volume {name:?}) does not exist"
                 ));
             };
             if !node.has_healthy_node_plugin(&v.plugin_id) {
                 return Some(format!(
-                    "no healthy node plugin {:?} for volume {vid:?}",
+                    "no healthy node plugin {:?} for volume {shown:?}",
                     v.plugin_id
                 ));
             }
@@ -379,7 +452,7 @@ impl<'a> PlanContext<'a> {
             };
             if !v.has_capability(access, attach) {
                 return Some(format!(
-                    "volume {vid:?} does not have capability {access}/{attach}"
+                    "volume {shown:?} does not have capability {access}/{attach}"
                 ));
             }
             let mode = if req.read_only {
@@ -393,6 +466,134 @@ impl<'a> PlanContext<'a> {
         }
         None
     }
+}
+
+/// At most this many nodes' reasons are spelled out in one failure line.
+const MAX_NODES_SHOWN: usize = 8;
+/// At most this many index ranges or node names are listed in one line.
+const MAX_ITEMS_SHOWN: usize = 5;
+
+/// Items (alloc indices, node names) held back, collapsed by reason in the
+/// order the reasons were first seen.
+struct Tally<T> {
+    reasons: Vec<(String, Vec<T>)>,
+    position: HashMap<String, usize>,
+    total: u64,
+}
+
+impl<T> Tally<T> {
+    fn new() -> Tally<T> {
+        Tally {
+            reasons: Vec::new(),
+            position: HashMap::new(),
+            total: 0,
+        }
+    }
+
+    fn add(&mut self, reason: &str, item: T) {
+        self.total = self.total.saturating_add(1);
+        match self.position.get(reason) {
+            Some(&i) => self.reasons[i].1.push(item),
+            None => {
+                self.position.insert(reason.to_string(), self.reasons.len());
+                self.reasons.push((reason.to_string(), vec![item]));
+            }
+        }
+    }
+}
+
+/// Ascending alloc indices as ranges: `0-2, 5, 7-9`, the first few only.
+fn index_ranges(indices: &[u32]) -> String {
+    let mut ranges: Vec<(u32, u32)> = Vec::new();
+    for &i in indices {
+        match ranges.last_mut() {
+            Some((_, end)) if end.checked_add(1) == Some(i) => *end = i,
+            _ => ranges.push((i, i)),
+        }
+    }
+    let mut shown: Vec<String> = ranges
+        .iter()
+        .take(MAX_ITEMS_SHOWN)
+        .map(|(a, b)| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect();
+    if ranges.len() > MAX_ITEMS_SHOWN {
+        shown.push("...".into());
+    }
+    shown.join(", ")
+}
+
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// Why an alloc fits no node: each node's reason, the first few only.
+fn per_node_reasons(reasons: &[String], ready_nodes: usize) -> String {
+    if ready_nodes == 0 {
+        return "no ready nodes".into();
+    }
+    let mut out = reasons
+        .iter()
+        .take(MAX_NODES_SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("; ");
+    if reasons.len() > MAX_NODES_SHOWN {
+        out.push_str(&format!(
+            "; and {} more",
+            plural(reasons.len() - MAX_NODES_SHOWN, "node", "nodes")
+        ));
+    }
+    out
+}
+
+/// One line per distinct reason of a service or batch group.
+fn service_failure_lines(group: &TaskGroup, tally: &Tally<u32>) -> Vec<String> {
+    tally
+        .reasons
+        .iter()
+        .map(|(reason, indices)| {
+            format!(
+                "group {:?}: {} of {} allocs not placed: {reason} ({}: index {})",
+                group.name,
+                tally.total,
+                group.count,
+                plural(indices.len(), "alloc", "allocs"),
+                index_ranges(indices)
+            )
+        })
+        .collect()
+}
+
+/// One line per distinct reason of a system group.
+fn system_failure_lines(group: &TaskGroup, tally: &Tally<String>, ready: usize) -> Vec<String> {
+    tally
+        .reasons
+        .iter()
+        .map(|(reason, nodes)| {
+            let mut names = nodes
+                .iter()
+                .take(MAX_ITEMS_SHOWN)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", ");
+            if nodes.len() > MAX_ITEMS_SHOWN {
+                names.push_str(&format!(" and {} more", nodes.len() - MAX_ITEMS_SHOWN));
+            }
+            format!(
+                "group {:?}: not placed on {} of {} ready nodes: {reason} ({}: {names})",
+                group.name,
+                tally.total,
+                ready,
+                plural(nodes.len(), "node", "nodes"),
+            )
+        })
+        .collect()
 }
 
 fn new_alloc(job: &Job, group: &TaskGroup, index: u32, node_id: &str) -> Allocation {
@@ -427,6 +628,7 @@ pub(crate) fn plan_job(
     let mut outcome = PlanOutcome {
         failures: Vec::new(),
         delayed: false,
+        counts: PlacementCounts::default(),
     };
     let Some(job) = t.jobs.get(job_id) else {
         return outcome;
@@ -486,7 +688,9 @@ pub(crate) fn plan_job(
                         }
                         continue;
                     }
-                    let mut reasons = Vec::new();
+                    let ready = nodes.len();
+                    outcome.counts.desired = outcome.counts.desired.saturating_add(ready as u64);
+                    let mut tally = Tally::new();
                     for node in &nodes {
                         let mut held = false;
                         for a in current.iter().filter(|a| a.node_id == node.id) {
@@ -504,7 +708,7 @@ pub(crate) fn plan_job(
                         }
                         let alloc = new_alloc(job, group, 0, &node.id);
                         match ctx.infeasible(job, group, 0, &alloc.id, node) {
-                            Some(why) => reasons.push(format!("node {}: {why}", node.name_or_id())),
+                            Some(why) => tally.add(&why, node.name_or_id().to_string()),
                             None => {
                                 ctx.add(&alloc);
                                 tracing::info!(job_id, alloc_id = %alloc.id, node_id = %node.id, "placed system alloc");
@@ -512,16 +716,17 @@ pub(crate) fn plan_job(
                             }
                         }
                     }
-                    if !reasons.is_empty() {
-                        outcome.failures.push(format!(
-                            "group {:?} cannot run on: {}",
-                            group.name,
-                            reasons.join("; ")
-                        ));
-                    }
+                    outcome.counts.unplaced = outcome.counts.unplaced.saturating_add(tally.total);
+                    outcome
+                        .failures
+                        .extend(system_failure_lines(group, &tally, ready));
                 }
                 JobType::Service | JobType::Batch => {
                     let batch = job.job_type == JobType::Batch;
+                    outcome.counts.desired = outcome
+                        .counts
+                        .desired
+                        .saturating_add(u64::from(group.count));
                     let mut occupied = BTreeSet::new();
                     for a in &current {
                         let occupies = match occupancy(a, batch, group, cfg, now_ms) {
@@ -544,13 +749,29 @@ pub(crate) fn plan_job(
                         ctx.remove(a);
                         put(stop(a, "count reduced"), &mut after);
                     }
+                    // The job's live allocs per node, for spreading.
+                    let mut job_on_node: HashMap<String, usize> = HashMap::new();
+                    for a in after.values().filter(|a| !a.is_terminal()) {
+                        let n = job_on_node.entry(a.node_id.clone()).or_default();
+                        *n = n.saturating_add(1);
+                    }
+                    // Without per_alloc volumes every index of the group
+                    // asks the same: once one fits no node (and nothing was
+                    // placed since), the rest fit none, for the same reason.
+                    let same_for_every_index = !group.volumes.values().any(|r| r.per_alloc);
+                    let mut group_blocked: Option<String> = None;
+                    let mut tally = Tally::new();
                     for index in 0..group.count {
                         if occupied.contains(&index) {
                             continue;
                         }
+                        if let Some(reason) = &group_blocked {
+                            tally.add(reason, index);
+                            continue;
+                        }
                         let mut alloc = new_alloc(job, group, index, "");
                         let mut reasons = Vec::new();
-                        let mut best: Option<(&Node, (usize, u64))> = None;
+                        let mut best: Option<(&Node, (usize, Reverse<u64>))> = None;
                         for node in &nodes {
                             match ctx.infeasible(job, group, index, &alloc.id, node) {
                                 Some(why) => {
@@ -558,15 +779,13 @@ pub(crate) fn plan_job(
                                 }
                                 None => {
                                     // Spread the job's allocs, then prefer free memory.
-                                    let same_job = after
-                                        .values()
-                                        .filter(|a| a.node_id == node.id && !a.is_terminal())
-                                        .count();
-                                    let free = node
-                                        .resources
-                                        .memory_mb
-                                        .saturating_sub(ctx.used.get(&node.id).map_or(0, |u| u.1));
-                                    let score = (same_job, u64::MAX - free);
+                                    let same_job =
+                                        job_on_node.get(&node.id).copied().unwrap_or_default();
+                                    let used = ctx.used.get(&node.id).map_or(0, |u| u.memory_mb);
+                                    let free =
+                                        u128::from(node.resources.memory_mb).saturating_sub(used);
+                                    let free = u64::try_from(free).unwrap_or(u64::MAX);
+                                    let score = (same_job, Reverse(free));
                                     if best.as_ref().is_none_or(|(_, s)| score < *s) {
                                         best = Some((node, score));
                                     }
@@ -577,21 +796,24 @@ pub(crate) fn plan_job(
                             Some((node, _)) => {
                                 alloc.node_id = node.id.clone();
                                 ctx.add(&alloc);
+                                let n = job_on_node.entry(node.id.clone()).or_default();
+                                *n = n.saturating_add(1);
                                 tracing::info!(job_id, alloc_id = %alloc.id, node_id = %node.id, name = %alloc.name, "placed alloc");
                                 put(alloc, &mut after);
                             }
                             None => {
-                                if nodes.is_empty() {
-                                    reasons.push("no ready nodes".into());
+                                let reason = per_node_reasons(&reasons, nodes.len());
+                                tally.add(&reason, index);
+                                if same_for_every_index {
+                                    group_blocked = Some(reason);
                                 }
-                                outcome.failures.push(format!(
-                                    "{}[{index}]: {}",
-                                    group.name,
-                                    reasons.join("; ")
-                                ));
                             }
                         }
                     }
+                    outcome.counts.unplaced = outcome.counts.unplaced.saturating_add(tally.total);
+                    outcome
+                        .failures
+                        .extend(service_failure_lines(group, &tally));
                 }
             }
         }
@@ -634,7 +856,10 @@ fn occupancy(
             _ => Occupancy::Free,
         },
         AllocClientStatus::Failed
-            if now_ms < a.modify_time_ms + cfg.reschedule_delay.as_millis() as i64 =>
+            if now_ms
+                < a.modify_time_ms.saturating_add(
+                    i64::try_from(cfg.reschedule_delay.as_millis()).unwrap_or(i64::MAX),
+                ) =>
         {
             Occupancy::Delayed
         }
@@ -693,6 +918,272 @@ impl NodeName for Node {
             &self.id
         } else {
             &self.name
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_structs::{NodeResources, Resources, Task};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn node(id: &str, cpu: u64, memory_mb: u64) -> Node {
+        Node {
+            id: id.into(),
+            name: id.into(),
+            status: NodeStatus::Ready,
+            resources: NodeResources { cpu, memory_mb },
+            drivers: vec!["raw_exec".into()],
+            ..Default::default()
+        }
+    }
+
+    fn task(name: &str, cpu: u64, memory_mb: u64) -> Task {
+        Task {
+            name: name.into(),
+            driver: "raw_exec".into(),
+            resources: Resources { cpu, memory_mb },
+            ..Default::default()
+        }
+    }
+
+    fn job(id: &str, count: u32, tasks: Vec<Task>) -> Job {
+        Job {
+            id: id.into(),
+            name: id.into(),
+            job_type: JobType::Service,
+            task_groups: vec![TaskGroup {
+                name: "g".into(),
+                count,
+                tasks,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    /// A live alloc of `job` on `node_id`.
+    fn running(job: &Job, index: u32, node_id: &str) -> Allocation {
+        Allocation {
+            client_status: AllocClientStatus::Running,
+            ..new_alloc(job, &job.task_groups[0], index, node_id)
+        }
+    }
+
+    fn tables(nodes: Vec<Node>, jobs: Vec<Job>, allocs: Vec<Allocation>) -> Tables {
+        Tables {
+            nodes: nodes.into_iter().map(|n| (n.id.clone(), n)).collect(),
+            jobs: jobs.into_iter().map(|j| (j.id.clone(), j)).collect(),
+            allocs: allocs.into_iter().map(|a| (a.id.clone(), a)).collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Plan `job_id` and return the outcome and the allocs it placed.
+    fn plan(t: &Tables, job_id: &str) -> (PlanOutcome, Vec<Allocation>) {
+        let cfg = ServerConfig::new("/nonexistent");
+        let mut changes = Vec::new();
+        let outcome = plan_job(t, job_id, &cfg, berth_structs::now_ms(), &mut changes);
+        let placed = changes
+            .into_iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) if !t.allocs.contains_key(&a.id) => Some(a),
+                _ => None,
+            })
+            .collect();
+        (outcome, placed)
+    }
+
+    #[test]
+    fn asks_that_would_wrap_the_node_sums_place_nothing() {
+        // The dev node runs a 100 MHz plugin alloc; an ask of u64::MAX
+        // used to wrap the node's sum around to 99 MHz and fit, twice.
+        let plugin = job("plugin", 1, vec![task("p", 100, 64)]);
+        let plugin_alloc = running(&plugin, 0, "n1");
+        for (cpu, memory_mb, what) in [(u64::MAX, 64, "cpu"), (100, u64::MAX, "memory")] {
+            let big = job("big", 2, vec![task("t", cpu, memory_mb)]);
+            let t = tables(
+                vec![node("n1", 2000, 4096)],
+                vec![plugin.clone(), big],
+                vec![plugin_alloc.clone()],
+            );
+            let (outcome, placed) = plan(&t, "big");
+            assert!(placed.is_empty(), "{what}: placed {placed:?}");
+            assert_eq!(
+                outcome.counts,
+                PlacementCounts {
+                    desired: 2,
+                    unplaced: 2
+                }
+            );
+            assert_eq!(outcome.failures.len(), 1, "{:?}", outcome.failures);
+            assert!(
+                outcome.failures[0].contains(&format!("{what} exhausted")),
+                "{:?}",
+                outcome.failures
+            );
+        }
+    }
+
+    #[test]
+    fn a_group_whose_tasks_sum_past_u64_is_refused_with_a_clear_reason() {
+        let half = u64::MAX / 2 + 1;
+        let big = job("big", 1, vec![task("a", half, 1), task("b", half, 1)]);
+        let t = tables(vec![node("n1", u64::MAX, u64::MAX)], vec![big], vec![]);
+        let (outcome, placed) = plan(&t, "big");
+        assert!(placed.is_empty(), "{placed:?}");
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 1 of 1 allocs not placed: node n1: the group asks for \
+                 18446744073709551616 MHz of cpu in total, more than any node can have \
+                 (1 alloc: index 0)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn identical_failures_collapse_into_one_line_with_a_count() {
+        let web = job("web", 100_000, vec![task("t", 100, 10)]);
+        let t = tables(vec![node("n1", 2000, 1 << 20)], vec![web], vec![]);
+        let (outcome, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 20);
+        assert_eq!(
+            outcome.counts,
+            PlacementCounts {
+                desired: 100_000,
+                unplaced: 99_980
+            }
+        );
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 99980 of 100000 allocs not placed: node n1: cpu exhausted \
+                 (2000 of 2000 MHz in use, 100 MHz asked) (99980 allocs: index 20-99999)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn per_alloc_volume_reasons_do_not_vary_with_the_index() {
+        let mut j = job("db", 4, vec![task("t", 1, 1)]);
+        j.task_groups[0].volumes.insert(
+            "data".into(),
+            berth_structs::VolumeRequest {
+                name: "data".into(),
+                volume_type: "csi".into(),
+                source: "data".into(),
+                per_alloc: true,
+                access_mode: Some(berth_structs::AccessMode::SingleNodeWriter),
+                attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+                ..Default::default()
+            },
+        );
+        let t = tables(vec![node("n1", 2000, 2000)], vec![j], vec![]);
+        let (outcome, placed) = plan(&t, "db");
+        assert!(placed.is_empty());
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 4 of 4 allocs not placed: node n1: volume \"data[<index>]\" \
+                 (group volume \"data\") does not exist (4 allocs: index 0-3)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn index_ranges_are_compact() {
+        assert_eq!(index_ranges(&[0, 1, 2, 5, 7, 8]), "0-2, 5, 7-8");
+        assert_eq!(index_ranges(&[1, 3, 5, 7, 9, 11, 13]), "1, 3, 5, 7, 9, ...");
+        assert_eq!(
+            index_ranges(&[u32::MAX - 1, u32::MAX]),
+            "4294967294-4294967295"
+        );
+    }
+
+    /// Resource amounts that hit the edges: zero, small, near and at u64::MAX.
+    fn amount() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            Just(0),
+            1..5000u64,
+            (0..5000u64).prop_map(|d| u64::MAX - d),
+            Just(u64::MAX / 2 + 1),
+            any::<u64>(),
+        ]
+    }
+
+    fn tasks() -> impl Strategy<Value = Vec<Task>> {
+        prop::collection::vec((amount(), amount()), 1..4).prop_map(|rs| {
+            rs.into_iter()
+                .enumerate()
+                .map(|(i, (c, m))| task(&format!("t{i}"), c, m))
+                .collect()
+        })
+    }
+
+    /// Number of cases of the property below (bounded: it runs in CI).
+    const PLAN_CASES: u32 = 1024;
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: PLAN_CASES,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// With any resources, nodes and allocs already placed, planning
+        /// never panics, never puts more on a node than it has (sums in
+        /// u128), accounts for every index, and says each distinct reason
+        /// once.
+        #[test]
+        fn plan_never_places_more_than_fits(
+            node_res in prop::collection::vec((amount(), amount()), 1..4),
+            existing in prop::collection::vec((tasks(), 0..4usize), 0..4),
+            group_tasks in tasks(),
+            count in 1..30u32,
+        ) {
+            let nodes: Vec<Node> = node_res
+                .iter()
+                .enumerate()
+                .map(|(i, (c, m))| node(&format!("n{i}"), *c, *m))
+                .collect();
+            let mut jobs = Vec::new();
+            let mut allocs = Vec::new();
+            for (i, (ts, on)) in existing.into_iter().enumerate() {
+                let other = job(&format!("other{i}"), 1, ts);
+                allocs.push(running(&other, 0, &nodes[on % nodes.len()].id));
+                jobs.push(other);
+            }
+            let under_test = job("j", count, group_tasks);
+            jobs.push(under_test.clone());
+            let t = tables(nodes.clone(), jobs, allocs.clone());
+
+            let (outcome, placed) = plan(&t, "j");
+
+            let demand = Usage::of_group(&under_test.task_groups[0]);
+            for n in &nodes {
+                let before = allocs
+                    .iter()
+                    .filter(|a| a.node_id == n.id)
+                    .fold(Usage::default(), |u, a| u.plus(Usage::of_group(a.group().unwrap())));
+                let new = placed.iter().filter(|a| a.node_id == n.id).count() as u128;
+                if new == 0 {
+                    continue;
+                }
+                prop_assert!(before.cpu + demand.cpu * new <= u128::from(n.resources.cpu),
+                    "cpu over on {}: {before:?} + {new} x {demand:?} > {:?}", n.id, n.resources);
+                prop_assert!(before.memory_mb + demand.memory_mb * new <= u128::from(n.resources.memory_mb),
+                    "memory over on {}: {before:?} + {new} x {demand:?} > {:?}", n.id, n.resources);
+            }
+            prop_assert_eq!(outcome.counts.desired, u64::from(count));
+            prop_assert_eq!(outcome.counts.unplaced + placed.len() as u64, u64::from(count));
+            // One group, no per_alloc volumes: one reason at most.
+            prop_assert_eq!(outcome.failures.len(), usize::from(outcome.counts.unplaced > 0));
         }
     }
 }

@@ -226,3 +226,45 @@ async fn resources_limit_placements() {
     assert_eq!(live_allocs(s, "web").len(), 3);
     assert_eq!(s.node("n1").unwrap().status, NodeStatus::Ready);
 }
+
+#[tokio::test]
+async fn the_largest_asks_a_job_may_make_place_what_fits_and_summarize_the_rest() {
+    use berth_structs::limits::{MAX_COUNT, MAX_CPU_MHZ, MAX_MEMORY_MB};
+    use berth_structs::{NodeResources, Resources};
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    let mut n1 = node("n1");
+    // Room for two allocs of the largest memory ask, and all the cpu there is.
+    n1.resources = NodeResources {
+        cpu: u64::MAX,
+        memory_mb: MAX_MEMORY_MB * 3 - 1,
+    };
+    s.register_node(n1).await.unwrap();
+    let mut j = job("huge", JobType::Service, MAX_COUNT);
+    j.task_groups[0].tasks[0].resources = Resources {
+        cpu: MAX_CPU_MHZ,
+        memory_mb: MAX_MEMORY_MB,
+    };
+    let resp = s.register_job(j).await.unwrap();
+
+    assert_eq!(live_allocs(s, "huge").len(), 2);
+    let unplaced = u64::from(MAX_COUNT) - 2;
+    assert_eq!(
+        (resp.desired_allocs, resp.unplaced_allocs),
+        (u64::from(MAX_COUNT), unplaced)
+    );
+    let used = MAX_MEMORY_MB * 2;
+    let total = MAX_MEMORY_MB * 3 - 1;
+    assert_eq!(
+        resp.placement_failures,
+        vec![format!(
+            "group \"g\": {unplaced} of {MAX_COUNT} allocs not placed: node n1: memory exhausted \
+             ({used} of {total} MiB in use, {MAX_MEMORY_MB} MiB asked) \
+             ({unplaced} allocs: index 2-{})",
+            MAX_COUNT - 1
+        )]
+    );
+    // The job shows the same summary while it waits.
+    assert_eq!(s.job_placement_failures("huge"), resp.placement_failures);
+    assert_eq!(s.job("huge").unwrap().status, JobStatus::Running);
+}
