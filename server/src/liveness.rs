@@ -47,12 +47,19 @@ impl Server {
             self.config.min_heartbeat_ttl,
             self.config.max_heartbeats_per_second,
         );
-        base + base.mul_f64(random_fraction() / 2.0)
+        with_jitter(base, random_fraction())
     }
 
     /// Expect the next heartbeat of `node_id` within `ttl` (plus grace).
     pub(crate) fn reset_heartbeat_timer(&self, node_id: &str, ttl: Duration) {
-        let deadline = Instant::now() + ttl + self.config.heartbeat_grace;
+        let now = Instant::now();
+        let window = ttl.saturating_add(self.config.heartbeat_grace);
+        // A window too long to represent is a deadline a year away (the
+        // node is heard from long before).
+        let deadline = now
+            .checked_add(window)
+            .or_else(|| now.checked_add(ONE_YEAR))
+            .unwrap_or(now);
         self.heartbeat_map().insert(node_id.to_string(), deadline);
         self.heartbeats_changed.notify_one();
     }
@@ -152,13 +159,24 @@ impl Server {
     }
 }
 
-/// `max(min_ttl, nodes / max_per_second)`.
+const ONE_YEAR: Duration = Duration::from_secs(365 * 24 * 60 * 60);
+
+/// `max(min_ttl, nodes / max_per_second)`, at most a year.
 pub(crate) fn base_ttl(nodes: usize, min_ttl: Duration, max_per_second: f64) -> Duration {
     if max_per_second <= 0.0 || !max_per_second.is_finite() {
         return min_ttl;
     }
-    let scaled = Duration::from_secs_f64(nodes as f64 / max_per_second);
+    let scaled = Duration::try_from_secs_f64(nodes as f64 / max_per_second)
+        .unwrap_or(ONE_YEAR)
+        .min(ONE_YEAR);
     scaled.max(min_ttl)
+}
+
+/// `base` plus `fraction` (in [0, 1)) of half of it, saturating.
+fn with_jitter(base: Duration, fraction: f64) -> Duration {
+    let jitter =
+        Duration::try_from_secs_f64(base.as_secs_f64() * fraction / 2.0).unwrap_or(Duration::ZERO);
+    base.saturating_add(jitter)
 }
 
 async fn sleep_until_opt(at: Option<Instant>) {
@@ -178,6 +196,15 @@ mod tests {
         assert_eq!(base_ttl(1, min, 50.0), min);
         assert_eq!(base_ttl(500, min, 50.0), min);
         assert_eq!(base_ttl(5000, min, 50.0), Duration::from_secs(100));
+    }
+
+    #[test]
+    fn ttl_math_saturates_instead_of_panicking() {
+        let min = Duration::from_secs(10);
+        assert_eq!(base_ttl(usize::MAX, min, f64::MIN_POSITIVE), ONE_YEAR);
+        assert_eq!(base_ttl(usize::MAX, Duration::MAX, 50.0), Duration::MAX);
+        assert_eq!(with_jitter(Duration::MAX, 0.99), Duration::MAX);
+        assert_eq!(with_jitter(min, 0.5), Duration::from_millis(12_500));
     }
 
     #[test]

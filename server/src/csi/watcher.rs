@@ -40,7 +40,7 @@ struct Retry {
 /// Claims to release now, and how long until the next one comes due by its
 /// grace period.
 fn reapable(t: &Tables, now_ms: i64, grace: Duration) -> (Vec<ClaimKey>, Option<Duration>) {
-    let grace_ms = grace.as_millis() as i64;
+    let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
     let mut due = Vec::new();
     let mut next: Option<i64> = None;
     for v in t.volumes.values() {
@@ -75,7 +75,7 @@ fn reapable(t: &Tables, now_ms: i64, grace: Duration) -> (Vec<ClaimKey>, Option<
                 // Asked to stop; the client has not stopped it yet.
                 continue;
             }
-            let ready_at = a.modify_time_ms + grace_ms;
+            let ready_at = a.modify_time_ms.saturating_add(grace_ms);
             if now_ms >= ready_at {
                 due.push(key);
             } else {
@@ -83,14 +83,25 @@ fn reapable(t: &Tables, now_ms: i64, grace: Duration) -> (Vec<ClaimKey>, Option<
             }
         }
     }
-    let wait = next.map(|at| Duration::from_millis((at - now_ms).max(0) as u64));
+    let wait =
+        next.map(|at| Duration::from_millis(u64::try_from(at.saturating_sub(now_ms)).unwrap_or(0)));
     (due, wait)
+}
+
+/// The longest a failing release waits before its next try.
+const MAX_RETRY_DELAY: Duration = Duration::from_secs(60);
+
+/// `at + d`, or a day after `at` when that is not representable.
+fn far_or(at: Instant, d: Duration) -> Instant {
+    at.checked_add(d)
+        .or_else(|| at.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(at)
 }
 
 fn backoff() -> ExponentialBackoff {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(500))
-        .with_max_delay(Duration::from_secs(60))
+        .with_max_delay(MAX_RETRY_DELAY)
         .with_jitter()
         .without_max_times()
         .build()
@@ -127,15 +138,15 @@ impl Server {
                             at: now,
                             backoff: backoff(),
                         });
-                        let delay = r.backoff.next().unwrap_or(Duration::from_secs(60));
-                        r.at = Instant::now() + delay;
+                        let delay = r.backoff.next().unwrap_or(MAX_RETRY_DELAY);
+                        r.at = far_or(Instant::now(), delay);
                         tracing::warn!(volume_id, alloc_id, error = %e, retry_in_ms = delay.as_millis() as u64,
                             "reaping claim failed");
                     }
                 }
             }
             let retry_at = retries.values().map(|r| r.at).min();
-            let grace_at = grace_wait.map(|w| Instant::now() + w);
+            let grace_at = grace_wait.map(|w| far_or(Instant::now(), w));
             let wake = match (retry_at, grace_at) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
