@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use berth_structs::{AllocClientStatus, CsiInfo, Node, NodeEvent, NodeStatus, TaskState};
+use berth_structs::{
+    AllocClientStatus, CsiInfo, Node, NodeEvent, NodeStatus, TaskState, ValidationError,
+};
 
 use crate::error::ServerError;
 use crate::server::Server;
@@ -32,8 +34,13 @@ impl Server {
     /// fingerprints and events the servers already have are kept when the
     /// registration carries none.
     pub async fn register_node(&self, mut node: Node) -> Result<NodeRegistration, ServerError> {
-        if node.id.is_empty() {
-            return Err(ServerError::BadRequest("node: id is required".into()));
+        let bad_names: Vec<String> = [("node ID", &node.id), ("node name", &node.name)]
+            .into_iter()
+            .filter_map(|(field, value)| berth_structs::check_name(field, value).err())
+            .map(|e| format!("node: {e}"))
+            .collect();
+        if !bad_names.is_empty() {
+            return Err(ValidationError(bad_names).into());
         }
         let ((), index) = self.store.write(|t, changes| {
             let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
