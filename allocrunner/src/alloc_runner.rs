@@ -23,6 +23,15 @@ use crate::state::{AllocState, RestoredAlloc};
 use crate::task_hooks::VolumeMountsHook;
 use crate::task_runner::TaskRunner;
 
+/// The task event of a task that never started because its alloc was
+/// stopped (or destroyed) first.
+pub const EVENT_NOT_STARTED: &str = "Not Started";
+const NOT_STARTED_MESSAGE: &str = "the alloc was stopped before it started";
+
+pub(crate) fn not_started_event() -> TaskEvent {
+    TaskEvent::new(EVENT_NOT_STARTED, NOT_STARTED_MESSAGE)
+}
+
 /// Runs one alloc. Cheap to clone; clones drive the same alloc.
 #[derive(Clone)]
 pub struct AllocRunner {
@@ -136,6 +145,33 @@ impl AllocRunner {
         AllocDir::new(&self.inner.config.alloc_root, &self.inner.alloc_id)
     }
 
+    /// When the alloc became terminal on this node (unix ms), once it has.
+    pub fn terminal_at_ms(&self) -> Option<i64> {
+        self.inner.state.terminal_at_ms()
+    }
+
+    /// Whether the lifecycle has finished: postrun is done.
+    pub fn is_done(&self) -> bool {
+        *self.inner.done.borrow()
+    }
+
+    /// Why the alloc may not be garbage collected yet, or `None` once it
+    /// may: it must be terminal with its postrun done, and no CSI volume
+    /// may still be mounted for it (a postrun that failed to unmount).
+    pub fn gc_blocker(&self) -> Option<String> {
+        if !self.is_done() || !self.client_status().is_terminal() {
+            return Some("the alloc has not finished (postrun pending)".into());
+        }
+        let alloc_id = &self.inner.alloc_id;
+        self.inner
+            .config
+            .csi
+            .volume_stubs()
+            .into_iter()
+            .find(|s| s.allocs.contains_key(alloc_id))
+            .map(|s| format!("volume {:?} is still mounted for the alloc", s.volume_id))
+    }
+
     /// Starts the lifecycle on the tokio runtime. Later calls do nothing.
     pub fn run(&self) {
         if self.inner.started.swap(true, Ordering::SeqCst) {
@@ -202,14 +238,7 @@ impl AllocRunner {
         } else {
             let state = &self.inner.state;
             for task in state.task_states().keys() {
-                state.task_dead(
-                    task,
-                    false,
-                    Some(TaskEvent::new(
-                        "Killed",
-                        "The alloc was destroyed before the task started",
-                    )),
-                );
+                state.task_dead(task, false, Some(not_started_event()));
             }
             state.set_terminal(
                 AllocClientStatus::Complete,
@@ -377,15 +406,19 @@ async fn lifecycle(inner: Arc<Inner>) {
             );
         }
     } else if stopped || *ctx.stop.borrow() {
+        let task_states = state.task_states();
         for task in &group.tasks {
-            state.task_dead(
-                &task.name,
-                false,
-                Some(TaskEvent::new(
-                    "Killed",
-                    "The alloc was stopped before the task started",
-                )),
-            );
+            // A restored task that ran before the restart was killed above;
+            // any other never ran.
+            let ran = task_states
+                .get(&task.name)
+                .is_some_and(|s| s.started_at_ms.is_some());
+            let event = if ran {
+                TaskEvent::new("Killed", "The alloc was stopped")
+            } else {
+                not_started_event()
+            };
+            state.task_dead(&task.name, false, Some(event));
         }
     } else {
         run_tasks(&inner, &alloc, &group, &ctx, restored).await;

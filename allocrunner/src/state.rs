@@ -51,6 +51,10 @@ pub struct PersistedAllocState {
     pub client_status: AllocClientStatus,
     pub description: String,
     pub task_states: BTreeMap<String, TaskState>,
+    /// When the alloc became terminal (unix ms): garbage collection takes
+    /// the oldest first. Absent in records written before it was kept.
+    #[serde(default)]
+    pub terminal_at_ms: Option<i64>,
 }
 
 /// One alloc as the store had it.
@@ -88,6 +92,7 @@ struct Inner {
     client_status: AllocClientStatus,
     description: String,
     task_states: BTreeMap<String, TaskState>,
+    terminal_at_ms: Option<i64>,
 }
 
 /// The state of one alloc, shared by its runner, task runners and hooks.
@@ -113,6 +118,16 @@ impl AllocState {
                 updater,
                 store,
                 inner: Mutex::new(Inner {
+                    terminal_at_ms: r.terminal_at_ms.or_else(|| {
+                        // An older record: the last task's end is close.
+                        r.client_status.is_terminal().then(|| {
+                            r.task_states
+                                .values()
+                                .filter_map(|s| s.finished_at_ms)
+                                .max()
+                                .unwrap_or_else(now_ms)
+                        })
+                    }),
                     client_status: r.client_status,
                     description: r.description,
                     task_states: r.task_states,
@@ -135,6 +150,7 @@ impl AllocState {
                 client_status: AllocClientStatus::Pending,
                 description: "No tasks have started".into(),
                 task_states,
+                terminal_at_ms: None,
             }),
         }
     }
@@ -157,6 +173,7 @@ impl AllocState {
             client_status: inner.client_status,
             description: inner.description.clone(),
             task_states: inner.task_states.clone(),
+            terminal_at_ms: inner.terminal_at_ms,
         };
         if let Err(e) = self.store.put_alloc_state(&self.alloc_id, &persisted) {
             warn!(alloc_id = %self.alloc_id, error = %e, "persisting the alloc's state failed");
@@ -240,7 +257,18 @@ impl AllocState {
         self.update(|i| {
             i.client_status = status;
             i.description = description;
+            if i.terminal_at_ms.is_none() {
+                i.terminal_at_ms = Some(now_ms());
+            }
         });
+    }
+
+    /// When the alloc became terminal (unix ms), once it has.
+    pub(crate) fn terminal_at_ms(&self) -> Option<i64> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .terminal_at_ms
     }
 
     pub(crate) fn client_status(&self) -> AllocClientStatus {

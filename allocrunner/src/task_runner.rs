@@ -94,10 +94,15 @@ impl TaskRunner {
         };
         let mut hooks = task_hooks::hooks_for(&task);
         let mut prestarted = 0usize;
+        // Whether this runner started the task (or reattached to it) yet: a
+        // task killed before that never ran. A task to reattach to is
+        // reattached even when the kill came first, so that it is stopped
+        // rather than left running.
+        let mut ran = false;
 
         let (failed, last_event) = 'run: loop {
-            if kill.borrow().is_some() {
-                break (false, None);
+            if kill.borrow().is_some() && reattach.is_none() {
+                break (false, (!ran).then(crate::alloc_runner::not_started_event));
             }
             ctx.env = base_env.clone();
             let reattaching = reattach.take();
@@ -115,8 +120,8 @@ impl TaskRunner {
                     break 'run (true, Some(not_restarting("Error was unrecoverable")));
                 }
             }
-            if kill.borrow().is_some() {
-                break (false, None);
+            if kill.borrow().is_some() && reattaching.is_none() {
+                break (false, (!ran).then(crate::alloc_runner::not_started_event));
             }
             let Some(driver) = &driver else {
                 events.emit(
@@ -149,6 +154,7 @@ impl TaskRunner {
                     Ok(h) => {
                         info!(alloc_id = %alloc.id, task = %name, pid = h.pid(), running = h.try_exit().is_none(), "reattached to the task");
                         state.task_reattached(&name);
+                        ran = true;
                         h
                     }
                     Err(e) => {
@@ -172,6 +178,7 @@ impl TaskRunner {
                     }
                 }
                 state.task_running(&name);
+                ran = true;
                 events.emit("Started", "Task started by client");
                 handle
             };

@@ -772,3 +772,46 @@ async fn destroy_keeps_the_alloc_records_while_a_volume_stays_mounted() {
     assert!(err.to_string().contains("vol"), "{err}");
     assert!(allocs.contains(&a.id), "the alloc's records are kept");
 }
+
+/// A terminal alloc whose postrun could not unmount its volume is not one
+/// garbage collection may take; once the volume is unmounted it is.
+#[tokio::test]
+async fn an_alloc_whose_volume_stays_mounted_is_not_collectable() {
+    let h = Harness::new();
+    let plugin = start_plugin(&h).await;
+    let ext = create_volume(&h, "vol").await;
+    h.claimer.grant(grant("vol", &ext));
+    let a = consumer(
+        &["vol"],
+        sh_task(
+            "web",
+            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
+        ),
+    );
+    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_running(&runner, "web", WITHIN).await;
+    assert!(
+        runner.gc_blocker().is_some(),
+        "a running alloc is not collectable"
+    );
+    // The plugin goes away: postrun cannot unmount the volume.
+    plugin.stop().await;
+    runner.stop();
+    wait_done(&runner, WITHIN).await;
+    assert!(runner.client_status().is_terminal());
+    let blocker = runner.gc_blocker().expect("the volume is still mounted");
+    assert!(blocker.contains("\"vol\""), "{blocker}");
+
+    // With the plugin back, the volume is unmounted and the alloc goes.
+    let plugin = start_plugin(&h).await;
+    runner
+        .destroy()
+        .await
+        .expect("destroy once the plugin is back");
+    assert_eq!(runner.gc_blocker(), None);
+    assert!(!runner.alloc_dir().path().exists());
+    assert!(mounts_under(&h.data_dir().join("client/csi")).is_empty());
+    plugin.stop().await;
+}

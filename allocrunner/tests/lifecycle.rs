@@ -295,16 +295,106 @@ async fn a_failed_task_kills_its_siblings() {
         .any(|e| e.event_type == "Killing" && e.message == "Sibling task short failed"));
 }
 
+/// Every task of the last update never started: dead, not failed, its
+/// last event `Not Started`.
+fn assert_tasks_not_started(h: &Harness, tasks: &[&str]) {
+    let last = h.updater.last().expect("updates were reported");
+    for task in tasks {
+        let state = &last.tasks[*task];
+        assert_eq!(state.state, TaskStateKind::Dead, "{task}: {state:?}");
+        assert!(!state.failed, "{task}: {state:?}");
+        assert!(state.started_at_ms.is_none(), "{task}: {state:?}");
+        let event = state.events.last().expect("events");
+        assert_eq!(event.event_type, "Not Started", "{task}: {state:?}");
+        assert_eq!(event.message, "the alloc was stopped before it started");
+        assert!(
+            !state.events.iter().any(|e| e.event_type == "Started"),
+            "{task}: {state:?}"
+        );
+    }
+}
+
 #[tokio::test]
-async fn an_alloc_stopped_before_it_runs_starts_no_task() {
+async fn an_alloc_stopped_before_it_runs_starts_no_task_and_says_so() {
     let h = Harness::new();
-    let mut a = alloc(JobType::Service, vec![sh_task("web", "sleep 1000")]);
+    let mut a = alloc(
+        JobType::Service,
+        vec![sh_task("web", "sleep 1000"), sh_task("db", "sleep 1000")],
+    );
     a.desired_status = AllocDesiredStatus::Stop;
     let runner = h.runner(a);
     runner.run();
     wait_done(&runner, DONE_WITHIN).await;
     assert_eq!(runner.client_status(), AllocClientStatus::Complete);
-    assert!(!h.updater.events("web").contains(&"Started".to_string()));
+    assert_eq!(
+        h.updater.statuses(),
+        vec![AllocClientStatus::Pending, AllocClientStatus::Complete]
+    );
+    assert_tasks_not_started(&h, &["web", "db"]);
+    assert!(runner.is_done());
+    assert!(runner.terminal_at_ms().is_some());
+    assert_eq!(runner.gc_blocker(), None);
+}
+
+#[tokio::test]
+async fn an_alloc_stopped_during_its_prerun_ends_complete_with_its_tasks_not_started() {
+    let h = Harness::new();
+    // A prerun that waits until the alloc is stopped, as a claim does
+    // while the servers keep the volume busy.
+    let hooks: Vec<Box<dyn berth_allocrunner::alloc_hooks::AllocHook>> =
+        vec![Box::new(WaitForStop)];
+    let runner = berth_allocrunner::AllocRunner::with_hooks(
+        h.config.clone(),
+        alloc(JobType::Batch, vec![sh_task("web", "true")]),
+        hooks,
+    );
+    runner.run();
+    wait_for("the alloc to report pending", DONE_WITHIN, || {
+        h.updater.last().is_some()
+    })
+    .await;
+    assert_eq!(runner.client_status(), AllocClientStatus::Pending);
+    assert_eq!(
+        runner.gc_blocker().as_deref(),
+        Some("the alloc has not finished (postrun pending)")
+    );
+    runner.stop();
+    wait_done(&runner, DONE_WITHIN).await;
+    assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    assert_tasks_not_started(&h, &["web"]);
+}
+
+#[tokio::test]
+async fn an_alloc_destroyed_before_it_runs_reports_its_tasks_not_started() {
+    let h = Harness::new();
+    let runner = h.runner(alloc(JobType::Batch, vec![sh_task("web", "true")]));
+    runner.destroy().await.expect("destroy");
+    assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    assert_tasks_not_started(&h, &["web"]);
+}
+
+/// An alloc hook whose prerun waits until the alloc is stopped.
+struct WaitForStop;
+
+#[async_trait::async_trait]
+impl berth_allocrunner::alloc_hooks::AllocHook for WaitForStop {
+    fn name(&self) -> &'static str {
+        "wait_for_stop"
+    }
+    async fn prerun(
+        &mut self,
+        ctx: &berth_allocrunner::alloc_hooks::AllocHookContext,
+    ) -> Result<(), berth_allocrunner::HookError> {
+        let mut stop = ctx.stop.clone();
+        let _ = stop.wait_for(|s| *s).await;
+        Err(berth_allocrunner::HookError::Stopped)
+    }
+    async fn postrun(
+        &mut self,
+        _ctx: &berth_allocrunner::alloc_hooks::AllocHookContext,
+    ) -> Result<(), berth_allocrunner::HookError> {
+        Ok(())
+    }
 }
 
 /// An alloc hook that records its calls and fails its prerun if told to.

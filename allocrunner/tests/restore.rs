@@ -236,6 +236,29 @@ fn stopping_a_reattached_task_kills_its_process_group() {
     });
 }
 
+#[test]
+fn a_restored_alloc_stopped_while_the_agent_was_down_kills_its_task_and_completes() {
+    let s = run_then_lose_the_agent(JobType::Service, waiting_task());
+    let second = runtime();
+    second.block_on(async {
+        let mut restored = s.store.load_allocs_for_test();
+        let mut r = restored.remove(0);
+        // The servers stopped it meanwhile; the store has that version.
+        r.alloc.desired_status = berth_structs::AllocDesiredStatus::Stop;
+        let runner = AllocRunner::restore(s.h.config_with_store(s.store.clone()), r);
+        runner.run();
+        wait_done(&runner, WITHIN).await;
+        assert!(!process_alive(s.pid), "the restored task was stopped");
+        assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+        let state = &runner.task_states()["web"];
+        let last = state.events.last().expect("events");
+        // It ran before the restart: killed, not "never started".
+        assert_eq!(last.event_type, "Killed", "{state:?}");
+        assert_eq!(last.message, "The alloc was stopped");
+        assert_eq!(starts(&s.local), 1, "not started again");
+    });
+}
+
 #[tokio::test]
 async fn the_executor_records_the_exit_code_of_its_task() {
     let dir = tempfile::tempdir().unwrap();
