@@ -134,6 +134,38 @@ mod tests {
     }
 
     #[test]
+    fn a_fraction_that_overflows_the_whole_part_is_too_large_not_a_panic() {
+        // 340282366920938463463374607431768211 KB is 455 bytes short of
+        // u128::MAX; .999 KB more would overflow.
+        let s = "340282366920938463463374607431768211.999KB";
+        assert_eq!(parse_size(s), Err(format!("invalid size {s:?}: too large")));
+        assert!(parse_size_at_most(s, 1 << 60, "1 EiB")
+            .unwrap_err()
+            .contains("is too large (at most 1 EiB)"));
+    }
+
+    #[test]
+    fn durations_beyond_any_duration_are_too_large() {
+        let s = "99999999999999999999999h";
+        assert_eq!(
+            parse_duration(s),
+            Err(format!("duration {s:?} is too large"))
+        );
+        assert_eq!(
+            parse_duration_at_most(s, Duration::from_secs(60)),
+            Err(format!("{s:?} is too large (at most 1m)"))
+        );
+        assert_eq!(
+            parse_duration_at_most("61s", Duration::from_secs(60)),
+            Err("\"61s\" is too large (at most 1m)".to_string())
+        );
+        assert_eq!(
+            parse_duration_at_most("60s", Duration::from_secs(60)),
+            Ok(Duration::from_secs(60))
+        );
+    }
+
+    #[test]
     fn durations_parse_as_humantime() {
         assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
         assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
