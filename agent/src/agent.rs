@@ -11,6 +11,7 @@ use tokio::sync::watch;
 use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::client::{Client, ClientConfig};
+use crate::data_dir::DataDirLock;
 
 /// What `berth agent` was asked to run.
 #[derive(Debug, Clone)]
@@ -49,6 +50,11 @@ Usage: berth agent -dev [options]
   -heartbeat-ttl DUR    shortest heartbeat TTL the servers hand out (default 10s)
 ";
 
+/// A command line `berth agent` cannot make sense of.
+fn usage_error(message: impl Into<String>) -> anyhow::Error {
+    crate::cli::errors::UsageError::new(message, AGENT_USAGE).into()
+}
+
 impl AgentConfig {
     pub fn from_args(args: &[String]) -> Result<AgentConfig> {
         let mut c = AgentConfig::default();
@@ -65,7 +71,7 @@ impl AgentConfig {
                     None => it
                         .next()
                         .cloned()
-                        .ok_or_else(|| anyhow!("berth agent: -{what} needs a value")),
+                        .ok_or_else(|| usage_error(format!("berth agent: -{what} needs a value"))),
                 }
             };
             match name {
@@ -96,11 +102,13 @@ impl AgentConfig {
                     print!("{AGENT_USAGE}");
                     std::process::exit(0);
                 }
-                _ => bail!("berth agent: unknown flag {a:?}\n\n{AGENT_USAGE}"),
+                _ => return Err(usage_error(format!("berth agent: unknown flag {a:?}"))),
             }
         }
         if !c.dev {
-            bail!("berth agent: only -dev mode is available in this version\n\n{AGENT_USAGE}");
+            return Err(usage_error(
+                "berth agent: only -dev mode is available in this version",
+            ));
         }
         Ok(c)
     }
@@ -108,36 +116,46 @@ impl AgentConfig {
 
 pub fn run_from_args(args: &[String]) -> Result<i32> {
     let config = AgentConfig::from_args(args)?;
+    // The data dir is claimed before anything else (databases, logs), so
+    // that a second agent on it fails at once with one line.
+    let data_dir = prepare_data_dir(&config)?;
+    let lock = DataDirLock::acquire(&data_dir)?;
     crate::logging::init();
+    tracing::debug!(lock = %lock.path().display(), "data dir claimed");
+    if config.data_dir.is_none() {
+        tracing::info!(data_dir = %data_dir.display(), "dev agent uses a fresh temp data dir");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("berth-agent")
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(run(config))?;
+    rt.block_on(run(config, data_dir))?;
+    drop(lock);
     Ok(0)
 }
 
-/// Runs the agent until SIGINT or SIGTERM.
-pub async fn run(config: AgentConfig) -> Result<()> {
-    let data_dir = match &config.data_dir {
+/// The data dir, created if needed, as an absolute path.
+fn prepare_data_dir(config: &AgentConfig) -> Result<PathBuf> {
+    match &config.data_dir {
         Some(d) => {
             std::fs::create_dir_all(d)
                 .with_context(|| format!("creating data dir {}", d.display()))?;
-            d.canonicalize()?
+            d.canonicalize()
+                .with_context(|| format!("resolving data dir {}", d.display()))
         }
-        None => {
-            // Kept after exit: a dev agent's tasks and mounts outlive it.
-            let d = tempfile::Builder::new()
-                .prefix("berth-dev-")
-                .tempdir()
-                .context("creating a temp data dir")?
-                .keep();
-            tracing::info!(data_dir = %d.display(), "dev agent uses a fresh temp data dir");
-            d
-        }
-    };
+        // Kept after exit: a dev agent's tasks and mounts outlive it.
+        None => Ok(tempfile::Builder::new()
+            .prefix("berth-dev-")
+            .tempdir()
+            .context("creating a temp data dir")?
+            .keep()),
+    }
+}
 
+/// Runs the agent on `data_dir`, which the caller holds the
+/// [`DataDirLock`] of, until SIGINT or SIGTERM.
+pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     let server = Server::open(ServerConfig {

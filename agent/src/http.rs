@@ -1,36 +1,353 @@
 //! The HTTP JSON API: a thin layer over the server role's Rust API. Each
 //! handler decodes, calls the server, and maps errors to status codes in one
 //! place ([`ApiError`]). Keys are snake_case; secrets are never returned.
+//!
+//! Every error has one shape, `{"error": "<message>"}` with
+//! `content-type: application/json`: handler errors through [`ApiError`],
+//! bad request bodies, paths and query strings through the extractors
+//! [`ApiJson`], [`ApiPath`] and [`ApiQuery`] (whose rejections are
+//! [`ApiError`]s), unknown paths through the fallback, and whatever axum
+//! itself answers (a wrong method, say) through the [`one_error_shape`]
+//! layer, so that no route can answer another shape.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
-use axum::http::StatusCode;
+use axum::body::Bytes;
+use axum::extract::rejection::{BytesRejection, PathRejection};
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Request, State};
+use axum::http::{header, request::Parts, Method, StatusCode, Uri};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, put};
 use axum::{Json, Router};
 use berth_server::{Server, ServerError};
 use berth_structs::{CsiVolume, Job};
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-pub struct ApiError(ServerError);
+/// The largest request body the API reads. Job and volume specs are far
+/// smaller; the CLI refuses a spec file above it before reading it.
+pub const MAX_REQUEST_BODY: usize = 2 * 1024 * 1024;
+
+/// A size for people: `2 MiB` for whole MiB, else `50.0 MiB`, `3.5 KiB`.
+pub fn describe_size(bytes: u64) -> String {
+    const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * 1024;
+    const GIB: u64 = 1024 * 1024 * 1024;
+    let (unit, name) = if bytes >= GIB {
+        (GIB, "GiB")
+    } else if bytes >= MIB {
+        (MIB, "MiB")
+    } else if bytes >= KIB {
+        (KIB, "KiB")
+    } else {
+        return format!("{bytes} bytes");
+    };
+    if bytes % unit == 0 {
+        format!("{} {name}", bytes / unit)
+    } else {
+        // Precision is irrelevant here: the number is only shown.
+        format!("{:.1} {name}", bytes as f64 / unit as f64)
+    }
+}
+
+/// The message of a 413 answer.
+pub fn body_too_large_message() -> String {
+    format!(
+        "request body is larger than the {} limit",
+        describe_size(MAX_REQUEST_BODY as u64)
+    )
+}
+
+/// An API error: its status and a message that names the problem. Answered
+/// as `{"error": message}`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+        }
+    }
+
+    /// A 400: the request is malformed.
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, message)
+    }
+
+    /// A 500: something on our side failed.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message)
+    }
+}
 
 impl From<ServerError> for ApiError {
     fn from(e: ServerError) -> Self {
-        ApiError(e)
+        let status =
+            StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        ApiError::new(status, e.to_string())
     }
+}
+
+/// The one error body.
+fn error_response(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({ "error": message }))).into_response()
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status =
-            StatusCode::from_u16(self.0.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        if status.is_server_error() {
-            tracing::warn!(error = %self.0, "API request failed");
+        if self.status.is_server_error() {
+            tracing::warn!(status = self.status.as_u16(), error = %self.message, "API request failed");
         }
-        (status, Json(json!({ "error": self.0.to_string() }))).into_response()
+        error_response(self.status, &self.message)
+    }
+}
+
+/// A request path for a message: long ones are cut.
+fn shown_path(path: &str) -> String {
+    const MAX: usize = 200;
+    if path.len() <= MAX {
+        return path.to_string();
+    }
+    let mut end = MAX;
+    while !path.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}...", &path[..end])
+}
+
+/// serde writes names in backticks; the API's messages quote them as JSON
+/// does.
+fn quote_names(message: &str) -> String {
+    message.replace('`', "\"")
+}
+
+/// A request body decoded from JSON into `T`. Every way the body can be
+/// wrong (not JSON, too large, malformed, the wrong shape) is an
+/// [`ApiError`] that says where.
+pub struct ApiJson<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for ApiJson<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        check_json_content_type(req.headers())?;
+        // A body announced too large is refused before any of it is read.
+        let announced = req
+            .headers()
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if announced.is_some_and(|n| n > MAX_REQUEST_BODY as u64) {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                body_too_large_message(),
+            ));
+        }
+        let bytes = Bytes::from_request(req, state)
+            .await
+            .map_err(body_rejection)?;
+        decode_json(&bytes).map(ApiJson)
+    }
+}
+
+fn check_json_content_type(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+    let Some(value) = headers.get(header::CONTENT_TYPE) else {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "request body must be JSON: set content-type: application/json",
+        ));
+    };
+    let text = value.to_str().unwrap_or_default();
+    let mime = text
+        .split(';')
+        .next()
+        .unwrap_or_default()
+        .trim()
+        .to_ascii_lowercase();
+    let is_json =
+        mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json"));
+    if !is_json {
+        return Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!(
+                "request body must be JSON: content-type is {text:?}, expected application/json"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn body_rejection(r: BytesRejection) -> ApiError {
+    if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+        return ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, body_too_large_message());
+    }
+    let cause = std::error::Error::source(&r)
+        .map(ToString::to_string)
+        .unwrap_or_else(|| r.body_text());
+    ApiError::bad_request(format!("reading the request body: {cause}"))
+}
+
+/// Decodes a whole JSON document: syntax errors are 400s with their line
+/// and column, a document of the wrong shape is a 422 naming the field.
+fn decode_json<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let value: T = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let path = e.path().to_string();
+        json_error(e.into_inner(), &path)
+    })?;
+    de.end().map_err(|e| json_error(e, "."))?;
+    Ok(value)
+}
+
+fn json_error(e: serde_json::Error, path: &str) -> ApiError {
+    let full = e.to_string();
+    let position = format!(" at line {} column {}", e.line(), e.column());
+    let message = quote_names(full.strip_suffix(&position).unwrap_or(&full));
+    match e.classify() {
+        serde_json::error::Category::Data => {
+            let message = if path == "." || path.is_empty() {
+                message
+            } else {
+                format!("{path}: {message}")
+            };
+            ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, message)
+        }
+        _ => ApiError::bad_request(format!(
+            "invalid JSON at line {} column {}: {message}",
+            e.line(),
+            e.column()
+        )),
+    }
+}
+
+/// Path parameters; a parameter that cannot be decoded is a 400.
+pub struct ApiPath<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(ApiPath(v)),
+            Err(PathRejection::FailedToDeserializePathParams(e)) => {
+                Err(ApiError::bad_request(format!(
+                    "invalid URL path {}: {}",
+                    shown_path(parts.uri.path()),
+                    quote_names(&e.kind().to_string())
+                )))
+            }
+            Err(other) => Err(ApiError::internal(other.body_text())),
+        }
+    }
+}
+
+/// A query string decoded into `T`; one that does not fit is a 400 naming
+/// the parameter.
+pub struct ApiQuery<T>(pub T);
+
+impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, ApiError> {
+        axum::extract::Query::<T>::try_from_uri(&parts.uri)
+            .map(|axum::extract::Query(v)| ApiQuery(v))
+            .map_err(|r| {
+                let cause = std::error::Error::source(&r)
+                    .map(ToString::to_string)
+                    .unwrap_or_else(|| r.body_text());
+                ApiError::bad_request(format!(
+                    "invalid query string {:?}: {}",
+                    shown_path(parts.uri.query().unwrap_or_default()),
+                    quote_names(&cause)
+                ))
+            })
+    }
+}
+
+/// The answer to a path no route serves.
+async fn unknown_api_path(uri: Uri) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("unknown API path {}", shown_path(uri.path())),
+    )
+}
+
+/// The layer that keeps every error in the one shape: an error answer that
+/// is not JSON (axum's own 405, a 413 from the body limit, anything a
+/// future route lets through) is rewritten as `{"error": ...}` with a
+/// message that names the problem. Its other headers (`Allow`) are kept.
+pub async fn one_error_shape(req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = shown_path(req.uri().path());
+    let resp = next.run(req).await;
+    let status = resp.status();
+    if !(status.is_client_error() || status.is_server_error()) || is_json(&resp) {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    let message = match status {
+        StatusCode::METHOD_NOT_ALLOWED => method_not_allowed_message(&method, &path, &parts),
+        StatusCode::NOT_FOUND => format!("unknown API path {path}"),
+        StatusCode::PAYLOAD_TOO_LARGE => body_too_large_message(),
+        _ => {
+            let text = axum::body::to_bytes(body, 64 * 1024)
+                .await
+                .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+                .unwrap_or_default();
+            if text.is_empty() {
+                status
+                    .canonical_reason()
+                    .unwrap_or("request failed")
+                    .to_ascii_lowercase()
+            } else {
+                quote_names(&text)
+            }
+        }
+    };
+    parts.headers.remove(header::CONTENT_TYPE);
+    parts.headers.remove(header::CONTENT_LENGTH);
+    let fresh = error_response(status, &message);
+    let (fresh_parts, fresh_body) = fresh.into_parts();
+    parts.headers.extend(fresh_parts.headers);
+    Response::from_parts(parts, fresh_body)
+}
+
+fn is_json(resp: &Response) -> bool {
+    resp.headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"))
+}
+
+fn method_not_allowed_message(
+    method: &Method,
+    path: &str,
+    parts: &axum::http::response::Parts,
+) -> String {
+    let allowed: Vec<&str> = parts
+        .headers
+        .get(header::ALLOW)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|m| !m.is_empty())
+        .collect();
+    if allowed.is_empty() {
+        format!("method {method} is not allowed on {path}")
+    } else {
+        format!(
+            "method {method} is not allowed on {path} (allowed: {})",
+            allowed.join(", ")
+        )
     }
 }
 
@@ -39,7 +356,7 @@ type ApiResult = Result<Json<Value>, ApiError>;
 fn to_json<T: serde::Serialize>(v: &T) -> ApiResult {
     serde_json::to_value(v)
         .map(Json)
-        .map_err(|e| ApiError(ServerError::Internal(format!("encoding the answer: {e}"))))
+        .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))
 }
 
 /// The API view of a volume: the volume, without secrets, with the allocs
@@ -70,7 +387,7 @@ struct ForceQuery {
 }
 
 pub fn router(server: Arc<Server>) -> Router {
-    Router::new()
+    let api = Router::new()
         .route(
             "/v1/agent/health",
             get(|| async { Json(json!({"ok": true})) }),
@@ -94,7 +411,14 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v1/volume/csi/{id}/detach", delete(detach_volume))
         .route("/v1/plugins", get(list_plugins))
         .route("/v1/plugin/csi/{id}", get(get_plugin))
-        .with_state(server)
+        .fallback(unknown_api_path)
+        .with_state(server);
+    // The layers wrap the whole API from outside, so that they see every
+    // answer as it leaves, with the `Allow` header of a 405 already set.
+    Router::new()
+        .fallback_service(api)
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
+        .layer(axum::middleware::from_fn(one_error_shape))
 }
 
 /// The API view of a job: the job, with why any of its allocs could not be
@@ -111,16 +435,19 @@ async fn list_jobs(State(s): State<Arc<Server>>) -> ApiResult {
     )))
 }
 
-async fn register_job(State(s): State<Arc<Server>>, Json(body): Json<JobRegister>) -> ApiResult {
+async fn register_job(
+    State(s): State<Arc<Server>>,
+    ApiJson(body): ApiJson<JobRegister>,
+) -> ApiResult {
     let resp = s.register_job(body.job).await?;
     to_json(&resp)
 }
 
-async fn get_job(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+async fn get_job(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     Ok(Json(job_view(&s, &s.job(&id)?)))
 }
 
-async fn stop_job(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+async fn stop_job(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     let resp = s.stop_job(&id).await?;
     to_json(&resp)
 }
@@ -144,7 +471,7 @@ impl BlockingQuery {
         let wait = match &self.wait {
             None => MAX_BLOCKING_WAIT,
             Some(w) => humantime::parse_duration(w)
-                .map_err(|e| ApiError(ServerError::BadRequest(format!("wait={w:?}: {e}"))))?,
+                .map_err(|e| ApiError::bad_request(format!("wait={w:?}: {e}")))?,
         };
         s.wait_for_index(index, wait.min(MAX_BLOCKING_WAIT)).await;
         Ok(())
@@ -159,13 +486,13 @@ fn indexed(s: &Server, body: Value) -> Response {
 
 async fn job_allocations(
     State(s): State<Arc<Server>>,
-    Path(id): Path<String>,
-    Query(q): Query<BlockingQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
 ) -> Result<Response, ApiError> {
     q.block(&s).await?;
     let allocs = s.job_allocations(&id)?;
     let body = serde_json::to_value(&allocs)
-        .map_err(|e| ApiError(ServerError::Internal(format!("encoding the answer: {e}"))))?;
+        .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
     Ok(indexed(&s, body))
 }
 
@@ -173,7 +500,7 @@ async fn list_allocations(State(s): State<Arc<Server>>) -> ApiResult {
     to_json(&s.allocations())
 }
 
-async fn get_allocation(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+async fn get_allocation(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.allocation(&id)?)
 }
 
@@ -181,7 +508,7 @@ async fn list_nodes(State(s): State<Arc<Server>>) -> ApiResult {
     to_json(&s.nodes())
 }
 
-async fn get_node(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+async fn get_node(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.node(&id)?)
 }
 
@@ -191,24 +518,24 @@ async fn list_volumes(State(s): State<Arc<Server>>) -> ApiResult {
     )))
 }
 
-async fn get_volume(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+async fn get_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     Ok(Json(volume_view(&s.volume(&id)?)))
 }
 
 fn check_volume_id(path_id: &str, vol: &CsiVolume) -> Result<(), ApiError> {
     if vol.id != path_id {
-        return Err(ApiError(ServerError::BadRequest(format!(
+        return Err(ApiError::bad_request(format!(
             "volume ID in the path ({path_id:?}) differs from the one in the body ({:?})",
             vol.id
-        ))));
+        )));
     }
     Ok(())
 }
 
 async fn register_volume(
     State(s): State<Arc<Server>>,
-    Path(id): Path<String>,
-    Json(body): Json<VolumeSubmit>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<VolumeSubmit>,
 ) -> ApiResult {
     check_volume_id(&id, &body.volume)?;
     let v = s.register_volume(body.volume).await?;
@@ -217,8 +544,8 @@ async fn register_volume(
 
 async fn create_volume(
     State(s): State<Arc<Server>>,
-    Path(id): Path<String>,
-    Json(body): Json<VolumeSubmit>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<VolumeSubmit>,
 ) -> ApiResult {
     check_volume_id(&id, &body.volume)?;
     let v = s.create_volume(body.volume).await?;
@@ -227,14 +554,14 @@ async fn create_volume(
 
 async fn deregister_volume(
     State(s): State<Arc<Server>>,
-    Path(id): Path<String>,
-    Query(q): Query<ForceQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ForceQuery>,
 ) -> ApiResult {
     s.deregister_volume(&id, q.force).await?;
     Ok(Json(json!({})))
 }
 
-async fn delete_volume(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+async fn delete_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     s.delete_volume(&id).await?;
     Ok(Json(json!({})))
 }
@@ -246,8 +573,8 @@ struct DetachQuery {
 
 async fn detach_volume(
     State(s): State<Arc<Server>>,
-    Path(id): Path<String>,
-    Query(q): Query<DetachQuery>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<DetachQuery>,
 ) -> ApiResult {
     s.detach_volume(&id, &q.node).await?;
     Ok(Json(json!({})))
@@ -257,7 +584,7 @@ async fn list_plugins(State(s): State<Arc<Server>>) -> ApiResult {
     to_json(&s.plugins())
 }
 
-async fn get_plugin(State(s): State<Arc<Server>>, Path(id): Path<String>) -> ApiResult {
+async fn get_plugin(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.plugin(&id)?)
 }
 
@@ -275,3 +602,9 @@ pub async fn serve(
         })
         .await
 }
+
+#[cfg(test)]
+mod tests;
+
+#[cfg(test)]
+mod proptests;

@@ -6,6 +6,7 @@
 mod agent;
 mod cli;
 mod client;
+mod data_dir;
 mod http;
 mod logging;
 
@@ -19,11 +20,9 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    match cli::run(args) {
-        Ok(code) => std::process::exit(code),
-        Err(e) => {
-            eprintln!("Error: {e:#}");
-            std::process::exit(1);
-        }
-    }
+    let code = match cli::run(args) {
+        Ok(code) => code,
+        Err(e) => cli::errors::report(&e),
+    };
+    std::process::exit(code);
 }

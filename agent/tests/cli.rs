@@ -66,22 +66,142 @@ fn job_run_rejects_a_mount_that_escapes_the_task_dir() {
     assert!(err.contains("escapes the task directory"), "{err}");
 }
 
-#[test]
-fn unreachable_api_is_reported_with_the_address() {
-    let (code, _, err) = berth(&["node", "status"]);
-    assert_eq!(code, 1);
-    assert!(err.contains("http://127.0.0.1:1"), "{err}");
+/// The one line a failure prints: `Error: <message>`, nothing else.
+fn single_error_line(err: &str) -> &str {
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr, got:\n{err}");
+    lines[0]
+        .strip_prefix("Error: ")
+        .unwrap_or_else(|| panic!("the line starts with `Error: `: {err}"))
+}
+
+/// A usage error: the error line, a blank line, then the usage.
+fn usage_error_line(err: &str) -> &str {
+    let mut lines = err.lines();
+    let first = lines.next().unwrap_or_default();
+    assert_eq!(
+        lines.next(),
+        Some(""),
+        "a blank line after the error: {err}"
+    );
+    assert!(
+        lines.next().is_some_and(|l| l.starts_with("Usage: berth")),
+        "the usage follows the error: {err}"
+    );
+    assert_eq!(err.matches("Error: ").count(), 1, "one error line: {err}");
+    first
+        .strip_prefix("Error: ")
+        .unwrap_or_else(|| panic!("the line starts with `Error: `: {err}"))
 }
 
 #[test]
-fn unknown_command_and_flag_are_errors() {
-    let (code, _, err) = berth(&["frobnicate"]);
+fn unreachable_api_is_reported_with_the_address_on_one_line() {
+    let (code, _, err) = berth(&["node", "status"]);
     assert_eq!(code, 1);
-    assert!(err.contains("unknown command"), "{err}");
-    let (code, _, err) = berth(&["job", "status", "-bogus"]);
+    let line = single_error_line(&err);
+    assert!(line.contains("http://127.0.0.1:1"), "{err}");
+    assert!(line.contains("Connection refused"), "{err}");
+}
+
+#[test]
+fn a_missing_file_is_one_line_with_its_cause() {
+    let (code, _, err) = berth(&["job", "run", "/nonexistent/x.hcl"]);
     assert_eq!(code, 1);
-    assert!(err.contains("unknown flag -bogus"), "{err}");
-    let (code, _, err) = berth(&["agent", "-data-dir"]);
+    assert_eq!(
+        single_error_line(&err),
+        "reading /nonexistent/x.hcl: No such file or directory (os error 2)"
+    );
+}
+
+#[test]
+fn usage_errors_exit_2_with_the_usage_after_the_error() {
+    let cases: &[(&[&str], &str)] = &[
+        (&[], "berth: no command given"),
+        (&["frobnicate"], "berth: unknown command \"frobnicate\""),
+        (&["job"], "berth: unknown command \"job\""),
+        (
+            &["job", "status", "-bogus"],
+            "berth job status: unknown flag -bogus",
+        ),
+        (&["job", "stop"], "berth job stop: missing job ID"),
+        (
+            &["job", "stop", "a", "b"],
+            "berth job stop: takes one job ID, got [\"a\", \"b\"]",
+        ),
+        (
+            &["node", "status", "-address"],
+            "berth node status: -address needs a value",
+        ),
+        (
+            &["volume", "detach", "v"],
+            "berth volume detach: takes a volume ID and a node ID",
+        ),
+        (
+            &["agent", "-data-dir"],
+            "berth agent: -data-dir needs a value",
+        ),
+        (&["agent", "-bogus"], "berth agent: unknown flag \"-bogus\""),
+    ];
+    for (args, want) in cases {
+        let (code, out, err) = berth(args);
+        assert_eq!(code, 2, "berth {args:?}: {err}");
+        assert_eq!(usage_error_line(&err), *want, "berth {args:?}");
+        assert!(out.is_empty(), "berth {args:?} printed {out:?} on stdout");
+    }
+}
+
+#[test]
+fn a_job_file_over_the_api_limit_is_refused_before_it_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("big.hcl");
+    // Sparse: the size is what counts, and the CLI must not read it.
+    std::fs::File::create(&f)
+        .unwrap()
+        .set_len(50 * 1024 * 1024)
+        .unwrap();
+    let path = f.to_str().unwrap();
+    let (code, _, err) = berth(&["job", "run", path]);
     assert_eq!(code, 1);
-    assert!(err.contains("-data-dir needs a value"), "{err}");
+    assert_eq!(
+        single_error_line(&err),
+        format!("job file {path} is 50 MiB; the limit is 2 MiB")
+    );
+    for sub in ["create", "register"] {
+        let (code, _, err) = berth(&["volume", sub, path]);
+        assert_eq!(code, 1);
+        assert_eq!(
+            single_error_line(&err),
+            format!("volume file {path} is 50 MiB; the limit is 2 MiB")
+        );
+    }
+}
+
+#[test]
+fn a_spec_from_a_pipe_over_the_limit_is_refused_too() {
+    // /dev/stdin has no size up front: the read stops past the limit.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_berth"))
+        .args(["job", "run", "/dev/stdin"])
+        .env("BERTH_ADDR", "http://127.0.0.1:1")
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run berth");
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        let chunk = vec![b'#'; 1024 * 1024];
+        for _ in 0..8 {
+            if stdin.write_all(&chunk).is_err() {
+                break; // berth stopped reading, as it should
+            }
+        }
+    });
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(
+        single_error_line(&err),
+        "job file /dev/stdin is more than 2 MiB; the limit is 2 MiB"
+    );
 }

@@ -102,14 +102,41 @@ impl ApiClient {
             self.authority,
             body.len()
         );
-        stream.write_all(head.as_bytes())?;
-        stream.write_all(&body)?;
-        let mut raw = Vec::new();
-        stream
-            .read_to_end(&mut raw)
-            .with_context(|| format!("reading the answer to {method} {path}"))?;
-        let (status, index, body) = parse_response(&raw)
-            .with_context(|| format!("malformed HTTP answer to {method} {path}"))?;
+        // A server may answer before it has read the whole body (a 413
+        // for a body over its limit) and close the connection: writing
+        // then fails, but its answer, already received, says why.
+        let send_failure = match send_request(&mut stream, head.as_bytes(), &body) {
+            Ok(()) => None,
+            Err(e) if answered_early(&e) => Some(e),
+            Err(e) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "sending {method} {path} to the berth API at http://{}",
+                        self.authority
+                    )
+                })
+            }
+        };
+        let (raw, read_failure) = read_answer(&mut stream);
+        let parsed = parse_response(&raw);
+        let (status, index, body) = match (parsed, send_failure, read_failure) {
+            (Ok(answer), _, _) => answer,
+            (Err(_), Some(e), _) => {
+                return Err(e).with_context(|| {
+                    format!(
+                        "the berth API closed the connection while {method} {path} was being sent \
+                         ({} body) and gave no answer",
+                        crate::http::describe_size(body.len() as u64)
+                    )
+                })
+            }
+            (Err(_), None, Some(e)) => {
+                return Err(e).with_context(|| format!("reading the answer to {method} {path}"))
+            }
+            (Err(e), None, None) => {
+                return Err(e).with_context(|| format!("malformed HTTP answer to {method} {path}"))
+            }
+        };
         let value: serde_json::Value = if body.is_empty() {
             serde_json::Value::Null
         } else {
@@ -126,6 +153,36 @@ impl ApiClient {
             return Err(ApiError { status, message }.into());
         }
         Ok((value, index))
+    }
+}
+
+fn send_request(stream: &mut TcpStream, head: &[u8], body: &[u8]) -> std::io::Result<()> {
+    stream.write_all(head)?;
+    stream.write_all(body)?;
+    stream.flush()
+}
+
+/// Whether a failed write means the server stopped reading, which it does
+/// after answering early.
+fn answered_early(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
+    )
+}
+
+/// Reads the answer until the server closes the connection. What arrived
+/// before a read error (a reset right after an early answer) is kept.
+fn read_answer(stream: &mut TcpStream) -> (Vec<u8>, Option<std::io::Error>) {
+    let mut raw = Vec::new();
+    let mut chunk = [0u8; 16 * 1024];
+    loop {
+        match stream.read(&mut chunk) {
+            Ok(0) => return (raw, None),
+            Ok(n) => raw.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return (raw, Some(e)),
+        }
     }
 }
 
@@ -146,6 +203,7 @@ fn parse_response(raw: &[u8]) -> Result<(u16, Option<u64>, Vec<u8>)> {
         .ok_or_else(|| anyhow!("bad status line {status_line:?}"))?;
     let mut chunked = false;
     let mut index = None;
+    let mut length: Option<usize> = None;
     for line in lines {
         let Some((name, value)) = line.split_once(':') else {
             continue;
@@ -155,13 +213,18 @@ fn parse_response(raw: &[u8]) -> Result<(u16, Option<u64>, Vec<u8>)> {
             chunked = true;
         } else if name == "x-berth-index" {
             index = value.parse().ok();
+        } else if name == "content-length" {
+            length = value.parse().ok();
         }
     }
     let body = &raw[split + 4..];
-    let body = if chunked {
-        decode_chunked(body)?
-    } else {
-        body.to_vec()
+    let body = match (chunked, length) {
+        (true, _) => decode_chunked(body)?,
+        (false, Some(n)) if body.len() < n => {
+            bail!("truncated body: {} of {n} bytes", body.len())
+        }
+        (false, Some(n)) => body[..n].to_vec(),
+        (false, None) => body.to_vec(),
     };
     Ok((status, index, body))
 }
@@ -204,6 +267,59 @@ mod tests {
         .unwrap();
         assert_eq!((s, b.as_slice()), (404, b"abcde".as_slice()));
         assert!(parse_response(b"garbage").is_err());
+    }
+
+    /// A server that answers 413 after the request head and closes the
+    /// connection without reading the body, as a server with a body limit
+    /// does.
+    fn early_answering_server() -> (String, std::thread::JoinHandle<()>) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                conn.read_exact(&mut byte).unwrap();
+                head.push(byte[0]);
+            }
+            let body = br#"{"error":"request body is larger than the 2 MiB limit"}"#;
+            let answer = format!(
+                "HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            // One write: the kernel sends it before the reset that
+            // dropping the connection with unread data makes.
+            let mut whole = answer.into_bytes();
+            whole.extend_from_slice(body);
+            conn.write_all(&whole).unwrap();
+            // Dropped with the body unread: the kernel resets the
+            // connection while the client still writes.
+        });
+        (format!("http://{addr}"), server)
+    }
+
+    #[test]
+    fn an_early_answer_is_reported_instead_of_a_broken_pipe() {
+        let (addr, server) = early_answering_server();
+        let api = ApiClient::new(&addr).unwrap();
+        let big = serde_json::json!({ "job": "x".repeat(32 * 1024 * 1024) });
+        let err = api.put("/v1/jobs", &big).unwrap_err();
+        server.join().unwrap();
+        let api_err = err
+            .downcast_ref::<ApiError>()
+            .unwrap_or_else(|| panic!("expected the server's answer, got {err:#}"));
+        assert_eq!(api_err.status, 413);
+        assert_eq!(
+            api_err.message,
+            "request body is larger than the 2 MiB limit"
+        );
+    }
+
+    #[test]
+    fn a_truncated_answer_is_an_error() {
+        assert!(parse_response(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\n{}").is_err());
     }
 
     #[test]

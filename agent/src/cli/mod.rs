@@ -1,11 +1,13 @@
 //! The command line: Nomad-shaped commands and single-dash flags. Every
 //! command but `agent` is a client of the HTTP API.
 
+pub mod errors;
 pub mod http_client;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 
+use errors::UsageError;
 use http_client::{ApiClient, DEFAULT_ADDR};
 
 const USAGE: &str = "\
@@ -28,6 +30,11 @@ Commands:
 
 Every command but agent takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747).
 ";
+
+/// A command line berth cannot make sense of: reported with [`USAGE`].
+fn usage_error(message: impl Into<String>) -> anyhow::Error {
+    UsageError::new(message, USAGE).into()
+}
 
 /// Flags common to API commands, and the positional arguments left over.
 struct ApiArgs {
@@ -57,16 +64,17 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
             None => (flag, None),
         };
         if name != "address" && !allowed.contains(&name) {
-            bail!("berth {command}: unknown flag -{name}\n\n{USAGE}");
+            return Err(usage_error(format!(
+                "berth {command}: unknown flag -{name}"
+            )));
         }
         match name {
             "address" => {
                 address = match inline {
                     Some(v) => v,
-                    None => it
-                        .next()
-                        .cloned()
-                        .ok_or_else(|| anyhow!("berth {command}: -address needs a value"))?,
+                    None => it.next().cloned().ok_or_else(|| {
+                        usage_error(format!("berth {command}: -address needs a value"))
+                    })?,
                 }
             }
             "json" => json = true,
@@ -87,8 +95,11 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
 fn one_positional(command: &str, a: &ApiArgs, what: &str) -> Result<String> {
     match a.positional.as_slice() {
         [one] => Ok(one.clone()),
-        [] => bail!("berth {command}: missing {what}"),
-        _ => bail!("berth {command}: takes one {what}, got {:?}", a.positional),
+        [] => Err(usage_error(format!("berth {command}: missing {what}"))),
+        _ => Err(usage_error(format!(
+            "berth {command}: takes one {what}, got {:?}",
+            a.positional
+        ))),
     }
 }
 
@@ -96,20 +107,18 @@ fn optional_positional(command: &str, a: &ApiArgs, what: &str) -> Result<Option<
     match a.positional.as_slice() {
         [] => Ok(None),
         [one] => Ok(Some(one.clone())),
-        _ => bail!(
+        _ => Err(usage_error(format!(
             "berth {command}: takes at most one {what}, got {:?}",
             a.positional
-        ),
+        ))),
     }
 }
 
-/// Runs the command line; returns the process exit code.
+/// Runs the command line; returns the process exit code. A
+/// [`UsageError`] says the command line itself is wrong.
 pub fn run(args: Vec<String>) -> Result<i32> {
     let (cmd, rest) = match args.as_slice() {
-        [] => {
-            eprint!("{USAGE}");
-            return Ok(1);
-        }
+        [] => return Err(usage_error("berth: no command given")),
         [c, rest @ ..] => (c.as_str(), rest),
     };
     let sub = rest.first().map(String::as_str);
@@ -134,10 +143,10 @@ pub fn run(args: Vec<String>) -> Result<i32> {
             print!("{USAGE}");
             Ok(0)
         }
-        _ => {
-            eprint!("berth: unknown command {:?}\n\n{USAGE}", args.join(" "));
-            Ok(1)
-        }
+        _ => Err(usage_error(format!(
+            "berth: unknown command {:?}",
+            args.join(" ")
+        ))),
     }
 }
 
@@ -159,14 +168,50 @@ fn print_json(v: &Value) -> Result<i32> {
     Ok(0)
 }
 
-fn read_spec(path: &str) -> Result<String> {
-    std::fs::read_to_string(path).with_context(|| format!("reading {path}"))
+/// Reads a spec file (`kind` says which: "job file"). A file larger than
+/// the API accepts is refused before it is read, so a huge file costs
+/// neither memory nor a request.
+fn read_spec(kind: &str, path: &str) -> Result<String> {
+    use std::io::Read;
+    let limit = crate::http::MAX_REQUEST_BODY as u64;
+    let too_large = |size: String| {
+        anyhow!(
+            "{kind} {path} is {size}; the limit is {}",
+            crate::http::describe_size(limit)
+        )
+    };
+    let file = std::fs::File::open(path).with_context(|| format!("reading {path}"))?;
+    let meta = file.metadata().with_context(|| format!("reading {path}"))?;
+    if meta.is_dir() {
+        bail!("{kind} {path} is a directory");
+    }
+    if meta.len() > limit {
+        return Err(too_large(crate::http::describe_size(meta.len())));
+    }
+    // A pipe or a file that grows has no size up front: read one byte past
+    // the limit at most.
+    let mut raw = Vec::new();
+    file.take(limit.saturating_add(1))
+        .read_to_end(&mut raw)
+        .with_context(|| format!("reading {path}"))?;
+    if raw.len() as u64 > limit {
+        return Err(too_large(format!(
+            "more than {}",
+            crate::http::describe_size(limit)
+        )));
+    }
+    String::from_utf8(raw).map_err(|e| {
+        anyhow!(
+            "{kind} {path} is not UTF-8 text (invalid byte at offset {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 fn job_run(args: &[String]) -> Result<i32> {
     let a = api_args("job run", args, &["detach"])?;
     let path = one_positional("job run", &a, "job file")?;
-    let src = read_spec(&path)?;
+    let src = read_spec("job file", &path)?;
     let job = berth_structs::spec::parse_job(&src).map_err(|e| anyhow!("{path}: {e}"))?;
     job.validate().map_err(|e| anyhow!("{path}: {e}"))?;
     let resp = a.api.put("/v1/jobs", &json!({ "job": job }))?;
@@ -445,7 +490,7 @@ fn volume_submit(args: &[String], create: bool) -> Result<i32> {
     };
     let a = api_args(command, args, &[])?;
     let path = one_positional(command, &a, "volume file")?;
-    let src = read_spec(&path)?;
+    let src = read_spec("volume file", &path)?;
     let vol = berth_structs::spec::parse_volume(&src).map_err(|e| anyhow!("{path}: {e}"))?;
     vol.validate(!create).map_err(|e| anyhow!("{path}: {e}"))?;
     let url = if create {
@@ -487,7 +532,9 @@ fn volume_delete(args: &[String]) -> Result<i32> {
 fn volume_detach(args: &[String]) -> Result<i32> {
     let a = api_args("volume detach", args, &[])?;
     let [volume, node] = a.positional.as_slice() else {
-        bail!("berth volume detach: takes a volume ID and a node ID");
+        return Err(usage_error(
+            "berth volume detach: takes a volume ID and a node ID",
+        ));
     };
     a.api.delete(&format!(
         "/v1/volume/csi/{}/detach?node={}",

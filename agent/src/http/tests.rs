@@ -1,0 +1,386 @@
+//! The API's errors, through the real router and a real server on a temp
+//! dir: every status has the one shape `{"error": "<message>"}` with
+//! `content-type: application/json`, and the message names the problem.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{header, HeaderMap, Method, Request, StatusCode};
+use axum::Router;
+use berth_server::{Server, ServerConfig};
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+use super::*;
+
+/// A router over a real server whose state lives in a temp dir.
+pub(super) struct TestApi {
+    pub router: Router,
+    pub server: Arc<Server>,
+    _dir: tempfile::TempDir,
+}
+
+impl TestApi {
+    pub fn new() -> TestApi {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = Server::open(ServerConfig::new(dir.path())).expect("open server");
+        TestApi {
+            router: router(server.clone()),
+            server,
+            _dir: dir,
+        }
+    }
+}
+
+/// An answer: status, headers, body.
+pub(super) struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Answer {
+    /// The message of an error answer, after checking its shape: JSON
+    /// content type, an object with exactly one key `error`, a non-empty
+    /// string. Panics when the shape is wrong.
+    pub fn error_message(&self) -> String {
+        self.checked_error_message()
+            .unwrap_or_else(|problem| panic!("{problem}"))
+    }
+
+    /// [`Self::error_message`], or what is wrong with the shape.
+    pub fn checked_error_message(&self) -> Result<String, String> {
+        let body = String::from_utf8_lossy(&self.body);
+        let ct = self
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default();
+        if !ct.starts_with("application/json") {
+            return Err(format!(
+                "{} answered content-type {ct:?}, body {body:?}",
+                self.status
+            ));
+        }
+        let v: Value = serde_json::from_slice(&self.body).map_err(|e| {
+            format!(
+                "{} answered a body that is not JSON ({e}): {body:?}",
+                self.status
+            )
+        })?;
+        match v.as_object().map(|o| (o.len(), o.get("error"))) {
+            Some((1, Some(Value::String(m)))) if !m.is_empty() => Ok(m.clone()),
+            _ => Err(format!(
+                "{} answered {v} instead of {{\"error\": \"<message>\"}}",
+                self.status
+            )),
+        }
+    }
+}
+
+pub(super) async fn call(
+    router: &Router,
+    method: Method,
+    uri: &str,
+    content_type: Option<&str>,
+    body: Body,
+) -> Answer {
+    let mut req = Request::builder().method(method).uri(uri);
+    if let Some(ct) = content_type {
+        req = req.header(header::CONTENT_TYPE, ct);
+    }
+    let resp = router
+        .clone()
+        .oneshot(req.body(body).expect("request"))
+        .await
+        .expect("the router is infallible");
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("read body")
+        .to_vec();
+    Answer {
+        status,
+        headers,
+        body,
+    }
+}
+
+async fn put_json(router: &Router, uri: &str, body: impl Into<Body>) -> Answer {
+    call(
+        router,
+        Method::PUT,
+        uri,
+        Some("application/json"),
+        body.into(),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn an_unknown_path_is_a_json_404_naming_it() {
+    let api = TestApi::new();
+    let a = call(&api.router, Method::GET, "/v1/foo", None, Body::empty()).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(a.error_message(), "unknown API path /v1/foo");
+    let a = call(&api.router, Method::DELETE, "/", None, Body::empty()).await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert_eq!(a.error_message(), "unknown API path /");
+}
+
+#[tokio::test]
+async fn a_wrong_method_is_a_json_405_naming_the_allowed_ones() {
+    let api = TestApi::new();
+    let a = call(&api.router, Method::POST, "/v1/jobs", None, Body::empty()).await;
+    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        a.error_message(),
+        "method POST is not allowed on /v1/jobs (allowed: GET, HEAD, PUT)"
+    );
+    assert!(a.headers.contains_key(header::ALLOW), "Allow is kept");
+    let a = call(
+        &api.router,
+        Method::GET,
+        "/v1/volume/csi/v/detach",
+        None,
+        Body::empty(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        a.error_message(),
+        "method GET is not allowed on /v1/volume/csi/v/detach (allowed: DELETE)"
+    );
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_a_json_413_naming_the_limit() {
+    let api = TestApi::new();
+    let big = vec![b' '; MAX_REQUEST_BODY + 1];
+    let a = put_json(&api.router, "/v1/jobs", big.clone()).await;
+    assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        a.error_message(),
+        "request body is larger than the 2 MiB limit"
+    );
+    // A body announced too large is refused before it is read.
+    let req = Request::builder()
+        .method(Method::PUT)
+        .uri("/v1/jobs")
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONTENT_LENGTH, (50u64 * 1024 * 1024).to_string())
+        .body(Body::empty())
+        .unwrap();
+    let resp = api.router.clone().oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::PAYLOAD_TOO_LARGE);
+    // A body of unknown length (chunked) is cut off at the limit too.
+    let stream = futures_free_stream(big);
+    let a = put_json(&api.router, "/v1/volume/csi/v/create", stream).await;
+    assert_eq!(a.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(
+        a.error_message(),
+        "request body is larger than the 2 MiB limit"
+    );
+}
+
+/// A body without a known length, in 64 KiB frames.
+fn futures_free_stream(bytes: Vec<u8>) -> Body {
+    let chunks: Vec<Result<Bytes, std::io::Error>> = bytes
+        .chunks(64 * 1024)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    Body::from_stream(tokio_stream::iter(chunks))
+}
+
+#[tokio::test]
+async fn a_body_that_is_not_json_is_a_json_415() {
+    let api = TestApi::new();
+    let a = call(&api.router, Method::PUT, "/v1/jobs", None, Body::from("{}")).await;
+    assert_eq!(a.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert_eq!(
+        a.error_message(),
+        "request body must be JSON: set content-type: application/json"
+    );
+    let a = call(
+        &api.router,
+        Method::PUT,
+        "/v1/jobs",
+        Some("application/x-www-form-urlencoded"),
+        Body::from("job=x"),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::UNSUPPORTED_MEDIA_TYPE);
+    assert!(
+        a.error_message()
+            .contains("content-type is \"application/x-www-form-urlencoded\""),
+        "{}",
+        a.error_message()
+    );
+}
+
+#[tokio::test]
+async fn malformed_json_is_a_json_400_with_its_line_and_column() {
+    let api = TestApi::new();
+    let a = put_json(&api.router, "/v1/jobs", r#"{"job": }"#).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        a.error_message(),
+        "invalid JSON at line 1 column 9: expected value"
+    );
+    let a = put_json(&api.router, "/v1/jobs", "").await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(
+        a.error_message()
+            .starts_with("invalid JSON at line 1 column 0: EOF"),
+        "{}",
+        a.error_message()
+    );
+    let e = decode_json::<Value>(b"{} trailing").unwrap_err();
+    assert_eq!(e.status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        e.message,
+        "invalid JSON at line 1 column 4: trailing characters"
+    );
+}
+
+#[tokio::test]
+async fn json_of_the_wrong_shape_is_a_json_422_naming_the_field() {
+    let api = TestApi::new();
+    let a = put_json(&api.router, "/v1/jobs", "{}").await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(a.error_message(), "missing field \"job\"");
+    let a = put_json(&api.router, "/v1/jobs", r#"{"job": {"id": 5}}"#).await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        a.error_message(),
+        "job.id: invalid type: integer \"5\", expected a string"
+    );
+    let a = put_json(&api.router, "/v1/volume/csi/v", r#""text""#).await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(
+        a.error_message(),
+        "invalid type: string \"text\", expected struct VolumeSubmit"
+    );
+}
+
+#[tokio::test]
+async fn a_bad_query_string_is_a_json_400_naming_the_parameter() {
+    let api = TestApi::new();
+    let a = call(
+        &api.router,
+        Method::DELETE,
+        "/v1/volume/csi/v?force=maybe",
+        None,
+        Body::empty(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let m = a.error_message();
+    assert!(
+        m.starts_with("invalid query string \"force=maybe\": force"),
+        "{m}"
+    );
+    let a = call(
+        &api.router,
+        Method::GET,
+        "/v1/job/x/allocations?index=soon",
+        None,
+        Body::empty(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let m = a.error_message();
+    assert!(m.contains("index: invalid digit"), "{m}");
+}
+
+#[tokio::test]
+async fn an_undecodable_path_parameter_is_a_json_400() {
+    let api = TestApi::new();
+    let a = call(&api.router, Method::GET, "/v1/job/%FF", None, Body::empty()).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    let m = a.error_message();
+    assert!(m.starts_with("invalid URL path /v1/job/%FF: "), "{m}");
+}
+
+#[tokio::test]
+async fn handler_errors_keep_the_same_shape() {
+    let api = TestApi::new();
+    let a = call(
+        &api.router,
+        Method::GET,
+        "/v1/job/nope",
+        None,
+        Body::empty(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert!(a.error_message().contains("nope"), "{}", a.error_message());
+    let a = put_json(
+        &api.router,
+        "/v1/volume/csi/other",
+        json!({"volume": {"id": "v", "plugin_id": "p"}}).to_string(),
+    )
+    .await;
+    assert!(a.status.is_client_error(), "{}", a.status);
+    a.error_message();
+}
+
+#[tokio::test]
+async fn a_non_json_error_from_anywhere_is_rewritten_into_the_one_shape() {
+    // A route that answers plain text, as axum's own extractors do: the
+    // layer still turns it into the one shape, keeping its text.
+    let app = Router::new()
+        .route(
+            "/plain",
+            axum::routing::get(|| async { (StatusCode::CONFLICT, "plain text refusal") }),
+        )
+        .route(
+            "/empty",
+            axum::routing::get(|| async { StatusCode::IM_A_TEAPOT }),
+        )
+        .layer(axum::middleware::from_fn(one_error_shape));
+    let a = call(&app, Method::GET, "/plain", None, Body::empty()).await;
+    assert_eq!(a.status, StatusCode::CONFLICT);
+    assert_eq!(a.error_message(), "plain text refusal");
+    let a = call(&app, Method::GET, "/empty", None, Body::empty()).await;
+    assert_eq!(a.status, StatusCode::IM_A_TEAPOT);
+    assert_eq!(a.error_message(), "i'm a teapot");
+}
+
+#[test]
+fn sizes_are_described_for_people() {
+    assert_eq!(describe_size(MAX_REQUEST_BODY as u64), "2 MiB");
+    assert_eq!(describe_size(50 * 1024 * 1024), "50 MiB");
+    assert_eq!(describe_size(50 * 1024 * 1024 + 100 * 1024), "50.1 MiB");
+    assert_eq!(describe_size(1536), "1.5 KiB");
+    assert_eq!(describe_size(12), "12 bytes");
+    assert!(describe_size(u64::MAX).ends_with(" GiB"));
+}
+
+/// The API served on a real socket: a body over the limit from the CLI's
+/// own client gets the server's 413 message, not a broken pipe.
+#[test]
+fn the_cli_client_reports_the_servers_413_for_a_body_over_the_limit() {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let api = rt.block_on(async { TestApi::new() });
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let served = rt.spawn(serve(listener, api.server.clone(), stop_rx));
+    let client = crate::cli::http_client::ApiClient::new(&format!("http://{addr}")).unwrap();
+    let big = json!({ "job": "x".repeat(16 * 1024 * 1024) });
+    let err = client.put("/v1/jobs", &big).unwrap_err();
+    let _ = stop_tx.send(true);
+    let _ = rt.block_on(served);
+    let api_err = err
+        .downcast_ref::<crate::cli::http_client::ApiError>()
+        .unwrap_or_else(|| panic!("expected the API's answer, got: {err:#}"));
+    assert_eq!(api_err.status, 413);
+    assert_eq!(
+        api_err.message,
+        "request body is larger than the 2 MiB limit"
+    );
+}
