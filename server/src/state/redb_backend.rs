@@ -128,27 +128,64 @@ impl RedbBackend {
     }
 }
 
-/// Decode every record of `table`; undecodable ones (or ones whose ID does
-/// not match their key) are returned as bad keys.
-fn decode_table<T: DeserializeOwned>(
+/// No real store reaches this index: 2^53 writes take centuries at a
+/// million writes a second. A record or meta entry beyond it is corrupt,
+/// and trusting it would leave no room for the index of the next write.
+pub(crate) const MAX_SANE_INDEX: u64 = 1 << 53;
+
+/// What loading checks of a decoded record besides its shape.
+trait StoredRecord: DeserializeOwned {
+    fn id(&self) -> &str;
+    /// The create and modify index.
+    fn indexes(&self) -> [u64; 2];
+}
+
+macro_rules! stored_record {
+    ($($t:ty),*) => {$(
+        impl StoredRecord for $t {
+            fn id(&self) -> &str {
+                &self.id
+            }
+            fn indexes(&self) -> [u64; 2] {
+                [self.create_index, self.modify_index]
+            }
+        }
+    )*};
+}
+stored_record!(
+    berth_structs::Job,
+    berth_structs::Allocation,
+    berth_structs::Node,
+    berth_structs::CsiVolume
+);
+
+/// Decode every record of `table`; undecodable ones, ones whose ID does not
+/// match their key and ones with an index beyond [`MAX_SANE_INDEX`] are
+/// returned as bad keys.
+fn decode_table<T: StoredRecord>(
     table: &redb::Table<&str, &[u8]>,
-    name: &'static str,
-    id_of: impl Fn(&T) -> &str,
-    bad: &mut Vec<(Table, String, Vec<u8>)>,
     kind: Table,
+    bad: &mut Vec<(Table, String, Vec<u8>)>,
 ) -> Result<BTreeMap<String, T>, StoreError> {
+    let name = kind.name();
     let mut out = BTreeMap::new();
     for row in table.iter()? {
         let (k, v) = row?;
         let key = k.value().to_string();
         match serde_json::from_slice::<T>(v.value()) {
-            Ok(obj) if id_of(&obj) == key => {
-                out.insert(key, obj);
-            }
-            Ok(obj) => {
-                tracing::error!(table = name, key = %key, id = %id_of(&obj),
+            Ok(obj) if obj.id() != key => {
+                tracing::error!(table = name, key = %key, id = %obj.id(),
                     "state record's ID does not match its key; quarantining it");
                 bad.push((kind, key, v.value().to_vec()));
+            }
+            Ok(obj) if obj.indexes().iter().any(|&i| i > MAX_SANE_INDEX) => {
+                let [create_index, modify_index] = obj.indexes();
+                tracing::error!(table = name, key = %key, create_index, modify_index,
+                    "state record's index is beyond any real store's; quarantining it");
+                bad.push((kind, key, v.value().to_vec()));
+            }
+            Ok(obj) => {
+                out.insert(key, obj);
             }
             Err(e) => {
                 tracing::error!(table = name, key = %key, error = %e,
@@ -158,6 +195,22 @@ fn decode_table<T: DeserializeOwned>(
         }
     }
     Ok(out)
+}
+
+/// An index read from `meta`, or 0 (lost) when it is beyond
+/// [`MAX_SANE_INDEX`].
+fn sane_index(key: &str, value: Option<u64>) -> u64 {
+    match value {
+        Some(i) if i > MAX_SANE_INDEX => {
+            tracing::error!(
+                key,
+                index = i,
+                "state index is beyond any real store's; rebuilding it from the records"
+            );
+            0
+        }
+        v => v.unwrap_or(0),
+    }
 }
 
 impl Backend for RedbBackend {
@@ -182,48 +235,23 @@ impl Backend for RedbBackend {
                 _ => {}
             }
             meta.insert(META_SCHEMA, SCHEMA_VERSION)?;
-            tables.index = meta.get(META_INDEX)?.map_or(0, |v| v.value());
+            tables.index = sane_index(META_INDEX, meta.get(META_INDEX)?.map(|v| v.value()));
             for t in Table::ALL {
-                let i = meta
-                    .get(table_index_key(t).as_str())?
-                    .map_or(0, |v| v.value());
+                let key = table_index_key(t);
+                let i = sane_index(&key, meta.get(key.as_str())?.map(|v| v.value()));
                 tables.table_index.insert(t, i);
             }
         }
         let mut bad = Vec::new();
         {
             let t = txn.open_table(definition(Table::Jobs))?;
-            tables.jobs = decode_table(
-                &t,
-                "jobs",
-                |j: &berth_structs::Job| &j.id,
-                &mut bad,
-                Table::Jobs,
-            )?;
+            tables.jobs = decode_table(&t, Table::Jobs, &mut bad)?;
             let t = txn.open_table(definition(Table::Allocs))?;
-            tables.allocs = decode_table(
-                &t,
-                "allocs",
-                |a: &berth_structs::Allocation| &a.id,
-                &mut bad,
-                Table::Allocs,
-            )?;
+            tables.allocs = decode_table(&t, Table::Allocs, &mut bad)?;
             let t = txn.open_table(definition(Table::Nodes))?;
-            tables.nodes = decode_table(
-                &t,
-                "nodes",
-                |n: &berth_structs::Node| &n.id,
-                &mut bad,
-                Table::Nodes,
-            )?;
+            tables.nodes = decode_table(&t, Table::Nodes, &mut bad)?;
             let t = txn.open_table(definition(Table::Volumes))?;
-            tables.volumes = decode_table(
-                &t,
-                "volumes",
-                |v: &berth_structs::CsiVolume| &v.id,
-                &mut bad,
-                Table::Volumes,
-            )?;
+            tables.volumes = decode_table(&t, Table::Volumes, &mut bad)?;
         }
         // The index never goes backwards, even if meta was lost.
         let max_seen = tables
@@ -233,6 +261,7 @@ impl Backend for RedbBackend {
             .chain(tables.allocs.values().map(|a| a.modify_index))
             .chain(tables.nodes.values().map(|n| n.modify_index))
             .chain(tables.volumes.values().map(|v| v.modify_index))
+            .chain(tables.table_index.values().copied())
             .max()
             .unwrap_or(0);
         tables.index = tables.index.max(max_seen);
@@ -314,5 +343,337 @@ impl RedbBackend {
         }
         txn.commit()?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Garbage and damaged records written into a real redb file behind
+    //! the backend's back: opening never panics, bad records are
+    //! quarantined and reported, good ones load, and the store still takes
+    //! writes afterwards.
+
+    use std::collections::BTreeSet;
+
+    use berth_structs::{Allocation, CsiVolume, Job, Node};
+    use proptest::prelude::*;
+    use proptest::sample::Index;
+    use serde_json::Value;
+
+    use super::*;
+    use crate::state::StateStore;
+
+    fn valid(kind: Table, id: &str) -> Value {
+        let v = match kind {
+            Table::Jobs => serde_json::to_value(Job {
+                id: id.into(),
+                name: id.into(),
+                create_index: 3,
+                modify_index: 5,
+                ..Default::default()
+            }),
+            Table::Allocs => serde_json::to_value(Allocation {
+                id: id.into(),
+                job_id: "j".into(),
+                node_id: "n".into(),
+                create_index: 4,
+                modify_index: 4,
+                ..Default::default()
+            }),
+            Table::Nodes => serde_json::to_value(Node {
+                id: id.into(),
+                name: "n".into(),
+                create_index: 1,
+                modify_index: 7,
+                ..Default::default()
+            }),
+            Table::Volumes => serde_json::to_value(CsiVolume {
+                id: id.into(),
+                plugin_id: "p".into(),
+                secrets: [("token".to_string(), "s".to_string())].into(),
+                create_index: 2,
+                modify_index: 6,
+                ..Default::default()
+            }),
+        };
+        v.expect("encode a valid record")
+    }
+
+    /// What is written under a key.
+    #[derive(Debug, Clone)]
+    enum Content {
+        Valid,
+        /// A valid record of another ID.
+        OtherId(String),
+        Garbage(Vec<u8>),
+        /// A valid record with one number set to an extreme value.
+        ExtremeNumber(Index, u64),
+        /// A valid record with some values replaced.
+        Mutated(Vec<(Index, Value)>),
+        /// Valid JSON text with bytes cut out and others spliced in.
+        Damaged(Index, usize, Vec<u8>),
+    }
+
+    fn json_leaf() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "\\PC{0,6}".prop_map(Value::from),
+            Just(serde_json::json!([])),
+            Just(serde_json::json!({})),
+        ]
+    }
+
+    fn content() -> impl Strategy<Value = Content> {
+        prop_oneof![
+            3 => Just(Content::Valid),
+            1 => "[a-z0-9]{0,4}".prop_map(Content::OtherId),
+            1 => prop::collection::vec(any::<u8>(), 0..64).prop_map(Content::Garbage),
+            2 => (any::<Index>(), prop_oneof![
+                Just(0u64), Just(u64::MAX), Just(u64::MAX - 1), Just(MAX_SANE_INDEX),
+                Just(MAX_SANE_INDEX + 1), any::<u64>(),
+            ])
+                .prop_map(|(i, n)| Content::ExtremeNumber(i, n)),
+            2 => prop::collection::vec((any::<Index>(), json_leaf()), 1..4)
+                .prop_map(Content::Mutated),
+            2 => (any::<Index>(), 0usize..12, prop::collection::vec(any::<u8>(), 0..6))
+                .prop_map(|(i, n, b)| Content::Damaged(i, n, b)),
+        ]
+    }
+
+    /// JSON pointers to every node of `v`; with `numbers`, only to numbers.
+    fn pointers(v: &Value, at: String, numbers: bool, out: &mut Vec<String>) {
+        if !numbers || v.is_number() {
+            out.push(at.clone());
+        }
+        match v {
+            Value::Object(m) => {
+                for (k, child) in m {
+                    let k = k.replace('~', "~0").replace('/', "~1");
+                    pointers(child, format!("{at}/{k}"), numbers, out);
+                }
+            }
+            Value::Array(a) => {
+                for (i, child) in a.iter().enumerate() {
+                    pointers(child, format!("{at}/{i}"), numbers, out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn replace_at(v: &mut Value, at: &Index, numbers: bool, with: Value) {
+        let mut ps = Vec::new();
+        pointers(v, String::new(), numbers, &mut ps);
+        if ps.is_empty() {
+            return;
+        }
+        if let Some(slot) = v.pointer_mut(&ps[at.index(ps.len())]) {
+            *slot = with;
+        }
+    }
+
+    fn bytes_of(kind: Table, key: &str, content: &Content) -> Vec<u8> {
+        let mut v = valid(kind, key);
+        match content {
+            Content::Valid => {}
+            Content::OtherId(id) => v = valid(kind, &format!("other-{id}")),
+            Content::Garbage(b) => return b.clone(),
+            Content::ExtremeNumber(at, n) => replace_at(&mut v, at, true, Value::from(*n)),
+            Content::Mutated(edits) => {
+                for (at, with) in edits {
+                    replace_at(&mut v, at, false, with.clone());
+                }
+            }
+            Content::Damaged(at, len, insert) => {
+                let text = v.to_string().into_bytes();
+                let from = at.index(text.len() + 1);
+                let to = from.saturating_add(*len).min(text.len());
+                return [&text[..from], &insert[..], &text[to..]].concat();
+            }
+        }
+        v.to_string().into_bytes()
+    }
+
+    /// Whether `bytes` under `key` is a record the store should load.
+    fn is_good(kind: Table, key: &str, bytes: &[u8]) -> bool {
+        fn good<T: StoredRecord>(key: &str, bytes: &[u8]) -> bool {
+            serde_json::from_slice::<T>(bytes)
+                .is_ok_and(|r| r.id() == key && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX))
+        }
+        match kind {
+            Table::Jobs => good::<Job>(key, bytes),
+            Table::Allocs => good::<Allocation>(key, bytes),
+            Table::Nodes => good::<Node>(key, bytes),
+            Table::Volumes => good::<CsiVolume>(key, bytes),
+        }
+    }
+
+    fn loaded_keys(t: &Tables) -> BTreeSet<(Table, String)> {
+        let keys = |kind: Table, ks: Vec<&String>| {
+            ks.into_iter()
+                .map(move |k| (kind, k.clone()))
+                .collect::<Vec<_>>()
+        };
+        keys(Table::Jobs, t.jobs.keys().collect())
+            .into_iter()
+            .chain(keys(Table::Allocs, t.allocs.keys().collect()))
+            .chain(keys(Table::Nodes, t.nodes.keys().collect()))
+            .chain(keys(Table::Volumes, t.volumes.keys().collect()))
+            .collect()
+    }
+
+    /// Writes `records` and meta indexes straight into a redb file.
+    fn write_raw(
+        path: &Path,
+        records: &BTreeMap<(Table, String), Vec<u8>>,
+        meta: &[(String, u64)],
+    ) {
+        let db = Database::create(path).expect("create db");
+        let txn = db.begin_write().expect("begin");
+        {
+            for ((kind, key), bytes) in records {
+                let mut t = txn.open_table(definition(*kind)).expect("open table");
+                t.insert(key.as_str(), bytes.as_slice()).expect("insert");
+            }
+            let mut m = txn.open_table(META).expect("open meta");
+            for (k, v) in meta {
+                m.insert(k.as_str(), *v).expect("insert meta");
+            }
+        }
+        txn.commit().expect("commit");
+    }
+
+    fn meta_entries() -> impl Strategy<Value = Vec<(String, u64)>> {
+        let key = prop_oneof![
+            Just(META_INDEX.to_string()),
+            Just("index/jobs".to_string()),
+            Just("index/allocs".to_string()),
+            Just("index/volumes".to_string()),
+        ];
+        let value = prop_oneof![Just(u64::MAX), Just(MAX_SANE_INDEX + 1), 0u64..100];
+        prop::collection::vec((key, value), 0..3)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 128,
+            max_shrink_iters: 500,
+            ..ProptestConfig::default()
+        })]
+
+        /// 128 cases, each a fresh database file with up to 10 records.
+        #[test]
+        fn damaged_records_are_quarantined_and_good_ones_load(
+            entries in prop::collection::vec(
+                (0usize..4, prop_oneof![3 => "k[0-3]", 1 => "\\PC{0,8}"], content()),
+                0..10,
+            ),
+            meta in meta_entries(),
+        ) {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let path = RedbBackend::path_in(dir.path());
+            let backend = RedbBackend::open(&path).expect("open");
+            backend.load().expect("first load");
+            drop(backend);
+
+            let mut records = BTreeMap::new();
+            for (kind, key, content) in &entries {
+                let kind = Table::ALL[*kind];
+                records.insert((kind, key.clone()), bytes_of(kind, key, content));
+            }
+            write_raw(&path, &records, &meta);
+
+            let backend = RedbBackend::open(&path).expect("reopen");
+            let tables = backend.load().expect("load never fails on bad records");
+            let good: BTreeSet<(Table, String)> = records
+                .iter()
+                .filter(|((kind, key), bytes)| is_good(*kind, key, bytes))
+                .map(|(k, _)| k.clone())
+                .collect();
+            prop_assert_eq!(&loaded_keys(&tables), &good);
+            prop_assert!(tables.index <= MAX_SANE_INDEX);
+            prop_assert!(tables.table_index.values().all(|&i| i <= tables.index));
+
+            // Every bad record is reported in quarantine with its bytes.
+            let quarantined = backend.quarantined().expect("quarantine");
+            for ((kind, key), bytes) in &records {
+                if good.contains(&(*kind, key.clone())) {
+                    continue;
+                }
+                let prefix = format!("{}/{}/", kind.name(), key);
+                prop_assert!(
+                    quarantined.iter().any(|q| q.key.starts_with(&prefix) && &q.value == bytes),
+                    "{} not quarantined: {:?}", prefix, quarantined.iter().map(|q| &q.key).collect::<Vec<_>>()
+                );
+            }
+
+            // The bad records left their tables: a second load is clean and
+            // the same.
+            let again = backend.load().expect("second load");
+            prop_assert_eq!(loaded_keys(&again), good);
+            prop_assert_eq!(backend.quarantined().expect("quarantine").len(), quarantined.len());
+
+            // The store still takes a write, at an index above all it holds.
+            let store = StateStore::open(Box::new(backend)).expect("store");
+            let before = store.index();
+            let ((), index) = store
+                .write(|_, changes| {
+                    changes.push(crate::state::Change::PutJob(Job {
+                        id: "after".into(),
+                        ..Default::default()
+                    }));
+                    Ok::<_, StoreError>(())
+                })
+                .expect("write after load");
+            prop_assert!(index > before);
+        }
+    }
+
+    #[test]
+    fn a_record_with_an_index_no_store_reaches_is_quarantined_and_writes_go_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        RedbBackend::open(&path)
+            .expect("open")
+            .load()
+            .expect("load");
+        let mut huge = valid(Table::Jobs, "huge");
+        huge["modify_index"] = Value::from(u64::MAX);
+        let records = BTreeMap::from([
+            (
+                (Table::Jobs, "huge".to_string()),
+                huge.to_string().into_bytes(),
+            ),
+            (
+                (Table::Jobs, "fine".to_string()),
+                valid(Table::Jobs, "fine").to_string().into_bytes(),
+            ),
+        ]);
+        write_raw(&path, &records, &[(META_INDEX.to_string(), u64::MAX)]);
+
+        let backend = RedbBackend::open(&path).expect("reopen");
+        let store = StateStore::open(Box::new(backend)).expect("store");
+        assert_eq!(
+            store.read(|t| t.jobs.keys().cloned().collect::<Vec<_>>()),
+            ["fine"]
+        );
+        assert_eq!(store.index(), 5, "rebuilt from the records that loaded");
+        let quarantined = store.quarantined().expect("quarantine");
+        assert_eq!(quarantined.len(), 1);
+        assert!(quarantined[0].key.starts_with("jobs/huge/"));
+        let ((), index) = store
+            .write(|_, changes| {
+                changes.push(crate::state::Change::PutJob(Job {
+                    id: "next".into(),
+                    ..Default::default()
+                }));
+                Ok::<_, StoreError>(())
+            })
+            .expect("a write after the load");
+        assert_eq!(index, 6);
     }
 }
