@@ -271,6 +271,15 @@ impl VolumeManager {
             alloc_id = %req.alloc_id,
         );
         let result = async {
+            let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
+            // No record of the alloc using the volume and no undo left:
+            // nothing is mounted, so the unmount is done. Decided before the
+            // IDs are checked, so that a claim on an ID that could never be
+            // mounted here can still be released.
+            if self.unmount_work(req) == (false, false) {
+                tracing::debug!("no record of the volume for the alloc; nothing to unmount");
+                return Ok(());
+            }
             validate_ids(
                 &req.volume_id,
                 &[
@@ -279,7 +288,6 @@ impl VolumeManager {
                     ("alloc ID", &req.alloc_id),
                 ],
             )?;
-            let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
             let key = stub_key(
                 &req.plugin_id,
                 &req.volume_id,

@@ -376,6 +376,37 @@ async fn ids_that_would_escape_the_mount_root_are_refused() {
 }
 
 #[tokio::test]
+async fn unmounting_what_was_never_mounted_succeeds_whatever_the_ids() {
+    // Every node call fails: none may be needed.
+    let h = Harness::start(&[
+        "--fail",
+        "NodeUnpublishVolume=internal",
+        "--fail",
+        "NodeUnstageVolume=internal",
+    ])
+    .await;
+    // A mount refused for its IDs leaves nothing behind, so its unmount
+    // (the servers' node detach of the claim) is done, not refused again.
+    let refused = mount_req("../../../../../escape_target", "x", "alloc-1");
+    h.manager
+        .mount_volume(refused.clone())
+        .await
+        .expect_err("refused");
+    for m in [
+        refused,
+        mount_req("data", "x", "../alloc"),
+        mount_req("data", "x", "alloc-2"),
+    ] {
+        h.manager
+            .unmount_volume(unmount_req(&m))
+            .await
+            .unwrap_or_else(|e| panic!("nothing of {m:?} is mounted: {e}"));
+    }
+    assert!(h.store.volumes().is_empty());
+    assert!(mounts_under(&h.root).is_empty());
+}
+
+#[tokio::test]
 async fn a_reader_only_access_mode_is_published_read_only() {
     let h = Harness::start(&[]).await;
     let ext = h.create_volume("v").await;
