@@ -557,8 +557,8 @@ async fn deregister_volume(
     ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<ForceQuery>,
 ) -> ApiResult {
-    s.deregister_volume(&id, q.force).await?;
-    Ok(Json(json!({})))
+    let report = s.deregister_volume(&id, q.force).await?;
+    to_json(&report)
 }
 
 async fn delete_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
@@ -576,8 +576,8 @@ async fn detach_volume(
     ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<DetachQuery>,
 ) -> ApiResult {
-    s.detach_volume(&id, &q.node).await?;
-    Ok(Json(json!({})))
+    let report = s.detach_volume(&id, &q.node).await?;
+    to_json(&report)
 }
 
 async fn list_plugins(State(s): State<Arc<Server>>) -> ApiResult {

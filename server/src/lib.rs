@@ -22,7 +22,7 @@ mod server;
 pub mod state;
 
 pub use config::ServerConfig;
-pub use csi::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest};
+pub use csi::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, VolumeRelease, FORCED_RELEASE_EVENT};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
 pub use nodes::{AllocUpdate, NodeRegistration};

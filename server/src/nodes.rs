@@ -10,7 +10,41 @@ use berth_structs::{
 
 use crate::error::ServerError;
 use crate::server::Server;
-use crate::state::Change;
+use crate::state::{Change, Tables};
+
+/// The node `given` names: its ID, its name, or a unique prefix of its ID
+/// (what `node status` and `volume detach` accept), in that order.
+pub(crate) fn resolve_node<'a>(t: &'a Tables, given: &str) -> Result<&'a Node, ServerError> {
+    if let Some(n) = t.nodes.get(given) {
+        return Ok(n);
+    }
+    let named: Vec<&Node> = t.nodes.values().filter(|n| n.name == given).collect();
+    match named.as_slice() {
+        [one] => return Ok(one),
+        [] => {}
+        many => {
+            let ids: Vec<&str> = many.iter().map(|n| n.id.as_str()).collect();
+            return Err(ServerError::BadRequest(format!(
+                "node name {given:?} matches {} nodes ({}); give the node ID",
+                many.len(),
+                ids.join(", ")
+            )));
+        }
+    }
+    let mut m = t
+        .nodes
+        .range(given.to_string()..)
+        .take_while(|(k, _)| k.starts_with(given));
+    match (m.next(), m.next()) {
+        (Some((_, n)), None) if !given.is_empty() => Ok(n),
+        (Some(_), Some(_)) if !given.is_empty() => Err(ServerError::BadRequest(format!(
+            "node ID prefix {given:?} matches more than one node"
+        ))),
+        _ => Err(ServerError::not_found(format!(
+            "node {given:?} not found: give a node ID, a unique ID prefix or a node name (see `berth node status`)"
+        ))),
+    }
+}
 
 /// The answer to a node registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

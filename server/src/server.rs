@@ -173,24 +173,10 @@ impl Server {
         self.store.read(|t| t.nodes.values().cloned().collect())
     }
 
-    /// A node by ID, or by a unique ID prefix.
+    /// A node by ID, name, or unique ID prefix.
     pub fn node(&self, id: &str) -> Result<Node, ServerError> {
-        self.store.read(|t| {
-            if let Some(n) = t.nodes.get(id) {
-                return Ok(n.clone());
-            }
-            let mut m = t
-                .nodes
-                .range(id.to_string()..)
-                .take_while(|(k, _)| k.starts_with(id));
-            match (m.next(), m.next()) {
-                (Some((_, n)), None) if !id.is_empty() => Ok(n.clone()),
-                (Some(_), Some(_)) => Err(ServerError::BadRequest(format!(
-                    "node ID prefix {id:?} matches more than one node"
-                ))),
-                _ => Err(ServerError::not_found(format!("node {id:?} not found"))),
-            }
-        })
+        self.store
+            .read(|t| crate::nodes::resolve_node(t, id).cloned())
     }
 
     /// Whether `node_id` has a call stream open (the server can call it).

@@ -382,7 +382,18 @@ async fn deregister_refuses_a_claimed_volume_unless_forced_and_force_reaps_first
         Err(ServerError::Conflict(_))
     ));
 
-    s.deregister_volume("data", true).await.unwrap();
+    // Forced or not, a claim of an alloc still running on its node is
+    // refused: detaching would pull the volume from under its task.
+    let err = s.deregister_volume("data", true).await.unwrap_err();
+    assert!(matches!(err, ServerError::Conflict(_)), "{err:?}");
+    assert!(err.to_string().contains(&alloc.id), "{err}");
+    assert!(client.call_kinds().is_empty());
+
+    s.stop_job("db").await.unwrap();
+    report(&s, &alloc, AllocClientStatus::Complete).await;
+    let released = s.deregister_volume("data", true).await.unwrap();
+    assert_eq!(released.released, vec![alloc.id.clone()]);
+    assert!(released.warnings.is_empty(), "{:?}", released.warnings);
     assert!(matches!(s.volume("data"), Err(ServerError::NotFound(_))));
     assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
 }
@@ -613,4 +624,259 @@ async fn unknown_volume_ids_sent_to_claim_and_unpublish_leave_no_lock_entries() 
         s.volume_locks_in_use() == 0
     })
     .await;
+}
+
+#[tokio::test]
+async fn detach_names_a_node_that_does_not_exist_and_accepts_a_name_or_id_prefix() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut other = node("7f3c2a10-0000-4000-8000-000000000002");
+    other.name = "worker-2".into();
+    s.register_node(other).await.unwrap();
+
+    let err = s.detach_volume("data", "nosuchnode").await.unwrap_err();
+    assert!(matches!(err, ServerError::NotFound(_)), "{err:?}");
+    assert!(err.to_string().contains("\"nosuchnode\""), "{err}");
+    assert!(matches!(
+        s.detach_volume("nope", "n1").await,
+        Err(ServerError::NotFound(_))
+    ));
+
+    // A known node (by name or by ID prefix) with no claim of the volume:
+    // nothing to release, and not an error.
+    for given in ["worker-2", "7f3c2a10"] {
+        let r = s.detach_volume("data", given).await.unwrap();
+        assert_eq!(r.node_id, "7f3c2a10-0000-4000-8000-000000000002");
+        assert_eq!(r.node_name, "worker-2");
+        assert!(r.released.is_empty() && r.warnings.is_empty(), "{r:?}");
+    }
+
+    // The claim of a live alloc stays refused.
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    assert!(matches!(
+        s.detach_volume("data", "n1").await,
+        Err(ServerError::Conflict(_))
+    ));
+    report(&s, &alloc, AllocClientStatus::Failed).await;
+    let r = s.detach_volume("data", "n1").await.unwrap();
+    assert_eq!(r.released, vec![alloc.id.clone()]);
+    assert!(r.warnings.is_empty(), "{:?}", r.warnings);
+    assert_eq!(claim_state(&s, &alloc.id), None);
+}
+
+#[tokio::test]
+async fn register_refuses_a_plugin_no_node_has_fingerprinted() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    s.register_node(node("n1")).await.unwrap();
+    let err = s
+        .register_volume(volume(
+            "data",
+            "nosuchplugin",
+            &[AccessMode::SingleNodeWriter],
+        ))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ServerError::BadRequest(_)), "{err:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("no CSI plugin named \"nosuchplugin\""),
+        "{msg}"
+    );
+    assert!(msg.contains("run the plugin's job first"), "{msg}");
+    assert!(s.volumes().is_empty());
+
+    // Once a node fingerprints it (healthy or not), the volume registers.
+    give_plugin(&s, "n1", "nosuchplugin", false, false, false).await;
+    s.register_volume(volume(
+        "data",
+        "nosuchplugin",
+        &[AccessMode::SingleNodeWriter],
+    ))
+    .await
+    .unwrap();
+}
+
+/// A client whose node detach always fails the same way.
+fn failing_detach(message: &'static str) -> CallHandler {
+    Arc::new(move |call| match call.call {
+        Some(pb::server_call::Call::NodeDetach(_)) => {
+            pb::call_reply::Result::Error(pb::CallError {
+                code: tonic::Code::Internal as i32,
+                message: message.into(),
+            })
+        }
+        _ => pb::call_reply::Result::Empty(pb::Empty {}),
+    })
+}
+
+fn forced_release_events(s: &berth_server::Server) -> Vec<berth_structs::NodeEvent> {
+    s.node("n1")
+        .unwrap()
+        .events
+        .into_iter()
+        .filter(|e| e.message == berth_server::FORCED_RELEASE_EVENT)
+        .collect()
+}
+
+#[tokio::test]
+async fn operator_detach_frees_a_stopped_allocs_claim_when_the_node_cannot_unmount() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", failing_detach("target is busy")).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    report(&s, &alloc, AllocClientStatus::Failed).await;
+
+    let r = s.detach_volume("data", "n1").await.unwrap();
+    assert_eq!(r.released, vec![alloc.id.clone()]);
+    assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    assert!(
+        r.warnings[0].starts_with(&format!(
+            "node n1 could not unmount volume \"data\" for alloc {}:",
+            alloc.id
+        )) && r.warnings[0].contains("target is busy"),
+        "{:?}",
+        r.warnings
+    );
+    assert_eq!(claim_state(&s, &alloc.id), None, "the claim is freed");
+    assert_eq!(client.call_kinds(), vec!["NodeDetach"], "the node was told");
+    let events = forced_release_events(&s);
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].subsystem, "Storage");
+    assert_eq!(events[0].details["volume_id"], "data");
+    assert_eq!(events[0].details["alloc_id"], alloc.id);
+    assert_eq!(events[0].details["success"], "false");
+    assert_eq!(events[0].details["error"], r.warnings[0]);
+    // The replacement is placed and can claim the freed volume.
+    let next = wait_for_live(&s, "db").await;
+    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the freed volume can be claimed again");
+}
+
+#[tokio::test]
+async fn forced_deregister_frees_claims_when_the_node_is_unreachable_or_cannot_unmount() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    s.stop_job("db").await.unwrap();
+    report(&s, &alloc, AllocClientStatus::Complete).await;
+
+    // No call stream: the node is up but cannot be told.
+    let r = s.deregister_volume("data", true).await.unwrap();
+    assert_eq!(r.released, vec![alloc.id.clone()]);
+    assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    assert!(
+        r.warnings[0].starts_with("node n1 could not unmount volume \"data\""),
+        "{:?}",
+        r.warnings
+    );
+    assert!(matches!(s.volume("data"), Err(ServerError::NotFound(_))));
+
+    // With a client whose unmount fails: the same.
+    let client = TestClient::connect(&ts, "n1", failing_detach("device busy")).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    s.register_job(volume_job("db2", "data", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let second = live_allocs(&s, "db2").pop().expect("db2 placed");
+    csi.claim(claim_request("data", &second, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    report(&s, &second, AllocClientStatus::Failed).await;
+    let r = s.deregister_volume("data", true).await.unwrap();
+    assert_eq!(r.released, vec![second.id.clone()]);
+    assert!(r.warnings[0].contains("device busy"), "{:?}", r.warnings);
+    assert!(matches!(s.volume("data"), Err(ServerError::NotFound(_))));
+    assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
+    assert_eq!(forced_release_events(&s).len(), 2);
+}
+
+#[tokio::test]
+async fn a_failing_reap_backs_off_and_its_node_keeps_one_event_per_distinct_error() {
+    let ts = TestServer::start(|c| c.claim_reap_grace = Duration::from_millis(100)).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    // The client fails each detach and, as csimanager does, records a
+    // Storage event for it; each event is a store write that wakes the
+    // watcher.
+    let s2 = s.clone();
+    let handler: CallHandler = Arc::new(move |call| match &call.call {
+        Some(pb::server_call::Call::NodeDetach(d)) => {
+            let event = berth_structs::NodeEvent::new("Storage", "Unmount volume")
+                .with_detail("volume_id", d.volume_id.as_str())
+                .with_detail("alloc_id", d.alloc_id.as_str())
+                .with_detail("success", "false")
+                .with_detail("error", "NodeUnpublishVolume: Internal: target is busy");
+            s2.emit_node_events("n1", vec![event]).unwrap();
+            pb::call_reply::Result::Error(pb::CallError {
+                code: tonic::Code::Internal as i32,
+                message: "target is busy".into(),
+            })
+        }
+        _ => pb::call_reply::Result::Empty(pb::Empty {}),
+    });
+    let client = TestClient::connect(&ts, "n1", handler).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    report(&s, &alloc, AllocClientStatus::Failed).await;
+
+    let detaches = || {
+        client
+            .call_kinds()
+            .iter()
+            .filter(|k| **k == "NodeDetach")
+            .count()
+    };
+    wait_until("the watcher tries twice", Duration::from_secs(10), || {
+        detaches() >= 2
+    })
+    .await;
+    let started = tokio::time::Instant::now();
+    let tried = detaches();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Backoff from 0.5 s, doubling (with jitter): a handful of tries, not
+    // one per state change.
+    let more = detaches() - tried;
+    assert!(
+        more <= 4,
+        "{more} more tries in {:?}: the retry does not back off",
+        started.elapsed()
+    );
+    assert_eq!(
+        claim_state(&s, &alloc.id),
+        Some((ClaimState::Taken, true)),
+        "kept while the node cannot unmount"
+    );
+    let unmounts: Vec<_> = s
+        .node("n1")
+        .unwrap()
+        .events
+        .into_iter()
+        .filter(|e| e.message == "Unmount volume")
+        .collect();
+    assert_eq!(unmounts.len(), 1, "{unmounts:?}");
+    assert_eq!(unmounts[0].count as usize, detaches());
+
+    // An operator ends it.
+    let r = s.detach_volume("data", "n1").await.unwrap();
+    assert_eq!(r.released, vec![alloc.id.clone()]);
+    assert_eq!(claim_state(&s, &alloc.id), None);
 }

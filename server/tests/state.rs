@@ -16,6 +16,7 @@ async fn state_survives_a_restart_with_its_indexes() {
     let (jobs, allocs, nodes, volumes, index, alloc_index) = {
         let server = Server::open(test_config(dir.path())).unwrap();
         server.register_node(node("n1")).await.unwrap();
+        give_plugin(&server, "n1", "hostpath", true, false, false).await;
         server
             .register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
             .await

@@ -224,7 +224,11 @@ fn job_run(args: &[String]) -> Result<i32> {
             println!("  {f}");
         }
     }
+    let outcome = placement_outcome(&resp);
     if a.detach {
+        if let Some(o) = &outcome {
+            println!("{o}");
+        }
         return Ok(0);
     }
     if resp.get("changed").and_then(Value::as_bool) == Some(false) && failures.is_empty() {
@@ -232,7 +236,27 @@ fn job_run(args: &[String]) -> Result<i32> {
         return Ok(0);
     }
     let placed = monitor_job(&a.api, &job.id, job.job_type, index, !failures.is_empty())?;
+    if let Some(o) = &outcome {
+        println!("{o}");
+    }
     Ok(if failures.is_empty() { placed } else { 2 })
+}
+
+/// How many of the job's allocs were placed, when some were not.
+fn placement_outcome(resp: &Value) -> Option<String> {
+    let num = |k: &str| resp.get(k).and_then(Value::as_u64).unwrap_or(0);
+    let (desired, unplaced) = (num("desired_allocs"), num("unplaced_allocs"));
+    if unplaced == 0 {
+        return None;
+    }
+    let placed = desired.saturating_sub(unplaced);
+    Some(if placed > 0 {
+        format!(
+            "{placed} of {desired} allocs placed; the job runs with them and waits for capacity for the rest"
+        )
+    } else {
+        format!("0 of {desired} allocs placed; the job waits until they can be placed")
+    })
 }
 
 fn strs(v: &Value) -> Vec<String> {
@@ -308,6 +332,14 @@ fn monitor_job(
             if done {
                 if failed + lost > 0 {
                     println!("Job {job_id:?}: {failed} alloc(s) failed");
+                    return Ok(2);
+                }
+                if blocked {
+                    let state = match job_type {
+                        berth_structs::JobType::Batch => "done",
+                        _ => "running",
+                    };
+                    println!("Job {job_id:?}: the allocs placed are {state}");
                     return Ok(2);
                 }
                 println!("Job {job_id:?}: done");
@@ -514,10 +546,36 @@ fn volume_submit(args: &[String], create: bool) -> Result<i32> {
 fn volume_deregister(args: &[String]) -> Result<i32> {
     let a = api_args("volume deregister", args, &["force"])?;
     let id = one_positional("volume deregister", &a, "volume ID")?;
-    a.api
+    let resp = a
+        .api
         .delete(&format!("/v1/volume/csi/{}?force={}", enc(&id), a.force))?;
-    println!("Deregistered volume {id:?}");
+    print_release_warnings(&resp);
+    let released = strs(&resp["released"]);
+    if released.is_empty() {
+        println!("Deregistered volume {id:?}");
+    } else {
+        println!(
+            "Deregistered volume {id:?} after releasing the claims of {} ({})",
+            allocs_phrase(released.len()),
+            released.join(", ")
+        );
+    }
     Ok(0)
+}
+
+/// What an operator's release could not do (the claims were freed anyway).
+fn print_release_warnings(resp: &Value) {
+    for w in strs(&resp["warnings"]) {
+        println!("Warning: {w}");
+    }
+}
+
+fn allocs_phrase(n: usize) -> String {
+    if n == 1 {
+        "1 alloc".into()
+    } else {
+        format!("{n} allocs")
+    }
 }
 
 fn volume_delete(args: &[String]) -> Result<i32> {
@@ -536,12 +594,22 @@ fn volume_detach(args: &[String]) -> Result<i32> {
             "berth volume detach: takes a volume ID and a node ID",
         ));
     };
-    a.api.delete(&format!(
+    let resp = a.api.delete(&format!(
         "/v1/volume/csi/{}/detach?node={}",
         enc(volume),
         enc(node)
     ))?;
-    println!("Detached volume {volume:?} from node {node:?}");
+    let released = strs(&resp["released"]);
+    if released.is_empty() {
+        println!("volume {volume:?} has no claims on node {node:?}; nothing to detach");
+        return Ok(0);
+    }
+    print_release_warnings(&resp);
+    println!(
+        "Detached volume {volume:?} from node {node:?}: released the claims of {} ({})",
+        allocs_phrase(released.len()),
+        released.join(", ")
+    );
     Ok(0)
 }
 

@@ -22,7 +22,8 @@ use std::collections::BTreeMap;
 
 use berth_proto::berth::v1 as pb;
 use berth_structs::{
-    AccessMode, AttachmentMode, ClaimMode, ClaimState, CsiMountOptions, CsiVolumeClaim, NodeStatus,
+    AccessMode, AttachmentMode, ClaimMode, ClaimState, CsiMountOptions, CsiVolumeClaim, NodeEvent,
+    NodeStatus,
 };
 
 use super::capability_pb;
@@ -45,6 +46,10 @@ pub struct VolumeClaimRequest {
 }
 
 pub use berth_structs::ClaimGrant;
+
+/// The message of the `Storage` node event that records a detach step an
+/// operator's release went on past.
+pub const FORCED_RELEASE_EVENT: &str = "Volume claim freed despite a failed detach";
 
 /// Who releases a claim; it decides whether the node detach is needed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -300,7 +305,10 @@ impl Server {
     ) -> Result<(), ServerError> {
         let freed = {
             let _lock = self.volume_locks.lock(volume_id).await;
-            self.release_claim_locked(volume_id, alloc_id, &origin)
+            // Only an operator's release goes on past a failed detach, with
+            // warnings; this one stops at the error.
+            let mut warnings = Vec::new();
+            self.release_claim_locked(volume_id, alloc_id, &origin, &mut warnings)
                 .await?
         };
         if freed {
@@ -345,12 +353,17 @@ impl Server {
     }
 
     /// Drive a claim to freed; the caller holds the volume lock. Returns
-    /// whether a claim was freed.
+    /// whether a claim was freed. An operator's release (of a claim whose
+    /// alloc has stopped) goes on past a node or controller detach that
+    /// fails, so it always ends the claim: what failed is pushed to
+    /// `warnings` and recorded as a `Storage` event of the claim's node.
+    /// Any other release stops at the error, to be retried.
     pub(crate) async fn release_claim_locked(
         &self,
         volume_id: &str,
         alloc_id: &str,
         origin: &ReleaseOrigin,
+        warnings: &mut Vec<String>,
     ) -> Result<bool, ServerError> {
         loop {
             let Some((vol, claim)) = self.store.read(|t| {
@@ -366,7 +379,13 @@ impl Server {
                         tracing::info!(volume_id, alloc_id, node_id = %claim.node_id, origin = ?origin, "releasing claim");
                         self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)?;
                     }
-                    self.node_detach(&vol, &claim, origin).await?;
+                    if let Err(e) = self.node_detach(&vol, &claim, origin).await {
+                        let node = self.node_label(&claim.node_id);
+                        let what = format!(
+                            "node {node} could not unmount volume {volume_id:?} for alloc {alloc_id}: {e}"
+                        );
+                        self.go_on_past(origin, e, &claim, volume_id, what, warnings)?;
+                    }
                     self.checkpoint_claim(volume_id, alloc_id, ClaimState::NodeDetached)?;
                 }
                 ClaimState::NodeDetached => {
@@ -375,7 +394,13 @@ impl Server {
                     // reports no capabilities. A publish context is proof of
                     // a publish too (claims stored before the flag existed).
                     if claim.controller_published || !claim.publish_context.is_empty() {
-                        self.controller_detach(&vol, &claim).await?;
+                        if let Err(e) = self.controller_detach(&vol, &claim).await {
+                            let node = self.node_label(&claim.node_id);
+                            let what = format!(
+                                "the controller could not detach volume {volume_id:?} from node {node} for alloc {alloc_id}: {e}; it may still be attached there"
+                            );
+                            self.go_on_past(origin, e, &claim, volume_id, what, warnings)?;
+                        }
                     }
                     self.checkpoint_claim(volume_id, alloc_id, ClaimState::ControllerDetached)?;
                 }
@@ -389,6 +414,43 @@ impl Server {
                 }
             }
         }
+    }
+
+    /// A node's name, or its ID when it has none (or is gone).
+    fn node_label(&self, node_id: &str) -> String {
+        self.store
+            .read(|t| t.nodes.get(node_id).map(|n| n.name.clone()))
+            .filter(|name| !name.is_empty())
+            .unwrap_or_else(|| node_id.to_string())
+    }
+
+    /// A detach step of a release failed with `error`: an operator's
+    /// release goes on (the failure, said by `what`, becomes a warning and
+    /// a `Storage` event of the claim's node); any other stops with it.
+    fn go_on_past(
+        &self,
+        origin: &ReleaseOrigin,
+        error: ServerError,
+        claim: &CsiVolumeClaim,
+        volume_id: &str,
+        what: String,
+        warnings: &mut Vec<String>,
+    ) -> Result<(), ServerError> {
+        if *origin != ReleaseOrigin::Operator {
+            return Err(error);
+        }
+        tracing::warn!(volume_id, alloc_id = %claim.alloc_id, node_id = %claim.node_id, error = %error,
+            "detach step failed; the operator's release frees the claim anyway");
+        let event = NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, FORCED_RELEASE_EVENT)
+            .with_detail("volume_id", volume_id)
+            .with_detail("alloc_id", claim.alloc_id.as_str())
+            .with_detail("success", "false")
+            .with_detail("error", what.as_str());
+        if let Err(e) = self.emit_node_events(&claim.node_id, vec![event]) {
+            tracing::debug!(node_id = %claim.node_id, error = %e, "no node to record the failed detach on");
+        }
+        warnings.push(what);
+        Ok(())
     }
 
     /// ControllerUnpublishVolume for a claim, through a client that runs a

@@ -17,12 +17,28 @@ use berth_proto::berth::v1 as pb;
 use berth_structs::{CsiVolume, NodeStatus};
 use tokio::sync::OwnedMutexGuard;
 
-pub use claims::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest};
+pub use claims::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, FORCED_RELEASE_EVENT};
 
 use crate::error::ServerError;
-use crate::plugins::controller_nodes;
+use crate::nodes::resolve_node;
+use crate::plugins::{controller_nodes, derive_plugins};
 use crate::server::Server;
 use crate::state::{Change, Tables};
+
+/// What `volume detach` or a forced deregister did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct VolumeRelease {
+    pub volume_id: String,
+    /// The node whose claims were released (`volume detach`; empty for a
+    /// deregister), and its name.
+    pub node_id: String,
+    pub node_name: String,
+    /// The allocs whose claims were freed.
+    pub released: Vec<String>,
+    /// What could not be done on the way: a node that could not unmount, a
+    /// controller that could not detach. The claims were freed anyway.
+    pub warnings: Vec<String>,
+}
 
 /// One async lock per volume ID. An entry lives only while someone holds
 /// or waits for its lock, so IDs that come and go (unknown ones included)
@@ -98,6 +114,15 @@ impl VolumeLocks {
     pub(crate) fn len(&self) -> usize {
         self.map().len()
     }
+}
+
+/// Whether `alloc_id` may still run on its node: it exists and its client
+/// has not reported it terminal (asked to stop is not enough: its task may
+/// still use the volume).
+fn alloc_live(t: &Tables, alloc_id: &str) -> bool {
+    t.allocs
+        .get(alloc_id)
+        .is_some_and(|a| !a.client_status.is_terminal())
 }
 
 /// A volume as the API shows it: secrets cleared, `schedulable` computed.
@@ -244,6 +269,17 @@ impl Server {
     /// in a way that contradicts its claims.
     pub async fn register_volume(&self, mut vol: CsiVolume) -> Result<CsiVolume, ServerError> {
         vol.validate(true)?;
+        if !self
+            .store
+            .read(|t| derive_plugins(t).contains_key(&vol.plugin_id))
+        {
+            return Err(ServerError::BadRequest(format!(
+                "no CSI plugin named {:?}: no node has fingerprinted it and no job runs it; \
+                 run the plugin's job first (`berth job run`), wait until `berth plugin status {}` \
+                 lists it, then register the volume",
+                vol.plugin_id, vol.plugin_id
+            )));
+        }
         let provider = self.plugin_provider(&vol.plugin_id);
         let _lock = self.volume_locks.lock(&vol.id).await;
         self.store.write(|t, changes| {
@@ -289,38 +325,74 @@ impl Server {
     }
 
     /// Deregister a volume (the storage is kept). A claimed volume is
-    /// refused unless `force`; with `force` every claim is released first
-    /// (node and controller detach), so nothing stays attached.
-    pub async fn deregister_volume(&self, id: &str, force: bool) -> Result<(), ServerError> {
+    /// refused unless `force`; with `force` the claims of allocs that are
+    /// terminal (or gone) are released first (node and controller detach),
+    /// and freed even when a detach fails (reported in the answer's
+    /// warnings). Claims of live allocs are refused either way.
+    pub async fn deregister_volume(
+        &self,
+        id: &str,
+        force: bool,
+    ) -> Result<VolumeRelease, ServerError> {
         let _lock = self.volume_locks.lock(id).await;
-        let claims: Vec<String> = self
+        let claims: Vec<(String, bool)> = self
             .store
             .read(|t| {
-                t.volumes
-                    .get(id)
-                    .map(|v| v.claims().map(|c| c.alloc_id.clone()).collect())
+                t.volumes.get(id).map(|v| {
+                    v.claims()
+                        .map(|c| (c.alloc_id.clone(), alloc_live(t, &c.alloc_id)))
+                        .collect()
+                })
             })
             .ok_or_else(|| ServerError::not_found(format!("volume {id:?} not found")))?;
+        let mut report = VolumeRelease {
+            volume_id: id.to_string(),
+            ..Default::default()
+        };
         if !claims.is_empty() {
+            let ids: Vec<&str> = claims.iter().map(|(a, _)| a.as_str()).collect();
             if !force {
                 return Err(ServerError::Conflict(format!(
                     "volume {id:?} has {} claims (allocs {}); stop them first or deregister with force",
                     claims.len(),
-                    claims.join(", ")
+                    ids.join(", ")
                 )));
             }
-            for alloc_id in &claims {
-                self.release_claim_locked(id, alloc_id, &ReleaseOrigin::Operator)
-                    .await?;
+            let live: Vec<&str> = claims
+                .iter()
+                .filter(|(_, live)| *live)
+                .map(|(a, _)| a.as_str())
+                .collect();
+            if !live.is_empty() {
+                return Err(ServerError::Conflict(format!(
+                    "volume {id:?} is in use by allocs that have not stopped on their nodes ({}); stop them first",
+                    live.join(", ")
+                )));
+            }
+            for (alloc_id, _) in &claims {
+                self.release_claim_locked(
+                    id,
+                    alloc_id,
+                    &ReleaseOrigin::Operator,
+                    &mut report.warnings,
+                )
+                .await?;
+                report.released.push(alloc_id.clone());
             }
         }
         self.store.write(|_, changes| {
             changes.push(Change::DeleteVolume(id.to_string()));
             Ok::<_, ServerError>(())
         })?;
-        tracing::info!(volume_id = id, force, "volume deregistered");
+        tracing::info!(
+            volume_id = id,
+            force,
+            released = report.released.len(),
+            warnings = report.warnings.len(),
+            "volume deregistered"
+        );
         drop(_lock);
-        Ok(())
+        Ok(report)
     }
 
     /// Delete a volume through its controller plugin (`DeleteVolume`) and
@@ -355,33 +427,72 @@ impl Server {
         Ok(())
     }
 
-    /// Release the claims of `volume_id` held on `node_id` by allocs that
-    /// are terminal (or gone) — `volume detach`.
-    pub async fn detach_volume(&self, volume_id: &str, node_id: &str) -> Result<(), ServerError> {
-        let claims: Vec<(String, bool)> = self
-            .store
-            .read(|t| {
-                t.volumes.get(volume_id).map(|v| {
-                    v.claims()
-                        .filter(|c| c.node_id == node_id)
-                        .map(|c| {
-                            let live = t.allocs.get(&c.alloc_id).is_some_and(|a| !a.is_terminal());
-                            (c.alloc_id.clone(), live)
-                        })
-                        .collect()
-                })
-            })
-            .ok_or_else(|| ServerError::not_found(format!("volume {volume_id:?} not found")))?;
+    /// Release the claims of `volume_id` held on `node` (a node ID, name
+    /// or unique ID prefix) by allocs that are terminal (or gone) — `volume
+    /// detach`. The node is told to unmount; when it cannot (or cannot be
+    /// reached), the claims are freed anyway and what failed is in the
+    /// answer's warnings and a node event. A claim of a live alloc is
+    /// refused. A node holding no claim of the volume is not an error: the
+    /// answer releases nothing.
+    pub async fn detach_volume(
+        &self,
+        volume_id: &str,
+        node: &str,
+    ) -> Result<VolumeRelease, ServerError> {
+        let (node_id, node_name, claims) = self.store.read(|t| {
+            let v = t
+                .volumes
+                .get(volume_id)
+                .ok_or_else(|| ServerError::not_found(format!("volume {volume_id:?} not found")))?;
+            // A claim may name a node that is gone (purged): its exact ID
+            // still counts.
+            let (node_id, node_name) = if v.claims().any(|c| c.node_id == node) {
+                let name = t
+                    .nodes
+                    .get(node)
+                    .map(|n| n.name.clone())
+                    .unwrap_or_default();
+                (node.to_string(), name)
+            } else {
+                let n = resolve_node(t, node)?;
+                (n.id.clone(), n.name.clone())
+            };
+            let claims: Vec<(String, bool)> = v
+                .claims()
+                .filter(|c| c.node_id == node_id)
+                .map(|c| (c.alloc_id.clone(), alloc_live(t, &c.alloc_id)))
+                .collect();
+            Ok::<_, ServerError>((node_id, node_name, claims))
+        })?;
         if let Some((alloc, _)) = claims.iter().find(|(_, live)| *live) {
             return Err(ServerError::Conflict(format!(
-                "volume {volume_id:?} is in use on node {node_id} by alloc {alloc}, which is not terminal"
+                "volume {volume_id:?} is in use on node {node_id} by alloc {alloc}, which has not stopped on its node; stop it first"
             )));
         }
+        let mut report = VolumeRelease {
+            volume_id: volume_id.to_string(),
+            node_id,
+            node_name,
+            ..Default::default()
+        };
+        let mut freed = false;
         for (alloc_id, _) in claims {
-            self.unpublish_claim(volume_id, &alloc_id, ReleaseOrigin::Operator)
+            let _lock = self.volume_locks.lock(volume_id).await;
+            freed |= self
+                .release_claim_locked(
+                    volume_id,
+                    &alloc_id,
+                    &ReleaseOrigin::Operator,
+                    &mut report.warnings,
+                )
                 .await?;
+            report.released.push(alloc_id);
         }
-        Ok(())
+        tracing::info!(volume_id, node_id = %report.node_id, released = report.released.len(), warnings = report.warnings.len(), "volume detached");
+        if freed {
+            self.evaluate_blocked().await;
+        }
+        Ok(report)
     }
 }
 
