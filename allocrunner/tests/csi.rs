@@ -815,3 +815,131 @@ async fn an_alloc_whose_volume_stays_mounted_is_not_collectable() {
     assert!(mounts_under(&h.data_dir().join("client/csi")).is_empty());
     plugin.stop().await;
 }
+
+/// A plugin task killed with SIGKILL is reported unhealthy (a task event,
+/// a CSI node event, an unhealthy fingerprint that keeps its provider)
+/// before it restarts, then healthy again: the kill is never hidden behind
+/// a second "became healthy".
+#[tokio::test]
+async fn a_killed_plugin_task_is_unhealthy_until_it_restarts_and_is_healthy_again() {
+    let h = Harness::new();
+    let (stop_csi, rx) = tokio::sync::watch::channel(false);
+    let manager = tokio::spawn(h.csi.clone().run(rx));
+    let script = format!(
+        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec {} --state-dir "$BERTH_TASK_DIR/local/state" --node-id node-1"#,
+        hostpath_plugin_binary().display()
+    );
+    let mut task = sh_task("plugin", &script);
+    task.csi_plugin = Some(plugin_config(Duration::from_secs(20)));
+    let mut a = alloc(JobType::Service, vec![task]);
+    group_mut(&mut a).restart = RestartPolicy {
+        attempts: 2,
+        interval: Duration::from_secs(600),
+        delay: Duration::from_secs(1),
+        mode: "fail".into(),
+    };
+    let pid_file = h
+        .data_dir()
+        .join("alloc")
+        .join(&a.id)
+        .join("plugin/local/pid");
+    let _killer = PidFileKiller(pid_file.clone());
+    let runner = h.runner(a.clone());
+    runner.run();
+    let node_events = |message: &str| {
+        h.node_events
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|e| e.subsystem == "CSI" && e.message == message)
+            .count()
+    };
+    wait_for("the plugin to be fingerprinted healthy", WITHIN, || {
+        node_events("Plugin became healthy") == 1
+    })
+    .await;
+    let healthy = h.csi.plugin_fingerprint(PLUGIN_ID).expect("a fingerprint");
+    assert!(healthy.healthy());
+
+    let pid = std::fs::read_to_string(&pid_file).unwrap();
+    let pid = nix::unistd::Pid::from_raw(pid.trim().parse().unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL).unwrap();
+
+    // Unhealthy while the task waits to restart: still registered, with
+    // the provider it had.
+    wait_for("the plugin to be unhealthy", WITHIN, || {
+        h.csi
+            .plugin_fingerprint(PLUGIN_ID)
+            .is_some_and(|fp| !fp.healthy())
+    })
+    .await;
+    let down = h.csi.plugin_fingerprint(PLUGIN_ID).unwrap();
+    for info in [
+        down.node.as_ref().unwrap(),
+        down.controller.as_ref().unwrap(),
+    ] {
+        assert_eq!(info.provider, "hostpath.csi.berth.dev", "{info:?}");
+        assert_eq!(info.health_description, "the plugin task exited");
+    }
+    assert_eq!(
+        down.node.unwrap().external_node_id,
+        "node-1",
+        "capabilities are kept"
+    );
+    assert_eq!(node_events("Plugin became unhealthy"), 1);
+    assert_eq!(
+        h.csi.registry().get(PLUGIN_ID).map(|r| r.alloc_id),
+        Some(a.id.clone())
+    );
+
+    wait_for("the plugin to be healthy again", WITHIN, || {
+        node_events("Plugin became healthy") == 2
+    })
+    .await;
+    let events: Vec<(String, String)> = runner.task_states()["plugin"]
+        .events
+        .iter()
+        .map(|e| (e.event_type.clone(), e.message.clone()))
+        .filter(|(t, _)| t.starts_with("Plugin became") || t == "Restarting")
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|(t, _)| t.as_str()).collect();
+    assert_eq!(
+        kinds,
+        vec![
+            "Plugin became healthy",
+            "Plugin became unhealthy",
+            "Restarting",
+            "Plugin became healthy"
+        ],
+        "{events:?}"
+    );
+    assert_eq!(events[1].1, "the plugin task exited");
+    let csi_events: Vec<String> = h
+        .node_events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| e.subsystem == "CSI")
+        .map(|e| e.message.clone())
+        .collect();
+    assert_eq!(
+        csi_events,
+        vec![
+            "Plugin became healthy",
+            "Plugin became unhealthy",
+            "Plugin became healthy"
+        ]
+    );
+    assert!(h.csi.plugin_fingerprint(PLUGIN_ID).unwrap().healthy());
+
+    runner.stop();
+    wait_done(&runner, WITHIN).await;
+    assert!(
+        h.csi.registry().get(PLUGIN_ID).is_none(),
+        "deregistered at stop"
+    );
+    stop_csi.send(true).unwrap();
+    manager.await.unwrap();
+}

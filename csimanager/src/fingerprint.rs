@@ -38,10 +38,22 @@ impl PluginFingerprint {
             .unwrap_or_default()
     }
 
+    /// Makes every entry unhealthy for `why`, keeping all else.
+    pub fn set_unhealthy(&mut self, why: &str) {
+        for info in [self.node.as_mut(), self.controller.as_mut()]
+            .into_iter()
+            .flatten()
+        {
+            info.healthy = false;
+            info.health_description = why.to_string();
+        }
+    }
+
     /// Gives each unhealthy entry the capability flags of the same service's
     /// entry in `last_good` (the last healthy one): a plugin that is down or
     /// restarting still needs, say, controller publishing. Only health and
-    /// its description say that it is unhealthy.
+    /// its description say that it is unhealthy. A provider the plugin
+    /// could not be asked for is the last good one too.
     pub fn keep_capabilities_of(&mut self, last_good: &PluginFingerprint) {
         for (now, good) in [
             (self.node.as_mut(), last_good.node.as_ref()),
@@ -49,6 +61,10 @@ impl PluginFingerprint {
         ] {
             if let (Some(now), Some(good)) = (now, good) {
                 if !now.healthy {
+                    if now.provider.is_empty() {
+                        now.provider = good.provider.clone();
+                        now.version = good.version.clone();
+                    }
                     now.requires_controller_publish = good.requires_controller_publish;
                     now.supports_stage_unstage = good.supports_stage_unstage;
                     now.supports_create_delete = good.supports_create_delete;
@@ -72,10 +88,17 @@ impl PluginFingerprint {
 
 const HEALTHY: &str = "healthy";
 
-/// Fingerprints the plugin registered as `reg` through `client`. Never
-/// fails: a plugin that cannot be fingerprinted is reported unhealthy, with
-/// the reason in `health_description`.
-pub async fn fingerprint(client: &CsiClient, reg: &PluginRegistration) -> PluginFingerprint {
+/// The fingerprint of a plugin whose supervisor says it is unhealthy (its
+/// task died, a probe failed), made without asking the plugin: unhealthy
+/// for `why`, with the provider it registered with.
+pub fn unhealthy_fingerprint(reg: &PluginRegistration, why: &str) -> PluginFingerprint {
+    let mut fp = registered(reg);
+    fp.set_unhealthy(why);
+    fp
+}
+
+/// The entries the registration's type has, unhealthy until fingerprinted.
+fn registered(reg: &PluginRegistration) -> PluginFingerprint {
     let base = CsiInfo {
         plugin_id: reg.plugin_id.clone(),
         alloc_id: reg.alloc_id.clone(),
@@ -85,24 +108,22 @@ pub async fn fingerprint(client: &CsiClient, reg: &PluginRegistration) -> Plugin
         health_description: String::new(),
         ..CsiInfo::default()
     };
-    let mut fp = PluginFingerprint {
+    PluginFingerprint {
         node: reg.plugin_type.has_node().then(|| base.clone()),
         controller: reg.plugin_type.has_controller().then(|| base.clone()),
-    };
-    let set_all_unhealthy = |fp: &mut PluginFingerprint, why: String| {
-        for info in [fp.node.as_mut(), fp.controller.as_mut()]
-            .into_iter()
-            .flatten()
-        {
-            info.healthy = false;
-            info.health_description = why.clone();
-        }
-    };
+    }
+}
+
+/// Fingerprints the plugin registered as `reg` through `client`. Never
+/// fails: a plugin that cannot be fingerprinted is reported unhealthy, with
+/// the reason in `health_description`.
+pub async fn fingerprint(client: &CsiClient, reg: &PluginRegistration) -> PluginFingerprint {
+    let mut fp = registered(reg);
 
     let identity = match identity(client).await {
         Ok(i) => i,
         Err(e) => {
-            set_all_unhealthy(&mut fp, e.to_string());
+            fp.set_unhealthy(&e.to_string());
             return fp;
         }
     };
@@ -114,7 +135,7 @@ pub async fn fingerprint(client: &CsiClient, reg: &PluginRegistration) -> Plugin
         info.version = identity.version.clone();
     }
     if !identity.ready {
-        set_all_unhealthy(&mut fp, "plugin is not ready (Probe)".to_string());
+        fp.set_unhealthy("plugin is not ready (Probe)");
         return fp;
     }
 
@@ -282,6 +303,31 @@ mod tests {
         // A healthy entry reports what the plugin says now.
         let ctrl = fp.controller.as_ref().unwrap();
         assert!(!ctrl.requires_controller_publish && !ctrl.supports_create_delete);
+    }
+
+    #[test]
+    fn an_unhealthy_entry_without_a_provider_keeps_the_last_good_one() {
+        let good = CsiInfo {
+            healthy: true,
+            provider: "hostpath.csi.berth.dev".into(),
+            version: "1.0".into(),
+            ..CsiInfo::default()
+        };
+        let mut last_good = PluginFingerprint::default();
+        last_good.remember_healthy(&PluginFingerprint {
+            node: Some(good),
+            controller: None,
+        });
+        let mut fp = PluginFingerprint {
+            node: Some(info(false, "connection refused")),
+            controller: None,
+        };
+        fp.keep_capabilities_of(&last_good);
+        let node = fp.node.unwrap();
+        assert_eq!(node.provider, "hostpath.csi.berth.dev");
+        assert_eq!(node.version, "1.0");
+        assert!(!node.healthy);
+        assert_eq!(node.health_description, "connection refused");
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub use client::CsiClient;
 pub use error::CsiError;
 pub use fingerprint::PluginFingerprint;
 pub use manager::{CsiManager, ManagerConfig};
-pub use registry::{PluginRegistration, PluginRegistry};
+pub use registry::{PluginRegistration, PluginRegistry, RegistryEntry};
 pub use sinks::{FingerprintSink, NodeEventSink, VolumeStateStore};
 pub use volume::{MountInfo, MountRequest, UnmountRequest, VolumeStub};
 pub use volume_manager::RetryPolicy;

@@ -14,8 +14,10 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::client::CsiClient;
 use crate::error::CsiError;
-use crate::fingerprint::{fingerprint, node_supports_stage_unstage, PluginFingerprint};
-use crate::registry::{PluginRegistration, PluginRegistry};
+use crate::fingerprint::{
+    fingerprint, node_supports_stage_unstage, unhealthy_fingerprint, PluginFingerprint,
+};
+use crate::registry::{PluginRegistration, PluginRegistry, RegistryEntry};
 use crate::sinks::{FingerprintSink, NodeEventSink, VolumeStateStore};
 use crate::volume::{MountInfo, MountRequest, UnmountRequest};
 use crate::volume_manager::{RetryPolicy, VolumeManager};
@@ -315,25 +317,70 @@ impl CsiManager {
         Ok(node_supports_stage_unstage(&caps))
     }
 
+    /// Records at once that the plugin's supervisor found the instance of
+    /// `alloc_id` unhealthy (its task died, a probe failed): a CSI node
+    /// event when it was healthy, and the unhealthy fingerprint, keeping
+    /// what the plugin last was (provider, capabilities), for the servers.
+    /// Not left to the next fingerprint round: the task may restart and be
+    /// healthy again before it, and the failure would go unrecorded. The
+    /// plugin stays registered, unhealthy, until it registers again.
+    pub fn plugin_unhealthy(&self, plugin_id: &str, alloc_id: &str, reason: &str) {
+        let (update, event) = {
+            // Marked under the state lock: a round that reads the registry
+            // under it too sees either both the mark and this record, or
+            // neither.
+            let mut state = self.lock_state();
+            if !self.registry.mark_unhealthy(plugin_id, alloc_id, reason) {
+                return;
+            }
+            // Not fingerprinted yet: the round the mark starts reports it.
+            let Some(fp) = state.plugins.get_mut(plugin_id) else {
+                return;
+            };
+            let was_healthy = fp.healthy();
+            fp.set_unhealthy(reason);
+            let event = was_healthy.then(|| health_event(plugin_id, fp));
+            (Self::fingerprints_to_send(&mut state), event)
+        };
+        if let Some(e) = event {
+            tracing::warn!(plugin_id, alloc_id, error = %reason, "CSI plugin became unhealthy");
+            self.events.emit(e);
+        }
+        if let Some(maps) = update {
+            self.start_fingerprint_sender();
+            self.latest_fingerprints.send_replace(Some(maps));
+        }
+    }
+
     /// Fingerprints every registered plugin, emits CSI node events for
     /// health changes, and hands the full set to the fingerprint sender when
     /// it changed (always the first time). Does not wait for the sink: the
-    /// sender task delivers the newest set, one at a time.
+    /// sender task delivers the newest set, one at a time. A plugin its
+    /// supervisor marked unhealthy is not asked: it is reported unhealthy.
     pub async fn refresh_fingerprints(&self) {
         let _round = self.refresh_lock.lock().await;
-        let regs = self.registry.list();
+        let entries = self.registry.entries();
 
         // Forget clients of plugins that are gone or moved.
         {
             let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
             clients.retain(|id, c| {
-                regs.iter()
-                    .any(|r| &r.plugin_id == id && r.socket_path == c.registration.socket_path)
+                entries.iter().any(|e| {
+                    &e.registration.plugin_id == id
+                        && e.registration.socket_path == c.registration.socket_path
+                })
             });
         }
 
+        let mut fresh: BTreeMap<String, (RegistryEntry, PluginFingerprint)> = BTreeMap::new();
         let mut set = JoinSet::new();
-        for reg in &regs {
+        for entry in entries {
+            let reg = &entry.registration;
+            if let Some(why) = &entry.unhealthy {
+                let fp = unhealthy_fingerprint(reg, why);
+                fresh.insert(reg.plugin_id.clone(), (entry, fp));
+                continue;
+            }
             let client = match self.client_for(reg) {
                 Ok(c) => c,
                 Err(e) => {
@@ -341,27 +388,51 @@ impl CsiManager {
                     continue;
                 }
             };
-            let reg = reg.clone();
             set.spawn(async move {
-                let fp = fingerprint(&client, &reg).await;
-                (reg.plugin_id, fp)
+                let fp = fingerprint(&client, &entry.registration).await;
+                (entry, fp)
             });
         }
-        let mut fresh = BTreeMap::new();
         while let Some(joined) = set.join_next().await {
             match joined {
-                Ok((id, fp)) => {
-                    fresh.insert(id, fp);
+                Ok((entry, fp)) => {
+                    fresh.insert(entry.registration.plugin_id.clone(), (entry, fp));
                 }
                 Err(e) => tracing::error!(error = %e, "CSI fingerprint task failed"),
             }
         }
 
         let (update, events) = {
+            // What the registry says now: a plugin that changed during the
+            // round (its task died, it registered again) keeps what was
+            // recorded of it; the change starts another round.
             let mut state = self.lock_state();
+            let now: BTreeMap<String, RegistryEntry> = self
+                .registry
+                .entries()
+                .into_iter()
+                .map(|e| (e.registration.plugin_id.clone(), e))
+                .collect();
+            let mut stale = Vec::new();
+            let mut fresh: BTreeMap<String, PluginFingerprint> = fresh
+                .into_iter()
+                .filter_map(|(id, (entry, fp))| match now.get(&id) {
+                    Some(current) if *current == entry => Some((id, fp)),
+                    Some(_) => {
+                        stale.push(id);
+                        None
+                    }
+                    None => None,
+                })
+                .collect();
             // An unhealthy entry keeps the capability flags of the plugin's
             // last healthy one: the servers still need to know, say, that
             // its volumes are controller-published.
+            for id in stale {
+                if let Some(old) = state.plugins.get(&id) {
+                    fresh.insert(id, old.clone());
+                }
+            }
             state.last_good.retain(|id, _| fresh.contains_key(id));
             for (id, fp) in fresh.iter_mut() {
                 let last_good = state.last_good.entry(id.clone()).or_default();
@@ -373,42 +444,16 @@ impl CsiManager {
                 let was = state.plugins.get(id).map(PluginFingerprint::healthy);
                 let now = fp.healthy();
                 if was != Some(now) {
-                    let message = if now {
-                        "Plugin became healthy"
-                    } else {
-                        "Plugin became unhealthy"
-                    };
                     if now {
                         tracing::info!(plugin_id = %id, "CSI plugin became healthy");
                     } else {
                         tracing::warn!(plugin_id = %id, error = %fp.health_error(), "CSI plugin became unhealthy");
                     }
-                    events.push(
-                        NodeEvent::new(NodeEvent::SUBSYSTEM_CSI, message)
-                            .with_detail("plugin_id", id.clone())
-                            .with_detail("error", fp.health_error()),
-                    );
+                    events.push(health_event(id, fp));
                 }
             }
             state.plugins = fresh;
-            let mut nodes = BTreeMap::new();
-            let mut controllers = BTreeMap::new();
-            for (id, fp) in &state.plugins {
-                if let Some(n) = &fp.node {
-                    nodes.insert(id.clone(), n.clone());
-                }
-                if let Some(c) = &fp.controller {
-                    controllers.insert(id.clone(), c.clone());
-                }
-            }
-            let maps = (nodes, controllers);
-            let update = if state.sent.as_ref() != Some(&maps) {
-                state.sent = Some(maps.clone());
-                Some(maps)
-            } else {
-                None
-            };
-            (update, events)
+            (Self::fingerprints_to_send(&mut state), events)
         };
         for e in events {
             self.events.emit(e);
@@ -417,6 +462,27 @@ impl CsiManager {
             self.start_fingerprint_sender();
             self.latest_fingerprints.send_replace(Some(maps));
         }
+    }
+
+    /// The node and controller maps of the current fingerprints, when they
+    /// differ from what was last handed to the sender (recorded as sent).
+    fn fingerprints_to_send(state: &mut FingerprintState) -> Option<PluginMaps> {
+        let mut nodes = BTreeMap::new();
+        let mut controllers = BTreeMap::new();
+        for (id, fp) in &state.plugins {
+            if let Some(n) = &fp.node {
+                nodes.insert(id.clone(), n.clone());
+            }
+            if let Some(c) = &fp.controller {
+                controllers.insert(id.clone(), c.clone());
+            }
+        }
+        let maps = (nodes, controllers);
+        if state.sent.as_ref() == Some(&maps) {
+            return None;
+        }
+        state.sent = Some(maps.clone());
+        Some(maps)
     }
 
     /// Starts the task that sends fingerprint sets to the sink, once. It
@@ -476,4 +542,16 @@ impl CsiManager {
                 .with_detail("error", e.to_string()),
         );
     }
+}
+
+/// The CSI node event of a plugin's health change to what `fp` says.
+fn health_event(plugin_id: &str, fp: &PluginFingerprint) -> NodeEvent {
+    let message = if fp.healthy() {
+        "Plugin became healthy"
+    } else {
+        "Plugin became unhealthy"
+    };
+    NodeEvent::new(NodeEvent::SUBSYSTEM_CSI, message)
+        .with_detail("plugin_id", plugin_id)
+        .with_detail("error", fp.health_error())
 }

@@ -1,5 +1,7 @@
-//! The dynamic plugin registry: plugin tasks register here once healthy and
-//! deregister when they stop; csimanager watches it.
+//! The dynamic plugin registry: plugin tasks register here once healthy,
+//! are marked unhealthy when their supervisor sees them fail (the task
+//! died, a probe failed) and register again once healthy, and deregister
+//! when they stop for good; csimanager watches it.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -29,6 +31,17 @@ pub struct PluginRegistration {
 #[derive(Default)]
 struct Inner {
     plugins: BTreeMap<String, PluginRegistration>,
+    /// Why the registered instance of a plugin is unhealthy, as its
+    /// supervisor said.
+    unhealthy: BTreeMap<String, String>,
+}
+
+/// A registered plugin instance and its health as its supervisor knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegistryEntry {
+    pub registration: PluginRegistration,
+    /// Set while the supervisor says the instance is unhealthy: why.
+    pub unhealthy: Option<String>,
 }
 
 /// Registered plugins by plugin ID. Cheap to clone; clones share state.
@@ -53,16 +66,40 @@ impl PluginRegistry {
         }
     }
 
-    /// Adds or replaces the plugin's registration.
+    /// Adds or replaces the plugin's registration, healthy.
     pub fn register(&self, reg: PluginRegistration) {
         {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            if inner.plugins.get(&reg.plugin_id) == Some(&reg) {
+            let was_unhealthy = inner.unhealthy.remove(&reg.plugin_id).is_some();
+            if inner.plugins.get(&reg.plugin_id) == Some(&reg) && !was_unhealthy {
                 return;
             }
             inner.plugins.insert(reg.plugin_id.clone(), reg);
         }
         self.changed.send_modify(|v| *v += 1);
+    }
+
+    /// Marks the plugin unhealthy (its task died, a probe failed), if
+    /// `alloc_id` is the instance registered for it. It stays registered:
+    /// the node goes on reporting it, unhealthy, with what it last was.
+    /// Returns whether the mark changed anything.
+    pub fn mark_unhealthy(&self, plugin_id: &str, alloc_id: &str, reason: &str) -> bool {
+        let changed = {
+            let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            match inner.plugins.get(plugin_id) {
+                Some(r) if r.alloc_id == alloc_id => {
+                    inner
+                        .unhealthy
+                        .insert(plugin_id.to_string(), reason.to_string())
+                        != Some(reason.to_string())
+                }
+                _ => false,
+            }
+        };
+        if changed {
+            self.changed.send_modify(|v| *v += 1);
+        }
+        changed
     }
 
     /// Removes the plugin, if `alloc_id` is the instance registered for it
@@ -71,7 +108,10 @@ impl PluginRegistry {
         let removed = {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             match inner.plugins.get(plugin_id) {
-                Some(r) if r.alloc_id == alloc_id => inner.plugins.remove(plugin_id).is_some(),
+                Some(r) if r.alloc_id == alloc_id => {
+                    inner.unhealthy.remove(plugin_id);
+                    inner.plugins.remove(plugin_id).is_some()
+                }
                 _ => false,
             }
         };
@@ -79,6 +119,29 @@ impl PluginRegistry {
             self.changed.send_modify(|v| *v += 1);
         }
         removed
+    }
+
+    /// The plugin's registration and health.
+    pub fn entry(&self, plugin_id: &str) -> Option<RegistryEntry> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        Self::entry_of(&inner, plugin_id)
+    }
+
+    /// Every registered plugin with its health.
+    pub fn entries(&self) -> Vec<RegistryEntry> {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        inner
+            .plugins
+            .keys()
+            .filter_map(|id| Self::entry_of(&inner, id))
+            .collect()
+    }
+
+    fn entry_of(inner: &Inner, plugin_id: &str) -> Option<RegistryEntry> {
+        Some(RegistryEntry {
+            registration: inner.plugins.get(plugin_id)?.clone(),
+            unhealthy: inner.unhealthy.get(plugin_id).cloned(),
+        })
     }
 
     pub fn get(&self, plugin_id: &str) -> Option<PluginRegistration> {
@@ -126,5 +189,37 @@ mod tests {
         assert_eq!(r.get("hostpath").unwrap().alloc_id, "a2");
         assert!(r.deregister("hostpath", "a2"));
         assert!(r.list().is_empty());
+    }
+
+    #[test]
+    fn an_unhealthy_mark_stays_registered_until_the_instance_registers_again() {
+        let r = PluginRegistry::new();
+        let mut rx = r.subscribe();
+        r.register(reg("hostpath", "a1"));
+        rx.borrow_and_update();
+        // Another instance's supervisor cannot mark this one.
+        assert!(!r.mark_unhealthy("hostpath", "a0", "task exited"));
+        assert!(!rx.has_changed().unwrap());
+
+        assert!(r.mark_unhealthy("hostpath", "a1", "task exited"));
+        assert!(rx.has_changed().unwrap());
+        rx.borrow_and_update();
+        let entry = r.entry("hostpath").expect("still registered");
+        assert_eq!(entry.registration, reg("hostpath", "a1"));
+        assert_eq!(entry.unhealthy.as_deref(), Some("task exited"));
+        assert_eq!(r.entries(), vec![entry]);
+        // The same mark again changes nothing.
+        assert!(!r.mark_unhealthy("hostpath", "a1", "task exited"));
+        assert!(!rx.has_changed().unwrap());
+
+        // Registering the same instance again (healthy) is a change.
+        r.register(reg("hostpath", "a1"));
+        assert!(rx.has_changed().unwrap());
+        assert_eq!(r.entry("hostpath").unwrap().unhealthy, None);
+
+        assert!(r.mark_unhealthy("hostpath", "a1", "probe failed"));
+        assert!(r.deregister("hostpath", "a1"));
+        r.register(reg("hostpath", "a2"));
+        assert_eq!(r.entry("hostpath").unwrap().unhealthy, None);
     }
 }

@@ -152,6 +152,93 @@ async fn health_changes_emit_csi_events_and_deregistration_empties_the_maps() {
     ));
 }
 
+/// A plugin's supervisor saw it fail (its task died): the change is
+/// recorded at once, not at the next round, and the node goes on reporting
+/// the plugin, unhealthy, with its provider. A restart faster than any
+/// round is recorded as healthy again, after the unhealthy event.
+#[tokio::test]
+async fn an_unhealthy_plugin_is_recorded_at_once_with_its_provider_and_a_quick_recovery_too() {
+    let h = Harness::start(&[]).await;
+    let (_stop, _task) = run_manager(&h);
+    wait_for("healthy", Duration::from_secs(10), || {
+        h.fingerprints
+            .last()
+            .is_some_and(|(n, _)| n.get(PLUGIN_ID).is_some_and(|i| i.healthy))
+    })
+    .await;
+    let provider = h.fingerprints.last().unwrap().0[PLUGIN_ID].provider.clone();
+    assert!(!provider.is_empty());
+    let csi_events = || -> Vec<(String, String)> {
+        h.events
+            .all()
+            .into_iter()
+            .filter(|e| e.subsystem == NodeEvent::SUBSYSTEM_CSI)
+            .map(|e| {
+                (
+                    e.message,
+                    e.details.get("error").cloned().unwrap_or_default(),
+                )
+            })
+            .collect()
+    };
+
+    // Only the supervisor of the registered instance speaks for it.
+    h.manager
+        .plugin_unhealthy(PLUGIN_ID, "another-alloc", "not mine");
+    assert_eq!(csi_events().len(), 1);
+    assert!(h.manager.plugin_fingerprint(PLUGIN_ID).unwrap().healthy());
+
+    h.manager
+        .plugin_unhealthy(PLUGIN_ID, PLUGIN_ALLOC, "the plugin task exited");
+    assert_eq!(
+        csi_events()[1],
+        (
+            "Plugin became unhealthy".to_string(),
+            "the plugin task exited".to_string()
+        ),
+        "recorded at once"
+    );
+    let fp = h.manager.plugin_fingerprint(PLUGIN_ID).unwrap();
+    assert!(!fp.healthy());
+    wait_for("the servers told", Duration::from_secs(10), || {
+        h.fingerprints.last().is_some_and(|(n, c)| {
+            [&n[PLUGIN_ID], &c[PLUGIN_ID]]
+                .iter()
+                .all(|i| !i.healthy && i.provider == provider)
+        })
+    })
+    .await;
+    let (nodes, _) = h.fingerprints.last().unwrap();
+    assert!(nodes[PLUGIN_ID].supports_stage_unstage, "capabilities kept");
+    assert_eq!(
+        nodes[PLUGIN_ID].health_description,
+        "the plugin task exited"
+    );
+
+    // Rounds while it is marked keep it unhealthy without a new event.
+    h.manager.refresh_fingerprints().await;
+    assert_eq!(csi_events().len(), 2);
+    assert!(!h.manager.plugin_fingerprint(PLUGIN_ID).unwrap().healthy());
+
+    // The restarted task registers again before any round ran.
+    h.registry
+        .register(registration(&h.plugin.socket, CsiPluginType::Monolith));
+    wait_for("healthy again", Duration::from_secs(10), || {
+        csi_events().len() == 3
+    })
+    .await;
+    let messages: Vec<String> = csi_events().into_iter().map(|(m, _)| m).collect();
+    assert_eq!(
+        messages,
+        vec![
+            "Plugin became healthy",
+            "Plugin became unhealthy",
+            "Plugin became healthy"
+        ]
+    );
+    assert!(h.manager.plugin_fingerprint(PLUGIN_ID).unwrap().healthy());
+}
+
 #[tokio::test]
 async fn the_registry_is_persisted_on_change() {
     let h = Harness::start(&[]).await;

@@ -5,8 +5,10 @@
 //! healthy (or kills the task for a restart once `health_timeout` has
 //! passed), asks for `GetPluginInfo` and registers the plugin in
 //! csimanager's registry. It probes every `plugin_probe_interval` after
-//! that, with a task event on each health change, and deregisters the
-//! plugin when the task exits.
+//! that, with a task event on each health change. When the task exits the
+//! plugin is marked unhealthy at once (it stays registered, with what it
+//! last was, until it is healthy again); it is deregistered when the task
+//! stops for good.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -32,6 +34,8 @@ const STARTUP_POLL: Duration = Duration::from_millis(250);
 
 pub const EVENT_PLUGIN_HEALTHY: &str = "Plugin became healthy";
 pub const EVENT_PLUGIN_UNHEALTHY: &str = "Plugin became unhealthy";
+/// Why a plugin whose task exited is unhealthy.
+const PLUGIN_TASK_EXITED: &str = "the plugin task exited";
 
 /// `<plugin_root>/<plugin_id>/<alloc_id>/csi.sock`.
 pub fn plugin_socket_path(plugin_root: &Path, plugin_id: &str, alloc_id: &str) -> PathBuf {
@@ -148,8 +152,27 @@ impl TaskHook for PluginSupervisorHook {
         Ok(())
     }
 
+    /// The task exited (it may restart): a plugin that was registered
+    /// healthy becomes unhealthy at once, with a task event and, through
+    /// csimanager, a node event, before the task can restart and be healthy
+    /// again. It stays registered, so that the node goes on reporting what
+    /// it was (its provider, its capabilities) until it is healthy again or
+    /// stops for good.
     async fn exited(&mut self, ctx: &TaskHookContext) {
-        self.halt(ctx);
+        if let Some(s) = self.supervisor.take() {
+            s.abort();
+        }
+        let csi = &ctx.config.csi;
+        let registered_healthy = csi
+            .registry()
+            .entry(&self.plugin.id)
+            .is_some_and(|e| e.registration.alloc_id == ctx.alloc.id && e.unhealthy.is_none());
+        if registered_healthy {
+            warn!(plugin_id = %self.plugin.id, alloc_id = %ctx.alloc.id, task = %ctx.task.name, "plugin task exited; plugin became unhealthy");
+            ctx.events
+                .emit(EVENT_PLUGIN_UNHEALTHY, PLUGIN_TASK_EXITED.to_string());
+            csi.plugin_unhealthy(&self.plugin.id, &ctx.alloc.id, PLUGIN_TASK_EXITED);
+        }
     }
 
     async fn stop(&mut self, ctx: &TaskHookContext) -> Result<(), HookError> {
@@ -203,6 +226,9 @@ impl Supervision {
     fn unhealthy_kill(&self, message: String) {
         warn!(error = %message, "plugin did not become healthy; restarting its task");
         self.events.emit(EVENT_PLUGIN_UNHEALTHY, message.clone());
+        // Registered from before (an agent restart): unhealthy now.
+        self.csi
+            .plugin_unhealthy(&self.plugin.id, &self.alloc_id, &message);
         self.task.kill(KillRequest {
             reason: message,
             restart: true,
@@ -258,6 +284,8 @@ impl Supervision {
                 (true, Err(e)) => {
                     warn!(error = %e, "plugin became unhealthy");
                     healthy = false;
+                    self.csi
+                        .plugin_unhealthy(&self.plugin.id, &self.alloc_id, &e);
                     self.events.emit(EVENT_PLUGIN_UNHEALTHY, e);
                 }
                 (false, Ok(())) => {
