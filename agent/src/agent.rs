@@ -24,6 +24,10 @@ pub struct AgentConfig {
     pub node_name: Option<String>,
     /// Shortest heartbeat TTL the servers hand out.
     pub min_heartbeat_ttl: Duration,
+    /// The client's garbage collection knobs (see `ClientConfig`).
+    pub gc_max_allocs: usize,
+    pub gc_interval: Duration,
+    pub gc_alloc_threshold: Duration,
 }
 
 impl Default for AgentConfig {
@@ -35,6 +39,9 @@ impl Default for AgentConfig {
             rpc_addr: "127.0.0.1:0".parse().expect("valid literal"),
             node_name: None,
             min_heartbeat_ttl: Duration::from_secs(10),
+            gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
+            gc_interval: ClientConfig::DEFAULT_GC_INTERVAL,
+            gc_alloc_threshold: ClientConfig::DEFAULT_GC_ALLOC_THRESHOLD,
         }
     }
 }
@@ -94,6 +101,28 @@ impl AgentConfig {
                     let v = value(name)?;
                     c.min_heartbeat_ttl = humantime::parse_duration(&v)
                         .with_context(|| format!("berth agent: -heartbeat-ttl {v:?}"))?;
+                }
+                // Not in the usage yet: the client's garbage collection
+                // knobs move to the config file's `client` block once there
+                // is one.
+                "gc-max-allocs" => {
+                    let v = value(name)?;
+                    c.gc_max_allocs = v.parse().with_context(|| {
+                        format!("berth agent: -gc-max-allocs {v:?} is not a whole number")
+                    })?;
+                }
+                "gc-interval" | "gc-alloc-threshold" => {
+                    let v = value(name)?;
+                    let d = humantime::parse_duration(&v)
+                        .with_context(|| format!("berth agent: -{name} {v:?}"))?;
+                    if d.is_zero() && name == "gc-interval" {
+                        bail!("berth agent: -gc-interval must be longer than 0s");
+                    }
+                    if name == "gc-interval" {
+                        c.gc_interval = d;
+                    } else {
+                        c.gc_alloc_threshold = d;
+                    }
                 }
                 "config" => bail!(
                     "berth agent: -config is not supported yet; run `berth agent -dev` with flags"
@@ -212,9 +241,11 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     let (client_stop_tx, client_stop_rx) = watch::channel(false);
     let client = Client::start(
         ClientConfig {
-            data_dir: data_dir.clone(),
-            server_addr: format!("http://{rpc_addr}"),
             node_name: config.node_name.clone(),
+            gc_max_allocs: config.gc_max_allocs,
+            gc_interval: config.gc_interval,
+            gc_alloc_threshold: config.gc_alloc_threshold,
+            ..ClientConfig::new(data_dir.clone(), format!("http://{rpc_addr}"))
         },
         client_stop_rx.clone(),
     )

@@ -4,6 +4,7 @@
 //! `<data_dir>/client/`.
 
 pub mod calls;
+pub mod gc;
 pub mod rpc;
 pub mod state;
 
@@ -17,7 +18,7 @@ use berth_allocrunner::{AllocRunner, AllocRunnerConfig};
 use berth_csimanager::{CsiManager, ManagerConfig, PluginRegistry};
 use berth_proto::berth::v1 as pb;
 use berth_structs::{Allocation, Node, NodeResources, NodeStatus};
-use tokio::sync::{watch, Mutex};
+use tokio::sync::{watch, Mutex, Notify};
 use tokio_stream::StreamExt;
 
 use rpc::ServerConn;
@@ -29,6 +30,33 @@ pub struct ClientConfig {
     /// `http://HOST:PORT` of a server's agent protocol.
     pub server_addr: String,
     pub node_name: Option<String>,
+    /// How often terminal allocs are checked for garbage collection
+    /// (Nomad's `gc_interval`).
+    pub gc_interval: Duration,
+    /// Terminal allocs kept on the node: beyond this many, the oldest are
+    /// destroyed (Nomad's `gc_max_allocs`).
+    pub gc_max_allocs: usize,
+    /// Terminal allocs older than this are destroyed at the next
+    /// `gc_interval`, however few there are.
+    pub gc_alloc_threshold: Duration,
+}
+
+impl ClientConfig {
+    pub const DEFAULT_GC_INTERVAL: Duration = Duration::from_secs(60);
+    pub const DEFAULT_GC_MAX_ALLOCS: usize = 50;
+    pub const DEFAULT_GC_ALLOC_THRESHOLD: Duration = Duration::from_secs(60 * 60);
+
+    /// The defaults for a client of the servers at `server_addr`.
+    pub fn new(data_dir: PathBuf, server_addr: String) -> ClientConfig {
+        ClientConfig {
+            data_dir,
+            server_addr,
+            node_name: None,
+            gc_interval: Self::DEFAULT_GC_INTERVAL,
+            gc_max_allocs: Self::DEFAULT_GC_MAX_ALLOCS,
+            gc_alloc_threshold: Self::DEFAULT_GC_ALLOC_THRESHOLD,
+        }
+    }
 }
 
 pub struct Client {
@@ -37,6 +65,11 @@ pub struct Client {
     state: ClientState,
     runner_config: Arc<AllocRunnerConfig>,
     runners: Mutex<HashMap<String, AllocRunner>>,
+    gc_policy: gc::GcPolicy,
+    gc_interval: Duration,
+    /// Wakes the garbage collector (the servers' view of the allocs
+    /// changed: some may have become collectable).
+    gc_wake: Notify,
 }
 
 #[async_trait::async_trait]
@@ -164,6 +197,12 @@ impl Client {
             state,
             runner_config,
             runners: Mutex::new(HashMap::new()),
+            gc_policy: gc::GcPolicy {
+                max_allocs: config.gc_max_allocs,
+                alloc_threshold: config.gc_alloc_threshold,
+            },
+            gc_interval: config.gc_interval,
+            gc_wake: Notify::new(),
         }))
     }
 
@@ -223,6 +262,11 @@ impl Client {
             let this = self.clone();
             let rx = shutdown.clone();
             tasks.spawn(async move { this.watch_allocs(rx).await });
+        }
+        {
+            let this = self.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { this.run_gc(rx).await });
         }
         while tasks.join_next().await.is_some() {}
     }
@@ -337,10 +381,19 @@ impl Client {
             match runners.get(&alloc.id) {
                 Some(r) => r.update(alloc),
                 None => {
-                    if alloc.client_status.is_terminal() || alloc.server_terminal() {
+                    if alloc.client_status.is_terminal() {
                         continue;
                     }
-                    tracing::info!(alloc_id = %alloc.id, job = %alloc.job_id, group = %alloc.task_group, "starting alloc");
+                    if alloc.server_terminal() {
+                        // Stopped before this node started it. Its runner
+                        // starts nothing: it reports the alloc complete,
+                        // each task with a Not Started event, and keeps that
+                        // in the state database until it reaches the
+                        // servers, also across a restart.
+                        tracing::info!(alloc_id = %alloc.id, job = %alloc.job_id, group = %alloc.task_group, "alloc stopped before it started; reporting it complete");
+                    } else {
+                        tracing::info!(alloc_id = %alloc.id, job = %alloc.job_id, group = %alloc.task_group, "starting alloc");
+                    }
                     let id = alloc.id.clone();
                     let runner = AllocRunner::new(self.runner_config.clone(), alloc);
                     runner.run();
@@ -351,20 +404,93 @@ impl Client {
         let gone = allocs_to_collect(runners.keys(), &seen, undecodable);
         for id in gone {
             if let Some(r) = runners.remove(&id) {
-                tracing::info!(alloc_id = %id, "alloc garbage collected; destroying");
-                // Destroying waits for every volume of the alloc to be
-                // unmounted; until it is, the alloc's records are kept and
-                // destroying is tried again.
-                tokio::spawn(async move {
-                    let mut wait = Duration::from_secs(1);
-                    while let Err(e) = r.destroy().await {
-                        tracing::error!(alloc_id = %id, error = %e, retry_in = ?wait, "destroying the alloc failed");
-                        tokio::time::sleep(wait).await;
-                        wait = (wait * 2).min(Duration::from_secs(60));
-                    }
-                });
+                tracing::info!(alloc_id = %id, "alloc garbage collected by the servers; destroying");
+                tokio::spawn(destroy_until_done(id, r));
             }
         }
+        drop(runners);
+        // The servers' view changed: terminal allocs they now know about
+        // may be collected here.
+        self.gc_wake.notify_one();
+    }
+
+    /// Collects garbage every `gc_interval` and whenever the servers' view
+    /// of the allocs changes, until `shutdown`.
+    async fn run_gc(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        // A zero period would make the interval panic, an enormous one
+        // overflow the clock.
+        let period = self.gc_interval.clamp(
+            Duration::from_millis(100),
+            Duration::from_secs(365 * 24 * 3600),
+        );
+        let mut tick = tokio::time::interval(period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = self.gc_wake.notified() => {}
+                _ = shutdown.wait_for(|v| *v) => return,
+            }
+            self.collect_garbage().await;
+        }
+    }
+
+    /// Destroys the terminal allocs the policy picks (see [`gc`]): their
+    /// runners go, their alloc dirs are removed (never through a mount)
+    /// and their records leave the state database. Only allocs whose
+    /// postrun is done, with no volume still mounted, and whose end the
+    /// servers have recorded are candidates: the servers would otherwise
+    /// send a collected alloc as still running, and it would be started
+    /// again.
+    async fn collect_garbage(&self) {
+        let victims: Vec<(String, AllocRunner)> = {
+            let mut runners = self.runners.lock().await;
+            let terminal = runners
+                .values()
+                .filter(|r| r.client_status().is_terminal())
+                .count();
+            let candidates: Vec<gc::GcCandidate> = runners
+                .values()
+                .filter(|r| r.alloc().client_status.is_terminal())
+                .filter_map(|r| {
+                    if let Some(why) = r.gc_blocker() {
+                        tracing::trace!(alloc_id = %r.alloc_id(), reason = %why, "not collecting alloc yet");
+                        return None;
+                    }
+                    Some(gc::GcCandidate {
+                        alloc_id: r.alloc_id().to_string(),
+                        terminal_at_ms: r.terminal_at_ms()?,
+                    })
+                })
+                .collect();
+            let picked =
+                self.gc_policy
+                    .allocs_to_destroy(candidates, terminal, berth_structs::now_ms());
+            picked
+                .into_iter()
+                .filter_map(|id| runners.remove(&id).map(|r| (id, r)))
+                .collect()
+        };
+        for (id, r) in victims {
+            tracing::info!(alloc_id = %id, job = %r.alloc().job_id, "garbage collecting terminal alloc");
+            if let Err(e) = r.destroy().await {
+                tracing::warn!(alloc_id = %id, error = %e, "destroying the alloc failed; retrying");
+                tokio::spawn(destroy_until_done(id, r));
+            }
+        }
+    }
+}
+
+/// Destroys the alloc, retrying with backoff. Destroying waits for every
+/// volume of the alloc to be unmounted; until it is, the alloc's records
+/// are kept (a restarted agent picks it up again) and destroying is tried
+/// again.
+async fn destroy_until_done(id: String, r: AllocRunner) {
+    let mut wait = Duration::from_secs(1);
+    while let Err(e) = r.destroy().await {
+        tracing::error!(alloc_id = %id, error = %e, retry_in = ?wait, "destroying the alloc failed");
+        tokio::time::sleep(wait).await;
+        wait = wait.saturating_mul(2).min(Duration::from_secs(60));
     }
 }
 
@@ -406,6 +532,217 @@ fn allocs_to_collect<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use berth_allocrunner::AllocStateStore;
+    use berth_structs::{
+        AllocClientStatus, AllocDesiredStatus, Job, JobType, Task, TaskGroup, TaskState,
+        TaskStateKind,
+    };
+    use std::collections::BTreeMap;
+    use std::time::Instant;
+
+    /// A client on `dir` whose servers never answer (the connection is
+    /// lazy): enough to reconcile, run allocs that start nothing, collect
+    /// garbage, and queue updates for the servers.
+    async fn offline_client(dir: &std::path::Path, gc_max_allocs: usize) -> Arc<Client> {
+        let config = ClientConfig {
+            gc_max_allocs,
+            ..ClientConfig::new(dir.to_path_buf(), "http://127.0.0.1:1".into())
+        };
+        Client::start(config, watch::channel(false).1)
+            .await
+            .expect("the client starts")
+    }
+
+    /// An alloc of a batch job with two tasks, placed on `node_id`.
+    fn placed_alloc(node_id: &str) -> Allocation {
+        let task = |name: &str| Task {
+            name: name.into(),
+            driver: "raw_exec".into(),
+            ..Task::default()
+        };
+        Allocation {
+            id: berth_structs::generate_id(),
+            name: "j.g[0]".into(),
+            job_id: "j".into(),
+            job: Job {
+                id: "j".into(),
+                name: "j".into(),
+                job_type: JobType::Batch,
+                task_groups: vec![TaskGroup {
+                    name: "g".into(),
+                    count: 1,
+                    tasks: vec![task("web"), task("db")],
+                    ..TaskGroup::default()
+                }],
+                ..Job::default()
+            },
+            task_group: "g".into(),
+            node_id: node_id.into(),
+            ..Allocation::default()
+        }
+    }
+
+    fn stopped(mut a: Allocation) -> Allocation {
+        a.desired_status = AllocDesiredStatus::Stop;
+        a
+    }
+
+    fn update_of(allocs: &[Allocation]) -> pb::AllocationsUpdate {
+        pb::AllocationsUpdate {
+            index: 1,
+            allocs_json: allocs
+                .iter()
+                .map(|a| serde_json::to_vec(a).expect("an alloc encodes"))
+                .collect(),
+        }
+    }
+
+    async fn wait_until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + within;
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The update queued for the servers, once it says the alloc is
+    /// complete; its task states.
+    async fn reported_complete(client: &Client, alloc_id: &str) -> BTreeMap<String, TaskState> {
+        wait_until(
+            "the alloc to be reported complete",
+            Duration::from_secs(10),
+            || {
+                client
+                    .conn
+                    .pending_update(alloc_id)
+                    .is_some_and(|u| u.client_status == AllocClientStatus::Complete.as_str())
+            },
+        )
+        .await;
+        let update = client.conn.pending_update(alloc_id).expect("an update");
+        serde_json::from_slice(&update.task_states_json).expect("task states decode")
+    }
+
+    fn assert_never_started(tasks: &BTreeMap<String, TaskState>) {
+        assert_eq!(tasks.len(), 2, "{tasks:?}");
+        for (name, t) in tasks {
+            assert_eq!(t.state, TaskStateKind::Dead, "{name}: {t:?}");
+            assert!(!t.failed, "{name}: {t:?}");
+            assert!(t.started_at_ms.is_none(), "{name} never started: {t:?}");
+            let last = t.events.last().expect("events");
+            assert_eq!(last.event_type, "Not Started", "{name}: {t:?}");
+            assert_eq!(last.message, "the alloc was stopped before it started");
+            assert!(
+                !t.events.iter().any(|e| e.event_type == "Started"),
+                "{name}: {t:?}"
+            );
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_alloc_stopped_before_it_started_is_reported_complete_also_after_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let alloc_id;
+        {
+            let client = offline_client(dir.path(), 50).await;
+            // The servers placed the alloc and stopped it before this node
+            // ever saw it running.
+            let a = stopped(placed_alloc(&client.conn.node_id()));
+            alloc_id = a.id.clone();
+            client.reconcile(update_of(&[a])).await;
+            let tasks = reported_complete(&client, &alloc_id).await;
+            assert_never_started(&tasks);
+            assert!(
+                !dir.path().join("alloc").join(&alloc_id).exists(),
+                "nothing was set up for it"
+            );
+            let runner = client.runners.lock().await.get(&alloc_id).cloned();
+            let runner = runner.expect("a runner reports it");
+            wait_until("the runner to finish", Duration::from_secs(10), || {
+                runner.is_done()
+            })
+            .await;
+        }
+        // The agent stops before the report reached the servers. The
+        // restarted agent reports the alloc complete again, from its state
+        // database, before the servers even answer.
+        let client = offline_client(dir.path(), 50).await;
+        assert!(client.conn.pending_update(&alloc_id).is_none());
+        assert!(client.restore_allocs(watch::channel(false).1).await);
+        let tasks = reported_complete(&client, &alloc_id).await;
+        assert_never_started(&tasks);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn beyond_gc_max_allocs_the_oldest_terminal_allocs_are_destroyed_once_the_servers_know() {
+        let dir = tempfile::tempdir().unwrap();
+        let client = offline_client(dir.path(), 2).await;
+        let node_id = client.conn.node_id();
+        // Five allocs end one after another, each in a later millisecond.
+        let mut allocs = Vec::new();
+        for _ in 0..5 {
+            let a = stopped(placed_alloc(&node_id));
+            let logs = dir.path().join("alloc").join(&a.id).join("alloc/logs");
+            std::fs::create_dir_all(&logs).unwrap();
+            std::fs::write(logs.join("web.stdout.0"), "output").unwrap();
+            allocs.push(a);
+            client.reconcile(update_of(&allocs)).await;
+            let id = allocs.last().map(|a| a.id.clone()).unwrap_or_default();
+            reported_complete(&client, &id).await;
+            let ended = client.runners.lock().await[&id].terminal_at_ms();
+            let ended = ended.expect("a terminal time");
+            wait_until("the clock to move on", Duration::from_secs(5), || {
+                berth_structs::now_ms() > ended
+            })
+            .await;
+        }
+        let dir_of = |a: &Allocation| dir.path().join("alloc").join(&a.id);
+
+        // The servers do not know yet that they ended: were they collected,
+        // the servers would send them as still to run, and they would run.
+        client.collect_garbage().await;
+        assert_eq!(client.runners.lock().await.len(), 5);
+        assert!(allocs.iter().all(|a| dir_of(a).exists()));
+
+        // The servers record them complete.
+        let acknowledged: Vec<Allocation> = allocs
+            .iter()
+            .cloned()
+            .map(|mut a| {
+                a.client_status = AllocClientStatus::Complete;
+                a
+            })
+            .collect();
+        client.reconcile(update_of(&acknowledged)).await;
+        client.collect_garbage().await;
+
+        let (oldest, newest) = allocs.split_at(3);
+        for a in oldest {
+            assert!(!dir_of(a).exists(), "alloc dir of {} is gone", a.id);
+        }
+        for a in newest {
+            assert!(dir_of(a).exists(), "alloc dir of {} is kept", a.id);
+        }
+        let mut left: Vec<String> = client.runners.lock().await.keys().cloned().collect();
+        left.sort();
+        let mut want: Vec<String> = newest.iter().map(|a| a.id.clone()).collect();
+        want.sort();
+        assert_eq!(left, want);
+        let mut recorded: Vec<String> = client
+            .state
+            .load_allocs()
+            .unwrap()
+            .into_iter()
+            .map(|r| r.alloc.id)
+            .collect();
+        recorded.sort();
+        assert_eq!(recorded, want, "the collected allocs' records are gone");
+
+        // The servers still send the collected allocs (complete): none is
+        // started again.
+        client.reconcile(update_of(&acknowledged)).await;
+        assert_eq!(client.runners.lock().await.len(), 2);
+    }
 
     fn alloc_json(id: &str) -> Vec<u8> {
         let a = Allocation {

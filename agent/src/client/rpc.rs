@@ -96,6 +96,17 @@ impl ServerConn {
         Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
     }
 
+    /// The alloc update waiting to be sent for `alloc_id`, if any.
+    #[cfg(test)]
+    pub(crate) fn pending_update(&self, alloc_id: &str) -> Option<pb::AllocStatusUpdate> {
+        self.inner
+            .pending_updates
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(alloc_id)
+            .cloned()
+    }
+
     /// Sends batched alloc updates and node events until `shutdown`.
     pub async fn run_flusher(&self, mut shutdown: tokio::sync::watch::Receiver<bool>) {
         let mut failures: u32 = 0;
