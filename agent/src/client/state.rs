@@ -158,11 +158,14 @@ impl ClientState {
         })
     }
 
-    /// Every record of `table`, decoded. Records that fail to decode are
-    /// moved to the quarantine table and reported.
+    /// Every record of `table`, decoded. Records that fail to decode, or
+    /// that belong under another key than theirs (`key_of`), are moved to
+    /// the quarantine table and reported: a record under the wrong key
+    /// could never be deleted by its owner and would be restored forever.
     fn load_all<T: DeserializeOwned>(
         &self,
         table: TableDefinition<&str, &[u8]>,
+        key_of: impl Fn(&T) -> String,
     ) -> Result<Vec<T>, StateError> {
         let mut good = Vec::new();
         let mut bad: Vec<(String, Vec<u8>, String)> = Vec::new();
@@ -176,7 +179,12 @@ impl ClientState {
             for row in t.iter().map_err(rdb)? {
                 let (k, v) = row.map_err(rdb)?;
                 match serde_json::from_slice::<T>(v.value()) {
-                    Ok(rec) => good.push(rec),
+                    Ok(rec) if key_of(&rec) == k.value() => good.push(rec),
+                    Ok(rec) => bad.push((
+                        k.value().to_string(),
+                        v.value().to_vec(),
+                        format!("the record belongs under key {:?}", key_of(&rec)),
+                    )),
                     Err(e) => bad.push((k.value().to_string(), v.value().to_vec(), e.to_string())),
                 }
             }
@@ -319,9 +327,17 @@ impl AllocStateStore for ClientState {
     /// is missing (or was quarantined) is ignored: without the alloc there
     /// is nothing to restore.
     fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String> {
-        let allocs: Vec<Allocation> = self.load_all(ALLOCS).map_err(|e| e.to_string())?;
-        let states: Vec<AllocStateRow> = self.load_all(ALLOC_STATES).map_err(|e| e.to_string())?;
-        let handles: Vec<TaskHandleRow> = self.load_all(TASK_HANDLES).map_err(|e| e.to_string())?;
+        let allocs: Vec<Allocation> = self
+            .load_all(ALLOCS, |a: &Allocation| a.id.clone())
+            .map_err(|e| e.to_string())?;
+        let states: Vec<AllocStateRow> = self
+            .load_all(ALLOC_STATES, |r: &AllocStateRow| r.alloc_id.clone())
+            .map_err(|e| e.to_string())?;
+        let handles: Vec<TaskHandleRow> = self
+            .load_all(TASK_HANDLES, |r: &TaskHandleRow| {
+                format!("{}/{}", r.alloc_id, r.task)
+            })
+            .map_err(|e| e.to_string())?;
         let mut out: std::collections::BTreeMap<String, RestoredAlloc> = allocs
             .into_iter()
             .map(|alloc| {
@@ -365,7 +381,8 @@ impl berth_heartbeat::LastHeartbeatStore for ClientState {
 
 impl VolumeStateStore for ClientState {
     fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
-        self.load_all(PLUGINS).map_err(|e| e.to_string())
+        self.load_all(PLUGINS, |p: &PluginRegistration| p.plugin_id.clone())
+            .map_err(|e| e.to_string())
     }
 
     fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
@@ -383,7 +400,8 @@ impl VolumeStateStore for ClientState {
     }
 
     fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
-        self.load_all(VOLUMES).map_err(|e| e.to_string())
+        self.load_all(VOLUMES, VolumeStub::key)
+            .map_err(|e| e.to_string())
     }
 
     fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
@@ -554,5 +572,324 @@ mod tests {
             .collect();
         keys.sort();
         assert_eq!(keys, vec!["after", "before"]);
+    }
+}
+
+#[cfg(test)]
+mod properties {
+    //! Garbage and damaged records written into a real client state file:
+    //! loading never panics, bad records (undecodable, or under another
+    //! key than theirs) are quarantined and reported, good ones load, and
+    //! the database still takes writes.
+
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use berth_structs::{AccessMode, AttachmentMode, CsiPluginType};
+    use proptest::prelude::*;
+    use proptest::sample::Index;
+    use serde_json::Value;
+
+    use super::*;
+
+    const TABLES: [TableDefinition<'static, &'static str, &'static [u8]>; 5] =
+        [ALLOCS, ALLOC_STATES, TASK_HANDLES, PLUGINS, VOLUMES];
+
+    fn table_name(t: usize) -> &'static str {
+        redb::TableHandle::name(&TABLES[t])
+    }
+
+    /// The key and a valid record of identity `n` in table `t`.
+    fn valid(t: usize, n: usize) -> (String, Value) {
+        let alloc = format!("a{n}");
+        let encoded = match t {
+            0 => serde_json::to_value(Allocation {
+                id: alloc.clone(),
+                ..Default::default()
+            }),
+            1 => serde_json::to_value(AllocStateRow {
+                alloc_id: alloc.clone(),
+                state: PersistedAllocState::default(),
+            }),
+            2 => {
+                return (
+                    format!("{alloc}/web"),
+                    serde_json::to_value(TaskHandleRow {
+                        alloc_id: alloc,
+                        task: "web".into(),
+                        handle: TaskHandleRecord {
+                            driver: "raw_exec".into(),
+                            executor_dir: "/tmp/x".into(),
+                            executor_pid: 10,
+                            executor_start_ticks: 1,
+                            task_pid: 11,
+                            pgid: 11,
+                            task_start_ticks: 2,
+                            started_at_ms: 3,
+                        },
+                    })
+                    .expect("encode"),
+                )
+            }
+            3 => {
+                return (
+                    format!("p{n}"),
+                    serde_json::to_value(PluginRegistration {
+                        plugin_id: format!("p{n}"),
+                        plugin_type: CsiPluginType::Monolith,
+                        socket_path: "/tmp/csi.sock".into(),
+                        alloc_id: "a0".into(),
+                        task: "plugin".into(),
+                        mount_root: "/tmp/mounts".into(),
+                        provider: "test".into(),
+                        version: "1".into(),
+                    })
+                    .expect("encode"),
+                )
+            }
+            _ => {
+                let stub = VolumeStub {
+                    plugin_id: "p".into(),
+                    volume_id: format!("v{n}"),
+                    external_id: "ext".into(),
+                    access_mode: AccessMode::SingleNodeWriter,
+                    attachment_mode: AttachmentMode::FileSystem,
+                    read_only: false,
+                    staging_path: "/tmp/staging".into(),
+                    staged: true,
+                    allocs: [("a1".to_string(), "/tmp/target".into())].into(),
+                };
+                return (stub.key(), serde_json::to_value(&stub).expect("encode"));
+            }
+        };
+        (alloc, encoded.expect("encode"))
+    }
+
+    /// Whether `bytes` under `key` of table `t` should load.
+    fn is_good(t: usize, key: &str, bytes: &[u8]) -> bool {
+        fn good<T: DeserializeOwned>(
+            bytes: &[u8],
+            key: &str,
+            key_of: impl Fn(&T) -> String,
+        ) -> bool {
+            serde_json::from_slice::<T>(bytes).is_ok_and(|r| key_of(&r) == key)
+        }
+        match t {
+            0 => good(bytes, key, |a: &Allocation| a.id.clone()),
+            1 => good(bytes, key, |r: &AllocStateRow| r.alloc_id.clone()),
+            2 => good(bytes, key, |r: &TaskHandleRow| {
+                format!("{}/{}", r.alloc_id, r.task)
+            }),
+            3 => good(bytes, key, |p: &PluginRegistration| p.plugin_id.clone()),
+            _ => good(bytes, key, VolumeStub::key),
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Content {
+        Valid,
+        /// The valid record of another identity.
+        Other(usize),
+        Garbage(Vec<u8>),
+        Mutated(Vec<(Index, Value)>),
+        Damaged(Index, usize, Vec<u8>),
+    }
+
+    fn json_leaf() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(Value::from),
+            "\\PC{0,6}".prop_map(Value::from),
+            Just(serde_json::json!({})),
+        ]
+    }
+
+    fn content() -> impl Strategy<Value = Content> {
+        prop_oneof![
+            3 => Just(Content::Valid),
+            1 => (0usize..3).prop_map(Content::Other),
+            1 => prop::collection::vec(any::<u8>(), 0..64).prop_map(Content::Garbage),
+            2 => prop::collection::vec((any::<Index>(), json_leaf()), 1..4).prop_map(Content::Mutated),
+            2 => (any::<Index>(), 0usize..12, prop::collection::vec(any::<u8>(), 0..6))
+                .prop_map(|(i, n, b)| Content::Damaged(i, n, b)),
+        ]
+    }
+
+    fn pointers(v: &Value, at: String, out: &mut Vec<String>) {
+        out.push(at.clone());
+        match v {
+            Value::Object(m) => {
+                for (k, child) in m {
+                    let k = k.replace('~', "~0").replace('/', "~1");
+                    pointers(child, format!("{at}/{k}"), out);
+                }
+            }
+            Value::Array(a) => {
+                for (i, child) in a.iter().enumerate() {
+                    pointers(child, format!("{at}/{i}"), out);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn bytes_of(t: usize, n: usize, content: &Content) -> Vec<u8> {
+        let (_, mut v) = valid(t, n);
+        match content {
+            Content::Valid => {}
+            Content::Other(m) => v = valid(t, n.wrapping_add(1).wrapping_add(*m)).1,
+            Content::Garbage(b) => return b.clone(),
+            Content::Mutated(edits) => {
+                for (at, with) in edits {
+                    let mut ps = Vec::new();
+                    pointers(&v, String::new(), &mut ps);
+                    if let Some(slot) = v.pointer_mut(&ps[at.index(ps.len())]) {
+                        *slot = with.clone();
+                    }
+                }
+            }
+            Content::Damaged(at, len, insert) => {
+                let text = v.to_string().into_bytes();
+                let from = at.index(text.len() + 1);
+                let to = from.saturating_add(*len).min(text.len());
+                return [&text[..from], &insert[..], &text[to..]].concat();
+            }
+        }
+        v.to_string().into_bytes()
+    }
+
+    /// The keys each load answered with, by table.
+    fn loaded(s: &ClientState) -> BTreeSet<(usize, String)> {
+        let restored = s.load_allocs().expect("load allocs");
+        let mut out = BTreeSet::new();
+        for r in &restored {
+            out.insert((0, r.alloc.id.clone()));
+            if r.state.is_some() {
+                out.insert((1, r.alloc.id.clone()));
+            }
+            for task in r.handles.keys() {
+                out.insert((2, format!("{}/{task}", r.alloc.id)));
+            }
+        }
+        for p in s.load_plugins().expect("load plugins") {
+            out.insert((3, p.plugin_id));
+        }
+        for v in s.load_volumes().expect("load volumes") {
+            out.insert((4, v.key()));
+        }
+        out
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 128,
+            max_shrink_iters: 500,
+            ..ProptestConfig::default()
+        })]
+
+        /// 128 cases, each a fresh database file with up to 12 records.
+        #[test]
+        fn damaged_records_are_quarantined_and_good_ones_load(
+            entries in prop::collection::vec(
+                (0usize..5, 0usize..3, prop::option::weighted(0.2, "\\PC{0,8}"), content()),
+                0..12,
+            ),
+        ) {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let s = ClientState::open(dir.path()).expect("open");
+            let mut written: BTreeMap<(usize, String), Vec<u8>> = BTreeMap::new();
+            for (t, n, odd_key, content) in &entries {
+                let key = odd_key.clone().unwrap_or_else(|| valid(*t, *n).0);
+                let bytes = bytes_of(*t, *n, content);
+                s.put_raw(TABLES[*t], &key, &bytes).expect("write raw");
+                written.insert((*t, key), bytes);
+            }
+            let good: BTreeSet<(usize, String)> = written
+                .iter()
+                .filter(|((t, key), bytes)| is_good(*t, key, bytes))
+                .map(|(k, _)| k.clone())
+                .collect();
+            // States and handles are answered only with their alloc.
+            let allocs: BTreeSet<String> = good
+                .iter()
+                .filter(|(t, _)| *t == 0)
+                .map(|(_, k)| k.clone())
+                .collect();
+            let expected: BTreeSet<(usize, String)> = good
+                .iter()
+                .filter(|(t, k)| match t {
+                    1 => allocs.contains(k),
+                    2 => allocs.contains(k.split('/').next().unwrap_or_default()),
+                    _ => true,
+                })
+                .cloned()
+                .collect();
+            prop_assert_eq!(&loaded(&s), &expected);
+
+            let quarantined: BTreeSet<String> = s.quarantined().expect("quarantine").into_iter().collect();
+            let bad: BTreeSet<String> = written
+                .keys()
+                .filter(|k| !good.contains(*k))
+                .map(|(t, key)| format!("{}/{key}", table_name(*t)))
+                .collect();
+            prop_assert_eq!(&quarantined, &bad);
+
+            // The bad records left their tables; a reopen loads the same.
+            drop(s);
+            let s = ClientState::open(dir.path()).expect("reopen");
+            prop_assert_eq!(&loaded(&s), &expected);
+            prop_assert_eq!(s.quarantined().expect("quarantine").len(), bad.len());
+            s.put_alloc(&Allocation { id: "after".into(), ..Default::default() })
+                .expect("a write after the load");
+        }
+
+        /// 128 cases: any text in the meta records the client reads.
+        #[test]
+        fn meta_records_of_any_text_open_or_fail_clearly(
+            key in prop::sample::select(vec!["schema_version", "last_heartbeat_ms", "node_id"]),
+            value in prop_oneof!["\\PC{0,24}", any::<i64>().prop_map(|n| n.to_string()), any::<u64>().prop_map(|n| n.to_string())],
+        ) {
+            let dir = tempfile::tempdir().expect("tempdir");
+            ClientState::open(dir.path()).expect("open").set_meta(key, &value).expect("set meta");
+            match ClientState::open(dir.path()) {
+                Ok(s) => {
+                    let hb = berth_heartbeat::LastHeartbeatStore::load(&s);
+                    if key == "last_heartbeat_ms" {
+                        prop_assert_eq!(hb, value.parse::<i64>().ok());
+                    }
+                    prop_assert!(loaded(&s).is_empty());
+                }
+                Err(e) => {
+                    prop_assert_eq!(key, "schema_version");
+                    prop_assert!(e.to_string().contains("schema"), "{}", e);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_record_under_another_key_is_quarantined() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = ClientState::open(dir.path()).expect("open");
+        // Alloc a1's record under a2's key: deleting a1 would never remove
+        // it, and it would be restored as a1 on every start.
+        let (_, a1) = valid(0, 1);
+        s.put_raw(ALLOCS, "a2", a1.to_string().as_bytes())
+            .expect("write");
+        let (key, v0) = valid(4, 0);
+        let (_, v1) = valid(4, 1);
+        s.put_raw(VOLUMES, &key, v1.to_string().as_bytes())
+            .expect("write");
+        assert!(s.load_allocs().expect("load").is_empty());
+        assert!(s.load_volumes().expect("load").is_empty());
+        assert_eq!(
+            s.quarantined().expect("quarantine"),
+            ["allocs/a2".to_string(), format!("csi_volumes/{key}")]
+        );
+        s.put_raw(VOLUMES, &key, v0.to_string().as_bytes())
+            .expect("write");
+        assert_eq!(s.load_volumes().expect("load").len(), 1);
     }
 }
