@@ -1,5 +1,8 @@
 //! The berth data model: jobs, allocations, nodes, CSI volumes, claims and
 //! plugins; the checks they pass; and the HCL job and volume specs.
+//! [`names`] holds the one rule for names that become paths on a node (the
+//! servers and the client both check it) and [`limits`] the largest numbers
+//! a job or volume may carry.
 //!
 //! This crate is plain data. It knows nothing of the client, the servers, the
 //! wire protocol or the HTTP API: every other crate speaks in its types.
