@@ -521,10 +521,36 @@ impl Task {
             }
             if p.mount_dir.is_empty() {
                 errs.push(format!("{at}: csi_plugin.mount_dir is required"));
+            } else if let Err(e) = check_plugin_dir(&p.mount_dir) {
+                errs.push(format!(
+                    "{at}: csi_plugin.mount_dir {} {e}",
+                    quoted(&p.mount_dir)
+                ));
+            }
+            if let Some(dir) = &p.stage_publish_base_dir {
+                if let Err(e) = check_plugin_dir(dir) {
+                    errs.push(format!(
+                        "{at}: csi_plugin.stage_publish_base_dir {} {e}",
+                        quoted(dir)
+                    ));
+                }
             }
             check_duration(&at, "csi_plugin.health_timeout", p.health_timeout, errs);
         }
     }
+}
+
+/// A plugin's mount directory is where staging and publish paths are made:
+/// an absolute path that does not climb with `..`.
+fn check_plugin_dir(dir: &str) -> Result<(), &'static str> {
+    let p = Path::new(dir);
+    if !p.is_absolute() {
+        return Err("must be an absolute path");
+    }
+    if p.components().any(|c| c == Component::ParentDir) {
+        return Err("must not contain \"..\"");
+    }
+    Ok(())
 }
 
 /// A mount destination must stay inside the task directory.

@@ -416,3 +416,32 @@ fn a_volume_request_struct_builds_per_alloc_ids_the_node_accepts() {
         berth_structs::check_name("volume ID", &r.source_for(i)).expect("valid");
     }
 }
+
+#[test]
+fn plugin_dirs_must_be_absolute_and_not_climb() {
+    for (dir, problem) in [
+        ("csi", "must be an absolute path"),
+        ("/csi/../etc", "must not contain \"..\""),
+    ] {
+        let src = job_src(&[]).replace("mount_dir = \"/csi\"", &format!("mount_dir = {dir:?}"));
+        let msgs = validation_messages(&parse_job(&src).expect("parse"));
+        assert_eq!(
+            msgs,
+            [format!(
+                "group \"g\" task \"web\": csi_plugin.mount_dir {dir:?} {problem}"
+            )]
+        );
+    }
+    let mut job = parsed(&[]);
+    job.task_groups[0].tasks[0]
+        .csi_plugin
+        .as_mut()
+        .expect("csi_plugin")
+        .stage_publish_base_dir = Some("../stage".into());
+    let msgs = validation_messages(&job);
+    assert!(
+        msgs[0]
+            .ends_with("csi_plugin.stage_publish_base_dir \"../stage\" must be an absolute path"),
+        "{msgs:?}"
+    );
+}
