@@ -45,7 +45,7 @@ pub fn describe_size(bytes: u64) -> String {
     } else {
         return format!("{bytes} bytes");
     };
-    if bytes % unit == 0 {
+    if bytes.checked_rem(unit) == Some(0) {
         format!("{} {name}", bytes / unit)
     } else {
         // Precision is irrelevant here: the number is only shown.
