@@ -152,11 +152,9 @@ fn a_second_agent_on_the_same_data_dir_fails_at_once_with_one_line() -> Result<(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()?;
-    let exited = wait_for(
-        "the second agent to exit",
-        Duration::from_secs(15),
-        || Ok(second.try_wait()?),
-    );
+    let exited = wait_for("the second agent to exit", Duration::from_secs(15), || {
+        Ok(second.try_wait()?)
+    });
     if exited.is_err() {
         let _ = second.kill();
         let _ = second.wait();
@@ -173,7 +171,11 @@ fn a_second_agent_on_the_same_data_dir_fails_at_once_with_one_line() -> Result<(
             data_dir.display()
         )
     );
-    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 
     // The first one is untouched.
     let nodes = agent.cli_json(&["node", "status"])?;
@@ -216,6 +218,9 @@ job "sleeper" {
     // The next agent on the data dir starts and is ready.
     agent.start_again()?;
     let status = agent.cli_json(&["job", "status", "sleeper"])?;
-    assert_eq!(status["allocations"][0]["client_status"], "running", "{status}");
+    assert_eq!(
+        status["allocations"][0]["client_status"], "running",
+        "{status}"
+    );
     Ok(())
 }
