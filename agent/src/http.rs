@@ -212,6 +212,14 @@ fn json_error(e: serde_json::Error, path: &str) -> ApiError {
     let position = format!(" at line {} column {}", e.line(), e.column());
     let message = quote_names(full.strip_suffix(&position).unwrap_or(&full));
     match e.classify() {
+        // serde's messages show the value that did not fit; a secret's
+        // value is never echoed, not even to its sender.
+        serde_json::error::Category::Data if path.to_ascii_lowercase().contains("secret") => {
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("{path}: invalid value (secrets are not shown)"),
+            )
+        }
         serde_json::error::Category::Data => {
             let message = if path == "." || path.is_empty() {
                 message
