@@ -196,19 +196,42 @@ struct JobParts {
     kill_timeout: String,
 }
 
+/// Mostly a sane value, sometimes a wild one: so that many specs are valid
+/// but for one or two fields, and some are valid throughout.
+fn mostly<T: std::fmt::Debug + Clone>(
+    sane: impl Strategy<Value = T> + 'static,
+    wild: impl Strategy<Value = T> + 'static,
+) -> BoxedStrategy<T> {
+    prop_oneof![9 => sane, 1 => wild].boxed()
+}
+
+fn sane_name() -> impl Strategy<Value = String> {
+    "[a-z][a-z0-9_.-]{0,12}"
+}
+
+fn sane_number(max: u64) -> impl Strategy<Value = String> {
+    (0..=max.min(1000)).prop_map(|n| n.to_string())
+}
+
+fn sane_duration() -> impl Strategy<Value = String> {
+    (1u32..1000, prop::sample::select(vec!["ms", "s", "m", "h"]))
+        .prop_map(|(n, u)| format!("{n}{u}"))
+}
+
 fn job_parts() -> impl Strategy<Value = JobParts> {
+    let n = || mostly(sane_name(), name());
     (
+        (n(), n(), n(), n(), n(), n(), any::<bool>()),
         (
-            name(),
-            name(),
-            name(),
-            name(),
-            name(),
-            name(),
-            any::<bool>(),
+            mostly(sane_number(u64::from(MAX_COUNT)), number_text()),
+            mostly(sane_number(MAX_CPU_MHZ), number_text()),
+            mostly(sane_number(MAX_MEMORY_MB), number_text()),
+            mostly(sane_number(u64::from(MAX_RESTART_ATTEMPTS)), number_text()),
         ),
-        (number_text(), number_text(), number_text(), number_text()),
-        (duration_text(), duration_text()),
+        (
+            mostly(sane_duration(), duration_text()),
+            mostly(sane_duration(), duration_text()),
+        ),
     )
         .prop_map(
             |(
@@ -591,13 +614,55 @@ fn json_value() -> impl Strategy<Value = Value> {
     })
 }
 
-fn mutate(mut v: Value, edits: &[(prop::sample::Index, Value)]) -> Value {
-    for (at, value) in edits {
+/// One change to a JSON document: the node at `at` gets `any`, or, when
+/// `same_type`, a value of its own type (a name or duration for a string,
+/// an extreme number for a number), which decodes far more often.
+#[derive(Debug, Clone)]
+struct Edit {
+    at: prop::sample::Index,
+    same_type: bool,
+    string: String,
+    number: Value,
+    any: Value,
+}
+
+fn edit() -> impl Strategy<Value = Edit> {
+    (
+        any::<prop::sample::Index>(),
+        prop::bool::weighted(0.7),
+        prop_oneof![name(), duration_text()],
+        prop_oneof![
+            Just(Value::from(u64::MAX)),
+            Just(Value::from(u32::MAX)),
+            Just(Value::from(u64::from(u32::MAX) + 1)),
+            Just(Value::from(-1)),
+            Just(serde_json::json!(1e26)),
+            Just(serde_json::json!(0.5)),
+            any::<u64>().prop_map(Value::from),
+            (0u64..20_000).prop_map(Value::from),
+        ],
+        json_value(),
+    )
+        .prop_map(|(at, same_type, string, number, any)| Edit {
+            at,
+            same_type,
+            string,
+            number,
+            any,
+        })
+}
+
+fn mutate(mut v: Value, edits: &[Edit]) -> Value {
+    for e in edits {
         let mut ps = Vec::new();
         pointers(&v, String::new(), &mut ps);
-        let p = &ps[at.index(ps.len())];
+        let p = &ps[e.at.index(ps.len())];
         if let Some(slot) = v.pointer_mut(p) {
-            *slot = value.clone();
+            *slot = match slot {
+                Value::String(_) if e.same_type => Value::String(e.string.clone()),
+                Value::Number(_) if e.same_type => e.number.clone(),
+                _ => e.any.clone(),
+            };
         }
     }
     v
@@ -637,7 +702,7 @@ proptest! {
     /// extreme or wrongly typed values, then decoded and validated.
     #[test]
     fn mutated_json_decodes_and_validates_without_panic(
-        edits in prop::collection::vec((any::<prop::sample::Index>(), json_value()), 1..5),
+        edits in prop::collection::vec(edit(), 1..5),
     ) {
         let job = mutate(valid_job_json(), &edits);
         check_job_json(job.to_string().as_bytes())?;
