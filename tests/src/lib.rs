@@ -145,12 +145,20 @@ pub struct DevAgent {
     /// Binaries tasks find on PATH (the example plugin).
     path_env: String,
     log_path: PathBuf,
+    /// Flags given to `berth agent -dev` besides the data dir and address.
+    extra_args: Vec<String>,
 }
 
 impl DevAgent {
     /// Starts `berth agent -dev` on a fresh data dir and waits until its
     /// node is ready.
     pub fn start() -> Result<DevAgent> {
+        Self::start_with_args(&[])
+    }
+
+    /// [`Self::start`] with more flags for `berth agent -dev` (kept on
+    /// restarts).
+    pub fn start_with_args(extra_args: &[&str]) -> Result<DevAgent> {
         let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
         let port = free_port();
         let http_addr = format!("http://127.0.0.1:{port}");
@@ -167,6 +175,7 @@ impl DevAgent {
             child: None,
             path_env,
             log_path,
+            extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
         };
         agent.spawn(port)?;
         agent.wait_ready()?;
@@ -183,6 +192,7 @@ impl DevAgent {
             .args(["agent", "-dev", "-data-dir"])
             .arg(self.data_dir.path())
             .args(["-http-addr", &format!("127.0.0.1:{port}")])
+            .args(&self.extra_args)
             .env("PATH", &self.path_env)
             .env("BERTH_LOG", "info,berth=debug")
             .stdin(Stdio::null())
@@ -249,6 +259,35 @@ impl DevAgent {
             .stdin(Stdio::null())
             .output()
             .with_context(|| format!("running berth {}", args.join(" ")))
+    }
+
+    /// GETs `path` (e.g. `/v1/job/web/allocations`) from the HTTP API and
+    /// decodes the JSON answer; an error for any status but 200.
+    pub fn api_get(&self, path: &str) -> Result<Value> {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", self.port))
+            .with_context(|| format!("connecting to the HTTP API for {path}"))?;
+        conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+        write!(
+            conn,
+            "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        )?;
+        let mut answer = Vec::new();
+        conn.read_to_end(&mut answer)?;
+        let answer = String::from_utf8_lossy(&answer);
+        let (head, body) = answer
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| anyhow!("GET {path}: no HTTP answer: {answer:?}"))?;
+        if !head.starts_with("HTTP/1.1 200") {
+            bail!("GET {path}: {head}\n{body}");
+        }
+        if head
+            .lines()
+            .any(|l| l.eq_ignore_ascii_case("transfer-encoding: chunked"))
+        {
+            bail!("GET {path}: a chunked answer is not expected");
+        }
+        serde_json::from_str(body).with_context(|| format!("GET {path}: decoding {body:?}"))
     }
 
     /// Runs the CLI and fails with its output unless it exits 0.

@@ -1,0 +1,167 @@
+//! A plugin task killed with SIGKILL on a dev agent: its death is recorded
+//! as `Plugin became unhealthy` (a task event of the plugin task and a CSI
+//! node event) before the task restarts and becomes healthy again, and
+//! `plugin status` keeps naming the provider all along.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use berth_tests::{example, only_alloc, wait_for, DevAgent};
+use serde_json::Value;
+
+const PROVIDER: &str = "hostpath.csi.berth.dev";
+
+/// The example plugin job, restarting its task 3 s after it dies: long
+/// enough to see the plugin unhealthy, short enough for a test.
+fn plugin_job(dir: &std::path::Path) -> Result<String> {
+    let src = std::fs::read_to_string(example("jobs/hostpath-plugin.hcl"))?;
+    let patched = src.replacen(
+        "group \"plugin\" {",
+        "group \"plugin\" {\n    restart {\n      attempts = 3\n      interval = \"10m\"\n      delay    = \"3s\"\n      mode     = \"fail\"\n    }\n",
+        1,
+    );
+    if patched == src {
+        bail!("the plugin job has no group \"plugin\" to add a restart block to");
+    }
+    let path = dir.join("hostpath-plugin.hcl");
+    std::fs::write(&path, patched)?;
+    Ok(path.display().to_string())
+}
+
+/// The plugin task's events, `(type, message)`.
+fn plugin_task_events(agent: &DevAgent) -> Result<Vec<(String, String)>> {
+    let alloc = only_alloc(agent, "hostpath-plugin")?;
+    Ok(alloc["task_states"]["plugin"]["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap_or_default().to_string(),
+                e["message"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect())
+}
+
+/// The node's CSI events, `(message, count)`, oldest first. Equal events
+/// fold into the newest one, which moves to the end with its count.
+fn csi_node_events(agent: &DevAgent) -> Result<Vec<(String, u64)>> {
+    let nodes = agent.api_get("/v1/nodes")?;
+    let id = nodes[0]["id"].as_str().unwrap_or_default().to_string();
+    let node = agent.api_get(&format!("/v1/node/{id}"))?;
+    Ok(node["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["subsystem"] == "CSI")
+        .map(|e| {
+            (
+                e["message"].as_str().unwrap_or_default().to_string(),
+                e["count"].as_u64().unwrap_or(1),
+            )
+        })
+        .collect())
+}
+
+/// Whether `seq` holds `want` in order (not necessarily adjacent).
+fn in_order(seq: &[String], want: &[&str]) -> bool {
+    let mut it = seq.iter();
+    want.iter().all(|w| it.any(|s| s == w))
+}
+
+#[test]
+fn a_killed_plugin_is_unhealthy_then_healthy_again_and_keeps_its_provider() -> Result<()> {
+    let agent = DevAgent::start()?;
+    let data_dir = agent.data_dir.path().to_path_buf();
+    agent.cli_ok(&["job", "run", "-detach", &plugin_job(&data_dir)?])?;
+    agent.wait_plugin_healthy("hostpath")?;
+
+    let needle = format!("--endpoint=unix://{}", data_dir.display());
+    let pids = agent.processes_with_cmdline(&needle);
+    let [pid] = pids.as_slice() else {
+        bail!("want one plugin process, found {pids:?}");
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(*pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+
+    // Until it is healthy again, every look at the plugin names its
+    // provider; at least one sees it unhealthy.
+    let mut saw_unhealthy = false;
+    wait_for(
+        "the plugin to be unhealthy, then healthy again",
+        Duration::from_secs(60),
+        || {
+            let out = agent.cli(&["plugin", "status", "-json", "hostpath"])?;
+            if !out.status.success() {
+                bail!(
+                    "plugin status failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            let p: Value = serde_json::from_slice(&out.stdout)?;
+            if p["provider"] != PROVIDER {
+                bail!("plugin status lost the provider: {p}");
+            }
+            let healthy = p["nodes_healthy"] == 1 && p["controllers_healthy"] == 1;
+            if !healthy {
+                saw_unhealthy = true;
+                return Ok(None);
+            }
+            let restarted = !agent.processes_with_cmdline(&needle).contains(pid);
+            let events = plugin_task_events(&agent)?;
+            let kinds: Vec<String> = events.iter().map(|(t, _)| t.clone()).collect();
+            let back = in_order(
+                &kinds,
+                &[
+                    "Plugin became healthy",
+                    "Plugin became unhealthy",
+                    "Plugin became healthy",
+                ],
+            );
+            Ok((saw_unhealthy && restarted && back).then_some(()))
+        },
+    )
+    .with_context(|| agent.log())?;
+
+    let events = plugin_task_events(&agent)?;
+    let unhealthy = events
+        .iter()
+        .find(|(t, _)| t == "Plugin became unhealthy")
+        .expect("an unhealthy event");
+    assert_eq!(unhealthy.1, "the plugin task exited", "{events:?}");
+    let kinds: Vec<String> = events.iter().map(|(t, _)| t.clone()).collect();
+    assert!(
+        in_order(
+            &kinds,
+            &[
+                "Plugin became healthy",
+                "Plugin became unhealthy",
+                "Restarting",
+                "Started",
+                "Plugin became healthy"
+            ]
+        ),
+        "{events:?}"
+    );
+
+    // Healthy, unhealthy, healthy again: the second healthy folds into the
+    // first, which moves after the unhealthy one.
+    let node_events = wait_for(
+        "the node's CSI events to show the restart",
+        Duration::from_secs(30),
+        || {
+            let ev = csi_node_events(&agent)?;
+            let want = [
+                ("Plugin became unhealthy".to_string(), 1),
+                ("Plugin became healthy".to_string(), 2),
+            ];
+            Ok((ev == want).then_some(ev))
+        },
+    )
+    .with_context(|| format!("node events: {:?}", csi_node_events(&agent)))?;
+    assert_eq!(node_events.len(), 2);
+    Ok(())
+}

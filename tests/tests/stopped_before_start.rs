@@ -1,0 +1,165 @@
+//! Allocs stopped before they started, end to end: a job submitted and at
+//! once stopped while a changed version is submitted concurrently, many
+//! times, leaves no alloc pending: every alloc ends terminal, and each one
+//! that never started says so in a `Not Started` event of every task, also
+//! after the agent restarted.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use berth_tests::{wait_for, DevAgent};
+use serde_json::Value;
+
+const JOB: &str = "stop-at-once";
+const ROUNDS: usize = 12;
+
+/// A service job of `count` sleeping allocs; `version` changes its spec.
+fn job_file(dir: &Path, version: usize) -> Result<String> {
+    let src = format!(
+        r#"
+job "{JOB}" {{
+  type = "service"
+  group "web" {{
+    count = 8
+    task "sleep" {{
+      driver = "raw_exec"
+      env {{
+        VERSION = "{version}"
+      }}
+      config {{
+        command = "/bin/sleep"
+        args    = ["300"]
+      }}
+      resources {{
+        cpu    = 10
+        memory = 8
+      }}
+    }}
+  }}
+}}
+"#
+    );
+    let path = dir.join(format!("{JOB}-{version}.hcl"));
+    std::fs::write(&path, src)?;
+    Ok(path.display().to_string())
+}
+
+/// Every alloc of the job the servers keep.
+fn allocs(agent: &DevAgent) -> Result<Vec<Value>> {
+    let v = agent.api_get(&format!("/v1/job/{JOB}/allocations"))?;
+    Ok(v.as_array().cloned().unwrap_or_default())
+}
+
+fn is_terminal(a: &Value) -> bool {
+    matches!(
+        a["client_status"].as_str(),
+        Some("complete" | "failed" | "lost")
+    )
+}
+
+fn events(task: &Value) -> Vec<(String, String)> {
+    task["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap_or_default().to_string(),
+                e["message"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// Checks that every alloc is terminal and that each one whose tasks never
+/// started has a `Not Started` event on every task. Returns how many never
+/// started.
+fn check_allocs(all: &[Value]) -> Result<usize> {
+    let mut never_started = 0;
+    for a in all {
+        let id = a["id"].as_str().unwrap_or_default();
+        if !is_terminal(a) {
+            bail!(
+                "alloc {id} is {} (desired {})",
+                a["client_status"],
+                a["desired_status"]
+            );
+        }
+        let tasks = a["task_states"].as_object().cloned().unwrap_or_default();
+        if tasks.is_empty() {
+            bail!("terminal alloc {id} has no task states: {a}");
+        }
+        let started = tasks
+            .values()
+            .any(|t| events(t).iter().any(|(kind, _)| kind == "Started"));
+        if started {
+            continue;
+        }
+        never_started += 1;
+        for (name, t) in &tasks {
+            let evs = events(t);
+            let said = evs.iter().any(|(kind, msg)| {
+                kind == "Not Started" && msg == "the alloc was stopped before it started"
+            });
+            if !said {
+                bail!("task {name} of never-started alloc {id} has no Not Started event: {evs:?}");
+            }
+        }
+        if a["client_status"] != "complete" {
+            bail!("never-started alloc {id} is {}", a["client_status"]);
+        }
+    }
+    Ok(never_started)
+}
+
+#[test]
+fn allocs_stopped_before_they_start_end_complete_and_say_so() -> Result<()> {
+    let mut agent = DevAgent::start()?;
+    let dir = agent.data_dir.path().to_path_buf();
+    for round in 0..ROUNDS {
+        let first = job_file(&dir, round * 2)?;
+        let changed = job_file(&dir, round * 2 + 1)?;
+        agent.cli_ok(&["job", "run", "-detach", &first])?;
+        // Stop it at once while a changed version comes in.
+        std::thread::scope(|s| -> Result<()> {
+            let resubmit = s.spawn(|| agent.cli(&["job", "run", "-detach", &changed]));
+            let stop = s.spawn(|| agent.cli(&["job", "stop", JOB]));
+            for h in [resubmit, stop] {
+                let out = h
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("a CLI thread panicked"))??;
+                // Either may lose the race (a stop of a job already
+                // stopped, say); neither may crash.
+                if out.status.code().is_none() {
+                    bail!("the CLI was killed: {out:?}");
+                }
+            }
+            Ok(())
+        })?;
+        // Whatever won, the job ends the round stopped.
+        agent.cli_ok(&["job", "stop", JOB])?;
+    }
+
+    let never_started = wait_for(
+        "every alloc of the job to be terminal",
+        Duration::from_secs(90),
+        || Ok(Some(check_allocs(&allocs(&agent)?)?)),
+    )
+    .with_context(|| agent.log())?;
+    assert!(
+        never_started > 0,
+        "some allocs were stopped before their tasks started"
+    );
+
+    // A restarted agent keeps them so.
+    agent.restart()?;
+    let after = wait_for(
+        "the allocs after a restart",
+        Duration::from_secs(60),
+        || Ok(Some(check_allocs(&allocs(&agent)?)?)),
+    )
+    .with_context(|| agent.log())?;
+    assert_eq!(after, never_started);
+    Ok(())
+}
