@@ -419,6 +419,7 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v1/volume/csi/{id}/detach", delete(detach_volume))
         .route("/v1/plugins", get(list_plugins))
         .route("/v1/plugin/csi/{id}", get(get_plugin))
+        .route("/v1/system/gc", put(system_gc))
         .fallback(unknown_api_path)
         .with_state(server);
     // The layers wrap the whole API from outside, so that they see every
@@ -594,6 +595,13 @@ async fn list_plugins(State(s): State<Arc<Server>>) -> ApiResult {
 
 async fn get_plugin(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.plugin(&id)?)
+}
+
+/// A forced garbage collection (`berth system gc`): everything that is done
+/// goes now, whatever the thresholds. Answers what was removed.
+async fn system_gc(State(s): State<Arc<Server>>) -> ApiResult {
+    let report = s.garbage_collect(true).await?;
+    to_json(&report)
 }
 
 /// Serves the API on `listener` until `shutdown` flips.

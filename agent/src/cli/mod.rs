@@ -17,7 +17,7 @@ Commands:
   agent -dev [-data-dir DIR] [-http-addr ADDR]   run a dev agent (server and client)
   job run [-detach] FILE                          submit a job and wait for its allocs
   job stop JOB                                    stop a job
-  job status [-json] [JOB]                        show jobs
+  job status [-json] [-all-allocs] [JOB]          show jobs (the latest version's allocs, newest first)
   alloc status [-json] ALLOC                      show an allocation
   node status [-json] [NODE]                      show nodes
   volume create FILE                              create a CSI volume through its plugin
@@ -27,6 +27,7 @@ Commands:
   volume detach VOLUME NODE                       release the volume's claims on a node
   volume status [-json] [VOLUME]                  show CSI volumes
   plugin status [-json] [PLUGIN]                  show CSI plugins
+  system gc                                       garbage collect what is done, now
 
 Every command but agent takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747).
 ";
@@ -42,6 +43,7 @@ struct ApiArgs {
     json: bool,
     detach: bool,
     force: bool,
+    all_allocs: bool,
     positional: Vec<String>,
 }
 
@@ -51,6 +53,7 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
     let mut json = false;
     let mut detach = false;
     let mut force = false;
+    let mut all_allocs = false;
     let mut positional = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -80,6 +83,7 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
             "json" => json = true,
             "detach" => detach = true,
             "force" => force = true,
+            "all-allocs" => all_allocs = true,
             _ => unreachable!("allowed flags are handled above"),
         }
     }
@@ -88,6 +92,7 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
         json,
         detach,
         force,
+        all_allocs,
         positional,
     })
 }
@@ -139,6 +144,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         ("volume", Some("detach")) => volume_detach(tail),
         ("volume", Some("status")) => volume_status(tail),
         ("plugin", Some("status")) => plugin_status(tail),
+        ("system", Some("gc")) => system_gc(tail),
         ("help" | "-h" | "-help" | "--help", _) => {
             print!("{USAGE}");
             Ok(0)
@@ -357,19 +363,28 @@ fn job_stop(args: &[String]) -> Result<i32> {
     Ok(0)
 }
 
-fn job_view(api: &ApiClient, job: &Value) -> Result<Value> {
+/// A job with stubs of its allocs: by default those of its latest version,
+/// newest first; with `all_allocs`, every alloc the servers still keep.
+fn job_view(api: &ApiClient, job: &Value, all_allocs: bool) -> Result<Value> {
     let id = job.get("id").and_then(Value::as_str).unwrap_or_default();
+    let version = job.get("version").and_then(Value::as_u64).unwrap_or(0);
     let allocs = api.get(&format!("/v1/job/{}/allocations", enc(id)))?;
-    let stubs: Vec<Value> = allocs
+    let mut allocs: Vec<&Value> = allocs
         .as_array()
         .into_iter()
         .flatten()
+        .filter(|a| all_allocs || a["job"]["version"].as_u64().unwrap_or(0) == version)
+        .collect();
+    allocs.sort_by_key(|a| std::cmp::Reverse(a["create_index"].as_u64().unwrap_or(0)));
+    let stubs: Vec<Value> = allocs
+        .into_iter()
         .map(|a| {
             json!({
                 "id": a["id"],
                 "name": a["name"],
                 "node_id": a["node_id"],
                 "task_group": a["task_group"],
+                "job_version": a["job"]["version"],
                 "client_status": a["client_status"],
                 "desired_status": a["desired_status"],
                 "create_index": a["create_index"],
@@ -382,18 +397,26 @@ fn job_view(api: &ApiClient, job: &Value) -> Result<Value> {
 }
 
 fn job_status(args: &[String]) -> Result<i32> {
-    let a = api_args("job status", args, &["json"])?;
+    let a = api_args("job status", args, &["json", "all-allocs"])?;
     match optional_positional("job status", &a, "job ID")? {
         Some(id) => {
             let job = a.api.get(&format!("/v1/job/{}", enc(&id)))?;
-            let v = job_view(&a.api, &job)?;
+            let v = job_view(&a.api, &job, a.all_allocs)?;
             if a.json {
                 return print_json(&v);
             }
             println!("ID      = {}", v["id"].as_str().unwrap_or_default());
             println!("Type    = {}", v["type"].as_str().unwrap_or_default());
             println!("Status  = {}", v["status"].as_str().unwrap_or_default());
-            println!("\nAllocations");
+            println!("Version = {}", v["version"].as_u64().unwrap_or_default());
+            println!(
+                "\nAllocations{}",
+                if a.all_allocs {
+                    " (all versions)"
+                } else {
+                    " (latest version, newest first)"
+                }
+            );
             println!(
                 "{:<38} {:<38} {:<10} {:<10}",
                 "ID", "Node ID", "Desired", "Status"
@@ -415,7 +438,7 @@ fn job_status(args: &[String]) -> Result<i32> {
                 .as_array()
                 .into_iter()
                 .flatten()
-                .map(|j| job_view(&a.api, j))
+                .map(|j| job_view(&a.api, j, a.all_allocs))
                 .collect::<Result<Vec<_>>>()?;
             if a.json {
                 return print_json(&Value::Array(views));
@@ -672,6 +695,28 @@ fn plugin_status(args: &[String]) -> Result<i32> {
             format!("{}/{} healthy", p["nodes_healthy"], p["nodes_expected"])
         );
     }
+    Ok(0)
+}
+
+fn system_gc(args: &[String]) -> Result<i32> {
+    let a = api_args("system gc", args, &["json"])?;
+    if !a.positional.is_empty() {
+        return Err(usage_error(format!(
+            "berth system gc: takes no arguments, got {:?}",
+            a.positional
+        )));
+    }
+    let v = a.api.put("/v1/system/gc", &json!({}))?;
+    if a.json {
+        return print_json(&v);
+    }
+    let n = |k: &str| v[k].as_array().map_or(0, Vec::len);
+    println!(
+        "Garbage collected {} allocs, {} jobs, {} nodes",
+        n("allocs"),
+        n("jobs"),
+        n("nodes")
+    );
     Ok(0)
 }
 
