@@ -96,7 +96,12 @@ impl AgentConfig {
                         format!("berth agent: -rpc-addr {v:?} is not HOST:PORT")
                     })?;
                 }
-                "node-name" => c.node_name = Some(value(name)?),
+                "node-name" => {
+                    let v = value(name)?;
+                    berth_structs::check_name("node name", &v)
+                        .with_context(|| format!("berth agent: -node-name {v:?}"))?;
+                    c.node_name = Some(v);
+                }
                 "heartbeat-ttl" => {
                     let v = value(name)?;
                     c.min_heartbeat_ttl = humantime::parse_duration(&v)
@@ -305,5 +310,26 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     match failure {
         Some(e) => Err(e),
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_node_name_that_breaks_the_name_rule_is_refused_before_anything_starts() {
+        for bad in ["../n1", "a b", ""] {
+            let e = AgentConfig::from_args(&args(&["-dev", "-node-name", bad]))
+                .expect_err(bad)
+                .to_string();
+            assert!(e.contains("-node-name"), "{e}");
+        }
+        let c = AgentConfig::from_args(&args(&["-dev", "-node-name", "worker-1"])).unwrap();
+        assert_eq!(c.node_name.as_deref(), Some("worker-1"));
     }
 }

@@ -54,7 +54,7 @@ fn job_run_reports_placement_failures_and_exits_2() -> Result<()> {
         "big.hcl",
         &BATCH.replace("\"once\"", "\"big\"").replace(
             "config {",
-            "resources {\n        memory = 100000000\n      }\n      config {",
+            "resources {\n        memory = 60000000\n      }\n      config {",
         ),
     )?;
     let out = agent.cli(&["job", "run", &file])?;
