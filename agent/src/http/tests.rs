@@ -267,13 +267,19 @@ async fn json_of_the_wrong_shape_is_a_json_422_naming_the_field() {
 #[tokio::test]
 async fn a_secret_that_does_not_fit_is_not_echoed() {
     let api = TestApi::new();
-    for secrets in [json!("hunter2-secret"), json!({"token": ["hunter2-secret"]})] {
+    for secrets in [
+        json!("hunter2-secret"),
+        json!({"token": ["hunter2-secret"]}),
+    ] {
         let body = json!({"volume": {"id": "v", "plugin_id": "p", "secrets": secrets}});
         let a = put_json(&api.router, "/v1/volume/csi/v", body.to_string()).await;
         assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
         let m = a.error_message();
         assert!(m.starts_with("volume.secrets"), "{m}");
-        assert!(m.ends_with(": invalid value (secrets are not shown)"), "{m}");
+        assert!(
+            m.ends_with(": invalid value (secrets are not shown)"),
+            "{m}"
+        );
         assert!(!m.contains("hunter2"), "{m}");
     }
 }
