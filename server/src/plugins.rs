@@ -22,10 +22,10 @@ pub(crate) fn derive_plugins(t: &Tables) -> BTreeMap<String, CsiPlugin> {
             if let Some(p) = &task.csi_plugin {
                 let e = expected.entry(p.id.clone()).or_default();
                 if p.plugin_type.has_controller() {
-                    e.0 += 1;
+                    e.0 = e.0.saturating_add(1);
                 }
                 if p.plugin_type.has_node() {
-                    e.1 += 1;
+                    e.1 = e.1.saturating_add(1);
                 }
             }
         }
@@ -52,17 +52,22 @@ pub(crate) fn derive_plugins(t: &Tables) -> BTreeMap<String, CsiPlugin> {
                     .get(node_id)
                     .is_some_and(|n| n.status == NodeStatus::Ready)
         };
-        p.controllers_healthy = p.controllers.iter().filter(|(n, i)| up(i, n)).count() as u32;
-        p.nodes_healthy = p.nodes.iter().filter(|(n, i)| up(i, n)).count() as u32;
+        p.controllers_healthy = count_u32(p.controllers.iter().filter(|(n, i)| up(i, n)).count());
+        p.nodes_healthy = count_u32(p.nodes.iter().filter(|(n, i)| up(i, n)).count());
         let (ec, en) = expected.get(&p.id).copied().unwrap_or_default();
-        p.controllers_expected = ec.max(p.controllers.len() as u32);
-        p.nodes_expected = en.max(p.nodes.len() as u32);
+        p.controllers_expected = ec.max(count_u32(p.controllers.len()));
+        p.nodes_expected = en.max(count_u32(p.nodes.len()));
         p.controller_required = p
             .controllers
             .values()
             .any(|c| c.requires_controller_publish || c.supports_create_delete);
     }
     plugins
+}
+
+/// A count as the API's u32, saturating.
+fn count_u32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 fn plugin_entry<'a>(plugins: &'a mut BTreeMap<String, CsiPlugin>, id: &str) -> &'a mut CsiPlugin {

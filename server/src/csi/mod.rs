@@ -211,8 +211,8 @@ impl Server {
             } else {
                 vol.name.clone()
             },
-            capacity_min: vol.capacity_min.unwrap_or(0) as i64,
-            capacity_max: vol.capacity_max.unwrap_or(0) as i64,
+            capacity_min: i64::try_from(vol.capacity_min.unwrap_or(0)).unwrap_or(i64::MAX),
+            capacity_max: i64::try_from(vol.capacity_max.unwrap_or(0)).unwrap_or(i64::MAX),
             capabilities: vol
                 .capabilities
                 .iter()
@@ -231,7 +231,7 @@ impl Server {
             )));
         };
         vol.external_id = created.external_id;
-        vol.capacity = created.capacity_bytes.max(0) as u64;
+        vol.capacity = u64::try_from(created.capacity_bytes).unwrap_or(0);
         vol.context = created.volume_context.into_iter().collect();
         vol.read_claims.clear();
         vol.write_claims.clear();
