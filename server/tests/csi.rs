@@ -880,3 +880,37 @@ async fn a_failing_reap_backs_off_and_its_node_keeps_one_event_per_distinct_erro
     assert_eq!(r.released, vec![alloc.id.clone()]);
     assert_eq!(claim_state(&s, &alloc.id), None);
 }
+
+#[tokio::test]
+async fn operator_detach_of_a_down_nodes_claim_says_the_node_was_not_told() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    s.register_node(node("n1")).await.unwrap();
+    give_plugin(&s, "n1", "hostpath", true, false, false).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    // The window keeps the watcher off the lost alloc's claim for an hour:
+    // only the operator ends it.
+    let mut j = volume_job("db", "data", AccessMode::SingleNodeWriter);
+    j.task_groups[0].stop_after_client_disconnect = Some(Duration::from_secs(3600));
+    s.register_job(j).await.unwrap();
+    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    s.mark_node_down("n1", "test").await.unwrap();
+    let r = s.detach_volume("data", "n1").await.unwrap();
+    assert_eq!(r.released, vec![alloc.id.clone()]);
+    assert_eq!(
+        r.warnings,
+        vec![format!(
+            "node n1 is down or gone and was not told to unmount volume \"data\" for alloc {}",
+            alloc.id
+        )]
+    );
+    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert!(client.call_kinds().is_empty(), "nobody to call");
+}

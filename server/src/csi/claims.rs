@@ -379,6 +379,12 @@ impl Server {
                         tracing::info!(volume_id, alloc_id, node_id = %claim.node_id, origin = ?origin, "releasing claim");
                         self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)?;
                     }
+                    if *origin == ReleaseOrigin::Operator && !self.node_up(&claim.node_id) {
+                        let node = self.node_label(&claim.node_id);
+                        warnings.push(format!(
+                            "node {node} is down or gone and was not told to unmount volume {volume_id:?} for alloc {alloc_id}"
+                        ));
+                    }
                     if let Err(e) = self.node_detach(&vol, &claim, origin).await {
                         let node = self.node_label(&claim.node_id);
                         let what = format!(
@@ -414,6 +420,15 @@ impl Server {
                 }
             }
         }
+    }
+
+    /// Whether the node exists and is not down (it can be told to detach).
+    fn node_up(&self, node_id: &str) -> bool {
+        self.store.read(|t| {
+            t.nodes
+                .get(node_id)
+                .is_some_and(|n| n.status != NodeStatus::Down)
+        })
     }
 
     /// A node's name, or its ID when it has none (or is gone).
@@ -507,12 +522,7 @@ impl Server {
                 return Ok(());
             }
         }
-        let node_up = self.store.read(|t| {
-            t.nodes
-                .get(&claim.node_id)
-                .is_some_and(|n| n.status != NodeStatus::Down)
-        });
-        if !node_up {
+        if !self.node_up(&claim.node_id) {
             tracing::info!(volume_id = %vol.id, alloc_id = %claim.alloc_id, node_id = %claim.node_id,
                 "node is down or gone; skipping node detach");
             return Ok(());
