@@ -25,6 +25,52 @@ const BATCH_WINDOW: Duration = Duration::from_millis(50);
 /// Node events kept while the servers are unreachable; older ones are
 /// dropped first (the servers keep only the newest events of a node too).
 const MAX_PENDING_EVENTS: usize = 1000;
+/// Alloc updates go in requests of at most about this many bytes, well
+/// below the 4 MiB the servers accept in one message: a backlog gathered
+/// while they were unreachable must not become one request they refuse
+/// for good.
+const MAX_UPDATE_BATCH_BYTES: usize = 1 << 20;
+/// Allocs sent in one alloc watch message can be many; the client accepts
+/// far more than tonic's 4 MiB default.
+const MAX_WATCH_MESSAGE_BYTES: usize = 256 << 20;
+
+/// About how large `u` is on the wire.
+fn update_size(u: &pb::AllocStatusUpdate) -> usize {
+    // Field tags and lengths: a few bytes per field.
+    [
+        u.alloc_id.len(),
+        u.client_status.len(),
+        u.client_description.len(),
+        u.task_states_json.len(),
+        16,
+    ]
+    .into_iter()
+    .fold(0usize, usize::saturating_add)
+}
+
+/// `updates` in batches of at most `max_bytes` each (an update larger
+/// than that goes alone), in order.
+fn update_batches(
+    updates: Vec<pb::AllocStatusUpdate>,
+    max_bytes: usize,
+) -> Vec<Vec<pb::AllocStatusUpdate>> {
+    let mut batches = Vec::new();
+    let mut batch = Vec::new();
+    let mut size = 0usize;
+    for u in updates {
+        let len = update_size(&u);
+        if !batch.is_empty() && size.saturating_add(len) > max_bytes {
+            batches.push(std::mem::take(&mut batch));
+            size = 0;
+        }
+        size = size.saturating_add(len);
+        batch.push(u);
+    }
+    if !batch.is_empty() {
+        batches.push(batch);
+    }
+    batches
+}
 
 /// Appends `new` to `pending`, keeping at most the newest
 /// [`MAX_PENDING_EVENTS`]. Returns how many were dropped.
@@ -80,6 +126,7 @@ impl ServerConn {
 
     pub fn node_client(&self) -> NodeClient<Channel> {
         NodeClient::new(self.inner.channel.clone())
+            .max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES)
     }
 
     fn volume_client(&self) -> CsiVolumeClient<Channel> {
@@ -142,20 +189,22 @@ impl ServerConn {
                 .unwrap_or_else(|e| e.into_inner());
             p.drain().map(|(_, v)| v).collect()
         };
-        if !updates.is_empty() {
+        let mut batches = update_batches(updates, MAX_UPDATE_BATCH_BYTES).into_iter();
+        while let Some(batch) = batches.next() {
             let mut req = tonic::Request::new(pb::UpdateAllocationsRequest {
                 node_id: node_id.clone(),
-                updates: updates.clone(),
+                updates: batch.clone(),
             });
             req.set_timeout(RPC_TIMEOUT);
             if let Err(e) = self.node_client().update_allocations(req).await {
-                // Put them back unless a newer update arrived meanwhile.
+                // Put back what was not sent, unless a newer update
+                // arrived meanwhile.
                 let mut p = self
                     .inner
                     .pending_updates
                     .lock()
                     .unwrap_or_else(|e| e.into_inner());
-                for u in updates {
+                for u in batch.into_iter().chain(batches.flatten()) {
                     p.entry(u.alloc_id.clone()).or_insert(u);
                 }
                 return Err(e);
@@ -397,6 +446,178 @@ impl NodeRegistrar for ServerConn {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An update whose task states take about `json_bytes`.
+    fn update(id: &str, json_bytes: usize) -> pb::AllocStatusUpdate {
+        let mut state = TaskState::default();
+        state.push_event(berth_structs::TaskEvent::new(
+            "Terminated",
+            "x".repeat(json_bytes),
+        ));
+        let states = BTreeMap::from([("t".to_string(), state)]);
+        pb::AllocStatusUpdate {
+            alloc_id: id.to_string(),
+            client_status: "complete".into(),
+            client_description: String::new(),
+            task_states_json: serde_json::to_vec(&states).unwrap(),
+        }
+    }
+
+    /// A backlog of alloc updates larger than the servers take in one
+    /// message (gathered while they were unreachable) still reaches them:
+    /// a real server over a real connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_backlog_larger_than_one_message_reaches_the_servers() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = berth_server::Server::open(berth_server::ServerConfig::new(dir.path()))
+            .expect("the server opens");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(server.node_service())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_lazy();
+        let conn = ServerConn::new(
+            channel,
+            Node {
+                id: berth_structs::generate_id(),
+                name: "n".into(),
+                ..Node::default()
+            },
+        );
+        conn.register().await.expect("the node registers");
+        // About 6 MiB of updates, of allocs the servers do not know (they
+        // are skipped there, which is all this needs).
+        for i in 0..3000 {
+            let u = update(&format!("alloc-{i}"), 2000);
+            conn.inner
+                .pending_updates
+                .lock()
+                .unwrap()
+                .insert(u.alloc_id.clone(), u);
+        }
+        conn.flush_once().await.expect("the backlog is sent");
+        assert!(conn.inner.pending_updates.lock().unwrap().is_empty());
+        serving.abort();
+    }
+
+    /// The servers send every alloc of the node in one watch message: a
+    /// node with many allocs gets a message far larger than tonic's 4 MiB
+    /// default, and must still read it (or it would never see a change).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_alloc_watch_message_larger_than_4_mib_is_read() {
+        use berth_structs::{Job, JobType, Resources, Task, TaskConfig, TaskGroup};
+        let dir = tempfile::tempdir().unwrap();
+        let server = berth_server::Server::open(berth_server::ServerConfig::new(dir.path()))
+            .expect("the server opens");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(server.node_service())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect_lazy();
+        let conn = ServerConn::new(
+            channel,
+            Node {
+                id: berth_structs::generate_id(),
+                name: "n".into(),
+                datacenter: "dc1".into(),
+                status: berth_structs::NodeStatus::Ready,
+                drivers: vec!["raw_exec".into()],
+                resources: berth_structs::NodeResources {
+                    cpu: 1_000_000,
+                    memory_mb: 1_000_000,
+                },
+                ..Node::default()
+            },
+        );
+        conn.register().await.expect("the node registers");
+        // 1,500 allocs of about 4 KiB each: some 6 MiB in one message.
+        const COUNT: usize = 1500;
+        let job = Job {
+            id: "big".into(),
+            name: "big".into(),
+            job_type: JobType::Service,
+            datacenters: vec!["dc1".into()],
+            task_groups: vec![TaskGroup {
+                name: "g".into(),
+                count: COUNT as u32,
+                tasks: vec![Task {
+                    name: "t".into(),
+                    driver: "raw_exec".into(),
+                    config: TaskConfig {
+                        command: "/bin/true".into(),
+                        args: Vec::new(),
+                    },
+                    env: BTreeMap::from([("PAD".to_string(), "x".repeat(4096))]),
+                    resources: Resources {
+                        cpu: 1,
+                        memory_mb: 1,
+                    },
+                    ..Task::default()
+                }],
+                ..TaskGroup::default()
+            }],
+            ..Job::default()
+        };
+        server.register_job(job).await.expect("the job registers");
+        let mut stream = conn
+            .node_client()
+            .watch_allocations(pb::WatchAllocationsRequest {
+                node_id: conn.node_id(),
+            })
+            .await
+            .expect("the watch opens")
+            .into_inner();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            let update = tokio_stream::StreamExt::next(&mut stream)
+                .await
+                .expect("the watch goes on")
+                .expect("the message is read");
+            let size: usize = update.allocs_json.iter().map(Vec::len).sum();
+            if update.allocs_json.len() == COUNT {
+                assert!(size > 4 << 20, "{size} bytes");
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "all allocs placed in time"
+            );
+        }
+        serving.abort();
+    }
+
+    #[test]
+    fn updates_go_in_batches_below_the_size_limit_in_order() {
+        let updates: Vec<_> = (0..10).map(|i| update(&i.to_string(), 300)).collect();
+        let batches = update_batches(updates.clone(), 1000);
+        assert!(batches.len() > 1, "{}", batches.len());
+        for b in &batches {
+            let size = b.iter().map(update_size).sum::<usize>();
+            assert!(size <= 1000, "{size}");
+        }
+        let flat: Vec<_> = batches.into_iter().flatten().collect();
+        assert_eq!(flat, updates);
+
+        // One update larger than the limit goes alone; nothing is lost.
+        let big = vec![update("a", 10), update("huge", 5000), update("b", 10)];
+        let batches = update_batches(big, 1000);
+        let ids: Vec<Vec<&str>> = batches
+            .iter()
+            .map(|b| b.iter().map(|u| u.alloc_id.as_str()).collect())
+            .collect();
+        assert_eq!(ids, vec![vec!["a"], vec!["huge"], vec!["b"]]);
+        assert!(update_batches(Vec::new(), 1000).is_empty());
+    }
 
     #[test]
     fn pending_events_keep_the_newest() {
