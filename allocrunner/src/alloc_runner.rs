@@ -1,7 +1,7 @@
 //! The alloc runner: one alloc's lifecycle from prerun hooks through its
 //! task runners to postrun hooks, and the handle the agent drives it with.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -390,12 +390,15 @@ async fn lifecycle(inner: Arc<Inner>) {
         }
     }
 
+    let mut killed_leftovers = BTreeSet::new();
     if prerun_failure.is_some() || stopped || *ctx.stop.borrow() {
-        if let Some(handles) = &restored {
-            // Tasks left running by the previous agent must not outlive
-            // an alloc that will not run.
-            kill_restored_tasks(&inner, &group, handles).await;
-        }
+        // Tasks left running by the previous agent must not outlive an
+        // alloc that will not run: those of a restored alloc, and those a
+        // fresh runner finds through their executors' records (the agent
+        // lost the alloc's own records).
+        let none = BTreeMap::new();
+        killed_leftovers =
+            kill_restored_tasks(&inner, &group, restored.as_ref().unwrap_or(&none)).await;
     }
     if let Some(msg) = &prerun_failure {
         for task in &group.tasks {
@@ -410,9 +413,10 @@ async fn lifecycle(inner: Arc<Inner>) {
         for task in &group.tasks {
             // A restored task that ran before the restart was killed above;
             // any other never ran.
-            let ran = task_states
-                .get(&task.name)
-                .is_some_and(|s| s.started_at_ms.is_some());
+            let ran = killed_leftovers.contains(&task.name)
+                || task_states
+                    .get(&task.name)
+                    .is_some_and(|s| s.started_at_ms.is_some());
             let event = if ran {
                 TaskEvent::new("Killed", "The alloc was stopped")
             } else {
@@ -476,13 +480,18 @@ fn last_run(
 }
 
 /// Stops the tasks of a restored alloc that were left running, and unbinds
-/// the volumes bound into their task dirs.
+/// the volumes bound into their task dirs. Returns the tasks it stopped.
 async fn kill_restored_tasks(
     inner: &Inner,
     group: &TaskGroup,
     handles: &BTreeMap<String, TaskHandleRecord>,
-) {
+) -> BTreeSet<String> {
+    let mut stopped = BTreeSet::new();
     let alloc_dir = AllocDir::new(&inner.config.alloc_root, &inner.alloc_id);
+    if handles.is_empty() && !alloc_dir.path().exists() {
+        // Never set up on this node: nothing can be left of it.
+        return stopped;
+    }
     for task in &group.tasks {
         let Some(record) = last_run(
             handles.get(&task.name).cloned(),
@@ -502,6 +511,7 @@ async fn kill_restored_tasks(
                     .kill_timeout
                     .unwrap_or(inner.config.default_kill_timeout);
                 handle.stop(kill_timeout).await;
+                stopped.insert(task.name.clone());
             }
             Ok(_) => {}
             Err(e) => warn!(task = %task.name, error = %e, "cannot stop a restored task"),
@@ -520,6 +530,7 @@ async fn kill_restored_tasks(
             warn!(task = %task.name, error = %e, "cannot unbind a restored task's volumes");
         }
     }
+    stopped
 }
 
 /// Runs every task of the group at once until all are done. A task that

@@ -259,6 +259,34 @@ fn a_restored_alloc_stopped_while_the_agent_was_down_kills_its_task_and_complete
     });
 }
 
+/// The agent lost the alloc's records, and the servers stopped the alloc
+/// meanwhile: the fresh runner that reports it must still stop the task
+/// the previous agent left running, and say it was killed.
+#[test]
+fn a_fresh_runner_of_a_stopped_alloc_stops_a_task_whose_records_were_lost() {
+    let s = run_then_lose_the_agent(JobType::Service, waiting_task());
+    let mut alloc = s
+        .store
+        .load_allocs_for_test()
+        .pop()
+        .expect("the alloc was persisted")
+        .alloc;
+    alloc.desired_status = berth_structs::AllocDesiredStatus::Stop;
+    let lost = Arc::new(MemAllocStore::default());
+    let second = runtime();
+    second.block_on(async {
+        let runner = AllocRunner::new(s.h.config_with_store(lost.clone()), alloc);
+        runner.run();
+        wait_done(&runner, WITHIN).await;
+        assert!(!process_alive(s.pid), "the left-over task was stopped");
+        assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+        let state = &runner.task_states()["web"];
+        let last = state.events.last().expect("events");
+        assert_eq!(last.event_type, "Killed", "{state:?}");
+        assert_eq!(starts(&s.local), 1, "not started again");
+    });
+}
+
 #[tokio::test]
 async fn the_executor_records_the_exit_code_of_its_task() {
     let dir = tempfile::tempdir().unwrap();
