@@ -55,6 +55,9 @@ Usage: berth agent -dev [options]
   -rpc-addr ADDR        agent protocol address (default 127.0.0.1:0, any free port)
   -node-name NAME       the node's name (default: the host name)
   -heartbeat-ttl DUR    shortest heartbeat TTL the servers hand out (default 10s)
+  -gc-max-allocs N      terminal allocs the node keeps before destroying the oldest (default 50)
+  -gc-alloc-threshold DUR  the node destroys allocs terminal for this long (default 1h)
+  -gc-interval DUR      how often the node collects its terminal allocs (default 1m)
 ";
 
 /// A command line `berth agent` cannot make sense of.
