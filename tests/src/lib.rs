@@ -240,6 +240,20 @@ impl DevAgent {
         .with_context(|| self.log())
     }
 
+    /// Runs the example plugin job, waits until the plugin is healthy, and
+    /// creates the example volume `data` through it.
+    pub fn run_plugin_and_create_volume(&self) -> Result<()> {
+        self.cli_ok(&[
+            "job",
+            "run",
+            "-detach",
+            &example("jobs/hostpath-plugin.hcl"),
+        ])?;
+        self.wait_plugin_healthy("hostpath")?;
+        self.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+        Ok(())
+    }
+
     /// The agent process's PID, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)

@@ -10,9 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use berth_tests::{
-    example, mounts_under, only_alloc, processes_with_cmdline, strs, wait_for, DevAgent,
-};
+use berth_tests::{mounts_under, only_alloc, processes_with_cmdline, strs, wait_for, DevAgent};
 use serde_json::Value;
 
 /// Marks the holder's shell in its command line (`$0`).
@@ -103,14 +101,7 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
     let data_dir = agent.data_dir.path().canonicalize()?;
 
     // The plugin, the volume, and a service that holds it and writes.
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &example("jobs/hostpath-plugin.hcl"),
-    ])?;
-    agent.wait_plugin_healthy("hostpath")?;
-    agent.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+    agent.run_plugin_and_create_volume()?;
     let holder_file = data_dir.join("holder.hcl");
     std::fs::write(&holder_file, HOLDER_JOB)?;
     agent.cli_ok(&["job", "run", "-detach", &holder_file.display().to_string()])?;

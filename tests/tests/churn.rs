@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use berth_tests::{example, mounts_under, strs, wait_for, DevAgent};
+use berth_tests::{mounts_under, strs, wait_for, DevAgent};
 use serde_json::Value;
 
 /// Rounds of submit, changed re-submit and stop.
@@ -99,14 +99,7 @@ fn churn_leaves_no_pending_alloc_no_claim_and_gc_removes_what_is_done() -> Resul
     let agent = DevAgent::start()?;
     let dir = agent.data_dir.path().to_path_buf();
 
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &example("jobs/hostpath-plugin.hcl"),
-    ])?;
-    agent.wait_plugin_healthy("hostpath")?;
-    agent.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+    agent.run_plugin_and_create_volume()?;
 
     for round in 0..ROUNDS {
         // Five service jobs and one volume job take turns, so that a job

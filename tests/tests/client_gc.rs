@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{example, mounts_under, wait_for, DevAgent};
+use berth_tests::{mounts_under, wait_for, DevAgent};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use serde_json::Value;
@@ -130,14 +130,7 @@ impl Drop for Thaw {
 fn the_oldest_terminal_allocs_are_collected_and_none_while_its_volume_is_mounted() -> Result<()> {
     let agent = DevAgent::start_with_args(&["-gc-max-allocs", MAX_TERMINAL])?;
     let dir = agent.data_dir.path().to_path_buf();
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &example("jobs/hostpath-plugin.hcl"),
-    ])?;
-    agent.wait_plugin_healthy("hostpath")?;
-    agent.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+    agent.run_plugin_and_create_volume()?;
 
     // The holder runs with the volume mounted.
     agent.cli_ok(&["job", "run", "-detach", &write(&dir, "holder.hcl", HOLDER)?])?;

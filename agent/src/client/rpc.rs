@@ -463,11 +463,14 @@ mod tests {
         }
     }
 
-    /// A backlog of alloc updates larger than the servers take in one
-    /// message (gathered while they were unreachable) still reaches them:
-    /// a real server over a real connection.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_backlog_larger_than_one_message_reaches_the_servers() {
+    /// A real server on a temp dir serving the `Node` service on loopback,
+    /// and a channel to it. The temp dir goes with the first value.
+    async fn serve_node_service() -> (
+        tempfile::TempDir,
+        std::sync::Arc<berth_server::Server>,
+        tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+        tonic::transport::Channel,
+    ) {
         let dir = tempfile::tempdir().unwrap();
         let server = berth_server::Server::open(berth_server::ServerConfig::new(dir.path()))
             .expect("the server opens");
@@ -481,6 +484,15 @@ mod tests {
         let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
             .unwrap()
             .connect_lazy();
+        (dir, server, serving, channel)
+    }
+
+    /// A backlog of alloc updates larger than the servers take in one
+    /// message (gathered while they were unreachable) still reaches them:
+    /// a real server over a real connection.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_backlog_larger_than_one_message_reaches_the_servers() {
+        let (_dir, _server, serving, channel) = serve_node_service().await;
         let conn = ServerConn::new(
             channel,
             Node {
@@ -511,19 +523,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_alloc_watch_message_larger_than_4_mib_is_read() {
         use berth_structs::{Job, JobType, Resources, Task, TaskConfig, TaskGroup};
-        let dir = tempfile::tempdir().unwrap();
-        let server = berth_server::Server::open(berth_server::ServerConfig::new(dir.path()))
-            .expect("the server opens");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let serving = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(server.node_service())
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect_lazy();
+        let (_dir, server, serving, channel) = serve_node_service().await;
         let conn = ServerConn::new(
             channel,
             Node {
