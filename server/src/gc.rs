@@ -49,6 +49,15 @@ struct Thresholds {
     node_ms: i64,
 }
 
+impl Thresholds {
+    /// A forced pass: whatever is done goes now.
+    const ZERO: Thresholds = Thresholds {
+        alloc_ms: 0,
+        job_ms: 0,
+        node_ms: 0,
+    };
+}
+
 fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -132,11 +141,7 @@ impl Server {
     /// (`berth system gc`) takes every threshold as zero.
     pub async fn garbage_collect(&self, force: bool) -> Result<GcReport, ServerError> {
         let th = if force {
-            Thresholds {
-                alloc_ms: 0,
-                job_ms: 0,
-                node_ms: 0,
-            }
+            Thresholds::ZERO
         } else {
             Thresholds {
                 alloc_ms: millis(self.config.alloc_gc_threshold),
@@ -286,15 +291,7 @@ mod tests {
         assert_eq!(report.allocs, vec!["old"]);
         assert!(report.jobs.is_empty(), "a running job stays");
 
-        let (forced, _) = run(
-            &t,
-            now,
-            Thresholds {
-                alloc_ms: 0,
-                job_ms: 0,
-                node_ms: 0,
-            },
-        );
+        let (forced, _) = run(&t, now, Thresholds::ZERO);
         assert_eq!(
             forced.allocs,
             vec!["new", "old"],
@@ -338,15 +335,7 @@ mod tests {
             vec![node("n1", NodeStatus::Down, 0)],
         );
         t.volumes.insert("data".into(), claim_by("lost", "n1"));
-        let (report, changes) = run(
-            &t,
-            now,
-            Thresholds {
-                alloc_ms: 0,
-                job_ms: 0,
-                node_ms: 0,
-            },
-        );
+        let (report, changes) = run(&t, now, Thresholds::ZERO);
         assert_eq!(report, GcReport::default(), "nothing a claim names goes");
         assert!(changes.is_empty());
     }
