@@ -81,7 +81,11 @@ impl DisconnectTracker {
                     if stopped.contains(alloc_id) {
                         continue;
                     }
-                    let deadline = (last + *window).max(not_before);
+                    // A window too long to add to an instant never ends.
+                    let Some(end) = last.checked_add(*window) else {
+                        continue;
+                    };
+                    let deadline = end.max(not_before);
                     if deadline <= now {
                         due.push((alloc_id.clone(), *window));
                     } else {
@@ -217,6 +221,18 @@ mod tests {
         }
         advance(Duration::from_secs(30)).await;
         assert_eq!(n.stops.lock().unwrap().len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_window_too_long_to_count_never_ends_and_stops_no_other_alloc_from_ending() {
+        // "huge" comes first: a tracker that panicked on it would never
+        // stop "short".
+        let n = node(&[("huge", u64::MAX), ("short", 5)]);
+        let (_hb, _stop) = start(&n, Some(Instant::now()), Duration::ZERO);
+        advance(Duration::from_secs(6)).await;
+        let stops = n.stops.lock().unwrap().clone();
+        let ids: Vec<&str> = stops.iter().map(|(id, _)| id.as_str()).collect();
+        assert_eq!(ids, vec!["short"]);
     }
 
     #[tokio::test(start_paused = true)]

@@ -236,7 +236,8 @@ impl Supervision {
     }
 
     async fn run(self) {
-        let deadline = Instant::now() + self.health_timeout;
+        // A health timeout too long to add to an instant is no deadline.
+        let deadline = Instant::now().checked_add(self.health_timeout);
         let client = match CsiClient::connect(&self.plugin.id, &self.socket, self.call_timeout) {
             Ok(c) => c,
             Err(e) => return self.unhealthy_kill(format!("connecting to the plugin: {e}")),
@@ -244,7 +245,7 @@ impl Supervision {
         let info = loop {
             match self.check(&client).await {
                 Ok(info) => break info,
-                Err(e) if Instant::now() >= deadline => {
+                Err(e) if deadline.is_some_and(|d| Instant::now() >= d) => {
                     return self.unhealthy_kill(format!(
                         "plugin did not become healthy within {:?}: {e}",
                         self.health_timeout
