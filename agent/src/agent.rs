@@ -65,8 +65,31 @@ fn usage_error(message: impl Into<String>) -> anyhow::Error {
     crate::cli::errors::UsageError::new(message, AGENT_USAGE).into()
 }
 
+/// A duration flag's value: humantime ("30s", "5m"), at most
+/// [`berth_structs::limits::MAX_DURATION`].
+fn duration_flag(name: &str, v: &str) -> Result<Duration> {
+    let d =
+        berth_structs::spec::parse_duration(v).map_err(|e| anyhow!("berth agent: -{name}: {e}"))?;
+    let max = berth_structs::limits::MAX_DURATION;
+    if d > max {
+        bail!(
+            "berth agent: -{name} {v:?} is too large (at most {})",
+            humantime::format_duration(max)
+        );
+    }
+    Ok(d)
+}
+
+/// What `berth agent`'s command line asks for.
+#[derive(Debug, Clone)]
+pub enum AgentCommand {
+    Run(AgentConfig),
+    /// `-h`, `-help`: print the usage.
+    Help,
+}
+
 impl AgentConfig {
-    pub fn from_args(args: &[String]) -> Result<AgentConfig> {
+    pub fn from_args(args: &[String]) -> Result<AgentCommand> {
         let mut c = AgentConfig::default();
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -105,14 +128,9 @@ impl AgentConfig {
                         .with_context(|| format!("berth agent: -node-name {v:?}"))?;
                     c.node_name = Some(v);
                 }
-                "heartbeat-ttl" => {
-                    let v = value(name)?;
-                    c.min_heartbeat_ttl = humantime::parse_duration(&v)
-                        .with_context(|| format!("berth agent: -heartbeat-ttl {v:?}"))?;
-                }
-                // Not in the usage yet: the client's garbage collection
-                // knobs move to the config file's `client` block once there
-                // is one.
+                "heartbeat-ttl" => c.min_heartbeat_ttl = duration_flag(name, &value(name)?)?,
+                // The client's garbage collection knobs; they move to the
+                // config file's `client` block once there is one.
                 "gc-max-allocs" => {
                     let v = value(name)?;
                     c.gc_max_allocs = v.parse().with_context(|| {
@@ -120,9 +138,7 @@ impl AgentConfig {
                     })?;
                 }
                 "gc-interval" | "gc-alloc-threshold" => {
-                    let v = value(name)?;
-                    let d = humantime::parse_duration(&v)
-                        .with_context(|| format!("berth agent: -{name} {v:?}"))?;
+                    let d = duration_flag(name, &value(name)?)?;
                     if d.is_zero() && name == "gc-interval" {
                         bail!("berth agent: -gc-interval must be longer than 0s");
                     }
@@ -135,10 +151,7 @@ impl AgentConfig {
                 "config" => bail!(
                     "berth agent: -config is not supported yet; run `berth agent -dev` with flags"
                 ),
-                "h" | "help" => {
-                    print!("{AGENT_USAGE}");
-                    std::process::exit(0);
-                }
+                "h" | "help" => return Ok(AgentCommand::Help),
                 _ => return Err(usage_error(format!("berth agent: unknown flag {a:?}"))),
             }
         }
@@ -147,12 +160,18 @@ impl AgentConfig {
                 "berth agent: only -dev mode is available in this version",
             ));
         }
-        Ok(c)
+        Ok(AgentCommand::Run(c))
     }
 }
 
 pub fn run_from_args(args: &[String]) -> Result<i32> {
-    let config = AgentConfig::from_args(args)?;
+    let config = match AgentConfig::from_args(args)? {
+        AgentCommand::Run(c) => c,
+        AgentCommand::Help => {
+            print!("{AGENT_USAGE}");
+            return Ok(0);
+        }
+    };
     // The data dir is claimed before anything else (databases, logs), so
     // that a second agent on it fails at once with one line.
     let data_dir = prepare_data_dir(&config)?;
@@ -332,7 +351,96 @@ mod tests {
                 .to_string();
             assert!(e.contains("-node-name"), "{e}");
         }
-        let c = AgentConfig::from_args(&args(&["-dev", "-node-name", "worker-1"])).unwrap();
+        let Ok(AgentCommand::Run(c)) =
+            AgentConfig::from_args(&args(&["-dev", "-node-name", "worker-1"]))
+        else {
+            panic!("a good node name is taken");
+        };
         assert_eq!(c.node_name.as_deref(), Some("worker-1"));
+    }
+
+    #[test]
+    fn durations_beyond_the_limit_are_too_large() {
+        for flag in ["-heartbeat-ttl", "-gc-interval", "-gc-alloc-threshold"] {
+            let e = AgentConfig::from_args(&args(&["-dev", flag, "20000h"]))
+                .expect_err(flag)
+                .to_string();
+            assert!(e.contains("too large"), "{flag}: {e}");
+            let e = AgentConfig::from_args(&args(&["-dev", flag, "99999999999999999999999h"]))
+                .expect_err(flag)
+                .to_string();
+            assert!(e.contains("too large"), "{flag}: {e}");
+        }
+    }
+
+    /// Flags the agent knows, a few it does not, and values of every kind.
+    fn arg() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let flag = prop::sample::select(vec![
+            "dev",
+            "data-dir",
+            "http-addr",
+            "rpc-addr",
+            "node-name",
+            "heartbeat-ttl",
+            "gc-max-allocs",
+            "gc-interval",
+            "gc-alloc-threshold",
+            "config",
+            "help",
+            "h",
+            "nope",
+            "",
+        ]);
+        let value = prop_oneof![
+            "\\PC{0,12}",
+            Just("0s".to_string()),
+            Just("1y".to_string()),
+            Just("99999999999999999999999h".to_string()),
+            Just("18446744073709551616".to_string()),
+            Just("127.0.0.1:0".to_string()),
+            Just("../x".to_string()),
+            Just("-dev".to_string()),
+        ];
+        prop_oneof![
+            (prop::sample::select(vec!["-", "--"]), flag.clone())
+                .prop_map(|(dash, f)| format!("{dash}{f}")),
+            (flag, value.clone()).prop_map(|(f, v)| format!("-{f}={v}")),
+            value,
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config {
+            cases: 2048,
+            failure_persistence: None,
+            ..proptest::test_runner::Config::default()
+        })]
+
+        /// Any command line is a config, a help request or an error: never
+        /// a panic, and a config holds only what the rules allow.
+        #[test]
+        fn any_command_line_is_a_config_or_a_clear_error(
+            mut argv in proptest::collection::vec(arg(), 0..8),
+            dev in proptest::bool::ANY,
+        ) {
+            if dev {
+                argv.insert(0, "-dev".to_string());
+            }
+            match AgentConfig::from_args(&argv) {
+                Ok(AgentCommand::Run(c)) => {
+                    proptest::prop_assert!(c.dev);
+                    if let Some(n) = &c.node_name {
+                        proptest::prop_assert!(berth_structs::is_valid_name(n), "{n:?}");
+                    }
+                    let max = berth_structs::limits::MAX_DURATION;
+                    proptest::prop_assert!(c.min_heartbeat_ttl <= max);
+                    proptest::prop_assert!(c.gc_alloc_threshold <= max);
+                    proptest::prop_assert!(!c.gc_interval.is_zero() && c.gc_interval <= max);
+                }
+                Ok(AgentCommand::Help) => {}
+                Err(e) => proptest::prop_assert!(!e.to_string().is_empty()),
+            }
+        }
     }
 }
