@@ -16,6 +16,7 @@ use berth_structs::limits::{
 };
 use berth_structs::spec::{parse_job, parse_volume, SpecError};
 use berth_structs::{is_valid_name, CsiVolume, Job};
+use berth_testutil::json;
 use proptest::prelude::*;
 use proptest::test_runner::Config;
 use serde_json::Value;
@@ -571,101 +572,19 @@ fn valid_volume_json() -> Value {
     serde_json::to_value(v).expect("to JSON")
 }
 
-/// JSON pointers to every node of `v`.
-fn pointers(v: &Value, at: String, out: &mut Vec<String>) {
-    out.push(at.clone());
-    match v {
-        Value::Object(m) => {
-            for (k, child) in m {
-                let k = k.replace('~', "~0").replace('/', "~1");
-                pointers(child, format!("{at}/{k}"), out);
-            }
-        }
-        Value::Array(a) => {
-            for (i, child) in a.iter().enumerate() {
-                pointers(child, format!("{at}/{i}"), out);
-            }
-        }
-        _ => {}
-    }
-}
-
-/// JSON values that stress a field: extreme numbers, escaping names,
-/// durations, wrong types.
-fn json_value() -> impl Strategy<Value = Value> {
-    let leaf = prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::Bool),
-        any::<u64>().prop_map(Value::from),
-        any::<i64>().prop_map(Value::from),
-        any::<f64>().prop_map(Value::from),
-        Just(Value::from(u64::MAX)),
-        Just(Value::from(u32::MAX)),
-        Just(serde_json::json!(1e26)),
-        name().prop_map(Value::String),
-        duration_text().prop_map(Value::String),
-    ];
-    leaf.prop_recursive(2, 8, 3, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..3).prop_map(Value::Array),
-            prop::collection::btree_map(name(), inner, 0..3)
-                .prop_map(|m| Value::Object(m.into_iter().collect())),
-        ]
-    })
-}
-
-/// One change to a JSON document: the node at `at` gets `any`, or, when
-/// `same_type`, a value of its own type (a name or duration for a string,
-/// an extreme number for a number), which decodes far more often.
-#[derive(Debug, Clone)]
-struct Edit {
-    at: prop::sample::Index,
-    same_type: bool,
-    string: String,
-    number: Value,
-    any: Value,
-}
-
-fn edit() -> impl Strategy<Value = Edit> {
-    (
-        any::<prop::sample::Index>(),
-        prop::bool::weighted(0.7),
-        prop_oneof![name(), duration_text()],
-        prop_oneof![
-            Just(Value::from(u64::MAX)),
-            Just(Value::from(u32::MAX)),
-            Just(Value::from(u64::from(u32::MAX) + 1)),
-            Just(Value::from(-1)),
-            Just(serde_json::json!(1e26)),
-            Just(serde_json::json!(0.5)),
-            any::<u64>().prop_map(Value::from),
-            (0u64..20_000).prop_map(Value::from),
-        ],
-        json_value(),
-    )
-        .prop_map(|(at, same_type, string, number, any)| Edit {
-            at,
-            same_type,
-            string,
-            number,
-            any,
-        })
-}
-
-fn mutate(mut v: Value, edits: &[Edit]) -> Value {
-    for e in edits {
-        let mut ps = Vec::new();
-        pointers(&v, String::new(), &mut ps);
-        let p = &ps[e.at.index(ps.len())];
-        if let Some(slot) = v.pointer_mut(p) {
-            *slot = match slot {
-                Value::String(_) if e.same_type => Value::String(e.string.clone()),
-                Value::Number(_) if e.same_type => e.number.clone(),
-                _ => e.any.clone(),
-            };
-        }
-    }
-    v
+/// Edits of a valid job or volume: mostly a value of the node's own type
+/// (a name or a duration for a string, an extreme number for a number),
+/// which decodes far more often; else any value, or a node removed or
+/// added.
+fn edit() -> impl Strategy<Value = json::Edit> {
+    let strings = prop_oneof![name(), duration_text()].boxed();
+    let values = json::value_of(json::leaf_of(strings.clone()));
+    prop_oneof![
+        7 => json::replace_in_kind(strings, values.clone()),
+        3 => json::replace(values.clone()),
+        1 => json::remove(),
+        1 => json::insert(values),
+    ]
 }
 
 fn check_job_json(bytes: &[u8]) -> Result<(), TestCaseError> {
@@ -698,33 +617,31 @@ proptest! {
         check_volume_json(&bytes)?;
     }
 
-    /// 1024 cases: up to four fields of a valid job and volume replaced by
-    /// extreme or wrongly typed values, then decoded and validated.
+    /// 1024 cases: valid JSON text with bytes cut out and others spliced in.
+    #[test]
+    fn damaged_json_text_decodes_or_fails(damage in json::damage()) {
+        for text in [valid_job_json().to_string(), valid_volume_json().to_string()] {
+            let damaged = damage.apply(text.as_bytes());
+            check_job_json(&damaged)?;
+            check_volume_json(&damaged)?;
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(config(1280))]
+
+    /// 1280 cases: up to four fields of a valid job and volume replaced by
+    /// extreme or wrongly typed values, removed or added, then decoded and
+    /// validated.
     #[test]
     fn mutated_json_decodes_and_validates_without_panic(
         edits in prop::collection::vec(edit(), 1..5),
     ) {
-        let job = mutate(valid_job_json(), &edits);
+        let job = json::edited(valid_job_json(), &edits);
         check_job_json(job.to_string().as_bytes())?;
-        let volume = mutate(valid_volume_json(), &edits);
+        let volume = json::edited(valid_volume_json(), &edits);
         check_volume_json(volume.to_string().as_bytes())?;
-    }
-
-    /// 1024 cases: valid JSON text with bytes cut out, flipped or spliced in.
-    #[test]
-    fn damaged_json_text_decodes_or_fails(
-        cut in any::<prop::sample::Index>(),
-        len in 0usize..16,
-        insert in prop::collection::vec(any::<u8>(), 0..8),
-    ) {
-        for text in [valid_job_json().to_string(), valid_volume_json().to_string()] {
-            let bytes = text.as_bytes();
-            let at = cut.index(bytes.len() + 1);
-            let end = (at + len).min(bytes.len());
-            let damaged = [&bytes[..at], &insert[..], &bytes[end..]].concat();
-            check_job_json(&damaged)?;
-            check_volume_json(&damaged)?;
-        }
     }
 }
 

@@ -1,6 +1,10 @@
 //! What berth's tests share, and nothing the product uses: reading and
 //! cleaning up mounts, a deliberately small disk, the location of the
-//! example plugin binary, and polling a condition with a deadline.
+//! example plugin binary, polling a condition with a deadline, and damaged
+//! JSON for property tests ([`json`]). It knows no berth type, so that
+//! every crate's tests can use it.
+
+pub mod json;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

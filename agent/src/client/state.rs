@@ -585,8 +585,8 @@ mod properties {
     use std::collections::{BTreeMap, BTreeSet};
 
     use berth_structs::{AccessMode, AttachmentMode, CsiPluginType};
+    use berth_testutil::json;
     use proptest::prelude::*;
-    use proptest::sample::Index;
     use serde_json::Value;
 
     use super::*;
@@ -690,20 +690,10 @@ mod properties {
         /// The valid record of another identity.
         Other(usize),
         Garbage(Vec<u8>),
-        Mutated(Vec<(Index, Value)>),
-        Damaged(Index, usize, Vec<u8>),
-    }
-
-    fn json_leaf() -> impl Strategy<Value = Value> {
-        prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<u64>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            any::<f64>().prop_map(Value::from),
-            "\\PC{0,6}".prop_map(Value::from),
-            Just(serde_json::json!({})),
-        ]
+        /// A valid record with some values replaced, removed or added.
+        Mutated(Vec<json::Edit>),
+        /// Valid JSON text with bytes cut out and others spliced in.
+        Damaged(json::Damage),
     }
 
     fn content() -> impl Strategy<Value = Content> {
@@ -711,28 +701,11 @@ mod properties {
             3 => Just(Content::Valid),
             1 => (0usize..3).prop_map(Content::Other),
             1 => prop::collection::vec(any::<u8>(), 0..64).prop_map(Content::Garbage),
-            2 => prop::collection::vec((any::<Index>(), json_leaf()), 1..4).prop_map(Content::Mutated),
-            2 => (any::<Index>(), 0usize..12, prop::collection::vec(any::<u8>(), 0..6))
-                .prop_map(|(i, n, b)| Content::Damaged(i, n, b)),
+            // Up to six edits: as many replacements (4 in 7 edits) as
+            // when every edit was one, and removals and additions besides.
+            2 => prop::collection::vec(json::edit(), 1..7).prop_map(Content::Mutated),
+            2 => json::damage().prop_map(Content::Damaged),
         ]
-    }
-
-    fn pointers(v: &Value, at: String, out: &mut Vec<String>) {
-        out.push(at.clone());
-        match v {
-            Value::Object(m) => {
-                for (k, child) in m {
-                    let k = k.replace('~', "~0").replace('/', "~1");
-                    pointers(child, format!("{at}/{k}"), out);
-                }
-            }
-            Value::Array(a) => {
-                for (i, child) in a.iter().enumerate() {
-                    pointers(child, format!("{at}/{i}"), out);
-                }
-            }
-            _ => {}
-        }
     }
 
     fn bytes_of(t: usize, n: usize, content: &Content) -> Vec<u8> {
@@ -741,21 +714,8 @@ mod properties {
             Content::Valid => {}
             Content::Other(m) => v = valid(t, n.wrapping_add(1).wrapping_add(*m)).1,
             Content::Garbage(b) => return b.clone(),
-            Content::Mutated(edits) => {
-                for (at, with) in edits {
-                    let mut ps = Vec::new();
-                    pointers(&v, String::new(), &mut ps);
-                    if let Some(slot) = v.pointer_mut(&ps[at.index(ps.len())]) {
-                        *slot = with.clone();
-                    }
-                }
-            }
-            Content::Damaged(at, len, insert) => {
-                let text = v.to_string().into_bytes();
-                let from = at.index(text.len() + 1);
-                let to = from.saturating_add(*len).min(text.len());
-                return [&text[..from], &insert[..], &text[to..]].concat();
-            }
+            Content::Mutated(edits) => v = json::edited(v, edits),
+            Content::Damaged(damage) => return damage.apply(v.to_string().as_bytes()),
         }
         v.to_string().into_bytes()
     }

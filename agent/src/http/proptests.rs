@@ -16,6 +16,7 @@ use std::sync::Mutex;
 
 use axum::body::Body;
 use axum::http::{Method, StatusCode};
+use berth_testutil::json;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use serde_json::{json, Value};
@@ -130,127 +131,15 @@ fn content_type() -> impl Strategy<Value = Option<String>> {
 }
 
 /// A JSON value of any shape, with the numbers and strings that break
-/// things: the extremes of every integer width, floats, path escapes.
-fn json_value() -> impl Strategy<Value = Value> {
-    let leaf = prop_oneof![
-        Just(Value::Null),
-        any::<bool>().prop_map(Value::Bool),
-        any::<i64>().prop_map(|n| json!(n)),
-        any::<u64>().prop_map(|n| json!(n)),
-        any::<f64>().prop_map(|f| json!(f)),
+/// things, and strings longer than any field or body may be.
+fn json_value() -> BoxedStrategy<Value> {
+    json::value_of(
         prop_oneof![
-            Just(json!(u64::MAX)),
-            Just(json!(u32::MAX)),
-            Just(json!(i64::MIN)),
-            Just(json!(-1)),
-            Just(json!(0)),
-            Just(json!(1e300)),
-            Just(json!(0.5)),
-        ],
-        ".{0,24}".prop_map(Value::String),
-        prop_oneof![
-            Just(json!("../../etc")),
-            Just(json!("/")),
-            Just(json!("")),
-            Just(json!("a/b")),
-            Just(json!("x[0]")),
-            Just(json!("999999999999999999999999h")),
-        ],
-        (1usize..200_000).prop_map(|n| Value::String("x".repeat(n))),
-    ];
-    leaf.prop_recursive(3, 24, 5, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
-            prop::collection::btree_map("[a-z_]{0,12}", inner, 0..5)
-                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            8 => json::leaf(),
+            1 => (1usize..200_000).prop_map(|n| Value::String("x".repeat(n))),
         ]
-    })
-}
-
-/// One change to a document: `at` picks a node (modulo their number).
-#[derive(Debug, Clone)]
-enum Mutation {
-    Replace {
-        at: usize,
-        value: Value,
-    },
-    Remove {
-        at: usize,
-    },
-    Insert {
-        at: usize,
-        key: String,
-        value: Value,
-    },
-}
-
-fn mutation() -> impl Strategy<Value = Mutation> {
-    prop_oneof![
-        4 => (any::<usize>(), json_value()).prop_map(|(at, value)| Mutation::Replace { at, value }),
-        2 => any::<usize>().prop_map(|at| Mutation::Remove { at }),
-        1 => (any::<usize>(), "[a-z_]{1,12}", json_value())
-            .prop_map(|(at, key, value)| Mutation::Insert { at, key, value }),
-    ]
-}
-
-/// JSON pointers of every node below the root.
-fn pointers(v: &Value, here: String, out: &mut Vec<String>) {
-    match v {
-        Value::Object(m) => {
-            for (k, child) in m {
-                let p = format!("{here}/{}", k.replace('~', "~0").replace('/', "~1"));
-                out.push(p.clone());
-                pointers(child, p, out);
-            }
-        }
-        Value::Array(a) => {
-            for (i, child) in a.iter().enumerate() {
-                let p = format!("{here}/{i}");
-                out.push(p.clone());
-                pointers(child, p, out);
-            }
-        }
-        _ => {}
-    }
-}
-
-fn apply(doc: &mut Value, m: &Mutation) {
-    let mut all = Vec::new();
-    pointers(doc, String::new(), &mut all);
-    if all.is_empty() {
-        return;
-    }
-    let pick = |at: usize| all[at % all.len()].clone();
-    match m {
-        Mutation::Replace { at, value } => {
-            if let Some(slot) = doc.pointer_mut(&pick(*at)) {
-                *slot = value.clone();
-            }
-        }
-        Mutation::Remove { at } => {
-            let p = pick(*at);
-            let (parent, last) = p.rsplit_once('/').unwrap_or(("", &p));
-            let last = last.replace("~1", "/").replace("~0", "~");
-            match doc.pointer_mut(parent) {
-                Some(Value::Object(o)) => {
-                    o.remove(&last);
-                }
-                Some(Value::Array(a)) => {
-                    if let Ok(i) = last.parse::<usize>() {
-                        if i < a.len() {
-                            a.remove(i);
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        Mutation::Insert { at, key, value } => {
-            if let Some(Value::Object(o)) = doc.pointer_mut(&pick(*at)) {
-                o.insert(key.clone(), value.clone());
-            }
-        }
-    }
+        .boxed(),
+    )
 }
 
 fn example(path: &str) -> String {
@@ -331,12 +220,9 @@ fn mutated_documents(name: &str, cases: u32, base: Value, uri: impl Fn(&Value) -
     check(
         name,
         cases,
-        prop::collection::vec(mutation(), 1..4),
+        prop::collection::vec(json::edit_of(json::string(), json_value()), 1..4),
         |mutations| {
-            let mut doc = base.clone();
-            for m in &mutations {
-                apply(&mut doc, m);
-            }
+            let doc = json::edited(base.clone(), &mutations);
             let (target, may_503) = uri(&doc);
             let body = doc.to_string();
             let a = rt.block_on(call(

@@ -356,6 +356,7 @@ mod tests {
     use std::collections::BTreeSet;
 
     use berth_structs::{Allocation, CsiVolume, Job, Node};
+    use berth_testutil::json::{self, Nodes};
     use proptest::prelude::*;
     use proptest::sample::Index;
     use serde_json::Value;
@@ -408,23 +409,10 @@ mod tests {
         Garbage(Vec<u8>),
         /// A valid record with one number set to an extreme value.
         ExtremeNumber(Index, u64),
-        /// A valid record with some values replaced.
-        Mutated(Vec<(Index, Value)>),
+        /// A valid record with some values replaced, removed or added.
+        Mutated(Vec<json::Edit>),
         /// Valid JSON text with bytes cut out and others spliced in.
-        Damaged(Index, usize, Vec<u8>),
-    }
-
-    fn json_leaf() -> impl Strategy<Value = Value> {
-        prop_oneof![
-            Just(Value::Null),
-            any::<bool>().prop_map(Value::from),
-            any::<u64>().prop_map(Value::from),
-            any::<i64>().prop_map(Value::from),
-            any::<f64>().prop_map(Value::from),
-            "\\PC{0,6}".prop_map(Value::from),
-            Just(serde_json::json!([])),
-            Just(serde_json::json!({})),
-        ]
+        Damaged(json::Damage),
     }
 
     fn content() -> impl Strategy<Value = Content> {
@@ -437,43 +425,11 @@ mod tests {
                 Just(MAX_SANE_INDEX + 1), any::<u64>(),
             ])
                 .prop_map(|(i, n)| Content::ExtremeNumber(i, n)),
-            2 => prop::collection::vec((any::<Index>(), json_leaf()), 1..4)
-                .prop_map(Content::Mutated),
-            2 => (any::<Index>(), 0usize..12, prop::collection::vec(any::<u8>(), 0..6))
-                .prop_map(|(i, n, b)| Content::Damaged(i, n, b)),
+            // Up to six edits: as many replacements (4 in 7 edits) as
+            // when every edit was one, and removals and additions besides.
+            2 => prop::collection::vec(json::edit(), 1..7).prop_map(Content::Mutated),
+            2 => json::damage().prop_map(Content::Damaged),
         ]
-    }
-
-    /// JSON pointers to every node of `v`; with `numbers`, only to numbers.
-    fn pointers(v: &Value, at: String, numbers: bool, out: &mut Vec<String>) {
-        if !numbers || v.is_number() {
-            out.push(at.clone());
-        }
-        match v {
-            Value::Object(m) => {
-                for (k, child) in m {
-                    let k = k.replace('~', "~0").replace('/', "~1");
-                    pointers(child, format!("{at}/{k}"), numbers, out);
-                }
-            }
-            Value::Array(a) => {
-                for (i, child) in a.iter().enumerate() {
-                    pointers(child, format!("{at}/{i}"), numbers, out);
-                }
-            }
-            _ => {}
-        }
-    }
-
-    fn replace_at(v: &mut Value, at: &Index, numbers: bool, with: Value) {
-        let mut ps = Vec::new();
-        pointers(v, String::new(), numbers, &mut ps);
-        if ps.is_empty() {
-            return;
-        }
-        if let Some(slot) = v.pointer_mut(&ps[at.index(ps.len())]) {
-            *slot = with;
-        }
     }
 
     fn bytes_of(kind: Table, key: &str, content: &Content) -> Vec<u8> {
@@ -482,18 +438,11 @@ mod tests {
             Content::Valid => {}
             Content::OtherId(id) => v = valid(kind, &format!("other-{id}")),
             Content::Garbage(b) => return b.clone(),
-            Content::ExtremeNumber(at, n) => replace_at(&mut v, at, true, Value::from(*n)),
-            Content::Mutated(edits) => {
-                for (at, with) in edits {
-                    replace_at(&mut v, at, false, with.clone());
-                }
+            Content::ExtremeNumber(at, n) => {
+                json::replace_at(&mut v, at, Nodes::Numbers, Value::from(*n));
             }
-            Content::Damaged(at, len, insert) => {
-                let text = v.to_string().into_bytes();
-                let from = at.index(text.len() + 1);
-                let to = from.saturating_add(*len).min(text.len());
-                return [&text[..from], &insert[..], &text[to..]].concat();
-            }
+            Content::Mutated(edits) => v = json::edited(v, edits),
+            Content::Damaged(damage) => return damage.apply(v.to_string().as_bytes()),
         }
         v.to_string().into_bytes()
     }
