@@ -6,7 +6,9 @@
 //! - an alloc terminal for `alloc_gc_threshold` goes, unless a volume claim
 //!   still names it: the claim is released through its normal path first
 //!   (an alloc that disappeared would make the volume watcher free a claim
-//!   that must be kept, such as the write claim of a lost alloc);
+//!   that must be kept, such as the write claim of a lost alloc); and
+//!   unless it is a finished alloc of a batch job that still runs, which
+//!   goes with its job (without it the scheduler would run its index again);
 //! - a job that is stopped, or dead (a batch job whose allocs all finished),
 //!   goes with all its allocs once it and every alloc have been unchanged
 //!   for `job_gc_threshold` and none is held by a claim;
@@ -21,7 +23,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_structs::{AllocClientStatus, Allocation, JobStatus, NodeStatus};
+use berth_structs::{AllocClientStatus, Allocation, JobStatus, JobType, NodeStatus};
 
 use crate::error::ServerError;
 use crate::server::Server;
@@ -85,6 +87,22 @@ fn claimed_allocs(t: &Tables) -> BTreeSet<&str> {
         .collect()
 }
 
+/// A finished alloc of the current version of a batch job that still
+/// runs: it stands for its index being done, so it goes only with its job
+/// (collected alone, the scheduler would run that index again).
+fn holds_batch_index(t: &Tables, a: &Allocation) -> bool {
+    t.jobs.get(&a.job_id).is_some_and(|j| {
+        j.job_type == JobType::Batch
+            && !j.stop
+            && a.job.version == j.version
+            && !a.server_terminal()
+            && matches!(
+                a.client_status,
+                AllocClientStatus::Complete | AllocClientStatus::Failed
+            )
+    })
+}
+
 /// Plan one pass over the tables: the changes and what they remove.
 fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> GcReport {
     let mut report = GcReport::default();
@@ -113,7 +131,8 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
     }
     // Allocs done for long enough, of jobs that stay.
     for a in t.allocs.values() {
-        if !gone.contains(a.id.as_str()) && collectable(a, th.alloc_ms) {
+        if !gone.contains(a.id.as_str()) && collectable(a, th.alloc_ms) && !holds_batch_index(t, a)
+        {
             gone.insert(&a.id);
         }
     }
@@ -273,7 +292,10 @@ mod tests {
     fn terminal_allocs_go_after_the_threshold_and_live_ones_never() {
         let now = 10 * HOUR_MS;
         let t = tables(
-            vec![job("web", false, JobStatus::Running, 0)],
+            vec![Job {
+                job_type: JobType::Service,
+                ..job("web", false, JobStatus::Running, 0)
+            }],
             vec![
                 alloc(
                     "old",
@@ -297,6 +319,33 @@ mod tests {
             vec!["new", "old"],
             "forced: every terminal alloc, no live one"
         );
+    }
+
+    #[test]
+    fn a_finished_alloc_of_a_batch_job_that_still_runs_goes_only_with_its_job() {
+        let now = 10 * HOUR_MS;
+        let mut running = job("batch", false, JobStatus::Running, 0);
+        running.version = 1;
+        let mut done = alloc("done", "batch", "n1", AllocClientStatus::Complete, 0);
+        done.job = running.clone();
+        let mut failed = alloc("failed", "batch", "n1", AllocClientStatus::Failed, 0);
+        failed.job = running.clone();
+        let live = {
+            let mut a = alloc("live", "batch", "n1", AllocClientStatus::Running, 0);
+            a.job = running.clone();
+            a
+        };
+        // An alloc of the previous version holds no index of this one.
+        let mut old_version = alloc("v0", "batch", "n1", AllocClientStatus::Complete, 0);
+        old_version.job = job("batch", false, JobStatus::Running, 0);
+        let t = tables(
+            vec![running],
+            vec![done, failed, live, old_version],
+            vec![node("n1", NodeStatus::Ready, now)],
+        );
+        let (report, _) = run(&t, now, Thresholds::ZERO);
+        assert_eq!(report.allocs, vec!["v0"]);
+        assert!(report.jobs.is_empty());
     }
 
     #[test]
