@@ -82,14 +82,16 @@ fn write(dir: &Path, name: &str, src: &str) -> Result<String> {
     Ok(path.display().to_string())
 }
 
-fn allocs(agent: &DevAgent) -> Result<Vec<Value>> {
-    // Every alloc the servers keep, not only the latest versions'.
+/// Every alloc of the churned jobs the servers keep (all versions; not
+/// the plugin's).
+fn churned_allocs(agent: &DevAgent) -> Result<Vec<Value>> {
     let out = agent.cli_ok(&["job", "status", "-json", "-all-allocs"])?;
     let jobs: Value = serde_json::from_str(&out)?;
     Ok(jobs
         .as_array()
         .into_iter()
         .flatten()
+        .filter(|j| j["id"] != "hostpath-plugin")
         .flat_map(|j| j["allocations"].as_array().cloned().unwrap_or_default())
         .collect())
 }
@@ -132,16 +134,7 @@ fn churn_leaves_no_pending_alloc_no_claim_and_gc_removes_what_is_done() -> Resul
         "every churned alloc to be terminal and the volume free",
         Duration::from_secs(120),
         || {
-            let allocs = allocs(&agent)?;
-            let churned: Vec<&Value> = allocs
-                .iter()
-                .filter(|a| {
-                    !a["name"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .starts_with("hostpath-plugin")
-                })
-                .collect();
+            let churned = churned_allocs(&agent)?;
             let unsettled: Vec<String> = churned
                 .iter()
                 .filter(|a| {
@@ -172,7 +165,7 @@ fn churn_leaves_no_pending_alloc_no_claim_and_gc_removes_what_is_done() -> Resul
 
     // No alloc ever stayed pending for good: the ones stopped before they
     // started say so.
-    let allocs = allocs(&agent)?;
+    let allocs = churned_allocs(&agent)?;
     let never_started = allocs
         .iter()
         .filter(|a| a["desired_status"] == "stop" && a["client_status"] == "pending")
@@ -180,12 +173,6 @@ fn churn_leaves_no_pending_alloc_no_claim_and_gc_removes_what_is_done() -> Resul
     assert_eq!(never_started, 0, "allocs stuck pending");
     let churned: Vec<String> = allocs
         .iter()
-        .filter(|a| {
-            !a["name"]
-                .as_str()
-                .unwrap_or_default()
-                .starts_with("hostpath-plugin")
-        })
         .filter_map(|a| a["id"].as_str().map(str::to_string))
         .collect();
     assert!(
