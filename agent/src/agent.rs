@@ -73,8 +73,11 @@ fn duration_flag(name: &str, v: &str) -> Result<Duration> {
     let max = berth_structs::limits::MAX_DURATION;
     if d > max {
         bail!(
-            "berth agent: -{name} {v:?} is too large (at most {})",
-            humantime::format_duration(max)
+            "berth agent: -{name} {}",
+            berth_structs::limits::too_large(
+                format!("{v:?}"),
+                berth_structs::limits::duration_text(max)
+            )
         );
     }
     Ok(d)
@@ -137,16 +140,15 @@ impl AgentConfig {
                         format!("berth agent: -gc-max-allocs {v:?} is not a whole number")
                     })?;
                 }
-                "gc-interval" | "gc-alloc-threshold" => {
+                "gc-interval" => {
                     let d = duration_flag(name, &value(name)?)?;
-                    if d.is_zero() && name == "gc-interval" {
+                    if d.is_zero() {
                         bail!("berth agent: -gc-interval must be longer than 0s");
                     }
-                    if name == "gc-interval" {
-                        c.gc_interval = d;
-                    } else {
-                        c.gc_alloc_threshold = d;
-                    }
+                    c.gc_interval = d;
+                }
+                "gc-alloc-threshold" => {
+                    c.gc_alloc_threshold = duration_flag(name, &value(name)?)?;
                 }
                 "config" => bail!(
                     "berth agent: -config is not supported yet; run `berth agent -dev` with flags"
