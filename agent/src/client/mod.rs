@@ -537,8 +537,8 @@ mod tests {
         AllocClientStatus, AllocDesiredStatus, Job, JobType, Task, TaskGroup, TaskState,
         TaskStateKind,
     };
+    use berth_testutil::wait_for;
     use std::collections::BTreeMap;
-    use std::time::Instant;
 
     /// A client on `dir` whose servers never answer (the connection is
     /// lazy): enough to reconcile, run allocs that start nothing, collect
@@ -597,18 +597,10 @@ mod tests {
         }
     }
 
-    async fn wait_until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-        let deadline = Instant::now() + within;
-        while !f() {
-            assert!(Instant::now() < deadline, "timed out waiting for {what}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
     /// The update queued for the servers, once it says the alloc is
     /// complete; its task states.
     async fn reported_complete(client: &Client, alloc_id: &str) -> BTreeMap<String, TaskState> {
-        wait_until(
+        wait_for(
             "the alloc to be reported complete",
             Duration::from_secs(10),
             || {
@@ -658,7 +650,7 @@ mod tests {
             );
             let runner = client.runners.lock().await.get(&alloc_id).cloned();
             let runner = runner.expect("a runner reports it");
-            wait_until("the runner to finish", Duration::from_secs(10), || {
+            wait_for("the runner to finish", Duration::from_secs(10), || {
                 runner.is_done()
             })
             .await;
@@ -691,7 +683,7 @@ mod tests {
             reported_complete(&client, &id).await;
             let ended = client.runners.lock().await[&id].terminal_at_ms();
             let ended = ended.expect("a terminal time");
-            wait_until("the clock to move on", Duration::from_secs(5), || {
+            wait_for("the clock to move on", Duration::from_secs(5), || {
                 berth_structs::now_ms() > ended
             })
             .await;
