@@ -279,6 +279,17 @@ struct TaskHandleRow {
     handle: TaskHandleRecord,
 }
 
+impl TaskHandleRow {
+    /// Its key: `<alloc_id>/<task>`, the prefix `delete_alloc` removes.
+    fn key(&self) -> String {
+        task_handle_key(&self.alloc_id, &self.task)
+    }
+}
+
+fn task_handle_key(alloc_id: &str, task: &str) -> String {
+    format!("{alloc_id}/{task}")
+}
+
 impl AllocStateStore for ClientState {
     fn put_alloc(&self, alloc: &Allocation) -> Result<(), String> {
         self.put(ALLOCS, &alloc.id, alloc)
@@ -305,7 +316,7 @@ impl AllocStateStore for ClientState {
             task: task.to_string(),
             handle: handle.clone(),
         };
-        self.put(TASK_HANDLES, &format!("{alloc_id}/{task}"), &row)
+        self.put(TASK_HANDLES, &task_handle_key(alloc_id, task), &row)
             .map_err(|e| e.to_string())
     }
 
@@ -334,9 +345,7 @@ impl AllocStateStore for ClientState {
             .load_all(ALLOC_STATES, |r: &AllocStateRow| r.alloc_id.clone())
             .map_err(|e| e.to_string())?;
         let handles: Vec<TaskHandleRow> = self
-            .load_all(TASK_HANDLES, |r: &TaskHandleRow| {
-                format!("{}/{}", r.alloc_id, r.task)
-            })
+            .load_all(TASK_HANDLES, TaskHandleRow::key)
             .map_err(|e| e.to_string())?;
         let mut out: std::collections::BTreeMap<String, RestoredAlloc> = allocs
             .into_iter()
@@ -676,9 +685,7 @@ mod properties {
         match t {
             0 => good(bytes, key, |a: &Allocation| a.id.clone()),
             1 => good(bytes, key, |r: &AllocStateRow| r.alloc_id.clone()),
-            2 => good(bytes, key, |r: &TaskHandleRow| {
-                format!("{}/{}", r.alloc_id, r.task)
-            }),
+            2 => good(bytes, key, TaskHandleRow::key),
             3 => good(bytes, key, |p: &PluginRegistration| p.plugin_id.clone()),
             _ => good(bytes, key, VolumeStub::key),
         }
