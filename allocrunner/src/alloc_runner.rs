@@ -166,9 +166,8 @@ impl AllocRunner {
         self.inner
             .config
             .csi
-            .volume_stubs()
-            .into_iter()
-            .find(|s| s.allocs.contains_key(alloc_id))
+            .volume_stubs_of(alloc_id)
+            .first()
             .map(|s| format!("volume {:?} is still mounted for the alloc", s.volume_id))
     }
 
@@ -264,13 +263,7 @@ impl AllocRunner {
         let alloc_id = &self.inner.alloc_id;
         let csi = self.inner.config.csi.clone();
         let total = self.inner.config.release_retry_timeout;
-        let leftovers = |csi: &berth_csimanager::CsiManager| {
-            csi.volume_stubs()
-                .into_iter()
-                .filter(|s| s.allocs.contains_key(alloc_id))
-                .collect::<Vec<_>>()
-        };
-        for stub in leftovers(&csi) {
+        for stub in csi.volume_stubs_of(alloc_id) {
             warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, "a volume is still mounted for the destroyed alloc; unmounting it");
             let req = UnmountRequest {
                 plugin_id: stub.plugin_id.clone(),
@@ -300,7 +293,7 @@ impl AllocRunner {
                 });
             }
         }
-        if let Some(stub) = leftovers(&csi).into_iter().next() {
+        if let Some(stub) = csi.volume_stubs_of(alloc_id).into_iter().next() {
             return Err(AllocRunnerError::VolumeStillRecorded {
                 volume_id: stub.volume_id,
             });

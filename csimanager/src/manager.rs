@@ -297,6 +297,12 @@ impl CsiManager {
         self.volumes.stubs()
     }
 
+    /// The volume usages recorded on this node for `alloc_id`: those it
+    /// still has mounted.
+    pub fn volume_stubs_of(&self, alloc_id: &str) -> Vec<crate::volume::VolumeStub> {
+        self.volumes.stubs_of(alloc_id)
+    }
+
     /// From the last fingerprint when there is one, else asked.
     async fn supports_stage_unstage(&self, client: &CsiClient) -> Result<bool, CsiError> {
         if let Some(node) = self

@@ -152,6 +152,15 @@ impl VolumeManager {
         self.lock_stubs().values().cloned().collect()
     }
 
+    /// The usage stubs `alloc_id` uses.
+    pub(crate) fn stubs_of(&self, alloc_id: &str) -> Vec<VolumeStub> {
+        self.lock_stubs()
+            .values()
+            .filter(|s| s.allocs.contains_key(alloc_id))
+            .cloned()
+            .collect()
+    }
+
     /// The usages no alloc uses any more that still wait for their undo
     /// (an unstage that failed).
     pub(crate) fn unused_stubs(&self) -> Vec<VolumeStub> {

@@ -263,6 +263,10 @@ async fn state_restored_after_a_restart_still_unstages_correctly() {
 
     // alloc-2 still uses the stage: unmounting alloc-1 must not unstage.
     h.manager.unmount_volume(unmount_req(&m1)).await.unwrap();
+    assert!(h.manager.volume_stubs_of("alloc-1").is_empty());
+    let of_2 = h.manager.volume_stubs_of("alloc-2");
+    assert_eq!(of_2.len(), 1);
+    assert_eq!(of_2[0].allocs.keys().collect::<Vec<_>>(), ["alloc-2"]);
     assert_eq!(mount_count_at(&t1), 0);
     assert_eq!(mount_count_at(&staging), 1);
     assert_eq!(mount_count_at(&t2), 1);

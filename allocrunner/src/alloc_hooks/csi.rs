@@ -97,9 +97,9 @@ impl CsiHook {
         }
         ctx.config
             .csi
-            .volume_stubs()
+            .volume_stubs_of(&ctx.alloc.id)
             .into_iter()
-            .find(|s| s.volume_id == v.volume_id && s.allocs.contains_key(&ctx.alloc.id))
+            .find(|s| s.volume_id == v.volume_id)
             .map(|s| UnmountRequest {
                 plugin_id: s.plugin_id,
                 volume_id: s.volume_id,
@@ -147,15 +147,19 @@ impl CsiHook {
         ctx: &AllocHookContext,
         volume_id: &str,
     ) -> Option<(berth_csimanager::VolumeStub, std::path::PathBuf)> {
-        ctx.config.csi.volume_stubs().into_iter().find_map(|stub| {
-            if stub.volume_id != volume_id {
-                return None;
-            }
-            let target = stub.allocs.get(&ctx.alloc.id)?.clone();
-            crate::alloc_dir::mounts_below(&target)
-                .contains(&target)
-                .then_some((stub, target))
-        })
+        ctx.config
+            .csi
+            .volume_stubs_of(&ctx.alloc.id)
+            .into_iter()
+            .find_map(|stub| {
+                if stub.volume_id != volume_id {
+                    return None;
+                }
+                let target = stub.allocs.get(&ctx.alloc.id)?.clone();
+                crate::alloc_dir::mounts_below(&target)
+                    .contains(&target)
+                    .then_some((stub, target))
+            })
     }
 
     async fn release(ctx: &AllocHookContext, v: &VolumeUse) -> Result<(), HookError> {
