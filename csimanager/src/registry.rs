@@ -30,10 +30,7 @@ pub struct PluginRegistration {
 
 #[derive(Default)]
 struct Inner {
-    plugins: BTreeMap<String, PluginRegistration>,
-    /// Why the registered instance of a plugin is unhealthy, as its
-    /// supervisor said.
-    unhealthy: BTreeMap<String, String>,
+    plugins: BTreeMap<String, RegistryEntry>,
 }
 
 /// A registered plugin instance and its health as its supervisor knows it.
@@ -70,11 +67,16 @@ impl PluginRegistry {
     pub fn register(&self, reg: PluginRegistration) {
         {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            let was_unhealthy = inner.unhealthy.remove(&reg.plugin_id).is_some();
-            if inner.plugins.get(&reg.plugin_id) == Some(&reg) && !was_unhealthy {
+            let entry = RegistryEntry {
+                registration: reg,
+                unhealthy: None,
+            };
+            if inner.plugins.get(&entry.registration.plugin_id) == Some(&entry) {
                 return;
             }
-            inner.plugins.insert(reg.plugin_id.clone(), reg);
+            inner
+                .plugins
+                .insert(entry.registration.plugin_id.clone(), entry);
         }
         self.changed.send_modify(|v| *v += 1);
     }
@@ -86,12 +88,13 @@ impl PluginRegistry {
     pub fn mark_unhealthy(&self, plugin_id: &str, alloc_id: &str, reason: &str) -> bool {
         let changed = {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            match inner.plugins.get(plugin_id) {
-                Some(r) if r.alloc_id == alloc_id => {
-                    inner
-                        .unhealthy
-                        .insert(plugin_id.to_string(), reason.to_string())
-                        != Some(reason.to_string())
+            match inner.plugins.get_mut(plugin_id) {
+                Some(e)
+                    if e.registration.alloc_id == alloc_id
+                        && e.unhealthy.as_deref() != Some(reason) =>
+                {
+                    e.unhealthy = Some(reason.to_string());
+                    true
                 }
                 _ => false,
             }
@@ -108,8 +111,7 @@ impl PluginRegistry {
         let removed = {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             match inner.plugins.get(plugin_id) {
-                Some(r) if r.alloc_id == alloc_id => {
-                    inner.unhealthy.remove(plugin_id);
+                Some(e) if e.registration.alloc_id == alloc_id => {
                     inner.plugins.remove(plugin_id).is_some()
                 }
                 _ => false,
@@ -124,34 +126,27 @@ impl PluginRegistry {
     /// The plugin's registration and health.
     pub fn entry(&self, plugin_id: &str) -> Option<RegistryEntry> {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        Self::entry_of(&inner, plugin_id)
+        inner.plugins.get(plugin_id).cloned()
     }
 
     /// Every registered plugin with its health.
     pub fn entries(&self) -> Vec<RegistryEntry> {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner
-            .plugins
-            .keys()
-            .filter_map(|id| Self::entry_of(&inner, id))
-            .collect()
-    }
-
-    fn entry_of(inner: &Inner, plugin_id: &str) -> Option<RegistryEntry> {
-        Some(RegistryEntry {
-            registration: inner.plugins.get(plugin_id)?.clone(),
-            unhealthy: inner.unhealthy.get(plugin_id).cloned(),
-        })
+        inner.plugins.values().cloned().collect()
     }
 
     pub fn get(&self, plugin_id: &str) -> Option<PluginRegistration> {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner.plugins.get(plugin_id).cloned()
+        inner.plugins.get(plugin_id).map(|e| e.registration.clone())
     }
 
     pub fn list(&self) -> Vec<PluginRegistration> {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        inner.plugins.values().cloned().collect()
+        inner
+            .plugins
+            .values()
+            .map(|e| e.registration.clone())
+            .collect()
     }
 
     /// A receiver whose value changes on every registry change.
