@@ -764,6 +764,49 @@ async fn operator_detach_frees_a_stopped_allocs_claim_when_the_node_cannot_unmou
 }
 
 #[tokio::test]
+async fn an_unpublish_without_a_node_keeps_the_claim_when_the_node_cannot_unmount() {
+    // Only volume detach and a forced deregister, which first check that
+    // the alloc has stopped, free a claim past a failed detach. An
+    // Unpublish call that names no node stops at the error, as the
+    // alloc may still be using the volume.
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", failing_detach("target is busy")).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+
+    let err = csi
+        .unpublish(pb::UnpublishRequest {
+            volume_id: "data".into(),
+            alloc_id: alloc.id.clone(),
+            node_id: String::new(),
+        })
+        .await
+        .expect_err("the node could not unmount");
+    assert!(
+        err.message().contains("target is busy"),
+        "{}",
+        err.message()
+    );
+    // The node was told (the volume watcher may retry the release that
+    // was begun, and fail the same way).
+    let kinds = client.call_kinds();
+    assert!(
+        !kinds.is_empty() && kinds.iter().all(|k| *k == "NodeDetach"),
+        "{kinds:?}"
+    );
+    assert_eq!(
+        claim_state(&s, &alloc.id),
+        Some((ClaimState::Taken, true)),
+        "the claim is kept, to be retried"
+    );
+    assert!(forced_release_events(&s).is_empty());
+}
+
+#[tokio::test]
 async fn forced_deregister_frees_claims_when_the_node_is_unreachable_or_cannot_unmount() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();

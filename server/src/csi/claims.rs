@@ -305,10 +305,9 @@ impl Server {
     ) -> Result<(), ServerError> {
         let freed = {
             let _lock = self.volume_locks.lock(volume_id).await;
-            // Only an operator's release goes on past a failed detach, with
-            // warnings; this one stops at the error.
-            let mut warnings = Vec::new();
-            self.release_claim_locked(volume_id, alloc_id, &origin, &mut warnings)
+            // No warnings to collect: this release stops at a failed
+            // detach, whoever asked for it.
+            self.release_claim_locked(volume_id, alloc_id, &origin, None)
                 .await?
         };
         if freed {
@@ -353,17 +352,18 @@ impl Server {
     }
 
     /// Drive a claim to freed; the caller holds the volume lock. Returns
-    /// whether a claim was freed. An operator's release (of a claim whose
-    /// alloc has stopped) goes on past a node or controller detach that
-    /// fails, so it always ends the claim: what failed is pushed to
-    /// `warnings` and recorded as a `Storage` event of the claim's node.
-    /// Any other release stops at the error, to be retried.
+    /// whether a claim was freed. With `warnings`, an operator's release
+    /// (`volume detach`, a forced deregister: both have checked that the
+    /// alloc stopped) goes on past a node or controller detach that fails,
+    /// so it always ends the claim: what failed is pushed to `warnings` and
+    /// recorded as a `Storage` event of the claim's node. Without, the
+    /// release stops at the error, to be retried.
     pub(crate) async fn release_claim_locked(
         &self,
         volume_id: &str,
         alloc_id: &str,
         origin: &ReleaseOrigin,
-        warnings: &mut Vec<String>,
+        mut warnings: Option<&mut Vec<String>>,
     ) -> Result<bool, ServerError> {
         loop {
             let Some((vol, claim)) = self.store.read(|t| {
@@ -379,18 +379,20 @@ impl Server {
                         tracing::info!(volume_id, alloc_id, node_id = %claim.node_id, origin = ?origin, "releasing claim");
                         self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)?;
                     }
-                    if *origin == ReleaseOrigin::Operator && !self.node_up(&claim.node_id) {
-                        let node = self.node_label(&claim.node_id);
-                        warnings.push(format!(
-                            "node {node} is down or gone and was not told to unmount volume {volume_id:?} for alloc {alloc_id}"
-                        ));
+                    if let Some(warnings) = warnings.as_deref_mut() {
+                        if !self.node_up(&claim.node_id) {
+                            let node = self.node_label(&claim.node_id);
+                            warnings.push(format!(
+                                "node {node} is down or gone and was not told to unmount volume {volume_id:?} for alloc {alloc_id}"
+                            ));
+                        }
                     }
                     if let Err(e) = self.node_detach(&vol, &claim, origin).await {
                         let node = self.node_label(&claim.node_id);
                         let what = format!(
                             "node {node} could not unmount volume {volume_id:?} for alloc {alloc_id}: {e}"
                         );
-                        self.go_on_past(origin, e, &claim, volume_id, what, warnings)?;
+                        self.go_on_past(e, &claim, volume_id, what, warnings.as_deref_mut())?;
                     }
                     self.checkpoint_claim(volume_id, alloc_id, ClaimState::NodeDetached)?;
                 }
@@ -405,7 +407,7 @@ impl Server {
                             let what = format!(
                                 "the controller could not detach volume {volume_id:?} from node {node} for alloc {alloc_id}: {e}; it may still be attached there"
                             );
-                            self.go_on_past(origin, e, &claim, volume_id, what, warnings)?;
+                            self.go_on_past(e, &claim, volume_id, what, warnings.as_deref_mut())?;
                         }
                     }
                     self.checkpoint_claim(volume_id, alloc_id, ClaimState::ControllerDetached)?;
@@ -439,21 +441,21 @@ impl Server {
             .unwrap_or_else(|| node_id.to_string())
     }
 
-    /// A detach step of a release failed with `error`: an operator's
-    /// release goes on (the failure, said by `what`, becomes a warning and
-    /// a `Storage` event of the claim's node); any other stops with it.
+    /// A detach step of a release failed with `error`: a release that
+    /// collects `warnings` goes on (the failure, said by `what`, becomes a
+    /// warning and a `Storage` event of the claim's node); any other stops
+    /// with it.
     fn go_on_past(
         &self,
-        origin: &ReleaseOrigin,
         error: ServerError,
         claim: &CsiVolumeClaim,
         volume_id: &str,
         what: String,
-        warnings: &mut Vec<String>,
+        warnings: Option<&mut Vec<String>>,
     ) -> Result<(), ServerError> {
-        if *origin != ReleaseOrigin::Operator {
+        let Some(warnings) = warnings else {
             return Err(error);
-        }
+        };
         tracing::warn!(volume_id, alloc_id = %claim.alloc_id, node_id = %claim.node_id, error = %error,
             "detach step failed; the operator's release frees the claim anyway");
         let event = NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, FORCED_RELEASE_EVENT)

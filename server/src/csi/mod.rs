@@ -374,7 +374,7 @@ impl Server {
                     id,
                     alloc_id,
                     &ReleaseOrigin::Operator,
-                    &mut report.warnings,
+                    Some(&mut report.warnings),
                 )
                 .await?;
                 report.released.push(alloc_id.clone());
@@ -483,7 +483,7 @@ impl Server {
                     volume_id,
                     &alloc_id,
                     &ReleaseOrigin::Operator,
-                    &mut report.warnings,
+                    Some(&mut report.warnings),
                 )
                 .await?;
             report.released.push(alloc_id);
