@@ -19,7 +19,7 @@
 //! Nomad's does. What is live, claimed or not yet terminal is never
 //! collected, forced or not.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -113,6 +113,11 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
             && older_than(now_ms, a.modify_time_ms, threshold_ms)
     };
     let mut gone: BTreeSet<&str> = BTreeSet::new();
+    // One scan of the allocs, not one per job.
+    let mut by_job: BTreeMap<&str, Vec<&Allocation>> = BTreeMap::new();
+    for a in t.allocs.values() {
+        by_job.entry(&a.job_id).or_default().push(a);
+    }
 
     // Jobs that are done go with all their allocs.
     for j in t.jobs.values() {
@@ -120,7 +125,7 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
         if !done || !older_than(now_ms, j.modify_time_ms, th.job_ms) {
             continue;
         }
-        let allocs: Vec<&Allocation> = t.allocs_of_job(&j.id).collect();
+        let allocs = by_job.get(j.id.as_str()).map_or(&[][..], Vec::as_slice);
         if allocs.iter().all(|a| collectable(a, th.job_ms)) {
             for a in allocs {
                 gone.insert(&a.id);
@@ -141,13 +146,17 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
         changes.push(Change::DeleteAlloc(id.to_string()));
     }
     // Nodes down for long enough with nothing left on them.
+    let occupied: BTreeSet<&str> = t
+        .allocs
+        .values()
+        .filter(|a| !gone.contains(a.id.as_str()))
+        .map(|a| a.node_id.as_str())
+        .collect();
     for n in t.nodes.values() {
         if n.status != NodeStatus::Down || !older_than(now_ms, n.last_heartbeat_ms, th.node_ms) {
             continue;
         }
-        if t.allocs_on_node(&n.id)
-            .all(|a| gone.contains(a.id.as_str()))
-        {
+        if !occupied.contains(n.id.as_str()) {
             report.nodes.push(n.id.clone());
             changes.push(Change::DeleteNode(n.id.clone()));
         }
@@ -200,8 +209,6 @@ impl Server {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeMap;
-
     use berth_structs::{
         AccessMode, AllocDesiredStatus, AttachmentMode, ClaimMode, ClaimState, CsiVolume,
         CsiVolumeClaim, Job, JobType, Node,
