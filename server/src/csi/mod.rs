@@ -21,7 +21,7 @@ pub use claims::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, FORCED_RELEASE_E
 
 use crate::error::ServerError;
 use crate::nodes::resolve_node;
-use crate::plugins::{controller_nodes, derive_plugins};
+use crate::plugins::controller_nodes;
 use crate::server::Server;
 use crate::state::{Change, Tables};
 
@@ -269,10 +269,7 @@ impl Server {
     /// in a way that contradicts its claims.
     pub async fn register_volume(&self, mut vol: CsiVolume) -> Result<CsiVolume, ServerError> {
         vol.validate(true)?;
-        if !self
-            .store
-            .read(|t| derive_plugins(t).contains_key(&vol.plugin_id))
-        {
+        if self.plugin(&vol.plugin_id).is_err() {
             return Err(ServerError::BadRequest(format!(
                 "no CSI plugin named {:?}: no node has fingerprinted it and no job runs it; \
                  run the plugin's job first (`berth job run`), wait until `berth plugin status {}` \
