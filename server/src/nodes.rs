@@ -78,10 +78,11 @@ impl Server {
         }
         let ((), index) = self.store.write(|t, changes| {
             let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
+            // The registration's events join the stored ones as any
+            // others do: folded and capped.
+            let carried = std::mem::take(&mut node.events);
             if let Some(old) = t.nodes.get(&node.id) {
-                let mut events = old.events.clone();
-                events.extend(std::mem::take(&mut node.events));
-                node.events = events;
+                node.events = old.events.clone();
                 if node.csi_node_plugins.is_empty() {
                     node.csi_node_plugins = old.csi_node_plugins.clone();
                 }
@@ -92,6 +93,7 @@ impl Server {
                     event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node re-registered");
                 }
             }
+            node.push_events(carried);
             node.push_events([event]);
             node.status = NodeStatus::Ready;
             node.last_heartbeat_ms = berth_structs::now_ms();

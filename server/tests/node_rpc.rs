@@ -201,3 +201,38 @@ async fn plugin_fingerprints_and_events_reach_the_node_and_plugin_table() {
     );
     assert_eq!(ev.details["volume_id"], "data");
 }
+
+#[tokio::test]
+async fn events_a_registration_carries_fold_like_any_others() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let failed_unmount = |at| berth_structs::NodeEvent {
+        timestamp: at,
+        ..berth_structs::NodeEvent::new("Storage", "Unmount volume")
+            .with_detail("volume_id", "data")
+            .with_detail("error", "target is busy")
+    };
+    let unmounts = |n: usize| {
+        let mut registering = node("n1");
+        registering.events = (0..n).map(|i| failed_unmount(i as i64)).collect();
+        registering
+    };
+    // First registration, then a re-registration that repeats them.
+    s.register_node(unmounts(3)).await.unwrap();
+    s.register_node(unmounts(2)).await.unwrap();
+    let events = s.node("n1").unwrap().events;
+    let folded: Vec<_> = events
+        .iter()
+        .filter(|e| e.message == "Unmount volume")
+        .collect();
+    assert_eq!(folded.len(), 1, "{events:?}");
+    assert_eq!(folded[0].count, 5);
+    assert_eq!(folded[0].timestamp, 2);
+    // So do the servers' own "Node registered" events.
+    let registered: Vec<_> = events
+        .iter()
+        .filter(|e| e.message == "Node registered")
+        .collect();
+    assert_eq!(registered.len(), 1, "{events:?}");
+    assert_eq!(registered[0].count, 2);
+}
