@@ -51,6 +51,17 @@ pub fn example(path: &str) -> String {
         .to_string()
 }
 
+/// The text of an example file with the first `from` replaced by `to`; an
+/// error when the example has no `from` (it changed under the test).
+pub fn example_with(path: &str, from: &str, to: &str) -> Result<String> {
+    let src = std::fs::read_to_string(example(path))
+        .with_context(|| format!("reading example {path}"))?;
+    if !src.contains(from) {
+        bail!("example {path} has no {from:?} to replace");
+    }
+    Ok(src.replacen(from, to, 1))
+}
+
 /// The strings of a JSON array (empty for anything else).
 pub fn strs(v: &Value) -> Vec<String> {
     v.as_array()
@@ -257,6 +268,14 @@ impl DevAgent {
     /// The agent process's PID, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)
+    }
+
+    /// Writes `src` (a job or volume spec) into the agent's data dir as
+    /// `name`; its path, for the CLI.
+    pub fn write_file(&self, name: &str, src: &str) -> Result<String> {
+        let path = self.data_dir.path().join(name);
+        std::fs::write(&path, src).with_context(|| format!("writing {}", path.display()))?;
+        Ok(path.display().to_string())
     }
 
     /// The agent's log so far.

@@ -4,7 +4,6 @@
 //! pending and no volume claim left, and `berth system gc` must leave
 //! nothing of the stopped jobs on the servers or on the node.
 
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
@@ -76,12 +75,6 @@ job "{id}" {{
     )
 }
 
-fn write(dir: &Path, name: &str, src: &str) -> Result<String> {
-    let path = dir.join(name);
-    std::fs::write(&path, src)?;
-    Ok(path.display().to_string())
-}
-
 /// Every alloc of the churned jobs the servers keep (all versions; not
 /// the plugin's).
 fn churned_allocs(agent: &DevAgent) -> Result<Vec<Value>> {
@@ -121,8 +114,8 @@ fn churn_leaves_no_pending_alloc_no_claim_and_gc_removes_what_is_done() -> Resul
                 service_job(&id, 2, round + 1000),
             )
         };
-        let a = write(&dir, &format!("{id}-a.hcl"), &first)?;
-        let b = write(&dir, &format!("{id}-b.hcl"), &second)?;
+        let a = agent.write_file(&format!("{id}-a.hcl"), &first)?;
+        let b = agent.write_file(&format!("{id}-b.hcl"), &second)?;
         agent.cli_ok(&["job", "run", "-detach", &a])?;
         agent.cli_ok(&["job", "run", "-detach", &b])?;
         agent.cli_ok(&["job", "stop", &id])?;

@@ -4,7 +4,7 @@
 //! frozen) is not touched until the unmount is done, then goes like any
 //! other, leaving no mount behind.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
@@ -16,16 +16,9 @@ use serde_json::Value;
 const MAX_TERMINAL: &str = "3";
 const WITHIN: Duration = Duration::from_secs(60);
 
-fn write(dir: &Path, name: &str, src: &str) -> Result<String> {
-    let path = dir.join(name);
-    std::fs::write(&path, src)?;
-    Ok(path.display().to_string())
-}
-
 /// A batch job that writes a line to its log and exits.
-fn short_job(dir: &Path, id: &str) -> Result<String> {
-    write(
-        dir,
+fn short_job(agent: &DevAgent, id: &str) -> Result<String> {
+    agent.write_file(
         &format!("{id}.hcl"),
         &format!(
             r#"
@@ -91,13 +84,15 @@ fn alloc_of(agent: &DevAgent, job: &str) -> Result<Value> {
 }
 
 /// Runs a short job to completion; returns its alloc's directory.
-fn run_short_job(agent: &DevAgent, dir: &Path, id: &str) -> Result<PathBuf> {
-    agent.cli_ok(&["job", "run", "-detach", &short_job(dir, id)?])?;
+fn run_short_job(agent: &DevAgent, id: &str) -> Result<PathBuf> {
+    agent.cli_ok(&["job", "run", "-detach", &short_job(agent, id)?])?;
     let alloc = wait_for(&format!("{id} to complete"), WITHIN, || {
         let a = alloc_of(agent, id)?;
         Ok((a["client_status"] == "complete").then_some(a))
     })?;
-    Ok(dir
+    Ok(agent
+        .data_dir
+        .path()
         .join("alloc")
         .join(alloc["id"].as_str().unwrap_or_default()))
 }
@@ -133,7 +128,12 @@ fn the_oldest_terminal_allocs_are_collected_and_none_while_its_volume_is_mounted
     agent.run_plugin_and_create_volume()?;
 
     // The holder runs with the volume mounted.
-    agent.cli_ok(&["job", "run", "-detach", &write(&dir, "holder.hcl", HOLDER)?])?;
+    agent.cli_ok(&[
+        "job",
+        "run",
+        "-detach",
+        &agent.write_file("holder.hcl", HOLDER)?,
+    ])?;
     let holder = wait_for("the holder to run", WITHIN, || {
         let a = alloc_of(&agent, "holder")?;
         Ok((a["client_status"] == "running").then_some(a))
@@ -161,7 +161,7 @@ fn the_oldest_terminal_allocs_are_collected_and_none_while_its_volume_is_mounted
     // Five allocs end; the two oldest go, the holder is not touched.
     let mut dirs = Vec::new();
     for i in 0..5 {
-        dirs.push(run_short_job(&agent, &dir, &format!("gc-{i}"))?);
+        dirs.push(run_short_job(&agent, &format!("gc-{i}"))?);
     }
     wait_collected(
         &[&dirs[0], &dirs[1]],
@@ -190,7 +190,7 @@ fn the_oldest_terminal_allocs_are_collected_and_none_while_its_volume_is_mounted
 
     // Three more end: the holder is among the oldest now, and goes.
     for i in 5..8 {
-        dirs.push(run_short_job(&agent, &dir, &format!("gc-{i}"))?);
+        dirs.push(run_short_job(&agent, &format!("gc-{i}"))?);
     }
     wait_collected(
         &[&dirs[3], &dirs[4], &holder_dir],
@@ -214,8 +214,7 @@ fn the_oldest_terminal_allocs_are_collected_and_none_while_its_volume_is_mounted
 #[test]
 fn allocs_terminal_longer_than_the_threshold_are_collected_every_interval() -> Result<()> {
     let agent = DevAgent::start_with_args(&["-gc-interval", "1s", "-gc-alloc-threshold", "2s"])?;
-    let dir = agent.data_dir.path().to_path_buf();
-    let first = run_short_job(&agent, &dir, "aged")?;
+    let first = run_short_job(&agent, "aged")?;
     wait_for("the aged alloc to be collected", WITHIN, || {
         Ok((!first.exists()).then_some(()))
     })

@@ -5,12 +5,6 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use berth_tests::DevAgent;
 
-fn write(agent: &DevAgent, name: &str, src: &str) -> Result<String> {
-    let path = agent.data_dir.path().join(name);
-    std::fs::write(&path, src)?;
-    Ok(path.display().to_string())
-}
-
 const BATCH: &str = r#"
 job "once" {
   type = "batch"
@@ -29,7 +23,7 @@ job "once" {
 #[test]
 fn job_run_waits_for_a_batch_job_and_returns_at_once_when_it_is_unchanged() -> Result<()> {
     let agent = DevAgent::start()?;
-    let file = write(&agent, "once.hcl", BATCH)?;
+    let file = agent.write_file("once.hcl", BATCH)?;
     let out = agent.cli_ok(&["job", "run", &file])?;
     assert!(out.contains("done"), "{out}");
     let status = agent.cli_json(&["job", "status", "once"])?;
@@ -49,8 +43,7 @@ fn job_run_waits_for_a_batch_job_and_returns_at_once_when_it_is_unchanged() -> R
 #[test]
 fn job_run_reports_placement_failures_and_exits_2() -> Result<()> {
     let agent = DevAgent::start()?;
-    let file = write(
-        &agent,
+    let file = agent.write_file(
         "big.hcl",
         &BATCH.replace("\"once\"", "\"big\"").replace(
             "config {",

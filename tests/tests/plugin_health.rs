@@ -6,26 +6,20 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{example, only_alloc, wait_for, DevAgent};
+use berth_tests::{example_with, only_alloc, wait_for, DevAgent};
 use serde_json::Value;
 
 const PROVIDER: &str = "hostpath.csi.berth.dev";
 
 /// The example plugin job, restarting its task 3 s after it dies: long
 /// enough to see the plugin unhealthy, short enough for a test.
-fn plugin_job(dir: &std::path::Path) -> Result<String> {
-    let src = std::fs::read_to_string(example("jobs/hostpath-plugin.hcl"))?;
-    let patched = src.replacen(
+fn plugin_job(agent: &DevAgent) -> Result<String> {
+    let patched = example_with(
+        "jobs/hostpath-plugin.hcl",
         "group \"plugin\" {",
         "group \"plugin\" {\n    restart {\n      attempts = 3\n      interval = \"10m\"\n      delay    = \"3s\"\n      mode     = \"fail\"\n    }\n",
-        1,
-    );
-    if patched == src {
-        bail!("the plugin job has no group \"plugin\" to add a restart block to");
-    }
-    let path = dir.join("hostpath-plugin.hcl");
-    std::fs::write(&path, patched)?;
-    Ok(path.display().to_string())
+    )?;
+    agent.write_file("hostpath-plugin.hcl", &patched)
 }
 
 /// The plugin task's events, `(type, message)`.
@@ -74,7 +68,7 @@ fn in_order(seq: &[String], want: &[&str]) -> bool {
 fn a_killed_plugin_is_unhealthy_then_healthy_again_and_keeps_its_provider() -> Result<()> {
     let agent = DevAgent::start()?;
     let data_dir = agent.data_dir.path().to_path_buf();
-    agent.cli_ok(&["job", "run", "-detach", &plugin_job(&data_dir)?])?;
+    agent.cli_ok(&["job", "run", "-detach", &plugin_job(&agent)?])?;
     agent.wait_plugin_healthy("hostpath")?;
 
     let needle = format!("--endpoint=unix://{}", data_dir.display());

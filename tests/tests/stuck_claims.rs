@@ -4,15 +4,8 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{example, only_alloc, strs, wait_for, DevAgent};
+use berth_tests::{example, example_with, only_alloc, strs, wait_for, DevAgent};
 use serde_json::Value;
-
-/// Writes `src` into the agent's data dir as `name`; its path.
-fn write(agent: &DevAgent, name: &str, src: &str) -> Result<String> {
-    let path = agent.data_dir.path().join(name);
-    std::fs::write(&path, src)?;
-    Ok(path.display().to_string())
-}
 
 /// Runs the CLI; its exit code, stdout and stderr.
 fn run(agent: &DevAgent, args: &[&str]) -> Result<(Option<i32>, String, String)> {
@@ -41,23 +34,18 @@ fn volume_detach_ends_a_claim_whose_node_cannot_unmount_and_its_retries_leave_on
     let agent = DevAgent::start()?;
 
     // The plugin cannot unpublish: every NodeUnpublishVolume fails.
-    let plugin = std::fs::read_to_string(example("jobs/hostpath-plugin.hcl"))?;
-    let failing = plugin.replacen(
+    let failing = example_with(
+        "jobs/hostpath-plugin.hcl",
         "args = [",
         "args = [\"--fail=NodeUnpublishVolume=internal\", ",
-        1,
-    );
-    if failing == plugin {
-        bail!("the plugin job has no args list to add --fail to");
-    }
-    let plugin_file = write(&agent, "plugin.hcl", &failing)?;
+    )?;
+    let plugin_file = agent.write_file("plugin.hcl", &failing)?;
     agent.cli_ok(&["job", "run", "-detach", &plugin_file])?;
     agent.wait_plugin_healthy("hostpath")?;
 
     // A volume of a plugin nobody runs is refused, saying how to fix it.
     let volume = std::fs::read_to_string(example("volumes/hostpath.hcl"))?;
-    let unknown = write(
-        &agent,
+    let unknown = agent.write_file(
         "unknown-plugin.hcl",
         &format!(
             "{}\nexternal_id = \"ext-other\"\n",
@@ -222,7 +210,7 @@ job "many" {{
 "#,
         memory / 2
     );
-    let file = write(&agent, "many.hcl", &job)?;
+    let file = agent.write_file("many.hcl", &job)?;
     let (code, stdout, stderr) = run(&agent, &["job", "run", &file])?;
     assert_eq!(code, Some(2), "{stdout}{stderr}");
     let lines: Vec<&str> = stdout

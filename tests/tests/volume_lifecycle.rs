@@ -6,26 +6,20 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use berth_tests::{example, mounts_under, only_alloc, strs, wait_for, DevAgent};
+use anyhow::{Context, Result};
+use berth_tests::{example, example_with, mounts_under, only_alloc, strs, wait_for, DevAgent};
 use serde_json::Value;
 
 /// The plugin job, with `--enable-attach` added to the plugin's args when
 /// asked.
-fn plugin_job(dir: &std::path::Path, enable_attach: bool) -> Result<String> {
-    let src = std::fs::read_to_string(example("jobs/hostpath-plugin.hcl"))?;
+fn plugin_job(agent: &DevAgent, enable_attach: bool) -> Result<String> {
+    let path = "jobs/hostpath-plugin.hcl";
     let src = if enable_attach {
-        let patched = src.replacen("args = [", "args = [\"--enable-attach\", ", 1);
-        if patched == src {
-            bail!("the plugin job has no args list to add --enable-attach to");
-        }
-        patched
+        example_with(path, "args = [", "args = [\"--enable-attach\", ")?
     } else {
-        src
+        std::fs::read_to_string(example(path))?
     };
-    let path = dir.join("hostpath-plugin.hcl");
-    std::fs::write(&path, src)?;
-    Ok(path.display().to_string())
+    agent.write_file("hostpath-plugin.hcl", &src)
 }
 
 fn storage_events(node: &Value, message: &str, alloc_id: &str) -> Vec<Value> {
@@ -50,7 +44,7 @@ fn volume_life(enable_attach: bool) -> Result<()> {
     let data_dir = agent.data_dir.path().to_path_buf();
 
     // The plugin runs as a supervised task and becomes healthy.
-    let job_file = plugin_job(&data_dir, enable_attach)?;
+    let job_file = plugin_job(&agent, enable_attach)?;
     agent.cli_ok(&["job", "run", "-detach", &job_file])?;
     agent.wait_plugin_healthy("hostpath")?;
     let plugin = agent.cli_json(&["plugin", "status", "hostpath"])?;
