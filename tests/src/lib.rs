@@ -147,6 +147,26 @@ pub fn processes_with_cmdline(needle: &str) -> Vec<i32> {
     pids
 }
 
+/// An answer of the HTTP API, as read off the wire.
+pub struct HttpAnswer {
+    pub status: u16,
+    /// The status line and the headers.
+    pub head: String,
+    pub body: Vec<u8>,
+}
+
+impl HttpAnswer {
+    /// The value of the header `name` (in any case), when there is one.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.head
+            .lines()
+            .skip(1)
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.trim())
+    }
+}
+
 /// A running dev agent and everything it started.
 pub struct DevAgent {
     pub data_dir: tempfile::TempDir,
@@ -294,33 +314,54 @@ impl DevAgent {
             .with_context(|| format!("running berth {}", args.join(" ")))
     }
 
+    /// Sends `request`, a whole raw HTTP/1.1 request (asking for
+    /// `Connection: close`), to the agent's HTTP API and reads the answer
+    /// to its end.
+    pub fn http(&self, request: &str) -> Result<HttpAnswer> {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", self.port))
+            .context("connecting to the HTTP API")?;
+        conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+        conn.write_all(request.as_bytes())?;
+        let mut raw = Vec::new();
+        conn.read_to_end(&mut raw)?;
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .ok_or_else(|| anyhow!("no HTTP answer: {:?}", String::from_utf8_lossy(&raw)))?;
+        let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+        let status = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| anyhow!("no status in {head:?}"))?;
+        Ok(HttpAnswer {
+            status,
+            head,
+            body: raw[split + 4..].to_vec(),
+        })
+    }
+
     /// GETs `path` (e.g. `/v1/job/web/allocations`) from the HTTP API and
     /// decodes the JSON answer; an error for any status but 200.
     pub fn api_get(&self, path: &str) -> Result<Value> {
-        use std::io::{Read, Write};
-        let mut conn = std::net::TcpStream::connect(("127.0.0.1", self.port))
-            .with_context(|| format!("connecting to the HTTP API for {path}"))?;
-        conn.set_read_timeout(Some(Duration::from_secs(30)))?;
-        write!(
-            conn,
-            "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-        )?;
-        let mut answer = Vec::new();
-        conn.read_to_end(&mut answer)?;
-        let answer = String::from_utf8_lossy(&answer);
-        let (head, body) = answer
-            .split_once("\r\n\r\n")
-            .ok_or_else(|| anyhow!("GET {path}: no HTTP answer: {answer:?}"))?;
-        if !head.starts_with("HTTP/1.1 200") {
-            bail!("GET {path}: {head}\n{body}");
+        let answer = self
+            .http(&format!(
+                "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+            ))
+            .with_context(|| format!("GET {path}"))?;
+        let body = String::from_utf8_lossy(&answer.body);
+        if !answer.head.starts_with("HTTP/1.1 200") {
+            bail!("GET {path}: {}\n{body}", answer.head);
         }
-        if head
-            .lines()
-            .any(|l| l.eq_ignore_ascii_case("transfer-encoding: chunked"))
+        if answer
+            .header("transfer-encoding")
+            .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
         {
             bail!("GET {path}: a chunked answer is not expected");
         }
-        serde_json::from_str(body).with_context(|| format!("GET {path}: decoding {body:?}"))
+        serde_json::from_slice(&answer.body)
+            .with_context(|| format!("GET {path}: decoding {body:?}"))
     }
 
     /// Runs the CLI and fails with its output unless it exits 0.

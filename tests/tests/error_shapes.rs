@@ -2,48 +2,17 @@
 //! every error in one shape on the wire, the CLI prints one line, and a
 //! second agent on a data dir that one already uses stops at once.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{binary, free_port, wait_for, DevAgent};
+use berth_tests::{binary, free_port, wait_for, DevAgent, HttpAnswer};
 use serde_json::Value;
 
-/// One raw HTTP/1.1 exchange: the status, the content type, the body.
-fn raw_request(agent: &DevAgent, request: &str) -> Result<(u16, String, Vec<u8>)> {
-    let addr = agent
-        .http_addr
-        .strip_prefix("http://")
-        .context("http address")?;
-    let mut conn = TcpStream::connect(addr)?;
-    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-    conn.write_all(request.as_bytes())?;
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw)?;
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .context("no end of headers")?;
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("status")?;
-    let content_type = head
-        .lines()
-        .filter_map(|l| l.split_once(':'))
-        .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-type"))
-        .map(|(_, v)| v.trim().to_string())
-        .unwrap_or_default();
-    Ok((status, content_type, raw[split + 4..].to_vec()))
-}
-
 /// The message of an error answer in the one shape.
-fn error_of(answer: &(u16, String, Vec<u8>)) -> Result<String> {
-    let (status, ct, body) = answer;
+fn error_of(answer: &HttpAnswer) -> Result<String> {
+    let (status, body) = (answer.status, &answer.body);
+    let ct = answer.header("content-type").unwrap_or_default();
     let text = String::from_utf8_lossy(body);
     if !ct.starts_with("application/json") {
         bail!("{status}: content-type {ct:?}, body {text:?}");
@@ -117,8 +86,8 @@ fn every_api_error_has_one_shape_on_the_wire() -> Result<()> {
     ];
     for (req, want_status, want_message) in cases {
         let first_line = req.lines().next().unwrap_or_default().to_string();
-        let answer = raw_request(&agent, &req).with_context(|| first_line.clone())?;
-        assert_eq!(answer.0, want_status, "{first_line}");
+        let answer = agent.http(&req).with_context(|| first_line.clone())?;
+        assert_eq!(answer.status, want_status, "{first_line}");
         let message = error_of(&answer).with_context(|| first_line.clone())?;
         if want_message.is_empty() {
             assert!(message.contains("nosuchjob"), "{first_line}: {message}");
