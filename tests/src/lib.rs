@@ -62,6 +62,36 @@ pub fn example_with(path: &str, from: &str, to: &str) -> Result<String> {
     Ok(src.replacen(from, to, 1))
 }
 
+/// A service job `id` of `count` allocs whose one task sleeps for five
+/// minutes; `version` goes into the task's env, so that each value is a
+/// changed spec.
+pub fn sleeping_service_job(id: &str, count: u32, version: usize) -> String {
+    format!(
+        r#"
+job "{id}" {{
+  type = "service"
+  group "web" {{
+    count = {count}
+    task "sleep" {{
+      driver = "raw_exec"
+      env {{
+        VERSION = "{version}"
+      }}
+      config {{
+        command = "/bin/sleep"
+        args    = ["300"]
+      }}
+      resources {{
+        cpu    = 10
+        memory = 8
+      }}
+    }}
+  }}
+}}
+"#
+    )
+}
+
 /// The strings of a JSON array (empty for anything else).
 pub fn strs(v: &Value) -> Vec<String> {
     v.as_array()

@@ -7,39 +7,11 @@
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use berth_tests::{mounts_under, strs, wait_for, DevAgent};
+use berth_tests::{mounts_under, sleeping_service_job, strs, wait_for, DevAgent};
 use serde_json::Value;
 
 /// Rounds of submit, changed re-submit and stop.
 const ROUNDS: usize = 100;
-
-/// A service job with `count` sleeping allocs; `version` changes its spec.
-fn service_job(id: &str, count: u32, version: usize) -> String {
-    format!(
-        r#"
-job "{id}" {{
-  type = "service"
-  group "web" {{
-    count = {count}
-    task "sleep" {{
-      driver = "raw_exec"
-      env {{
-        ROUND = "{version}"
-      }}
-      config {{
-        command = "/bin/sleep"
-        args    = ["300"]
-      }}
-      resources {{
-        cpu    = 10
-        memory = 8
-      }}
-    }}
-  }}
-}}
-"#
-    )
-}
 
 /// A batch job that writes into the "data" volume; `version` changes it.
 fn volume_job(id: &str, version: usize) -> String {
@@ -110,8 +82,8 @@ fn churn_leaves_no_pending_alloc_no_claim_and_gc_removes_what_is_done() -> Resul
             let id = format!("svc-{}", round % 5);
             (
                 id.clone(),
-                service_job(&id, 3, round),
-                service_job(&id, 2, round + 1000),
+                sleeping_service_job(&id, 3, round),
+                sleeping_service_job(&id, 2, round + 1000),
             )
         };
         let a = agent.write_file(&format!("{id}-a.hcl"), &first)?;

@@ -4,45 +4,21 @@
 //! that never started says so in a `Not Started` event of every task, also
 //! after the agent restarted.
 
-use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{wait_for, DevAgent};
+use berth_tests::{sleeping_service_job, wait_for, DevAgent};
 use serde_json::Value;
 
 const JOB: &str = "stop-at-once";
 const ROUNDS: usize = 12;
 
-/// A service job of `count` sleeping allocs; `version` changes its spec.
-fn job_file(dir: &Path, version: usize) -> Result<String> {
-    let src = format!(
-        r#"
-job "{JOB}" {{
-  type = "service"
-  group "web" {{
-    count = 8
-    task "sleep" {{
-      driver = "raw_exec"
-      env {{
-        VERSION = "{version}"
-      }}
-      config {{
-        command = "/bin/sleep"
-        args    = ["300"]
-      }}
-      resources {{
-        cpu    = 10
-        memory = 8
-      }}
-    }}
-  }}
-}}
-"#
-    );
-    let path = dir.join(format!("{JOB}-{version}.hcl"));
-    std::fs::write(&path, src)?;
-    Ok(path.display().to_string())
+/// The job's spec file for `version` (each one a changed spec).
+fn job_file(agent: &DevAgent, version: usize) -> Result<String> {
+    agent.write_file(
+        &format!("{JOB}-{version}.hcl"),
+        &sleeping_service_job(JOB, 8, version),
+    )
 }
 
 /// Every alloc of the job the servers keep.
@@ -116,10 +92,9 @@ fn check_allocs(all: &[Value]) -> Result<usize> {
 #[test]
 fn allocs_stopped_before_they_start_end_complete_and_say_so() -> Result<()> {
     let mut agent = DevAgent::start()?;
-    let dir = agent.data_dir.path().to_path_buf();
     for round in 0..ROUNDS {
-        let first = job_file(&dir, round * 2)?;
-        let changed = job_file(&dir, round * 2 + 1)?;
+        let first = job_file(&agent, round * 2)?;
+        let changed = job_file(&agent, round * 2 + 1)?;
         agent.cli_ok(&["job", "run", "-detach", &first])?;
         // Stop it at once while a changed version comes in.
         std::thread::scope(|s| -> Result<()> {
