@@ -1,6 +1,13 @@
 //! Reading an HCL body against a fixed schema: every attribute and block
 //! must be one the caller names, values must be literals of the right type,
 //! and every error carries the line it was found on.
+//!
+//! The job and volume specs read their files with it, and so does the
+//! agent's configuration file: one reader, so that every HCL file berth
+//! reads refuses the same things with the same words. [`Source`] parses a
+//! text; a [`BodyReader`] checks a body (the file, or a block's body)
+//! against the attributes and blocks its caller names and reads their
+//! values.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -16,13 +23,13 @@ use crate::limits;
 
 /// The text of a spec and where its lines start, to turn byte offsets into
 /// line numbers.
-pub(super) struct Source<'a> {
+pub struct Source<'a> {
     text: &'a str,
     line_starts: Vec<usize>,
 }
 
 impl<'a> Source<'a> {
-    pub(super) fn new(text: &'a str) -> Self {
+    pub fn new(text: &'a str) -> Self {
         let line_starts = std::iter::once(0)
             .chain(text.match_indices('\n').map(|(i, _)| i + 1))
             .collect();
@@ -30,23 +37,23 @@ impl<'a> Source<'a> {
     }
 
     /// The one-based line holding byte `offset`.
-    pub(super) fn line_at(&self, offset: usize) -> usize {
+    pub(crate) fn line_at(&self, offset: usize) -> usize {
         self.line_starts.partition_point(|&start| start <= offset)
     }
 
     /// The line where `node` starts; line 1 for nodes the parser did not
     /// emit (never the case for parsed input).
-    pub(super) fn line_of<S: Span + ?Sized>(&self, node: &S) -> usize {
+    pub(crate) fn line_of<S: Span + ?Sized>(&self, node: &S) -> usize {
         node.span().map_or(1, |r| self.line_at(r.start))
     }
 
     /// The text `node` was parsed from, where the parser recorded it.
-    pub(super) fn text_of<S: Span + ?Sized>(&self, node: &S) -> Option<&'a str> {
+    pub(crate) fn text_of<S: Span + ?Sized>(&self, node: &S) -> Option<&'a str> {
         node.span().and_then(|r| self.text.get(r))
     }
 
     /// Parses the whole text as an HCL body.
-    pub(super) fn parse_body(&self) -> Result<Body, SpecError> {
+    pub fn parse_body(&self) -> Result<Body, SpecError> {
         hcl_edit::parser::parse_body(self.text).map_err(|e| {
             let loc = e.location();
             let message = if e.message().contains("redefined attribute") {
@@ -66,7 +73,7 @@ impl<'a> Source<'a> {
 }
 
 /// One body (the file, or a block's body) read against its schema.
-pub(super) struct BodyReader<'s, 'b> {
+pub struct BodyReader<'s, 'b> {
     src: &'s Source<'s>,
     body: &'b Body,
     /// What this body is, for messages: `task "web"`, `restart in group "g"`.
@@ -79,7 +86,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     /// Checks that `body` holds only the attributes and blocks named.
     /// A name in both lists may be written either way (`meta = {...}` or
     /// `meta { ... }`).
-    pub(super) fn new(
+    pub fn new(
         src: &'s Source<'s>,
         body: &'b Body,
         ctx: String,
@@ -123,7 +130,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
 
     /// A block with exactly one label (`task "web" { ... }`); returns the
     /// label and a reader whose context is `task "web"`.
-    pub(super) fn labeled(
+    pub fn labeled(
         src: &'s Source<'s>,
         block: &'b Block,
         parent: &str,
@@ -153,7 +160,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
 
     /// A block without labels (`restart { ... }`); the reader's context is
     /// `restart in group "g"`.
-    pub(super) fn unlabeled(
+    pub fn unlabeled(
         src: &'s Source<'s>,
         block: &'b Block,
         parent: &str,
@@ -178,11 +185,11 @@ impl<'s, 'b> BodyReader<'s, 'b> {
         )
     }
 
-    pub(super) fn ctx(&self) -> &str {
+    pub fn ctx(&self) -> &str {
         &self.ctx
     }
 
-    pub(super) fn src(&self) -> &'s Source<'s> {
+    pub fn src(&self) -> &'s Source<'s> {
         self.src
     }
 
@@ -195,7 +202,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     }
 
     /// The error for a required attribute that is absent.
-    pub(super) fn missing(&self, name: &str) -> SpecError {
+    pub fn missing(&self, name: &str) -> SpecError {
         SpecError::at(
             self.line,
             format!("missing required attribute {name:?} in {}", self.ctx),
@@ -203,24 +210,24 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     }
 
     /// An error about the value of attribute `name` (which must be set).
-    pub(super) fn invalid(&self, name: &str, problem: impl std::fmt::Display) -> SpecError {
+    pub fn invalid(&self, name: &str, problem: impl std::fmt::Display) -> SpecError {
         let line = self
             .attr(name)
             .map_or(self.line, |a| self.src.line_of(&a.value));
         SpecError::at(line, format!("{}: {problem}", self.what(name)))
     }
 
-    pub(super) fn string(&self, name: &str) -> Result<Option<String>, SpecError> {
+    pub fn string(&self, name: &str) -> Result<Option<String>, SpecError> {
         self.attr(name)
             .map(|a| to_string(self.src, &a.value, &self.what(name)))
             .transpose()
     }
 
-    pub(super) fn required_string(&self, name: &str) -> Result<String, SpecError> {
+    pub fn required_string(&self, name: &str) -> Result<String, SpecError> {
         self.string(name)?.ok_or_else(|| self.missing(name))
     }
 
-    pub(super) fn bool(&self, name: &str) -> Result<Option<bool>, SpecError> {
+    pub fn bool(&self, name: &str) -> Result<Option<bool>, SpecError> {
         let Some(a) = self.attr(name) else {
             return Ok(None);
         };
@@ -234,7 +241,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     /// A whole number of at most `max`. hcl-edit reads an integer beyond
     /// `u64` as a float, so an integral float is "too large", not "not a
     /// whole number"; messages show the number as it was written.
-    pub(super) fn u64(&self, name: &str, max: u64) -> Result<Option<u64>, SpecError> {
+    pub fn u64(&self, name: &str, max: u64) -> Result<Option<u64>, SpecError> {
         self.number_at_most(name, max, max)
     }
 
@@ -285,7 +292,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     }
 
     /// A whole number of at most `max`, as [`BodyReader::u64`].
-    pub(super) fn u32(&self, name: &str, max: u32) -> Result<Option<u32>, SpecError> {
+    pub fn u32(&self, name: &str, max: u32) -> Result<Option<u32>, SpecError> {
         self.u64(name, u64::from(max))?
             .map(|v| u32::try_from(v).map_err(|_| self.invalid(name, limits::too_large(v, max))))
             .transpose()
@@ -293,11 +300,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
 
     /// A duration written as a string ("30s", "5m", "1h30m") of at most
     /// `max`.
-    pub(super) fn duration(
-        &self,
-        name: &str,
-        max: Duration,
-    ) -> Result<Option<Duration>, SpecError> {
+    pub fn duration(&self, name: &str, max: Duration) -> Result<Option<Duration>, SpecError> {
         self.string(name)?
             .map(|s| units::parse_duration_at_most(&s, max).map_err(|e| self.invalid(name, e)))
             .transpose()
@@ -306,7 +309,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     /// A size in bytes of at most `max`, written as a string with a unit
     /// ("10MiB") or as a number of bytes; `limit` says the limit in
     /// messages.
-    pub(super) fn size(&self, name: &str, max: u64, limit: &str) -> Result<Option<u64>, SpecError> {
+    pub fn size(&self, name: &str, max: u64, limit: &str) -> Result<Option<u64>, SpecError> {
         match self.attr(name).map(|a| &a.value) {
             None => Ok(None),
             Some(Expression::Number(_)) => self.number_at_most(name, max, limit),
@@ -320,17 +323,14 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     }
 
     /// A string parsed with `T`'s `FromStr` (modes, plugin types).
-    pub(super) fn parsed<T: FromStr<Err = String>>(
-        &self,
-        name: &str,
-    ) -> Result<Option<T>, SpecError> {
+    pub fn parsed<T: FromStr<Err = String>>(&self, name: &str) -> Result<Option<T>, SpecError> {
         self.string(name)?
             .map(|s| s.parse::<T>().map_err(|e| self.invalid(name, e)))
             .transpose()
     }
 
     /// A list of strings; numbers and bools in it are taken as their text.
-    pub(super) fn strings(&self, name: &str) -> Result<Option<Vec<String>>, SpecError> {
+    pub fn strings(&self, name: &str) -> Result<Option<Vec<String>>, SpecError> {
         let Some(a) = self.attr(name) else {
             return Ok(None);
         };
@@ -348,7 +348,7 @@ impl<'s, 'b> BodyReader<'s, 'b> {
 
     /// A map of strings, written as a block (`env { A = "1" }`) or as an
     /// attribute (`env = { A = "1" }`). Absent is empty.
-    pub(super) fn map(&self, name: &str) -> Result<BTreeMap<String, String>, SpecError> {
+    pub fn map(&self, name: &str) -> Result<BTreeMap<String, String>, SpecError> {
         let mut out = BTreeMap::new();
         let blocks = self.blocks(name);
         if let Some(a) = self.attr(name) {
@@ -412,12 +412,12 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     }
 
     /// Every block named `ident`, in order.
-    pub(super) fn blocks(&self, ident: &str) -> Vec<&'b Block> {
+    pub fn blocks(&self, ident: &str) -> Vec<&'b Block> {
         self.body.blocks().filter(|b| b.has_ident(ident)).collect()
     }
 
     /// The block named `ident`, which may appear at most once.
-    pub(super) fn optional_block(&self, ident: &str) -> Result<Option<&'b Block>, SpecError> {
+    pub fn optional_block(&self, ident: &str) -> Result<Option<&'b Block>, SpecError> {
         let blocks = self.blocks(ident);
         match blocks.as_slice() {
             [] => Ok(None),

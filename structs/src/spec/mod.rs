@@ -6,8 +6,12 @@
 //! calls). `${NAME}` inside strings is kept verbatim: berth fills it in from
 //! the task environment when the task starts. Parsing does not validate: the
 //! caller runs [`Job::validate`] or [`CsiVolume::validate`].
+//!
+//! [`hcl`] is the schema reader under both specs, public so that other HCL
+//! files berth reads (the agent's configuration) refuse the same things in
+//! the same words.
 
-mod hcl;
+pub mod hcl;
 mod job;
 mod units;
 mod volume;
