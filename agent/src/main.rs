@@ -6,6 +6,7 @@
 mod agent;
 mod cli;
 mod client;
+mod config;
 mod data_dir;
 mod http;
 mod logging;
