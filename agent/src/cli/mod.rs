@@ -15,6 +15,7 @@ Usage: berth <command> [args]
 
 Commands:
   agent -dev [-data-dir DIR] [-http-addr ADDR]   run a dev agent (server and client)
+  config validate PATH...                         check agent config files (merged in order, as one agent's)
   job run [-detach] FILE                          submit a job and wait for its allocs
   job stop JOB                                    stop a job
   job status [-json] [-all-allocs] [JOB]          show jobs (the latest version's allocs, newest first)
@@ -29,7 +30,7 @@ Commands:
   plugin status [-json] [PLUGIN]                  show CSI plugins
   system gc                                       garbage collect what is done, now
 
-Every command but agent takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747).
+Every command but agent and config takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747).
 ";
 
 /// A command line berth cannot make sense of: reported with [`USAGE`].
@@ -132,6 +133,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         ("agent", _) => crate::agent::run_from_args(rest),
         // Hidden: the per-task executor the raw_exec driver starts.
         ("executor", _) => Ok(berth_allocrunner::executor::run_executor(rest)),
+        ("config", Some("validate")) => config_validate(tail),
         ("job", Some("run")) => job_run(tail),
         ("job", Some("stop")) => job_stop(tail),
         ("job", Some("status")) => job_status(tail),
@@ -212,6 +214,34 @@ fn read_spec(kind: &str, path: &str) -> Result<String> {
             e.utf8_error().valid_up_to()
         )
     })
+}
+
+/// `berth config validate PATH...`: reads the paths as `berth agent
+/// -config` would (one agent's configuration, later files over earlier
+/// ones) and says whether they make a valid one. Starts nothing.
+fn config_validate(args: &[String]) -> Result<i32> {
+    if let Some(flag) = args
+        .iter()
+        .find(|a| a.starts_with('-') && a.as_str() != "-")
+    {
+        return Err(usage_error(format!(
+            "berth config validate: unknown flag {flag}"
+        )));
+    }
+    if args.is_empty() {
+        return Err(usage_error(
+            "berth config validate: missing a config file or directory",
+        ));
+    }
+    let paths: Vec<std::path::PathBuf> = args.iter().map(std::path::PathBuf::from).collect();
+    let config = crate::config::load(&paths)?;
+    let roles = match (config.server_enabled(), config.client_enabled()) {
+        (true, true) => "server and client",
+        (true, false) => "server",
+        _ => "client",
+    };
+    println!("Configuration is valid ({roles})");
+    Ok(0)
 }
 
 fn job_run(args: &[String]) -> Result<i32> {
