@@ -1,7 +1,8 @@
 //! `berth`: one binary for every role. `berth agent -dev` runs a server and
 //! a client in one process; `berth executor` (hidden) is the per-task
-//! executor that the client starts under every task; every other command
-//! talks to the HTTP API.
+//! executor that the client starts under every task; `berth config
+//! validate` checks agent config files; every other command talks to the
+//! HTTP API.
 
 mod agent;
 mod cli;

@@ -1,5 +1,5 @@
 //! The command line: Nomad-shaped commands and single-dash flags. Every
-//! command but `agent` is a client of the HTTP API.
+//! command but `agent` and `config validate` is a client of the HTTP API.
 
 pub mod errors;
 pub mod http_client;
