@@ -17,6 +17,14 @@ use crate::data_dir::DataDirLock;
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
     pub dev: bool,
+    /// Run the server role (its agent protocol listener and the HTTP API).
+    pub server: bool,
+    /// Run the client role.
+    pub client: bool,
+    /// The servers a client-only agent dials, `HOST:PORT`; only the first
+    /// is used for now (failover across the list comes later). Empty when
+    /// the agent runs the server role itself: its client dials that.
+    pub servers: Vec<String>,
     pub data_dir: Option<PathBuf>,
     pub http_addr: SocketAddr,
     /// Where the server role serves the agent protocol; port 0 picks one.
@@ -24,40 +32,72 @@ pub struct AgentConfig {
     pub node_name: Option<String>,
     /// Shortest heartbeat TTL the servers hand out.
     pub min_heartbeat_ttl: Duration,
+    /// The server block's other heartbeat knobs; `None` keeps the
+    /// server's defaults.
+    pub heartbeat_grace: Option<Duration>,
+    pub max_heartbeats_per_second: Option<u32>,
     /// The client's garbage collection knobs (see `ClientConfig`).
     pub gc_max_allocs: usize,
     pub gc_interval: Duration,
     pub gc_alloc_threshold: Duration,
+    /// Config keys that were set but that this version does not apply
+    /// yet; logged at start.
+    pub not_applied: Vec<&'static str>,
 }
 
 impl Default for AgentConfig {
     fn default() -> Self {
         AgentConfig {
             dev: false,
+            server: false,
+            client: false,
+            servers: Vec::new(),
             data_dir: None,
             http_addr: "127.0.0.1:4747".parse().expect("valid literal"),
             rpc_addr: "127.0.0.1:0".parse().expect("valid literal"),
             node_name: None,
             min_heartbeat_ttl: Duration::from_secs(10),
+            heartbeat_grace: None,
+            max_heartbeats_per_second: None,
             gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
             gc_interval: ClientConfig::DEFAULT_GC_INTERVAL,
             gc_alloc_threshold: ClientConfig::DEFAULT_GC_ALLOC_THRESHOLD,
+            not_applied: Vec::new(),
         }
     }
 }
 
+/// The HTTP API's port when neither a flag nor a file sets one (the
+/// CLI's default address).
+pub const DEFAULT_HTTP_PORT: u16 = 4747;
+/// The server's agent protocol port when neither a flag nor a file sets
+/// one.
+pub const DEFAULT_RPC_PORT: u16 = 4647;
+
 const AGENT_USAGE: &str = "\
 Usage: berth agent -dev [options]
+       berth agent [-config PATH]... [-server] [-client] [options]
 
-  -dev                  run a server and a client in one process
-  -data-dir DIR         keep state here (default: a new temp dir)
-  -http-addr ADDR       HTTP API address (default 127.0.0.1:4747)
-  -rpc-addr ADDR        agent protocol address (default 127.0.0.1:0, any free port)
-  -node-name NAME       the node's name (default: the host name)
+  -dev                  run a server and a client in one process, on a temp data dir
+  -config PATH          read an agent config file, or a directory's *.hcl in name
+                        order (repeatable; later files override earlier ones)
+  -server               run the server role (agent protocol and HTTP API)
+  -client               run the client role
+  -servers HOST:PORT[,HOST:PORT...]
+                        the servers' agent protocol addresses a client dials
+                        (only the first is used for now)
+  -data-dir DIR         keep state here (-dev: default a new temp dir)
+  -http-addr HOST:PORT  HTTP API address (default bind_addr:ports.http, 127.0.0.1:4747)
+  -rpc-addr HOST:PORT   agent protocol address (-dev: default 127.0.0.1:0, any free
+                        port; else bind_addr:ports.rpc, 127.0.0.1:4647)
+  -node NAME            the node's name (default: the host name); -node-name too
   -heartbeat-ttl DUR    shortest heartbeat TTL the servers hand out (default 10s)
   -gc-max-allocs N      terminal allocs the node keeps before destroying the oldest (default 50)
   -gc-alloc-threshold DUR  the node destroys allocs terminal for this long (default 1h)
   -gc-interval DUR      how often the node collects its terminal allocs (default 1m)
+
+Flags override the config files. Without -dev the files and flags together
+need a data dir, a role, and servers for a client-only agent.
 ";
 
 /// A command line `berth agent` cannot make sense of.
@@ -86,14 +126,34 @@ fn duration_flag(name: &str, v: &str) -> Result<Duration> {
 /// What `berth agent`'s command line asks for.
 #[derive(Debug, Clone)]
 pub enum AgentCommand {
-    Run(AgentConfig),
+    Run(Box<AgentConfig>),
     /// `-h`, `-help`: print the usage.
     Help,
+}
+
+/// What the command line set, before the files are merged under it.
+#[derive(Debug, Default)]
+struct Flags {
+    dev: bool,
+    configs: Vec<PathBuf>,
+    server: bool,
+    client: bool,
+    servers: Option<Vec<String>>,
+    data_dir: Option<PathBuf>,
+    http_addr: Option<SocketAddr>,
+    rpc_addr: Option<SocketAddr>,
+    node_name: Option<String>,
+    min_heartbeat_ttl: Option<Duration>,
+    /// The last flag given that only the server role uses, and the last
+    /// that only the client role uses: refused when that role is off.
+    server_flag: Option<String>,
+    client_flag: Option<String>,
 }
 
 impl AgentConfig {
     pub fn from_args(args: &[String]) -> Result<AgentCommand> {
         let mut c = AgentConfig::default();
+        let mut f = Flags::default();
         let mut it = args.iter();
         while let Some(a) = it.next() {
             let flag = a.trim_start_matches('-');
@@ -111,29 +171,48 @@ impl AgentConfig {
                 }
             };
             match name {
-                "dev" => c.dev = true,
-                "data-dir" => c.data_dir = Some(PathBuf::from(value(name)?)),
+                "http-addr" | "rpc-addr" | "heartbeat-ttl" => f.server_flag = Some(name.into()),
+                "gc-max-allocs" | "gc-interval" | "gc-alloc-threshold" => {
+                    f.client_flag = Some(name.into())
+                }
+                _ => {}
+            }
+            match name {
+                "dev" => f.dev = true,
+                "server" => f.server = true,
+                "client" => f.client = true,
+                "config" => f.configs.push(PathBuf::from(value(name)?)),
+                "servers" => {
+                    let v = value(name)?;
+                    let mut list = Vec::new();
+                    for s in v.split(',') {
+                        crate::config::check_server_addr(s)
+                            .map_err(|e| anyhow!("berth agent: -servers: {e}"))?;
+                        list.push(s.to_string());
+                    }
+                    f.servers = Some(list);
+                }
+                "data-dir" => f.data_dir = Some(PathBuf::from(value(name)?)),
                 "http-addr" => {
                     let v = value(name)?;
-                    c.http_addr = v.parse().with_context(|| {
+                    f.http_addr = Some(v.parse().with_context(|| {
                         format!("berth agent: -http-addr {v:?} is not HOST:PORT")
-                    })?;
+                    })?);
                 }
                 "rpc-addr" => {
                     let v = value(name)?;
-                    c.rpc_addr = v.parse().with_context(|| {
+                    f.rpc_addr = Some(v.parse().with_context(|| {
                         format!("berth agent: -rpc-addr {v:?} is not HOST:PORT")
-                    })?;
+                    })?);
                 }
-                "node-name" => {
+                "node" | "node-name" => {
                     let v = value(name)?;
                     berth_structs::check_name("node name", &v)
-                        .with_context(|| format!("berth agent: -node-name {v:?}"))?;
-                    c.node_name = Some(v);
+                        .with_context(|| format!("berth agent: -{name} {v:?}"))?;
+                    f.node_name = Some(v);
                 }
-                "heartbeat-ttl" => c.min_heartbeat_ttl = duration_flag(name, &value(name)?)?,
-                // The client's garbage collection knobs; they move to the
-                // config file's `client` block once there is one.
+                "heartbeat-ttl" => f.min_heartbeat_ttl = Some(duration_flag(name, &value(name)?)?),
+                // The client's garbage collection knobs.
                 "gc-max-allocs" => {
                     let v = value(name)?;
                     c.gc_max_allocs = v.parse().with_context(|| {
@@ -150,25 +229,160 @@ impl AgentConfig {
                 "gc-alloc-threshold" => {
                     c.gc_alloc_threshold = duration_flag(name, &value(name)?)?;
                 }
-                "config" => bail!(
-                    "berth agent: -config is not supported yet; run `berth agent -dev` with flags"
-                ),
                 "h" | "help" => return Ok(AgentCommand::Help),
                 _ => return Err(usage_error(format!("berth agent: unknown flag {a:?}"))),
             }
         }
-        if !c.dev {
-            return Err(usage_error(
-                "berth agent: only -dev mode is available in this version",
-            ));
+        if f.dev {
+            c.apply_dev(f)?;
+        } else {
+            c.apply_files(f)?;
         }
-        Ok(AgentCommand::Run(c))
+        Ok(AgentCommand::Run(Box::new(c)))
     }
+
+    /// `-dev`: both roles in one process, as the flags say, no files.
+    fn apply_dev(&mut self, f: Flags) -> Result<()> {
+        let clash = [
+            (f.server, "-server"),
+            (f.client, "-client"),
+            (!f.configs.is_empty(), "-config"),
+            (f.servers.is_some(), "-servers"),
+        ];
+        if let Some((_, flag)) = clash.iter().find(|(set, _)| *set) {
+            return Err(usage_error(format!(
+                "berth agent: -dev runs a server and a client in one process; \
+                 it cannot be combined with {flag}"
+            )));
+        }
+        self.dev = true;
+        self.server = true;
+        self.client = true;
+        self.data_dir = f.data_dir;
+        if let Some(a) = f.http_addr {
+            self.http_addr = a;
+        }
+        if let Some(a) = f.rpc_addr {
+            self.rpc_addr = a;
+        }
+        self.node_name = f.node_name;
+        if let Some(d) = f.min_heartbeat_ttl {
+            self.min_heartbeat_ttl = d;
+        }
+        Ok(())
+    }
+
+    /// Not `-dev`: the config files, the flags over them, checked as
+    /// `berth config validate` checks files.
+    fn apply_files(&mut self, f: Flags) -> Result<()> {
+        let (files, mut file) =
+            crate::config::read_merged(&f.configs).context("berth agent: -config")?;
+        if f.server {
+            file.server.enabled = Some(true);
+        }
+        if f.client {
+            file.client.enabled = Some(true);
+        }
+        if f.servers.is_some() {
+            file.client.servers = f.servers;
+        }
+        if f.data_dir.is_some() {
+            file.data_dir = f.data_dir;
+        }
+        if f.node_name.is_some() {
+            file.name = f.node_name;
+        }
+        if f.min_heartbeat_ttl.is_some() {
+            file.server.min_heartbeat_ttl = f.min_heartbeat_ttl;
+        }
+        let file = crate::config::check_whole(files, file)
+            .context("berth agent: the configuration (files and flags)")?;
+        if let (false, Some(flag)) = (file.server_enabled(), &f.server_flag) {
+            return Err(usage_error(format!(
+                "berth agent: -{flag} is for the server role, which this agent does not run \
+                 (a client-only agent serves no HTTP API yet)"
+            )));
+        }
+        if let (false, Some(flag)) = (file.client_enabled(), &f.client_flag) {
+            return Err(usage_error(format!(
+                "berth agent: -{flag} is for the client role, which this agent does not run"
+            )));
+        }
+        let bind = file
+            .bind_addr
+            .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+        self.server = file.server_enabled();
+        self.client = file.client_enabled();
+        self.servers = file.client.servers.clone().unwrap_or_default();
+        self.data_dir = file.data_dir.clone();
+        self.node_name = file.name.clone();
+        self.http_addr = f.http_addr.unwrap_or(SocketAddr::new(
+            bind,
+            file.ports.http.unwrap_or(DEFAULT_HTTP_PORT),
+        ));
+        self.rpc_addr = f.rpc_addr.unwrap_or(SocketAddr::new(
+            bind,
+            file.ports.rpc.unwrap_or(DEFAULT_RPC_PORT),
+        ));
+        if let Some(d) = file.server.min_heartbeat_ttl {
+            self.min_heartbeat_ttl = d;
+        }
+        self.heartbeat_grace = file.server.heartbeat_grace;
+        self.max_heartbeats_per_second = file.server.max_heartbeats_per_second;
+        self.not_applied = not_applied_yet(&file);
+        Ok(())
+    }
+}
+
+/// The keys of `file` this agent reads but does not act on yet, so that
+/// it can say so at start rather than drop them silently.
+fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
+    let c = &file.client;
+    let r = &c.reserved;
+    let s = &file.server;
+    let no_server = !file.server_enabled();
+    let no_client = !file.client_enabled();
+    let server_knobs = s.heartbeat_grace.is_some()
+        || s.min_heartbeat_ttl.is_some()
+        || s.max_heartbeats_per_second.is_some();
+    [
+        (
+            no_server && file.ports.http.is_some(),
+            "ports.http (a client-only agent serves no HTTP API yet)",
+        ),
+        (
+            no_server && (file.ports.rpc.is_some() || file.bind_addr.is_some()),
+            "ports.rpc and bind_addr (for the server role, which is off)",
+        ),
+        (no_server && server_knobs, "server (the server role is off)"),
+        (
+            no_client && (c.servers.is_some() || c.node_class.is_some()),
+            "client (the client role is off)",
+        ),
+        (
+            file.log_level.is_some(),
+            "log_level (BERTH_LOG sets the filter)",
+        ),
+        (file.log_json.is_some(), "log_json"),
+        (c.node_class.is_some(), "client.node_class"),
+        (!c.meta.is_empty(), "client.meta"),
+        (
+            r.cpu.is_some() || r.memory.is_some() || r.disk.is_some(),
+            "client.reserved",
+        ),
+        (
+            c.disconnect_startup_grace.is_some(),
+            "client.disconnect_startup_grace",
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(set, key)| set.then_some(key))
+    .collect()
 }
 
 pub fn run_from_args(args: &[String]) -> Result<i32> {
     let config = match AgentConfig::from_args(args)? {
-        AgentCommand::Run(c) => c,
+        AgentCommand::Run(c) => *c,
         AgentCommand::Help => {
             print!("{AGENT_USAGE}");
             return Ok(0);
@@ -215,72 +429,49 @@ fn prepare_data_dir(config: &AgentConfig) -> Result<PathBuf> {
 /// [`DataDirLock`] of, until SIGINT or SIGTERM.
 pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-
-    let server = Server::open(ServerConfig {
-        data_dir: data_dir.clone(),
-        min_heartbeat_ttl: config.min_heartbeat_ttl,
-        ..ServerConfig::default()
-    })
-    .context("opening the server state")?;
-
-    let rpc_listener = tokio::net::TcpListener::bind(config.rpc_addr)
-        .await
-        .with_context(|| format!("binding the agent protocol to {}", config.rpc_addr))?;
-    let rpc_addr = rpc_listener.local_addr()?;
-    let http_listener = tokio::net::TcpListener::bind(config.http_addr)
-        .await
-        .with_context(|| format!("binding the HTTP API to {}", config.http_addr))?;
-    tracing::info!(rpc_addr = %rpc_addr, http_addr = %http_listener.local_addr()?, "agent starting");
+    for key in &config.not_applied {
+        tracing::warn!(key, "this config key is not applied by this version yet");
+    }
 
     let mut tasks = tokio::task::JoinSet::new();
-    {
-        let server = server.clone();
-        let rx = shutdown_rx.clone();
-        tasks.spawn(async move {
-            server.run(rx).await;
-            Ok::<(), anyhow::Error>(())
-        });
-    }
-    {
-        let router = tonic::transport::Server::builder()
-            .add_service(server.node_service())
-            .add_service(server.csi_volume_service());
-        let mut rx = shutdown_rx.clone();
-        tasks.spawn(async move {
-            router
-                .serve_with_incoming_shutdown(TcpListenerStream::new(rpc_listener), async move {
-                    let _ = rx.wait_for(|v| *v).await;
-                })
-                .await
-                .context("agent protocol server")
-        });
-    }
-    {
-        let server = server.clone();
-        let rx = shutdown_rx.clone();
-        tasks.spawn(async move {
-            crate::http::serve(http_listener, server, rx)
-                .await
-                .context("HTTP API")
-        });
-    }
+    let local_rpc_addr = if config.server {
+        Some(start_server(&config, &data_dir, &shutdown_rx, &mut tasks).await?)
+    } else {
+        None
+    };
+    // A client next to the server role dials it; a client-only agent dials
+    // the first of its servers (failover across the list comes later).
+    let server_addr = match (local_rpc_addr, config.servers.first()) {
+        (Some(addr), _) => format!("http://{addr}"),
+        (None, Some(first)) => format!("http://{first}"),
+        (None, None) => bail!("berth agent: the client has no servers to dial"),
+    };
 
     // The client stops before the server role, so that its last updates
     // still reach the servers.
     let (client_stop_tx, client_stop_rx) = watch::channel(false);
-    let client = Client::start(
-        ClientConfig {
-            node_name: config.node_name.clone(),
-            gc_max_allocs: config.gc_max_allocs,
-            gc_interval: config.gc_interval,
-            gc_alloc_threshold: config.gc_alloc_threshold,
-            ..ClientConfig::new(data_dir.clone(), format!("http://{rpc_addr}"))
-        },
-        client_stop_rx.clone(),
-    )
-    .await
-    .context("starting the client")?;
-    let mut client_task = tokio::spawn(client.run(client_stop_rx));
+    let mut client_task = if config.client {
+        tracing::info!(server = %server_addr, "client starting");
+        let client = Client::start(
+            ClientConfig {
+                node_name: config.node_name.clone(),
+                gc_max_allocs: config.gc_max_allocs,
+                gc_interval: config.gc_interval,
+                gc_alloc_threshold: config.gc_alloc_threshold,
+                ..ClientConfig::new(data_dir.clone(), server_addr)
+            },
+            client_stop_rx.clone(),
+        )
+        .await
+        .context("starting the client")?;
+        tokio::spawn(client.run(client_stop_rx))
+    } else {
+        // No client role: a task that ends only when told to stop.
+        let mut rx = client_stop_rx;
+        tokio::spawn(async move {
+            let _ = rx.wait_for(|v| *v).await;
+        })
+    };
     let mut client_done = false;
 
     crate::logging::notify_systemd_ready();
@@ -337,6 +528,80 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     }
 }
 
+/// Opens the server state and starts the server role, its agent protocol
+/// listener and the HTTP API on `tasks`; returns the address the agent
+/// protocol listens on (the port it got when asked for port 0), as a
+/// client on this machine dials it.
+async fn start_server(
+    config: &AgentConfig,
+    data_dir: &std::path::Path,
+    shutdown_rx: &watch::Receiver<bool>,
+    tasks: &mut tokio::task::JoinSet<Result<()>>,
+) -> Result<SocketAddr> {
+    let mut server_config = ServerConfig {
+        data_dir: data_dir.to_path_buf(),
+        min_heartbeat_ttl: config.min_heartbeat_ttl,
+        ..ServerConfig::default()
+    };
+    if let Some(g) = config.heartbeat_grace {
+        server_config.heartbeat_grace = g;
+    }
+    if let Some(n) = config.max_heartbeats_per_second {
+        server_config.max_heartbeats_per_second = f64::from(n);
+    }
+    let server = Server::open(server_config).context("opening the server state")?;
+
+    let rpc_listener = tokio::net::TcpListener::bind(config.rpc_addr)
+        .await
+        .with_context(|| format!("binding the agent protocol to {}", config.rpc_addr))?;
+    let rpc_addr = rpc_listener.local_addr()?;
+    let http_listener = tokio::net::TcpListener::bind(config.http_addr)
+        .await
+        .with_context(|| format!("binding the HTTP API to {}", config.http_addr))?;
+    tracing::info!(rpc_addr = %rpc_addr, http_addr = %http_listener.local_addr()?, "agent starting");
+
+    {
+        let server = server.clone();
+        let rx = shutdown_rx.clone();
+        tasks.spawn(async move {
+            server.run(rx).await;
+            Ok::<(), anyhow::Error>(())
+        });
+    }
+    {
+        let router = tonic::transport::Server::builder()
+            .add_service(server.node_service())
+            .add_service(server.csi_volume_service());
+        let mut rx = shutdown_rx.clone();
+        tasks.spawn(async move {
+            router
+                .serve_with_incoming_shutdown(TcpListenerStream::new(rpc_listener), async move {
+                    let _ = rx.wait_for(|v| *v).await;
+                })
+                .await
+                .context("agent protocol server")
+        });
+    }
+    {
+        let rx = shutdown_rx.clone();
+        tasks.spawn(async move {
+            crate::http::serve(http_listener, server, rx)
+                .await
+                .context("HTTP API")
+        });
+    }
+    // A listener on every address is dialled on loopback from here.
+    Ok(if rpc_addr.ip().is_unspecified() {
+        let lo = match rpc_addr {
+            SocketAddr::V4(_) => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            SocketAddr::V6(_) => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
+        };
+        SocketAddr::new(lo, rpc_addr.port())
+    } else {
+        rpc_addr
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -361,6 +626,151 @@ mod tests {
         assert_eq!(c.node_name.as_deref(), Some("worker-1"));
     }
 
+    fn run(v: &[&str]) -> AgentConfig {
+        match AgentConfig::from_args(&args(v)) {
+            Ok(AgentCommand::Run(c)) => *c,
+            other => panic!("{v:?}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn dev_cannot_be_combined_with_a_role_servers_or_config_files() {
+        for flags in [
+            &["-dev", "-server"][..],
+            &["-dev", "-client"],
+            &["-dev", "-config", "/etc/berth.d"],
+            &["-dev", "-servers", "127.0.0.1:4647"],
+            &["-server", "-dev"],
+        ] {
+            let e = AgentConfig::from_args(&args(flags))
+                .expect_err(&format!("{flags:?}"))
+                .to_string();
+            assert!(e.contains("cannot be combined with"), "{flags:?}: {e}");
+        }
+        let c = run(&["-dev"]);
+        assert!(c.dev && c.server && c.client && c.servers.is_empty());
+        assert_eq!(c.http_addr, "127.0.0.1:4747".parse().unwrap());
+        assert_eq!(c.rpc_addr, "127.0.0.1:0".parse().unwrap());
+    }
+
+    #[test]
+    fn flags_alone_make_a_server_agent() {
+        let c = run(&[
+            "-server",
+            "-data-dir",
+            "/tmp/s",
+            "-http-addr",
+            "127.0.0.1:5000",
+            "-rpc-addr",
+            "127.0.0.1:0",
+        ]);
+        assert!(!c.dev && c.server && !c.client);
+        assert_eq!(c.data_dir, Some(PathBuf::from("/tmp/s")));
+        assert_eq!(c.http_addr, "127.0.0.1:5000".parse().unwrap());
+        assert_eq!(c.rpc_addr, "127.0.0.1:0".parse().unwrap());
+        // Ports default to the CLI's and the agent protocol's.
+        let c = run(&["-server", "-data-dir", "/tmp/s"]);
+        assert_eq!(c.http_addr, "127.0.0.1:4747".parse().unwrap());
+        assert_eq!(c.rpc_addr, "127.0.0.1:4647".parse().unwrap());
+    }
+
+    #[test]
+    fn a_client_agent_needs_servers_and_takes_a_node_name() {
+        let c = run(&[
+            "-client",
+            "-data-dir=/tmp/c",
+            "-servers",
+            "127.0.0.1:4647,10.0.0.2:4647",
+            "-node",
+            "worker-2",
+        ]);
+        assert!(c.client && !c.server);
+        assert_eq!(c.servers, ["127.0.0.1:4647", "10.0.0.2:4647"]);
+        assert_eq!(c.node_name.as_deref(), Some("worker-2"));
+        let e = AgentConfig::from_args(&args(&["-client", "-data-dir", "/tmp/c"])).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("the client has no servers"),
+            "{e:#}"
+        );
+        let e = AgentConfig::from_args(&args(&["-client", "-servers", "10.0.0.1"])).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("\"10.0.0.1\" is not HOST:PORT"),
+            "{e:#}"
+        );
+        for missing in [&["-server"][..], &[]] {
+            let e = AgentConfig::from_args(&args(missing)).unwrap_err();
+            assert!(format!("{e:#}").contains("data_dir is not set"), "{e:#}");
+        }
+        for flag in [
+            "-http-addr=127.0.0.1:1",
+            "-rpc-addr=127.0.0.1:1",
+            "-heartbeat-ttl=1s",
+        ] {
+            let e =
+                AgentConfig::from_args(&args(&["-client", "-data-dir=/c", "-servers=h:1", flag]))
+                    .unwrap_err();
+            assert!(e.to_string().contains("for the server role"), "{flag}: {e}");
+        }
+        let e = AgentConfig::from_args(&args(&["-server", "-data-dir=/s", "-gc-interval=1m"]))
+            .unwrap_err();
+        assert!(e.to_string().contains("for the client role"), "{e}");
+        let client_hcl = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/agent/client.hcl");
+        let c = run(&["-config", client_hcl, "-data-dir=/c"]);
+        assert!(c.client && !c.server);
+        assert!(
+            c.not_applied.iter().any(|k| k.starts_with("ports.http")),
+            "{:?}",
+            c.not_applied
+        );
+        let e = AgentConfig::from_args(&args(&["-data-dir", "/d"])).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("neither the server nor the client"),
+            "{e:#}"
+        );
+    }
+
+    #[test]
+    fn flags_override_the_config_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("10-server.hcl"),
+            "data_dir = \"/var/lib/berth\"\nname = \"s1\"\nbind_addr = \"0.0.0.0\"\n\
+             ports {\n http = 5646\n rpc = 5647\n}\nserver {\n enabled = true\n \
+             heartbeat_grace = \"7s\"\n min_heartbeat_ttl = \"3s\"\n \
+             max_heartbeats_per_second = 20\n}\nclient {\n meta {\n rack = \"r1\"\n }\n}\n",
+        )
+        .unwrap();
+        let d = dir.path().to_str().unwrap();
+        let c = run(&["-config", d]);
+        assert!(c.server && !c.client);
+        assert_eq!(c.http_addr, "0.0.0.0:5646".parse().unwrap());
+        assert_eq!(c.rpc_addr, "0.0.0.0:5647".parse().unwrap());
+        assert_eq!(c.node_name.as_deref(), Some("s1"));
+        assert_eq!(c.min_heartbeat_ttl, Duration::from_secs(3));
+        assert_eq!(c.heartbeat_grace, Some(Duration::from_secs(7)));
+        assert_eq!(c.max_heartbeats_per_second, Some(20));
+        assert_eq!(c.not_applied, ["client.meta"]);
+        let c = run(&[
+            "-config",
+            d,
+            "-data-dir",
+            "/tmp/other",
+            "-rpc-addr",
+            "127.0.0.1:0",
+            "-node-name",
+            "s2",
+            "-heartbeat-ttl",
+            "9s",
+        ]);
+        assert_eq!(c.data_dir, Some(PathBuf::from("/tmp/other")));
+        assert_eq!(c.rpc_addr, "127.0.0.1:0".parse().unwrap());
+        assert_eq!(c.http_addr, "0.0.0.0:5646".parse().unwrap());
+        assert_eq!(c.node_name.as_deref(), Some("s2"));
+        assert_eq!(c.min_heartbeat_ttl, Duration::from_secs(9));
+        let e = AgentConfig::from_args(&args(&["-config", "/nonexistent/berth.hcl"])).unwrap_err();
+        assert!(format!("{e:#}").contains("/nonexistent/berth.hcl"), "{e:#}");
+    }
+
     #[test]
     fn durations_beyond_the_limit_are_too_large() {
         for flag in ["-heartbeat-ttl", "-gc-interval", "-gc-alloc-threshold"] {
@@ -380,6 +790,10 @@ mod tests {
         use proptest::prelude::*;
         let flag = prop::sample::select(vec![
             "dev",
+            "server",
+            "client",
+            "servers",
+            "node",
             "data-dir",
             "http-addr",
             "rpc-addr",
@@ -431,7 +845,9 @@ mod tests {
             }
             match AgentConfig::from_args(&argv) {
                 Ok(AgentCommand::Run(c)) => {
-                    proptest::prop_assert!(c.dev);
+                    proptest::prop_assert!(c.dev || c.data_dir.is_some());
+                    proptest::prop_assert!(c.server || c.client);
+                    proptest::prop_assert!(c.server || !c.servers.is_empty());
                     if let Some(n) = &c.node_name {
                         proptest::prop_assert!(berth_structs::is_valid_name(n), "{n:?}");
                     }

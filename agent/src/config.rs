@@ -219,11 +219,28 @@ impl AgentFileConfig {
 /// gives its `*.hcl` files in name order), and checks that the result is a
 /// whole agent's configuration.
 pub fn load(paths: &[PathBuf]) -> Result<AgentFileConfig, ConfigError> {
+    let (files, merged) = read_merged(paths)?;
+    check_whole(files, merged)
+}
+
+/// Reads and merges the configuration at `paths` like [`load`], without
+/// checking that the result is whole (flags may complete it); also gives
+/// the files read.
+pub fn read_merged(paths: &[PathBuf]) -> Result<(Vec<PathBuf>, AgentFileConfig), ConfigError> {
     let files = config_files(paths)?;
     let mut merged = AgentFileConfig::default();
     for path in &files {
         merged = merged.merge(read_file(path)?);
     }
+    Ok((files, merged))
+}
+
+/// `merged` if it is a whole agent's configuration (a data dir, a role,
+/// servers for a client); `files` are named in the error.
+pub fn check_whole(
+    files: Vec<PathBuf>,
+    merged: AgentFileConfig,
+) -> Result<AgentFileConfig, ConfigError> {
     match merged.incomplete() {
         Some(problem) => Err(ConfigError::Incomplete {
             paths: files,
@@ -450,7 +467,7 @@ fn port(r: &BodyReader<'_, '_>, name: &str) -> Result<Option<u16>, SpecError> {
 }
 
 /// A server address: `HOST:PORT` (or `[IPv6]:PORT`), a port 1 to 65535.
-fn check_server_addr(addr: &str) -> Result<(), String> {
+pub fn check_server_addr(addr: &str) -> Result<(), String> {
     let bad = |why: &str| format!("{addr:?} is not HOST:PORT ({why})");
     let Some((host, port)) = addr.rsplit_once(':') else {
         return Err(bad("no port"));
