@@ -223,11 +223,7 @@ impl DevAgent {
         let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
         let port = free_port();
         let http_addr = format!("http://127.0.0.1:{port}");
-        let path_env = format!(
-            "{}:{}",
-            bin_dir().display(),
-            std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
-        );
+        let path_env = path_with_bins();
         let log_path = data_dir.path().join("agent.log");
         let mut agent = DevAgent {
             data_dir,
@@ -464,28 +460,110 @@ impl DevAgent {
     /// Kills every process that mentions the data dir and unmounts
     /// everything below it.
     fn cleanup(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        kill_and_unmount(&mut self.child, self.data_dir.path());
+    }
+}
+
+/// Kills `child`, then every process that mentions `dir` (tasks outlive
+/// their agent), and unmounts everything below `dir`.
+fn kill_and_unmount(child: &mut Option<Child>, dir: &Path) {
+    if let Some(mut c) = child.take() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let shown = dir.display().to_string();
+    for _ in 0..3 {
+        for pid in pids_mentioning(&shown) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
         }
-        let dir = self.data_dir.path().to_path_buf();
-        for _ in 0..3 {
-            for pid in pids_mentioning(&dir.display().to_string()) {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-            }
-            for m in mounts_under(&dir) {
-                let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
-            }
-            if mounts_under(&dir).is_empty()
-                && pids_mentioning(&dir.display().to_string()).is_empty()
-            {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
+        for m in mounts_under(dir) {
+            let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
         }
+        if mounts_under(dir).is_empty() && pids_mentioning(&shown).is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// PATH for agents and the CLI: the workspace's binaries (the example
+/// plugin) first.
+fn path_with_bins() -> String {
+    format!(
+        "{}:{}",
+        bin_dir().display(),
+        std::env::var("PATH").unwrap_or_else(|_| "/usr/bin:/bin".into())
+    )
+}
+
+/// Runs the CLI against the HTTP API at `addr` (`http://HOST:PORT`).
+pub fn cli_at(addr: &str, args: &[&str]) -> Result<Output> {
+    Command::new(binary("berth"))
+        .args(args)
+        .env("BERTH_ADDR", addr)
+        .env("PATH", path_with_bins())
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running berth {}", args.join(" ")))
+}
+
+/// One `berth agent` process started with the given flags (a server, a
+/// client) on its own temp data dir, its log kept there; on drop it is
+/// killed with everything it started, and its mounts are unmounted.
+pub struct Agent {
+    pub data_dir: tempfile::TempDir,
+    child: Option<Child>,
+    log_path: PathBuf,
+}
+
+impl Agent {
+    /// Starts `berth agent -data-dir <temp dir> ARGS...`; does not wait
+    /// for anything.
+    pub fn start(args: &[&str]) -> Result<Agent> {
+        let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
+        let log_path = data_dir.path().join("agent.log");
+        let log = std::fs::File::create(&log_path)?;
+        let child = Command::new(binary("berth"))
+            .arg("agent")
+            .arg("-data-dir")
+            .arg(data_dir.path().join("data"))
+            .args(args)
+            .env("PATH", path_with_bins())
+            .env("BERTH_LOG", "info,berth=debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("starting berth agent")?;
+        Ok(Agent {
+            data_dir,
+            child: Some(child),
+            log_path,
+        })
+    }
+
+    /// The agent's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// An error with the log when the agent has exited.
+    pub fn check_running(&mut self) -> Result<()> {
+        if let Some(c) = self.child.as_mut() {
+            if let Some(status) = c.try_wait()? {
+                bail!("berth agent exited ({status}); log:\n{}", self.log());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        kill_and_unmount(&mut self.child, self.data_dir.path());
     }
 }
 

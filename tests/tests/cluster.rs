@@ -1,0 +1,157 @@
+//! A cluster of separate processes: one `berth agent -server` and two
+//! `berth agent -client`, each on its own data dir and ports.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use berth_tests::{cli_at, example, free_port, wait_for, Agent};
+use serde_json::Value;
+
+const BATCH: &str = r#"
+job "pair" {
+  type = "batch"
+  group "g" {
+    count = 2
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "exit 0"]
+      }
+      resources {
+        cpu    = 10
+        memory = 8
+      }
+    }
+  }
+}
+"#;
+
+/// Runs the CLI against the server and decodes its JSON output.
+fn json(addr: &str, args: &[&str]) -> Result<Value> {
+    let out = cli_at(addr, args)?;
+    if !out.status.success() {
+        bail!(
+            "berth {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("berth {}", args.join(" ")))
+}
+
+/// The agent protocol address a server agent logged it listens on.
+fn rpc_addr(server: &mut Agent) -> Result<String> {
+    wait_for(
+        "the server's agent protocol address",
+        Duration::from_secs(30),
+        || {
+            server.check_running()?;
+            let log = server.log();
+            Ok(log
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("rpc_addr="))
+                .map(str::to_string))
+        },
+    )
+}
+
+#[test]
+fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() -> Result<()> {
+    let http = format!("127.0.0.1:{}", free_port());
+    let addr = format!("http://{http}");
+    let mut server = Agent::start(&["-server", "-http-addr", &http, "-rpc-addr", "127.0.0.1:0"])?;
+    let rpc = rpc_addr(&mut server)?;
+    let mut c1 = Agent::start(&["-client", "-servers", &rpc, "-node", "c1"])?;
+    let mut c2 = Agent::start(&["-client", "-servers", &rpc, "-node", "c2"])?;
+    let logs = |s: &Agent, a: &Agent, b: &Agent| {
+        format!(
+            "server log:\n{}\nc1 log:\n{}\nc2 log:\n{}",
+            s.log(),
+            a.log(),
+            b.log()
+        )
+    };
+
+    // Both nodes register with the server and become ready.
+    let nodes = wait_for("both nodes ready", Duration::from_secs(30), || {
+        server.check_running()?;
+        c1.check_running()?;
+        c2.check_running()?;
+        let nodes = json(&addr, &["node", "status", "-json"])?;
+        let ready: BTreeSet<(String, String)> = nodes
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|n| n["status"] == "ready")
+            .map(|n| {
+                (
+                    n["name"].as_str().unwrap_or_default().to_string(),
+                    n["id"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect();
+        Ok((ready.len() == 2).then_some(ready))
+    })
+    .with_context(|| logs(&server, &c1, &c2))?;
+    let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["c1", "c2"]);
+    let node_ids: BTreeSet<String> = nodes.into_iter().map(|(_, id)| id).collect();
+
+    // The plugin system job runs on both clients.
+    let plugin_job = example("jobs/hostpath-plugin.hcl");
+    let out = cli_at(&addr, &["job", "run", "-detach", &plugin_job])?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(
+        "the plugin healthy on both nodes",
+        Duration::from_secs(60),
+        || {
+            let p = json(&addr, &["plugin", "status", "-json", "hostpath"])?;
+            Ok((p["nodes_healthy"] == 2).then_some(()))
+        },
+    )
+    .with_context(|| logs(&server, &c1, &c2))?;
+
+    // A batch job of two allocs: placed, run by the clients, complete.
+    let batch = server.data_dir.path().join("pair.hcl");
+    std::fs::write(&batch, BATCH)?;
+    let out = cli_at(
+        &addr,
+        &["job", "run", "-detach", &batch.display().to_string()],
+    )?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let allocs = wait_for(
+        "both batch allocs complete",
+        Duration::from_secs(60),
+        || {
+            let status = json(&addr, &["job", "status", "-json", "pair"])?;
+            let allocs = status["allocations"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            let done = allocs.len() == 2 && allocs.iter().all(|a| a["client_status"] == "complete");
+            Ok(done.then_some(allocs))
+        },
+    )
+    .with_context(|| logs(&server, &c1, &c2))?;
+    let placed_on: BTreeSet<String> = allocs
+        .iter()
+        .map(|a| a["node_id"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert!(
+        placed_on.is_subset(&node_ids),
+        "allocs on unknown nodes: {placed_on:?} vs {node_ids:?}"
+    );
+    // The scheduler spreads a group's allocs across the nodes that fit.
+    assert_eq!(placed_on, node_ids, "one batch alloc on each node");
+    Ok(())
+}
