@@ -15,6 +15,7 @@ Usage: berth <command> [args]
 
 Commands:
   agent -dev [-data-dir DIR] [-http-addr ADDR]   run a dev agent (server and client)
+  agent [-config PATH]... [-server] [-client]     run a server and/or client agent (see berth agent -h)
   config validate PATH...                         check agent config files (merged in order, as one agent's)
   job run [-detach] FILE                          submit a job and wait for its allocs
   job stop JOB                                    stop a job
