@@ -1,6 +1,7 @@
 //! `berth agent`: configuration and the wiring of the server role, the HTTP
 //! API and the client into one process.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -40,6 +41,18 @@ pub struct AgentConfig {
     pub gc_max_allocs: usize,
     pub gc_interval: Duration,
     pub gc_alloc_threshold: Duration,
+    /// The client's node class and meta, registered with the node.
+    pub node_class: Option<String>,
+    pub meta: BTreeMap<String, String>,
+    /// `client { reserved }`: CPU (MHz) and memory (MiB) the node keeps
+    /// for itself.
+    pub reserved_cpu: u64,
+    pub reserved_memory_mb: u64,
+    /// `client { disconnect_startup_grace }`; `None` keeps the client's
+    /// default.
+    pub disconnect_startup_grace: Option<Duration>,
+    /// The log filter when `BERTH_LOG` (and `RUST_LOG`) is not set.
+    pub log_level: Option<String>,
     /// Config keys that were set but that this version does not apply
     /// yet; logged at start.
     pub not_applied: Vec<&'static str>,
@@ -62,6 +75,12 @@ impl Default for AgentConfig {
             gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
             gc_interval: ClientConfig::DEFAULT_GC_INTERVAL,
             gc_alloc_threshold: ClientConfig::DEFAULT_GC_ALLOC_THRESHOLD,
+            node_class: None,
+            meta: BTreeMap::new(),
+            reserved_cpu: 0,
+            reserved_memory_mb: 0,
+            disconnect_startup_grace: None,
+            log_level: None,
             not_applied: Vec::new(),
         }
     }
@@ -329,8 +348,37 @@ impl AgentConfig {
         }
         self.heartbeat_grace = file.server.heartbeat_grace;
         self.max_heartbeats_per_second = file.server.max_heartbeats_per_second;
+        self.log_level = file.log_level.clone();
+        if file.client_enabled() {
+            let c = &file.client;
+            self.node_class = c.node_class.clone();
+            self.meta = c.meta.clone();
+            self.reserved_cpu = c.reserved.cpu.unwrap_or(0);
+            self.reserved_memory_mb = c.reserved.memory.unwrap_or(0);
+            self.disconnect_startup_grace = c.disconnect_startup_grace;
+        }
         self.not_applied = not_applied_yet(&file);
         Ok(())
+    }
+
+    /// The client role's configuration: its data in `data_dir`, its
+    /// servers' agent protocol at `server_addr` (`http://HOST:PORT`).
+    pub fn client_config(&self, data_dir: PathBuf, server_addr: String) -> ClientConfig {
+        let defaults = ClientConfig::new(data_dir, server_addr);
+        ClientConfig {
+            node_name: self.node_name.clone(),
+            gc_max_allocs: self.gc_max_allocs,
+            gc_interval: self.gc_interval,
+            gc_alloc_threshold: self.gc_alloc_threshold,
+            node_class: self.node_class.clone().unwrap_or_default(),
+            meta: self.meta.clone(),
+            reserved_cpu: self.reserved_cpu,
+            reserved_memory_mb: self.reserved_memory_mb,
+            disconnect_startup_grace: self
+                .disconnect_startup_grace
+                .unwrap_or(defaults.disconnect_startup_grace),
+            ..defaults
+        }
     }
 }
 
@@ -356,23 +404,20 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
         ),
         (no_server && server_knobs, "server (the server role is off)"),
         (
-            no_client && (c.servers.is_some() || c.node_class.is_some()),
+            no_client
+                && (c.servers.is_some()
+                    || c.node_class.is_some()
+                    || !c.meta.is_empty()
+                    || r.cpu.is_some()
+                    || r.memory.is_some()
+                    || r.disk.is_some()
+                    || c.disconnect_startup_grace.is_some()),
             "client (the client role is off)",
         ),
-        (
-            file.log_level.is_some(),
-            "log_level (BERTH_LOG sets the filter)",
-        ),
         (file.log_json.is_some(), "log_json"),
-        (c.node_class.is_some(), "client.node_class"),
-        (!c.meta.is_empty(), "client.meta"),
         (
-            r.cpu.is_some() || r.memory.is_some() || r.disk.is_some(),
-            "client.reserved",
-        ),
-        (
-            c.disconnect_startup_grace.is_some(),
-            "client.disconnect_startup_grace",
+            !no_client && r.disk.is_some(),
+            "client.reserved.disk (disk is not fingerprinted)",
         ),
     ]
     .into_iter()
@@ -392,7 +437,7 @@ pub fn run_from_args(args: &[String]) -> Result<i32> {
     // that a second agent on it fails at once with one line.
     let data_dir = prepare_data_dir(&config)?;
     let lock = DataDirLock::acquire(&data_dir)?;
-    crate::logging::init();
+    crate::logging::init(config.log_level.as_deref());
     tracing::debug!(lock = %lock.path().display(), "data dir claimed");
     if config.data_dir.is_none() {
         tracing::info!(data_dir = %data_dir.display(), "dev agent uses a fresh temp data dir");
@@ -453,13 +498,7 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     let mut client_task = if config.client {
         tracing::info!(server = %server_addr, "client starting");
         let client = Client::start(
-            ClientConfig {
-                node_name: config.node_name.clone(),
-                gc_max_allocs: config.gc_max_allocs,
-                gc_interval: config.gc_interval,
-                gc_alloc_threshold: config.gc_alloc_threshold,
-                ..ClientConfig::new(data_dir.clone(), server_addr)
-            },
+            config.client_config(data_dir.clone(), server_addr),
             client_stop_rx.clone(),
         )
         .await
@@ -749,7 +788,7 @@ mod tests {
         assert_eq!(c.min_heartbeat_ttl, Duration::from_secs(3));
         assert_eq!(c.heartbeat_grace, Some(Duration::from_secs(7)));
         assert_eq!(c.max_heartbeats_per_second, Some(20));
-        assert_eq!(c.not_applied, ["client.meta"]);
+        assert_eq!(c.not_applied, ["client (the client role is off)"]);
         let c = run(&[
             "-config",
             d,
@@ -769,6 +808,108 @@ mod tests {
         assert_eq!(c.min_heartbeat_ttl, Duration::from_secs(9));
         let e = AgentConfig::from_args(&args(&["-config", "/nonexistent/berth.hcl"])).unwrap_err();
         assert!(format!("{e:#}").contains("/nonexistent/berth.hcl"), "{e:#}");
+    }
+
+    fn client_file(body: &str) -> (tempfile::TempDir, AgentConfig) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("client.hcl");
+        std::fs::write(&path, body).unwrap();
+        let c = run(&["-config", path.to_str().unwrap()]);
+        (dir, c)
+    }
+
+    const CLIENT_HCL: &str = r#"
+data_dir  = "/tmp/c"
+log_level = "debug"
+client {
+  enabled                  = true
+  servers                  = ["127.0.0.1:4647"]
+  node_class               = "storage"
+  meta {
+    rack = "r1"
+    zone = "z2"
+  }
+  reserved {
+    cpu    = 500
+    memory = 512
+    disk   = 1024
+  }
+  disconnect_startup_grace = "30s"
+}
+"#;
+
+    fn client_config(c: &AgentConfig) -> ClientConfig {
+        c.client_config(PathBuf::from("/tmp/c"), "http://127.0.0.1:4647".into())
+    }
+
+    #[test]
+    fn node_class_and_meta_of_the_config_are_registered_with_the_node() {
+        let (_dir, c) = client_file(CLIENT_HCL);
+        let node = crate::client::node_fingerprint(&client_config(&c), "n1".into());
+        assert_eq!(node.node_class, "storage");
+        assert_eq!(
+            node.meta,
+            BTreeMap::from([
+                ("rack".to_string(), "r1".to_string()),
+                ("zone".to_string(), "z2".to_string())
+            ])
+        );
+        assert!(!c
+            .not_applied
+            .iter()
+            .any(|k| k.contains("node_class") || k.contains("meta")));
+        // Without them the node has no class and no meta.
+        let node = crate::client::node_fingerprint(&client_config(&run(&["-dev"])), "n1".into());
+        assert!(node.node_class.is_empty() && node.meta.is_empty());
+    }
+
+    #[test]
+    fn reserved_cpu_and_memory_come_off_the_fingerprinted_resources() {
+        let (_dir, c) = client_file(CLIENT_HCL);
+        let bare = crate::client::node_fingerprint(&client_config(&run(&["-dev"])), "n1".into());
+        let cc = client_config(&c);
+        let node = crate::client::node_fingerprint(&cc, "n1".into());
+        assert_eq!(node.resources.cpu, bare.resources.cpu.saturating_sub(500));
+        assert_eq!(
+            node.resources.memory_mb,
+            bare.resources.memory_mb.saturating_sub(512)
+        );
+        // Disk is not fingerprinted: only it is left not applied.
+        assert_eq!(
+            c.not_applied,
+            ["client.reserved.disk (disk is not fingerprinted)"]
+        );
+        // More than the machine has leaves nothing, never a wrap.
+        let all = ClientConfig {
+            reserved_cpu: u64::MAX,
+            reserved_memory_mb: u64::MAX,
+            ..cc
+        };
+        let node = crate::client::node_fingerprint(&all, "n1".into());
+        assert_eq!((node.resources.cpu, node.resources.memory_mb), (0, 0));
+    }
+
+    #[test]
+    fn log_level_of_the_config_reaches_the_agent() {
+        let (_dir, c) = client_file(CLIENT_HCL);
+        assert_eq!(c.log_level.as_deref(), Some("debug"));
+        assert!(!c.not_applied.iter().any(|k| k.starts_with("log_level")));
+        let (_dir, c) = client_file(&format!("{CLIENT_HCL}\nlog_json = true\n"));
+        assert!(c.not_applied.contains(&"log_json"), "{:?}", c.not_applied);
+    }
+
+    #[test]
+    fn disconnect_startup_grace_of_the_config_reaches_the_client() {
+        let (_dir, c) = client_file(CLIENT_HCL);
+        assert_eq!(
+            client_config(&c).disconnect_startup_grace,
+            Duration::from_secs(30)
+        );
+        // Unset, the heartbeat crate's default stays.
+        assert_eq!(
+            client_config(&run(&["-dev"])).disconnect_startup_grace,
+            berth_heartbeat::DisconnectConfig::default().startup_grace
+        );
     }
 
     #[test]

@@ -1,15 +1,27 @@
 //! Logging set-up and the systemd readiness notification.
 
-/// Logs go to stderr; `BERTH_LOG` (or `RUST_LOG`) sets the filter.
-pub fn init() {
-    let filter = std::env::var("BERTH_LOG")
-        .or_else(|_| std::env::var("RUST_LOG"))
-        .unwrap_or_else(|_| "info".to_string());
+/// Logs go to stderr; `BERTH_LOG` (or `RUST_LOG`) sets the filter, else
+/// `default_level` (the config's `log_level`), else `info`.
+pub fn init(default_level: Option<&str>) {
+    let filter = filter(
+        std::env::var("BERTH_LOG")
+            .or_else(|_| std::env::var("RUST_LOG"))
+            .ok(),
+        default_level,
+    );
     let _ = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
+}
+
+/// The log filter: the environment's, else the config's level, else
+/// `info`.
+fn filter(from_env: Option<String>, default_level: Option<&str>) -> String {
+    from_env
+        .or_else(|| default_level.map(str::to_string))
+        .unwrap_or_else(|| "info".to_string())
 }
 
 /// Tells systemd (`Type=notify`) that the agent is ready, when it runs
@@ -35,5 +47,17 @@ pub fn notify_systemd_ready() {
     };
     if let Err(e) = result {
         tracing::warn!(error = %e, "cannot notify systemd");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::filter;
+
+    #[test]
+    fn log_level_sets_the_filter_unless_the_environment_does() {
+        assert_eq!(filter(None, None), "info");
+        assert_eq!(filter(None, Some("debug")), "debug");
+        assert_eq!(filter(Some("warn".into()), Some("debug")), "warn");
     }
 }

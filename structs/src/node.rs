@@ -48,6 +48,13 @@ pub struct Node {
     pub drivers: Vec<String>,
     #[serde(default)]
     pub attributes: BTreeMap<String, String>,
+    /// The operator's class for the node (`client { node_class }`); empty
+    /// when none is set.
+    #[serde(default)]
+    pub node_class: String,
+    /// The operator's key/value pairs for the node (`client { meta }`).
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
     /// Fingerprinted CSI node plugins by plugin ID.
     #[serde(default)]
     pub csi_node_plugins: BTreeMap<String, CsiInfo>,

@@ -8,7 +8,7 @@ pub mod gc;
 pub mod rpc;
 pub mod state;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -39,6 +39,16 @@ pub struct ClientConfig {
     /// Terminal allocs older than this are destroyed at the next
     /// `gc_interval`, however few there are.
     pub gc_alloc_threshold: Duration,
+    /// The node's class and key/value pairs, as registered.
+    pub node_class: String,
+    pub meta: BTreeMap<String, String>,
+    /// What the node keeps for itself: taken off the fingerprinted CPU
+    /// (MHz) and memory (MiB) the servers schedule against.
+    pub reserved_cpu: u64,
+    pub reserved_memory_mb: u64,
+    /// No alloc is stopped for a lost connection sooner than this after
+    /// the client starts.
+    pub disconnect_startup_grace: Duration,
 }
 
 impl ClientConfig {
@@ -55,6 +65,11 @@ impl ClientConfig {
             gc_interval: Self::DEFAULT_GC_INTERVAL,
             gc_max_allocs: Self::DEFAULT_GC_MAX_ALLOCS,
             gc_alloc_threshold: Self::DEFAULT_GC_ALLOC_THRESHOLD,
+            node_class: String::new(),
+            meta: BTreeMap::new(),
+            reserved_cpu: 0,
+            reserved_memory_mb: 0,
+            disconnect_startup_grace: berth_heartbeat::DisconnectConfig::default().startup_grace,
         }
     }
 }
@@ -67,6 +82,8 @@ pub struct Client {
     runners: Mutex<HashMap<String, AllocRunner>>,
     gc_policy: gc::GcPolicy,
     gc_interval: Duration,
+    /// See [`ClientConfig::disconnect_startup_grace`].
+    disconnect_startup_grace: Duration,
     /// Wakes the garbage collector (the servers' view of the allocs
     /// changed: some may have become collectable).
     gc_wake: Notify,
@@ -120,6 +137,38 @@ fn fingerprint_resources() -> NodeResources {
     }
 }
 
+/// The node as this client registers it: its fingerprint with the
+/// operator's class, meta and reservations applied.
+pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
+    let found = fingerprint_resources();
+    Node {
+        id: node_id,
+        name: config.node_name.clone().unwrap_or_else(host_name),
+        datacenter: "dc1".into(),
+        status: NodeStatus::Initializing,
+        resources: NodeResources {
+            cpu: found.cpu.saturating_sub(config.reserved_cpu),
+            memory_mb: found.memory_mb.saturating_sub(config.reserved_memory_mb),
+        },
+        drivers: berth_structs::SUPPORTED_DRIVERS
+            .iter()
+            .map(|d| d.to_string())
+            .collect(),
+        attributes: [
+            ("os.name".to_string(), std::env::consts::OS.to_string()),
+            ("cpu.arch".to_string(), std::env::consts::ARCH.to_string()),
+            (
+                "berth.version".to_string(),
+                env!("CARGO_PKG_VERSION").to_string(),
+            ),
+        ]
+        .into(),
+        node_class: config.node_class.clone(),
+        meta: config.meta.clone(),
+        ..Node::default()
+    }
+}
+
 impl Client {
     pub async fn start(
         config: ClientConfig,
@@ -139,27 +188,7 @@ impl Client {
                 id
             }
         };
-        let node = Node {
-            id: node_id.clone(),
-            name: config.node_name.clone().unwrap_or_else(host_name),
-            datacenter: "dc1".into(),
-            status: NodeStatus::Initializing,
-            resources: fingerprint_resources(),
-            drivers: berth_structs::SUPPORTED_DRIVERS
-                .iter()
-                .map(|d| d.to_string())
-                .collect(),
-            attributes: [
-                ("os.name".to_string(), std::env::consts::OS.to_string()),
-                ("cpu.arch".to_string(), std::env::consts::ARCH.to_string()),
-                (
-                    "berth.version".to_string(),
-                    env!("CARGO_PKG_VERSION").to_string(),
-                ),
-            ]
-            .into(),
-            ..Node::default()
-        };
+        let node = node_fingerprint(&config, node_id.clone());
         tracing::info!(node_id = %node.id, name = %node.name, "client starting");
         let channel = tonic::transport::Endpoint::from_shared(config.server_addr.clone())
             .with_context(|| format!("server address {:?}", config.server_addr))?
@@ -202,6 +231,7 @@ impl Client {
                 alloc_threshold: config.gc_alloc_threshold,
             },
             gc_interval: config.gc_interval,
+            disconnect_startup_grace: config.disconnect_startup_grace,
             gc_wake: Notify::new(),
         }))
     }
@@ -232,7 +262,10 @@ impl Client {
         );
         {
             let tracker = berth_heartbeat::DisconnectTracker::new(
-                berth_heartbeat::DisconnectConfig::default(),
+                berth_heartbeat::DisconnectConfig {
+                    startup_grace: self.disconnect_startup_grace,
+                    ..berth_heartbeat::DisconnectConfig::default()
+                },
                 self.clone(),
                 heartbeater.last_success(),
             );
