@@ -63,7 +63,17 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
     let addr = format!("http://{http}");
     let mut server = Agent::start(&["-server", "-http-addr", &http, "-rpc-addr", "127.0.0.1:0"])?;
     let rpc = rpc_addr(&mut server)?;
-    let mut c1 = Agent::start(&["-client", "-servers", &rpc, "-node", "c1"])?;
+    // c1 takes a class and meta from a config file.
+    let c1_config = tempfile::tempdir()?;
+    let c1_file = c1_config.path().join("client.hcl");
+    std::fs::write(
+        &c1_file,
+        "client {\n  node_class = \"storage\"\n  meta {\n    rack = \"r1\"\n  }\n}\n",
+    )?;
+    let c1_file = c1_file.to_str().context("a UTF-8 temp path")?;
+    let mut c1 = Agent::start(&[
+        "-config", c1_file, "-client", "-servers", &rpc, "-node", "c1",
+    ])?;
     let mut c2 = Agent::start(&["-client", "-servers", &rpc, "-node", "c2"])?;
     let logs = |s: &Agent, a: &Agent, b: &Agent| {
         format!(
@@ -97,6 +107,27 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
     .with_context(|| logs(&server, &c1, &c2))?;
     let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["c1", "c2"]);
+    // Each node shows the class and meta its config gave it.
+    let shown = json(&addr, &["node", "status", "-json"])?;
+    let class_and_meta = |name: &str| {
+        shown
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| n["name"] == name)
+            .map(|n| (n["node_class"].clone(), n["meta"].clone()))
+    };
+    assert_eq!(
+        class_and_meta("c1"),
+        Some((
+            serde_json::json!("storage"),
+            serde_json::json!({"rack": "r1"})
+        ))
+    );
+    assert_eq!(
+        class_and_meta("c2"),
+        Some((serde_json::json!(""), serde_json::json!({})))
+    );
     let node_ids: BTreeSet<String> = nodes.into_iter().map(|(_, id)| id).collect();
 
     // The plugin system job runs on both clients.
