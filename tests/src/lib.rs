@@ -3,6 +3,7 @@
 //! test's outcome, kills every process the test started (tasks outlive the
 //! agent by design) and unmounts every mount under the data dir.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -240,24 +241,12 @@ impl DevAgent {
     }
 
     fn spawn(&mut self, port: u16) -> Result<()> {
-        // Appended to: a restarted agent's log follows the first one's.
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.log_path)?;
-        let child = Command::new(binary("berth"))
-            .args(["agent", "-dev", "-data-dir"])
-            .arg(self.data_dir.path())
-            .args(["-http-addr", &format!("127.0.0.1:{port}")])
-            .args(&self.extra_args)
-            .env("PATH", &self.path_env)
-            .env("BERTH_LOG", "info,berth=debug")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("starting berth agent")?;
-        self.child = Some(child);
+        let mut args: Vec<OsString> = vec!["-dev".into(), "-data-dir".into()];
+        args.push(self.data_dir.path().into());
+        args.push("-http-addr".into());
+        args.push(format!("127.0.0.1:{port}").into());
+        args.extend(self.extra_args.iter().map(OsString::from));
+        self.child = Some(spawn_agent(&args, &self.path_env, &self.log_path)?);
         Ok(())
     }
 
@@ -510,6 +499,26 @@ pub fn cli_at(addr: &str, args: &[&str]) -> Result<Output> {
         .with_context(|| format!("running berth {}", args.join(" ")))
 }
 
+/// Starts `berth agent ARGS...` with the workspace's binaries on `PATH`,
+/// its output appended to `log_path` (a restarted agent's log follows the
+/// first one's).
+fn spawn_agent(args: &[OsString], path_env: &str, log_path: &Path) -> Result<Child> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path)?;
+    Command::new(binary("berth"))
+        .arg("agent")
+        .args(args)
+        .env("PATH", path_env)
+        .env("BERTH_LOG", "info,berth=debug")
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("starting berth agent")
+}
+
 /// One `berth agent` process started with the given flags (a server, a
 /// client) on its own temp data dir, its log kept there; on drop it is
 /// killed with everything it started, and its mounts are unmounted.
@@ -525,19 +534,9 @@ impl Agent {
     pub fn start(args: &[&str]) -> Result<Agent> {
         let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
         let log_path = data_dir.path().join("agent.log");
-        let log = std::fs::File::create(&log_path)?;
-        let child = Command::new(binary("berth"))
-            .arg("agent")
-            .arg("-data-dir")
-            .arg(data_dir.path().join("data"))
-            .args(args)
-            .env("PATH", path_with_bins())
-            .env("BERTH_LOG", "info,berth=debug")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .context("starting berth agent")?;
+        let mut argv: Vec<OsString> = vec!["-data-dir".into(), data_dir.path().join("data").into()];
+        argv.extend(args.iter().map(OsString::from));
+        let child = spawn_agent(&argv, &path_with_bins(), &log_path)?;
         Ok(Agent {
             data_dir,
             child: Some(child),
