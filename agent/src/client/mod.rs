@@ -24,6 +24,10 @@ use tokio_stream::StreamExt;
 use rpc::ServerConn;
 use state::ClientState;
 
+/// How long a starting client tries to register before it counts as
+/// ready anyway (see [`Client::ready`]).
+pub const READY_WITHOUT_SERVERS_AFTER: Duration = Duration::from_secs(5);
+
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     pub data_dir: PathBuf,
@@ -87,6 +91,10 @@ pub struct Client {
     /// Wakes the garbage collector (the servers' view of the allocs
     /// changed: some may have become collectable).
     gc_wake: Notify,
+    /// See [`Client::ready`].
+    ready: watch::Sender<bool>,
+    /// True once the node registered with the servers.
+    registered: watch::Sender<bool>,
 }
 
 #[async_trait::async_trait]
@@ -233,7 +241,23 @@ impl Client {
             gc_interval: config.gc_interval,
             disconnect_startup_grace: config.disconnect_startup_grace,
             gc_wake: Notify::new(),
+            ready: watch::channel(false).0,
+            registered: watch::channel(false).0,
         }))
+    }
+
+    /// Becomes true once the allocs that ran before a restart are picked
+    /// up again and the node has registered, or registering has failed for
+    /// [`READY_WITHOUT_SERVERS_AFTER`]: a client comes up during a
+    /// partition, and keeps registering in the background.
+    pub fn ready(&self) -> watch::Receiver<bool> {
+        self.ready.subscribe()
+    }
+
+    /// Whether the node has registered with the servers since the client
+    /// started.
+    pub fn registered(&self) -> bool {
+        *self.registered.borrow()
     }
 
     /// Runs the client until `shutdown`. Allocs keep running after it
@@ -276,8 +300,33 @@ impl Client {
         // or not the servers answer: their tasks are supervised again (and
         // their plugins registered again) at once.
         let restored = self.restore_allocs(shutdown.clone()).await;
-        self.register_until_done(shutdown.clone()).await;
         if *shutdown.borrow() || !restored {
+            while tasks.join_next().await.is_some() {}
+            return;
+        }
+        {
+            let this = self.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { this.run_gc(rx).await });
+        }
+        // Servers that do not answer do not keep the client from coming
+        // up: after a while it is ready anyway, and registering goes on.
+        {
+            let register = self.register_until_done(shutdown.clone());
+            tokio::pin!(register);
+            tokio::select! {
+                _ = &mut register => {}
+                _ = tokio::time::sleep(READY_WITHOUT_SERVERS_AFTER) => {
+                    tracing::warn!(
+                        waited = ?READY_WITHOUT_SERVERS_AFTER,
+                        "the servers do not answer; the client is up and keeps registering"
+                    );
+                    self.ready.send_replace(true);
+                    register.await;
+                }
+            }
+        }
+        if *shutdown.borrow() {
             while tasks.join_next().await.is_some() {}
             return;
         }
@@ -295,11 +344,6 @@ impl Client {
             let this = self.clone();
             let rx = shutdown.clone();
             tasks.spawn(async move { this.watch_allocs(rx).await });
-        }
-        {
-            let this = self.clone();
-            let rx = shutdown.clone();
-            tasks.spawn(async move { this.run_gc(rx).await });
         }
         while tasks.join_next().await.is_some() {}
     }
@@ -346,6 +390,8 @@ impl Client {
             match self.conn.register().await {
                 Ok(ttl) => {
                     tracing::info!(ttl = ?ttl, "node registered");
+                    self.registered.send_replace(true);
+                    self.ready.send_replace(true);
                     return;
                 }
                 Err(e) => {
@@ -767,6 +813,68 @@ mod tests {
         // started again.
         client.reconcile(update_of(&acknowledged)).await;
         assert_eq!(client.runners.lock().await.len(), 2);
+    }
+
+    /// The client comes up while its servers do not answer: it is ready
+    /// once registering has failed for a while, not registered, and keeps
+    /// trying.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_whose_servers_do_not_answer_becomes_ready_unregistered() {
+        let dir = tempfile::tempdir().unwrap();
+        let client = offline_client(dir.path(), 50).await;
+        let mut ready = client.ready();
+        assert!(!*ready.borrow());
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let run = tokio::spawn(client.clone().run(stop_rx));
+        tokio::time::timeout(
+            READY_WITHOUT_SERVERS_AFTER + Duration::from_secs(10),
+            ready.wait_for(|r| *r),
+        )
+        .await
+        .expect("ready in time")
+        .expect("the client lives");
+        assert!(!client.registered());
+        assert!(!run.is_finished(), "registering goes on");
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("the client stops")
+            .expect("no panic");
+    }
+
+    /// With a server that answers, the client is ready as soon as it has
+    /// registered, well before the wait for absent servers ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_is_ready_once_registered() {
+        let dir = tempfile::tempdir().unwrap();
+        let server =
+            berth_server::Server::open(berth_server::ServerConfig::new(&dir.path().join("server")))
+                .expect("the server opens");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(server.node_service())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let config = ClientConfig::new(dir.path().join("client"), format!("http://{addr}"));
+        let client = Client::start(config, watch::channel(false).1)
+            .await
+            .expect("the client starts");
+        let mut ready = client.ready();
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let run = tokio::spawn(client.clone().run(stop_rx));
+        tokio::time::timeout(READY_WITHOUT_SERVERS_AFTER / 2, ready.wait_for(|r| *r))
+            .await
+            .expect("ready soon")
+            .expect("the client lives");
+        assert!(client.registered());
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("the client stops")
+            .expect("no panic");
+        serving.abort();
     }
 
     fn alloc_json(id: &str) -> Vec<u8> {
