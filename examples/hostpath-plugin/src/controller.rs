@@ -16,7 +16,7 @@ use tonic::{Request, Response, Status};
 use crate::capability::{self, Rejection};
 use crate::error::{require, Error};
 use crate::mount;
-use crate::plugin::{blocking, Plugin};
+use crate::plugin::Plugin;
 use crate::state::{self, Publication, VolumeRecord};
 
 /// The publish_context key naming the node a volume was published to.
@@ -55,53 +55,53 @@ impl Plugin {
         tracing::debug!(%name, %volume_id, "creating volume");
 
         let dir = self.volume_dir(&volume_id);
-        let existing = self
+        let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
+        let (id, wanted_name) = (volume_id.clone(), name.clone());
+        // Checked and made under the state lock, so that two instances
+        // creating the same name at once agree on one volume.
+        let (record, existed) = self
             .store()
-            .read(|s| s.volumes.get(&volume_id).cloned())
-            .await;
-        if let Some(existing) = existing {
-            if existing.name != name {
-                return Err(Error::AlreadyExists(format!(
-                    "volume ID {volume_id} of name {name:?} is taken by volume {:?}",
-                    existing.name
-                )));
-            }
-            if !capability::fits(existing.capacity_bytes, range) {
-                return Err(Error::AlreadyExists(format!(
-                    "volume {name:?} exists with capacity {} bytes, outside the requested range",
-                    existing.capacity_bytes
-                )));
-            }
-            let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
-            if existing.parameters != parameters {
-                return Err(Error::AlreadyExists(format!(
-                    "volume {name:?} exists with different parameters"
-                )));
-            }
-            // Recreate the directory should it have gone missing.
-            blocking(move || fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))).await?;
-            tracing::info!(%name, %volume_id, "volume already exists");
-            return Ok(CreateVolumeResponse {
-                volume: Some(volume_of(&existing)),
-            });
-        }
-
-        let record = VolumeRecord {
-            volume_id: volume_id.clone(),
-            name: name.clone(),
-            capacity_bytes: capability::capacity_for(range),
-            parameters: req.parameters.into_iter().collect(),
-            publications: Default::default(),
-        };
-        blocking(move || fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))).await?;
-        let saved = record.clone();
-        self.store()
             .update(move |s| {
-                s.volumes.insert(saved.volume_id.clone(), saved);
-                Ok(())
+                if let Some(existing) = s.volumes.get(&id) {
+                    if existing.name != wanted_name {
+                        return Err(Error::AlreadyExists(format!(
+                            "volume ID {id} of name {wanted_name:?} is taken by volume {:?}",
+                            existing.name
+                        )));
+                    }
+                    if !capability::fits(existing.capacity_bytes, range) {
+                        return Err(Error::AlreadyExists(format!(
+                            "volume {wanted_name:?} exists with capacity {} bytes, outside the \
+                             requested range",
+                            existing.capacity_bytes
+                        )));
+                    }
+                    if existing.parameters != parameters {
+                        return Err(Error::AlreadyExists(format!(
+                            "volume {wanted_name:?} exists with different parameters"
+                        )));
+                    }
+                    // Recreate the directory should it have gone missing.
+                    fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
+                    return Ok((existing.clone(), true));
+                }
+                fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
+                let record = VolumeRecord {
+                    volume_id: id.clone(),
+                    name: wanted_name,
+                    capacity_bytes: capability::capacity_for(range),
+                    parameters,
+                    publications: Default::default(),
+                };
+                s.volumes.insert(id, record.clone());
+                Ok((record, false))
             })
             .await?;
-        tracing::info!(%name, %volume_id, capacity_bytes = record.capacity_bytes, "created volume");
+        if existed {
+            tracing::info!(%name, %volume_id, "volume already exists");
+        } else {
+            tracing::info!(%name, %volume_id, capacity_bytes = record.capacity_bytes, "created volume");
+        }
         Ok(CreateVolumeResponse {
             volume: Some(volume_of(&record)),
         })
@@ -115,46 +115,42 @@ impl Plugin {
             tracing::info!(%volume_id, "volume does not exist; nothing to delete");
             return Ok(DeleteVolumeResponse {});
         }
-        let record = self
-            .store()
-            .read(|s| s.volumes.get(&volume_id).cloned())
-            .await;
-        if let Some(record) = &record {
-            if !record.publications.is_empty() {
-                let nodes: Vec<_> = record.publications.keys().cloned().collect();
-                return Err(Error::FailedPrecondition(format!(
-                    "volume {volume_id} is still published to node(s) {}",
-                    nodes.join(", ")
-                )));
-            }
-        }
-
         let dir = self.volume_dir(&volume_id);
         let id = volume_id.clone();
-        blocking(move || {
-            if !dir.exists() {
-                return Ok(());
-            }
-            let mounts = mount::mounts_of(&dir)?;
-            if !mounts.is_empty() {
-                let paths: Vec<_> = mounts.iter().map(|p| p.display().to_string()).collect();
-                return Err(Error::FailedPrecondition(format!(
-                    "volume {id} is still mounted at {}",
-                    paths.join(", ")
-                )));
-            }
-            match fs::remove_dir_all(&dir) {
-                Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                    Err(Error::io("removing", &dir)(e))
+        // Checked and removed under the state lock, so that no instance
+        // publishes the volume in between.
+        let record = self
+            .store()
+            .update(move |s| {
+                if let Some(record) = s.volumes.get(&id) {
+                    if !record.publications.is_empty() {
+                        let nodes: Vec<_> = record.publications.keys().cloned().collect();
+                        return Err(Error::FailedPrecondition(format!(
+                            "volume {id} is still published to node(s) {}",
+                            nodes.join(", ")
+                        )));
+                    }
                 }
-                _ => Ok(()),
-            }
-        })
-        .await?;
-        self.store()
-            .update(|s| {
-                s.volumes.remove(&volume_id);
-                Ok(())
+                if dir.exists() {
+                    // Mounts on this machine; see the crate docs for mounts
+                    // on other nodes sharing the state directory.
+                    let mounts = mount::mounts_of(&dir)?;
+                    if !mounts.is_empty() {
+                        let paths: Vec<_> =
+                            mounts.iter().map(|p| p.display().to_string()).collect();
+                        return Err(Error::FailedPrecondition(format!(
+                            "volume {id} is still mounted at {}",
+                            paths.join(", ")
+                        )));
+                    }
+                    match fs::remove_dir_all(&dir) {
+                        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                            return Err(Error::io("removing", &dir)(e))
+                        }
+                        _ => {}
+                    }
+                }
+                Ok(s.volumes.remove(&id))
             })
             .await?;
         match record {
@@ -176,50 +172,57 @@ impl Plugin {
         let cap = capability::check(req.volume_capability.as_ref(), "volume_capability")?;
         let _guard = self.begin("ControllerPublishVolume", &volume_id).await?;
 
-        let record = self.lookup(&volume_id).await?;
-        if node_id != self.node_id() {
-            return Err(Error::NotFound(format!(
-                "node {node_id} does not exist: volumes of this plugin live on node {}",
-                self.node_id()
-            )));
-        }
         let wanted = Publication {
             readonly: req.readonly,
             access_mode: cap.mode.as_str_name().to_owned(),
         };
         let context = HashMap::from([(PUBLISHED_BY.to_owned(), node_id.clone())]);
-        if let Some(current) = record.publications.get(&node_id) {
-            if *current == wanted {
-                tracing::info!(%volume_id, %node_id, "volume already published to node");
-                return Ok(ControllerPublishVolumeResponse {
-                    publish_context: context,
-                });
-            }
-            return Err(Error::AlreadyExists(format!(
-                "volume {volume_id} is published to node {node_id} with access mode {} and readonly={}, \
-                 incompatible with the request",
-                current.access_mode, current.readonly
-            )));
-        }
         let multi_node = cap.mode.as_str_name().starts_with("MULTI_NODE");
-        if let Some(other) = record.publications.keys().find(|n| **n != node_id) {
-            if !multi_node {
-                return Err(Error::FailedPrecondition(format!(
-                    "volume {volume_id} is published to node {other} and the access mode is not multi-node"
-                )));
-            }
-        }
-        let node = node_id.clone();
-        self.store()
-            .update(|s| {
+        let (id, node) = (volume_id.clone(), node_id.clone());
+        // Checked and recorded under the state lock, so that two instances
+        // cannot each publish a single-node volume to a different node.
+        let fresh = self
+            .store()
+            .update(move |s| {
+                if !s.nodes.contains(&node) {
+                    return Err(Error::NotFound(format!(
+                        "node {node} does not exist: no instance of this plugin with that node ID \
+                         serves this state directory (known nodes: {})",
+                        s.nodes.iter().cloned().collect::<Vec<_>>().join(", ")
+                    )));
+                }
                 let record = s
                     .volumes
-                    .get_mut(&volume_id)
-                    .ok_or_else(|| Error::NotFound(format!("volume {volume_id} does not exist")))?;
+                    .get_mut(&id)
+                    .ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
+                if let Some(current) = record.publications.get(&node) {
+                    if *current == wanted {
+                        return Ok(false);
+                    }
+                    return Err(Error::AlreadyExists(format!(
+                        "volume {id} is published to node {node} with access mode {} and \
+                         readonly={}, incompatible with the request",
+                        current.access_mode, current.readonly
+                    )));
+                }
+                if let Some(other) = record.publications.keys().find(|n| **n != node) {
+                    if !multi_node {
+                        return Err(Error::FailedPrecondition(format!(
+                            "volume {id} is published to node {other} and the access mode is \
+                             not multi-node"
+                        )));
+                    }
+                }
                 record.publications.insert(node, wanted);
-                Ok(())
+                Ok(true)
             })
             .await?;
+        if !fresh {
+            tracing::info!(%volume_id, %node_id, "volume already published to node");
+            return Ok(ControllerPublishVolumeResponse {
+                publish_context: context,
+            });
+        }
         tracing::info!(%volume_id, %node_id, readonly = req.readonly, "published volume to node");
         Ok(ControllerPublishVolumeResponse {
             publish_context: context,
@@ -237,17 +240,18 @@ impl Plugin {
         let node_id = req.node_id;
         let _guard = self.begin("ControllerUnpublishVolume", &volume_id).await?;
         // An unknown volume or node is regarded as unpublished.
+        let (id, node) = (volume_id.clone(), node_id.clone());
         let removed = self
             .store()
-            .update(|s| {
-                let Some(record) = s.volumes.get_mut(&volume_id) else {
+            .update(move |s| {
+                let Some(record) = s.volumes.get_mut(&id) else {
                     return Ok(0);
                 };
                 let before = record.publications.len();
-                if node_id.is_empty() {
+                if node.is_empty() {
                     record.publications.clear();
                 } else {
-                    record.publications.remove(&node_id);
+                    record.publications.remove(&node);
                 }
                 Ok(before - record.publications.len())
             })
@@ -319,7 +323,7 @@ impl Plugin {
         let with_status = self.enable_attach();
         let (entries, next_token) = self
             .store()
-            .read(|s| {
+            .read(move |s| {
                 let mut page = s
                     .volumes
                     .range::<str, _>((Bound::Included(start.as_str()), Bound::Unbounded))
@@ -338,7 +342,7 @@ impl Plugin {
                 let next = page.next().map(|v| v.volume_id.clone()).unwrap_or_default();
                 (entries, next)
             })
-            .await;
+            .await?;
         Ok(ListVolumesResponse {
             entries,
             next_token,
@@ -607,7 +611,7 @@ mod tests {
         })
         .await
         .unwrap();
-        assert!(p.store().read(|s| s.volumes.is_empty()).await);
+        assert!(p.store().read(|s| s.volumes.is_empty()).await.unwrap());
     }
 
     #[tokio::test]

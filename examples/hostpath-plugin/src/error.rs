@@ -46,6 +46,13 @@ pub enum Error {
     },
     #[error("saving plugin state: {0}")]
     Persist(#[source] io::Error),
+    /// Another instance sharing the state directory held the state lock for
+    /// longer than the plugin waits.
+    #[error("the state lock {} is still held by another plugin instance after {waited:?}", path.display())]
+    StateLocked {
+        path: PathBuf,
+        waited: std::time::Duration,
+    },
     #[error("{0}")]
     Internal(String),
 }
@@ -87,6 +94,7 @@ impl Error {
             Self::Busy(_) | Self::BadToken(_) => Code::Aborted,
             Self::Unimplemented(_) => Code::Unimplemented,
             Self::Injected { code, .. } => *code,
+            Self::StateLocked { .. } => Code::Unavailable,
             Self::Io { .. } | Self::Sys { .. } | Self::Persist(_) | Self::Internal(_) => {
                 Code::Internal
             }
@@ -138,6 +146,13 @@ mod tests {
                 Code::Unavailable,
             ),
             (Error::Internal("x".into()), Code::Internal),
+            (
+                Error::StateLocked {
+                    path: "/s/state.lock".into(),
+                    waited: std::time::Duration::from_secs(20),
+                },
+                Code::Unavailable,
+            ),
         ];
         for (err, code) in cases {
             assert_eq!(Status::from(err).code(), code);

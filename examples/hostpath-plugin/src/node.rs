@@ -33,17 +33,16 @@ impl Plugin {
                 )));
             }
         }
-        let published_here = |s: &crate::state::State| {
-            s.volumes
-                .get(volume_id)
-                .is_some_and(|v| v.publications.contains_key(self.node_id()))
-        };
-        if self.store().read(published_here).await {
-            return Ok(());
-        }
-        // A controller in another process may have published it since.
-        self.store().reload().await?;
-        if self.store().read(published_here).await {
+        let (id, node) = (volume_id.to_owned(), self.node_id().to_owned());
+        let published_here = self
+            .store()
+            .read(move |s| {
+                s.volumes
+                    .get(&id)
+                    .is_some_and(|v| v.publications.contains_key(&node))
+            })
+            .await?;
+        if published_here {
             return Ok(());
         }
         Err(Error::FailedPrecondition(format!(

@@ -64,6 +64,13 @@ impl Plugin {
         let state_dir = fs::canonicalize(&config.state_dir)
             .map_err(Error::io("resolving", &config.state_dir))?;
         let store = Store::open(&state_dir)?;
+        // Make this node known to every instance sharing the state
+        // directory, so that a controller can publish volumes to it.
+        let node_id = config.node_id.clone();
+        store.update_blocking(|s| {
+            s.nodes.insert(node_id);
+            Ok(())
+        })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 state_dir,
@@ -113,19 +120,18 @@ impl Plugin {
         self.inner.faults.inject(rpc).await
     }
 
-    /// The record of a volume; re-reads the state file once before giving
-    /// up, in case a controller in another process created it.
+    /// The record of a volume, as the shared state has it now (whichever
+    /// instance created it).
     pub async fn lookup(&self, volume_id: &str) -> Result<VolumeRecord, Error> {
         let not_found = || Error::NotFound(format!("volume {volume_id} does not exist"));
         if !state::is_volume_id(volume_id) {
             return Err(not_found());
         }
-        let get = |s: &state::State| s.volumes.get(volume_id).cloned();
-        if let Some(record) = self.store().read(get).await {
-            return Ok(record);
-        }
-        self.store().reload().await?;
-        self.store().read(get).await.ok_or_else(not_found)
+        let id = volume_id.to_owned();
+        self.store()
+            .read(move |s| s.volumes.get(&id).cloned())
+            .await?
+            .ok_or_else(not_found)
     }
 
     /// Runs `op` to completion on its own task, so that a client giving up

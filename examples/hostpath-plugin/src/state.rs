@@ -1,22 +1,44 @@
-//! The plugin's own state: volumes, their capacity and where they are
-//! controller-published. Kept in `<state-dir>/state.json`, written
-//! atomically on every change and reloaded at start.
+//! The plugin's own state: volumes, their capacity, where they are
+//! controller-published, and the nodes that serve the state directory. Kept
+//! in `<state-dir>/state.json`.
+//!
+//! Several plugin instances (one per node) may share one state directory, the
+//! way nodes share an NFS export. So the file on disk is the only copy:
+//! every read loads it under a shared `flock` on `<state-dir>/state.lock`,
+//! and every change takes the exclusive lock, re-reads the file, applies the
+//! change and writes the file atomically (temporary file, fsync, rename)
+//! before giving the lock back. No change made through one instance is lost
+//! to a change made through another, and each instance sees the others'
+//! changes at once.
 
-use std::collections::BTreeMap;
-use std::fs::{self, File};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
-use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::error::Error;
 
 /// File name of the state file inside the state directory.
 pub const STATE_FILE: &str = "state.json";
+/// File name of the lock file inside the state directory.
+pub const LOCK_FILE: &str = "state.lock";
 /// Directory (inside the state directory) holding one directory per volume.
 pub const VOLUMES_DIR: &str = "volumes";
+
+/// How long a reader or writer waits for the state lock before giving up
+/// with `UNAVAILABLE`: an instance that holds it longer is stuck (stopped,
+/// or its disk is), and the CO retries the call.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(20);
+/// The longest pause between two attempts to take the lock.
+const LOCK_POLL_MAX: Duration = Duration::from_millis(20);
 
 /// Version of the state file format written by this build.
 const FORMAT_VERSION: u32 = 1;
@@ -50,6 +72,10 @@ pub struct State {
     /// Volumes by ID.
     #[serde(default)]
     pub volumes: BTreeMap<String, VolumeRecord>,
+    /// The node IDs of the plugin instances that serve this state directory:
+    /// the nodes a volume can be controller-published to.
+    #[serde(default)]
+    pub nodes: BTreeSet<String>,
 }
 
 /// One provisioned volume.
@@ -83,61 +109,137 @@ struct StateFile {
     state: State,
 }
 
-/// The state, in memory and on disk. Changes are made on a copy, saved, and
-/// only then become visible, so memory never gets ahead of the disk.
-#[derive(Debug)]
+/// The state file and its lock; cheap to clone. Holds no copy of the state:
+/// every call reads the file, so changes made by another instance sharing
+/// the directory are seen at once.
+#[derive(Debug, Clone)]
 pub struct Store {
-    path: PathBuf,
-    state: Mutex<State>,
+    paths: Arc<Paths>,
+}
+
+#[derive(Debug)]
+struct Paths {
+    state: PathBuf,
+    lock: PathBuf,
+    lock_timeout: Duration,
 }
 
 impl Store {
-    /// Loads the state file of `state_dir`, or starts empty if there is none.
+    /// Opens the state of `state_dir` (creating its lock file), checking that
+    /// the state file, if there is one, is readable by this build.
     pub fn open(state_dir: &Path) -> Result<Self, Error> {
-        let path = state_dir.join(STATE_FILE);
-        let state = load(&path)?;
-        Ok(Self {
-            path,
-            state: Mutex::new(state),
-        })
+        let store = Self {
+            paths: Arc::new(Paths {
+                state: state_dir.join(STATE_FILE),
+                lock: state_dir.join(LOCK_FILE),
+                lock_timeout: LOCK_TIMEOUT,
+            }),
+        };
+        store.read_blocking(|_| ())?;
+        Ok(store)
     }
 
-    /// Runs `f` on the current state.
-    pub async fn read<R>(&self, f: impl FnOnce(&State) -> R) -> R {
-        f(&*self.state.lock().await)
+    /// The same store, waiting at most `timeout` for the state lock.
+    pub fn with_lock_timeout(self, timeout: Duration) -> Self {
+        Self {
+            paths: Arc::new(Paths {
+                state: self.paths.state.clone(),
+                lock: self.paths.lock.clone(),
+                lock_timeout: timeout,
+            }),
+        }
     }
 
-    /// Applies `f` to a copy of the state; if it succeeds and changed
-    /// something, saves the copy and makes it current.
-    pub async fn update<R>(
+    /// Runs `f` on the current state, read under the shared lock.
+    pub async fn read<R, F>(&self, f: F) -> Result<R, Error>
+    where
+        F: FnOnce(&State) -> R + Send + 'static,
+        R: Send + 'static,
+    {
+        let store = self.clone();
+        offload("state reader", move || store.read_blocking(f)).await
+    }
+
+    /// Under the exclusive lock, applies `f` to the current state re-read
+    /// from disk and, if it succeeds and changed something, saves the result
+    /// before the lock is given back. `f` may also do file-system work that
+    /// must not interleave with another instance's change (creating or
+    /// removing a volume directory); an error from `f` saves nothing.
+    pub async fn update<R, F>(&self, f: F) -> Result<R, Error>
+    where
+        F: FnOnce(&mut State) -> Result<R, Error> + Send + 'static,
+        R: Send + 'static,
+    {
+        let store = self.clone();
+        offload("state writer", move || store.update_blocking(f)).await
+    }
+
+    /// [`Store::read`], on the calling thread.
+    pub fn read_blocking<R>(&self, f: impl FnOnce(&State) -> R) -> Result<R, Error> {
+        let _lock = self.lock(FlockArg::LockSharedNonblock)?;
+        Ok(f(&load(&self.paths.state)?))
+    }
+
+    /// [`Store::update`], on the calling thread.
+    pub fn update_blocking<R>(
         &self,
         f: impl FnOnce(&mut State) -> Result<R, Error>,
     ) -> Result<R, Error> {
-        let mut current = self.state.lock().await;
+        let _lock = self.lock(FlockArg::LockExclusiveNonblock)?;
+        let current = load(&self.paths.state)?;
         let mut next = current.clone();
         let result = f(&mut next)?;
-        if next != *current {
-            let bytes = encode(&next)?;
-            let path = self.path.clone();
-            tokio::task::spawn_blocking(move || write_atomic(&path, &bytes))
-                .await
-                .map_err(|e| Error::Internal(format!("state writer failed: {e}")))?
-                .map_err(Error::Persist)?;
-            *current = next;
+        if next != current {
+            write_atomic(&self.paths.state, &encode(&next)?).map_err(Error::Persist)?;
         }
         Ok(result)
     }
 
-    /// Re-reads the state file, picking up changes made by another plugin
-    /// process (a controller) that shares the state directory.
-    pub async fn reload(&self) -> Result<(), Error> {
-        let mut current = self.state.lock().await;
-        let path = self.path.clone();
-        *current = tokio::task::spawn_blocking(move || load(&path))
-            .await
-            .map_err(|e| Error::Internal(format!("state reader failed: {e}")))??;
-        Ok(())
+    /// Takes the lock (`arg` is a non-blocking shared or exclusive lock),
+    /// retrying until the lock timeout ([`LOCK_TIMEOUT`] by default). The lock is given back when the
+    /// returned file is dropped. Each call opens the lock file anew, so
+    /// calls within one process exclude each other as well.
+    fn lock(&self, arg: FlockArg) -> Result<Flock<File>, Error> {
+        let path = &self.paths.lock;
+        let mut file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o644)
+            .open(path)
+            .map_err(Error::io("opening", path))?;
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(1);
+        loop {
+            match Flock::lock(file, arg) {
+                Ok(locked) => return Ok(locked),
+                Err((unlocked, Errno::EWOULDBLOCK | Errno::EINTR)) => {
+                    let waited = started.elapsed();
+                    if waited >= self.paths.lock_timeout {
+                        return Err(Error::StateLocked {
+                            path: path.clone(),
+                            waited,
+                        });
+                    }
+                    std::thread::sleep(pause);
+                    pause = pause.saturating_mul(2).min(LOCK_POLL_MAX);
+                    file = unlocked;
+                }
+                Err((_, e)) => return Err(Error::sys("locking", path)(e)),
+            }
+        }
     }
+}
+
+/// Runs blocking state-file work off the async runtime.
+async fn offload<R: Send + 'static>(
+    what: &'static str,
+    work: impl FnOnce() -> Result<R, Error> + Send + 'static,
+) -> Result<R, Error> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| Error::Internal(format!("{what} failed: {e}")))?
 }
 
 fn encode(state: &State) -> Result<Vec<u8>, Error> {
@@ -244,7 +346,7 @@ mod tests {
     async fn state_round_trips_through_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(dir.path()).unwrap();
-        assert_eq!(store.read(|s| s.clone()).await, State::default());
+        assert_eq!(store.read(|s| s.clone()).await.unwrap(), State::default());
         assert!(!dir.path().join(STATE_FILE).exists(), "nothing written yet");
 
         let want = sample();
@@ -258,12 +360,17 @@ mod tests {
             .unwrap();
 
         let reopened = Store::open(dir.path()).unwrap();
-        assert_eq!(reopened.read(|s| s.clone()).await, want);
-        let names: Vec<_> = fs::read_dir(dir.path())
+        assert_eq!(reopened.read(|s| s.clone()).await.unwrap(), want);
+        let mut names: Vec<_> = fs::read_dir(dir.path())
             .unwrap()
             .map(|e| e.unwrap().file_name())
             .collect();
-        assert_eq!(names, [STATE_FILE], "no temporary file is left behind");
+        names.sort();
+        assert_eq!(
+            names,
+            [STATE_FILE, LOCK_FILE],
+            "no temporary file is left behind"
+        );
     }
 
     #[tokio::test]
@@ -279,15 +386,16 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, Error::NotFound(_)));
-        assert!(store.read(|s| s.volumes.is_empty()).await);
+        assert!(store.read(|s| s.volumes.is_empty()).await.unwrap());
         assert!(!dir.path().join(STATE_FILE).exists());
     }
 
     #[tokio::test]
-    async fn reload_sees_another_writer() {
+    async fn reads_see_another_writer_at_once() {
         let dir = tempfile::tempdir().unwrap();
         let reader = Store::open(dir.path()).unwrap();
         let writer = Store::open(dir.path()).unwrap();
+        assert!(reader.read(|s| s.volumes.is_empty()).await.unwrap());
         writer
             .update(|s| {
                 *s = sample();
@@ -295,9 +403,75 @@ mod tests {
             })
             .await
             .unwrap();
-        assert!(reader.read(|s| s.volumes.is_empty()).await);
-        reader.reload().await.unwrap();
-        assert_eq!(reader.read(|s| s.clone()).await, sample());
+        assert_eq!(reader.read(|s| s.clone()).await.unwrap(), sample());
+    }
+
+    #[test]
+    fn concurrent_writers_through_separate_stores_lose_no_update() {
+        let dir = tempfile::tempdir().unwrap();
+        let stores: Vec<_> = (0..4).map(|_| Store::open(dir.path()).unwrap()).collect();
+        std::thread::scope(|scope| {
+            for (n, store) in stores.iter().enumerate() {
+                scope.spawn(move || {
+                    for i in 0..10 {
+                        let name = format!("vol-{n}-{i}");
+                        store
+                            .update_blocking(|s| {
+                                let id = volume_id_for(&name);
+                                s.volumes.insert(
+                                    id.clone(),
+                                    VolumeRecord {
+                                        volume_id: id,
+                                        name,
+                                        capacity_bytes: 0,
+                                        parameters: BTreeMap::new(),
+                                        publications: BTreeMap::new(),
+                                    },
+                                );
+                                Ok(())
+                            })
+                            .unwrap();
+                    }
+                });
+            }
+        });
+        let count = stores[0].read_blocking(|s| s.volumes.len()).unwrap();
+        assert_eq!(count, 40, "every writer's volumes are in the state");
+    }
+
+    #[tokio::test]
+    async fn a_held_lock_makes_changes_wait_then_give_up() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path())
+            .unwrap()
+            .with_lock_timeout(Duration::from_millis(200));
+        let lock_file = File::open(dir.path().join(LOCK_FILE)).unwrap();
+        let held = Flock::lock(lock_file, FlockArg::LockExclusive).unwrap();
+
+        let started = Instant::now();
+        let err = store
+            .update(|s| {
+                *s = sample();
+                Ok(())
+            })
+            .await
+            .unwrap_err();
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        assert!(matches!(err, Error::StateLocked { .. }), "{err}");
+        assert_eq!(err.code(), tonic::Code::Unavailable);
+        assert!(err.to_string().contains(LOCK_FILE), "{err}");
+        let err = store.read(|s| s.clone()).await.unwrap_err();
+        assert!(matches!(err, Error::StateLocked { .. }), "{err}");
+
+        drop(held);
+        store
+            .update(|s| {
+                *s = sample();
+                Ok(())
+            })
+            .await
+            .unwrap();
+        assert_eq!(store.read(|s| s.clone()).await.unwrap(), sample());
     }
 
     #[test]
