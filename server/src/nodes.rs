@@ -83,6 +83,9 @@ impl Server {
             let carried = std::mem::take(&mut node.events);
             if let Some(old) = t.nodes.get(&node.id) {
                 node.events = old.events.clone();
+                // Eligibility and drain are the servers'; a client's
+                // (re-)registration does not undo an operator's drain.
+                node.keep_server_fields(old);
                 if node.csi_node_plugins.is_empty() {
                     node.csi_node_plugins = old.csi_node_plugins.clone();
                 }

@@ -11,20 +11,25 @@
 //!   a single-writer workload never run at once).
 //! - `batch`: like service, but an alloc that completed or failed is done
 //!   and not replaced; lost ones are. The job is dead once every alloc is.
-//! - `system`: one alloc per ready node that passes feasibility (a failed one
-//!   is replaced after `reschedule_delay` too).
+//! - `system`: one alloc per ready, eligible node that passes feasibility
+//!   (a failed one is replaced after `reschedule_delay` too).
+//! - Allocs the servers stopped (desired stop: job stopped, updated, or a
+//!   node drain) count as gone: their index is placed again.
+//! - An ineligible node (an operator's choice, or a drain) gets no new
+//!   allocs; what runs there is left alone by the scheduler (the drainer
+//!   moves it).
 //! - A changed job (anything but server-managed fields differs) gets a new
 //!   version; allocs of older versions are stopped and new ones placed
 //!   (a destructive update; no rolling or in-place updates).
 //!
-//! Feasibility on a node: status ready, the job's datacenter, every task's
-//! driver, cpu and memory left after the allocs that are not terminal there,
-//! and for each CSI volume of the group: the volume exists and has the
-//! requested capability, a healthy node plugin for it runs on the node, and
-//! `CsiVolume::claim_conflict` finds no conflict. Claims counted are the
-//! volume's real claims (freed only after unpublish, whatever the alloc's
-//! state) plus an expected claim for every alloc that is not terminal and
-//! asks for the volume but has not claimed it yet.
+//! Feasibility on a node: status ready, eligible, the job's datacenter,
+//! every task's driver, cpu and memory left after the allocs that are not
+//! terminal there, and for each CSI volume of the group: the volume exists
+//! and has the requested capability, a healthy node plugin for it runs on
+//! the node, and `CsiVolume::claim_conflict` finds no conflict. Claims
+//! counted are the volume's real claims (freed only after unpublish,
+//! whatever the alloc's state) plus an expected claim for every alloc that
+//! is not terminal and asks for the volume but has not claimed it yet.
 //!
 //! A job with placements that could not be made is blocked; blocked jobs are
 //! evaluated again whenever nodes, plugins, volumes or allocs change, and
@@ -397,6 +402,13 @@ impl<'a> PlanContext<'a> {
         if node.status != NodeStatus::Ready {
             return Some(format!("node is {}", node.status.as_str()));
         }
+        if !node.is_eligible() {
+            return Some(if node.drain_strategy.is_some() {
+                "node ineligible (draining)".to_string()
+            } else {
+                "node ineligible".to_string()
+            });
+        }
         if !job.datacenters.is_empty()
             && !job
                 .datacenters
@@ -688,10 +700,15 @@ pub(crate) fn plan_job(
                         }
                         continue;
                     }
-                    let ready = nodes.len();
+                    // A system job runs on every eligible ready node; an
+                    // ineligible one is no target (its allocs there stay
+                    // until a drain stops them).
+                    let targets: Vec<&Node> =
+                        nodes.iter().copied().filter(|n| n.is_eligible()).collect();
+                    let ready = targets.len();
                     outcome.counts.desired = outcome.counts.desired.saturating_add(ready as u64);
                     let mut tally = Tally::new();
-                    for node in &nodes {
+                    for node in &targets {
                         let mut held = false;
                         for a in current.iter().filter(|a| a.node_id == node.id) {
                             match occupancy(a, false, group, cfg, now_ms) {
@@ -1094,6 +1111,100 @@ mod tests {
                     .to_string()
             ]
         );
+    }
+
+    fn ineligible(mut n: Node) -> Node {
+        n.scheduling_eligibility = berth_structs::SchedulingEligibility::Ineligible;
+        n
+    }
+
+    #[test]
+    fn an_ineligible_node_gets_no_new_allocs_and_the_failure_says_why() {
+        let web = job("web", 2, vec![task("t", 100, 64)]);
+        let t = tables(
+            vec![ineligible(node("n1", 4000, 4096)), node("n2", 4000, 4096)],
+            vec![web.clone()],
+            vec![],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 2);
+        assert!(placed.iter().all(|a| a.node_id == "n2"), "{placed:?}");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+
+        let mut draining = node("n2", 4000, 4096);
+        draining.set_drain(Some(berth_structs::DrainStrategy::new(
+            std::time::Duration::from_secs(60),
+            0,
+        )));
+        let t = tables(
+            vec![ineligible(node("n1", 4000, 4096)), draining],
+            vec![web],
+            vec![],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(placed.is_empty(), "{placed:?}");
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 2 of 2 allocs not placed: node n1: node ineligible; \
+                 node n2: node ineligible (draining) (2 allocs: index 0-1)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn a_system_job_skips_an_ineligible_node_and_leaves_its_alloc_there() {
+        let mut sys = job("sys", 1, vec![task("t", 100, 64)]);
+        sys.job_type = JobType::System;
+        let on_n1 = running(&sys, 0, "n1");
+        let t = tables(
+            vec![
+                ineligible(node("n1", 4000, 4096)),
+                node("n2", 4000, 4096),
+                ineligible(node("n3", 4000, 4096)),
+            ],
+            vec![sys.clone()],
+            vec![on_n1.clone()],
+        );
+        let cfg = ServerConfig::new("/nonexistent");
+        let mut changes = Vec::new();
+        let outcome = plan_job(&t, "sys", &cfg, berth_structs::now_ms(), &mut changes);
+        let put: Vec<&Allocation> = changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) => Some(a),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(put.len(), 1, "only a placement on n2: {put:?}");
+        assert_eq!(put[0].node_id, "n2");
+        assert_ne!(put[0].id, on_n1.id, "the alloc on n1 is not touched");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+        assert_eq!(
+            outcome.counts,
+            PlacementCounts {
+                desired: 1,
+                unplaced: 0
+            }
+        );
+    }
+
+    #[test]
+    fn an_alloc_stopped_by_a_drain_is_replaced_on_another_node() {
+        let web = job("web", 1, vec![task("t", 100, 64)]);
+        let stopping = stop(&running(&web, 0, "n1"), "node is draining");
+        let mut n1 = node("n1", 4000, 4096);
+        n1.set_drain(Some(berth_structs::DrainStrategy::new(
+            std::time::Duration::from_secs(60),
+            0,
+        )));
+        let t = tables(vec![n1, node("n2", 4000, 4096)], vec![web], vec![stopping]);
+        let (outcome, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 1, "{placed:?}");
+        assert_eq!(placed[0].node_id, "n2");
+        assert_eq!(placed[0].index, 0);
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
     }
 
     #[test]

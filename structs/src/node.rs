@@ -1,6 +1,7 @@
 //! Nodes and their events.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +23,57 @@ impl NodeStatus {
             NodeStatus::Ready => "ready",
             NodeStatus::Down => "down",
         }
+    }
+}
+
+/// Whether the scheduler may place new allocs on a node. An operator sets
+/// it (`berth node eligibility`); a drain makes the node ineligible and
+/// leaves it so when the drain ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SchedulingEligibility {
+    #[default]
+    Eligible,
+    Ineligible,
+}
+
+impl SchedulingEligibility {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            SchedulingEligibility::Eligible => "eligible",
+            SchedulingEligibility::Ineligible => "ineligible",
+        }
+    }
+}
+
+/// A drain in progress: its allocs are moved off the node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainStrategy {
+    /// How long the drain waits for the node's service and batch allocs to
+    /// stop before it stops waiting (zero: a forced drain).
+    #[serde(with = "crate::job::humantime_serde_compat")]
+    pub deadline: Duration,
+    /// Unix milliseconds when the drain stops waiting: the start plus the
+    /// deadline.
+    pub force_deadline_ms: i64,
+    /// Unix milliseconds when the drain started.
+    pub started_at_ms: i64,
+}
+
+impl DrainStrategy {
+    /// A drain starting at `now_ms` with `deadline` (the sum saturates).
+    pub fn new(deadline: Duration, now_ms: i64) -> DrainStrategy {
+        let deadline_ms = i64::try_from(deadline.as_millis()).unwrap_or(i64::MAX);
+        DrainStrategy {
+            deadline,
+            force_deadline_ms: now_ms.saturating_add(deadline_ms),
+            started_at_ms: now_ms,
+        }
+    }
+
+    /// The deadline has passed at `now_ms`.
+    pub fn deadline_passed(&self, now_ms: i64) -> bool {
+        now_ms >= self.force_deadline_ms
     }
 }
 
@@ -66,6 +118,16 @@ pub struct Node {
     /// Unix milliseconds of the last heartbeat the servers saw.
     #[serde(default)]
     pub last_heartbeat_ms: i64,
+    /// Whether new allocs may be placed here (kept by the servers).
+    #[serde(default)]
+    pub scheduling_eligibility: SchedulingEligibility,
+    /// The drain in progress, if any (kept by the servers).
+    #[serde(default)]
+    pub drain_strategy: Option<DrainStrategy>,
+    /// A drain is in progress: `drain_strategy` is set. Shown in the API;
+    /// set only through [`Node::set_drain`].
+    #[serde(default)]
+    pub drain: bool,
     #[serde(default)]
     pub create_index: u64,
     #[serde(default)]
@@ -88,6 +150,30 @@ impl Node {
         }
         let extra = self.events.len().saturating_sub(MAX_NODE_EVENTS);
         self.events.drain(..extra);
+    }
+
+    /// New allocs may be placed here: eligible and not draining.
+    pub fn is_eligible(&self) -> bool {
+        self.scheduling_eligibility == SchedulingEligibility::Eligible
+            && self.drain_strategy.is_none()
+    }
+
+    /// Start, update (`Some`) or end (`None`) a drain. A draining node is
+    /// ineligible; ending a drain leaves it ineligible.
+    pub fn set_drain(&mut self, strategy: Option<DrainStrategy>) {
+        if strategy.is_some() {
+            self.scheduling_eligibility = SchedulingEligibility::Ineligible;
+        }
+        self.drain = strategy.is_some();
+        self.drain_strategy = strategy;
+    }
+
+    /// Take the fields the servers own (eligibility, drain) from `old`, the
+    /// servers' copy of this node.
+    pub fn keep_server_fields(&mut self, old: &Node) {
+        self.scheduling_eligibility = old.scheduling_eligibility;
+        self.drain_strategy = old.drain_strategy;
+        self.drain = old.drain_strategy.is_some();
     }
 
     /// A healthy node plugin for `plugin_id` runs here.
@@ -134,6 +220,7 @@ impl NodeEvent {
     pub const SUBSYSTEM_STORAGE: &'static str = "Storage";
     pub const SUBSYSTEM_CSI: &'static str = "CSI";
     pub const SUBSYSTEM_CLUSTER: &'static str = "Cluster";
+    pub const SUBSYSTEM_DRAIN: &'static str = "Drain";
 
     pub fn new(subsystem: &str, message: impl Into<String>) -> NodeEvent {
         NodeEvent {
@@ -199,6 +286,39 @@ mod tests {
         );
         assert_eq!(node.events.len(), MAX_NODE_EVENTS);
         assert_eq!(node.events[0].details["error"], "7");
+    }
+
+    #[test]
+    fn an_old_node_record_loads_eligible_and_not_draining() {
+        let old: Node = serde_json::from_str(r#"{"id":"n1","name":"n1"}"#).unwrap();
+        assert_eq!(old.scheduling_eligibility, SchedulingEligibility::Eligible);
+        assert_eq!(old.drain_strategy, None);
+        assert!(!old.drain);
+        assert!(old.is_eligible());
+    }
+
+    #[test]
+    fn a_drain_makes_the_node_ineligible_and_its_end_keeps_it_so() {
+        let mut node = Node::default();
+        let strategy = DrainStrategy::new(Duration::from_secs(3600), 1_000);
+        assert_eq!(strategy.force_deadline_ms, 3_601_000);
+        node.set_drain(Some(strategy));
+        assert!(node.drain);
+        assert!(!node.is_eligible());
+        let v = serde_json::to_value(&node).unwrap();
+        assert_eq!(v["drain"], true);
+        assert_eq!(v["scheduling_eligibility"], "ineligible");
+        assert_eq!(v["drain_strategy"]["deadline"], "1h");
+        node.set_drain(None);
+        assert!(!node.drain);
+        assert_eq!(
+            node.scheduling_eligibility,
+            SchedulingEligibility::Ineligible
+        );
+        // A deadline too far to add saturates.
+        let far = DrainStrategy::new(Duration::MAX, i64::MAX - 1);
+        assert_eq!(far.force_deadline_ms, i64::MAX);
+        assert!(!far.deadline_passed(i64::MAX - 1));
     }
 
     #[test]
