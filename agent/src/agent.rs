@@ -362,9 +362,9 @@ impl AgentConfig {
     }
 
     /// The client role's configuration: its data in `data_dir`, its
-    /// servers' agent protocol at `server_addr` (`http://HOST:PORT`).
-    pub fn client_config(&self, data_dir: PathBuf, server_addr: String) -> ClientConfig {
-        let defaults = ClientConfig::new(data_dir, server_addr);
+    /// servers' agent protocol at `servers` (`http://HOST:PORT` each).
+    pub fn client_config(&self, data_dir: PathBuf, servers: Vec<String>) -> ClientConfig {
+        let defaults = ClientConfig::new(data_dir, servers);
         ClientConfig {
             node_name: self.node_name.clone(),
             gc_max_allocs: self.gc_max_allocs,
@@ -485,20 +485,26 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
         None
     };
     // A client next to the server role dials it; a client-only agent dials
-    // the first of its servers (failover across the list comes later).
-    let server_addr = match (local_rpc_addr, config.servers.first()) {
-        (Some(addr), _) => format!("http://{addr}"),
-        (None, Some(first)) => format!("http://{first}"),
-        (None, None) => bail!("berth agent: the client has no servers to dial"),
+    // its servers, the first, and the next when one fails.
+    let servers: Vec<String> = match local_rpc_addr {
+        Some(addr) => vec![format!("http://{addr}")],
+        None => config
+            .servers
+            .iter()
+            .map(|s| format!("http://{s}"))
+            .collect(),
     };
+    if servers.is_empty() {
+        bail!("berth agent: the client has no servers to dial");
+    }
 
     // The client stops before the server role, so that its last updates
     // still reach the servers.
     let (client_stop_tx, client_stop_rx) = watch::channel(false);
     let mut client_task = if config.client {
-        tracing::info!(server = %server_addr, "client starting");
+        tracing::info!(servers = ?servers, "client starting");
         let client = Client::start(
-            config.client_config(data_dir.clone(), server_addr),
+            config.client_config(data_dir.clone(), servers),
             client_stop_rx.clone(),
         )
         .await
@@ -839,7 +845,10 @@ client {
 "#;
 
     fn client_config(c: &AgentConfig) -> ClientConfig {
-        c.client_config(PathBuf::from("/tmp/c"), "http://127.0.0.1:4647".into())
+        c.client_config(
+            PathBuf::from("/tmp/c"),
+            vec!["http://127.0.0.1:4647".into()],
+        )
     }
 
     #[test]

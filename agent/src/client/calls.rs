@@ -33,6 +33,8 @@ pub async fn run_call_stream(
             Err(e) => {
                 failures += 1;
                 tracing::warn!(error = %e, "call stream to the servers dropped");
+                // The server may be gone: reopen it on the next one.
+                conn.servers().failover();
             }
         }
         let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));

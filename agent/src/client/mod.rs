@@ -6,6 +6,7 @@
 pub mod calls;
 pub mod gc;
 pub mod rpc;
+pub mod servers;
 pub mod state;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -31,8 +32,9 @@ pub const READY_WITHOUT_SERVERS_AFTER: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     pub data_dir: PathBuf,
-    /// `http://HOST:PORT` of a server's agent protocol.
-    pub server_addr: String,
+    /// `http://HOST:PORT` of each server's agent protocol; the client
+    /// dials the first and moves on to the next when one fails.
+    pub servers: Vec<String>,
     pub node_name: Option<String>,
     /// How often terminal allocs are checked for garbage collection
     /// (Nomad's `gc_interval`).
@@ -60,11 +62,11 @@ impl ClientConfig {
     pub const DEFAULT_GC_MAX_ALLOCS: usize = 50;
     pub const DEFAULT_GC_ALLOC_THRESHOLD: Duration = Duration::from_secs(60 * 60);
 
-    /// The defaults for a client of the servers at `server_addr`.
-    pub fn new(data_dir: PathBuf, server_addr: String) -> ClientConfig {
+    /// The defaults for a client of `servers` (`http://HOST:PORT` each).
+    pub fn new(data_dir: PathBuf, servers: Vec<String>) -> ClientConfig {
         ClientConfig {
             data_dir,
-            server_addr,
+            servers,
             node_name: None,
             gc_interval: Self::DEFAULT_GC_INTERVAL,
             gc_max_allocs: Self::DEFAULT_GC_MAX_ALLOCS,
@@ -198,12 +200,8 @@ impl Client {
         };
         let node = node_fingerprint(&config, node_id.clone());
         tracing::info!(node_id = %node.id, name = %node.name, "client starting");
-        let channel = tonic::transport::Endpoint::from_shared(config.server_addr.clone())
-            .with_context(|| format!("server address {:?}", config.server_addr))?
-            .connect_timeout(Duration::from_secs(5))
-            .tcp_nodelay(true)
-            .connect_lazy();
-        let conn = ServerConn::new(channel, node);
+        let channels = servers::ServerChannels::new(&config.servers)?;
+        let conn = ServerConn::new(channels, node);
         let store = Arc::new(state.clone());
         let csi = CsiManager::new(
             ManagerConfig {
@@ -389,7 +387,7 @@ impl Client {
         loop {
             match self.conn.register().await {
                 Ok(ttl) => {
-                    tracing::info!(ttl = ?ttl, "node registered");
+                    tracing::info!(ttl = ?ttl, server = %self.conn.servers().current_addr(), "node registered");
                     self.registered.send_replace(true);
                     self.ready.send_replace(true);
                     return;
@@ -443,6 +441,8 @@ impl Client {
                 }
                 Err(e) => tracing::warn!(error = %e, "opening the alloc watch failed"),
             }
+            // The server may be gone: the next attempt goes to the next one.
+            self.conn.servers().failover();
             failures += 1;
             let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
             tokio::select! {
@@ -625,7 +625,7 @@ mod tests {
     async fn offline_client(dir: &std::path::Path, gc_max_allocs: usize) -> Arc<Client> {
         let config = ClientConfig {
             gc_max_allocs,
-            ..ClientConfig::new(dir.to_path_buf(), "http://127.0.0.1:1".into())
+            ..ClientConfig::new(dir.to_path_buf(), vec!["http://127.0.0.1:1".into()])
         };
         Client::start(config, watch::channel(false).1)
             .await
@@ -842,22 +842,35 @@ mod tests {
             .expect("no panic");
     }
 
-    /// With a server that answers, the client is ready as soon as it has
-    /// registered, well before the wait for absent servers ends.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_client_is_ready_once_registered() {
-        let dir = tempfile::tempdir().unwrap();
-        let server =
-            berth_server::Server::open(berth_server::ServerConfig::new(&dir.path().join("server")))
-                .expect("the server opens");
+    /// A real server on a temp dir serving the agent protocol on loopback;
+    /// its address.
+    async fn serve_agent_protocol(
+        dir: &std::path::Path,
+    ) -> (
+        Arc<berth_server::Server>,
+        std::net::SocketAddr,
+        tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    ) {
+        let server = berth_server::Server::open(berth_server::ServerConfig::new(dir))
+            .expect("the server opens");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let serving = tokio::spawn(
             tonic::transport::Server::builder()
                 .add_service(server.node_service())
+                .add_service(server.csi_volume_service())
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
-        let config = ClientConfig::new(dir.path().join("client"), format!("http://{addr}"));
+        (server, addr, serving)
+    }
+
+    /// With a server that answers, the client is ready as soon as it has
+    /// registered, well before the wait for absent servers ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_is_ready_once_registered() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
+        let config = ClientConfig::new(dir.path().join("client"), vec![format!("http://{addr}")]);
         let client = Client::start(config, watch::channel(false).1)
             .await
             .expect("the client starts");
@@ -869,6 +882,62 @@ mod tests {
             .expect("ready soon")
             .expect("the client lives");
         assert!(client.registered());
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("the client stops")
+            .expect("no panic");
+        serving.abort();
+    }
+
+    /// The first of the client's servers is an address where nothing
+    /// listens: the client moves on to the next, registers there, and runs
+    /// the alloc that server places on it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_client_whose_first_server_is_dead_fails_over_registers_and_runs_an_alloc() {
+        use berth_structs::TaskConfig;
+        let dir = tempfile::tempdir().unwrap();
+        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead_addr = dead.local_addr().unwrap();
+        drop(dead);
+        let config = ClientConfig::new(
+            dir.path().join("client"),
+            vec![format!("http://{dead_addr}"), format!("http://{addr}")],
+        );
+        let client = Client::start(config, watch::channel(false).1)
+            .await
+            .expect("the client starts");
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let run = tokio::spawn(client.clone().run(stop_rx));
+        wait_for("the node to register", Duration::from_secs(20), || {
+            client.registered()
+        })
+        .await;
+        assert_eq!(client.conn.servers().current_addr(), format!("http://{addr}"));
+
+        let mut job = placed_alloc("").job;
+        job.datacenters = vec!["dc1".into()];
+        job.task_groups[0].tasks.truncate(1);
+        job.task_groups[0].tasks[0].config = TaskConfig {
+            command: "/bin/true".into(),
+            args: Vec::new(),
+        };
+        server.register_job(job).await.expect("the job registers");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let done = client.runners.lock().await.values().any(|r| {
+                r.alloc().job_id == "j" && r.client_status() == AllocClientStatus::Complete
+            });
+            if done {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the alloc ran to completion in time"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         stop_tx.send_replace(true);
         tokio::time::timeout(Duration::from_secs(10), run)
             .await

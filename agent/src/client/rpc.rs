@@ -15,8 +15,9 @@ use berth_proto::berth::v1::csi_volume_client::CsiVolumeClient;
 use berth_proto::berth::v1::node_client::NodeClient;
 use berth_structs::{AllocClientStatus, CsiInfo, CsiMountOptions, Node, NodeEvent, TaskState};
 use tokio::sync::Notify;
-use tonic::transport::Channel;
 use tonic::Code;
+
+use super::servers::ServerChannels;
 
 /// Deadline of unary calls to the servers.
 const RPC_TIMEOUT: Duration = Duration::from_secs(30);
@@ -88,7 +89,7 @@ pub struct ServerConn {
 }
 
 struct Inner {
-    channel: Channel,
+    channel: ServerChannels,
     node: Mutex<Node>,
     pending_updates: Mutex<HashMap<String, pb::AllocStatusUpdate>>,
     pending_events: Mutex<Vec<NodeEvent>>,
@@ -100,7 +101,7 @@ fn status_retryable(code: Code) -> bool {
 }
 
 impl ServerConn {
-    pub fn new(channel: Channel, node: Node) -> ServerConn {
+    pub fn new(channel: ServerChannels, node: Node) -> ServerConn {
         ServerConn {
             inner: Arc::new(Inner {
                 channel,
@@ -124,12 +125,17 @@ impl ServerConn {
             .clone()
     }
 
-    pub fn node_client(&self) -> NodeClient<Channel> {
+    /// The servers this client dials, and which one is in use.
+    pub fn servers(&self) -> &ServerChannels {
+        &self.inner.channel
+    }
+
+    pub fn node_client(&self) -> NodeClient<ServerChannels> {
         NodeClient::new(self.inner.channel.clone())
             .max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES)
     }
 
-    fn volume_client(&self) -> CsiVolumeClient<Channel> {
+    fn volume_client(&self) -> CsiVolumeClient<ServerChannels> {
         CsiVolumeClient::new(self.inner.channel.clone())
     }
 
@@ -469,7 +475,7 @@ mod tests {
         tempfile::TempDir,
         std::sync::Arc<berth_server::Server>,
         tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
-        tonic::transport::Channel,
+        ServerChannels,
     ) {
         let dir = tempfile::tempdir().unwrap();
         let server = berth_server::Server::open(berth_server::ServerConfig::new(dir.path()))
@@ -481,9 +487,7 @@ mod tests {
                 .add_service(server.node_service())
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
-        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .unwrap()
-            .connect_lazy();
+        let channel = ServerChannels::new(&[format!("http://{addr}")]).unwrap();
         (dir, server, serving, channel)
     }
 

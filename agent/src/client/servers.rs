@@ -1,0 +1,179 @@
+//! The client's channels to its servers: one lazily connected gRPC channel
+//! per address of `servers`, each with a connect timeout and HTTP/2
+//! keepalive (so that a connection whose packets silently vanish is
+//! noticed and dropped), and which of them is in use. A request that fails
+//! in transport or runs past its deadline moves the client on to the next
+//! server, round robin; the callers' own backoff paces the retries.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tonic::body::Body;
+use tonic::codegen::http;
+use tonic::transport::{Channel, Endpoint};
+use tower::{Service, ServiceExt};
+
+/// How long dialling one server may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// An HTTP/2 ping goes out after this much silence on a connection, also
+/// while no call is open on it...
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// ...and the connection, with every stream on it, is dropped when the
+/// ping is not answered within this.
+pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A server address the client cannot dial.
+#[derive(Debug, thiserror::Error)]
+pub enum ServersError {
+    #[error("the client has no servers to dial")]
+    Empty,
+    #[error("server address {addr:?} is not a URI: {source}")]
+    BadAddress {
+        addr: String,
+        source: tonic::transport::Error,
+    },
+}
+
+/// The channels to the servers. Cheap to clone: clones share which server
+/// is in use.
+#[derive(Clone)]
+pub struct ServerChannels {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// `http://HOST:PORT` of each server, in the configured order.
+    addrs: Vec<String>,
+    channels: Vec<Channel>,
+    current: AtomicUsize,
+}
+
+/// The endpoint of `addr` as the client dials it.
+pub fn endpoint(addr: &str) -> Result<Endpoint, ServersError> {
+    Ok(Endpoint::from_shared(addr.to_string())
+        .map_err(|source| ServersError::BadAddress {
+            addr: addr.to_string(),
+            source,
+        })?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(KEEPALIVE_TIMEOUT)
+        .keep_alive_while_idle(true))
+}
+
+impl ServerChannels {
+    /// Channels to `addrs` (`http://HOST:PORT` each), none dialled yet.
+    pub fn new(addrs: &[String]) -> Result<ServerChannels, ServersError> {
+        if addrs.is_empty() {
+            return Err(ServersError::Empty);
+        }
+        let channels = addrs
+            .iter()
+            .map(|a| endpoint(a).map(|e| e.connect_lazy()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ServerChannels {
+            inner: Arc::new(Inner {
+                addrs: addrs.to_vec(),
+                channels,
+                current: AtomicUsize::new(0),
+            }),
+        })
+    }
+
+    /// The address of the server in use.
+    pub fn current_addr(&self) -> &str {
+        let i = self.inner.current.load(Ordering::Relaxed);
+        &self.inner.addrs[i % self.inner.addrs.len()]
+    }
+
+    /// Moves on from the server in use to the next one, after a stream to
+    /// it broke.
+    pub fn failover(&self) {
+        self.failover_from(self.inner.current.load(Ordering::Relaxed));
+    }
+
+    /// Moves on from server `from` to the next one, unless another caller
+    /// already moved on from it.
+    fn failover_from(&self, from: usize) {
+        let n = self.inner.addrs.len();
+        if n < 2 {
+            return;
+        }
+        let next = (from % n).saturating_add(1) % n;
+        if self
+            .inner
+            .current
+            .compare_exchange(from, next, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            tracing::warn!(
+                from = %self.inner.addrs[from % n],
+                to = %self.inner.addrs[next],
+                "server unreachable; moving on to the next"
+            );
+        }
+    }
+}
+
+impl Service<http::Request<Body>> for ServerChannels {
+    type Response = http::Response<Body>;
+    type Error = tonic::transport::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Readiness is awaited on the chosen channel in `call`.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let this = self.clone();
+        let i = this.inner.current.load(Ordering::Relaxed) % this.inner.channels.len();
+        let channel = this.inner.channels[i].clone();
+        Box::pin(async move {
+            let result = channel.oneshot(req).await;
+            if let Err(e) = &result {
+                tracing::debug!(server = %this.inner.addrs[i], error = %e, "request to the server failed");
+                this.failover_from(i);
+            }
+            result
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn no_servers_or_a_bad_address_is_a_clear_error() {
+        assert!(matches!(ServerChannels::new(&[]), Err(ServersError::Empty)));
+        let e = ServerChannels::new(&["http://a:1".into(), "not a uri".into()])
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("\"not a uri\""), "{e}");
+    }
+
+    #[tokio::test]
+    async fn failover_goes_round_robin_once_per_failure() {
+        let s = ServerChannels::new(&[
+            "http://127.0.0.1:1".into(),
+            "http://127.0.0.1:2".into(),
+            "http://127.0.0.1:3".into(),
+        ])
+        .unwrap();
+        assert_eq!(s.current_addr(), "http://127.0.0.1:1");
+        s.failover();
+        assert_eq!(s.current_addr(), "http://127.0.0.1:2");
+        // A late failure of a server already left does not skip one.
+        s.failover_from(0);
+        assert_eq!(s.current_addr(), "http://127.0.0.1:2");
+        s.failover();
+        s.failover();
+        assert_eq!(s.current_addr(), "http://127.0.0.1:1");
+    }
+}
