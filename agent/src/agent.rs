@@ -53,6 +53,16 @@ pub struct AgentConfig {
     pub disconnect_startup_grace: Option<Duration>,
     /// The log filter when `BERTH_LOG` (and `RUST_LOG`) is not set.
     pub log_level: Option<String>,
+    /// `-log-level`: set on the command line, it wins over the files, also
+    /// when SIGHUP reloads them.
+    pub log_level_flag: Option<String>,
+    /// Logs as JSON lines (`log_json`, `-log-json`).
+    pub log_json: bool,
+    /// The `-config` paths, read again on SIGHUP for the log level.
+    pub config_paths: Vec<PathBuf>,
+    /// What those files said at start, to tell on SIGHUP whether keys
+    /// other than `log_level` changed.
+    pub files_at_start: Option<crate::config::AgentFileConfig>,
     /// Config keys that were set but that this version does not apply
     /// yet; logged at start.
     pub not_applied: Vec<&'static str>,
@@ -81,6 +91,10 @@ impl Default for AgentConfig {
             reserved_memory_mb: 0,
             disconnect_startup_grace: None,
             log_level: None,
+            log_level_flag: None,
+            log_json: false,
+            config_paths: Vec::new(),
+            files_at_start: None,
             not_applied: Vec::new(),
         }
     }
@@ -114,6 +128,12 @@ Usage: berth agent -dev [options]
   -gc-max-allocs N      terminal allocs the node keeps before destroying the oldest (default 50)
   -gc-alloc-threshold DUR  the node destroys allocs terminal for this long (default 1h)
   -gc-interval DUR      how often the node collects its terminal allocs (default 1m)
+  -log-level LEVEL      trace, debug, info, warn or error (default: log_level, else info);
+                        BERTH_LOG or RUST_LOG, when set, win over both
+  -log-json             log JSON lines instead of text
+
+SIGHUP reads the config files again and applies their log_level (unless
+-log-level is given); other changes need a restart.
 
 Flags override the config files. Without -dev the files and flags together
 need a data dir, a role, and servers for a client-only agent.
@@ -163,6 +183,8 @@ struct Flags {
     rpc_addr: Option<SocketAddr>,
     node_name: Option<String>,
     min_heartbeat_ttl: Option<Duration>,
+    log_level: Option<String>,
+    log_json: bool,
     /// The last flag given that only the server role uses, and the last
     /// that only the client role uses: refused when that role is off.
     server_flag: Option<String>,
@@ -231,6 +253,17 @@ impl AgentConfig {
                     f.node_name = Some(v);
                 }
                 "heartbeat-ttl" => f.min_heartbeat_ttl = Some(duration_flag(name, &value(name)?)?),
+                "log-level" => {
+                    let v = value(name)?.to_ascii_lowercase();
+                    if !crate::config::LOG_LEVELS.contains(&v.as_str()) {
+                        return Err(usage_error(format!(
+                            "berth agent: -log-level: unknown level {v:?} (want one of {})",
+                            crate::config::LOG_LEVELS.join(", ")
+                        )));
+                    }
+                    f.log_level = Some(v);
+                }
+                "log-json" => f.log_json = true,
                 // The client's garbage collection knobs.
                 "gc-max-allocs" => {
                     let v = value(name)?;
@@ -288,6 +321,9 @@ impl AgentConfig {
         if let Some(d) = f.min_heartbeat_ttl {
             self.min_heartbeat_ttl = d;
         }
+        self.log_level = f.log_level.clone();
+        self.log_level_flag = f.log_level;
+        self.log_json = f.log_json;
         Ok(())
     }
 
@@ -296,6 +332,7 @@ impl AgentConfig {
     fn apply_files(&mut self, f: Flags) -> Result<()> {
         let (files, mut file) =
             crate::config::read_merged(&f.configs).context("berth agent: -config")?;
+        self.files_at_start = Some(file.clone());
         if f.server {
             file.server.enabled = Some(true);
         }
@@ -313,6 +350,12 @@ impl AgentConfig {
         }
         if f.min_heartbeat_ttl.is_some() {
             file.server.min_heartbeat_ttl = f.min_heartbeat_ttl;
+        }
+        if f.log_level.is_some() {
+            file.log_level = f.log_level.clone();
+        }
+        if f.log_json {
+            file.log_json = Some(true);
         }
         let file = crate::config::check_whole(files, file)
             .context("berth agent: the configuration (files and flags)")?;
@@ -349,6 +392,9 @@ impl AgentConfig {
         self.heartbeat_grace = file.server.heartbeat_grace;
         self.max_heartbeats_per_second = file.server.max_heartbeats_per_second;
         self.log_level = file.log_level.clone();
+        self.log_level_flag = f.log_level;
+        self.log_json = file.log_json.unwrap_or(false);
+        self.config_paths = f.configs;
         if file.client_enabled() {
             let c = &file.client;
             self.node_class = c.node_class.clone();
@@ -414,7 +460,6 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
                     || c.disconnect_startup_grace.is_some()),
             "client (the client role is off)",
         ),
-        (file.log_json.is_some(), "log_json"),
         (
             !no_client && r.disk.is_some(),
             "client.reserved.disk (disk is not fingerprinted)",
@@ -437,7 +482,7 @@ pub fn run_from_args(args: &[String]) -> Result<i32> {
     // that a second agent on it fails at once with one line.
     let data_dir = prepare_data_dir(&config)?;
     let lock = DataDirLock::acquire(&data_dir)?;
-    crate::logging::init(config.log_level.as_deref());
+    let log = crate::logging::init(config.log_level.as_deref(), config.log_json);
     tracing::debug!(lock = %lock.path().display(), "data dir claimed");
     if config.data_dir.is_none() {
         tracing::info!(data_dir = %data_dir.display(), "dev agent uses a fresh temp data dir");
@@ -447,7 +492,7 @@ pub fn run_from_args(args: &[String]) -> Result<i32> {
         .thread_name("berth-agent")
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(run(config, data_dir))?;
+    rt.block_on(run(config, data_dir, log))?;
     drop(lock);
     Ok(0)
 }
@@ -471,16 +516,28 @@ fn prepare_data_dir(config: &AgentConfig) -> Result<PathBuf> {
 }
 
 /// Runs the agent on `data_dir`, which the caller holds the
-/// [`DataDirLock`] of, until SIGINT or SIGTERM.
-pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
+/// [`DataDirLock`] of, until SIGINT or SIGTERM; SIGHUP reloads the log
+/// level through `log`. Tells systemd how it goes (see `crate::systemd`).
+pub async fn run(
+    config: AgentConfig,
+    data_dir: PathBuf,
+    log: crate::logging::LogControl,
+) -> Result<()> {
+    // Installed first: a SIGHUP while the agent starts must not end it,
+    // and a SIGTERM then is handled below once the agent is up.
+    let mut signals = Signals::install().context("installing the signal handlers")?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     for key in &config.not_applied {
         tracing::warn!(key, "this config key is not applied by this version yet");
     }
 
+    let mut components = crate::systemd::Components::default();
     let mut tasks = tokio::task::JoinSet::new();
     let local_rpc_addr = if config.server {
-        Some(start_server(&config, &data_dir, &shutdown_rx, &mut tasks).await?)
+        crate::systemd::status("loading the server state");
+        let (addr, server) = start_server(&config, &data_dir, &shutdown_rx, &mut tasks).await?;
+        components.server = Some(server);
+        Some(addr)
     } else {
         None
     };
@@ -509,6 +566,8 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
         )
         .await
         .context("starting the client")?;
+        crate::systemd::status("restoring allocs, then registering with the servers");
+        components.client = Some(client.clone());
         tokio::spawn(client.run(client_stop_rx))
     } else {
         // No client role: a task that ends only when told to stop.
@@ -519,38 +578,66 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     };
     let mut client_done = false;
 
-    crate::logging::notify_systemd_ready();
-    let term = async {
-        let mut sigterm =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = sigterm.recv() => {}
-        }
-        Ok::<(), std::io::Error>(())
-    };
-    let mut failure = None;
-    tokio::select! {
-        r = term => {
-            r.context("waiting for signals")?;
-            tracing::info!("shutting down; tasks keep running");
-        }
-        r = &mut client_task => {
-            client_done = true;
-            if let Err(e) = r {
-                failure = Some(anyhow!("the client panicked: {e}"));
-            } else {
-                tracing::warn!("the client stopped; shutting down");
+    // READY=1 once every role serves: the server's listeners are up
+    // already; the client says when it is.
+    let (ready_tx, ready_rx) = watch::channel(false);
+    let announcer = {
+        let components = components.clone();
+        let client_ready = components.client.as_ref().map(|c| c.ready());
+        tokio::spawn(async move {
+            if let Some(mut r) = client_ready {
+                let _ = r.wait_for(|v| *v).await;
             }
-        }
-        Some(r) = tasks.join_next() => {
-            match r {
-                Ok(Ok(())) => tracing::warn!("an agent component stopped; shutting down"),
-                Ok(Err(e)) => failure = Some(e),
-                Err(e) => failure = Some(anyhow!("agent component panicked: {e}")),
+            let status = components.status().await;
+            tracing::info!(%status, "agent ready");
+            crate::systemd::ready(&status);
+            ready_tx.send_replace(true);
+        })
+    };
+    let (watchdog_stop_tx, watchdog_stop_rx) = watch::channel(false);
+    let watchdog = tokio::spawn(crate::systemd::run_watchdog(
+        components.clone(),
+        ready_rx.clone(),
+        watchdog_stop_rx,
+    ));
+
+    let mut failure = None;
+    loop {
+        tokio::select! {
+            signal = signals.next() => {
+                match signal {
+                    Signal::Stop(name) => {
+                        tracing::info!(signal = name, "shutting down; tasks keep running");
+                        break;
+                    }
+                    Signal::Reload => {
+                        reload_log_level(&config, &log, &components, *ready_rx.borrow()).await;
+                    }
+                }
+            }
+            r = &mut client_task => {
+                client_done = true;
+                if let Err(e) = r {
+                    failure = Some(anyhow!("the client panicked: {e}"));
+                } else {
+                    tracing::warn!("the client stopped; shutting down");
+                }
+                break;
+            }
+            Some(r) = tasks.join_next() => {
+                match r {
+                    Ok(Ok(())) => tracing::warn!("an agent component stopped; shutting down"),
+                    Ok(Err(e)) => failure = Some(e),
+                    Err(e) => failure = Some(anyhow!("agent component panicked: {e}")),
+                }
+                break;
             }
         }
     }
+    announcer.abort();
+    let _ = watchdog_stop_tx.send(true);
+    let _ = watchdog.await;
+    crate::systemd::stopping();
     let _ = client_stop_tx.send(true);
     if !client_done
         && tokio::time::timeout(Duration::from_secs(5), &mut client_task)
@@ -573,6 +660,103 @@ pub async fn run(config: AgentConfig, data_dir: PathBuf) -> Result<()> {
     }
 }
 
+/// The signals the agent acts on.
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+    hup: tokio::signal::unix::Signal,
+}
+
+/// What a signal asks of the agent.
+enum Signal {
+    /// SIGTERM or SIGINT: shut down, leaving the tasks running.
+    Stop(&'static str),
+    /// SIGHUP: reload the log level.
+    Reload,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Signals> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(Signals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    /// The next signal. A stream that ends (it does not while the runtime
+    /// lives) counts as a stop.
+    async fn next(&mut self) -> Signal {
+        tokio::select! {
+            _ = self.term.recv() => Signal::Stop("SIGTERM"),
+            _ = self.int.recv() => Signal::Stop("SIGINT"),
+            r = self.hup.recv() => match r {
+                Some(()) => Signal::Reload,
+                None => Signal::Stop("SIGHUP"),
+            },
+        }
+    }
+}
+
+/// SIGHUP: reads the config files again and applies their `log_level`
+/// (the `-log-level` flag, when given, stays in force). Files that no
+/// longer read are logged and the level in force kept; other keys are not
+/// applied, and a change to them is logged as needing a restart. Tells
+/// systemd `RELOADING=1`, then `READY=1` when the agent was ready.
+async fn reload_log_level(
+    config: &AgentConfig,
+    log: &crate::logging::LogControl,
+    components: &crate::systemd::Components,
+    ready: bool,
+) {
+    crate::systemd::reloading();
+    let level = if let Some(flag) = &config.log_level_flag {
+        tracing::info!(level = %flag, "SIGHUP: the log level is set by -log-level; it stays");
+        Some(Some(flag.clone()))
+    } else if config.config_paths.is_empty() {
+        tracing::info!("SIGHUP: the agent runs from no config file; nothing to reload");
+        None
+    } else {
+        match crate::config::read_merged(&config.config_paths) {
+            Ok((_, file)) => {
+                let others_changed = config.files_at_start.as_ref().is_some_and(|old| {
+                    let mut old = old.clone();
+                    old.log_level = file.log_level.clone();
+                    old != file
+                });
+                if others_changed {
+                    tracing::warn!("SIGHUP: config keys other than log_level changed; they take effect at the next restart");
+                }
+                Some(file.log_level)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "SIGHUP: the config files do not read; the log level stays");
+                None
+            }
+        }
+    };
+    if let Some(level) = level {
+        match log.set_level(level.as_deref()) {
+            Ok(crate::logging::LevelChange::Changed { from, to }) => {
+                tracing::info!(%from, %to, "SIGHUP: log level changed")
+            }
+            Ok(crate::logging::LevelChange::Unchanged(l)) => {
+                tracing::info!(level = %l, "SIGHUP: log level unchanged")
+            }
+            Ok(crate::logging::LevelChange::SetByEnvironment(f)) => {
+                tracing::info!(filter = %f, "SIGHUP: BERTH_LOG or RUST_LOG sets the log filter; it stays")
+            }
+            Err(e) => tracing::error!(error = %e, "SIGHUP: the log level stays"),
+        }
+    }
+    if ready {
+        crate::systemd::ready(&components.status().await);
+    } else {
+        crate::systemd::status("restoring allocs, then registering with the servers");
+    }
+}
+
 /// Opens the server state and starts the server role, its agent protocol
 /// listener and the HTTP API on `tasks`; returns the address the agent
 /// protocol listens on (the port it got when asked for port 0), as a
@@ -582,7 +766,7 @@ async fn start_server(
     data_dir: &std::path::Path,
     shutdown_rx: &watch::Receiver<bool>,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
-) -> Result<SocketAddr> {
+) -> Result<(SocketAddr, std::sync::Arc<Server>)> {
     let mut server_config = ServerConfig {
         data_dir: data_dir.to_path_buf(),
         min_heartbeat_ttl: config.min_heartbeat_ttl,
@@ -629,6 +813,7 @@ async fn start_server(
     }
     {
         let rx = shutdown_rx.clone();
+        let server = server.clone();
         tasks.spawn(async move {
             crate::http::serve(http_listener, server, rx)
                 .await
@@ -636,7 +821,7 @@ async fn start_server(
         });
     }
     // A listener on every address is dialled on loopback from here.
-    Ok(if rpc_addr.ip().is_unspecified() {
+    let dial = if rpc_addr.ip().is_unspecified() {
         let lo = match rpc_addr {
             SocketAddr::V4(_) => std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
             SocketAddr::V6(_) => std::net::IpAddr::V6(std::net::Ipv6Addr::LOCALHOST),
@@ -644,7 +829,8 @@ async fn start_server(
         SocketAddr::new(lo, rpc_addr.port())
     } else {
         rpc_addr
-    })
+    };
+    Ok((dial, server))
 }
 
 #[cfg(test)]
@@ -903,8 +1089,41 @@ client {
         let (_dir, c) = client_file(CLIENT_HCL);
         assert_eq!(c.log_level.as_deref(), Some("debug"));
         assert!(!c.not_applied.iter().any(|k| k.starts_with("log_level")));
-        let (_dir, c) = client_file(&format!("{CLIENT_HCL}\nlog_json = true\n"));
-        assert!(c.not_applied.contains(&"log_json"), "{:?}", c.not_applied);
+        assert!(!c.log_json && c.log_level_flag.is_none());
+        let (dir, c) = client_file(&format!("{CLIENT_HCL}\nlog_json = true\n"));
+        assert!(c.log_json);
+        assert!(!c.not_applied.iter().any(|k| k.contains("log_json")));
+        // The files are kept to be read again on SIGHUP.
+        assert_eq!(c.config_paths, [dir.path().join("client.hcl")]);
+        assert_eq!(
+            c.files_at_start
+                .as_ref()
+                .and_then(|f| f.log_level.as_deref()),
+            Some("debug")
+        );
+    }
+
+    #[test]
+    fn log_flags_override_the_config_files() {
+        let (dir, _) = client_file(CLIENT_HCL);
+        let path = dir.path().join("client.hcl");
+        let c = run(&[
+            "-config",
+            path.to_str().unwrap(),
+            "-log-level",
+            "WARN",
+            "-log-json",
+        ]);
+        assert_eq!(c.log_level.as_deref(), Some("warn"));
+        assert_eq!(c.log_level_flag.as_deref(), Some("warn"));
+        assert!(c.log_json);
+        let c = run(&["-dev", "-log-level=error", "-log-json"]);
+        assert_eq!(c.log_level.as_deref(), Some("error"));
+        assert!(c.log_json);
+        let e = AgentConfig::from_args(&args(&["-dev", "-log-level", "loud"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("-log-level") && e.contains("\"loud\""), "{e}");
     }
 
     #[test]
@@ -952,6 +1171,8 @@ client {
             "gc-max-allocs",
             "gc-interval",
             "gc-alloc-threshold",
+            "log-level",
+            "log-json",
             "config",
             "help",
             "h",

@@ -11,6 +11,7 @@ mod config;
 mod data_dir;
 mod http;
 mod logging;
+mod systemd;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -173,6 +173,12 @@ impl Server {
         self.store.read(|t| t.nodes.values().cloned().collect())
     }
 
+    /// How many nodes the state holds; a cheap read of the state tables
+    /// (the agent's watchdog uses it to prove they are not locked up).
+    pub fn node_count(&self) -> usize {
+        self.store.read(|t| t.nodes.len())
+    }
+
     /// A node by ID, name, or unique ID prefix.
     pub fn node(&self, id: &str) -> Result<Node, ServerError> {
         self.store
