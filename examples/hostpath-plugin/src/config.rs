@@ -19,7 +19,9 @@ USAGE:
 
 OPTIONS:
     --endpoint unix://PATH   Unix socket to serve CSI on (default: $CSI_ENDPOINT)
-    --state-dir DIR          Where volumes and the plugin state live (required)
+    --state-dir DIR          Where volumes and the plugin state live (required).
+                             May be shared by instances on several nodes
+                             (see SHARED STATE)
     --node-id ID             Node ID reported by NodeGetInfo (default: the hostname)
     --enable-attach          Serve ControllerPublishVolume/ControllerUnpublishVolume
                              and require them before NodeStageVolume
@@ -33,6 +35,18 @@ OPTIONS:
 
 RPC is a CSI method name, e.g. NodeStageVolume. Logging is configured with
 RUST_LOG (default: info) and goes to stderr.
+
+SHARED STATE:
+    Instances given the same --state-dir (a directory every node sees, e.g.
+    over NFS) act as one storage system: a volume created through any of them
+    can be staged and published through every one. Every change to
+    DIR/state.json is made under an exclusive flock on DIR/state.lock, after
+    re-reading the file, and written atomically; reads take a shared lock.
+    Each instance registers its --node-id in the state, and with
+    --enable-attach any registered node can be published to. Give each
+    instance its own --node-id and --endpoint. What is staged or published on
+    a node is never written to DIR: the node's own mount table is the record.
+    No topology is reported, so every node can reach every volume.
 ";
 
 /// The plugin configuration.

@@ -5,8 +5,19 @@
 //! `NodeStageVolume` bind-mounts the volume directory at the staging path and
 //! `NodePublishVolume` bind-mounts the staging path at the target (read-only
 //! when asked). The plugin's own state (volumes, capacity, controller
-//! publications) lives in `<state-dir>/state.json`, written atomically.
+//! publications, the nodes serving it) lives in `<state-dir>/state.json`.
 //! Failures and delays can be injected per RPC for tests.
+//!
+//! Several instances (one per node) may share one state directory, as nodes
+//! share network storage: every change is made under an exclusive file lock,
+//! re-reading and atomically rewriting the state file, and every read loads
+//! it under a shared lock (see [`state`]). Node-local facts (what is staged
+//! or published on a node) are never written to the shared directory: each
+//! node's mount table is their record. The per-volume guard that answers
+//! `ABORTED` ([`locks`]) stays per process: it serialises the calls one CO
+//! makes to one node's instance; calls for one volume through different
+//! instances are made safe by the state lock instead, under which each
+//! controller change is checked and applied as one step.
 
 pub mod capability;
 pub mod config;

@@ -4,6 +4,14 @@
 //! `ABORTED` at once instead of queueing, as the CSI spec allows; the CO
 //! retries with backoff. The slot is held by an RAII guard and given back
 //! when the guard drops, whatever way the operation ends.
+//!
+//! The guard is per process, not shared with other instances on the same
+//! state directory: node calls for one volume on two nodes (a multi-node
+//! volume) are independent and must not turn each other away, and
+//! controller calls through two instances are serialised by the state lock,
+//! under which each one re-reads the state, checks and applies its change.
+//! A repeated call through another instance therefore finds the work done
+//! and answers as an idempotent retry.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
