@@ -1,7 +1,7 @@
 //! berth-server: the control plane. It owns the cluster state (the state
-//! store and its redb persistence), the scheduler, node liveness, CSI
-//! volumes, claims and the volume watcher, garbage collection, and the
-//! gRPC services clients call (`berth.v1.Node`, `berth.v1.CSIVolume`).
+//! store and its redb persistence), the scheduler, node liveness and
+//! drain, CSI volumes, claims and the volume watcher, garbage collection,
+//! and the gRPC services clients call (`berth.v1.Node`, `berth.v1.CSIVolume`).
 //!
 //! It knows nothing of the client side (alloc runners, csimanager, the
 //! heartbeat loop), the HTTP API or the CLI: clients reach it only through
@@ -11,6 +11,7 @@
 
 mod config;
 mod csi;
+mod drainer;
 mod error;
 mod gc;
 mod liveness;
@@ -23,6 +24,7 @@ pub mod state;
 
 pub use config::ServerConfig;
 pub use csi::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, VolumeRelease, FORCED_RELEASE_EVENT};
+pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
 pub use nodes::{AllocUpdate, NodeRegistration};

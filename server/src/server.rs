@@ -61,8 +61,8 @@ impl Server {
         Ok(server)
     }
 
-    /// Run the background loops (node liveness, the volume watcher,
-    /// scheduler retries, garbage collection) until `shutdown` turns true.
+    /// Run the background loops (node liveness, the volume watcher, the
+    /// drainer, scheduler retries, garbage collection) until `shutdown` turns true.
     pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
         tracing::info!(index = self.store.index(), "server running");
         // Evaluate everything once: a restart may have left work undone.
@@ -70,6 +70,7 @@ impl Server {
         let tasks = vec![
             tokio::spawn(self.clone().liveness_loop()),
             tokio::spawn(self.clone().volume_watcher_loop()),
+            tokio::spawn(self.clone().drainer_loop()),
             tokio::spawn(self.clone().scheduler_retry_loop()),
             tokio::spawn(self.clone().gc_loop()),
         ];
