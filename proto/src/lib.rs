@@ -2,8 +2,9 @@
 //!
 //! `csi::v1` is the Container Storage Interface, spec v1.12, wire-identical to
 //! the upstream definition. `berth::v1` is the protocol between a client agent
-//! and the servers. This crate holds generated code only; it knows nothing of
-//! the data model, the client or the servers.
+//! and the servers. This crate holds generated code and the protocol's
+//! constants only; it knows nothing of the data model, the client or the
+//! servers.
 
 pub mod csi {
     pub mod v1 {
@@ -16,5 +17,10 @@ pub mod berth {
     pub mod v1 {
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("berth.v1");
+
+        /// The gRPC metadata key that carries the calling node's secret on
+        /// every `Node` and `CSIVolume` RPC. The servers refuse a call whose
+        /// secret is not the one the node registered with.
+        pub const NODE_SECRET_METADATA: &str = "x-berth-node-secret";
     }
 }

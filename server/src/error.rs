@@ -83,6 +83,11 @@ pub enum ServerError {
     /// cannot be reached now; retry.
     #[error("{0}")]
     Unavailable(String),
+    /// A node RPC whose node secret is missing or is not the node's, or
+    /// that acts for an alloc of another node. The message names the node,
+    /// never a secret.
+    #[error("{0}")]
+    Forbidden(String),
     /// A client answered a server call with an error (typically a CSI plugin
     /// error); `code` is the gRPC code it reported.
     #[error("{message}")]
@@ -105,6 +110,7 @@ impl ServerError {
             ServerError::BadRequest(_) | ServerError::Validation(_) => 400,
             ServerError::Conflict(_) | ServerError::InUse(_) => 409,
             ServerError::Unavailable(_) => 503,
+            ServerError::Forbidden(_) => 403,
             ServerError::Remote { code, .. } => match code {
                 tonic::Code::InvalidArgument | tonic::Code::OutOfRange => 400,
                 tonic::Code::NotFound => 404,
@@ -127,6 +133,7 @@ impl ServerError {
             ServerError::Conflict(_) => tonic::Code::FailedPrecondition,
             ServerError::InUse(_) => tonic::Code::ResourceExhausted,
             ServerError::Unavailable(_) => tonic::Code::Unavailable,
+            ServerError::Forbidden(_) => tonic::Code::PermissionDenied,
             ServerError::Remote { code, .. } => *code,
             ServerError::Store(_) | ServerError::Internal(_) => tonic::Code::Internal,
         }

@@ -15,6 +15,7 @@ mod drainer;
 mod error;
 mod gc;
 mod liveness;
+mod node_secrets;
 mod nodes;
 mod plugins;
 mod rpc;

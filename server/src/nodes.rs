@@ -67,7 +67,19 @@ impl Server {
     /// Register (or re-register) a node; it becomes `ready`. Plugin
     /// fingerprints and events the servers already have are kept when the
     /// registration carries none.
-    pub async fn register_node(&self, mut node: Node) -> Result<NodeRegistration, ServerError> {
+    /// In-process callers only: it neither checks nor sets the node secret
+    /// (`Node.Register` goes through `register_node_with_secret`).
+    pub async fn register_node(&self, node: Node) -> Result<NodeRegistration, ServerError> {
+        self.register_node_as(node, None).await
+    }
+
+    /// Register `node`; with `secret`, the registration must match the
+    /// node's secret (see `node_secrets`), checked in the same write.
+    pub(crate) async fn register_node_as(
+        &self,
+        mut node: Node,
+        secret: Option<&berth_structs::NodeSecret>,
+    ) -> Result<NodeRegistration, ServerError> {
         let bad_names: Vec<String> = [("node ID", &node.id), ("node name", &node.name)]
             .into_iter()
             .filter_map(|(field, value)| berth_structs::check_name(field, value).err())
@@ -78,6 +90,9 @@ impl Server {
         }
         let ((), index) = self.store.write(|t, changes| {
             let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
+            if let Some(secret) = secret {
+                crate::node_secrets::admit_registration(t, &node.id, secret, changes)?;
+            }
             // The registration's events join the stored ones as any
             // others do: folded and capped.
             let carried = std::mem::take(&mut node.events);

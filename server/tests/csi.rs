@@ -22,7 +22,7 @@ async fn setup(
     caps: &[AccessMode],
 ) -> berth_structs::Allocation {
     let s = &ts.server;
-    s.register_node(node("n1")).await.unwrap();
+    register(s, node("n1")).await;
     give_plugin(s, "n1", "hostpath", true, controller, controller).await;
     s.register_volume(volume("data", "hostpath", caps))
         .await
@@ -269,7 +269,7 @@ async fn wait_for_live(s: &berth_server::Server, job: &str) -> berth_structs::Al
 async fn pending_call_fails_unavailable_when_the_stream_drops_and_new_stream_replaces_old() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
+    register(&s, node("n1")).await;
     give_plugin(&s, "n1", "hostpath", true, true, true).await;
 
     // A raw stream that never answers.
@@ -529,7 +529,7 @@ async fn watcher_keeps_the_claim_of_a_lost_alloc_until_its_stop_after_client_dis
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
     for n in ["n1", "n2"] {
-        s.register_node(node(n)).await.unwrap();
+        register(&s, node(n)).await;
         give_plugin(&s, n, "hostpath", true, false, false).await;
     }
     s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
@@ -634,7 +634,7 @@ async fn detach_names_a_node_that_does_not_exist_and_accepts_a_name_or_id_prefix
     let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
     let mut other = node("7f3c2a10-0000-4000-8000-000000000002");
     other.name = "worker-2".into();
-    s.register_node(other).await.unwrap();
+    register(&s, other).await;
 
     let err = s.detach_volume("data", "nosuchnode").await.unwrap_err();
     assert!(matches!(err, ServerError::NotFound(_)), "{err:?}");
@@ -673,7 +673,7 @@ async fn detach_names_a_node_that_does_not_exist_and_accepts_a_name_or_id_prefix
 async fn register_refuses_a_plugin_no_node_has_fingerprinted() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
+    register(&s, node("n1")).await;
     let err = s
         .register_volume(volume(
             "data",
@@ -764,11 +764,10 @@ async fn operator_detach_frees_a_stopped_allocs_claim_when_the_node_cannot_unmou
 }
 
 #[tokio::test]
-async fn an_unpublish_without_a_node_keeps_the_claim_when_the_node_cannot_unmount() {
-    // Only volume detach and a forced deregister, which first check that
-    // the alloc has stopped, free a claim past a failed detach. An
-    // Unpublish call that names no node stops at the error, as the
-    // alloc may still be using the volume.
+async fn an_unpublish_that_names_no_node_is_refused_and_keeps_the_claim() {
+    // Every Unpublish comes from a node, which proves itself with its
+    // secret. Only volume detach and a forced deregister, which first
+    // check that the alloc has stopped, release a claim without one.
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
     let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
@@ -785,23 +784,14 @@ async fn an_unpublish_without_a_node_keeps_the_claim_when_the_node_cannot_unmoun
             node_id: String::new(),
         })
         .await
-        .expect_err("the node could not unmount");
-    assert!(
-        err.message().contains("target is busy"),
-        "{}",
-        err.message()
-    );
-    // The node was told (the volume watcher may retry the release that
-    // was begun, and fail the same way).
-    let kinds = client.call_kinds();
-    assert!(
-        !kinds.is_empty() && kinds.iter().all(|k| *k == "NodeDetach"),
-        "{kinds:?}"
-    );
+        .expect_err("no node named");
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(err.message().contains("node_id"), "{}", err.message());
+    assert!(client.call_kinds().is_empty(), "{:?}", client.call_kinds());
     assert_eq!(
         claim_state(&s, &alloc.id),
-        Some((ClaimState::Taken, true)),
-        "the claim is kept, to be retried"
+        Some((ClaimState::Taken, false)),
+        "the claim is untouched"
     );
     assert!(forced_release_events(&s).is_empty());
 }
@@ -928,7 +918,7 @@ async fn a_failing_reap_backs_off_and_its_node_keeps_one_event_per_distinct_erro
 async fn operator_detach_of_a_down_nodes_claim_says_the_node_was_not_told() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
+    register(&s, node("n1")).await;
     give_plugin(&s, "n1", "hostpath", true, false, false).await;
     s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
         .await

@@ -13,11 +13,11 @@ async fn system_job_runs_on_every_ready_node() {
     let ts = TestServer::start(|_| {}).await;
     let s = &ts.server;
     for id in ["n1", "n2", "n3"] {
-        s.register_node(node(id)).await.unwrap();
+        register(s, node(id)).await;
     }
     let mut no_driver = node("n4");
     no_driver.drivers.clear();
-    s.register_node(no_driver).await.unwrap();
+    register(s, no_driver).await;
     s.mark_node_down("n3", "test").await.unwrap();
 
     let resp = s
@@ -41,7 +41,7 @@ async fn system_job_runs_on_every_ready_node() {
     assert_eq!(s.job("sys").unwrap().status, JobStatus::Running);
 
     // A node that joins gets one too; re-registering the same job changes nothing.
-    s.register_node(node("n5")).await.unwrap();
+    register(s, node("n5")).await;
     assert_eq!(live_allocs(s, "sys").len(), 3);
     let again = s
         .register_job(job("sys", JobType::System, 1))
@@ -71,7 +71,7 @@ async fn system_job_runs_on_every_ready_node() {
 async fn csi_group_waits_for_a_healthy_node_plugin() {
     let ts = TestServer::start(|_| {}).await;
     let s = &ts.server;
-    s.register_node(node("n1")).await.unwrap();
+    register(s, node("n1")).await;
     // The plugin is known (fingerprinted) but not healthy yet.
     give_plugin(s, "n1", "hostpath", false, false, false).await;
     s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
@@ -109,8 +109,8 @@ async fn csi_group_waits_for_a_healthy_node_plugin() {
 async fn second_single_node_writer_waits_until_the_first_claim_is_freed() {
     let ts = TestServer::start(|_| {}).await;
     let s = &ts.server;
-    s.register_node(node("n1")).await.unwrap();
-    s.register_node(node("n2")).await.unwrap();
+    register(s, node("n1")).await;
+    register(s, node("n2")).await;
     give_plugin(s, "n1", "hostpath", true, false, false).await;
     give_plugin(s, "n2", "hostpath", true, false, false).await;
     s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
@@ -169,7 +169,7 @@ async fn second_single_node_writer_waits_until_the_first_claim_is_freed() {
 async fn failed_service_alloc_is_replaced_and_batch_completes() {
     let ts = TestServer::start(|_| {}).await;
     let s = &ts.server;
-    s.register_node(node("n1")).await.unwrap();
+    register(s, node("n1")).await;
 
     s.register_job(job("svc", JobType::Service, 2))
         .await
@@ -207,7 +207,7 @@ async fn resources_limit_placements() {
     let s = &ts.server;
     let mut small = node("n1");
     small.resources.memory_mb = 300; // two 128 MiB allocs fit, not three
-    s.register_node(small).await.unwrap();
+    register(s, small).await;
     let resp = s
         .register_job(job("web", JobType::Service, 3))
         .await
@@ -221,7 +221,7 @@ async fn resources_limit_placements() {
         resp.placement_failures
     );
     // A second node unblocks the third.
-    s.register_node(node("n2")).await.unwrap();
+    register(s, node("n2")).await;
     assert_eq!(live_allocs(s, "web").len(), 3);
     assert_eq!(s.node("n1").unwrap().status, NodeStatus::Ready);
 }
@@ -238,7 +238,7 @@ async fn the_largest_asks_a_job_may_make_place_what_fits_and_summarize_the_rest(
         cpu: u64::MAX,
         memory_mb: MAX_MEMORY_MB * 3 - 1,
     };
-    s.register_node(n1).await.unwrap();
+    register(s, n1).await;
     let mut j = job("huge", JobType::Service, MAX_COUNT);
     j.task_groups[0].tasks[0].resources = Resources {
         cpu: MAX_CPU_MHZ,

@@ -23,7 +23,7 @@ fn validation_message(e: ServerError) -> String {
 async fn register_job_refuses_names_that_escape_a_path() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
+    register(&s, node("n1")).await;
 
     let mut bad_task = job("web", JobType::Service, 1);
     bad_task.task_groups[0].tasks[0].name = "../x".into();
@@ -107,7 +107,7 @@ async fn register_job_refuses_numbers_beyond_their_limits() {
 async fn create_and_register_volume_refuse_an_id_that_escapes() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
+    register(&s, node("n1")).await;
     give_plugin(&s, "n1", "hostpath", true, true, false).await;
     let client = TestClient::connect(&ts, "n1", ok_handler()).await;
 
@@ -189,6 +189,6 @@ async fn node_registration_refuses_ids_and_names_that_escape() {
     );
     assert!(s.nodes().is_empty(), "{:?}", s.nodes());
 
-    s.register_node(node("n1")).await.unwrap();
+    register(&s, node("n1")).await;
     assert_eq!(s.nodes().len(), 1);
 }

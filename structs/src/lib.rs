@@ -13,6 +13,7 @@ pub mod job;
 pub mod limits;
 pub mod names;
 pub mod node;
+pub mod node_secret;
 pub mod spec;
 
 pub use alloc::*;
@@ -20,6 +21,7 @@ pub use csi::*;
 pub use job::*;
 pub use names::{check_name, is_valid_name, NameError, NameProblem};
 pub use node::*;
+pub use node_secret::{NodeSecret, NodeSecretError};
 
 /// A job or volume that fails its checks. Each entry names what is wrong and
 /// where.

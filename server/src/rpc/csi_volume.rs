@@ -7,7 +7,7 @@ use berth_proto::berth::v1::csi_volume_server::CsiVolume;
 use berth_structs::CsiMountOptions;
 use tonic::{Request, Response, Status};
 
-use super::parse;
+use super::{parse, presented_secret};
 use crate::csi::{ReleaseOrigin, VolumeClaimRequest};
 use crate::error::ServerError;
 use crate::server::Server;
@@ -51,7 +51,12 @@ impl CsiVolume for CsiVolumeService {
         &self,
         req: Request<pb::ClaimRequest>,
     ) -> Result<Response<pb::ClaimResponse>, Status> {
+        let presented = presented_secret(&req);
         let req = claim_request(req.into_inner())?;
+        self.server
+            .authenticate_node("Claim", &req.node_id, &presented)?;
+        self.server
+            .authorize_claim_call("Claim", &req.node_id, &req.volume_id, &req.alloc_id)?;
         let (vid, aid) = (req.volume_id.clone(), req.alloc_id.clone());
         let grant = self.server.claim_volume(req).await.inspect_err(
             |e| tracing::info!(volume_id = %vid, alloc_id = %aid, error = %e, "claim refused"),
@@ -72,18 +77,19 @@ impl CsiVolume for CsiVolumeService {
         &self,
         req: Request<pb::UnpublishRequest>,
     ) -> Result<Response<pb::UnpublishResponse>, Status> {
+        let presented = presented_secret(&req);
         let r = req.into_inner();
-        if r.volume_id.is_empty() || r.alloc_id.is_empty() {
+        if r.volume_id.is_empty() || r.alloc_id.is_empty() || r.node_id.is_empty() {
             return Err(ServerError::BadRequest(
-                "unpublish: volume_id and alloc_id are required".into(),
+                "unpublish: volume_id, alloc_id and node_id are required".into(),
             )
             .into());
         }
-        let origin = if r.node_id.is_empty() {
-            ReleaseOrigin::Operator
-        } else {
-            ReleaseOrigin::Client { node_id: r.node_id }
-        };
+        self.server
+            .authenticate_node("Unpublish", &r.node_id, &presented)?;
+        self.server
+            .authorize_claim_call("Unpublish", &r.node_id, &r.volume_id, &r.alloc_id)?;
+        let origin = ReleaseOrigin::Client { node_id: r.node_id };
         self.server
             .unpublish_claim(&r.volume_id, &r.alloc_id, origin)
             .await?;

@@ -9,9 +9,23 @@ mod node;
 pub use csi_volume::CsiVolumeService;
 pub use node::NodeService;
 
-use berth_structs::ValidationError;
+use berth_proto::berth::v1::NODE_SECRET_METADATA;
+use berth_structs::{NodeSecret, ValidationError};
 
 use crate::error::ServerError;
+use crate::node_secrets::Presented;
+
+/// The node secret a request carries in its metadata, or why there is none
+/// (the reason never holds the secret).
+pub(crate) fn presented_secret<T>(req: &tonic::Request<T>) -> Presented {
+    let value = req.metadata().get(NODE_SECRET_METADATA).ok_or_else(|| {
+        format!("the request carries no node secret (metadata {NODE_SECRET_METADATA})")
+    })?;
+    let text = value
+        .to_str()
+        .map_err(|_| format!("metadata {NODE_SECRET_METADATA} is not printable ASCII"))?;
+    NodeSecret::parse(text).map_err(|e| format!("metadata {NODE_SECRET_METADATA}: {e}"))
+}
 
 pub(crate) fn decode_json<T: serde::de::DeserializeOwned>(
     what: &str,

@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::{decode_json, parse};
+use super::{decode_json, parse, presented_secret};
 use crate::error::ServerError;
 use crate::nodes::AllocUpdate;
 use crate::server::Server;
@@ -106,7 +106,10 @@ impl Node for NodeService {
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
         let node: berth_structs::Node = decode_json("node", &req.get_ref().node_json)?;
-        let reg = self.server.register_node(node).await?;
+        let secret = presented_secret(&req).map_err(|why| {
+            ServerError::Forbidden(format!("register of node {}: {why}", node.id))
+        })?;
+        let reg = self.server.register_node_with_secret(node, &secret).await?;
         Ok(Response::new(pb::RegisterResponse {
             heartbeat_ttl_ms: reg.heartbeat_ttl.as_millis() as u64,
             index: reg.index,
@@ -117,7 +120,10 @@ impl Node for NodeService {
         &self,
         req: Request<pb::HeartbeatRequest>,
     ) -> Result<Response<pb::HeartbeatResponse>, Status> {
-        let ttl = self.server.node_heartbeat(&req.get_ref().node_id).await?;
+        let node_id = &req.get_ref().node_id;
+        self.server
+            .authenticate_node("Heartbeat", node_id, &presented_secret(&req))?;
+        let ttl = self.server.node_heartbeat(node_id).await?;
         Ok(Response::new(pb::HeartbeatResponse {
             heartbeat_ttl_ms: ttl.as_millis() as u64,
         }))
@@ -129,13 +135,11 @@ impl Node for NodeService {
         &self,
         req: Request<pb::WatchAllocationsRequest>,
     ) -> Result<Response<Self::WatchAllocationsStream>, Status> {
+        let presented = presented_secret(&req);
         let node_id = req.into_inner().node_id;
         // Unknown node: NotFound, so the client registers first.
-        if !self.server.store.read(|t| t.nodes.contains_key(&node_id)) {
-            return Err(
-                ServerError::not_found(format!("node {node_id:?} is not registered")).into(),
-            );
-        }
+        self.server
+            .authenticate_node("WatchAllocations", &node_id, &presented)?;
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(stream_allocations(self.server.clone(), node_id, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
@@ -145,7 +149,10 @@ impl Node for NodeService {
         &self,
         req: Request<pb::UpdateAllocationsRequest>,
     ) -> Result<Response<pb::UpdateAllocationsResponse>, Status> {
+        let presented = presented_secret(&req);
         let r = req.into_inner();
+        self.server
+            .authenticate_node("UpdateAllocations", &r.node_id, &presented)?;
         let mut updates = Vec::with_capacity(r.updates.len());
         for u in r.updates {
             let task_states = if u.task_states_json.is_empty() {
@@ -168,7 +175,10 @@ impl Node for NodeService {
         &self,
         req: Request<pb::EmitEventsRequest>,
     ) -> Result<Response<pb::EmitEventsResponse>, Status> {
+        let presented = presented_secret(&req);
         let r = req.into_inner();
+        self.server
+            .authenticate_node("EmitEvents", &r.node_id, &presented)?;
         let events = r
             .events
             .into_iter()
@@ -192,7 +202,10 @@ impl Node for NodeService {
         &self,
         req: Request<pb::UpdatePluginsRequest>,
     ) -> Result<Response<pb::UpdatePluginsResponse>, Status> {
+        let presented = presented_secret(&req);
         let r = req.into_inner();
+        self.server
+            .authenticate_node("UpdatePlugins", &r.node_id, &presented)?;
         let mut nodes = BTreeMap::new();
         let mut controllers = BTreeMap::new();
         for f in &r.plugins {
@@ -225,6 +238,7 @@ impl Node for NodeService {
         &self,
         req: Request<Streaming<pb::ClientMessage>>,
     ) -> Result<Response<Self::OpenCallStreamStream>, Status> {
+        let presented = presented_secret(&req);
         let mut inbound = req.into_inner();
         let node_id = match inbound.message().await? {
             Some(pb::ClientMessage {
@@ -241,6 +255,8 @@ impl Node for NodeService {
                 ))
             }
         };
+        self.server
+            .authenticate_node("OpenCallStream", &node_id, &presented)?;
         let (tx, rx) = mpsc::channel(16);
         let server = self.server.clone();
         let conn_id = server.calls.attach(&node_id, tx);

@@ -10,6 +10,10 @@
 //!
 //! CSI plugins are not stored: they are derived from node fingerprints and
 //! plugin allocs (see `crate::plugins`).
+//!
+//! Node secrets are kept apart from the nodes, in their own map and their
+//! own database table, so that no answer built from a [`Node`] can carry
+//! one; they count as writes to the nodes table.
 
 mod redb_backend;
 
@@ -17,7 +21,7 @@ use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
-use berth_structs::{Allocation, CsiVolume, Job, Node};
+use berth_structs::{Allocation, CsiVolume, Job, Node, NodeSecret};
 use tokio::sync::watch;
 
 use crate::error::StoreError;
@@ -53,6 +57,8 @@ pub struct Tables {
     pub allocs: BTreeMap<String, Allocation>,
     pub nodes: BTreeMap<String, Node>,
     pub volumes: BTreeMap<String, CsiVolume>,
+    /// The secret each node registered with, by node ID.
+    pub node_secrets: BTreeMap<String, NodeSecret>,
     /// The index of the last write.
     pub index: u64,
     /// The index of the last write to each table.
@@ -77,7 +83,13 @@ pub enum Change {
     PutAlloc(Allocation),
     DeleteAlloc(String),
     PutNode(Node),
+    /// Deleting a node deletes its secret too.
     DeleteNode(String),
+    /// Set the secret of a node (its registration's).
+    PutNodeSecret {
+        node_id: String,
+        secret: NodeSecret,
+    },
     PutVolume(CsiVolume),
     DeleteVolume(String),
 }
@@ -87,7 +99,9 @@ impl Change {
         match self {
             Change::PutJob(_) | Change::DeleteJob(_) => Table::Jobs,
             Change::PutAlloc(_) | Change::DeleteAlloc(_) => Table::Allocs,
-            Change::PutNode(_) | Change::DeleteNode(_) => Table::Nodes,
+            Change::PutNode(_) | Change::DeleteNode(_) | Change::PutNodeSecret { .. } => {
+                Table::Nodes
+            }
             Change::PutVolume(_) | Change::DeleteVolume(_) => Table::Volumes,
         }
     }
@@ -98,6 +112,7 @@ impl Change {
             Change::PutAlloc(a) => &a.id,
             Change::PutNode(n) => &n.id,
             Change::PutVolume(v) => &v.id,
+            Change::PutNodeSecret { node_id, .. } => node_id,
             Change::DeleteJob(k)
             | Change::DeleteAlloc(k)
             | Change::DeleteNode(k)
@@ -231,6 +246,10 @@ impl StateStore {
                     }
                     Change::DeleteNode(k) => {
                         tables.nodes.remove(&k);
+                        tables.node_secrets.remove(&k);
+                    }
+                    Change::PutNodeSecret { node_id, secret } => {
+                        tables.node_secrets.insert(node_id, secret);
                     }
                     Change::PutVolume(v) => {
                         tables.volumes.insert(v.id.clone(), v);
@@ -282,7 +301,8 @@ fn stamp(tables: &Tables, index: u64, changes: &mut [Change]) {
             Change::DeleteJob(_)
             | Change::DeleteAlloc(_)
             | Change::DeleteNode(_)
-            | Change::DeleteVolume(_) => {}
+            | Change::DeleteVolume(_)
+            | Change::PutNodeSecret { .. } => {}
         }
     }
 }

@@ -1,10 +1,12 @@
 //! The redb backend: `<data_dir>/server/state.redb`, one table per object
 //! kind with JSON values keyed by ID, the indexes and the schema version in
-//! `meta`, and records that failed to decode in `quarantine`.
+//! `meta`, records that failed to decode in `quarantine`, and the node
+//! secrets in `node_secrets` (text by node ID), apart from the nodes.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use berth_structs::NodeSecret;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
 
@@ -17,6 +19,7 @@ pub const SCHEMA_VERSION: u64 = 1;
 
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
+const NODE_SECRETS: TableDefinition<&str, &str> = TableDefinition::new("node_secrets");
 const META_SCHEMA: &str = "schema_version";
 const META_INDEX: &str = "index";
 
@@ -213,6 +216,27 @@ fn sane_index(key: &str, value: Option<u64>) -> u64 {
     }
 }
 
+/// The node secrets. One that is not a valid secret is left out (and
+/// reported by node ID only): its node is then treated as one without a
+/// secret, which takes the secret of its next registration.
+fn decode_node_secrets(
+    t: &redb::Table<&str, &str>,
+) -> Result<BTreeMap<String, NodeSecret>, StoreError> {
+    let mut out = BTreeMap::new();
+    for row in t.iter()? {
+        let (k, v) = row?;
+        match NodeSecret::parse(v.value()) {
+            Ok(secret) => {
+                out.insert(k.value().to_string(), secret);
+            }
+            Err(e) => {
+                tracing::error!(node_id = k.value(), error = %e, "stored node secret is unusable; the node's next registration sets a new one");
+            }
+        }
+    }
+    Ok(out)
+}
+
 impl Backend for RedbBackend {
     fn load(&self) -> Result<Tables, StoreError> {
         let txn = self.db()?.begin_write()?;
@@ -252,6 +276,8 @@ impl Backend for RedbBackend {
             tables.nodes = decode_table(&t, Table::Nodes, &mut bad)?;
             let t = txn.open_table(definition(Table::Volumes))?;
             tables.volumes = decode_table(&t, Table::Volumes, &mut bad)?;
+            let t = txn.open_table(NODE_SECRETS)?;
+            tables.node_secrets = decode_node_secrets(&t)?;
         }
         // The index never goes backwards, even if meta was lost.
         let max_seen = tables
@@ -311,6 +337,18 @@ impl RedbBackend {
             for change in changes {
                 let kind = change.table();
                 touched.insert(kind);
+                match change {
+                    Change::PutNodeSecret { node_id, secret } => {
+                        let mut s = txn.open_table(NODE_SECRETS)?;
+                        s.insert(node_id.as_str(), secret.expose())?;
+                        continue;
+                    }
+                    Change::DeleteNode(node_id) => {
+                        let mut s = txn.open_table(NODE_SECRETS)?;
+                        s.remove(node_id.as_str())?;
+                    }
+                    _ => {}
+                }
                 let mut t = txn.open_table(definition(kind))?;
                 let encoded = match change {
                     Change::PutJob(j) => Some(serde_json::to_vec(j)),

@@ -15,7 +15,42 @@ use berth_server::{Server, ServerConfig};
 use berth_structs::*;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
+
+/// The node secret the test clients present for every node they act for.
+pub const TEST_SECRET: &str = "test-node-secret-0123456789abcdef";
+
+pub fn test_secret() -> NodeSecret {
+    NodeSecret::parse(TEST_SECRET).expect("test secret")
+}
+
+/// Puts a node secret (when it has one) in the metadata of every call, as
+/// a client agent does.
+#[derive(Clone)]
+pub struct WithSecret(pub Option<String>);
+
+impl tonic::service::Interceptor for WithSecret {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(secret) = &self.0 {
+            let value = secret
+                .parse()
+                .map_err(|_| tonic::Status::internal("secret is not metadata"))?;
+            req.metadata_mut().insert(pb::NODE_SECRET_METADATA, value);
+        }
+        Ok(req)
+    }
+}
+
+pub type SecretChannel = InterceptedService<Channel, WithSecret>;
+
+/// Register `node` as its client would, with [`TEST_SECRET`].
+pub async fn register(server: &Server, node: Node) -> berth_server::NodeRegistration {
+    server
+        .register_node_with_secret(node, &test_secret())
+        .await
+        .expect("register node")
+}
 
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
@@ -98,16 +133,35 @@ impl TestServer {
         format!("http://{}", self.addr)
     }
 
-    pub async fn node_client(&self) -> NodeClient<Channel> {
-        NodeClient::connect(self.endpoint())
+    async fn channel(&self) -> Channel {
+        Channel::from_shared(self.endpoint())
+            .expect("endpoint")
+            .connect()
             .await
-            .expect("connect node client")
+            .expect("connect to the test server")
     }
 
-    pub async fn csi_client(&self) -> CsiVolumeClient<Channel> {
-        CsiVolumeClient::connect(self.endpoint())
-            .await
-            .expect("connect csi client")
+    /// A `Node` client that presents [`TEST_SECRET`].
+    pub async fn node_client(&self) -> NodeClient<SecretChannel> {
+        self.node_client_with(Some(TEST_SECRET)).await
+    }
+
+    /// A `Node` client that presents `secret` (None: no secret at all).
+    pub async fn node_client_with(&self, secret: Option<&str>) -> NodeClient<SecretChannel> {
+        NodeClient::with_interceptor(self.channel().await, WithSecret(secret.map(String::from)))
+    }
+
+    /// A `CSIVolume` client that presents [`TEST_SECRET`].
+    pub async fn csi_client(&self) -> CsiVolumeClient<SecretChannel> {
+        self.csi_client_with(Some(TEST_SECRET)).await
+    }
+
+    /// A `CSIVolume` client that presents `secret` (None: no secret).
+    pub async fn csi_client_with(&self, secret: Option<&str>) -> CsiVolumeClient<SecretChannel> {
+        CsiVolumeClient::with_interceptor(
+            self.channel().await,
+            WithSecret(secret.map(String::from)),
+        )
     }
 
     pub async fn stop(mut self) {

@@ -1,0 +1,138 @@
+//! Node identity: the secret each node registered with, and the check
+//! every node RPC passes before it acts. A node unknown to the servers
+//! (never seen, or purged) registers with the secret it brings; from then on
+//! only a caller with that secret acts for the node, and only for allocs
+//! placed on it. Secrets live in their own table of the store, never on a
+//! [`Node`], so no API answer can carry one; refusals name the node, never a
+//! secret.
+
+use berth_structs::{Node, NodeSecret};
+
+use crate::error::ServerError;
+use crate::nodes::NodeRegistration;
+use crate::server::Server;
+use crate::state::{Change, Tables};
+
+/// The secret a caller presented: the secret, or why there is none.
+pub(crate) type Presented = Result<NodeSecret, String>;
+
+fn refused(node_id: &str, why: &str) -> ServerError {
+    ServerError::Forbidden(format!("node {node_id}: {why}"))
+}
+
+/// Check a registration of `node_id` with `secret` and record the secret;
+/// runs inside the registration's write.
+pub(crate) fn admit_registration(
+    t: &Tables,
+    node_id: &str,
+    secret: &NodeSecret,
+    changes: &mut Vec<Change>,
+) -> Result<(), ServerError> {
+    let known = t.node_secrets.get(node_id);
+    // A node the servers do not know (or know from before node secrets)
+    // takes the secret it brings.
+    if t.nodes.contains_key(node_id) && known.is_some_and(|k| k != secret) {
+        return Err(refused(
+            node_id,
+            "is registered with another node secret; a node ID belongs to the client that registered it first",
+        ));
+    }
+    if known != Some(secret) {
+        changes.push(Change::PutNodeSecret {
+            node_id: node_id.to_string(),
+            secret: secret.clone(),
+        });
+    }
+    Ok(())
+}
+
+/// Whether `presented` proves the caller is the registered node `node_id`.
+/// An unknown node is NotFound (it must register first).
+fn check(t: &Tables, node_id: &str, presented: &Presented) -> Result<(), ServerError> {
+    if !t.nodes.contains_key(node_id) {
+        return Err(ServerError::not_found(format!(
+            "node {node_id:?} is not registered"
+        )));
+    }
+    let secret = presented.as_ref().map_err(|why| refused(node_id, why))?;
+    match t.node_secrets.get(node_id) {
+        Some(known) if known == secret => Ok(()),
+        Some(_) => Err(refused(
+            node_id,
+            "the node secret is not the one the node registered with",
+        )),
+        None => Err(refused(
+            node_id,
+            "the servers hold no node secret for this node; it must register again",
+        )),
+    }
+}
+
+impl Server {
+    /// Register (or re-register) a node that proves itself with `secret`,
+    /// as `Node.Register` does. A node the servers know with another
+    /// secret is refused and nothing changes.
+    pub async fn register_node_with_secret(
+        &self,
+        node: Node,
+        secret: &NodeSecret,
+    ) -> Result<NodeRegistration, ServerError> {
+        let node_id = node.id.clone();
+        self.register_node_as(node, Some(secret))
+            .await
+            .inspect_err(|e| {
+                if matches!(e, ServerError::Forbidden(_)) {
+                    tracing::warn!(node_id, rpc = "Register", error = %e, "node RPC refused");
+                }
+            })
+    }
+
+    /// Check that the caller of node RPC `rpc` is the node `node_id`.
+    pub(crate) fn authenticate_node(
+        &self,
+        rpc: &'static str,
+        node_id: &str,
+        presented: &Presented,
+    ) -> Result<(), ServerError> {
+        self.store
+            .read(|t| check(t, node_id, presented))
+            .inspect_err(|e| {
+                if matches!(e, ServerError::Forbidden(_)) {
+                    tracing::warn!(node_id, rpc, error = %e, "node RPC refused");
+                }
+            })
+    }
+
+    /// Check that node `node_id` may claim or release (`rpc`) a claim of
+    /// `alloc_id` on `volume_id`: the alloc, and any claim it holds, are
+    /// its own.
+    pub(crate) fn authorize_claim_call(
+        &self,
+        rpc: &'static str,
+        node_id: &str,
+        volume_id: &str,
+        alloc_id: &str,
+    ) -> Result<(), ServerError> {
+        self.store
+            .read(|t| {
+                let claim_node = t
+                    .volumes
+                    .get(volume_id)
+                    .and_then(|v| v.claim_for(alloc_id))
+                    .map(|c| c.node_id.as_str());
+                let alloc_node = t.allocs.get(alloc_id).map(|a| a.node_id.as_str());
+                match claim_node.into_iter().chain(alloc_node).find(|n| *n != node_id) {
+                    Some(owner) => Err(refused(
+                        node_id,
+                        &format!(
+                            "alloc {alloc_id} is placed on node {owner}; a node claims and releases volumes only for its own allocs"
+                        ),
+                    )),
+                    None => Ok(()),
+                }
+            })
+            .inspect_err(|e| {
+                tracing::warn!(node_id, rpc, volume_id, alloc_id, error = %e, "node RPC refused");
+            })
+    }
+}

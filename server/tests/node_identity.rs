@@ -1,0 +1,383 @@
+//! Node identity over real gRPC: a node registers with a secret, and every
+//! node RPC that presents another secret (or none) is refused and changes
+//! nothing; a node acts on volume claims only for its own allocs.
+
+mod support;
+
+use berth_proto::berth::v1 as pb;
+use berth_server::{Server, ServerError};
+use berth_structs::{AccessMode, AllocClientStatus, ClaimState, NodeSecret};
+use support::*;
+use tokio_stream::wrappers::ReceiverStream;
+
+const GOOD: &str = "good-secret-of-n1-0123456789abcdef";
+const FORGED: &str = "forged-secret-0123456789abcdef0123";
+
+fn register_request(node: &berth_structs::Node) -> pb::RegisterRequest {
+    pb::RegisterRequest {
+        node_json: serde_json::to_vec(node).unwrap(),
+    }
+}
+
+/// The refusal a forged call gets: PermissionDenied, naming the node and
+/// neither secret.
+fn assert_refused(what: &str, err: tonic::Status, node_id: &str) {
+    assert_eq!(
+        err.code(),
+        tonic::Code::PermissionDenied,
+        "{what}: {}",
+        err.message()
+    );
+    let msg = err.message();
+    assert!(msg.contains(node_id), "{what}: {msg}");
+    assert!(
+        !msg.contains(GOOD) && !msg.contains(FORGED) && !msg.contains(TEST_SECRET),
+        "{what}: {msg}"
+    );
+}
+
+#[tokio::test]
+async fn register_of_a_known_node_with_another_secret_is_refused_and_changes_nothing() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let mut owner = ts.node_client_with(Some(GOOD)).await;
+    owner.register(register_request(&node("n1"))).await.unwrap();
+    let before = s.node("n1").unwrap();
+    let index = s.index();
+
+    let mut impostor = node("n1");
+    impostor.name = "impostor".into();
+    for secret in [Some(FORGED), None] {
+        let err = ts
+            .node_client_with(secret)
+            .await
+            .register(register_request(&impostor))
+            .await
+            .expect_err("a registration with another secret");
+        assert_refused("register", err, "n1");
+    }
+    assert_eq!(s.index(), index, "a refused registration writes nothing");
+    assert_eq!(s.node("n1").unwrap().name, before.name);
+
+    // The owner registers again, with its secret.
+    let mut renamed = node("n1");
+    renamed.name = "renamed".into();
+    let reg = owner.register(register_request(&renamed)).await.unwrap();
+    assert!(reg.into_inner().index > index);
+    assert_eq!(s.node("n1").unwrap().name, "renamed");
+}
+
+#[tokio::test]
+async fn every_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    // n1 is a real client: registered with TEST_SECRET, its call stream
+    // open, its alloc running and holding nothing yet. n2 has no stream.
+    register(&s, node("n1")).await;
+    register(&s, node("n2")).await;
+    let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    give_plugin(&s, "n1", "hostpath", true, false, false).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    assert_eq!(alloc.node_id, "n1");
+    report(&s, &alloc, AllocClientStatus::Running).await;
+
+    let index = s.index();
+    let n1 = s.node("n1").unwrap();
+    for secret in [Some(FORGED), None] {
+        let mut nc = ts.node_client_with(secret).await;
+        let mut csi = ts.csi_client_with(secret).await;
+
+        let err = nc
+            .heartbeat(pb::HeartbeatRequest {
+                node_id: "n1".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_refused("heartbeat", err, "n1");
+
+        let err = nc
+            .watch_allocations(pb::WatchAllocationsRequest {
+                node_id: "n1".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_refused("watch", err, "n1");
+
+        let err = nc
+            .update_allocations(pb::UpdateAllocationsRequest {
+                node_id: "n1".into(),
+                updates: vec![pb::AllocStatusUpdate {
+                    alloc_id: alloc.id.clone(),
+                    client_status: "failed".into(),
+                    client_description: "forged".into(),
+                    task_states_json: vec![],
+                }],
+            })
+            .await
+            .unwrap_err();
+        assert_refused("update allocs", err, "n1");
+
+        let err = nc
+            .emit_events(pb::EmitEventsRequest {
+                node_id: "n1".into(),
+                events: vec![pb::NodeEvent {
+                    subsystem: "Storage".into(),
+                    message: "forged".into(),
+                    details: Default::default(),
+                    timestamp_ms: 1,
+                }],
+            })
+            .await
+            .unwrap_err();
+        assert_refused("events", err, "n1");
+
+        let err = nc
+            .update_plugins(pb::UpdatePluginsRequest {
+                node_id: "n1".into(),
+                plugins: vec![],
+            })
+            .await
+            .unwrap_err();
+        assert_refused("plugins", err, "n1");
+
+        let (out, rx) = tokio::sync::mpsc::channel(1);
+        out.send(pb::ClientMessage {
+            msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
+                node_id: "n2".into(),
+            })),
+        })
+        .await
+        .unwrap();
+        let err = nc
+            .open_call_stream(ReceiverStream::new(rx))
+            .await
+            .unwrap_err();
+        assert_refused("call stream", err, "n2");
+        assert!(!s.node_connected("n2"), "a forged stream is not attached");
+
+        let err = csi
+            .claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+            .await
+            .unwrap_err();
+        assert_refused("claim", err, "n1");
+        assert_eq!(s.index(), index, "forged calls write nothing");
+        assert!(s.volume("data").unwrap().write_claims.is_empty());
+    }
+    assert_eq!(s.node("n1").unwrap(), n1);
+    assert_eq!(
+        s.allocation(&alloc.id).unwrap().client_status,
+        AllocClientStatus::Running
+    );
+
+    // The real client claims; a forged Unpublish does not release it.
+    ts.csi_client()
+        .await
+        .claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let index = s.index();
+    for secret in [Some(FORGED), None] {
+        let err = ts
+            .csi_client_with(secret)
+            .await
+            .unpublish(pb::UnpublishRequest {
+                volume_id: "data".into(),
+                alloc_id: alloc.id.clone(),
+                node_id: "n1".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_refused("unpublish", err, "n1");
+    }
+    assert_eq!(s.index(), index);
+    let claim = s.volume("data").unwrap().write_claims[&alloc.id].clone();
+    assert_eq!((claim.state, claim.releasing), (ClaimState::Taken, false));
+
+    // With the right secret, all of it works.
+    let mut nc = ts.node_client().await;
+    nc.heartbeat(pb::HeartbeatRequest {
+        node_id: "n1".into(),
+    })
+    .await
+    .expect("heartbeat with the node's secret");
+    nc.emit_events(pb::EmitEventsRequest {
+        node_id: "n1".into(),
+        events: vec![pb::NodeEvent {
+            subsystem: "Storage".into(),
+            message: "real".into(),
+            details: Default::default(),
+            timestamp_ms: 1,
+        }],
+    })
+    .await
+    .expect("events with the node's secret");
+    assert!(s
+        .node("n1")
+        .unwrap()
+        .events
+        .iter()
+        .any(|e| e.message == "real"));
+    assert!(!s
+        .node("n1")
+        .unwrap()
+        .events
+        .iter()
+        .any(|e| e.message == "forged"));
+}
+
+#[tokio::test]
+async fn a_node_claims_and_releases_volumes_only_for_its_own_allocs() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    register(&s, node("n1")).await;
+    let n2_secret = "secret-of-n2-0123456789abcdef0123";
+    s.register_node_with_secret(node("n2"), &NodeSecret::parse(n2_secret).unwrap())
+        .await
+        .unwrap();
+    let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    give_plugin(&s, "n1", "hostpath", true, false, false).await;
+    give_plugin(&s, "n2", "hostpath", true, false, false).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    let (owner, other) = if alloc.node_id == "n1" {
+        ("n1", "n2")
+    } else {
+        ("n2", "n1")
+    };
+    let secret_of = |n: &str| if n == "n1" { TEST_SECRET } else { n2_secret };
+
+    // The other node, with its own secret, names itself and the alloc.
+    let mut stolen = claim_request("data", &alloc, AccessMode::SingleNodeWriter);
+    stolen.node_id = other.into();
+    let mut other_csi = ts.csi_client_with(Some(secret_of(other))).await;
+    let err = other_csi.claim(stolen).await.unwrap_err();
+    assert_refused("claim of another node's alloc", err, other);
+    assert!(s.volume("data").unwrap().write_claims.is_empty());
+
+    // Connect the owner's call stream when the owner is n2 too, so the
+    // claim it makes can be answered.
+    let _owner_stream = if owner == "n2" {
+        Some(connect_with(&ts, "n2", n2_secret).await)
+    } else {
+        None
+    };
+    ts.csi_client_with(Some(secret_of(owner)))
+        .await
+        .claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the owner claims");
+    let index = s.index();
+    let err = other_csi
+        .unpublish(pb::UnpublishRequest {
+            volume_id: "data".into(),
+            alloc_id: alloc.id.clone(),
+            node_id: other.into(),
+        })
+        .await
+        .unwrap_err();
+    assert_refused("release of another node's claim", err, other);
+    assert_eq!(s.index(), index);
+    let claim = s.volume("data").unwrap().write_claims[&alloc.id].clone();
+    assert_eq!((claim.state, claim.releasing), (ClaimState::Taken, false));
+}
+
+/// A bare call stream of `node_id` presenting `secret`, answering nothing.
+async fn connect_with(
+    ts: &TestServer,
+    node_id: &str,
+    secret: &str,
+) -> (
+    tokio::sync::mpsc::Sender<pb::ClientMessage>,
+    tonic::Streaming<pb::ServerCall>,
+) {
+    let (out, rx) = tokio::sync::mpsc::channel(4);
+    out.send(pb::ClientMessage {
+        msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
+            node_id: node_id.into(),
+        })),
+    })
+    .await
+    .unwrap();
+    let inbound = ts
+        .node_client_with(Some(secret))
+        .await
+        .open_call_stream(ReceiverStream::new(rx))
+        .await
+        .expect("open call stream")
+        .into_inner();
+    (out, inbound)
+}
+
+#[tokio::test]
+async fn two_clients_with_the_same_name_are_two_nodes() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let mut a = node("id-a");
+    a.name = "web".into();
+    let mut b = node("id-b");
+    b.name = "web".into();
+    ts.node_client_with(Some(GOOD))
+        .await
+        .register(register_request(&a))
+        .await
+        .unwrap();
+    ts.node_client_with(Some(FORGED))
+        .await
+        .register(register_request(&b))
+        .await
+        .expect("a second node with the same name registers");
+    let mut ids: Vec<String> = s.nodes().into_iter().map(|n| n.id).collect();
+    ids.sort();
+    assert_eq!(ids, ["id-a", "id-b"]);
+    // Each heartbeats with its own secret only.
+    let err = ts
+        .node_client_with(Some(GOOD))
+        .await
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "id-b".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied);
+    ts.node_client_with(Some(FORGED))
+        .await
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "id-b".into(),
+        })
+        .await
+        .expect("id-b with its own secret");
+}
+
+#[tokio::test]
+async fn the_node_secret_survives_a_server_restart() {
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let good = NodeSecret::parse(GOOD).unwrap();
+    let forged = NodeSecret::parse(FORGED).unwrap();
+    {
+        let s = Server::open(test_config(dir.path())).unwrap();
+        s.register_node_with_secret(node("n1"), &good)
+            .await
+            .unwrap();
+    }
+    let s = Server::open(test_config(dir.path())).unwrap();
+    let err = s
+        .register_node_with_secret(node("n1"), &forged)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ServerError::Forbidden(_)), "{err:?}");
+    s.register_node_with_secret(node("n1"), &good)
+        .await
+        .expect("the node's own secret still works");
+}
