@@ -407,6 +407,7 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v1/allocation/{id}", get(get_allocation))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/node/{id}", get(get_node))
+        .route("/v1/node/{id}/purge", put(purge_node))
         .route("/v1/volumes", get(list_volumes))
         .route(
             "/v1/volume/csi/{id}",
@@ -573,6 +574,11 @@ async fn deregister_volume(
 async fn delete_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     s.delete_volume(&id).await?;
     Ok(Json(json!({})))
+}
+
+/// `node purge`: the operator says the node is gone.
+async fn purge_node(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
+    to_json(&s.purge_node(&id).await?)
 }
 
 #[derive(Deserialize)]

@@ -28,7 +28,7 @@ pub use csi::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, VolumeRelease, FORC
 pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
-pub use nodes::{AllocUpdate, NodeRegistration};
+pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, ReleasedClaim};
 pub use rpc::{CsiVolumeService, NodeService};
 pub use scheduler::JobRegisterResponse;
 pub use server::Server;

@@ -29,19 +29,37 @@ fn random_fraction() -> f64 {
     (h.finish() >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// What the servers know of each node's heartbeats, in memory only: a
+/// heartbeat writes nothing to the store (a write would bump the index,
+/// wake every alloc watch and sync the database, per heartbeat). The store
+/// is written when a node's status changes.
+#[derive(Debug, Default)]
+pub(crate) struct Heartbeats {
+    /// When each node not down must be heard from next (TTL + grace). Its
+    /// length is the number of live nodes the TTL is stretched by.
+    deadlines: HashMap<String, Instant>,
+    /// Unix ms of each node's last heartbeat (or registration) since this
+    /// server started; the stored `last_heartbeat_ms` is older.
+    last_ms: HashMap<String, i64>,
+}
+
+/// How often the liveness loop looks at the clock even when no deadline is
+/// due: the pause detector's resolution.
+pub(crate) const LIVENESS_TICK: Duration = Duration::from_millis(500);
+
+/// A liveness-loop wake-up this much later than asked for means the server
+/// itself was away (stopped, swapped out, its disk hung): the nodes are
+/// given a fresh TTL rather than marked down for that time.
+pub(crate) const PAUSE_THRESHOLD: Duration = Duration::from_secs(3);
+
 impl Server {
-    fn heartbeat_map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+    fn heartbeat_map(&self) -> std::sync::MutexGuard<'_, Heartbeats> {
         self.heartbeats.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The TTL to hand to a node now, jitter included.
     pub fn heartbeat_ttl(&self) -> Duration {
-        let live_nodes = self.store.read(|t| {
-            t.nodes
-                .values()
-                .filter(|n| n.status != NodeStatus::Down)
-                .count()
-        });
+        let live_nodes = self.heartbeat_map().deadlines.len();
         let base = base_ttl(
             live_nodes,
             self.config.min_heartbeat_ttl,
@@ -52,20 +70,52 @@ impl Server {
 
     /// Expect the next heartbeat of `node_id` within `ttl` (plus grace).
     pub(crate) fn reset_heartbeat_timer(&self, node_id: &str, ttl: Duration) {
-        let now = Instant::now();
+        let deadline = self.deadline_after(ttl, Instant::now());
+        self.heartbeat_map()
+            .deadlines
+            .insert(node_id.to_string(), deadline);
+    }
+
+    /// `now + ttl + grace`; a window too long to represent is a deadline a
+    /// year away (the node is heard from long before).
+    fn deadline_after(&self, ttl: Duration, now: Instant) -> Instant {
         let window = ttl.saturating_add(self.config.heartbeat_grace);
-        // A window too long to represent is a deadline a year away (the
-        // node is heard from long before).
-        let deadline = now
-            .checked_add(window)
+        now.checked_add(window)
             .or_else(|| now.checked_add(ONE_YEAR))
-            .unwrap_or(now);
-        self.heartbeat_map().insert(node_id.to_string(), deadline);
-        self.heartbeats_changed.notify_one();
+            .unwrap_or(now)
+    }
+
+    /// Record that `node_id` was heard from at `now_ms` (unix ms).
+    pub(crate) fn record_heartbeat(&self, node_id: &str, now_ms: i64) {
+        self.heartbeat_map()
+            .last_ms
+            .insert(node_id.to_string(), now_ms);
+    }
+
+    /// When `node_id` was last heard from by this server since it started
+    /// (unix ms); None when not since then.
+    pub(crate) fn last_heartbeat_ms(&self, node_id: &str) -> Option<i64> {
+        self.heartbeat_map().last_ms.get(node_id).copied()
+    }
+
+    /// `node` as the API shows it: with the last heartbeat this server
+    /// heard, which is newer than the stored one.
+    pub(crate) fn with_live_heartbeat(&self, mut node: berth_structs::Node) -> berth_structs::Node {
+        if let Some(ms) = self.last_heartbeat_ms(&node.id) {
+            node.last_heartbeat_ms = node.last_heartbeat_ms.max(ms);
+        }
+        node
     }
 
     pub(crate) fn clear_heartbeat_timer(&self, node_id: &str) {
-        self.heartbeat_map().remove(node_id);
+        self.heartbeat_map().deadlines.remove(node_id);
+    }
+
+    /// Forget a node entirely (it was purged).
+    pub(crate) fn forget_heartbeats(&self, node_id: &str) {
+        let mut map = self.heartbeat_map();
+        map.deadlines.remove(node_id);
+        map.last_ms.remove(node_id);
     }
 
     /// After a restart every node that was up gets a fresh TTL.
@@ -82,31 +132,74 @@ impl Server {
             self.config.min_heartbeat_ttl,
             self.config.max_heartbeats_per_second,
         );
+        let now = Instant::now();
+        let deadline = self.deadline_after(ttl, now);
+        let mut map = self.heartbeat_map();
         for id in ready {
-            self.reset_heartbeat_timer(&id, ttl);
+            map.deadlines.insert(id, deadline);
         }
+    }
+
+    /// The server was away for `gap`: every node it is waiting for gets a
+    /// fresh TTL (as after a restart), so none is marked down for the time
+    /// the server itself did not listen.
+    fn rearm_after_pause(&self, gap: Duration) {
+        let mut map = self.heartbeat_map();
+        let ttl = base_ttl(
+            map.deadlines.len(),
+            self.config.min_heartbeat_ttl,
+            self.config.max_heartbeats_per_second,
+        );
+        let deadline = self.deadline_after(ttl, Instant::now());
+        let nodes = map.deadlines.len();
+        for d in map.deadlines.values_mut() {
+            *d = (*d).max(deadline);
+        }
+        drop(map);
+        tracing::warn!(
+            gap_ms = u64::try_from(gap.as_millis()).unwrap_or(u64::MAX),
+            nodes,
+            ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX),
+            "server was paused; every node gets a fresh heartbeat TTL"
+        );
     }
 
     pub(crate) async fn liveness_loop(self: Arc<Self>) {
         let mut shutdown = self.shutdown_rx();
+        // Deadlines set when the state was opened count from now: the
+        // time between opening and running is not the nodes' fault.
+        self.arm_heartbeats_after_restore();
         loop {
-            let next = self.heartbeat_map().values().min().copied();
-            let notified = self.heartbeats_changed.notified();
+            let now = Instant::now();
+            let tick = now.checked_add(LIVENESS_TICK).unwrap_or(now);
+            let next = self
+                .heartbeat_map()
+                .deadlines
+                .values()
+                .min()
+                .copied()
+                .map_or(tick, |d| d.min(tick))
+                .max(now);
             tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
-                _ = notified => continue,
-                _ = sleep_until_opt(next) => {}
+                _ = tokio::time::sleep_until(next) => {}
             }
             let now = Instant::now();
+            let late = now.saturating_duration_since(next);
+            if late > PAUSE_THRESHOLD {
+                self.rearm_after_pause(late);
+                continue;
+            }
             let expired: Vec<String> = {
                 let mut map = self.heartbeat_map();
                 let ids: Vec<String> = map
+                    .deadlines
                     .iter()
                     .filter(|(_, d)| **d <= now)
                     .map(|(id, _)| id.clone())
                     .collect();
                 for id in &ids {
-                    map.remove(id);
+                    map.deadlines.remove(id);
                 }
                 ids
             };
@@ -123,6 +216,7 @@ impl Server {
     /// evaluated.
     pub async fn mark_node_down(&self, node_id: &str, why: &str) -> Result<(), ServerError> {
         self.clear_heartbeat_timer(node_id);
+        let last_heartbeat = self.last_heartbeat_ms(node_id);
         let (jobs, _) = self.store.write(|t, changes| {
             let Some(node) = t.nodes.get(node_id) else {
                 return Ok::<_, ServerError>(BTreeSet::new());
@@ -132,6 +226,12 @@ impl Server {
             }
             let mut node = node.clone();
             node.status = NodeStatus::Down;
+            // The heartbeats were kept in memory; the last one is stored
+            // with the status change (garbage collection counts from it).
+            if let Some(ms) = last_heartbeat {
+                node.last_heartbeat_ms = node.last_heartbeat_ms.max(ms);
+            }
+            let last_heartbeat_ms = node.last_heartbeat_ms;
             node.push_events([NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, why)
                 .with_detail("status", NodeStatus::Down.as_str())]);
             changes.push(Change::PutNode(node));
@@ -145,6 +245,7 @@ impl Server {
                 a.client_description = "alloc is lost since its node is down".into();
                 a.desired_status = AllocDesiredStatus::Stop;
                 a.desired_description = "alloc is lost since its node is down".into();
+                a.node_last_heartbeat_ms = last_heartbeat_ms;
                 tracing::info!(alloc_id = %a.id, node_id, job_id = %a.job_id, "alloc lost");
                 jobs.insert(a.job_id.clone());
                 changes.push(Change::PutAlloc(a));
@@ -177,13 +278,6 @@ fn with_jitter(base: Duration, fraction: f64) -> Duration {
     let jitter =
         Duration::try_from_secs_f64(base.as_secs_f64() * fraction / 2.0).unwrap_or(Duration::ZERO);
     base.saturating_add(jitter)
-}
-
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }
 
 #[cfg(test)]

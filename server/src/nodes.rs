@@ -8,6 +8,7 @@ use berth_structs::{
     AllocClientStatus, CsiInfo, Node, NodeEvent, NodeStatus, TaskState, ValidationError,
 };
 
+use crate::csi::ReleaseOrigin;
 use crate::error::ServerError;
 use crate::server::Server;
 use crate::state::{Change, Tables};
@@ -118,6 +119,7 @@ impl Server {
             changes.push(Change::PutNode(node.clone()));
             Ok::<_, ServerError>(())
         })?;
+        self.record_heartbeat(&node.id, node.last_heartbeat_ms);
         let ttl = self.heartbeat_ttl();
         self.reset_heartbeat_timer(&node.id, ttl);
         tracing::info!(node_id = %node.id, name = %node.name, ttl_ms = ttl.as_millis() as u64, "node registered");
@@ -129,26 +131,42 @@ impl Server {
     }
 
     /// A heartbeat from `node_id`; returns the next TTL. An unknown node
-    /// gets NotFound and must register again.
+    /// gets NotFound and must register again. A heartbeat of a ready node
+    /// is kept in memory only; the store is written when the node's status
+    /// changes (a down node is ready again).
     pub async fn node_heartbeat(&self, node_id: &str) -> Result<Duration, ServerError> {
-        let (was_down, _) = self.store.write(|t, changes| {
-            let node = t.nodes.get(node_id).ok_or_else(|| {
-                ServerError::not_found(format!("node {node_id:?} is not registered"))
-            })?;
-            let mut node = node.clone();
-            let was_down = node.status != NodeStatus::Ready;
-            if was_down {
-                node.status = NodeStatus::Ready;
-                node.push_events([NodeEvent::new(
-                    NodeEvent::SUBSYSTEM_CLUSTER,
-                    "Node heartbeat received; node ready",
-                )
-                .with_detail("status", NodeStatus::Ready.as_str())]);
-            }
-            node.last_heartbeat_ms = berth_structs::now_ms();
-            changes.push(Change::PutNode(node));
-            Ok::<_, ServerError>(was_down)
+        let now_ms = berth_structs::now_ms();
+        let ready = self.store.read(|t| {
+            t.nodes
+                .get(node_id)
+                .map(|n| n.status == NodeStatus::Ready)
+                .ok_or_else(|| {
+                    ServerError::not_found(format!("node {node_id:?} is not registered"))
+                })
         })?;
+        let was_down = !ready
+            && self
+                .store
+                .write(|t, changes| {
+                    let node = t.nodes.get(node_id).ok_or_else(|| {
+                        ServerError::not_found(format!("node {node_id:?} is not registered"))
+                    })?;
+                    if node.status == NodeStatus::Ready {
+                        return Ok::<_, ServerError>(false);
+                    }
+                    let mut node = node.clone();
+                    node.status = NodeStatus::Ready;
+                    node.push_events([NodeEvent::new(
+                        NodeEvent::SUBSYSTEM_CLUSTER,
+                        "Node heartbeat received; node ready",
+                    )
+                    .with_detail("status", NodeStatus::Ready.as_str())]);
+                    node.last_heartbeat_ms = now_ms;
+                    changes.push(Change::PutNode(node));
+                    Ok(true)
+                })?
+                .0;
+        self.record_heartbeat(node_id, now_ms);
         let ttl = self.heartbeat_ttl();
         self.reset_heartbeat_timer(node_id, ttl);
         if was_down {
@@ -263,5 +281,106 @@ impl Server {
             self.evaluate_blocked().await;
         }
         Ok(index)
+    }
+}
+
+/// A claim freed by a purge.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ReleasedClaim {
+    pub volume_id: String,
+    pub alloc_id: String,
+}
+
+/// What `node purge` did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NodePurge {
+    pub node_id: String,
+    pub node_name: String,
+    /// The node's allocs that were not terminal and are now lost.
+    pub lost_allocs: Vec<String>,
+    /// The volume claims of the node's allocs that were freed.
+    pub released: Vec<ReleasedClaim>,
+    /// Detach steps that could not be done on the way (the node is gone and
+    /// was not told to unmount); the claims were freed anyway.
+    pub warnings: Vec<String>,
+}
+
+impl Server {
+    /// Purge a node (`berth node purge`): the operator says it is gone. It
+    /// is removed from the state, its allocs that are not terminal become
+    /// lost (desired stop) and their jobs are evaluated, and every volume
+    /// claim made on it is freed, write claims too, with no node detach.
+    /// Should it heartbeat again it gets NotFound and registers anew.
+    pub async fn purge_node(&self, given: &str) -> Result<NodePurge, ServerError> {
+        let last_heartbeat = {
+            let id = self
+                .store
+                .read(|t| resolve_node(t, given).map(|n| n.id.clone()))?;
+            self.last_heartbeat_ms(&id)
+        };
+        let ((mut report, jobs), _) = self.store.write(|t, changes| {
+            let node = resolve_node(t, given)?;
+            let last_heartbeat_ms = last_heartbeat
+                .unwrap_or(node.last_heartbeat_ms)
+                .max(node.last_heartbeat_ms);
+            let mut report = NodePurge {
+                node_id: node.id.clone(),
+                node_name: node.name.clone(),
+                ..NodePurge::default()
+            };
+            let mut jobs = BTreeSet::new();
+            for a in t.allocs_on_node(&node.id) {
+                if a.client_status.is_terminal() {
+                    continue;
+                }
+                let mut a = a.clone();
+                a.client_status = AllocClientStatus::Lost;
+                a.client_description = "alloc is lost since its node was purged".into();
+                a.desired_status = berth_structs::AllocDesiredStatus::Stop;
+                a.desired_description = "alloc is lost since its node was purged".into();
+                a.node_last_heartbeat_ms = last_heartbeat_ms;
+                report.lost_allocs.push(a.id.clone());
+                jobs.insert(a.job_id.clone());
+                changes.push(Change::PutAlloc(a));
+            }
+            changes.push(Change::DeleteNode(node.id.clone()));
+            Ok::<_, ServerError>((report, jobs))
+        })?;
+        self.forget_heartbeats(&report.node_id);
+        tracing::warn!(node_id = %report.node_id, name = %report.node_name,
+            lost_allocs = report.lost_allocs.len(), "node purged");
+        let claims: Vec<ReleasedClaim> = self.store.read(|t| {
+            t.volumes
+                .values()
+                .flat_map(|v| {
+                    v.claims()
+                        .filter(|c| c.node_id == report.node_id)
+                        .map(|c| ReleasedClaim {
+                            volume_id: v.id.clone(),
+                            alloc_id: c.alloc_id.clone(),
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .collect()
+        });
+        for claim in claims {
+            let _lock = self.volume_locks.lock(&claim.volume_id).await;
+            let freed = self
+                .release_claim_locked(
+                    &claim.volume_id,
+                    &claim.alloc_id,
+                    &ReleaseOrigin::Operator,
+                    Some(&mut report.warnings),
+                )
+                .await?;
+            if freed {
+                report.released.push(claim);
+            }
+        }
+        for job_id in &jobs {
+            self.evaluate_job(job_id).await;
+        }
+        self.evaluate_after_cluster_change().await;
+        Ok(report)
     }
 }

@@ -37,7 +37,8 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use berth_structs::{
     AllocClientStatus, AllocDesiredStatus, Allocation, ClaimMode, ClaimState, CsiVolume,
@@ -162,6 +163,9 @@ impl Server {
         match result {
             Ok((outcome, _)) => {
                 let counts = outcome.counts;
+                if let Some(due) = outcome.due_ms {
+                    self.retry_due.at(due);
+                }
                 if outcome.failures.is_empty() && !outcome.delayed {
                     blocked.remove(job_id);
                 } else {
@@ -224,14 +228,62 @@ impl Server {
         }
     }
 
+    /// Evaluate the blocked jobs every `scheduler_retry_interval`, and
+    /// when a delayed replacement becomes due (a lost alloc's disconnect
+    /// window, a reschedule delay), so that it does not wait for an
+    /// unrelated event.
     pub(crate) async fn scheduler_retry_loop(self: Arc<Self>) {
         let mut shutdown = self.shutdown_rx();
         loop {
+            let changed = self.retry_due.changed.notified();
+            let interval = self.config.scheduler_retry_interval;
+            let sleep = match self.retry_due.next() {
+                Some(due) => {
+                    let wait =
+                        u64::try_from(due.saturating_sub(berth_structs::now_ms())).unwrap_or(0);
+                    interval.min(Duration::from_millis(wait))
+                }
+                None => interval,
+            };
             tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
-                _ = tokio::time::sleep(self.config.scheduler_retry_interval) => {}
+                _ = changed => continue,
+                _ = tokio::time::sleep(sleep) => {}
             }
+            self.retry_due.take_due(berth_structs::now_ms());
             self.evaluate_blocked().await;
+        }
+    }
+}
+
+/// When the next delayed replacement becomes due (unix ms).
+#[derive(Debug, Default)]
+pub(crate) struct RetryDue {
+    due: Mutex<Option<i64>>,
+    changed: tokio::sync::Notify,
+}
+
+impl RetryDue {
+    /// Evaluate the blocked jobs again at `due_ms` (or sooner).
+    fn at(&self, due_ms: i64) {
+        let mut due = self.due.lock().unwrap_or_else(|p| p.into_inner());
+        if due.is_none_or(|d| due_ms < d) {
+            *due = Some(due_ms);
+            drop(due);
+            self.changed.notify_one();
+        }
+    }
+
+    fn next(&self) -> Option<i64> {
+        *self.due.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forget a due time that has come (the evaluation it asked for is
+    /// about to run; a delay still pending sets it again).
+    fn take_due(&self, now_ms: i64) {
+        let mut due = self.due.lock().unwrap_or_else(|p| p.into_inner());
+        if due.is_some_and(|d| d <= now_ms) {
+            *due = None;
         }
     }
 }
@@ -249,7 +301,17 @@ pub(crate) struct PlanOutcome {
     pub failures: Vec<String>,
     /// A replacement waits for a delay to pass.
     pub delayed: bool,
+    /// When (unix ms) the first delay passes: the job is evaluated again
+    /// then.
+    pub due_ms: Option<i64>,
     pub counts: PlacementCounts,
+}
+
+impl PlanOutcome {
+    fn delay_until(&mut self, until_ms: i64) {
+        self.delayed = true;
+        self.due_ms = Some(self.due_ms.map_or(until_ms, |d| d.min(until_ms)));
+    }
 }
 
 /// Resources in use on a node or asked for by a group. Sums of the u64
@@ -640,6 +702,7 @@ pub(crate) fn plan_job(
     let mut outcome = PlanOutcome {
         failures: Vec::new(),
         delayed: false,
+        due_ms: None,
         counts: PlacementCounts::default(),
     };
     let Some(job) = t.jobs.get(job_id) else {
@@ -714,8 +777,8 @@ pub(crate) fn plan_job(
                             match occupancy(a, false, group, cfg, now_ms) {
                                 Occupancy::Free => {}
                                 Occupancy::Held => held = true,
-                                Occupancy::Delayed => {
-                                    outcome.delayed = true;
+                                Occupancy::Delayed(until) => {
+                                    outcome.delay_until(until);
                                     held = true;
                                 }
                             }
@@ -749,8 +812,8 @@ pub(crate) fn plan_job(
                         let occupies = match occupancy(a, batch, group, cfg, now_ms) {
                             Occupancy::Free => false,
                             Occupancy::Held => true,
-                            Occupancy::Delayed => {
-                                outcome.delayed = true;
+                            Occupancy::Delayed(until) => {
+                                outcome.delay_until(until);
                                 true
                             }
                         };
@@ -851,8 +914,8 @@ enum Occupancy {
     Free,
     /// The alloc holds its index (live, or a batch alloc that is done).
     Held,
-    /// The alloc holds its index until a delay passes.
-    Delayed,
+    /// The alloc holds its index until a delay passes, at this unix ms.
+    Delayed(i64),
 }
 
 /// Whether an alloc of the current version holds its index in the group.
@@ -868,8 +931,8 @@ fn occupancy(
     }
     match a.client_status {
         AllocClientStatus::Complete | AllocClientStatus::Failed if batch => Occupancy::Held,
-        AllocClientStatus::Lost => match disconnect_window_end_ms(a, group) {
-            Some(end) if now_ms < end => Occupancy::Delayed,
+        AllocClientStatus::Lost => match disconnect_window_end_ms(a, group, cfg.heartbeat_grace) {
+            Some(end) if now_ms < end => Occupancy::Delayed(end),
             _ => Occupancy::Free,
         },
         AllocClientStatus::Failed
@@ -878,23 +941,37 @@ fn occupancy(
                     i64::try_from(cfg.reschedule_delay.as_millis()).unwrap_or(i64::MAX),
                 ) =>
         {
-            Occupancy::Delayed
+            Occupancy::Delayed(a.modify_time_ms.saturating_add(
+                i64::try_from(cfg.reschedule_delay.as_millis()).unwrap_or(i64::MAX),
+            ))
         }
         _ => Occupancy::Free,
     }
 }
 
 /// For a lost alloc whose group sets `stop_after_client_disconnect`: when
-/// (unix ms) the window ends, counted from when the alloc was marked lost.
-/// Until then its client may still run it (and write to its volumes), so
-/// no replacement is placed and its volume claims are not reaped.
-pub(crate) fn disconnect_window_end_ms(a: &Allocation, group: &TaskGroup) -> Option<i64> {
+/// (unix ms) the window ends: the node's last heartbeat before it was
+/// marked down (when the alloc was marked lost, later, if that is not
+/// known) + the window + `heartbeat_grace`, as the client counts from its
+/// own last heartbeat, a later moment. Until then its client may still run
+/// it (and write to its volumes), so no replacement is placed and its write
+/// claims are not reaped.
+pub(crate) fn disconnect_window_end_ms(
+    a: &Allocation,
+    group: &TaskGroup,
+    grace: Duration,
+) -> Option<i64> {
     if a.client_status != AllocClientStatus::Lost {
         return None;
     }
     let window = group.stop_after_client_disconnect?;
-    let window_ms = i64::try_from(window.as_millis()).unwrap_or(i64::MAX);
-    Some(a.modify_time_ms.saturating_add(window_ms))
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    let from = if a.node_last_heartbeat_ms > 0 {
+        a.node_last_heartbeat_ms
+    } else {
+        a.modify_time_ms
+    };
+    Some(from.saturating_add(ms(window)).saturating_add(ms(grace)))
 }
 
 /// An alloc that counts as running for the job's status: not terminal on

@@ -3,14 +3,14 @@
 //! concern: jobs in `scheduler.rs`, nodes in `nodes.rs` and `liveness.rs`,
 //! volumes and claims under `csi/`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
 use berth_proto::berth::v1::node_server::NodeServer;
 use berth_structs::{Allocation, Job, Node};
-use tokio::sync::{watch, Notify};
+use tokio::sync::watch;
 
 use crate::config::ServerConfig;
 use crate::csi::VolumeLocks;
@@ -26,9 +26,10 @@ pub struct Server {
     pub(crate) calls: CallRegistry,
     /// Jobs with placements that could not be made, and why.
     pub(crate) blocked: Mutex<BTreeMap<String, Vec<String>>>,
-    /// Heartbeat deadlines by node ID.
-    pub(crate) heartbeats: Mutex<HashMap<String, tokio::time::Instant>>,
-    pub(crate) heartbeats_changed: Notify,
+    /// When a delayed replacement becomes due.
+    pub(crate) retry_due: crate::scheduler::RetryDue,
+    /// Heartbeat deadlines and last heartbeats by node ID (memory only).
+    pub(crate) heartbeats: Mutex<crate::liveness::Heartbeats>,
     pub(crate) volume_locks: VolumeLocks,
     /// Set when `run` is told to shut down; streams end on it.
     pub(crate) shutdown: watch::Sender<bool>,
@@ -52,8 +53,8 @@ impl Server {
             store,
             calls: CallRegistry::default(),
             blocked: Mutex::new(BTreeMap::new()),
-            heartbeats: Mutex::new(HashMap::new()),
-            heartbeats_changed: Notify::new(),
+            retry_due: Default::default(),
+            heartbeats: Mutex::default(),
             volume_locks: VolumeLocks::default(),
             shutdown,
         });
@@ -170,8 +171,13 @@ impl Server {
             .read(|t| t.allocs_on_node(node_id).cloned().collect())
     }
 
+    /// The nodes, each with the last heartbeat this server heard.
     pub fn nodes(&self) -> Vec<Node> {
-        self.store.read(|t| t.nodes.values().cloned().collect())
+        self.store
+            .read(|t| t.nodes.values().cloned().collect::<Vec<_>>())
+            .into_iter()
+            .map(|n| self.with_live_heartbeat(n))
+            .collect()
     }
 
     /// How many nodes the state holds; a cheap read of the state tables
@@ -180,10 +186,12 @@ impl Server {
         self.store.read(|t| t.nodes.len())
     }
 
-    /// A node by ID, name, or unique ID prefix.
+    /// A node by ID, name, or unique ID prefix, with the last heartbeat
+    /// this server heard.
     pub fn node(&self, id: &str) -> Result<Node, ServerError> {
         self.store
             .read(|t| crate::nodes::resolve_node(t, id).cloned())
+            .map(|n| self.with_live_heartbeat(n))
     }
 
     /// Whether `node_id` has a call stream open (the server can call it).

@@ -78,3 +78,190 @@ async fn node_that_misses_its_ttl_goes_down_and_its_allocs_are_lost() {
     stop.send_replace(true);
     run.await.unwrap();
 }
+
+#[tokio::test]
+async fn heartbeat_of_a_ready_node_writes_nothing_to_the_store_and_the_node_shows_it() {
+    let ts = support::TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    register(&s, node("n1")).await;
+    let registered = s.node("n1").unwrap().last_heartbeat_ms;
+    let index = s.index();
+    std::thread::sleep(Duration::from_millis(3));
+    let before = berth_structs::now_ms();
+    // Over gRPC, as a client heartbeats.
+    let mut nc = ts.node_client().await;
+    for _ in 0..3 {
+        nc.heartbeat(berth_proto::berth::v1::HeartbeatRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .expect("heartbeat");
+    }
+    assert_eq!(
+        s.index(),
+        index,
+        "a heartbeat of a ready node writes nothing"
+    );
+    let shown = s.node("n1").unwrap().last_heartbeat_ms;
+    assert!(
+        shown >= before && shown > registered,
+        "the node shows the last heartbeat ({shown}), not the registration ({registered})"
+    );
+    assert_eq!(
+        s.nodes()
+            .into_iter()
+            .find(|n| n.id == "n1")
+            .unwrap()
+            .last_heartbeat_ms,
+        shown
+    );
+
+    // A down node's heartbeat is a status change: written, with an event.
+    s.mark_node_down("n1", "test").await.unwrap();
+    let down = s.node("n1").unwrap();
+    assert_eq!(
+        down.last_heartbeat_ms, shown,
+        "stored with the status change"
+    );
+    let index = s.index();
+    s.node_heartbeat("n1").await.unwrap();
+    assert!(s.index() > index);
+    let n1 = s.node("n1").unwrap();
+    assert_eq!(n1.status, NodeStatus::Ready);
+    assert_eq!(
+        n1.events.last().unwrap().message,
+        "Node heartbeat received; node ready"
+    );
+}
+
+#[tokio::test]
+async fn ttl_is_stretched_by_the_nodes_not_down() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = test_config(dir.path());
+    cfg.min_heartbeat_ttl = Duration::from_secs(10);
+    cfg.max_heartbeats_per_second = 0.1;
+    let server = Server::open(cfg).unwrap();
+    for n in ["n1", "n2", "n3"] {
+        register(&server, node(n)).await;
+    }
+    // 3 nodes / 0.1 per second: 30 s, plus at most half as jitter.
+    let ttl = server.heartbeat_ttl();
+    assert!(
+        ttl >= Duration::from_secs(30) && ttl <= Duration::from_secs(45),
+        "{ttl:?}"
+    );
+    server.mark_node_down("n2", "test").await.unwrap();
+    server.mark_node_down("n3", "test").await.unwrap();
+    let ttl = server.heartbeat_ttl();
+    assert!(
+        ttl >= Duration::from_secs(10) && ttl <= Duration::from_secs(15),
+        "{ttl:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_server_that_was_paused_gives_every_node_a_fresh_ttl_instead_of_marking_it_down() {
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = test_config(dir.path());
+    cfg.min_heartbeat_ttl = Duration::from_secs(10);
+    cfg.heartbeat_grace = Duration::from_secs(10);
+    let server: Arc<Server> = Server::open(cfg).unwrap();
+    let (stop, rx) = watch::channel(false);
+    let run = tokio::spawn(server.clone().run(rx));
+    register(&server, node("n1")).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    // The whole process stops for a minute (SIGSTOP): the monotonic clock
+    // jumps past every deadline at once.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        server.node("n1").unwrap().status,
+        NodeStatus::Ready,
+        "not marked down for the time the server itself was away"
+    );
+
+    // The fresh TTL (10 s + 10 s grace) runs out as any other.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    assert_eq!(server.node("n1").unwrap().status, NodeStatus::Down);
+
+    stop.send_replace(true);
+    run.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_restarted_server_gives_every_node_a_fresh_ttl() {
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = test_config(dir.path());
+    cfg.min_heartbeat_ttl = Duration::from_secs(10);
+    cfg.heartbeat_grace = Duration::from_secs(10);
+    {
+        let server: Arc<Server> = Server::open(cfg.clone()).unwrap();
+        register(&server, node("n1")).await;
+    }
+    // Away for a minute, then started again.
+    tokio::time::advance(Duration::from_secs(60)).await;
+    let server: Arc<Server> = Server::open(cfg).unwrap();
+    let (stop, rx) = watch::channel(false);
+    let run = tokio::spawn(server.clone().run(rx));
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    assert_eq!(server.node("n1").unwrap().status, NodeStatus::Ready);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(server.node("n1").unwrap().status, NodeStatus::Down);
+    stop.send_replace(true);
+    run.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lost_allocs_delayed_replacement_is_placed_when_its_window_ends() {
+    let window = Duration::from_secs(2);
+    let grace = Duration::from_secs(1);
+    // No periodic retry: only the timer for the window's end places it.
+    let ts = support::TestServer::start(|c| {
+        c.heartbeat_grace = grace;
+        c.scheduler_retry_interval = Duration::from_secs(3600);
+    })
+    .await;
+    let s = ts.server.clone();
+    register(&s, node("n1")).await;
+    let mut j = job("web", JobType::Service, 1);
+    j.task_groups[0].stop_after_client_disconnect = Some(window);
+    s.register_job(j).await.unwrap();
+    let first = live_allocs(&s, "web").pop().expect("placed");
+    register(&s, node("n2")).await;
+    // A heartbeat later than the registration: the window counts from it.
+    std::thread::sleep(Duration::from_millis(5));
+    s.node_heartbeat("n1").await.unwrap();
+    let last_heartbeat = s.node("n1").unwrap().last_heartbeat_ms;
+    s.mark_node_down("n1", "Node heartbeat missed")
+        .await
+        .unwrap();
+    let lost = s.allocation(&first.id).unwrap();
+    assert_eq!(lost.node_last_heartbeat_ms, last_heartbeat);
+    assert!(
+        live_allocs(&s, "web").is_empty(),
+        "no replacement inside the window"
+    );
+
+    let rule_ms = last_heartbeat + i64::try_from((window + grace).as_millis()).unwrap();
+    let mut next = None;
+    wait_until("the replacement", Duration::from_secs(10), || {
+        next = live_allocs(&s, "web").pop();
+        next.is_some()
+    })
+    .await;
+    let next = next.unwrap();
+    assert_eq!(next.node_id, "n2");
+    assert!(
+        next.create_time_ms >= rule_ms,
+        "placed at {}, before last heartbeat + window + grace ({rule_ms})",
+        next.create_time_ms
+    );
+    assert!(
+        next.create_time_ms < rule_ms + 1000,
+        "placed at {}, long after the window ended ({rule_ms})",
+        next.create_time_ms
+    );
+}

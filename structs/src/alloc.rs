@@ -93,6 +93,11 @@ pub struct Allocation {
     pub create_time_ms: i64,
     #[serde(default)]
     pub modify_time_ms: i64,
+    /// For an alloc lost with its node: when (unix ms) the servers last
+    /// heard from that node before marking it down; 0 when not known
+    /// (`modify_time_ms` is used then, which is later).
+    #[serde(default)]
+    pub node_last_heartbeat_ms: i64,
 }
 
 impl Allocation {

@@ -22,6 +22,7 @@ Commands:
   job status [-json] [-all-allocs] [JOB]          show jobs (the latest version's allocs, newest first)
   alloc status [-json] ALLOC                      show an allocation
   node status [-json] [NODE]                      show nodes
+  node purge [-json] NODE                         forget a node that is gone; its allocs are lost, its claims freed
   volume create FILE                              create a CSI volume through its plugin
   volume register FILE                            register an existing CSI volume
   volume deregister [-force] VOLUME               forget a CSI volume
@@ -140,6 +141,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         ("job", Some("status")) => job_status(tail),
         ("alloc", Some("status")) => alloc_status(tail),
         ("node", Some("status")) => node_status(tail),
+        ("node", Some("purge")) => node_purge(tail),
         ("volume", Some("create")) => volume_submit(tail, true),
         ("volume", Some("register")) => volume_submit(tail, false),
         ("volume", Some("deregister")) => volume_deregister(tail),
@@ -638,6 +640,31 @@ fn volume_delete(args: &[String]) -> Result<i32> {
     a.api
         .delete(&format!("/v1/volume/csi/{}/delete", enc(&id)))?;
     println!("Deleted volume {id:?}");
+    Ok(0)
+}
+
+fn node_purge(args: &[String]) -> Result<i32> {
+    let a = api_args("node purge", args, &["json"])?;
+    let [node] = a.positional.as_slice() else {
+        return Err(usage_error(
+            "berth node purge: takes one node ID, ID prefix or name",
+        ));
+    };
+    let resp = a
+        .api
+        .put(&format!("/v1/node/{}/purge", enc(node)), &json!({}))?;
+    if a.json {
+        return print_json(&resp);
+    }
+    print_release_warnings(&resp);
+    let name = resp["node_name"].as_str().unwrap_or_default();
+    let id = resp["node_id"].as_str().unwrap_or_default();
+    let lost = strs(&resp["lost_allocs"]);
+    let released = resp["released"].as_array().map_or(0, Vec::len);
+    println!(
+        "Purged node {name:?} ({id}): {} lost, {released} volume claim(s) freed",
+        allocs_phrase(lost.len())
+    );
     Ok(0)
 }
 

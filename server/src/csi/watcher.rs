@@ -6,10 +6,11 @@
 //! - the claim is already being released (a release that failed, or a
 //!   server restart in the middle of one);
 //! - its alloc is gone (garbage collected);
-//! - its alloc is terminal and its node is down or gone, except that a lost
-//!   alloc whose group sets `stop_after_client_disconnect` keeps its claims
-//!   until that window has passed (its partitioned client may still run it
-//!   and write; the same rule holds back its replacement);
+//! - its alloc is lost (its node went down): by the rule in [`lost_claim`]
+//!   ("never two writers": a write claim is kept while the node may still
+//!   write, unless the group's `stop_after_client_disconnect` window has
+//!   passed);
+//! - its alloc is terminal otherwise and its node is down or gone;
 //! - its alloc is terminal on the client for longer than `claim_reap_grace`
 //!   (the client had its chance to unpublish itself).
 //!
@@ -22,7 +23,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
-use berth_structs::NodeStatus;
+use berth_structs::{AllocClientStatus, Allocation, ClaimMode, Node, NodeStatus};
 use tokio::time::Instant;
 
 use super::ReleaseOrigin;
@@ -38,11 +39,17 @@ struct Retry {
 }
 
 /// Claims to release now, and how long until the next one comes due by its
-/// grace period.
-fn reapable(t: &Tables, now_ms: i64, grace: Duration) -> (Vec<ClaimKey>, Option<Duration>) {
-    let grace_ms = i64::try_from(grace.as_millis()).unwrap_or(i64::MAX);
+/// grace period or disconnect window.
+fn reapable(
+    t: &Tables,
+    now_ms: i64,
+    reap_grace: Duration,
+    heartbeat_grace: Duration,
+) -> (Vec<ClaimKey>, Option<Duration>) {
+    let grace_ms = i64::try_from(reap_grace.as_millis()).unwrap_or(i64::MAX);
     let mut due = Vec::new();
     let mut next: Option<i64> = None;
+    let mut wake_at = |at: i64| next = Some(next.map_or(at, |n: i64| n.min(at)));
     for v in t.volumes.values() {
         for c in v.claims() {
             let key = (v.id.clone(), c.alloc_id.clone());
@@ -57,17 +64,16 @@ fn reapable(t: &Tables, now_ms: i64, grace: Duration) -> (Vec<ClaimKey>, Option<
             if !a.is_terminal() {
                 continue;
             }
-            if let Some(end) = a.group().and_then(|g| disconnect_window_end_ms(a, g)) {
-                if now_ms < end {
-                    next = Some(next.map_or(end, |n: i64| n.min(end)));
-                    continue;
+            let node = t.nodes.get(&a.node_id);
+            if a.client_status == AllocClientStatus::Lost {
+                match lost_claim(a, c.mode, node, now_ms, heartbeat_grace) {
+                    LostClaim::Release => due.push(key),
+                    LostClaim::At(end) => wake_at(end),
+                    LostClaim::Keep => {}
                 }
+                continue;
             }
-            let node_down = t
-                .nodes
-                .get(&a.node_id)
-                .is_none_or(|n| n.status == NodeStatus::Down);
-            if node_down {
+            if node.is_none_or(|n| n.status == NodeStatus::Down) {
                 due.push(key);
                 continue;
             }
@@ -79,13 +85,61 @@ fn reapable(t: &Tables, now_ms: i64, grace: Duration) -> (Vec<ClaimKey>, Option<
             if now_ms >= ready_at {
                 due.push(key);
             } else {
-                next = Some(next.map_or(ready_at, |n: i64| n.min(ready_at)));
+                wake_at(ready_at);
             }
         }
     }
     let wait =
         next.map(|at| Duration::from_millis(u64::try_from(at.saturating_sub(now_ms)).unwrap_or(0)));
     (due, wait)
+}
+
+/// What becomes of a claim of a lost alloc.
+#[derive(Debug, PartialEq, Eq)]
+enum LostClaim {
+    Release,
+    /// Release at this unix ms.
+    At(i64),
+    /// Keep until something changes (the node comes back, is purged, or an
+    /// operator detaches the volume).
+    Keep,
+}
+
+/// The rule for claims of lost allocs, "never two writers": the node may
+/// still run a lost alloc, out of the servers' reach.
+/// - Its node is gone (purged): release.
+/// - The group sets `stop_after_client_disconnect`: release once its
+///   window has passed (the client has stopped it by then), counted from
+///   the node's last heartbeat plus `heartbeat_grace`.
+/// - Its node is down: a read claim is released at once (with no node
+///   detach, the node is unreachable); a write claim is kept.
+/// - Its node is up again: the client stops the alloc (it is desired
+///   `stop`) and releases the claim itself; once it reports the alloc
+///   stopped the alloc is no longer `lost` and the usual rules apply.
+fn lost_claim(
+    a: &Allocation,
+    mode: ClaimMode,
+    node: Option<&Node>,
+    now_ms: i64,
+    heartbeat_grace: Duration,
+) -> LostClaim {
+    let Some(node) = node else {
+        return LostClaim::Release;
+    };
+    if let Some(end) = a
+        .group()
+        .and_then(|g| disconnect_window_end_ms(a, g, heartbeat_grace))
+    {
+        return if now_ms >= end {
+            LostClaim::Release
+        } else {
+            LostClaim::At(end)
+        };
+    }
+    match (node.status, mode) {
+        (NodeStatus::Down, ClaimMode::Read) => LostClaim::Release,
+        _ => LostClaim::Keep,
+    }
 }
 
 /// The longest a failing release waits before its next try.
@@ -116,9 +170,14 @@ impl Server {
         loop {
             index_rx.borrow_and_update();
             let now = Instant::now();
-            let (due, grace_wait) = self
-                .store
-                .read(|t| reapable(t, berth_structs::now_ms(), self.config.claim_reap_grace));
+            let (due, grace_wait) = self.store.read(|t| {
+                reapable(
+                    t,
+                    berth_structs::now_ms(),
+                    self.config.claim_reap_grace,
+                    self.config.heartbeat_grace,
+                )
+            });
             // Forget retries of claims that are gone.
             retries.retain(|k, _| due.contains(k));
             for key in due {
@@ -162,5 +221,104 @@ impl Server {
                 } => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use berth_structs::{
+        AllocClientStatus, Allocation, ClaimMode, Job, Node, NodeStatus, TaskGroup,
+    };
+
+    use super::{lost_claim, LostClaim};
+
+    fn lost(window: Option<Duration>, last_heartbeat_ms: i64) -> Allocation {
+        Allocation {
+            id: "a".into(),
+            node_id: "n".into(),
+            task_group: "g".into(),
+            job: Job {
+                task_groups: vec![TaskGroup {
+                    name: "g".into(),
+                    stop_after_client_disconnect: window,
+                    ..TaskGroup::default()
+                }],
+                ..Job::default()
+            },
+            client_status: AllocClientStatus::Lost,
+            node_last_heartbeat_ms: last_heartbeat_ms,
+            modify_time_ms: last_heartbeat_ms + 20_000,
+            ..Allocation::default()
+        }
+    }
+
+    fn node(status: NodeStatus) -> Node {
+        Node {
+            id: "n".into(),
+            status,
+            ..Node::default()
+        }
+    }
+
+    const GRACE: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn write_claim_of_a_lost_alloc_without_window_is_kept_until_the_node_is_gone() {
+        let a = lost(None, 1_000);
+        let down = node(NodeStatus::Down);
+        let ready = node(NodeStatus::Ready);
+        let later = i64::MAX / 2;
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Write, Some(&down), later, GRACE),
+            LostClaim::Keep
+        );
+        // Back, not yet reported stopped: the client releases it itself.
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Write, Some(&ready), later, GRACE),
+            LostClaim::Keep
+        );
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Read, Some(&ready), later, GRACE),
+            LostClaim::Keep
+        );
+        // Purged.
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Write, None, later, GRACE),
+            LostClaim::Release
+        );
+    }
+
+    #[test]
+    fn read_claim_of_a_lost_alloc_is_released_at_once_while_down() {
+        let a = lost(None, 1_000);
+        let down = node(NodeStatus::Down);
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Read, Some(&down), 1_001, GRACE),
+            LostClaim::Release
+        );
+    }
+
+    #[test]
+    fn windowed_write_claim_is_released_at_last_heartbeat_plus_window_plus_grace() {
+        let a = lost(Some(Duration::from_secs(5)), 1_000);
+        let down = node(NodeStatus::Down);
+        let end = 1_000 + 5_000 + 10_000;
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Write, Some(&down), end - 1, GRACE),
+            LostClaim::At(end)
+        );
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Write, Some(&down), end, GRACE),
+            LostClaim::Release
+        );
+        // Without the node's last heartbeat on record: from when it was
+        // marked lost, which is later.
+        let a = lost(Some(Duration::from_secs(5)), 0);
+        assert_eq!(
+            lost_claim(&a, ClaimMode::Write, Some(&down), 0, GRACE),
+            LostClaim::At(20_000 + 15_000)
+        );
     }
 }

@@ -1,0 +1,295 @@
+//! Claims of lost allocs keep the promise "never two writers": a write
+//! claim of an alloc whose node went down is kept while the node may still
+//! run it, and freed when the node comes back and stops it, when the node
+//! is purged or when an operator detaches the volume; read claims are freed
+//! at once. Over real gRPC and call streams.
+
+mod support;
+
+use std::time::Duration;
+
+use berth_proto::berth::v1 as pb;
+use berth_server::{Server, ServerError};
+use berth_structs::{
+    AccessMode, AllocClientStatus, AllocDesiredStatus, Allocation, ClaimState, NodeEvent,
+    NodeStatus,
+};
+use support::*;
+
+fn claim_of(s: &Server, volume: &str, alloc_id: &str) -> Option<(ClaimState, bool)> {
+    s.volume(volume)
+        .ok()?
+        .claim_for(alloc_id)
+        .map(|c| (c.state, c.releasing))
+}
+
+/// n1 runs "db" (write claim on single-node-writer volume "data") and
+/// "reader" (read claim on multi-node-reader-only volume "logs"); n2 is
+/// registered afterwards, so both are on n1. Returns (db, reader).
+async fn two_claims_on_n1(ts: &TestServer) -> (Allocation, Allocation) {
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    give_plugin(s, "n1", "hostpath", true, false, false).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    s.register_volume(volume("logs", "hostpath", &[AccessMode::MultiNodeReader]))
+        .await
+        .unwrap();
+    s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    s.register_job(volume_job("reader", "logs", AccessMode::MultiNodeReader))
+        .await
+        .unwrap();
+    let db = live_allocs(s, "db").pop().expect("db placed");
+    let reader = live_allocs(s, "reader").pop().expect("reader placed");
+    assert_eq!((db.node_id.as_str(), reader.node_id.as_str()), ("n1", "n1"));
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &db, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    csi.claim(claim_request("logs", &reader, AccessMode::MultiNodeReader))
+        .await
+        .unwrap();
+    register(s, node("n2")).await;
+    give_plugin(s, "n2", "hostpath", true, false, false).await;
+    (db, reader)
+}
+
+/// n1 goes down; waits until the watcher has freed the read claim (which
+/// proves it has looked at the claims since) and checks that the write
+/// claim is kept and the replacement of db is blocked by it.
+async fn down_keeps_the_write_claim(s: &Server, db: &Allocation, reader: &Allocation) {
+    s.mark_node_down("n1", "test").await.unwrap();
+    assert_eq!(
+        s.allocation(&db.id).unwrap().client_status,
+        AllocClientStatus::Lost
+    );
+    wait_until(
+        "read claim of the lost alloc freed",
+        Duration::from_secs(10),
+        || claim_of(s, "logs", &reader.id).is_none(),
+    )
+    .await;
+    // The reader's replacement runs on n2 at once.
+    wait_until("reader replaced", Duration::from_secs(10), || {
+        live_allocs(s, "reader").iter().any(|a| a.node_id == "n2")
+    })
+    .await;
+    assert_eq!(
+        claim_of(s, "data", &db.id),
+        Some((ClaimState::Taken, false)),
+        "the write claim of the lost alloc is kept while its node is down"
+    );
+    // db's replacement is refused by the claim, with a reason naming it.
+    wait_until(
+        "db's replacement blocked by the claim",
+        Duration::from_secs(10),
+        || {
+            s.job_placement_failures("db")
+                .iter()
+                .any(|f| f.contains("data"))
+        },
+    )
+    .await;
+    assert!(live_allocs(s, "db").is_empty(), "no second writer placed");
+    let failures = s.job_placement_failures("db");
+    assert!(
+        failures.iter().any(|f| f.contains(&format!(
+            "volume \"data\" already has a writer (alloc {})",
+            db.id
+        ))),
+        "the placement failure names the lost alloc that holds the claim: {failures:?}"
+    );
+}
+
+#[tokio::test]
+async fn write_claim_of_a_lost_alloc_is_kept_while_down_and_freed_when_the_node_is_purged() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let (db, reader) = two_claims_on_n1(&ts).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    down_keeps_the_write_claim(&s, &db, &reader).await;
+
+    let purge = s.purge_node("n1").await.unwrap();
+    assert_eq!(purge.node_id, "n1");
+    assert_eq!(purge.released.len(), 1, "{purge:?}");
+    assert_eq!(purge.released[0].volume_id, "data");
+    assert_eq!(purge.released[0].alloc_id, db.id);
+    assert_eq!(claim_of(&s, "data", &db.id), None);
+    assert!(client.call_kinds().is_empty(), "nobody to tell");
+    let next = wait_for_live_on(&s, "db", "n2").await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the replacement claims the freed volume");
+}
+
+#[tokio::test]
+async fn write_claim_of_a_lost_alloc_is_freed_by_volume_detach() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let (db, reader) = two_claims_on_n1(&ts).await;
+    down_keeps_the_write_claim(&s, &db, &reader).await;
+
+    let r = s.detach_volume("data", "n1").await.unwrap();
+    assert_eq!(r.released, vec![db.id.clone()]);
+    assert_eq!(claim_of(&s, "data", &db.id), None);
+    let next = wait_for_live_on(&s, "db", "n2").await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the replacement claims the freed volume");
+}
+
+#[tokio::test]
+async fn node_that_comes_back_stops_its_lost_alloc_and_the_write_claim_is_freed_once_it_reports_it_stopped(
+) {
+    let ts = TestServer::start(|c| c.claim_reap_grace = Duration::from_millis(200)).await;
+    let s = ts.server.clone();
+    let (db, reader) = two_claims_on_n1(&ts).await;
+    down_keeps_the_write_claim(&s, &db, &reader).await;
+
+    // The node comes back: a heartbeat over gRPC.
+    let mut nc = ts.node_client().await;
+    nc.heartbeat(pb::HeartbeatRequest {
+        node_id: "n1".into(),
+    })
+    .await
+    .expect("heartbeat of the returning node");
+    let n1 = s.node("n1").unwrap();
+    assert_eq!(n1.status, NodeStatus::Ready);
+    let ev = n1.events.last().unwrap();
+    assert_eq!(ev.subsystem, NodeEvent::SUBSYSTEM_CLUSTER);
+    assert_eq!(ev.message, "Node heartbeat received; node ready");
+
+    // Its watch hands it the lost alloc with desired stop.
+    let mut watch = nc
+        .watch_allocations(pb::WatchAllocationsRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let update = watch.message().await.unwrap().expect("an alloc set");
+    let mine: Vec<Allocation> = update
+        .allocs_json
+        .iter()
+        .map(|j| serde_json::from_slice(j).unwrap())
+        .collect();
+    let lost = mine
+        .iter()
+        .find(|a| a.id == db.id)
+        .expect("db in the watch");
+    assert_eq!(lost.desired_status, AllocDesiredStatus::Stop);
+    assert_eq!(lost.client_status, AllocClientStatus::Lost);
+
+    // Still running there, as far as the servers know: the claim stays,
+    // and a late `running` report does not make the alloc live again.
+    report(&s, &db, AllocClientStatus::Running).await;
+    assert_eq!(
+        s.allocation(&db.id).unwrap().client_status,
+        AllocClientStatus::Lost
+    );
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    assert_eq!(
+        claim_of(&s, "data", &db.id),
+        Some((ClaimState::Taken, false))
+    );
+
+    // The client stops it and reports it: the claim is freed (the client
+    // is told to unmount, as it did not release it itself).
+    nc.update_allocations(pb::UpdateAllocationsRequest {
+        node_id: "n1".into(),
+        updates: vec![pb::AllocStatusUpdate {
+            alloc_id: db.id.clone(),
+            client_status: "complete".into(),
+            client_description: "stopped".into(),
+            task_states_json: vec![],
+        }],
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        s.allocation(&db.id).unwrap().client_status,
+        AllocClientStatus::Complete
+    );
+    wait_until(
+        "the write claim freed once the alloc stopped",
+        Duration::from_secs(10),
+        || claim_of(&s, "data", &db.id).is_none(),
+    )
+    .await;
+    assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
+    // Exactly the replacement holds the write claim then.
+    let next = wait_for_live(&s, "db").await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the replacement claims the freed volume");
+    let vol = s.volume("data").unwrap();
+    let writers: Vec<&String> = vol.write_claims.keys().collect();
+    assert_eq!(writers, vec![&next.id]);
+}
+
+#[tokio::test]
+async fn purge_removes_the_node_loses_its_allocs_and_a_later_heartbeat_is_not_found() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let (db, reader) = two_claims_on_n1(&ts).await;
+    // Purged while ready: the operator says it is gone.
+    let by_prefix = s.purge_node("n1").await.unwrap();
+    assert_eq!(by_prefix.node_name, "n1");
+    let mut lost = by_prefix.lost_allocs.clone();
+    lost.sort();
+    let mut want = vec![db.id.clone(), reader.id.clone()];
+    want.sort();
+    assert_eq!(lost, want);
+    assert_eq!(by_prefix.released.len(), 2, "{by_prefix:?}");
+    assert!(matches!(s.node("n1"), Err(ServerError::NotFound(_))));
+    for a in [&db, &reader] {
+        let a = s.allocation(&a.id).unwrap();
+        assert_eq!(a.client_status, AllocClientStatus::Lost);
+        assert_eq!(a.desired_status, AllocDesiredStatus::Stop);
+    }
+    wait_for_live_on(&s, "db", "n2").await;
+    wait_for_live_on(&s, "reader", "n2").await;
+    assert!(matches!(
+        s.node_heartbeat("n1").await,
+        Err(ServerError::NotFound(_))
+    ));
+    assert!(matches!(
+        s.purge_node("n1").await,
+        Err(ServerError::NotFound(_))
+    ));
+    // A node that was never heard of is NotFound as well.
+    assert!(matches!(
+        s.purge_node("ghost").await,
+        Err(ServerError::NotFound(_))
+    ));
+}
+
+async fn wait_for_live(s: &Server, job: &str) -> Allocation {
+    let mut found = None;
+    wait_until("a live alloc", Duration::from_secs(10), || {
+        found = live_allocs(s, job).pop();
+        found.is_some()
+    })
+    .await;
+    found.unwrap()
+}
+
+async fn wait_for_live_on(s: &Server, job: &str, node: &str) -> Allocation {
+    let mut found = None;
+    wait_until(
+        &format!("a live alloc of {job} on {node}"),
+        Duration::from_secs(10),
+        || {
+            found = live_allocs(s, job).into_iter().find(|a| a.node_id == node);
+            found.is_some()
+        },
+    )
+    .await;
+    found.unwrap()
+}
