@@ -212,6 +212,31 @@ async fn concurrent_creates_through_both_instances_lose_no_volume() {
     want.sort();
     assert_eq!(a.listed().await, want, "A lists every volume");
     assert_eq!(b.listed().await, want, "B lists every volume");
+
+    // Every name created again through both instances at once: each call
+    // answers the one existing volume, and nothing is added.
+    let mut retries = JoinSet::new();
+    for i in 0..VOLUMES {
+        for mut controller in [a.controller.clone(), b.controller.clone()] {
+            retries.spawn(async move {
+                let name = format!("vol-{i}");
+                let id = controller
+                    .create_volume(create_request(&name, MIB, 0))
+                    .await
+                    .map(|r| r.into_inner().volume.unwrap().volume_id);
+                (name, id)
+            });
+        }
+    }
+    while let Some(done) = retries.join_next().await {
+        let (name, id) = done.unwrap();
+        assert_eq!(
+            id.unwrap(),
+            hostpath_plugin::state::volume_id_for(&name),
+            "{name}"
+        );
+    }
+    assert_eq!(a.listed().await, want);
     let text = fs::read_to_string(a.process.state_dir.join("state.json")).unwrap();
     let state: serde_json::Value = serde_json::from_str(&text).unwrap();
     assert_eq!(state["volumes"].as_object().unwrap().len(), VOLUMES);
