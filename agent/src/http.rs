@@ -19,7 +19,7 @@ use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Request, St
 use axum::http::{header, request::Parts, Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, put};
+use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use berth_server::{Server, ServerError};
 use berth_structs::{CsiVolume, Job};
@@ -407,6 +407,9 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v1/allocation/{id}", get(get_allocation))
         .route("/v1/nodes", get(list_nodes))
         .route("/v1/node/{id}", get(get_node))
+        .route("/v1/node/{id}/allocations", get(node_allocations))
+        .route("/v1/node/{id}/drain", post(drain_node))
+        .route("/v1/node/{id}/eligibility", post(node_eligibility))
         .route("/v1/node/{id}/purge", put(purge_node))
         .route("/v1/volumes", get(list_volumes))
         .route(
@@ -520,6 +523,87 @@ async fn list_nodes(State(s): State<Arc<Server>>) -> ApiResult {
 
 async fn get_node(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.node(&id)?)
+}
+
+/// The allocs placed on a node (by ID, unique ID prefix or name); a
+/// blocking query like a job's allocations.
+async fn node_allocations(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    q.block(&s).await?;
+    let node = s.node(&id)?;
+    let body = serde_json::to_value(s.allocations_on_node(&node.id))
+        .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
+    Ok(indexed(&s, body))
+}
+
+/// The body of `POST /v1/node/{id}/drain`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DrainBody {
+    enable: bool,
+    /// How long the drain waits for migrations (`"1h"`, the default).
+    #[serde(default)]
+    deadline: Option<String>,
+    /// A drain that does not wait at all (deadline now).
+    #[serde(default)]
+    force: bool,
+}
+
+/// A drain's deadline when none is given (Nomad's).
+const DEFAULT_DRAIN_DEADLINE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+impl DrainBody {
+    /// The deadline to drain with, or None to disable the drain.
+    fn deadline(&self) -> Result<Option<std::time::Duration>, ApiError> {
+        if !self.enable {
+            if self.deadline.is_some() || self.force {
+                return Err(ApiError::bad_request(
+                    "deadline and force apply only when enabling a drain (enable: true)",
+                ));
+            }
+            return Ok(None);
+        }
+        match (&self.deadline, self.force) {
+            (Some(_), true) => Err(ApiError::bad_request(
+                "give either deadline or force, not both (force is a deadline of now)",
+            )),
+            (None, true) => Ok(Some(std::time::Duration::ZERO)),
+            (None, false) => Ok(Some(DEFAULT_DRAIN_DEADLINE)),
+            (Some(d), false) => humantime::parse_duration(d)
+                .map(Some)
+                .map_err(|e| ApiError::bad_request(format!("deadline {d:?}: {e}"))),
+        }
+    }
+}
+
+/// `node drain`: start, update or disable a node's drain; answers the node.
+async fn drain_node(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<DrainBody>,
+) -> ApiResult {
+    let deadline = body.deadline()?;
+    to_json(&s.update_node_drain(&id, deadline).await?)
+}
+
+/// The body of `POST /v1/node/{id}/eligibility`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct EligibilityBody {
+    eligible: bool,
+}
+
+/// `node eligibility`: whether new allocs may go to the node; answers the
+/// node.
+async fn node_eligibility(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<EligibilityBody>,
+) -> ApiResult {
+    to_json(&s.set_node_eligibility(&id, body.eligible).await?)
 }
 
 async fn list_volumes(State(s): State<Arc<Server>>) -> ApiResult {

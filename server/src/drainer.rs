@@ -33,6 +33,8 @@ use berth_structs::{
     AllocDesiredStatus, Allocation, DrainStrategy, JobType, Node, NodeEvent, SchedulingEligibility,
 };
 
+use berth_structs::limits::{too_large, MAX_DURATION};
+
 use crate::error::ServerError;
 use crate::nodes::resolve_node;
 use crate::server::Server;
@@ -182,12 +184,23 @@ impl Server {
     /// Start or update (`Some(deadline)`) or disable (`None`) the drain of
     /// `node` (an ID, a unique ID prefix or a name). A drain makes the node
     /// ineligible; disabling it leaves the node ineligible. A zero deadline
-    /// is a forced drain. Returns the node.
+    /// is a forced drain; one above a year is refused. Returns the node.
     pub async fn update_node_drain(
         &self,
         node: &str,
         deadline: Option<Duration>,
     ) -> Result<Node, ServerError> {
+        if let Some(d) = deadline {
+            if d > MAX_DURATION {
+                return Err(ServerError::BadRequest(format!(
+                    "drain deadline: {}",
+                    too_large(
+                        humantime::format_duration(d),
+                        humantime::format_duration(MAX_DURATION)
+                    )
+                )));
+            }
+        }
         let now = berth_structs::now_ms();
         let (node_id, _) = self.store.write(|t, changes| {
             let mut n = resolve_node(t, node)?.clone();

@@ -327,6 +327,18 @@ async fn eligibility_toggles_and_decides_where_new_allocs_go() {
     .await;
     assert!(live_allocs(&s, "web").iter().all(|a| a.node_id == "n2"));
 
+    // A deadline past the limit is refused, naming it.
+    let err = s
+        .update_node_drain("n1", Some(Duration::from_secs(100 * 31_557_600)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ServerError::BadRequest(_)), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        "drain deadline: 100years is too large (at most 1year)"
+    );
+    assert!(s.node("n1").unwrap().drain_strategy.is_none());
+
     // Unknown nodes are named.
     let err = s.set_node_eligibility("nope", false).await.unwrap_err();
     assert!(matches!(err, ServerError::NotFound(_)), "{err:?}");

@@ -66,6 +66,10 @@ impl ApiClient {
         self.request("PUT", path, Some(body)).map(|(v, _)| v)
     }
 
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> Result<serde_json::Value> {
+        self.request("POST", path, Some(body)).map(|(v, _)| v)
+    }
+
     pub fn delete(&self, path: &str) -> Result<serde_json::Value> {
         self.request("DELETE", path, None).map(|(v, _)| v)
     }

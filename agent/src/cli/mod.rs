@@ -3,6 +3,7 @@
 
 pub mod errors;
 pub mod http_client;
+mod node;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
@@ -22,6 +23,10 @@ Commands:
   job status [-json] [-all-allocs] [JOB]          show jobs (the latest version's allocs, newest first)
   alloc status [-json] ALLOC                      show an allocation
   node status [-json] [NODE]                      show nodes
+  node drain -enable [-deadline D] [-force] [-detach] NODE
+                                                  move a node's allocs elsewhere (see berth node drain -h)
+  node drain -disable NODE                        stop draining a node (it stays ineligible)
+  node eligibility -enable|-disable NODE          allow or forbid new allocs on a node
   node purge [-json] NODE                         forget a node that is gone; its allocs are lost, its claims freed
   volume create FILE                              create a CSI volume through its plugin
   volume register FILE                            register an existing CSI volume
@@ -141,6 +146,8 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         ("job", Some("status")) => job_status(tail),
         ("alloc", Some("status")) => alloc_status(tail),
         ("node", Some("status")) => node_status(tail),
+        ("node", Some("drain")) => node::node_drain(tail),
+        ("node", Some("eligibility")) => node::node_eligibility(tail),
         ("node", Some("purge")) => node_purge(tail),
         ("volume", Some("create")) => volume_submit(tail, true),
         ("volume", Some("register")) => volume_submit(tail, false),
@@ -547,16 +554,22 @@ fn node_status(args: &[String]) -> Result<i32> {
         Value::Array(a) => a.clone(),
         other => vec![other.clone()],
     };
-    println!("{:<38} {:<20} {:<8}", "ID", "Name", "Status");
-    for n in &nodes {
-        println!(
-            "{:<38} {:<20} {:<8}",
-            n["id"].as_str().unwrap_or_default(),
-            n["name"].as_str().unwrap_or_default(),
-            n["status"].as_str().unwrap_or_default()
-        );
+    let allocs = a.api.get("/v1/allocations")?;
+    for row in node::node_table(&nodes, &allocs, berth_structs::now_ms()) {
+        println!("{row}");
     }
     if let [n] = nodes.as_slice() {
+        println!("\nID = {}", n["id"].as_str().unwrap_or_default());
+        if let Some(d) = n["drain_strategy"].as_object() {
+            let at = d.get("force_deadline_ms").and_then(Value::as_i64);
+            println!(
+                "Drain deadline = {} ({})",
+                d.get("deadline")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+                node::deadline_left(at.unwrap_or(0), berth_structs::now_ms())
+            );
+        }
         println!("\nEvents");
         for e in n["events"].as_array().into_iter().flatten() {
             println!(

@@ -404,3 +404,218 @@ fn the_cli_client_reports_the_servers_413_for_a_body_over_the_limit() {
         "request body is larger than the 2 MiB limit"
     );
 }
+
+async fn post_json(router: &Router, uri: &str, body: Value) -> Answer {
+    call(
+        router,
+        Method::POST,
+        uri,
+        Some("application/json"),
+        Body::from(body.to_string()),
+    )
+    .await
+}
+
+fn body_json(a: &Answer) -> Value {
+    assert_eq!(
+        a.status,
+        StatusCode::OK,
+        "{}",
+        String::from_utf8_lossy(&a.body)
+    );
+    serde_json::from_slice(&a.body).expect("JSON answer")
+}
+
+async fn api_with_node(id: &str, name: &str) -> TestApi {
+    let api = TestApi::new();
+    api.server
+        .register_node(berth_structs::Node {
+            id: id.into(),
+            name: name.into(),
+            ..Default::default()
+        })
+        .await
+        .expect("register node");
+    api
+}
+
+#[tokio::test]
+async fn drain_and_eligibility_routes_answer_the_node_by_id_prefix_or_name() {
+    let api = api_with_node("5e1f0a2b-0000-4000-8000-000000000001", "worker-1").await;
+    let id = "5e1f0a2b-0000-4000-8000-000000000001";
+
+    let n = body_json(
+        &post_json(
+            &api.router,
+            "/v1/node/worker-1/drain",
+            json!({"enable": true, "deadline": "30m"}),
+        )
+        .await,
+    );
+    assert_eq!(n["id"], id);
+    assert_eq!(n["drain"], true);
+    assert_eq!(n["scheduling_eligibility"], "ineligible");
+    assert_eq!(n["drain_strategy"]["deadline"], "30m");
+
+    // Without a deadline: an hour; -force: now.
+    let n =
+        body_json(&post_json(&api.router, "/v1/node/5e1f/drain", json!({"enable": true})).await);
+    assert_eq!(n["drain_strategy"]["deadline"], "1h");
+    let n = body_json(
+        &post_json(
+            &api.router,
+            &format!("/v1/node/{id}/drain"),
+            json!({"enable": true, "force": true}),
+        )
+        .await,
+    );
+    assert_eq!(n["drain_strategy"]["deadline"], "0s");
+
+    // A draining node cannot be made eligible.
+    let a = post_json(
+        &api.router,
+        "/v1/node/worker-1/eligibility",
+        json!({"eligible": true}),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::CONFLICT);
+    assert!(
+        a.error_message()
+            .contains("is draining; disable the drain first"),
+        "{}",
+        a.error_message()
+    );
+
+    let n = body_json(
+        &post_json(
+            &api.router,
+            "/v1/node/worker-1/drain",
+            json!({"enable": false}),
+        )
+        .await,
+    );
+    assert_eq!(n["drain"], false);
+    assert_eq!(n["drain_strategy"], Value::Null);
+    assert_eq!(n["scheduling_eligibility"], "ineligible");
+
+    let n = body_json(
+        &post_json(
+            &api.router,
+            "/v1/node/worker-1/eligibility",
+            json!({"eligible": true}),
+        )
+        .await,
+    );
+    assert_eq!(n["scheduling_eligibility"], "eligible");
+    let n = body_json(
+        &post_json(
+            &api.router,
+            "/v1/node/worker-1/eligibility",
+            json!({"eligible": false}),
+        )
+        .await,
+    );
+    assert_eq!(n["scheduling_eligibility"], "ineligible");
+    let listed = body_json(&call(&api.router, Method::GET, "/v1/nodes", None, Body::empty()).await);
+    assert_eq!(listed[0]["scheduling_eligibility"], "ineligible");
+    assert_eq!(listed[0]["drain"], false);
+
+    let allocs = call(
+        &api.router,
+        Method::GET,
+        "/v1/node/worker-1/allocations",
+        None,
+        Body::empty(),
+    )
+    .await;
+    assert!(allocs.headers.contains_key("x-berth-index"));
+    assert_eq!(body_json(&allocs), json!([]));
+}
+
+#[tokio::test]
+async fn bad_drain_and_eligibility_requests_are_refused_naming_the_problem() {
+    let api = api_with_node("n1", "n1").await;
+    let cases = [
+        (
+            "/v1/node/n1/drain",
+            json!({"enable": true, "deadline": "soon"}),
+            StatusCode::BAD_REQUEST,
+            "deadline \"soon\": ",
+        ),
+        (
+            "/v1/node/n1/drain",
+            json!({"enable": true, "deadline": "100years"}),
+            StatusCode::BAD_REQUEST,
+            "drain deadline: 100years is too large (at most 1year)",
+        ),
+        (
+            "/v1/node/n1/drain",
+            json!({"enable": true, "deadline": "1h", "force": true}),
+            StatusCode::BAD_REQUEST,
+            "give either deadline or force, not both",
+        ),
+        (
+            "/v1/node/n1/drain",
+            json!({"enable": false, "force": true}),
+            StatusCode::BAD_REQUEST,
+            "deadline and force apply only when enabling a drain",
+        ),
+        (
+            "/v1/node/n1/drain",
+            json!({"enable": true, "dedline": "1h"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unknown field \"dedline\"",
+        ),
+        (
+            "/v1/node/n1/drain",
+            json!({"deadline": "1h"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "missing field \"enable\"",
+        ),
+        (
+            "/v1/node/n1/eligibility",
+            json!({"eligible": "yes"}),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "eligible: invalid type",
+        ),
+        (
+            "/v1/node/nope/drain",
+            json!({"enable": true}),
+            StatusCode::NOT_FOUND,
+            "node \"nope\" not found",
+        ),
+        (
+            "/v1/node/nope/eligibility",
+            json!({"eligible": false}),
+            StatusCode::NOT_FOUND,
+            "node \"nope\" not found",
+        ),
+    ];
+    for (uri, body, status, message) in cases {
+        let a = post_json(&api.router, uri, body.clone()).await;
+        assert_eq!(a.status, status, "{uri} {body}: {}", a.error_message());
+        assert!(
+            a.error_message().contains(message),
+            "{uri} {body}: {:?} lacks {message:?}",
+            a.error_message()
+        );
+    }
+    // Nothing changed.
+    let n = api.server.node("n1").unwrap();
+    assert!(n.drain_strategy.is_none());
+    assert!(n.is_eligible());
+
+    let a = call(
+        &api.router,
+        Method::GET,
+        "/v1/node/n1/drain",
+        None,
+        Body::empty(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(
+        a.error_message(),
+        "method GET is not allowed on /v1/node/n1/drain (allowed: POST)"
+    );
+}
