@@ -288,6 +288,12 @@ impl Server {
     /// done, evaluate the jobs whose allocs were stopped. Returns the
     /// earliest deadline still ahead.
     async fn drain_pass(&self) -> Result<Option<i64>, ServerError> {
+        let draining = self
+            .store
+            .read(|t| t.nodes.values().any(|n| n.drain_strategy.is_some()));
+        if !draining {
+            return Ok(None);
+        }
         let now = berth_structs::now_ms();
         let (pass, _) = self.store.write(|t, changes| {
             let pass = plan_drains(t, now);

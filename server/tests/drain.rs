@@ -367,3 +367,40 @@ async fn a_drain_survives_the_nodes_re_registration() {
     s.node_heartbeat("n1").await.unwrap();
     assert!(s.node("n1").unwrap().drain);
 }
+
+#[tokio::test]
+async fn at_the_deadline_the_drain_stops_waiting_for_migrations_by_itself() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    s.register_node(node("n1")).await.unwrap();
+    s.register_job(job("web", JobType::Service, 1))
+        .await
+        .unwrap();
+    s.register_job(job("logger", JobType::System, 1))
+        .await
+        .unwrap();
+    let web = alloc_on(&s, "web", "n1");
+    let logger = alloc_on(&s, "logger", "n1");
+    for a in [&web, &logger] {
+        report(&s, a, AllocClientStatus::Running).await;
+    }
+
+    let started = std::time::Instant::now();
+    s.update_node_drain("n1", Some(Duration::from_secs(2)))
+        .await
+        .unwrap();
+    wait_until("web is stopped on n1", WAIT, || drain_stopped(&s, &web)).await;
+    // web never reports that it stopped; nothing else changes. The drainer
+    // wakes at the deadline by itself.
+    wait_until("logger is stopped at the deadline", WAIT, || {
+        drain_stopped(&s, &logger)
+    })
+    .await;
+    assert!(
+        started.elapsed() >= Duration::from_secs(2),
+        "stopped {:?} after the drain started, before its deadline",
+        started.elapsed()
+    );
+    drain_complete(&s, "n1").await;
+    assert_eq!(current(&s, &web).client_status, AllocClientStatus::Running);
+}
