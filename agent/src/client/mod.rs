@@ -191,18 +191,12 @@ impl Client {
         if !quarantined.is_empty() {
             tracing::warn!(records = ?quarantined, "client state holds quarantined records that did not decode");
         }
-        let node_id = match state.meta("node_id")? {
-            Some(id) => id,
-            None => {
-                let id = berth_structs::generate_id();
-                state.set_meta("node_id", &id)?;
-                id
-            }
-        };
+        let identity = state.node_identity()?;
+        let node_id = identity.node_id.clone();
         let node = node_fingerprint(&config, node_id.clone());
         tracing::info!(node_id = %node.id, name = %node.name, "client starting");
         let channels = servers::ServerChannels::new(&config.servers)?;
-        let conn = ServerConn::new(channels, node);
+        let conn = ServerConn::new(channels, node, identity.secret);
         let store = Arc::new(state.clone());
         let csi = CsiManager::new(
             ManagerConfig {

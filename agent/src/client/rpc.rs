@@ -13,8 +13,11 @@ use berth_heartbeat::{HeartbeatError, HeartbeatRpc, NodeRegistrar};
 use berth_proto::berth::v1 as pb;
 use berth_proto::berth::v1::csi_volume_client::CsiVolumeClient;
 use berth_proto::berth::v1::node_client::NodeClient;
-use berth_structs::{AllocClientStatus, CsiInfo, CsiMountOptions, Node, NodeEvent, TaskState};
+use berth_structs::{
+    AllocClientStatus, CsiInfo, CsiMountOptions, Node, NodeEvent, NodeSecret, TaskState,
+};
 use tokio::sync::Notify;
+use tonic::service::interceptor::InterceptedService;
 use tonic::Code;
 
 use super::servers::ServerChannels;
@@ -82,6 +85,33 @@ fn push_bounded(pending: &mut Vec<NodeEvent>, new: impl IntoIterator<Item = Node
     extra
 }
 
+/// Puts the node secret in the metadata of every call to the servers, so
+/// that they can tell this client from anyone else naming its node ID.
+#[derive(Clone)]
+pub struct NodeSecretInterceptor(NodeSecret);
+
+impl std::fmt::Debug for NodeSecretInterceptor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("NodeSecretInterceptor")
+            .field(&self.0)
+            .finish()
+    }
+}
+
+impl tonic::service::Interceptor for NodeSecretInterceptor {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let mut value = tonic::metadata::MetadataValue::try_from(self.0.expose())
+            .map_err(|_| tonic::Status::internal("the node secret is not valid gRPC metadata"))?;
+        // Never indexed by HTTP/2 header compression.
+        value.set_sensitive(true);
+        req.metadata_mut().insert(pb::NODE_SECRET_METADATA, value);
+        Ok(req)
+    }
+}
+
+/// The channel to the servers with the node secret on every call.
+pub type NodeChannel = InterceptedService<ServerChannels, NodeSecretInterceptor>;
+
 /// The client's connection to the servers. Cheap to clone.
 #[derive(Clone)]
 pub struct ServerConn {
@@ -90,6 +120,7 @@ pub struct ServerConn {
 
 struct Inner {
     channel: ServerChannels,
+    secret: NodeSecretInterceptor,
     node: Mutex<Node>,
     pending_updates: Mutex<HashMap<String, pb::AllocStatusUpdate>>,
     pending_events: Mutex<Vec<NodeEvent>>,
@@ -101,10 +132,11 @@ fn status_retryable(code: Code) -> bool {
 }
 
 impl ServerConn {
-    pub fn new(channel: ServerChannels, node: Node) -> ServerConn {
+    pub fn new(channel: ServerChannels, node: Node, secret: NodeSecret) -> ServerConn {
         ServerConn {
             inner: Arc::new(Inner {
                 channel,
+                secret: NodeSecretInterceptor(secret),
                 node: Mutex::new(node),
                 pending_updates: Mutex::default(),
                 pending_events: Mutex::default(),
@@ -130,13 +162,18 @@ impl ServerConn {
         &self.inner.channel
     }
 
-    pub fn node_client(&self) -> NodeClient<ServerChannels> {
-        NodeClient::new(self.inner.channel.clone())
-            .max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES)
+    /// The channel to the servers, every call carrying the node secret:
+    /// what every client of the agent protocol is built on.
+    pub fn node_channel(&self) -> NodeChannel {
+        InterceptedService::new(self.inner.channel.clone(), self.inner.secret.clone())
     }
 
-    fn volume_client(&self) -> CsiVolumeClient<ServerChannels> {
-        CsiVolumeClient::new(self.inner.channel.clone())
+    pub fn node_client(&self) -> NodeClient<NodeChannel> {
+        NodeClient::new(self.node_channel()).max_decoding_message_size(MAX_WATCH_MESSAGE_BYTES)
+    }
+
+    fn volume_client(&self) -> CsiVolumeClient<NodeChannel> {
+        CsiVolumeClient::new(self.node_channel())
     }
 
     /// Registers the node (with its current fingerprints); returns the TTL.
@@ -491,6 +528,36 @@ mod tests {
         (dir, server, serving, channel)
     }
 
+    /// Every call carries the node secret: the client that registered a
+    /// node is served, another one naming the same node ID is refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn calls_carry_the_node_secret_and_another_secret_is_refused() {
+        let (_dir, server, serving, channel) = serve_node_service().await;
+        let node = Node {
+            id: berth_structs::generate_id(),
+            name: "n".into(),
+            ..Node::default()
+        };
+        let conn = ServerConn::new(channel.clone(), node.clone(), NodeSecret::generate());
+        conn.register().await.expect("the node registers");
+        conn.heartbeat().await.expect("its heartbeat is served");
+        let index = server.index();
+
+        let impostor = ServerConn::new(channel, node, NodeSecret::generate());
+        let err = impostor.register().await.unwrap_err();
+        assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
+        let err = impostor
+            .node_client()
+            .heartbeat(pb::HeartbeatRequest {
+                node_id: impostor.node_id(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::PermissionDenied, "{}", err.message());
+        assert_eq!(server.index(), index, "the impostor changed nothing");
+        serving.abort();
+    }
+
     /// A backlog of alloc updates larger than the servers take in one
     /// message (gathered while they were unreachable) still reaches them:
     /// a real server over a real connection.
@@ -504,6 +571,7 @@ mod tests {
                 name: "n".into(),
                 ..Node::default()
             },
+            NodeSecret::generate(),
         );
         conn.register().await.expect("the node registers");
         // About 6 MiB of updates, of allocs the servers do not know (they
@@ -542,6 +610,7 @@ mod tests {
                 },
                 ..Node::default()
             },
+            NodeSecret::generate(),
         );
         conn.register().await.expect("the node registers");
         // 1,500 allocs of about 4 KiB each: some 6 MiB in one message.

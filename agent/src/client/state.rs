@@ -1,5 +1,6 @@
 //! The client's state database: one crash-safe redb file under
-//! `<data_dir>/client/`, with a schema version. It holds the node identity,
+//! `<data_dir>/client/`, mode 0600, with a schema version. It holds the node
+//! identity (node ID and node secret),
 //! the time of the last heartbeat, the CSI plugin registry, the volume
 //! stubs, and the allocs this node runs with their states and task handles
 //! (what a restarted client reattaches to). A record that fails to decode is reported and moved to a
@@ -10,7 +11,7 @@ use std::sync::{Arc, RwLock};
 
 use berth_allocrunner::{AllocStateStore, PersistedAllocState, RestoredAlloc, TaskHandleRecord};
 use berth_csimanager::{PluginRegistration, VolumeStateStore, VolumeStub};
-use berth_structs::Allocation;
+use berth_structs::{Allocation, NodeSecret};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -45,6 +46,50 @@ pub enum StateError {
     TooNew { found: u32 },
     #[error("client state database: an earlier write failed on I/O (is the disk full?)")]
     PreviousIo,
+    #[error("client state database {path}: setting its mode to 0600: {source}")]
+    Mode {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The node's identity, created at the client's first start and kept in
+/// its state database.
+#[derive(Debug, Clone)]
+pub struct NodeIdentity {
+    pub node_id: String,
+    /// Sent with every node RPC; `Debug` redacts it.
+    pub secret: NodeSecret,
+}
+
+const META_NODE_ID: &str = "node_id";
+const META_NODE_SECRET: &str = "node_secret";
+
+/// The database file holds the node secret: readable by its owner only.
+/// Created with mode 0600 when missing; a looser mode on an existing file
+/// is narrowed.
+fn restrict_mode(path: &Path) -> Result<(), StateError> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mode_err = |source| StateError::Mode {
+        path: path.display().to_string(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(path)
+        .map_err(mode_err)?;
+    let mode = file.metadata().map_err(mode_err)?.permissions().mode();
+    if mode & 0o077 != 0 {
+        tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), "client state database was readable by others; setting mode 0600");
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))
+            .map_err(mode_err)?;
+    }
+    Ok(())
 }
 
 fn db_err(e: impl std::fmt::Display) -> StateError {
@@ -83,6 +128,7 @@ impl ClientState {
     }
 
     fn open_db(path: &Path) -> Result<Database, StateError> {
+        restrict_mode(path)?;
         Database::create(path).map_err(|source| StateError::Open {
             path: path.display().to_string(),
             source,
@@ -156,6 +202,34 @@ impl ClientState {
             t.insert(key, value).map_err(rdb)?;
             Ok(())
         })
+    }
+
+    /// The node ID and secret, created (and stored) at the first start. A
+    /// database from before node secrets keeps its node ID and gets a
+    /// secret; a stored secret that is not one is replaced, and the
+    /// servers then refuse the node until an operator purges it.
+    pub fn node_identity(&self) -> Result<NodeIdentity, StateError> {
+        let node_id = match self.meta(META_NODE_ID)? {
+            Some(id) => id,
+            None => {
+                let id = berth_structs::generate_id();
+                self.set_meta(META_NODE_ID, &id)?;
+                id
+            }
+        };
+        let stored = self.meta(META_NODE_SECRET)?;
+        let secret = match stored.as_deref().map(NodeSecret::parse) {
+            Some(Ok(secret)) => secret,
+            found => {
+                if let Some(Err(e)) = found {
+                    tracing::error!(node_id, error = %e, "stored node secret is unusable; creating a new one");
+                }
+                let secret = NodeSecret::generate();
+                self.set_meta(META_NODE_SECRET, secret.expose())?;
+                secret
+            }
+        };
+        Ok(NodeIdentity { node_id, secret })
     }
 
     /// Every record of `table`, decoded. Records that fail to decode, or
@@ -440,6 +514,52 @@ mod tests {
             staged: true,
             allocs: [("a1".to_string(), "/tmp/target".into())].into(),
         }
+    }
+
+    fn mode_of(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(path).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_state_file_is_created_0600_and_a_looser_mode_is_narrowed_on_open() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state.redb");
+        let s = ClientState::open(dir.path()).unwrap();
+        s.node_identity().unwrap();
+        assert_eq!(mode_of(&path), 0o600);
+        drop(s);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let s = ClientState::open(dir.path()).unwrap();
+        assert_eq!(mode_of(&path), 0o600);
+        assert!(s.meta("node_secret").unwrap().is_some());
+    }
+
+    #[test]
+    fn the_node_identity_is_created_once_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = ClientState::open(dir.path())
+            .unwrap()
+            .node_identity()
+            .unwrap();
+        assert_eq!(first.secret.expose().len(), 64);
+        let again = ClientState::open(dir.path())
+            .unwrap()
+            .node_identity()
+            .unwrap();
+        assert_eq!(again.node_id, first.node_id);
+        assert_eq!(again.secret, first.secret);
+        assert!(!format!("{again:?}").contains(first.secret.expose()));
+
+        // A database from before node secrets keeps its node ID.
+        let old = tempfile::tempdir().unwrap();
+        let s = ClientState::open(old.path()).unwrap();
+        s.set_meta("node_id", "node-from-before").unwrap();
+        let id = s.node_identity().unwrap();
+        assert_eq!(id.node_id, "node-from-before");
+        assert_ne!(id.secret, first.secret);
+        assert_eq!(s.node_identity().unwrap().secret, id.secret);
     }
 
     #[test]

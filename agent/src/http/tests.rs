@@ -619,3 +619,36 @@ async fn bad_drain_and_eligibility_requests_are_refused_naming_the_problem() {
         "method GET is not allowed on /v1/node/n1/drain (allowed: POST)"
     );
 }
+
+#[tokio::test]
+async fn node_answers_never_carry_the_node_secret() {
+    let api = TestApi::new();
+    let secret = berth_structs::NodeSecret::generate();
+    let id = "7a3c0a2b-0000-4000-8000-000000000001";
+    api.server
+        .register_node_with_secret(
+            berth_structs::Node {
+                id: id.into(),
+                name: "worker-1".into(),
+                ..Default::default()
+            },
+            &secret,
+        )
+        .await
+        .expect("register node");
+    for uri in [
+        "/v1/nodes".to_string(),
+        format!("/v1/node/{id}"),
+        "/v1/node/worker-1".to_string(),
+        format!("/v1/node/{id}/allocations"),
+    ] {
+        let a = call(&api.router, Method::GET, &uri, None, Body::empty()).await;
+        assert_eq!(a.status, StatusCode::OK, "{uri}");
+        let body = String::from_utf8_lossy(&a.body);
+        assert!(
+            !body.contains(secret.expose()),
+            "{uri} answered the secret: {body}"
+        );
+        assert!(!body.to_lowercase().contains("secret"), "{uri}: {body}");
+    }
+}
