@@ -22,8 +22,8 @@ pub struct AgentConfig {
     pub server: bool,
     /// Run the client role.
     pub client: bool,
-    /// The servers a client-only agent dials, `HOST:PORT`; only the first
-    /// is used for now (failover across the list comes later). Empty when
+    /// The servers a client-only agent dials, `HOST:PORT`: the first, and
+    /// the next when one fails. Empty when
     /// the agent runs the server role itself: its client dials that.
     pub servers: Vec<String>,
     pub data_dir: Option<PathBuf>,
@@ -118,7 +118,7 @@ Usage: berth agent -dev [options]
   -client               run the client role
   -servers HOST:PORT[,HOST:PORT...]
                         the servers' agent protocol addresses a client dials
-                        (only the first is used for now)
+                        (the first, and the next when one fails)
   -data-dir DIR         keep state here (-dev: default a new temp dir)
   -http-addr HOST:PORT  HTTP API address (default bind_addr:ports.http, 127.0.0.1:4747)
   -rpc-addr HOST:PORT   agent protocol address (-dev: default 127.0.0.1:0, any free
@@ -212,7 +212,7 @@ impl AgentConfig {
                 }
             };
             match name {
-                "http-addr" | "rpc-addr" | "heartbeat-ttl" => f.server_flag = Some(name.into()),
+                "rpc-addr" | "heartbeat-ttl" => f.server_flag = Some(name.into()),
                 "gc-max-allocs" | "gc-interval" | "gc-alloc-threshold" => {
                     f.client_flag = Some(name.into())
                 }
@@ -361,8 +361,7 @@ impl AgentConfig {
             .context("berth agent: the configuration (files and flags)")?;
         if let (false, Some(flag)) = (file.server_enabled(), &f.server_flag) {
             return Err(usage_error(format!(
-                "berth agent: -{flag} is for the server role, which this agent does not run \
-                 (a client-only agent serves no HTTP API yet)"
+                "berth agent: -{flag} is for the server role, which this agent does not run"
             )));
         }
         if let (false, Some(flag)) = (file.client_enabled(), &f.client_flag) {
@@ -441,12 +440,8 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
         || s.max_heartbeats_per_second.is_some();
     [
         (
-            no_server && file.ports.http.is_some(),
-            "ports.http (a client-only agent serves no HTTP API yet)",
-        ),
-        (
-            no_server && (file.ports.rpc.is_some() || file.bind_addr.is_some()),
-            "ports.rpc and bind_addr (for the server role, which is off)",
+            no_server && file.ports.rpc.is_some(),
+            "ports.rpc (for the server role, which is off)",
         ),
         (no_server && server_knobs, "server (the server role is off)"),
         (
@@ -533,12 +528,22 @@ pub async fn run(
 
     let mut components = crate::systemd::Components::default();
     let mut tasks = tokio::task::JoinSet::new();
+    let agent_info = std::sync::Arc::new(crate::http::agent_api::AgentInfo::new(
+        config.server,
+        config.client,
+        data_dir.clone(),
+        config.servers.clone(),
+    ));
     let local_rpc_addr = if config.server {
         crate::systemd::status("loading the server state");
-        let (addr, server) = start_server(&config, &data_dir, &shutdown_rx, &mut tasks).await?;
+        let (addr, server) =
+            start_server(&config, &data_dir, &shutdown_rx, &mut tasks, &agent_info).await?;
         components.server = Some(server);
         Some(addr)
     } else {
+        // A client-only agent serves the HTTP API too: its node-local
+        // routes, and the rest forwarded to its servers.
+        start_client_http(&config, &shutdown_rx, &mut tasks, &agent_info).await?;
         None
     };
     // A client next to the server role dials it; a client-only agent dials
@@ -568,6 +573,7 @@ pub async fn run(
         .context("starting the client")?;
         crate::systemd::status("restoring allocs, then registering with the servers");
         components.client = Some(client.clone());
+        let _ = agent_info.client_role.set(client.clone());
         tokio::spawn(client.run(client_stop_rx))
     } else {
         // No client role: a task that ends only when told to stop.
@@ -766,6 +772,7 @@ async fn start_server(
     data_dir: &std::path::Path,
     shutdown_rx: &watch::Receiver<bool>,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
+    info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
 ) -> Result<(SocketAddr, std::sync::Arc<Server>)> {
     let mut server_config = ServerConfig {
         data_dir: data_dir.to_path_buf(),
@@ -788,6 +795,8 @@ async fn start_server(
         .await
         .with_context(|| format!("binding the HTTP API to {}", config.http_addr))?;
     tracing::info!(rpc_addr = %rpc_addr, http_addr = %http_listener.local_addr()?, "agent starting");
+    let _ = info.rpc_addr.set(rpc_addr);
+    let _ = info.http_addr.set(http_listener.local_addr()?);
 
     {
         let server = server.clone();
@@ -798,9 +807,16 @@ async fn start_server(
         });
     }
     {
+        // Keepalive drops the streams of clients whose packets silently
+        // vanish, as the clients do on their side.
         let router = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(crate::client::servers::KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(crate::client::servers::KEEPALIVE_TIMEOUT))
             .add_service(server.node_service())
-            .add_service(server.csi_volume_service());
+            .add_service(server.csi_volume_service())
+            .add_service(crate::http::forward::forward_service(crate::http::router(
+                server.clone(),
+            )));
         let mut rx = shutdown_rx.clone();
         tasks.spawn(async move {
             router
@@ -813,9 +829,9 @@ async fn start_server(
     }
     {
         let rx = shutdown_rx.clone();
-        let server = server.clone();
+        let api = crate::http::agent_api::agent_router(Some(server.clone()), info.clone());
         tasks.spawn(async move {
-            crate::http::serve(http_listener, server, rx)
+            crate::http::serve_router(http_listener, api, rx)
                 .await
                 .context("HTTP API")
         });
@@ -831,6 +847,27 @@ async fn start_server(
         rpc_addr
     };
     Ok((dial, server))
+}
+
+/// Binds a client-only agent's HTTP API and serves it on `tasks`.
+async fn start_client_http(
+    config: &AgentConfig,
+    shutdown_rx: &watch::Receiver<bool>,
+    tasks: &mut tokio::task::JoinSet<Result<()>>,
+    info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
+) -> Result<()> {
+    let http_listener = tokio::net::TcpListener::bind(config.http_addr)
+        .await
+        .with_context(|| format!("binding the HTTP API to {}", config.http_addr))?;
+    let _ = info.http_addr.set(http_listener.local_addr()?);
+    let api = crate::http::agent_api::agent_router(None, info.clone());
+    let rx = shutdown_rx.clone();
+    tasks.spawn(async move {
+        crate::http::serve_router(http_listener, api, rx)
+            .await
+            .context("HTTP API")
+    });
+    Ok(())
 }
 
 #[cfg(test)]
@@ -932,11 +969,7 @@ mod tests {
             let e = AgentConfig::from_args(&args(missing)).unwrap_err();
             assert!(format!("{e:#}").contains("data_dir is not set"), "{e:#}");
         }
-        for flag in [
-            "-http-addr=127.0.0.1:1",
-            "-rpc-addr=127.0.0.1:1",
-            "-heartbeat-ttl=1s",
-        ] {
+        for flag in ["-rpc-addr=127.0.0.1:1", "-heartbeat-ttl=1s"] {
             let e =
                 AgentConfig::from_args(&args(&["-client", "-data-dir=/c", "-servers=h:1", flag]))
                     .unwrap_err();
@@ -948,11 +981,20 @@ mod tests {
         let client_hcl = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/agent/client.hcl");
         let c = run(&["-config", client_hcl, "-data-dir=/c"]);
         assert!(c.client && !c.server);
+        // A client-only agent serves the HTTP API on its ports.http.
         assert!(
-            c.not_applied.iter().any(|k| k.starts_with("ports.http")),
+            !c.not_applied.iter().any(|k| k.starts_with("ports.http")),
             "{:?}",
             c.not_applied
         );
+        assert_eq!(c.http_addr, "127.0.0.1:4748".parse().unwrap());
+        let c = run(&[
+            "-client",
+            "-data-dir=/c",
+            "-servers=h:1",
+            "-http-addr=127.0.0.1:1",
+        ]);
+        assert_eq!(c.http_addr, "127.0.0.1:1".parse().unwrap());
         let e = AgentConfig::from_args(&args(&["-data-dir", "/d"])).unwrap_err();
         assert!(
             format!("{e:#}").contains("neither the server nor the client"),

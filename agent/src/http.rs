@@ -694,20 +694,23 @@ async fn system_gc(State(s): State<Arc<Server>>) -> ApiResult {
     to_json(&report)
 }
 
-/// Serves the API on `listener` until `shutdown` flips.
-pub async fn serve(
+/// Serves `router` on `listener` until `shutdown` flips.
+pub async fn serve_router(
     listener: tokio::net::TcpListener,
-    server: Arc<Server>,
+    router: Router,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
     let addr: Option<SocketAddr> = listener.local_addr().ok();
     tracing::info!(addr = ?addr, "HTTP API listening");
-    axum::serve(listener, router(server))
+    axum::serve(listener, router)
         .with_graceful_shutdown(async move {
             let _ = shutdown.wait_for(|v| *v).await;
         })
         .await
 }
+
+pub mod agent_api;
+pub mod forward;
 
 #[cfg(test)]
 mod tests;

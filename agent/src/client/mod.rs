@@ -9,6 +9,8 @@ pub mod probe;
 pub mod rpc;
 pub mod servers;
 pub mod state;
+#[cfg(test)]
+mod test_relay;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -77,6 +79,34 @@ impl ClientConfig {
             reserved_cpu: 0,
             reserved_memory_mb: 0,
             disconnect_startup_grace: berth_heartbeat::DisconnectConfig::default().startup_grace,
+        }
+    }
+}
+
+/// An alloc as the client running it sees it: what the node-local HTTP
+/// API answers, also while the servers are unreachable.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ClientAllocView {
+    pub id: String,
+    pub name: String,
+    pub job_id: String,
+    pub task_group: String,
+    pub desired_status: berth_structs::AllocDesiredStatus,
+    pub client_status: berth_structs::AllocClientStatus,
+    pub task_states: BTreeMap<String, berth_structs::TaskState>,
+}
+
+impl ClientAllocView {
+    fn of(r: &AllocRunner) -> ClientAllocView {
+        let alloc = r.alloc();
+        ClientAllocView {
+            id: alloc.id.clone(),
+            name: alloc.name.clone(),
+            job_id: alloc.job_id.clone(),
+            task_group: alloc.task_group.clone(),
+            desired_status: alloc.desired_status,
+            client_status: r.client_status(),
+            task_states: r.task_states(),
         }
     }
 }
@@ -245,6 +275,36 @@ impl Client {
     /// partition, and keeps registering in the background.
     pub fn ready(&self) -> watch::Receiver<bool> {
         self.ready.subscribe()
+    }
+
+    /// The servers this client dials, and which one is in use.
+    pub fn servers(&self) -> &servers::ServerChannels {
+        self.conn.servers()
+    }
+
+    /// The node as this client registers it.
+    pub fn node(&self) -> Node {
+        self.conn.node()
+    }
+
+    /// When the last heartbeat succeeded (Unix milliseconds), also before
+    /// a restart; `None` if none ever did.
+    pub fn last_heartbeat_ms(&self) -> Option<i64> {
+        berth_heartbeat::LastHeartbeatStore::load(&self.state)
+    }
+
+    /// The allocs this client runs, as it sees them (not as the servers
+    /// last heard), in id order.
+    pub async fn alloc_views(&self) -> Vec<ClientAllocView> {
+        let runners = self.runners.lock().await;
+        let mut views: Vec<ClientAllocView> = runners.values().map(ClientAllocView::of).collect();
+        views.sort_by(|a, b| a.id.cmp(&b.id));
+        views
+    }
+
+    /// One alloc this client runs, as it sees it.
+    pub async fn alloc_view(&self, id: &str) -> Option<ClientAllocView> {
+        self.runners.lock().await.get(id).map(ClientAllocView::of)
     }
 
     /// Whether the node has registered with the servers since the client
@@ -886,11 +946,10 @@ mod tests {
     }
 
     /// The first of the client's servers is an address where nothing
-    /// listens: the client moves on to the next, registers there, and runs
+    /// listens: the client moves on to the next, registers there, and gets
     /// the alloc that server places on it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_client_whose_first_server_is_dead_fails_over_registers_and_runs_an_alloc() {
-        use berth_structs::TaskConfig;
+    async fn a_client_whose_first_server_is_dead_fails_over_registers_and_gets_its_alloc() {
         let dir = tempfile::tempdir().unwrap();
         let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
         let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -909,30 +968,101 @@ mod tests {
             client.registered()
         })
         .await;
-        assert_eq!(client.conn.servers().current_addr(), format!("http://{addr}"));
+        assert_eq!(
+            client.conn.servers().current_addr(),
+            format!("http://{addr}")
+        );
 
+        server
+            .register_job(quick_job("j"))
+            .await
+            .expect("the job registers");
+        received(&client, "j", Duration::from_secs(30)).await;
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("the client stops")
+            .expect("no panic");
+        serving.abort();
+    }
+
+    /// A batch job `id` of one task that exits at once.
+    fn quick_job(id: &str) -> Job {
         let mut job = placed_alloc("").job;
+        job.id = id.into();
+        job.name = id.into();
         job.datacenters = vec!["dc1".into()];
         job.task_groups[0].tasks.truncate(1);
-        job.task_groups[0].tasks[0].config = TaskConfig {
+        job.task_groups[0].tasks[0].config = berth_structs::TaskConfig {
             command: "/bin/true".into(),
             args: Vec::new(),
         };
-        server.register_job(job).await.expect("the job registers");
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        job
+    }
+
+    /// Waits until the client runs an alloc of `job_id` (the alloc watch
+    /// brought it; whether its task starts does not matter here).
+    async fn received(client: &Client, job_id: &str, within: Duration) {
+        let deadline = std::time::Instant::now() + within;
         loop {
-            let done = client.runners.lock().await.values().any(|r| {
-                r.alloc().job_id == "j" && r.client_status() == AllocClientStatus::Complete
-            });
-            if done {
-                break;
+            let got = client
+                .runners
+                .lock()
+                .await
+                .values()
+                .any(|r| r.alloc().job_id == job_id);
+            if got {
+                return;
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "the alloc ran to completion in time"
+                "an alloc of {job_id} reached the client within {within:?}"
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// A partition that drops packets without closing anything, after
+    /// which the old connection stays silent: the client's keepalive
+    /// notices the dead connection, it dials again, and the alloc watch
+    /// brings the alloc placed after the partition healed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn after_a_silent_partition_the_client_reconnects_and_sees_new_allocs() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
+        let relay = test_relay::SilentRelay::start(addr).await;
+        let config = ClientConfig::new(
+            dir.path().join("client"),
+            vec![format!("http://{}", relay.addr)],
+        );
+        let client = Client::start(config, watch::channel(false).1)
+            .await
+            .expect("the client starts");
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let run = tokio::spawn(client.clone().run(stop_rx));
+        wait_for("the node to register", Duration::from_secs(20), || {
+            client.registered()
+        })
+        .await;
+        server
+            .register_job(quick_job("before"))
+            .await
+            .expect("the job registers");
+        received(&client, "before", Duration::from_secs(30)).await;
+
+        relay.partition();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        relay.heal();
+        server
+            .register_job(quick_job("after"))
+            .await
+            .expect("the job registers");
+        // Keepalive gives up on the silent connection within its interval
+        // and timeout; the watch reopens on a new one after its backoff.
+        let within =
+            servers::KEEPALIVE_INTERVAL + servers::KEEPALIVE_TIMEOUT + Duration::from_secs(20);
+        received(&client, "after", within).await;
+
         stop_tx.send_replace(true);
         tokio::time::timeout(Duration::from_secs(10), run)
             .await

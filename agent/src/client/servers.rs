@@ -89,6 +89,11 @@ impl ServerChannels {
         &self.inner.addrs[i % self.inner.addrs.len()]
     }
 
+    /// How many servers there are (at least one).
+    pub fn count(&self) -> usize {
+        self.inner.addrs.len()
+    }
+
     /// Moves on from the server in use to the next one, after a stream to
     /// it broke.
     pub fn failover(&self) {

@@ -389,7 +389,7 @@ fn the_cli_client_reports_the_servers_413_for_a_body_over_the_limit() {
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let served = rt.spawn(serve(listener, api.server.clone(), stop_rx));
+    let served = rt.spawn(serve_router(listener, router(api.server.clone()), stop_rx));
     let client = crate::cli::http_client::ApiClient::new(&format!("http://{addr}")).unwrap();
     let big = json!({ "job": "x".repeat(16 * 1024 * 1024) });
     let err = client.put("/v1/jobs", &big).unwrap_err();

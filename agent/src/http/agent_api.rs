@@ -1,0 +1,122 @@
+//! What every agent serves over HTTP, whatever its roles: the node-local
+//! routes it answers itself (`/v1/agent/self`, `/v1/client/...`), and the
+//! rest of the API, answered by the server role of this agent, or
+//! forwarded to a server by a client-only agent (see [`super::forward`]).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use berth_server::Server;
+use serde_json::json;
+
+use super::{ApiError, ApiPath, MAX_REQUEST_BODY};
+use crate::client::Client;
+
+/// What `/v1/agent/self` tells about this agent. The parts known only
+/// once a role has started are set then.
+pub struct AgentInfo {
+    pub server: bool,
+    pub client: bool,
+    pub data_dir: PathBuf,
+    /// The servers the client dials, as configured (`HOST:PORT`).
+    pub servers: Vec<String>,
+    pub http_addr: OnceLock<SocketAddr>,
+    /// Where this agent's server role serves the agent protocol.
+    pub rpc_addr: OnceLock<SocketAddr>,
+    pub client_role: OnceLock<Arc<Client>>,
+}
+
+impl AgentInfo {
+    pub fn new(server: bool, client: bool, data_dir: PathBuf, servers: Vec<String>) -> AgentInfo {
+        AgentInfo {
+            server,
+            client,
+            data_dir,
+            servers,
+            http_addr: OnceLock::new(),
+            rpc_addr: OnceLock::new(),
+            client_role: OnceLock::new(),
+        }
+    }
+
+    /// The client role, or a 404 that says this agent does not run one
+    /// (yet).
+    fn client_or_404(&self) -> Result<&Arc<Client>, ApiError> {
+        self.client_role.get().ok_or_else(|| {
+            let why = if self.client {
+                "the client role of this agent has not started yet"
+            } else {
+                "this agent does not run the client role"
+            };
+            ApiError::new(StatusCode::NOT_FOUND, why)
+        })
+    }
+}
+
+/// The whole API of an agent: the node-local routes, then `server`'s API
+/// when this agent runs the server role, else forwarding to the servers
+/// the client dials.
+pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router {
+    let rest = match server {
+        Some(s) => super::router(s),
+        None => super::forward::forwarding_router(info.clone()),
+    };
+    Router::new()
+        .route("/v1/agent/self", get(agent_self))
+        .route("/v1/client/allocations", get(client_allocations))
+        .route("/v1/client/allocation/{id}", get(client_allocation))
+        .with_state(info)
+        .fallback_service(rest)
+        .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
+        .layer(axum::middleware::from_fn(super::one_error_shape))
+}
+
+async fn agent_self(State(info): State<Arc<AgentInfo>>) -> Response {
+    let roles: Vec<&str> = [(info.server, "server"), (info.client, "client")]
+        .into_iter()
+        .filter_map(|(on, role)| on.then_some(role))
+        .collect();
+    let mut out = json!({
+        "roles": roles,
+        "data_dir": info.data_dir.display().to_string(),
+        "http_addr": info.http_addr.get().map(ToString::to_string),
+        "rpc_addr": info.rpc_addr.get().map(ToString::to_string),
+        "servers": info.servers,
+    });
+    if let Some(c) = info.client_role.get() {
+        let node = c.node();
+        out["client"] = json!({
+            "node_id": node.id,
+            "node_name": node.name,
+            "registered": c.registered(),
+            "last_heartbeat_ms": c.last_heartbeat_ms(),
+            "current_server": c.servers().current_addr(),
+        });
+    }
+    Json(out).into_response()
+}
+
+async fn client_allocations(State(info): State<Arc<AgentInfo>>) -> Result<Response, ApiError> {
+    let client = info.client_or_404()?;
+    Ok(Json(client.alloc_views().await).into_response())
+}
+
+async fn client_allocation(
+    State(info): State<Arc<AgentInfo>>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let client = info.client_or_404()?;
+    match client.alloc_view(&id).await {
+        Some(view) => Ok(Json(view).into_response()),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("alloc {id:?} does not run on this client"),
+        )),
+    }
+}

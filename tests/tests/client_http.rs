@@ -1,0 +1,182 @@
+//! A client-only agent serves the HTTP API: its node-local routes itself,
+//! the rest forwarded to a server over its agent protocol connection. The
+//! CLI works pointed at it; with the server gone, the node-local routes
+//! still answer and forwarded ones fail fast with a 503.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use berth_tests::{api_get_at, cli_at, free_port, http_at, wait_for, Agent};
+use serde_json::Value;
+
+const BATCH: &str = r#"
+job "hello" {
+  type = "batch"
+  group "g" {
+    task "t" {
+      driver = "raw_exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "exit 0"]
+      }
+      resources {
+        cpu    = 10
+        memory = 8
+      }
+    }
+  }
+}
+"#;
+
+/// Runs the CLI against `addr` and decodes its JSON output.
+fn json(addr: &str, args: &[&str]) -> Result<Value> {
+    let out = cli_at(addr, args)?;
+    if !out.status.success() {
+        bail!(
+            "berth {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("berth {}", args.join(" ")))
+}
+
+/// The agent protocol address a server agent logged it listens on.
+fn rpc_addr(server: &mut Agent) -> Result<String> {
+    wait_for(
+        "the server's agent protocol address",
+        Duration::from_secs(30),
+        || {
+            server.check_running()?;
+            Ok(server
+                .log()
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("rpc_addr="))
+                .map(str::to_string))
+        },
+    )
+}
+
+#[test]
+fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the_server(
+) -> Result<()> {
+    let server_http = format!("127.0.0.1:{}", free_port());
+    let mut server = Agent::start(&[
+        "-server",
+        "-http-addr",
+        &server_http,
+        "-rpc-addr",
+        "127.0.0.1:0",
+    ])?;
+    let rpc = rpc_addr(&mut server)?;
+    let port = free_port();
+    let client_http = format!("127.0.0.1:{port}");
+    let addr = format!("http://{client_http}");
+    let mut client = Agent::start(&[
+        "-client",
+        "-servers",
+        &rpc,
+        "-node",
+        "c1",
+        "-http-addr",
+        &client_http,
+    ])?;
+    let logs = |s: &Agent, c: &Agent| format!("server log:\n{}\nclient log:\n{}", s.log(), c.log());
+
+    // The node registers; node status through the client agent shows it.
+    wait_for("the node ready", Duration::from_secs(30), || {
+        server.check_running()?;
+        client.check_running()?;
+        let Ok(nodes) = json(&addr, &["node", "status", "-json"]) else {
+            return Ok(None);
+        };
+        let ready = nodes
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|n| n["name"] == "c1" && n["status"] == "ready");
+        Ok(ready.then_some(()))
+    })
+    .with_context(|| logs(&server, &client))?;
+    let me = api_get_at(port, "/v1/agent/self")?;
+    assert_eq!(me["roles"], serde_json::json!(["client"]), "{me}");
+    assert_eq!(me["client"]["node_name"], "c1", "{me}");
+    assert_eq!(me["client"]["registered"], true, "{me}");
+    assert_eq!(me["servers"], serde_json::json!([rpc]), "{me}");
+
+    // job run and job status through the client agent.
+    let spec = client.data_dir.path().join("hello.hcl");
+    std::fs::write(&spec, BATCH)?;
+    let out = cli_at(
+        &addr,
+        &["job", "run", "-detach", &spec.display().to_string()],
+    )?;
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        logs(&server, &client)
+    );
+    let alloc_id = wait_for("the alloc complete", Duration::from_secs(60), || {
+        let status = json(&addr, &["job", "status", "-json", "hello"])?;
+        let allocs = status["allocations"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        Ok(allocs
+            .iter()
+            .find(|a| a["client_status"] == "complete")
+            .and_then(|a| a["id"].as_str().map(str::to_string)))
+    })
+    .with_context(|| logs(&server, &client))?;
+    // The client lists the alloc as it sees it.
+    let mine = api_get_at(port, "/v1/client/allocations")?;
+    let listed = mine
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|a| a["id"] == alloc_id.as_str())
+        .cloned()
+        .with_context(|| format!("alloc {alloc_id} in {mine}"))?;
+    assert_eq!(listed["job_id"], "hello", "{listed}");
+    assert_eq!(listed["client_status"], "complete", "{listed}");
+    let one = api_get_at(port, &format!("/v1/client/allocation/{alloc_id}"))?;
+    assert_eq!(one["id"], alloc_id.as_str(), "{one}");
+
+    // The server goes away. The node-local routes still answer; a
+    // forwarded route answers 503 in the one error shape, quickly.
+    server.kill()?;
+    let after = api_get_at(port, "/v1/agent/self")?;
+    assert_eq!(
+        after["client"]["node_id"], me["client"]["node_id"],
+        "{after}"
+    );
+    let mine = api_get_at(port, "/v1/client/allocations")?;
+    assert!(mine.to_string().contains(&alloc_id), "{mine}");
+    let started = Instant::now();
+    let answer = http_at(
+        port,
+        "GET /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    )?;
+    let took = started.elapsed();
+    assert_eq!(answer.status, 503, "{}", answer.head);
+    let body: Value = serde_json::from_slice(&answer.body)?;
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("servers unreachable: "),
+        "{body}"
+    );
+    assert!(took < Duration::from_secs(15), "the 503 took {took:?}");
+    // The CLI says so too, and the client agent keeps running.
+    let out = cli_at(&addr, &["job", "status", "hello"])?;
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("servers unreachable"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    client.check_running()?;
+    Ok(())
+}
