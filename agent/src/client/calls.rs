@@ -37,7 +37,7 @@ pub async fn run_call_stream(
                 conn.servers().failover();
             }
         }
-        let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+        let wait = super::servers::retry_delay(failures);
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
             _ = shutdown.wait_for(|v| *v) => return,

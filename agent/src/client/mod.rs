@@ -449,7 +449,7 @@ impl Client {
                 }
                 Err(e) => {
                     failures += 1;
-                    let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+                    let wait = servers::retry_delay(failures);
                     tracing::warn!(error = %e, retry_in = ?wait, "registering the node failed");
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
@@ -499,7 +499,7 @@ impl Client {
             // The server may be gone: the next attempt goes to the next one.
             self.conn.servers().failover();
             failures += 1;
-            let wait = Duration::from_millis(100 * 2u64.pow(failures.min(6)));
+            let wait = servers::retry_delay(failures);
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
                 _ = shutdown.wait_for(|v| *v) => return,

@@ -24,6 +24,24 @@ pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
 /// ping is not answered within this.
 pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long to wait before trying the servers again after the
+/// `failures`th failure in a row: 100ms doubling up to 6.4s, each wait
+/// drawn at random from its upper half, so that clients cut off together
+/// do not come back in step.
+pub fn retry_delay(failures: u32) -> Duration {
+    let full = Duration::from_millis(100).saturating_mul(1u32 << failures.min(6));
+    let half = full / 2;
+    half.saturating_add(half.mul_f64(random_fraction()))
+}
+
+/// A number in `[0, 1)`, random enough for jitter.
+fn random_fraction() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(berth_structs::now_ms() as u64);
+    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+}
+
 /// A server address the client cannot dial.
 #[derive(Debug, thiserror::Error)]
 pub enum ServersError {
@@ -161,6 +179,20 @@ mod tests {
             .err()
             .expect("refused");
         assert!(e.to_string().contains("\"not a uri\""), "{e}");
+    }
+
+    #[test]
+    fn retry_delays_grow_stay_bounded_and_spread() {
+        for failures in [0, 1, 3, 6, 7, u32::MAX] {
+            let full = Duration::from_millis(100 << failures.min(6));
+            let mut seen = std::collections::BTreeSet::new();
+            for _ in 0..50 {
+                let d = retry_delay(failures);
+                assert!(d >= full / 2 && d <= full, "{failures}: {d:?}");
+                seen.insert(d);
+            }
+            assert!(seen.len() > 1, "{failures}: no jitter");
+        }
     }
 
     #[tokio::test]
