@@ -282,6 +282,12 @@ impl Client {
         self.conn.servers()
     }
 
+    /// The servers' channel with the node secret on every call: what any
+    /// client of the agent protocol this agent makes is built on.
+    pub fn node_channel(&self) -> rpc::NodeChannel {
+        self.conn.node_channel()
+    }
+
     /// The node as this client registers it.
     pub fn node(&self) -> Node {
         self.conn.node()

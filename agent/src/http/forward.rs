@@ -128,7 +128,7 @@ async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, Api
     };
     let deadline = deadline_of(&path_and_query);
     let started = tokio::time::Instant::now();
-    let mut grpc = AgentClient::new(client.servers().clone())
+    let mut grpc = AgentClient::new(client.node_channel())
         .max_decoding_message_size(MAX_FORWARDED_ANSWER.saturating_add(ENVELOPE))
         .max_encoding_message_size(MAX_REQUEST_BODY.saturating_add(ENVELOPE));
     // Each server is tried once at most, within the one deadline: a
