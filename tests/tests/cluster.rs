@@ -71,10 +71,29 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
         "client {\n  node_class = \"storage\"\n  meta {\n    rack = \"r1\"\n  }\n}\n",
     )?;
     let c1_file = c1_file.to_str().context("a UTF-8 temp path")?;
+    // Each client serves its own HTTP API, on a port of its own.
+    let c1_http = format!("127.0.0.1:{}", free_port());
+    let c2_http = format!("127.0.0.1:{}", free_port());
     let mut c1 = Agent::start(&[
-        "-config", c1_file, "-client", "-servers", &rpc, "-node", "c1",
+        "-config",
+        c1_file,
+        "-client",
+        "-servers",
+        &rpc,
+        "-node",
+        "c1",
+        "-http-addr",
+        &c1_http,
     ])?;
-    let mut c2 = Agent::start(&["-client", "-servers", &rpc, "-node", "c2"])?;
+    let mut c2 = Agent::start(&[
+        "-client",
+        "-servers",
+        &rpc,
+        "-node",
+        "c2",
+        "-http-addr",
+        &c2_http,
+    ])?;
     let logs = |s: &Agent, a: &Agent, b: &Agent| {
         format!(
             "server log:\n{}\nc1 log:\n{}\nc2 log:\n{}",
