@@ -97,11 +97,13 @@ impl Server {
             // The registration's events join the stored ones as any
             // others do: folded and capped.
             let carried = std::mem::take(&mut node.events);
+            // Eligibility and drain are the servers': a client's
+            // (re-)registration neither undoes an operator's drain nor sets
+            // its own (a new node is eligible).
+            let fresh = Node::default();
+            node.keep_server_fields(t.nodes.get(&node.id).unwrap_or(&fresh));
             if let Some(old) = t.nodes.get(&node.id) {
                 node.events = old.events.clone();
-                // Eligibility and drain are the servers'; a client's
-                // (re-)registration does not undo an operator's drain.
-                node.keep_server_fields(old);
                 if node.csi_node_plugins.is_empty() {
                     node.csi_node_plugins = old.csi_node_plugins.clone();
                 }

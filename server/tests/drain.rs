@@ -366,6 +366,17 @@ async fn a_drain_survives_the_nodes_re_registration() {
     assert_eq!(n.scheduling_eligibility, SchedulingEligibility::Ineligible);
     s.node_heartbeat("n1").await.unwrap();
     assert!(s.node("n1").unwrap().drain);
+
+    // A new node's own claim to be draining or ineligible is ignored.
+    let mut forged = node("n2");
+    forged.set_drain(Some(berth_structs::DrainStrategy::new(
+        Duration::from_secs(60),
+        0,
+    )));
+    s.register_node(forged).await.unwrap();
+    let n2 = s.node("n2").unwrap();
+    assert!(!n2.drain && n2.drain_strategy.is_none(), "{n2:?}");
+    assert_eq!(n2.scheduling_eligibility, SchedulingEligibility::Eligible);
 }
 
 #[tokio::test]
