@@ -103,6 +103,19 @@ fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the
     assert_eq!(me["client"]["node_name"], "c1", "{me}");
     assert_eq!(me["client"]["registered"], true, "{me}");
     assert_eq!(me["servers"], serde_json::json!([rpc]), "{me}");
+    // A server agent answers it too, as a server.
+    let server_port: u16 = server_http
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .context("the server's HTTP port")?;
+    let server_me = api_get_at(server_port, "/v1/agent/self")?;
+    assert_eq!(
+        server_me["roles"],
+        serde_json::json!(["server"]),
+        "{server_me}"
+    );
+    assert_eq!(server_me["rpc_addr"], rpc.as_str(), "{server_me}");
+    assert!(server_me.get("client").is_none(), "{server_me}");
 
     // job run and job status through the client agent.
     let spec = client.data_dir.path().join("hello.hcl");
