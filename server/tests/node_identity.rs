@@ -381,3 +381,30 @@ async fn the_node_secret_survives_a_server_restart() {
         .await
         .expect("the node's own secret still works");
 }
+
+#[tokio::test]
+async fn a_purged_node_registers_again_with_the_secret_it_brings() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    ts.node_client_with(Some(GOOD))
+        .await
+        .register(register_request(&node("n1")))
+        .await
+        .unwrap();
+    s.purge_node("n1").await.expect("purge");
+    // Unknown again: whoever registers it first sets its secret.
+    ts.node_client_with(Some(FORGED))
+        .await
+        .register(register_request(&node("n1")))
+        .await
+        .expect("a purged node registers with a new secret");
+    let err = ts
+        .node_client_with(Some(GOOD))
+        .await
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_refused("the old secret after purge", err, "n1");
+}
