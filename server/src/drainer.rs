@@ -529,4 +529,138 @@ mod tests {
         assert_eq!(stopped_ids(&pass), vec!["plugin"]);
         assert_eq!(pass.complete, vec!["n1".to_string()]);
     }
+
+    /// One alloc of a random drain: its kind (0 service, 1 batch, 2 system,
+    /// 3 plugin), client status, whether the servers stopped it, whether
+    /// it uses the plugin's volume and whether it holds a claim of it.
+    type AllocCase = (u8, u8, bool, bool, bool);
+
+    fn client_status(i: u8) -> AllocClientStatus {
+        [
+            AllocClientStatus::Pending,
+            AllocClientStatus::Running,
+            AllocClientStatus::Complete,
+            AllocClientStatus::Failed,
+            AllocClientStatus::Lost,
+        ][usize::from(i % 5)]
+    }
+
+    fn random_drain(cases: &[AllocCase], orphan_claim: bool, deadline_passed: bool) -> Tables {
+        let now = 1_000_000;
+        let deadline = if deadline_passed {
+            Duration::ZERO
+        } else {
+            Duration::from_secs(60)
+        };
+        let mut volume = berth_structs::CsiVolume {
+            id: "vol".into(),
+            plugin_id: "hostpath".into(),
+            ..Default::default()
+        };
+        let claim = |alloc_id: &str| berth_structs::CsiVolumeClaim {
+            alloc_id: alloc_id.into(),
+            node_id: "n1".into(),
+            external_node_id: String::new(),
+            mode: berth_structs::ClaimMode::Read,
+            access_mode: berth_structs::AccessMode::MultiNodeReader,
+            attachment_mode: berth_structs::AttachmentMode::FileSystem,
+            state: berth_structs::ClaimState::Taken,
+            publish_context: Default::default(),
+            releasing: false,
+            controller_published: false,
+        };
+        if orphan_claim {
+            volume.read_claims.insert("gone".into(), claim("gone"));
+        }
+        let mut allocs = Vec::new();
+        for (i, (kind, status, stopped, uses, claimed)) in cases.iter().enumerate() {
+            let id = format!("a{i}");
+            let mut a = match kind % 4 {
+                0 => alloc(&id, JobType::Service, "n1", client_status(*status)),
+                1 => alloc(&id, JobType::Batch, "n1", client_status(*status)),
+                2 => alloc(&id, JobType::System, "n1", client_status(*status)),
+                _ => {
+                    let mut p = plugin_alloc(&id, "n1");
+                    p.client_status = client_status(*status);
+                    p
+                }
+            };
+            if *stopped {
+                a.desired_status = AllocDesiredStatus::Stop;
+            }
+            if *uses && kind % 4 != 3 {
+                a.job.task_groups[0].volumes.insert(
+                    "data".into(),
+                    berth_structs::VolumeRequest {
+                        name: "data".into(),
+                        volume_type: "csi".into(),
+                        source: "vol".into(),
+                        ..Default::default()
+                    },
+                );
+                if *claimed {
+                    volume.read_claims.insert(id.clone(), claim(&id));
+                }
+            }
+            allocs.push(a);
+        }
+        let mut t = tables(vec![draining("n1", deadline, now)], allocs);
+        t.volumes.insert("vol".into(), volume);
+        t
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: 512,
+            failure_persistence: None,
+            ..Default::default()
+        })]
+
+        /// Whatever runs on a draining node: only live allocs are stopped,
+        /// every live service and batch alloc is; a system alloc only after
+        /// the service and batch allocs are done (or the deadline passed);
+        /// a plugin only when nothing on the node uses or claims its
+        /// volume; and the drain completes only when nothing is left
+        /// running (before the deadline) or left unstopped (after it).
+        #[test]
+        fn a_drain_pass_keeps_the_order(
+            cases in proptest::collection::vec(
+                (0..4u8, 0..5u8, proptest::bool::ANY, proptest::bool::ANY, proptest::bool::ANY),
+                0..8,
+            ),
+            orphan_claim in proptest::bool::ANY,
+            deadline_passed in proptest::bool::ANY,
+        ) {
+            let t = random_drain(&cases, orphan_claim, deadline_passed);
+            let pass = plan_drains(&t, 1_000_000);
+            let stopped: BTreeSet<&str> = pass.stops.iter().map(|a| a.id.as_str()).collect();
+            let live = |a: &Allocation| !a.server_terminal() && !a.client_status.is_terminal();
+            let migrated = t.allocs.values().filter(|a| !is_system(a)).all(|a| a.client_status.is_terminal());
+            let vol = &t.volumes["vol"];
+            for a in t.allocs.values() {
+                let is_stopped = stopped.contains(a.id.as_str());
+                if is_stopped {
+                    proptest::prop_assert!(live(a), "{} stopped but not live", a.id);
+                }
+                if !is_system(a) && live(a) {
+                    proptest::prop_assert!(is_stopped, "live {} not stopped", a.id);
+                }
+                if is_system(a) && is_stopped {
+                    proptest::prop_assert!(migrated || deadline_passed, "{} stopped early", a.id);
+                }
+                if is_stopped && !plugin_ids(a).is_empty() {
+                    proptest::prop_assert!(vol.claims().next().is_none(), "plugin {} stopped with a claim held", a.id);
+                    let users_done = t.allocs.values().filter(|u| u.id != a.id && u.group().is_some_and(|g| !g.volumes.is_empty())).all(|u| u.client_status.is_terminal());
+                    proptest::prop_assert!(users_done, "plugin {} stopped with a user running", a.id);
+                }
+            }
+            if !pass.complete.is_empty() {
+                for a in t.allocs.values() {
+                    let done = a.client_status.is_terminal()
+                        || (deadline_passed && (a.server_terminal() || stopped.contains(a.id.as_str())));
+                    proptest::prop_assert!(done, "drain complete with {} left", a.id);
+                }
+            }
+        }
+    }
 }
