@@ -141,6 +141,38 @@ fn usage_errors_exit_2_with_the_usage_after_the_error() {
             "berth agent: -data-dir needs a value",
         ),
         (&["agent", "-bogus"], "berth agent: unknown flag \"-bogus\""),
+        (
+            &["node", "drain", "n1"],
+            "berth node drain: give one of -enable or -disable",
+        ),
+        (
+            &["node", "drain", "-disable", "-force", "n1"],
+            "berth node drain: -deadline, -force and -detach go with -enable",
+        ),
+        (
+            &[
+                "node",
+                "drain",
+                "-enable",
+                "-deadline",
+                "1h",
+                "-force",
+                "n1",
+            ],
+            "berth node drain: give -deadline or -force, not both (-force is a deadline of now)",
+        ),
+        (
+            &["node", "drain", "-enable", "-bogus", "n1"],
+            "berth node drain: unknown flag -bogus",
+        ),
+        (
+            &["node", "eligibility", "-enable"],
+            "berth node eligibility: missing node ID, ID prefix or name",
+        ),
+        (
+            &["node", "eligibility", "-enable", "-deadline", "1h", "n1"],
+            "berth node eligibility: unknown flag -deadline",
+        ),
     ];
     for (args, want) in cases {
         let (code, out, err) = berth(args);
