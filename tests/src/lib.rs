@@ -11,6 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
+pub mod cluster;
+pub mod relay;
+
 pub use berth_testutil::mounts_under;
 use berth_testutil::pids_mentioning;
 
@@ -333,50 +336,13 @@ impl DevAgent {
     /// `Connection: close`), to the agent's HTTP API and reads the answer
     /// to its end.
     pub fn http(&self, request: &str) -> Result<HttpAnswer> {
-        use std::io::{Read, Write};
-        let mut conn = std::net::TcpStream::connect(("127.0.0.1", self.port))
-            .context("connecting to the HTTP API")?;
-        conn.set_read_timeout(Some(Duration::from_secs(30)))?;
-        conn.write_all(request.as_bytes())?;
-        let mut raw = Vec::new();
-        conn.read_to_end(&mut raw)?;
-        let split = raw
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .ok_or_else(|| anyhow!("no HTTP answer: {:?}", String::from_utf8_lossy(&raw)))?;
-        let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| anyhow!("no status in {head:?}"))?;
-        Ok(HttpAnswer {
-            status,
-            head,
-            body: raw[split + 4..].to_vec(),
-        })
+        http_at(self.port, request)
     }
 
     /// GETs `path` (e.g. `/v1/job/web/allocations`) from the HTTP API and
     /// decodes the JSON answer; an error for any status but 200.
     pub fn api_get(&self, path: &str) -> Result<Value> {
-        let answer = self
-            .http(&format!(
-                "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-            ))
-            .with_context(|| format!("GET {path}"))?;
-        let body = String::from_utf8_lossy(&answer.body);
-        if !answer.head.starts_with("HTTP/1.1 200") {
-            bail!("GET {path}: {}\n{body}", answer.head);
-        }
-        if answer
-            .header("transfer-encoding")
-            .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
-        {
-            bail!("GET {path}: a chunked answer is not expected");
-        }
-        serde_json::from_slice(&answer.body)
-            .with_context(|| format!("GET {path}: decoding {body:?}"))
+        api_get_at(self.port, path)
     }
 
     /// Runs the CLI and fails with its output unless it exits 0.
@@ -488,6 +454,55 @@ fn path_with_bins() -> String {
     )
 }
 
+/// Sends `request`, a whole raw HTTP/1.1 request (asking for
+/// `Connection: close`), to the HTTP API on loopback `port` and reads the
+/// answer to its end.
+pub fn http_at(port: u16, request: &str) -> Result<HttpAnswer> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))
+        .context("connecting to the HTTP API")?;
+    conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+    conn.write_all(request.as_bytes())?;
+    let mut raw = Vec::new();
+    conn.read_to_end(&mut raw)?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| anyhow!("no HTTP answer: {:?}", String::from_utf8_lossy(&raw)))?;
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| anyhow!("no status in {head:?}"))?;
+    Ok(HttpAnswer {
+        status,
+        head,
+        body: raw[split + 4..].to_vec(),
+    })
+}
+
+/// GETs `path` from the HTTP API on loopback `port` and decodes the JSON
+/// answer; an error for any status but 200.
+pub fn api_get_at(port: u16, path: &str) -> Result<Value> {
+    let answer = http_at(
+        port,
+        &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+    )
+    .with_context(|| format!("GET {path}"))?;
+    let body = String::from_utf8_lossy(&answer.body);
+    if answer.status != 200 {
+        bail!("GET {path}: {}\n{body}", answer.head);
+    }
+    if answer
+        .header("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+    {
+        bail!("GET {path}: a chunked answer is not expected");
+    }
+    serde_json::from_slice(&answer.body).with_context(|| format!("GET {path}: decoding {body:?}"))
+}
+
 /// Runs the CLI against the HTTP API at `addr` (`http://HOST:PORT`).
 pub fn cli_at(addr: &str, args: &[&str]) -> Result<Output> {
     Command::new(binary("berth"))
@@ -503,15 +518,34 @@ pub fn cli_at(addr: &str, args: &[&str]) -> Result<Output> {
 /// its output appended to `log_path` (a restarted agent's log follows the
 /// first one's).
 fn spawn_agent(args: &[OsString], path_env: &str, log_path: &Path) -> Result<Child> {
+    spawn_agent_with_env(args, path_env, log_path, &[])
+}
+
+/// [`spawn_agent`] with environment changes last: `(NAME, Some(value))`
+/// sets NAME, `(NAME, None)` removes it (e.g. `BERTH_LOG`).
+fn spawn_agent_with_env(
+    args: &[OsString],
+    path_env: &str,
+    log_path: &Path,
+    env: &[(String, Option<String>)],
+) -> Result<Child> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log_path)?;
-    Command::new(binary("berth"))
+    let mut command = Command::new(binary("berth"));
+    command
         .arg("agent")
         .args(args)
         .env("PATH", path_env)
-        .env("BERTH_LOG", "info,berth=debug")
+        .env("BERTH_LOG", "info,berth=debug");
+    for (name, value) in env {
+        match value {
+            Some(v) => command.env(name, v),
+            None => command.env_remove(name),
+        };
+    }
+    command
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -526,22 +560,101 @@ pub struct Agent {
     pub data_dir: tempfile::TempDir,
     child: Option<Child>,
     log_path: PathBuf,
+    argv: Vec<OsString>,
+    /// Environment changes, kept on restarts (see `spawn_agent_with_env`).
+    env: Vec<(String, Option<String>)>,
 }
 
 impl Agent {
     /// Starts `berth agent -data-dir <temp dir> ARGS...`; does not wait
     /// for anything.
     pub fn start(args: &[&str]) -> Result<Agent> {
+        Self::start_with_env(args, &[])
+    }
+
+    /// [`Agent::start`] with environment changes: `(NAME, Some(value))`
+    /// sets NAME, `(NAME, None)` removes it; kept on restarts.
+    pub fn start_with_env(args: &[&str], env: &[(&str, Option<&str>)]) -> Result<Agent> {
         let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
         let log_path = data_dir.path().join("agent.log");
         let mut argv: Vec<OsString> = vec!["-data-dir".into(), data_dir.path().join("data").into()];
         argv.extend(args.iter().map(OsString::from));
-        let child = spawn_agent(&argv, &path_with_bins(), &log_path)?;
+        let env: Vec<(String, Option<String>)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.map(str::to_string)))
+            .collect();
+        let child = spawn_agent_with_env(&argv, &path_with_bins(), &log_path, &env)?;
         Ok(Agent {
             data_dir,
             child: Some(child),
             log_path,
+            argv,
+            env,
         })
+    }
+
+    /// The agent's data dir (below the temp dir that also holds its log).
+    pub fn data_path(&self) -> PathBuf {
+        self.data_dir.path().join("data")
+    }
+
+    /// The agent process's PID while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `signal` to the agent process (not to its tasks).
+    pub fn signal(&self, signal: nix::sys::signal::Signal) -> Result<()> {
+        let pid = self.pid().context("the agent is not running")?;
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid as i32), signal)
+            .with_context(|| format!("sending {signal} to the agent"))
+    }
+
+    /// Kills the agent process alone (SIGKILL), as a crash would; its
+    /// tasks keep running.
+    pub fn kill(&mut self) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.kill().context("killing the agent")?;
+            c.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Stops the agent with SIGTERM and waits for it to exit (at most
+    /// 30 s, then SIGKILL); its tasks keep running.
+    pub fn stop(&mut self) -> Result<()> {
+        let Some(mut c) = self.child.take() else {
+            return Ok(());
+        };
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while c.try_wait()?.is_none() {
+            if Instant::now() >= deadline {
+                let _ = c.kill();
+                c.wait()?;
+                bail!("the agent did not exit within 30s of SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(())
+    }
+
+    /// Starts the agent again with the same flags and data dir (after
+    /// [`Agent::stop`] or [`Agent::kill`]).
+    pub fn start_again(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            bail!("the agent still runs");
+        }
+        self.child = Some(spawn_agent_with_env(
+            &self.argv,
+            &path_with_bins(),
+            &self.log_path,
+            &self.env,
+        )?);
+        Ok(())
     }
 
     /// The agent's log so far.

@@ -1,0 +1,332 @@
+//! A cluster of separate processes on one machine: one `berth agent
+//! -server` and client agents, each with its own data dir and ports, some
+//! of them behind a [`Relay`] the test partitions.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::relay::Relay;
+use crate::{api_get_at, cli_at, example_with, free_port, wait_for, Agent};
+
+/// A server agent on fixed loopback ports (kept across restarts).
+pub struct Server {
+    pub agent: Agent,
+    pub http_port: u16,
+    /// `127.0.0.1:PORT` of the agent protocol.
+    pub rpc: String,
+    _config: tempfile::TempDir,
+}
+
+impl Server {
+    /// Starts a server whose `server { ... }` block holds `server_block`
+    /// (e.g. `min_heartbeat_ttl = "2s"`), and waits for its API.
+    pub fn start(server_block: &str) -> Result<Server> {
+        let config = tempfile::tempdir()?;
+        let file = config.path().join("server.hcl");
+        std::fs::write(
+            &file,
+            format!("server {{\n  enabled = true\n  {server_block}\n}}\n"),
+        )?;
+        let http_port = free_port();
+        let rpc = format!("127.0.0.1:{}", free_port());
+        let http = format!("127.0.0.1:{http_port}");
+        let agent = Agent::start(&[
+            "-config",
+            path_str(&file)?,
+            "-server",
+            "-http-addr",
+            &http,
+            "-rpc-addr",
+            &rpc,
+        ])?;
+        let mut s = Server {
+            agent,
+            http_port,
+            rpc,
+            _config: config,
+        };
+        s.wait_serving()?;
+        Ok(s)
+    }
+
+    /// `http://127.0.0.1:PORT`, for the CLI.
+    pub fn addr(&self) -> String {
+        format!("http://127.0.0.1:{}", self.http_port)
+    }
+
+    /// Waits until the HTTP API answers.
+    pub fn wait_serving(&mut self) -> Result<()> {
+        wait_for("the server's HTTP API", Duration::from_secs(30), || {
+            self.agent.check_running()?;
+            Ok(api_get_at(self.http_port, "/v1/nodes").ok().map(|_| ()))
+        })
+    }
+
+    pub fn get(&self, path: &str) -> Result<Value> {
+        api_get_at(self.http_port, path)
+    }
+
+    /// Runs the CLI against this server; fails unless it exits 0.
+    pub fn cli(&self, args: &[&str]) -> Result<String> {
+        let out = cli_at(&self.addr(), args)?;
+        if !out.status.success() {
+            bail!(
+                "berth {} failed: {}{}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Writes `spec` to a file and runs `berth job run -detach` on it.
+    pub fn run_job(&self, name: &str, spec: &str) -> Result<()> {
+        let file = self._config.path().join(format!("{name}.hcl"));
+        std::fs::write(&file, spec)?;
+        self.cli(&["job", "run", "-detach", path_str(&file)?])?;
+        Ok(())
+    }
+
+    /// Writes `spec` to a file and runs `berth volume create` on it.
+    pub fn create_volume(&self, name: &str, spec: &str) -> Result<()> {
+        let file = self._config.path().join(format!("volume-{name}.hcl"));
+        std::fs::write(&file, spec)?;
+        self.cli(&["volume", "create", path_str(&file)?])?;
+        Ok(())
+    }
+
+    /// The node named `name`, as the server shows it.
+    pub fn node(&self, name: &str) -> Result<Value> {
+        let nodes = self.get("/v1/nodes")?;
+        nodes
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| n["name"] == name)
+            .cloned()
+            .with_context(|| format!("no node named {name}"))
+    }
+
+    /// The full allocs of `job`.
+    pub fn allocs(&self, job: &str) -> Result<Vec<Value>> {
+        let allocs = self.get(&format!("/v1/job/{job}/allocations"))?;
+        Ok(allocs.as_array().cloned().unwrap_or_default())
+    }
+
+    /// The volume `id` as the server shows it.
+    pub fn volume(&self, id: &str) -> Result<Value> {
+        self.get(&format!("/v1/volume/csi/{id}"))
+    }
+
+    /// Waits until the nodes named in `names` are all `ready`; returns
+    /// their IDs by name order.
+    pub fn wait_nodes_ready(&mut self, names: &[&str]) -> Result<Vec<String>> {
+        wait_for("the nodes ready", Duration::from_secs(60), || {
+            self.agent.check_running()?;
+            let mut ids = Vec::new();
+            for name in names {
+                match self.node(name) {
+                    Ok(n) if n["status"] == "ready" => {
+                        ids.push(n["id"].as_str().unwrap_or_default().to_string())
+                    }
+                    _ => return Ok(None),
+                }
+            }
+            Ok(Some(ids))
+        })
+    }
+
+    /// Waits until the `hostpath` plugin is healthy on `nodes` nodes.
+    pub fn wait_plugin_nodes(&self, nodes: u64) -> Result<()> {
+        wait_for(
+            "the plugin healthy on the nodes",
+            Duration::from_secs(60),
+            || {
+                let p = self.get("/v1/plugin/csi/hostpath")?;
+                Ok((p["nodes_healthy"].as_u64() == Some(nodes)).then_some(()))
+            },
+        )
+    }
+}
+
+/// A client agent, dialling the server directly or through a relay.
+pub struct Client {
+    pub agent: Agent,
+    pub name: String,
+    pub http_port: u16,
+    pub relay: Option<Relay>,
+    _config: tempfile::TempDir,
+}
+
+impl Client {
+    /// Starts client `name` of `server`, through a relay when `relayed`,
+    /// with `client_block` added to its `client { ... }` block.
+    pub fn start(server: &Server, name: &str, relayed: bool, client_block: &str) -> Result<Client> {
+        let relay = if relayed {
+            Some(Relay::start(&server.rpc)?)
+        } else {
+            None
+        };
+        let servers = relay.as_ref().map_or(server.rpc.clone(), Relay::addr);
+        let config = tempfile::tempdir()?;
+        let file = config.path().join("client.hcl");
+        std::fs::write(
+            &file,
+            format!("client {{\n  enabled = true\n  {client_block}\n}}\n"),
+        )?;
+        let http_port = free_port();
+        let http = format!("127.0.0.1:{http_port}");
+        let agent = Agent::start(&[
+            "-config",
+            path_str(&file)?,
+            "-client",
+            "-servers",
+            &servers,
+            "-node",
+            name,
+            "-http-addr",
+            &http,
+        ])?;
+        Ok(Client {
+            agent,
+            name: name.to_string(),
+            http_port,
+            relay,
+            _config: config,
+        })
+    }
+
+    pub fn relay(&self) -> Result<&Relay> {
+        self.relay.as_ref().context("this client has no relay")
+    }
+
+    /// GETs a node-local route of the client's own HTTP API.
+    pub fn get(&self, path: &str) -> Result<Value> {
+        api_get_at(self.http_port, path)
+    }
+
+    /// Mounts below this client's data dir whose path mentions `needle`.
+    pub fn mounts_with(&self, needle: &str) -> Vec<PathBuf> {
+        crate::mounts_under(&self.agent.data_path())
+            .into_iter()
+            .filter(|m| m.display().to_string().contains(needle))
+            .collect()
+    }
+}
+
+/// The plugin system job with its volume data kept in `state_dir`, which
+/// every instance shares: the hostpath plugin as network storage.
+pub fn shared_plugin_job(state_dir: &Path) -> Result<String> {
+    example_with(
+        "jobs/hostpath-plugin.hcl",
+        "--state-dir=${BERTH_ALLOC_DIR}/data",
+        &format!("--state-dir={}", path_str(state_dir)?),
+    )
+}
+
+/// A single-node-writer hostpath volume named `id`.
+pub fn writer_volume(id: &str) -> String {
+    format!(
+        r#"
+id        = "{id}"
+name      = "{id}"
+type      = "csi"
+plugin_id = "hostpath"
+capacity_min = "1MiB"
+capability {{
+  access_mode     = "single-node-writer"
+  attachment_mode = "file-system"
+}}
+"#
+    )
+}
+
+/// A service job of `count` allocs whose task is a shell loop whose
+/// command line holds `marker-<job>` (see [`marker_pids`]); with a
+/// `stop_after_client_disconnect` window when `window` is set, and the
+/// volume `volume` mounted at `data` when set.
+pub fn marked_service_job(
+    job: &str,
+    count: u32,
+    window: Option<&str>,
+    volume: Option<&str>,
+) -> String {
+    let window = window.map_or(String::new(), |w| {
+        format!("stop_after_client_disconnect = \"{w}\"")
+    });
+    let (volume_block, mount) = match volume {
+        Some(v) => (
+            format!(
+                r#"volume "data" {{
+      type            = "csi"
+      source          = "{v}"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }}"#
+            ),
+            r#"volume_mount {
+        volume      = "data"
+        destination = "data"
+      }"#
+            .to_string(),
+        ),
+        None => (String::new(), String::new()),
+    };
+    format!(
+        r#"
+job "{job}" {{
+  type = "service"
+  group "g" {{
+    count = {count}
+    {window}
+    {volume_block}
+    restart {{
+      attempts = 0
+      mode     = "fail"
+    }}
+    task "t" {{
+      driver = "raw_exec"
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "while :; do sleep 0.2; done", "${{BERTH_ALLOC_DIR}}/marker-{job}"]
+      }}
+      {mount}
+      resources {{
+        cpu    = 10
+        memory = 8
+      }}
+    }}
+  }}
+}}
+"#
+    )
+}
+
+/// PIDs of the live task processes of a [`marked_service_job`].
+pub fn marker_pids(job: &str) -> BTreeSet<i32> {
+    crate::processes_with_cmdline(&format!("/marker-{job}"))
+        .into_iter()
+        .collect()
+}
+
+/// The node an alloc (as the API shows it) is placed on.
+pub fn node_of(alloc: &Value) -> &str {
+    alloc["node_id"].as_str().unwrap_or_default()
+}
+
+/// The allocs among `allocs` whose client status is `status`.
+pub fn with_status<'a>(allocs: &'a [Value], status: &str) -> Vec<&'a Value> {
+    allocs
+        .iter()
+        .filter(|a| a["client_status"] == status)
+        .collect()
+}
+
+fn path_str(p: &Path) -> Result<&str> {
+    p.to_str().context("a UTF-8 temp path")
+}
