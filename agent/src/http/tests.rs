@@ -652,3 +652,24 @@ async fn node_answers_never_carry_the_node_secret() {
         assert!(!body.to_lowercase().contains("secret"), "{uri}: {body}");
     }
 }
+
+#[tokio::test]
+async fn purge_route_removes_the_node_by_name_and_an_unknown_node_is_a_404() {
+    let id = "7a2c0d4e-0000-4000-8000-000000000003";
+    let api = api_with_node(id, "worker-3").await;
+    let a = put_json(&api.router, "/v1/node/worker-3/purge", "{}").await;
+    let v = body_json(&a);
+    assert_eq!(v["node_id"], id);
+    assert_eq!(v["node_name"], "worker-3");
+    assert_eq!(v["lost_allocs"], json!([]));
+    assert_eq!(v["released"], json!([]));
+    assert!(api.server.node(id).is_err(), "the node is gone");
+
+    let a = put_json(&api.router, "/v1/node/worker-3/purge", "{}").await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    assert!(
+        a.error_message().contains("node \"worker-3\" not found"),
+        "{}",
+        a.error_message()
+    );
+}
