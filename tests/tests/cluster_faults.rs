@@ -31,6 +31,7 @@ use serde_json::Value;
 const SERVER_BLOCK: &str = r#"min_heartbeat_ttl = "2s"
   heartbeat_grace = "2s""#;
 const GRACE_MS: i64 = 2_000;
+const MIN_TTL_MS: i64 = 2_000;
 const WINDOW_MS: i64 = 5_000;
 
 /// What a background sampler saw of the task processes of some jobs.
@@ -237,6 +238,21 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
     .with_context(|| logs(&server, &[&c1, &c2]))?;
     let last_heartbeat_ms = down["last_heartbeat_ms"].as_i64().unwrap_or_default();
     ensure!(last_heartbeat_ms > 0, "the server shows p1's last heartbeat: {down}");
+    // Not before TTL (at least min_heartbeat_ttl) + grace.
+    let full = server.get(&format!("/v1/node/{}", down["id"].as_str().unwrap_or_default()))?;
+    let marked_down_ms = full["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["details"]["status"] == "down")
+        .filter_map(|e| e["timestamp"].as_i64())
+        .max()
+        .context("a node event says p1 went down")?;
+    ensure!(
+        marked_down_ms >= last_heartbeat_ms + MIN_TTL_MS + GRACE_MS,
+        "p1 was marked down {} ms after its last heartbeat, before TTL + grace",
+        marked_down_ms - last_heartbeat_ms
+    );
     let replacement = wait_for(
         "the guarded alloc replaced on p2 with vol-a mounted",
         Duration::from_secs(30),
