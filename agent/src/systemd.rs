@@ -139,10 +139,18 @@ impl Components {
 /// The watchdog's ping period: half of `WATCHDOG_USEC`, when systemd set
 /// a watchdog for this process.
 pub fn watchdog_period() -> Option<Duration> {
-    sd_notify::watchdog_enabled()
-        .map(|usec| usec / 2)
-        .filter(|p| !p.is_zero())
+    sd_notify::watchdog_enabled().and_then(ping_period)
 }
+
+/// Half the watchdog timeout, at least [`MIN_PING_PERIOD`] (a timeout of
+/// a few microseconds would otherwise make the loop spin); none for a
+/// zero timeout, which systemd never sets.
+fn ping_period(timeout: Duration) -> Option<Duration> {
+    (!timeout.is_zero()).then(|| (timeout / 2).max(MIN_PING_PERIOD))
+}
+
+/// The shortest period the watchdog is pinged at.
+const MIN_PING_PERIOD: Duration = Duration::from_millis(10);
 
 /// Until `stop`: every watchdog period, checks `components` and pings the
 /// watchdog when they pass; refreshes the `STATUS=` line once `ready` is
@@ -200,6 +208,16 @@ pub async fn run_watchdog(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_watchdog_is_pinged_at_half_its_timeout_and_never_in_a_spin() {
+        assert_eq!(
+            ping_period(Duration::from_secs(30)),
+            Some(Duration::from_secs(15))
+        );
+        assert_eq!(ping_period(Duration::from_micros(1)), Some(MIN_PING_PERIOD));
+        assert_eq!(ping_period(Duration::ZERO), None);
+    }
 
     #[tokio::test]
     async fn the_checks_pass_for_a_server_that_answers() {
