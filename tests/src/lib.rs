@@ -459,8 +459,8 @@ fn path_with_bins() -> String {
 /// answer to its end.
 pub fn http_at(port: u16, request: &str) -> Result<HttpAnswer> {
     use std::io::{Read, Write};
-    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))
-        .context("connecting to the HTTP API")?;
+    let mut conn =
+        std::net::TcpStream::connect(("127.0.0.1", port)).context("connecting to the HTTP API")?;
     conn.set_read_timeout(Some(Duration::from_secs(30)))?;
     conn.write_all(request.as_bytes())?;
     let mut raw = Vec::new();

@@ -218,7 +218,11 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
             .iter()
             .filter_map(|p| s.gone_at.get(p).copied())
             .collect();
-        (times.len(), times.iter().max().copied(), times.iter().min().copied())
+        (
+            times.len(),
+            times.iter().max().copied(),
+            times.iter().min().copied(),
+        )
     });
     match spread {
         (50, Some(last), Some(first)) => ensure!(
@@ -237,9 +241,15 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
     })
     .with_context(|| logs(&server, &[&c1, &c2]))?;
     let last_heartbeat_ms = down["last_heartbeat_ms"].as_i64().unwrap_or_default();
-    ensure!(last_heartbeat_ms > 0, "the server shows p1's last heartbeat: {down}");
+    ensure!(
+        last_heartbeat_ms > 0,
+        "the server shows p1's last heartbeat: {down}"
+    );
     // Not before TTL (at least min_heartbeat_ttl) + grace.
-    let full = server.get(&format!("/v1/node/{}", down["id"].as_str().unwrap_or_default()))?;
+    let full = server.get(&format!(
+        "/v1/node/{}",
+        down["id"].as_str().unwrap_or_default()
+    ))?;
     let marked_down_ms = full["events"]
         .as_array()
         .into_iter()
@@ -296,7 +306,10 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
             with_status(&server.allocs("holder")?, "running").is_empty(),
             "no holder alloc runs anywhere while its lost alloc holds vol-b"
         );
-        ensure!(pid_alive(steady_pid), "the steady task still runs on p1 (same pid)");
+        ensure!(
+            pid_alive(steady_pid),
+            "the steady task still runs on p1 (same pid)"
+        );
         std::thread::sleep(Duration::from_millis(500));
     }
     ensure!(
@@ -314,9 +327,10 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
         "the steady and holder tasks stopped on p1",
         Duration::from_secs(30),
         || {
-            Ok((!pid_alive(steady_pid)
-                && holder_old.iter().all(|a| c1.mounts_with(a).is_empty()))
-            .then_some(()))
+            Ok(
+                (!pid_alive(steady_pid) && holder_old.iter().all(|a| c1.mounts_with(a).is_empty()))
+                    .then_some(()),
+            )
         },
     )
     .with_context(|| logs(&server, &[&c1, &c2]))?;
@@ -326,7 +340,10 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
         || {
             let running = ids(&with_status(&server.allocs("holder")?, "running"));
             let claims = write_claims(&server.volume("vol-b")?);
-            Ok((running.len() == 1 && claims == running && running != holder_old).then_some(running))
+            Ok(
+                (running.len() == 1 && claims == running && running != holder_old)
+                    .then_some(running),
+            )
         },
     )
     .with_context(|| logs(&server, &[&c1, &c2]))?;
@@ -337,7 +354,10 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
     );
     for old in guarded_old.iter().chain(&holder_old) {
         let left = c1.mounts_with(old);
-        ensure!(left.is_empty(), "mounts left on p1 for stopped alloc {old}: {left:?}");
+        ensure!(
+            left.is_empty(),
+            "mounts left on p1 for stopped alloc {old}: {left:?}"
+        );
     }
 
     // At no sampled moment did two writers of one volume run.
@@ -436,7 +456,10 @@ fn never_down(server: &Server, names: &[&str]) -> Result<()> {
     for name in names {
         let n = server.node(name)?;
         ensure!(n["status"] == "ready", "{name} is {}", n["status"]);
-        let full = server.get(&format!("/v1/node/{}", n["id"].as_str().unwrap_or_default()))?;
+        let full = server.get(&format!(
+            "/v1/node/{}",
+            n["id"].as_str().unwrap_or_default()
+        ))?;
         let downs: Vec<&Value> = full["events"]
             .as_array()
             .into_iter()
@@ -485,7 +508,10 @@ fn a_server_paused_or_restarted_marks_no_node_down() -> Result<()> {
         with_status(&allocs, "running").len() == 2 && allocs.len() == 2,
         "no calm alloc was lost or replaced: {allocs:?}"
     );
-    ensure!(marker_pids("calm") == pids, "the calm tasks kept their pids");
+    ensure!(
+        marker_pids("calm") == pids,
+        "the calm tasks kept their pids"
+    );
     Ok(())
 }
 
@@ -504,14 +530,19 @@ fn a_drain_moves_the_volume_alloc_and_stops_the_plugin_after_the_unmount() -> Re
         .wait_plugin_nodes(1)
         .with_context(|| logs(&server, &[&d1]))?;
     server.create_volume("vol-d", &writer_volume("vol-d"))?;
-    server.run_job("mover", &marked_service_job("mover", 1, None, Some("vol-d")))?;
+    server.run_job(
+        "mover",
+        &marked_service_job("mover", 1, None, Some("vol-d")),
+    )?;
     let old = wait_for("the mover running on d1", Duration::from_secs(60), || {
         let running = with_status(&server.allocs("mover")?, "running")
             .into_iter()
             .cloned()
             .collect::<Vec<_>>();
         Ok(match running.as_slice() {
-            [a] if marker_pids("mover").len() == 1 => Some(a["id"].as_str().unwrap_or_default().to_string()),
+            [a] if marker_pids("mover").len() == 1 => {
+                Some(a["id"].as_str().unwrap_or_default().to_string())
+            }
             _ => None,
         })
     })
@@ -561,14 +592,18 @@ fn a_drain_moves_the_volume_alloc_and_stops_the_plugin_after_the_unmount() -> Re
         unmounted_at <= plugin_gone_at,
         "the plugin on d1 stopped before vol-d was unmounted there"
     );
-    let new = wait_for("the mover running on d2 with vol-d", Duration::from_secs(60), || {
-        let allocs = server.allocs("mover")?;
-        Ok(allocs
-            .iter()
-            .find(|a| node_of(a) == d2_id && a["client_status"] == "running")
-            .map(|a| a["id"].as_str().unwrap_or_default().to_string())
-            .filter(|id| !d2.mounts_with(id).is_empty()))
-    })
+    let new = wait_for(
+        "the mover running on d2 with vol-d",
+        Duration::from_secs(60),
+        || {
+            let allocs = server.allocs("mover")?;
+            Ok(allocs
+                .iter()
+                .find(|a| node_of(a) == d2_id && a["client_status"] == "running")
+                .map(|a| a["id"].as_str().unwrap_or_default().to_string())
+                .filter(|id| !d2.mounts_with(id).is_empty()))
+        },
+    )
     .with_context(|| logs(&server, &[&d1, &d2]))?;
     ensure!(
         write_claims(&server.volume("vol-d")?) == BTreeSet::from([new]),
@@ -579,7 +614,10 @@ fn a_drain_moves_the_volume_alloc_and_stops_the_plugin_after_the_unmount() -> Re
         node["scheduling_eligibility"] == "ineligible",
         "a drained node stays ineligible: {node}"
     );
-    let full = server.get(&format!("/v1/node/{}", node["id"].as_str().unwrap_or_default()))?;
+    let full = server.get(&format!(
+        "/v1/node/{}",
+        node["id"].as_str().unwrap_or_default()
+    ))?;
     let storage_errors: Vec<&Value> = full["events"]
         .as_array()
         .into_iter()
