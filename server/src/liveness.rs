@@ -209,6 +209,12 @@ impl Server {
                     self.reset_heartbeat_timer(&node_id, Duration::from_secs(1));
                 }
             }
+            // Stopped (or stuck on a slow disk) while marking nodes down
+            // rather than while asleep: the same gap for the others.
+            let busy = Instant::now().saturating_duration_since(now);
+            if busy > PAUSE_THRESHOLD {
+                self.rearm_after_pause(busy);
+            }
         }
     }
 
