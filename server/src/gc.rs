@@ -181,6 +181,9 @@ impl Server {
         let (report, _) = self
             .store
             .write(|t, changes| Ok::<_, ServerError>(plan(t, now, th, changes)))?;
+        for node_id in &report.nodes {
+            self.forget_last_heartbeat(node_id);
+        }
         if !report.is_empty() {
             tracing::info!(
                 allocs = report.allocs.len(),

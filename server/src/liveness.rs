@@ -111,6 +111,12 @@ impl Server {
         self.heartbeat_map().deadlines.remove(node_id);
     }
 
+    /// Forget the last heartbeat of a node that is gone (garbage
+    /// collected once down long enough; it has no deadline then).
+    pub(crate) fn forget_last_heartbeat(&self, node_id: &str) {
+        self.heartbeat_map().last_ms.remove(node_id);
+    }
+
     /// Forget a node entirely (it was purged).
     pub(crate) fn forget_heartbeats(&self, node_id: &str) {
         let mut map = self.heartbeat_map();
@@ -305,6 +311,30 @@ mod tests {
         assert_eq!(base_ttl(usize::MAX, Duration::MAX, 50.0), Duration::MAX);
         assert_eq!(with_jitter(Duration::MAX, 0.99), Duration::MAX);
         assert_eq!(with_jitter(min, 0.5), Duration::from_millis(12_500));
+    }
+
+    #[tokio::test]
+    async fn a_node_garbage_collected_or_purged_leaves_no_heartbeat_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = Server::open(crate::ServerConfig::new(dir.path())).unwrap();
+        for id in ["n1", "n2"] {
+            server
+                .register_node(berth_structs::Node {
+                    id: id.into(),
+                    name: id.into(),
+                    ..Default::default()
+                })
+                .await
+                .unwrap();
+            assert!(server.last_heartbeat_ms(id).is_some());
+        }
+        server.mark_node_down("n1", "test").await.unwrap();
+        let gc = server.garbage_collect(true).await.unwrap();
+        assert_eq!(gc.nodes, vec!["n1".to_string()]);
+        assert_eq!(server.last_heartbeat_ms("n1"), None);
+        server.purge_node("n2").await.unwrap();
+        assert_eq!(server.last_heartbeat_ms("n2"), None);
+        assert_eq!(server.heartbeat_map().deadlines.len(), 0);
     }
 
     #[test]
