@@ -48,6 +48,7 @@ pub struct AgentConfig {
     /// for itself.
     pub reserved_cpu: u64,
     pub reserved_memory_mb: u64,
+    pub reserved_disk_mb: u64,
     /// `client { disconnect_startup_grace }`; `None` keeps the client's
     /// default.
     pub disconnect_startup_grace: Option<Duration>,
@@ -89,6 +90,7 @@ impl Default for AgentConfig {
             meta: BTreeMap::new(),
             reserved_cpu: 0,
             reserved_memory_mb: 0,
+            reserved_disk_mb: 0,
             disconnect_startup_grace: None,
             log_level: None,
             log_level_flag: None,
@@ -400,6 +402,7 @@ impl AgentConfig {
             self.meta = c.meta.clone();
             self.reserved_cpu = c.reserved.cpu.unwrap_or(0);
             self.reserved_memory_mb = c.reserved.memory.unwrap_or(0);
+            self.reserved_disk_mb = c.reserved.disk.unwrap_or(0);
             self.disconnect_startup_grace = c.disconnect_startup_grace;
         }
         self.not_applied = not_applied_yet(&file);
@@ -419,6 +422,7 @@ impl AgentConfig {
             meta: self.meta.clone(),
             reserved_cpu: self.reserved_cpu,
             reserved_memory_mb: self.reserved_memory_mb,
+            reserved_disk_mb: self.reserved_disk_mb,
             disconnect_startup_grace: self
                 .disconnect_startup_grace
                 .unwrap_or(defaults.disconnect_startup_grace),
@@ -454,10 +458,6 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
                     || r.disk.is_some()
                     || c.disconnect_startup_grace.is_some()),
             "client (the client role is off)",
-        ),
-        (
-            !no_client && r.disk.is_some(),
-            "client.reserved.disk (disk is not fingerprinted)",
         ),
     ]
     .into_iter()
@@ -1074,7 +1074,7 @@ client {
 
     fn client_config(c: &AgentConfig) -> ClientConfig {
         c.client_config(
-            PathBuf::from("/tmp/c"),
+            std::env::temp_dir(),
             vec!["http://127.0.0.1:4647".into()],
         )
     }
@@ -1101,7 +1101,7 @@ client {
     }
 
     #[test]
-    fn reserved_cpu_and_memory_come_off_the_fingerprinted_resources() {
+    fn reserved_cpu_memory_and_disk_come_off_the_fingerprinted_resources() {
         let (_dir, c) = client_file(CLIENT_HCL);
         let bare = crate::client::node_fingerprint(&client_config(&run(&["-dev"])), "n1".into());
         let cc = client_config(&c);
@@ -1111,19 +1111,32 @@ client {
             node.resources.memory_mb,
             bare.resources.memory_mb.saturating_sub(512)
         );
-        // Disk is not fingerprinted: only it is left not applied.
-        assert_eq!(
-            c.not_applied,
-            ["client.reserved.disk (disk is not fingerprinted)"]
+        // The free disk of the data dir's filesystem, less the reserve
+        // (the free space may move a little between the two reads).
+        assert!(bare.resources.disk_mb > 0, "{:?}", bare.resources);
+        let expected = bare.resources.disk_mb.saturating_sub(1024);
+        assert!(
+            node.resources.disk_mb.abs_diff(expected) <= 64,
+            "{} vs {expected}",
+            node.resources.disk_mb
         );
+        assert!(c.not_applied.is_empty(), "{:?}", c.not_applied);
         // More than the machine has leaves nothing, never a wrap.
         let all = ClientConfig {
             reserved_cpu: u64::MAX,
             reserved_memory_mb: u64::MAX,
+            reserved_disk_mb: u64::MAX,
             ..cc
         };
         let node = crate::client::node_fingerprint(&all, "n1".into());
-        assert_eq!((node.resources.cpu, node.resources.memory_mb), (0, 0));
+        assert_eq!(
+            (
+                node.resources.cpu,
+                node.resources.memory_mb,
+                node.resources.disk_mb
+            ),
+            (0, 0, 0)
+        );
     }
 
     #[test]

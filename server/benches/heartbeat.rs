@@ -171,6 +171,7 @@ async fn simulate_node(
         resources: NodeResources {
             cpu: 4000,
             memory_mb: 8192,
+            disk_mb: 0,
         },
         drivers: vec!["raw_exec".into()],
         ..Default::default()

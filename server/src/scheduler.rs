@@ -1028,7 +1028,11 @@ mod tests {
             id: id.into(),
             name: id.into(),
             status: NodeStatus::Ready,
-            resources: NodeResources { cpu, memory_mb },
+            resources: NodeResources {
+                cpu,
+                memory_mb,
+                disk_mb: 0,
+            },
             drivers: vec!["raw_exec".into()],
             ..Default::default()
         }

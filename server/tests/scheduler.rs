@@ -237,6 +237,7 @@ async fn the_largest_asks_a_job_may_make_place_what_fits_and_summarize_the_rest(
     n1.resources = NodeResources {
         cpu: u64::MAX,
         memory_mb: MAX_MEMORY_MB * 3 - 1,
+        disk_mb: 0,
     };
     register(s, n1).await;
     let mut j = job("huge", JobType::Service, MAX_COUNT);

@@ -83,6 +83,12 @@ pub struct NodeResources {
     pub cpu: u64,
     /// MiB in total.
     pub memory_mb: u64,
+    /// MiB free for allocs on the filesystem of the client's data dir when
+    /// the node registered, less `client { reserved { disk } }`. Shown to
+    /// operators; no job asks for disk yet, so the scheduler does not
+    /// count it.
+    #[serde(default)]
+    pub disk_mb: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]

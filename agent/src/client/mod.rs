@@ -52,9 +52,11 @@ pub struct ClientConfig {
     pub node_class: String,
     pub meta: BTreeMap<String, String>,
     /// What the node keeps for itself: taken off the fingerprinted CPU
-    /// (MHz) and memory (MiB) the servers schedule against.
+    /// (MHz) and memory (MiB) the servers schedule against, and off the
+    /// free disk (MiB) it reports.
     pub reserved_cpu: u64,
     pub reserved_memory_mb: u64,
+    pub reserved_disk_mb: u64,
     /// No alloc is stopped for a lost connection sooner than this after
     /// the client starts.
     pub disconnect_startup_grace: Duration,
@@ -78,6 +80,7 @@ impl ClientConfig {
             meta: BTreeMap::new(),
             reserved_cpu: 0,
             reserved_memory_mb: 0,
+            reserved_disk_mb: 0,
             disconnect_startup_grace: berth_heartbeat::DisconnectConfig::default().startup_grace,
         }
     }
@@ -160,8 +163,22 @@ fn host_name() -> String {
         .unwrap_or_else(|| "berth-node".to_string())
 }
 
-/// What this machine offers.
-fn fingerprint_resources() -> NodeResources {
+/// MiB available to unprivileged writers on the filesystem holding `dir`
+/// (0 when it cannot be read).
+fn free_disk_mb(dir: &std::path::Path) -> u64 {
+    match nix::sys::statvfs::statvfs(dir) {
+        Ok(s) => (s.blocks_available() as u64)
+            .saturating_mul(s.fragment_size() as u64)
+            / (1024 * 1024),
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "reading the free disk space failed");
+            0
+        }
+    }
+}
+
+/// What this machine offers; disk as free below `data_dir`.
+fn fingerprint_resources(data_dir: &std::path::Path) -> NodeResources {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
     let memory_mb = std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -175,13 +192,14 @@ fn fingerprint_resources() -> NodeResources {
     NodeResources {
         cpu: cpus * 1000,
         memory_mb,
+        disk_mb: free_disk_mb(data_dir),
     }
 }
 
 /// The node as this client registers it: its fingerprint with the
 /// operator's class, meta and reservations applied.
 pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
-    let found = fingerprint_resources();
+    let found = fingerprint_resources(&config.data_dir);
     Node {
         id: node_id,
         name: config.node_name.clone().unwrap_or_else(host_name),
@@ -190,6 +208,7 @@ pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
         resources: NodeResources {
             cpu: found.cpu.saturating_sub(config.reserved_cpu),
             memory_mb: found.memory_mb.saturating_sub(config.reserved_memory_mb),
+            disk_mb: found.disk_mb.saturating_sub(config.reserved_disk_mb),
         },
         drivers: berth_structs::SUPPORTED_DRIVERS
             .iter()

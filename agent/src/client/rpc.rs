@@ -607,6 +607,7 @@ mod tests {
                 resources: berth_structs::NodeResources {
                     cpu: 1_000_000,
                     memory_mb: 1_000_000,
+                    disk_mb: 0,
                 },
                 ..Node::default()
             },

@@ -301,6 +301,7 @@ pub fn node(id: &str) -> Node {
         resources: NodeResources {
             cpu: 4000,
             memory_mb: 8192,
+            disk_mb: 0,
         },
         drivers: vec!["raw_exec".into()],
         ..Default::default()
