@@ -476,7 +476,12 @@ fn never_down(server: &Server, names: &[&str]) -> Result<()> {
 /// away, and no alloc is lost.
 #[test]
 fn a_server_paused_or_restarted_marks_no_node_down() -> Result<()> {
-    let mut server = Server::start(SERVER_BLOCK)?;
+    // TTL + grace of 6 s or more: far below the 30 s pause, and room for
+    // clients that backed off while the server was away to reconnect.
+    let mut server = Server::start(
+        r#"min_heartbeat_ttl = "3s"
+  heartbeat_grace = "3s""#,
+    )?;
     let a = Client::start(&server, "s1", false, "")?;
     let b = Client::start(&server, "s2", false, "")?;
     server.wait_nodes_ready(&["s1", "s2"])?;
@@ -487,7 +492,7 @@ fn a_server_paused_or_restarted_marks_no_node_down() -> Result<()> {
         Ok((pids.len() == 2 && running == 2).then_some(pids))
     })
     .with_context(|| logs(&server, &[&a, &b]))?;
-    let settled = Duration::from_secs(8);
+    let settled = Duration::from_secs(12);
 
     server.agent.signal(nix::sys::signal::Signal::SIGSTOP)?;
     std::thread::sleep(Duration::from_secs(30));
