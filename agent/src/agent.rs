@@ -1073,10 +1073,7 @@ client {
 "#;
 
     fn client_config(c: &AgentConfig) -> ClientConfig {
-        c.client_config(
-            std::env::temp_dir(),
-            vec!["http://127.0.0.1:4647".into()],
-        )
+        c.client_config(std::env::temp_dir(), vec!["http://127.0.0.1:4647".into()])
     }
 
     #[test]
