@@ -167,9 +167,7 @@ fn host_name() -> String {
 /// (0 when it cannot be read).
 fn free_disk_mb(dir: &std::path::Path) -> u64 {
     match nix::sys::statvfs::statvfs(dir) {
-        Ok(s) => {
-            (s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64) / (1024 * 1024)
-        }
+        Ok(s) => s.blocks_available().saturating_mul(s.fragment_size()) / (1024 * 1024),
         Err(e) => {
             tracing::warn!(dir = %dir.display(), error = %e, "reading the free disk space failed");
             0
