@@ -514,6 +514,20 @@ pub fn cli_at(addr: &str, args: &[&str]) -> Result<Output> {
         .with_context(|| format!("running berth {}", args.join(" ")))
 }
 
+/// Runs the CLI against `addr` and decodes its JSON output; an error with
+/// its stderr unless it exits 0.
+pub fn cli_json_at(addr: &str, args: &[&str]) -> Result<Value> {
+    let out = cli_at(addr, args)?;
+    if !out.status.success() {
+        bail!(
+            "berth {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| format!("berth {}", args.join(" ")))
+}
+
 /// Starts `berth agent ARGS...` with the workspace's binaries on `PATH`,
 /// its output appended to `log_path` (a restarted agent's log follows the
 /// first one's).
@@ -670,6 +684,25 @@ impl Agent {
             }
         }
         Ok(())
+    }
+}
+
+impl Agent {
+    /// The agent protocol address a server agent logged it listens on
+    /// (`rpc_addr=`), once it has.
+    pub fn logged_rpc_addr(&mut self) -> Result<String> {
+        wait_for(
+            "the server's agent protocol address",
+            Duration::from_secs(30),
+            || {
+                self.check_running()?;
+                Ok(self
+                    .log()
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("rpc_addr="))
+                    .map(str::to_string))
+            },
+        )
     }
 }
 

@@ -5,8 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
-use berth_tests::{api_get_at, cli_at, free_port, http_at, wait_for, Agent};
+use anyhow::{Context, Result};
+use berth_tests::{api_get_at, cli_at, cli_json_at, free_port, http_at, wait_for, Agent};
 use serde_json::Value;
 
 const BATCH: &str = r#"
@@ -28,35 +28,6 @@ job "hello" {
 }
 "#;
 
-/// Runs the CLI against `addr` and decodes its JSON output.
-fn json(addr: &str, args: &[&str]) -> Result<Value> {
-    let out = cli_at(addr, args)?;
-    if !out.status.success() {
-        bail!(
-            "berth {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).with_context(|| format!("berth {}", args.join(" ")))
-}
-
-/// The agent protocol address a server agent logged it listens on.
-fn rpc_addr(server: &mut Agent) -> Result<String> {
-    wait_for(
-        "the server's agent protocol address",
-        Duration::from_secs(30),
-        || {
-            server.check_running()?;
-            Ok(server
-                .log()
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("rpc_addr="))
-                .map(str::to_string))
-        },
-    )
-}
-
 #[test]
 fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the_server(
 ) -> Result<()> {
@@ -68,7 +39,7 @@ fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the
         "-rpc-addr",
         "127.0.0.1:0",
     ])?;
-    let rpc = rpc_addr(&mut server)?;
+    let rpc = server.logged_rpc_addr()?;
     let port = free_port();
     let client_http = format!("127.0.0.1:{port}");
     let addr = format!("http://{client_http}");
@@ -87,7 +58,7 @@ fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the
     wait_for("the node ready", Duration::from_secs(30), || {
         server.check_running()?;
         client.check_running()?;
-        let Ok(nodes) = json(&addr, &["node", "status", "-json"]) else {
+        let Ok(nodes) = cli_json_at(&addr, &["node", "status", "-json"]) else {
             return Ok(None);
         };
         let ready = nodes
@@ -131,7 +102,7 @@ fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the
         logs(&server, &client)
     );
     let alloc_id = wait_for("the alloc complete", Duration::from_secs(60), || {
-        let status = json(&addr, &["job", "status", "-json", "hello"])?;
+        let status = cli_json_at(&addr, &["job", "status", "-json", "hello"])?;
         let allocs = status["allocations"]
             .as_array()
             .cloned()

@@ -4,9 +4,8 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
-use berth_tests::{cli_at, example, free_port, wait_for, Agent};
-use serde_json::Value;
+use anyhow::{Context, Result};
+use berth_tests::{cli_at, cli_json_at, example, free_port, wait_for, Agent};
 
 const BATCH: &str = r#"
 job "pair" {
@@ -28,41 +27,12 @@ job "pair" {
 }
 "#;
 
-/// Runs the CLI against the server and decodes its JSON output.
-fn json(addr: &str, args: &[&str]) -> Result<Value> {
-    let out = cli_at(addr, args)?;
-    if !out.status.success() {
-        bail!(
-            "berth {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).with_context(|| format!("berth {}", args.join(" ")))
-}
-
-/// The agent protocol address a server agent logged it listens on.
-fn rpc_addr(server: &mut Agent) -> Result<String> {
-    wait_for(
-        "the server's agent protocol address",
-        Duration::from_secs(30),
-        || {
-            server.check_running()?;
-            let log = server.log();
-            Ok(log
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("rpc_addr="))
-                .map(str::to_string))
-        },
-    )
-}
-
 #[test]
 fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() -> Result<()> {
     let http = format!("127.0.0.1:{}", free_port());
     let addr = format!("http://{http}");
     let mut server = Agent::start(&["-server", "-http-addr", &http, "-rpc-addr", "127.0.0.1:0"])?;
-    let rpc = rpc_addr(&mut server)?;
+    let rpc = server.logged_rpc_addr()?;
     // c1 takes a class and meta from a config file.
     let c1_config = tempfile::tempdir()?;
     let c1_file = c1_config.path().join("client.hcl");
@@ -108,7 +78,7 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
         server.check_running()?;
         c1.check_running()?;
         c2.check_running()?;
-        let nodes = json(&addr, &["node", "status", "-json"])?;
+        let nodes = cli_json_at(&addr, &["node", "status", "-json"])?;
         let ready: BTreeSet<(String, String)> = nodes
             .as_array()
             .into_iter()
@@ -127,7 +97,7 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
     let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["c1", "c2"]);
     // Each node shows the class and meta its config gave it.
-    let shown = json(&addr, &["node", "status", "-json"])?;
+    let shown = cli_json_at(&addr, &["node", "status", "-json"])?;
     let class_and_meta = |name: &str| {
         shown
             .as_array()
@@ -161,7 +131,7 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
         "the plugin healthy on both nodes",
         Duration::from_secs(60),
         || {
-            let p = json(&addr, &["plugin", "status", "-json", "hostpath"])?;
+            let p = cli_json_at(&addr, &["plugin", "status", "-json", "hostpath"])?;
             Ok((p["nodes_healthy"] == 2).then_some(()))
         },
     )
@@ -183,7 +153,7 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
         "both batch allocs complete",
         Duration::from_secs(60),
         || {
-            let status = json(&addr, &["job", "status", "-json", "pair"])?;
+            let status = cli_json_at(&addr, &["job", "status", "-json", "pair"])?;
             let allocs = status["allocations"]
                 .as_array()
                 .cloned()
