@@ -24,6 +24,8 @@ pub async fn run_call_stream(
 ) {
     let mut failures: u32 = 0;
     loop {
+        // The server this attempt goes to, moved on from if it fails.
+        let server = conn.servers().current();
         let result = tokio::select! {
             r = serve_once(&conn, &csi) => r,
             _ = shutdown.wait_for(|v| *v) => return,
@@ -34,7 +36,7 @@ pub async fn run_call_stream(
                 failures += 1;
                 tracing::warn!(error = %e, "call stream to the servers dropped");
                 // The server may be gone: reopen it on the next one.
-                conn.servers().failover();
+                conn.servers().failover_from(server);
             }
         }
         let wait = super::servers::retry_delay(failures);

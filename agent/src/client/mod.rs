@@ -491,6 +491,8 @@ impl Client {
             let req = pb::WatchAllocationsRequest {
                 node_id: self.conn.node_id(),
             };
+            // The server this attempt goes to, moved on from if it fails.
+            let server = self.conn.servers().current();
             let mut node_client = self.conn.node_client();
             let stream = tokio::select! {
                 r = node_client.watch_allocations(req) => r,
@@ -520,7 +522,7 @@ impl Client {
                 Err(e) => tracing::warn!(error = %e, "opening the alloc watch failed"),
             }
             // The server may be gone: the next attempt goes to the next one.
-            self.conn.servers().failover();
+            self.conn.servers().failover_from(server);
             failures += 1;
             let wait = servers::retry_delay(failures);
             tokio::select! {
@@ -1005,6 +1007,57 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), run)
             .await
             .expect("the client stops")
+            .expect("no panic");
+        serving.abort();
+    }
+
+    /// The alloc watch opens while the server in use is dead and the next
+    /// one lives: the failed attempt moves the client on once, to the live
+    /// one, and the watch opens there; it does not move on a second time
+    /// for the same failure and land on the dead server again, round after
+    /// round.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_alloc_watch_opened_on_a_dead_server_settles_on_the_live_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dead_addr = dead.local_addr().unwrap();
+        drop(dead);
+        let config = ClientConfig::new(
+            dir.path().join("client"),
+            vec![format!("http://{dead_addr}"), format!("http://{addr}")],
+        );
+        let client = Client::start(config, watch::channel(false).1)
+            .await
+            .expect("the client starts");
+        // Registered on the live server; then the dead one is in use
+        // again, as after the live one's connection once broke.
+        let mut registered = false;
+        for _ in 0..client.servers().count() {
+            registered = client.conn.register().await.is_ok();
+            if registered {
+                break;
+            }
+        }
+        assert!(registered, "the node registers on the live server");
+        client.servers().failover_from(client.servers().current());
+        assert_eq!(
+            client.servers().current_addr(),
+            format!("http://{dead_addr}")
+        );
+
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let watching = tokio::spawn(client.clone().watch_allocs(stop_rx));
+        server
+            .register_job(quick_job("j"))
+            .await
+            .expect("the job registers");
+        received(&client, "j", Duration::from_secs(15)).await;
+        assert_eq!(client.servers().current_addr(), format!("http://{addr}"));
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), watching)
+            .await
+            .expect("the watch stops")
             .expect("no panic");
         serving.abort();
     }

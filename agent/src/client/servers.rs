@@ -112,15 +112,20 @@ impl ServerChannels {
         self.inner.addrs.len()
     }
 
-    /// Moves on from the server in use to the next one, after a stream to
-    /// it broke.
-    pub fn failover(&self) {
-        self.failover_from(self.inner.current.load(Ordering::Relaxed));
+    /// Which server is in use (an index into the configured list). A
+    /// caller whose stream breaks moves on with
+    /// [`ServerChannels::failover_from`] the server it opened the stream on.
+    pub fn current(&self) -> usize {
+        self.inner.current.load(Ordering::Relaxed)
     }
 
-    /// Moves on from server `from` to the next one, unless another caller
-    /// already moved on from it.
-    fn failover_from(&self, from: usize) {
+    /// Moves on from server `from` to the next one, unless the client
+    /// already moved on from it: one failure of a server moves the client
+    /// on once, however many callers saw it (a request that failed in
+    /// transport has moved it already, and so has every other stream that
+    /// broke with the same connection), so that it never lands back on
+    /// the dead server it just left.
+    pub fn failover_from(&self, from: usize) {
         let n = self.inner.addrs.len();
         if n < 2 {
             return;
@@ -204,13 +209,13 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(s.current_addr(), "http://127.0.0.1:1");
-        s.failover();
+        s.failover_from(s.current());
         assert_eq!(s.current_addr(), "http://127.0.0.1:2");
         // A late failure of a server already left does not skip one.
         s.failover_from(0);
         assert_eq!(s.current_addr(), "http://127.0.0.1:2");
-        s.failover();
-        s.failover();
+        s.failover_from(s.current());
+        s.failover_from(s.current());
         assert_eq!(s.current_addr(), "http://127.0.0.1:1");
     }
 }

@@ -139,6 +139,8 @@ async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, Api
         if left.is_zero() {
             break;
         }
+        let server = client.servers().current();
+        let server_addr = client.servers().current_addr().to_string();
         let mut r = tonic::Request::new(message.clone());
         r.set_timeout(left);
         match tokio::time::timeout(left, grpc.forward_http(r)).await {
@@ -153,11 +155,11 @@ async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, Api
                 ));
             }
             Ok(Err(status)) => {
-                last_error = format!("{}: {}", client.servers().current_addr(), status.message());
+                last_error = format!("{server_addr}: {}", status.message());
             }
             Err(_) => {
-                client.servers().failover();
-                last_error = format!("no answer within {deadline:?}");
+                client.servers().failover_from(server);
+                last_error = format!("{server_addr}: no answer within {deadline:?}");
             }
         }
     }
