@@ -8,7 +8,10 @@
 //! terminal become `lost` (and desired `stop`, so that a returning client
 //! stops them), and their jobs are evaluated so replacements are placed.
 //! Deadlines live in memory; after a restart every ready node gets a fresh
-//! TTL, as the servers cannot know when it was last heard from.
+//! TTL, as the servers cannot know when it was last heard from. For the
+//! same reason a node not heard from since the restart that goes down
+//! gives its lost allocs no last heartbeat: their disconnect windows count
+//! from when they were marked lost.
 
 use std::collections::{BTreeSet, HashMap};
 use std::hash::{BuildHasher, Hasher};
@@ -243,7 +246,13 @@ impl Server {
             if let Some(ms) = last_heartbeat {
                 node.last_heartbeat_ms = node.last_heartbeat_ms.max(ms);
             }
-            let last_heartbeat_ms = node.last_heartbeat_ms;
+            // The lost allocs' disconnect windows count from a heartbeat
+            // this server heard. The stored one is older when the server
+            // restarted since (heartbeats are not stored): the client has
+            // heartbeated after it, with the server that was stopped, so a
+            // window counted from it would end before the client's own.
+            // Not known then: the windows count from now, which is later.
+            let last_heartbeat_ms = last_heartbeat.unwrap_or(0);
             node.push_events([NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, why)
                 .with_detail("status", NodeStatus::Down.as_str())]);
             changes.push(Change::PutNode(node));

@@ -265,3 +265,91 @@ async fn a_lost_allocs_delayed_replacement_is_placed_when_its_window_ends() {
         next.create_time_ms
     );
 }
+
+/// Heartbeat `node_id` every 100ms until the task is aborted.
+fn keep_beating(server: Arc<Server>, node_id: &'static str) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let _ = server.node_heartbeat(node_id).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_node_lost_after_a_server_restart_without_a_heartbeat_since_is_not_replaced_before_its_window(
+) {
+    init_tracing();
+    let window = Duration::from_secs(2);
+    let grace = Duration::from_millis(500);
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = test_config(dir.path());
+    cfg.min_heartbeat_ttl = Duration::from_millis(500);
+    cfg.heartbeat_grace = grace;
+    // No periodic retry: only the timer for the window's end places it.
+    cfg.scheduler_retry_interval = Duration::from_secs(3600);
+
+    // First server: n1 runs the window alloc and heartbeats (in memory
+    // only) for 3 s, longer than window + grace, so the heartbeat stored
+    // with its registration is older than the window.
+    let first_alloc;
+    let last_heartbeat_ms;
+    {
+        let server: Arc<Server> = Server::open(cfg.clone()).unwrap();
+        let (stop, rx) = watch::channel(false);
+        let run = tokio::spawn(server.clone().run(rx));
+        register(&server, node("n1")).await;
+        let mut j = job("web", JobType::Service, 1);
+        j.task_groups[0].stop_after_client_disconnect = Some(window);
+        server.register_job(j).await.unwrap();
+        first_alloc = live_allocs(&server, "web").pop().expect("placed");
+        assert_eq!(first_alloc.node_id, "n1");
+        register(&server, node("n2")).await;
+        let beats = [
+            keep_beating(server.clone(), "n1"),
+            keep_beating(server.clone(), "n2"),
+        ];
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        for b in beats {
+            b.abort();
+            let _ = b.await;
+        }
+        // The client counts its window from its last successful heartbeat.
+        last_heartbeat_ms = berth_structs::now_ms();
+        stop.send_replace(true);
+        run.await.unwrap();
+    }
+
+    // The server starts again; n1 is never heard from again (it was cut
+    // off while the server was away), n2 keeps beating.
+    let server: Arc<Server> = Server::open(cfg).unwrap();
+    let (stop, rx) = watch::channel(false);
+    let run = tokio::spawn(server.clone().run(rx));
+    let beat = keep_beating(server.clone(), "n2");
+    wait_until("n1 marked down", Duration::from_secs(10), || {
+        server.node("n1").unwrap().status == NodeStatus::Down
+    })
+    .await;
+    assert_eq!(
+        server.allocation(&first_alloc.id).unwrap().client_status,
+        AllocClientStatus::Lost
+    );
+    let rule_ms = last_heartbeat_ms + i64::try_from((window + grace).as_millis()).unwrap();
+    let mut next = None;
+    wait_until("the replacement", Duration::from_secs(15), || {
+        next = live_allocs(&server, "web").pop();
+        next.is_some()
+    })
+    .await;
+    let next = next.unwrap();
+    assert_eq!(next.node_id, "n2");
+    assert!(
+        next.create_time_ms >= rule_ms,
+        "replacement placed at {}, before the client's last heartbeat + window + grace ({rule_ms}): \
+         its copy may still run",
+        next.create_time_ms
+    );
+    beat.abort();
+    stop.send_replace(true);
+    run.await.unwrap();
+}
