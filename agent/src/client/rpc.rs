@@ -34,6 +34,8 @@ const MAX_PENDING_EVENTS: usize = 1000;
 /// while they were unreachable must not become one request they refuse
 /// for good.
 const MAX_UPDATE_BATCH_BYTES: usize = 1 << 20;
+/// The longest wait between attempts to send plugin fingerprints.
+const MAX_PLUGINS_RETRY_WAIT: Duration = Duration::from_secs(5);
 /// Allocs sent in one alloc watch message can be many; the client accepts
 /// far more than tonic's 4 MiB default.
 const MAX_WATCH_MESSAGE_BYTES: usize = 256 << 20;
@@ -378,21 +380,48 @@ impl FingerprintSink for ServerConn {
             .map(|i| fp("node", i))
             .chain(controller_plugins.values().map(|i| fp("controller", i)))
             .collect();
-        // Fingerprints must reach the servers: retry until they do. A newer
-        // set supersedes this one through re-registration if it never does.
-        let mut wait = Duration::from_millis(100);
-        for _ in 0..10 {
+        self.send_plugins(plugins, MAX_PLUGINS_RETRY_WAIT).await;
+    }
+}
+
+impl ServerConn {
+    /// Sends the node's plugin fingerprints, retrying with backoff (at
+    /// most `max_wait` between attempts) for as long as the servers are
+    /// unreachable: nothing sends them again until a plugin changes, so
+    /// a set given up on would leave the servers with a stale view for
+    /// good (a plugin that became healthy during a partition would never
+    /// get a volume placed). Newer sets wait behind this one. A node the
+    /// servers do not know stops here: its registration carries the set.
+    async fn send_plugins(&self, plugins: Vec<pb::PluginFingerprint>, max_wait: Duration) {
+        let mut failures: u32 = 0;
+        loop {
             let mut req = tonic::Request::new(pb::UpdatePluginsRequest {
                 node_id: self.node_id(),
                 plugins: plugins.clone(),
             });
             req.set_timeout(RPC_TIMEOUT);
             match self.node_client().update_plugins(req).await {
-                Ok(_) => return,
-                Err(e) => {
-                    tracing::warn!(error = %e, "sending plugin fingerprints failed; retrying");
+                Ok(_) => {
+                    if failures > 0 {
+                        tracing::info!(failures, "plugin fingerprints sent");
+                    }
+                    return;
+                }
+                Err(s) if s.code() == Code::NotFound => {
+                    tracing::info!(error = %s, "the servers do not know this node; its registration carries the plugin fingerprints");
+                    return;
+                }
+                Err(s) if !status_retryable(s.code()) => {
+                    tracing::error!(error = %s, "the servers refused the plugin fingerprints");
+                    return;
+                }
+                Err(s) => {
+                    failures = failures.saturating_add(1);
+                    let wait = Duration::from_millis(100)
+                        .saturating_mul(1u32 << failures.min(10))
+                        .min(max_wait);
+                    tracing::warn!(error = %s, failures, retry_in = ?wait, "sending plugin fingerprints failed; retrying");
                     tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(5));
                 }
             }
         }
@@ -667,6 +696,68 @@ mod tests {
                 "all allocs placed in time"
             );
         }
+        serving.abort();
+    }
+
+    /// Plugin fingerprints sent while the servers are down (or cut off)
+    /// reach them once they are back, however long that takes: nothing
+    /// else sends them again until a plugin changes, and a node whose
+    /// servers never heard that its plugin became healthy gets no volume.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plugin_fingerprints_reach_servers_that_were_down_for_many_attempts() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = berth_server::Server::open(berth_server::ServerConfig::new(dir.path()))
+            .expect("the server opens");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(server.node_service())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let node = Node {
+            id: berth_structs::generate_id(),
+            name: "n".into(),
+            ..Node::default()
+        };
+        let secret = NodeSecret::generate();
+        let direct = ServerChannels::new(&[format!("http://{addr}")]).unwrap();
+        ServerConn::new(direct, node.clone(), secret.clone())
+            .register()
+            .await
+            .expect("the node registers");
+
+        // The client reaches the server through a relay that is down.
+        let relay = super::super::test_relay::SilentRelay::start(addr).await;
+        relay.refuse(true);
+        let channel = ServerChannels::new(&[format!("http://{}", relay.addr)]).unwrap();
+        let conn = ServerConn::new(channel, node.clone(), secret);
+        let plugins = vec![pb::PluginFingerprint {
+            plugin_id: "p".into(),
+            kind: "node".into(),
+            healthy: true,
+            ..Default::default()
+        }];
+        let sending = {
+            let conn = conn.clone();
+            tokio::spawn(async move { conn.send_plugins(plugins, Duration::from_millis(20)).await })
+        };
+        // Far more attempts than a bounded retry would make.
+        berth_testutil::wait_for("many attempts to fail", Duration::from_secs(20), || {
+            relay.refused() >= 30
+        })
+        .await;
+        relay.refuse(false);
+        tokio::time::timeout(Duration::from_secs(10), sending)
+            .await
+            .expect("the fingerprints are sent once the server is back")
+            .expect("no panic");
+        let known = server.node(&node.id).expect("the node is known");
+        assert!(
+            known.csi_node_plugins.get("p").is_some_and(|p| p.healthy),
+            "the server knows the healthy plugin: {:?}",
+            known.csi_node_plugins
+        );
         serving.abort();
     }
 

@@ -13,6 +13,11 @@ use tokio::net::{TcpListener, TcpStream};
 
 struct Shared {
     partitioned: AtomicBool,
+    /// While set, new connections are closed as soon as they are accepted
+    /// (as by a server that is down).
+    refusing: AtomicBool,
+    /// How many connections were closed so.
+    refused: AtomicU64,
     /// Connections numbered below this are silent for good.
     dead_below: AtomicU64,
     next_conn: AtomicU64,
@@ -37,12 +42,19 @@ impl SilentRelay {
         let addr = listener.local_addr().expect("relay address");
         let shared = Arc::new(Shared {
             partitioned: AtomicBool::new(false),
+            refusing: AtomicBool::new(false),
+            refused: AtomicU64::new(0),
             dead_below: AtomicU64::new(0),
             next_conn: AtomicU64::new(0),
         });
         let s = shared.clone();
         let accept = tokio::spawn(async move {
             while let Ok((down, _)) = listener.accept().await {
+                if s.refusing.load(Ordering::SeqCst) {
+                    s.refused.fetch_add(1, Ordering::SeqCst);
+                    drop(down);
+                    continue;
+                }
                 let conn = s.next_conn.fetch_add(1, Ordering::SeqCst);
                 let s = s.clone();
                 tokio::spawn(async move {
@@ -67,6 +79,17 @@ impl SilentRelay {
     /// Drops every byte from now on, closing nothing.
     pub fn partition(&self) {
         self.shared.partitioned.store(true, Ordering::SeqCst);
+    }
+
+    /// Closes every new connection at once while `on` (a server that is
+    /// down but whose machine answers).
+    pub fn refuse(&self, on: bool) {
+        self.shared.refusing.store(on, Ordering::SeqCst);
+    }
+
+    /// How many connections were closed while refusing.
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
     }
 
     /// New connections pass again; those made before stay silent.
