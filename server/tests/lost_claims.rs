@@ -293,3 +293,79 @@ async fn wait_for_live_on(s: &Server, job: &str, node: &str) -> Allocation {
     .await;
     found.unwrap()
 }
+
+#[tokio::test]
+async fn write_claim_of_a_windowed_lost_alloc_is_kept_past_the_window_once_its_node_is_back_until_it_reports_it_stopped(
+) {
+    let window = Duration::from_secs(2);
+    let grace = Duration::from_millis(500);
+    let ts = TestServer::start(|c| {
+        c.heartbeat_grace = grace;
+        c.claim_reap_grace = Duration::from_millis(200);
+    })
+    .await;
+    let s = ts.server.clone();
+    register(&s, node("n1")).await;
+    give_plugin(&s, "n1", "hostpath", true, false, false).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .unwrap();
+    let mut j = volume_job("db", "data", AccessMode::SingleNodeWriter);
+    j.task_groups[0].stop_after_client_disconnect = Some(window);
+    s.register_job(j).await.unwrap();
+    let db = live_allocs(&s, "db").pop().expect("db placed");
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &db, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    register(&s, node("n2")).await;
+    give_plugin(&s, "n2", "hostpath", true, false, false).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+
+    s.mark_node_down("n1", "Node heartbeat missed")
+        .await
+        .unwrap();
+    let lost = s.allocation(&db.id).unwrap();
+    assert_eq!(lost.client_status, AllocClientStatus::Lost);
+    // The node comes back inside the window: its client no longer counts
+    // the window (its heartbeats succeed) and stops the alloc because it
+    // is desired stop, which may take longer than the rest of the window.
+    let mut nc = ts.node_client().await;
+    nc.heartbeat(pb::HeartbeatRequest {
+        node_id: "n1".into(),
+    })
+    .await
+    .expect("heartbeat of the returning node");
+    assert_eq!(s.node("n1").unwrap().status, NodeStatus::Ready);
+
+    // Past the window's end, the claim stays the stopping alloc's.
+    let end_ms = lost.node_last_heartbeat_ms + i64::try_from((window + grace).as_millis()).unwrap();
+    let watch_until = end_ms + 1_500;
+    while berth_structs::now_ms() < watch_until {
+        assert_eq!(
+            claim_of(&s, "data", &db.id),
+            Some((ClaimState::Taken, false)),
+            "the write claim of an alloc its returned node has not reported stopped is kept"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(client.call_kinds().is_empty(), "{:?}", client.call_kinds());
+    assert!(
+        live_allocs(&s, "db").is_empty(),
+        "no second writer is placed while the claim is held"
+    );
+
+    // The client reports it stopped: the claim is freed and the
+    // replacement takes it.
+    report(&s, &db, AllocClientStatus::Complete).await;
+    wait_until(
+        "the write claim freed once the alloc stopped",
+        Duration::from_secs(10),
+        || claim_of(&s, "data", &db.id).is_none(),
+    )
+    .await;
+    let next = wait_for_live(&s, "db").await;
+    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the replacement claims the freed volume");
+}

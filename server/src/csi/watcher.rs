@@ -108,14 +108,16 @@ enum LostClaim {
 /// The rule for claims of lost allocs, "never two writers": the node may
 /// still run a lost alloc, out of the servers' reach.
 /// - Its node is gone (purged): release.
-/// - The group sets `stop_after_client_disconnect`: release once its
-///   window has passed (the client has stopped it by then), counted from
-///   the node's last heartbeat plus `heartbeat_grace`.
-/// - Its node is down: a read claim is released at once (with no node
-///   detach, the node is unreachable); a write claim is kept.
 /// - Its node is up again: the client stops the alloc (it is desired
 ///   `stop`) and releases the claim itself; once it reports the alloc
-///   stopped the alloc is no longer `lost` and the usual rules apply.
+///   stopped the alloc is no longer `lost` and the usual rules apply. Kept
+///   until then, window or not: a client that heartbeats again no longer
+///   counts its window, and its stop may outlast it.
+/// - Its node is down and the group sets `stop_after_client_disconnect`:
+///   release once its window has passed (the client has stopped it by
+///   then), counted from the node's last heartbeat plus `heartbeat_grace`.
+/// - Its node is down otherwise: a read claim is released at once (with
+///   no node detach, the node is unreachable); a write claim is kept.
 fn lost_claim(
     a: &Allocation,
     mode: ClaimMode,
@@ -126,6 +128,9 @@ fn lost_claim(
     let Some(node) = node else {
         return LostClaim::Release;
     };
+    if node.status != NodeStatus::Down {
+        return LostClaim::Keep;
+    }
     if let Some(end) = a
         .group()
         .and_then(|g| disconnect_window_end_ms(a, g, heartbeat_grace))
@@ -136,9 +141,9 @@ fn lost_claim(
             LostClaim::At(end)
         };
     }
-    match (node.status, mode) {
-        (NodeStatus::Down, ClaimMode::Read) => LostClaim::Release,
-        _ => LostClaim::Keep,
+    match mode {
+        ClaimMode::Read => LostClaim::Release,
+        ClaimMode::Write => LostClaim::Keep,
     }
 }
 
@@ -312,6 +317,18 @@ mod tests {
         assert_eq!(
             lost_claim(&a, ClaimMode::Write, Some(&down), end, GRACE),
             LostClaim::Release
+        );
+        // The node is back: its client stops the alloc and reports it,
+        // however long that takes past the window.
+        assert_eq!(
+            lost_claim(
+                &a,
+                ClaimMode::Write,
+                Some(&node(NodeStatus::Ready)),
+                end,
+                GRACE
+            ),
+            LostClaim::Keep
         );
         // Without the node's last heartbeat on record: from when it was
         // marked lost, which is later.
