@@ -52,44 +52,52 @@ async fn stream_allocations(
     let mut index_rx = server.store.subscribe();
     let mut shutdown = server.shutdown_rx();
     let mut last: Option<Vec<(String, u64)>> = None;
+    // The node's allocs are scanned again only when a write touched one of
+    // them: every write wakes every watch, and a scan is of all allocs.
+    let mut scanned_at: Option<u64> = None;
     loop {
         index_rx.borrow_and_update();
-        let (index, allocs) = server.store.read(|t| {
-            (
-                t.index,
-                t.allocs_on_node(&node_id).cloned().collect::<Vec<_>>(),
-            )
+        let scan = server.store.read(|t| {
+            let at = t.node_allocs_index.get(&node_id).copied().unwrap_or(0);
+            if scanned_at == Some(at) {
+                return None;
+            }
+            let allocs = t.allocs_on_node(&node_id).cloned().collect::<Vec<_>>();
+            Some((at, t.index, allocs))
         });
-        let seen: Vec<(String, u64)> = allocs
-            .iter()
-            .map(|a| (a.id.clone(), a.modify_index))
-            .collect();
-        if last.as_ref() != Some(&seen) {
-            let mut allocs_json = Vec::with_capacity(allocs.len());
-            for a in &allocs {
-                match serde_json::to_vec(a) {
-                    Ok(b) => allocs_json.push(b),
-                    Err(e) => {
-                        tracing::error!(alloc_id = %a.id, error = %e, "encoding alloc failed");
-                        let _ = tx
-                            .send(Err(Status::internal(format!(
-                                "encoding alloc {}: {e}",
-                                a.id
-                            ))))
-                            .await;
-                        return;
+        if let Some((at, index, allocs)) = scan {
+            scanned_at = Some(at);
+            let seen: Vec<(String, u64)> = allocs
+                .iter()
+                .map(|a| (a.id.clone(), a.modify_index))
+                .collect();
+            if last.as_ref() != Some(&seen) {
+                let mut allocs_json = Vec::with_capacity(allocs.len());
+                for a in &allocs {
+                    match serde_json::to_vec(a) {
+                        Ok(b) => allocs_json.push(b),
+                        Err(e) => {
+                            tracing::error!(alloc_id = %a.id, error = %e, "encoding alloc failed");
+                            let _ = tx
+                                .send(Err(Status::internal(format!(
+                                    "encoding alloc {}: {e}",
+                                    a.id
+                                ))))
+                                .await;
+                            return;
+                        }
                     }
                 }
+                tracing::debug!(node_id, index, allocs = allocs.len(), "sending allocs");
+                if tx
+                    .send(Ok(pb::AllocationsUpdate { index, allocs_json }))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                last = Some(seen);
             }
-            tracing::debug!(node_id, index, allocs = allocs.len(), "sending allocs");
-            if tx
-                .send(Ok(pb::AllocationsUpdate { index, allocs_json }))
-                .await
-                .is_err()
-            {
-                return;
-            }
-            last = Some(seen);
         }
         tokio::select! {
             _ = shutdown.wait_for(|s| *s) => return,

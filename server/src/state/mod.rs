@@ -63,6 +63,11 @@ pub struct Tables {
     pub index: u64,
     /// The index of the last write to each table.
     pub table_index: BTreeMap<Table, u64>,
+    /// The index of the last write that put or deleted an alloc of each
+    /// node, since the store was opened (memory only): an alloc watch
+    /// looks at the allocs again only when its node's moved, not on every
+    /// write of any node.
+    pub node_allocs_index: BTreeMap<String, u64>,
 }
 
 impl Tables {
@@ -236,10 +241,15 @@ impl StateStore {
                         tables.jobs.remove(&k);
                     }
                     Change::PutAlloc(a) => {
-                        tables.allocs.insert(a.id.clone(), a);
+                        tables.node_allocs_index.insert(a.node_id.clone(), index);
+                        if let Some(old) = tables.allocs.insert(a.id.clone(), a) {
+                            tables.node_allocs_index.insert(old.node_id, index);
+                        }
                     }
                     Change::DeleteAlloc(k) => {
-                        tables.allocs.remove(&k);
+                        if let Some(old) = tables.allocs.remove(&k) {
+                            tables.node_allocs_index.insert(old.node_id, index);
+                        }
                     }
                     Change::PutNode(n) => {
                         tables.nodes.insert(n.id.clone(), n);
@@ -304,5 +314,57 @@ fn stamp(tables: &Tables, index: u64, changes: &mut [Change]) {
             | Change::DeleteVolume(_)
             | Change::PutNodeSecret { .. } => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(id: &str, node_id: &str) -> Allocation {
+        Allocation {
+            id: id.into(),
+            node_id: node_id.into(),
+            ..Allocation::default()
+        }
+    }
+
+    fn put(store: &StateStore, changes: Vec<Change>) -> u64 {
+        store
+            .write(|_, c| {
+                c.extend(changes);
+                Ok::<_, StoreError>(())
+            })
+            .unwrap()
+            .1
+    }
+
+    #[test]
+    fn a_nodes_alloc_index_moves_only_with_writes_of_its_allocs() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = RedbBackend::open(&RedbBackend::path_in(dir.path())).unwrap();
+        let store = StateStore::open(Box::new(backend)).unwrap();
+        let at = |node: &str| store.read(|t| t.node_allocs_index.get(node).copied());
+        let first = put(
+            &store,
+            vec![
+                Change::PutAlloc(alloc("a1", "n1")),
+                Change::PutAlloc(alloc("a2", "n2")),
+            ],
+        );
+        assert_eq!((at("n1"), at("n2")), (Some(first), Some(first)));
+        // Writes of nodes, jobs and other nodes' allocs leave n1's alone.
+        put(
+            &store,
+            vec![Change::PutNode(Node {
+                id: "n1".into(),
+                ..Node::default()
+            })],
+        );
+        let n2_write = put(&store, vec![Change::PutAlloc(alloc("a2", "n2"))]);
+        assert_eq!((at("n1"), at("n2")), (Some(first), Some(n2_write)));
+        let delete = put(&store, vec![Change::DeleteAlloc("a1".into())]);
+        assert_eq!(at("n1"), Some(delete));
+        assert_eq!(at("n3"), None);
     }
 }
