@@ -391,7 +391,8 @@ impl ServerConn {
     /// a set given up on would leave the servers with a stale view for
     /// good (a plugin that became healthy during a partition would never
     /// get a volume placed). Newer sets wait behind this one. A node the
-    /// servers do not know stops here: its registration carries the set.
+    /// servers do not know (yet, or again after a purge) is retried too:
+    /// a registration already on its way may carry an older set.
     async fn send_plugins(&self, plugins: Vec<pb::PluginFingerprint>, max_wait: Duration) {
         let mut failures: u32 = 0;
         loop {
@@ -407,11 +408,7 @@ impl ServerConn {
                     }
                     return;
                 }
-                Err(s) if s.code() == Code::NotFound => {
-                    tracing::info!(error = %s, "the servers do not know this node; its registration carries the plugin fingerprints");
-                    return;
-                }
-                Err(s) if !status_retryable(s.code()) => {
+                Err(s) if !status_retryable(s.code()) && s.code() != Code::NotFound => {
                     tracing::error!(error = %s, "the servers refused the plugin fingerprints");
                     return;
                 }
@@ -751,6 +748,47 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), sending)
             .await
             .expect("the fingerprints are sent once the server is back")
+            .expect("no panic");
+        let known = server.node(&node.id).expect("the node is known");
+        assert!(
+            known.csi_node_plugins.get("p").is_some_and(|p| p.healthy),
+            "the server knows the healthy plugin: {:?}",
+            known.csi_node_plugins
+        );
+        serving.abort();
+    }
+
+    /// Plugin fingerprints sent before the servers know the node (its
+    /// registration, carrying an older set, still on its way) reach them
+    /// once it has registered, and are not dropped on the first "unknown
+    /// node" answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plugin_fingerprints_sent_before_registration_reach_the_servers() {
+        let (_dir, server, serving, channel) = serve_node_service().await;
+        let node = Node {
+            id: berth_structs::generate_id(),
+            name: "n".into(),
+            ..Node::default()
+        };
+        let conn = ServerConn::new(channel, node.clone(), NodeSecret::generate());
+        let plugins = vec![pb::PluginFingerprint {
+            plugin_id: "p".into(),
+            kind: "node".into(),
+            healthy: true,
+            ..Default::default()
+        }];
+        let mut sending = {
+            let conn = conn.clone();
+            tokio::spawn(async move { conn.send_plugins(plugins, Duration::from_millis(20)).await })
+        };
+        // The node is unknown: the fingerprints are not given up on.
+        let early = tokio::time::timeout(Duration::from_secs(1), &mut sending).await;
+        assert!(early.is_err(), "still sending while the node is unknown");
+        // The registration brings the node without the plugin.
+        conn.register().await.expect("the node registers");
+        tokio::time::timeout(Duration::from_secs(10), sending)
+            .await
+            .expect("the fingerprints are sent once the node is known")
             .expect("no panic");
         let known = server.node(&node.id).expect("the node is known");
         assert!(
