@@ -13,7 +13,7 @@
 //! gives its lost allocs no last heartbeat: their disconnect windows count
 //! from when they were marked lost.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +44,8 @@ pub(crate) struct Heartbeats {
     /// Unix ms of each node's last heartbeat (or registration) since this
     /// server started; the stored `last_heartbeat_ms` is older.
     last_ms: HashMap<String, i64>,
+    /// Nodes a write is marking down right now.
+    marking_down: HashSet<String>,
 }
 
 /// How often the liveness loop looks at the clock even when no deadline is
@@ -86,6 +88,16 @@ impl Server {
         now.checked_add(window)
             .or_else(|| now.checked_add(ONE_YEAR))
             .unwrap_or(now)
+    }
+
+    /// A heartbeat of `node_id`: expect the next within `ttl` (plus
+    /// grace). Returns whether a write is marking the node down meanwhile
+    /// (the heartbeat then makes it ready again once that write is done).
+    pub(crate) fn rearm_heartbeat_timer(&self, node_id: &str, ttl: Duration) -> bool {
+        let deadline = self.deadline_after(ttl, Instant::now());
+        let mut map = self.heartbeat_map();
+        map.deadlines.insert(node_id.to_string(), deadline);
+        map.marking_down.contains(node_id)
     }
 
     /// Record that `node_id` was heard from at `now_ms` (unix ms).
@@ -213,7 +225,7 @@ impl Server {
                 ids
             };
             for node_id in expired {
-                if let Err(e) = self.mark_node_down(&node_id, "Node heartbeat missed").await {
+                if let Err(e) = self.mark_silent_node_down(&node_id).await {
                     tracing::error!(node_id, error = %e, "marking node down failed; retrying");
                     self.reset_heartbeat_timer(&node_id, Duration::from_secs(1));
                 }
@@ -227,17 +239,49 @@ impl Server {
         }
     }
 
+    /// Mark down a node whose deadline passed (the liveness loop has taken
+    /// it off the deadlines), unless it was heard from since (nodes expired
+    /// together are marked one after the other, which takes a while). A
+    /// heartbeat sets the deadline again before it looks at the node's
+    /// status; this looks for one inside the write that marks the node down
+    /// and flags the node as being marked down there, and a heartbeat that
+    /// sees the flag makes the node ready again after that write. So a node
+    /// whose heartbeat was answered does not stay down.
+    async fn mark_silent_node_down(&self, node_id: &str) -> Result<(), ServerError> {
+        self.mark_down(node_id, "Node heartbeat missed", true).await
+    }
+
     /// Mark a node down: its live allocs become lost and their jobs are
     /// evaluated.
     pub async fn mark_node_down(&self, node_id: &str, why: &str) -> Result<(), ServerError> {
         self.clear_heartbeat_timer(node_id);
+        self.mark_down(node_id, why, false).await
+    }
+
+    async fn mark_down(
+        &self,
+        node_id: &str,
+        why: &str,
+        only_if_silent: bool,
+    ) -> Result<(), ServerError> {
         let last_heartbeat = self.last_heartbeat_ms(node_id);
-        let (jobs, _) = self.store.write(|t, changes| {
+        let written = self.store.write(|t, changes| {
             let Some(node) = t.nodes.get(node_id) else {
-                return Ok::<_, ServerError>(BTreeSet::new());
+                return Ok::<_, ServerError>(None);
             };
             if node.status == NodeStatus::Down {
-                return Ok(BTreeSet::new());
+                return Ok(None);
+            }
+            {
+                let mut map = self.heartbeat_map();
+                if only_if_silent && map.deadlines.contains_key(node_id) {
+                    tracing::info!(
+                        node_id,
+                        "node heard from after its deadline passed; not marked down"
+                    );
+                    return Ok(None);
+                }
+                map.marking_down.insert(node_id.to_string());
             }
             let mut node = node.clone();
             node.status = NodeStatus::Down;
@@ -271,8 +315,12 @@ impl Server {
                 jobs.insert(a.job_id.clone());
                 changes.push(Change::PutAlloc(a));
             }
-            Ok(jobs)
-        })?;
+            Ok(Some(jobs))
+        });
+        self.heartbeat_map().marking_down.remove(node_id);
+        let Some(jobs) = written?.0 else {
+            return Ok(());
+        };
         tracing::warn!(node_id, reason = why, lost_jobs = jobs.len(), "node down");
         for job_id in jobs {
             self.evaluate_job(&job_id).await;
@@ -344,6 +392,37 @@ mod tests {
         server.purge_node("n2").await.unwrap();
         assert_eq!(server.last_heartbeat_ms("n2"), None);
         assert_eq!(server.heartbeat_map().deadlines.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_node_heard_from_after_its_deadline_passed_is_not_marked_down() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = Server::open(crate::ServerConfig::new(dir.path())).unwrap();
+        server
+            .register_node(berth_structs::Node {
+                id: "n1".into(),
+                name: "n1".into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        // The liveness loop found the deadline passed and took it off; the
+        // node is marked down after the nodes expired before it, and its
+        // heartbeat arrives meanwhile (it answered "ready").
+        server.heartbeat_map().deadlines.remove("n1");
+        server.node_heartbeat("n1").await.unwrap();
+        server.mark_silent_node_down("n1").await.unwrap();
+        let n1 = server.node("n1").unwrap();
+        assert_eq!(
+            n1.status,
+            NodeStatus::Ready,
+            "a node whose heartbeat was answered is not marked down for the deadline before it"
+        );
+        assert!(server.heartbeat_map().deadlines.contains_key("n1"));
+        // Silent after that: marked down.
+        server.heartbeat_map().deadlines.remove("n1");
+        server.mark_silent_node_down("n1").await.unwrap();
+        assert_eq!(server.node("n1").unwrap().status, NodeStatus::Down);
     }
 
     #[test]

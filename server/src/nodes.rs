@@ -138,39 +138,53 @@ impl Server {
     /// changes (a down node is ready again).
     pub async fn node_heartbeat(&self, node_id: &str) -> Result<Duration, ServerError> {
         let now_ms = berth_structs::now_ms();
-        let ready = self.store.read(|t| {
-            t.nodes
-                .get(node_id)
-                .map(|n| n.status == NodeStatus::Ready)
-                .ok_or_else(|| {
-                    ServerError::not_found(format!("node {node_id:?} is not registered"))
-                })
-        })?;
-        let was_down = !ready
-            && self
-                .store
-                .write(|t, changes| {
-                    let node = t.nodes.get(node_id).ok_or_else(|| {
-                        ServerError::not_found(format!("node {node_id:?} is not registered"))
-                    })?;
-                    if node.status == NodeStatus::Ready {
-                        return Ok::<_, ServerError>(false);
-                    }
-                    let mut node = node.clone();
-                    node.status = NodeStatus::Ready;
-                    node.push_events([NodeEvent::new(
-                        NodeEvent::SUBSYSTEM_CLUSTER,
-                        "Node heartbeat received; node ready",
-                    )
-                    .with_detail("status", NodeStatus::Ready.as_str())]);
-                    node.last_heartbeat_ms = now_ms;
-                    changes.push(Change::PutNode(node));
-                    Ok(true)
-                })?
-                .0;
+        let unknown = || ServerError::not_found(format!("node {node_id:?} is not registered"));
+        if !self.store.read(|t| t.nodes.contains_key(node_id)) {
+            return Err(unknown());
+        }
+        // The deadline first, the status second: a liveness pass marking
+        // the node down at this moment either finds the deadline and leaves
+        // the node, or is seen marking it, and the node is made ready again
+        // below (see `mark_silent_node_down`).
         self.record_heartbeat(node_id, now_ms);
         let ttl = self.heartbeat_ttl();
-        self.reset_heartbeat_timer(node_id, ttl);
+        let marking_down = self.rearm_heartbeat_timer(node_id, ttl);
+        let ready = self
+            .store
+            .read(|t| t.nodes.get(node_id).map(|n| n.status == NodeStatus::Ready));
+        let was_down = match ready {
+            Some(true) if !marking_down => false,
+            Some(_) => {
+                self.store
+                    .write(|t, changes| {
+                        let node = t.nodes.get(node_id).ok_or_else(unknown)?;
+                        if node.status == NodeStatus::Ready {
+                            return Ok::<_, ServerError>(false);
+                        }
+                        let mut node = node.clone();
+                        node.status = NodeStatus::Ready;
+                        node.push_events([NodeEvent::new(
+                            NodeEvent::SUBSYSTEM_CLUSTER,
+                            "Node heartbeat received; node ready",
+                        )
+                        .with_detail("status", NodeStatus::Ready.as_str())]);
+                        node.last_heartbeat_ms = now_ms;
+                        changes.push(Change::PutNode(node));
+                        Ok(true)
+                    })
+                    .inspect_err(|e| {
+                        if matches!(e, ServerError::NotFound(_)) {
+                            self.forget_heartbeats(node_id);
+                        }
+                    })?
+                    .0
+            }
+            None => {
+                // Purged meanwhile.
+                self.forget_heartbeats(node_id);
+                return Err(unknown());
+            }
+        };
         if was_down {
             tracing::info!(node_id, "node ready again");
             self.evaluate_after_cluster_change().await;
