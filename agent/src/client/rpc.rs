@@ -24,6 +24,13 @@ use super::servers::ServerChannels;
 
 /// Deadline of unary calls to the servers.
 const RPC_TIMEOUT: Duration = Duration::from_secs(30);
+/// Deadline of a heartbeat: well below the heartbeat loop's own (10s,
+/// `HeartbeatConfig::rpc_timeout`), so that a server that takes the
+/// connection but never answers (a paused process) fails the request
+/// here, which moves the client on to the next server; a heartbeat the
+/// loop gives up on first is dropped unseen, and the client would stay
+/// with that server round after round.
+const HEARTBEAT_DEADLINE: Duration = Duration::from_secs(5);
 /// How long updates gather before they are sent together.
 const BATCH_WINDOW: Duration = Duration::from_millis(50);
 /// Node events kept while the servers are unreachable; older ones are
@@ -493,7 +500,7 @@ impl HeartbeatRpc for ServerConn {
         let mut r = tonic::Request::new(pb::HeartbeatRequest {
             node_id: self.node_id(),
         });
-        r.set_timeout(RPC_TIMEOUT);
+        r.set_timeout(HEARTBEAT_DEADLINE);
         match self.node_client().heartbeat(r).await {
             Ok(resp) => Ok(Duration::from_millis(resp.into_inner().heartbeat_ttl_ms)),
             Err(s) if s.code() == Code::NotFound => Err(HeartbeatError::NodeUnknown),
@@ -796,6 +803,45 @@ mod tests {
             "the server knows the healthy plugin: {:?}",
             known.csi_node_plugins
         );
+        serving.abort();
+    }
+
+    /// The server in use takes connections but never answers (a paused
+    /// process: the kernel still completes the handshake). A heartbeat to
+    /// it fails, within the heartbeat loop's own deadline, as a failed
+    /// request, which moves the client on to the next server, where the
+    /// next heartbeat is served: had the loop's deadline dropped it first,
+    /// nothing would have moved the client on, round after round.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_heartbeat_to_a_server_that_never_answers_moves_the_client_on() {
+        let (_dir, _server, serving, live) = serve_node_service().await;
+        let node = Node {
+            id: berth_structs::generate_id(),
+            name: "n".into(),
+            ..Node::default()
+        };
+        let secret = NodeSecret::generate();
+        ServerConn::new(live.clone(), node.clone(), secret.clone())
+            .register()
+            .await
+            .expect("the node registers");
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let silent_addr = format!("http://{}", silent.local_addr().unwrap());
+        let live_addr = live.current_addr().to_string();
+        let channels = ServerChannels::new(&[silent_addr.clone(), live_addr.clone()]).unwrap();
+        let conn = ServerConn::new(channels, node, secret);
+        let loop_deadline = berth_heartbeat::HeartbeatConfig::default().rpc_timeout;
+        let first = tokio::time::timeout(loop_deadline, conn.heartbeat()).await;
+        assert!(
+            matches!(first, Ok(Err(HeartbeatError::Transient(_)))),
+            "the heartbeat to the silent server fails as a request: {first:?}"
+        );
+        assert_eq!(conn.servers().current_addr(), live_addr);
+        tokio::time::timeout(loop_deadline, conn.heartbeat())
+            .await
+            .expect("answered in time")
+            .expect("the live server serves the heartbeat");
+        drop(silent);
         serving.abort();
     }
 
