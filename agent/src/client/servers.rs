@@ -84,17 +84,33 @@ pub fn endpoint(addr: &str) -> Result<Endpoint, ServersError> {
 
 impl ServerChannels {
     /// Channels to `addrs` (`http://HOST:PORT` each), none dialled yet.
+    /// An address listed twice gets one channel (the first place it is
+    /// listed): a dead server listed twice would otherwise cost every
+    /// failover from it a second failure before the client reaches the
+    /// next server.
     pub fn new(addrs: &[String]) -> Result<ServerChannels, ServersError> {
         if addrs.is_empty() {
             return Err(ServersError::Empty);
         }
+        let mut seen = std::collections::HashSet::new();
+        let addrs: Vec<String> = addrs
+            .iter()
+            .filter(|a| {
+                let first = seen.insert(a.as_str());
+                if !first {
+                    tracing::warn!(server = %a, "server listed more than once; dialling it once");
+                }
+                first
+            })
+            .cloned()
+            .collect();
         let channels = addrs
             .iter()
             .map(|a| endpoint(a).map(|e| e.connect_lazy()))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ServerChannels {
             inner: Arc::new(Inner {
-                addrs: addrs.to_vec(),
+                addrs,
                 channels,
                 current: AtomicUsize::new(0),
             }),
@@ -184,6 +200,22 @@ mod tests {
             .err()
             .expect("refused");
         assert!(e.to_string().contains("\"not a uri\""), "{e}");
+    }
+
+    /// A dead server listed twice costs one failure, not two: the first
+    /// failover from it reaches the next server.
+    #[tokio::test]
+    async fn a_server_listed_twice_is_dialled_once() {
+        let s = ServerChannels::new(&[
+            "http://127.0.0.1:1".into(),
+            "http://127.0.0.1:1".into(),
+            "http://127.0.0.1:2".into(),
+            "http://127.0.0.1:1".into(),
+        ])
+        .unwrap();
+        assert_eq!(s.count(), 2);
+        s.failover_from(s.current());
+        assert_eq!(s.current_addr(), "http://127.0.0.1:2");
     }
 
     #[test]
