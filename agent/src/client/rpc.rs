@@ -399,7 +399,8 @@ impl ServerConn {
     /// good (a plugin that became healthy during a partition would never
     /// get a volume placed). Newer sets wait behind this one. A node the
     /// servers do not know (yet, or again after a purge) is retried too:
-    /// a registration already on its way may carry an older set.
+    /// a registration already on its way may carry an older set; so is
+    /// any other failure but a set found malformed.
     async fn send_plugins(&self, plugins: Vec<pb::PluginFingerprint>, max_wait: Duration) {
         let mut failures: u32 = 0;
         loop {
@@ -415,7 +416,9 @@ impl ServerConn {
                     }
                     return;
                 }
-                Err(s) if !status_retryable(s.code()) && s.code() != Code::NotFound => {
+                // Only a set the servers find malformed is never taken;
+                // any other refusal may pass on another attempt or server.
+                Err(s) if s.code() == Code::InvalidArgument => {
                     tracing::error!(error = %s, "the servers refused the plugin fingerprints");
                     return;
                 }
@@ -843,6 +846,100 @@ mod tests {
             .expect("the live server serves the heartbeat");
         drop(silent);
         serving.abort();
+    }
+
+    /// A real server's agent protocol, and its HTTP API on another port;
+    /// both addresses. The temp dir goes with the first value.
+    async fn serve_agent_protocol_and_http_api() -> (
+        tempfile::TempDir,
+        std::sync::Arc<berth_server::Server>,
+        std::net::SocketAddr,
+        std::net::SocketAddr,
+        tokio::sync::watch::Sender<bool>,
+    ) {
+        let (dir, server, _serving, _) = serve_node_service().await;
+        let rpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let rpc_addr = rpc.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(server.node_service())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(rpc)),
+        );
+        let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let http_addr = http.local_addr().unwrap();
+        let (stop, stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(crate::http::serve_router(
+            http,
+            crate::http::router(server.clone()),
+            stop_rx,
+        ));
+        (dir, server, rpc_addr, http_addr, stop)
+    }
+
+    /// The first of the client's servers is a server's HTTP API port (an
+    /// easy slip: both are a server's), which answers, but not in the
+    /// agent protocol: the client moves on to the next server, where the
+    /// node registers, instead of staying with the wrong port for good.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_server_address_that_does_not_speak_the_agent_protocol_is_moved_on_from() {
+        let (_dir, server, rpc_addr, http_addr, _stop) = serve_agent_protocol_and_http_api().await;
+        let channels =
+            ServerChannels::new(&[format!("http://{http_addr}"), format!("http://{rpc_addr}")])
+                .unwrap();
+        let node = Node {
+            id: berth_structs::generate_id(),
+            name: "n".into(),
+            ..Node::default()
+        };
+        let conn = ServerConn::new(channels, node.clone(), NodeSecret::generate());
+        let first = conn.register().await;
+        assert!(first.is_err(), "the HTTP API does not register nodes");
+        assert_eq!(conn.servers().current_addr(), format!("http://{rpc_addr}"));
+        conn.register()
+            .await
+            .expect("the node registers on the next server");
+        server.node(&node.id).expect("the server knows the node");
+    }
+
+    /// Plugin fingerprints whose attempt got an answer that is not the
+    /// agent protocol's are sent again (on the next server), not given up
+    /// on as refused.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plugin_fingerprints_are_sent_again_after_an_answer_not_in_the_agent_protocol() {
+        let (_dir, server, rpc_addr, http_addr, _stop) = serve_agent_protocol_and_http_api().await;
+        let node = Node {
+            id: berth_structs::generate_id(),
+            name: "n".into(),
+            ..Node::default()
+        };
+        let secret = NodeSecret::generate();
+        let direct = ServerChannels::new(&[format!("http://{rpc_addr}")]).unwrap();
+        ServerConn::new(direct, node.clone(), secret.clone())
+            .register()
+            .await
+            .expect("the node registers");
+        let channels =
+            ServerChannels::new(&[format!("http://{http_addr}"), format!("http://{rpc_addr}")])
+                .unwrap();
+        let conn = ServerConn::new(channels, node.clone(), secret);
+        let plugins = vec![pb::PluginFingerprint {
+            plugin_id: "p".into(),
+            kind: "node".into(),
+            healthy: true,
+            ..Default::default()
+        }];
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            conn.send_plugins(plugins, Duration::from_millis(20)),
+        )
+        .await
+        .expect("sent in time");
+        let known = server.node(&node.id).expect("the node is known");
+        assert!(
+            known.csi_node_plugins.get("p").is_some_and(|p| p.healthy),
+            "the server knows the healthy plugin: {:?}",
+            known.csi_node_plugins
+        );
     }
 
     #[test]

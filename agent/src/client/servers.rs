@@ -180,13 +180,37 @@ impl Service<http::Request<Body>> for ServerChannels {
         let channel = this.inner.channels[i].clone();
         Box::pin(async move {
             let result = channel.oneshot(req).await;
-            if let Err(e) = &result {
-                tracing::debug!(server = %this.inner.addrs[i], error = %e, "request to the server failed");
-                this.failover_from(i);
+            match &result {
+                Err(e) => {
+                    tracing::debug!(server = %this.inner.addrs[i], error = %e, "request to the server failed");
+                    this.failover_from(i);
+                }
+                Ok(resp) if !speaks_agent_protocol(resp) => {
+                    tracing::warn!(
+                        server = %this.inner.addrs[i],
+                        http_status = resp.status().as_u16(),
+                        "the server address answers, but not in the agent protocol \
+                         (is it the HTTP API's port rather than the RPC port?)"
+                    );
+                    this.failover_from(i);
+                }
+                Ok(_) => {}
             }
             result
         })
     }
+}
+
+/// Whether `resp` is a gRPC answer (HTTP 200, `application/grpc`), as
+/// every answer of a berth server's agent protocol is, errors included:
+/// anything else comes from something else listening at that address.
+fn speaks_agent_protocol(resp: &http::Response<Body>) -> bool {
+    resp.status() == http::StatusCode::OK
+        && resp
+            .headers()
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("application/grpc"))
 }
 
 #[cfg(test)]
