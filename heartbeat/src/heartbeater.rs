@@ -146,6 +146,14 @@ impl Heartbeater {
         self.last_success.subscribe()
     }
 
+    /// Records a round trip to the servers that they count as a heartbeat
+    /// (a registration) as the last success, in memory and on disk, as a
+    /// heartbeat would be.
+    pub fn record_success(&self) {
+        self.last_success.send_replace(Some(Instant::now()));
+        self.store.save(berth_structs::now_ms());
+    }
+
     /// Heartbeats until `shutdown` becomes true (or its sender is dropped).
     /// The first heartbeat is sent right away.
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
@@ -170,8 +178,7 @@ impl Heartbeater {
                     }
                     failures = 0;
                     last_ttl = Some(ttl);
-                    self.last_success.send_replace(Some(Instant::now()));
-                    self.store.save(berth_structs::now_ms());
+                    self.record_success();
                     let next = self.config.interval(ttl);
                     debug!(
                         ttl_ms = ttl.as_millis() as u64,

@@ -406,6 +406,11 @@ impl Client {
             while tasks.join_next().await.is_some() {}
             return;
         }
+        // The servers count the registration as the node's heartbeat (and
+        // would place replacements from it): so does the client, or with
+        // no heartbeat on record its allocs with a disconnect window would
+        // never stop should no heartbeat succeed from here on.
+        heartbeater.record_success();
         {
             let conn = self.conn.clone();
             let csi = self.csi.clone();
@@ -1058,6 +1063,94 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), watching)
             .await
             .expect("the watch stops")
+            .expect("no panic");
+        serving.abort();
+    }
+
+    /// The agent protocol of a server that answers every heartbeat with
+    /// Unavailable, and everything else as it would.
+    #[derive(Clone)]
+    struct RefuseHeartbeats<S>(S);
+
+    impl<S> tower::Service<tonic::codegen::http::Request<tonic::body::Body>> for RefuseHeartbeats<S>
+    where
+        S: tower::Service<
+                tonic::codegen::http::Request<tonic::body::Body>,
+                Response = tonic::codegen::http::Response<tonic::body::Body>,
+            > + Send
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>,
+        >;
+
+        fn poll_ready(
+            &mut self,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Result<(), S::Error>> {
+            self.0.poll_ready(cx)
+        }
+
+        fn call(&mut self, req: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
+            if req.uri().path() == "/berth.v1.Node/Heartbeat" {
+                return Box::pin(async {
+                    Ok(
+                        tonic::Status::unavailable("heartbeats are refused in this test")
+                            .into_http(),
+                    )
+                });
+            }
+            Box::pin(self.0.call(req))
+        }
+    }
+
+    /// The node registers, then not one heartbeat succeeds: the
+    /// registration, which the servers count as the node's last heartbeat
+    /// (and would place replacements from), is the client's last contact
+    /// too, on disk and for the disconnect tracker, so that its allocs
+    /// with `stop_after_client_disconnect` stop once that window has
+    /// passed, instead of running on for good for want of a heartbeat on
+    /// record.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_registration_counts_as_the_last_contact_when_no_heartbeat_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let server =
+            berth_server::Server::open(berth_server::ServerConfig::new(dir.path().join("server")))
+                .expect("the server opens");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let serving = tokio::spawn(
+            tonic::transport::Server::builder()
+                .layer(tower::layer::layer_fn(RefuseHeartbeats))
+                .add_service(server.node_service())
+                .add_service(server.csi_volume_service())
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let config = ClientConfig::new(dir.path().join("client"), vec![format!("http://{addr}")]);
+        let client = Client::start(config, watch::channel(false).1)
+            .await
+            .expect("the client starts");
+        let before = berth_structs::now_ms();
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let run = tokio::spawn(client.clone().run(stop_rx));
+        wait_for("the node to register", Duration::from_secs(20), || {
+            client.registered()
+        })
+        .await;
+        wait_for(
+            "the registration to be recorded as the last contact",
+            Duration::from_secs(5),
+            || client.last_heartbeat_ms().is_some(),
+        )
+        .await;
+        assert!(client.last_heartbeat_ms().is_some_and(|ms| ms >= before));
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("the client stops")
             .expect("no panic");
         serving.abort();
     }
