@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use backon::Retryable;
 use berth_csimanager::UnmountRequest;
 use berth_structs::{
-    AllocClientStatus, Allocation, TaskEvent, TaskGroup, TaskState, TaskStateKind,
+    AllocClientStatus, Allocation, CsiPluginType, TaskEvent, TaskGroup, TaskState, TaskStateKind,
 };
 use tokio::sync::watch;
 use tokio::task::JoinSet;
@@ -31,6 +31,11 @@ const NOT_STARTED_MESSAGE: &str = "the alloc was stopped before it started";
 pub(crate) fn not_started_event() -> TaskEvent {
     TaskEvent::new(EVENT_NOT_STARTED, NOT_STARTED_MESSAGE)
 }
+
+/// The task event of a CSI node plugin task whose alloc is stopping while
+/// volumes of the plugin are still mounted on the node: the task is killed
+/// only once they are unmounted.
+pub const EVENT_WAITING_FOR_VOLUMES: &str = "Waiting for volumes";
 
 /// Runs one alloc. Cheap to clone; clones drive the same alloc.
 #[derive(Clone)]
@@ -216,7 +221,10 @@ impl AllocRunner {
     }
 
     /// Kills the tasks (SIGTERM, SIGKILL after the kill timeout) and runs
-    /// postrun. Returns at once; [`Self::wait`] for it to finish.
+    /// postrun. Returns at once; [`Self::wait`] for it to finish. The tasks
+    /// of an alloc that runs a CSI node plugin are killed only once no
+    /// other alloc on this node has a volume of the plugin mounted (or
+    /// another healthy instance of the plugin serves them).
     pub fn stop(&self) {
         self.inner.stop.send_replace(true);
     }
@@ -358,11 +366,17 @@ async fn lifecycle(inner: Arc<Inner>) {
         .unwrap_or_else(|e| e.into_inner())
         .take()
         .unwrap_or_default();
+    // A restored alloc that runs a CSI node plugin is stopped through its
+    // task runners even when the stop came first: the plugin is reattached
+    // (supervised, restarted if it dies) and its kill waits, as for a
+    // running alloc, for the volumes other allocs still have mounted.
+    let stop_through_tasks = restored.is_some() && !node_plugins(&group).is_empty();
+    let stop_now = |ctx: &AllocHookContext| *ctx.stop.borrow() && !stop_through_tasks;
     let mut ran = 0usize;
     let mut prerun_failure: Option<String> = None;
     let mut stopped = false;
     for hook in hooks.iter_mut() {
-        if *ctx.stop.borrow() {
+        if stop_now(&ctx) {
             stopped = true;
             break;
         }
@@ -384,7 +398,7 @@ async fn lifecycle(inner: Arc<Inner>) {
     }
 
     let mut killed_leftovers = BTreeSet::new();
-    if prerun_failure.is_some() || stopped || *ctx.stop.borrow() {
+    if prerun_failure.is_some() || stopped || stop_now(&ctx) {
         // Tasks left running by the previous agent must not outlive an
         // alloc that will not run: those of a restored alloc, and those a
         // fresh runner finds through their executors' records (the agent
@@ -401,7 +415,7 @@ async fn lifecycle(inner: Arc<Inner>) {
                 Some(TaskEvent::new("Setup Failure", msg.clone())),
             );
         }
-    } else if stopped || *ctx.stop.borrow() {
+    } else if stopped || stop_now(&ctx) {
         let task_states = state.task_states();
         for task in &group.tasks {
             // A restored task that ran before the restart was killed above;
@@ -570,7 +584,13 @@ async fn run_tasks(
         let handle = set.spawn(runner.run().instrument(span));
         names.insert(handle.id(), task.name.clone());
     }
+    let plugins = node_plugins(group);
     let mut stop = inner.stop.subscribe();
+    let stopping = async {
+        let _ = stop.wait_for(|s| *s).await;
+        wait_for_plugin_volumes(inner, &plugins).await;
+    };
+    tokio::pin!(stopping);
     loop {
         let killing = kill_tx.borrow().is_some();
         tokio::select! {
@@ -591,9 +611,55 @@ async fn run_tasks(
                     }
                 }
             },
-            _ = stop.wait_for(|s| *s), if !killing => {
+            // Completes once; the kill it sends disables it.
+            () = &mut stopping, if !killing => {
                 kill_tx.send_replace(Some("The alloc is being stopped".into()));
             }
+        }
+    }
+}
+
+/// The CSI node (or monolith) plugins the group's tasks run, as (task,
+/// plugin ID): volumes on this node may need them to be unmounted.
+fn node_plugins(group: &TaskGroup) -> Vec<(String, String)> {
+    group
+        .tasks
+        .iter()
+        .filter_map(|t| {
+            let plugin = t.csi_plugin.as_ref()?;
+            (plugin.plugin_type != CsiPluginType::Controller)
+                .then(|| (t.name.clone(), plugin.id.clone()))
+        })
+        .collect()
+}
+
+/// Before the tasks of a stopping alloc are killed: waits, for each CSI
+/// node plugin the alloc runs, until no other alloc on this node has a
+/// volume of the plugin mounted (their unpublish and unstage need it),
+/// unless another healthy instance of the plugin serves them. No deadline:
+/// a mount is never left behind a stopped plugin. The plugin task gets an
+/// event, and the log a line, when the wait starts and whenever the number
+/// of volumes changes; the tasks keep running (and the alloc its status)
+/// meanwhile.
+async fn wait_for_plugin_volumes(inner: &Inner, plugins: &[(String, String)]) {
+    for (task, plugin_id) in plugins {
+        let mut waited = false;
+        inner
+            .config
+            .csi
+            .wait_until_plugin_instance_unneeded(plugin_id, &inner.alloc_id, |volumes| {
+                waited = true;
+                let message = format!(
+                    "Waiting for {volumes} volume(s) of plugin {plugin_id:?} to be unmounted before stopping"
+                );
+                info!(task = %task, plugin_id = %plugin_id, volumes, "waiting for the plugin's volumes to be unmounted before stopping it");
+                inner
+                    .state
+                    .task_event(task, TaskEvent::new(EVENT_WAITING_FOR_VOLUMES, message));
+            })
+            .await;
+        if waited {
+            info!(task = %task, plugin_id = %plugin_id, "no volume needs the plugin any more; stopping it");
         }
     }
 }

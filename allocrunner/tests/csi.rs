@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use berth_allocrunner::alloc_runner::EVENT_WAITING_FOR_VOLUMES;
 use berth_allocrunner::task_hooks::MAX_SOCKET_PATH_LEN;
 use berth_allocrunner::{AllocRunner, AllocStateStore, ClaimError, ClaimGrant};
 use berth_csimanager::volume_manager::volume_capability;
@@ -47,12 +48,49 @@ impl Plugin {
         self.state_dir.join("volumes").join(external_id)
     }
 
-    async fn stop(&self) {
+    /// Asks the plugin alloc to stop, as the servers do.
+    fn ask_to_stop(&self) {
         let mut a = (*self.runner.alloc()).clone();
         a.desired_status = AllocDesiredStatus::Stop;
         self.runner.update(a);
+    }
+
+    async fn stop(&self) {
+        self.ask_to_stop();
         wait_done(&self.runner, WITHIN).await;
     }
+
+    /// The plugin process's pid.
+    fn pid(&self) -> nix::unistd::Pid {
+        let pid = std::fs::read_to_string(&self._killer.0).expect("the plugin's pid file");
+        nix::unistd::Pid::from_raw(pid.trim().parse().expect("a pid"))
+    }
+
+    /// The plugin process dies (SIGKILL) and, without restarts, its alloc
+    /// fails: the plugin is gone however many volumes it served.
+    async fn crash(&self) {
+        nix::sys::signal::kill(self.pid(), nix::sys::signal::Signal::SIGKILL)
+            .expect("kill the plugin");
+        wait_done(&self.runner, WITHIN).await;
+    }
+
+    /// The plugin task's events, as (type, message).
+    fn events(&self) -> Vec<(String, String)> {
+        task_events(&self.runner, "plugin")
+    }
+}
+
+fn task_events(runner: &AllocRunner, task: &str) -> Vec<(String, String)> {
+    runner
+        .task_states()
+        .get(task)
+        .map(|s| {
+            s.events
+                .iter()
+                .map(|e| (e.event_type.clone(), e.message.clone()))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Runs the hostpath plugin as a plugin task and waits for it to register.
@@ -750,8 +788,7 @@ async fn destroy_keeps_the_alloc_records_while_a_volume_stays_mounted() {
     runner.run();
     wait_running(&runner, "web", WITHIN).await;
     // The plugin goes away: nothing can unmount the volume now.
-    plugin.runner.stop();
-    wait_done(&plugin.runner, WITHIN).await;
+    plugin.crash().await;
     wait_for("the plugin to be deregistered", WITHIN, || {
         h.csi.registry().get(PLUGIN_ID).is_none()
     })
@@ -797,7 +834,7 @@ async fn an_alloc_whose_volume_stays_mounted_is_not_collectable() {
         "a running alloc is not collectable"
     );
     // The plugin goes away: postrun cannot unmount the volume.
-    plugin.stop().await;
+    plugin.crash().await;
     runner.stop();
     wait_done(&runner, WITHIN).await;
     assert!(runner.client_status().is_terminal());
@@ -942,4 +979,178 @@ async fn a_killed_plugin_task_is_unhealthy_until_it_restarts_and_is_healthy_agai
     );
     stop_csi.send(true).unwrap();
     manager.await.unwrap();
+}
+
+/// What the plugin task says while its stop waits for one volume.
+const WAITING_FOR_ONE: &str =
+    "Waiting for 1 volume(s) of plugin \"hostpath\" to be unmounted before stopping";
+
+/// Checks, for `period`, that the plugin alloc keeps running: its process
+/// alive, its alloc running, the plugin registered.
+async fn assert_plugin_keeps_running(h: &Harness, plugin: &Plugin, period: Duration) {
+    let until = std::time::Instant::now() + period;
+    while std::time::Instant::now() < until {
+        assert!(
+            nix::sys::signal::kill(plugin.pid(), None).is_ok(),
+            "the plugin process runs"
+        );
+        assert!(!plugin.runner.is_done(), "the plugin alloc is not done");
+        assert_eq!(plugin.runner.client_status(), AllocClientStatus::Running);
+        assert_eq!(
+            h.csi.registry().get(PLUGIN_ID).map(|r| r.alloc_id),
+            Some(plugin.runner.alloc_id().to_string()),
+            "the plugin stays registered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A plugin alloc asked to stop while another alloc on the node has a
+/// volume of the plugin mounted keeps its plugin running, says why on the
+/// plugin task (once), and stops only after that alloc stopped and its
+/// unmount, made through the plugin, succeeded.
+#[tokio::test]
+async fn a_stopped_plugin_runs_until_the_volumes_mounted_through_it_are_unmounted() {
+    let h = Harness::new();
+    let plugin = start_plugin(&h).await;
+    let ext = create_volume(&h, "vol").await;
+    h.claimer.grant(grant("vol", &ext));
+    let a = consumer(
+        &["vol"],
+        sh_task(
+            "web",
+            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
+        ),
+    );
+    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_running(&runner, "web", WITHIN).await;
+    let pid = plugin.pid();
+
+    plugin.ask_to_stop();
+    wait_for("the plugin to say it waits for the volume", WITHIN, || {
+        plugin
+            .events()
+            .iter()
+            .any(|(t, m)| t == EVENT_WAITING_FOR_VOLUMES && m == WAITING_FOR_ONE)
+    })
+    .await;
+    assert_plugin_keeps_running(&h, &plugin, Duration::from_secs(2)).await;
+    assert_eq!(plugin.pid(), pid, "the same plugin process");
+
+    runner.stop();
+    wait_done(&runner, WITHIN).await;
+    let last = h.updater.updates();
+    let description = &last
+        .iter()
+        .rev()
+        .find(|u| u.tasks.contains_key("web"))
+        .expect("an update of the volume user")
+        .description;
+    assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    assert!(!description.contains("postrun"), "{description}");
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), a.id.clone())],
+        "unmounted, then released"
+    );
+    wait_done(&plugin.runner, WITHIN).await;
+    let storage_failures: Vec<_> = h
+        .node_events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e.subsystem == "Storage" && e.details.get("success").map(String::as_str) != Some("true")
+        })
+        .cloned()
+        .collect();
+    assert!(storage_failures.is_empty(), "{storage_failures:?}");
+
+    let events = plugin.events();
+    let waits: Vec<_> = events
+        .iter()
+        .filter(|(t, _)| t == EVENT_WAITING_FOR_VOLUMES)
+        .collect();
+    assert_eq!(
+        waits.len(),
+        1,
+        "one event while the count stays: {events:?}"
+    );
+    let waited_at = events
+        .iter()
+        .position(|(t, _)| t == EVENT_WAITING_FOR_VOLUMES);
+    let killed_at = events.iter().position(|(t, _)| t == "Killing");
+    assert!(waited_at < killed_at, "{events:?}");
+    assert!(h.csi.registry().get(PLUGIN_ID).is_none(), "deregistered");
+    assert!(mounts_under(&h.data_dir().join("client/csi")).is_empty());
+    assert!(h.store.volumes().is_empty());
+}
+
+/// The stop of a plugin alloc, persisted before an agent restart, waits
+/// again after it: the restored plugin is reattached and keeps serving the
+/// volume of the restored alloc that still uses it, which unmounts it
+/// through the plugin when it stops; only then does the plugin stop.
+#[test]
+fn a_restored_plugin_alloc_asked_to_stop_waits_for_the_volumes_mounted_through_it() {
+    let left = mount_and_leave_running();
+    let h = &left.h;
+    let plugin = &left._plugin;
+    let pid = plugin.pid();
+    // The servers asked for the plugin's stop before the agent went away.
+    let mut stopped = (*plugin.runner.alloc()).clone();
+    stopped.desired_status = AllocDesiredStatus::Stop;
+    left.allocs.put_alloc(&stopped).expect("persist the stop");
+
+    let csi = h.restarted_csi();
+    let restored = left.allocs.load_allocs().expect("load allocs");
+    let find = |id: &str| {
+        restored
+            .iter()
+            .find(|r| r.alloc.id == id)
+            .cloned()
+            .expect("the alloc was persisted")
+    };
+    let config = h.config_with(left.allocs.clone(), csi.clone());
+    let rt = runtime();
+    rt.block_on(async {
+        let plugin_runner = AllocRunner::restore(config.clone(), find(plugin.runner.alloc_id()));
+        let web = AllocRunner::restore(config, find(&left.a.id));
+        plugin_runner.run();
+        web.run();
+        wait_reattached(&web, "web", WITHIN).await;
+        wait_for("the restored plugin to say it waits", WITHIN, || {
+            task_events(&plugin_runner, "plugin")
+                .iter()
+                .any(|(t, m)| t == EVENT_WAITING_FOR_VOLUMES && m == WAITING_FOR_ONE)
+        })
+        .await;
+        assert!(
+            task_events(&plugin_runner, "plugin")
+                .iter()
+                .any(|(t, _)| t == "Reattached"),
+            "the plugin task was reattached, not stopped"
+        );
+        assert!(nix::sys::signal::kill(pid, None).is_ok(), "the plugin runs");
+        assert!(!plugin_runner.is_done());
+
+        web.stop();
+        wait_done(&web, WITHIN).await;
+        assert_eq!(web.client_status(), AllocClientStatus::Complete);
+        wait_done(&plugin_runner, WITHIN).await;
+    });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), left.a.id.clone())],
+        "unmounted, then released"
+    );
+    assert!(
+        mounts_under(&left.csi_dir).is_empty(),
+        "unpublished and unstaged through the plugin"
+    );
+    assert!(mounts_under(&left.alloc_dir).is_empty());
+    assert!(csi.volume_stubs().is_empty(), "{:?}", csi.volume_stubs());
 }

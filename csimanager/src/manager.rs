@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_proto::csi::v1 as csi;
-use berth_structs::{CsiInfo, NodeEvent};
+use berth_structs::{CsiInfo, CsiPluginType, NodeEvent};
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -301,6 +301,70 @@ impl CsiManager {
     /// still has mounted.
     pub fn volume_stubs_of(&self, alloc_id: &str) -> Vec<crate::volume::VolumeStub> {
         self.volumes.stubs_of(alloc_id)
+    }
+
+    /// How many volumes of `plugin_id` on this node still need the plugin
+    /// instance that `alloc_id` runs before it may stop: volumes another
+    /// alloc has staged or published (or whose unstage is unfinished), whose
+    /// unpublish and unstage go through the plugin. None when another
+    /// healthy node instance of the plugin is registered: that one serves
+    /// the unmounts (a plugin upgrade).
+    pub fn volumes_needing_plugin_instance(&self, plugin_id: &str, alloc_id: &str) -> usize {
+        let other_instance_serves = self.registry.entry(plugin_id).is_some_and(|e| {
+            e.registration.alloc_id != alloc_id
+                && e.unhealthy.is_none()
+                && e.registration.plugin_type != CsiPluginType::Controller
+        });
+        if other_instance_serves {
+            return 0;
+        }
+        self.volumes
+            .volumes_needing_plugin(plugin_id, alloc_id)
+            .len()
+    }
+
+    /// Waits, without a deadline, until no volume needs the plugin
+    /// instance that `alloc_id` runs (see
+    /// [`Self::volumes_needing_plugin_instance`]): a mount is never left
+    /// behind a stopped plugin. Wakes on every change of the volume usage
+    /// records and of the plugin registry, not on a timer. `waiting` is
+    /// called with the number of volumes when the wait starts and each
+    /// time that number changes; not at all when none needs the instance.
+    pub async fn wait_until_plugin_instance_unneeded(
+        &self,
+        plugin_id: &str,
+        alloc_id: &str,
+        mut waiting: impl FnMut(usize),
+    ) {
+        let mut volumes = self.volumes.subscribe();
+        let mut registry = self.registry.subscribe();
+        let mut reported = None;
+        loop {
+            // Marked seen before the count, so no change slips between.
+            volumes.borrow_and_update();
+            registry.borrow_and_update();
+            let needed = self.volumes_needing_plugin_instance(plugin_id, alloc_id);
+            if needed == 0 {
+                return;
+            }
+            if reported != Some(needed) {
+                reported = Some(needed);
+                waiting(needed);
+            }
+            tokio::select! {
+                r = volumes.changed() => {
+                    if r.is_err() {
+                        // Cannot happen while `self` lives; never spin.
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+                r = registry.changed() => {
+                    if r.is_err() {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        }
     }
 
     /// From the last fingerprint when there is one, else asked.

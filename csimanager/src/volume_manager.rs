@@ -20,7 +20,7 @@
 //! - A mount again for an alloc the stub already records (restore) never
 //!   gives the usage back on failure: the alloc's target may be published.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -29,7 +29,7 @@ use std::time::Duration;
 use backon::{ExponentialBuilder, Retryable};
 use berth_proto::csi::v1 as csi;
 use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions, NodeEvent};
-use tokio::sync::OwnedMutexGuard;
+use tokio::sync::{watch, OwnedMutexGuard};
 use tonic::Code;
 use tracing::Instrument;
 
@@ -124,6 +124,8 @@ pub(crate) struct VolumeManager {
     stubs: Mutex<BTreeMap<String, VolumeStub>>,
     locks: VolumeLocks,
     retry: Mutex<RetryPolicy>,
+    /// Bumped on every change of `stubs`.
+    changed: watch::Sender<u64>,
 }
 
 impl VolumeManager {
@@ -140,7 +142,13 @@ impl VolumeManager {
             stubs: Mutex::new(stubs.into_iter().map(|s| (s.key(), s)).collect()),
             locks: VolumeLocks::default(),
             retry: Mutex::new(RetryPolicy::default()),
+            changed: watch::Sender::new(0),
         }
+    }
+
+    /// A receiver whose value changes on every change of the usage stubs.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     pub(crate) fn set_retry_policy(&self, policy: RetryPolicy) {
@@ -158,6 +166,24 @@ impl VolumeManager {
             .values()
             .filter(|s| s.allocs.contains_key(alloc_id))
             .cloned()
+            .collect()
+    }
+
+    /// The IDs of the volumes of `plugin_id` that still need the plugin to
+    /// be unmounted from this node: staged or published for an alloc other
+    /// than `except_alloc`, or left staged by an unfinished unstage.
+    pub(crate) fn volumes_needing_plugin(
+        &self,
+        plugin_id: &str,
+        except_alloc: &str,
+    ) -> BTreeSet<String> {
+        self.lock_stubs()
+            .values()
+            .filter(|s| s.plugin_id == plugin_id)
+            .filter(|s| {
+                s.allocs.keys().any(|a| a != except_alloc) || (s.allocs.is_empty() && s.staged)
+            })
+            .map(|s| s.volume_id.clone())
             .collect()
     }
 
@@ -605,12 +631,14 @@ impl VolumeManager {
     fn put_stub(&self, stub: &VolumeStub) -> Result<(), CsiError> {
         self.store.put_volume(stub).map_err(CsiError::Store)?;
         self.lock_stubs().insert(stub.key(), stub.clone());
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
         Ok(())
     }
 
     fn delete_stub(&self, key: &str) -> Result<(), CsiError> {
         self.store.delete_volume(key).map_err(CsiError::Store)?;
         self.lock_stubs().remove(key);
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
         Ok(())
     }
 
