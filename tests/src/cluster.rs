@@ -168,11 +168,17 @@ impl Client {
     /// with `client_block` added to its `client { ... }` block.
     pub fn start(server: &Server, name: &str, relayed: bool, client_block: &str) -> Result<Client> {
         let relay = if relayed {
-            Some(Relay::start(&server.rpc)?)
+            let upstream = server
+                .rpc
+                .parse()
+                .with_context(|| format!("server address {:?}", server.rpc))?;
+            Some(Relay::start(upstream).context("starting the relay")?)
         } else {
             None
         };
-        let servers = relay.as_ref().map_or(server.rpc.clone(), Relay::addr);
+        let servers = relay
+            .as_ref()
+            .map_or(server.rpc.clone(), |r| r.addr().to_string());
         let config = tempfile::tempdir()?;
         let file = config.path().join("client.hcl");
         std::fs::write(

@@ -12,7 +12,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
 pub mod cluster;
-pub mod relay;
+pub use berth_testutil::relay;
 
 pub use berth_testutil::mounts_under;
 use berth_testutil::pids_mentioning;

@@ -9,8 +9,6 @@ pub mod probe;
 pub mod rpc;
 pub mod servers;
 pub mod state;
-#[cfg(test)]
-mod test_relay;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
@@ -1199,10 +1197,10 @@ mod tests {
     async fn after_a_silent_partition_the_client_reconnects_and_sees_new_allocs() {
         let dir = tempfile::tempdir().unwrap();
         let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
-        let relay = test_relay::SilentRelay::start(addr).await;
+        let relay = berth_testutil::relay::Relay::start(addr).expect("the relay starts");
         let config = ClientConfig::new(
             dir.path().join("client"),
-            vec![format!("http://{}", relay.addr)],
+            vec![format!("http://{}", relay.addr())],
         );
         let client = Client::start(config, watch::channel(false).1)
             .await
@@ -1221,7 +1219,7 @@ mod tests {
 
         relay.partition();
         tokio::time::sleep(Duration::from_secs(1)).await;
-        relay.heal();
+        relay.heal_new_only();
         server
             .register_job(quick_job("after"))
             .await

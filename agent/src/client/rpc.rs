@@ -735,9 +735,9 @@ mod tests {
             .expect("the node registers");
 
         // The client reaches the server through a relay that is down.
-        let relay = super::super::test_relay::SilentRelay::start(addr).await;
+        let relay = berth_testutil::relay::Relay::start(addr).expect("the relay starts");
         relay.refuse(true);
-        let channel = ServerChannels::new(&[format!("http://{}", relay.addr)]).unwrap();
+        let channel = ServerChannels::new(&[format!("http://{}", relay.addr())]).unwrap();
         let conn = ServerConn::new(channel, node.clone(), secret);
         let plugins = vec![pb::PluginFingerprint {
             plugin_id: "p".into(),

@@ -1,5 +1,5 @@
-//! A TCP relay the test controls, put between a client agent and its
-//! server to make network partitions on one machine.
+//! A TCP relay a test controls, put between a client and its server to
+//! make network partitions on one machine.
 //!
 //! While forwarding, bytes pass both ways unchanged. A *silent* partition
 //! drops every byte in both directions without closing or resetting any
@@ -7,9 +7,12 @@
 //! the client sees nothing but silence, and must notice by its own
 //! deadlines and keepalives. New connections made during the partition are
 //! accepted (the kernel would complete the handshake on the relay's side
-//! anyway) and go nowhere. When the partition heals, connections that lost
-//! bytes to it are closed (their byte streams are broken), and new ones
-//! reach the server again.
+//! anyway) and go nowhere. [`Relay::heal`] closes the connections that lost
+//! bytes (their byte streams are broken) and lets new ones through;
+//! [`Relay::heal_new_only`] leaves every older connection silent for good,
+//! as a firewall or NAT that forgot the flows would, so that only the
+//! client's keepalives can notice. [`Relay::refuse`] closes every new
+//! connection at once, as a machine whose server is down does.
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -17,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use std::io::Result;
 
 /// How often a pump looks at the relay's mode while its socket is quiet.
 const POLL: Duration = Duration::from_millis(50);
@@ -26,6 +29,11 @@ struct Shared {
     upstream: SocketAddr,
     partitioned: AtomicBool,
     closed: AtomicBool,
+    refusing: AtomicBool,
+    refused: AtomicU64,
+    /// Connections numbered below this stay silent for good.
+    dead_below: AtomicU64,
+    next_conn: AtomicU64,
     /// Bumped at each heal: a connection that saw a partition of an older
     /// generation is closed.
     generation: AtomicU64,
@@ -56,18 +64,19 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Starts relaying to `upstream` (`HOST:PORT`).
-    pub fn start(upstream: &str) -> Result<Relay> {
-        let upstream: SocketAddr = upstream
-            .parse()
-            .with_context(|| format!("relay upstream {upstream:?}"))?;
-        let listener = TcpListener::bind("127.0.0.1:0").context("binding the relay")?;
+    /// Starts relaying to `upstream`.
+    pub fn start(upstream: SocketAddr) -> Result<Relay> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
             upstream,
             partitioned: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            refusing: AtomicBool::new(false),
+            refused: AtomicU64::new(0),
+            dead_below: AtomicU64::new(0),
+            next_conn: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             conns: Mutex::new(Vec::new()),
         });
@@ -78,9 +87,9 @@ impl Relay {
         Ok(Relay { addr, shared })
     }
 
-    /// `HOST:PORT` the client dials.
-    pub fn addr(&self) -> String {
-        self.addr.to_string()
+    /// The address the client dials.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
     }
 
     /// Drops every byte from now on, closing nothing.
@@ -100,6 +109,24 @@ impl Relay {
             }
             !broken
         });
+    }
+
+    /// Forwards again for new connections only: every connection made
+    /// before stays silent for good.
+    pub fn heal_new_only(&self) {
+        let n = self.shared.next_conn.load(Ordering::SeqCst);
+        self.shared.dead_below.store(n, Ordering::SeqCst);
+        self.shared.partitioned.store(false, Ordering::SeqCst);
+    }
+
+    /// While `on`, closes every new connection as soon as it is accepted.
+    pub fn refuse(&self, on: bool) {
+        self.shared.refusing.store(on, Ordering::SeqCst);
+    }
+
+    /// How many connections were closed while refusing.
+    pub fn refused(&self) -> u64 {
+        self.shared.refused.load(Ordering::SeqCst)
     }
 
     pub fn is_partitioned(&self) -> bool {
@@ -124,8 +151,13 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     while !shared.closed.load(Ordering::SeqCst) {
         match listener.accept() {
             Ok((down, _)) => {
+                if shared.refusing.load(Ordering::SeqCst) {
+                    shared.refused.fetch_add(1, Ordering::SeqCst);
+                    let _ = down.shutdown(Shutdown::Both);
+                    continue;
+                }
                 if let Err(e) = relay_conn(down, &shared) {
-                    eprintln!("relay: connection failed: {e:#}");
+                    eprintln!("relay: connection failed: {e}");
                 }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(POLL),
@@ -139,6 +171,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 
 fn relay_conn(down: TcpStream, shared: &Arc<Shared>) -> Result<()> {
     down.set_nonblocking(false)?;
+    let number = shared.next_conn.fetch_add(1, Ordering::SeqCst);
     down.set_nodelay(true)?;
     let broken = Arc::new(AtomicBool::new(false));
     // During a partition the server is not reached at all: the connection
@@ -171,18 +204,27 @@ fn relay_conn(down: TcpStream, shared: &Arc<Shared>) -> Result<()> {
     lock(&shared.conns).push(conn);
     match up {
         Some(up) => {
+            let ends = Ends { number, generation };
             spawn_pump(
                 down.try_clone()?,
                 Some(up.try_clone()?),
                 shared,
                 &broken,
-                generation,
+                ends,
             )?;
-            spawn_pump(up, Some(down), shared, &broken, generation)?;
+            spawn_pump(up, Some(down), shared, &broken, ends)?;
         }
-        None => spawn_pump(down, None, shared, &broken, generation)?,
+        None => spawn_pump(down, None, shared, &broken, Ends { number, generation })?,
     }
     Ok(())
+}
+
+/// Which connection a pump serves: its number, and the heal generation
+/// it was made in.
+#[derive(Clone, Copy)]
+struct Ends {
+    number: u64,
+    generation: u64,
 }
 
 fn spawn_pump(
@@ -190,13 +232,13 @@ fn spawn_pump(
     to: Option<TcpStream>,
     shared: &Arc<Shared>,
     broken: &Arc<AtomicBool>,
-    generation: u64,
+    ends: Ends,
 ) -> Result<()> {
     let shared = shared.clone();
     let broken = broken.clone();
     std::thread::Builder::new()
         .name("relay-pump".into())
-        .spawn(move || pump(from, to, &shared, &broken, generation))?;
+        .spawn(move || pump(from, to, &shared, &broken, ends))?;
     Ok(())
 }
 
@@ -208,7 +250,7 @@ fn pump(
     mut to: Option<TcpStream>,
     shared: &Shared,
     broken: &AtomicBool,
-    generation: u64,
+    ends: Ends,
 ) {
     let _ = from.set_read_timeout(Some(POLL));
     let mut buf = vec![0u8; 64 * 1024];
@@ -216,7 +258,7 @@ fn pump(
         if shared.closed.load(Ordering::SeqCst) {
             break;
         }
-        let healed_since = shared.generation.load(Ordering::SeqCst) != generation;
+        let healed_since = shared.generation.load(Ordering::SeqCst) != ends.generation;
         if broken.load(Ordering::SeqCst) && healed_since {
             break;
         }
@@ -227,7 +269,8 @@ fn pump(
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
             Err(_) => break,
         };
-        if shared.partitioned.load(Ordering::SeqCst) || to.is_none() {
+        let silent_for_good = ends.number < shared.dead_below.load(Ordering::SeqCst);
+        if shared.partitioned.load(Ordering::SeqCst) || to.is_none() || silent_for_good {
             broken.store(true, Ordering::SeqCst);
             continue;
         }
@@ -247,9 +290,9 @@ mod tests {
     use super::*;
 
     /// An echo server on loopback.
-    fn echo() -> String {
+    fn echo() -> SocketAddr {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap().to_string();
+        let addr = l.local_addr().unwrap();
         std::thread::spawn(move || {
             for s in l.incoming().flatten() {
                 std::thread::spawn(move || {
@@ -271,7 +314,7 @@ mod tests {
 
     #[test]
     fn a_silent_partition_drops_bytes_without_closing_and_a_heal_closes_broken_streams() {
-        let relay = Relay::start(&echo()).unwrap();
+        let relay = Relay::start(echo()).unwrap();
         let mut c = TcpStream::connect(relay.addr()).unwrap();
         c.set_read_timeout(Some(Duration::from_millis(500)))
             .unwrap();
@@ -294,20 +337,54 @@ mod tests {
         relay.heal();
         // The broken connection is closed; a new one works.
         let mut buf = [0u8; 8];
-        let closed = crate::wait_for("the broken stream closed", Duration::from_secs(5), || {
-            Ok(match c.read(&mut buf) {
-                Ok(0) => Some(()),
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            match c.read(&mut buf) {
+                Ok(0) => break,
                 Err(e) if e.kind() != ErrorKind::WouldBlock && e.kind() != ErrorKind::TimedOut => {
-                    Some(())
+                    break
                 }
-                _ => None,
-            })
-        });
-        assert!(closed.is_ok());
+                _ => assert!(
+                    std::time::Instant::now() < deadline,
+                    "the broken stream was not closed"
+                ),
+            }
+        }
         let mut fresh = TcpStream::connect(relay.addr()).unwrap();
         fresh
             .set_read_timeout(Some(Duration::from_millis(2000)))
             .unwrap();
         assert_eq!(round_trip(&mut fresh, b"again").unwrap(), b"again");
+    }
+
+    fn echoes(s: &mut TcpStream) -> bool {
+        s.set_read_timeout(Some(Duration::from_millis(300)))
+            .unwrap();
+        let mut got = [0u8; 2];
+        s.write_all(b"hi").is_ok() && s.read_exact(&mut got).is_ok() && &got == b"hi"
+    }
+
+    #[test]
+    fn heal_new_only_leaves_older_connections_silent_for_good() {
+        let relay = Relay::start(echo()).unwrap();
+        let mut old = TcpStream::connect(relay.addr()).unwrap();
+        assert!(echoes(&mut old));
+        relay.partition();
+        relay.heal_new_only();
+        assert!(!echoes(&mut old), "an older connection stays silent");
+        let mut new = TcpStream::connect(relay.addr()).unwrap();
+        assert!(echoes(&mut new), "a new connection passes");
+    }
+
+    #[test]
+    fn refuse_closes_new_connections_and_counts_them() {
+        let relay = Relay::start(echo()).unwrap();
+        relay.refuse(true);
+        let mut c = TcpStream::connect(relay.addr()).unwrap();
+        assert!(!echoes(&mut c));
+        assert!(relay.refused() >= 1);
+        relay.refuse(false);
+        let mut c = TcpStream::connect(relay.addr()).unwrap();
+        assert!(echoes(&mut c));
     }
 }
