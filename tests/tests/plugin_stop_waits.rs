@@ -1,0 +1,213 @@
+//! A CSI node plugin is never stopped under mounted volumes, whatever the
+//! servers ask: on a dev agent with the real binary, the example hostpath
+//! plugin and real mounts, `berth job stop` of the plugin while a service
+//! has the plugin's volume mounted leaves the plugin running (the same
+//! process, through an agent restart), with a task event saying what it
+//! waits for. Once the service is stopped, its volume is unmounted through
+//! the plugin without error, and only then does the plugin stop; nothing is
+//! left mounted.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use berth_tests::{mounts_under, only_alloc, processes_with_cmdline, strs, wait_for, DevAgent};
+use serde_json::Value;
+
+const WAITING: &str =
+    "Waiting for 1 volume(s) of plugin \"hostpath\" to be unmounted before stopping";
+
+/// A service that keeps the `data` volume mounted.
+const USER_JOB: &str = r#"
+job "user" {
+  type        = "service"
+  datacenters = ["dc1"]
+
+  group "user" {
+    volume "data" {
+      type            = "csi"
+      source          = "data"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }
+
+    task "hold" {
+      driver = "raw_exec"
+
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "echo hello > ${BERTH_TASK_DIR}/data/hello; exec sleep 1000"]
+      }
+
+      volume_mount {
+        volume      = "data"
+        destination = "data"
+      }
+
+      resources {
+        cpu    = 50
+        memory = 32
+      }
+    }
+  }
+}
+"#;
+
+/// The plugin task's events of the plugin alloc, as (type, message, time).
+fn plugin_events(agent: &DevAgent, alloc_id: &str) -> Result<Vec<(String, String, i64)>> {
+    let a = agent.cli_json(&["alloc", "status", alloc_id])?;
+    Ok(a["task_states"]["plugin"]["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap_or_default().to_string(),
+                e["message"].as_str().unwrap_or_default().to_string(),
+                e["time_ms"].as_i64().unwrap_or_default(),
+            )
+        })
+        .collect())
+}
+
+fn waiting_events(agent: &DevAgent, alloc_id: &str) -> Result<usize> {
+    Ok(plugin_events(agent, alloc_id)?
+        .iter()
+        .filter(|(t, m, _)| t == "Waiting for volumes" && m == WAITING)
+        .count())
+}
+
+/// Checks, for `period`, that the plugin alloc still runs the same process
+/// and the volume stays mounted.
+fn assert_plugin_keeps_running(
+    agent: &DevAgent,
+    plugin_id: &str,
+    needle: &str,
+    pids: &[i32],
+    period: Duration,
+) -> Result<()> {
+    let data_dir = agent.data_dir.path();
+    let until = Instant::now() + period;
+    while Instant::now() < until {
+        let plugin = agent.cli_json(&["alloc", "status", plugin_id])?;
+        assert_eq!(plugin["client_status"], "running", "{plugin}");
+        assert_eq!(plugin["desired_status"], "stop", "{plugin}");
+        assert_eq!(
+            processes_with_cmdline(needle),
+            pids,
+            "the same plugin process runs"
+        );
+        assert!(
+            !mounts_under(data_dir).is_empty(),
+            "the volume stays mounted"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(())
+}
+
+#[test]
+fn stopping_the_plugin_job_waits_until_its_volume_is_unmounted() -> Result<()> {
+    let mut agent = DevAgent::start()?;
+    let data_dir = agent.data_dir.path().canonicalize()?;
+    agent.run_plugin_and_create_volume()?;
+    let user_file = agent.write_file("user.hcl", USER_JOB)?;
+    agent.cli_ok(&["job", "run", "-detach", &user_file])?;
+    let user_id = wait_for("the user to run", Duration::from_secs(60), || {
+        let a = only_alloc(&agent, "user")?;
+        Ok((a["client_status"] == "running")
+            .then(|| a["id"].as_str().unwrap_or_default().to_string()))
+    })
+    .with_context(|| agent.log())?;
+    let user_dir = data_dir.join("alloc").join(&user_id);
+    wait_for("the user to write", Duration::from_secs(30), || {
+        Ok(user_dir.join("hold/data/hello").is_file().then_some(()))
+    })?;
+    let plugin = only_alloc(&agent, "hostpath-plugin")?;
+    let plugin_id = plugin["id"].as_str().unwrap_or_default().to_string();
+    let node_id = plugin["node_id"].as_str().unwrap_or_default().to_string();
+    let needle = format!("--state-dir={}", data_dir.display());
+    let pids = processes_with_cmdline(&needle);
+    assert_eq!(pids.len(), 1, "one plugin process: {pids:?}");
+
+    // The operator stops the plugin while the volume is mounted: it waits.
+    agent.cli_ok(&["job", "stop", "hostpath-plugin"])?;
+    wait_for(
+        "the plugin to say it waits for the volume",
+        Duration::from_secs(30),
+        || Ok((waiting_events(&agent, &plugin_id)? == 1).then_some(())),
+    )
+    .with_context(|| agent.log())?;
+    assert_plugin_keeps_running(&agent, &plugin_id, &needle, &pids, Duration::from_secs(3))?;
+
+    // An agent restart decides the stop again, from the persisted desired
+    // status: the plugin is reattached, not killed, and waits again.
+    agent.restart()?;
+    wait_for(
+        "the restored plugin to say it waits again",
+        Duration::from_secs(30),
+        || Ok((waiting_events(&agent, &plugin_id)? == 2).then_some(())),
+    )
+    .with_context(|| agent.log())?;
+    assert_plugin_keeps_running(&agent, &plugin_id, &needle, &pids, Duration::from_secs(2))?;
+
+    // The user stops: its volume is unmounted through the plugin, then the
+    // plugin stops.
+    agent.cli_ok(&["job", "stop", "user"])?;
+    wait_for("the plugin process to go", Duration::from_secs(60), || {
+        Ok(processes_with_cmdline(&needle).is_empty().then_some(()))
+    })
+    .with_context(|| agent.log())?;
+    let (user, plugin) = wait_for("both allocs to finish", Duration::from_secs(30), || {
+        let user = agent.cli_json(&["alloc", "status", &user_id])?;
+        let plugin = agent.cli_json(&["alloc", "status", &plugin_id])?;
+        let done = |a: &Value| a["client_status"] == "complete";
+        Ok((done(&user) && done(&plugin)).then_some((user, plugin)))
+    })
+    .with_context(|| agent.log())?;
+    assert_eq!(
+        user["task_states"]["hold"]["failed"], false,
+        "the user stopped cleanly: {user}"
+    );
+
+    let node = agent.cli_json(&["node", "status", &node_id])?;
+    let storage: Vec<&Value> = node["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["subsystem"] == "Storage")
+        .collect();
+    let unmounted = storage
+        .iter()
+        .find(|e| {
+            e["message"] == "Unmount volume"
+                && e["details"]["alloc_id"] == user_id.as_str()
+                && e["details"]["success"] == "true"
+        })
+        .with_context(|| format!("no successful unmount of the user's volume: {storage:?}"))?;
+    assert!(
+        !storage.iter().any(|e| e["details"]["success"] == "false"),
+        "no mount or unmount failed: {storage:?}"
+    );
+    // The plugin was killed only after the unmount, and after waiting.
+    let events = plugin_events(&agent, &plugin_id)?;
+    let killing = events
+        .iter()
+        .find(|(t, _, _)| t == "Killing")
+        .with_context(|| format!("the plugin was killed: {events:?}"))?;
+    assert!(
+        killing.2 >= unmounted["timestamp"].as_i64().unwrap_or(i64::MAX),
+        "the plugin was killed before the volume was unmounted: {events:?} {unmounted}"
+    );
+    let last_wait = events
+        .iter()
+        .rposition(|(t, _, _)| t == "Waiting for volumes");
+    let killed_at = events.iter().position(|(t, _, _)| t == "Killing");
+    assert!(last_wait < killed_at, "{events:?}");
+    assert_eq!(plugin["task_states"]["plugin"]["failed"], false, "{plugin}");
+
+    let vol = agent.cli_json(&["volume", "status", "data"])?;
+    assert!(strs(&vol["write_allocs"]).is_empty(), "{vol}");
+    let left = mounts_under(&data_dir);
+    assert!(left.is_empty(), "mounts left: {left:?}");
+    Ok(())
+}
