@@ -1154,3 +1154,55 @@ fn a_restored_plugin_alloc_asked_to_stop_waits_for_the_volumes_mounted_through_i
     assert!(mounts_under(&left.alloc_dir).is_empty());
     assert!(csi.volume_stubs().is_empty(), "{:?}", csi.volume_stubs());
 }
+
+/// The plugin alloc and the alloc that uses its volume asked to stop at
+/// the same moment (a node back from a partition finds both stopped): the
+/// volume is unmounted through the plugin, without error, before the plugin
+/// stops.
+#[tokio::test]
+async fn a_plugin_and_its_volume_user_stopped_together_unmount_before_the_plugin_stops() {
+    let h = Harness::new();
+    let plugin = start_plugin(&h).await;
+    let ext = create_volume(&h, "vol").await;
+    h.claimer.grant(grant("vol", &ext));
+    let a = consumer(
+        &["vol"],
+        sh_task(
+            "web",
+            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
+        ),
+    );
+    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_running(&runner, "web", WITHIN).await;
+
+    plugin.ask_to_stop();
+    let mut stopped = a.clone();
+    stopped.desired_status = AllocDesiredStatus::Stop;
+    runner.update(stopped);
+    wait_done(&runner, WITHIN).await;
+    wait_done(&plugin.runner, WITHIN).await;
+
+    assert_eq!(runner.client_status(), AllocClientStatus::Complete);
+    let failures: Vec<_> = h
+        .node_events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e.subsystem == "Storage" && e.details.get("success").map(String::as_str) != Some("true")
+        })
+        .cloned()
+        .collect();
+    assert!(failures.is_empty(), "no unmount failed: {failures:?}");
+    assert_eq!(
+        h.claimer.unpublishes(),
+        vec![("vol".to_string(), a.id.clone())],
+        "unmounted, then released"
+    );
+    assert!(h.store.volumes().is_empty(), "{:?}", h.store.volumes());
+    assert!(mounts_under(&h.data_dir().join("client/csi")).is_empty());
+    assert!(h.csi.registry().get(PLUGIN_ID).is_none(), "deregistered");
+}
