@@ -45,6 +45,20 @@ fn alloc_on(s: &Server, job_id: &str, node_id: &str) -> Allocation {
     found.pop().unwrap()
 }
 
+/// Register node n1 and the jobs `(id, type)` (one alloc each, placed on
+/// n1), and report every alloc running; the allocs in the order given.
+async fn running_on_n1<const N: usize>(s: &Server, jobs: [(&str, JobType); N]) -> [Allocation; N] {
+    s.register_node(node("n1")).await.unwrap();
+    for (id, job_type) in jobs {
+        s.register_job(job(id, job_type, 1)).await.unwrap();
+    }
+    let allocs = jobs.map(|(id, _)| alloc_on(s, id, "n1"));
+    for a in &allocs {
+        report(s, a, AllocClientStatus::Running).await;
+    }
+    allocs
+}
+
 fn current(s: &Server, a: &Allocation) -> Allocation {
     s.allocation(&a.id).unwrap()
 }
@@ -78,12 +92,7 @@ async fn drain_complete(s: &Server, node_id: &str) {
 async fn drain_moves_a_service_alloc_to_another_node_and_completes() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
-    s.register_job(job("web", JobType::Service, 1))
-        .await
-        .unwrap();
-    let web = alloc_on(&s, "web", "n1");
-    report(&s, &web, AllocClientStatus::Running).await;
+    let [web] = running_on_n1(&s, [("web", JobType::Service)]).await;
     s.register_node(node("n2")).await.unwrap();
 
     let n = s
@@ -220,18 +229,8 @@ async fn a_plugin_on_a_drained_node_stops_only_after_the_volume_there_is_release
 async fn a_forced_drain_stops_everything_at_once_and_completes_without_waiting() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
-    s.register_job(job("web", JobType::Service, 1))
-        .await
-        .unwrap();
-    s.register_job(job("logger", JobType::System, 1))
-        .await
-        .unwrap();
-    let web = alloc_on(&s, "web", "n1");
-    let logger = alloc_on(&s, "logger", "n1");
-    for a in [&web, &logger] {
-        report(&s, a, AllocClientStatus::Running).await;
-    }
+    let [web, logger] =
+        running_on_n1(&s, [("web", JobType::Service), ("logger", JobType::System)]).await;
 
     s.update_node_drain("n1", Some(Duration::ZERO))
         .await
@@ -252,12 +251,7 @@ async fn a_forced_drain_stops_everything_at_once_and_completes_without_waiting()
 async fn disabling_a_drain_keeps_the_node_ineligible_until_an_operator_says_otherwise() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
-    s.register_job(job("web", JobType::Service, 1))
-        .await
-        .unwrap();
-    let web = alloc_on(&s, "web", "n1");
-    report(&s, &web, AllocClientStatus::Running).await;
+    let [web] = running_on_n1(&s, [("web", JobType::Service)]).await;
 
     s.update_node_drain("n1", Some(Duration::from_secs(3600)))
         .await
@@ -349,12 +343,7 @@ async fn eligibility_toggles_and_decides_where_new_allocs_go() {
 async fn a_drain_survives_the_nodes_re_registration() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
-    s.register_job(job("web", JobType::Service, 1))
-        .await
-        .unwrap();
-    let web = alloc_on(&s, "web", "n1");
-    report(&s, &web, AllocClientStatus::Running).await;
+    running_on_n1(&s, [("web", JobType::Service)]).await;
     s.update_node_drain("n1", Some(Duration::from_secs(3600)))
         .await
         .unwrap();
@@ -383,18 +372,8 @@ async fn a_drain_survives_the_nodes_re_registration() {
 async fn at_the_deadline_the_drain_stops_waiting_for_migrations_by_itself() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    s.register_node(node("n1")).await.unwrap();
-    s.register_job(job("web", JobType::Service, 1))
-        .await
-        .unwrap();
-    s.register_job(job("logger", JobType::System, 1))
-        .await
-        .unwrap();
-    let web = alloc_on(&s, "web", "n1");
-    let logger = alloc_on(&s, "logger", "n1");
-    for a in [&web, &logger] {
-        report(&s, a, AllocClientStatus::Running).await;
-    }
+    let [web, logger] =
+        running_on_n1(&s, [("web", JobType::Service), ("logger", JobType::System)]).await;
 
     let started = std::time::Instant::now();
     s.update_node_drain("n1", Some(Duration::from_secs(2)))
