@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use berth_proto::berth::v1 as pb;
 use berth_server::ServerError;
-use berth_structs::{AccessMode, AllocClientStatus, ClaimState, CsiVolume};
+use berth_structs::{AccessMode, AllocClientStatus, ClaimState};
 use support::*;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -31,13 +31,6 @@ async fn setup(
         .await
         .unwrap();
     live_allocs(s, "db").pop().expect("db placed")
-}
-
-fn claim_state(s: &berth_server::Server, alloc_id: &str) -> Option<(ClaimState, bool)> {
-    let store_view: CsiVolume = s.volume("data").ok()?;
-    store_view
-        .claim_for(alloc_id)
-        .map(|c| (c.state, c.releasing))
 }
 
 #[tokio::test]
@@ -145,14 +138,14 @@ async fn unpublish_drives_the_claim_states_and_frees_it_through_controller_detac
         err.message()
     );
     assert_eq!(
-        claim_state(&s, &alloc.id),
+        claim_of(&s, "data", &alloc.id),
         Some((ClaimState::NodeDetached, true))
     );
 
     // The controller comes back: the claim is freed.
     client.set_handler(ok_handler());
     csi.unpublish(unpublish.clone()).await.unwrap();
-    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(claim_of(&s, "data", &alloc.id), None);
     let kinds = client.call_kinds();
     assert!(
         !kinds.contains(&"NodeDetach"),
@@ -193,7 +186,7 @@ async fn garbage_collection_keeps_an_alloc_until_its_claim_is_freed() {
         assert!(gc.jobs.is_empty(), "force = {force}: {gc:?}");
         assert!(s.allocation(&alloc.id).is_ok());
     }
-    assert!(claim_state(&s, &alloc.id).is_some());
+    assert!(claim_of(&s, "data", &alloc.id).is_some());
 
     // The client unpublishes; then the alloc and its stopped job go.
     csi.unpublish(pb::UnpublishRequest {
@@ -203,7 +196,7 @@ async fn garbage_collection_keeps_an_alloc_until_its_claim_is_freed() {
     })
     .await
     .unwrap();
-    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(claim_of(&s, "data", &alloc.id), None);
     let gc = s.garbage_collect(true).await.unwrap();
     assert_eq!(gc.allocs, vec![alloc.id.clone()]);
     assert_eq!(gc.jobs, vec!["db".to_string()]);
@@ -229,7 +222,7 @@ async fn volume_watcher_reaps_claims_of_terminal_allocs_and_keeps_write_claims_o
     wait_until(
         "claim of the failed alloc freed",
         Duration::from_secs(10),
-        || claim_state(&s, &alloc.id).is_none(),
+        || claim_of(&s, "data", &alloc.id).is_none(),
     )
     .await;
     assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
@@ -249,20 +242,13 @@ async fn volume_watcher_reaps_claims_of_terminal_allocs_and_keeps_write_claims_o
         s.allocation(&next.id).unwrap().client_status,
         AllocClientStatus::Lost
     );
-    assert_eq!(claim_state(&s, &next.id), Some((ClaimState::Taken, false)));
+    assert_eq!(
+        claim_of(&s, "data", &next.id),
+        Some((ClaimState::Taken, false))
+    );
     s.detach_volume("data", "n1").await.unwrap();
-    assert_eq!(claim_state(&s, &next.id), None);
+    assert_eq!(claim_of(&s, "data", &next.id), None);
     assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
-}
-
-async fn wait_for_live(s: &berth_server::Server, job: &str) -> berth_structs::Allocation {
-    let mut found = None;
-    wait_until("a live alloc", Duration::from_secs(10), || {
-        found = live_allocs(s, job).pop();
-        found.is_some()
-    })
-    .await;
-    found.unwrap()
 }
 
 #[tokio::test]
@@ -275,13 +261,7 @@ async fn pending_call_fails_unavailable_when_the_stream_drops_and_new_stream_rep
     // A raw stream that never answers.
     let mut nc = ts.node_client().await;
     let (out, rx) = mpsc::channel(4);
-    out.send(pb::ClientMessage {
-        msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
-            node_id: "n1".into(),
-        })),
-    })
-    .await
-    .unwrap();
+    out.send(hello("n1")).await.unwrap();
     let mut inbound = nc
         .open_call_stream(ReceiverStream::new(rx))
         .await
@@ -320,14 +300,7 @@ async fn pending_call_fails_unavailable_when_the_stream_drops_and_new_stream_rep
 
     // Two streams of the same node: the newer wins, the older ends.
     let (out_a, rx_a) = mpsc::channel(4);
-    out_a
-        .send(pb::ClientMessage {
-            msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
-                node_id: "n1".into(),
-            })),
-        })
-        .await
-        .unwrap();
+    out_a.send(hello("n1")).await.unwrap();
     let mut old = nc
         .open_call_stream(ReceiverStream::new(rx_a))
         .await
@@ -461,7 +434,7 @@ async fn release_controller_detaches_a_published_claim_while_the_controller_repo
         .expect_err("no controller can detach the volume now");
     assert_eq!(err.code(), tonic::Code::Unavailable, "{}", err.message());
     assert_eq!(
-        claim_state(&s, &alloc.id),
+        claim_of(&s, "data", &alloc.id),
         Some((ClaimState::NodeDetached, true)),
         "the claim is kept, not freed while the volume is attached"
     );
@@ -472,7 +445,7 @@ async fn release_controller_detaches_a_published_claim_while_the_controller_repo
     // from the controller before the claim is freed.
     set_controller(&s, true, false).await;
     wait_until("claim freed by a retry", Duration::from_secs(15), || {
-        claim_state(&s, &alloc.id).is_none()
+        claim_of(&s, "data", &alloc.id).is_none()
     })
     .await;
     let calls = client.calls.lock().unwrap().clone();
@@ -515,7 +488,7 @@ async fn controller_unpublish_not_found_counts_as_detached_and_frees_the_claim()
     })
     .await
     .expect("NotFound means not published: the release succeeds");
-    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(claim_of(&s, "data", &alloc.id), None);
     assert_eq!(
         client.call_kinds(),
         vec!["ControllerPublish", "ControllerUnpublish"]
@@ -539,13 +512,7 @@ async fn watcher_keeps_the_claim_of_a_lost_alloc_until_its_stop_after_client_dis
         register(&s, node(n)).await;
         give_plugin(&s, n, "hostpath", true, false, false).await;
     }
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
-    let mut j = volume_job("db", "data", AccessMode::SingleNodeWriter);
-    j.task_groups[0].stop_after_client_disconnect = Some(window);
-    s.register_job(j).await.unwrap();
-    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    let alloc = place_on_data(&s, windowed_db_job(window)).await;
     let (lost_node, other_node) = if alloc.node_id == "n1" {
         ("n1", "n2")
     } else {
@@ -571,7 +538,7 @@ async fn watcher_keeps_the_claim_of_a_lost_alloc_until_its_stop_after_client_dis
         Duration::from_secs(15),
         || {
             freed_at = berth_structs::now_ms();
-            claim_state(&s, &alloc.id).is_none()
+            claim_of(&s, "data", &alloc.id).is_none()
         },
     )
     .await;
@@ -594,9 +561,7 @@ async fn watcher_keeps_the_claim_of_a_lost_alloc_until_its_stop_after_client_dis
         "replacement placed at {}, long after the window ended at {rule_ms}",
         next.create_time_ms
     );
-    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
-        .await
-        .expect("the replacement claims the freed volume");
+    replacement_claims_data(&ts, &next).await;
 }
 
 #[tokio::test]
@@ -637,7 +602,7 @@ async fn unknown_volume_ids_sent_to_claim_and_unpublish_leave_no_lock_entries() 
     })
     .await
     .unwrap();
-    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(claim_of(&s, "data", &alloc.id), None);
     wait_until("no volume lock entries", Duration::from_secs(2), || {
         s.volume_locks_in_use() == 0
     })
@@ -684,7 +649,7 @@ async fn detach_names_a_node_that_does_not_exist_and_accepts_a_name_or_id_prefix
     let r = s.detach_volume("data", "n1").await.unwrap();
     assert_eq!(r.released, vec![alloc.id.clone()]);
     assert!(r.warnings.is_empty(), "{:?}", r.warnings);
-    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(claim_of(&s, "data", &alloc.id), None);
 }
 
 #[tokio::test]
@@ -765,7 +730,7 @@ async fn operator_detach_frees_a_stopped_allocs_claim_when_the_node_cannot_unmou
         "{:?}",
         r.warnings
     );
-    assert_eq!(claim_state(&s, &alloc.id), None, "the claim is freed");
+    assert_eq!(claim_of(&s, "data", &alloc.id), None, "the claim is freed");
     assert_eq!(client.call_kinds(), vec!["NodeDetach"], "the node was told");
     let events = forced_release_events(&s);
     assert_eq!(events.len(), 1, "{events:?}");
@@ -807,7 +772,7 @@ async fn an_unpublish_that_names_no_node_is_refused_and_keeps_the_claim() {
     assert!(err.message().contains("node_id"), "{}", err.message());
     assert!(client.call_kinds().is_empty(), "{:?}", client.call_kinds());
     assert_eq!(
-        claim_state(&s, &alloc.id),
+        claim_of(&s, "data", &alloc.id),
         Some((ClaimState::Taken, false)),
         "the claim is untouched"
     );
@@ -912,7 +877,7 @@ async fn a_failing_reap_backs_off_and_its_node_keeps_one_event_per_distinct_erro
         started.elapsed()
     );
     assert_eq!(
-        claim_state(&s, &alloc.id),
+        claim_of(&s, "data", &alloc.id),
         Some((ClaimState::Taken, true)),
         "kept while the node cannot unmount"
     );
@@ -929,7 +894,7 @@ async fn a_failing_reap_backs_off_and_its_node_keeps_one_event_per_distinct_erro
     // An operator ends it.
     let r = s.detach_volume("data", "n1").await.unwrap();
     assert_eq!(r.released, vec![alloc.id.clone()]);
-    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(claim_of(&s, "data", &alloc.id), None);
 }
 
 #[tokio::test]
@@ -938,15 +903,9 @@ async fn operator_detach_of_a_down_nodes_claim_says_the_node_was_not_told() {
     let s = ts.server.clone();
     register(&s, node("n1")).await;
     give_plugin(&s, "n1", "hostpath", true, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
     // The window keeps the watcher off the lost alloc's claim for an hour:
     // only the operator ends it.
-    let mut j = volume_job("db", "data", AccessMode::SingleNodeWriter);
-    j.task_groups[0].stop_after_client_disconnect = Some(Duration::from_secs(3600));
-    s.register_job(j).await.unwrap();
-    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    let alloc = place_on_data(&s, windowed_db_job(Duration::from_secs(3600))).await;
     let client = TestClient::connect(&ts, "n1", ok_handler()).await;
     let mut csi = ts.csi_client().await;
     csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
@@ -962,6 +921,6 @@ async fn operator_detach_of_a_down_nodes_claim_says_the_node_was_not_told() {
             alloc.id
         )]
     );
-    assert_eq!(claim_state(&s, &alloc.id), None);
+    assert_eq!(claim_of(&s, "data", &alloc.id), None);
     assert!(client.call_kinds().is_empty(), "nobody to call");
 }

@@ -16,13 +16,6 @@ use berth_structs::{
 };
 use support::*;
 
-fn claim_of(s: &Server, volume: &str, alloc_id: &str) -> Option<(ClaimState, bool)> {
-    s.volume(volume)
-        .ok()?
-        .claim_for(alloc_id)
-        .map(|c| (c.state, c.releasing))
-}
-
 /// n1 runs "db" (write claim on single-node-writer volume "data") and
 /// "reader" (read claim on multi-node-reader-only volume "logs"); n2 is
 /// registered afterwards, so both are on n1. Returns (db, reader).
@@ -120,10 +113,7 @@ async fn write_claim_of_a_lost_alloc_is_kept_while_down_and_freed_when_the_node_
     assert_eq!(claim_of(&s, "data", &db.id), None);
     assert!(client.call_kinds().is_empty(), "nobody to tell");
     let next = wait_for_live_on(&s, "db", "n2").await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
-        .await
-        .expect("the replacement claims the freed volume");
+    replacement_claims_data(&ts, &next).await;
 }
 
 #[tokio::test]
@@ -137,10 +127,7 @@ async fn write_claim_of_a_lost_alloc_is_freed_by_volume_detach() {
     assert_eq!(r.released, vec![db.id.clone()]);
     assert_eq!(claim_of(&s, "data", &db.id), None);
     let next = wait_for_live_on(&s, "db", "n2").await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
-        .await
-        .expect("the replacement claims the freed volume");
+    replacement_claims_data(&ts, &next).await;
 }
 
 #[tokio::test]
@@ -224,10 +211,7 @@ async fn node_that_comes_back_stops_its_lost_alloc_and_the_write_claim_is_freed_
     assert_eq!(client.call_kinds(), vec!["NodeDetach"]);
     // Exactly the replacement holds the write claim then.
     let next = wait_for_live(&s, "db").await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
-        .await
-        .expect("the replacement claims the freed volume");
+    replacement_claims_data(&ts, &next).await;
     let vol = s.volume("data").unwrap();
     let writers: Vec<&String> = vol.write_claims.keys().collect();
     assert_eq!(writers, vec![&next.id]);
@@ -270,30 +254,6 @@ async fn purge_removes_the_node_loses_its_allocs_and_a_later_heartbeat_is_not_fo
     ));
 }
 
-async fn wait_for_live(s: &Server, job: &str) -> Allocation {
-    let mut found = None;
-    wait_until("a live alloc", Duration::from_secs(10), || {
-        found = live_allocs(s, job).pop();
-        found.is_some()
-    })
-    .await;
-    found.unwrap()
-}
-
-async fn wait_for_live_on(s: &Server, job: &str, node: &str) -> Allocation {
-    let mut found = None;
-    wait_until(
-        &format!("a live alloc of {job} on {node}"),
-        Duration::from_secs(10),
-        || {
-            found = live_allocs(s, job).into_iter().find(|a| a.node_id == node);
-            found.is_some()
-        },
-    )
-    .await;
-    found.unwrap()
-}
-
 #[tokio::test]
 async fn write_claim_of_a_windowed_lost_alloc_is_kept_past_the_window_once_its_node_is_back_until_it_reports_it_stopped(
 ) {
@@ -307,13 +267,7 @@ async fn write_claim_of_a_windowed_lost_alloc_is_kept_past_the_window_once_its_n
     let s = ts.server.clone();
     register(&s, node("n1")).await;
     give_plugin(&s, "n1", "hostpath", true, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
-    let mut j = volume_job("db", "data", AccessMode::SingleNodeWriter);
-    j.task_groups[0].stop_after_client_disconnect = Some(window);
-    s.register_job(j).await.unwrap();
-    let db = live_allocs(&s, "db").pop().expect("db placed");
+    let db = place_on_data(&s, windowed_db_job(window)).await;
     let mut csi = ts.csi_client().await;
     csi.claim(claim_request("data", &db, AccessMode::SingleNodeWriter))
         .await
@@ -365,7 +319,5 @@ async fn write_claim_of_a_windowed_lost_alloc_is_kept_past_the_window_once_its_n
     )
     .await;
     let next = wait_for_live(&s, "db").await;
-    csi.claim(claim_request("data", &next, AccessMode::SingleNodeWriter))
-        .await
-        .expect("the replacement claims the freed volume");
+    replacement_claims_data(&ts, &next).await;
 }

@@ -178,6 +178,15 @@ impl Drop for TestServer {
     }
 }
 
+/// The first message of a call stream: it names the node.
+pub fn hello(node_id: &str) -> pb::ClientMessage {
+    pb::ClientMessage {
+        msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
+            node_id: node_id.to_string(),
+        })),
+    }
+}
+
 /// How the test client answers one server call.
 pub type CallHandler = Arc<dyn Fn(&pb::ServerCall) -> pb::call_reply::Result + Send + Sync>;
 
@@ -213,13 +222,7 @@ impl TestClient {
     pub async fn connect(ts: &TestServer, node_id: &str, handler: CallHandler) -> TestClient {
         let mut client = ts.node_client().await;
         let (out, rx) = mpsc::channel(16);
-        out.send(pb::ClientMessage {
-            msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
-                node_id: node_id.to_string(),
-            })),
-        })
-        .await
-        .expect("send hello");
+        out.send(hello(node_id)).await.expect("send hello");
         let mut inbound = client
             .open_call_stream(ReceiverStream::new(rx))
             .await
@@ -461,4 +464,74 @@ pub fn live_allocs(server: &Server, job_id: &str) -> Vec<Allocation> {
         .into_iter()
         .filter(|a| !a.is_terminal())
         .collect()
+}
+
+/// Poll until `job` has a live alloc; that alloc.
+pub async fn wait_for_live(server: &Server, job_id: &str) -> Allocation {
+    let mut found = None;
+    wait_until("a live alloc", Duration::from_secs(10), || {
+        found = live_allocs(server, job_id).pop();
+        found.is_some()
+    })
+    .await;
+    found.expect("a live alloc")
+}
+
+/// Poll until `job` has a live alloc on `node_id`; that alloc.
+pub async fn wait_for_live_on(server: &Server, job_id: &str, node_id: &str) -> Allocation {
+    let mut found = None;
+    wait_until(
+        &format!("a live alloc of {job_id} on {node_id}"),
+        Duration::from_secs(10),
+        || {
+            found = live_allocs(server, job_id)
+                .into_iter()
+                .find(|a| a.node_id == node_id);
+            found.is_some()
+        },
+    )
+    .await;
+    found.expect("a live alloc")
+}
+
+/// The state of `alloc_id`'s claim on `volume_id` and whether it is being
+/// released; None without such a claim (or volume).
+pub fn claim_of(server: &Server, volume_id: &str, alloc_id: &str) -> Option<(ClaimState, bool)> {
+    server
+        .volume(volume_id)
+        .ok()?
+        .claim_for(alloc_id)
+        .map(|c| (c.state, c.releasing))
+}
+
+/// Register volume "data" (plugin "hostpath", single-node-writer) and
+/// `job`, which mounts it; the alloc placed for the job.
+pub async fn place_on_data(server: &Server, job: Job) -> Allocation {
+    server
+        .register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .expect("register volume");
+    let job_id = job.id.clone();
+    server.register_job(job).await.expect("register job");
+    live_allocs(server, &job_id)
+        .pop()
+        .unwrap_or_else(|| panic!("{job_id} placed"))
+}
+
+/// Job "db" writing volume "data", whose allocs a client cut off from the
+/// servers stops `window` after its last heartbeat.
+pub fn windowed_db_job(window: Duration) -> Job {
+    let mut j = volume_job("db", "data", AccessMode::SingleNodeWriter);
+    j.task_groups[0].stop_after_client_disconnect = Some(window);
+    j
+}
+
+/// `next`, the replacement of an alloc whose write claim was freed, claims
+/// volume "data" over gRPC as its client would.
+pub async fn replacement_claims_data(ts: &TestServer, next: &Allocation) {
+    ts.csi_client()
+        .await
+        .claim(claim_request("data", next, AccessMode::SingleNodeWriter))
+        .await
+        .expect("the replacement claims the freed volume");
 }
