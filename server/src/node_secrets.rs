@@ -61,10 +61,13 @@ fn check(t: &Tables, node_id: &str, presented: &Presented) -> Result<(), ServerE
             node_id,
             "the node secret is not the one the node registered with",
         )),
-        None => Err(refused(
-            node_id,
-            "the servers hold no node secret for this node; it must register again",
-        )),
+        // Known from before node secrets (servers upgraded under running
+        // clients): NotFound makes the client register again, which
+        // records the secret it brings, instead of a refusal it would
+        // repeat until its node is marked down.
+        None => Err(ServerError::not_found(format!(
+            "node {node_id:?} has no node secret on record; it must register again"
+        ))),
     }
 }
 

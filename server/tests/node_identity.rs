@@ -408,3 +408,46 @@ async fn a_purged_node_registers_again_with_the_secret_it_brings() {
         .unwrap_err();
     assert_refused("the old secret after purge", err, "n1");
 }
+
+/// Servers upgraded under running clients know their nodes but hold no
+/// secret for them: a call for such a node is answered NotFound, so that
+/// its client registers again (recording the secret it brings) instead of
+/// being refused until the node is marked down.
+#[tokio::test]
+async fn a_node_known_from_before_node_secrets_is_told_to_register_again() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    // Registered in-process: no secret on record, as after an upgrade.
+    s.register_node(node("old")).await.expect("register");
+    let err = ts
+        .node_client_with(Some(GOOD))
+        .await
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "old".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+    assert!(err.message().contains("register again"), "{err:?}");
+    ts.node_client_with(Some(GOOD))
+        .await
+        .register(register_request(&node("old")))
+        .await
+        .expect("the node registers with the secret it brings");
+    ts.node_client_with(Some(GOOD))
+        .await
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "old".into(),
+        })
+        .await
+        .expect("its heartbeats pass from then on");
+    let err = ts
+        .node_client_with(Some(FORGED))
+        .await
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: "old".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_refused("another secret once one is on record", err, "old");
+}
