@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_server::{Server, ServerError};
-use berth_structs::{AllocClientStatus, JobType, NodeEvent, NodeStatus};
+use berth_structs::{AllocClientStatus, Allocation, JobType, NodeEvent, NodeStatus};
 use support::*;
 use tokio::sync::watch;
 
@@ -225,12 +225,7 @@ async fn a_lost_allocs_delayed_replacement_is_placed_when_its_window_ends() {
     })
     .await;
     let s = ts.server.clone();
-    register(&s, node("n1")).await;
-    let mut j = job("web", JobType::Service, 1);
-    j.task_groups[0].stop_after_client_disconnect = Some(window);
-    s.register_job(j).await.unwrap();
-    let first = live_allocs(&s, "web").pop().expect("placed");
-    register(&s, node("n2")).await;
+    let first = windowed_web_on_n1(&s, window).await;
     // A heartbeat later than the registration: the window counts from it.
     std::thread::sleep(Duration::from_millis(5));
     s.node_heartbeat("n1").await.unwrap();
@@ -245,25 +240,54 @@ async fn a_lost_allocs_delayed_replacement_is_placed_when_its_window_ends() {
         "no replacement inside the window"
     );
 
-    let rule_ms = last_heartbeat + i64::try_from((window + grace).as_millis()).unwrap();
-    let mut next = None;
-    wait_until("the replacement", Duration::from_secs(10), || {
-        next = live_allocs(&s, "web").pop();
-        next.is_some()
-    })
-    .await;
-    let next = next.unwrap();
-    assert_eq!(next.node_id, "n2");
-    assert!(
-        next.create_time_ms >= rule_ms,
-        "placed at {}, before last heartbeat + window + grace ({rule_ms})",
-        next.create_time_ms
-    );
+    let (next, rule_ms) =
+        replacement_after_window(&s, last_heartbeat, window + grace, Duration::from_secs(10)).await;
     assert!(
         next.create_time_ms < rule_ms + 1000,
         "placed at {}, long after the window ended ({rule_ms})",
         next.create_time_ms
     );
+}
+
+/// Register n1, place job "web" there with `window` as its
+/// stop_after_client_disconnect, then register n2; the alloc on n1.
+async fn windowed_web_on_n1(s: &Server, window: Duration) -> Allocation {
+    register(s, node("n1")).await;
+    let mut j = job("web", JobType::Service, 1);
+    j.task_groups[0].stop_after_client_disconnect = Some(window);
+    s.register_job(j).await.unwrap();
+    let first = live_allocs(s, "web").pop().expect("placed");
+    assert_eq!(first.node_id, "n1");
+    register(s, node("n2")).await;
+    first
+}
+
+/// Waits up to `timeout` for the replacement of web's lost alloc and
+/// checks it is on n2, placed no earlier than the rule: the client's last
+/// heartbeat + window + grace, until which the lost copy may still run.
+/// The replacement and the rule in unix milliseconds.
+async fn replacement_after_window(
+    s: &Server,
+    last_heartbeat_ms: i64,
+    window_and_grace: Duration,
+    timeout: Duration,
+) -> (Allocation, i64) {
+    let rule_ms = last_heartbeat_ms + i64::try_from(window_and_grace.as_millis()).unwrap();
+    let mut next = None;
+    wait_until("the replacement", timeout, || {
+        next = live_allocs(s, "web").pop();
+        next.is_some()
+    })
+    .await;
+    let next = next.expect("the replacement");
+    assert_eq!(next.node_id, "n2");
+    assert!(
+        next.create_time_ms >= rule_ms,
+        "replacement placed at {}, before the client's last heartbeat + window + grace ({rule_ms}): \
+         its copy may still run",
+        next.create_time_ms
+    );
+    (next, rule_ms)
 }
 
 /// Heartbeat `node_id` every 100ms until the task is aborted.
@@ -298,13 +322,7 @@ async fn a_node_lost_after_a_server_restart_without_a_heartbeat_since_is_not_rep
         let server: Arc<Server> = Server::open(cfg.clone()).unwrap();
         let (stop, rx) = watch::channel(false);
         let run = tokio::spawn(server.clone().run(rx));
-        register(&server, node("n1")).await;
-        let mut j = job("web", JobType::Service, 1);
-        j.task_groups[0].stop_after_client_disconnect = Some(window);
-        server.register_job(j).await.unwrap();
-        first_alloc = live_allocs(&server, "web").pop().expect("placed");
-        assert_eq!(first_alloc.node_id, "n1");
-        register(&server, node("n2")).await;
+        first_alloc = windowed_web_on_n1(&server, window).await;
         let beats = [
             keep_beating(server.clone(), "n1"),
             keep_beating(server.clone(), "n2"),
@@ -334,21 +352,13 @@ async fn a_node_lost_after_a_server_restart_without_a_heartbeat_since_is_not_rep
         server.allocation(&first_alloc.id).unwrap().client_status,
         AllocClientStatus::Lost
     );
-    let rule_ms = last_heartbeat_ms + i64::try_from((window + grace).as_millis()).unwrap();
-    let mut next = None;
-    wait_until("the replacement", Duration::from_secs(15), || {
-        next = live_allocs(&server, "web").pop();
-        next.is_some()
-    })
+    replacement_after_window(
+        &server,
+        last_heartbeat_ms,
+        window + grace,
+        Duration::from_secs(15),
+    )
     .await;
-    let next = next.unwrap();
-    assert_eq!(next.node_id, "n2");
-    assert!(
-        next.create_time_ms >= rule_ms,
-        "replacement placed at {}, before the client's last heartbeat + window + grace ({rule_ms}): \
-         its copy may still run",
-        next.create_time_ms
-    );
     beat.abort();
     stop.send_replace(true);
     run.await.unwrap();
