@@ -6,27 +6,10 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use berth_tests::{api_get_at, cli_at, cli_json_at, free_port, http_at, wait_for, Agent};
+use berth_tests::{
+    api_get_at, cli_at, cli_json_at, free_port, http_at, quick_batch_job, wait_for, Agent,
+};
 use serde_json::Value;
-
-const BATCH: &str = r#"
-job "hello" {
-  type = "batch"
-  group "g" {
-    task "t" {
-      driver = "raw_exec"
-      config {
-        command = "/bin/sh"
-        args    = ["-c", "exit 0"]
-      }
-      resources {
-        cpu    = 10
-        memory = 8
-      }
-    }
-  }
-}
-"#;
 
 #[test]
 fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the_server(
@@ -90,7 +73,7 @@ fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the
 
     // job run and job status through the client agent.
     let spec = client.data_dir.path().join("hello.hcl");
-    std::fs::write(&spec, BATCH)?;
+    std::fs::write(&spec, quick_batch_job("hello", 1))?;
     let out = cli_at(
         &addr,
         &["job", "run", "-detach", &spec.display().to_string()],

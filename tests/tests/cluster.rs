@@ -5,27 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use berth_tests::{cli_at, cli_json_at, example, free_port, wait_for, Agent};
-
-const BATCH: &str = r#"
-job "pair" {
-  type = "batch"
-  group "g" {
-    count = 2
-    task "t" {
-      driver = "raw_exec"
-      config {
-        command = "/bin/sh"
-        args    = ["-c", "exit 0"]
-      }
-      resources {
-        cpu    = 10
-        memory = 8
-      }
-    }
-  }
-}
-"#;
+use berth_tests::{cli_at, cli_json_at, example, free_port, quick_batch_job, wait_for, Agent};
 
 #[test]
 fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() -> Result<()> {
@@ -139,7 +119,7 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
 
     // A batch job of two allocs: placed, run by the clients, complete.
     let batch = server.data_dir.path().join("pair.hcl");
-    std::fs::write(&batch, BATCH)?;
+    std::fs::write(&batch, quick_batch_job("pair", 2))?;
     let out = cli_at(
         &addr,
         &["job", "run", "-detach", &batch.display().to_string()],

@@ -3,27 +3,12 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use berth_tests::DevAgent;
-
-const BATCH: &str = r#"
-job "once" {
-  type = "batch"
-  group "g" {
-    task "t" {
-      driver = "raw_exec"
-      config {
-        command = "/bin/sh"
-        args    = ["-c", "exit 0"]
-      }
-    }
-  }
-}
-"#;
+use berth_tests::{quick_batch_job, DevAgent};
 
 #[test]
 fn job_run_waits_for_a_batch_job_and_returns_at_once_when_it_is_unchanged() -> Result<()> {
     let agent = DevAgent::start()?;
-    let file = agent.write_file("once.hcl", BATCH)?;
+    let file = agent.write_file("once.hcl", &quick_batch_job("once", 1))?;
     let out = agent.cli_ok(&["job", "run", &file])?;
     assert!(out.contains("done"), "{out}");
     let status = agent.cli_json(&["job", "status", "once"])?;
@@ -45,10 +30,7 @@ fn job_run_reports_placement_failures_and_exits_2() -> Result<()> {
     let agent = DevAgent::start()?;
     let file = agent.write_file(
         "big.hcl",
-        &BATCH.replace("\"once\"", "\"big\"").replace(
-            "config {",
-            "resources {\n        memory = 60000000\n      }\n      config {",
-        ),
+        &quick_batch_job("big", 1).replace("memory = 8", "memory = 60000000"),
     )?;
     let out = agent.cli(&["job", "run", &file])?;
     let stdout = String::from_utf8_lossy(&out.stdout);
