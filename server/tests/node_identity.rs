@@ -451,3 +451,40 @@ async fn a_node_known_from_before_node_secrets_is_told_to_register_again() {
         .unwrap_err();
     assert_refused("another secret once one is on record", err, "old");
 }
+
+/// A watch opened by a node ends once that node is purged: a client
+/// cut off by the operator (or one that registers the ID anew) gets no
+/// more of its allocs through a stream authenticated before.
+#[tokio::test]
+async fn the_alloc_watch_of_a_purged_node_ends() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let mut nc = ts.node_client_with(Some(GOOD)).await;
+    nc.register(register_request(&node("n1"))).await.unwrap();
+    let mut watch = nc
+        .watch_allocations(pb::WatchAllocationsRequest {
+            node_id: "n1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    watch
+        .message()
+        .await
+        .expect("the first update")
+        .expect("open");
+    s.purge_node("n1").await.expect("purge");
+    let end = tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        loop {
+            match watch.message().await {
+                Ok(Some(_)) => continue,
+                Ok(None) => break None,
+                Err(e) => break Some(e),
+            }
+        }
+    })
+    .await
+    .expect("the watch ends within 5s of the purge");
+    let err = end.expect("it ends with an error saying why");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
+}

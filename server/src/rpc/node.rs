@@ -55,8 +55,29 @@ async fn stream_allocations(
     // The node's allocs are scanned again only when a write touched one of
     // them: every write wakes every watch, and a scan is of all allocs.
     let mut scanned_at: Option<u64> = None;
+    // The node the watch was opened for: once it is purged (or purged and
+    // registered anew, by whichever client), this watch ends.
+    let registered_at = server
+        .store
+        .read(|t| t.nodes.get(&node_id).map(|n| n.create_index));
     loop {
         index_rx.borrow_and_update();
+        let still_registered = server
+            .store
+            .read(|t| t.nodes.get(&node_id).map(|n| n.create_index))
+            == registered_at;
+        if !still_registered || registered_at.is_none() {
+            tracing::info!(
+                node_id,
+                "node purged or registered anew; ending its alloc watch"
+            );
+            let _ = tx
+                .send(Err(Status::not_found(format!(
+                    "node {node_id:?} is no longer registered as it was when this watch opened"
+                ))))
+                .await;
+            return;
+        }
         let scan = server.store.read(|t| {
             let at = t.node_allocs_index.get(&node_id).copied().unwrap_or(0);
             if scanned_at == Some(at) {
