@@ -542,6 +542,47 @@ mod tests {
         }
     }
 
+    /// A node of its own ID, named "n".
+    fn test_node() -> Node {
+        Node {
+            id: berth_structs::generate_id(),
+            name: "n".into(),
+            ..Node::default()
+        }
+    }
+
+    /// A [`test_node`] registered through `channels` with a new secret;
+    /// the node and its secret.
+    async fn registered_node(channels: &ServerChannels) -> (Node, NodeSecret) {
+        let node = test_node();
+        let secret = NodeSecret::generate();
+        ServerConn::new(channels.clone(), node.clone(), secret.clone())
+            .register()
+            .await
+            .expect("the node registers");
+        (node, secret)
+    }
+
+    /// The fingerprint of a healthy node plugin "p".
+    fn healthy_plugin_p() -> Vec<pb::PluginFingerprint> {
+        vec![pb::PluginFingerprint {
+            plugin_id: "p".into(),
+            kind: "node".into(),
+            healthy: true,
+            ..Default::default()
+        }]
+    }
+
+    /// The server knows node `node_id` and its healthy plugin "p".
+    fn assert_knows_healthy_plugin_p(server: &berth_server::Server, node_id: &str) {
+        let known = server.node(node_id).expect("the node is known");
+        assert!(
+            known.csi_node_plugins.get("p").is_some_and(|p| p.healthy),
+            "the server knows the healthy plugin: {:?}",
+            known.csi_node_plugins
+        );
+    }
+
     /// A real server on a temp dir serving the `Node` service on loopback,
     /// and a channel to it. The temp dir goes with the first value.
     async fn serve_node_service() -> (
@@ -569,11 +610,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn calls_carry_the_node_secret_and_another_secret_is_refused() {
         let (_dir, server, serving, channel) = serve_node_service().await;
-        let node = Node {
-            id: berth_structs::generate_id(),
-            name: "n".into(),
-            ..Node::default()
-        };
+        let node = test_node();
         let conn = ServerConn::new(channel.clone(), node.clone(), NodeSecret::generate());
         conn.register().await.expect("the node registers");
         conn.heartbeat().await.expect("its heartbeat is served");
@@ -600,15 +637,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_backlog_larger_than_one_message_reaches_the_servers() {
         let (_dir, _server, serving, channel) = serve_node_service().await;
-        let conn = ServerConn::new(
-            channel,
-            Node {
-                id: berth_structs::generate_id(),
-                name: "n".into(),
-                ..Node::default()
-            },
-            NodeSecret::generate(),
-        );
+        let conn = ServerConn::new(channel, test_node(), NodeSecret::generate());
         conn.register().await.expect("the node registers");
         // About 6 MiB of updates, of allocs the servers do not know (they
         // are skipped there, which is all this needs).
@@ -712,39 +741,20 @@ mod tests {
     /// servers never heard that its plugin became healthy gets no volume.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn plugin_fingerprints_reach_servers_that_were_down_for_many_attempts() {
-        let dir = tempfile::tempdir().unwrap();
-        let server = berth_server::Server::open(berth_server::ServerConfig::new(dir.path()))
-            .expect("the server opens");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let serving = tokio::spawn(
-            tonic::transport::Server::builder()
-                .add_service(server.node_service())
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        let node = Node {
-            id: berth_structs::generate_id(),
-            name: "n".into(),
-            ..Node::default()
-        };
-        let secret = NodeSecret::generate();
-        let direct = ServerChannels::new(&[format!("http://{addr}")]).unwrap();
-        ServerConn::new(direct, node.clone(), secret.clone())
-            .register()
-            .await
-            .expect("the node registers");
+        let (_dir, server, serving, direct) = serve_node_service().await;
+        let (node, secret) = registered_node(&direct).await;
+        let addr = direct
+            .current_addr()
+            .strip_prefix("http://")
+            .and_then(|a| a.parse().ok())
+            .expect("the server's address");
 
         // The client reaches the server through a relay that is down.
         let relay = berth_testutil::relay::Relay::start(addr).expect("the relay starts");
         relay.refuse(true);
         let channel = ServerChannels::new(&[format!("http://{}", relay.addr())]).unwrap();
         let conn = ServerConn::new(channel, node.clone(), secret);
-        let plugins = vec![pb::PluginFingerprint {
-            plugin_id: "p".into(),
-            kind: "node".into(),
-            healthy: true,
-            ..Default::default()
-        }];
+        let plugins = healthy_plugin_p();
         let sending = {
             let conn = conn.clone();
             tokio::spawn(async move { conn.send_plugins(plugins, Duration::from_millis(20)).await })
@@ -759,12 +769,7 @@ mod tests {
             .await
             .expect("the fingerprints are sent once the server is back")
             .expect("no panic");
-        let known = server.node(&node.id).expect("the node is known");
-        assert!(
-            known.csi_node_plugins.get("p").is_some_and(|p| p.healthy),
-            "the server knows the healthy plugin: {:?}",
-            known.csi_node_plugins
-        );
+        assert_knows_healthy_plugin_p(&server, &node.id);
         serving.abort();
     }
 
@@ -775,18 +780,9 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn plugin_fingerprints_sent_before_registration_reach_the_servers() {
         let (_dir, server, serving, channel) = serve_node_service().await;
-        let node = Node {
-            id: berth_structs::generate_id(),
-            name: "n".into(),
-            ..Node::default()
-        };
+        let node = test_node();
         let conn = ServerConn::new(channel, node.clone(), NodeSecret::generate());
-        let plugins = vec![pb::PluginFingerprint {
-            plugin_id: "p".into(),
-            kind: "node".into(),
-            healthy: true,
-            ..Default::default()
-        }];
+        let plugins = healthy_plugin_p();
         let mut sending = {
             let conn = conn.clone();
             tokio::spawn(async move { conn.send_plugins(plugins, Duration::from_millis(20)).await })
@@ -800,12 +796,7 @@ mod tests {
             .await
             .expect("the fingerprints are sent once the node is known")
             .expect("no panic");
-        let known = server.node(&node.id).expect("the node is known");
-        assert!(
-            known.csi_node_plugins.get("p").is_some_and(|p| p.healthy),
-            "the server knows the healthy plugin: {:?}",
-            known.csi_node_plugins
-        );
+        assert_knows_healthy_plugin_p(&server, &node.id);
         serving.abort();
     }
 
@@ -818,16 +809,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_heartbeat_to_a_server_that_never_answers_moves_the_client_on() {
         let (_dir, _server, serving, live) = serve_node_service().await;
-        let node = Node {
-            id: berth_structs::generate_id(),
-            name: "n".into(),
-            ..Node::default()
-        };
-        let secret = NodeSecret::generate();
-        ServerConn::new(live.clone(), node.clone(), secret.clone())
-            .register()
-            .await
-            .expect("the node registers");
+        let (node, secret) = registered_node(&live).await;
         let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         let silent_addr = format!("http://{}", silent.local_addr().unwrap());
         let live_addr = live.current_addr().to_string();
@@ -886,11 +868,7 @@ mod tests {
         let channels =
             ServerChannels::new(&[format!("http://{http_addr}"), format!("http://{rpc_addr}")])
                 .unwrap();
-        let node = Node {
-            id: berth_structs::generate_id(),
-            name: "n".into(),
-            ..Node::default()
-        };
+        let node = test_node();
         let conn = ServerConn::new(channels, node.clone(), NodeSecret::generate());
         let first = conn.register().await;
         assert!(first.is_err(), "the HTTP API does not register nodes");
@@ -907,39 +885,20 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn plugin_fingerprints_are_sent_again_after_an_answer_not_in_the_agent_protocol() {
         let (_dir, server, rpc_addr, http_addr, _stop) = serve_agent_protocol_and_http_api().await;
-        let node = Node {
-            id: berth_structs::generate_id(),
-            name: "n".into(),
-            ..Node::default()
-        };
-        let secret = NodeSecret::generate();
         let direct = ServerChannels::new(&[format!("http://{rpc_addr}")]).unwrap();
-        ServerConn::new(direct, node.clone(), secret.clone())
-            .register()
-            .await
-            .expect("the node registers");
+        let (node, secret) = registered_node(&direct).await;
         let channels =
             ServerChannels::new(&[format!("http://{http_addr}"), format!("http://{rpc_addr}")])
                 .unwrap();
         let conn = ServerConn::new(channels, node.clone(), secret);
-        let plugins = vec![pb::PluginFingerprint {
-            plugin_id: "p".into(),
-            kind: "node".into(),
-            healthy: true,
-            ..Default::default()
-        }];
+        let plugins = healthy_plugin_p();
         tokio::time::timeout(
             Duration::from_secs(10),
             conn.send_plugins(plugins, Duration::from_millis(20)),
         )
         .await
         .expect("sent in time");
-        let known = server.node(&node.id).expect("the node is known");
-        assert!(
-            known.csi_node_plugins.get("p").is_some_and(|p| p.healthy),
-            "the server knows the healthy plugin: {:?}",
-            known.csi_node_plugins
-        );
+        assert_knows_healthy_plugin_p(&server, &node.id);
     }
 
     #[test]
