@@ -907,8 +907,7 @@ mod tests {
         let client = offline_client(dir.path(), 50).await;
         let mut ready = client.ready();
         assert!(!*ready.borrow());
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let run = tokio::spawn(client.clone().run(stop_rx));
+        let (stop_tx, run) = run_client(&client);
         tokio::time::timeout(
             READY_WITHOUT_SERVERS_AFTER + Duration::from_secs(10),
             ready.wait_for(|r| *r),
@@ -918,17 +917,45 @@ mod tests {
         .expect("the client lives");
         assert!(!client.registered());
         assert!(!run.is_finished(), "registering goes on");
-        stop_tx.send_replace(true);
-        tokio::time::timeout(Duration::from_secs(10), run)
+        stop(stop_tx, run, "the client").await;
+    }
+
+    /// A client on `dir`/client with `servers`.
+    async fn client_of(dir: &std::path::Path, servers: Vec<String>) -> Arc<Client> {
+        let config = ClientConfig::new(dir.join("client"), servers);
+        Client::start(config, watch::channel(false).1)
             .await
-            .expect("the client stops")
+            .expect("the client starts")
+    }
+
+    /// Runs `client` until told to stop through the sender.
+    fn run_client(client: &Arc<Client>) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+        let (stop_tx, stop_rx) = watch::channel(false);
+        (stop_tx, tokio::spawn(client.clone().run(stop_rx)))
+    }
+
+    /// Tells `what` (a task run with `stop_tx`) to stop, and waits for it to
+    /// end without a panic.
+    async fn stop(stop_tx: watch::Sender<bool>, task: tokio::task::JoinHandle<()>, what: &str) {
+        stop_tx.send_replace(true);
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .unwrap_or_else(|_| panic!("{what} stops"))
             .expect("no panic");
     }
 
-    /// A real server on a temp dir serving the agent protocol on loopback;
-    /// its address.
+    /// A loopback address where nothing listens.
+    fn dead_addr() -> std::net::SocketAddr {
+        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        dead.local_addr().unwrap()
+    }
+
+    /// A real server on a temp dir serving the agent protocol on loopback
+    /// (answering every heartbeat with Unavailable when
+    /// `refuse_heartbeats`); its address.
     async fn serve_agent_protocol(
         dir: &std::path::Path,
+        refuse_heartbeats: bool,
     ) -> (
         Arc<berth_server::Server>,
         std::net::SocketAddr,
@@ -940,6 +967,9 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let serving = tokio::spawn(
             tonic::transport::Server::builder()
+                .layer(tower::layer::layer_fn(move |s| {
+                    RefuseHeartbeats(s, refuse_heartbeats)
+                }))
                 .add_service(server.node_service())
                 .add_service(server.csi_volume_service())
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
@@ -952,24 +982,17 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_client_is_ready_once_registered() {
         let dir = tempfile::tempdir().unwrap();
-        let (_server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
-        let config = ClientConfig::new(dir.path().join("client"), vec![format!("http://{addr}")]);
-        let client = Client::start(config, watch::channel(false).1)
-            .await
-            .expect("the client starts");
+        let (_server, addr, serving) =
+            serve_agent_protocol(&dir.path().join("server"), false).await;
+        let client = client_of(dir.path(), vec![format!("http://{addr}")]).await;
         let mut ready = client.ready();
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let run = tokio::spawn(client.clone().run(stop_rx));
+        let (stop_tx, run) = run_client(&client);
         tokio::time::timeout(READY_WITHOUT_SERVERS_AFTER / 2, ready.wait_for(|r| *r))
             .await
             .expect("ready soon")
             .expect("the client lives");
         assert!(client.registered());
-        stop_tx.send_replace(true);
-        tokio::time::timeout(Duration::from_secs(10), run)
-            .await
-            .expect("the client stops")
-            .expect("no panic");
+        stop(stop_tx, run, "the client").await;
         serving.abort();
     }
 
@@ -979,19 +1002,14 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_client_whose_first_server_is_dead_fails_over_registers_and_gets_its_alloc() {
         let dir = tempfile::tempdir().unwrap();
-        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
-        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let dead_addr = dead.local_addr().unwrap();
-        drop(dead);
-        let config = ClientConfig::new(
-            dir.path().join("client"),
+        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server"), false).await;
+        let dead_addr = dead_addr();
+        let client = client_of(
+            dir.path(),
             vec![format!("http://{dead_addr}"), format!("http://{addr}")],
-        );
-        let client = Client::start(config, watch::channel(false).1)
-            .await
-            .expect("the client starts");
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let run = tokio::spawn(client.clone().run(stop_rx));
+        )
+        .await;
+        let (stop_tx, run) = run_client(&client);
         wait_for("the node to register", Duration::from_secs(20), || {
             client.registered()
         })
@@ -1006,11 +1024,7 @@ mod tests {
             .await
             .expect("the job registers");
         received(&client, "j", Duration::from_secs(30)).await;
-        stop_tx.send_replace(true);
-        tokio::time::timeout(Duration::from_secs(10), run)
-            .await
-            .expect("the client stops")
-            .expect("no panic");
+        stop(stop_tx, run, "the client").await;
         serving.abort();
     }
 
@@ -1022,17 +1036,13 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_alloc_watch_opened_on_a_dead_server_settles_on_the_live_one() {
         let dir = tempfile::tempdir().unwrap();
-        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
-        let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let dead_addr = dead.local_addr().unwrap();
-        drop(dead);
-        let config = ClientConfig::new(
-            dir.path().join("client"),
+        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server"), false).await;
+        let dead_addr = dead_addr();
+        let client = client_of(
+            dir.path(),
             vec![format!("http://{dead_addr}"), format!("http://{addr}")],
-        );
-        let client = Client::start(config, watch::channel(false).1)
-            .await
-            .expect("the client starts");
+        )
+        .await;
         // Registered on the live server; then the dead one is in use
         // again, as after the live one's connection once broke.
         let mut registered = false;
@@ -1057,18 +1067,14 @@ mod tests {
             .expect("the job registers");
         received(&client, "j", Duration::from_secs(15)).await;
         assert_eq!(client.servers().current_addr(), format!("http://{addr}"));
-        stop_tx.send_replace(true);
-        tokio::time::timeout(Duration::from_secs(10), watching)
-            .await
-            .expect("the watch stops")
-            .expect("no panic");
+        stop(stop_tx, watching, "the watch").await;
         serving.abort();
     }
 
-    /// The agent protocol of a server that answers every heartbeat with
-    /// Unavailable, and everything else as it would.
+    /// The agent protocol of a server that, when the flag says so, answers
+    /// every heartbeat with Unavailable, and everything else as it would.
     #[derive(Clone)]
-    struct RefuseHeartbeats<S>(S);
+    struct RefuseHeartbeats<S>(S, bool);
 
     impl<S> tower::Service<tonic::codegen::http::Request<tonic::body::Body>> for RefuseHeartbeats<S>
     where
@@ -1093,7 +1099,7 @@ mod tests {
         }
 
         fn call(&mut self, req: tonic::codegen::http::Request<tonic::body::Body>) -> Self::Future {
-            if req.uri().path() == "/berth.v1.Node/Heartbeat" {
+            if self.1 && req.uri().path() == "/berth.v1.Node/Heartbeat" {
                 return Box::pin(async {
                     Ok(
                         tonic::Status::unavailable("heartbeats are refused in this test")
@@ -1115,25 +1121,10 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_registration_counts_as_the_last_contact_when_no_heartbeat_succeeds() {
         let dir = tempfile::tempdir().unwrap();
-        let server =
-            berth_server::Server::open(berth_server::ServerConfig::new(dir.path().join("server")))
-                .expect("the server opens");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let serving = tokio::spawn(
-            tonic::transport::Server::builder()
-                .layer(tower::layer::layer_fn(RefuseHeartbeats))
-                .add_service(server.node_service())
-                .add_service(server.csi_volume_service())
-                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-        );
-        let config = ClientConfig::new(dir.path().join("client"), vec![format!("http://{addr}")]);
-        let client = Client::start(config, watch::channel(false).1)
-            .await
-            .expect("the client starts");
+        let (_server, addr, serving) = serve_agent_protocol(&dir.path().join("server"), true).await;
+        let client = client_of(dir.path(), vec![format!("http://{addr}")]).await;
         let before = berth_structs::now_ms();
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let run = tokio::spawn(client.clone().run(stop_rx));
+        let (stop_tx, run) = run_client(&client);
         wait_for("the node to register", Duration::from_secs(20), || {
             client.registered()
         })
@@ -1145,11 +1136,7 @@ mod tests {
         )
         .await;
         assert!(client.last_heartbeat_ms().is_some_and(|ms| ms >= before));
-        stop_tx.send_replace(true);
-        tokio::time::timeout(Duration::from_secs(10), run)
-            .await
-            .expect("the client stops")
-            .expect("no panic");
+        stop(stop_tx, run, "the client").await;
         serving.abort();
     }
 
@@ -1196,17 +1183,10 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn after_a_silent_partition_the_client_reconnects_and_sees_new_allocs() {
         let dir = tempfile::tempdir().unwrap();
-        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server")).await;
+        let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server"), false).await;
         let relay = berth_testutil::relay::Relay::start(addr).expect("the relay starts");
-        let config = ClientConfig::new(
-            dir.path().join("client"),
-            vec![format!("http://{}", relay.addr())],
-        );
-        let client = Client::start(config, watch::channel(false).1)
-            .await
-            .expect("the client starts");
-        let (stop_tx, stop_rx) = watch::channel(false);
-        let run = tokio::spawn(client.clone().run(stop_rx));
+        let client = client_of(dir.path(), vec![format!("http://{}", relay.addr())]).await;
+        let (stop_tx, run) = run_client(&client);
         wait_for("the node to register", Duration::from_secs(20), || {
             client.registered()
         })
@@ -1230,11 +1210,7 @@ mod tests {
             servers::KEEPALIVE_INTERVAL + servers::KEEPALIVE_TIMEOUT + Duration::from_secs(20);
         received(&client, "after", within).await;
 
-        stop_tx.send_replace(true);
-        tokio::time::timeout(Duration::from_secs(10), run)
-            .await
-            .expect("the client stops")
-            .expect("no panic");
+        stop(stop_tx, run, "the client").await;
         serving.abort();
     }
 
