@@ -20,6 +20,9 @@
 //! process) and how many nodes the server marked down, which must be 0: the
 //! run fails otherwise.
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -240,20 +243,9 @@ async fn run(args: Args) -> Result<bool, String> {
     cfg.heartbeat_grace = args.grace;
     let server = Server::open(cfg).map_err(|e| format!("opening the server: {e}"))?;
     let (stop, rx) = watch::channel(false);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+    let (addr, grpc) = support::serve_grpc(&server, rx.clone())
         .await
-        .map_err(|e| format!("bind: {e}"))?;
-    let addr = listener.local_addr().map_err(|e| format!("addr: {e}"))?;
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-    let router = tonic::transport::Server::builder().add_service(server.node_service());
-    let mut grpc_rx = rx.clone();
-    let grpc = tokio::spawn(async move {
-        let _ = router
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = grpc_rx.wait_for(|s| *s).await;
-            })
-            .await;
-    });
+        .map_err(|e| format!("serving gRPC on loopback: {e}"))?;
     let run = tokio::spawn(server.clone().run(rx));
     let rss_server = rss_kib();
 

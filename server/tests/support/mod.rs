@@ -85,6 +85,28 @@ pub fn test_config(dir: &std::path::Path) -> ServerConfig {
     c
 }
 
+/// Serve `server`'s `Node` and `CSIVolume` services on a loopback port
+/// until `shutdown` turns true; the address and the serving task.
+pub async fn serve_grpc(
+    server: &Arc<Server>,
+    mut shutdown: watch::Receiver<bool>,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let router = tonic::transport::Server::builder()
+        .add_service(server.node_service())
+        .add_service(server.csi_volume_service());
+    let grpc = tokio::spawn(async move {
+        let _ = router
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = shutdown.wait_for(|s| *s).await;
+            })
+            .await;
+    });
+    Ok((addr, grpc))
+}
+
 /// A server running its loops and serving gRPC on a loopback port. Shuts
 /// down when dropped.
 pub struct TestServer {
@@ -103,22 +125,7 @@ impl TestServer {
         tweak(&mut cfg);
         let server = Server::open(cfg).expect("open server");
         let (shutdown, rx) = watch::channel(false);
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("bind");
-        let addr = listener.local_addr().expect("addr");
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        let router = tonic::transport::Server::builder()
-            .add_service(server.node_service())
-            .add_service(server.csi_volume_service());
-        let mut grpc_rx = rx.clone();
-        let grpc = tokio::spawn(async move {
-            let _ = router
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = grpc_rx.wait_for(|s| *s).await;
-                })
-                .await;
-        });
+        let (addr, grpc) = serve_grpc(&server, rx.clone()).await.expect("serve gRPC");
         let run = tokio::spawn(server.clone().run(rx));
         TestServer {
             server,
