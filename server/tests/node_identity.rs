@@ -19,6 +19,46 @@ fn register_request(node: &berth_structs::Node) -> pb::RegisterRequest {
     }
 }
 
+/// Registers `node` over a connection of its own presenting `secret`.
+async fn register_with(
+    ts: &TestServer,
+    secret: Option<&str>,
+    node: &berth_structs::Node,
+) -> Result<tonic::Response<pb::RegisterResponse>, tonic::Status> {
+    ts.node_client_with(secret)
+        .await
+        .register(register_request(node))
+        .await
+}
+
+/// A heartbeat of `node_id` over a connection of its own presenting
+/// `secret`.
+async fn heartbeat_with(
+    ts: &TestServer,
+    secret: Option<&str>,
+    node_id: &str,
+) -> Result<tonic::Response<pb::HeartbeatResponse>, tonic::Status> {
+    ts.node_client_with(secret)
+        .await
+        .heartbeat(pb::HeartbeatRequest {
+            node_id: node_id.into(),
+        })
+        .await
+}
+
+/// One storage event of `node_id` saying `message`.
+fn events_request(node_id: &str, message: &str) -> pb::EmitEventsRequest {
+    pb::EmitEventsRequest {
+        node_id: node_id.into(),
+        events: vec![pb::NodeEvent {
+            subsystem: "Storage".into(),
+            message: message.into(),
+            details: Default::default(),
+            timestamp_ms: 1,
+        }],
+    }
+}
+
 /// The refusal a forged call gets: PermissionDenied, naming the node and
 /// neither secret.
 fn assert_refused(what: &str, err: tonic::Status, node_id: &str) {
@@ -48,10 +88,7 @@ async fn register_of_a_known_node_with_another_secret_is_refused_and_changes_not
     let mut impostor = node("n1");
     impostor.name = "impostor".into();
     for secret in [Some(FORGED), None] {
-        let err = ts
-            .node_client_with(secret)
-            .await
-            .register(register_request(&impostor))
+        let err = register_with(&ts, secret, &impostor)
             .await
             .expect_err("a registration with another secret");
         assert_refused("register", err, "n1");
@@ -77,13 +114,7 @@ async fn every_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() {
     register(&s, node("n2")).await;
     let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
     give_plugin(&s, "n1", "hostpath", true, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
-    s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
-    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    let alloc = place_on_data(&s, volume_job("db", "data", AccessMode::SingleNodeWriter)).await;
     assert_eq!(alloc.node_id, "n1");
     report(&s, &alloc, AllocClientStatus::Running).await;
 
@@ -124,15 +155,7 @@ async fn every_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() {
         assert_refused("update allocs", err, "n1");
 
         let err = nc
-            .emit_events(pb::EmitEventsRequest {
-                node_id: "n1".into(),
-                events: vec![pb::NodeEvent {
-                    subsystem: "Storage".into(),
-                    message: "forged".into(),
-                    details: Default::default(),
-                    timestamp_ms: 1,
-                }],
-            })
+            .emit_events(events_request("n1", "forged"))
             .await
             .unwrap_err();
         assert_refused("events", err, "n1");
@@ -147,13 +170,7 @@ async fn every_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() {
         assert_refused("plugins", err, "n1");
 
         let (out, rx) = tokio::sync::mpsc::channel(1);
-        out.send(pb::ClientMessage {
-            msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
-                node_id: "n2".into(),
-            })),
-        })
-        .await
-        .unwrap();
+        out.send(hello("n2")).await.unwrap();
         let err = nc
             .open_call_stream(ReceiverStream::new(rx))
             .await
@@ -206,17 +223,9 @@ async fn every_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() {
     })
     .await
     .expect("heartbeat with the node's secret");
-    nc.emit_events(pb::EmitEventsRequest {
-        node_id: "n1".into(),
-        events: vec![pb::NodeEvent {
-            subsystem: "Storage".into(),
-            message: "real".into(),
-            details: Default::default(),
-            timestamp_ms: 1,
-        }],
-    })
-    .await
-    .expect("events with the node's secret");
+    nc.emit_events(events_request("n1", "real"))
+        .await
+        .expect("events with the node's secret");
     assert!(s
         .node("n1")
         .unwrap()
@@ -243,13 +252,7 @@ async fn a_node_claims_and_releases_volumes_only_for_its_own_allocs() {
     let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
     give_plugin(&s, "n1", "hostpath", true, false, false).await;
     give_plugin(&s, "n2", "hostpath", true, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
-    s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
-    let alloc = live_allocs(&s, "db").pop().expect("db placed");
+    let alloc = place_on_data(&s, volume_job("db", "data", AccessMode::SingleNodeWriter)).await;
     let (owner, other) = if alloc.node_id == "n1" {
         ("n1", "n2")
     } else {
@@ -302,13 +305,7 @@ async fn connect_with(
     tonic::Streaming<pb::ServerCall>,
 ) {
     let (out, rx) = tokio::sync::mpsc::channel(4);
-    out.send(pb::ClientMessage {
-        msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
-            node_id: node_id.into(),
-        })),
-    })
-    .await
-    .unwrap();
+    out.send(hello(node_id)).await.unwrap();
     let inbound = ts
         .node_client_with(Some(secret))
         .await
@@ -327,34 +324,17 @@ async fn two_clients_with_the_same_name_are_two_nodes() {
     a.name = "web".into();
     let mut b = node("id-b");
     b.name = "web".into();
-    ts.node_client_with(Some(GOOD))
-        .await
-        .register(register_request(&a))
-        .await
-        .unwrap();
-    ts.node_client_with(Some(FORGED))
-        .await
-        .register(register_request(&b))
+    register_with(&ts, Some(GOOD), &a).await.unwrap();
+    register_with(&ts, Some(FORGED), &b)
         .await
         .expect("a second node with the same name registers");
     let mut ids: Vec<String> = s.nodes().into_iter().map(|n| n.id).collect();
     ids.sort();
     assert_eq!(ids, ["id-a", "id-b"]);
     // Each heartbeats with its own secret only.
-    let err = ts
-        .node_client_with(Some(GOOD))
-        .await
-        .heartbeat(pb::HeartbeatRequest {
-            node_id: "id-b".into(),
-        })
-        .await
-        .unwrap_err();
+    let err = heartbeat_with(&ts, Some(GOOD), "id-b").await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::PermissionDenied);
-    ts.node_client_with(Some(FORGED))
-        .await
-        .heartbeat(pb::HeartbeatRequest {
-            node_id: "id-b".into(),
-        })
+    heartbeat_with(&ts, Some(FORGED), "id-b")
         .await
         .expect("id-b with its own secret");
 }
@@ -386,26 +366,13 @@ async fn the_node_secret_survives_a_server_restart() {
 async fn a_purged_node_registers_again_with_the_secret_it_brings() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    ts.node_client_with(Some(GOOD))
-        .await
-        .register(register_request(&node("n1")))
-        .await
-        .unwrap();
+    register_with(&ts, Some(GOOD), &node("n1")).await.unwrap();
     s.purge_node("n1").await.expect("purge");
     // Unknown again: whoever registers it first sets its secret.
-    ts.node_client_with(Some(FORGED))
-        .await
-        .register(register_request(&node("n1")))
+    register_with(&ts, Some(FORGED), &node("n1"))
         .await
         .expect("a purged node registers with a new secret");
-    let err = ts
-        .node_client_with(Some(GOOD))
-        .await
-        .heartbeat(pb::HeartbeatRequest {
-            node_id: "n1".into(),
-        })
-        .await
-        .unwrap_err();
+    let err = heartbeat_with(&ts, Some(GOOD), "n1").await.unwrap_err();
     assert_refused("the old secret after purge", err, "n1");
 }
 
@@ -419,36 +386,16 @@ async fn a_node_known_from_before_node_secrets_is_told_to_register_again() {
     let s = ts.server.clone();
     // Registered in-process: no secret on record, as after an upgrade.
     s.register_node(node("old")).await.expect("register");
-    let err = ts
-        .node_client_with(Some(GOOD))
-        .await
-        .heartbeat(pb::HeartbeatRequest {
-            node_id: "old".into(),
-        })
-        .await
-        .unwrap_err();
+    let err = heartbeat_with(&ts, Some(GOOD), "old").await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
     assert!(err.message().contains("register again"), "{err:?}");
-    ts.node_client_with(Some(GOOD))
-        .await
-        .register(register_request(&node("old")))
+    register_with(&ts, Some(GOOD), &node("old"))
         .await
         .expect("the node registers with the secret it brings");
-    ts.node_client_with(Some(GOOD))
-        .await
-        .heartbeat(pb::HeartbeatRequest {
-            node_id: "old".into(),
-        })
+    heartbeat_with(&ts, Some(GOOD), "old")
         .await
         .expect("its heartbeats pass from then on");
-    let err = ts
-        .node_client_with(Some(FORGED))
-        .await
-        .heartbeat(pb::HeartbeatRequest {
-            node_id: "old".into(),
-        })
-        .await
-        .unwrap_err();
+    let err = heartbeat_with(&ts, Some(FORGED), "old").await.unwrap_err();
     assert_refused("another secret once one is on record", err, "old");
 }
 
