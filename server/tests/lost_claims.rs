@@ -152,13 +152,7 @@ async fn node_that_comes_back_stops_its_lost_alloc_and_the_write_claim_is_freed_
     assert_eq!(ev.message, "Node heartbeat received; node ready");
 
     // Its watch hands it the lost alloc with desired stop.
-    let mut watch = nc
-        .watch_allocations(pb::WatchAllocationsRequest {
-            node_id: "n1".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = open_watch(&mut nc, "n1").await;
     let update = watch.message().await.unwrap().expect("an alloc set");
     let mine: Vec<Allocation> = update
         .allocs_json
@@ -187,17 +181,9 @@ async fn node_that_comes_back_stops_its_lost_alloc_and_the_write_claim_is_freed_
 
     // The client stops it and reports it: the claim is freed (the client
     // is told to unmount, as it did not release it itself).
-    nc.update_allocations(pb::UpdateAllocationsRequest {
-        node_id: "n1".into(),
-        updates: vec![pb::AllocStatusUpdate {
-            alloc_id: db.id.clone(),
-            client_status: "complete".into(),
-            client_description: "stopped".into(),
-            task_states_json: vec![],
-        }],
-    })
-    .await
-    .unwrap();
+    nc.update_allocations(status_update("n1", &db.id, "complete", "stopped"))
+        .await
+        .unwrap();
     assert_eq!(
         s.allocation(&db.id).unwrap().client_status,
         AllocClientStatus::Complete

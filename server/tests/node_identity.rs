@@ -141,15 +141,7 @@ async fn every_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() {
         assert_refused("watch", err, "n1");
 
         let err = nc
-            .update_allocations(pb::UpdateAllocationsRequest {
-                node_id: "n1".into(),
-                updates: vec![pb::AllocStatusUpdate {
-                    alloc_id: alloc.id.clone(),
-                    client_status: "failed".into(),
-                    client_description: "forged".into(),
-                    task_states_json: vec![],
-                }],
-            })
+            .update_allocations(status_update("n1", &alloc.id, "failed", "forged"))
             .await
             .unwrap_err();
         assert_refused("update allocs", err, "n1");
@@ -408,13 +400,7 @@ async fn the_alloc_watch_of_a_purged_node_ends() {
     let s = ts.server.clone();
     let mut nc = ts.node_client_with(Some(GOOD)).await;
     nc.register(register_request(&node("n1"))).await.unwrap();
-    let mut watch = nc
-        .watch_allocations(pb::WatchAllocationsRequest {
-            node_id: "n1".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = open_watch(&mut nc, "n1").await;
     watch
         .message()
         .await

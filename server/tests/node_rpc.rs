@@ -57,13 +57,7 @@ async fn client_registers_watches_its_allocs_and_reports_status() {
         .into_inner();
     assert!(hb.heartbeat_ttl_ms >= 10_000);
 
-    let mut watch = nc
-        .watch_allocations(pb::WatchAllocationsRequest {
-            node_id: "n1".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner();
+    let mut watch = open_watch(&mut nc, "n1").await;
     let first = watch.message().await.unwrap().unwrap();
     assert!(first.allocs_json.is_empty());
 
@@ -110,14 +104,7 @@ async fn client_registers_watches_its_allocs_and_reports_status() {
 
     // A bad status is refused as InvalidArgument.
     let err = nc
-        .update_allocations(pb::UpdateAllocationsRequest {
-            node_id: "n1".into(),
-            updates: vec![pb::AllocStatusUpdate {
-                alloc_id: allocs[0].id.clone(),
-                client_status: "sleeping".into(),
-                ..Default::default()
-            }],
-        })
+        .update_allocations(status_update("n1", &allocs[0].id, "sleeping", ""))
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);

@@ -542,3 +542,35 @@ pub async fn replacement_claims_data(ts: &TestServer, next: &Allocation) {
         .await
         .expect("the replacement claims the freed volume");
 }
+
+/// Opens the alloc watch of `node_id` over `nc`, as its client does.
+pub async fn open_watch(
+    nc: &mut NodeClient<SecretChannel>,
+    node_id: &str,
+) -> tonic::Streaming<pb::AllocationsUpdate> {
+    nc.watch_allocations(pb::WatchAllocationsRequest {
+        node_id: node_id.into(),
+    })
+    .await
+    .expect("the alloc watch opens")
+    .into_inner()
+}
+
+/// A client's report that its alloc `alloc_id` is now `client_status`
+/// (with `description` and no task states).
+pub fn status_update(
+    node_id: &str,
+    alloc_id: &str,
+    client_status: &str,
+    description: &str,
+) -> pb::UpdateAllocationsRequest {
+    pb::UpdateAllocationsRequest {
+        node_id: node_id.into(),
+        updates: vec![pb::AllocStatusUpdate {
+            alloc_id: alloc_id.into(),
+            client_status: client_status.into(),
+            client_description: description.into(),
+            task_states_json: vec![],
+        }],
+    }
+}
