@@ -6,21 +6,39 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_server::{Server, ServerError};
+use berth_server::{Server, ServerConfig, ServerError};
 use berth_structs::{AllocClientStatus, Allocation, JobType, NodeEvent, NodeStatus};
 use support::*;
 use tokio::sync::watch;
+
+/// The test config on `dir` with Nomad's 10 s minimum heartbeat TTL and
+/// 10 s grace.
+fn ten_second_ttl(dir: &std::path::Path) -> ServerConfig {
+    let mut cfg = test_config(dir);
+    cfg.min_heartbeat_ttl = Duration::from_secs(10);
+    cfg.heartbeat_grace = Duration::from_secs(10);
+    cfg
+}
+
+/// Runs `server`'s loops until the sender says stop.
+fn run_loops(server: &Arc<Server>) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+    let (stop, rx) = watch::channel(false);
+    (stop, tokio::spawn(server.clone().run(rx)))
+}
+
+/// Stops the loops [`run_loops`] started and waits for them to end.
+async fn stop_loops(stop: watch::Sender<bool>, run: tokio::task::JoinHandle<()>) {
+    stop.send_replace(true);
+    run.await.expect("the server's loops end without a panic");
+}
 
 #[tokio::test(start_paused = true)]
 async fn node_that_misses_its_ttl_goes_down_and_its_allocs_are_lost() {
     init_tracing();
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = test_config(dir.path());
-    cfg.min_heartbeat_ttl = Duration::from_secs(10);
-    cfg.heartbeat_grace = Duration::from_secs(10);
+    let cfg = ten_second_ttl(dir.path());
     let server: Arc<Server> = Server::open(cfg).unwrap();
-    let (stop, rx) = watch::channel(false);
-    let run = tokio::spawn(server.clone().run(rx));
+    let (stop, run) = run_loops(&server);
 
     let reg = server.register_node(node("n1")).await.unwrap();
     assert!(reg.heartbeat_ttl >= Duration::from_secs(10));
@@ -75,8 +93,7 @@ async fn node_that_misses_its_ttl_goes_down_and_its_allocs_are_lost() {
         AllocClientStatus::Lost
     );
 
-    stop.send_replace(true);
-    run.await.unwrap();
+    stop_loops(stop, run).await;
 }
 
 #[tokio::test]
@@ -163,12 +180,9 @@ async fn ttl_is_stretched_by_the_nodes_not_down() {
 async fn a_server_that_was_paused_gives_every_node_a_fresh_ttl_instead_of_marking_it_down() {
     init_tracing();
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = test_config(dir.path());
-    cfg.min_heartbeat_ttl = Duration::from_secs(10);
-    cfg.heartbeat_grace = Duration::from_secs(10);
+    let cfg = ten_second_ttl(dir.path());
     let server: Arc<Server> = Server::open(cfg).unwrap();
-    let (stop, rx) = watch::channel(false);
-    let run = tokio::spawn(server.clone().run(rx));
+    let (stop, run) = run_loops(&server);
     register(&server, node("n1")).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
 
@@ -186,17 +200,14 @@ async fn a_server_that_was_paused_gives_every_node_a_fresh_ttl_instead_of_markin
     tokio::time::sleep(Duration::from_secs(25)).await;
     assert_eq!(server.node("n1").unwrap().status, NodeStatus::Down);
 
-    stop.send_replace(true);
-    run.await.unwrap();
+    stop_loops(stop, run).await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_restarted_server_gives_every_node_a_fresh_ttl() {
     init_tracing();
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = test_config(dir.path());
-    cfg.min_heartbeat_ttl = Duration::from_secs(10);
-    cfg.heartbeat_grace = Duration::from_secs(10);
+    let cfg = ten_second_ttl(dir.path());
     {
         let server: Arc<Server> = Server::open(cfg.clone()).unwrap();
         register(&server, node("n1")).await;
@@ -204,14 +215,12 @@ async fn a_restarted_server_gives_every_node_a_fresh_ttl() {
     // Away for a minute, then started again.
     tokio::time::advance(Duration::from_secs(60)).await;
     let server: Arc<Server> = Server::open(cfg).unwrap();
-    let (stop, rx) = watch::channel(false);
-    let run = tokio::spawn(server.clone().run(rx));
+    let (stop, run) = run_loops(&server);
     tokio::time::sleep(Duration::from_secs(15)).await;
     assert_eq!(server.node("n1").unwrap().status, NodeStatus::Ready);
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(server.node("n1").unwrap().status, NodeStatus::Down);
-    stop.send_replace(true);
-    run.await.unwrap();
+    stop_loops(stop, run).await;
 }
 
 #[tokio::test]
@@ -320,8 +329,7 @@ async fn a_node_lost_after_a_server_restart_without_a_heartbeat_since_is_not_rep
     let last_heartbeat_ms;
     {
         let server: Arc<Server> = Server::open(cfg.clone()).unwrap();
-        let (stop, rx) = watch::channel(false);
-        let run = tokio::spawn(server.clone().run(rx));
+        let (stop, run) = run_loops(&server);
         first_alloc = windowed_web_on_n1(&server, window).await;
         let beats = [
             keep_beating(server.clone(), "n1"),
@@ -334,15 +342,13 @@ async fn a_node_lost_after_a_server_restart_without_a_heartbeat_since_is_not_rep
         }
         // The client counts its window from its last successful heartbeat.
         last_heartbeat_ms = berth_structs::now_ms();
-        stop.send_replace(true);
-        run.await.unwrap();
+        stop_loops(stop, run).await;
     }
 
     // The server starts again; n1 is never heard from again (it was cut
     // off while the server was away), n2 keeps beating.
     let server: Arc<Server> = Server::open(cfg).unwrap();
-    let (stop, rx) = watch::channel(false);
-    let run = tokio::spawn(server.clone().run(rx));
+    let (stop, run) = run_loops(&server);
     let beat = keep_beating(server.clone(), "n2");
     wait_until("n1 marked down", Duration::from_secs(10), || {
         server.node("n1").unwrap().status == NodeStatus::Down
@@ -360,6 +366,5 @@ async fn a_node_lost_after_a_server_restart_without_a_heartbeat_since_is_not_rep
     )
     .await;
     beat.abort();
-    stop.send_replace(true);
-    run.await.unwrap();
+    stop_loops(stop, run).await;
 }
