@@ -6,11 +6,11 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde_json::Value;
 
 use crate::relay::Relay;
-use crate::{api_get_at, cli_at, example_with, free_port, wait_for, Agent};
+use crate::{api_get_at, cli_ok_at, example_with, free_port, run_job_at, wait_for, Agent};
 
 /// A server agent on fixed loopback ports (kept across restarts).
 pub struct Server {
@@ -72,24 +72,12 @@ impl Server {
 
     /// Runs the CLI against this server; fails unless it exits 0.
     pub fn cli(&self, args: &[&str]) -> Result<String> {
-        let out = cli_at(&self.addr(), args)?;
-        if !out.status.success() {
-            bail!(
-                "berth {} failed: {}{}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+        cli_ok_at(&self.addr(), args)
     }
 
     /// Writes `spec` to a file and runs `berth job run -detach` on it.
     pub fn run_job(&self, name: &str, spec: &str) -> Result<()> {
-        let file = self._config.path().join(format!("{name}.hcl"));
-        std::fs::write(&file, spec)?;
-        self.cli(&["job", "run", "-detach", path_str(&file)?])?;
-        Ok(())
+        run_job_at(&self.addr(), self._config.path(), name, spec)
     }
 
     /// Writes `spec` to a file and runs `berth volume create` on it.

@@ -554,6 +554,31 @@ pub fn cli_json_at(addr: &str, args: &[&str]) -> Result<Value> {
     serde_json::from_slice(&out.stdout).with_context(|| format!("berth {}", args.join(" ")))
 }
 
+/// Runs the CLI against `addr`; its stdout, or an error with its output
+/// unless it exits 0.
+pub fn cli_ok_at(addr: &str, args: &[&str]) -> Result<String> {
+    let out = cli_at(addr, args)?;
+    if !out.status.success() {
+        bail!(
+            "berth {} failed: {}{}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Writes `spec` to `dir`/`name`.hcl and runs `berth job run -detach` on
+/// it against `addr`; an error with its output unless it exits 0.
+pub fn run_job_at(addr: &str, dir: &Path, name: &str, spec: &str) -> Result<()> {
+    let file = dir.join(format!("{name}.hcl"));
+    std::fs::write(&file, spec).with_context(|| format!("writing {}", file.display()))?;
+    let file = file.to_str().context("a UTF-8 job file path")?;
+    cli_ok_at(addr, &["job", "run", "-detach", file])?;
+    Ok(())
+}
+
 /// Starts `berth agent ARGS...` with the workspace's binaries on `PATH`,
 /// its output appended to `log_path` (a restarted agent's log follows the
 /// first one's).

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use berth_tests::{
-    api_get_at, cli_at, cli_json_at, free_port, http_at, quick_batch_job, wait_for, Agent,
+    api_get_at, cli_at, cli_json_at, free_port, http_at, quick_batch_job, run_job_at, wait_for,
+    Agent,
 };
 use serde_json::Value;
 
@@ -72,18 +73,13 @@ fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the
     assert!(server_me.get("client").is_none(), "{server_me}");
 
     // job run and job status through the client agent.
-    let spec = client.data_dir.path().join("hello.hcl");
-    std::fs::write(&spec, quick_batch_job("hello", 1))?;
-    let out = cli_at(
+    run_job_at(
         &addr,
-        &["job", "run", "-detach", &spec.display().to_string()],
-    )?;
-    assert!(
-        out.status.success(),
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        logs(&server, &client)
-    );
+        client.data_dir.path(),
+        "hello",
+        &quick_batch_job("hello", 1),
+    )
+    .with_context(|| logs(&server, &client))?;
     let alloc_id = wait_for("the alloc complete", Duration::from_secs(60), || {
         let status = cli_json_at(&addr, &["job", "status", "-json", "hello"])?;
         let allocs = status["allocations"]

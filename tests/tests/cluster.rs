@@ -5,7 +5,9 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use berth_tests::{cli_at, cli_json_at, example, free_port, quick_batch_job, wait_for, Agent};
+use berth_tests::{
+    cli_json_at, cli_ok_at, example, free_port, quick_batch_job, run_job_at, wait_for, Agent,
+};
 
 #[test]
 fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() -> Result<()> {
@@ -101,12 +103,7 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
 
     // The plugin system job runs on both clients.
     let plugin_job = example("jobs/hostpath-plugin.hcl");
-    let out = cli_at(&addr, &["job", "run", "-detach", &plugin_job])?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    cli_ok_at(&addr, &["job", "run", "-detach", &plugin_job])?;
     wait_for(
         "the plugin healthy on both nodes",
         Duration::from_secs(60),
@@ -118,17 +115,12 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
     .with_context(|| logs(&server, &c1, &c2))?;
 
     // A batch job of two allocs: placed, run by the clients, complete.
-    let batch = server.data_dir.path().join("pair.hcl");
-    std::fs::write(&batch, quick_batch_job("pair", 2))?;
-    let out = cli_at(
+    run_job_at(
         &addr,
-        &["job", "run", "-detach", &batch.display().to_string()],
+        server.data_dir.path(),
+        "pair",
+        &quick_batch_job("pair", 2),
     )?;
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
     let allocs = wait_for(
         "both batch allocs complete",
         Duration::from_secs(60),
