@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use berth_proto::berth::v1 as pb;
 use berth_proto::berth::v1::node_client::NodeClient;
 use berth_server::{Server, ServerConfig};
-use berth_structs::{Node, NodeResources, NodeSecret, NodeStatus};
+use berth_structs::{Node, NodeSecret, NodeStatus};
 use tokio::sync::watch;
 use tonic::transport::Channel;
 
@@ -168,16 +168,8 @@ async fn simulate_node(
     let id = berth_structs::generate_id();
     let secret = NodeSecret::generate();
     let node = Node {
-        id: id.clone(),
         name: format!("bench-{i}"),
-        datacenter: "dc1".into(),
-        resources: NodeResources {
-            cpu: 4000,
-            memory_mb: 8192,
-            disk_mb: 0,
-        },
-        drivers: vec!["raw_exec".into()],
-        ..Default::default()
+        ..support::node(&id)
     };
     let node_json = serde_json::to_vec(&node).expect("a node encodes");
     let ttl = match client
