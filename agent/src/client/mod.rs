@@ -944,6 +944,11 @@ mod tests {
             .expect("no panic");
     }
 
+    /// A client's servers: `dead` first, `live` second.
+    fn servers_dead_first(dead: std::net::SocketAddr, live: std::net::SocketAddr) -> Vec<String> {
+        vec![format!("http://{dead}"), format!("http://{live}")]
+    }
+
     /// A loopback address where nothing listens.
     fn dead_addr() -> std::net::SocketAddr {
         let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1004,11 +1009,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server"), false).await;
         let dead_addr = dead_addr();
-        let client = client_of(
-            dir.path(),
-            vec![format!("http://{dead_addr}"), format!("http://{addr}")],
-        )
-        .await;
+        let client = client_of(dir.path(), servers_dead_first(dead_addr, addr)).await;
         let (stop_tx, run) = run_client(&client);
         wait_for("the node to register", Duration::from_secs(20), || {
             client.registered()
@@ -1019,11 +1020,7 @@ mod tests {
             format!("http://{addr}")
         );
 
-        server
-            .register_job(quick_job("j"))
-            .await
-            .expect("the job registers");
-        received(&client, "j", Duration::from_secs(30)).await;
+        place_and_receive(&server, &client, "j", Duration::from_secs(30)).await;
         stop(stop_tx, run, "the client").await;
         serving.abort();
     }
@@ -1038,11 +1035,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (server, addr, serving) = serve_agent_protocol(&dir.path().join("server"), false).await;
         let dead_addr = dead_addr();
-        let client = client_of(
-            dir.path(),
-            vec![format!("http://{dead_addr}"), format!("http://{addr}")],
-        )
-        .await;
+        let client = client_of(dir.path(), servers_dead_first(dead_addr, addr)).await;
         // Registered on the live server; then the dead one is in use
         // again, as after the live one's connection once broke.
         let mut registered = false;
@@ -1061,11 +1054,7 @@ mod tests {
 
         let (stop_tx, stop_rx) = watch::channel(false);
         let watching = tokio::spawn(client.clone().watch_allocs(stop_rx));
-        server
-            .register_job(quick_job("j"))
-            .await
-            .expect("the job registers");
-        received(&client, "j", Duration::from_secs(15)).await;
+        place_and_receive(&server, &client, "j", Duration::from_secs(15)).await;
         assert_eq!(client.servers().current_addr(), format!("http://{addr}"));
         stop(stop_tx, watching, "the watch").await;
         serving.abort();
@@ -1154,6 +1143,21 @@ mod tests {
         job
     }
 
+    /// Registers [`quick_job`] `job_id` on `server` and waits until the
+    /// client runs its alloc.
+    async fn place_and_receive(
+        server: &berth_server::Server,
+        client: &Client,
+        job_id: &str,
+        within: Duration,
+    ) {
+        server
+            .register_job(quick_job(job_id))
+            .await
+            .expect("the job registers");
+        received(client, job_id, within).await;
+    }
+
     /// Waits until the client runs an alloc of `job_id` (the alloc watch
     /// brought it; whether its task starts does not matter here).
     async fn received(client: &Client, job_id: &str, within: Duration) {
@@ -1191,11 +1195,7 @@ mod tests {
             client.registered()
         })
         .await;
-        server
-            .register_job(quick_job("before"))
-            .await
-            .expect("the job registers");
-        received(&client, "before", Duration::from_secs(30)).await;
+        place_and_receive(&server, &client, "before", Duration::from_secs(30)).await;
 
         relay.partition();
         tokio::time::sleep(Duration::from_secs(1)).await;
