@@ -573,6 +573,16 @@ mod tests {
         }]
     }
 
+    /// Sends [`healthy_plugin_p`] through `conn` in a task of its own,
+    /// at most 20ms between attempts.
+    fn spawn_send_plugin_p(conn: &ServerConn) -> tokio::task::JoinHandle<()> {
+        let conn = conn.clone();
+        tokio::spawn(async move {
+            conn.send_plugins(healthy_plugin_p(), Duration::from_millis(20))
+                .await
+        })
+    }
+
     /// The server knows node `node_id` and its healthy plugin "p".
     fn assert_knows_healthy_plugin_p(server: &berth_server::Server, node_id: &str) {
         let known = server.node(node_id).expect("the node is known");
@@ -754,11 +764,7 @@ mod tests {
         relay.refuse(true);
         let channel = ServerChannels::new(&[format!("http://{}", relay.addr())]).unwrap();
         let conn = ServerConn::new(channel, node.clone(), secret);
-        let plugins = healthy_plugin_p();
-        let sending = {
-            let conn = conn.clone();
-            tokio::spawn(async move { conn.send_plugins(plugins, Duration::from_millis(20)).await })
-        };
+        let sending = spawn_send_plugin_p(&conn);
         // Far more attempts than a bounded retry would make.
         berth_testutil::wait_for("many attempts to fail", Duration::from_secs(20), || {
             relay.refused() >= 30
@@ -782,11 +788,7 @@ mod tests {
         let (_dir, server, serving, channel) = serve_node_service().await;
         let node = test_node();
         let conn = ServerConn::new(channel, node.clone(), NodeSecret::generate());
-        let plugins = healthy_plugin_p();
-        let mut sending = {
-            let conn = conn.clone();
-            tokio::spawn(async move { conn.send_plugins(plugins, Duration::from_millis(20)).await })
-        };
+        let mut sending = spawn_send_plugin_p(&conn);
         // The node is unknown: the fingerprints are not given up on.
         let early = tokio::time::timeout(Duration::from_secs(1), &mut sending).await;
         assert!(early.is_err(), "still sending while the node is unknown");
