@@ -755,6 +755,36 @@ impl Agent {
             },
         )
     }
+
+    /// Starts `berth agent -server` with its HTTP API on `http_addr` and
+    /// its agent protocol on a free port; the agent and that address.
+    pub fn start_server(http_addr: &str) -> Result<(Agent, String)> {
+        let mut server = Agent::start(&[
+            "-server",
+            "-http-addr",
+            http_addr,
+            "-rpc-addr",
+            "127.0.0.1:0",
+        ])?;
+        let rpc = server.logged_rpc_addr()?;
+        Ok((server, rpc))
+    }
+
+    /// Starts `berth agent ARGS... -client` as node `node` of the servers at
+    /// `rpc`, with its HTTP API on `http_addr`.
+    pub fn start_client(args: &[&str], rpc: &str, node: &str, http_addr: &str) -> Result<Agent> {
+        let mut all = args.to_vec();
+        all.extend([
+            "-client",
+            "-servers",
+            rpc,
+            "-node",
+            node,
+            "-http-addr",
+            http_addr,
+        ]);
+        Agent::start(&all)
+    }
 }
 
 impl Drop for Agent {

@@ -16,26 +16,11 @@ use serde_json::Value;
 fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the_server(
 ) -> Result<()> {
     let server_http = format!("127.0.0.1:{}", free_port());
-    let mut server = Agent::start(&[
-        "-server",
-        "-http-addr",
-        &server_http,
-        "-rpc-addr",
-        "127.0.0.1:0",
-    ])?;
-    let rpc = server.logged_rpc_addr()?;
+    let (mut server, rpc) = Agent::start_server(&server_http)?;
     let port = free_port();
     let client_http = format!("127.0.0.1:{port}");
     let addr = format!("http://{client_http}");
-    let mut client = Agent::start(&[
-        "-client",
-        "-servers",
-        &rpc,
-        "-node",
-        "c1",
-        "-http-addr",
-        &client_http,
-    ])?;
+    let mut client = Agent::start_client(&[], &rpc, "c1", &client_http)?;
     let logs = |s: &Agent, c: &Agent| format!("server log:\n{}\nclient log:\n{}", s.log(), c.log());
 
     // The node registers; node status through the client agent shows it.

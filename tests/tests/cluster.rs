@@ -13,8 +13,7 @@ use berth_tests::{
 fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() -> Result<()> {
     let http = format!("127.0.0.1:{}", free_port());
     let addr = format!("http://{http}");
-    let mut server = Agent::start(&["-server", "-http-addr", &http, "-rpc-addr", "127.0.0.1:0"])?;
-    let rpc = server.logged_rpc_addr()?;
+    let (mut server, rpc) = Agent::start_server(&http)?;
     // c1 takes a class and meta from a config file.
     let c1_config = tempfile::tempdir()?;
     let c1_file = c1_config.path().join("client.hcl");
@@ -26,26 +25,8 @@ fn a_server_and_two_clients_in_separate_processes_run_system_and_batch_jobs() ->
     // Each client serves its own HTTP API, on a port of its own.
     let c1_http = format!("127.0.0.1:{}", free_port());
     let c2_http = format!("127.0.0.1:{}", free_port());
-    let mut c1 = Agent::start(&[
-        "-config",
-        c1_file,
-        "-client",
-        "-servers",
-        &rpc,
-        "-node",
-        "c1",
-        "-http-addr",
-        &c1_http,
-    ])?;
-    let mut c2 = Agent::start(&[
-        "-client",
-        "-servers",
-        &rpc,
-        "-node",
-        "c2",
-        "-http-addr",
-        &c2_http,
-    ])?;
+    let mut c1 = Agent::start_client(&["-config", c1_file], &rpc, "c1", &c1_http)?;
+    let mut c2 = Agent::start_client(&[], &rpc, "c2", &c2_http)?;
     let logs = |s: &Agent, a: &Agent, b: &Agent| {
         format!(
             "server log:\n{}\nc1 log:\n{}\nc2 log:\n{}",
