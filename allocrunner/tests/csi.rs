@@ -166,6 +166,40 @@ fn consumer(volumes: &[&str], task: Task) -> berth_structs::Allocation {
     a
 }
 
+/// Creates the volume "vol", grants its claim, and runs an alloc whose task
+/// "web" uses it until the task runs. The killer ends the task's process
+/// when the test ends, also when it fails.
+async fn run_volume_user(h: &Harness) -> (berth_structs::Allocation, AllocRunner, PidFileKiller) {
+    let ext = create_volume(h, "vol").await;
+    h.claimer.grant(grant("vol", &ext));
+    let a = consumer(
+        &["vol"],
+        sh_task(
+            "web",
+            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
+        ),
+    );
+    let killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
+    let runner = h.runner(a.clone());
+    runner.run();
+    wait_running(&runner, "web", WITHIN).await;
+    (a, runner, killer)
+}
+
+/// The node events of the storage subsystem that do not say success.
+fn storage_failures(h: &Harness) -> Vec<berth_structs::NodeEvent> {
+    h.node_events
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|e| {
+            e.subsystem == "Storage" && e.details.get("success").map(String::as_str) != Some("true")
+        })
+        .cloned()
+        .collect()
+}
+
 #[tokio::test]
 async fn csi_volume_is_claimed_mounted_bound_and_released() {
     let h = Harness::with(|c| c.plugin_probe_interval = Duration::from_millis(200));
@@ -774,19 +808,7 @@ async fn destroy_keeps_the_alloc_records_while_a_volume_stays_mounted() {
     let s = allocs.clone();
     let h = Harness::with(move |c| c.store = s);
     let plugin = start_plugin(&h).await;
-    let ext = create_volume(&h, "vol").await;
-    h.claimer.grant(grant("vol", &ext));
-    let a = consumer(
-        &["vol"],
-        sh_task(
-            "web",
-            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
-        ),
-    );
-    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
-    let runner = h.runner(a.clone());
-    runner.run();
-    wait_running(&runner, "web", WITHIN).await;
+    let (a, runner, _killer) = run_volume_user(&h).await;
     // The plugin goes away: nothing can unmount the volume now.
     plugin.crash().await;
     wait_for("the plugin to be deregistered", WITHIN, || {
@@ -816,19 +838,7 @@ async fn destroy_keeps_the_alloc_records_while_a_volume_stays_mounted() {
 async fn an_alloc_whose_volume_stays_mounted_is_not_collectable() {
     let h = Harness::new();
     let plugin = start_plugin(&h).await;
-    let ext = create_volume(&h, "vol").await;
-    h.claimer.grant(grant("vol", &ext));
-    let a = consumer(
-        &["vol"],
-        sh_task(
-            "web",
-            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
-        ),
-    );
-    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
-    let runner = h.runner(a.clone());
-    runner.run();
-    wait_running(&runner, "web", WITHIN).await;
+    let (_, runner, _killer) = run_volume_user(&h).await;
     assert!(
         runner.gc_blocker().is_some(),
         "a running alloc is not collectable"
@@ -1013,19 +1023,7 @@ async fn assert_plugin_keeps_running(h: &Harness, plugin: &Plugin, period: Durat
 async fn a_stopped_plugin_runs_until_the_volumes_mounted_through_it_are_unmounted() {
     let h = Harness::new();
     let plugin = start_plugin(&h).await;
-    let ext = create_volume(&h, "vol").await;
-    h.claimer.grant(grant("vol", &ext));
-    let a = consumer(
-        &["vol"],
-        sh_task(
-            "web",
-            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
-        ),
-    );
-    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
-    let runner = h.runner(a.clone());
-    runner.run();
-    wait_running(&runner, "web", WITHIN).await;
+    let (a, runner, _killer) = run_volume_user(&h).await;
     let pid = plugin.pid();
 
     plugin.ask_to_stop();
@@ -1056,18 +1054,8 @@ async fn a_stopped_plugin_runs_until_the_volumes_mounted_through_it_are_unmounte
         "unmounted, then released"
     );
     wait_done(&plugin.runner, WITHIN).await;
-    let storage_failures: Vec<_> = h
-        .node_events
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|e| {
-            e.subsystem == "Storage" && e.details.get("success").map(String::as_str) != Some("true")
-        })
-        .cloned()
-        .collect();
-    assert!(storage_failures.is_empty(), "{storage_failures:?}");
+    let failures = storage_failures(&h);
+    assert!(failures.is_empty(), "{failures:?}");
 
     let events = plugin.events();
     let waits: Vec<_> = events
@@ -1163,19 +1151,7 @@ fn a_restored_plugin_alloc_asked_to_stop_waits_for_the_volumes_mounted_through_i
 async fn a_plugin_and_its_volume_user_stopped_together_unmount_before_the_plugin_stops() {
     let h = Harness::new();
     let plugin = start_plugin(&h).await;
-    let ext = create_volume(&h, "vol").await;
-    h.claimer.grant(grant("vol", &ext));
-    let a = consumer(
-        &["vol"],
-        sh_task(
-            "web",
-            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
-        ),
-    );
-    let _killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
-    let runner = h.runner(a.clone());
-    runner.run();
-    wait_running(&runner, "web", WITHIN).await;
+    let (a, runner, _killer) = run_volume_user(&h).await;
 
     plugin.ask_to_stop();
     let mut stopped = a.clone();
@@ -1185,17 +1161,7 @@ async fn a_plugin_and_its_volume_user_stopped_together_unmount_before_the_plugin
     wait_done(&plugin.runner, WITHIN).await;
 
     assert_eq!(runner.client_status(), AllocClientStatus::Complete);
-    let failures: Vec<_> = h
-        .node_events
-        .0
-        .lock()
-        .unwrap()
-        .iter()
-        .filter(|e| {
-            e.subsystem == "Storage" && e.details.get("success").map(String::as_str) != Some("true")
-        })
-        .cloned()
-        .collect();
+    let failures = storage_failures(&h);
     assert!(failures.is_empty(), "no unmount failed: {failures:?}");
     assert_eq!(
         h.claimer.unpublishes(),
