@@ -107,6 +107,22 @@ pub(super) async fn call(
     }
 }
 
+async fn get(router: &Router, uri: &str) -> Answer {
+    call(router, Method::GET, uri, None, Body::empty()).await
+}
+
+/// `method` on `uri` is a JSON 405 that names the methods `allowed` there
+/// and keeps the Allow header.
+async fn assert_not_allowed(router: &Router, method: Method, uri: &str, allowed: &str) {
+    let a = call(router, method.clone(), uri, None, Body::empty()).await;
+    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {uri}");
+    assert_eq!(
+        a.error_message(),
+        format!("method {method} is not allowed on {uri} (allowed: {allowed})")
+    );
+    assert!(a.headers.contains_key(header::ALLOW), "Allow is kept");
+}
+
 async fn put_json(router: &Router, uri: &str, body: impl Into<Body>) -> Answer {
     call(
         router,
@@ -121,7 +137,7 @@ async fn put_json(router: &Router, uri: &str, body: impl Into<Body>) -> Answer {
 #[tokio::test]
 async fn an_unknown_path_is_a_json_404_naming_it() {
     let api = TestApi::new();
-    let a = call(&api.router, Method::GET, "/v1/foo", None, Body::empty()).await;
+    let a = get(&api.router, "/v1/foo").await;
     assert_eq!(a.status, StatusCode::NOT_FOUND);
     assert_eq!(a.error_message(), "unknown API path /v1/foo");
     let a = call(&api.router, Method::DELETE, "/", None, Body::empty()).await;
@@ -132,26 +148,14 @@ async fn an_unknown_path_is_a_json_404_naming_it() {
 #[tokio::test]
 async fn a_wrong_method_is_a_json_405_naming_the_allowed_ones() {
     let api = TestApi::new();
-    let a = call(&api.router, Method::POST, "/v1/jobs", None, Body::empty()).await;
-    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
-    assert_eq!(
-        a.error_message(),
-        "method POST is not allowed on /v1/jobs (allowed: GET, HEAD, PUT)"
-    );
-    assert!(a.headers.contains_key(header::ALLOW), "Allow is kept");
-    let a = call(
+    assert_not_allowed(&api.router, Method::POST, "/v1/jobs", "GET, HEAD, PUT").await;
+    assert_not_allowed(
         &api.router,
         Method::GET,
         "/v1/volume/csi/v/detach",
-        None,
-        Body::empty(),
+        "DELETE",
     )
     .await;
-    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
-    assert_eq!(
-        a.error_message(),
-        "method GET is not allowed on /v1/volume/csi/v/detach (allowed: DELETE)"
-    );
 }
 
 #[tokio::test]
@@ -301,14 +305,7 @@ async fn a_bad_query_string_is_a_json_400_naming_the_parameter() {
         m.starts_with("invalid query string \"force=maybe\": force"),
         "{m}"
     );
-    let a = call(
-        &api.router,
-        Method::GET,
-        "/v1/job/x/allocations?index=soon",
-        None,
-        Body::empty(),
-    )
-    .await;
+    let a = get(&api.router, "/v1/job/x/allocations?index=soon").await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
     let m = a.error_message();
     assert!(m.contains("index: invalid digit"), "{m}");
@@ -317,7 +314,7 @@ async fn a_bad_query_string_is_a_json_400_naming_the_parameter() {
 #[tokio::test]
 async fn an_undecodable_path_parameter_is_a_json_400() {
     let api = TestApi::new();
-    let a = call(&api.router, Method::GET, "/v1/job/%FF", None, Body::empty()).await;
+    let a = get(&api.router, "/v1/job/%FF").await;
     assert_eq!(a.status, StatusCode::BAD_REQUEST);
     let m = a.error_message();
     assert!(m.starts_with("invalid URL path /v1/job/%FF: "), "{m}");
@@ -326,14 +323,7 @@ async fn an_undecodable_path_parameter_is_a_json_400() {
 #[tokio::test]
 async fn handler_errors_keep_the_same_shape() {
     let api = TestApi::new();
-    let a = call(
-        &api.router,
-        Method::GET,
-        "/v1/job/nope",
-        None,
-        Body::empty(),
-    )
-    .await;
+    let a = get(&api.router, "/v1/job/nope").await;
     assert_eq!(a.status, StatusCode::NOT_FOUND);
     assert!(a.error_message().contains("nope"), "{}", a.error_message());
     let a = put_json(
@@ -516,18 +506,11 @@ async fn drain_and_eligibility_routes_answer_the_node_by_id_prefix_or_name() {
         .await,
     );
     assert_eq!(n["scheduling_eligibility"], "ineligible");
-    let listed = body_json(&call(&api.router, Method::GET, "/v1/nodes", None, Body::empty()).await);
+    let listed = body_json(&get(&api.router, "/v1/nodes").await);
     assert_eq!(listed[0]["scheduling_eligibility"], "ineligible");
     assert_eq!(listed[0]["drain"], false);
 
-    let allocs = call(
-        &api.router,
-        Method::GET,
-        "/v1/node/worker-1/allocations",
-        None,
-        Body::empty(),
-    )
-    .await;
+    let allocs = get(&api.router, "/v1/node/worker-1/allocations").await;
     assert!(allocs.headers.contains_key("x-berth-index"));
     assert_eq!(body_json(&allocs), json!([]));
 }
@@ -605,19 +588,7 @@ async fn bad_drain_and_eligibility_requests_are_refused_naming_the_problem() {
     assert!(n.drain_strategy.is_none());
     assert!(n.is_eligible());
 
-    let a = call(
-        &api.router,
-        Method::GET,
-        "/v1/node/n1/drain",
-        None,
-        Body::empty(),
-    )
-    .await;
-    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
-    assert_eq!(
-        a.error_message(),
-        "method GET is not allowed on /v1/node/n1/drain (allowed: POST)"
-    );
+    assert_not_allowed(&api.router, Method::GET, "/v1/node/n1/drain", "POST").await;
 }
 
 #[tokio::test]
@@ -642,7 +613,7 @@ async fn node_answers_never_carry_the_node_secret() {
         "/v1/node/worker-1".to_string(),
         format!("/v1/node/{id}/allocations"),
     ] {
-        let a = call(&api.router, Method::GET, &uri, None, Body::empty()).await;
+        let a = get(&api.router, &uri).await;
         assert_eq!(a.status, StatusCode::OK, "{uri}");
         let body = String::from_utf8_lossy(&a.body);
         assert!(
