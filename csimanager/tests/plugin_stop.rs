@@ -16,6 +16,23 @@ const WITHIN: Duration = Duration::from_secs(10);
 /// The wait must wake on the change itself, not on a slow timer.
 const PROMPTLY: Duration = Duration::from_millis(500);
 
+/// Waits in a task of its own until the plugin instance of `PLUGIN_ALLOC`
+/// is unneeded; the counts of volumes it reported on the way are kept in
+/// the returned list.
+fn spawn_wait_until_unneeded(h: &Harness) -> (Arc<Mutex<Vec<usize>>>, tokio::task::JoinHandle<()>) {
+    let reported: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let manager = h.manager.clone();
+    let into = reported.clone();
+    let wait = tokio::spawn(async move {
+        manager
+            .wait_until_plugin_instance_unneeded(PLUGIN_ID, PLUGIN_ALLOC, |n| {
+                into.lock().unwrap().push(n)
+            })
+            .await
+    });
+    (reported, wait)
+}
+
 #[tokio::test]
 async fn a_plugin_instance_is_needed_while_its_volumes_are_mounted_for_other_allocs() {
     let h = Harness::start(&[]).await;
@@ -37,18 +54,7 @@ async fn a_plugin_instance_is_needed_while_its_volumes_are_mounted_for_other_all
         "only the plugin's own volumes count"
     );
 
-    let reported: Arc<Mutex<Vec<usize>>> = Arc::default();
-    let wait = {
-        let manager = h.manager.clone();
-        let reported = reported.clone();
-        tokio::spawn(async move {
-            manager
-                .wait_until_plugin_instance_unneeded(PLUGIN_ID, PLUGIN_ALLOC, |n| {
-                    reported.lock().unwrap().push(n)
-                })
-                .await
-        })
-    };
+    let (reported, wait) = spawn_wait_until_unneeded(&h);
     wait_for("the wait to report 2 volumes", WITHIN, || {
         *reported.lock().unwrap() == [2]
     })
@@ -92,18 +98,7 @@ async fn a_plugin_instance_is_needed_while_its_volumes_are_mounted_for_other_all
     // unmounted.
     h.registry
         .register(registration(&h.plugin.socket, CsiPluginType::Monolith));
-    let reported: Arc<Mutex<Vec<usize>>> = Arc::default();
-    let wait = {
-        let manager = h.manager.clone();
-        let reported = reported.clone();
-        tokio::spawn(async move {
-            manager
-                .wait_until_plugin_instance_unneeded(PLUGIN_ID, PLUGIN_ALLOC, |n| {
-                    reported.lock().unwrap().push(n)
-                })
-                .await
-        })
-    };
+    let (reported, wait) = spawn_wait_until_unneeded(&h);
     wait_for("the wait to report 1 volume", WITHIN, || {
         *reported.lock().unwrap() == [1]
     })
