@@ -131,6 +131,112 @@ pub fn strs(v: &Value) -> Vec<String> {
         .collect()
 }
 
+/// The pid of `task` of `alloc_id` as its executor recorded it under the
+/// agent data dir `data_dir`.
+pub fn recorded_task_pid(data_dir: &Path, alloc_id: &str, task: &str) -> Result<i32> {
+    let path = data_dir
+        .join("alloc")
+        .join(alloc_id)
+        .join(".executor")
+        .join(task)
+        .join("state.json");
+    let v: Value = serde_json::from_slice(
+        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
+    )?;
+    let pid = v["task_pid"]
+        .as_i64()
+        .with_context(|| format!("no task_pid in {v}"))?;
+    Ok(i32::try_from(pid)?)
+}
+
+/// The events of `task` in a full alloc status, oldest first, as
+/// `(type, message, time_ms)`.
+pub fn task_events(alloc: &Value, task: &str) -> Vec<(String, String, i64)> {
+    alloc["task_states"][task]["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap_or_default().to_string(),
+                e["message"].as_str().unwrap_or_default().to_string(),
+                e["time_ms"].as_i64().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+/// The events of `subsystem` (such as "Storage") in a full node status.
+pub fn node_events<'a>(node: &'a Value, subsystem: &str) -> Vec<&'a Value> {
+    node["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["subsystem"] == subsystem)
+        .collect()
+}
+
+/// A service job `job` of one group `job` whose task `task` runs
+/// `/bin/sh` with `args`, with the CSI volume "data" (single node writer)
+/// mounted at `data` in its task dir.
+pub fn csi_volume_service_job(job: &str, task: &str, args: &[&str]) -> String {
+    let args = args
+        .iter()
+        .map(|a| Value::from(*a).to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        r#"
+job "{job}" {{
+  type        = "service"
+  datacenters = ["dc1"]
+
+  group "{job}" {{
+    volume "data" {{
+      type            = "csi"
+      source          = "data"
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }}
+
+    task "{task}" {{
+      driver = "raw_exec"
+
+      config {{
+        command = "/bin/sh"
+        args    = [{args}]
+      }}
+
+      volume_mount {{
+        volume      = "data"
+        destination = "data"
+      }}
+
+      resources {{
+        cpu    = 50
+        memory = 32
+      }}
+    }}
+  }}
+}}
+"#
+    )
+}
+
+/// Waits up to 60 s for the only alloc of `job` to run, and answers its
+/// full status.
+pub fn wait_alloc_running(agent: &DevAgent, job: &str) -> Result<Value> {
+    wait_for(
+        &format!("the {job} alloc to run"),
+        Duration::from_secs(60),
+        || {
+            let a = only_alloc(agent, job)?;
+            Ok((a["client_status"] == "running").then_some(a))
+        },
+    )
+    .with_context(|| agent.log())
+}
+
 /// The full status of the only alloc of `job`.
 pub fn only_alloc(agent: &DevAgent, job: &str) -> Result<Value> {
     let status = agent.cli_json(&["job", "status", job])?;

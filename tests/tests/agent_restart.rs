@@ -10,70 +10,33 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use berth_tests::{mounts_under, only_alloc, processes_with_cmdline, strs, wait_for, DevAgent};
+use berth_tests::{
+    csi_volume_service_job, mounts_under, only_alloc, processes_with_cmdline, recorded_task_pid,
+    strs, task_events, wait_alloc_running as wait_running, wait_for, DevAgent,
+};
 use serde_json::Value;
 
 /// Marks the holder's shell in its command line (`$0`).
 const HOLDER_MARK: &str = "berth-restart-holder";
 
-const HOLDER_JOB: &str = r#"
-job "holder" {
-  type        = "service"
-  datacenters = ["dc1"]
-
-  group "holder" {
-    volume "data" {
-      type            = "csi"
-      source          = "data"
-      access_mode     = "single-node-writer"
-      attachment_mode = "file-system"
-    }
-
-    task "hold" {
-      driver = "raw_exec"
-
-      config {
-        command = "/bin/sh"
-        args    = ["-c", "while true; do date +%s%N >> ${BERTH_TASK_DIR}/data/ticks; sleep 0.2; done", "berth-restart-holder"]
-      }
-
-      volume_mount {
-        volume      = "data"
-        destination = "data"
-      }
-
-      resources {
-        cpu    = 50
-        memory = 32
-      }
-    }
-  }
+/// A service that holds the `data` volume and keeps writing ticks to it.
+fn holder_job() -> String {
+    csi_volume_service_job(
+        "holder",
+        "hold",
+        &[
+            "-c",
+            "while true; do date +%s%N >> ${BERTH_TASK_DIR}/data/ticks; sleep 0.2; done",
+            HOLDER_MARK,
+        ],
+    )
 }
-"#;
 
 fn count_events(alloc: &Value, task: &str, event_type: &str) -> usize {
-    alloc["task_states"][task]["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|e| e["type"] == event_type)
+    task_events(alloc, task)
+        .iter()
+        .filter(|(t, _, _)| t == event_type)
         .count()
-}
-
-/// The task pid its executor recorded.
-fn recorded_task_pid(data_dir: &Path, alloc_id: &str, task: &str) -> Result<i64> {
-    let path = data_dir
-        .join("alloc")
-        .join(alloc_id)
-        .join(".executor")
-        .join(task)
-        .join("state.json");
-    let v: Value = serde_json::from_slice(
-        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
-    )?;
-    v["task_pid"]
-        .as_i64()
-        .with_context(|| format!("no task_pid in {v}"))
 }
 
 fn lines(path: &Path) -> usize {
@@ -81,18 +44,6 @@ fn lines(path: &Path) -> usize {
         .unwrap_or_default()
         .lines()
         .count()
-}
-
-fn wait_running(agent: &DevAgent, job: &str) -> Result<Value> {
-    wait_for(
-        &format!("the {job} alloc to run"),
-        Duration::from_secs(60),
-        || {
-            let a = only_alloc(agent, job)?;
-            Ok((a["client_status"] == "running").then_some(a))
-        },
-    )
-    .with_context(|| agent.log())
 }
 
 #[test]
@@ -103,7 +54,7 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
     // The plugin, the volume, and a service that holds it and writes.
     agent.run_plugin_and_create_volume()?;
     let holder_file = data_dir.join("holder.hcl");
-    std::fs::write(&holder_file, HOLDER_JOB)?;
+    std::fs::write(&holder_file, holder_job())?;
     agent.cli_ok(&["job", "run", "-detach", &holder_file.display().to_string()])?;
     let plugin = wait_running(&agent, "hostpath-plugin")?;
     let holder = wait_running(&agent, "holder")?;
@@ -122,11 +73,11 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
     assert_eq!(holder_pids.len(), 1, "one holder process: {holder_pids:?}");
     assert_eq!(
         recorded_task_pid(&data_dir, &plugin_id, "plugin")?,
-        i64::from(plugin_pids[0])
+        plugin_pids[0]
     );
     assert_eq!(
         recorded_task_pid(&data_dir, &holder_id, "hold")?,
-        i64::from(holder_pids[0])
+        holder_pids[0]
     );
     let mounts_before = mounts_under(&holder_dir);
     assert!(

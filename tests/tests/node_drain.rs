@@ -7,7 +7,10 @@
 use std::time::Duration;
 
 use anyhow::Result;
-use berth_tests::{example_with, mounts_under, only_alloc, strs, wait_for, DevAgent};
+use berth_tests::{
+    example_with, mounts_under, node_events, only_alloc, strs, wait_alloc_running, wait_for,
+    DevAgent,
+};
 use serde_json::Value;
 
 #[test]
@@ -25,11 +28,10 @@ fn draining_the_node_unmounts_the_volume_before_the_plugin_stops_and_follows_to_
     )?;
     let writer_file = agent.write_file("writer.hcl", &writer)?;
     agent.cli_ok(&["job", "run", "-detach", &writer_file])?;
-    let writer_id = wait_for("the writer to run", Duration::from_secs(60), || {
-        let a = only_alloc(&agent, "writer")?;
-        Ok((a["client_status"] == "running")
-            .then(|| a["id"].as_str().unwrap_or_default().to_string()))
-    })?;
+    let writer_id = wait_alloc_running(&agent, "writer")?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let plugin = only_alloc(&agent, "hostpath-plugin")?;
     let node_id = plugin["node_id"].as_str().unwrap_or_default().to_string();
     assert!(
@@ -54,12 +56,7 @@ fn draining_the_node_unmounts_the_volume_before_the_plugin_stops_and_follows_to_
     let vol = agent.cli_json(&["volume", "status", "data"])?;
     assert!(strs(&vol["write_allocs"]).is_empty(), "{vol}");
     let node = agent.cli_json(&["node", "status", &node_id])?;
-    let storage: Vec<&Value> = node["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|e| e["subsystem"] == "Storage")
-        .collect();
+    let storage = node_events(&node, "Storage");
     assert!(
         storage.iter().any(|e| e["message"] == "Unmount volume"
             && e["details"]["alloc_id"] == writer_id.as_str()

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{example_with, only_alloc, wait_for, DevAgent};
+use berth_tests::{example_with, only_alloc, task_events, wait_for, DevAgent};
 use serde_json::Value;
 
 const PROVIDER: &str = "hostpath.csi.berth.dev";
@@ -25,16 +25,9 @@ fn plugin_job(agent: &DevAgent) -> Result<String> {
 /// The plugin task's events, `(type, message)`.
 fn plugin_task_events(agent: &DevAgent) -> Result<Vec<(String, String)>> {
     let alloc = only_alloc(agent, "hostpath-plugin")?;
-    Ok(alloc["task_states"]["plugin"]["events"]
-        .as_array()
+    Ok(task_events(&alloc, "plugin")
         .into_iter()
-        .flatten()
-        .map(|e| {
-            (
-                e["type"].as_str().unwrap_or_default().to_string(),
-                e["message"].as_str().unwrap_or_default().to_string(),
-            )
-        })
+        .map(|(kind, message, _)| (kind, message))
         .collect())
 }
 

@@ -10,63 +10,31 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use berth_tests::{mounts_under, only_alloc, processes_with_cmdline, strs, wait_for, DevAgent};
+use berth_tests::{
+    csi_volume_service_job, mounts_under, node_events, only_alloc, processes_with_cmdline, strs,
+    task_events, wait_alloc_running, wait_for, DevAgent,
+};
 use serde_json::Value;
 
 const WAITING: &str =
     "Waiting for 1 volume(s) of plugin \"hostpath\" to be unmounted before stopping";
 
 /// A service that keeps the `data` volume mounted.
-const USER_JOB: &str = r#"
-job "user" {
-  type        = "service"
-  datacenters = ["dc1"]
-
-  group "user" {
-    volume "data" {
-      type            = "csi"
-      source          = "data"
-      access_mode     = "single-node-writer"
-      attachment_mode = "file-system"
-    }
-
-    task "hold" {
-      driver = "raw_exec"
-
-      config {
-        command = "/bin/sh"
-        args    = ["-c", "echo hello > ${BERTH_TASK_DIR}/data/hello; exec sleep 1000"]
-      }
-
-      volume_mount {
-        volume      = "data"
-        destination = "data"
-      }
-
-      resources {
-        cpu    = 50
-        memory = 32
-      }
-    }
-  }
+fn user_job() -> String {
+    csi_volume_service_job(
+        "user",
+        "hold",
+        &[
+            "-c",
+            "echo hello > ${BERTH_TASK_DIR}/data/hello; exec sleep 1000",
+        ],
+    )
 }
-"#;
 
 /// The plugin task's events of the plugin alloc, as (type, message, time).
 fn plugin_events(agent: &DevAgent, alloc_id: &str) -> Result<Vec<(String, String, i64)>> {
     let a = agent.cli_json(&["alloc", "status", alloc_id])?;
-    Ok(a["task_states"]["plugin"]["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|e| {
-            (
-                e["type"].as_str().unwrap_or_default().to_string(),
-                e["message"].as_str().unwrap_or_default().to_string(),
-                e["time_ms"].as_i64().unwrap_or_default(),
-            )
-        })
-        .collect())
+    Ok(task_events(&a, "plugin"))
 }
 
 fn waiting_events(agent: &DevAgent, alloc_id: &str) -> Result<usize> {
@@ -110,14 +78,12 @@ fn stopping_the_plugin_job_waits_until_its_volume_is_unmounted() -> Result<()> {
     let mut agent = DevAgent::start()?;
     let data_dir = agent.data_dir.path().canonicalize()?;
     agent.run_plugin_and_create_volume()?;
-    let user_file = agent.write_file("user.hcl", USER_JOB)?;
+    let user_file = agent.write_file("user.hcl", &user_job())?;
     agent.cli_ok(&["job", "run", "-detach", &user_file])?;
-    let user_id = wait_for("the user to run", Duration::from_secs(60), || {
-        let a = only_alloc(&agent, "user")?;
-        Ok((a["client_status"] == "running")
-            .then(|| a["id"].as_str().unwrap_or_default().to_string()))
-    })
-    .with_context(|| agent.log())?;
+    let user_id = wait_alloc_running(&agent, "user")?["id"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     let user_dir = data_dir.join("alloc").join(&user_id);
     wait_for("the user to write", Duration::from_secs(30), || {
         Ok(user_dir.join("hold/data/hello").is_file().then_some(()))
@@ -170,12 +136,7 @@ fn stopping_the_plugin_job_waits_until_its_volume_is_unmounted() -> Result<()> {
     );
 
     let node = agent.cli_json(&["node", "status", &node_id])?;
-    let storage: Vec<&Value> = node["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|e| e["subsystem"] == "Storage")
-        .collect();
+    let storage = node_events(&node, "Storage");
     let unmounted = storage
         .iter()
         .find(|e| {

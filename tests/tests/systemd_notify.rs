@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{api_get_at, cli_at, free_port, sleeping_service_job, wait_for, Agent};
+use berth_tests::{
+    api_get_at, cli_at, free_port, recorded_task_pid, sleeping_service_job, task_events, wait_for,
+    Agent,
+};
 use nix::sys::signal::Signal;
 use serde_json::Value;
 
@@ -198,29 +201,10 @@ impl Setup {
     }
 }
 
-/// The task pid its executor recorded.
-fn recorded_task_pid(data_dir: &Path, alloc_id: &str, task: &str) -> Result<i32> {
-    let path = data_dir
-        .join("alloc")
-        .join(alloc_id)
-        .join(".executor")
-        .join(task)
-        .join("state.json");
-    let v: Value = serde_json::from_slice(
-        &std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?,
-    )?;
-    let pid = v["task_pid"]
-        .as_i64()
-        .with_context(|| format!("no task_pid in {v}"))?;
-    Ok(i32::try_from(pid)?)
-}
-
 fn started_events(alloc: &Value) -> usize {
-    alloc["task_states"]["sleep"]["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|e| e["type"] == "Started")
+    task_events(alloc, "sleep")
+        .iter()
+        .filter(|(t, _, _)| t == "Started")
         .count()
 }
 
