@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{sleeping_service_job, wait_for, DevAgent};
+use berth_tests::{sleeping_service_job, task_events, wait_for, DevAgent};
 use serde_json::Value;
 
 const JOB: &str = "stop-at-once";
@@ -34,20 +34,6 @@ fn is_terminal(a: &Value) -> bool {
     )
 }
 
-fn events(task: &Value) -> Vec<(String, String)> {
-    task["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|e| {
-            (
-                e["type"].as_str().unwrap_or_default().to_string(),
-                e["message"].as_str().unwrap_or_default().to_string(),
-            )
-        })
-        .collect()
-}
-
 /// Checks that every alloc is terminal and that each one whose tasks never
 /// started has a `Not Started` event on every task. Returns how many never
 /// started.
@@ -66,16 +52,18 @@ fn check_allocs(all: &[Value]) -> Result<usize> {
         if tasks.is_empty() {
             bail!("terminal alloc {id} has no task states: {a}");
         }
-        let started = tasks
-            .values()
-            .any(|t| events(t).iter().any(|(kind, _)| kind == "Started"));
+        let started = tasks.keys().any(|name| {
+            task_events(a, name)
+                .iter()
+                .any(|(kind, _, _)| kind == "Started")
+        });
         if started {
             continue;
         }
         never_started += 1;
-        for (name, t) in &tasks {
-            let evs = events(t);
-            let said = evs.iter().any(|(kind, msg)| {
+        for name in tasks.keys() {
+            let evs = task_events(a, name);
+            let said = evs.iter().any(|(kind, msg, _)| {
                 kind == "Not Started" && msg == "the alloc was stopped before it started"
             });
             if !said {
