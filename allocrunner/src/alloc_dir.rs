@@ -1,6 +1,12 @@
 //! The alloc directory:
 //! `<alloc_root>/<alloc_id>/alloc/{data,logs,tmp}` shared by the tasks, and
 //! `<alloc_root>/<alloc_id>/<task>/{local,secrets,tmp}` per task.
+//!
+//! Beside the alloc root, `<data_dir>/node_data/<job_id>/<group>/<task>`
+//! is a task's node data dir (`BERTH_NODE_DATA_DIR`): shared by every alloc
+//! of that job, group and task on the node, whatever its version, and never
+//! removed with an alloc dir. A CSI plugin keeps its volumes there, so that
+//! a new alloc of the plugin job finds the volumes of the old one.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -80,6 +86,43 @@ impl AllocDir {
         self.path.join(EXECUTOR_DIR).join(task)
     }
 
+    /// `<data_dir>/node_data/<job_id>/<group>/<task>`, where the alloc root
+    /// is `<data_dir>/alloc`: the task's node data dir.
+    pub fn node_data_dir(&self, job_id: &str, group: &str, task: &str) -> PathBuf {
+        let alloc_root = self.path.parent().unwrap_or(&self.path);
+        alloc_root
+            .parent()
+            .unwrap_or(alloc_root)
+            .join(NODE_DATA_DIR)
+            .join(job_id)
+            .join(group)
+            .join(task)
+    }
+
+    /// Makes the task's node data dir (mode 0700). Idempotent. The job ID,
+    /// group and task names become path components: each must pass the
+    /// name rule.
+    pub fn build_node_data(
+        &self,
+        job_id: &str,
+        group: &str,
+        task: &str,
+    ) -> Result<PathBuf, HookError> {
+        for (field, name) in [
+            ("job ID", job_id),
+            ("group name", group),
+            ("task name", task),
+        ] {
+            berth_structs::check_name(field, name)
+                .map_err(|e| HookError::Invalid(e.to_string()))?;
+        }
+        let dir = self.node_data_dir(job_id, group, task);
+        create_dir(&dir)?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| HookError::io("restricting node data dir", &dir, e))?;
+        Ok(dir)
+    }
+
     /// Makes the shared directories. Idempotent.
     pub fn build_shared(&self) -> Result<(), HookError> {
         for d in [self.data_dir(), self.logs_dir(), self.tmp_dir()] {
@@ -139,6 +182,10 @@ impl AllocDir {
 /// The directory of executor records below the alloc dir; no task may
 /// have this name.
 const EXECUTOR_DIR: &str = ".executor";
+
+/// `<data_dir>/node_data`: the node data dirs of tasks, beside the alloc
+/// root.
+pub const NODE_DATA_DIR: &str = "node_data";
 
 fn create_dir(d: &Path) -> Result<(), HookError> {
     std::fs::create_dir_all(d).map_err(|e| HookError::io("creating", d, e))
@@ -206,6 +253,33 @@ mod tests {
         assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
         assert_eq!(unescape_mountinfo(r"/plain"), "/plain");
         assert_eq!(unescape_mountinfo(r"/end\04"), r"/end\04");
+    }
+
+    #[test]
+    fn the_node_data_dir_is_private_checked_and_outlives_the_alloc_dir() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let alloc_root = tmp.path().join("alloc");
+        let dir = AllocDir::new(&alloc_root, "a1");
+        dir.build_shared().unwrap();
+        let data = dir.build_node_data("job", "group", "task").unwrap();
+        assert_eq!(data, tmp.path().join("node_data/job/group/task"));
+        let mode = std::fs::metadata(&data).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        std::fs::write(data.join("state.json"), "{}").unwrap();
+        // Idempotent, and kept when the alloc dir goes.
+        assert_eq!(dir.build_node_data("job", "group", "task").unwrap(), data);
+        dir.destroy().unwrap();
+        assert!(!dir.path().exists());
+        assert!(data.join("state.json").is_file());
+        // A later alloc of the same task finds it.
+        let next = AllocDir::new(&alloc_root, "a2");
+        assert_eq!(next.node_data_dir("job", "group", "task"), data);
+        for (job, group, task) in [("../x", "g", "t"), ("j", "..", "t"), ("j", "g", "a/b")] {
+            let e = next.build_node_data(job, group, task).unwrap_err();
+            assert!(e.to_string().contains("is not allowed"), "{e}");
+        }
+        assert!(!tmp.path().join("x").exists());
     }
 
     #[test]

@@ -10,7 +10,9 @@ use crate::alloc_dir::{AllocDir, TaskDir};
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// The variables berth sets for every task, and `PATH` (the agent's,
-/// after `extra_path`).
+/// after `extra_path`). `BERTH_NODE_DATA_DIR` is the task's node data dir
+/// (see [`AllocDir::node_data_dir`]): the same for every alloc of the job,
+/// group and task on this node.
 pub fn base_env(
     alloc: &Allocation,
     task: &Task,
@@ -41,6 +43,13 @@ pub fn base_env(
         ("BERTH_GROUP_NAME", alloc.task_group.clone()),
         ("BERTH_TASK_NAME", task.name.clone()),
         ("BERTH_NODE_ID", node_id.to_string()),
+        (
+            "BERTH_NODE_DATA_DIR",
+            alloc_dir
+                .node_data_dir(&alloc.job_id, &alloc.task_group, &task.name)
+                .display()
+                .to_string(),
+        ),
         ("PATH", path),
     ]
     .into_iter()
@@ -109,6 +118,57 @@ mod tests {
         assert_eq!(interpolate("$A ${A", &e), "$A ${A");
         assert_eq!(interpolate("", &e), "");
         assert_eq!(interpolate("${}", &e), "${}");
+    }
+
+    fn alloc_of(id: &str, version: u64) -> Allocation {
+        let mut a = Allocation {
+            id: id.into(),
+            job_id: "hostpath-plugin".into(),
+            task_group: "plugin".into(),
+            ..Allocation::default()
+        };
+        a.job.id = "hostpath-plugin".into();
+        a.job.version = version;
+        a
+    }
+
+    #[test]
+    fn every_alloc_of_a_task_gets_the_same_node_data_dir() {
+        let root = std::path::Path::new("/var/lib/berth/alloc");
+        let task = Task {
+            name: "plugin".into(),
+            ..Task::default()
+        };
+        let env_of = |alloc: &Allocation| {
+            let dir = AllocDir::new(root, &alloc.id);
+            let td = dir.task_dir(&task.name);
+            base_env(alloc, &task, "node-1", &dir, &td, None)
+        };
+        let old = env_of(&alloc_of("a1", 0));
+        let new = env_of(&alloc_of("a2", 1));
+        assert_eq!(
+            old["BERTH_NODE_DATA_DIR"],
+            "/var/lib/berth/node_data/hostpath-plugin/plugin/plugin"
+        );
+        assert_eq!(old["BERTH_NODE_DATA_DIR"], new["BERTH_NODE_DATA_DIR"]);
+        assert_ne!(old["BERTH_ALLOC_DIR"], new["BERTH_ALLOC_DIR"]);
+        // Interpolated in args like every other variable.
+        assert_eq!(
+            interpolate("--state-dir=${BERTH_NODE_DATA_DIR}", &new),
+            "--state-dir=/var/lib/berth/node_data/hostpath-plugin/plugin/plugin"
+        );
+        // Another task of the group has its own.
+        let other = Task {
+            name: "other".into(),
+            ..Task::default()
+        };
+        let alloc = alloc_of("a1", 0);
+        let dir = AllocDir::new(root, &alloc.id);
+        let e = base_env(&alloc, &other, "n", &dir, &dir.task_dir("other"), None);
+        assert_eq!(
+            e["BERTH_NODE_DATA_DIR"],
+            "/var/lib/berth/node_data/hostpath-plugin/plugin/other"
+        );
     }
 
     #[test]

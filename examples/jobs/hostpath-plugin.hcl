@@ -10,12 +10,14 @@ job "hostpath-plugin" {
       driver = "raw_exec"
 
       config {
-        # Found on PATH.
+        # Found on PATH. Volumes live in the task's node data dir, which
+        # every alloc of this task on the node shares: a new version of the
+        # plugin job (or a stop, then a run) finds the volumes of the old one.
         command = "hostpath-plugin"
         args = [
           "--endpoint=${CSI_ENDPOINT}",
           "--node-id=${BERTH_NODE_ID}",
-          "--state-dir=${BERTH_ALLOC_DIR}/data",
+          "--state-dir=${BERTH_NODE_DATA_DIR}",
         ]
       }
 

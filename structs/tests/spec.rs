@@ -59,7 +59,7 @@ fn hostpath_plugin_example_parses_and_validates() {
         [
             "--endpoint=${CSI_ENDPOINT}",
             "--node-id=${BERTH_NODE_ID}",
-            "--state-dir=${BERTH_ALLOC_DIR}/data",
+            "--state-dir=${BERTH_NODE_DATA_DIR}",
         ]
     );
     assert_eq!(

@@ -218,7 +218,7 @@ impl Client {
 pub fn shared_plugin_job(state_dir: &Path) -> Result<String> {
     example_with(
         "jobs/hostpath-plugin.hcl",
-        "--state-dir=${BERTH_ALLOC_DIR}/data",
+        "--state-dir=${BERTH_NODE_DATA_DIR}",
         &format!("--state-dir={}", path_str(state_dir)?),
     )
 }
