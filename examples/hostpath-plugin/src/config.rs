@@ -1,8 +1,9 @@
 //! Command line flags.
 //!
 //! Parsed by hand: every flag accepts both `--flag value` and `--flag=value`.
-//! `--fail` and `--delay` may be given more than once.
+//! `--fail`, `--delay` and `--topology` may be given more than once.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -25,6 +26,12 @@ OPTIONS:
     --node-id ID             Node ID reported by NodeGetInfo (default: the hostname)
     --enable-attach          Serve ControllerPublishVolume/ControllerUnpublishVolume
                              and require them before NodeStageVolume
+    --topology KEY=VALUE[,KEY=VALUE...]
+                             The topology segments this instance serves, e.g.
+                             topology.hostpath.csi/node=node-a. Repeatable.
+                             Reported by NodeGetInfo; volumes created through
+                             this instance are accessible from these segments
+                             only (see TOPOLOGY)
     --fail RPC=CODE[:COUNT]  Answer RPC with gRPC CODE (e.g. unavailable, internal),
                              for the first COUNT calls or, without COUNT, always.
                              Repeatable; rules for one RPC apply in order
@@ -46,11 +53,24 @@ SHARED STATE:
     --enable-attach any registered node can be published to. Give each
     instance its own --node-id and --endpoint. What is staged or published on
     a node is never written to DIR: the node's own mount table is the record.
-    No topology is reported, so every node can reach every volume.
+    Without --topology no topology is reported, so every node can reach
+    every volume.
+
+TOPOLOGY:
+    With --topology, GetPluginCapabilities reports
+    VOLUME_ACCESSIBILITY_CONSTRAINTS and NodeGetInfo the given segments.
+    CreateVolume places the volume in this instance's segments (recorded in
+    the state, answered as accessible_topology) and answers
+    RESOURCE_EXHAUSTED when accessibility_requirements.requisite is given
+    and no entry of it is satisfied by them (an entry is satisfied when each
+    of its keys has this instance's value). NodeStageVolume of a volume on
+    an instance whose segments do not satisfy the volume's topology answers
+    FAILED_PRECONDITION. Volumes created without --topology are accessible
+    from every instance.
 ";
 
 /// The plugin configuration.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Config {
     /// Path of the unix socket to listen on.
     pub socket_path: PathBuf,
@@ -60,6 +80,9 @@ pub struct Config {
     pub node_id: String,
     /// Whether the controller publish/unpublish RPCs are served.
     pub enable_attach: bool,
+    /// The topology segments this instance serves (`--topology`); empty
+    /// when it reports no topology.
+    pub topology: BTreeMap<String, String>,
     /// Injected failures and delays.
     pub faults: FaultPlan,
 }
@@ -101,12 +124,21 @@ pub enum ConfigError {
         value: String,
         reason: String,
     },
+    #[error("invalid `--topology` value `{value}`: {reason}")]
+    BadTopology { value: String, reason: String },
     #[error("cannot determine the hostname for the default node ID ({0}); pass `--node-id`")]
     NoHostname(String),
 }
 
 /// The flags that take a value.
-const VALUE_FLAGS: [&str; 5] = ["endpoint", "state-dir", "node-id", "fail", "delay"];
+const VALUE_FLAGS: [&str; 6] = [
+    "endpoint",
+    "state-dir",
+    "node-id",
+    "fail",
+    "delay",
+    "topology",
+];
 
 /// Parses the command line (without the program name). `env_endpoint` is the
 /// value of `CSI_ENDPOINT`, used when `--endpoint` is absent; `hostname`
@@ -124,6 +156,7 @@ where
     let mut node_id: Option<String> = None;
     let mut enable_attach = false;
     let mut faults = FaultPlan::default();
+    let mut topology = BTreeMap::new();
 
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
@@ -187,6 +220,7 @@ where
                     })?;
                 faults.set_delay(rpc, delay);
             }
+            "topology" => add_topology(&mut topology, &value)?,
             _ => unreachable!("every value flag is handled"),
         }
     }
@@ -209,8 +243,37 @@ where
         state_dir: PathBuf::from(state_dir),
         node_id,
         enable_attach,
+        topology,
         faults,
     }))
+}
+
+/// Adds the segments of one `--topology KEY=VALUE[,KEY=VALUE...]` value. A
+/// key given twice must have the same value.
+fn add_topology(topology: &mut BTreeMap<String, String>, value: &str) -> Result<(), ConfigError> {
+    let bad = |reason: String| ConfigError::BadTopology {
+        value: value.to_owned(),
+        reason,
+    };
+    for segment in value.split(',') {
+        let (key, val) = segment
+            .split_once('=')
+            .ok_or_else(|| bad(format!("segment `{segment}` is not KEY=VALUE")))?;
+        let (key, val) = (key.trim(), val.trim());
+        if key.is_empty() || val.is_empty() {
+            return Err(bad(format!(
+                "segment `{segment}` needs a non-empty key and value"
+            )));
+        }
+        if let Some(before) = topology.insert(key.to_owned(), val.to_owned()) {
+            if before != val {
+                return Err(bad(format!(
+                    "key `{key}` is given both as `{before}` and as `{val}`"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn set_once(
@@ -353,6 +416,45 @@ mod tests {
         );
         assert_eq!(c.faults.delay("Probe"), Some(Duration::from_millis(500)));
         assert_eq!(c.faults.delay("NodeStageVolume"), None);
+    }
+
+    #[test]
+    fn topology_is_repeatable_and_commaed() {
+        let c = run(&["--endpoint=unix:///a.sock", "--state-dir=/s"]);
+        assert!(c.topology.is_empty(), "no topology by default");
+        let c = run(&[
+            "--endpoint=unix:///a.sock",
+            "--state-dir=/s",
+            "--topology",
+            "topology.hostpath.csi/node=node-a,zone=z1",
+            "--topology=rack=r7",
+            "--topology=zone=z1",
+        ]);
+        assert_eq!(
+            c.topology,
+            BTreeMap::from([
+                ("rack".to_owned(), "r7".to_owned()),
+                ("topology.hostpath.csi/node".to_owned(), "node-a".to_owned()),
+                ("zone".to_owned(), "z1".to_owned()),
+            ])
+        );
+        for bad in ["zone", "zone=", "=z1", "zone=z1,", "zone=z1,zone=z2", ""] {
+            let err = parse(&[
+                "--endpoint=unix:///a.sock",
+                "--state-dir=/s",
+                "--topology",
+                bad,
+            ])
+            .unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::BadTopology { value, .. } if value == bad),
+                "{bad}: {err}"
+            );
+        }
+        assert_eq!(
+            parse(&["--endpoint=unix:///a.sock", "--state-dir=/s", "--topology"]),
+            Err(ConfigError::MissingValue("topology"))
+        );
     }
 
     #[test]

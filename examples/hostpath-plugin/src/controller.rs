@@ -15,6 +15,7 @@ use tonic::{Request, Response, Status};
 
 use crate::capability::{self, Rejection};
 use crate::error::{require, Error};
+use crate::image;
 use crate::mount;
 use crate::plugin::Plugin;
 use crate::state::{self, Publication, VolumeRecord};
@@ -26,8 +27,46 @@ fn volume_of(record: &VolumeRecord) -> Volume {
     Volume {
         capacity_bytes: record.capacity_bytes,
         volume_id: record.volume_id.clone(),
+        accessible_topology: topology_of(&record.topology).into_iter().collect(),
         ..Default::default()
     }
+}
+
+/// A volume's recorded topology as CSI has it: none when it is accessible
+/// from everywhere.
+fn topology_of(segments: &BTreeMap<String, String>) -> Option<Topology> {
+    (!segments.is_empty()).then(|| Topology {
+        segments: segments.clone().into_iter().collect(),
+    })
+}
+
+/// The `requisite` topologies of a CreateVolume, as segment maps.
+fn requisite_of(requirements: Option<&TopologyRequirement>) -> Vec<BTreeMap<String, String>> {
+    requirements
+        .map(|r| {
+            r.requisite
+                .iter()
+                .map(|t| t.segments.clone().into_iter().collect())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Whether `segments` satisfy one of `requisite` (an empty `requisite`
+/// asks for nothing).
+fn meets_requisite(
+    segments: &BTreeMap<String, String>,
+    requisite: &[BTreeMap<String, String>],
+) -> bool {
+    requisite.is_empty()
+        || requisite
+            .iter()
+            .any(|wanted| state::topology_satisfied(segments, wanted))
+}
+
+fn describe_requisite(requisite: &[BTreeMap<String, String>]) -> String {
+    let each: Vec<String> = requisite.iter().map(state::describe_topology).collect();
+    format!("[{}]", each.join(", "))
 }
 
 impl Plugin {
@@ -42,7 +81,12 @@ impl Plugin {
                 "must not contain control characters",
             ));
         }
-        capability::check_all(&req.volume_capabilities, "volume_capabilities")?;
+        let caps = capability::check_all(&req.volume_capabilities, "volume_capabilities")?;
+        let backing = image::backing_of(&req.parameters.clone().into_iter().collect())?;
+        for cap in &caps {
+            cap.suits(backing)
+                .map_err(|reason| Error::invalid("volume_capabilities", reason))?;
+        }
         if req.volume_content_source.is_some() {
             return Err(Error::invalid(
                 "volume_content_source",
@@ -50,13 +94,18 @@ impl Plugin {
             ));
         }
         let range = capability::range_bounds(req.capacity_range.as_ref())?;
+        let requisite = requisite_of(req.accessibility_requirements.as_ref());
         let volume_id = state::volume_id_for(&name);
         let _guard = self.begin("CreateVolume", &volume_id).await?;
         tracing::debug!(%name, %volume_id, "creating volume");
 
         let dir = self.volume_dir(&volume_id);
+        let image = image::image_path(self.state_dir(), &volume_id);
         let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
         let (id, wanted_name) = (volume_id.clone(), name.clone());
+        // A new volume is placed in this instance's topology; without
+        // --topology it is accessible from everywhere.
+        let (offered, node_id) = (self.topology().clone(), self.node_id().to_owned());
         // Checked and made under the state lock, so that two instances
         // creating the same name at once agree on one volume.
         let (record, existed) = self
@@ -81,17 +130,50 @@ impl Plugin {
                             "volume {wanted_name:?} exists with different parameters"
                         )));
                     }
+                    if !meets_requisite(&existing.topology, &requisite) {
+                        return Err(Error::AlreadyExists(format!(
+                            "volume {wanted_name:?} exists in topology {}, which meets none of \
+                             the requested topologies {}",
+                            state::describe_topology(&existing.topology),
+                            describe_requisite(&requisite)
+                        )));
+                    }
                     // Recreate the directory should it have gone missing.
-                    fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
+                    match existing.backing {
+                        state::Backing::Directory => {
+                            fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?
+                        }
+                        state::Backing::Image if !image.exists() => {
+                            image::create_image(&image, existing.capacity_bytes)?
+                        }
+                        state::Backing::Image => {}
+                    }
                     return Ok((existing.clone(), true));
                 }
-                fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?;
+                if !offered.is_empty() && !meets_requisite(&offered, &requisite) {
+                    return Err(Error::ResourceExhausted(format!(
+                        "none of the requested topologies {} is served by node {node_id}, \
+                         which offers topology {}",
+                        describe_requisite(&requisite),
+                        state::describe_topology(&offered)
+                    )));
+                }
+                match backing {
+                    state::Backing::Directory => {
+                        fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?
+                    }
+                    state::Backing::Image => {
+                        image::create_image(&image, capability::capacity_for(range))?
+                    }
+                }
                 let record = VolumeRecord {
                     volume_id: id.clone(),
                     name: wanted_name,
                     capacity_bytes: capability::capacity_for(range),
                     parameters,
                     publications: Default::default(),
+                    topology: offered,
+                    backing,
                 };
                 s.volumes.insert(id, record.clone());
                 Ok((record, false))
@@ -116,6 +198,7 @@ impl Plugin {
             return Ok(DeleteVolumeResponse {});
         }
         let dir = self.volume_dir(&volume_id);
+        let state_dir = self.state_dir().to_owned();
         let id = volume_id.clone();
         // Checked and removed under the state lock, so that no instance
         // publishes the volume in between.
@@ -130,6 +213,17 @@ impl Plugin {
                             nodes.join(", ")
                         )));
                     }
+                }
+                let image = image::image_path(&state_dir, &id);
+                if image.exists() {
+                    // Attached on this machine: still staged here.
+                    if let Some(dev) = image::find_loop(&image)? {
+                        return Err(Error::FailedPrecondition(format!(
+                            "volume {id} is still attached to {} (staged on this node)",
+                            dev.display()
+                        )));
+                    }
+                    image::remove_image(&image)?;
                 }
                 if dir.exists() {
                     // Mounts on this machine; see the crate docs for mounts
@@ -282,7 +376,11 @@ impl Plugin {
         };
         for cap in &req.volume_capabilities {
             match capability::classify(cap) {
-                Ok(_) => {}
+                Ok(checked) => {
+                    if let Err(reason) = checked.suits(record.backing) {
+                        return Ok(not_confirmed(reason));
+                    }
+                }
                 Err(Rejection::Malformed(reason)) => {
                     return Err(Error::invalid("volume_capabilities", reason))
                 }
@@ -525,9 +623,141 @@ mod tests {
             state_dir: dir.join("state"),
             node_id: "node-1".into(),
             enable_attach,
-            faults: Default::default(),
+            ..Default::default()
         })
         .unwrap()
+    }
+
+    /// A plugin serving `topology`, on `dir`'s state directory.
+    fn zoned_plugin(dir: &std::path::Path, node_id: &str, topology: &[(&str, &str)]) -> Plugin {
+        Plugin::new(&Config {
+            socket_path: dir.join(format!("{node_id}.sock")),
+            state_dir: dir.join("state"),
+            node_id: node_id.into(),
+            topology: segments(topology),
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn segments(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    fn requiring(name: &str, requisite: &[&[(&str, &str)]]) -> CreateVolumeRequest {
+        CreateVolumeRequest {
+            accessibility_requirements: Some(TopologyRequirement {
+                requisite: requisite
+                    .iter()
+                    .map(|t| Topology {
+                        segments: segments(t).into_iter().collect(),
+                    })
+                    .collect(),
+                preferred: Vec::new(),
+            }),
+            ..create(name, 0)
+        }
+    }
+
+    fn topology_segments(volume: &Volume) -> Vec<BTreeMap<String, String>> {
+        volume
+            .accessible_topology
+            .iter()
+            .map(|t| t.segments.clone().into_iter().collect())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn create_places_the_volume_in_this_instance_topology() {
+        let dir = tempfile::tempdir().unwrap();
+        const NODE: &str = "topology.hostpath.csi/node";
+        let a = zoned_plugin(dir.path(), "node-a", &[(NODE, "node-a"), ("zone", "z1")]);
+        let b = zoned_plugin(dir.path(), "node-b", &[(NODE, "node-b"), ("zone", "z1")]);
+        let placed_a = segments(&[(NODE, "node-a"), ("zone", "z1")]);
+
+        // No requirement: placed here.
+        let v = a.create(create("free", 0)).await.unwrap().volume.unwrap();
+        assert_eq!(topology_segments(&v), [placed_a.clone()]);
+
+        // One requisite entry of several suffices.
+        let v = a
+            .create(requiring(
+                "zoned",
+                &[&[(NODE, "node-x")], &[("zone", "z1")]],
+            ))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(topology_segments(&v), [placed_a.clone()]);
+
+        // Unsatisfiable here: RESOURCE_EXHAUSTED naming both topologies,
+        // and nothing is created.
+        let err = a
+            .create(requiring("elsewhere", &[&[(NODE, "node-b")]]))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::ResourceExhausted);
+        let msg = err.to_string();
+        assert!(
+            msg.contains("node-b") && msg.contains(&state::describe_topology(&placed_a)),
+            "{msg}"
+        );
+        assert!(a.lookup(&state::volume_id_for("elsewhere")).await.is_err());
+        let v = b
+            .create(requiring("elsewhere", &[&[(NODE, "node-b")]]))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(
+            topology_segments(&v),
+            [segments(&[(NODE, "node-b"), ("zone", "z1")])]
+        );
+
+        // A repeated create, through either instance, answers the recorded
+        // topology; one whose requisite the volume does not meet clashes.
+        let again = b
+            .create(requiring("zoned", &[&[("zone", "z1")]]))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(topology_segments(&again), [placed_a.clone()]);
+        assert_eq!(
+            code(b.create(requiring("zoned", &[&[(NODE, "node-b")]])).await),
+            Code::AlreadyExists
+        );
+
+        // ListVolumes carries the topology too.
+        let listed = b.list(ListVolumesRequest::default()).await.unwrap();
+        let zoned_id = state::volume_id_for("zoned");
+        let entry = listed
+            .entries
+            .iter()
+            .find(|e| e.volume.as_ref().unwrap().volume_id == zoned_id)
+            .unwrap();
+        assert_eq!(
+            topology_segments(entry.volume.as_ref().unwrap()),
+            [placed_a]
+        );
+    }
+
+    #[tokio::test]
+    async fn without_topology_requirements_are_not_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let v = p
+            .create(requiring("any", &[&[("zone", "z9")]]))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert!(v.accessible_topology.is_empty(), "{v:?}");
+        assert!(p.accessible_topology().is_none());
     }
 
     fn cap(mode: Mode) -> VolumeCapability {

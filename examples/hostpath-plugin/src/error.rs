@@ -20,6 +20,13 @@ pub enum Error {
     AlreadyExists(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// The request cannot be met with what the plugin has (e.g. an
+    /// accessibility requirement this instance does not serve).
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// A capacity outside what the plugin can give.
+    #[error("{0}")]
+    OutOfRange(String),
     /// Another operation on the same volume is in flight.
     #[error("an operation on volume {0} is already in progress")]
     Busy(String),
@@ -91,6 +98,8 @@ impl Error {
             Self::NotFound(_) => Code::NotFound,
             Self::AlreadyExists(_) => Code::AlreadyExists,
             Self::FailedPrecondition(_) => Code::FailedPrecondition,
+            Self::ResourceExhausted(_) => Code::ResourceExhausted,
+            Self::OutOfRange(_) => Code::OutOfRange,
             Self::Busy(_) | Self::BadToken(_) => Code::Aborted,
             Self::Unimplemented(_) => Code::Unimplemented,
             Self::Injected { code, .. } => *code,
@@ -135,6 +144,11 @@ mod tests {
                 Error::FailedPrecondition("x".into()),
                 Code::FailedPrecondition,
             ),
+            (
+                Error::ResourceExhausted("x".into()),
+                Code::ResourceExhausted,
+            ),
+            (Error::OutOfRange("x".into()), Code::OutOfRange),
             (Error::Busy("v".into()), Code::Aborted),
             (Error::BadToken("t".into()), Code::Aborted),
             (Error::Unimplemented("GetCapacity"), Code::Unimplemented),

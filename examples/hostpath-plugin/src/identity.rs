@@ -10,6 +10,25 @@ use tonic::{Request, Response, Status};
 
 use crate::plugin::{Plugin, PLUGIN_NAME, PLUGIN_VERSION};
 
+impl Plugin {
+    fn plugin_capabilities(&self) -> GetPluginCapabilitiesResponse {
+        let mut services = vec![service::Type::ControllerService];
+        if !self.topology().is_empty() {
+            services.push(service::Type::VolumeAccessibilityConstraints);
+        }
+        GetPluginCapabilitiesResponse {
+            capabilities: services
+                .into_iter()
+                .map(|t| PluginCapability {
+                    r#type: Some(plugin_capability::Type::Service(
+                        plugin_capability::Service { r#type: t as i32 },
+                    )),
+                })
+                .collect(),
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Identity for Plugin {
     async fn get_plugin_info(
@@ -33,15 +52,7 @@ impl Identity for Plugin {
     ) -> Result<Response<GetPluginCapabilitiesResponse>, Status> {
         self.call("GetPluginCapabilities", |p| async move {
             p.inject("GetPluginCapabilities").await?;
-            Ok(GetPluginCapabilitiesResponse {
-                capabilities: vec![PluginCapability {
-                    r#type: Some(plugin_capability::Type::Service(
-                        plugin_capability::Service {
-                            r#type: service::Type::ControllerService as i32,
-                        },
-                    )),
-                }],
-            })
+            Ok(p.plugin_capabilities())
         })
         .await
     }
@@ -55,5 +66,47 @@ impl Identity for Plugin {
             Ok(ProbeResponse { ready: Some(true) })
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn services(p: &Plugin) -> Vec<service::Type> {
+        p.plugin_capabilities()
+            .capabilities
+            .into_iter()
+            .filter_map(|c| match c.r#type {
+                Some(plugin_capability::Type::Service(s)) => s.r#type.try_into().ok(),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn topology_adds_accessibility_constraints() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config {
+            socket_path: dir.path().join("csi.sock"),
+            state_dir: dir.path().join("state"),
+            node_id: "node-a".into(),
+            ..Default::default()
+        };
+        let plain = Plugin::new(&config).unwrap();
+        assert_eq!(services(&plain), [service::Type::ControllerService]);
+        let zoned = Plugin::new(&Config {
+            topology: [("zone".to_owned(), "z1".to_owned())].into(),
+            ..config
+        })
+        .unwrap();
+        assert_eq!(
+            services(&zoned),
+            [
+                service::Type::ControllerService,
+                service::Type::VolumeAccessibilityConstraints
+            ]
+        );
     }
 }

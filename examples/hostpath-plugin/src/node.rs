@@ -59,7 +59,8 @@ impl Plugin {
         let cap = capability::check(req.volume_capability.as_ref(), "volume_capability")?;
         let _guard = self.begin("NodeStageVolume", &volume_id).await?;
 
-        self.lookup(&volume_id).await?;
+        let record = self.lookup(&volume_id).await?;
+        self.check_accessible(&record)?;
         if self.enable_attach() {
             self.check_published(&volume_id, &req.publish_context)
                 .await?;
@@ -395,7 +396,7 @@ impl Node for Plugin {
             Ok(NodeGetInfoResponse {
                 node_id: p.node_id().to_owned(),
                 max_volumes_per_node: 0,
-                accessible_topology: None,
+                accessible_topology: p.accessible_topology(),
             })
         })
         .await

@@ -1,11 +1,13 @@
 //! The plugin object shared by the Identity, Controller and Node services.
 
+use std::collections::BTreeMap;
 use std::fs;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use berth_proto::csi::v1::Topology;
 use tokio::sync::Notify;
 use tonic::{Code, Response, Status};
 
@@ -32,6 +34,8 @@ struct Inner {
     state_dir: PathBuf,
     node_id: String,
     enable_attach: bool,
+    /// The topology segments this instance serves; empty for none.
+    topology: BTreeMap<String, String>,
     store: Store,
     locks: VolumeLocks,
     faults: Faults,
@@ -76,6 +80,7 @@ impl Plugin {
                 state_dir,
                 node_id: config.node_id.clone(),
                 enable_attach: config.enable_attach,
+                topology: config.topology.clone(),
                 store,
                 locks: VolumeLocks::default(),
                 faults: Faults::new(&config.faults),
@@ -90,6 +95,25 @@ impl Plugin {
 
     pub fn enable_attach(&self) -> bool {
         self.inner.enable_attach
+    }
+
+    /// The topology segments this instance serves (`--topology`); empty
+    /// when it reports none.
+    pub fn topology(&self) -> &BTreeMap<String, String> {
+        &self.inner.topology
+    }
+
+    /// The topology NodeGetInfo reports: none without `--topology`.
+    pub fn accessible_topology(&self) -> Option<Topology> {
+        (!self.inner.topology.is_empty()).then(|| Topology {
+            segments: self.inner.topology.clone().into_iter().collect(),
+        })
+    }
+
+    /// Checks that this instance may use `volume`: its segments satisfy
+    /// the volume's recorded topology (`FAILED_PRECONDITION` otherwise).
+    pub fn check_accessible(&self, volume: &VolumeRecord) -> Result<(), Error> {
+        state::check_accessible(volume, self.node_id(), self.topology())
     }
 
     pub fn store(&self) -> &Store {

@@ -79,7 +79,7 @@ pub struct State {
 }
 
 /// One provisioned volume.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct VolumeRecord {
     pub volume_id: String,
     /// The CreateVolume name.
@@ -91,6 +91,61 @@ pub struct VolumeRecord {
     /// Controller publications by node ID.
     #[serde(default)]
     pub publications: BTreeMap<String, Publication>,
+    /// What holds the volume's data.
+    #[serde(default)]
+    pub backing: Backing,
+    /// The topology segments the volume is accessible from: those of the
+    /// instance that created it. Empty: accessible from every instance.
+    #[serde(default)]
+    pub topology: BTreeMap<String, String>,
+}
+
+/// Whether an instance serving `offered` satisfies the topology `wanted`:
+/// every key of `wanted` has the same value in `offered`. An empty `wanted`
+/// is satisfied everywhere.
+pub fn topology_satisfied(
+    offered: &BTreeMap<String, String>,
+    wanted: &BTreeMap<String, String>,
+) -> bool {
+    wanted.iter().all(|(k, v)| offered.get(k) == Some(v))
+}
+
+/// A topology as `{k1=v1, k2=v2}`, for messages.
+pub fn describe_topology(segments: &BTreeMap<String, String>) -> String {
+    let pairs: Vec<String> = segments.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    format!("{{{}}}", pairs.join(", "))
+}
+
+/// Checks that `volume` can be used by the instance of `node_id` serving the
+/// topology `offered`: answers `FAILED_PRECONDITION`, naming both
+/// topologies, when the volume was placed elsewhere.
+pub fn check_accessible(
+    volume: &VolumeRecord,
+    node_id: &str,
+    offered: &BTreeMap<String, String>,
+) -> Result<(), Error> {
+    if topology_satisfied(offered, &volume.topology) {
+        return Ok(());
+    }
+    Err(Error::FailedPrecondition(format!(
+        "volume {} is accessible from topology {}, which node {node_id} (topology {}) is not in",
+        volume.volume_id,
+        describe_topology(&volume.topology),
+        describe_topology(offered)
+    )))
+}
+
+/// What holds a volume's data: chosen by the CreateVolume parameter
+/// `backing` (`directory`, the default, or `image`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backing {
+    /// A directory `<state-dir>/volumes/<id>`, bind-mounted.
+    #[default]
+    Directory,
+    /// A sparse file `<state-dir>/images/<id>.img` holding an ext4
+    /// filesystem, attached to a loop device on the node that stages it.
+    Image,
 }
 
 /// A ControllerPublishVolume that succeeded.
@@ -317,9 +372,60 @@ mod tests {
                     },
                 )]
                 .into(),
+                backing: Backing::Image,
+                topology: [("zone".to_owned(), "z1".to_owned())].into(),
             },
         );
         state
+    }
+
+    fn segments(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn topology_is_satisfied_when_every_key_matches() {
+        let node_a = segments(&[("node", "a"), ("zone", "z1")]);
+        assert!(topology_satisfied(&node_a, &segments(&[])));
+        assert!(topology_satisfied(&node_a, &segments(&[("zone", "z1")])));
+        assert!(topology_satisfied(&node_a, &node_a));
+        assert!(!topology_satisfied(&node_a, &segments(&[("zone", "z2")])));
+        assert!(!topology_satisfied(
+            &node_a,
+            &segments(&[("zone", "z1"), ("rack", "r1")])
+        ));
+        assert!(!topology_satisfied(
+            &segments(&[]),
+            &segments(&[("zone", "z1")])
+        ));
+    }
+
+    #[test]
+    fn a_volume_is_accessible_only_within_its_topology() {
+        let mut volume = sample().volumes.into_values().next().unwrap();
+        check_accessible(&volume, "n1", &segments(&[("zone", "z1"), ("node", "n1")])).unwrap();
+        let err = check_accessible(&volume, "n2", &segments(&[("zone", "z2")])).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+        let msg = err.to_string();
+        assert!(
+            msg.contains("{zone=z1}") && msg.contains("{zone=z2}") && msg.contains("n2"),
+            "{msg}"
+        );
+        let err = check_accessible(&volume, "n3", &segments(&[])).unwrap_err();
+        assert!(err.to_string().contains("{}"), "{err}");
+        volume.topology.clear();
+        check_accessible(&volume, "n3", &segments(&[])).unwrap();
+    }
+
+    #[test]
+    fn records_without_topology_decode() {
+        let text = br#"{"version": 1, "volumes": {"x": {"volume_id": "x", "name": "x",
+            "capacity_bytes": 1}}}"#;
+        let file: StateFile = serde_json::from_slice(text).unwrap();
+        assert!(file.state.volumes["x"].topology.is_empty());
     }
 
     #[test]
@@ -426,6 +532,8 @@ mod tests {
                                         capacity_bytes: 0,
                                         parameters: BTreeMap::new(),
                                         publications: BTreeMap::new(),
+                                        backing: Backing::default(),
+                                        topology: BTreeMap::new(),
                                     },
                                 );
                                 Ok(())
