@@ -9,7 +9,10 @@
 //! error classification), `registry`, `fingerprint`, `volume` (the types the
 //! CSI hook passes in), `volume_manager` (stage/publish, usage counting,
 //! per-volume serialization, retries, undo, storage events), `manager` (the
-//! entry point that ties them together).
+//! entry point that ties them together), `orphans` (mounts no restored
+//! alloc owns, removed at agent start), `repair` (lost mounts of running
+//! allocs made again once their plugin is healthy), `stats` (the loop that
+//! collects volume stats and conditions).
 //!
 //! It knows nothing of the servers, the HTTP API or how allocs run: what it
 //! needs from above (persistence, somewhere to send node events and
@@ -19,8 +22,11 @@ pub mod client;
 pub mod error;
 pub mod fingerprint;
 pub mod manager;
+pub mod orphans;
 pub mod registry;
+pub mod repair;
 pub mod sinks;
+pub mod stats;
 pub mod volume;
 pub mod volume_manager;
 
@@ -28,7 +34,12 @@ pub use client::CsiClient;
 pub use error::CsiError;
 pub use fingerprint::PluginFingerprint;
 pub use manager::{CsiManager, ManagerConfig};
+pub use orphans::{OrphanRemoval, RemovedHow, EVENT_ORPHANED_MOUNT_REMOVED};
 pub use registry::{PluginRegistration, PluginRegistry, RegistryEntry};
+pub use repair::{LostMount, RepairWatch, VolumeRepair};
 pub use sinks::{FingerprintSink, NodeEventSink, VolumeStateStore};
-pub use volume::{MountInfo, MountRequest, UnmountRequest, VolumeStub};
+pub use stats::VolumeStatsSink;
+pub use volume::{
+    ExpandRequest, MountContext, MountInfo, MountRequest, UnmountRequest, VolumeStub,
+};
 pub use volume_manager::RetryPolicy;

@@ -18,8 +18,9 @@ use crate::fingerprint::{
     fingerprint, node_supports_stage_unstage, unhealthy_fingerprint, PluginFingerprint,
 };
 use crate::registry::{PluginRegistration, PluginRegistry, RegistryEntry};
+use crate::repair::Repairs;
 use crate::sinks::{FingerprintSink, NodeEventSink, VolumeStateStore};
-use crate::volume::{MountInfo, MountRequest, UnmountRequest};
+use crate::volume::{ExpandRequest, MountInfo, MountRequest, UnmountRequest};
 use crate::volume_manager::{RetryPolicy, VolumeManager};
 
 #[derive(Debug, Clone)]
@@ -57,9 +58,9 @@ struct FingerprintState {
 
 pub struct CsiManager {
     config: ManagerConfig,
-    registry: PluginRegistry,
+    pub(crate) registry: PluginRegistry,
     store: Arc<dyn VolumeStateStore>,
-    events: Arc<dyn NodeEventSink>,
+    pub(crate) events: Arc<dyn NodeEventSink>,
     fingerprints: Arc<dyn FingerprintSink>,
     clients: Mutex<HashMap<String, CachedClient>>,
     state: Mutex<FingerprintState>,
@@ -73,7 +74,9 @@ pub struct CsiManager {
     latest_fingerprints: watch::Sender<Option<PluginMaps>>,
     /// Whether the sender task was started (on the first set).
     sender_started: AtomicBool,
-    volumes: VolumeManager,
+    pub(crate) volumes: VolumeManager,
+    /// What lost mounts are repaired with, and who hears of it.
+    pub(crate) repairs: Arc<Repairs>,
 }
 
 impl CsiManager {
@@ -103,6 +106,7 @@ impl CsiManager {
             events.clone(),
             stubs,
         );
+        let repairs = Repairs::new(config.fingerprint_interval);
         let manager = Arc::new(CsiManager {
             config,
             registry,
@@ -116,6 +120,7 @@ impl CsiManager {
             latest_fingerprints: watch::Sender::new(None),
             sender_started: AtomicBool::new(false),
             volumes,
+            repairs,
         });
         manager.persist_registry()?;
         Ok(manager)
@@ -139,6 +144,7 @@ impl CsiManager {
         let mut tick = tokio::time::interval(self.config.fingerprint_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reaper: Option<JoinHandle<()>> = None;
+        let mut repairer: Option<JoinHandle<()>> = None;
         loop {
             if *shutdown.borrow() {
                 break;
@@ -174,11 +180,22 @@ impl CsiManager {
                     manager.reap_unused_volumes().await;
                 }));
             }
+            // Lost mounts of running allocs are made again once their
+            // plugin is healthy; in a task of its own for the same reason.
+            if repairer.as_ref().is_none_or(JoinHandle::is_finished) {
+                let manager = self.clone();
+                repairer = Some(tokio::spawn(async move {
+                    manager.repair_lost_mounts().await;
+                }));
+            }
         }
         // An unstage cut short stays recorded in its stub; the next start
         // finishes it.
         if let Some(reaper) = reaper {
             reaper.abort();
+        }
+        if let Some(repairer) = repairer {
+            repairer.abort();
         }
         tracing::debug!("CSI manager stopped");
     }
@@ -243,9 +260,15 @@ impl CsiManager {
                 return Err(e);
             }
         };
-        self.volumes
+        let mounted = self
+            .volumes
             .mount_volume(&client, supports_stage, &req)
-            .await
+            .await;
+        if mounted.is_ok() {
+            // In memory only: a lost mount is made again with them.
+            self.repairs.remember(&req);
+        }
+        mounted
     }
 
     /// Unpublishes the alloc's target and unstages when it was the last user
@@ -268,6 +291,14 @@ impl CsiManager {
             None
         };
         self.volumes.unmount_volume(client.as_ref(), &req).await
+    }
+
+    /// Grows the filesystem of a volume published on this node
+    /// (`NodeExpandVolume`, see [`crate::volume::ExpandRequest`]). Answers
+    /// the capacity the plugin reports.
+    pub async fn expand_volume(&self, req: ExpandRequest) -> Result<i64, CsiError> {
+        let client = self.client(&req.plugin_id).await?;
+        self.volumes.expand_volume(&client, &req).await
     }
 
     /// Staging and publish paths of a usage (for callers that inspect them).
@@ -598,8 +629,26 @@ impl CsiManager {
         Ok(())
     }
 
+    /// Hands a node event to the sink (the volume stats loop's condition
+    /// transitions).
+    pub(crate) fn emit_node_event(&self, event: NodeEvent) {
+        self.events.emit(event);
+    }
+
     fn lock_state(&self) -> std::sync::MutexGuard<'_, FingerprintState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends a node event.
+    pub(crate) fn emit_event(&self, event: NodeEvent) {
+        self.events.emit(event);
+    }
+
+    /// Forgets `alloc_id`'s usage of the volume usage `key` without a CSI
+    /// call (its target was unmounted without the plugin); how many allocs
+    /// still use it.
+    pub(crate) fn forget_volume_usage(&self, key: &str, alloc_id: &str) -> Result<usize, CsiError> {
+        self.volumes.forget_alloc(key, alloc_id)
     }
 
     fn emit_storage_failure(&self, message: &str, volume_id: &str, alloc_id: &str, e: &CsiError) {

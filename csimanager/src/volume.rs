@@ -75,6 +75,33 @@ pub struct VolumeStub {
     pub staged: bool,
     /// Allocs using the volume with this usage, with their publish targets.
     pub allocs: BTreeMap<String, PathBuf>,
+    /// What the volume was last staged and published with (not the
+    /// secrets, which are never written down): a lost mount is made again
+    /// with it.
+    #[serde(default)]
+    pub mounted_with: MountContext,
+}
+
+/// The parts of a [`MountRequest`] that a lost stage or publish is made
+/// again with. Persisted; holds no secrets.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MountContext {
+    #[serde(default)]
+    pub mount_options: CsiMountOptions,
+    #[serde(default)]
+    pub publish_context: BTreeMap<String, String>,
+    #[serde(default)]
+    pub volume_context: BTreeMap<String, String>,
+}
+
+impl MountContext {
+    pub fn of(req: &MountRequest) -> MountContext {
+        MountContext {
+            mount_options: req.mount_options.clone(),
+            publish_context: req.publish_context.clone(),
+            volume_context: req.volume_context.clone(),
+        }
+    }
 }
 
 impl VolumeStub {
@@ -111,4 +138,38 @@ pub fn stub_key(
         "{plugin_id}/{volume_id}/{}",
         usage_name(access, attach, read_only)
     )
+}
+
+/// What the servers ask for to grow the filesystem of a volume published on
+/// this node (`NodeExpandVolume`). `secrets` are passed to the plugin and
+/// never logged (Debug redacts them).
+#[derive(Clone)]
+pub struct ExpandRequest {
+    pub plugin_id: String,
+    pub volume_id: String,
+    pub external_id: String,
+    /// The allocs whose claims put the volume on this node; the publish
+    /// target of any of them (of any alloc using it when empty) is the
+    /// `volume_path`.
+    pub alloc_ids: Vec<String>,
+    pub capacity_min: i64,
+    pub capacity_max: i64,
+    pub access_mode: AccessMode,
+    pub attachment_mode: AttachmentMode,
+    pub mount_options: CsiMountOptions,
+    pub secrets: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for ExpandRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpandRequest")
+            .field("plugin_id", &self.plugin_id)
+            .field("volume_id", &self.volume_id)
+            .field("external_id", &self.external_id)
+            .field("alloc_ids", &self.alloc_ids)
+            .field("capacity_min", &self.capacity_min)
+            .field("capacity_max", &self.capacity_max)
+            .field("secrets", &"<redacted>")
+            .finish_non_exhaustive()
+    }
 }

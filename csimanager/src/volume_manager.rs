@@ -36,7 +36,10 @@ use tracing::Instrument;
 use crate::client::CsiClient;
 use crate::error::CsiError;
 use crate::sinks::{NodeEventSink, VolumeStateStore};
-use crate::volume::{stub_key, usage_name, MountInfo, MountRequest, UnmountRequest, VolumeStub};
+use crate::volume::{
+    stub_key, usage_name, ExpandRequest, MountContext, MountInfo, MountRequest, UnmountRequest,
+    VolumeStub,
+};
 
 /// How uncertain CSI calls are retried: exponential backoff from
 /// `min_delay` to `max_delay`, at most `max_retries` retries, and no more
@@ -79,7 +82,7 @@ struct VolumeLocks {
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-struct VolumeLockGuard<'a> {
+pub(crate) struct VolumeLockGuard<'a> {
     locks: &'a VolumeLocks,
     key: String,
     guard: Option<OwnedMutexGuard<()>>,
@@ -158,6 +161,21 @@ impl VolumeManager {
     /// The usage stubs on this node.
     pub(crate) fn stubs(&self) -> Vec<VolumeStub> {
         self.lock_stubs().values().cloned().collect()
+    }
+
+    /// The usage stub under `key`, if any.
+    pub(crate) fn stub(&self, key: &str) -> Option<VolumeStub> {
+        self.lock_stubs().get(key).cloned()
+    }
+
+    /// Holds the volume's operation lock: no stage, publish, unpublish or
+    /// unstage of it runs until the guard drops.
+    pub(crate) async fn lock_volume(
+        &self,
+        plugin_id: &str,
+        volume_id: &str,
+    ) -> VolumeLockGuard<'_> {
+        self.locks.lock(plugin_id, volume_id).await
     }
 
     /// The usage stubs `alloc_id` uses.
@@ -351,6 +369,77 @@ impl VolumeManager {
         result
     }
 
+    /// Grows the filesystem of a volume published here (`NodeExpandVolume`),
+    /// once per node: through the publish target of one of `req.alloc_ids`
+    /// (a writable usage first) and that usage's staging path when it is
+    /// staged. Holds the volume's lock, so it never runs alongside a mount
+    /// or an unmount of the volume. Answers the capacity the plugin
+    /// reports (0 when it does not say).
+    pub(crate) async fn expand_volume(
+        &self,
+        client: &CsiClient,
+        req: &ExpandRequest,
+    ) -> Result<i64, CsiError> {
+        validate_ids(
+            &req.volume_id,
+            &[("plugin ID", &req.plugin_id), ("volume ID", &req.volume_id)],
+        )?;
+        let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
+        let wanted = |alloc: &String| req.alloc_ids.is_empty() || req.alloc_ids.contains(alloc);
+        let mut usages: Vec<VolumeStub> = self
+            .lock_stubs()
+            .values()
+            .filter(|s| s.plugin_id == req.plugin_id && s.volume_id == req.volume_id)
+            .filter(|s| s.allocs.keys().any(wanted))
+            .cloned()
+            .collect();
+        usages.sort_by_key(|s| s.read_only || s.access_mode.is_reader_only());
+        let found = usages.iter().find_map(|s| {
+            s.allocs
+                .iter()
+                .find(|(a, _)| wanted(a))
+                .map(|(_, t)| (s, t.clone()))
+        });
+        let Some((stub, target)) = found else {
+            return Err(CsiError::Volume {
+                volume_id: req.volume_id.clone(),
+                message: format!(
+                    "not published on this node for allocs {}; nothing to expand here",
+                    req.alloc_ids.join(", ")
+                ),
+            });
+        };
+        let capacity_range = (req.capacity_min > 0 || req.capacity_max > 0).then_some(
+            csi::CapacityRange {
+                required_bytes: req.capacity_min,
+                limit_bytes: req.capacity_max,
+            },
+        );
+        let expand = csi::NodeExpandVolumeRequest {
+            volume_id: req.external_id.clone(),
+            volume_path: path_string(&target)?,
+            capacity_range,
+            staging_target_path: if stub.staged {
+                path_string(&stub.staging_path)?
+            } else {
+                String::new()
+            },
+            volume_capability: Some(volume_capability(
+                req.access_mode,
+                req.attachment_mode,
+                &req.mount_options,
+            )),
+            secrets: to_map(&req.secrets),
+        };
+        let resp = self
+            .with_retry("NodeExpandVolume", || async {
+                client.node_expand_volume(expand.clone()).await
+            })
+            .await?;
+        tracing::info!(plugin_id = %req.plugin_id, volume_id = %req.volume_id, capacity_bytes = resp.capacity_bytes, "volume expanded on the node");
+        Ok(resp.capacity_bytes)
+    }
+
     /// Finishes the undo of a usage that no alloc uses any more (an unstage
     /// that failed before). No event: no alloc asked for it.
     pub(crate) async fn reap_unused(
@@ -417,8 +506,10 @@ impl VolumeManager {
             staging_path: staging.clone(),
             staged: false,
             allocs: BTreeMap::new(),
+            mounted_with: MountContext::default(),
         });
         stub.external_id = req.external_id.clone();
+        stub.mounted_with = MountContext::of(req);
         stub.allocs.insert(req.alloc_id.clone(), target.clone());
         stub.staged |= need_stage;
         self.put_stub(&stub)?;
@@ -633,6 +724,23 @@ impl VolumeManager {
         self.lock_stubs().insert(stub.key(), stub.clone());
         self.changed.send_modify(|v| *v = v.wrapping_add(1));
         Ok(())
+    }
+
+    /// Drops `alloc_id` from the usage `key` without a CSI call; a usage
+    /// left without allocs stays recorded while staged, for the unstage.
+    /// How many allocs still use it.
+    pub(crate) fn forget_alloc(&self, key: &str, alloc_id: &str) -> Result<usize, CsiError> {
+        let Some(mut stub) = self.lock_stubs().get(key).cloned() else {
+            return Ok(0);
+        };
+        if stub.allocs.remove(alloc_id).is_some() {
+            if stub.allocs.is_empty() && !stub.staged {
+                self.delete_stub(key)?;
+            } else {
+                self.put_stub(&stub)?;
+            }
+        }
+        Ok(stub.allocs.len())
     }
 
     fn delete_stub(&self, key: &str) -> Result<(), CsiError> {

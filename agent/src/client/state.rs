@@ -513,6 +513,7 @@ mod tests {
             staging_path: "/tmp/staging".into(),
             staged: true,
             allocs: [("a1".to_string(), "/tmp/target".into())].into(),
+            mounted_with: Default::default(),
         }
     }
 
@@ -786,6 +787,7 @@ mod properties {
                     staging_path: "/tmp/staging".into(),
                     staged: true,
                     allocs: [("a1".to_string(), "/tmp/target".into())].into(),
+                    mounted_with: Default::default(),
                 };
                 return (stub.key(), serde_json::to_value(&stub).expect("encode"));
             }

@@ -270,14 +270,25 @@ impl Supervision {
             provider: info.name.clone(),
             version: info.vendor_version.clone(),
         };
+        // Already registered healthy by this instance (reattached after an
+        // agent restart): no health change, so no event.
+        let was_healthy = self.csi.registry().entry(&self.plugin.id).is_some_and(|e| {
+            e.unhealthy.is_none()
+                && e.registration.alloc_id == self.alloc_id
+                && e.registration.socket_path == self.socket
+        });
         self.csi.registry().register(reg.clone());
         let healthy_message = format!(
             "plugin {} ({} {}) is healthy and registered",
             self.plugin.id, info.name, info.vendor_version
         );
-        info!(provider = %info.name, version = %info.vendor_version, "plugin became healthy; registered it");
-        self.events
-            .emit(EVENT_PLUGIN_HEALTHY, healthy_message.clone());
+        if was_healthy {
+            info!(provider = %info.name, version = %info.vendor_version, "plugin is still healthy; registered it again");
+        } else {
+            info!(provider = %info.name, version = %info.vendor_version, "plugin became healthy; registered it");
+            self.events
+                .emit(EVENT_PLUGIN_HEALTHY, healthy_message.clone());
+        }
         let mut healthy = true;
         loop {
             tokio::time::sleep(self.probe_interval).await;

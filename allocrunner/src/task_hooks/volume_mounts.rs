@@ -3,22 +3,43 @@
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 
-use berth_csimanager::MountInfo;
+use berth_csimanager::{LostMount, MountInfo};
 use berth_structs::{check_destination, VolumeMount};
 use nix::errno::Errno;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
-use tracing::{info, warn};
+use tracing::{info, warn, Instrument};
 
-use super::{TaskHook, TaskHookContext};
+use super::{KillRequest, TaskControl, TaskHook, TaskHookContext};
 use crate::error::HookError;
+use crate::state::TaskEvents;
 
 /// For each `volume_mount` of the task, bind-mounts the volume's
 /// [`MountInfo::source`] at `<task_dir>/<destination>` (read-only when the
 /// mount or the volume is); unmounts them when the task is done. The mounts
-/// stay across restarts of the task.
+/// stay across restarts of the task. While the task runs, a volume whose
+/// lost mount csimanager made again is bound again (the task keeps
+/// running); one that could not be made again kills the task for a restart
+/// per its restart policy.
 #[derive(Debug, Default)]
 pub struct VolumeMountsHook {
     mounted: Vec<PathBuf>,
+    /// Follows csimanager's repairs of the alloc's volumes while the task
+    /// runs.
+    repairs: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// The task event of a lost volume mount made again and bound again.
+pub const EVENT_VOLUME_REPAIRED: &str = "Volume Repaired";
+/// The task event of a lost volume mount that could not be made again.
+pub const EVENT_VOLUME_REPAIR_FAILED: &str = "Volume Repair Failed";
+
+/// One `volume_mount` of the task, as bound.
+#[derive(Debug, Clone)]
+struct Bound {
+    volume: String,
+    target: PathBuf,
+    info: MountInfo,
+    read_only: bool,
 }
 
 impl VolumeMountsHook {
@@ -227,9 +248,151 @@ impl TaskHook for VolumeMountsHook {
         self.mount_all(&ctx.task_dir.dir, &ctx.task.volume_mounts, &ctx.mounts)
     }
 
+    async fn poststart(
+        &mut self,
+        ctx: &TaskHookContext,
+        task: &TaskControl,
+    ) -> Result<(), HookError> {
+        if let Some(r) = self.repairs.take() {
+            r.abort();
+        }
+        let Ok(root) = ctx.task_dir.dir.canonicalize() else {
+            return Ok(());
+        };
+        let bound: Vec<Bound> = ctx
+            .task
+            .volume_mounts
+            .iter()
+            .filter_map(|m| {
+                let info = ctx.mounts.get(&m.volume)?.clone();
+                Some(Bound {
+                    volume: m.volume.clone(),
+                    target: lexical_join(&root, &m.destination),
+                    read_only: m.read_only || info.read_only,
+                    info,
+                })
+            })
+            .collect();
+        if bound.is_empty() {
+            return Ok(());
+        }
+        let watch = ctx.config.csi.watch_repairs(&ctx.alloc.id);
+        let span =
+            tracing::info_span!("volume_repairs", alloc_id = %ctx.alloc.id, task = %ctx.task.name);
+        self.repairs = Some(tokio::spawn(
+            follow_repairs(watch, bound, ctx.events.clone(), task.clone()).instrument(span),
+        ));
+        Ok(())
+    }
+
+    async fn exited(&mut self, _ctx: &TaskHookContext) {
+        if let Some(r) = self.repairs.take() {
+            r.abort();
+        }
+    }
+
     async fn stop(&mut self, _ctx: &TaskHookContext) -> Result<(), HookError> {
+        if let Some(r) = self.repairs.take() {
+            r.abort();
+        }
         self.unmount_all()
     }
+}
+
+/// Until the task exits: binds each repaired volume of `bound` again (the
+/// old bind shows the dead mount), with a task event; kills the task for a
+/// restart when a repair failed or the new mount cannot be bound.
+async fn follow_repairs(
+    mut watch: berth_csimanager::RepairWatch,
+    bound: Vec<Bound>,
+    events: TaskEvents,
+    task: TaskControl,
+) {
+    while let Some(repair) = watch.next().await {
+        let mine: Vec<&Bound> = bound
+            .iter()
+            .filter(|b| b.info.source == repair.target)
+            .collect();
+        let Some(first) = mine.first() else {
+            continue;
+        };
+        let what = repair.what.as_str();
+        let failure = match &repair.error {
+            Some(e) => Some(format!(
+                "volume {:?} lost its {what} mount and it could not be made again: {e}",
+                first.volume
+            )),
+            None if repair.what == LostMount::Publish => mine
+                .iter()
+                .find_map(|b| rebind(b).err())
+                .map(|e| format!("volume {:?} was mounted again but could not be bound into the task dir: {e}", first.volume)),
+            None => None,
+        };
+        match failure {
+            None => {
+                info!(volume = %first.volume, volume_id = %repair.volume_id, what, "volume mount repaired");
+                events.emit(
+                    EVENT_VOLUME_REPAIRED,
+                    format!(
+                        "volume {:?} lost its {what} mount; it is mounted again",
+                        first.volume
+                    ),
+                );
+            }
+            Some(message) => {
+                warn!(volume = %first.volume, volume_id = %repair.volume_id, error = %message, "volume repair failed; killing the task for a restart");
+                events.emit(EVENT_VOLUME_REPAIR_FAILED, message.clone());
+                task.kill(KillRequest {
+                    reason: message,
+                    restart: true,
+                });
+            }
+        }
+    }
+}
+
+/// Replaces the bind of `b` in the task dir with a bind of its (new)
+/// source: the old one is detached lazily, so the task's open files on it
+/// do not block it.
+fn rebind(b: &Bound) -> Result<(), HookError> {
+    match umount2(&b.target, MntFlags::MNT_DETACH) {
+        Ok(()) | Err(Errno::EINVAL) | Err(Errno::ENOENT) => {}
+        Err(errno) => {
+            return Err(HookError::Unbind {
+                target: b.target.clone(),
+                errno,
+            })
+        }
+    }
+    let bind_error = |errno| HookError::Bind {
+        src: b.info.source.clone(),
+        target: b.target.clone(),
+        errno,
+    };
+    mount(
+        Some(&b.info.source),
+        &b.target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(bind_error)?;
+    if b.read_only {
+        let remount = mount(
+            None::<&str>,
+            &b.target,
+            None::<&str>,
+            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+            None::<&str>,
+        );
+        if let Err(errno) = remount {
+            // Never leave a writable bind behind a read-only mount.
+            let _ = umount2(&b.target, MntFlags::MNT_DETACH);
+            return Err(bind_error(errno));
+        }
+    }
+    info!(volume = %b.volume, target = %b.target.display(), "bound the repaired volume into the task dir");
+    Ok(())
 }
 
 #[cfg(test)]

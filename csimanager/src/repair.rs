@@ -1,0 +1,631 @@
+//! Live repair of lost CSI mounts.
+//!
+//! A node plugin that restarts (or dies and comes back) may take its
+//! mounts with it: the staging mount and the per-alloc publish targets are
+//! gone, or still listed but dead (`ENOTCONN`, `ESTALE`, `EIO`), while the
+//! allocs that use them keep running. On every fingerprint round,
+//! [`CsiManager::repair_lost_mounts`] looks at each volume usage of an alloc
+//! that is being watched (its tasks run: see [`CsiManager::watch_repairs`]),
+//! and once the volume's node plugin is healthy again it stages again (when
+//! the staging mount is lost) and publishes again (a dead target is
+//! detached first), with what the volume was mounted with: the stub's
+//! [`crate::volume::MountContext`], and the secrets, which are kept in
+//! memory only (never written down, never logged).
+//!
+//! Each repair takes the volume's operation lock, so it never races a
+//! mount or unmount of the same volume. Every repair emits a `Storage` node
+//! event (`Volume repaired`, or `Volume repair failed` with the error) and
+//! is sent to the alloc's watchers, which bind the new target into their
+//! task directories (or kill the task for a restart when the repair
+//! failed). A failed repair is tried again on a later round, with backoff,
+//! for as long as the alloc is watched.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use berth_proto::csi::v1 as csi;
+use berth_structs::{AttachmentMode, CsiPluginType, NodeEvent};
+use nix::errno::Errno;
+use nix::mount::{umount2, MntFlags};
+use tokio::sync::broadcast;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use crate::client::CsiClient;
+use crate::error::CsiError;
+use crate::manager::CsiManager;
+use crate::volume::{stub_key, MountRequest, VolumeStub};
+use crate::volume_manager::volume_capability;
+
+/// The `Storage` node event of a lost mount made again.
+pub const EVENT_VOLUME_REPAIRED: &str = "Volume repaired";
+/// The `Storage` node event of a lost mount that could not be made again.
+pub const EVENT_VOLUME_REPAIR_FAILED: &str = "Volume repair failed";
+
+/// The longest wait between two repair attempts of the same volume.
+const MAX_REPAIR_BACKOFF: Duration = Duration::from_secs(5 * 60);
+
+/// Which mount of a volume usage was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostMount {
+    /// The node's staging mount (`NodeStageVolume`).
+    Staging,
+    /// The alloc's publish target (`NodePublishVolume`).
+    Publish,
+}
+
+impl LostMount {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LostMount::Staging => "staging",
+            LostMount::Publish => "publish",
+        }
+    }
+}
+
+/// What a repair did for one alloc's use of a volume.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeRepair {
+    pub alloc_id: String,
+    pub plugin_id: String,
+    pub volume_id: String,
+    /// The alloc's publish target: the source its tasks bind.
+    pub target: PathBuf,
+    pub what: LostMount,
+    /// The error when the repair failed (it is tried again later).
+    pub error: Option<String>,
+}
+
+/// The repairs of one alloc, while its tasks run. Dropping it ends the
+/// watch: the alloc's mounts are no longer repaired.
+pub struct RepairWatch {
+    alloc_id: String,
+    rx: broadcast::Receiver<VolumeRepair>,
+    repairs: Arc<Repairs>,
+}
+
+impl RepairWatch {
+    /// The next repair of a volume of the alloc. `None` once the manager
+    /// is gone.
+    pub async fn next(&mut self) -> Option<VolumeRepair> {
+        loop {
+            match self.rx.recv().await {
+                Ok(r) if r.alloc_id == self.alloc_id => return Some(r),
+                Ok(_) => {}
+                Err(broadcast::error::RecvError::Lagged(n)) => {
+                    tracing::warn!(alloc_id = %self.alloc_id, missed = n, "missed volume repair notices");
+                }
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    }
+}
+
+impl Drop for RepairWatch {
+    fn drop(&mut self) {
+        let mut watched = lock(&self.repairs.watched);
+        if let Some(n) = watched.get_mut(&self.alloc_id) {
+            *n -= 1;
+            if *n == 0 {
+                watched.remove(&self.alloc_id);
+            }
+        }
+    }
+}
+
+/// When a volume whose repair failed is tried again.
+struct Retry {
+    next_at: Instant,
+    delays: ExponentialBackoff,
+}
+
+/// What the manager keeps for repairs; in memory only.
+pub(crate) struct Repairs {
+    /// The secrets each alloc's mount was made with, by stub key and alloc.
+    secrets: Mutex<HashMap<(String, String), BTreeMap<String, String>>>,
+    /// Allocs whose mounts are repaired, with their number of watches.
+    watched: Mutex<HashMap<String, usize>>,
+    /// Volumes (stub keys) whose last repair failed.
+    retries: Mutex<HashMap<String, Retry>>,
+    sender: broadcast::Sender<VolumeRepair>,
+    /// The first wait after a failed repair.
+    min_backoff: Duration,
+}
+
+impl Repairs {
+    pub(crate) fn new(min_backoff: Duration) -> Arc<Repairs> {
+        Arc::new(Repairs {
+            secrets: Mutex::default(),
+            watched: Mutex::default(),
+            retries: Mutex::default(),
+            sender: broadcast::channel(256).0,
+            min_backoff,
+        })
+    }
+
+    /// Keeps the secrets `req` was mounted with, for a repair.
+    pub(crate) fn remember(&self, req: &MountRequest) {
+        let key = stub_key(
+            &req.plugin_id,
+            &req.volume_id,
+            req.access_mode,
+            req.attachment_mode,
+            req.read_only,
+        );
+        let key = (key, req.alloc_id.clone());
+        lock(&self.secrets).insert(key, req.secrets.clone());
+    }
+
+    /// Forgets what is kept for the allocs no stub records any more.
+    pub(crate) fn forget_unused(&self, stubs: &[VolumeStub]) {
+        let used: HashSet<(String, String)> = stubs
+            .iter()
+            .flat_map(|s| s.allocs.keys().map(move |a| (s.key(), a.clone())))
+            .collect();
+        lock(&self.secrets).retain(|k, _| used.contains(k));
+        let keys: HashSet<String> = stubs.iter().map(VolumeStub::key).collect();
+        lock(&self.retries).retain(|k, _| keys.contains(k));
+    }
+
+    /// The secrets to stage or publish `stub` for `alloc_id` again with:
+    /// that alloc's, else any other alloc's of the same usage.
+    fn secrets_for(&self, stub: &VolumeStub, alloc_id: Option<&str>) -> BTreeMap<String, String> {
+        let key = stub.key();
+        let secrets = lock(&self.secrets);
+        alloc_id
+            .and_then(|a| secrets.get(&(key.clone(), a.to_string())))
+            .or_else(|| {
+                stub.allocs
+                    .keys()
+                    .find_map(|a| secrets.get(&(key.clone(), a.clone())))
+            })
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    fn watched_allocs(&self) -> HashSet<String> {
+        lock(&self.watched).keys().cloned().collect()
+    }
+
+    /// Whether a repair of the volume under `key` may be tried now.
+    fn due(&self, key: &str) -> bool {
+        lock(&self.retries)
+            .get(key)
+            .is_none_or(|r| Instant::now() >= r.next_at)
+    }
+
+    fn succeeded(&self, key: &str) {
+        lock(&self.retries).remove(key);
+    }
+
+    /// Puts off the next repair of the volume under `key`, longer each time.
+    fn failed(&self, key: &str) {
+        let mut retries = lock(&self.retries);
+        let retry = retries.entry(key.to_string()).or_insert_with(|| Retry {
+            next_at: Instant::now(),
+            delays: ExponentialBuilder::default()
+                .with_min_delay(self.min_backoff)
+                .with_max_delay(MAX_REPAIR_BACKOFF)
+                .without_max_times()
+                .build(),
+        });
+        let wait = retry.delays.next().unwrap_or(MAX_REPAIR_BACKOFF);
+        retry.next_at = Instant::now() + wait;
+    }
+}
+
+impl CsiManager {
+    /// Starts watching the repairs of `alloc_id`'s volumes: while a watch
+    /// lives, lost mounts of the alloc are made again and reported to it.
+    pub fn watch_repairs(&self, alloc_id: &str) -> RepairWatch {
+        let rx = self.repairs.sender.subscribe();
+        *lock(&self.repairs.watched)
+            .entry(alloc_id.to_string())
+            .or_default() += 1;
+        RepairWatch {
+            alloc_id: alloc_id.to_string(),
+            rx,
+            repairs: self.repairs.clone(),
+        }
+    }
+
+    /// One repair round: for each volume usage of a watched alloc whose
+    /// node plugin is healthy, stages again when the staging mount is lost
+    /// and publishes again every watched alloc's lost target. See the
+    /// module docs.
+    pub async fn repair_lost_mounts(&self) {
+        let stubs = self.volumes.stubs();
+        self.repairs.forget_unused(&stubs);
+        let watched = self.repairs.watched_allocs();
+        let candidates: Vec<VolumeStub> = stubs
+            .into_iter()
+            .filter(|s| s.allocs.keys().any(|a| watched.contains(a)))
+            .collect();
+        if candidates.is_empty() {
+            return;
+        }
+        let mounts = mount_points().await;
+        for stub in candidates {
+            let key = stub.key();
+            let Some(supports_stage) = self.node_plugin_ready(&stub.plugin_id) else {
+                continue;
+            };
+            let lost = lost_mounts(&stub, supports_stage, &watched, &mounts).await;
+            if lost.is_none() {
+                self.repairs.succeeded(&key);
+                continue;
+            }
+            if !self.repairs.due(&key) {
+                continue;
+            }
+            let span = tracing::info_span!("repair_volume", plugin_id = %stub.plugin_id, volume_id = %stub.volume_id);
+            if self
+                .repair_volume(&stub.plugin_id, &stub.volume_id, &key, supports_stage)
+                .instrument(span)
+                .await
+            {
+                self.repairs.succeeded(&key);
+            } else {
+                self.repairs.failed(&key);
+            }
+        }
+    }
+
+    /// Whether `plugin_id`'s node service is registered healthy, and if so
+    /// whether it stages.
+    fn node_plugin_ready(&self, plugin_id: &str) -> Option<bool> {
+        let entry = self.registry.entry(plugin_id)?;
+        if entry.unhealthy.is_some() || entry.registration.plugin_type == CsiPluginType::Controller
+        {
+            return None;
+        }
+        let node = self.plugin_fingerprint(plugin_id)?.node?;
+        node.healthy.then_some(node.supports_stage_unstage)
+    }
+
+    /// Repairs the usage under `key` under the volume's lock; whether all
+    /// went well (or nothing was left to do).
+    async fn repair_volume(
+        &self,
+        plugin_id: &str,
+        volume_id: &str,
+        key: &str,
+        supports_stage: bool,
+    ) -> bool {
+        let _lock = self.volumes.lock_volume(plugin_id, volume_id).await;
+        // Looked at again under the lock: a mount or unmount may have run.
+        let Some(stub) = self.volumes.stub(key) else {
+            return true;
+        };
+        let watched = self.repairs.watched_allocs();
+        let mounts = mount_points().await;
+        let Some(lost) = lost_mounts(&stub, supports_stage, &watched, &mounts).await else {
+            return true;
+        };
+        let users: Vec<(String, PathBuf)> = stub
+            .allocs
+            .iter()
+            .filter(|(a, _)| watched.contains(*a))
+            .map(|(a, t)| (a.clone(), t.clone()))
+            .collect();
+        let client = match self.client(plugin_id).await {
+            Ok(c) => c,
+            Err(e) => {
+                let what = if lost.staging {
+                    LostMount::Staging
+                } else {
+                    LostMount::Publish
+                };
+                for (alloc_id, target) in &users {
+                    self.report_repair(&stub, alloc_id, target, what, Some(&e));
+                }
+                return false;
+            }
+        };
+        if lost.staging {
+            let staged = self.stage_again(&client, &stub).await;
+            for (alloc_id, target) in &users {
+                self.report_repair(
+                    &stub,
+                    alloc_id,
+                    target,
+                    LostMount::Staging,
+                    staged.as_ref().err(),
+                );
+            }
+            if staged.is_err() {
+                return false;
+            }
+        }
+        let mut ok = true;
+        for (alloc_id, target) in &lost.targets {
+            let published = self
+                .publish_again(&client, &stub, alloc_id, target, supports_stage)
+                .await;
+            self.report_repair(
+                &stub,
+                alloc_id,
+                target,
+                LostMount::Publish,
+                published.as_ref().err(),
+            );
+            ok &= published.is_ok();
+        }
+        ok
+    }
+
+    async fn stage_again(&self, client: &CsiClient, stub: &VolumeStub) -> Result<(), CsiError> {
+        let staging = stub.staging_path.clone();
+        detach_dead_mount(&staging).await?;
+        create_dir_all(&staging)?;
+        let ctx = &stub.mounted_with;
+        let req = csi::NodeStageVolumeRequest {
+            volume_id: stub.external_id.clone(),
+            publish_context: to_map(&ctx.publish_context),
+            staging_target_path: path_string(&staging)?,
+            volume_capability: Some(volume_capability(
+                stub.access_mode,
+                stub.attachment_mode,
+                &ctx.mount_options,
+            )),
+            secrets: to_map(&self.repairs.secrets_for(stub, None)),
+            volume_context: to_map(&ctx.volume_context),
+        };
+        self.volumes
+            .with_retry("NodeStageVolume", || client.node_stage_volume(req.clone()))
+            .await
+            .map(|_| ())
+    }
+
+    async fn publish_again(
+        &self,
+        client: &CsiClient,
+        stub: &VolumeStub,
+        alloc_id: &str,
+        target: &Path,
+        supports_stage: bool,
+    ) -> Result<(), CsiError> {
+        detach_dead_mount(target).await?;
+        match stub.attachment_mode {
+            AttachmentMode::FileSystem => create_dir_all(target)?,
+            AttachmentMode::BlockDevice => {
+                if let Some(parent) = target.parent() {
+                    create_dir_all(parent)?;
+                }
+            }
+        }
+        let ctx = &stub.mounted_with;
+        let req = csi::NodePublishVolumeRequest {
+            volume_id: stub.external_id.clone(),
+            publish_context: to_map(&ctx.publish_context),
+            staging_target_path: if supports_stage {
+                path_string(&stub.staging_path)?
+            } else {
+                String::new()
+            },
+            target_path: path_string(target)?,
+            volume_capability: Some(volume_capability(
+                stub.access_mode,
+                stub.attachment_mode,
+                &ctx.mount_options,
+            )),
+            readonly: stub.read_only || stub.access_mode.is_reader_only(),
+            secrets: to_map(&self.repairs.secrets_for(stub, Some(alloc_id))),
+            volume_context: to_map(&ctx.volume_context),
+        };
+        self.volumes
+            .with_retry("NodePublishVolume", || {
+                client.node_publish_volume(req.clone())
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// The node event, the log line and the notice to the alloc's
+    /// watchers of one repair.
+    fn report_repair(
+        &self,
+        stub: &VolumeStub,
+        alloc_id: &str,
+        target: &Path,
+        what: LostMount,
+        error: Option<&CsiError>,
+    ) {
+        let (plugin_id, volume_id) = (&stub.plugin_id, &stub.volume_id);
+        let message = match error {
+            None => {
+                tracing::info!(%plugin_id, %volume_id, %alloc_id, what = what.as_str(), "repaired a lost volume mount");
+                EVENT_VOLUME_REPAIRED
+            }
+            Some(e) => {
+                tracing::warn!(%plugin_id, %volume_id, %alloc_id, what = what.as_str(), error = %e, "repairing a lost volume mount failed; trying again later");
+                EVENT_VOLUME_REPAIR_FAILED
+            }
+        };
+        let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, message)
+            .with_detail("volume_id", volume_id.as_str())
+            .with_detail("alloc_id", alloc_id)
+            .with_detail("what", what.as_str());
+        if let Some(e) = error {
+            event = event.with_detail("error", e.to_string());
+        }
+        self.events.emit(event);
+        // Nobody may be listening (the alloc's watch just ended): fine.
+        let _ = self.repairs.sender.send(VolumeRepair {
+            alloc_id: alloc_id.to_string(),
+            plugin_id: plugin_id.clone(),
+            volume_id: volume_id.clone(),
+            target: target.to_path_buf(),
+            what,
+            error: error.map(ToString::to_string),
+        });
+    }
+}
+
+/// What of a usage is lost: its staging mount, and the watched allocs'
+/// publish targets.
+struct Lost {
+    staging: bool,
+    targets: Vec<(String, PathBuf)>,
+}
+
+async fn lost_mounts(
+    stub: &VolumeStub,
+    supports_stage: bool,
+    watched: &HashSet<String>,
+    mounts: &HashSet<PathBuf>,
+) -> Option<Lost> {
+    let staging = if supports_stage && stub.staged {
+        !mount_is_live(&stub.staging_path, mounts).await
+    } else {
+        false
+    };
+    let mut targets = Vec::new();
+    for (alloc_id, target) in &stub.allocs {
+        if watched.contains(alloc_id) && !mount_is_live(target, mounts).await {
+            targets.push((alloc_id.clone(), target.clone()));
+        }
+    }
+    (staging || !targets.is_empty()).then_some(Lost { staging, targets })
+}
+
+/// Whether `path` is a mount point (in `mounts`) that answers: `stat` on a
+/// mount whose backing went away fails with `ENOTCONN`, `ESTALE` or `EIO`.
+/// Run off the async threads: a dead mount may be slow to answer.
+pub async fn mount_is_live(path: &Path, mounts: &HashSet<PathBuf>) -> bool {
+    if !mounts.contains(path) {
+        return false;
+    }
+    let p = path.to_path_buf();
+    tokio::task::spawn_blocking(move || match nix::sys::stat::stat(&p) {
+        Ok(_) => true,
+        Err(Errno::ENOTCONN | Errno::ESTALE | Errno::EIO) => false,
+        // Any other failure (permissions, say) is not a dead mount.
+        Err(_) => true,
+    })
+    .await
+    .unwrap_or(true)
+}
+
+/// The mount points of this mount namespace (`/proc/self/mountinfo`).
+pub async fn mount_points() -> HashSet<PathBuf> {
+    tokio::task::spawn_blocking(read_mount_points)
+        .await
+        .unwrap_or_default()
+}
+
+fn read_mount_points() -> HashSet<PathBuf> {
+    match std::fs::read_to_string("/proc/self/mountinfo") {
+        Ok(text) => parse_mount_points(&text),
+        Err(e) => {
+            tracing::warn!(error = %e, "reading /proc/self/mountinfo failed");
+            HashSet::new()
+        }
+    }
+}
+
+/// The mount points (the fifth field) of mountinfo text, unescaped.
+fn parse_mount_points(text: &str) -> HashSet<PathBuf> {
+    text.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(unescape_octal(p)))
+        .collect()
+}
+
+/// Undoes mountinfo's `\ooo` escapes (space, tab, newline, backslash).
+fn unescape_octal(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
+            let oct = &bytes[i + 1..i + 4];
+            if oct.iter().all(|b| (b'0'..=b'7').contains(b)) {
+                let v = oct
+                    .iter()
+                    .fold(0u32, |acc, b| acc * 8 + u32::from(b - b'0'));
+                if let Ok(v) = u8::try_from(v) {
+                    out.push(v);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Detaches whatever is mounted at `path` (a dead mount), lazily: users
+/// of the old mount keep it until they let go. Nothing mounted is fine.
+async fn detach_dead_mount(path: &Path) -> Result<(), CsiError> {
+    let p = path.to_path_buf();
+    tokio::task::spawn_blocking(move || loop {
+        match umount2(&p, MntFlags::MNT_DETACH) {
+            // Mounts may be stacked: detach them all.
+            Ok(()) => continue,
+            Err(Errno::EINVAL | Errno::ENOENT) => return Ok(()),
+            Err(e) => {
+                return Err(CsiError::Io(format!(
+                    "detaching the dead mount at {}: {e}",
+                    p.display()
+                )))
+            }
+        }
+    })
+    .await
+    .map_err(|e| CsiError::Io(format!("detaching a dead mount: {e}")))?
+}
+
+fn to_map(m: &BTreeMap<String, String>) -> HashMap<String, String> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+fn path_string(p: &Path) -> Result<String, CsiError> {
+    p.to_str()
+        .map(str::to_string)
+        .ok_or_else(|| CsiError::Io(format!("path {} is not UTF-8", p.display())))
+}
+
+fn create_dir_all(p: &Path) -> Result<(), CsiError> {
+    std::fs::create_dir_all(p).map_err(|e| CsiError::Io(format!("creating {}: {e}", p.display())))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountinfo_mount_points_are_unescaped() {
+        let text = "36 35 98:0 /mnt1 /mnt/with\\040space rw,noatime master:1 - ext3 /dev/root rw\n\
+                    37 35 98:0 / /plain rw - ext4 /dev/sda1 rw\n";
+        let points = parse_mount_points(text);
+        assert!(points.contains(Path::new("/mnt/with space")), "{points:?}");
+        assert!(points.contains(Path::new("/plain")));
+        assert_eq!(unescape_octal("a\\134b"), "a\\b");
+        assert_eq!(unescape_octal("trailing\\04"), "trailing\\04");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_repairs_back_off_and_a_success_clears_it() {
+        let repairs = Repairs::new(Duration::from_secs(2));
+        assert!(repairs.due("k"));
+        repairs.failed("k");
+        assert!(!repairs.due("k"));
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert!(repairs.due("k"));
+        repairs.failed("k");
+        tokio::time::advance(Duration::from_secs(3)).await;
+        assert!(!repairs.due("k"), "the second wait is longer");
+        repairs.succeeded("k");
+        assert!(repairs.due("k"));
+    }
+}
