@@ -2,7 +2,7 @@
 //! healthy, and what it can do, as the node reports it to the servers.
 
 use berth_proto::csi::v1 as csi;
-use berth_structs::CsiInfo;
+use berth_structs::{CsiInfo, CsiTopology};
 use csi::controller_service_capability::rpc::Type as ControllerRpc;
 use csi::node_service_capability::rpc::Type as NodeRpc;
 use csi::plugin_capability::service::Type as PluginService;
@@ -70,6 +70,11 @@ impl PluginFingerprint {
                     now.supports_create_delete = good.supports_create_delete;
                     now.external_node_id = good.external_node_id.clone();
                     now.max_volumes = good.max_volumes;
+                    now.supports_volume_stats = good.supports_volume_stats;
+                    now.supports_volume_condition = good.supports_volume_condition;
+                    now.accessible_topology = good.accessible_topology.clone();
+                    now.supports_expand = good.supports_expand;
+                    now.supports_snapshots = good.supports_snapshots;
                 }
             }
         }
@@ -208,7 +213,11 @@ async fn node_fingerprint(client: &CsiClient, info: &mut CsiInfo) -> Result<(), 
         .await?;
     info.external_node_id = node.node_id;
     info.max_volumes = u64::try_from(node.max_volumes_per_node).unwrap_or(0);
+    info.accessible_topology = node_topology(node.accessible_topology);
     info.supports_stage_unstage = node_supports_stage_unstage(&caps);
+    info.supports_volume_stats = node_has_rpc(&caps, NodeRpc::GetVolumeStats);
+    info.supports_volume_condition = node_has_rpc(&caps, NodeRpc::VolumeCondition);
+    info.supports_expand = node_has_rpc(&caps, NodeRpc::ExpandVolume);
     Ok(())
 }
 
@@ -216,26 +225,43 @@ async fn controller_fingerprint(client: &CsiClient, info: &mut CsiInfo) -> Resul
     let caps = client
         .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
         .await?;
-    let has = |want: ControllerRpc| {
-        caps.capabilities.iter().any(|c| {
-            matches!(
-                c.r#type,
-                Some(csi::controller_service_capability::Type::Rpc(r)) if r.r#type == want as i32
-            )
-        })
-    };
+    let has = |want: ControllerRpc| controller_has_rpc(&caps, want);
     info.requires_controller_publish = has(ControllerRpc::PublishUnpublishVolume);
     info.supports_create_delete = has(ControllerRpc::CreateDeleteVolume);
+    info.supports_expand = has(ControllerRpc::ExpandVolume);
+    info.supports_snapshots = has(ControllerRpc::CreateDeleteSnapshot);
     Ok(())
+}
+
+/// Whether the controller service advertises the RPC capability `want`.
+pub fn controller_has_rpc(caps: &csi::ControllerGetCapabilitiesResponse, want: ControllerRpc) -> bool {
+    caps.capabilities.iter().any(|c| {
+        matches!(
+            c.r#type,
+            Some(csi::controller_service_capability::Type::Rpc(r)) if r.r#type == want as i32
+        )
+    })
+}
+
+/// The node's topology as NodeGetInfo answers it; `None` when the plugin
+/// answers none or one without segments.
+pub fn node_topology(topology: Option<csi::Topology>) -> Option<CsiTopology> {
+    topology
+        .filter(|t| !t.segments.is_empty())
+        .map(|t| CsiTopology::new(t.segments.into_iter().collect()))
 }
 
 /// Whether the node service advertises `STAGE_UNSTAGE_VOLUME`.
 pub fn node_supports_stage_unstage(caps: &csi::NodeGetCapabilitiesResponse) -> bool {
+    node_has_rpc(caps, NodeRpc::StageUnstageVolume)
+}
+
+/// Whether the node service advertises the RPC capability `want`.
+pub fn node_has_rpc(caps: &csi::NodeGetCapabilitiesResponse, want: NodeRpc) -> bool {
     caps.capabilities.iter().any(|c| {
         matches!(
             c.r#type,
-            Some(csi::node_service_capability::Type::Rpc(r))
-                if r.r#type == NodeRpc::StageUnstageVolume as i32
+            Some(csi::node_service_capability::Type::Rpc(r)) if r.r#type == want as i32
         )
     })
 }

@@ -30,6 +30,10 @@
 //! counted are the volume's real claims (freed only after unpublish,
 //! whatever the alloc's state) plus an expected claim for every alloc that
 //! is not terminal and asks for the volume but has not claimed it yet.
+//! Last, once every other check passed: each volume with an accessible
+//! topology is reachable from the node, i.e. the topology of the node's
+//! plugin for it (NodeGetInfo) holds every segment of one of the volume's
+//! topologies (a node plugin without a topology holds none).
 //!
 //! A job with placements that could not be made is blocked; blocked jobs are
 //! evaluated again whenever nodes, plugins, volumes or allocs change, and
@@ -536,6 +540,34 @@ impl<'a> PlanContext<'a> {
             };
             if let Some(conflict) = v.claim_conflict(alloc_id, &node.id, access, mode) {
                 return Some(conflict);
+            }
+        }
+        // Topology last: a node that fails only here is one that passes
+        // every other check.
+        for req in group.volumes.values() {
+            let vid = req.source_for(index);
+            let Some(v) = self.volumes.get(&vid) else {
+                continue;
+            };
+            let here = node
+                .csi_node_plugins
+                .get(&v.plugin_id)
+                .and_then(|p| p.accessible_topology.as_ref());
+            if !v.reachable_from(here) {
+                let shown = if req.per_alloc {
+                    format!("{}[<index>]", req.source)
+                } else {
+                    vid.clone()
+                };
+                let node_at = match here {
+                    Some(t) => format!("is in topology {t}"),
+                    None => "has no topology".to_string(),
+                };
+                return Some(format!(
+                    "volume {shown:?} is reachable only from topology {}; node plugin {:?} here {node_at}",
+                    berth_structs::topologies_text(&v.accessible_topology),
+                    v.plugin_id
+                ));
             }
         }
         None
@@ -1197,6 +1229,174 @@ mod tests {
     fn ineligible(mut n: Node) -> Node {
         n.scheduling_eligibility = berth_structs::SchedulingEligibility::Ineligible;
         n
+    }
+
+    fn topology(k: &str, v: &str) -> berth_structs::CsiTopology {
+        berth_structs::CsiTopology::new([(k.to_string(), v.to_string())].into())
+    }
+
+    /// A node running a healthy node plugin "hp" at `at` (none: the plugin
+    /// answers no topology).
+    fn node_at(id: &str, at: Option<berth_structs::CsiTopology>) -> Node {
+        let mut n = node(id, 4000, 4096);
+        n.csi_node_plugins.insert(
+            "hp".into(),
+            berth_structs::CsiInfo {
+                plugin_id: "hp".into(),
+                healthy: true,
+                accessible_topology: at,
+                ..Default::default()
+            },
+        );
+        n
+    }
+
+    /// A multi-node-multi-writer volume of plugin "hp" reachable from
+    /// `accessible` (empty: everywhere).
+    fn volume_in(id: &str, accessible: Vec<berth_structs::CsiTopology>) -> CsiVolume {
+        CsiVolume {
+            id: id.into(),
+            plugin_id: "hp".into(),
+            capabilities: vec![berth_structs::VolumeCapability {
+                access_mode: berth_structs::AccessMode::MultiNodeMultiWriter,
+                attachment_mode: berth_structs::AttachmentMode::FileSystem,
+            }],
+            accessible_topology: accessible,
+            ..Default::default()
+        }
+    }
+
+    /// Job `id` whose group of `count` uses each of `volumes`.
+    fn job_using(id: &str, count: u32, volumes: &[&str]) -> Job {
+        let mut j = job(id, count, vec![task("t", 1, 1)]);
+        for v in volumes {
+            j.task_groups[0].volumes.insert(
+                v.to_string(),
+                berth_structs::VolumeRequest {
+                    name: v.to_string(),
+                    volume_type: "csi".into(),
+                    source: v.to_string(),
+                    access_mode: Some(berth_structs::AccessMode::MultiNodeMultiWriter),
+                    attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+                    ..Default::default()
+                },
+            );
+        }
+        j
+    }
+
+    fn with_volumes(mut t: Tables, volumes: Vec<CsiVolume>) -> Tables {
+        t.volumes = volumes.into_iter().map(|v| (v.id.clone(), v)).collect();
+        t
+    }
+
+    #[test]
+    fn a_volume_with_a_topology_is_placed_only_on_nodes_in_it() {
+        let nodes = vec![
+            node_at("a", Some(topology("zone", "a"))),
+            node_at("b", Some(topology("zone", "b"))),
+            node_at("none", None),
+        ];
+        let t = with_volumes(
+            tables(nodes.clone(), vec![job_using("web", 6, &["data"])], vec![]),
+            vec![volume_in("data", vec![topology("zone", "a")])],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+        assert_eq!(placed.len(), 6);
+        assert!(placed.iter().all(|a| a.node_id == "a"), "{placed:?}");
+
+        // A node with more segments than the volume names is in it too; one
+        // of several topologies is enough.
+        let mut wide = node_at("wide", None);
+        wide.csi_node_plugins.get_mut("hp").unwrap().accessible_topology = Some(
+            berth_structs::CsiTopology::new(
+                [("zone".to_string(), "c".to_string()), ("rack".to_string(), "r1".to_string())]
+                    .into(),
+            ),
+        );
+        let t = with_volumes(
+            tables(
+                vec![wide, node_at("b", Some(topology("zone", "b")))],
+                vec![job_using("web", 1, &["data"])],
+                vec![],
+            ),
+            vec![volume_in(
+                "data",
+                vec![topology("zone", "a"), topology("zone", "c")],
+            )],
+        );
+        let (_, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 1);
+        assert_eq!(placed[0].node_id, "wide");
+
+        // A volume without a topology is reachable from every node.
+        let t = with_volumes(
+            tables(vec![node_at("none", None)], vec![job_using("web", 1, &["data"])], vec![]),
+            vec![volume_in("data", vec![])],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+        assert_eq!(placed.len(), 1);
+    }
+
+    #[test]
+    fn volumes_in_disjoint_topologies_place_nothing_and_the_failure_names_them() {
+        let t = with_volumes(
+            tables(
+                vec![
+                    node_at("a", Some(topology("zone", "a"))),
+                    node_at("b", Some(topology("zone", "b"))),
+                    node_at("none", None),
+                ],
+                vec![job_using("web", 1, &["va", "vb"])],
+                vec![],
+            ),
+            vec![
+                volume_in("va", vec![topology("zone", "a")]),
+                volume_in("vb", vec![topology("zone", "b")]),
+            ],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(placed.is_empty(), "{placed:?}");
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 1 of 1 allocs not placed: \
+                 node a: volume \"vb\" is reachable only from topology {zone=b}; \
+                 node plugin \"hp\" here is in topology {zone=a}; \
+                 node b: volume \"va\" is reachable only from topology {zone=a}; \
+                 node plugin \"hp\" here is in topology {zone=b}; \
+                 node none: volume \"va\" is reachable only from topology {zone=a}; \
+                 node plugin \"hp\" here has no topology (1 alloc: index 0)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn topology_is_checked_after_the_other_checks() {
+        // Node "a" is in the volume's topology but out of memory; "b" is
+        // not in it: each node says its own reason.
+        let mut a = node_at("a", Some(topology("zone", "a")));
+        a.resources.memory_mb = 0;
+        let t = with_volumes(
+            tables(
+                vec![a, node_at("b", Some(topology("zone", "b")))],
+                vec![job_using("web", 1, &["data"])],
+                vec![],
+            ),
+            vec![volume_in("data", vec![topology("zone", "a")])],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(placed.is_empty());
+        assert_eq!(outcome.failures.len(), 1);
+        let f = &outcome.failures[0];
+        assert!(f.contains("node a: memory exhausted"), "{f}");
+        assert!(
+            f.contains("node b: volume \"data\" is reachable only from topology {zone=a}"),
+            "{f}"
+        );
     }
 
     #[test]

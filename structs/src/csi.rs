@@ -239,6 +239,22 @@ pub struct CsiVolume {
     pub read_claims: BTreeMap<String, CsiVolumeClaim>,
     #[serde(default)]
     pub write_claims: BTreeMap<String, CsiVolumeClaim>,
+    /// The spec's `topology_request`: where the volume must (`required`)
+    /// or should (`preferred`) be created.
+    #[serde(default)]
+    pub requested_topologies: CsiTopologyRequest,
+    /// Where the volume can be used: any one of these topologies (the
+    /// plugin's answer to `CreateVolume`, or the required topologies of a
+    /// registered volume). Empty: from everywhere.
+    #[serde(default)]
+    pub accessible_topology: Vec<CsiTopology>,
+    /// Create the volume from this snapshot (the plugin's snapshot ID).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub snapshot_id: String,
+    /// Create the volume as a clone of this volume (the plugin's volume
+    /// ID, as `external_id`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub clone_id: String,
     /// Whether a healthy node plugin exists for it; computed on read.
     #[serde(default)]
     pub schedulable: bool,
@@ -267,6 +283,10 @@ impl std::fmt::Debug for CsiVolume {
             context,
             read_claims,
             write_claims,
+            requested_topologies,
+            accessible_topology,
+            snapshot_id,
+            clone_id,
             schedulable,
             create_index,
             modify_index,
@@ -287,6 +307,10 @@ impl std::fmt::Debug for CsiVolume {
             .field("context", context)
             .field("read_claims", read_claims)
             .field("write_claims", write_claims)
+            .field("requested_topologies", requested_topologies)
+            .field("accessible_topology", accessible_topology)
+            .field("snapshot_id", snapshot_id)
+            .field("clone_id", clone_id)
             .field("schedulable", schedulable)
             .field("create_index", create_index)
             .field("modify_index", modify_index)
@@ -328,6 +352,11 @@ impl CsiVolume {
                     too_large(v, capacity_limit_text())
                 ));
             }
+        }
+        if !self.snapshot_id.is_empty() && !self.clone_id.is_empty() {
+            errs.push(format!(
+                "{at}: snapshot_id and clone_id are exclusive: a volume is created from a snapshot or as a clone, not both"
+            ));
         }
         if let (Some(min), Some(max)) = (self.capacity_min, self.capacity_max) {
             if min > max {
@@ -467,6 +496,124 @@ pub struct CsiInfo {
     pub external_node_id: String,
     #[serde(default)]
     pub max_volumes: u64,
+    /// Node plugins: `GET_VOLUME_STATS` and `VOLUME_CONDITION`
+    /// (NodeGetCapabilities); known on the node only.
+    #[serde(default)]
+    pub supports_volume_stats: bool,
+    #[serde(default)]
+    pub supports_volume_condition: bool,
+    /// Node plugins: where this node is, in the provider's terms
+    /// (NodeGetInfo `accessible_topology`); `None` when it says nothing.
+    #[serde(default)]
+    pub accessible_topology: Option<CsiTopology>,
+    /// `EXPAND_VOLUME`: of the controller service for a controller entry,
+    /// of the node service for a node entry.
+    #[serde(default)]
+    pub supports_expand: bool,
+    /// Controllers: `CREATE_DELETE_SNAPSHOT`.
+    #[serde(default)]
+    pub supports_snapshots: bool,
+}
+
+/// A CSI topology: segments such as `topology.hostpath.csi/node = "n1"` or
+/// `zone = "a"`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
+pub struct CsiTopology {
+    #[serde(default)]
+    pub segments: BTreeMap<String, String>,
+}
+
+impl CsiTopology {
+    pub fn new(segments: BTreeMap<String, String>) -> CsiTopology {
+        CsiTopology { segments }
+    }
+
+    /// Whether a node at `node` is in this topology: every segment of this
+    /// one is on the node with the same value (the node may have more).
+    pub fn contains(&self, node: &CsiTopology) -> bool {
+        self.segments
+            .iter()
+            .all(|(k, v)| node.segments.get(k) == Some(v))
+    }
+}
+
+impl std::fmt::Display for CsiTopology {
+    /// `{zone=a,rack=r1}`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("{")?;
+        for (i, (k, v)) in self.segments.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{k}={v}")?;
+        }
+        f.write_str("}")
+    }
+}
+
+/// Topologies shown in one line: `{zone=a} or {zone=b}`; `-` for none.
+pub fn topologies_text(topologies: &[CsiTopology]) -> String {
+    if topologies.is_empty() {
+        return "-".to_string();
+    }
+    topologies
+        .iter()
+        .map(|t| t.to_string())
+        .collect::<Vec<_>>()
+        .join(" or ")
+}
+
+/// A volume spec's `topology_request`, in Nomad's shape.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CsiTopologyRequest {
+    /// The volume must be reachable from one of these.
+    #[serde(default)]
+    pub required: Vec<CsiTopology>,
+    /// The plugin should prefer these, in order.
+    #[serde(default)]
+    pub preferred: Vec<CsiTopology>,
+}
+
+impl CsiTopologyRequest {
+    pub fn is_empty(&self) -> bool {
+        self.required.is_empty() && self.preferred.is_empty()
+    }
+}
+
+impl CsiVolume {
+    /// Whether a node whose node plugin for this volume is at `node` may
+    /// use it: the volume has no accessible topology, or the node is in
+    /// one of them. A node plugin without a topology is in none.
+    pub fn reachable_from(&self, node: Option<&CsiTopology>) -> bool {
+        if self.accessible_topology.is_empty() {
+            return true;
+        }
+        node.is_some_and(|n| self.accessible_topology.iter().any(|t| t.contains(n)))
+    }
+}
+
+/// A snapshot of a volume, as its controller plugin reports it. The name
+/// is known only in the answer to the create that made it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CsiSnapshot {
+    /// The plugin's ID of the snapshot.
+    pub id: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub name: String,
+    pub plugin_id: String,
+    /// The berth volume it was taken of, when berth knows that volume.
+    #[serde(default)]
+    pub source_volume_id: String,
+    /// The plugin's ID of that volume.
+    #[serde(default)]
+    pub external_source_volume_id: String,
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// Unix milliseconds; 0 when the plugin did not say.
+    #[serde(default)]
+    pub create_time_ms: i64,
+    #[serde(default)]
+    pub ready_to_use: bool,
 }
 
 /// A plugin across the cluster, derived from node fingerprints and the jobs
@@ -486,6 +633,49 @@ pub struct CsiPlugin {
     pub nodes: BTreeMap<String, CsiInfo>,
     pub create_index: u64,
     pub modify_index: u64,
+}
+
+/// What a node plugin said of a volume mounted for an alloc
+/// (`NodeGetVolumeStats`), as the node last collected it. Figures the
+/// plugin did not give are `None`; when the call failed, `error` says why
+/// and the figures are those of the last success, if any.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CsiVolumeStats {
+    /// The volume (berth's ID) and its plugin.
+    #[serde(default)]
+    pub volume_id: String,
+    #[serde(default)]
+    pub plugin_id: String,
+    #[serde(default)]
+    pub bytes_total: Option<u64>,
+    #[serde(default)]
+    pub bytes_used: Option<u64>,
+    #[serde(default)]
+    pub bytes_available: Option<u64>,
+    #[serde(default)]
+    pub inodes_total: Option<u64>,
+    #[serde(default)]
+    pub inodes_used: Option<u64>,
+    #[serde(default)]
+    pub inodes_available: Option<u64>,
+    /// The plugin's view of the volume's health (`VOLUME_CONDITION`);
+    /// `None` when the plugin does not report it.
+    #[serde(default)]
+    pub condition: Option<CsiVolumeCondition>,
+    /// Why the stats could not be collected in the last round.
+    #[serde(default)]
+    pub error: Option<String>,
+    /// Unix milliseconds.
+    #[serde(default)]
+    pub collected_at_ms: i64,
+}
+
+/// A volume's condition as its node plugin reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct CsiVolumeCondition {
+    pub abnormal: bool,
+    #[serde(default)]
+    pub message: String,
 }
 
 #[cfg(test)]
@@ -560,6 +750,42 @@ mod tests {
         let s = format!("{g:?} {g:#?}");
         assert!(!s.contains("hunter2") && !s.contains("password"), "{s}");
         assert!(s.contains("<1 redacted>"), "{s}");
+    }
+
+    #[test]
+    fn a_node_is_in_a_topology_when_it_has_every_segment_of_it() {
+        let t = |pairs: &[(&str, &str)]| {
+            CsiTopology::new(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            )
+        };
+        let zone_a = t(&[("zone", "a")]);
+        assert!(zone_a.contains(&t(&[("zone", "a"), ("rack", "r1")])));
+        assert!(!zone_a.contains(&t(&[("zone", "b")])));
+        assert!(!t(&[("zone", "a"), ("rack", "r1")]).contains(&zone_a));
+        assert_eq!(t(&[("zone", "a"), ("rack", "r1")]).to_string(), "{rack=r1,zone=a}");
+
+        let mut v = CsiVolume::default();
+        assert!(v.reachable_from(None), "no topology: reachable from anywhere");
+        v.accessible_topology = vec![zone_a.clone(), t(&[("zone", "c")])];
+        assert!(v.reachable_from(Some(&t(&[("zone", "c")]))));
+        assert!(!v.reachable_from(Some(&t(&[("zone", "b")]))));
+        assert!(!v.reachable_from(None), "a node without a topology is in none");
+        assert_eq!(topologies_text(&v.accessible_topology), "{zone=a} or {zone=c}");
+        assert_eq!(topologies_text(&[]), "-");
+
+        // Records from before topologies decode.
+        let old: CsiVolume =
+            serde_json::from_str(r#"{"id":"v","plugin_id":"p"}"#).expect("decode");
+        assert!(old.accessible_topology.is_empty() && old.requested_topologies.is_empty());
+        let info: CsiInfo = serde_json::from_str(
+            r#"{"plugin_id":"p","alloc_id":"a","provider":"x","version":"1","healthy":true}"#,
+        )
+        .expect("decode");
+        assert_eq!(info.accessible_topology, None);
     }
 
     #[test]

@@ -12,6 +12,8 @@ const HOSTPATH_PLUGIN: &str = include_str!("../../examples/jobs/hostpath-plugin.
 const WRITER: &str = include_str!("../../examples/jobs/writer.hcl");
 const READER: &str = include_str!("../../examples/jobs/reader.hcl");
 const HOSTPATH_VOLUME: &str = include_str!("../../examples/volumes/hostpath.hcl");
+const HOSTPATH_TOPOLOGY_VOLUME: &str =
+    include_str!("../../examples/volumes/hostpath-topology.hcl");
 
 fn job_err(src: &str) -> SpecError {
     match parse_job(src) {
@@ -674,4 +676,58 @@ fn group_volume_reads_mount_options_and_modes() {
     assert_eq!(e.line, 11);
     assert!(e.message.contains("unknown attachment_mode"), "{e}");
     assert!(e.message.contains(r#"in volume "data""#), "{e}");
+}
+
+#[test]
+fn a_topology_request_is_read_in_nomads_shape() {
+    let v = parse_volume(HOSTPATH_TOPOLOGY_VOLUME).expect("parse");
+    let node = |n: &str| {
+        berth_structs::CsiTopology::new(
+            [("topology.hostpath.csi/node".to_string(), n.to_string())].into(),
+        )
+    };
+    assert_eq!(v.requested_topologies.required, vec![node("node-a"), node("node-b")]);
+    assert_eq!(v.requested_topologies.preferred, vec![node("node-a")]);
+    assert!(v.accessible_topology.is_empty(), "only a plugin or a register sets it");
+
+    // Segments as a block, several keys, and only `required`.
+    let base = "id = \"v\"\ntype = \"csi\"\nplugin_id = \"p\"\n";
+    let v = parse_volume(&format!(
+        "{base}topology_request {{\n  required {{\n    topology {{\n      segments {{\n        zone = \"a\"\n        rack = \"r1\"\n      }}\n    }}\n  }}\n}}\n"
+    ))
+    .expect("parse");
+    assert_eq!(v.requested_topologies.required.len(), 1);
+    assert_eq!(v.requested_topologies.required[0].to_string(), "{rack=r1,zone=a}");
+    assert!(v.requested_topologies.preferred.is_empty());
+}
+
+#[test]
+fn a_topology_request_refuses_what_it_does_not_know_with_the_line() {
+    let base = "id = \"v\"\ntype = \"csi\"\nplugin_id = \"p\"\n";
+    // Line 4 opens topology_request.
+    let e = volume_err(&format!(
+        "{base}topology_request {{\n  requisite {{\n  }}\n}}\n"
+    ));
+    assert_eq!(e.line, 5, "{e}");
+    assert!(e.message.contains("unsupported block \"requisite\""), "{e}");
+
+    let e = volume_err(&format!(
+        "{base}topology_request {{\n  required {{\n    topology {{\n      zone = \"a\"\n    }}\n  }}\n}}\n"
+    ));
+    assert_eq!(e.line, 7, "{e}");
+    assert!(e.message.contains("unknown attribute \"zone\""), "{e}");
+
+    let e = volume_err(&format!(
+        "{base}topology_request {{\n  required {{\n    topology {{\n      segments = {{}}\n    }}\n  }}\n}}\n"
+    ));
+    assert_eq!(e.line, 6, "{e}");
+    assert!(e.message.contains("at least one segment"), "{e}");
+
+    let e = volume_err(&format!("{base}topology_request {{\n  required {{\n  }}\n}}\n"));
+    assert_eq!(e.line, 5, "{e}");
+    assert!(e.message.contains("at least one topology block"), "{e}");
+
+    let e = volume_err(&format!("{base}topology_request = {{}}\n"));
+    assert_eq!(e.line, 4, "{e}");
+    assert!(e.message.contains("is a block"), "{e}");
 }

@@ -223,6 +223,21 @@ pub fn shared_plugin_job(state_dir: &Path) -> Result<String> {
     )
 }
 
+/// [`shared_plugin_job`] with `extra_args` added to the plugin's command
+/// line (e.g. `--topology=topology.hostpath.csi/node=${BERTH_NODE_ID}`).
+pub fn shared_plugin_job_with_args(state_dir: &Path, extra_args: &[&str]) -> Result<String> {
+    let from = format!("\"--state-dir={}\",", path_str(state_dir)?);
+    let job = shared_plugin_job(state_dir)?;
+    if !job.contains(&from) {
+        anyhow::bail!("the plugin job has no {from:?} to add arguments after");
+    }
+    let extra: String = extra_args
+        .iter()
+        .map(|a| format!("\n          {a:?},"))
+        .collect();
+    Ok(job.replacen(&from, &format!("{from}{extra}"), 1))
+}
+
 /// A single-node-writer hostpath volume named `id`.
 pub fn writer_volume(id: &str) -> String {
     format!(

@@ -4,6 +4,8 @@
 pub mod errors;
 pub mod http_client;
 mod node;
+mod snapshot;
+mod volume_stats;
 
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
@@ -28,12 +30,15 @@ Commands:
   node drain -disable NODE                        stop draining a node (it stays ineligible)
   node eligibility -enable|-disable NODE          allow or forbid new allocs on a node
   node purge [-json] NODE                         forget a node that is gone; its allocs are lost, its claims freed
-  volume create FILE                              create a CSI volume through its plugin
+  volume create FILE                              create a CSI volume through its plugin (of one that exists: grow it)
   volume register FILE                            register an existing CSI volume
   volume deregister [-force] VOLUME               forget a CSI volume
   volume delete VOLUME                            delete a CSI volume through its plugin
   volume detach VOLUME NODE                       release the volume's claims on a node
-  volume status [-json] [VOLUME]                  show CSI volumes
+  volume status [-json] [-verbose] [VOLUME]       show CSI volumes (-verbose: each claim with its volume stats)
+  volume snapshot create [-json] VOLUME [NAME]    snapshot a CSI volume through its plugin
+  volume snapshot list [-plugin P] [-json]        list the snapshots of a plugin (of all plugins)
+  volume snapshot delete PLUGIN SNAPSHOT          delete a snapshot through its plugin
   plugin status [-json] [PLUGIN]                  show CSI plugins
   system gc                                       garbage collect what is done, now
 
@@ -52,6 +57,7 @@ struct ApiArgs {
     detach: bool,
     force: bool,
     all_allocs: bool,
+    verbose: bool,
     positional: Vec<String>,
 }
 
@@ -62,6 +68,7 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
     let mut detach = false;
     let mut force = false;
     let mut all_allocs = false;
+    let mut verbose = false;
     let mut positional = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -92,6 +99,7 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
             "detach" => detach = true,
             "force" => force = true,
             "all-allocs" => all_allocs = true,
+            "verbose" => verbose = true,
             _ => unreachable!("allowed flags are handled above"),
         }
     }
@@ -101,6 +109,7 @@ fn api_args(command: &str, args: &[String], allowed: &[&str]) -> Result<ApiArgs>
         detach,
         force,
         all_allocs,
+        verbose,
         positional,
     })
 }
@@ -155,6 +164,14 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         ("volume", Some("delete")) => volume_delete(tail),
         ("volume", Some("detach")) => volume_detach(tail),
         ("volume", Some("status")) => volume_status(tail),
+        ("volume", Some("snapshot")) => match tail.split_first() {
+            Some((c, rest)) if c == "create" => snapshot::snapshot_create(rest),
+            Some((c, rest)) if c == "list" => snapshot::snapshot_list(rest),
+            Some((c, rest)) if c == "delete" => snapshot::snapshot_delete(rest),
+            _ => Err(usage_error(
+                "berth volume snapshot: want create, list or delete",
+            )),
+        },
         ("plugin", Some("status")) => plugin_status(tail),
         ("system", Some("gc")) => system_gc(tail),
         ("help" | "-h" | "-help" | "--help", _) => {
@@ -538,6 +555,13 @@ fn alloc_status(args: &[String]) -> Result<i32> {
             }
         }
     }
+    let volumes = volume_stats::alloc_volume_lines(&v);
+    if !volumes.is_empty() {
+        println!("\nCSI Volumes");
+        for line in volumes {
+            println!("  {line}");
+        }
+    }
     Ok(0)
 }
 
@@ -570,6 +594,13 @@ fn node_status(args: &[String]) -> Result<i32> {
                 node::deadline_left(at.unwrap_or(0), berth_structs::now_ms())
             );
         }
+        let plugins = node::plugin_table(n);
+        if !plugins.is_empty() {
+            println!("\nCSI Plugins");
+            for row in plugins {
+                println!("  {row}");
+            }
+        }
         println!("\nEvents");
         for e in n["events"].as_array().into_iter().flatten() {
             println!(
@@ -599,13 +630,15 @@ fn volume_submit(args: &[String], create: bool) -> Result<i32> {
     } else {
         format!("/v1/volume/csi/{}", enc(&vol.id))
     };
+    // A create of a volume that exists grows it (or changes nothing).
+    let before = if create {
+        snapshot::existing_volume(&a.api, &vol.id)?
+    } else {
+        None
+    };
     let resp = a.api.put(&url, &json!({ "volume": vol }))?;
-    let ext = resp
-        .get("external_id")
-        .and_then(Value::as_str)
-        .unwrap_or_default();
     if create {
-        println!("Created volume {:?} (external ID {ext:?})", vol.id);
+        println!("{}", snapshot::create_outcome(&vol.id, before.as_ref(), &resp));
     } else {
         println!("Registered volume {:?}", vol.id);
     }
@@ -708,11 +741,19 @@ fn volume_detach(args: &[String]) -> Result<i32> {
 }
 
 fn volume_status(args: &[String]) -> Result<i32> {
-    let a = api_args("volume status", args, &["json"])?;
-    let v = match optional_positional("volume status", &a, "volume ID")? {
+    let a = api_args("volume status", args, &["json", "verbose"])?;
+    let mut v = match optional_positional("volume status", &a, "volume ID")? {
         Some(id) => a.api.get(&format!("/v1/volume/csi/{}", enc(&id)))?,
         None => a.api.get("/v1/volumes")?,
     };
+    // Each volume's own answer carries its claims joined with their allocs.
+    if let (true, Value::Array(list)) = (a.verbose, &mut v) {
+        for vol in list.iter_mut() {
+            if let Some(id) = vol["id"].as_str() {
+                *vol = a.api.get(&format!("/v1/volume/csi/{}", enc(id)))?;
+            }
+        }
+    }
     if a.json {
         return print_json(&v);
     }
@@ -733,6 +774,30 @@ fn volume_status(args: &[String]) -> Result<i32> {
             vol["read_allocs"].as_array().map_or(0, Vec::len),
             vol["write_allocs"].as_array().map_or(0, Vec::len)
         );
+    }
+    if let [vol] = vols.as_slice() {
+        let req = &vol["requested_topologies"];
+        println!("\nTopology");
+        for (what, value) in [
+            ("Required", node::topologies_text(&req["required"])),
+            ("Preferred", node::topologies_text(&req["preferred"])),
+            ("Accessible", node::topologies_text(&vol["accessible_topology"])),
+        ] {
+            println!("  {what:<10} = {value}");
+        }
+    }
+    if a.verbose {
+        for vol in &vols {
+            let lines = volume_stats::volume_claim_lines(vol);
+            println!(
+                "\nClaims of {}{}",
+                vol["id"].as_str().unwrap_or_default(),
+                if lines.is_empty() { ": none" } else { "" }
+            );
+            for line in lines {
+                println!("  {line}");
+            }
+        }
     }
     Ok(0)
 }

@@ -366,9 +366,98 @@ pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
     out
 }
 
+/// A topology of the API's JSON (`{"segments": {...}}`) as text:
+/// `{zone=a}`; `-` for none.
+pub fn topology_text(t: &Value) -> String {
+    match serde_json::from_value::<berth_structs::CsiTopology>(t.clone()) {
+        Ok(t) if !t.segments.is_empty() => t.to_string(),
+        _ => "-".to_string(),
+    }
+}
+
+/// A list of topologies of the API's JSON as text: `{zone=a} or
+/// {zone=b}`; `-` for none.
+pub fn topologies_text(list: &Value) -> String {
+    let list: Vec<berth_structs::CsiTopology> =
+        serde_json::from_value(list.clone()).unwrap_or_default();
+    berth_structs::topologies_text(&list)
+}
+
+/// The rows of a node's CSI plugins: ID, type (node or controller),
+/// health and the node plugin's topology; nothing when it runs none.
+pub fn plugin_table(node: &Value) -> Vec<String> {
+    let mut rows: Vec<[String; 4]> = Vec::new();
+    for (kind, field) in [
+        ("node", "csi_node_plugins"),
+        ("controller", "csi_controller_plugins"),
+    ] {
+        for (id, p) in node[field].as_object().into_iter().flatten() {
+            let topology = if kind == "node" {
+                topology_text(&p["accessible_topology"])
+            } else {
+                "-".to_string()
+            };
+            rows.push([
+                id.clone(),
+                kind.to_string(),
+                p["healthy"].as_bool().unwrap_or(false).to_string(),
+                topology,
+            ]);
+        }
+    }
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    rows.sort();
+    let header = ["ID", "Type", "Healthy", "Topology"].map(String::from);
+    let width = |i: usize| {
+        rows.iter()
+            .chain([&header])
+            .map(|r| r[i].chars().count())
+            .max()
+            .unwrap_or(0)
+    };
+    let (w0, w1, w2) = (width(0), width(1), width(2));
+    std::iter::once(&header)
+        .chain(rows.iter())
+        .map(|r| {
+            format!("{:<w0$}  {:<w1$}  {:<w2$}  {}", r[0], r[1], r[2], r[3])
+                .trim_end()
+                .to_string()
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_plugin_table_shows_each_plugin_and_its_node_topology() {
+        let n = json!({
+            "csi_node_plugins": {
+                "hostpath": {"healthy": true,
+                             "accessible_topology": {"segments": {"zone": "a", "rack": "r1"}}},
+                "nfs": {"healthy": false}
+            },
+            "csi_controller_plugins": {"hostpath": {"healthy": true}}
+        });
+        assert_eq!(
+            plugin_table(&n),
+            vec![
+                "ID        Type        Healthy  Topology",
+                "hostpath  controller  true     -",
+                "hostpath  node        true     {rack=r1,zone=a}",
+                "nfs       node        false    -",
+            ]
+        );
+        assert!(plugin_table(&json!({})).is_empty());
+        assert_eq!(
+            topologies_text(&json!([{"segments": {"zone": "a"}}, {"segments": {"zone": "b"}}])),
+            "{zone=a} or {zone=b}"
+        );
+        assert_eq!(topologies_text(&json!([])), "-");
+    }
 
     fn strings(args: &[&str]) -> Vec<String> {
         args.iter().map(|s| s.to_string()).collect()

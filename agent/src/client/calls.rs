@@ -5,10 +5,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use berth_csimanager::{CsiError, CsiManager, UnmountRequest};
+use berth_csimanager::fingerprint::{controller_has_rpc, node_has_rpc};
+use berth_csimanager::{CsiClient, CsiError, CsiManager, ExpandRequest, UnmountRequest};
 use berth_proto::berth::v1 as pb;
 use berth_proto::csi::v1 as csi;
 use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions};
+use csi::controller_service_capability::rpc::Type as ControllerRpc;
+use csi::node_service_capability::rpc::Type as NodeRpc;
 use pb::server_call::Call;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -123,6 +126,21 @@ fn csi_capability(
     ))
 }
 
+/// CSI `accessibility_requirements` from the call's topologies; none when
+/// both lists are empty.
+fn topology_requirement(
+    requisite: Vec<pb::Topology>,
+    preferred: Vec<pb::Topology>,
+) -> Option<csi::TopologyRequirement> {
+    let csi_topology = |t: pb::Topology| csi::Topology {
+        segments: t.segments.into_iter().collect(),
+    };
+    (!requisite.is_empty() || !preferred.is_empty()).then(|| csi::TopologyRequirement {
+        requisite: requisite.into_iter().map(csi_topology).collect(),
+        preferred: preferred.into_iter().map(csi_topology).collect(),
+    })
+}
+
 async fn handle_call(
     csi: &Arc<CsiManager>,
     call: pb::ServerCall,
@@ -199,6 +217,8 @@ async fn handle_call(
                     volume_capabilities: caps,
                     parameters: c.parameters,
                     secrets: c.secrets,
+                    accessibility_requirements: topology_requirement(c.requisite, c.preferred),
+                    volume_content_source: content_source(&c.snapshot_id, &c.clone_id),
                     ..Default::default()
                 })
                 .await
@@ -218,6 +238,13 @@ async fn handle_call(
                     external_id: vol.volume_id,
                     capacity_bytes: vol.capacity_bytes,
                     volume_context: vol.volume_context,
+                    accessible_topology: vol
+                        .accessible_topology
+                        .into_iter()
+                        .map(|t| pb::Topology {
+                            segments: t.segments.into_iter().collect(),
+                        })
+                        .collect(),
                 },
             ))
         }
@@ -261,5 +288,230 @@ async fn handle_call(
             }
             Ok(empty())
         }
+        Some(Call::ExpandVolume(e)) => expand_volume(csi, e).await,
+        Some(Call::ExpandVolumeOnNode(e)) => expand_volume_on_node(csi, e).await,
+        Some(Call::CreateSnapshot(c)) => create_snapshot(csi, c).await,
+        Some(Call::DeleteSnapshot(d)) => {
+            let client = snapshot_controller(csi, &d.plugin_id, ControllerRpc::CreateDeleteSnapshot).await?;
+            client
+                .delete_snapshot(csi::DeleteSnapshotRequest {
+                    snapshot_id: d.snapshot_id,
+                    secrets: d.secrets,
+                })
+                .await
+                .map_err(call_error)?;
+            Ok(empty())
+        }
+        Some(Call::ListSnapshots(l)) => list_snapshots(csi, l).await,
     }
+}
+
+/// CSI `volume_content_source` of a create: a snapshot or a volume to
+/// clone (the servers send at most one).
+fn content_source(snapshot_id: &str, clone_id: &str) -> Option<csi::VolumeContentSource> {
+    use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
+    let source = if !snapshot_id.is_empty() {
+        Type::Snapshot(SnapshotSource {
+            snapshot_id: snapshot_id.to_string(),
+        })
+    } else if !clone_id.is_empty() {
+        Type::Volume(VolumeSource {
+            volume_id: clone_id.to_string(),
+        })
+    } else {
+        return None;
+    };
+    Some(csi::VolumeContentSource {
+        r#type: Some(source),
+    })
+}
+
+fn capacity_range(min: i64, max: i64) -> Option<csi::CapacityRange> {
+    (min > 0 || max > 0).then_some(csi::CapacityRange {
+        required_bytes: min,
+        limit_bytes: max,
+    })
+}
+
+/// `ControllerExpandVolume` when the controller has `EXPAND_VOLUME`; the
+/// answer says when it has not (the servers then expand on the nodes only).
+async fn expand_volume(
+    csi: &Arc<CsiManager>,
+    e: pb::ExpandVolume,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let client = csi.client(&e.plugin_id).await.map_err(call_error)?;
+    let caps = client
+        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await
+        .map_err(call_error)?;
+    if !controller_has_rpc(&caps, ControllerRpc::ExpandVolume) {
+        return Ok(pb::call_reply::Result::ExpandVolume(pb::ExpandVolumeReply {
+            controller_supported: false,
+            ..Default::default()
+        }));
+    }
+    let resp = client
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: e.external_id,
+            capacity_range: capacity_range(e.capacity_min, e.capacity_max),
+            secrets: e.secrets,
+            volume_capability: e
+                .capability
+                .as_ref()
+                .map(|c| csi_capability(Some(c)))
+                .transpose()?,
+        })
+        .await
+        .map_err(call_error)?;
+    Ok(pb::call_reply::Result::ExpandVolume(pb::ExpandVolumeReply {
+        controller_supported: true,
+        capacity_bytes: resp.capacity_bytes,
+        node_expansion_required: resp.node_expansion_required,
+    }))
+}
+
+/// `NodeExpandVolume` when the node plugin has `EXPAND_VOLUME`; the answer
+/// says when it has not.
+async fn expand_volume_on_node(
+    csi: &Arc<CsiManager>,
+    e: pb::ExpandVolumeOnNode,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let client = csi.client(&e.plugin_id).await.map_err(call_error)?;
+    let caps = client
+        .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+        .await
+        .map_err(call_error)?;
+    if !node_has_rpc(&caps, NodeRpc::ExpandVolume) {
+        return Ok(pb::call_reply::Result::ExpandVolumeOnNode(
+            pb::ExpandVolumeOnNodeReply {
+                node_supported: false,
+                capacity_bytes: 0,
+            },
+        ));
+    }
+    let cap = e
+        .capability
+        .ok_or_else(|| bad_call("node expand needs the volume's capability"))?;
+    let capacity_bytes = csi
+        .expand_volume(ExpandRequest {
+            plugin_id: e.plugin_id,
+            volume_id: e.volume_id,
+            external_id: e.external_id,
+            alloc_ids: e.alloc_ids,
+            capacity_min: e.capacity_min,
+            capacity_max: e.capacity_max,
+            access_mode: cap.access_mode.parse().map_err(bad_call)?,
+            attachment_mode: cap.attachment_mode.parse().map_err(bad_call)?,
+            mount_options: CsiMountOptions {
+                fs_type: cap.fs_type,
+                mount_flags: cap.mount_flags,
+            },
+            secrets: e.secrets.into_iter().collect(),
+        })
+        .await
+        .map_err(call_error)?;
+    Ok(pb::call_reply::Result::ExpandVolumeOnNode(
+        pb::ExpandVolumeOnNodeReply {
+            node_supported: true,
+            capacity_bytes,
+        },
+    ))
+}
+
+/// A client for `plugin_id`'s controller, which must advertise `needed`:
+/// else `Unimplemented`, naming the plugin and the capability.
+async fn snapshot_controller(
+    csi: &Arc<CsiManager>,
+    plugin_id: &str,
+    needed: ControllerRpc,
+) -> Result<CsiClient, pb::CallError> {
+    let client = csi.client(plugin_id).await.map_err(call_error)?;
+    let caps = client
+        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+        .await
+        .map_err(call_error)?;
+    if !controller_has_rpc(&caps, needed) {
+        return Err(pb::CallError {
+            code: tonic::Code::Unimplemented as i32,
+            message: format!(
+                "CSI plugin {plugin_id:?} does not support snapshots: its controller lacks the {} capability",
+                needed.as_str_name()
+            ),
+        });
+    }
+    Ok(client)
+}
+
+fn snapshot_pb(s: csi::Snapshot) -> pb::Snapshot {
+    pb::Snapshot {
+        snapshot_id: s.snapshot_id,
+        source_external_id: s.source_volume_id,
+        size_bytes: s.size_bytes,
+        create_time_ms: s
+            .creation_time
+            .map(|t| t.seconds.saturating_mul(1000) + i64::from(t.nanos / 1_000_000))
+            .unwrap_or(0),
+        ready_to_use: s.ready_to_use,
+    }
+}
+
+async fn create_snapshot(
+    csi: &Arc<CsiManager>,
+    c: pb::CreateSnapshot,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let client = snapshot_controller(csi, &c.plugin_id, ControllerRpc::CreateDeleteSnapshot).await?;
+    let resp = client
+        .create_snapshot(csi::CreateSnapshotRequest {
+            source_volume_id: c.source_external_id,
+            name: c.name,
+            secrets: c.secrets,
+            parameters: c.parameters,
+        })
+        .await
+        .map_err(call_error)?;
+    let snapshot = resp.snapshot.ok_or_else(|| pb::CallError {
+        code: tonic::Code::Internal as i32,
+        message: "plugin answered CreateSnapshot without a snapshot".into(),
+    })?;
+    Ok(pb::call_reply::Result::CreateSnapshot(snapshot_pb(snapshot)))
+}
+
+/// Every page of `ListSnapshots`. A plugin that hands back the token it was
+/// given would never end: that is an error.
+async fn list_snapshots(
+    csi: &Arc<CsiManager>,
+    l: pb::ListSnapshots,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let client = snapshot_controller(csi, &l.plugin_id, ControllerRpc::ListSnapshots).await?;
+    let mut snapshots = Vec::new();
+    let mut token = String::new();
+    loop {
+        let resp = client
+            .list_snapshots(csi::ListSnapshotsRequest {
+                starting_token: token.clone(),
+                secrets: l.secrets.clone(),
+                ..Default::default()
+            })
+            .await
+            .map_err(call_error)?;
+        snapshots.extend(
+            resp.entries
+                .into_iter()
+                .filter_map(|e| e.snapshot)
+                .map(snapshot_pb),
+        );
+        if resp.next_token.is_empty() {
+            break;
+        }
+        if resp.next_token == token {
+            return Err(pb::CallError {
+                code: tonic::Code::Internal as i32,
+                message: format!(
+                    "plugin answered ListSnapshots with the same next_token it was given ({token:?})"
+                ),
+            });
+        }
+        token = resp.next_token;
+    }
+    Ok(pb::call_reply::Result::ListSnapshots(pb::ListSnapshotsReply { snapshots }))
 }

@@ -55,6 +55,7 @@ fn update_size(u: &pb::AllocStatusUpdate) -> usize {
         u.client_status.len(),
         u.client_description.len(),
         u.task_states_json.len(),
+        u.csi_volume_stats_json.len(),
         16,
     ]
     .into_iter()
@@ -83,6 +84,32 @@ fn update_batches(
         batches.push(batch);
     }
     batches
+}
+
+/// `newer` with what it does not carry taken from `older`, an update of
+/// the same alloc not sent yet: a status update keeps the volume stats
+/// waiting before it, and volume stats keep the status.
+fn merge_update(mut newer: pb::AllocStatusUpdate, older: pb::AllocStatusUpdate) -> pb::AllocStatusUpdate {
+    if newer.volume_stats_only && !older.volume_stats_only {
+        newer.client_status = older.client_status;
+        newer.client_description = older.client_description;
+        newer.task_states_json = older.task_states_json;
+        newer.volume_stats_only = false;
+    }
+    if newer.csi_volume_stats_json.is_empty() {
+        newer.csi_volume_stats_json = older.csi_volume_stats_json;
+    }
+    newer
+}
+
+/// Queues `update` in `pending`, merged with the one already waiting for
+/// its alloc.
+fn queue_update(pending: &mut HashMap<String, pb::AllocStatusUpdate>, update: pb::AllocStatusUpdate) {
+    let merged = match pending.remove(&update.alloc_id) {
+        Some(older) => merge_update(update, older),
+        None => update,
+    };
+    pending.insert(merged.alloc_id.clone(), merged);
 }
 
 /// Appends `new` to `pending`, keeping at most the newest
@@ -249,15 +276,19 @@ impl ServerConn {
             });
             req.set_timeout(RPC_TIMEOUT);
             if let Err(e) = self.node_client().update_allocations(req).await {
-                // Put back what was not sent, unless a newer update
-                // arrived meanwhile.
+                // Put back what was not sent, under any newer update
+                // that arrived meanwhile.
                 let mut p = self
                     .inner
                     .pending_updates
                     .lock()
                     .unwrap_or_else(|e| e.into_inner());
                 for u in batch.into_iter().chain(batches.flatten()) {
-                    p.entry(u.alloc_id.clone()).or_insert(u);
+                    let merged = match p.remove(&u.alloc_id) {
+                        Some(newer) => merge_update(newer, u),
+                        None => u,
+                    };
+                    p.insert(merged.alloc_id.clone(), merged);
                 }
                 return Err(e);
             }
@@ -319,12 +350,50 @@ impl AllocStateUpdater for ServerConn {
             client_status: client_status.as_str().to_string(),
             client_description: description.to_string(),
             task_states_json: serde_json::to_vec(task_states).unwrap_or_default(),
+            ..Default::default()
         };
-        self.inner
-            .pending_updates
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(alloc_id.to_string(), update);
+        queue_update(
+            &mut self
+                .inner
+                .pending_updates
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+            update,
+        );
+        self.inner.flush.notify_one();
+    }
+}
+
+impl ServerConn {
+    /// Queues the stats of all of `alloc_id`'s CSI volumes, by the group's
+    /// volume name, for the servers (with its status update when one is
+    /// waiting).
+    pub fn volume_stats_updated(
+        &self,
+        alloc_id: &str,
+        stats: &BTreeMap<String, berth_structs::CsiVolumeStats>,
+    ) {
+        let json = match serde_json::to_vec(stats) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::error!(alloc_id, error = %e, "encoding volume stats failed");
+                return;
+            }
+        };
+        let update = pb::AllocStatusUpdate {
+            alloc_id: alloc_id.to_string(),
+            csi_volume_stats_json: json,
+            volume_stats_only: true,
+            ..Default::default()
+        };
+        queue_update(
+            &mut self
+                .inner
+                .pending_updates
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()),
+            update,
+        );
         self.inner.flush.notify_one();
     }
 }
@@ -380,7 +449,11 @@ impl FingerprintSink for ServerConn {
             requires_controller_publish: info.requires_controller_publish,
             supports_stage_unstage: info.supports_stage_unstage,
             supports_create_delete: info.supports_create_delete,
-            accessible_topology: Default::default(),
+            accessible_topology: info
+                .accessible_topology
+                .as_ref()
+                .map(|t| t.segments.clone().into_iter().collect())
+                .unwrap_or_default(),
         };
         let plugins: Vec<_> = node_plugins
             .values()
@@ -539,6 +612,7 @@ mod tests {
             client_status: "complete".into(),
             client_description: String::new(),
             task_states_json: serde_json::to_vec(&states).unwrap(),
+            ..Default::default()
         }
     }
 

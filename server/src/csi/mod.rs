@@ -8,16 +8,19 @@
 //! returned by a read or logged.
 
 mod claims;
+mod expand;
+mod snapshots;
 mod watcher;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use berth_proto::berth::v1 as pb;
-use berth_structs::{CsiVolume, NodeStatus};
+use berth_structs::{topologies_text, CsiTopology, CsiVolume, NodeStatus};
 use tokio::sync::OwnedMutexGuard;
 
 pub use claims::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, FORCED_RELEASE_EVENT};
+pub use snapshots::SnapshotRequest;
 
 use crate::error::ServerError;
 use crate::nodes::resolve_node;
@@ -136,6 +139,16 @@ pub(crate) fn public_view(v: &CsiVolume, t: &Tables) -> CsiVolume {
     v
 }
 
+/// Topologies as the agent protocol carries them.
+pub(crate) fn topologies_pb(topologies: &[CsiTopology]) -> Vec<pb::Topology> {
+    topologies
+        .iter()
+        .map(|t| pb::Topology {
+            segments: t.segments.clone().into_iter().collect(),
+        })
+        .collect()
+}
+
 pub(crate) fn capability_pb(
     access: berth_structs::AccessMode,
     attach: berth_structs::AttachmentMode,
@@ -152,9 +165,36 @@ pub(crate) fn capability_pb(
 impl Server {
     /// A ready, connected node running a healthy controller of `plugin_id`.
     pub(crate) fn controller_client(&self, plugin_id: &str) -> Result<String, ServerError> {
-        let candidates = self.store.read(|t| controller_nodes(t, plugin_id));
-        candidates
+        self.controller_client_in(plugin_id, &[])
+    }
+
+    /// [`Server::controller_client`], preferring a node whose node plugin
+    /// is in one of `required` (a controller there can create a volume
+    /// reachable from it); any other one when none is.
+    pub(crate) fn controller_client_in(
+        &self,
+        plugin_id: &str,
+        required: &[CsiTopology],
+    ) -> Result<String, ServerError> {
+        let (candidates, in_topology) = self.store.read(|t| {
+            let candidates = controller_nodes(t, plugin_id);
+            let in_topology: Vec<String> = candidates
+                .iter()
+                .filter(|id| {
+                    let here = t
+                        .nodes
+                        .get(id.as_str())
+                        .and_then(|n| n.csi_node_plugins.get(plugin_id))
+                        .and_then(|p| p.accessible_topology.as_ref());
+                    here.is_some_and(|here| required.iter().any(|r| r.contains(here)))
+                })
+                .cloned()
+                .collect();
+            (candidates, in_topology)
+        });
+        in_topology
             .into_iter()
+            .chain(candidates)
             .find(|n| self.calls.is_connected(n))
             .ok_or_else(|| {
                 ServerError::Unavailable(format!(
@@ -185,13 +225,14 @@ impl Server {
     pub async fn create_volume(&self, mut vol: CsiVolume) -> Result<CsiVolume, ServerError> {
         vol.validate(false)?;
         let _lock = self.volume_locks.lock(&vol.id).await;
-        if self.store.read(|t| t.volumes.contains_key(&vol.id)) {
-            return Err(ServerError::Conflict(format!(
-                "volume {:?} already exists",
-                vol.id
-            )));
+        if let Some(old) = self.store.read(|t| t.volumes.get(&vol.id).cloned()) {
+            // An existing volume: unchanged, grown, or a conflict.
+            self.recreate_volume_locked(&old, &vol).await?;
+            drop(_lock);
+            return self.volume(&vol.id);
         }
-        let controller = self.controller_client(&vol.plugin_id)?;
+        let controller =
+            self.controller_client_in(&vol.plugin_id, &vol.requested_topologies.required)?;
         let supports = self.store.read(|t| {
             t.nodes
                 .get(&controller)
@@ -220,11 +261,38 @@ impl Server {
                 .collect(),
             parameters: vol.parameters.clone().into_iter().collect(),
             secrets: vol.secrets.clone().into_iter().collect(),
+            snapshot_id: vol.snapshot_id.clone(),
+            clone_id: vol.clone_id.clone(),
+            requisite: topologies_pb(&vol.requested_topologies.required),
+            // CSI wants `preferred` within `requisite`: without preferred
+            // topologies, the required ones are the preference.
+            preferred: if vol.requested_topologies.preferred.is_empty() {
+                topologies_pb(&vol.requested_topologies.required)
+            } else {
+                topologies_pb(&vol.requested_topologies.preferred)
+            },
         });
         let reply = self
             .calls
             .call(&controller, call, self.config.client_call_timeout)
-            .await?;
+            .await
+            .map_err(|e| match e {
+                ServerError::Remote {
+                    code: tonic::Code::ResourceExhausted,
+                    message,
+                } if !vol.requested_topologies.is_empty() => ServerError::Remote {
+                    code: tonic::Code::ResourceExhausted,
+                    message: format!(
+                        "CSI plugin {:?} cannot create volume {:?} in the requested topology \
+                         (required {}, preferred {}): {message}",
+                        vol.plugin_id,
+                        vol.id,
+                        topologies_text(&vol.requested_topologies.required),
+                        topologies_text(&vol.requested_topologies.preferred),
+                    ),
+                },
+                e => e,
+            })?;
         let pb::call_reply::Result::CreateVolume(created) = reply else {
             return Err(ServerError::Internal(format!(
                 "node {controller} answered CreateVolume with another kind of reply"
@@ -233,6 +301,12 @@ impl Server {
         vol.external_id = created.external_id;
         vol.capacity = u64::try_from(created.capacity_bytes).unwrap_or(0);
         vol.context = created.volume_context.into_iter().collect();
+        vol.accessible_topology = created
+            .accessible_topology
+            .into_iter()
+            .filter(|t| !t.segments.is_empty())
+            .map(|t| CsiTopology::new(t.segments.into_iter().collect()))
+            .collect();
         vol.read_claims.clear();
         vol.write_claims.clear();
         if vol.provider.is_empty() {
@@ -311,6 +385,9 @@ impl Server {
             if vol.provider.is_empty() {
                 vol.provider = provider;
             }
+            // No plugin answers a registration: the volume is reachable
+            // from where the operator requires it.
+            vol.accessible_topology = vol.requested_topologies.required.clone();
             vol.schedulable = false;
             changes.push(Change::PutVolume(vol.clone()));
             Ok(())

@@ -39,6 +39,80 @@ fn plugin_info(f: &pb::PluginFingerprint) -> CsiInfo {
         supports_create_delete: f.supports_create_delete,
         external_node_id: f.external_node_id.clone(),
         max_volumes: f.max_volumes,
+        accessible_topology: (!f.accessible_topology.is_empty()).then(|| {
+            berth_structs::CsiTopology::new(
+                f.accessible_topology
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
+            )
+        }),
+        // The node's volume stats capabilities stay on the node.
+        ..CsiInfo::default()
+    }
+}
+
+/// What an alloc watch last sent of one alloc: its modify index, and a
+/// digest of all the client needs of it (everything but the volume stats
+/// the client itself reported and the modify stamps). A write that changes
+/// only the volume stats moves the index but not the digest, and is not
+/// sent back to the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct AllocSent {
+    modify_index: u64,
+    digest: u64,
+}
+
+impl AllocSent {
+    fn of(a: &berth_structs::Allocation) -> AllocSent {
+        AllocSent {
+            modify_index: a.modify_index,
+            digest: Self::digest(a),
+        }
+    }
+
+    fn digest(a: &berth_structs::Allocation) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut for_client = a.clone();
+        for_client.csi_volume_stats.clear();
+        for_client.modify_index = 0;
+        for_client.modify_time_ms = 0;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        serde_json::to_vec(&for_client)
+            .unwrap_or_default()
+            .hash(&mut h);
+        h.finish()
+    }
+
+    /// Whether `allocs` are what `sent` says was sent, as far as the
+    /// client cares; if so, `sent` takes their modify indexes, so that the
+    /// digest of an alloc is only taken again when it is written again.
+    fn same_for_client(
+        sent: &mut BTreeMap<String, AllocSent>,
+        allocs: &[berth_structs::Allocation],
+    ) -> bool {
+        if sent.len() != allocs.len() {
+            return false;
+        }
+        let mut moved = Vec::new();
+        for a in allocs {
+            match sent.get(&a.id) {
+                None => return false,
+                Some(s) if s.modify_index == a.modify_index => {}
+                Some(s) => {
+                    if s.digest != Self::digest(a) {
+                        return false;
+                    }
+                    moved.push((&a.id, a.modify_index));
+                }
+            }
+        }
+        for (id, modify_index) in moved {
+            if let Some(s) = sent.get_mut(id) {
+                s.modify_index = modify_index;
+            }
+        }
+        true
     }
 }
 
@@ -51,7 +125,8 @@ async fn stream_allocations(
 ) {
     let mut index_rx = server.store.subscribe();
     let mut shutdown = server.shutdown_rx();
-    let mut last: Option<Vec<(String, u64)>> = None;
+    // What was last sent of each alloc: see `AllocSent`.
+    let mut last: Option<BTreeMap<String, AllocSent>> = None;
     // The node's allocs are scanned again only when a write touched one of
     // them: every write wakes every watch, and a scan is of all allocs.
     let mut scanned_at: Option<u64> = None;
@@ -88,11 +163,10 @@ async fn stream_allocations(
         });
         if let Some((at, index, allocs)) = scan {
             scanned_at = Some(at);
-            let seen: Vec<(String, u64)> = allocs
-                .iter()
-                .map(|a| (a.id.clone(), a.modify_index))
-                .collect();
-            if last.as_ref() != Some(&seen) {
+            let unchanged = last
+                .as_mut()
+                .is_some_and(|sent| AllocSent::same_for_client(sent, &allocs));
+            if !unchanged {
                 let mut allocs_json = Vec::with_capacity(allocs.len());
                 for a in &allocs {
                     match serde_json::to_vec(a) {
@@ -117,7 +191,12 @@ async fn stream_allocations(
                 {
                     return;
                 }
-                last = Some(seen);
+                last = Some(
+                    allocs
+                        .iter()
+                        .map(|a| (a.id.clone(), AllocSent::of(a)))
+                        .collect(),
+                );
             }
         }
         tokio::select! {
@@ -189,11 +268,27 @@ impl Node for NodeService {
             } else {
                 Some(decode_json("task_states", &u.task_states_json)?)
             };
+            let csi_volume_stats = if u.csi_volume_stats_json.is_empty() {
+                None
+            } else {
+                Some(decode_json("csi_volume_stats", &u.csi_volume_stats_json)?)
+            };
+            if u.volume_stats_only {
+                updates.push(AllocUpdate {
+                    alloc_id: u.alloc_id,
+                    csi_volume_stats,
+                    volume_stats_only: true,
+                    ..AllocUpdate::default()
+                });
+                continue;
+            }
             updates.push(AllocUpdate {
                 client_status: parse("client_status", &u.client_status)?,
                 alloc_id: u.alloc_id,
                 client_description: u.client_description,
                 task_states,
+                csi_volume_stats,
+                volume_stats_only: false,
             });
         }
         let index = self.server.update_allocations(&r.node_id, updates).await?;

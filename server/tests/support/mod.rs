@@ -209,6 +209,8 @@ pub fn ok_handler() -> CallHandler {
                 external_id: format!("ext-{}", c.name),
                 capacity_bytes: c.capacity_min,
                 volume_context: [("created".to_string(), "yes".to_string())].into(),
+                // Created in the first required topology, as a plugin would.
+                accessible_topology: c.requisite.iter().take(1).cloned().collect(),
             })
         }
         _ => pb::call_reply::Result::Empty(pb::Empty {}),
@@ -286,6 +288,11 @@ impl TestClient {
                 Some(pb::server_call::Call::CreateVolume(_)) => "CreateVolume",
                 Some(pb::server_call::Call::DeleteVolume(_)) => "DeleteVolume",
                 Some(pb::server_call::Call::ValidateVolume(_)) => "ValidateVolume",
+                Some(pb::server_call::Call::ExpandVolume(_)) => "ExpandVolume",
+                Some(pb::server_call::Call::ExpandVolumeOnNode(_)) => "ExpandVolumeOnNode",
+                Some(pb::server_call::Call::CreateSnapshot(_)) => "CreateSnapshot",
+                Some(pb::server_call::Call::DeleteSnapshot(_)) => "DeleteSnapshot",
+                Some(pb::server_call::Call::ListSnapshots(_)) => "ListSnapshots",
                 None => "none",
             })
             .collect()
@@ -458,6 +465,7 @@ pub async fn report(server: &Server, alloc: &Allocation, status: AllocClientStat
                 client_status: status,
                 client_description: String::new(),
                 task_states: None,
+                ..Default::default()
             }],
         )
         .await
@@ -571,6 +579,7 @@ pub fn status_update(
             client_status: client_status.into(),
             client_description: description.into(),
             task_states_json: vec![],
+            ..Default::default()
         }],
     }
 }

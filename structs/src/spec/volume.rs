@@ -6,7 +6,9 @@ use hcl_edit::structure::Body;
 use super::hcl::{BodyReader, Source};
 use super::job::decode_mount_options;
 use super::SpecError;
-use crate::csi::{AccessMode, AttachmentMode, CsiVolume, VolumeCapability};
+use crate::csi::{
+    AccessMode, AttachmentMode, CsiTopology, CsiTopologyRequest, CsiVolume, VolumeCapability,
+};
 use crate::limits::{capacity_limit_text, MAX_VOLUME_CAPACITY_BYTES};
 
 pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, SpecError> {
@@ -26,6 +28,8 @@ pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, 
             "secrets",
             "parameters",
             "context",
+            "snapshot_id",
+            "clone_id",
         ],
         &[
             "capability",
@@ -33,6 +37,7 @@ pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, 
             "secrets",
             "parameters",
             "context",
+            "topology_request",
         ],
     )?;
 
@@ -75,6 +80,21 @@ pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, 
         .transpose()?
         .unwrap_or_default();
 
+    let requested_topologies = r
+        .optional_block("topology_request")?
+        .map(|b| decode_topology_request(src, b, r.ctx()))
+        .transpose()?
+        .unwrap_or_default();
+
+    let snapshot_id = r.string("snapshot_id")?.unwrap_or_default();
+    let clone_id = r.string("clone_id")?.unwrap_or_default();
+    if !snapshot_id.is_empty() && !clone_id.is_empty() {
+        return Err(r.invalid(
+            "clone_id",
+            "snapshot_id and clone_id are exclusive: a volume is created from a snapshot or as a clone, not both",
+        ));
+    }
+
     let id = r.required_string("id")?;
     Ok(CsiVolume {
         name: r.string("name")?.unwrap_or_else(|| id.clone()),
@@ -96,6 +116,52 @@ pub(super) fn decode_volume(src: &Source<'_>, body: &Body) -> Result<CsiVolume, 
         secrets: r.map("secrets")?,
         parameters: r.map("parameters")?,
         context: r.map("context")?,
+        requested_topologies,
+        snapshot_id,
+        clone_id,
         ..CsiVolume::default()
+    })
+}
+
+/// `topology_request { required { topology { segments = {...} } ... }
+/// preferred { ... } }`.
+fn decode_topology_request(
+    src: &Source<'_>,
+    block: &hcl_edit::structure::Block,
+    parent: &str,
+) -> Result<CsiTopologyRequest, SpecError> {
+    let r = BodyReader::unlabeled(src, block, parent, &[], &["required", "preferred"])?;
+    let list = |name: &str| -> Result<Vec<CsiTopology>, SpecError> {
+        let Some(b) = r.optional_block(name)? else {
+            return Ok(Vec::new());
+        };
+        let l = BodyReader::unlabeled(src, b, r.ctx(), &[], &["topology"])?;
+        let mut out = Vec::new();
+        for t in l.blocks("topology") {
+            let line = src.line_of(t);
+            let t = BodyReader::unlabeled(src, t, l.ctx(), &["segments"], &["segments"])?;
+            let segments = t.map("segments")?;
+            if segments.is_empty() {
+                return Err(SpecError::at(
+                    line,
+                    format!("{} needs at least one segment", t.ctx()),
+                ));
+            }
+            let topology = CsiTopology::new(segments);
+            if !out.contains(&topology) {
+                out.push(topology);
+            }
+        }
+        if out.is_empty() {
+            return Err(SpecError::at(
+                src.line_of(b),
+                format!("{} needs at least one topology block", l.ctx()),
+            ));
+        }
+        Ok(out)
+    };
+    Ok(CsiTopologyRequest {
+        required: list("required")?,
+        preferred: list("preferred")?,
     })
 }
