@@ -246,6 +246,52 @@ impl CsiClient {
         .await
     }
 
+    pub async fn controller_expand_volume(
+        &self,
+        req: csi::ControllerExpandVolumeRequest,
+    ) -> Result<csi::ControllerExpandVolumeResponse, CsiError> {
+        let mut c = self.controller.clone();
+        self.unary(
+            "ControllerExpandVolume",
+            c.controller_expand_volume(self.request(req)),
+        )
+        .await
+    }
+
+    /// `CreateSnapshot`; a response without a snapshot ID is an error.
+    pub async fn create_snapshot(
+        &self,
+        req: csi::CreateSnapshotRequest,
+    ) -> Result<csi::CreateSnapshotResponse, CsiError> {
+        const OP: &str = "CreateSnapshot";
+        let mut c = self.controller.clone();
+        let resp = self.unary(OP, c.create_snapshot(self.request(req))).await?;
+        match &resp.snapshot {
+            Some(s) if !s.snapshot_id.is_empty() => Ok(resp),
+            Some(_) => Err(self.invalid_response(OP, "snapshot.snapshot_id is empty")),
+            None => Err(self.invalid_response(OP, "snapshot is missing")),
+        }
+    }
+
+    pub async fn delete_snapshot(
+        &self,
+        req: csi::DeleteSnapshotRequest,
+    ) -> Result<csi::DeleteSnapshotResponse, CsiError> {
+        let mut c = self.controller.clone();
+        self.unary("DeleteSnapshot", c.delete_snapshot(self.request(req)))
+            .await
+    }
+
+    /// `ListSnapshots`, one page.
+    pub async fn list_snapshots(
+        &self,
+        req: csi::ListSnapshotsRequest,
+    ) -> Result<csi::ListSnapshotsResponse, CsiError> {
+        let mut c = self.controller.clone();
+        self.unary("ListSnapshots", c.list_snapshots(self.request(req)))
+            .await
+    }
+
     // ---- Node ----
 
     /// `NodeGetInfo`; a response without a node ID is an error.
@@ -275,6 +321,32 @@ impl CsiClient {
             c.node_get_capabilities(self.request(req)),
         )
         .await
+    }
+
+    /// `NodeGetVolumeStats`; usage figures that are negative are an error.
+    pub async fn node_get_volume_stats(
+        &self,
+        req: csi::NodeGetVolumeStatsRequest,
+    ) -> Result<csi::NodeGetVolumeStatsResponse, CsiError> {
+        const OP: &str = "NodeGetVolumeStats";
+        let mut c = self.node.clone();
+        let resp = self
+            .unary(OP, c.node_get_volume_stats(self.request(req)))
+            .await?;
+        if let Some(u) = resp
+            .usage
+            .iter()
+            .find(|u| u.total < 0 || u.used < 0 || u.available < 0)
+        {
+            return Err(self.invalid_response(
+                OP,
+                format!(
+                    "negative usage (total {}, used {}, available {})",
+                    u.total, u.used, u.available
+                ),
+            ));
+        }
+        Ok(resp)
     }
 
     pub async fn node_stage_volume(
@@ -320,6 +392,15 @@ impl CsiClient {
             c.node_unpublish_volume(self.request(req)),
         )
         .await
+    }
+
+    pub async fn node_expand_volume(
+        &self,
+        req: csi::NodeExpandVolumeRequest,
+    ) -> Result<csi::NodeExpandVolumeResponse, CsiError> {
+        let mut c = self.node.clone();
+        self.unary("NodeExpandVolume", c.node_expand_volume(self.request(req)))
+            .await
     }
 }
 

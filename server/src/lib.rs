@@ -25,7 +25,10 @@ mod server;
 pub mod state;
 
 pub use config::ServerConfig;
-pub use csi::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, VolumeRelease, FORCED_RELEASE_EVENT};
+pub use csi::{
+    ClaimGrant, ReleaseOrigin, SnapshotRequest, VolumeClaimRequest, VolumeRelease,
+    FORCED_RELEASE_EVENT,
+};
 pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;

@@ -185,5 +185,10 @@ fn call_kind(call: &server_call::Call) -> &'static str {
         server_call::Call::CreateVolume(_) => "CreateVolume",
         server_call::Call::DeleteVolume(_) => "DeleteVolume",
         server_call::Call::ValidateVolume(_) => "ValidateVolume",
+        server_call::Call::ExpandVolume(_) => "ExpandVolume",
+        server_call::Call::ExpandVolumeOnNode(_) => "ExpandVolumeOnNode",
+        server_call::Call::CreateSnapshot(_) => "CreateSnapshot",
+        server_call::Call::DeleteSnapshot(_) => "DeleteSnapshot",
+        server_call::Call::ListSnapshots(_) => "ListSnapshots",
     }
 }

@@ -1,0 +1,221 @@
+//! `berth volume snapshot create|list|delete`, and what `volume create`
+//! says when the volume existed (unchanged or expanded).
+
+use anyhow::Result;
+use serde_json::{json, Value};
+
+use super::http_client::{ApiClient, ApiError};
+use super::{api_args, enc, print_json, usage_error};
+
+/// `volume snapshot create VOLUME [NAME]`.
+pub fn snapshot_create(args: &[String]) -> Result<i32> {
+    let a = api_args("volume snapshot create", args, &["json"])?;
+    let (volume, name) = match a.positional.as_slice() {
+        [v] => (v.clone(), format!("{v}-{}", berth_structs::now_ms())),
+        [v, n] => (v.clone(), n.clone()),
+        _ => {
+            return Err(usage_error(
+                "berth volume snapshot create: takes a volume ID and an optional snapshot name",
+            ))
+        }
+    };
+    let s = a.api.put(
+        "/v1/volumes/snapshot",
+        &json!({ "volume_id": volume, "name": name }),
+    )?;
+    if a.json {
+        return print_json(&s);
+    }
+    println!(
+        "Snapshot {:?} of volume {volume:?} created (ID {}, {} bytes, ready: {})",
+        s["name"].as_str().unwrap_or(&name),
+        s["id"].as_str().unwrap_or_default(),
+        s["size_bytes"].as_u64().unwrap_or(0),
+        s["ready_to_use"].as_bool().unwrap_or(false)
+    );
+    Ok(0)
+}
+
+/// Takes `-plugin P` (or `-plugin=P`) out of `args`.
+fn take_plugin_flag(args: &[String]) -> Result<(Option<String>, Vec<String>)> {
+    let mut plugin = None;
+    let mut rest = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let flag = a.trim_start_matches('-');
+        if a.starts_with('-') && flag == "plugin" {
+            plugin = Some(it.next().cloned().ok_or_else(|| {
+                usage_error("berth volume snapshot list: -plugin needs a value")
+            })?);
+        } else if let Some(v) = a
+            .starts_with('-')
+            .then(|| flag.strip_prefix("plugin="))
+            .flatten()
+        {
+            plugin = Some(v.to_string());
+        } else {
+            rest.push(a.clone());
+        }
+    }
+    Ok((plugin, rest))
+}
+
+/// `volume snapshot list [-plugin P] [-json]`.
+pub fn snapshot_list(args: &[String]) -> Result<i32> {
+    let (plugin, rest) = take_plugin_flag(args)?;
+    let a = api_args("volume snapshot list", &rest, &["json"])?;
+    if !a.positional.is_empty() {
+        return Err(usage_error(format!(
+            "berth volume snapshot list: takes no arguments, got {:?}",
+            a.positional
+        )));
+    }
+    let url = match &plugin {
+        Some(p) => format!("/v1/volumes/snapshot?plugin_id={}", enc(p)),
+        None => "/v1/volumes/snapshot".to_string(),
+    };
+    let v = a.api.get(&url)?;
+    if a.json {
+        return print_json(&v);
+    }
+    for row in snapshot_table(&v) {
+        println!("{row}");
+    }
+    Ok(0)
+}
+
+/// The rows `snapshot list` prints, header first.
+pub fn snapshot_table(snapshots: &Value) -> Vec<String> {
+    let mut rows = vec![format!(
+        "{:<40} {:<14} {:<20} {:>12} {:<24} {:<5}",
+        "ID", "Plugin", "Source Volume", "Size", "Created", "Ready"
+    )];
+    for s in snapshots.as_array().into_iter().flatten() {
+        let source = match s["source_volume_id"].as_str().filter(|v| !v.is_empty()) {
+            Some(v) => v.to_string(),
+            None => s["external_source_volume_id"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+        };
+        rows.push(format!(
+            "{:<40} {:<14} {:<20} {:>12} {:<24} {:<5}",
+            s["id"].as_str().unwrap_or_default(),
+            s["plugin_id"].as_str().unwrap_or_default(),
+            source,
+            crate::http::describe_size(s["size_bytes"].as_u64().unwrap_or(0)),
+            created_text(s["create_time_ms"].as_i64().unwrap_or(0)),
+            s["ready_to_use"].as_bool().unwrap_or(false)
+        ));
+    }
+    rows
+}
+
+/// A creation time in UTC, `2026-12-01T10:20:00Z`; `-` when unknown.
+fn created_text(ms: i64) -> String {
+    if ms <= 0 {
+        return "-".to_string();
+    }
+    let secs = ms / 1000;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since the epoch (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// `volume snapshot delete PLUGIN SNAPSHOT`.
+pub fn snapshot_delete(args: &[String]) -> Result<i32> {
+    let a = api_args("volume snapshot delete", args, &[])?;
+    let [plugin, snapshot] = a.positional.as_slice() else {
+        return Err(usage_error(
+            "berth volume snapshot delete: takes a plugin ID and a snapshot ID",
+        ));
+    };
+    a.api.delete(&format!(
+        "/v1/volumes/snapshot?plugin_id={}&snapshot_id={}",
+        enc(plugin),
+        enc(snapshot)
+    ))?;
+    println!("Deleted snapshot {snapshot:?} of plugin {plugin:?}");
+    Ok(0)
+}
+
+/// The volume `id` as the API shows it, `None` when there is none.
+pub fn existing_volume(api: &ApiClient, id: &str) -> Result<Option<Value>> {
+    match api.get(&format!("/v1/volume/csi/{}", enc(id))) {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.downcast_ref::<ApiError>().is_some_and(|e| e.status == 404) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// What `volume create` did, given the volume before the request (when it
+/// existed) and the answer.
+pub fn create_outcome(id: &str, before: Option<&Value>, after: &Value) -> String {
+    let ext = after["external_id"].as_str().unwrap_or_default();
+    let Some(before) = before else {
+        return format!("Created volume {id:?} (external ID {ext:?})");
+    };
+    let (was, now) = (
+        before["capacity"].as_u64().unwrap_or(0),
+        after["capacity"].as_u64().unwrap_or(0),
+    );
+    if now > was {
+        format!(
+            "Expanded volume {id:?} from {} to {}",
+            crate::http::describe_size(was),
+            crate::http::describe_size(now)
+        )
+    } else {
+        format!("Volume {id:?} exists and is unchanged (external ID {ext:?})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn creation_times_are_utc() {
+        assert_eq!(created_text(0), "-");
+        assert_eq!(created_text(1_000), "1970-01-01T00:00:01Z");
+        assert_eq!(created_text(1_796_120_000_000), "2026-12-01T10:13:20Z");
+        assert_eq!(created_text(951_782_400_000), "2000-02-29T00:00:00Z");
+    }
+
+    #[test]
+    fn the_plugin_flag_is_taken_out() {
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let (p, rest) = take_plugin_flag(&s(&["-plugin", "hp", "-json"])).unwrap();
+        assert_eq!(p.as_deref(), Some("hp"));
+        assert_eq!(rest, s(&["-json"]));
+        let (p, _) = take_plugin_flag(&s(&["-plugin=hp"])).unwrap();
+        assert_eq!(p.as_deref(), Some("hp"));
+        assert!(take_plugin_flag(&s(&["-plugin"])).is_err());
+    }
+
+    #[test]
+    fn create_outcome_says_created_expanded_or_unchanged() {
+        let after = json!({"external_id": "e1", "capacity": 40u64 << 20});
+        assert!(create_outcome("v", None, &after).starts_with("Created volume"));
+        let before = json!({"capacity": 20u64 << 20});
+        assert_eq!(
+            create_outcome("v", Some(&before), &after),
+            "Expanded volume \"v\" from 20 MiB to 40 MiB"
+        );
+        assert!(create_outcome("v", Some(&after), &after).contains("unchanged"));
+    }
+}
