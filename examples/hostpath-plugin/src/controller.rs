@@ -14,11 +14,12 @@ use berth_proto::csi::v1::*;
 use tonic::{Request, Response, Status};
 
 use crate::capability::{self, Rejection};
+use crate::copy;
 use crate::error::{require, Error};
 use crate::image;
 use crate::mount;
 use crate::plugin::Plugin;
-use crate::state::{self, Publication, VolumeRecord};
+use crate::state::{self, Backing, ContentSource, Publication, State, VolumeRecord};
 
 /// The publish_context key naming the node a volume was published to.
 pub const PUBLISHED_BY: &str = "published_by";
@@ -28,8 +29,109 @@ fn volume_of(record: &VolumeRecord) -> Volume {
         capacity_bytes: record.capacity_bytes,
         volume_id: record.volume_id.clone(),
         accessible_topology: topology_of(&record.topology).into_iter().collect(),
+        content_source: record.content_source.as_ref().map(content_source_proto),
         ..Default::default()
     }
+}
+
+/// The snapshot or volume a CreateVolume asks to pre-populate the volume
+/// from.
+fn content_source_of(source: Option<&VolumeContentSource>) -> Result<Option<ContentSource>, Error> {
+    use volume_content_source::Type;
+    let Some(source) = source else {
+        return Ok(None);
+    };
+    match &source.r#type {
+        None => Err(Error::invalid(
+            "volume_content_source",
+            "names neither a snapshot nor a volume",
+        )),
+        Some(Type::Snapshot(s)) => Ok(Some(ContentSource::Snapshot(
+            require(&s.snapshot_id, "volume_content_source.snapshot.snapshot_id")?.to_owned(),
+        ))),
+        Some(Type::Volume(v)) => Ok(Some(ContentSource::Volume(
+            require(&v.volume_id, "volume_content_source.volume.volume_id")?.to_owned(),
+        ))),
+    }
+}
+
+fn content_source_proto(source: &ContentSource) -> VolumeContentSource {
+    use volume_content_source::{SnapshotSource, Type, VolumeSource};
+    VolumeContentSource {
+        r#type: Some(match source {
+            ContentSource::Snapshot(id) => Type::Snapshot(SnapshotSource {
+                snapshot_id: id.clone(),
+            }),
+            ContentSource::Volume(id) => Type::Volume(VolumeSource {
+                volume_id: id.clone(),
+            }),
+        }),
+    }
+}
+
+/// The data a new volume is pre-populated from.
+struct SourceData {
+    path: std::path::PathBuf,
+    backing: Backing,
+    size_bytes: i64,
+}
+
+/// Finds the data of a content source in the state (`NOT_FOUND` when the
+/// snapshot or volume does not exist).
+fn source_data(
+    s: &State,
+    state_dir: &std::path::Path,
+    source: &ContentSource,
+) -> Result<SourceData, Error> {
+    let data = match source {
+        ContentSource::Snapshot(id) => {
+            let snapshot = s
+                .snapshots
+                .get(id)
+                .ok_or_else(|| Error::NotFound(format!("source snapshot {id} does not exist")))?;
+            SourceData {
+                path: state::snapshot_path(state_dir, id),
+                backing: snapshot.backing,
+                size_bytes: snapshot.size_bytes,
+            }
+        }
+        ContentSource::Volume(id) => {
+            let volume = s
+                .volumes
+                .get(id)
+                .ok_or_else(|| Error::NotFound(format!("source volume {id} does not exist")))?;
+            SourceData {
+                path: state::volume_data_path(state_dir, volume),
+                backing: volume.backing,
+                size_bytes: volume.capacity_bytes,
+            }
+        }
+    };
+    Ok(data)
+}
+
+fn backing_name(backing: Backing) -> &'static str {
+    match backing {
+        Backing::Directory => "directory-backed",
+        Backing::Image => "image-backed",
+    }
+}
+
+/// The capacity of a volume made from a source of `source_bytes`: what is
+/// required, but never less than the source; `OUT_OF_RANGE` when the
+/// source does not fit under the limit.
+fn capacity_with_source((required, limit): (i64, i64), source_bytes: i64) -> Result<i64, Error> {
+    let capacity = if required == 0 && source_bytes == 0 {
+        capability::capacity_for((required, limit))
+    } else {
+        required.max(source_bytes)
+    };
+    if limit > 0 && capacity > limit {
+        return Err(Error::OutOfRange(format!(
+            "the content source holds {source_bytes} bytes, more than limit_bytes {limit}"
+        )));
+    }
+    Ok(capacity)
 }
 
 /// A volume's recorded topology as CSI has it: none when it is accessible
@@ -70,7 +172,10 @@ fn describe_requisite(requisite: &[BTreeMap<String, String>]) -> String {
 }
 
 impl Plugin {
-    async fn create(&self, req: CreateVolumeRequest) -> Result<CreateVolumeResponse, Error> {
+    pub(crate) async fn create(
+        &self,
+        req: CreateVolumeRequest,
+    ) -> Result<CreateVolumeResponse, Error> {
         let name = require(&req.name, "name")?.to_owned();
         if name
             .chars()
@@ -87,12 +192,7 @@ impl Plugin {
             cap.suits(backing)
                 .map_err(|reason| Error::invalid("volume_capabilities", reason))?;
         }
-        if req.volume_content_source.is_some() {
-            return Err(Error::invalid(
-                "volume_content_source",
-                "creating a volume from a snapshot or another volume is not supported",
-            ));
-        }
+        let source = content_source_of(req.volume_content_source.as_ref())?;
         let range = capability::range_bounds(req.capacity_range.as_ref())?;
         let requisite = requisite_of(req.accessibility_requirements.as_ref());
         let volume_id = state::volume_id_for(&name);
@@ -106,6 +206,7 @@ impl Plugin {
         // A new volume is placed in this instance's topology; without
         // --topology it is accessible from everywhere.
         let (offered, node_id) = (self.topology().clone(), self.node_id().to_owned());
+        let state_dir = self.state_dir().to_owned();
         // Checked and made under the state lock, so that two instances
         // creating the same name at once agree on one volume.
         let (record, existed) = self
@@ -128,6 +229,12 @@ impl Plugin {
                     if existing.parameters != parameters {
                         return Err(Error::AlreadyExists(format!(
                             "volume {wanted_name:?} exists with different parameters"
+                        )));
+                    }
+                    if existing.content_source != source {
+                        return Err(Error::AlreadyExists(format!(
+                            "volume {wanted_name:?} exists with another content source ({:?})",
+                            existing.content_source
                         )));
                     }
                     if !meets_requisite(&existing.topology, &requisite) {
@@ -158,21 +265,52 @@ impl Plugin {
                         state::describe_topology(&offered)
                     )));
                 }
-                match backing {
-                    state::Backing::Directory => {
+                let from = match &source {
+                    Some(source) => Some(source_data(s, &state_dir, source)?),
+                    None => None,
+                };
+                let capacity = match &from {
+                    Some(from) => capacity_with_source(range, from.size_bytes)?,
+                    None => capability::capacity_for(range),
+                };
+                match (from, backing) {
+                    (Some(from), _) if from.backing != backing => {
+                        return Err(Error::invalid(
+                            "volume_content_source",
+                            format!(
+                                "the source holds the data of a {} volume, and this volume \
+                                 would be a {} one",
+                                backing_name(from.backing),
+                                backing_name(backing)
+                            ),
+                        ))
+                    }
+                    (Some(from), state::Backing::Directory) => {
+                        // Whatever is there has no record: a leftover.
+                        copy::remove_data(&dir)?;
+                        copy::copy_data(&from.path, &dir)?;
+                    }
+                    (Some(from), state::Backing::Image) => {
+                        // A mounted source image's filesystem may still
+                        // hold data in the page cache.
+                        nix::unistd::sync();
+                        copy::remove_data(&image)?;
+                        copy::copy_data(&from.path, &image)?;
+                        image::grow_image(&image, capacity)?;
+                    }
+                    (None, state::Backing::Directory) => {
                         fs::create_dir_all(&dir).map_err(Error::io("creating", &dir))?
                     }
-                    state::Backing::Image => {
-                        image::create_image(&image, capability::capacity_for(range))?
-                    }
+                    (None, state::Backing::Image) => image::create_image(&image, capacity)?,
                 }
                 let record = VolumeRecord {
                     volume_id: id.clone(),
                     name: wanted_name,
-                    capacity_bytes: capability::capacity_for(range),
+                    capacity_bytes: capacity,
                     parameters,
                     publications: Default::default(),
                     topology: offered,
+                    content_source: source,
                     backing,
                 };
                 s.volumes.insert(id, record.clone());
@@ -189,7 +327,10 @@ impl Plugin {
         })
     }
 
-    async fn delete(&self, req: DeleteVolumeRequest) -> Result<DeleteVolumeResponse, Error> {
+    pub(crate) async fn delete(
+        &self,
+        req: DeleteVolumeRequest,
+    ) -> Result<DeleteVolumeResponse, Error> {
         let volume_id = require(&req.volume_id, "volume_id")?.to_owned();
         let _guard = self.begin("DeleteVolume", &volume_id).await?;
         if !state::is_volume_id(&volume_id) {
@@ -448,7 +589,14 @@ impl Plugin {
     }
 
     fn controller_capabilities(&self) -> ControllerGetCapabilitiesResponse {
-        let mut types = vec![rpc::Type::CreateDeleteVolume, rpc::Type::ListVolumes];
+        let mut types = vec![
+            rpc::Type::CreateDeleteVolume,
+            rpc::Type::ListVolumes,
+            rpc::Type::CreateDeleteSnapshot,
+            rpc::Type::ListSnapshots,
+            rpc::Type::GetSnapshot,
+            rpc::Type::CloneVolume,
+        ];
         if self.enable_attach() {
             types.push(rpc::Type::PublishUnpublishVolume);
         }
@@ -560,30 +708,46 @@ impl Controller for Plugin {
 
     async fn create_snapshot(
         &self,
-        _request: Request<CreateSnapshotRequest>,
+        request: Request<CreateSnapshotRequest>,
     ) -> Result<Response<CreateSnapshotResponse>, Status> {
-        unimplemented(self, "CreateSnapshot").await
+        let req = request.into_inner();
+        self.call(
+            "CreateSnapshot",
+            |p| async move { p.snapshot_volume(req).await },
+        )
+        .await
     }
 
     async fn delete_snapshot(
         &self,
-        _request: Request<DeleteSnapshotRequest>,
+        request: Request<DeleteSnapshotRequest>,
     ) -> Result<Response<DeleteSnapshotResponse>, Status> {
-        unimplemented(self, "DeleteSnapshot").await
+        let req = request.into_inner();
+        self.call(
+            "DeleteSnapshot",
+            |p| async move { p.remove_snapshot(req).await },
+        )
+        .await
     }
 
     async fn list_snapshots(
         &self,
-        _request: Request<ListSnapshotsRequest>,
+        request: Request<ListSnapshotsRequest>,
     ) -> Result<Response<ListSnapshotsResponse>, Status> {
-        unimplemented(self, "ListSnapshots").await
+        let req = request.into_inner();
+        self.call("ListSnapshots", |p| async move {
+            p.list_snapshot_page(req).await
+        })
+        .await
     }
 
     async fn get_snapshot(
         &self,
-        _request: Request<GetSnapshotRequest>,
+        request: Request<GetSnapshotRequest>,
     ) -> Result<Response<GetSnapshotResponse>, Status> {
-        unimplemented(self, "GetSnapshot").await
+        let req = request.into_inner();
+        self.call("GetSnapshot", |p| async move { p.find_snapshot(req).await })
+            .await
     }
 
     async fn controller_expand_volume(
@@ -680,7 +844,7 @@ mod tests {
 
         // No requirement: placed here.
         let v = a.create(create("free", 0)).await.unwrap().volume.unwrap();
-        assert_eq!(topology_segments(&v), [placed_a.clone()]);
+        assert_eq!(topology_segments(&v), std::slice::from_ref(&placed_a));
 
         // One requisite entry of several suffices.
         let v = a
@@ -692,7 +856,7 @@ mod tests {
             .unwrap()
             .volume
             .unwrap();
-        assert_eq!(topology_segments(&v), [placed_a.clone()]);
+        assert_eq!(topology_segments(&v), std::slice::from_ref(&placed_a));
 
         // Unsatisfiable here: RESOURCE_EXHAUSTED naming both topologies,
         // and nothing is created.
@@ -726,7 +890,7 @@ mod tests {
             .unwrap()
             .volume
             .unwrap();
-        assert_eq!(topology_segments(&again), [placed_a.clone()]);
+        assert_eq!(topology_segments(&again), std::slice::from_ref(&placed_a));
         assert_eq!(
             code(b.create(requiring("zoned", &[&[(NODE, "node-b")]])).await),
             Code::AlreadyExists
@@ -744,6 +908,157 @@ mod tests {
             topology_segments(entry.volume.as_ref().unwrap()),
             [placed_a]
         );
+    }
+
+    fn from_source(
+        name: &str,
+        required: i64,
+        limit: i64,
+        source: ContentSource,
+    ) -> CreateVolumeRequest {
+        CreateVolumeRequest {
+            capacity_range: Some(CapacityRange {
+                required_bytes: required,
+                limit_bytes: limit,
+            }),
+            volume_content_source: Some(content_source_proto(&source)),
+            ..create(name, 0)
+        }
+    }
+
+    #[tokio::test]
+    async fn create_from_a_snapshot_or_a_volume_copies_its_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let src = p.create(create("src", 4096)).await.unwrap().volume.unwrap();
+        fs::create_dir(p.volume_dir(&src.volume_id).join("sub")).unwrap();
+        fs::write(p.volume_dir(&src.volume_id).join("sub/f"), b"snap").unwrap();
+        let snap = p
+            .snapshot_volume(CreateSnapshotRequest {
+                name: "snap".into(),
+                source_volume_id: src.volume_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .snapshot
+            .unwrap();
+        fs::write(p.volume_dir(&src.volume_id).join("sub/f"), b"live").unwrap();
+
+        // From the snapshot: its data, its size when none is asked for.
+        let by_snap = ContentSource::Snapshot(snap.snapshot_id.clone());
+        let restored = p
+            .create(from_source("restored", 0, 0, by_snap.clone()))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(restored.capacity_bytes, 4096);
+        assert_eq!(
+            restored.content_source,
+            Some(content_source_proto(&by_snap))
+        );
+        let data = |v: &Volume| fs::read(p.volume_dir(&v.volume_id).join("sub/f")).unwrap();
+        assert_eq!(data(&restored), b"snap");
+        // A repeat answers the same volume; another source clashes.
+        let again = p
+            .create(from_source("restored", 0, 0, by_snap.clone()))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(again, restored);
+        let by_volume = ContentSource::Volume(src.volume_id.clone());
+        assert_eq!(
+            code(
+                p.create(from_source("restored", 0, 0, by_volume.clone()))
+                    .await
+            ),
+            Code::AlreadyExists
+        );
+        assert_eq!(
+            code(p.create(create("restored", 0)).await),
+            Code::AlreadyExists
+        );
+
+        // A clone: the source volume's data now, at the size asked for.
+        let clone = p
+            .create(from_source("clone", 8192, 0, by_volume.clone()))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(clone.capacity_bytes, 8192);
+        assert_eq!(data(&clone), b"live");
+        assert_eq!(clone.content_source, Some(content_source_proto(&by_volume)));
+        // Independent of its source.
+        fs::write(p.volume_dir(&clone.volume_id).join("sub/f"), b"mine").unwrap();
+        assert_eq!(data(&src), b"live");
+
+        // Unknown sources are NOT_FOUND; a source above the limit is
+        // OUT_OF_RANGE; an empty source ID is INVALID_ARGUMENT; nothing is
+        // made for any of them.
+        for (name, source, want) in [
+            (
+                "n1",
+                ContentSource::Snapshot(state::snapshot_id_for("nope")),
+                Code::NotFound,
+            ),
+            (
+                "n2",
+                ContentSource::Snapshot("garbage".into()),
+                Code::NotFound,
+            ),
+            (
+                "n3",
+                ContentSource::Volume(state::volume_id_for("nope")),
+                Code::NotFound,
+            ),
+            (
+                "n4",
+                ContentSource::Volume(String::new()),
+                Code::InvalidArgument,
+            ),
+            (
+                "n5",
+                ContentSource::Snapshot(String::new()),
+                Code::InvalidArgument,
+            ),
+        ] {
+            assert_eq!(
+                code(p.create(from_source(name, 0, 0, source)).await),
+                want,
+                "{name}"
+            );
+            assert!(!p.volume_dir(&state::volume_id_for(name)).exists());
+        }
+        assert_eq!(
+            code(
+                p.create(from_source("small", 0, 1024, by_snap.clone()))
+                    .await
+            ),
+            Code::OutOfRange
+        );
+        assert!(!p.volume_dir(&state::volume_id_for("small")).exists());
+        let mut no_type = create("n6", 0);
+        no_type.volume_content_source = Some(VolumeContentSource { r#type: None });
+        assert_eq!(code(p.create(no_type).await), Code::InvalidArgument);
+
+        // The snapshot's source can go; what was made from it stays.
+        p.delete(DeleteVolumeRequest {
+            volume_id: src.volume_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        assert_eq!(data(&restored), b"snap");
+        let late = p
+            .create(from_source("late", 0, 0, by_snap))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(data(&late), b"snap");
     }
 
     #[tokio::test]
@@ -979,8 +1294,48 @@ mod tests {
             ),
             Code::Unimplemented
         );
-        let caps = p.controller_capabilities().capabilities;
-        assert_eq!(caps.len(), 2);
+        let caps = rpc_types(&p);
+        assert!(
+            !caps.contains(&rpc::Type::PublishUnpublishVolume),
+            "{caps:?}"
+        );
+        assert!(
+            !caps.contains(&rpc::Type::ListVolumesPublishedNodes),
+            "{caps:?}"
+        );
+        let with_attach = plugin(dir.path(), true);
+        let caps = rpc_types(&with_attach);
+        assert!(
+            caps.contains(&rpc::Type::PublishUnpublishVolume),
+            "{caps:?}"
+        );
+    }
+
+    fn rpc_types(p: &Plugin) -> Vec<rpc::Type> {
+        p.controller_capabilities()
+            .capabilities
+            .into_iter()
+            .filter_map(|c| match c.r#type {
+                Some(controller_service_capability::Type::Rpc(r)) => r.r#type.try_into().ok(),
+                None => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn controller_capabilities_cover_what_is_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let caps = rpc_types(&plugin(dir.path(), false));
+        for wanted in [
+            rpc::Type::CreateDeleteVolume,
+            rpc::Type::ListVolumes,
+            rpc::Type::CreateDeleteSnapshot,
+            rpc::Type::ListSnapshots,
+            rpc::Type::GetSnapshot,
+            rpc::Type::CloneVolume,
+        ] {
+            assert!(caps.contains(&wanted), "{wanted:?} missing from {caps:?}");
+        }
     }
 
     #[tokio::test]

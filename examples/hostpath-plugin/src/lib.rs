@@ -22,14 +22,17 @@
 pub mod capability;
 pub mod config;
 pub mod controller;
+pub mod copy;
 pub mod error;
 pub mod faults;
 pub mod identity;
+pub mod image;
 pub mod locks;
 pub mod mount;
 pub mod node;
 pub mod plugin;
 pub mod server;
+pub mod snapshot;
 pub mod state;
 
 pub use config::{parse_args, Command, Config};

@@ -32,6 +32,8 @@ pub const STATE_FILE: &str = "state.json";
 pub const LOCK_FILE: &str = "state.lock";
 /// Directory (inside the state directory) holding one directory per volume.
 pub const VOLUMES_DIR: &str = "volumes";
+/// Directory (inside the state directory) holding one copy per snapshot.
+pub const SNAPSHOTS_DIR: &str = "snapshots";
 
 /// How long a reader or writer waits for the state lock before giving up
 /// with `UNAVAILABLE`: an instance that holds it longer is stuck (stopped,
@@ -45,6 +47,33 @@ const FORMAT_VERSION: u32 = 1;
 
 /// Namespace of the name-based (v5) UUIDs used as volume IDs.
 const VOLUME_ID_NAMESPACE: Uuid = Uuid::from_u128(0x5b0d_1c52_8f3e_4a57_9d1e_6c0b_2f4a_7e31);
+/// Namespace of the name-based (v5) UUIDs used as snapshot IDs.
+const SNAPSHOT_ID_NAMESPACE: Uuid = Uuid::from_u128(0x0c7a_52e1_93d4_4b8f_a6e0_1f3d_77b2_c945);
+
+/// The snapshot ID for a CreateSnapshot `name`: a v5 UUID of the name (in a
+/// namespace of its own, so it never equals a volume ID), so a retried
+/// CreateSnapshot finds the snapshot it made before. Snapshot IDs have the
+/// form [`is_volume_id`] checks.
+pub fn snapshot_id_for(name: &str) -> String {
+    Uuid::new_v5(&SNAPSHOT_ID_NAMESPACE, name.as_bytes())
+        .hyphenated()
+        .to_string()
+}
+
+/// Where the copy of snapshot `snapshot_id` lives: a directory, or an image
+/// file for a snapshot of an image-backed volume. `snapshot_id` must
+/// satisfy [`is_volume_id`].
+pub fn snapshot_path(state_dir: &Path, snapshot_id: &str) -> PathBuf {
+    state_dir.join(SNAPSHOTS_DIR).join(snapshot_id)
+}
+
+/// Where the data of `volume` lives: its directory, or its image file.
+pub fn volume_data_path(state_dir: &Path, volume: &VolumeRecord) -> PathBuf {
+    match volume.backing {
+        Backing::Directory => volume_dir(state_dir, &volume.volume_id),
+        Backing::Image => crate::image::image_path(state_dir, &volume.volume_id),
+    }
+}
 
 /// The volume ID for a CreateVolume `name`: a v5 UUID of the name, so a
 /// retried CreateVolume finds the volume it made before.
@@ -76,6 +105,39 @@ pub struct State {
     /// the nodes a volume can be controller-published to.
     #[serde(default)]
     pub nodes: BTreeSet<String>,
+    /// Snapshots by ID.
+    #[serde(default)]
+    pub snapshots: BTreeMap<String, SnapshotRecord>,
+}
+
+/// One snapshot: a copy of a volume's data taken at `created`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub snapshot_id: String,
+    /// The CreateSnapshot name.
+    pub name: String,
+    pub source_volume_id: String,
+    /// The capacity of the source volume when the snapshot was taken: a
+    /// volume made from the snapshot is at least this big.
+    pub size_bytes: i64,
+    /// Creation time, seconds and nanoseconds since the Unix epoch.
+    pub created_secs: i64,
+    #[serde(default)]
+    pub created_nanos: i32,
+    /// The backing of the source volume, which the copy has too.
+    #[serde(default)]
+    pub backing: Backing,
+    /// CreateSnapshot parameters.
+    #[serde(default)]
+    pub parameters: BTreeMap<String, String>,
+}
+
+/// What a volume was pre-populated from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ContentSource {
+    Snapshot(String),
+    Volume(String),
 }
 
 /// One provisioned volume.
@@ -98,6 +160,9 @@ pub struct VolumeRecord {
     /// instance that created it. Empty: accessible from every instance.
     #[serde(default)]
     pub topology: BTreeMap<String, String>,
+    /// The snapshot or volume the volume was pre-populated from.
+    #[serde(default)]
+    pub content_source: Option<ContentSource>,
 }
 
 /// Whether an instance serving `offered` satisfies the topology `wanted`:
@@ -374,6 +439,21 @@ mod tests {
                 .into(),
                 backing: Backing::Image,
                 topology: [("zone".to_owned(), "z1".to_owned())].into(),
+                content_source: Some(ContentSource::Snapshot(snapshot_id_for("snap-a"))),
+            },
+        );
+        let snap = snapshot_id_for("snap-a");
+        state.snapshots.insert(
+            snap.clone(),
+            SnapshotRecord {
+                snapshot_id: snap,
+                name: "snap-a".into(),
+                source_volume_id: volume_id_for("vol-a"),
+                size_bytes: 1 << 30,
+                created_secs: 1_700_000_000,
+                created_nanos: 5,
+                backing: Backing::Directory,
+                parameters: BTreeMap::new(),
             },
         );
         state
@@ -435,6 +515,29 @@ mod tests {
         assert_ne!(a, volume_id_for("vol-b"));
         assert!(is_volume_id(&a));
         assert_eq!(Uuid::parse_str(&a).unwrap().get_version_num(), 5);
+    }
+
+    #[test]
+    fn snapshot_ids_differ_from_volume_ids() {
+        let s = snapshot_id_for("a");
+        assert_eq!(s, snapshot_id_for("a"));
+        assert_ne!(s, volume_id_for("a"));
+        assert!(is_volume_id(&s));
+        let dir = Path::new("/s");
+        assert_eq!(snapshot_path(dir, &s), dir.join("snapshots").join(&s));
+        let mut volume = VolumeRecord {
+            volume_id: volume_id_for("a"),
+            ..Default::default()
+        };
+        assert_eq!(
+            volume_data_path(dir, &volume),
+            volume_dir(dir, &volume.volume_id)
+        );
+        volume.backing = Backing::Image;
+        assert_eq!(
+            volume_data_path(dir, &volume),
+            crate::image::image_path(dir, &volume.volume_id)
+        );
     }
 
     #[test]
@@ -534,6 +637,7 @@ mod tests {
                                         publications: BTreeMap::new(),
                                         backing: Backing::default(),
                                         topology: BTreeMap::new(),
+                                        content_source: None,
                                     },
                                 );
                                 Ok(())
@@ -604,5 +708,12 @@ mod tests {
         assert_eq!(vol["name"], "vol-a");
         assert_eq!(vol["capacity_bytes"], 1 << 30);
         assert_eq!(vol["publications"]["node-1"]["readonly"], true);
+        assert_eq!(vol["topology"]["zone"], "z1");
+        let snap = snapshot_id_for("snap-a");
+        assert_eq!(vol["content_source"]["snapshot"], snap.as_str());
+        let snapshot = &value["snapshots"][&snap];
+        assert_eq!(snapshot["source_volume_id"], id.as_str());
+        assert_eq!(snapshot["size_bytes"], 1 << 30);
+        assert_eq!(snapshot["created_secs"], 1_700_000_000);
     }
 }
