@@ -1,10 +1,12 @@
-//! Which volume capabilities a directory-backed volume can offer.
+//! Which volume capabilities a volume can offer: mount access for every
+//! volume, block access for image-backed ones.
 
 use berth_proto::csi::v1::volume_capability::access_mode::Mode;
 use berth_proto::csi::v1::volume_capability::AccessType;
 use berth_proto::csi::v1::{CapacityRange, VolumeCapability};
 
 use crate::error::Error;
+use crate::state::Backing;
 
 /// Capacity given to a volume when CreateVolume does not ask for one.
 pub const DEFAULT_CAPACITY_BYTES: i64 = 1 << 30;
@@ -24,6 +26,12 @@ pub struct Checked {
     pub mode: Mode,
     /// The `ro` mount flag was given.
     pub ro_flag: bool,
+    /// Block access: the volume is handed over as a device, not mounted.
+    pub block: bool,
+    /// The filesystem type asked for (mount access; empty when not given).
+    pub fs_type: String,
+    /// The mount flags asked for (mount access).
+    pub mount_flags: Vec<String>,
 }
 
 impl Checked {
@@ -33,6 +41,26 @@ impl Checked {
             self.mode,
             Mode::SingleNodeReaderOnly | Mode::MultiNodeReaderOnly
         )
+    }
+
+    /// Whether a volume with this backing can serve the capability; the
+    /// reason when it cannot.
+    pub fn suits(&self, backing: Backing) -> Result<(), String> {
+        match backing {
+            Backing::Directory if self.block => Err(
+                "block access needs an image-backed volume (CreateVolume parameter \
+                 backing = \"image\"): this volume is a directory"
+                    .to_owned(),
+            ),
+            Backing::Directory => Ok(()),
+            Backing::Image if !self.block && !matches!(self.fs_type.as_str(), "" | "ext4") => {
+                Err(format!(
+                    "fs_type {:?} is not offered: image-backed volumes hold ext4",
+                    self.fs_type
+                ))
+            }
+            Backing::Image => Ok(()),
+        }
     }
 }
 
@@ -52,16 +80,39 @@ pub fn classify(cap: &VolumeCapability) -> Result<Checked, Rejection> {
         None => Err(Rejection::Malformed(
             "access_type (mount or block) is required".to_owned(),
         )),
-        Some(AccessType::Block(_)) => Err(Rejection::Unsupported(
-            "block volumes are not supported: volumes are directories".to_owned(),
-        )),
-        // fs_type and volume_mount_group mean nothing to a bind mount; the
-        // `ro` flag is honoured, other flags are ignored.
+        // Whether the volume's backing can serve it is checked against the
+        // volume ([`Checked::suits`]).
+        Some(AccessType::Block(_)) => Ok(Checked {
+            mode,
+            ro_flag: false,
+            block: true,
+            fs_type: String::new(),
+            mount_flags: Vec::new(),
+        }),
+        // fs_type and volume_mount_group mean nothing to a bind mount of a
+        // directory; the `ro` flag is honoured there, other flags are
+        // ignored. Image-backed volumes are mounted with the flags.
         Some(AccessType::Mount(mount)) => Ok(Checked {
             mode,
             ro_flag: mount.mount_flags.iter().any(|f| f == "ro"),
+            block: false,
+            fs_type: mount.fs_type.clone(),
+            mount_flags: mount.mount_flags.clone(),
         }),
     }
+}
+
+/// [`check`], then whether a volume with `backing` can serve the capability.
+pub fn check_for(
+    cap: Option<&VolumeCapability>,
+    field: &'static str,
+    backing: Backing,
+) -> Result<Checked, Error> {
+    let checked = check(cap, field)?;
+    checked
+        .suits(backing)
+        .map_err(|reason| Error::invalid(field, reason))?;
+    Ok(checked)
 }
 
 /// Checks a REQUIRED single capability field.
@@ -148,7 +199,27 @@ mod tests {
                 mode: Mode::SingleNodeWriter as i32,
             }),
         };
-        assert!(matches!(classify(&block), Err(Rejection::Unsupported(_))));
+        let checked = classify(&block).unwrap();
+        assert!(checked.block);
+        let why = checked.suits(Backing::Directory).unwrap_err();
+        assert!(why.contains("image-backed"), "{why}");
+        checked.suits(Backing::Image).unwrap();
+        let xfs = VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume {
+                fs_type: "xfs".into(),
+                ..Default::default()
+            })),
+            ..block.clone()
+        };
+        let xfs = classify(&xfs).unwrap();
+        xfs.suits(Backing::Directory).unwrap();
+        assert!(xfs.suits(Backing::Image).unwrap_err().contains("xfs"));
+        assert_eq!(
+            check_for(Some(&block), "volume_capability", Backing::Directory)
+                .unwrap_err()
+                .code(),
+            tonic::Code::InvalidArgument
+        );
         assert!(matches!(
             classify(&mount_cap(Mode::Unknown, &[])),
             Err(Rejection::Malformed(_))

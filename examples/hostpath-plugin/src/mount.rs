@@ -4,7 +4,7 @@
 
 use std::fs;
 use std::io;
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
@@ -152,6 +152,117 @@ pub fn bind_mount(source: &Path, target: &Path) -> Result<(), Error> {
     .map_err(Error::sys("bind-mounting onto", target))
 }
 
+/// Mounts the filesystem on block device `dev` at `target`, with the CSI
+/// `mount_flags` (known flags become mount flags, the rest filesystem
+/// options).
+pub fn mount_device(
+    dev: &Path,
+    target: &Path,
+    fs_type: &str,
+    mount_flags: &[String],
+) -> Result<(), Error> {
+    let (flags, data) = parse_mount_flags(mount_flags);
+    let data = (!data.is_empty()).then_some(data);
+    mount(Some(dev), target, Some(fs_type), flags, data.as_deref())
+        .map_err(Error::sys("mounting a device onto", target))
+}
+
+/// Splits CSI mount flags into kernel mount flags and the option string
+/// handed to the filesystem.
+pub fn parse_mount_flags(mount_flags: &[String]) -> (MsFlags, String) {
+    let mut flags = MsFlags::empty();
+    let mut data = Vec::new();
+    for f in mount_flags {
+        match f.as_str() {
+            "ro" => flags |= MsFlags::MS_RDONLY,
+            "rw" | "defaults" | "" => {}
+            "noatime" => flags |= MsFlags::MS_NOATIME,
+            "nodiratime" => flags |= MsFlags::MS_NODIRATIME,
+            "relatime" => flags |= MsFlags::MS_RELATIME,
+            "strictatime" => flags |= MsFlags::MS_STRICTATIME,
+            "lazytime" => flags |= MsFlags::MS_LAZYTIME,
+            "nosuid" => flags |= MsFlags::MS_NOSUID,
+            "nodev" => flags |= MsFlags::MS_NODEV,
+            "noexec" => flags |= MsFlags::MS_NOEXEC,
+            "sync" => flags |= MsFlags::MS_SYNCHRONOUS,
+            "dirsync" => flags |= MsFlags::MS_DIRSYNC,
+            other => data.push(other),
+        }
+    }
+    (flags, data.join(","))
+}
+
+/// The mounts whose filesystem is on the device numbered `rdev`, and the
+/// bind mounts of that device's node (a block volume handed out as a file).
+pub fn mounts_of_device(rdev: u64) -> Result<Vec<MountEntry>, Error> {
+    let table = read_mountinfo().map_err(Error::io("reading", Path::new(MOUNTINFO)))?;
+    let dev = format!(
+        "{}:{}",
+        nix::sys::stat::major(rdev),
+        nix::sys::stat::minor(rdev)
+    );
+    let node = device_name(rdev);
+    Ok(table
+        .into_iter()
+        .filter(|m| {
+            m.dev == dev
+                || (m.fs_type == "devtmpfs"
+                    && node
+                        .as_deref()
+                        .is_some_and(|n| m.root == Path::new("/").join(n)))
+        })
+        .collect())
+}
+
+/// The kernel's name of block device `rdev` (`loop0`), from sysfs.
+fn device_name(rdev: u64) -> Option<String> {
+    let link = format!(
+        "/sys/dev/block/{}:{}",
+        nix::sys::stat::major(rdev),
+        nix::sys::stat::minor(rdev)
+    );
+    fs::read_link(link)
+        .ok()?
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+}
+
+/// Makes an empty file at `path` (a mount point for a device), keeping one
+/// that is there.
+pub fn make_mount_file(path: &Path) -> Result<(), Error> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) if meta.is_file() || meta.file_type().is_block_device() => Ok(()),
+        Ok(meta) if meta.is_dir() => {
+            // An empty directory left where a file should go (a CO that
+            // made the target as a directory): replace it.
+            fs::remove_dir(path).map_err(|_| {
+                Error::AlreadyExists(format!(
+                    "{} is a directory, not a file for a block device",
+                    path.display()
+                ))
+            })?;
+            make_mount_file(path)
+        }
+        Ok(_) => Err(Error::AlreadyExists(format!(
+            "{} is neither a file nor a directory",
+            path.display()
+        ))),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            if let Some(dir) = path.parent() {
+                fs::create_dir_all(dir).map_err(Error::io("creating", dir))?;
+            }
+            fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(path)
+                .map(drop)
+                .map_err(Error::io("creating", path))
+        }
+        Err(e) => Err(Error::io("inspecting", path)(e)),
+    }
+}
+
 /// Makes the bind mount at `target` read-only.
 pub fn remount_read_only(target: &Path) -> Result<(), Error> {
     mount(
@@ -185,11 +296,13 @@ pub fn unmount_all(path: &Path) -> Result<(), Error> {
     )))
 }
 
-/// Removes the (empty) directory at `path`; a missing path is fine. Files
-/// and non-empty directories are never removed.
+/// Removes the (empty) directory or the empty file at `path` (a mount point
+/// for a device); a missing path is fine. Files with data and non-empty
+/// directories are never removed.
 pub fn remove_mount_point(path: &Path) -> Result<(), Error> {
     let result = match fs::symlink_metadata(path) {
         Ok(meta) if meta.is_dir() => fs::remove_dir(path),
+        Ok(meta) if meta.is_file() && meta.len() == 0 => fs::remove_file(path),
         Ok(_) => {
             return Err(Error::FailedPrecondition(format!(
                 "{} is not a directory",
@@ -232,6 +345,20 @@ garbage line
         assert_eq!(stage.source, "/dev/sda1");
         assert!(!stage.is_read_only());
         assert!(table[3].is_read_only());
+    }
+
+    #[test]
+    fn splits_mount_flags() {
+        let flags =
+            |f: &[&str]| parse_mount_flags(&f.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(flags(&[]), (MsFlags::empty(), String::new()));
+        let (f, data) = flags(&["ro", "noatime", "errors=remount-ro", "nodev", "discard"]);
+        assert_eq!(
+            f,
+            MsFlags::MS_RDONLY | MsFlags::MS_NOATIME | MsFlags::MS_NODEV
+        );
+        assert_eq!(data, "errors=remount-ro,discard");
+        assert_eq!(flags(&["rw", "defaults"]).0, MsFlags::empty());
     }
 
     #[test]
