@@ -41,6 +41,9 @@ pub struct AgentConfig {
     pub gc_max_allocs: usize,
     pub gc_interval: Duration,
     pub gc_alloc_threshold: Duration,
+    /// `-csi-fingerprint-interval`: how often the client fingerprints CSI
+    /// plugins and repairs lost volume mounts.
+    pub csi_fingerprint_interval: Duration,
     /// The client's node class and meta, registered with the node.
     pub node_class: Option<String>,
     pub meta: BTreeMap<String, String>,
@@ -52,6 +55,9 @@ pub struct AgentConfig {
     /// `client { disconnect_startup_grace }`; `None` keeps the client's
     /// default.
     pub disconnect_startup_grace: Option<Duration>,
+    /// `client { csi_volume_stats_interval }`; `None` keeps the client's
+    /// default.
+    pub csi_volume_stats_interval: Option<Duration>,
     /// The log filter when `BERTH_LOG` (and `RUST_LOG`) is not set.
     pub log_level: Option<String>,
     /// `-log-level`: set on the command line, it wins over the files, also
@@ -86,12 +92,14 @@ impl Default for AgentConfig {
             gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
             gc_interval: ClientConfig::DEFAULT_GC_INTERVAL,
             gc_alloc_threshold: ClientConfig::DEFAULT_GC_ALLOC_THRESHOLD,
+            csi_fingerprint_interval: ClientConfig::DEFAULT_CSI_FINGERPRINT_INTERVAL,
             node_class: None,
             meta: BTreeMap::new(),
             reserved_cpu: 0,
             reserved_memory_mb: 0,
             reserved_disk_mb: 0,
             disconnect_startup_grace: None,
+            csi_volume_stats_interval: None,
             log_level: None,
             log_level_flag: None,
             log_json: false,
@@ -130,6 +138,8 @@ Usage: berth agent -dev [options]
   -gc-max-allocs N      terminal allocs the node keeps before destroying the oldest (default 50)
   -gc-alloc-threshold DUR  the node destroys allocs terminal for this long (default 1h)
   -gc-interval DUR      how often the node collects its terminal allocs (default 1m)
+  -csi-fingerprint-interval DUR  how often the node fingerprints CSI plugins and
+                        repairs lost volume mounts of running allocs (default 30s)
   -log-level LEVEL      trace, debug, info, warn or error (default: log_level, else info);
                         BERTH_LOG or RUST_LOG, when set, win over both
   -log-json             log JSON lines instead of text
@@ -215,9 +225,10 @@ impl AgentConfig {
             };
             match name {
                 "rpc-addr" | "heartbeat-ttl" => f.server_flag = Some(name.into()),
-                "gc-max-allocs" | "gc-interval" | "gc-alloc-threshold" => {
-                    f.client_flag = Some(name.into())
-                }
+                "gc-max-allocs"
+                | "gc-interval"
+                | "gc-alloc-threshold"
+                | "csi-fingerprint-interval" => f.client_flag = Some(name.into()),
                 _ => {}
             }
             match name {
@@ -282,6 +293,13 @@ impl AgentConfig {
                 }
                 "gc-alloc-threshold" => {
                     c.gc_alloc_threshold = duration_flag(name, &value(name)?)?;
+                }
+                "csi-fingerprint-interval" => {
+                    let d = duration_flag(name, &value(name)?)?;
+                    if d.is_zero() {
+                        bail!("berth agent: -csi-fingerprint-interval must be longer than 0s");
+                    }
+                    c.csi_fingerprint_interval = d;
                 }
                 "h" | "help" => return Ok(AgentCommand::Help),
                 _ => return Err(usage_error(format!("berth agent: unknown flag {a:?}"))),
@@ -404,6 +422,7 @@ impl AgentConfig {
             self.reserved_memory_mb = c.reserved.memory.unwrap_or(0);
             self.reserved_disk_mb = c.reserved.disk.unwrap_or(0);
             self.disconnect_startup_grace = c.disconnect_startup_grace;
+            self.csi_volume_stats_interval = c.csi_volume_stats_interval;
         }
         self.not_applied = not_applied_yet(&file);
         Ok(())
@@ -418,6 +437,7 @@ impl AgentConfig {
             gc_max_allocs: self.gc_max_allocs,
             gc_interval: self.gc_interval,
             gc_alloc_threshold: self.gc_alloc_threshold,
+            csi_fingerprint_interval: self.csi_fingerprint_interval,
             node_class: self.node_class.clone().unwrap_or_default(),
             meta: self.meta.clone(),
             reserved_cpu: self.reserved_cpu,
@@ -426,6 +446,9 @@ impl AgentConfig {
             disconnect_startup_grace: self
                 .disconnect_startup_grace
                 .unwrap_or(defaults.disconnect_startup_grace),
+            csi_volume_stats_interval: self
+                .csi_volume_stats_interval
+                .unwrap_or(defaults.csi_volume_stats_interval),
             ..defaults
         }
     }
@@ -456,7 +479,8 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
                     || r.cpu.is_some()
                     || r.memory.is_some()
                     || r.disk.is_some()
-                    || c.disconnect_startup_grace.is_some()),
+                    || c.disconnect_startup_grace.is_some()
+                    || c.csi_volume_stats_interval.is_some()),
             "client (the client role is off)",
         ),
     ]
@@ -1193,8 +1217,30 @@ client {
     }
 
     #[test]
+    fn csi_fingerprint_interval_flag_reaches_the_client() {
+        assert_eq!(
+            client_config(&run(&["-dev", "-csi-fingerprint-interval", "2s"]))
+                .csi_fingerprint_interval,
+            Duration::from_secs(2)
+        );
+        assert_eq!(
+            client_config(&run(&["-dev"])).csi_fingerprint_interval,
+            ClientConfig::DEFAULT_CSI_FINGERPRINT_INTERVAL
+        );
+        let e = AgentConfig::from_args(&args(&["-dev", "-csi-fingerprint-interval", "0s"]))
+            .expect_err("0s")
+            .to_string();
+        assert!(e.contains("longer than 0s"), "{e}");
+    }
+
+    #[test]
     fn durations_beyond_the_limit_are_too_large() {
-        for flag in ["-heartbeat-ttl", "-gc-interval", "-gc-alloc-threshold"] {
+        for flag in [
+            "-heartbeat-ttl",
+            "-gc-interval",
+            "-gc-alloc-threshold",
+            "-csi-fingerprint-interval",
+        ] {
             let e = AgentConfig::from_args(&args(&["-dev", flag, "20000h"]))
                 .expect_err(flag)
                 .to_string();
@@ -1223,6 +1269,7 @@ client {
             "gc-max-allocs",
             "gc-interval",
             "gc-alloc-threshold",
+            "csi-fingerprint-interval",
             "log-level",
             "log-json",
             "config",

@@ -30,6 +30,10 @@ use state::ClientState;
 /// ready anyway (see [`Client::ready`]).
 pub const READY_WITHOUT_SERVERS_AFTER: Duration = Duration::from_secs(5);
 
+/// How long the removal of orphaned mounts at start waits for a plugin
+/// (plugins are restored tasks themselves) before it unmounts without it.
+pub const ORPHAN_PLUGIN_WAIT: Duration = Duration::from_secs(30);
+
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     pub data_dir: PathBuf,
@@ -58,12 +62,19 @@ pub struct ClientConfig {
     /// No alloc is stopped for a lost connection sooner than this after
     /// the client starts.
     pub disconnect_startup_grace: Duration,
+    /// How often the stats and condition of the CSI volumes mounted here
+    /// are collected (`client { csi_volume_stats_interval }`).
+    pub csi_volume_stats_interval: Duration,
+    /// How often CSI plugins are fingerprinted and lost volume mounts of
+    /// running allocs are repaired (`-csi-fingerprint-interval`).
+    pub csi_fingerprint_interval: Duration,
 }
 
 impl ClientConfig {
     pub const DEFAULT_GC_INTERVAL: Duration = Duration::from_secs(60);
     pub const DEFAULT_GC_MAX_ALLOCS: usize = 50;
     pub const DEFAULT_GC_ALLOC_THRESHOLD: Duration = Duration::from_secs(60 * 60);
+    pub const DEFAULT_CSI_FINGERPRINT_INTERVAL: Duration = Duration::from_secs(30);
 
     /// The defaults for a client of `servers` (`http://HOST:PORT` each).
     pub fn new(data_dir: PathBuf, servers: Vec<String>) -> ClientConfig {
@@ -80,6 +91,8 @@ impl ClientConfig {
             reserved_memory_mb: 0,
             reserved_disk_mb: 0,
             disconnect_startup_grace: berth_heartbeat::DisconnectConfig::default().startup_grace,
+            csi_volume_stats_interval: berth_csimanager::stats::DEFAULT_VOLUME_STATS_INTERVAL,
+            csi_fingerprint_interval: Self::DEFAULT_CSI_FINGERPRINT_INTERVAL,
         }
     }
 }
@@ -122,6 +135,8 @@ pub struct Client {
     gc_interval: Duration,
     /// See [`ClientConfig::disconnect_startup_grace`].
     disconnect_startup_grace: Duration,
+    /// See [`ClientConfig::csi_volume_stats_interval`].
+    csi_volume_stats_interval: Duration,
     /// Wakes the garbage collector (the servers' view of the allocs
     /// changed: some may have become collectable).
     gc_wake: Notify,
@@ -152,6 +167,51 @@ impl berth_heartbeat::DisconnectTarget for Client {
             r.stop();
         }
     }
+}
+
+/// The stats csimanager collects for an alloc's volumes (by volume ID) go
+/// to the servers by the group's volume names: a volume the group asks for
+/// under two names is reported under both.
+#[async_trait::async_trait]
+impl berth_csimanager::VolumeStatsSink for Client {
+    async fn volume_stats_changed(
+        &self,
+        alloc_id: &str,
+        stats: BTreeMap<String, berth_structs::CsiVolumeStats>,
+    ) {
+        let alloc = {
+            let runners = self.runners.lock().await;
+            match runners.get(alloc_id) {
+                Some(r) if !r.client_status().is_terminal() => r.alloc(),
+                _ => return,
+            }
+        };
+        let by_name = volume_stats_by_name(&alloc, stats);
+        if !by_name.is_empty() {
+            self.conn.volume_stats_updated(alloc_id, &by_name);
+        }
+    }
+}
+
+/// `stats` (by volume ID) keyed by the names under which `alloc`'s group
+/// asks for those volumes.
+fn volume_stats_by_name(
+    alloc: &Allocation,
+    stats: BTreeMap<String, berth_structs::CsiVolumeStats>,
+) -> BTreeMap<String, berth_structs::CsiVolumeStats> {
+    let Some(group) = alloc.group() else {
+        return BTreeMap::new();
+    };
+    group
+        .volumes
+        .iter()
+        .filter(|(_, v)| v.volume_type == "csi")
+        .filter_map(|(name, v)| {
+            stats
+                .get(&v.source_for(alloc.index))
+                .map(|s| (name.clone(), s.clone()))
+        })
+        .collect()
 }
 
 fn host_name() -> String {
@@ -248,7 +308,7 @@ impl Client {
                 root_dir: client_dir.join("csi"),
                 node_id: node_id.clone(),
                 call_timeout: Duration::from_secs(30),
-                fingerprint_interval: Duration::from_secs(30),
+                fingerprint_interval: config.csi_fingerprint_interval,
             },
             PluginRegistry::new(),
             store,
@@ -278,6 +338,7 @@ impl Client {
             },
             gc_interval: config.gc_interval,
             disconnect_startup_grace: config.disconnect_startup_grace,
+            csi_volume_stats_interval: config.csi_volume_stats_interval,
             gc_wake: Notify::new(),
             ready: watch::channel(false).0,
             registered: watch::channel(false).0,
@@ -348,6 +409,13 @@ impl Client {
             let rx = shutdown.clone();
             tasks.spawn(async move { csi.run(rx).await });
         }
+        {
+            let csi = self.csi.clone();
+            let sink: Arc<dyn berth_csimanager::VolumeStatsSink> = self.clone();
+            let interval = self.csi_volume_stats_interval;
+            let rx = shutdown.clone();
+            tasks.spawn(async move { csi.run_volume_stats(sink, interval, rx).await });
+        }
         // The heartbeater restores the time of the last successful heartbeat
         // from disk; from it, the disconnect tracker stops the allocs that
         // must not outlive a partition, also while the servers are still
@@ -378,6 +446,9 @@ impl Client {
             while tasks.join_next().await.is_some() {}
             return;
         }
+        // Mounts that no restored alloc owns are removed in the background;
+        // the alloc watch, which brings new allocs, waits for it.
+        let orphans = self.spawn_orphan_cleanup().await;
         {
             let this = self.clone();
             let rx = shutdown.clone();
@@ -418,6 +489,20 @@ impl Client {
         {
             let rx = shutdown.clone();
             tasks.spawn(async move { heartbeater.run(rx).await });
+        }
+        {
+            let mut rx = shutdown.clone();
+            let stopping = async move {
+                let _ = rx.wait_for(|v| *v).await;
+            };
+            let stopped = tokio::select! {
+                _ = orphans => false,
+                _ = stopping => true,
+            };
+            if stopped {
+                while tasks.join_next().await.is_some() {}
+                return;
+            }
         }
         {
             let this = self.clone();
@@ -461,6 +546,25 @@ impl Client {
             runners.insert(id, runner);
         }
         true
+    }
+
+    /// Removes, in a task of its own, the mounts below the CSI root and the
+    /// alloc root that none of the allocs restored at start owns (see
+    /// `berth_csimanager::orphans`), waiting at most
+    /// [`ORPHAN_PLUGIN_WAIT`] for the plugins it needs.
+    async fn spawn_orphan_cleanup(&self) -> tokio::task::JoinHandle<()> {
+        let known: std::collections::BTreeSet<String> =
+            self.runners.lock().await.keys().cloned().collect();
+        let csi = self.csi.clone();
+        let alloc_root = self.runner_config.alloc_root.clone();
+        tokio::spawn(async move {
+            let removed = csi
+                .remove_orphaned_mounts(&alloc_root, &known, ORPHAN_PLUGIN_WAIT)
+                .await;
+            if !removed.is_empty() {
+                tracing::info!(mounts = removed.len(), "orphaned mounts handled");
+            }
+        })
     }
 
     async fn register_until_done(&self, mut shutdown: watch::Receiver<bool>) {
