@@ -234,7 +234,10 @@ async fn controller_fingerprint(client: &CsiClient, info: &mut CsiInfo) -> Resul
 }
 
 /// Whether the controller service advertises the RPC capability `want`.
-pub fn controller_has_rpc(caps: &csi::ControllerGetCapabilitiesResponse, want: ControllerRpc) -> bool {
+pub fn controller_has_rpc(
+    caps: &csi::ControllerGetCapabilitiesResponse,
+    want: ControllerRpc,
+) -> bool {
     caps.capabilities.iter().any(|c| {
         matches!(
             c.r#type,
@@ -354,6 +357,35 @@ mod tests {
         assert_eq!(node.version, "1.0");
         assert!(!node.healthy);
         assert_eq!(node.health_description, "connection refused");
+    }
+
+    #[test]
+    fn the_node_topology_is_read_and_an_empty_one_is_none() {
+        let t = csi::Topology {
+            segments: [("zone".to_string(), "a".to_string())].into(),
+        };
+        let got = node_topology(Some(t)).expect("a topology");
+        assert_eq!(got.to_string(), "{zone=a}");
+        assert_eq!(node_topology(Some(csi::Topology::default())), None);
+        assert_eq!(node_topology(None), None);
+
+        // An unhealthy round keeps the last good topology.
+        let good = CsiInfo {
+            healthy: true,
+            accessible_topology: Some(got.clone()),
+            ..CsiInfo::default()
+        };
+        let mut last_good = PluginFingerprint::default();
+        last_good.remember_healthy(&PluginFingerprint {
+            node: Some(good),
+            controller: None,
+        });
+        let mut fp = PluginFingerprint {
+            node: Some(info(false, "down")),
+            controller: None,
+        };
+        fp.keep_capabilities_of(&last_good);
+        assert_eq!(fp.node.unwrap().accessible_topology, Some(got));
     }
 
     #[test]

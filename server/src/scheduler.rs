@@ -1309,12 +1309,16 @@ mod tests {
         // A node with more segments than the volume names is in it too; one
         // of several topologies is enough.
         let mut wide = node_at("wide", None);
-        wide.csi_node_plugins.get_mut("hp").unwrap().accessible_topology = Some(
-            berth_structs::CsiTopology::new(
-                [("zone".to_string(), "c".to_string()), ("rack".to_string(), "r1".to_string())]
-                    .into(),
-            ),
-        );
+        wide.csi_node_plugins
+            .get_mut("hp")
+            .unwrap()
+            .accessible_topology = Some(berth_structs::CsiTopology::new(
+            [
+                ("zone".to_string(), "c".to_string()),
+                ("rack".to_string(), "r1".to_string()),
+            ]
+            .into(),
+        ));
         let t = with_volumes(
             tables(
                 vec![wide, node_at("b", Some(topology("zone", "b")))],
@@ -1332,7 +1336,11 @@ mod tests {
 
         // A volume without a topology is reachable from every node.
         let t = with_volumes(
-            tables(vec![node_at("none", None)], vec![job_using("web", 1, &["data"])], vec![]),
+            tables(
+                vec![node_at("none", None)],
+                vec![job_using("web", 1, &["data"])],
+                vec![],
+            ),
             vec![volume_in("data", vec![])],
         );
         let (outcome, placed) = plan(&t, "web");
@@ -1361,16 +1369,14 @@ mod tests {
         assert!(placed.is_empty(), "{placed:?}");
         assert_eq!(
             outcome.failures,
-            vec![
-                "group \"g\": 1 of 1 allocs not placed: \
+            vec!["group \"g\": 1 of 1 allocs not placed: \
                  node a: volume \"vb\" is reachable only from topology {zone=b}; \
                  node plugin \"hp\" here is in topology {zone=a}; \
                  node b: volume \"va\" is reachable only from topology {zone=a}; \
                  node plugin \"hp\" here is in topology {zone=b}; \
                  node none: volume \"va\" is reachable only from topology {zone=a}; \
                  node plugin \"hp\" here has no topology (1 alloc: index 0)"
-                    .to_string()
-            ]
+                .to_string()]
         );
     }
 

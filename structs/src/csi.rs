@@ -766,20 +766,31 @@ mod tests {
         assert!(zone_a.contains(&t(&[("zone", "a"), ("rack", "r1")])));
         assert!(!zone_a.contains(&t(&[("zone", "b")])));
         assert!(!t(&[("zone", "a"), ("rack", "r1")]).contains(&zone_a));
-        assert_eq!(t(&[("zone", "a"), ("rack", "r1")]).to_string(), "{rack=r1,zone=a}");
+        assert_eq!(
+            t(&[("zone", "a"), ("rack", "r1")]).to_string(),
+            "{rack=r1,zone=a}"
+        );
 
         let mut v = CsiVolume::default();
-        assert!(v.reachable_from(None), "no topology: reachable from anywhere");
+        assert!(
+            v.reachable_from(None),
+            "no topology: reachable from anywhere"
+        );
         v.accessible_topology = vec![zone_a.clone(), t(&[("zone", "c")])];
         assert!(v.reachable_from(Some(&t(&[("zone", "c")]))));
         assert!(!v.reachable_from(Some(&t(&[("zone", "b")]))));
-        assert!(!v.reachable_from(None), "a node without a topology is in none");
-        assert_eq!(topologies_text(&v.accessible_topology), "{zone=a} or {zone=c}");
+        assert!(
+            !v.reachable_from(None),
+            "a node without a topology is in none"
+        );
+        assert_eq!(
+            topologies_text(&v.accessible_topology),
+            "{zone=a} or {zone=c}"
+        );
         assert_eq!(topologies_text(&[]), "-");
 
         // Records from before topologies decode.
-        let old: CsiVolume =
-            serde_json::from_str(r#"{"id":"v","plugin_id":"p"}"#).expect("decode");
+        let old: CsiVolume = serde_json::from_str(r#"{"id":"v","plugin_id":"p"}"#).expect("decode");
         assert!(old.accessible_topology.is_empty() && old.requested_topologies.is_empty());
         let info: CsiInfo = serde_json::from_str(
             r#"{"plugin_id":"p","alloc_id":"a","provider":"x","version":"1","healthy":true}"#,

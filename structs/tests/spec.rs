@@ -12,8 +12,7 @@ const HOSTPATH_PLUGIN: &str = include_str!("../../examples/jobs/hostpath-plugin.
 const WRITER: &str = include_str!("../../examples/jobs/writer.hcl");
 const READER: &str = include_str!("../../examples/jobs/reader.hcl");
 const HOSTPATH_VOLUME: &str = include_str!("../../examples/volumes/hostpath.hcl");
-const HOSTPATH_TOPOLOGY_VOLUME: &str =
-    include_str!("../../examples/volumes/hostpath-topology.hcl");
+const HOSTPATH_TOPOLOGY_VOLUME: &str = include_str!("../../examples/volumes/hostpath-topology.hcl");
 
 fn job_err(src: &str) -> SpecError {
     match parse_job(src) {
@@ -686,9 +685,15 @@ fn a_topology_request_is_read_in_nomads_shape() {
             [("topology.hostpath.csi/node".to_string(), n.to_string())].into(),
         )
     };
-    assert_eq!(v.requested_topologies.required, vec![node("node-a"), node("node-b")]);
+    assert_eq!(
+        v.requested_topologies.required,
+        vec![node("node-a"), node("node-b")]
+    );
     assert_eq!(v.requested_topologies.preferred, vec![node("node-a")]);
-    assert!(v.accessible_topology.is_empty(), "only a plugin or a register sets it");
+    assert!(
+        v.accessible_topology.is_empty(),
+        "only a plugin or a register sets it"
+    );
 
     // Segments as a block, several keys, and only `required`.
     let base = "id = \"v\"\ntype = \"csi\"\nplugin_id = \"p\"\n";
@@ -697,7 +702,10 @@ fn a_topology_request_is_read_in_nomads_shape() {
     ))
     .expect("parse");
     assert_eq!(v.requested_topologies.required.len(), 1);
-    assert_eq!(v.requested_topologies.required[0].to_string(), "{rack=r1,zone=a}");
+    assert_eq!(
+        v.requested_topologies.required[0].to_string(),
+        "{rack=r1,zone=a}"
+    );
     assert!(v.requested_topologies.preferred.is_empty());
 }
 
@@ -723,7 +731,9 @@ fn a_topology_request_refuses_what_it_does_not_know_with_the_line() {
     assert_eq!(e.line, 6, "{e}");
     assert!(e.message.contains("at least one segment"), "{e}");
 
-    let e = volume_err(&format!("{base}topology_request {{\n  required {{\n  }}\n}}\n"));
+    let e = volume_err(&format!(
+        "{base}topology_request {{\n  required {{\n  }}\n}}\n"
+    ));
     assert_eq!(e.line, 5, "{e}");
     assert!(e.message.contains("at least one topology block"), "{e}");
 

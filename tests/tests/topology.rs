@@ -143,7 +143,8 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
         Duration::from_secs(60),
         || {
             let p = server.get("/v1/plugin/csi/hostpath")?;
-            if p["nodes_healthy"].as_u64() != Some(2) || p["controllers_healthy"].as_u64() != Some(2)
+            if p["nodes_healthy"].as_u64() != Some(2)
+                || p["controllers_healthy"].as_u64() != Some(2)
             {
                 return Ok(None);
             }
@@ -167,7 +168,11 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
         .with_context(|| logs(&server, &[&a, &b]))?;
     server.create_volume("on-b", &volume_on("on-b", &id_b))?;
     let vol = server.volume("on-a")?;
-    assert_eq!(segments(&vol["accessible_topology"]), vec![id_a.clone()], "{vol}");
+    assert_eq!(
+        segments(&vol["accessible_topology"]),
+        vec![id_a.clone()],
+        "{vol}"
+    );
 
     // A topology no instance serves: the plugin refuses, and the error
     // says it is the topology.
@@ -189,17 +194,21 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
     // 1. Twenty allocs of a batch job using on-a, which the scheduler
     // would otherwise spread over both nodes: every one runs on topo-a.
     server.run_job("use-a", &batch_job_using("use-a", 20, &["on-a"]))?;
-    let allocs = wait_for("the 20 allocs of use-a done", Duration::from_secs(120), || {
-        let allocs = server.allocs("use-a")?;
-        if let Some(f) = allocs.iter().find(|a| a["client_status"] == "failed") {
-            bail!("an alloc of use-a failed: {f}");
-        }
-        let done = allocs
-            .iter()
-            .filter(|a| a["client_status"] == "complete")
-            .count();
-        Ok((done == 20).then_some(allocs))
-    })
+    let allocs = wait_for(
+        "the 20 allocs of use-a done",
+        Duration::from_secs(120),
+        || {
+            let allocs = server.allocs("use-a")?;
+            if let Some(f) = allocs.iter().find(|a| a["client_status"] == "failed") {
+                bail!("an alloc of use-a failed: {f}");
+            }
+            let done = allocs
+                .iter()
+                .filter(|a| a["client_status"] == "complete")
+                .count();
+            Ok((done == 20).then_some(allocs))
+        },
+    )
     .with_context(|| logs(&server, &[&a, &b]))?;
     assert_eq!(allocs.len(), 20);
     for alloc in &allocs {
@@ -220,9 +229,7 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
     let failures = job["placement_failures"].to_string();
     for id in [&id_a, &id_b] {
         assert!(
-            failures.contains(&format!(
-                "is reachable only from topology {{{KEY}={id}}}"
-            )),
+            failures.contains(&format!("is reachable only from topology {{{KEY}={id}}}")),
             "{failures}"
         );
     }
@@ -231,7 +238,11 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
 
     // 3. The CLI shows the topologies, as JSON and as text.
     let vol = cli_json_at(&server.addr(), &["volume", "status", "-json", "on-b"])?;
-    assert_eq!(segments(&vol["accessible_topology"]), vec![id_b.clone()], "{vol}");
+    assert_eq!(
+        segments(&vol["accessible_topology"]),
+        vec![id_b.clone()],
+        "{vol}"
+    );
     assert_eq!(
         segments(&vol["requested_topologies"]["required"]),
         vec![id_b.clone()],

@@ -638,7 +638,10 @@ fn volume_submit(args: &[String], create: bool) -> Result<i32> {
     };
     let resp = a.api.put(&url, &json!({ "volume": vol }))?;
     if create {
-        println!("{}", snapshot::create_outcome(&vol.id, before.as_ref(), &resp));
+        println!(
+            "{}",
+            snapshot::create_outcome(&vol.id, before.as_ref(), &resp)
+        );
     } else {
         println!("Registered volume {:?}", vol.id);
     }
@@ -778,12 +781,12 @@ fn volume_status(args: &[String]) -> Result<i32> {
     if let [vol] = vols.as_slice() {
         let req = &vol["requested_topologies"];
         println!("\nTopology");
-        for (what, value) in [
-            ("Required", node::topologies_text(&req["required"])),
-            ("Preferred", node::topologies_text(&req["preferred"])),
-            ("Accessible", node::topologies_text(&vol["accessible_topology"])),
+        for (what, list) in [
+            ("Required", &req["required"]),
+            ("Preferred", &req["preferred"]),
+            ("Accessible", &vol["accessible_topology"]),
         ] {
-            println!("  {what:<10} = {value}");
+            println!("  {what:<10} = {}", node::topologies_text(list));
         }
     }
     if a.verbose {
