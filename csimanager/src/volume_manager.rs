@@ -409,12 +409,11 @@ impl VolumeManager {
                 ),
             });
         };
-        let capacity_range = (req.capacity_min > 0 || req.capacity_max > 0).then_some(
-            csi::CapacityRange {
+        let capacity_range =
+            (req.capacity_min > 0 || req.capacity_max > 0).then_some(csi::CapacityRange {
                 required_bytes: req.capacity_min,
                 limit_bytes: req.capacity_max,
-            },
-        );
+            });
         let expand = csi::NodeExpandVolumeRequest {
             volume_id: req.external_id.clone(),
             volume_path: path_string(&target)?,

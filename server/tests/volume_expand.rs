@@ -87,7 +87,11 @@ async fn a_larger_capacity_expands_through_the_controller_then_on_the_node_that_
     let s = &ts.server;
 
     let grown = s.create_volume(spec(40 * MIB)).await.expect("expand");
-    assert_eq!(grown.capacity, 40 * MIB, "the controller's answer is stored");
+    assert_eq!(
+        grown.capacity,
+        40 * MIB,
+        "the controller's answer is stored"
+    );
     assert_eq!(grown.capacity_min, Some(40 * MIB));
     assert!(grown.secrets.is_empty(), "secrets never returned");
     assert_eq!(
@@ -150,7 +154,11 @@ async fn a_controller_that_cannot_expand_leaves_it_to_the_nodes_that_publish_the
         client.call_kinds(),
         vec!["CreateVolume", "ExpandVolume", "ExpandVolumeOnNode"]
     );
-    assert_eq!(grown.capacity, 40 * MIB + 4096, "the node's answer is stored");
+    assert_eq!(
+        grown.capacity,
+        40 * MIB + 4096,
+        "the node's answer is stored"
+    );
 }
 
 #[tokio::test]
@@ -168,7 +176,7 @@ async fn a_volume_nobody_can_expand_is_refused_naming_the_capability() {
     let (_client, _) = setup(&ts, expand_handler(false, false, false), true).await;
     let err = ts.server.create_volume(spec(40 * MIB)).await.unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("NodeExpandVolume on node n1"), "{msg}");
+    assert!(msg.contains("node n1: NodeExpandVolume"), "{msg}");
     assert!(msg.contains("EXPAND_VOLUME"), "{msg}");
     assert_eq!(ts.server.volume("data").unwrap().capacity, 20 * MIB);
 }
@@ -189,7 +197,7 @@ async fn a_failing_node_step_names_the_step_and_node_and_keeps_the_controllers_c
     }));
     let err = ts.server.create_volume(spec(40 * MIB)).await.unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("NodeExpandVolume on node n1"), "{msg}");
+    assert!(msg.contains("node n1: NodeExpandVolume"), "{msg}");
     assert!(msg.contains("resize2fs failed"), "{msg}");
     assert!(msg.contains("controller on node n1 expanded it"), "{msg}");
     assert_eq!(
@@ -247,7 +255,8 @@ async fn snapshots_go_through_the_controller_and_name_their_source_volume() {
     assert_eq!(snap.name, "nightly");
     assert_eq!(snap.source_volume_id, "data");
     assert!(snap.ready_to_use);
-    let Some(pb::server_call::Call::CreateSnapshot(c)) = &calls_of(&client, "CreateSnapshot")[0].call
+    let Some(pb::server_call::Call::CreateSnapshot(c)) =
+        &calls_of(&client, "CreateSnapshot")[0].call
     else {
         unreachable!()
     };

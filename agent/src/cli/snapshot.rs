@@ -44,9 +44,10 @@ fn take_plugin_flag(args: &[String]) -> Result<(Option<String>, Vec<String>)> {
     while let Some(a) = it.next() {
         let flag = a.trim_start_matches('-');
         if a.starts_with('-') && flag == "plugin" {
-            plugin = Some(it.next().cloned().ok_or_else(|| {
-                usage_error("berth volume snapshot list: -plugin needs a value")
-            })?);
+            plugin =
+                Some(it.next().cloned().ok_or_else(|| {
+                    usage_error("berth volume snapshot list: -plugin needs a value")
+                })?);
         } else if let Some(v) = a
             .starts_with('-')
             .then(|| flag.strip_prefix("plugin="))
@@ -157,7 +158,12 @@ pub fn snapshot_delete(args: &[String]) -> Result<i32> {
 pub fn existing_volume(api: &ApiClient, id: &str) -> Result<Option<Value>> {
     match api.get(&format!("/v1/volume/csi/{}", enc(id))) {
         Ok(v) => Ok(Some(v)),
-        Err(e) if e.downcast_ref::<ApiError>().is_some_and(|e| e.status == 404) => Ok(None),
+        Err(e)
+            if e.downcast_ref::<ApiError>()
+                .is_some_and(|e| e.status == 404) =>
+        {
+            Ok(None)
+        }
         Err(e) => Err(e),
     }
 }

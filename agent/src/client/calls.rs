@@ -292,7 +292,8 @@ async fn handle_call(
         Some(Call::ExpandVolumeOnNode(e)) => expand_volume_on_node(csi, e).await,
         Some(Call::CreateSnapshot(c)) => create_snapshot(csi, c).await,
         Some(Call::DeleteSnapshot(d)) => {
-            let client = snapshot_controller(csi, &d.plugin_id, ControllerRpc::CreateDeleteSnapshot).await?;
+            let client =
+                snapshot_controller(csi, &d.plugin_id, ControllerRpc::CreateDeleteSnapshot).await?;
             client
                 .delete_snapshot(csi::DeleteSnapshotRequest {
                     snapshot_id: d.snapshot_id,
@@ -345,10 +346,12 @@ async fn expand_volume(
         .await
         .map_err(call_error)?;
     if !controller_has_rpc(&caps, ControllerRpc::ExpandVolume) {
-        return Ok(pb::call_reply::Result::ExpandVolume(pb::ExpandVolumeReply {
-            controller_supported: false,
-            ..Default::default()
-        }));
+        return Ok(pb::call_reply::Result::ExpandVolume(
+            pb::ExpandVolumeReply {
+                controller_supported: false,
+                ..Default::default()
+            },
+        ));
     }
     let resp = client
         .controller_expand_volume(csi::ControllerExpandVolumeRequest {
@@ -363,11 +366,13 @@ async fn expand_volume(
         })
         .await
         .map_err(call_error)?;
-    Ok(pb::call_reply::Result::ExpandVolume(pb::ExpandVolumeReply {
-        controller_supported: true,
-        capacity_bytes: resp.capacity_bytes,
-        node_expansion_required: resp.node_expansion_required,
-    }))
+    Ok(pb::call_reply::Result::ExpandVolume(
+        pb::ExpandVolumeReply {
+            controller_supported: true,
+            capacity_bytes: resp.capacity_bytes,
+            node_expansion_required: resp.node_expansion_required,
+        },
+    ))
 }
 
 /// `NodeExpandVolume` when the node plugin has `EXPAND_VOLUME`; the answer
@@ -459,7 +464,8 @@ async fn create_snapshot(
     csi: &Arc<CsiManager>,
     c: pb::CreateSnapshot,
 ) -> Result<pb::call_reply::Result, pb::CallError> {
-    let client = snapshot_controller(csi, &c.plugin_id, ControllerRpc::CreateDeleteSnapshot).await?;
+    let client =
+        snapshot_controller(csi, &c.plugin_id, ControllerRpc::CreateDeleteSnapshot).await?;
     let resp = client
         .create_snapshot(csi::CreateSnapshotRequest {
             source_volume_id: c.source_external_id,
@@ -473,7 +479,9 @@ async fn create_snapshot(
         code: tonic::Code::Internal as i32,
         message: "plugin answered CreateSnapshot without a snapshot".into(),
     })?;
-    Ok(pb::call_reply::Result::CreateSnapshot(snapshot_pb(snapshot)))
+    Ok(pb::call_reply::Result::CreateSnapshot(snapshot_pb(
+        snapshot,
+    )))
 }
 
 /// Every page of `ListSnapshots`. A plugin that hands back the token it was
@@ -513,5 +521,7 @@ async fn list_snapshots(
         }
         token = resp.next_token;
     }
-    Ok(pb::call_reply::Result::ListSnapshots(pb::ListSnapshotsReply { snapshots }))
+    Ok(pb::call_reply::Result::ListSnapshots(
+        pb::ListSnapshotsReply { snapshots },
+    ))
 }

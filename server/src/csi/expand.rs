@@ -167,19 +167,20 @@ impl Server {
         max: Option<u64>,
         capacity: Option<u64>,
     ) -> Result<(), ServerError> {
-        self.store.write(|t, changes| {
-            let Some(mut v) = t.volumes.get(id).cloned() else {
-                return Err(ServerError::not_found(format!("volume {id:?} not found")));
-            };
-            v.capacity_min = min;
-            v.capacity_max = max;
-            if let Some(c) = capacity {
-                v.capacity = c;
-            }
-            changes.push(Change::PutVolume(v));
-            Ok(())
-        })
-        .map(|_| ())
+        self.store
+            .write(|t, changes| {
+                let Some(mut v) = t.volumes.get(id).cloned() else {
+                    return Err(ServerError::not_found(format!("volume {id:?} not found")));
+                };
+                v.capacity_min = min;
+                v.capacity_max = max;
+                if let Some(c) = capacity {
+                    v.capacity = c;
+                }
+                changes.push(Change::PutVolume(v));
+                Ok(())
+            })
+            .map(|_| ())
     }
 
     async fn expand_volume_locked(
@@ -195,7 +196,8 @@ impl Server {
                 "volume {id:?} has no capability"
             )));
         };
-        let capability = capability_pb(first.access_mode, first.attachment_mode, &old.mount_options);
+        let capability =
+            capability_pb(first.access_mode, first.attachment_mode, &old.mount_options);
         let secrets: std::collections::HashMap<String, String> =
             old.secrets.clone().into_iter().collect();
 
@@ -294,7 +296,7 @@ impl Server {
                 Ok(pb::call_reply::Result::ExpandVolumeOnNode(_)) => failures.push((
                     tonic::Code::FailedPrecondition,
                     format!(
-                        "NodeExpandVolume on node {node_id}: the node plugin of {plugin_id:?} lacks the EXPAND_VOLUME capability{}",
+                        "node {node_id}: NodeExpandVolume: the node plugin of {plugin_id:?} lacks the EXPAND_VOLUME capability{}",
                         if controller_expanded.is_some() {
                             ", but its controller says the node must expand the volume"
                         } else {
@@ -306,10 +308,18 @@ impl Server {
                     tonic::Code::Internal,
                     format!("node {node_id} answered ExpandVolumeOnNode with another kind of reply"),
                 )),
-                Err(e) => failures.push((
-                    e.grpc_code(),
-                    format!("NodeExpandVolume on node {node_id}: {e}"),
-                )),
+                Err(e) => {
+                    // The call layer names the call and node; say it once.
+                    let text = e.to_string();
+                    let prefix = format!("ExpandVolumeOnNode on node {node_id}: ");
+                    let text = text.strip_prefix(&prefix).unwrap_or(&text);
+                    let text = if text.starts_with("NodeExpandVolume") {
+                        text.to_string()
+                    } else {
+                        format!("NodeExpandVolume: {text}")
+                    };
+                    failures.push((e.grpc_code(), format!("node {node_id}: {text}")))
+                }
             }
         }
         if controller_expanded.is_none() && node_capacity > 0 {
@@ -321,15 +331,15 @@ impl Server {
         }
         let code = failures[0].0;
         let done = match &controller_expanded {
-            Some((node, capacity)) => format!(
-                " (the controller on node {node} expanded it to {capacity} bytes)"
-            ),
+            Some((node, capacity)) => {
+                format!(" (the controller on node {node} expanded it to {capacity} bytes)")
+            }
             None => String::new(),
         };
         Err(ServerError::Remote {
             code,
             message: format!(
-                "expanding volume {id:?}{done}: {}",
+                "expanding volume {id:?} on its nodes failed{done}: {}",
                 failures
                     .into_iter()
                     .map(|(_, m)| m)
@@ -368,7 +378,10 @@ mod tests {
     fn capacity_changes_grow_keep_or_refuse_to_shrink() {
         let old = vol(Some(20 * MIB), None, 20 * MIB);
         let same = vol(Some(20 * MIB), None, 0);
-        assert_eq!(capacity_change(&old, &same).unwrap(), CapacityChange::Unchanged);
+        assert_eq!(
+            capacity_change(&old, &same).unwrap(),
+            CapacityChange::Unchanged
+        );
         let more = vol(Some(40 * MIB), None, 0);
         assert_eq!(capacity_change(&old, &more).unwrap(), CapacityChange::Grow);
         let less = vol(Some(10 * MIB), None, 0);
@@ -380,15 +393,24 @@ mod tests {
         assert!(capacity_change(&old, &capped).is_err());
         // A max the volume is within is a request change only.
         let with_max = vol(Some(20 * MIB), Some(100 * MIB), 0);
-        assert_eq!(capacity_change(&old, &with_max).unwrap(), CapacityChange::Requests);
+        assert_eq!(
+            capacity_change(&old, &with_max).unwrap(),
+            CapacityChange::Requests
+        );
         // A plugin that rounded up: a larger min it already has is no grow.
         let rounded = vol(Some(20 * MIB), None, 32 * MIB);
         let within = vol(Some(30 * MIB), None, 0);
-        assert_eq!(capacity_change(&rounded, &within).unwrap(), CapacityChange::Requests);
+        assert_eq!(
+            capacity_change(&rounded, &within).unwrap(),
+            CapacityChange::Requests
+        );
         // capacity_max alone asks for more.
         let max_only = vol(None, None, 20 * MIB);
         let grow_max = vol(None, Some(40 * MIB), 0);
-        assert_eq!(capacity_change(&max_only, &grow_max).unwrap(), CapacityChange::Grow);
+        assert_eq!(
+            capacity_change(&max_only, &grow_max).unwrap(),
+            CapacityChange::Grow
+        );
     }
 
     #[test]

@@ -32,7 +32,10 @@ impl std::fmt::Debug for SnapshotRequest {
             .field("volume_id", &self.volume_id)
             .field("name", &self.name)
             .field("parameters", &self.parameters)
-            .field("secrets", &format_args!("<{} redacted>", self.secrets.len()))
+            .field(
+                "secrets",
+                &format_args!("<{} redacted>", self.secrets.len()),
+            )
             .finish()
     }
 }
@@ -85,7 +88,9 @@ impl Server {
         let vol = self
             .store
             .read(|t| t.volumes.get(&req.volume_id).cloned())
-            .ok_or_else(|| ServerError::not_found(format!("volume {:?} not found", req.volume_id)))?;
+            .ok_or_else(|| {
+                ServerError::not_found(format!("volume {:?} not found", req.volume_id))
+            })?;
         let name = if req.name.is_empty() {
             format!("{}-{}", vol.id, berth_structs::now_ms())
         } else {
