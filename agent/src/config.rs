@@ -11,7 +11,7 @@
 //!          max_heartbeats_per_second = 50 }
 //! client { enabled = true, servers = ["10.0.0.1:4747"], node_class = "storage",
 //!          meta { rack = "r1" }, reserved { cpu = 500, memory = 512, disk = 1024 },
-//!          disconnect_startup_grace = "30s" }
+//!          disconnect_startup_grace = "30s", csi_volume_stats_interval = "60s" }
 //! ```
 //!
 //! [`load`] reads a list of paths (a directory gives its `*.hcl` files in
@@ -119,6 +119,9 @@ pub struct ClientSection {
     pub meta: BTreeMap<String, String>,
     pub reserved: Reserved,
     pub disconnect_startup_grace: Option<Duration>,
+    /// How often CSI volume stats are collected; at least
+    /// [`berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL`].
+    pub csi_volume_stats_interval: Option<Duration>,
 }
 
 /// One agent's configuration: a file's, or several merged. What a file
@@ -180,6 +183,10 @@ impl AgentFileConfig {
                     .client
                     .disconnect_startup_grace
                     .or(self.client.disconnect_startup_grace),
+                csi_volume_stats_interval: later
+                    .client
+                    .csi_volume_stats_interval
+                    .or(self.client.csi_volume_stats_interval),
             },
         }
     }
@@ -406,6 +413,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
                     "node_class",
                     "meta",
                     "disconnect_startup_grace",
+                    "csi_volume_stats_interval",
                 ],
                 &["meta", "reserved"],
             )?;
@@ -437,6 +445,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
                 meta: c.map("meta")?,
                 reserved,
                 disconnect_startup_grace: c.duration("disconnect_startup_grace", MAX_DURATION)?,
+                csi_volume_stats_interval: csi_volume_stats_interval(&c)?,
             }
         }
     };
@@ -451,6 +460,18 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
         server,
         client,
     })
+}
+
+/// `client { csi_volume_stats_interval }`: a duration of at least
+/// [`berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL`].
+fn csi_volume_stats_interval(c: &BodyReader<'_, '_>) -> Result<Option<Duration>, SpecError> {
+    const KEY: &str = "csi_volume_stats_interval";
+    const MIN: Duration = berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL;
+    let d = c.duration(KEY, MAX_DURATION)?;
+    if d.is_some_and(|d| d < MIN) {
+        return Err(c.invalid(KEY, format!("must be at least {}s", MIN.as_secs())));
+    }
+    Ok(d)
 }
 
 /// A port: 1 to 65535.
@@ -554,6 +575,7 @@ client {
     disk   = 1024
   }
   disconnect_startup_grace = "30s"
+  csi_volume_stats_interval = "15s"
 }
 "#,
         )
@@ -593,6 +615,10 @@ client {
         assert_eq!(
             c.client.disconnect_startup_grace,
             Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            c.client.csi_volume_stats_interval,
+            Some(Duration::from_secs(15))
         );
     }
 
@@ -666,6 +692,21 @@ client {
                 "client {\n reserved {\n  cpu = 99999999999\n }\n}",
                 3,
                 "is too large",
+            ),
+            (
+                "client {\n csi_volume_stats_interval = \"500ms\"\n}",
+                2,
+                "csi_volume_stats_interval",
+            ),
+            (
+                "client {\n csi_volume_stats_interval = \"500ms\"\n}",
+                2,
+                "must be at least 1s",
+            ),
+            (
+                "client {\n csi_volume_stats_interval = \"often\"\n}",
+                2,
+                "csi_volume_stats_interval",
             ),
             ("server {}\nserver {}", 2, "may appear only once"),
             ("data_dir = \"/a\"\ndata_dir = \"/b\"", 2, "defined twice"),

@@ -21,7 +21,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
-use berth_server::{Server, ServerError};
+use berth_server::{Server, ServerError, SnapshotRequest};
 use berth_structs::{CsiVolume, Job};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -421,6 +421,12 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v1/volume/csi/{id}/create", put(create_volume))
         .route("/v1/volume/csi/{id}/delete", delete(delete_volume))
         .route("/v1/volume/csi/{id}/detach", delete(detach_volume))
+        .route(
+            "/v1/volumes/snapshot",
+            get(list_snapshots)
+                .put(create_snapshot)
+                .delete(delete_snapshot),
+        )
         .route("/v1/plugins", get(list_plugins))
         .route("/v1/plugin/csi/{id}", get(get_plugin))
         .route("/v1/system/gc", put(system_gc))
@@ -613,7 +619,38 @@ async fn list_volumes(State(s): State<Arc<Server>>) -> ApiResult {
 }
 
 async fn get_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    Ok(Json(volume_view(&s.volume(&id)?)))
+    let vol = s.volume(&id)?;
+    let mut out = volume_view(&vol);
+    out["claim_allocs"] = claim_allocs(&s, &vol);
+    Ok(Json(out))
+}
+
+/// Each claim of `vol` joined with its alloc: the alloc's name and status
+/// and the stats its node last reported for this volume (`null` when none,
+/// or when the alloc is gone).
+fn claim_allocs(s: &Server, vol: &CsiVolume) -> Value {
+    let claims: Vec<Value> = vol
+        .claims()
+        .map(|c| {
+            let alloc = s.allocation(&c.alloc_id).ok();
+            let stats = alloc.as_ref().and_then(|a| {
+                a.csi_volume_stats
+                    .values()
+                    .find(|st| st.volume_id == vol.id)
+                    .cloned()
+            });
+            json!({
+                "alloc_id": c.alloc_id,
+                "alloc_name": alloc.as_ref().map(|a| a.name.clone()),
+                "node_id": c.node_id,
+                "mode": c.mode,
+                "state": c.state.as_str(),
+                "client_status": alloc.as_ref().map(|a| a.client_status.as_str()),
+                "volume_stats": stats,
+            })
+        })
+        .collect();
+    Value::Array(claims)
 }
 
 fn check_volume_id(path_id: &str, vol: &CsiVolume) -> Result<(), ApiError> {
@@ -677,6 +714,43 @@ async fn detach_volume(
 ) -> ApiResult {
     let report = s.detach_volume(&id, &q.node).await?;
     to_json(&report)
+}
+
+/// `PUT /v1/volumes/snapshot`: `{volume_id, name, parameters, secrets}`;
+/// answers the snapshot (never the secrets).
+async fn create_snapshot(
+    State(s): State<Arc<Server>>,
+    ApiJson(body): ApiJson<SnapshotRequest>,
+) -> ApiResult {
+    to_json(&s.create_snapshot(body).await?)
+}
+
+#[derive(Deserialize)]
+struct SnapshotListQuery {
+    #[serde(default)]
+    plugin_id: Option<String>,
+}
+
+async fn list_snapshots(
+    State(s): State<Arc<Server>>,
+    ApiQuery(q): ApiQuery<SnapshotListQuery>,
+) -> ApiResult {
+    let plugin = q.plugin_id.filter(|p| !p.is_empty());
+    to_json(&s.list_snapshots(plugin.as_deref()).await?)
+}
+
+#[derive(Deserialize)]
+struct SnapshotDeleteQuery {
+    plugin_id: String,
+    snapshot_id: String,
+}
+
+async fn delete_snapshot(
+    State(s): State<Arc<Server>>,
+    ApiQuery(q): ApiQuery<SnapshotDeleteQuery>,
+) -> ApiResult {
+    s.delete_snapshot(&q.plugin_id, &q.snapshot_id).await?;
+    Ok(Json(json!({})))
 }
 
 async fn list_plugins(State(s): State<Arc<Server>>) -> ApiResult {

@@ -55,13 +55,19 @@ pub struct NodeRegistration {
 }
 
 /// One alloc status report from a client.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct AllocUpdate {
     pub alloc_id: String,
     pub client_status: AllocClientStatus,
     pub client_description: String,
     /// None keeps the task states the servers have.
     pub task_states: Option<BTreeMap<String, TaskState>>,
+    /// The stats of the alloc's CSI volumes, by the group's volume name;
+    /// None keeps those the servers have.
+    pub csi_volume_stats: Option<BTreeMap<String, berth_structs::CsiVolumeStats>>,
+    /// The report carries volume stats only: the status, its description
+    /// and the task states are not set and stay as they are.
+    pub volume_stats_only: bool,
 }
 
 impl Server {
@@ -266,6 +272,19 @@ impl Server {
                     continue;
                 }
                 let mut a = a.clone();
+                if let Some(mut stats) = u.csi_volume_stats {
+                    // Only the group's own volumes.
+                    let group = a.group();
+                    stats.retain(|name, _| group.is_some_and(|g| g.volumes.contains_key(name)));
+                    a.csi_volume_stats = stats;
+                }
+                if u.volume_stats_only {
+                    // Nothing an evaluation looks at changes.
+                    if t.allocs[&a.id] != a {
+                        changes.push(Change::PutAlloc(a));
+                    }
+                    continue;
+                }
                 let was_terminal = a.client_status.is_terminal();
                 if was_terminal && !u.client_status.is_terminal() {
                     tracing::debug!(alloc_id = %a.id, from = a.client_status.as_str(),

@@ -89,6 +89,7 @@ async fn client_registers_watches_its_allocs_and_reports_status() {
             client_status: "running".into(),
             client_description: "Tasks are running".into(),
             task_states_json: serde_json::to_vec(&states).unwrap(),
+            ..Default::default()
         }],
     })
     .await

@@ -98,6 +98,10 @@ pub struct Allocation {
     /// (`modify_time_ms` is used then, which is later).
     #[serde(default)]
     pub node_last_heartbeat_ms: i64,
+    /// Stats of the alloc's CSI volumes as its node last reported them,
+    /// by the group's volume name.
+    #[serde(default)]
+    pub csi_volume_stats: BTreeMap<String, crate::csi::CsiVolumeStats>,
 }
 
 impl Allocation {

@@ -97,6 +97,7 @@ fn a_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() -> Result<()>
                     client_status: "failed".into(),
                     client_description: "forged".into(),
                     task_states_json: vec![],
+                    ..Default::default()
                 }],
             }))
             .await,

@@ -1,0 +1,261 @@
+//! The CSI volume stats sections of `berth alloc status` and
+//! `berth volume status -verbose`: built from the API's JSON, as lines.
+
+use serde_json::Value;
+
+/// `1536` → `1.5 KiB`; whole bytes below 1 KiB.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit < UNITS.len() - 1 {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
+}
+
+fn figure(stats: &Value, key: &str) -> Option<u64> {
+    stats[key].as_u64()
+}
+
+/// `used / total` with `show` for each figure; `-` for one not reported.
+fn used_of_total(used: Option<u64>, total: Option<u64>, show: fn(u64) -> String) -> String {
+    let shown = |v: Option<u64>| v.map_or_else(|| "-".to_string(), show);
+    format!("{} / {}", shown(used), shown(total))
+}
+
+/// The condition column: `normal`, `abnormal: <message>`, or `-` when the
+/// plugin does not report conditions.
+fn condition_text(stats: &Value) -> String {
+    let c = &stats["condition"];
+    if c.is_null() {
+        return "-".to_string();
+    }
+    if c["abnormal"].as_bool() != Some(true) {
+        return "normal".to_string();
+    }
+    match c["message"].as_str().unwrap_or_default() {
+        "" => "abnormal".to_string(),
+        message => format!("abnormal: {message}"),
+    }
+}
+
+/// The stats columns of one volume (used/total bytes, available bytes,
+/// used/total inodes, condition), or one column saying why there are
+/// none.
+fn stats_columns(stats: Option<&Value>) -> Vec<String> {
+    let Some(s) = stats.filter(|s| s.is_object()) else {
+        return vec!["no stats reported yet".to_string()];
+    };
+    if let Some(e) = s["error"].as_str() {
+        return vec![format!("stats unavailable: {e}")];
+    }
+    vec![
+        used_of_total(
+            figure(s, "bytes_used"),
+            figure(s, "bytes_total"),
+            human_bytes,
+        ),
+        figure(s, "bytes_available").map_or_else(|| "-".to_string(), human_bytes),
+        used_of_total(
+            figure(s, "inodes_used"),
+            figure(s, "inodes_total"),
+            |n| n.to_string(),
+        ),
+        condition_text(s),
+    ]
+}
+
+const STATS_HEADER: [&str; 4] = ["Used / Total", "Available", "Inodes Used / Total", "Condition"];
+
+/// Rows in aligned columns; the last column of a row may run past the
+/// others' widths (a row with fewer columns than the header).
+fn table(rows: &[Vec<String>]) -> Vec<String> {
+    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let mut widths = vec![0; columns];
+    for row in rows {
+        // A short row's last column is free text: it does not widen.
+        let counted = if row.len() < columns {
+            row.len().saturating_sub(1)
+        } else {
+            row.len()
+        };
+        for (i, cell) in row.iter().take(counted).enumerate() {
+            widths[i] = widths[i].max(cell.chars().count());
+        }
+    }
+    rows.iter()
+        .map(|row| {
+            let last = row.len().saturating_sub(1);
+            row.iter()
+                .enumerate()
+                .map(|(i, cell)| {
+                    if i == last {
+                        cell.clone()
+                    } else {
+                        format!("{cell:<w$}", w = widths[i])
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join("  ")
+                .trim_end()
+                .to_string()
+        })
+        .collect()
+}
+
+/// The "CSI Volumes" lines of `berth alloc status`: each CSI volume of
+/// the alloc's group with its stats. Empty when the group has none.
+pub fn alloc_volume_lines(alloc: &Value) -> Vec<String> {
+    let group = alloc["job"]["task_groups"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|g| g["name"] == alloc["task_group"]);
+    let index = alloc["index"].as_u64().unwrap_or(0);
+    let mut rows = Vec::new();
+    for (name, req) in group
+        .and_then(|g| g["volumes"].as_object())
+        .into_iter()
+        .flatten()
+    {
+        if req["type"] != "csi" {
+            continue;
+        }
+        let source = req["source"].as_str().unwrap_or_default();
+        let volume_id = if req["per_alloc"].as_bool() == Some(true) {
+            format!("{source}[{index}]")
+        } else {
+            source.to_string()
+        };
+        let stats = alloc["csi_volume_stats"].get(name);
+        let plugin = stats
+            .and_then(|s| s["plugin_id"].as_str())
+            .filter(|p| !p.is_empty())
+            .unwrap_or("-");
+        let mut row = vec![name.clone(), volume_id, plugin.to_string()];
+        row.extend(stats_columns(stats));
+        rows.push(row);
+    }
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    let mut header: Vec<String> = ["Name", "Volume", "Plugin"].map(String::from).to_vec();
+    header.extend(STATS_HEADER.map(String::from));
+    rows.insert(0, header);
+    table(&rows)
+}
+
+/// The claims lines of `berth volume status -verbose VOLUME`: each claim
+/// with its alloc and the stats its node reported for the volume. Empty
+/// when the volume has no claims.
+pub fn volume_claim_lines(volume: &Value) -> Vec<String> {
+    let mut rows = Vec::new();
+    for c in volume["claim_allocs"].as_array().into_iter().flatten() {
+        let text = |k: &str| c[k].as_str().unwrap_or("-").to_string();
+        let mut row = vec![
+            text("alloc_id"),
+            text("node_id"),
+            text("mode"),
+            text("client_status"),
+        ];
+        row.extend(stats_columns(Some(&c["volume_stats"])));
+        rows.push(row);
+    }
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    let mut header: Vec<String> = ["Alloc ID", "Node ID", "Mode", "Status"]
+        .map(String::from)
+        .to_vec();
+    header.extend(STATS_HEADER.map(String::from));
+    rows.insert(0, header);
+    table(&rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn bytes_are_shown_in_binary_units() {
+        assert_eq!(human_bytes(0), "0 B");
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(1536), "1.5 KiB");
+        assert_eq!(human_bytes(5 << 20), "5.0 MiB");
+        assert_eq!(human_bytes(u64::MAX), "16.0 EiB");
+    }
+
+    fn alloc(stats: Value) -> Value {
+        json!({
+            "task_group": "g",
+            "index": 2,
+            "job": {"task_groups": [{"name": "g", "volumes": {
+                "data": {"type": "csi", "source": "vol", "per_alloc": true},
+                "logs": {"type": "csi", "source": "logs"},
+            }}]},
+            "csi_volume_stats": stats,
+        })
+    }
+
+    #[test]
+    fn the_alloc_section_shows_figures_condition_and_errors() {
+        let lines = alloc_volume_lines(&alloc(json!({
+            "data": {
+                "volume_id": "vol[2]", "plugin_id": "hostpath",
+                "bytes_total": 64u64 << 20, "bytes_used": 5u64 << 20,
+                "bytes_available": 59u64 << 20,
+                "inodes_total": 16384, "inodes_used": 12, "inodes_available": 16372,
+                "condition": {"abnormal": true, "message": "data dir is gone"},
+                "error": null, "collected_at_ms": 1,
+            },
+            "logs": {"volume_id": "logs", "plugin_id": "hostpath", "error": "deadline exceeded"},
+        })));
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert!(lines[0].starts_with("Name"), "{lines:#?}");
+        let data = &lines[1];
+        for want in [
+            "data",
+            "vol[2]",
+            "hostpath",
+            "5.0 MiB / 64.0 MiB",
+            "59.0 MiB",
+            "12 / 16384",
+            "abnormal: data dir is gone",
+        ] {
+            assert!(data.contains(want), "{want:?} in {data:?}");
+        }
+        assert!(
+            lines[2].contains("stats unavailable: deadline exceeded"),
+            "{lines:#?}"
+        );
+    }
+
+    #[test]
+    fn a_volume_without_stats_says_so_and_a_group_without_volumes_shows_nothing() {
+        let lines = alloc_volume_lines(&alloc(json!({})));
+        assert!(lines[1].contains("no stats reported yet"), "{lines:#?}");
+        assert!(alloc_volume_lines(&json!({"job": {"task_groups": []}})).is_empty());
+    }
+
+    #[test]
+    fn the_claims_section_joins_each_claim_with_its_stats() {
+        let lines = volume_claim_lines(&json!({"claim_allocs": [
+            {"alloc_id": "a1", "node_id": "n1", "mode": "write", "client_status": "running",
+             "volume_stats": {"bytes_total": 1024, "bytes_used": 512, "bytes_available": 512,
+                              "condition": {"abnormal": false, "message": ""}}},
+            {"alloc_id": "a2", "node_id": "n1", "mode": "read", "client_status": null,
+             "volume_stats": null},
+        ]}));
+        assert_eq!(lines.len(), 3, "{lines:#?}");
+        assert!(lines[1].contains("512 B / 1.0 KiB"), "{lines:#?}");
+        assert!(lines[1].contains("normal"), "{lines:#?}");
+        assert!(lines[2].contains("no stats reported yet"), "{lines:#?}");
+        assert!(volume_claim_lines(&json!({"claim_allocs": []})).is_empty());
+    }
+}
