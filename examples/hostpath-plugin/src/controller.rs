@@ -11,6 +11,7 @@ use berth_proto::csi::v1::controller_service_capability::{self, rpc};
 use berth_proto::csi::v1::list_volumes_response::{Entry, VolumeStatus};
 use berth_proto::csi::v1::validate_volume_capabilities_response::Confirmed;
 use berth_proto::csi::v1::*;
+use nix::sys::statvfs::statvfs;
 use tonic::{Request, Response, Status};
 
 use crate::capability::{self, Rejection};
@@ -108,6 +109,37 @@ fn source_data(
         }
     };
     Ok(data)
+}
+
+/// The condition of a volume as the controller sees it: abnormal when its
+/// data (directory or image file) is gone from the state directory.
+/// Blocking (a stat).
+fn condition_of(state_dir: &std::path::Path, volume: &VolumeRecord) -> VolumeCondition {
+    let path = state::volume_data_path(state_dir, volume);
+    let present = match volume.backing {
+        Backing::Directory => path.is_dir(),
+        Backing::Image => path.is_file(),
+    };
+    if present {
+        VolumeCondition {
+            abnormal: false,
+            message: "volume data is present".to_owned(),
+        }
+    } else {
+        VolumeCondition {
+            abnormal: true,
+            message: format!(
+                "the data of volume {} is missing: {} does not exist",
+                volume.volume_id,
+                path.display()
+            ),
+        }
+    }
+}
+
+/// Widens a statvfs count, whatever its platform type.
+fn wide<T: Into<u64>>(n: T) -> u64 {
+    n.into()
 }
 
 fn backing_name(backing: Backing) -> &'static str {
@@ -559,7 +591,7 @@ impl Plugin {
         if !start.is_empty() && !state::is_volume_id(&start) {
             return Err(Error::BadToken(start));
         }
-        let with_status = self.enable_attach();
+        let state_dir = self.state_dir().to_owned();
         let (entries, next_token) = self
             .store()
             .read(move |s| {
@@ -572,9 +604,9 @@ impl Plugin {
                     .take(max)
                     .map(|v| Entry {
                         volume: Some(volume_of(v)),
-                        status: with_status.then(|| VolumeStatus {
+                        status: Some(VolumeStatus {
                             published_node_ids: v.publications.keys().cloned().collect(),
-                            volume_condition: None,
+                            volume_condition: Some(condition_of(&state_dir, v)),
                         }),
                     })
                     .collect();
@@ -588,17 +620,153 @@ impl Plugin {
         })
     }
 
+    async fn controller_expand(
+        &self,
+        req: ControllerExpandVolumeRequest,
+    ) -> Result<ControllerExpandVolumeResponse, Error> {
+        let volume_id = require(&req.volume_id, "volume_id")?.to_owned();
+        let range = req
+            .capacity_range
+            .as_ref()
+            .ok_or(Error::MissingField("capacity_range"))?;
+        let (required, limit) = capability::range_bounds(Some(range))?;
+        let cap = match req.volume_capability.as_ref() {
+            Some(cap) => Some(capability::check(Some(cap), "volume_capability")?),
+            None => None,
+        };
+        let _guard = self.begin("ControllerExpandVolume", &volume_id).await?;
+        if !state::is_volume_id(&volume_id) {
+            return Err(Error::NotFound(format!(
+                "volume {volume_id} does not exist"
+            )));
+        }
+        let state_dir = self.state_dir().to_owned();
+        let id = volume_id.clone();
+        // Checked and grown under the state lock, so that two expansions
+        // through two instances cannot undo each other.
+        let (before, after, backing) = self
+            .store()
+            .update(move |s| {
+                let record = s
+                    .volumes
+                    .get_mut(&id)
+                    .ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
+                if let Some(cap) = &cap {
+                    cap.suits(record.backing)
+                        .map_err(|reason| Error::invalid("volume_capability", reason))?;
+                }
+                let before = record.capacity_bytes;
+                if limit > 0 && limit < before {
+                    return Err(Error::OutOfRange(format!(
+                        "volume {id} holds {before} bytes, more than limit_bytes {limit}: \
+                         volumes never shrink"
+                    )));
+                }
+                // A smaller request is met by the capacity the volume has.
+                let after = before.max(required);
+                if after > before {
+                    if record.backing == Backing::Image {
+                        image::grow_image(&state::volume_data_path(&state_dir, record), after)?;
+                    }
+                    record.capacity_bytes = after;
+                }
+                Ok((before, after, record.backing))
+            })
+            .await?;
+        if after > before {
+            tracing::info!(%volume_id, before, after, "expanded volume");
+        } else {
+            tracing::info!(%volume_id, capacity_bytes = after, "volume already has the capacity");
+        }
+        Ok(ControllerExpandVolumeResponse {
+            capacity_bytes: after,
+            // The filesystem inside an image is grown on the node that
+            // stages it. Asked even when this call changed nothing: an
+            // earlier call may have grown the image without the node
+            // having grown the filesystem yet.
+            node_expansion_required: backing == Backing::Image,
+        })
+    }
+
+    async fn capacity(&self, req: GetCapacityRequest) -> Result<GetCapacityResponse, Error> {
+        self.inject("GetCapacity").await?;
+        let parameters: BTreeMap<String, String> = req.parameters.into_iter().collect();
+        let backing = image::backing_of(&parameters)?;
+        let none = GetCapacityResponse {
+            available_capacity: 0,
+            maximum_volume_size: Some(0),
+            minimum_volume_size: None,
+        };
+        let mut servable = true;
+        for cap in &req.volume_capabilities {
+            match capability::classify(cap) {
+                Ok(checked) => servable &= checked.suits(backing).is_ok(),
+                Err(Rejection::Malformed(reason)) => {
+                    return Err(Error::invalid("volume_capabilities", reason))
+                }
+                Err(Rejection::Unsupported(_)) => servable = false,
+            }
+        }
+        if let Some(topology) = &req.accessible_topology {
+            let wanted: BTreeMap<String, String> = topology.segments.clone().into_iter().collect();
+            // Without --topology every volume is accessible from anywhere.
+            if !self.topology().is_empty() && !state::topology_satisfied(self.topology(), &wanted) {
+                servable = false;
+            }
+        }
+        if !servable {
+            return Ok(none);
+        }
+        let state_dir = self.state_dir().to_owned();
+        let available = crate::plugin::blocking(move || {
+            let st = statvfs(&state_dir).map_err(Error::sys("statvfs", &state_dir))?;
+            let bytes = wide(st.blocks_available()).saturating_mul(wide(st.fragment_size()));
+            Ok(i64::try_from(bytes).unwrap_or(i64::MAX))
+        })
+        .await?;
+        Ok(GetCapacityResponse {
+            available_capacity: available,
+            // No volume can hold more than the filesystem has free.
+            maximum_volume_size: Some(available),
+            minimum_volume_size: None,
+        })
+    }
+
+    async fn get_volume(
+        &self,
+        req: ControllerGetVolumeRequest,
+    ) -> Result<ControllerGetVolumeResponse, Error> {
+        let volume_id = require(&req.volume_id, "volume_id")?.to_owned();
+        self.inject("ControllerGetVolume").await?;
+        let record = self.lookup(&volume_id).await?;
+        let (state_dir, volume) = (self.state_dir().to_owned(), record.clone());
+        let condition =
+            crate::plugin::blocking(move || Ok(condition_of(&state_dir, &volume))).await?;
+        Ok(ControllerGetVolumeResponse {
+            volume: Some(volume_of(&record)),
+            status: Some(controller_get_volume_response::VolumeStatus {
+                published_node_ids: record.publications.keys().cloned().collect(),
+                volume_condition: Some(condition),
+            }),
+        })
+    }
+
     fn controller_capabilities(&self) -> ControllerGetCapabilitiesResponse {
         let mut types = vec![
             rpc::Type::CreateDeleteVolume,
             rpc::Type::ListVolumes,
+            rpc::Type::GetCapacity,
             rpc::Type::CreateDeleteSnapshot,
             rpc::Type::ListSnapshots,
             rpc::Type::GetSnapshot,
             rpc::Type::CloneVolume,
+            rpc::Type::ExpandVolume,
+            rpc::Type::GetVolume,
+            rpc::Type::VolumeCondition,
         ];
         if self.enable_attach() {
             types.push(rpc::Type::PublishUnpublishVolume);
+            types.push(rpc::Type::ListVolumesPublishedNodes);
         }
         ControllerGetCapabilitiesResponse {
             capabilities: types
@@ -690,9 +858,11 @@ impl Controller for Plugin {
 
     async fn get_capacity(
         &self,
-        _request: Request<GetCapacityRequest>,
+        request: Request<GetCapacityRequest>,
     ) -> Result<Response<GetCapacityResponse>, Status> {
-        unimplemented(self, "GetCapacity").await
+        let req = request.into_inner();
+        self.call("GetCapacity", |p| async move { p.capacity(req).await })
+            .await
     }
 
     async fn controller_get_capabilities(
@@ -752,16 +922,25 @@ impl Controller for Plugin {
 
     async fn controller_expand_volume(
         &self,
-        _request: Request<ControllerExpandVolumeRequest>,
+        request: Request<ControllerExpandVolumeRequest>,
     ) -> Result<Response<ControllerExpandVolumeResponse>, Status> {
-        unimplemented(self, "ControllerExpandVolume").await
+        let req = request.into_inner();
+        self.call("ControllerExpandVolume", |p| async move {
+            p.controller_expand(req).await
+        })
+        .await
     }
 
     async fn controller_get_volume(
         &self,
-        _request: Request<ControllerGetVolumeRequest>,
+        request: Request<ControllerGetVolumeRequest>,
     ) -> Result<Response<ControllerGetVolumeResponse>, Status> {
-        unimplemented(self, "ControllerGetVolume").await
+        let req = request.into_inner();
+        self.call(
+            "ControllerGetVolume",
+            |p| async move { p.get_volume(req).await },
+        )
+        .await
     }
 
     async fn controller_modify_volume(
@@ -774,6 +953,8 @@ impl Controller for Plugin {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::MetadataExt;
+
     use berth_proto::csi::v1::volume_capability::access_mode::Mode;
     use berth_proto::csi::v1::volume_capability::{AccessMode, AccessType, MountVolume};
     use tonic::Code;
@@ -1061,6 +1242,272 @@ mod tests {
         assert_eq!(data(&late), b"snap");
     }
 
+    fn expand_to(volume_id: &str, required: i64, limit: i64) -> ControllerExpandVolumeRequest {
+        ControllerExpandVolumeRequest {
+            volume_id: volume_id.into(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: required,
+                limit_bytes: limit,
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn expand_grows_and_never_shrinks() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let v = p.create(create("a", 1000)).await.unwrap().volume.unwrap();
+        let id = v.volume_id;
+
+        let grown = p.controller_expand(expand_to(&id, 5000, 0)).await.unwrap();
+        assert_eq!(grown.capacity_bytes, 5000);
+        assert!(
+            !grown.node_expansion_required,
+            "a directory needs no node step"
+        );
+        assert_eq!(p.lookup(&id).await.unwrap().capacity_bytes, 5000);
+        // Again, and smaller: the capacity the volume has.
+        let same = p.controller_expand(expand_to(&id, 5000, 0)).await.unwrap();
+        assert_eq!(same.capacity_bytes, 5000);
+        let smaller = p.controller_expand(expand_to(&id, 10, 0)).await.unwrap();
+        assert_eq!(smaller.capacity_bytes, 5000);
+        assert_eq!(p.lookup(&id).await.unwrap().capacity_bytes, 5000);
+
+        // A limit below what the volume has: OUT_OF_RANGE, nothing changes.
+        assert_eq!(
+            code(p.controller_expand(expand_to(&id, 0, 4000)).await),
+            Code::OutOfRange
+        );
+        assert_eq!(p.lookup(&id).await.unwrap().capacity_bytes, 5000);
+        let within = p
+            .controller_expand(expand_to(&id, 6000, 6000))
+            .await
+            .unwrap();
+        assert_eq!(within.capacity_bytes, 6000);
+
+        // A repeated create answers the grown volume.
+        let again = p.create(create("a", 1000)).await.unwrap().volume.unwrap();
+        assert_eq!(again.capacity_bytes, 6000);
+
+        for (req, want) in [
+            (
+                expand_to(&state::volume_id_for("nope"), 1, 0),
+                Code::NotFound,
+            ),
+            (expand_to("not-a-volume", 1, 0), Code::NotFound),
+            (expand_to("", 1, 0), Code::InvalidArgument),
+            (expand_to(&id, -1, 0), Code::InvalidArgument),
+            (expand_to(&id, 10, 5), Code::InvalidArgument),
+            (
+                ControllerExpandVolumeRequest {
+                    volume_id: id.clone(),
+                    ..Default::default()
+                },
+                Code::InvalidArgument,
+            ),
+        ] {
+            assert_eq!(
+                code(p.controller_expand(req.clone()).await),
+                want,
+                "{req:?}"
+            );
+        }
+        let block = VolumeCapability {
+            access_type: Some(AccessType::Block(Default::default())),
+            ..cap(Mode::SingleNodeWriter)
+        };
+        let mut with_block = expand_to(&id, 7000, 0);
+        with_block.volume_capability = Some(block);
+        assert_eq!(
+            code(p.controller_expand(with_block).await),
+            Code::InvalidArgument
+        );
+    }
+
+    #[tokio::test]
+    async fn image_volumes_grow_snapshot_and_clone_as_images() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), false);
+        let image_volume = |name: &str, source: Option<ContentSource>| {
+            let mut req = create(name, 8 << 20);
+            req.parameters
+                .insert(image::BACKING_PARAMETER.into(), "image".into());
+            req.volume_content_source = source.as_ref().map(content_source_proto);
+            req
+        };
+        let v = match p.create(image_volume("img", None)).await {
+            Ok(r) => r.volume.unwrap(),
+            Err(e) if e.code() == Code::FailedPrecondition => {
+                eprintln!("skipping: image-backed volumes cannot be made here: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let record = p.lookup(&v.volume_id).await.unwrap();
+        let path = state::volume_data_path(p.state_dir(), &record);
+        let len = |p: &std::path::Path| fs::metadata(p).unwrap().len();
+        assert_eq!(len(&path), 8 << 20);
+
+        let grown = p
+            .controller_expand(expand_to(&v.volume_id, 16 << 20, 0))
+            .await
+            .unwrap();
+        assert!(grown.node_expansion_required);
+        assert_eq!(grown.capacity_bytes, 16 << 20);
+        assert_eq!(len(&path), 16 << 20, "the image file grew");
+        // A retry still asks the node to grow the filesystem.
+        let retry = p
+            .controller_expand(expand_to(&v.volume_id, 16 << 20, 0))
+            .await
+            .unwrap();
+        assert!(retry.node_expansion_required);
+
+        let snap = p
+            .snapshot_volume(CreateSnapshotRequest {
+                name: "img-snap".into(),
+                source_volume_id: v.volume_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .snapshot
+            .unwrap();
+        let copy = state::snapshot_path(p.state_dir(), &snap.snapshot_id);
+        assert!(copy.is_file());
+        assert_eq!(fs::read(&copy).unwrap(), fs::read(&path).unwrap());
+        let allocated = fs::metadata(&copy).unwrap().blocks() * 512;
+        assert!(
+            allocated < 16 << 20,
+            "the copy is sparse: {allocated} bytes"
+        );
+
+        let restored = p
+            .create(image_volume(
+                "img-restored",
+                Some(ContentSource::Snapshot(snap.snapshot_id.clone())),
+            ))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(restored.capacity_bytes, 16 << 20, "at least the snapshot");
+        let restored_path =
+            state::volume_data_path(p.state_dir(), &p.lookup(&restored.volume_id).await.unwrap());
+        assert_eq!(fs::read(&restored_path).unwrap(), fs::read(&copy).unwrap());
+
+        // A directory volume cannot be filled from an image.
+        assert_eq!(
+            code(
+                p.create(from_source(
+                    "dir-from-image",
+                    0,
+                    0,
+                    ContentSource::Snapshot(snap.snapshot_id.clone())
+                ))
+                .await
+            ),
+            Code::InvalidArgument
+        );
+    }
+
+    #[tokio::test]
+    async fn capacity_is_the_free_space_of_the_state_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = zoned_plugin(dir.path(), "node-a", &[("zone", "z1")]);
+        let all = p.capacity(GetCapacityRequest::default()).await.unwrap();
+        assert!(all.available_capacity > 0, "{all:?}");
+        assert_eq!(all.maximum_volume_size, Some(all.available_capacity));
+
+        let at = |pairs: &[(&str, &str)]| GetCapacityRequest {
+            accessible_topology: Some(Topology {
+                segments: segments(pairs).into_iter().collect(),
+            }),
+            ..Default::default()
+        };
+        let here = p.capacity(at(&[("zone", "z1")])).await.unwrap();
+        assert!(here.available_capacity > 0);
+        let elsewhere = p.capacity(at(&[("zone", "z2")])).await.unwrap();
+        assert_eq!(elsewhere.available_capacity, 0);
+
+        // A capability no volume with these parameters can serve: nothing.
+        let block = GetCapacityRequest {
+            volume_capabilities: vec![VolumeCapability {
+                access_type: Some(AccessType::Block(Default::default())),
+                ..cap(Mode::SingleNodeWriter)
+            }],
+            ..Default::default()
+        };
+        assert_eq!(p.capacity(block).await.unwrap().available_capacity, 0);
+        let malformed = GetCapacityRequest {
+            volume_capabilities: vec![VolumeCapability::default()],
+            ..Default::default()
+        };
+        assert_eq!(code(p.capacity(malformed).await), Code::InvalidArgument);
+
+        // Without --topology every topology is served.
+        let dir = tempfile::tempdir().unwrap();
+        let plain = plugin(dir.path(), false);
+        assert!(
+            plain
+                .capacity(at(&[("zone", "z2")]))
+                .await
+                .unwrap()
+                .available_capacity
+                > 0
+        );
+    }
+
+    #[tokio::test]
+    async fn get_volume_reports_condition_and_published_nodes() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = plugin(dir.path(), true);
+        let v = p.create(create("a", 0)).await.unwrap().volume.unwrap();
+        let get = |id: &str| ControllerGetVolumeRequest {
+            volume_id: id.into(),
+        };
+        let got = p.get_volume(get(&v.volume_id)).await.unwrap();
+        assert_eq!(got.volume.as_ref().unwrap(), &v);
+        let status = got.status.unwrap();
+        assert!(status.published_node_ids.is_empty());
+        assert!(!status.volume_condition.unwrap().abnormal);
+
+        p.controller_publish(ControllerPublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: "node-1".into(),
+            volume_capability: Some(cap(Mode::SingleNodeWriter)),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        fs::remove_dir(p.volume_dir(&v.volume_id)).unwrap();
+        let status = p
+            .get_volume(get(&v.volume_id))
+            .await
+            .unwrap()
+            .status
+            .unwrap();
+        assert_eq!(status.published_node_ids, ["node-1"]);
+        let condition = status.volume_condition.unwrap();
+        assert!(condition.abnormal);
+        assert!(
+            condition.message.contains("missing"),
+            "{}",
+            condition.message
+        );
+        let listed = p.list(ListVolumesRequest::default()).await.unwrap();
+        let listed = listed.entries[0].status.as_ref().unwrap();
+        assert_eq!(listed.published_node_ids, ["node-1"]);
+        assert!(listed.volume_condition.as_ref().unwrap().abnormal);
+
+        assert_eq!(
+            code(p.get_volume(get(&state::volume_id_for("nope"))).await),
+            Code::NotFound
+        );
+        assert_eq!(code(p.get_volume(get("x")).await), Code::NotFound);
+        assert_eq!(code(p.get_volume(get("")).await), Code::InvalidArgument);
+    }
+
     #[tokio::test]
     async fn without_topology_requirements_are_not_checked() {
         let dir = tempfile::tempdir().unwrap();
@@ -1183,7 +1630,9 @@ mod tests {
             pages += 1;
             assert!(page.entries.len() <= 2);
             seen.extend(page.entries.into_iter().map(|e| {
-                assert!(e.status.is_none(), "no status without --enable-attach");
+                let status = e.status.as_ref().expect("a status");
+                assert!(status.published_node_ids.is_empty(), "nothing is published");
+                assert!(!status.volume_condition.as_ref().unwrap().abnormal);
                 e.volume.unwrap().volume_id
             }));
             if page.next_token.is_empty() {

@@ -1,7 +1,7 @@
 //! The CSI Identity service.
 
 use berth_proto::csi::v1::identity_server::Identity;
-use berth_proto::csi::v1::plugin_capability::{self, service};
+use berth_proto::csi::v1::plugin_capability::{self, service, volume_expansion};
 use berth_proto::csi::v1::{
     GetPluginCapabilitiesRequest, GetPluginCapabilitiesResponse, GetPluginInfoRequest,
     GetPluginInfoResponse, PluginCapability, ProbeRequest, ProbeResponse,
@@ -16,16 +16,24 @@ impl Plugin {
         if !self.topology().is_empty() {
             services.push(service::Type::VolumeAccessibilityConstraints);
         }
-        GetPluginCapabilitiesResponse {
-            capabilities: services
-                .into_iter()
-                .map(|t| PluginCapability {
-                    r#type: Some(plugin_capability::Type::Service(
-                        plugin_capability::Service { r#type: t as i32 },
-                    )),
-                })
-                .collect(),
-        }
+        let mut capabilities: Vec<PluginCapability> = services
+            .into_iter()
+            .map(|t| PluginCapability {
+                r#type: Some(plugin_capability::Type::Service(
+                    plugin_capability::Service { r#type: t as i32 },
+                )),
+            })
+            .collect();
+        // Volumes grow while published: the controller grows the data, the
+        // node the filesystem of an image-backed volume.
+        capabilities.push(PluginCapability {
+            r#type: Some(plugin_capability::Type::VolumeExpansion(
+                plugin_capability::VolumeExpansion {
+                    r#type: volume_expansion::Type::Online as i32,
+                },
+            )),
+        });
+        GetPluginCapabilitiesResponse { capabilities }
     }
 }
 
@@ -108,5 +116,27 @@ mod tests {
                 service::Type::VolumeAccessibilityConstraints
             ]
         );
+    }
+
+    #[test]
+    fn volumes_expand_online() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = Plugin::new(&Config {
+            socket_path: dir.path().join("csi.sock"),
+            state_dir: dir.path().join("state"),
+            node_id: "node-a".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        let expansion: Vec<_> = p
+            .plugin_capabilities()
+            .capabilities
+            .into_iter()
+            .filter_map(|c| match c.r#type {
+                Some(plugin_capability::Type::VolumeExpansion(e)) => Some(e.r#type),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(expansion, [volume_expansion::Type::Online as i32]);
     }
 }
