@@ -144,10 +144,21 @@ impl AllocDir {
         Ok(td)
     }
 
-    /// Unmounts whatever is still mounted below the alloc dir, then removes
-    /// it. Refuses to remove anything while a mount remains: removing the
-    /// dir through a live bind mount would delete a volume's data.
+    /// Unmounts whatever is still mounted below the alloc dir (the task
+    /// volume mounts berth made; lazily), then removes it. Refuses to
+    /// remove anything while a mount remains, read from mountinfo right
+    /// before: removing the dir through a live bind mount would delete a
+    /// volume's data. The dir is then kept, and the caller tries again
+    /// later.
     pub fn destroy(&self) -> Result<(), AllocRunnerError> {
+        self.destroy_with(|m| nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH))
+    }
+
+    /// [`Self::destroy`] with `unmount` for each mount below the dir.
+    fn destroy_with(
+        &self,
+        unmount: impl Fn(&Path) -> nix::Result<()>,
+    ) -> Result<(), AllocRunnerError> {
         if !self.path.exists() {
             return Ok(());
         }
@@ -158,7 +169,7 @@ impl AllocDir {
         })?;
         for m in mounts_below(&real) {
             warn!(mount = %m.display(), "unmounting what was left mounted in the alloc dir");
-            if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+            if let Err(e) = unmount(&m) {
                 warn!(mount = %m.display(), error = %e, "unmount failed");
             }
         }
@@ -280,6 +291,85 @@ mod tests {
             assert!(e.to_string().contains("is not allowed"), "{e}");
         }
         assert!(!tmp.path().join("x").exists());
+    }
+
+    /// Bind-mounts `src` at `target`.
+    fn bind(src: &Path, target: &Path) {
+        std::fs::create_dir_all(src).unwrap();
+        std::fs::create_dir_all(target).unwrap();
+        nix::mount::mount(
+            Some(src),
+            target,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .unwrap();
+    }
+
+    /// Lazily unmounts everything below `dir` on drop, also when a test
+    /// fails.
+    struct Unmounted(PathBuf);
+
+    impl Drop for Unmounted {
+        fn drop(&mut self) {
+            for m in mounts_below(&self.0) {
+                let _ = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+    }
+
+    /// An alloc dir with a task whose `data` is a bind mount of a volume
+    /// dir holding a file; the temp dir, the alloc dir and the volume dir.
+    fn alloc_with_bound_volume() -> (tempfile::TempDir, Unmounted, AllocDir, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().canonicalize().unwrap();
+        let guard = Unmounted(root.clone());
+        let dir = AllocDir::new(&root.join("alloc"), "a1");
+        dir.build_shared().unwrap();
+        let td = dir.build_task("web").unwrap();
+        let volume = root.join("volume");
+        bind(&volume, &td.dir.join("data"));
+        std::fs::write(volume.join("precious"), "keep me").unwrap();
+        assert!(td.dir.join("data/precious").is_file());
+        (tmp, guard, dir, volume)
+    }
+
+    #[test]
+    fn destroy_unmounts_a_bind_mount_below_and_keeps_the_volume_data() {
+        let (_tmp, _guard, dir, volume) = alloc_with_bound_volume();
+        dir.destroy().unwrap();
+        assert!(!dir.path().exists());
+        assert_eq!(
+            std::fs::read_to_string(volume.join("precious")).unwrap(),
+            "keep me"
+        );
+    }
+
+    #[test]
+    fn destroy_keeps_the_dir_while_anything_stays_mounted_below() {
+        let (_tmp, _guard, dir, volume) = alloc_with_bound_volume();
+        let real = dir.path().canonicalize().unwrap();
+        // An unmount that fails (say, the mount is busy and cannot go).
+        let e = dir
+            .destroy_with(|_| Err(nix::errno::Errno::EBUSY))
+            .unwrap_err();
+        match &e {
+            AllocRunnerError::StillMounted { mounts, .. } => {
+                assert_eq!(mounts, &[real.join("web/data").display().to_string()])
+            }
+            other => panic!("want StillMounted, got {other:?}"),
+        }
+        // Nothing was removed, through the mount or beside it.
+        assert_eq!(
+            std::fs::read_to_string(volume.join("precious")).unwrap(),
+            "keep me"
+        );
+        assert!(dir.shared_dir().join("logs").is_dir());
+        // The next try, with a working unmount, removes it.
+        dir.destroy().unwrap();
+        assert!(!dir.path().exists());
+        assert!(volume.join("precious").is_file());
     }
 
     #[test]
