@@ -151,3 +151,49 @@ async fn a_create_refused_for_its_topology_says_so() {
     );
     assert!(s.volume("vz").is_err(), "nothing stored");
 }
+
+#[tokio::test]
+async fn a_new_claim_from_outside_the_topology_is_refused_and_schedulable_follows_it() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    register_in_zone(s, "n1", "a").await;
+    register_in_zone(s, "n2", "b").await;
+    // Placed while the volume has no topology; then registered again as
+    // reachable only from the other node's zone (no claim yet, so that is
+    // allowed).
+    let v = volume("vx", "hp", &[AccessMode::SingleNodeWriter]);
+    s.register_volume(v.clone()).await.unwrap();
+    s.register_job(volume_job("x", "vx", AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let alloc = wait_for_live(s, "x").await;
+    let mut elsewhere = v.clone();
+    requires(
+        &mut elsewhere,
+        &[if alloc.node_id == "n1" { "b" } else { "a" }],
+    );
+    s.register_volume(elsewhere).await.unwrap();
+    assert!(
+        s.volume("vx").unwrap().schedulable,
+        "the other node reaches it"
+    );
+
+    let mut csi = ts.csi_client().await;
+    let err = csi
+        .claim(claim_request("vx", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .expect_err("claim from outside the topology");
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+    assert!(
+        err.message()
+            .contains("is reachable only from topology {zone="),
+        "{}",
+        err.message()
+    );
+
+    // Reachable from no node: not schedulable.
+    let mut nowhere = v;
+    requires(&mut nowhere, &["z"]);
+    s.register_volume(nowhere).await.unwrap();
+    assert!(!s.volume("vx").unwrap().schedulable);
+}

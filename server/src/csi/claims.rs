@@ -12,7 +12,8 @@
 //! a client sees from `Claim`:
 //! - `NotFound`: the volume or alloc does not exist (final);
 //! - `FailedPrecondition` (`ServerError::Conflict`): the volume lacks the
-//!   requested capability, the alloc is terminal or on another node (final);
+//!   requested capability, the alloc is terminal or on another node, the
+//!   node is not in the volume's accessible topology (final);
 //! - `ResourceExhausted` (`ServerError::InUse`): the claims of that kind are
 //!   taken, retry once they are freed;
 //! - `Unavailable`: no client runs a controller (or the node plugin) now;
@@ -126,6 +127,18 @@ impl Server {
                         req.node_id, vol.plugin_id
                     ))
                 })?;
+                // A new claim only from where the volume is reachable (the
+                // scheduler places nothing elsewhere); a claim already
+                // taken is left to the plugin.
+                if vol.claim_for(alloc_id).is_none()
+                    && !vol.reachable_from(node_plugin.accessible_topology.as_ref())
+                {
+                    return Err(ServerError::Conflict(format!(
+                        "volume {vid:?} is reachable only from topology {}; node {} is not in it",
+                        berth_structs::topologies_text(&vol.accessible_topology),
+                        req.node_id
+                    )));
+                }
                 let external_node_id = node_plugin.external_node_id.clone();
                 let needs_publish = requires_controller_publish(t, &vol.plugin_id);
                 let mut reserved_now = false;

@@ -128,14 +128,20 @@ fn alloc_live(t: &Tables, alloc_id: &str) -> bool {
         .is_some_and(|a| !a.client_status.is_terminal())
 }
 
-/// A volume as the API shows it: secrets cleared, `schedulable` computed.
+/// A volume as the API shows it: secrets cleared, `schedulable` computed
+/// (a ready node with a healthy node plugin from which it is reachable).
 pub(crate) fn public_view(v: &CsiVolume, t: &Tables) -> CsiVolume {
     let mut v = v.clone();
     v.secrets.clear();
-    v.schedulable = t
-        .nodes
-        .values()
-        .any(|n| n.status == NodeStatus::Ready && n.has_healthy_node_plugin(&v.plugin_id));
+    v.schedulable = t.nodes.values().any(|n| {
+        n.status == NodeStatus::Ready
+            && n.has_healthy_node_plugin(&v.plugin_id)
+            && v.reachable_from(
+                n.csi_node_plugins
+                    .get(&v.plugin_id)
+                    .and_then(|p| p.accessible_topology.as_ref()),
+            )
+    });
     v
 }
 
