@@ -8,6 +8,13 @@
 
 use std::time::Duration;
 
+use berth_allocrunner::AllocRunnerError;
+use berth_structs::NodeEvent;
+
+/// The node event message of an alloc dir kept because something is still
+/// mounted below it.
+pub const EVENT_ALLOC_DIR_KEPT: &str = "Alloc dir kept";
+
 /// The garbage collection knobs of the client.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GcPolicy {
@@ -52,9 +59,44 @@ impl GcPolicy {
     }
 }
 
+/// The `Storage` node event for an alloc dir that destroying kept because
+/// something is still mounted below it (it is tried again later); `None`
+/// for other failures.
+pub fn alloc_dir_kept_event(alloc_id: &str, error: &AllocRunnerError) -> Option<NodeEvent> {
+    let AllocRunnerError::StillMounted { path, mounts } = error else {
+        return None;
+    };
+    Some(
+        NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, EVENT_ALLOC_DIR_KEPT)
+            .with_detail("alloc_id", alloc_id)
+            .with_detail("path", path.display().to_string())
+            .with_detail("mounts", mounts.join(", "))
+            .with_detail("error", error.to_string()),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_alloc_dir_kept_for_its_mounts_is_a_storage_event() {
+        let still = AllocRunnerError::StillMounted {
+            path: "/d/alloc/a1".into(),
+            mounts: vec!["/d/alloc/a1/web/data".into()],
+        };
+        let e = alloc_dir_kept_event("a1", &still).expect("an event");
+        assert_eq!(e.subsystem, NodeEvent::SUBSYSTEM_STORAGE);
+        assert_eq!(e.message, EVENT_ALLOC_DIR_KEPT);
+        assert_eq!(e.details["alloc_id"], "a1");
+        assert_eq!(e.details["path"], "/d/alloc/a1");
+        assert_eq!(e.details["mounts"], "/d/alloc/a1/web/data");
+        assert!(e.details["error"].contains("still has mounts"));
+        let other = AllocRunnerError::VolumeStillRecorded {
+            volume_id: "v".into(),
+        };
+        assert!(alloc_dir_kept_event("a1", &other).is_none());
+    }
 
     const HOUR_MS: i64 = 60 * 60 * 1000;
 
