@@ -671,7 +671,7 @@ impl Client {
         for id in gone {
             if let Some(r) = runners.remove(&id) {
                 tracing::info!(alloc_id = %id, "alloc garbage collected by the servers; destroying");
-                tokio::spawn(destroy_until_done(id, r));
+                tokio::spawn(destroy_until_done(id, r, self.conn.clone()));
             }
         }
         drop(runners);
@@ -741,7 +741,7 @@ impl Client {
             tracing::info!(alloc_id = %id, job = %r.alloc().job_id, "garbage collecting terminal alloc");
             if let Err(e) = r.destroy().await {
                 tracing::warn!(alloc_id = %id, error = %e, "destroying the alloc failed; retrying");
-                tokio::spawn(destroy_until_done(id, r));
+                tokio::spawn(destroy_until_done(id, r, self.conn.clone()));
             }
         }
     }
@@ -751,10 +751,19 @@ impl Client {
 /// volume of the alloc to be unmounted; until it is, the alloc's records
 /// are kept (a restarted agent picks it up again) and destroying is tried
 /// again.
-async fn destroy_until_done(id: String, r: AllocRunner) {
+/// An alloc dir kept because something is still mounted below it is
+/// reported as a node event (again when what is mounted changes).
+async fn destroy_until_done(id: String, r: AllocRunner, events: ServerConn) {
     let mut wait = Duration::from_secs(1);
+    let mut reported: Option<String> = None;
     while let Err(e) = r.destroy().await {
         tracing::error!(alloc_id = %id, error = %e, retry_in = ?wait, "destroying the alloc failed");
+        if let Some(event) = gc::alloc_dir_kept_event(&id, &e) {
+            if reported.as_deref() != Some(event.details["mounts"].as_str()) {
+                reported = Some(event.details["mounts"].clone());
+                berth_csimanager::NodeEventSink::emit(&events, event);
+            }
+        }
         tokio::time::sleep(wait).await;
         wait = wait.saturating_mul(2).min(Duration::from_secs(60));
     }
