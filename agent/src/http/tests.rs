@@ -644,3 +644,51 @@ async fn purge_route_removes_the_node_by_name_and_an_unknown_node_is_a_404() {
         a.error_message()
     );
 }
+
+#[tokio::test]
+async fn snapshot_routes_answer_in_the_one_shape_and_never_echo_secrets() {
+    let api = TestApi::new();
+    let secret = json!({"token": "hunter2-secret"});
+    let a = put_json(
+        &api.router,
+        "/v1/volumes/snapshot",
+        json!({"volume_id": "nope", "name": "n", "secrets": secret}).to_string(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
+    let m = a.error_message();
+    assert!(m.contains("\"nope\"") && !m.contains("hunter2"), "{m}");
+    let a = put_json(
+        &api.router,
+        "/v1/volumes/snapshot",
+        json!({"volume_id": "v", "secrets": "hunter2-secret"}).to_string(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert!(!a.error_message().contains("hunter2"));
+
+    // Listing with no plugin anywhere is an empty list; a named plugin that
+    // no client runs is a 503 naming it.
+    let a = get(&api.router, "/v1/volumes/snapshot").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(body_json(&a), json!([]));
+    let a = get(&api.router, "/v1/volumes/snapshot?plugin_id=hp").await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(a.error_message().contains("\"hp\""), "{}", a.error_message());
+
+    // A delete needs both IDs.
+    let a = call(
+        &api.router,
+        Method::DELETE,
+        "/v1/volumes/snapshot?plugin_id=hp",
+        None,
+        Body::empty(),
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(
+        a.error_message().contains("snapshot_id"),
+        "{}",
+        a.error_message()
+    );
+}
