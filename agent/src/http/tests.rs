@@ -674,7 +674,11 @@ async fn snapshot_routes_answer_in_the_one_shape_and_never_echo_secrets() {
     assert_eq!(body_json(&a), json!([]));
     let a = get(&api.router, "/v1/volumes/snapshot?plugin_id=hp").await;
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
-    assert!(a.error_message().contains("\"hp\""), "{}", a.error_message());
+    assert!(
+        a.error_message().contains("\"hp\""),
+        "{}",
+        a.error_message()
+    );
 
     // A delete needs both IDs.
     let a = call(
