@@ -1217,6 +1217,25 @@ client {
     }
 
     #[test]
+    fn csi_volume_stats_interval_of_the_config_reaches_the_client() {
+        let hcl = CLIENT_HCL.replacen(
+            "client {",
+            "client {\n  csi_volume_stats_interval = \"5s\"",
+            1,
+        );
+        let (_dir, c) = client_file(&hcl);
+        assert_eq!(
+            client_config(&c).csi_volume_stats_interval,
+            Duration::from_secs(5)
+        );
+        // Unset: a minute.
+        assert_eq!(
+            client_config(&run(&["-dev"])).csi_volume_stats_interval,
+            Duration::from_secs(60)
+        );
+    }
+
+    #[test]
     fn csi_fingerprint_interval_flag_reaches_the_client() {
         assert_eq!(
             client_config(&run(&["-dev", "-csi-fingerprint-interval", "2s"]))

@@ -141,13 +141,10 @@ pub(crate) fn stats_of(
         }
     }
     if target.condition {
-        s.condition = resp
-            .volume_condition
-            .as_ref()
-            .map(|c| CsiVolumeCondition {
-                abnormal: c.abnormal,
-                message: c.message.clone(),
-            });
+        s.condition = resp.volume_condition.as_ref().map(|c| CsiVolumeCondition {
+            abnormal: c.abnormal,
+            message: c.message.clone(),
+        });
     }
     s
 }
@@ -255,9 +252,9 @@ impl StatsTracker {
         }
         for alloc_id in changed_allocs {
             let mut report = BTreeMap::new();
-            for ((a, volume_id), tracked) in self.volumes.range_mut(
-                (alloc_id.clone(), String::new())..,
-            ) {
+            for ((a, volume_id), tracked) in
+                self.volumes.range_mut((alloc_id.clone(), String::new())..)
+            {
                 if *a != alloc_id {
                     break;
                 }
@@ -542,10 +539,7 @@ mod tests {
         // with nothing left reports nothing.
         let gone = t.observe(vec![(target("a1", "data"), stats(used, None))]);
         assert_eq!(gone.reports.keys().collect::<Vec<_>>(), vec!["a1"]);
-        assert_eq!(
-            gone.reports["a1"].keys().collect::<Vec<_>>(),
-            vec!["data"]
-        );
+        assert_eq!(gone.reports["a1"].keys().collect::<Vec<_>>(), vec!["data"]);
     }
 
     #[test]
@@ -618,7 +612,10 @@ mod tests {
         );
         assert!(s.condition.as_ref().unwrap().abnormal);
         assert_eq!(s.collected_at_ms, 42);
-        assert_eq!((s.volume_id.as_str(), s.plugin_id.as_str()), ("data", "hostpath"));
+        assert_eq!(
+            (s.volume_id.as_str(), s.plugin_id.as_str()),
+            ("data", "hostpath")
+        );
         // Without VOLUME_CONDITION the condition is not read.
         let mut no_cond = t.clone();
         no_cond.condition = false;

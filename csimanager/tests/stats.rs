@@ -77,8 +77,7 @@ impl StatsLoop {
 }
 
 fn condition_events(h: &Harness, message: &str) -> Vec<NodeEvent> {
-    h.events
-        .with_message(NodeEvent::SUBSYSTEM_STORAGE, message)
+    h.events.with_message(NodeEvent::SUBSYSTEM_STORAGE, message)
 }
 
 #[tokio::test]
@@ -100,11 +99,17 @@ async fn stats_of_a_mounted_volume_are_reported_and_unchanged_ones_are_not() {
     let total = first.bytes_total.expect("bytes total");
     let used = first.bytes_used.expect("bytes used");
     let available = first.bytes_available.expect("bytes available");
-    assert!(total > 0 && used <= total && available <= total, "{first:?}");
+    assert!(
+        total > 0 && used <= total && available <= total,
+        "{first:?}"
+    );
     let inodes = first.inodes_total.expect("inodes total");
     assert!(inodes > 0 && first.inodes_used.expect("inodes used") <= inodes);
     assert!(first.inodes_available.is_some());
-    let condition = first.condition.as_ref().expect("the plugin reports a condition");
+    let condition = first
+        .condition
+        .as_ref()
+        .expect("the plugin reports a condition");
     assert!(!condition.abnormal, "{condition:?}");
     assert!(first.collected_at_ms > 0);
 
@@ -116,7 +121,10 @@ async fn stats_of_a_mounted_volume_are_reported_and_unchanged_ones_are_not() {
     assert!(condition_events(&h, CONDITION_NORMAL).is_empty());
 
     // Once unmounted, the volume is no longer asked about.
-    h.manager.unmount_volume(unmount_req(&m)).await.expect("unmount");
+    h.manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect("unmount");
     assert!(h.manager.volume_stubs().is_empty());
     stats.stop().await;
 }
@@ -129,7 +137,11 @@ async fn a_volume_whose_data_is_removed_behind_the_plugin_turns_abnormal_once() 
     h.manager.mount_volume(m.clone()).await.expect("mount");
     let node = {
         h.manager.refresh_fingerprints().await;
-        h.manager.plugin_fingerprint(PLUGIN_ID).unwrap().node.unwrap()
+        h.manager
+            .plugin_fingerprint(PLUGIN_ID)
+            .unwrap()
+            .node
+            .unwrap()
     };
     assert!(
         node.supports_volume_condition,
@@ -163,7 +175,10 @@ async fn a_volume_whose_data_is_removed_behind_the_plugin_turns_abnormal_once() 
         .unwrap();
     let message = abnormal.condition.unwrap().message;
     assert!(!message.is_empty());
-    assert_eq!(abnormal.error, None, "an abnormal volume is not a failed call");
+    assert_eq!(
+        abnormal.error, None,
+        "an abnormal volume is not a failed call"
+    );
 
     wait_for("the abnormal event", Duration::from_secs(5), || {
         !condition_events(&h, CONDITION_ABNORMAL).is_empty()
@@ -210,13 +225,17 @@ async fn a_failing_stats_call_is_reported_as_unavailable_and_the_loop_goes_on() 
     assert_eq!(failed.bytes_total, None);
     // The second failure is the same error: not reported again. Then the
     // plugin answers and the figures follow.
-    wait_for("figures after the failures", Duration::from_secs(10), || {
-        stats
-            .log
-            .of("alloc-1", "flaky")
-            .iter()
-            .any(|s| s.error.is_none() && s.bytes_total.is_some())
-    })
+    wait_for(
+        "figures after the failures",
+        Duration::from_secs(10),
+        || {
+            stats
+                .log
+                .of("alloc-1", "flaky")
+                .iter()
+                .any(|s| s.error.is_none() && s.bytes_total.is_some())
+        },
+    )
     .await;
     let reports = stats.log.of("alloc-1", "flaky");
     assert_eq!(reports.len(), 2, "{reports:#?}");
@@ -240,7 +259,10 @@ async fn a_plugin_slower_than_the_call_deadline_is_reported_as_unavailable() {
     .await;
     let r = stats.log.of("alloc-1", "slow").remove(0);
     let error = r.error.expect("an error");
-    assert!(error.contains("DeadlineExceeded") || error.contains("no answer"), "{error}");
+    assert!(
+        error.contains("DeadlineExceeded") || error.contains("no answer"),
+        "{error}"
+    );
     // The loop still stops promptly with a call hanging in the plugin.
     stats.stop().await;
 }

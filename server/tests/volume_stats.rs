@@ -33,7 +33,10 @@ fn stats(used: u64) -> CsiVolumeStats {
     }
 }
 
-fn stats_only(alloc_id: &str, by_name: &BTreeMap<String, CsiVolumeStats>) -> pb::UpdateAllocationsRequest {
+fn stats_only(
+    alloc_id: &str,
+    by_name: &BTreeMap<String, CsiVolumeStats>,
+) -> pb::UpdateAllocationsRequest {
     pb::UpdateAllocationsRequest {
         node_id: "n1".into(),
         updates: vec![pb::AllocStatusUpdate {
@@ -46,7 +49,10 @@ fn stats_only(alloc_id: &str, by_name: &BTreeMap<String, CsiVolumeStats>) -> pb:
 }
 
 /// Whether the watch sends anything within `within`.
-async fn watch_sends(watch: &mut tonic::Streaming<pb::AllocationsUpdate>, within: Duration) -> bool {
+async fn watch_sends(
+    watch: &mut tonic::Streaming<pb::AllocationsUpdate>,
+    within: Duration,
+) -> bool {
     tokio::time::timeout(within, watch.message()).await.is_ok()
 }
 

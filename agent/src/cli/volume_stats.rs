@@ -61,16 +61,19 @@ fn stats_columns(stats: Option<&Value>) -> Vec<String> {
             human_bytes,
         ),
         figure(s, "bytes_available").map_or_else(|| "-".to_string(), human_bytes),
-        used_of_total(
-            figure(s, "inodes_used"),
-            figure(s, "inodes_total"),
-            |n| n.to_string(),
-        ),
+        used_of_total(figure(s, "inodes_used"), figure(s, "inodes_total"), |n| {
+            n.to_string()
+        }),
         condition_text(s),
     ]
 }
 
-const STATS_HEADER: [&str; 4] = ["Used / Total", "Available", "Inodes Used / Total", "Condition"];
+const STATS_HEADER: [&str; 4] = [
+    "Used / Total",
+    "Available",
+    "Inodes Used / Total",
+    "Condition",
+];
 
 /// Rows in aligned columns; the last column of a row may run past the
 /// others' widths (a row with fewer columns than the header).

@@ -89,7 +89,10 @@ fn update_batches(
 /// `newer` with what it does not carry taken from `older`, an update of
 /// the same alloc not sent yet: a status update keeps the volume stats
 /// waiting before it, and volume stats keep the status.
-fn merge_update(mut newer: pb::AllocStatusUpdate, older: pb::AllocStatusUpdate) -> pb::AllocStatusUpdate {
+fn merge_update(
+    mut newer: pb::AllocStatusUpdate,
+    older: pb::AllocStatusUpdate,
+) -> pb::AllocStatusUpdate {
     if newer.volume_stats_only && !older.volume_stats_only {
         newer.client_status = older.client_status;
         newer.client_description = older.client_description;
@@ -104,7 +107,10 @@ fn merge_update(mut newer: pb::AllocStatusUpdate, older: pb::AllocStatusUpdate) 
 
 /// Queues `update` in `pending`, merged with the one already waiting for
 /// its alloc.
-fn queue_update(pending: &mut HashMap<String, pb::AllocStatusUpdate>, update: pb::AllocStatusUpdate) {
+fn queue_update(
+    pending: &mut HashMap<String, pb::AllocStatusUpdate>,
+    update: pb::AllocStatusUpdate,
+) {
     let merged = match pending.remove(&update.alloc_id) {
         Some(older) => merge_update(update, older),
         None => update,
@@ -998,6 +1004,50 @@ mod tests {
             .collect();
         assert_eq!(ids, vec![vec!["a"], vec!["huge"], vec!["b"]]);
         assert!(update_batches(Vec::new(), 1000).is_empty());
+    }
+
+    #[test]
+    fn volume_stats_and_status_updates_of_an_alloc_merge_while_waiting() {
+        let status = |desc: &str| pb::AllocStatusUpdate {
+            alloc_id: "a".into(),
+            client_status: "running".into(),
+            client_description: desc.into(),
+            task_states_json: b"{}".to_vec(),
+            ..Default::default()
+        };
+        let stats = |json: &str| pb::AllocStatusUpdate {
+            alloc_id: "a".into(),
+            csi_volume_stats_json: json.as_bytes().to_vec(),
+            volume_stats_only: true,
+            ..Default::default()
+        };
+        let mut pending = HashMap::new();
+        // Stats after a status: the status is kept, the stats ride along.
+        queue_update(&mut pending, status("first"));
+        queue_update(&mut pending, stats("{\"v\":1}"));
+        let u = &pending["a"];
+        assert!(!u.volume_stats_only);
+        assert_eq!(u.client_description, "first");
+        assert_eq!(u.csi_volume_stats_json, b"{\"v\":1}");
+        // A newer status keeps the waiting stats; newer stats replace them.
+        queue_update(&mut pending, status("second"));
+        queue_update(&mut pending, stats("{\"v\":2}"));
+        let u = &pending["a"];
+        assert_eq!(u.client_description, "second");
+        assert_eq!(u.csi_volume_stats_json, b"{\"v\":2}");
+        assert_eq!(pending.len(), 1);
+        // Stats alone stay stats only.
+        let mut pending = HashMap::new();
+        queue_update(&mut pending, stats("{}"));
+        queue_update(&mut pending, stats("{\"v\":3}"));
+        assert!(pending["a"].volume_stats_only);
+        assert_eq!(pending["a"].client_status, "");
+        // A failed send put back under a newer stats-only update keeps
+        // its status.
+        let merged = merge_update(stats("{\"v\":4}"), status("unsent"));
+        assert!(!merged.volume_stats_only);
+        assert_eq!(merged.client_description, "unsent");
+        assert_eq!(merged.csi_volume_stats_json, b"{\"v\":4}");
     }
 
     #[test]
