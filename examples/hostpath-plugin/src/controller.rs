@@ -458,10 +458,14 @@ impl Plugin {
                         s.nodes.iter().cloned().collect::<Vec<_>>().join(", ")
                     )));
                 }
+                let node_topology = s.topology_of_node(&node);
                 let record = s
                     .volumes
                     .get_mut(&id)
                     .ok_or_else(|| Error::NotFound(format!("volume {id} does not exist")))?;
+                cap.suits(record.backing)
+                    .map_err(|reason| Error::invalid("volume_capability", reason))?;
+                state::check_accessible(record, &node, &node_topology)?;
                 if let Some(current) = record.publications.get(&node) {
                     if *current == wanted {
                         return Ok(false);
@@ -1730,6 +1734,49 @@ mod tests {
         p.controller_unpublish(unpublish.clone()).await.unwrap();
         p.controller_unpublish(unpublish).await.unwrap();
         p.delete(del).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn publish_checks_the_capability_and_the_node_topology() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = |node: &str, zone: &str| Config {
+            socket_path: dir.path().join(format!("{node}.sock")),
+            state_dir: dir.path().join("state"),
+            node_id: node.into(),
+            enable_attach: true,
+            topology: segments(&[("zone", zone)]),
+            ..Default::default()
+        };
+        let a = Plugin::new(&config("node-a", "z1")).unwrap();
+        let _b = Plugin::new(&config("node-b", "z2")).unwrap();
+        let _c = Plugin::new(&config("node-c", "z1")).unwrap();
+        let v = a.create(create("a", 0)).await.unwrap().volume.unwrap();
+        let publish = |node: &str, cap: VolumeCapability| ControllerPublishVolumeRequest {
+            volume_id: v.volume_id.clone(),
+            node_id: node.into(),
+            volume_capability: Some(cap),
+            ..Default::default()
+        };
+        let block = VolumeCapability {
+            access_type: Some(AccessType::Block(Default::default())),
+            ..cap(Mode::MultiNodeMultiWriter)
+        };
+        assert_eq!(
+            code(a.controller_publish(publish("node-a", block)).await),
+            Code::InvalidArgument
+        );
+        let err = a
+            .controller_publish(publish("node-b", cap(Mode::MultiNodeMultiWriter)))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), Code::FailedPrecondition);
+        assert!(err.to_string().contains("{zone=z2}"), "{err}");
+        a.controller_publish(publish("node-c", cap(Mode::MultiNodeMultiWriter)))
+            .await
+            .unwrap();
+        a.controller_publish(publish("node-a", cap(Mode::MultiNodeMultiWriter)))
+            .await
+            .unwrap();
     }
 
     #[tokio::test]

@@ -104,6 +104,12 @@ impl Error {
             Self::Unimplemented(_) => Code::Unimplemented,
             Self::Injected { code, .. } => *code,
             Self::StateLocked { .. } => Code::Unavailable,
+            // A full disk: the request may succeed once space is freed.
+            Self::Io { source, .. } | Self::Persist(source)
+                if source.raw_os_error() == Some(libc::ENOSPC) =>
+            {
+                Code::ResourceExhausted
+            }
             Self::Io { .. } | Self::Sys { .. } | Self::Persist(_) | Self::Internal(_) => {
                 Code::Internal
             }
@@ -171,6 +177,21 @@ mod tests {
         for (err, code) in cases {
             assert_eq!(Status::from(err).code(), code);
         }
+    }
+
+    #[test]
+    fn a_full_disk_is_resource_exhausted() {
+        let full = || io::Error::from_raw_os_error(libc::ENOSPC);
+        assert_eq!(
+            Error::io("copying", Path::new("/s/snapshots/x"))(full()).code(),
+            Code::ResourceExhausted
+        );
+        assert_eq!(Error::Persist(full()).code(), Code::ResourceExhausted);
+        let denied = io::Error::from_raw_os_error(libc::EACCES);
+        assert_eq!(
+            Error::io("copying", Path::new("/x"))(denied).code(),
+            Code::Internal
+        );
     }
 
     #[test]

@@ -70,8 +70,15 @@ impl Plugin {
         let store = Store::open(&state_dir)?;
         // Make this node known to every instance sharing the state
         // directory, so that a controller can publish volumes to it.
-        let node_id = config.node_id.clone();
+        // Its topology goes with it, so that a controller can tell where
+        // the node is.
+        let (node_id, topology) = (config.node_id.clone(), config.topology.clone());
         store.update_blocking(|s| {
+            if topology.is_empty() {
+                s.node_topology.remove(&node_id);
+            } else {
+                s.node_topology.insert(node_id.clone(), topology);
+            }
             s.nodes.insert(node_id);
             Ok(())
         })?;

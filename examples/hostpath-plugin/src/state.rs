@@ -108,6 +108,17 @@ pub struct State {
     /// Snapshots by ID.
     #[serde(default)]
     pub snapshots: BTreeMap<String, SnapshotRecord>,
+    /// The topology segments of the nodes in `nodes` that were started
+    /// with `--topology`.
+    #[serde(default)]
+    pub node_topology: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl State {
+    /// The topology segments node `node_id` serves (empty for none).
+    pub fn topology_of_node(&self, node_id: &str) -> BTreeMap<String, String> {
+        self.node_topology.get(node_id).cloned().unwrap_or_default()
+    }
 }
 
 /// One snapshot: a copy of a volume's data taken at `created`.
