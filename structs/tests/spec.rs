@@ -589,12 +589,12 @@ fn volume_spec_errors_name_their_line() {
     );
 
     let e = volume_err(
-        "id = \"v\"\ntype = \"csi\"\nplugin_id = \"p\"\ntopology_request {\n  required {}\n}\n",
+        "id = \"v\"\ntype = \"csi\"\nplugin_id = \"p\"\nplacement {\n  required {}\n}\n",
     );
     assert_eq!(e.line, 4);
     assert_eq!(
         e.message,
-        r#"unsupported block "topology_request" in the volume spec"#
+        r#"unsupported block "placement" in the volume spec"#
     );
 
     let e = volume_err(
