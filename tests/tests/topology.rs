@@ -233,6 +233,12 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
             "{failures}"
         );
     }
+    let text = server.cli(&["job", "status", "both"])?;
+    assert!(
+        text.contains("Placement failures")
+            && text.contains(&format!("is reachable only from topology {{{KEY}={id_a}}}")),
+        "{text}"
+    );
     assert!(server.allocs("both")?.is_empty(), "nothing placed");
     cli_at(&server.addr(), &["job", "stop", "both"])?;
 

@@ -466,6 +466,13 @@ fn job_status(args: &[String]) -> Result<i32> {
             println!("Type    = {}", v["type"].as_str().unwrap_or_default());
             println!("Status  = {}", v["status"].as_str().unwrap_or_default());
             println!("Version = {}", v["version"].as_u64().unwrap_or_default());
+            let failures = strs(&v["placement_failures"]);
+            if !failures.is_empty() {
+                println!("\nPlacement failures (the job waits until they clear)");
+                for f in &failures {
+                    println!("  {f}");
+                }
+            }
             println!(
                 "\nAllocations{}",
                 if a.all_allocs {
