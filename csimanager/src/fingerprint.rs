@@ -389,6 +389,39 @@ mod tests {
     }
 
     #[test]
+    fn volume_stats_capabilities_are_read_and_kept_while_unhealthy() {
+        let cap = |t: NodeRpc| csi::NodeServiceCapability {
+            r#type: Some(csi::node_service_capability::Type::Rpc(
+                csi::node_service_capability::Rpc { r#type: t as i32 },
+            )),
+        };
+        let caps = csi::NodeGetCapabilitiesResponse {
+            capabilities: vec![cap(NodeRpc::GetVolumeStats), cap(NodeRpc::VolumeCondition)],
+        };
+        assert!(node_has_rpc(&caps, NodeRpc::GetVolumeStats));
+        assert!(node_has_rpc(&caps, NodeRpc::VolumeCondition));
+        assert!(!node_has_rpc(&caps, NodeRpc::ExpandVolume));
+
+        let mut last_good = PluginFingerprint::default();
+        last_good.remember_healthy(&PluginFingerprint {
+            node: Some(CsiInfo {
+                healthy: true,
+                supports_volume_stats: true,
+                supports_volume_condition: true,
+                ..CsiInfo::default()
+            }),
+            controller: None,
+        });
+        let mut fp = PluginFingerprint {
+            node: Some(info(false, "down")),
+            controller: None,
+        };
+        fp.keep_capabilities_of(&last_good);
+        let node = fp.node.unwrap();
+        assert!(node.supports_volume_stats && node.supports_volume_condition);
+    }
+
+    #[test]
     fn stage_unstage_capability_is_read() {
         let cap = |t: NodeRpc| csi::NodeServiceCapability {
             r#type: Some(csi::node_service_capability::Type::Rpc(
