@@ -13,6 +13,7 @@ use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use crate::error::Error;
 use crate::state::Backing;
@@ -26,6 +27,8 @@ pub const FS_TYPE: &str = "ext4";
 
 const LOOP_CONTROL: &str = "/dev/loop-control";
 const SYS_BLOCK: &str = "/sys/block";
+/// How long a detach waits for the kernel to let go of the image.
+const DETACH_WAIT: Duration = Duration::from_secs(5);
 
 /// The image file of volume `volume_id`.
 pub fn image_path(state_dir: &Path, volume_id: &str) -> PathBuf {
@@ -198,6 +201,21 @@ pub fn detach(image: &Path) -> Result<bool, Error> {
         &["-d", &dev.to_string_lossy()],
         "detaching an image",
     )?;
+    // While something else holds the device open for a moment (a losetup
+    // scanning the devices, a udev probe) the kernel only marks it to be
+    // cleared on last close: wait for that, so that a stage right after
+    // finds the image free.
+    let deadline = Instant::now() + DETACH_WAIT;
+    while find_loop(image)?.is_some() {
+        if Instant::now() >= deadline {
+            return Err(Error::Internal(format!(
+                "{} still holds {} {DETACH_WAIT:?} after it was detached",
+                dev.display(),
+                image.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     Ok(true)
 }
 
