@@ -9,7 +9,8 @@ mod common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use berth_proto::csi::v1::controller_client::ControllerClient;
 use berth_proto::csi::v1::controller_service_capability::{self, rpc};
@@ -24,6 +25,57 @@ use tonic::Code;
 use common::*;
 
 const NODE_KEY: &str = "topology.hostpath.csi/node";
+
+/// Detaches, when dropped, every loop device still attached to an image in
+/// a state directory, so a failing test leaves none behind. Bound before
+/// the plugin's clients (so dropped after them), it runs once the plugin is
+/// killed and the harness has unmounted what it left.
+struct LoopCleanup(PathBuf);
+
+impl Drop for LoopCleanup {
+    fn drop(&mut self) {
+        let Ok(images) = fs::read_dir(self.0.join("images")) else {
+            return;
+        };
+        let images: Vec<PathBuf> = images
+            .flatten()
+            .filter_map(|e| fs::canonicalize(e.path()).ok())
+            .collect();
+        let Ok(devices) = fs::read_dir("/sys/block") else {
+            return;
+        };
+        for device in devices.flatten() {
+            let Ok(backing) = fs::read_to_string(device.path().join("loop/backing_file")) else {
+                continue;
+            };
+            if images.iter().any(|i| i == Path::new(backing.trim_end())) {
+                let dev = Path::new("/dev").join(device.file_name());
+                let _ = Command::new("losetup").arg("-d").arg(dev).status();
+            }
+        }
+    }
+}
+
+/// Whether loop devices and mkfs.ext4 can be used here; prints why not.
+fn images_usable() -> bool {
+    for (tool, arg) in [("losetup", "--find"), ("mkfs.ext4", "-V")] {
+        match Command::new(tool).arg(arg).output() {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => {
+                eprintln!(
+                    "skipping: {tool} {arg} failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                return false;
+            }
+            Err(e) => {
+                eprintln!("skipping: {tool} cannot run: {e}");
+                return false;
+            }
+        }
+    }
+    true
+}
 
 /// One plugin instance and its clients.
 struct Instance {
@@ -629,4 +681,117 @@ async fn faults_apply_to_the_new_rpcs() {
         .unwrap()
         .into_inner();
     assert_eq!(listed.entries.len(), 1);
+}
+
+#[tokio::test]
+async fn image_volumes_snapshot_restore_bigger_and_expand() {
+    if !images_usable() {
+        return;
+    }
+    let process = PluginProcess::start(&["--node-id", "node-a"]);
+    let _loops = LoopCleanup(process.state_dir.clone());
+    let mut plugin = Instance::connect(process).await;
+    let image = |name: &str, bytes: i64, source: Option<Type>| {
+        let mut req = create_request(name, bytes, 0);
+        req.parameters.insert("backing".into(), "image".into());
+        req.volume_content_source = source.map(|t| VolumeContentSource { r#type: Some(t) });
+        req
+    };
+    let total_bytes = |path: &Path| {
+        let st = nix::sys::statvfs::statvfs(path).unwrap();
+        st.blocks() as i64 * st.fragment_size() as i64
+    };
+
+    // Data written into the image's filesystem through its staged mount,
+    // snapshotted while it is mounted.
+    let source = plugin.create(image("img", 16 * MIB, None)).await.unwrap();
+    let staging = plugin.process.path("staging/img");
+    plugin.stage(&source.volume_id, &staging).await.unwrap();
+    fs::write(staging.join("data.txt"), b"in the image").unwrap();
+    let snap = plugin
+        .snapshot("img-snap", &source.volume_id)
+        .await
+        .unwrap();
+    assert_eq!(snap.size_bytes, 16 * MIB);
+    let copy = plugin
+        .process
+        .state_dir
+        .join("snapshots")
+        .join(&snap.snapshot_id);
+    assert!(copy.is_file(), "an image snapshot is an image file");
+    fs::write(staging.join("data.txt"), b"changed later").unwrap();
+    plugin.unstage(&source.volume_id, &staging).await;
+
+    // Restored into a bigger volume: the data of the snapshot, in a
+    // filesystem grown to the new size.
+    let restored = plugin
+        .create(image(
+            "img-restored",
+            32 * MIB,
+            Some(Type::Snapshot(SnapshotSource {
+                snapshot_id: snap.snapshot_id.clone(),
+            })),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(restored.capacity_bytes, 32 * MIB);
+    let staging = plugin.process.path("staging/img-restored");
+    plugin.stage(&restored.volume_id, &staging).await.unwrap();
+    assert_eq!(
+        fs::read_to_string(staging.join("data.txt")).unwrap(),
+        "in the image"
+    );
+    assert!(
+        total_bytes(&staging) > 16 * MIB,
+        "the filesystem grew past the snapshot's size: {} bytes",
+        total_bytes(&staging)
+    );
+
+    // A clone of the source: its data as it is now.
+    let clone = plugin
+        .create(image(
+            "img-clone",
+            0,
+            Some(Type::Volume(VolumeSource {
+                volume_id: source.volume_id.clone(),
+            })),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(clone.capacity_bytes, 16 * MIB);
+    let clone_staging = plugin.process.path("staging/img-clone");
+    plugin
+        .stage(&clone.volume_id, &clone_staging)
+        .await
+        .unwrap();
+    assert_eq!(
+        fs::read_to_string(clone_staging.join("data.txt")).unwrap(),
+        "changed later"
+    );
+    plugin.unstage(&clone.volume_id, &clone_staging).await;
+
+    // Expanding an image-backed volume grows its file and asks the node to
+    // grow the filesystem.
+    let grown = plugin
+        .controller
+        .controller_expand_volume(ControllerExpandVolumeRequest {
+            volume_id: restored.volume_id.clone(),
+            capacity_range: Some(CapacityRange {
+                required_bytes: 48 * MIB,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(grown.capacity_bytes, 48 * MIB);
+    assert!(grown.node_expansion_required);
+    let image_file = plugin
+        .process
+        .state_dir
+        .join("images")
+        .join(format!("{}.img", restored.volume_id));
+    assert_eq!(fs::metadata(&image_file).unwrap().len(), 48 * MIB as u64);
+    plugin.unstage(&restored.volume_id, &staging).await;
 }
