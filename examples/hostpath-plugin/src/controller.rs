@@ -1,5 +1,9 @@
 //! The CSI Controller service: volumes are directories under
-//! `<state-dir>/volumes`, and controller publication is bookkeeping.
+//! `<state-dir>/volumes` (or image files, see [`crate::image`]), placed in
+//! the creating instance's topology and optionally filled from a snapshot
+//! or another volume; controller publication and capacity are bookkeeping,
+//! except that an image file grows with its volume. Snapshots are in
+//! [`crate::snapshot`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;

@@ -5,7 +5,8 @@
 //! `NodeStageVolume` bind-mounts the volume directory at the staging path and
 //! `NodePublishVolume` bind-mounts the staging path at the target (read-only
 //! when asked). The plugin's own state (volumes, capacity, controller
-//! publications, the nodes serving it) lives in `<state-dir>/state.json`.
+//! publications, topology, snapshots, the nodes serving it) lives in
+//! `<state-dir>/state.json`; snapshot copies under `<state-dir>/snapshots`.
 //! Failures and delays can be injected per RPC for tests.
 //!
 //! Several instances (one per node) may share one state directory, as nodes
