@@ -200,11 +200,20 @@ async fn a_failing_node_step_names_the_step_and_node_and_keeps_the_controllers_c
     assert!(msg.contains("node n1: NodeExpandVolume"), "{msg}");
     assert!(msg.contains("resize2fs failed"), "{msg}");
     assert!(msg.contains("controller on node n1 expanded it"), "{msg}");
+    let vol = ts.server.volume("data").unwrap();
+    assert_eq!(vol.capacity, 40 * MIB, "the controller did grow it");
+    assert_eq!(vol.capacity_min, Some(20 * MIB), "the request waits");
+
+    // The same spec again retries the expansion, node step included.
+    client.set_handler(expand_handler(true, true, true));
+    let before = client.call_kinds().len();
+    let grown = ts.server.create_volume(spec(40 * MIB)).await.unwrap();
     assert_eq!(
-        ts.server.volume("data").unwrap().capacity,
-        40 * MIB,
-        "the controller did grow it"
+        client.call_kinds()[before..],
+        ["ExpandVolume", "ExpandVolumeOnNode"]
     );
+    assert_eq!(grown.capacity_min, Some(40 * MIB));
+    assert_eq!(grown.capacity, 40 * MIB);
 }
 
 #[tokio::test]

@@ -179,10 +179,16 @@ pub fn create_outcome(id: &str, before: Option<&Value>, after: &Value) -> String
         before["capacity"].as_u64().unwrap_or(0),
         after["capacity"].as_u64().unwrap_or(0),
     );
+    let requests = |v: &Value| (v["capacity_min"].clone(), v["capacity_max"].clone());
     if now > was {
         format!(
             "Expanded volume {id:?} from {} to {}",
             crate::http::describe_size(was),
+            crate::http::describe_size(now)
+        )
+    } else if requests(before) != requests(after) {
+        format!(
+            "Volume {id:?} has {}; its capacity requests are updated",
             crate::http::describe_size(now)
         )
     } else {
@@ -223,5 +229,7 @@ mod tests {
             "Expanded volume \"v\" from 20 MiB to 40 MiB"
         );
         assert!(create_outcome("v", Some(&after), &after).contains("unchanged"));
+        let asked_more = json!({"capacity": 40u64 << 20, "capacity_min": 40u64 << 20});
+        assert!(create_outcome("v", Some(&after), &asked_more).contains("requests are updated"));
     }
 }

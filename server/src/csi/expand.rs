@@ -86,6 +86,8 @@ pub fn spec_differences(old: &CsiVolume, new: &CsiVolume) -> Vec<&'static str> {
 /// How `new`'s capacity requests relate to the volume `old`. Asking for
 /// less than the volume has (a lower `capacity_min` than before, or a
 /// `capacity_max` below its capacity) is an error: volumes cannot shrink.
+/// The requests are stored only once an expansion has fully succeeded, so
+/// creating the same spec again after a failed step retries it.
 pub fn capacity_change(old: &CsiVolume, new: &CsiVolume) -> Result<CapacityChange, ServerError> {
     if (old.capacity_min, old.capacity_max) == (new.capacity_min, new.capacity_max) {
         return Ok(CapacityChange::Unchanged);
@@ -108,8 +110,12 @@ pub fn capacity_change(old: &CsiVolume, new: &CsiVolume) -> Result<CapacityChang
             "volumes cannot shrink: volume {id:?} has {current} bytes; capacity_max {max} asks for less"
         )));
     }
+    // A request that rose expands, also when the volume already has that
+    // much: the plugin answers an expand it has done as done, and the node
+    // step that a failure left undone is made again.
     let wanted = new.capacity_min.or(new.capacity_max).unwrap_or(0);
-    Ok(if wanted > current {
+    let asked = old.capacity_min.or(old.capacity_max).unwrap_or(0);
+    Ok(if wanted > current || (asked > 0 && wanted > asked) {
         CapacityChange::Grow
     } else {
         CapacityChange::Requests
@@ -234,14 +240,15 @@ impl Server {
                     .ok()
                     .filter(|&c| c > 0)
                     .unwrap_or(u64::try_from(min).unwrap_or(0));
-                self.store_capacity(id, new.capacity_min, new.capacity_max, Some(capacity))?;
+                // The requests wait for the node step; the capacity is real.
+                self.store_capacity(id, old.capacity_min, old.capacity_max, Some(capacity))?;
                 tracing::info!(volume_id = %id, plugin_id = %plugin_id, capacity, node_expansion_required = r.node_expansion_required, "volume expanded by its controller");
                 controller_expanded = Some((controller, capacity));
                 node_step = r.node_expansion_required;
             }
         }
         if !node_step {
-            return Ok(());
+            return self.store_capacity(id, new.capacity_min, new.capacity_max, None);
         }
 
         // The node step, on every node where the volume is published.
@@ -264,7 +271,7 @@ impl Server {
         if by_node.is_empty() {
             return match controller_expanded {
                 // Not mounted anywhere: a node stages it at its new size.
-                Some(_) => Ok(()),
+                Some(_) => self.store_capacity(id, new.capacity_min, new.capacity_max, None),
                 None => Err(ServerError::BadRequest(format!(
                     "cannot expand volume {id:?}: CSI plugin {plugin_id:?} has no controller that supports EXPAND_VOLUME, \
                      and the volume is not in use on any node whose node plugin could expand it"
@@ -322,12 +329,10 @@ impl Server {
                 }
             }
         }
-        if controller_expanded.is_none() && node_capacity > 0 {
-            let capacity = node_capacity.max(u64::try_from(min).unwrap_or(0));
-            self.store_capacity(id, new.capacity_min, new.capacity_max, Some(capacity))?;
-        }
         if failures.is_empty() {
-            return Ok(());
+            let capacity = (controller_expanded.is_none() && node_capacity > 0)
+                .then(|| node_capacity.max(u64::try_from(min).unwrap_or(0)));
+            return self.store_capacity(id, new.capacity_min, new.capacity_max, capacity);
         }
         let code = failures[0].0;
         let done = match &controller_expanded {
@@ -397,11 +402,18 @@ mod tests {
             capacity_change(&old, &with_max).unwrap(),
             CapacityChange::Requests
         );
-        // A plugin that rounded up: a larger min it already has is no grow.
+        // A request that rose expands even when the volume already has
+        // that much (a plugin that rounded up, a node step that failed).
         let rounded = vol(Some(20 * MIB), None, 32 * MIB);
         let within = vol(Some(30 * MIB), None, 0);
         assert_eq!(
             capacity_change(&rounded, &within).unwrap(),
+            CapacityChange::Grow
+        );
+        // Without a request before, only more than it has expands.
+        let unasked = vol(None, None, 32 * MIB);
+        assert_eq!(
+            capacity_change(&unasked, &within).unwrap(),
             CapacityChange::Requests
         );
         // capacity_max alone asks for more.
