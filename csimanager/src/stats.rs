@@ -190,6 +190,11 @@ pub(crate) struct StatsTracker {
 }
 
 impl StatsTracker {
+    /// Whether no volume is tracked.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.volumes.is_empty()
+    }
+
     /// Takes one round's results: every volume asked, with what came back.
     /// Volumes not in it are no longer mounted (or no longer asked) and
     /// are forgotten.
@@ -315,11 +320,22 @@ impl CsiManager {
                 _ = tick.tick() => {}
             }
             let targets = self.volume_stats_targets();
+            if targets.is_empty() && tracker.is_empty() {
+                continue;
+            }
+            let started = tokio::time::Instant::now();
+            let volumes = targets.len();
             let results = tokio::select! {
                 r = self.collect_volume_stats(targets) => r,
                 _ = shutdown.wait_for(|s| *s) => break,
             };
             let outcome = tracker.observe(results);
+            tracing::debug!(
+                volumes,
+                reported_allocs = outcome.reports.len(),
+                elapsed_ms = started.elapsed().as_millis() as u64,
+                "volume stats round"
+            );
             for e in outcome.events {
                 self.emit_node_event(e);
             }

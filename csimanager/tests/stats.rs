@@ -266,3 +266,35 @@ async fn a_plugin_slower_than_the_call_deadline_is_reported_as_unavailable() {
     // The loop still stops promptly with a call hanging in the plugin.
     stats.stop().await;
 }
+
+#[tokio::test]
+async fn the_volumes_of_a_round_are_asked_concurrently_but_at_most_eight_at_a_time() {
+    let h = Harness::start(&["--delay", "NodeGetVolumeStats=1s"]).await;
+    let ext = h.create_volume("many").await;
+    // Twelve allocs publishing one volume: twelve calls a round.
+    for i in 0..12 {
+        h.manager
+            .mount_volume(mount_req("many", &ext, &format!("alloc-{i}")))
+            .await
+            .expect("mount");
+    }
+    let started = std::time::Instant::now();
+    let stats = StatsLoop::start(&h).await;
+    wait_for("all twelve reported", Duration::from_secs(20), || {
+        stats.log.all().len() == 12
+    })
+    .await;
+    let took = started.elapsed();
+    println!("the first round of 12 volumes (1 s each) took {took:?}");
+    // One at a time would take 12 s, all at once 1 s: two waves of 8 and 4.
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(6),
+        "the first round took {took:?}"
+    );
+    assert!(stats
+        .log
+        .all()
+        .iter()
+        .all(|(_, m)| m["many"].error.is_none() && m["many"].bytes_total.is_some()));
+    stats.stop().await;
+}
