@@ -49,6 +49,11 @@ async fn a_monolith_fills_both_maps_and_becomes_healthy() {
     assert!(ctrl.healthy, "{ctrl:?}");
     assert!(ctrl.supports_create_delete);
     assert!(
+        ctrl.supports_expand && node.supports_expand,
+        "EXPAND_VOLUME of the controller and of the node service"
+    );
+    assert!(ctrl.supports_snapshots, "CREATE_DELETE_SNAPSHOT");
+    assert!(
         !ctrl.requires_controller_publish,
         "without --enable-attach the plugin has no PUBLISH_UNPUBLISH_VOLUME"
     );
