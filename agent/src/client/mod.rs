@@ -181,8 +181,12 @@ impl berth_csimanager::VolumeStatsSink for Client {
     ) {
         let alloc = {
             let runners = self.runners.lock().await;
+            // Not for an alloc on its way out: its volumes are being
+            // unmounted, and the servers keep what they last heard.
             match runners.get(alloc_id) {
-                Some(r) if !r.client_status().is_terminal() => r.alloc(),
+                Some(r) if !r.client_status().is_terminal() && !r.alloc().server_terminal() => {
+                    r.alloc()
+                }
                 _ => return,
             }
         };
