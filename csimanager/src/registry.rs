@@ -31,6 +31,9 @@ pub struct PluginRegistration {
 #[derive(Default)]
 struct Inner {
     plugins: BTreeMap<String, RegistryEntry>,
+    /// How new the registered instance of each plugin is (see
+    /// [`PluginRegistry::register_instance`]); 0 when not known.
+    newness: BTreeMap<String, u64>,
 }
 
 /// A registered plugin instance and its health as its supervisor knows it.
@@ -65,20 +68,41 @@ impl PluginRegistry {
 
     /// Adds or replaces the plugin's registration, healthy.
     pub fn register(&self, reg: PluginRegistration) {
+        self.register_instance(reg, 0);
+    }
+
+    /// Registers a plugin instance, healthy, unless a healthy instance of
+    /// another alloc that is newer (`newness`: the alloc's create index,
+    /// which grows with every alloc the servers place) is registered: an
+    /// old instance that still runs (a plugin upgrade, its alloc waiting to
+    /// stop) never takes the plugin back from its replacement. It does
+    /// when the newer one is unhealthy. Returns whether it registered.
+    pub fn register_instance(&self, reg: PluginRegistration, newness: u64) -> bool {
         {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let id = &reg.plugin_id;
+            let newer_serves = inner.plugins.get(id).is_some_and(|e| {
+                e.registration.alloc_id != reg.alloc_id
+                    && e.unhealthy.is_none()
+                    && inner.newness.get(id).copied().unwrap_or(0) > newness
+            });
+            if newer_serves {
+                return false;
+            }
+            inner.newness.insert(id.clone(), newness);
             let entry = RegistryEntry {
                 registration: reg,
                 unhealthy: None,
             };
             if inner.plugins.get(&entry.registration.plugin_id) == Some(&entry) {
-                return;
+                return true;
             }
             inner
                 .plugins
                 .insert(entry.registration.plugin_id.clone(), entry);
         }
         self.changed.send_modify(|v| *v += 1);
+        true
     }
 
     /// Marks the plugin unhealthy (its task died, a probe failed), if
@@ -112,6 +136,7 @@ impl PluginRegistry {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             match inner.plugins.get(plugin_id) {
                 Some(e) if e.registration.alloc_id == alloc_id => {
+                    inner.newness.remove(plugin_id);
                     inner.plugins.remove(plugin_id).is_some()
                 }
                 _ => false,
@@ -184,6 +209,34 @@ mod tests {
         assert_eq!(r.get("hostpath").unwrap().alloc_id, "a2");
         assert!(r.deregister("hostpath", "a2"));
         assert!(r.list().is_empty());
+    }
+
+    #[test]
+    fn an_old_instance_never_takes_the_plugin_back_from_a_healthy_newer_one() {
+        let r = PluginRegistry::new();
+        // Restored from the store (newness unknown): any instance replaces it.
+        r.register(reg("hostpath", "new"));
+        assert!(r.register_instance(reg("hostpath", "old"), 10));
+        assert!(r.register_instance(reg("hostpath", "new"), 20));
+        let mut rx = r.subscribe();
+        rx.borrow_and_update();
+        // The old instance, still running while its alloc waits to stop,
+        // probes healthy again: it stays out.
+        assert!(!r.register_instance(reg("hostpath", "old"), 10));
+        assert_eq!(r.get("hostpath").unwrap().alloc_id, "new");
+        assert!(!rx.has_changed().unwrap());
+        // Unless the newer one is unhealthy: then the old one serves, until
+        // the newer one is healthy again.
+        assert!(r.mark_unhealthy("hostpath", "new", "task exited"));
+        assert!(r.register_instance(reg("hostpath", "old"), 10));
+        assert_eq!(r.get("hostpath").unwrap().alloc_id, "old");
+        assert!(r.register_instance(reg("hostpath", "new"), 20));
+        assert_eq!(r.get("hostpath").unwrap().alloc_id, "new");
+        // The same instance registers again whatever its newness.
+        assert!(r.register_instance(reg("hostpath", "new"), 20));
+        // Once the newer one deregisters, anything may register.
+        assert!(r.deregister("hostpath", "new"));
+        assert!(r.register_instance(reg("hostpath", "old"), 10));
     }
 
     #[test]

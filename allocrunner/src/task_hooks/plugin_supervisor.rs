@@ -8,7 +8,9 @@
 //! that, with a task event on each health change. When the task exits the
 //! plugin is marked unhealthy at once (it stays registered, with what it
 //! last was, until it is healthy again); it is deregistered when the task
-//! stops for good.
+//! stops for good. An instance never takes the registration from a healthy
+//! newer alloc's instance of the same plugin (a plugin upgrade: the old
+//! alloc may run on while it waits to stop).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -141,6 +143,7 @@ impl TaskHook for PluginSupervisorHook {
             plugin: self.plugin.clone(),
             socket,
             alloc_id: ctx.alloc.id.clone(),
+            newness: ctx.alloc.create_index,
             events: ctx.events.clone(),
             task: task.clone(),
             health_timeout,
@@ -192,6 +195,9 @@ struct Supervision {
     plugin: TaskCsiPluginConfig,
     socket: PathBuf,
     alloc_id: String,
+    /// The alloc's create index: a newer alloc's instance wins the
+    /// registration.
+    newness: u64,
     events: TaskEvents,
     task: TaskControl,
     health_timeout: Duration,
@@ -221,6 +227,19 @@ impl Supervision {
             .get_plugin_info(csi::GetPluginInfoRequest {})
             .await
             .map_err(|e| e.to_string())
+    }
+
+    /// Registers the instance unless a healthy newer one of the plugin is
+    /// registered; whether it did.
+    fn register(&self, reg: &PluginRegistration) -> bool {
+        let registered = self
+            .csi
+            .registry()
+            .register_instance(reg.clone(), self.newness);
+        if !registered {
+            info!("plugin is healthy; a newer instance of it is registered, so this one is not");
+        }
+        registered
     }
 
     fn unhealthy_kill(&self, message: String) {
@@ -277,11 +296,17 @@ impl Supervision {
                 && e.registration.alloc_id == self.alloc_id
                 && e.registration.socket_path == self.socket
         });
-        self.csi.registry().register(reg.clone());
-        let healthy_message = format!(
-            "plugin {} ({} {}) is healthy and registered",
-            self.plugin.id, info.name, info.vendor_version
-        );
+        let healthy_message = if self.register(&reg) {
+            format!(
+                "plugin {} ({} {}) is healthy and registered",
+                self.plugin.id, info.name, info.vendor_version
+            )
+        } else {
+            format!(
+                "plugin {} ({} {}) is healthy; a newer instance of it is registered",
+                self.plugin.id, info.name, info.vendor_version
+            )
+        };
         if was_healthy {
             info!(provider = %info.name, version = %info.vendor_version, "plugin is still healthy; registered it again");
         } else {
@@ -303,7 +328,7 @@ impl Supervision {
                 (false, Ok(())) => {
                     info!("plugin became healthy again");
                     healthy = true;
-                    self.csi.registry().register(reg.clone());
+                    self.register(&reg);
                     self.events
                         .emit(EVENT_PLUGIN_HEALTHY, healthy_message.clone());
                 }
