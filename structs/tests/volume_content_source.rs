@@ -39,7 +39,10 @@ fn both_a_snapshot_and_a_clone_is_an_error_naming_the_line() {
     let err = parse_volume(&src).expect_err("both").to_string();
     let line = src.lines().position(|l| l.starts_with("clone_id")).unwrap() + 1;
     assert!(err.contains(&format!("line {line}")), "{err}");
-    assert!(err.contains("clone_id") && err.contains("exclusive"), "{err}");
+    assert!(
+        err.contains("clone_id") && err.contains("exclusive"),
+        "{err}"
+    );
 
     // The same rule holds for a volume that arrives as JSON.
     let mut v = parse_volume(BASE).expect("parse");
