@@ -674,7 +674,13 @@ impl VolumeManager {
             .await?;
             remove_empty_dirs(&target, &self.root_dir);
             stub.allocs.remove(alloc_id);
-            self.put_stub(&stub)?;
+            // The last user of a staged usage: its record goes with the
+            // unstage, in one durable write instead of two. A restart in
+            // between finds the alloc still recorded, and its unpublish
+            // again is a no-op; a failed unstage records it below.
+            if !(stub.allocs.is_empty() && stub.staged) {
+                self.put_stub(&stub)?;
+            }
         }
         if !stub.allocs.is_empty() {
             return Ok(());
@@ -684,10 +690,18 @@ impl VolumeManager {
                 volume_id: stub.external_id.clone(),
                 staging_target_path: path_string(&stub.staging_path)?,
             };
-            self.with_retry("NodeUnstageVolume", || async {
-                done_if_not_found(client.node_unstage_volume(unstage_req.clone()).await)
-            })
-            .await?;
+            let unstaged = self
+                .with_retry("NodeUnstageVolume", || async {
+                    done_if_not_found(client.node_unstage_volume(unstage_req.clone()).await)
+                })
+                .await;
+            if let Err(e) = unstaged {
+                // What remains to undo: the unstage, with no alloc using it.
+                if uses {
+                    self.put_stub(&stub)?;
+                }
+                return Err(e);
+            }
         }
         self.delete_stub(key)?;
         remove_empty_dirs(&stub.staging_path, &self.root_dir);

@@ -39,6 +39,15 @@ fn count_events(alloc: &Value, task: &str, event_type: &str) -> usize {
         .count()
 }
 
+/// How often the agent's log says a reattached plugin was found healthy
+/// and registered again.
+fn supervised_again(agent: &DevAgent) -> usize {
+    agent
+        .log()
+        .matches("plugin is still healthy; registered it again")
+        .count()
+}
+
 fn lines(path: &Path) -> usize {
     std::fs::read_to_string(path)
         .unwrap_or_default()
@@ -87,21 +96,26 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
     let vol = agent.cli_json(&["volume", "status", "data"])?;
     assert_eq!(strs(&vol["write_allocs"]), vec![holder_id.clone()], "{vol}");
     let healthy_before = count_events(&plugin, "plugin", "Plugin became healthy");
+    let supervised_before = supervised_again(&agent);
 
     // Restart the agent.
     agent.restart()?;
 
-    // The plugin is supervised again: probed, healthy, registered.
-    let plugin = wait_for(
-        "the restored plugin to become healthy again",
+    // The plugin is supervised again: probed, healthy, registered; it was
+    // healthy all along, so no health event.
+    wait_for(
+        "the restored plugin to be supervised again",
         Duration::from_secs(60),
-        || {
-            let a = only_alloc(&agent, "hostpath-plugin")?;
-            Ok((count_events(&a, "plugin", "Plugin became healthy") > healthy_before).then_some(a))
-        },
+        || Ok((supervised_again(&agent) > supervised_before).then_some(())),
     )
     .with_context(|| agent.log())?;
+    let plugin = only_alloc(&agent, "hostpath-plugin")?;
     assert_eq!(plugin["client_status"], "running", "{plugin}");
+    assert_eq!(
+        count_events(&plugin, "plugin", "Plugin became healthy"),
+        healthy_before,
+        "a reattached healthy plugin records no health change: {plugin}"
+    );
     agent.wait_plugin_healthy("hostpath")?;
     let holder = wait_running(&agent, "holder")?;
     assert_eq!(holder["id"], holder_id.as_str());
@@ -140,18 +154,12 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
     assert!(mounts_before.contains(&bind), "{mounts_before:?}");
     nix::mount::umount2(&bind, nix::mount::MntFlags::MNT_DETACH)?;
     assert!(!mounts_under(&holder_dir).contains(&bind));
-    let healthy_before = count_events(&plugin, "plugin", "Plugin became healthy");
+    let supervised_before = supervised_again(&agent);
     agent.start_again()?;
     wait_for(
-        "the plugin to become healthy after the second restart",
+        "the plugin to be supervised again after the second restart",
         Duration::from_secs(60),
-        || {
-            let a = only_alloc(&agent, "hostpath-plugin")?;
-            Ok(
-                (count_events(&a, "plugin", "Plugin became healthy") > healthy_before)
-                    .then_some(()),
-            )
-        },
+        || Ok((supervised_again(&agent) > supervised_before).then_some(())),
     )
     .with_context(|| agent.log())?;
     wait_for(
