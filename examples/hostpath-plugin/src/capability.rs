@@ -151,6 +151,35 @@ pub fn range_bounds(range: Option<&CapacityRange>) -> Result<(i64, i64), Error> 
     Ok((required, limit))
 }
 
+/// The smallest image-backed volume: a smaller image cannot hold an ext4
+/// filesystem (mkfs.ext4 refuses 64 KiB), so an image is never made
+/// smaller than this, whatever less is asked for.
+pub const MIN_IMAGE_CAPACITY_BYTES: i64 = 1 << 20;
+
+/// The smallest volume of a backing.
+pub fn minimum_capacity(backing: Backing) -> i64 {
+    match backing {
+        Backing::Directory => 0,
+        Backing::Image => MIN_IMAGE_CAPACITY_BYTES,
+    }
+}
+
+/// Raises `capacity` to the backing's minimum; `OUT_OF_RANGE` when the
+/// range's limit is below that minimum.
+pub fn at_least_minimum(
+    capacity: i64,
+    backing: Backing,
+    (_, limit): (i64, i64),
+) -> Result<i64, Error> {
+    let minimum = minimum_capacity(backing);
+    if limit > 0 && limit < minimum {
+        return Err(Error::OutOfRange(format!(
+            "limit_bytes {limit} is below {minimum} bytes, the smallest volume of this backing"
+        )));
+    }
+    Ok(capacity.max(minimum))
+}
+
 /// The capacity to provision for a range: what is required, else the
 /// default bounded by the limit.
 pub fn capacity_for((required, limit): (i64, i64)) -> i64 {
@@ -285,5 +314,28 @@ mod tests {
         assert!(fits(100, (0, 0)));
         assert!(!fits(100, (101, 0)));
         assert!(!fits(100, (0, 99)));
+    }
+
+    #[test]
+    fn images_have_a_minimum_size() {
+        let min = MIN_IMAGE_CAPACITY_BYTES;
+        assert_eq!(
+            at_least_minimum(4096, Backing::Directory, (4096, 0)).unwrap(),
+            4096
+        );
+        assert_eq!(
+            at_least_minimum(4096, Backing::Image, (4096, 0)).unwrap(),
+            min
+        );
+        assert_eq!(
+            at_least_minimum(4 * min, Backing::Image, (0, 0)).unwrap(),
+            4 * min
+        );
+        assert_eq!(
+            at_least_minimum(4096, Backing::Image, (0, min)).unwrap(),
+            min
+        );
+        let err = at_least_minimum(4096, Backing::Image, (0, min - 1)).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::OutOfRange);
     }
 }

@@ -309,6 +309,7 @@ impl Plugin {
                     Some(from) => capacity_with_source(range, from.size_bytes)?,
                     None => capability::capacity_for(range),
                 };
+                let capacity = capability::at_least_minimum(capacity, backing, range)?;
                 match (from, backing) {
                     (Some(from), _) if from.backing != backing => {
                         return Err(Error::invalid(
@@ -736,7 +737,10 @@ impl Plugin {
             available_capacity: available,
             // No volume can hold more than the filesystem has free.
             maximum_volume_size: Some(available),
-            minimum_volume_size: None,
+            minimum_volume_size: match capability::minimum_capacity(backing) {
+                0 => None,
+                minimum => Some(minimum),
+            },
         })
     }
 
@@ -1357,6 +1361,23 @@ mod tests {
         let len = |p: &std::path::Path| fs::metadata(p).unwrap().len();
         assert_eq!(len(&path), 8 << 20);
 
+        // Too small for ext4: made at the minimum, or OUT_OF_RANGE when the
+        // limit is below it.
+        let mut tiny = image_volume("tiny", None);
+        tiny.capacity_range = Some(CapacityRange {
+            required_bytes: 4096,
+            limit_bytes: 0,
+        });
+        let made = p.create(tiny.clone()).await.unwrap().volume.unwrap();
+        assert_eq!(made.capacity_bytes, capability::MIN_IMAGE_CAPACITY_BYTES);
+        tiny.name = "tiny-limited".into();
+        tiny.capacity_range = Some(CapacityRange {
+            required_bytes: 4096,
+            limit_bytes: 65536,
+        });
+        assert_eq!(code(p.create(tiny).await), Code::OutOfRange);
+        assert!(!image::image_path(p.state_dir(), &state::volume_id_for("tiny-limited")).exists());
+
         let grown = p
             .controller_expand(expand_to(&v.volume_id, 16 << 20, 0))
             .await
@@ -1426,6 +1447,26 @@ mod tests {
         let all = p.capacity(GetCapacityRequest::default()).await.unwrap();
         assert!(all.available_capacity > 0, "{all:?}");
         assert_eq!(all.maximum_volume_size, Some(all.available_capacity));
+        assert_eq!(all.minimum_volume_size, None);
+        let images = p
+            .capacity(GetCapacityRequest {
+                parameters: [(image::BACKING_PARAMETER.to_owned(), "image".to_owned())].into(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            images.minimum_volume_size,
+            Some(capability::MIN_IMAGE_CAPACITY_BYTES)
+        );
+        let unknown_backing = GetCapacityRequest {
+            parameters: [(image::BACKING_PARAMETER.to_owned(), "tape".to_owned())].into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            code(p.capacity(unknown_backing).await),
+            Code::InvalidArgument
+        );
 
         let at = |pairs: &[(&str, &str)]| GetCapacityRequest {
             accessible_topology: Some(Topology {
