@@ -233,7 +233,7 @@ pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
 
 /// Mount points in mountinfo escape space, tab, newline and backslash as
 /// `\ooo`.
-fn unescape_mountinfo(s: &str) -> String {
+pub(crate) fn unescape_mountinfo(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

@@ -236,11 +236,13 @@ sleep 1000"#,
             volume: "vol".into(),
             destination: "data".into(),
             read_only: false,
+            ..Default::default()
         },
         VolumeMount {
             volume: "vol".into(),
             destination: "ro".into(),
             read_only: true,
+            ..Default::default()
         },
     ];
     let a = consumer(&["vol"], task);
@@ -306,6 +308,7 @@ async fn a_failed_claim_rolls_back_the_volumes_already_mounted() {
         volume: "a".into(),
         destination: "a".into(),
         read_only: false,
+        ..Default::default()
     }];
     let a = consumer(&["a", "b"], task);
     let runner = h.runner(a.clone());
@@ -506,6 +509,7 @@ fn mount_and_leave_running_with(volumes: &[&str]) -> LeftRunning {
                     v.to_string()
                 },
                 read_only: false,
+                ..Default::default()
             })
             .collect();
         let a = consumer(volumes, task);

@@ -14,6 +14,7 @@ fn mount(volume: &str, destination: &str, read_only: bool) -> VolumeMount {
         volume: volume.into(),
         destination: destination.into(),
         read_only,
+        ..Default::default()
     }
 }
 

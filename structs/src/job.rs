@@ -234,6 +234,53 @@ pub struct VolumeMount {
     pub destination: String,
     #[serde(default)]
     pub read_only: bool,
+    /// How mounts made later on either side of the bind reach the other.
+    #[serde(default)]
+    pub propagation_mode: PropagationMode,
+}
+
+/// `volume_mount { propagation_mode }`: whether mounts made later under the
+/// volume's host path show in the task directory, and the other way round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum PropagationMode {
+    /// Neither way (`MS_PRIVATE`).
+    #[default]
+    Private,
+    /// Mounts made under the host path show in the task dir (`MS_SLAVE`).
+    HostToTask,
+    /// Both ways (`MS_SHARED`).
+    Bidirectional,
+}
+
+impl PropagationMode {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            PropagationMode::Private => "private",
+            PropagationMode::HostToTask => "host-to-task",
+            PropagationMode::Bidirectional => "bidirectional",
+        }
+    }
+}
+
+impl std::fmt::Display for PropagationMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for PropagationMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "private" => Ok(PropagationMode::Private),
+            "host-to-task" => Ok(PropagationMode::HostToTask),
+            "bidirectional" => Ok(PropagationMode::Bidirectional),
+            other => Err(format!(
+                "unknown propagation mode {other:?} (want private, host-to-task or bidirectional)"
+            )),
+        }
+    }
 }
 
 /// What a plugin task is: the `csi_plugin` block.
@@ -628,5 +675,64 @@ mod tests {
         assert!(check_destination("/etc").is_err());
         assert!(check_destination(".").is_err());
         assert!(check_destination("").is_err());
+    }
+
+    #[test]
+    fn job_mount_options_lie_over_the_volume_s() {
+        let volume = CsiMountOptions {
+            fs_type: "ext4".into(),
+            mount_flags: vec!["noatime".into(), "nodev".into()],
+        };
+        // Nothing set in the job: the volume's options.
+        assert_eq!(CsiMountOptions::default().merged_over(&volume), volume);
+        // fs_type replaces when set; the volume's flags stay.
+        let fs_only = CsiMountOptions {
+            fs_type: "xfs".into(),
+            mount_flags: vec![],
+        };
+        assert_eq!(
+            fs_only.merged_over(&volume),
+            CsiMountOptions {
+                fs_type: "xfs".into(),
+                mount_flags: volume.mount_flags.clone(),
+            }
+        );
+        // Flags given in the job are taken whole, not added to the volume's.
+        let flags_only = CsiMountOptions {
+            fs_type: String::new(),
+            mount_flags: vec!["ro".into()],
+        };
+        assert_eq!(
+            flags_only.merged_over(&volume),
+            CsiMountOptions {
+                fs_type: "ext4".into(),
+                mount_flags: vec!["ro".into()],
+            }
+        );
+    }
+
+    #[test]
+    fn propagation_modes_parse_and_default_to_private() {
+        for mode in [
+            PropagationMode::Private,
+            PropagationMode::HostToTask,
+            PropagationMode::Bidirectional,
+        ] {
+            assert_eq!(mode.as_str().parse::<PropagationMode>().unwrap(), mode);
+        }
+        let err = "rshared".parse::<PropagationMode>().unwrap_err();
+        assert!(err.contains("\"rshared\""), "{err}");
+        // Records written before the field decode as private.
+        let old: VolumeMount = serde_json::from_str(r#"{"volume":"v","destination":"d"}"#).unwrap();
+        assert_eq!(old.propagation_mode, PropagationMode::Private);
+        let json = serde_json::to_string(&VolumeMount {
+            propagation_mode: PropagationMode::HostToTask,
+            ..old
+        })
+        .unwrap();
+        assert!(
+            json.contains(r#""propagation_mode":"host-to-task""#),
+            "{json}"
+        );
     }
 }

@@ -741,3 +741,37 @@ fn a_topology_request_refuses_what_it_does_not_know_with_the_line() {
     assert_eq!(e.line, 4, "{e}");
     assert!(e.message.contains("is a block"), "{e}");
 }
+
+#[test]
+fn volume_mount_propagation_mode_parses_and_bad_values_name_value_and_line() {
+    use berth_structs::PropagationMode;
+    let mounts = |extra: &str| {
+        format!(
+            "      volume_mount {{\n        volume = \"v\"\n        destination = \"d\"\n{extra}      }}"
+        )
+    };
+    let job = parse_job(&job_with_task(&mounts(""))).unwrap();
+    let task = &job.task_groups[0].tasks[0];
+    assert_eq!(
+        task.volume_mounts[0].propagation_mode,
+        PropagationMode::Private
+    );
+    for (text, mode) in [
+        ("private", PropagationMode::Private),
+        ("host-to-task", PropagationMode::HostToTask),
+        ("bidirectional", PropagationMode::Bidirectional),
+    ] {
+        let src = job_with_task(&mounts(&format!("        propagation_mode = \"{text}\"\n")));
+        let job = parse_job(&src).unwrap();
+        assert_eq!(
+            job.task_groups[0].tasks[0].volume_mounts[0].propagation_mode,
+            mode
+        );
+    }
+    let e = job_err(&job_with_task(&mounts(
+        "        propagation_mode = \"rshared\"\n",
+    )));
+    assert_eq!(e.line, 9, "{e}");
+    assert!(e.message.contains("\"rshared\""), "{e}");
+    assert!(e.message.contains("propagation_mode"), "{e}");
+}

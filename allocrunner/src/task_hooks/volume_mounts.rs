@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 
 use berth_csimanager::{LostMount, MountInfo};
-use berth_structs::{check_destination, VolumeMount};
+use berth_structs::{check_destination, PropagationMode, VolumeMount};
 use nix::errno::Errno;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use tracing::{info, warn, Instrument};
@@ -15,7 +15,9 @@ use crate::state::TaskEvents;
 
 /// For each `volume_mount` of the task, bind-mounts the volume's
 /// [`MountInfo::source`] at `<task_dir>/<destination>` (read-only when the
-/// mount or the volume is); unmounts them when the task is done. The mounts
+/// mount or the volume is, with the mount's `propagation_mode`); unmounts
+/// them when the task is done. A block volume's source is a device file,
+/// bound onto a file at the destination. The mounts
 /// stay across restarts of the task. While the task runs, a volume whose
 /// lost mount csimanager made again is bound again (the task keeps
 /// running); one that could not be made again kills the task for a restart
@@ -40,6 +42,7 @@ struct Bound {
     target: PathBuf,
     info: MountInfo,
     read_only: bool,
+    propagation: PropagationMode,
 }
 
 impl VolumeMountsHook {
@@ -70,44 +73,22 @@ impl VolumeMountsHook {
                     m.volume
                 ))
             })?;
-            let target = make_dir_inside(&root, &m.destination)?;
+            // A block volume is a device file: it is bound onto a file.
+            let is_device = std::fs::metadata(&info.source).is_ok_and(|md| !md.is_dir());
+            let target = make_path_inside(&root, &m.destination, is_device)?;
             if self.mounted.contains(&target) {
                 continue;
             }
             let read_only = m.read_only || info.read_only;
-            mount(
-                Some(&info.source),
-                &target,
-                None::<&str>,
-                MsFlags::MS_BIND,
-                None::<&str>,
-            )
-            .map_err(|errno| HookError::Bind {
-                src: info.source.clone(),
-                target: target.clone(),
-                errno,
-            })?;
-            if read_only {
-                let remount = mount(
-                    None::<&str>,
-                    &target,
-                    None::<&str>,
-                    MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
-                    None::<&str>,
-                );
-                if let Err(errno) = remount {
-                    if let Err(e) = umount2(&target, MntFlags::MNT_DETACH) {
-                        warn!(target = %target.display(), error = %e, "undoing a bind mount that could not be made read-only");
-                        self.mounted.push(target.clone());
-                    }
-                    return Err(HookError::Bind {
-                        src: info.source.clone(),
-                        target,
-                        errno,
-                    });
+            if let Err((e, left_mounted)) =
+                bind_into(&info.source, &target, read_only, m.propagation_mode)
+            {
+                if left_mounted {
+                    self.mounted.push(target);
                 }
+                return Err(e);
             }
-            info!(volume = %m.volume, target = %target.display(), read_only, "bound volume into the task dir");
+            info!(volume = %m.volume, target = %target.display(), read_only, propagation_mode = %m.propagation_mode, "bound volume into the task dir");
             self.mounted.push(target);
         }
         Ok(())
@@ -174,11 +155,161 @@ fn unmount(target: &Path) -> Result<(), Errno> {
     }
 }
 
+/// Bind-mounts `source` at `target`, read-only when asked, with the
+/// propagation asked for: `private` cuts the bind off from later mounts on
+/// either side; `host-to-task` makes the source a shared mount (if it is
+/// not one) and the bind its slave, so mounts made under the source later
+/// show in the task dir; `bidirectional` makes both one shared peer group.
+/// On failure the bind is undone; the flag says whether it could not be.
+fn bind_into(
+    source: &Path,
+    target: &Path,
+    read_only: bool,
+    propagation: PropagationMode,
+) -> Result<(), (HookError, bool)> {
+    let bind_error = |errno| HookError::Bind {
+        src: source.to_path_buf(),
+        target: target.to_path_buf(),
+        errno,
+    };
+    if propagation != PropagationMode::Private {
+        make_shared(source, propagation).map_err(|e| (e, false))?;
+    }
+    mount(
+        Some(source),
+        target,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(|errno| (bind_error(errno), false))?;
+    let finish = || -> Result<(), Errno> {
+        if read_only {
+            mount(
+                None::<&str>,
+                target,
+                None::<&str>,
+                MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
+                None::<&str>,
+            )?;
+        }
+        let flag = match propagation {
+            PropagationMode::Private => MsFlags::MS_PRIVATE,
+            PropagationMode::HostToTask => MsFlags::MS_SLAVE,
+            PropagationMode::Bidirectional => MsFlags::MS_SHARED,
+        };
+        mount(None::<&str>, target, None::<&str>, flag, None::<&str>)
+    };
+    if let Err(errno) = finish() {
+        // Never leave a writable or wrongly propagating bind behind.
+        let left = match umount2(target, MntFlags::MNT_DETACH) {
+            Ok(()) => false,
+            Err(e) => {
+                warn!(target = %target.display(), error = %e, "undoing a bind mount that could not be finished");
+                true
+            }
+        };
+        return Err((bind_error(errno), left));
+    }
+    Ok(())
+}
+
+/// Makes the mount at `source` a shared mount unless it is one already.
+fn make_shared(source: &Path, propagation: PropagationMode) -> Result<(), HookError> {
+    if mount_is_shared(source) {
+        return Ok(());
+    }
+    mount(
+        None::<&str>,
+        source,
+        None::<&str>,
+        MsFlags::MS_SHARED,
+        None::<&str>,
+    )
+    .map_err(|errno| {
+        HookError::Invalid(format!(
+            "propagation_mode {propagation} needs the volume's host path {} to be a mount point \
+             that can be made shared: {errno}",
+            source.display()
+        ))
+    })
+}
+
+/// Whether the topmost mount at `path` is in a shared peer group.
+fn mount_is_shared(path: &Path) -> bool {
+    let Ok(path) = path.canonicalize() else {
+        return false;
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    info.lines()
+        .rev()
+        .filter_map(|l| {
+            let (left, _) = l.split_once(" - ")?;
+            let fields: Vec<&str> = left.split(' ').collect();
+            let mount_point = crate::alloc_dir::unescape_mountinfo(fields.get(4)?);
+            Some((
+                PathBuf::from(mount_point),
+                fields.get(6..).unwrap_or_default().to_vec(),
+            ))
+        })
+        .find(|(m, _)| *m == path)
+        .is_some_and(|(_, optional)| optional.iter().any(|f| f.starts_with("shared:")))
+}
+
+/// Makes `rel` (lexically normalized) below `root`: directories, and the
+/// last part a file when `file` (the mount point of a device). Refuses to
+/// follow a symlink or to leave `root`: the task owns its directory and
+/// could have put a symlink where a mount should go.
+fn make_path_inside(root: &Path, rel: &str, file: bool) -> Result<PathBuf, HookError> {
+    if !file {
+        return make_dir_inside(root, rel);
+    }
+    let mut parts = normalized(rel)?;
+    let Some(last) = parts.pop() else {
+        return Err(HookError::Invalid(format!(
+            "volume_mount destination {rel:?} names the task dir itself"
+        )));
+    };
+    let parent = make_dir_inside_parts(root, rel, &parts)?;
+    let path = parent.join(last);
+    match std::fs::symlink_metadata(&path) {
+        Ok(md) if md.file_type().is_symlink() => Err(HookError::Invalid(format!(
+            "volume_mount destination {rel:?}: {} is a symlink",
+            path.display()
+        ))),
+        Ok(md) if md.is_dir() => Err(HookError::Invalid(format!(
+            "volume_mount destination {rel:?}: {} is a directory, but the volume is a block \
+             device, bound onto a file",
+            path.display()
+        ))),
+        Ok(_) => Ok(path),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+                .map_err(|e| HookError::io("creating mount point", &path, e))?;
+            Ok(path)
+        }
+        Err(e) => Err(HookError::io("inspecting mount point", &path, e)),
+    }
+}
+
 /// Makes `rel` (lexically normalized) below `root`, refusing to follow a
 /// symlink or to leave `root`: the task owns its directory and could have
 /// put a symlink where a mount should go.
 fn make_dir_inside(root: &Path, rel: &str) -> Result<PathBuf, HookError> {
     let parts = normalized(rel)?;
+    make_dir_inside_parts(root, rel, &parts)
+}
+
+fn make_dir_inside_parts(
+    root: &Path,
+    rel: &str,
+    parts: &[&std::ffi::OsStr],
+) -> Result<PathBuf, HookError> {
     let mut path = root.to_path_buf();
     for p in parts {
         path.push(p);
@@ -269,6 +400,7 @@ impl TaskHook for VolumeMountsHook {
                     volume: m.volume.clone(),
                     target: lexical_join(&root, &m.destination),
                     read_only: m.read_only || info.read_only,
+                    propagation: m.propagation_mode,
                     info,
                 })
             })
@@ -364,33 +496,7 @@ fn rebind(b: &Bound) -> Result<(), HookError> {
             })
         }
     }
-    let bind_error = |errno| HookError::Bind {
-        src: b.info.source.clone(),
-        target: b.target.clone(),
-        errno,
-    };
-    mount(
-        Some(&b.info.source),
-        &b.target,
-        None::<&str>,
-        MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .map_err(bind_error)?;
-    if b.read_only {
-        let remount = mount(
-            None::<&str>,
-            &b.target,
-            None::<&str>,
-            MsFlags::MS_REMOUNT | MsFlags::MS_BIND | MsFlags::MS_RDONLY,
-            None::<&str>,
-        );
-        if let Err(errno) = remount {
-            // Never leave a writable bind behind a read-only mount.
-            let _ = umount2(&b.target, MntFlags::MNT_DETACH);
-            return Err(bind_error(errno));
-        }
-    }
+    bind_into(&b.info.source, &b.target, b.read_only, b.propagation).map_err(|(e, _)| e)?;
     info!(volume = %b.volume, target = %b.target.display(), "bound the repaired volume into the task dir");
     Ok(())
 }
@@ -409,5 +515,166 @@ mod tests {
         std::os::unix::fs::symlink("/etc", root.join("evil")).unwrap();
         assert!(make_dir_inside(&root, "evil/x").is_err());
         assert!(!Path::new("/etc/x").exists());
+    }
+
+    /// A temp dir with a tmpfs mounted at `<root>/volume` (the volume's host
+    /// path, a mount point as a publish target is) and a task dir; every
+    /// mount below it is undone when the fixture is dropped.
+    struct Fixture {
+        root: PathBuf,
+        _cleanup: berth_testutil::MountCleanup,
+        _dir: tempfile::TempDir,
+    }
+
+    impl Fixture {
+        fn new() -> Fixture {
+            let dir = tempfile::tempdir().unwrap();
+            let root = dir.path().canonicalize().unwrap();
+            let cleanup = berth_testutil::MountCleanup(root.clone());
+            for d in ["volume", "task"] {
+                std::fs::create_dir(root.join(d)).unwrap();
+            }
+            tmpfs(&root.join("volume"));
+            std::fs::create_dir(root.join("volume/sub")).unwrap();
+            Fixture {
+                root,
+                _cleanup: cleanup,
+                _dir: dir,
+            }
+        }
+
+        fn bind(&self, mode: PropagationMode) -> VolumeMountsHook {
+            let mounts = BTreeMap::from([(
+                "vol".to_string(),
+                MountInfo {
+                    source: self.root.join("volume"),
+                    read_only: false,
+                },
+            )]);
+            let mut hook = VolumeMountsHook::default();
+            hook.mount_all(
+                &self.root.join("task"),
+                &[VolumeMount {
+                    volume: "vol".into(),
+                    destination: "data".into(),
+                    read_only: false,
+                    propagation_mode: mode,
+                }],
+                &mounts,
+            )
+            .unwrap();
+            hook
+        }
+    }
+
+    fn tmpfs(at: &Path) {
+        mount(
+            Some("tmpfs"),
+            at,
+            Some("tmpfs"),
+            MsFlags::empty(),
+            Some("size=1m"),
+        )
+        .unwrap();
+    }
+
+    fn is_mount_point(path: &Path) -> bool {
+        crate::alloc_dir::mounts_below(path).contains(&path.to_path_buf())
+    }
+
+    #[test]
+    fn host_to_task_shows_a_later_mount_under_the_source_in_the_task_dir() {
+        let f = Fixture::new();
+        let mut hook = f.bind(PropagationMode::HostToTask);
+        assert!(
+            mount_is_shared(&f.root.join("volume")),
+            "the source was made shared"
+        );
+        tmpfs(&f.root.join("volume/sub"));
+        std::fs::write(f.root.join("volume/sub/later"), "x").unwrap();
+        let seen = f.root.join("task/data/sub");
+        assert!(is_mount_point(&seen), "the later mount propagated");
+        assert_eq!(std::fs::read_to_string(seen.join("later")).unwrap(), "x");
+        // Nothing flows back: a mount in the task dir stays there.
+        std::fs::create_dir(f.root.join("volume/back")).unwrap();
+        tmpfs(&f.root.join("task/data/back"));
+        assert!(!is_mount_point(&f.root.join("volume/back")));
+        umount2(&f.root.join("task/data/back"), MntFlags::MNT_DETACH).unwrap();
+        hook.unmount_all().unwrap();
+    }
+
+    #[test]
+    fn private_keeps_later_mounts_out_of_the_task_dir() {
+        let f = Fixture::new();
+        // Even a shared source does not reach a private bind.
+        mount(
+            None::<&str>,
+            &f.root.join("volume"),
+            None::<&str>,
+            MsFlags::MS_SHARED,
+            None::<&str>,
+        )
+        .unwrap();
+        let mut hook = f.bind(PropagationMode::Private);
+        tmpfs(&f.root.join("volume/sub"));
+        assert!(!is_mount_point(&f.root.join("task/data/sub")));
+        hook.unmount_all().unwrap();
+    }
+
+    #[test]
+    fn bidirectional_shows_mounts_both_ways() {
+        let f = Fixture::new();
+        let mut hook = f.bind(PropagationMode::Bidirectional);
+        tmpfs(&f.root.join("volume/sub"));
+        assert!(is_mount_point(&f.root.join("task/data/sub")));
+        std::fs::create_dir(f.root.join("volume/back")).unwrap();
+        tmpfs(&f.root.join("task/data/back"));
+        assert!(
+            is_mount_point(&f.root.join("volume/back")),
+            "the task's mount reached the host"
+        );
+        umount2(&f.root.join("task/data/back"), MntFlags::MNT_DETACH).unwrap();
+        hook.unmount_all().unwrap();
+    }
+
+    #[test]
+    fn a_device_file_source_is_bound_onto_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let _cleanup = berth_testutil::MountCleanup(root.clone());
+        // Stands in for a published block device: any file is bound the
+        // same way.
+        let device = root.join("device");
+        std::fs::write(&device, "bytes").unwrap();
+        std::fs::create_dir(root.join("task")).unwrap();
+        let mounts = BTreeMap::from([(
+            "disk".to_string(),
+            MountInfo {
+                source: device.clone(),
+                read_only: false,
+            },
+        )]);
+        let mut hook = VolumeMountsHook::default();
+        let mount_of = |destination: &str| VolumeMount {
+            volume: "disk".into(),
+            destination: destination.into(),
+            read_only: false,
+            propagation_mode: PropagationMode::Private,
+        };
+        hook.mount_all(&root.join("task"), &[mount_of("dev/disk")], &mounts)
+            .unwrap();
+        let target = root.join("task/dev/disk");
+        assert!(target.is_file() && is_mount_point(&target));
+        assert_eq!(std::fs::read_to_string(&target).unwrap(), "bytes");
+        std::fs::write(&target, "written").unwrap();
+        assert_eq!(std::fs::read_to_string(&device).unwrap(), "written");
+        // A directory where the device should go is refused, naming why.
+        std::fs::create_dir(root.join("task/taken")).unwrap();
+        let err = hook
+            .mount_all(&root.join("task"), &[mount_of("taken")], &mounts)
+            .unwrap_err();
+        assert!(err.to_string().contains("block device"), "{err}");
+        hook.unmount_all().unwrap();
+        assert!(!is_mount_point(&target));
     }
 }

@@ -417,6 +417,7 @@ pub fn volume_job(id: &str, volume_id: &str, access: AccessMode) -> Job {
         volume: "data".into(),
         destination: "data".into(),
         read_only: access.is_reader_only(),
+        ..Default::default()
     });
     j
 }

@@ -260,13 +260,14 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
             src,
             b,
             r.ctx(),
-            &["volume", "destination", "read_only"],
+            &["volume", "destination", "read_only", "propagation_mode"],
             &[],
         )?;
         volume_mounts.push(VolumeMount {
             volume: m.required_string("volume")?,
             destination: m.required_string("destination")?,
             read_only: m.bool("read_only")?.unwrap_or(false),
+            propagation_mode: m.parsed("propagation_mode")?.unwrap_or_default(),
         });
     }
 
