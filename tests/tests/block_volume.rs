@@ -1,0 +1,241 @@
+//! A block volume end to end on a dev agent: the real `berth` binary, the
+//! example hostpath plugin, the CLI, a real loop device. An image-backed
+//! volume is created with `attachment_mode = "block-device"`; a batch job's
+//! task finds a block device at its `volume_mount` destination and writes
+//! bytes to it with `dd`; once its claim is released, another job's task
+//! reads the same bytes back from the device. Where loop devices cannot be
+//! used, the test says why and returns.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use berth_tests::{only_alloc, wait_for, DevAgent};
+use serde_json::Value;
+
+/// The bytes the writer puts at offset 4096 of the device.
+const MARKER: &str = "berth-block-volume-e2e";
+
+/// Detaches, when dropped, the loop devices whose backing file lies under
+/// the agent's data dir (an image a failed test left attached). Declared
+/// before the agent, so it runs after the agent's cleanup has unmounted
+/// everything.
+struct LoopCleanup(Option<PathBuf>);
+
+impl Drop for LoopCleanup {
+    fn drop(&mut self) {
+        let Some(dir) = &self.0 else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir("/sys/block") else {
+            return;
+        };
+        for e in entries.flatten() {
+            let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) else {
+                continue;
+            };
+            if Path::new(backing.trim_end()).starts_with(dir) {
+                let dev = Path::new("/dev").join(e.file_name());
+                let _ = Command::new("losetup").arg("-d").arg(dev).status();
+            }
+        }
+    }
+}
+
+/// Why loop devices cannot be used here, if they cannot.
+fn loop_devices_unusable() -> Option<String> {
+    match Command::new("losetup").arg("--find").output() {
+        Ok(out) if out.status.success() => None,
+        Ok(out) => Some(format!(
+            "losetup --find failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Err(e) => Some(format!("losetup cannot run: {e}")),
+    }
+}
+
+const VOLUME: &str = r#"
+id        = "disk"
+name      = "disk"
+type      = "csi"
+plugin_id = "hostpath"
+
+capacity_min = "16MiB"
+capacity_max = "16MiB"
+
+capability {
+  access_mode     = "single-node-writer"
+  attachment_mode = "block-device"
+}
+
+parameters {
+  backing = "image"
+}
+"#;
+
+/// A batch job whose task gets volume "disk" as a block device at
+/// `<task_dir>/disk` and runs `script` there.
+fn block_job(id: &str, script: &str) -> String {
+    let script = Value::from(script).to_string();
+    format!(
+        r#"
+job "{id}" {{
+  type        = "batch"
+  datacenters = ["dc1"]
+
+  group "g" {{
+    volume "disk" {{
+      type            = "csi"
+      source          = "disk"
+      access_mode     = "single-node-writer"
+      attachment_mode = "block-device"
+    }}
+
+    restart {{
+      attempts = 0
+      mode     = "fail"
+    }}
+
+    task "t" {{
+      driver = "raw_exec"
+
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", {script}]
+      }}
+
+      volume_mount {{
+        volume      = "disk"
+        destination = "disk"
+      }}
+
+      resources {{
+        cpu    = 50
+        memory = 32
+      }}
+    }}
+  }}
+}}
+"#
+    )
+}
+
+/// Waits for the only alloc of `job` to finish; fails if it did not
+/// complete.
+fn wait_complete(agent: &DevAgent, job: &str) -> Result<Value> {
+    let alloc = wait_for(
+        &format!("the {job} alloc to finish"),
+        Duration::from_secs(90),
+        || {
+            let a = only_alloc(agent, job)?;
+            Ok(matches!(a["client_status"].as_str(), Some("complete" | "failed")).then_some(a))
+        },
+    )
+    .with_context(|| agent.log())?;
+    if alloc["client_status"] != "complete" {
+        bail!(
+            "{job} did not complete: {alloc:#}\nagent log:\n{}",
+            agent.log()
+        );
+    }
+    Ok(alloc)
+}
+
+/// Waits until volume "disk" has no claims left.
+fn wait_claims_freed(agent: &DevAgent) -> Result<()> {
+    wait_for(
+        "the disk's claims to be freed",
+        Duration::from_secs(60),
+        || {
+            let v = agent.cli_json(&["volume", "status", "-json", "disk"])?;
+            let claimed = ["write_allocs", "read_allocs", "write_claims", "read_claims"]
+                .iter()
+                .any(|k| match &v[*k] {
+                    Value::Array(a) => !a.is_empty(),
+                    Value::Object(m) => !m.is_empty(),
+                    _ => false,
+                });
+            Ok((!claimed).then_some(()))
+        },
+    )
+    .with_context(|| agent.log())
+}
+
+#[test]
+fn bytes_written_to_a_block_volume_are_read_back_by_a_later_alloc() -> Result<()> {
+    if let Some(why) = loop_devices_unusable() {
+        println!("skipping: loop devices cannot be used here: {why}");
+        return Ok(());
+    }
+    let mut loops = LoopCleanup(None);
+    let agent = DevAgent::start()?;
+    loops.0 = Some(agent.data_dir.path().to_path_buf());
+
+    agent.cli_ok(&[
+        "job",
+        "run",
+        "-detach",
+        &berth_tests::example("jobs/hostpath-plugin.hcl"),
+    ])?;
+    agent.wait_plugin_healthy("hostpath")?;
+    let spec = agent.write_file("disk.hcl", VOLUME)?;
+    agent.cli_ok(&["volume", "create", &spec])?;
+
+    // The writer: the destination must be a block device of the volume's
+    // size; the marker goes at offset 4096.
+    let write = format!(
+        r#"set -e
+dev="$BERTH_TASK_DIR/disk"
+test -b "$dev" || {{ echo "$dev is not a block device" >&2; exit 3; }}
+printf '%s' '{MARKER}' | dd of="$dev" bs=4096 seek=1 conv=notrunc,fsync 2>/dev/null
+"#
+    );
+    let writer = agent.write_file("writer.hcl", &block_job("writer", &write))?;
+    agent.cli_ok(&["job", "run", "-detach", &writer])?;
+    let written = wait_complete(&agent, "writer")?;
+    println!("writer alloc {}", written["id"]);
+    wait_claims_freed(&agent)?;
+
+    // The reader: another alloc, the same bytes.
+    let read = r#"set -e
+dev="$BERTH_TASK_DIR/disk"
+test -b "$dev" || { echo "$dev is not a block device" >&2; exit 3; }
+dd if="$dev" bs=4096 skip=1 count=1 2>/dev/null | head -c 64 > "$BERTH_TASK_DIR/local/read"
+"#;
+    let reader = agent.write_file("reader.hcl", &block_job("reader", read))?;
+    agent.cli_ok(&["job", "run", "-detach", &reader])?;
+    let alloc = wait_complete(&agent, "reader")?;
+    let alloc_id = alloc["id"].as_str().context("alloc id")?;
+    assert_ne!(Some(alloc_id), written["id"].as_str(), "another alloc");
+    let out = agent
+        .data_dir
+        .path()
+        .join("alloc")
+        .join(alloc_id)
+        .join("t/local/read");
+    let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
+    assert!(
+        bytes.starts_with(MARKER.as_bytes()),
+        "read back {:?}",
+        String::from_utf8_lossy(&bytes)
+    );
+
+    // Nothing of the volume stays mounted or attached once the claims are
+    // gone.
+    wait_claims_freed(&agent)?;
+    let image_attached = || {
+        std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("loop/backing_file")).ok())
+            .any(|b| Path::new(b.trim_end()).starts_with(agent.data_dir.path()))
+    };
+    wait_for(
+        "the image's loop device to be detached",
+        Duration::from_secs(30),
+        || Ok((!image_attached()).then_some(())),
+    )?;
+    Ok(())
+}
