@@ -75,18 +75,6 @@ fn node(agent: &DevAgent) -> Result<Value> {
     agent.api_get(&format!("/v1/node/{id}"))
 }
 
-/// The ID of the topmost mount at `path` (`/proc/self/mountinfo`): a new
-/// mount there has a new one.
-fn mount_id_at(path: &Path) -> Option<u64> {
-    let want = path.to_string_lossy().replace(' ', "\\040");
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .ok()?
-        .lines()
-        .filter(|l| l.split(' ').nth(4) == Some(want.as_str()))
-        .filter_map(|l| l.split(' ').next()?.parse().ok())
-        .last()
-}
-
 fn pid_alive(pid: i32) -> bool {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
 }
@@ -121,7 +109,6 @@ fn lost_mounts_are_repaired_for_the_running_task_after_the_plugin_restarts() -> 
     let csi_dir = data_dir.join("client/csi/hostpath");
     let staging = mount_with(&csi_dir, "/staging/")?;
     let target = mount_with(&csi_dir, &format!("/per-alloc/{alloc_id}/"))?;
-    let task_bind_before = mount_id_at(&task_mount).context("the task dir bind")?;
 
     // The plugin dies, and its mounts with it.
     let needle = format!("--endpoint=unix://{}", data_dir.display());
@@ -137,6 +124,23 @@ fn lost_mounts_are_repaired_for_the_running_task_after_the_plugin_restarts() -> 
         while nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH).is_ok() {}
         assert_eq!(mount_count_at(m), 0, "{} still mounted", m.display());
     }
+    // The volume's directory is replaced meanwhile: the task's old bind
+    // keeps showing the old one, only a new bind shows the new one.
+    let volumes = data_dir.join("node_data/hostpath-plugin/plugin/plugin/volumes");
+    let backing = match std::fs::read_dir(&volumes)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<Vec<_>>>()?
+        .as_slice()
+    {
+        [one] => one.clone(),
+        other => bail!(
+            "want one volume dir in {}, found {other:?}",
+            volumes.display()
+        ),
+    };
+    std::fs::rename(&backing, backing.with_extension("gen1"))?;
+    std::fs::create_dir(&backing)?;
+    std::fs::write(backing.join("generation"), "2")?;
     let lost_at = Instant::now();
 
     // The plugin restarts (1 s), is found healthy, and the next round (at
@@ -202,9 +206,9 @@ fn lost_mounts_are_repaired_for_the_running_task_after_the_plugin_restarts() -> 
     assert_eq!(recorded_task_pid(&data_dir, &alloc_id, "writer")?, task_pid);
     assert!(pid_alive(task_pid), "the writer task died");
     assert_eq!(mount_count_at(&task_mount), 1, "one bind in the task dir");
-    assert_ne!(
-        mount_id_at(&task_mount),
-        Some(task_bind_before),
+    assert_eq!(
+        std::fs::read_to_string(task_mount.join("generation"))?,
+        "2",
         "the task dir bind was made again from the repaired target"
     );
     let before = last_written(&stdout);
