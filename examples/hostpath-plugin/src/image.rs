@@ -139,14 +139,26 @@ pub fn check_loop_support() -> Result<(), Error> {
     Ok(())
 }
 
-/// The loop device (`/dev/loopN`) attached to `image`, if any.
-pub fn find_loop(image: &Path) -> Result<Option<PathBuf>, Error> {
+/// A loop device attached to an image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoopDevice {
+    /// `/dev/loopN`.
+    pub path: PathBuf,
+    /// Attached read-only (`losetup --read-only`): what a read-only block
+    /// publish hands out, since a read-only bind of a device node does not
+    /// stop writes to the device.
+    pub read_only: bool,
+}
+
+/// The loop devices attached to `image`, read-write ones first.
+pub fn loops_of(image: &Path) -> Result<Vec<LoopDevice>, Error> {
     let image = fs::canonicalize(image).unwrap_or_else(|_| image.to_owned());
     let entries = match fs::read_dir(SYS_BLOCK) {
         Ok(e) => e,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
         Err(e) => return Err(Error::io("reading", Path::new(SYS_BLOCK))(e)),
     };
+    let mut found = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str().filter(|n| n.starts_with("loop")) else {
@@ -155,19 +167,48 @@ pub fn find_loop(image: &Path) -> Result<Option<PathBuf>, Error> {
         let Ok(backing) = fs::read_to_string(entry.path().join("loop/backing_file")) else {
             continue;
         };
-        let backing = backing.trim_end_matches('\n');
-        if Path::new(backing) == image {
-            return Ok(Some(PathBuf::from("/dev").join(name)));
+        if Path::new(backing.trim_end_matches('\n')) != image {
+            continue;
         }
+        let read_only =
+            fs::read_to_string(entry.path().join("ro")).is_ok_and(|ro| ro.trim() == "1");
+        found.push(LoopDevice {
+            path: PathBuf::from("/dev").join(name),
+            read_only,
+        });
     }
-    Ok(None)
+    found.sort_by_key(|d| (d.read_only, d.path.clone()));
+    Ok(found)
 }
 
-/// Attaches `image` to a loop device, or finds the one it is attached to.
+/// The read-write loop device attached to `image` (the one staging
+/// attaches), if any.
+pub fn find_loop(image: &Path) -> Result<Option<PathBuf>, Error> {
+    Ok(loops_of(image)?
+        .into_iter()
+        .find(|d| !d.read_only)
+        .map(|d| d.path))
+}
+
+/// Attaches `image` to a read-write loop device, or finds the one it is
+/// attached to.
 pub fn attach(image: &Path) -> Result<PathBuf, Error> {
     if let Some(dev) = find_loop(image)? {
         return Ok(dev);
     }
+    attach_new(image, false)
+}
+
+/// Attaches `image` to a read-only loop device, or finds the one it is
+/// attached to.
+pub fn attach_read_only(image: &Path) -> Result<PathBuf, Error> {
+    if let Some(dev) = loops_of(image)?.into_iter().find(|d| d.read_only) {
+        return Ok(dev.path);
+    }
+    attach_new(image, true)
+}
+
+fn attach_new(image: &Path, read_only: bool) -> Result<PathBuf, Error> {
     check_loop_support()?;
     if !image.is_file() {
         return Err(Error::NotFound(format!(
@@ -176,11 +217,12 @@ pub fn attach(image: &Path) -> Result<PathBuf, Error> {
         )));
     }
     let shown = image.to_string_lossy();
-    let dev = run(
-        "losetup",
-        &["--find", "--show", &shown],
-        "attaching an image",
-    )?;
+    let mut args = vec!["--find", "--show"];
+    if read_only {
+        args.push("--read-only");
+    }
+    args.push(&shown);
+    let dev = run("losetup", &args, "attaching an image")?;
     if dev.is_empty() {
         return Err(Error::Internal(format!(
             "losetup attached {} but named no device",
@@ -190,12 +232,17 @@ pub fn attach(image: &Path) -> Result<PathBuf, Error> {
     Ok(PathBuf::from(dev))
 }
 
-/// Detaches the loop device of `image`, if it has one. Returns whether one
-/// was detached.
+/// Detaches every loop device of `image`. Returns whether there was one.
 pub fn detach(image: &Path) -> Result<bool, Error> {
-    let Some(dev) = find_loop(image)? else {
-        return Ok(false);
-    };
+    let loops = loops_of(image)?;
+    for dev in &loops {
+        detach_device(image, &dev.path)?;
+    }
+    Ok(!loops.is_empty())
+}
+
+/// Detaches loop device `dev` of `image`.
+pub fn detach_device(image: &Path, dev: &Path) -> Result<(), Error> {
     run(
         "losetup",
         &["-d", &dev.to_string_lossy()],
@@ -206,7 +253,7 @@ pub fn detach(image: &Path) -> Result<bool, Error> {
     // cleared on last close: wait for that, so that a stage right after
     // finds the image free.
     let deadline = Instant::now() + DETACH_WAIT;
-    while find_loop(image)?.is_some() {
+    while loops_of(image)?.iter().any(|d| d.path == dev) {
         if Instant::now() >= deadline {
             return Err(Error::Internal(format!(
                 "{} still holds {} {DETACH_WAIT:?} after it was detached",
@@ -216,7 +263,7 @@ pub fn detach(image: &Path) -> Result<bool, Error> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    Ok(true)
+    Ok(())
 }
 
 /// Makes loop device `dev` see its image's current size.

@@ -187,7 +187,20 @@ impl Plugin {
                     {
                         return Err(not_staged());
                     }
-                    bind_device(&id, &dev, &tgt, read_only, "published")
+                    if !read_only {
+                        return bind_device(&id, &dev, &tgt, false, "published");
+                    }
+                    // A read-only bind of a device node still lets writes
+                    // through to the device: hand out a read-only loop
+                    // device of the image instead.
+                    let ro_dev = image::attach_read_only(image)?;
+                    let bound = bind_device(&id, &ro_dev, &tgt, true, "published");
+                    if bound.is_err() {
+                        if let Err(e) = detach_unused(&id, image, false) {
+                            tracing::error!(volume_id = %id, error = %e, "could not detach a read-only loop device after a failed publish");
+                        }
+                    }
+                    bound
                 }
                 _ => {
                     let staged =
@@ -261,8 +274,8 @@ impl Plugin {
                 // Never delete data: a non-empty directory or a file stays.
                 tracing::warn!(path = %path.display(), error = %e, "could not remove mount point");
             }
-            if let (true, Backend::Image(image)) = (unstage, &backend) {
-                detach_unused(&id, image)?;
+            if let Backend::Image(image) = &backend {
+                detach_unused(&id, image, unstage)?;
             }
             Ok(mounted)
         })
@@ -494,16 +507,18 @@ fn holds_volume(path: &Path, backend: &Backend) -> Result<bool, Error> {
     match backend {
         Backend::Directory(dir) => mount::same_file(path, dir),
         Backend::Image(image) => {
-            let Some(dev) = image::find_loop(image)? else {
-                return Ok(false);
-            };
-            let rdev = image::device_number(&dev)?;
             let meta = fs::metadata(path).map_err(Error::io("inspecting", path))?;
-            Ok(if meta.file_type().is_block_device() {
-                meta.rdev() == rdev
+            let here = if meta.file_type().is_block_device() {
+                meta.rdev()
             } else {
-                meta.dev() == rdev
-            })
+                meta.dev()
+            };
+            for dev in image::loops_of(image)? {
+                if image::device_number(&dev.path)? == here {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
         }
     }
 }
@@ -539,19 +554,22 @@ fn unmount_checked(
     Ok(true)
 }
 
-/// Detaches the image's loop device unless something on the node still
-/// mounts it (another staging of the volume).
-fn detach_unused(volume_id: &str, image: &Path) -> Result<(), Error> {
-    let Some(dev) = image::find_loop(image)? else {
-        return Ok(());
-    };
-    let rdev = image::device_number(&dev)?;
-    let users = mount::mounts_of_device(rdev)?;
-    if users.is_empty() {
-        image::detach(image)?;
-        tracing::info!(volume_id, device = %dev.display(), "detached loop device");
-    } else {
-        tracing::info!(volume_id, device = %dev.display(), mounts = users.len(), "loop device still mounted elsewhere; kept");
+/// Detaches the image's read-only loop devices (and, on `unstage`, its
+/// read-write one) that nothing on the node mounts any more; a device
+/// still mounted elsewhere (another staging or publish) is kept.
+fn detach_unused(volume_id: &str, image: &Path, unstage: bool) -> Result<(), Error> {
+    for dev in image::loops_of(image)? {
+        if !(unstage || dev.read_only) {
+            continue;
+        }
+        let rdev = image::device_number(&dev.path)?;
+        let users = mount::mounts_of_device(rdev)?;
+        if users.is_empty() {
+            image::detach_device(image, &dev.path)?;
+            tracing::info!(volume_id, device = %dev.path.display(), "detached loop device");
+        } else {
+            tracing::info!(volume_id, device = %dev.path.display(), mounts = users.len(), "loop device still mounted elsewhere; kept");
+        }
     }
     Ok(())
 }
@@ -1291,10 +1309,40 @@ mod tests {
         let meta = fs::metadata(&target).unwrap();
         assert!(meta.file_type().is_block_device());
         assert_eq!(image::device_size(&target).unwrap(), 16 << 20);
-        // A block capability elsewhere with a read-only twist clashes.
+        // The same target read-only clashes.
         let mut ro = publish.clone();
         ro.readonly = true;
-        assert_eq!(code(p.publish(ro).await), Code::AlreadyExists);
+        assert_eq!(code(p.publish(ro.clone()).await), Code::AlreadyExists);
+        // Read-only elsewhere: a read-only loop device, which refuses writes.
+        let ro_target = f.path("pods/p2/dev");
+        ro.target_path = ro_target.display().to_string();
+        for _ in 0..2 {
+            p.publish(ro.clone()).await.unwrap();
+        }
+        let written = fs::OpenOptions::new()
+            .write(true)
+            .open(&ro_target)
+            .and_then(|mut dev| std::io::Write::write_all(&mut dev, b"x"));
+        let err = written.expect_err("a read-only block publish refuses writes");
+        assert!(
+            matches!(
+                err.raw_os_error(),
+                Some(libc::EPERM | libc::EROFS | libc::EACCES)
+            ),
+            "{err}"
+        );
+        assert_eq!(image::loops_of(&img).unwrap().len(), 2);
+        p.unpublish(NodeUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: ro_target.display().to_string(),
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            image::loops_of(&img).unwrap().len(),
+            1,
+            "the read-only device goes with its last publish"
+        );
 
         let stats = p
             .volume_stats(stats_req(&id, &target.display().to_string()))

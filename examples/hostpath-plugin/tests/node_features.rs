@@ -428,6 +428,12 @@ async fn block_volume_bytes_survive_from_one_publish_to_the_next() {
     assert_eq!(read_back, payload);
     let options = mount_options(&plugin.root, &second).unwrap();
     assert!(options.contains(&"ro".to_owned()), "{options:?}");
+    // A read-only publish is a read-only device: writes are refused.
+    let written = fs::OpenOptions::new()
+        .write(true)
+        .open(&second)
+        .and_then(|mut dev| dev.write_all(b"overwrite"));
+    assert!(written.is_err(), "a read-only block publish took a write");
 
     node.node_unpublish_volume(unpublish(&second))
         .await
