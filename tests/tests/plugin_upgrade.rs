@@ -180,24 +180,25 @@ fn wait_taken_over(agent: &DevAgent, old_id: &str) -> Result<String> {
     assert_eq!(plugin_pids(&new_id).len(), 1, "the new plugin runs");
     let plugin = agent.cli_json(&["plugin", "status", "hostpath"])?;
     assert_eq!(plugin["nodes_healthy"], 1, "{plugin}");
-    // The old instance was stopped only once the new one was healthy and
-    // registered: the reader's volume never went without a plugin.
+    // The old instance was stopped only once the new one ran (the new one
+    // registers just before it records its healthy event, and the old
+    // one's stop follows the registration: the two events may come in
+    // either order within a moment).
     let old = task_events(&agent.cli_json(&["alloc", "status", old_id])?, "plugin");
     let new = task_events(&agent.cli_json(&["alloc", "status", &new_id])?, "plugin");
-    let killed_at = old
-        .iter()
-        .find(|(t, _, _)| t == "Killing")
-        .map(|e| e.2)
-        .with_context(|| format!("the old plugin was killed: {old:?}"))?;
-    let healthy_at = new
-        .iter()
-        .find(|(t, _, _)| t == "Plugin became healthy")
-        .map(|e| e.2)
-        .with_context(|| format!("the new plugin became healthy: {new:?}"))?;
+    let at = |events: &[(String, String, i64)], kind: &str| {
+        events
+            .iter()
+            .find(|(t, _, _)| t == kind)
+            .map(|e| e.2)
+            .with_context(|| format!("no {kind:?} event: {events:?}"))
+    };
+    let killed_at = at(&old, "Killing")?;
     assert!(
-        healthy_at <= killed_at,
-        "the old plugin was killed before the new one was healthy: {old:?} {new:?}"
+        at(&new, "Started")? <= killed_at,
+        "the old plugin was killed before the new one started: {old:?} {new:?}"
     );
+    at(&new, "Plugin became healthy")?;
     Ok(new_id)
 }
 
