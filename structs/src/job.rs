@@ -553,6 +553,20 @@ impl Task {
                             quoted(&m.volume)
                         ));
                     }
+                    // A read-only bind of a device file does not stop writes
+                    // to the device: only a read-only claim gives a task a
+                    // read-only device.
+                    if m.read_only
+                        && !v.read_only
+                        && v.attachment_mode == Some(AttachmentMode::BlockDevice)
+                    {
+                        errs.push(format!(
+                            "{at}: volume_mount read_only = true of block-device volume {} needs \
+                             read_only = true on the group's volume (a read-only bind of a \
+                             device does not stop writes to it)",
+                            quoted(&m.volume)
+                        ));
+                    }
                 }
             }
             if let Err(e) = check_destination(&m.destination) {

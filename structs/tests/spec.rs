@@ -775,3 +775,29 @@ fn volume_mount_propagation_mode_parses_and_bad_values_name_value_and_line() {
     assert!(e.message.contains("\"rshared\""), "{e}");
     assert!(e.message.contains("propagation_mode"), "{e}");
 }
+
+#[test]
+fn validation_refuses_a_read_only_mount_of_a_writable_block_volume() {
+    let job = writer_with(&[
+        (
+            "attachment_mode = \"file-system\"",
+            "attachment_mode = \"block-device\"",
+        ),
+        (
+            "destination = \"data\"",
+            "destination = \"data\"\n        read_only   = true",
+        ),
+    ]);
+    let msgs = validation_messages(&job);
+    assert!(
+        msgs.iter().any(|m| m.contains("block-device volume")
+            && m.contains("read_only = true on the group's volume")),
+        "{msgs:?}"
+    );
+    // Writable mount of a writable block volume: fine.
+    let job = writer_with(&[(
+        "attachment_mode = \"file-system\"",
+        "attachment_mode = \"block-device\"",
+    )]);
+    job.validate().unwrap();
+}

@@ -75,11 +75,19 @@ impl VolumeMountsHook {
             })?;
             // A block volume is a device file: it is bound onto a file.
             let is_device = std::fs::metadata(&info.source).is_ok_and(|md| !md.is_dir());
+            let read_only = m.read_only || info.read_only;
+            if is_device && read_only && !info.read_only {
+                // A read-only bind of a device file lets writes through.
+                return Err(HookError::Invalid(format!(
+                    "volume_mount of block volume {:?} is read-only but the volume is claimed \
+                     writable: a read-only bind of a device does not stop writes to it",
+                    m.volume
+                )));
+            }
             let target = make_path_inside(&root, &m.destination, is_device)?;
             if self.mounted.contains(&target) {
                 continue;
             }
-            let read_only = m.read_only || info.read_only;
             if let Err((e, left_mounted)) =
                 bind_into(&info.source, &target, read_only, m.propagation_mode)
             {
@@ -668,6 +676,13 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&target).unwrap(), "bytes");
         std::fs::write(&target, "written").unwrap();
         assert_eq!(std::fs::read_to_string(&device).unwrap(), "written");
+        // A read-only mount of a writable device is refused.
+        let mut ro = mount_of("ro-disk");
+        ro.read_only = true;
+        let err = hook
+            .mount_all(&root.join("task"), &[ro], &mounts)
+            .unwrap_err();
+        assert!(err.to_string().contains("does not stop writes"), "{err}");
         // A directory where the device should go is refused, naming why.
         std::fs::create_dir(root.join("task/taken")).unwrap();
         let err = hook
