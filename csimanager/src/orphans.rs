@@ -302,9 +302,10 @@ impl CsiManager {
         deadline: Instant,
     ) -> Vec<OrphanRemoval> {
         let staging = stub.staging_path.clone();
-        let mounted_before: Vec<PathBuf> = [target.to_path_buf(), staging.clone()]
+        let mounted_before: Vec<PathBuf> = [target, staging.as_path()]
             .into_iter()
-            .filter(|p| is_mount_point(&canonical(p)))
+            .map(canonical)
+            .filter(|p| is_mount_point(p))
             .collect();
         let report = |how: RemovedHow, error: Option<String>, paths: &[PathBuf]| {
             paths
@@ -332,7 +333,7 @@ impl CsiManager {
                 Ok(()) => {
                     let gone: Vec<PathBuf> = mounted_before
                         .iter()
-                        .filter(|p| !is_mount_point(&canonical(p)))
+                        .filter(|p| !is_mount_point(p))
                         .cloned()
                         .collect();
                     return report(RemovedHow::Plugin, None, &gone);
@@ -350,7 +351,7 @@ impl CsiManager {
         if is_mount_point(&target_c) {
             let unmount_error = lazy_unmount(&target_c);
             out.push(OrphanRemoval {
-                path: target.to_path_buf(),
+                path: target_c,
                 volume_id: Some(stub.volume_id.clone()),
                 how: RemovedHow::Unmount,
                 error: Some(match unmount_error {
@@ -370,7 +371,7 @@ impl CsiManager {
         if left_users == 0 && is_mount_point(&staging_c) {
             let unmount_error = lazy_unmount(&staging_c);
             out.push(OrphanRemoval {
-                path: staging,
+                path: staging_c,
                 volume_id: Some(stub.volume_id.clone()),
                 how: RemovedHow::Unmount,
                 error: Some(match unmount_error {
