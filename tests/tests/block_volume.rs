@@ -144,11 +144,16 @@ fn wait_complete(agent: &DevAgent, job: &str) -> Result<Value> {
 
 /// Waits until volume "disk" has no claims left.
 fn wait_claims_freed(agent: &DevAgent) -> Result<()> {
+    wait_claims_freed_of(agent, "disk")
+}
+
+/// Waits until `volume` has no claims left.
+fn wait_claims_freed_of(agent: &DevAgent, volume: &str) -> Result<()> {
     wait_for(
-        "the disk's claims to be freed",
+        &format!("the claims of {volume} to be freed"),
         Duration::from_secs(60),
         || {
-            let v = agent.cli_json(&["volume", "status", "-json", "disk"])?;
+            let v = agent.cli_json(&["volume", "status", "-json", volume])?;
             let claimed = ["write_allocs", "read_allocs", "write_claims", "read_claims"]
                 .iter()
                 .any(|k| match &v[*k] {
@@ -237,5 +242,111 @@ dd if="$dev" bs=4096 skip=1 count=1 2>/dev/null | head -c 64 > "$BERTH_TASK_DIR/
         Duration::from_secs(30),
         || Ok((!image_attached()).then_some(())),
     )?;
+    Ok(())
+}
+
+/// The mount options (per-mount flags) of every ext4 mount below `dir`.
+fn ext4_mounts_under(dir: &Path) -> Vec<(PathBuf, Vec<String>)> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (left, right) = l.split_once(" - ")?;
+            let fields: Vec<&str> = left.split(' ').collect();
+            let mount_point = PathBuf::from(fields.get(4)?.replace("\\040", " "));
+            let options = fields.get(5)?.split(',').map(str::to_string).collect();
+            (right.starts_with("ext4 ") && mount_point.starts_with(dir))
+                .then_some((mount_point, options))
+        })
+        .collect()
+}
+
+#[test]
+fn job_mount_flags_replace_the_volume_s_on_the_image_s_mounts() -> Result<()> {
+    if let Some(why) = loop_devices_unusable() {
+        println!("skipping: loop devices cannot be used here: {why}");
+        return Ok(());
+    }
+    let mut loops = LoopCleanup(None);
+    let agent = DevAgent::start()?;
+    loops.0 = Some(agent.data_dir.path().to_path_buf());
+    agent.cli_ok(&[
+        "job",
+        "run",
+        "-detach",
+        &berth_tests::example("jobs/hostpath-plugin.hcl"),
+    ])?;
+    agent.wait_plugin_healthy("hostpath")?;
+    let volume = r#"
+id        = "fsvol"
+name      = "fsvol"
+type      = "csi"
+plugin_id = "hostpath"
+
+capacity_min = "16MiB"
+
+capability {
+  access_mode     = "single-node-writer"
+  attachment_mode = "file-system"
+}
+
+mount_options {
+  fs_type     = "ext4"
+  mount_flags = ["noatime"]
+}
+
+parameters {
+  backing = "image"
+}
+"#;
+    agent.cli_ok(&["volume", "create", &agent.write_file("fsvol.hcl", volume)?])?;
+    // The job's flags are taken whole; its fs_type is left to the volume.
+    // (Every "data" becomes "fsvol": the volume, its request and the
+    // destination.)
+    let job = berth_tests::csi_volume_service_job("app", "t", &["-c", "sleep 1000"])
+        .replace("\"data\"", "\"fsvol\"")
+        .replace(
+            "attachment_mode = \"file-system\"",
+            "attachment_mode = \"file-system\"\n      mount_options {\n        mount_flags = [\"nodev\", \"noexec\"]\n      }",
+        );
+    assert!(job.contains("mount_flags"), "{job}");
+    agent.cli_ok(&["job", "run", "-detach", &agent.write_file("app.hcl", &job)?])?;
+    let alloc = berth_tests::wait_alloc_running(&agent, "app")?;
+    let alloc_id = alloc["id"].as_str().context("alloc id")?;
+
+    let mounts = ext4_mounts_under(agent.data_dir.path());
+    // Staging, publish target and the bind in the task dir: one filesystem.
+    assert!(mounts.len() >= 3, "{mounts:#?}");
+    for (mount_point, options) in &mounts {
+        for want in ["nodev", "noexec"] {
+            assert!(
+                options.iter().any(|o| o == want),
+                "{want} on {}: {options:?}",
+                mount_point.display()
+            );
+        }
+        assert!(
+            !options.iter().any(|o| o == "noatime"),
+            "the volume's flags were replaced on {}: {options:?}",
+            mount_point.display()
+        );
+    }
+    let in_task = agent
+        .data_dir
+        .path()
+        .join("alloc")
+        .join(alloc_id)
+        .join("t/fsvol");
+    assert!(
+        mounts.iter().any(|(m, _)| *m == in_task),
+        "the task dir has the volume: {mounts:#?}"
+    );
+    agent.cli_ok(&["job", "stop", "app"])?;
+    wait_claims_freed_of(&agent, "fsvol")?;
+    wait_for("the image's mounts to go", Duration::from_secs(30), || {
+        Ok(ext4_mounts_under(agent.data_dir.path())
+            .is_empty()
+            .then_some(()))
+    })?;
     Ok(())
 }
