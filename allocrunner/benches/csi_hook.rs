@@ -8,14 +8,16 @@
 //! - bare: `NodeStageVolume` + `NodePublishVolume`, then
 //!   `NodeUnpublishVolume` + `NodeUnstageVolume`, from a CSI client.
 //!
-//! The volume usage records go to a store that makes every write durable
-//! (written to a temp file, `fsync`ed, renamed, the directory `fsync`ed), as
-//! the agent's state database does; `--store mem` keeps them in memory.
+//! The volume usage records go where the agent keeps them: a redb database
+//! file, every write a durable transaction (`--store redb`, the default);
+//! `--store file` writes a file per record (`fsync`, rename, `fsync` of the
+//! directory); `--store mem` keeps them in memory, which shows what the
+//! durable writes cost.
 //! Prints the median and p99 of each and the ratios to the bare calls; the
 //! target is at most 1.2x the bare calls, or 2 ms more, whichever is larger.
 //!
 //!     cargo build -p hostpath-plugin
-//!     cargo bench -p berth-allocrunner --bench csi_hook [-- --rounds 300] [--store mem]
+//!     cargo bench -p berth-allocrunner --bench csi_hook [-- --rounds 300] [--store redb|file|mem]
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -96,6 +98,57 @@ impl VolumeStateStore for SyncedStore {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(e.to_string()),
         }
+    }
+}
+
+/// The agent's kind of store: a redb table, each write a durable commit.
+struct RedbStore {
+    db: redb::Database,
+}
+
+const VOLUMES: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("csi_volumes");
+const PLUGINS: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("csi_plugins");
+
+impl RedbStore {
+    fn write(
+        &self,
+        table: redb::TableDefinition<&str, &[u8]>,
+        key: &str,
+        value: Option<&[u8]>,
+    ) -> Result<(), String> {
+        let txn = self.db.begin_write().map_err(|e| e.to_string())?;
+        {
+            let mut t = txn.open_table(table).map_err(|e| e.to_string())?;
+            match value {
+                Some(v) => {
+                    t.insert(key, v).map_err(|e| e.to_string())?;
+                }
+                None => {
+                    t.remove(key).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        txn.commit().map_err(|e| e.to_string())
+    }
+}
+
+impl VolumeStateStore for RedbStore {
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
+        Ok(Vec::new())
+    }
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
+        let bytes = serde_json::to_vec(plugins).map_err(|e| e.to_string())?;
+        self.write(PLUGINS, "all", Some(&bytes))
+    }
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+        Ok(Vec::new())
+    }
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
+        let bytes = serde_json::to_vec(stub).map_err(|e| e.to_string())?;
+        self.write(VOLUMES, &stub.key(), Some(&bytes))
+    }
+    fn delete_volume(&self, key: &str) -> Result<(), String> {
+        self.write(VOLUMES, key, None)
     }
 }
 
@@ -276,7 +329,7 @@ fn alloc_with_volume(alloc_id: &str) -> Allocation {
 
 fn main() {
     let mut rounds = 200usize;
-    let mut durable = true;
+    let mut store = "redb".to_string();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -288,15 +341,14 @@ fn main() {
                     .expect("--rounds needs a positive number")
             }
             "--store" => {
-                durable = match args.next().as_deref() {
-                    Some("file") => true,
-                    Some("mem") => false,
-                    other => panic!("--store file|mem, not {other:?}"),
+                store = args.next().unwrap_or_default();
+                if !["redb", "file", "mem"].contains(&store.as_str()) {
+                    panic!("--store redb|file|mem, not {store:?}");
                 }
             }
             // What `cargo bench` passes to every bench target.
             "--bench" => {}
-            other => panic!("unknown argument {other:?} (want --rounds N, --store file|mem)"),
+            other => panic!("unknown argument {other:?} (want --rounds N, --store redb|file|mem)"),
         }
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -304,10 +356,10 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    rt.block_on(run(rounds, durable));
+    rt.block_on(run(rounds, &store));
 }
 
-async fn run(rounds: usize, durable: bool) {
+async fn run(rounds: usize, store_kind: &str) {
     let dir = tempfile::Builder::new()
         .prefix("csi-hook-bench")
         .tempdir()
@@ -316,12 +368,14 @@ async fn run(rounds: usize, durable: bool) {
     let _mounts = berth_testutil::MountCleanup(root.clone());
     let (_plugin, socket) = start_plugin(&root);
 
-    let store: Arc<dyn VolumeStateStore> = if durable {
-        let state = root.join("state");
-        std::fs::create_dir_all(&state).expect("state dir");
-        Arc::new(SyncedStore { dir: state })
-    } else {
-        Arc::new(MemStore::default())
+    let state = root.join("state");
+    std::fs::create_dir_all(&state).expect("state dir");
+    let store: Arc<dyn VolumeStateStore> = match store_kind {
+        "redb" => Arc::new(RedbStore {
+            db: redb::Database::create(state.join("client.db")).expect("redb database"),
+        }),
+        "file" => Arc::new(SyncedStore { dir: state }),
+        _ => Arc::new(MemStore::default()),
     };
     let registry = PluginRegistry::new();
     registry.register(PluginRegistration {
@@ -480,10 +534,10 @@ async fn run(rounds: usize, durable: bool) {
 
     println!(
         "CSI hook benchmark: {rounds} rounds, one volume per alloc, store {}",
-        if durable {
-            "durable (fsync per write)"
-        } else {
-            "in memory"
+        match store_kind {
+            "redb" => "redb (a durable commit per write)",
+            "file" => "files (fsync per write)",
+            _ => "in memory",
         }
     );
     let mut ok = true;
