@@ -801,3 +801,31 @@ fn validation_refuses_a_read_only_mount_of_a_writable_block_volume() {
     )]);
     job.validate().unwrap();
 }
+
+#[test]
+fn block_volume_examples_parse_and_validate() {
+    let volume = parse_volume(include_str!("../../examples/volumes/hostpath-block.hcl"))
+        .expect("parse the block volume example");
+    assert!(volume
+        .capabilities
+        .iter()
+        .all(|c| c.attachment_mode == AttachmentMode::BlockDevice));
+    assert_eq!(
+        volume.parameters.get("backing").map(String::as_str),
+        Some("image")
+    );
+    volume.validate(false).expect("valid volume");
+
+    let job = parse_job(include_str!("../../examples/jobs/block-writer.hcl"))
+        .expect("parse the block writer example");
+    let group = &job.task_groups[0];
+    assert_eq!(
+        group.volumes["disk"].attachment_mode,
+        Some(AttachmentMode::BlockDevice)
+    );
+    assert_eq!(
+        group.tasks[0].volume_mounts[0].propagation_mode,
+        berth_structs::PropagationMode::Private
+    );
+    job.validate().expect("valid job");
+}
