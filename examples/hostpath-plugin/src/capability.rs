@@ -59,6 +59,23 @@ impl Checked {
                     self.fs_type
                 ))
             }
+            // ext4 is not a cluster filesystem: mounted writable by two
+            // nodes at once it is corrupted. (A raw block device may be
+            // shared: what is on it is the workload's business.)
+            Backing::Image
+                if !self.block
+                    && matches!(
+                        self.mode,
+                        Mode::MultiNodeSingleWriter | Mode::MultiNodeMultiWriter
+                    ) =>
+            {
+                Err(format!(
+                    "access mode {} is not offered for mount access to an image-backed volume: \
+                     its ext4 cannot be mounted writable on several nodes at once (use block \
+                     access, or a reader-only or single-node mode)",
+                    self.mode.as_str_name()
+                ))
+            }
             Backing::Image => Ok(()),
         }
     }
@@ -243,6 +260,28 @@ mod tests {
         let xfs = classify(&xfs).unwrap();
         xfs.suits(Backing::Directory).unwrap();
         assert!(xfs.suits(Backing::Image).unwrap_err().contains("xfs"));
+        // ext4 on several nodes at once, writable: not offered; shared
+        // block access and shared reading are.
+        let shared = classify(&mount_cap(Mode::MultiNodeMultiWriter, &[])).unwrap();
+        shared.suits(Backing::Directory).unwrap();
+        assert!(shared
+            .suits(Backing::Image)
+            .unwrap_err()
+            .contains("MULTI_NODE_MULTI_WRITER"));
+        classify(&mount_cap(Mode::MultiNodeReaderOnly, &[]))
+            .unwrap()
+            .suits(Backing::Image)
+            .unwrap();
+        let shared_block = VolumeCapability {
+            access_mode: Some(AccessMode {
+                mode: Mode::MultiNodeMultiWriter as i32,
+            }),
+            ..block.clone()
+        };
+        classify(&shared_block)
+            .unwrap()
+            .suits(Backing::Image)
+            .unwrap();
         assert_eq!(
             check_for(Some(&block), "volume_capability", Backing::Directory)
                 .unwrap_err()
