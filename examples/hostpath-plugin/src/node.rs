@@ -585,8 +585,11 @@ fn stage_image(
     cap: &Checked,
 ) -> Result<bool, Error> {
     let attached_before = image::find_loop(image)?.is_some();
-    if !attached_before && !cap.block {
-        // The image grew while no node had it: grow its filesystem now.
+    // The image may have grown while it was not staged: grow its
+    // filesystem now, offline. Only for a writable staging, which the CO
+    // gives one node at a time: a reader-only volume may be mounted on
+    // other nodes sharing the state directory.
+    if !attached_before && !cap.block && !cap.is_reader_only() && !cap.ro_flag {
         if image::grow_filesystem_offline(image)? {
             tracing::info!(volume_id, image = %image.display(), "grew the filesystem to the image's size");
         }
