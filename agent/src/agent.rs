@@ -41,9 +41,10 @@ pub struct AgentConfig {
     pub gc_max_allocs: usize,
     pub gc_interval: Duration,
     pub gc_alloc_threshold: Duration,
-    /// `-csi-fingerprint-interval`: how often the client fingerprints CSI
-    /// plugins and repairs lost volume mounts.
-    pub csi_fingerprint_interval: Duration,
+    /// `-csi-fingerprint-interval` (over `client { csi_fingerprint_interval }`):
+    /// how often the client fingerprints CSI plugins and repairs lost volume
+    /// mounts; `None` keeps the client's default.
+    pub csi_fingerprint_interval: Option<Duration>,
     /// The client's node class and meta, registered with the node.
     pub node_class: Option<String>,
     pub meta: BTreeMap<String, String>,
@@ -92,7 +93,7 @@ impl Default for AgentConfig {
             gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
             gc_interval: ClientConfig::DEFAULT_GC_INTERVAL,
             gc_alloc_threshold: ClientConfig::DEFAULT_GC_ALLOC_THRESHOLD,
-            csi_fingerprint_interval: ClientConfig::DEFAULT_CSI_FINGERPRINT_INTERVAL,
+            csi_fingerprint_interval: None,
             node_class: None,
             meta: BTreeMap::new(),
             reserved_cpu: 0,
@@ -299,7 +300,7 @@ impl AgentConfig {
                     if d.is_zero() {
                         bail!("berth agent: -csi-fingerprint-interval must be longer than 0s");
                     }
-                    c.csi_fingerprint_interval = d;
+                    c.csi_fingerprint_interval = Some(d);
                 }
                 "h" | "help" => return Ok(AgentCommand::Help),
                 _ => return Err(usage_error(format!("berth agent: unknown flag {a:?}"))),
@@ -423,6 +424,9 @@ impl AgentConfig {
             self.reserved_disk_mb = c.reserved.disk.unwrap_or(0);
             self.disconnect_startup_grace = c.disconnect_startup_grace;
             self.csi_volume_stats_interval = c.csi_volume_stats_interval;
+            // The flag wins over the files.
+            self.csi_fingerprint_interval =
+                self.csi_fingerprint_interval.or(c.csi_fingerprint_interval);
         }
         self.not_applied = not_applied_yet(&file);
         Ok(())
@@ -437,7 +441,9 @@ impl AgentConfig {
             gc_max_allocs: self.gc_max_allocs,
             gc_interval: self.gc_interval,
             gc_alloc_threshold: self.gc_alloc_threshold,
-            csi_fingerprint_interval: self.csi_fingerprint_interval,
+            csi_fingerprint_interval: self
+                .csi_fingerprint_interval
+                .unwrap_or(defaults.csi_fingerprint_interval),
             node_class: self.node_class.clone().unwrap_or_default(),
             meta: self.meta.clone(),
             reserved_cpu: self.reserved_cpu,
@@ -480,7 +486,8 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
                     || r.memory.is_some()
                     || r.disk.is_some()
                     || c.disconnect_startup_grace.is_some()
-                    || c.csi_volume_stats_interval.is_some()),
+                    || c.csi_volume_stats_interval.is_some()
+                    || c.csi_fingerprint_interval.is_some()),
             "client (the client role is off)",
         ),
     ]
@@ -1236,7 +1243,49 @@ client {
     }
 
     #[test]
-    fn csi_fingerprint_interval_flag_reaches_the_client() {
+    fn csi_fingerprint_interval_of_the_config_or_the_flag_reaches_the_client() {
+        let hcl = CLIENT_HCL.replacen(
+            "client {",
+            "client {\n  csi_fingerprint_interval = \"5s\"",
+            1,
+        );
+        let (dir, c) = client_file(&hcl);
+        assert_eq!(
+            client_config(&c).csi_fingerprint_interval,
+            Duration::from_secs(5)
+        );
+        let file = dir.path().join("client.hcl");
+        let flagged = run(&[
+            "-config",
+            file.to_str().unwrap(),
+            "-csi-fingerprint-interval",
+            "1s",
+        ]);
+        assert_eq!(
+            client_config(&flagged).csi_fingerprint_interval,
+            Duration::from_secs(1),
+            "the flag wins over the file"
+        );
+        assert_eq!(
+            client_config(&run(&["-dev", "-csi-fingerprint-interval", "2s"]))
+                .csi_fingerprint_interval,
+            Duration::from_secs(2)
+        );
+        let zero = CLIENT_HCL.replacen(
+            "client {",
+            "client {\n  csi_fingerprint_interval = \"0s\"",
+            1,
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("client.hcl");
+        std::fs::write(&path, zero).unwrap();
+        let e =
+            AgentConfig::from_args(&args(&["-config", path.to_str().unwrap()])).expect_err("0s");
+        let e = format!("{e:#}");
+        assert!(
+            e.contains("csi_fingerprint_interval") && e.contains("longer than 0s"),
+            "{e}"
+        );
         assert_eq!(
             client_config(&run(&["-dev", "-csi-fingerprint-interval", "2s"]))
                 .csi_fingerprint_interval,

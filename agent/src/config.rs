@@ -122,6 +122,9 @@ pub struct ClientSection {
     /// How often CSI volume stats are collected; at least
     /// [`berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL`].
     pub csi_volume_stats_interval: Option<Duration>,
+    /// How often CSI plugins are fingerprinted and lost volume mounts
+    /// repaired; longer than 0s.
+    pub csi_fingerprint_interval: Option<Duration>,
 }
 
 /// One agent's configuration: a file's, or several merged. What a file
@@ -187,6 +190,10 @@ impl AgentFileConfig {
                     .client
                     .csi_volume_stats_interval
                     .or(self.client.csi_volume_stats_interval),
+                csi_fingerprint_interval: later
+                    .client
+                    .csi_fingerprint_interval
+                    .or(self.client.csi_fingerprint_interval),
             },
         }
     }
@@ -414,6 +421,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
                     "meta",
                     "disconnect_startup_grace",
                     "csi_volume_stats_interval",
+                    "csi_fingerprint_interval",
                 ],
                 &["meta", "reserved"],
             )?;
@@ -446,6 +454,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
                 reserved,
                 disconnect_startup_grace: c.duration("disconnect_startup_grace", MAX_DURATION)?,
                 csi_volume_stats_interval: csi_volume_stats_interval(&c)?,
+                csi_fingerprint_interval: csi_fingerprint_interval(&c)?,
             }
         }
     };
@@ -470,6 +479,16 @@ fn csi_volume_stats_interval(c: &BodyReader<'_, '_>) -> Result<Option<Duration>,
     let d = c.duration(KEY, MAX_DURATION)?;
     if d.is_some_and(|d| d < MIN) {
         return Err(c.invalid(KEY, format!("must be at least {}s", MIN.as_secs())));
+    }
+    Ok(d)
+}
+
+/// `client { csi_fingerprint_interval }`: a duration longer than 0s.
+fn csi_fingerprint_interval(c: &BodyReader<'_, '_>) -> Result<Option<Duration>, SpecError> {
+    const KEY: &str = "csi_fingerprint_interval";
+    let d = c.duration(KEY, MAX_DURATION)?;
+    if d.is_some_and(|d| d.is_zero()) {
+        return Err(c.invalid(KEY, "must be longer than 0s"));
     }
     Ok(d)
 }
