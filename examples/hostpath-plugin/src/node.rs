@@ -589,10 +589,9 @@ fn stage_image(
     // filesystem now, offline. Only for a writable staging, which the CO
     // gives one node at a time: a reader-only volume may be mounted on
     // other nodes sharing the state directory.
-    if !attached_before && !cap.block && !cap.is_reader_only() && !cap.ro_flag {
-        if image::grow_filesystem_offline(image)? {
-            tracing::info!(volume_id, image = %image.display(), "grew the filesystem to the image's size");
-        }
+    let writable_fs = !cap.block && !cap.is_reader_only() && !cap.ro_flag;
+    if !attached_before && writable_fs && image::grow_filesystem_offline(image)? {
+        tracing::info!(volume_id, image = %image.display(), "grew the filesystem to the image's size");
     }
     let dev = image::attach(image)?;
     let staged = (|| {
