@@ -138,6 +138,10 @@ async fn plugin_fingerprints_and_events_reach_the_node_and_plugin_table() {
         healthy,
         external_node_id: "node-ext".into(),
         requires_controller_publish: true,
+        supports_volume_stats: kind == "node",
+        supports_volume_condition: kind == "node",
+        supports_expand: true,
+        supports_snapshots: kind == "controller",
         ..Default::default()
     };
     nc.update_plugins(pb::UpdatePluginsRequest {
@@ -148,6 +152,12 @@ async fn plugin_fingerprints_and_events_reach_the_node_and_plugin_table() {
     .unwrap();
     let n = s.node("n1").unwrap();
     assert_eq!(n.csi_node_plugins["hostpath"].external_node_id, "node-ext");
+    // The optional RPCs a plugin serves reach the servers with it.
+    let node_info = &n.csi_node_plugins["hostpath"];
+    let ctrl_info = &n.csi_controller_plugins["hostpath"];
+    assert!(node_info.supports_volume_stats && node_info.supports_volume_condition);
+    assert!(node_info.supports_expand && !node_info.supports_snapshots);
+    assert!(ctrl_info.supports_expand && ctrl_info.supports_snapshots);
     let p = s.plugin("hostpath").unwrap();
     assert_eq!(p.provider, "hostpath.csi.berth");
     assert_eq!((p.nodes_healthy, p.nodes_expected), (1, 1));

@@ -460,6 +460,10 @@ impl FingerprintSink for ServerConn {
                 .as_ref()
                 .map(|t| t.segments.clone().into_iter().collect())
                 .unwrap_or_default(),
+            supports_volume_stats: info.supports_volume_stats,
+            supports_volume_condition: info.supports_volume_condition,
+            supports_expand: info.supports_expand,
+            supports_snapshots: info.supports_snapshots,
         };
         let plugins: Vec<_> = node_plugins
             .values()

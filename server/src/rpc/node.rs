@@ -47,8 +47,10 @@ fn plugin_info(f: &pb::PluginFingerprint) -> CsiInfo {
                     .collect(),
             )
         }),
-        // The node's volume stats capabilities stay on the node.
-        ..CsiInfo::default()
+        supports_volume_stats: f.supports_volume_stats,
+        supports_volume_condition: f.supports_volume_condition,
+        supports_expand: f.supports_expand,
+        supports_snapshots: f.supports_snapshots,
     }
 }
 
