@@ -121,6 +121,48 @@ impl Allocation {
             AllocDesiredStatus::Stop | AllocDesiredStatus::Evict
         )
     }
+
+    /// Whether `other` is this alloc but for the volume stats its node
+    /// reported and the modify stamps: what its client is sent of it is
+    /// the same.
+    pub fn same_but_volume_stats(&self, other: &Allocation) -> bool {
+        // Destructured so that a new field must say whether it counts.
+        let Allocation {
+            id,
+            name,
+            job_id,
+            job,
+            task_group,
+            index,
+            node_id,
+            desired_status,
+            desired_description,
+            client_status,
+            client_description,
+            task_states,
+            create_index,
+            modify_index: _,
+            create_time_ms,
+            modify_time_ms: _,
+            node_last_heartbeat_ms,
+            csi_volume_stats: _,
+        } = self;
+        *id == other.id
+            && *name == other.name
+            && *job_id == other.job_id
+            && *task_group == other.task_group
+            && *index == other.index
+            && *node_id == other.node_id
+            && *desired_status == other.desired_status
+            && *desired_description == other.desired_description
+            && *client_status == other.client_status
+            && *client_description == other.client_description
+            && *create_index == other.create_index
+            && *create_time_ms == other.create_time_ms
+            && *node_last_heartbeat_ms == other.node_last_heartbeat_ms
+            && *task_states == other.task_states
+            && *job == other.job
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]

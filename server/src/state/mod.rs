@@ -66,7 +66,8 @@ pub struct Tables {
     /// The index of the last write that put or deleted an alloc of each
     /// node, since the store was opened (memory only): an alloc watch
     /// looks at the allocs again only when its node's moved, not on every
-    /// write of any node.
+    /// write of any node. A write of an alloc's volume stats alone does
+    /// not move it (the client is not sent those).
     pub node_allocs_index: BTreeMap<String, u64>,
 }
 
@@ -241,9 +242,20 @@ impl StateStore {
                         tables.jobs.remove(&k);
                     }
                     Change::PutAlloc(a) => {
-                        tables.node_allocs_index.insert(a.node_id.clone(), index);
+                        // A write of the volume stats alone sends nothing
+                        // new to the node: its alloc watch is not made to
+                        // scan every alloc again for it.
+                        let stats_only = tables
+                            .allocs
+                            .get(&a.id)
+                            .is_some_and(|old| old.same_but_volume_stats(&a));
+                        if !stats_only {
+                            tables.node_allocs_index.insert(a.node_id.clone(), index);
+                        }
                         if let Some(old) = tables.allocs.insert(a.id.clone(), a) {
-                            tables.node_allocs_index.insert(old.node_id, index);
+                            if !stats_only {
+                                tables.node_allocs_index.insert(old.node_id, index);
+                            }
                         }
                     }
                     Change::DeleteAlloc(k) => {
@@ -361,10 +373,51 @@ mod tests {
                 ..Node::default()
             })],
         );
-        let n2_write = put(&store, vec![Change::PutAlloc(alloc("a2", "n2"))]);
+        let mut a2 = alloc("a2", "n2");
+        a2.client_status = berth_structs::AllocClientStatus::Running;
+        let n2_write = put(&store, vec![Change::PutAlloc(a2)]);
         assert_eq!((at("n1"), at("n2")), (Some(first), Some(n2_write)));
         let delete = put(&store, vec![Change::DeleteAlloc("a1".into())]);
         assert_eq!(at("n1"), Some(delete));
         assert_eq!(at("n3"), None);
+    }
+
+    #[test]
+    fn a_write_of_volume_stats_alone_leaves_the_nodes_alloc_index() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = RedbBackend::open(&RedbBackend::path_in(dir.path())).unwrap();
+        let store = StateStore::open(Box::new(backend)).unwrap();
+        let at = |node: &str| store.read(|t| t.node_allocs_index.get(node).copied());
+        let first = put(&store, vec![Change::PutAlloc(alloc("a1", "n1"))]);
+
+        // Stats only: stored (the alloc's modify index moves), the node's
+        // alloc index does not.
+        let mut a1 = store.read(|t| t.allocs["a1"].clone());
+        a1.csi_volume_stats.insert(
+            "data".into(),
+            berth_structs::CsiVolumeStats {
+                volume_id: "v".into(),
+                bytes_used: Some(5 << 20),
+                ..Default::default()
+            },
+        );
+        let stats_write = put(&store, vec![Change::PutAlloc(a1.clone())]);
+        assert_eq!(at("n1"), Some(first));
+        store.read(|t| {
+            assert_eq!(t.allocs["a1"].modify_index, stats_write);
+            assert_eq!(t.allocs["a1"].csi_volume_stats, a1.csi_volume_stats);
+        });
+
+        // Anything else the client is sent moves it.
+        let mut a1 = store.read(|t| t.allocs["a1"].clone());
+        a1.desired_status = berth_structs::AllocDesiredStatus::Stop;
+        let stop = put(&store, vec![Change::PutAlloc(a1)]);
+        assert_eq!(at("n1"), Some(stop));
+
+        // Moved to another node: both nodes' move.
+        let mut a1 = store.read(|t| t.allocs["a1"].clone());
+        a1.node_id = "n2".into();
+        let moved = put(&store, vec![Change::PutAlloc(a1)]);
+        assert_eq!((at("n1"), at("n2")), (Some(moved), Some(moved)));
     }
 }
