@@ -358,6 +358,17 @@ impl CsiVolume {
                 "{at}: snapshot_id and clone_id are exclusive: a volume is created from a snapshot or as a clone, not both"
             ));
         }
+        // A topology without segments holds every node that has one.
+        for (what, list) in [
+            ("required", &self.requested_topologies.required),
+            ("preferred", &self.requested_topologies.preferred),
+        ] {
+            if list.iter().any(|t| t.segments.is_empty()) {
+                errs.push(format!(
+                    "{at}: topology_request {what}: a topology needs at least one segment"
+                ));
+            }
+        }
         if let (Some(min), Some(max)) = (self.capacity_min, self.capacity_max) {
             if min > max {
                 errs.push(format!(
@@ -788,6 +799,25 @@ mod tests {
             "{zone=a} or {zone=c}"
         );
         assert_eq!(topologies_text(&[]), "-");
+
+        // A requested topology without segments is refused, naming it.
+        let mut asked = CsiVolume {
+            id: "v".into(),
+            plugin_id: "p".into(),
+            capabilities: vec![VolumeCapability {
+                access_mode: AccessMode::SingleNodeWriter,
+                attachment_mode: AttachmentMode::FileSystem,
+            }],
+            ..Default::default()
+        };
+        asked.requested_topologies.required = vec![zone_a.clone()];
+        asked.validate(false).expect("a topology with a segment is valid");
+        asked.requested_topologies.preferred = vec![CsiTopology::default()];
+        let err = asked.validate(false).unwrap_err().to_string();
+        assert!(
+            err.contains("topology_request preferred: a topology needs at least one segment"),
+            "{err}"
+        );
 
         // Records from before topologies decode.
         let old: CsiVolume = serde_json::from_str(r#"{"id":"v","plugin_id":"p"}"#).expect("decode");
