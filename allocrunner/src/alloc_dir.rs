@@ -217,54 +217,12 @@ fn check_task_name(task: &str) -> Result<(), HookError> {
 
 /// Mount points at or below `dir` (a canonical path), deepest first.
 pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut found: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape_mountinfo(p)))
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    found.dedup();
-    found
-}
-
-/// Mount points in mountinfo escape space, tab, newline and backslash as
-/// `\ooo`.
-pub(crate) fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let octal = b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..=i + 3].iter().all(|c| (b'0'..=b'7').contains(c));
-        if octal {
-            let v = u32::from(b[i + 1] - b'0') * 64
-                + u32::from(b[i + 2] - b'0') * 8
-                + u32::from(b[i + 3] - b'0');
-            out.push(v as u8);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    berth_csimanager::mountinfo::mounts_at_or_below(dir)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mountinfo_escapes_are_decoded() {
-        assert_eq!(unescape_mountinfo(r"/a\040b"), "/a b");
-        assert_eq!(unescape_mountinfo(r"/plain"), "/plain");
-        assert_eq!(unescape_mountinfo(r"/end\04"), r"/end\04");
-    }
 
     #[test]
     fn the_node_data_dir_is_private_checked_and_outlives_the_alloc_dir() {

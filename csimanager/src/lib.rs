@@ -12,7 +12,8 @@
 //! entry point that ties them together), `orphans` (mounts no restored
 //! alloc owns, removed at agent start), `repair` (lost mounts of running
 //! allocs made again once their plugin is healthy), `stats` (the loop that
-//! collects volume stats and conditions).
+//! collects volume stats and conditions), `mountinfo` (the mount table,
+//! read one way for all of them).
 //!
 //! It knows nothing of the servers, the HTTP API or how allocs run: what it
 //! needs from above (persistence, somewhere to send node events and
@@ -22,6 +23,7 @@ pub mod client;
 pub mod error;
 pub mod fingerprint;
 pub mod manager;
+pub mod mountinfo;
 pub mod orphans;
 pub mod registry;
 pub mod repair;

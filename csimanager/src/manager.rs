@@ -646,7 +646,7 @@ impl CsiManager {
 
     /// Forgets `alloc_id`'s usage of the volume usage `key` without a CSI
     /// call (its target was unmounted without the plugin); how many allocs
-    /// still use it.
+    /// still use it. The caller holds the volume's lock.
     pub(crate) fn forget_volume_usage(&self, key: &str, alloc_id: &str) -> Result<usize, CsiError> {
         self.volumes.forget_alloc(key, alloc_id)
     }

@@ -34,6 +34,7 @@ use berth_structs::{CsiPluginType, NodeEvent};
 use tokio::time::Instant;
 
 use crate::manager::CsiManager;
+use crate::mountinfo::{self, is_mount_point};
 use crate::volume::{UnmountRequest, VolumeStub};
 
 /// The node event message of a removed orphaned mount.
@@ -139,60 +140,19 @@ fn plain_components<'a>(root: &Path, path: &'a Path) -> Option<Vec<&'a str>> {
     parts.filter(|p| !p.is_empty())
 }
 
-/// Every mount point on the host, as `/proc/self/mountinfo` lists it,
-/// deepest first.
-pub fn mount_points() -> Vec<PathBuf> {
-    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let mut found: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape_mountinfo(p)))
-        .collect();
-    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    found.dedup();
-    found
-}
-
 /// Mount points strictly below `dir`, deepest first.
 fn mount_points_below(dir: &Path) -> Vec<PathBuf> {
-    mount_points()
+    mountinfo::mounts_at_or_below(dir)
         .into_iter()
-        .filter(|p| p != dir && p.starts_with(dir))
+        .filter(|p| p != dir)
         .collect()
 }
 
-fn is_mount_point(path: &Path) -> bool {
-    mount_points().iter().any(|p| p == path)
-}
-
-/// Mount points in mountinfo escape space, tab, newline and backslash as
-/// `\ooo`.
-fn unescape_mountinfo(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let octal = b[i] == b'\\'
-            && i + 3 < b.len()
-            && b[i + 1..=i + 3].iter().all(|c| (b'0'..=b'7').contains(c));
-        if octal {
-            let v = u32::from(b[i + 1] - b'0') * 64
-                + u32::from(b[i + 2] - b'0') * 8
-                + u32::from(b[i + 3] - b'0');
-            out.push(v as u8);
-            i += 4;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Unmounts `path` lazily and removes its mount point when it is an empty
-/// directory; the error, if the unmount failed.
+/// Unmounts `path` lazily (every mount stacked there) and removes its
+/// mount point when it is an empty directory; the error, if the unmount
+/// failed.
 fn lazy_unmount(path: &Path) -> Option<String> {
-    match nix::mount::umount2(path, nix::mount::MntFlags::MNT_DETACH) {
+    match mountinfo::detach_all(path) {
         Ok(()) => {
             // Never deletes data: only an empty directory goes.
             let _ = std::fs::remove_dir(path);
@@ -345,7 +305,13 @@ impl CsiManager {
         };
         // Without the plugin: the target goes lazily, and with it the
         // usage; a staging mount with no user left goes lazily too, its
-        // stub kept for the unstage once the plugin is back.
+        // stub kept for the unstage once the plugin is back. Under the
+        // volume's lock: a restored alloc may be mounting the same volume
+        // (its stub changing), or a late plugin unstaging it.
+        let _lock = self
+            .volumes
+            .lock_volume(&stub.plugin_id, &stub.volume_id)
+            .await;
         let mut out = Vec::new();
         let target_c = canonical(target);
         if is_mount_point(&target_c) {

@@ -29,7 +29,6 @@ use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use berth_proto::csi::v1 as csi;
 use berth_structs::{AttachmentMode, CsiPluginType, NodeEvent};
 use nix::errno::Errno;
-use nix::mount::{umount2, MntFlags};
 use tokio::sync::broadcast;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -37,8 +36,9 @@ use tracing::Instrument;
 use crate::client::CsiClient;
 use crate::error::CsiError;
 use crate::manager::CsiManager;
+use crate::mountinfo;
 use crate::volume::{stub_key, MountRequest, VolumeStub};
-use crate::volume_manager::volume_capability;
+use crate::volume_manager::{create_dir_all, path_string, to_map, volume_capability};
 
 /// The `Storage` node event of a lost mount made again.
 pub const EVENT_VOLUME_REPAIRED: &str = "Volume repaired";
@@ -510,89 +510,23 @@ pub async fn mount_is_live(path: &Path, mounts: &HashSet<PathBuf>) -> bool {
     .unwrap_or(true)
 }
 
-/// The mount points of this mount namespace (`/proc/self/mountinfo`).
+/// The mount points of this mount namespace, read off the async threads.
 pub async fn mount_points() -> HashSet<PathBuf> {
-    tokio::task::spawn_blocking(read_mount_points)
+    tokio::task::spawn_blocking(|| mountinfo::mount_points().into_iter().collect())
         .await
         .unwrap_or_default()
-}
-
-fn read_mount_points() -> HashSet<PathBuf> {
-    match std::fs::read_to_string("/proc/self/mountinfo") {
-        Ok(text) => parse_mount_points(&text),
-        Err(e) => {
-            tracing::warn!(error = %e, "reading /proc/self/mountinfo failed");
-            HashSet::new()
-        }
-    }
-}
-
-/// The mount points (the fifth field) of mountinfo text, unescaped.
-fn parse_mount_points(text: &str) -> HashSet<PathBuf> {
-    text.lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape_octal(p)))
-        .collect()
-}
-
-/// Undoes mountinfo's `\ooo` escapes (space, tab, newline, backslash).
-fn unescape_octal(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            let oct = &bytes[i + 1..i + 4];
-            if oct.iter().all(|b| (b'0'..=b'7').contains(b)) {
-                let v = oct
-                    .iter()
-                    .fold(0u32, |acc, b| acc * 8 + u32::from(b - b'0'));
-                if let Ok(v) = u8::try_from(v) {
-                    out.push(v);
-                    i += 4;
-                    continue;
-                }
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Detaches whatever is mounted at `path` (a dead mount), lazily: users
 /// of the old mount keep it until they let go. Nothing mounted is fine.
 async fn detach_dead_mount(path: &Path) -> Result<(), CsiError> {
     let p = path.to_path_buf();
-    tokio::task::spawn_blocking(move || loop {
-        match umount2(&p, MntFlags::MNT_DETACH) {
-            // Mounts may be stacked: detach them all.
-            Ok(()) => continue,
-            Err(Errno::EINVAL | Errno::ENOENT) => return Ok(()),
-            Err(e) => {
-                return Err(CsiError::Io(format!(
-                    "detaching the dead mount at {}: {e}",
-                    p.display()
-                )))
-            }
-        }
+    tokio::task::spawn_blocking(move || {
+        mountinfo::detach_all(&p)
+            .map_err(|e| CsiError::Io(format!("detaching the dead mount at {}: {e}", p.display())))
     })
     .await
     .map_err(|e| CsiError::Io(format!("detaching a dead mount: {e}")))?
-}
-
-fn to_map(m: &BTreeMap<String, String>) -> HashMap<String, String> {
-    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
-}
-
-fn path_string(p: &Path) -> Result<String, CsiError> {
-    p.to_str()
-        .map(str::to_string)
-        .ok_or_else(|| CsiError::Io(format!("path {} is not UTF-8", p.display())))
-}
-
-fn create_dir_all(p: &Path) -> Result<(), CsiError> {
-    std::fs::create_dir_all(p).map_err(|e| CsiError::Io(format!("creating {}: {e}", p.display())))
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -602,17 +536,6 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn mountinfo_mount_points_are_unescaped() {
-        let text = "36 35 98:0 /mnt1 /mnt/with\\040space rw,noatime master:1 - ext3 /dev/root rw\n\
-                    37 35 98:0 / /plain rw - ext4 /dev/sda1 rw\n";
-        let points = parse_mount_points(text);
-        assert!(points.contains(Path::new("/mnt/with space")), "{points:?}");
-        assert!(points.contains(Path::new("/plain")));
-        assert_eq!(unescape_octal("a\\134b"), "a\\b");
-        assert_eq!(unescape_octal("trailing\\04"), "trailing\\04");
-    }
 
     #[tokio::test(start_paused = true)]
     async fn failed_repairs_back_off_and_a_success_clears_it() {

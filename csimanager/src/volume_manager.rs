@@ -836,17 +836,17 @@ fn validate_ids(volume_id: &str, ids: &[(&'static str, &str)]) -> Result<(), Csi
     Ok(())
 }
 
-fn to_map(m: &BTreeMap<String, String>) -> HashMap<String, String> {
+pub(crate) fn to_map(m: &BTreeMap<String, String>) -> HashMap<String, String> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
-fn path_string(p: &Path) -> Result<String, CsiError> {
+pub(crate) fn path_string(p: &Path) -> Result<String, CsiError> {
     p.to_str()
         .map(str::to_string)
         .ok_or_else(|| CsiError::Io(format!("path {} is not UTF-8", p.display())))
 }
 
-fn create_dir_all(p: &Path) -> Result<(), CsiError> {
+pub(crate) fn create_dir_all(p: &Path) -> Result<(), CsiError> {
     std::fs::create_dir_all(p).map_err(|e| CsiError::Io(format!("creating {}: {e}", p.display())))
 }
 

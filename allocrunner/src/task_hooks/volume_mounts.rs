@@ -128,6 +128,16 @@ impl VolumeMountsHook {
         Ok(())
     }
 
+    /// Stops following repairs and waits until the follower is gone: a
+    /// rebind in progress finishes first, so nothing is bound into the
+    /// task dir after this returns (an unmount right after would miss it).
+    async fn stop_following_repairs(&mut self) {
+        if let Some(r) = self.repairs.take() {
+            r.abort();
+            let _ = r.await;
+        }
+    }
+
     /// Unmounts every target this hook mounted, last first. Targets that
     /// cannot be unmounted stay recorded.
     pub fn unmount_all(&mut self) -> Result<(), HookError> {
@@ -256,7 +266,7 @@ fn mount_is_shared(path: &Path) -> bool {
         .filter_map(|l| {
             let (left, _) = l.split_once(" - ")?;
             let fields: Vec<&str> = left.split(' ').collect();
-            let mount_point = crate::alloc_dir::unescape_mountinfo(fields.get(4)?);
+            let mount_point = berth_csimanager::mountinfo::unescape(fields.get(4)?);
             Some((
                 PathBuf::from(mount_point),
                 fields.get(6..).unwrap_or_default().to_vec(),
@@ -392,9 +402,7 @@ impl TaskHook for VolumeMountsHook {
         ctx: &TaskHookContext,
         task: &TaskControl,
     ) -> Result<(), HookError> {
-        if let Some(r) = self.repairs.take() {
-            r.abort();
-        }
+        self.stop_following_repairs().await;
         let Ok(root) = ctx.task_dir.dir.canonicalize() else {
             return Ok(());
         };
@@ -426,15 +434,11 @@ impl TaskHook for VolumeMountsHook {
     }
 
     async fn exited(&mut self, _ctx: &TaskHookContext) {
-        if let Some(r) = self.repairs.take() {
-            r.abort();
-        }
+        self.stop_following_repairs().await;
     }
 
     async fn stop(&mut self, _ctx: &TaskHookContext) -> Result<(), HookError> {
-        if let Some(r) = self.repairs.take() {
-            r.abort();
-        }
+        self.stop_following_repairs().await;
         self.unmount_all()
     }
 }
