@@ -1,7 +1,8 @@
 //! Shared harness for the end-to-end tests: a real `berth agent -dev`
 //! process on a temp data dir, the real CLI, and a guard that, whatever the
 //! test's outcome, kills every process the test started (tasks outlive the
-//! agent by design) and unmounts every mount under the data dir.
+//! agent by design), unmounts every mount under the data dir and detaches
+//! the loop devices of images there.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -544,6 +545,22 @@ impl DevAgent {
         processes_with_cmdline(needle)
     }
 
+    /// Waits until volume `id` has no read or write claims left.
+    pub fn wait_volume_unclaimed(&self, id: &str) -> Result<()> {
+        wait_for(
+            &format!("the claims of volume {id} to be freed"),
+            Duration::from_secs(60),
+            || {
+                let v = self.cli_json(&["volume", "status", id])?;
+                Ok(
+                    (strs(&v["read_allocs"]).is_empty() && strs(&v["write_allocs"]).is_empty())
+                        .then_some(()),
+                )
+            },
+        )
+        .with_context(|| self.log())
+    }
+
     /// Kills every process that mentions the data dir and unmounts
     /// everything below it.
     fn cleanup(&mut self) {
@@ -573,6 +590,57 @@ fn kill_and_unmount(child: &mut Option<Child>, dir: &Path) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+    // Image-backed volumes: their loop devices would outlive the test. A
+    // device still held by a lazily unmounted filesystem is only marked to
+    // be cleared, which the kernel does on its last close.
+    for dev in loops_backed_under(dir) {
+        let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+    }
+}
+
+/// The loop devices whose backing file lies under `dir` (an image volume
+/// of an agent there; the file may already be deleted).
+pub fn loops_backed_under(dir: &Path) -> Vec<PathBuf> {
+    if dir.as_os_str().is_empty() {
+        return Vec::new();
+    }
+    let Ok(entries) = std::fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let backing = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
+            Path::new(backing.trim_end())
+                .starts_with(dir)
+                .then(|| Path::new("/dev").join(e.file_name()))
+        })
+        .collect()
+}
+
+/// Why image-backed volumes (ext4 images on loop devices) cannot work
+/// here, if they cannot: no loop support, a missing tool, no free device.
+pub fn loop_devices_unusable() -> Option<String> {
+    if !Path::new("/dev/loop-control").exists() {
+        return Some("/dev/loop-control is missing (no loop device support)".into());
+    }
+    for tool in ["losetup", "mkfs.ext4", "resize2fs", "e2fsck", "dumpe2fs"] {
+        let found = Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !found {
+            return Some(format!("{tool} is not installed"));
+        }
+    }
+    match Command::new("losetup").arg("--find").output() {
+        Ok(o) if o.status.success() => None,
+        Ok(o) => Some(format!(
+            "losetup --find finds no free loop device: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        )),
+        Err(e) => Some(format!("losetup cannot run: {e}")),
     }
 }
 

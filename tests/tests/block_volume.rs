@@ -7,53 +7,14 @@
 //! used, the test says why and returns.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{only_alloc, wait_for, DevAgent};
+use berth_tests::{loops_backed_under, only_alloc, wait_for, DevAgent};
 use serde_json::Value;
 
 /// The bytes the writer puts at offset 4096 of the device.
 const MARKER: &str = "berth-block-volume-e2e";
-
-/// Detaches, when dropped, the loop devices whose backing file lies under
-/// the agent's data dir (an image a failed test left attached). Declared
-/// before the agent, so it runs after the agent's cleanup has unmounted
-/// everything.
-struct LoopCleanup(Option<PathBuf>);
-
-impl Drop for LoopCleanup {
-    fn drop(&mut self) {
-        let Some(dir) = &self.0 else {
-            return;
-        };
-        let Ok(entries) = std::fs::read_dir("/sys/block") else {
-            return;
-        };
-        for e in entries.flatten() {
-            let Ok(backing) = std::fs::read_to_string(e.path().join("loop/backing_file")) else {
-                continue;
-            };
-            if Path::new(backing.trim_end()).starts_with(dir) {
-                let dev = Path::new("/dev").join(e.file_name());
-                let _ = Command::new("losetup").arg("-d").arg(dev).status();
-            }
-        }
-    }
-}
-
-/// Why loop devices cannot be used here, if they cannot.
-fn loop_devices_unusable() -> Option<String> {
-    match Command::new("losetup").arg("--find").output() {
-        Ok(out) if out.status.success() => None,
-        Ok(out) => Some(format!(
-            "losetup --find failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )),
-        Err(e) => Some(format!("losetup cannot run: {e}")),
-    }
-}
 
 const VOLUME: &str = r#"
 id        = "disk"
@@ -142,40 +103,13 @@ fn wait_complete(agent: &DevAgent, job: &str) -> Result<Value> {
     Ok(alloc)
 }
 
-/// Waits until volume "disk" has no claims left.
-fn wait_claims_freed(agent: &DevAgent) -> Result<()> {
-    wait_claims_freed_of(agent, "disk")
-}
-
-/// Waits until `volume` has no claims left.
-fn wait_claims_freed_of(agent: &DevAgent, volume: &str) -> Result<()> {
-    wait_for(
-        &format!("the claims of {volume} to be freed"),
-        Duration::from_secs(60),
-        || {
-            let v = agent.cli_json(&["volume", "status", "-json", volume])?;
-            let claimed = ["write_allocs", "read_allocs", "write_claims", "read_claims"]
-                .iter()
-                .any(|k| match &v[*k] {
-                    Value::Array(a) => !a.is_empty(),
-                    Value::Object(m) => !m.is_empty(),
-                    _ => false,
-                });
-            Ok((!claimed).then_some(()))
-        },
-    )
-    .with_context(|| agent.log())
-}
-
 #[test]
 fn bytes_written_to_a_block_volume_are_read_back_by_a_later_alloc() -> Result<()> {
-    if let Some(why) = loop_devices_unusable() {
+    if let Some(why) = berth_tests::loop_devices_unusable() {
         println!("skipping: loop devices cannot be used here: {why}");
         return Ok(());
     }
-    let mut loops = LoopCleanup(None);
     let agent = DevAgent::start()?;
-    loops.0 = Some(agent.data_dir.path().to_path_buf());
 
     agent.cli_ok(&[
         "job",
@@ -200,7 +134,7 @@ printf '%s' '{MARKER}' | dd of="$dev" bs=4096 seek=1 conv=notrunc,fsync 2>/dev/n
     agent.cli_ok(&["job", "run", "-detach", &writer])?;
     let written = wait_complete(&agent, "writer")?;
     println!("writer alloc {}", written["id"]);
-    wait_claims_freed(&agent)?;
+    agent.wait_volume_unclaimed("disk")?;
 
     // The reader: another alloc, the same bytes.
     let read = r#"set -e
@@ -228,19 +162,15 @@ dd if="$dev" bs=4096 skip=1 count=1 2>/dev/null | head -c 64 > "$BERTH_TASK_DIR/
 
     // Nothing of the volume stays mounted or attached once the claims are
     // gone.
-    wait_claims_freed(&agent)?;
-    let image_attached = || {
-        std::fs::read_dir("/sys/block")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| std::fs::read_to_string(e.path().join("loop/backing_file")).ok())
-            .any(|b| Path::new(b.trim_end()).starts_with(agent.data_dir.path()))
-    };
+    agent.wait_volume_unclaimed("disk")?;
     wait_for(
         "the image's loop device to be detached",
         Duration::from_secs(30),
-        || Ok((!image_attached()).then_some(())),
+        || {
+            Ok(loops_backed_under(agent.data_dir.path())
+                .is_empty()
+                .then_some(()))
+        },
     )?;
     Ok(())
 }
@@ -263,13 +193,11 @@ fn ext4_mounts_under(dir: &Path) -> Vec<(PathBuf, Vec<String>)> {
 
 #[test]
 fn job_mount_flags_replace_the_volume_s_on_the_image_s_mounts() -> Result<()> {
-    if let Some(why) = loop_devices_unusable() {
+    if let Some(why) = berth_tests::loop_devices_unusable() {
         println!("skipping: loop devices cannot be used here: {why}");
         return Ok(());
     }
-    let mut loops = LoopCleanup(None);
     let agent = DevAgent::start()?;
-    loops.0 = Some(agent.data_dir.path().to_path_buf());
     agent.cli_ok(&[
         "job",
         "run",
@@ -342,11 +270,20 @@ parameters {
         "the task dir has the volume: {mounts:#?}"
     );
     agent.cli_ok(&["job", "stop", "app"])?;
-    wait_claims_freed_of(&agent, "fsvol")?;
+    agent.wait_volume_unclaimed("fsvol")?;
     wait_for("the image's mounts to go", Duration::from_secs(30), || {
         Ok(ext4_mounts_under(agent.data_dir.path())
             .is_empty()
             .then_some(()))
     })?;
+    wait_for(
+        "the image's loop device to be detached",
+        Duration::from_secs(30),
+        || {
+            Ok(loops_backed_under(agent.data_dir.path())
+                .is_empty()
+                .then_some(()))
+        },
+    )?;
     Ok(())
 }

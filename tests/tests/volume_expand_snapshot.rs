@@ -7,48 +7,16 @@
 //! reads, a clone likewise, and deleting the snapshot removes it from the
 //! list.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{example, only_alloc, strs, wait_alloc_running, wait_for, DevAgent};
+use berth_tests::{
+    example, loop_devices_unusable, loops_backed_under, only_alloc, wait_alloc_running, wait_for,
+    DevAgent,
+};
 use serde_json::Value;
 
 const MIB: u64 = 1 << 20;
-
-/// Detaches, when dropped, the loop devices whose backing file is under
-/// `dir` (the agent's data dir): an image volume a failed test left
-/// attached. Declared before the agent, so it runs after the agent's own
-/// cleanup has unmounted everything.
-struct LoopCleanup(PathBuf);
-
-impl Drop for LoopCleanup {
-    fn drop(&mut self) {
-        for dev in loops_backed_under(&self.0) {
-            let _ = Command::new("losetup").arg("-d").arg(&dev).status();
-        }
-    }
-}
-
-/// The loop devices whose backing file is under `dir`.
-fn loops_backed_under(dir: &Path) -> Vec<PathBuf> {
-    if dir.as_os_str().is_empty() {
-        return Vec::new();
-    }
-    let Ok(entries) = std::fs::read_dir("/sys/block") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| {
-            let backing = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
-            Path::new(backing.trim())
-                .starts_with(dir)
-                .then(|| Path::new("/dev").join(e.file_name()))
-        })
-        .collect()
-}
 
 /// Whether this process may grow a mounted filesystem (`CAP_SYS_RESOURCE`,
 /// which online `resize2fs` needs).
@@ -61,30 +29,6 @@ fn has_cap_sys_resource() -> bool {
             u64::from_str_radix(line.trim_start_matches("CapEff:").trim(), 16).ok()
         })
         .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
-}
-
-/// Why image-backed volumes cannot work here, if they cannot.
-fn no_loop_devices() -> Option<String> {
-    if !Path::new("/dev/loop-control").exists() {
-        return Some("/dev/loop-control is missing (no loop device support)".into());
-    }
-    for tool in ["losetup", "mkfs.ext4", "resize2fs"] {
-        let found = Command::new("sh")
-            .args(["-c", &format!("command -v {tool}")])
-            .output()
-            .is_ok_and(|o| o.status.success());
-        if !found {
-            return Some(format!("{tool} is not installed"));
-        }
-    }
-    match Command::new("losetup").arg("-f").output() {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(format!(
-            "losetup -f finds no free loop device: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        )),
-        Err(e) => Some(format!("losetup -f: {e}")),
-    }
 }
 
 fn volume_spec(id: &str, capacity_min: &str, extra: &str) -> String {
@@ -166,21 +110,6 @@ fn run_batch(agent: &DevAgent, job: &str, volume: &str, script: &str) -> Result<
     Ok(())
 }
 
-/// Waits until volume `id` has no claims.
-fn wait_unclaimed(agent: &DevAgent, id: &str) -> Result<()> {
-    wait_for(
-        &format!("the claims of volume {id} to be freed"),
-        Duration::from_secs(30),
-        || {
-            let v = agent.cli_json(&["volume", "status", id])?;
-            Ok(
-                (strs(&v["read_allocs"]).is_empty() && strs(&v["write_allocs"]).is_empty())
-                    .then_some(()),
-            )
-        },
-    )
-}
-
 /// The filesystem size the task last wrote (`df -B1` of its mount).
 fn size_seen_by_task(agent: &DevAgent, alloc_id: &str) -> Result<Option<u64>> {
     let path = agent
@@ -198,13 +127,11 @@ fn size_seen_by_task(agent: &DevAgent, alloc_id: &str) -> Result<Option<u64>> {
 
 #[test]
 fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
-    if let Some(why) = no_loop_devices() {
+    if let Some(why) = loop_devices_unusable() {
         println!("skipping: image-backed volumes need loop devices here: {why}");
         return Ok(());
     }
-    let mut loops = LoopCleanup(PathBuf::new());
     let agent = DevAgent::start()?;
-    loops.0 = agent.data_dir.path().to_path_buf();
     agent.cli_ok(&[
         "job",
         "run",
@@ -258,7 +185,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
         );
         assert!(err.contains("expanded it to 41943040 bytes"), "{err}");
         agent.cli_ok(&["job", "stop", "df"])?;
-        wait_unclaimed(&agent, "grow")?;
+        agent.wait_volume_unclaimed("grow")?;
         // The same spec again finishes the expansion.
         let out = agent.cli_ok(&["volume", "create", &large])?;
         assert!(out.contains("requests are updated"), "{out}");
@@ -296,7 +223,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
 
     // Clean up through berth: the loop device goes with the volume.
     agent.cli_ok(&["job", "stop", "df"])?;
-    wait_unclaimed(&agent, "grow")?;
+    agent.wait_volume_unclaimed("grow")?;
     agent.cli_ok(&["volume", "delete", "grow"])?;
     assert!(
         loops_backed_under(agent.data_dir.path()).is_empty(),
@@ -324,7 +251,7 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
         "src",
         "echo 'kept in the snapshot' > \"$BERTH_TASK_DIR/data/hello\"",
     )?;
-    wait_unclaimed(&agent, "src")?;
+    agent.wait_volume_unclaimed("src")?;
 
     // Snapshot it; the list shows the snapshot and where it came from.
     let snap = agent.cli_json(&["volume", "snapshot", "create", "-json", "src", "nightly"])?;
@@ -357,7 +284,7 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
         "src",
         "echo 'changed later' > \"$BERTH_TASK_DIR/data/hello\"",
     )?;
-    wait_unclaimed(&agent, "src")?;
+    agent.wait_volume_unclaimed("src")?;
 
     // A volume made from the snapshot has the data it had.
     let restored = agent.write_file(

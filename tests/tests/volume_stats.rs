@@ -40,7 +40,7 @@ fn wait_stats(
     what: &str,
     want: impl Fn(&Value) -> bool,
 ) -> Result<Value> {
-    wait_for(what, Duration::from_secs(30), || {
+    wait_for(what, Duration::from_secs(60), || {
         let a = server.get(&format!("/v1/allocation/{alloc_id}"))?;
         let s = &a["csi_volume_stats"]["data"];
         Ok((s.is_object() && want(s)).then(|| s.clone()))
@@ -188,11 +188,17 @@ fn volume_stats_and_condition_show_in_alloc_and_volume_status() -> Result<()> {
             .cloned()
             .collect())
     };
-    wait_for("the abnormal event", Duration::from_secs(10), || {
+    wait_for("the abnormal event", Duration::from_secs(60), || {
         Ok((!abnormal_events()?.is_empty()).then_some(()))
-    })?;
+    })
+    .with_context(logs)?;
     // Three more rounds of the same condition: still the one event.
-    std::thread::sleep(Duration::from_secs(3));
+    let rounds = || client.agent.log().matches("volume stats round").count();
+    let rounds_before = rounds();
+    wait_for("three more volume stats rounds", Duration::from_secs(60), || {
+        Ok((rounds() >= rounds_before + 3).then_some(()))
+    })
+    .with_context(logs)?;
     let events = abnormal_events()?;
     assert_eq!(events.len(), 1, "{events:#?}");
     let e = &events[0];
