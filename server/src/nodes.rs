@@ -271,6 +271,13 @@ impl Server {
                         "status update of an alloc placed on another node; ignored");
                     continue;
                 }
+                if u.volume_stats_only && a.client_status.is_terminal() {
+                    // Its volumes are unmounted; a write would also move the
+                    // modify time the volume watcher's reap grace counts from.
+                    tracing::debug!(alloc_id = %a.id, node_id, status = a.client_status.as_str(),
+                        "volume stats of a terminal alloc; ignored");
+                    continue;
+                }
                 let mut a = a.clone();
                 if let Some(mut stats) = u.csi_volume_stats {
                     // Only the group's own volumes.
