@@ -492,22 +492,52 @@ async fn lost_mounts(
     (staging || !targets.is_empty()).then_some(Lost { staging, targets })
 }
 
-/// Whether `path` is a mount point (in `mounts`) that answers: `stat` on a
-/// mount whose backing went away fails with `ENOTCONN`, `ESTALE` or `EIO`.
-/// Run off the async threads: a dead mount may be slow to answer.
+/// How long a mount may take to answer `stat`. One that takes longer (a
+/// hard NFS mount whose server is away, say) is left alone for the round,
+/// so that a round never hangs on it.
+const MOUNT_ANSWER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Whether `path` is a mount point (in `mounts`, by the path mountinfo
+/// shows: symlinks above it resolved) that answers: `stat` on a mount
+/// whose backing went away fails with `ENOTCONN`, `ESTALE` or `EIO`.
 pub async fn mount_is_live(path: &Path, mounts: &HashSet<PathBuf>) -> bool {
-    if !mounts.contains(path) {
+    if !mounts.contains(path) && !mounts.contains(&as_mountinfo_shows(path)) {
         return false;
     }
     let p = path.to_path_buf();
-    tokio::task::spawn_blocking(move || match nix::sys::stat::stat(&p) {
-        Ok(_) => true,
-        Err(Errno::ENOTCONN | Errno::ESTALE | Errno::EIO) => false,
-        // Any other failure (permissions, say) is not a dead mount.
-        Err(_) => true,
+    answers_within(path, MOUNT_ANSWER_TIMEOUT, move || {
+        nix::sys::stat::stat(&p).map(|_| ())
     })
     .await
-    .unwrap_or(true)
+}
+
+/// `path` with its parent resolved, as mountinfo lists mount points. The
+/// last part is not resolved: it may be a dead mount that fails `stat`.
+fn as_mountinfo_shows(path: &Path) -> PathBuf {
+    match (path.parent().map(Path::canonicalize), path.file_name()) {
+        (Some(Ok(parent)), Some(name)) => parent.join(name),
+        _ => path.to_path_buf(),
+    }
+}
+
+/// Runs `stat` off the async threads (a dead mount may be slow to answer);
+/// whether the mount at `path` answered as a live one. Past `limit` it is
+/// taken as live: it is not known dead, and the next round looks again.
+async fn answers_within(
+    path: &Path,
+    limit: Duration,
+    stat: impl FnOnce() -> nix::Result<()> + Send + 'static,
+) -> bool {
+    match tokio::time::timeout(limit, tokio::task::spawn_blocking(stat)).await {
+        Ok(Ok(Ok(()))) => true,
+        Ok(Ok(Err(Errno::ENOTCONN | Errno::ESTALE | Errno::EIO))) => false,
+        // Any other failure (permissions, say) is not a dead mount.
+        Ok(Ok(Err(_))) | Ok(Err(_)) => true,
+        Err(_) => {
+            tracing::warn!(path = %path.display(), waited = ?limit, "a volume mount does not answer; not repairing it this round");
+            true
+        }
+    }
 }
 
 /// The mount points of this mount namespace, read off the async threads.
@@ -536,6 +566,44 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_mount_that_does_not_answer_is_left_alone_without_hanging_the_round() {
+        let (release, parked) = std::sync::mpsc::channel::<()>();
+        let started = std::time::Instant::now();
+        let live = answers_within(Path::new("/hung"), Duration::from_millis(50), move || {
+            // A stat stuck in the kernel, until the test lets go.
+            let _ = parked.recv();
+            Err(Errno::EIO)
+        })
+        .await;
+        assert!(live, "a mount not known dead is not repaired");
+        assert!(started.elapsed() < Duration::from_secs(5));
+        release.send(()).unwrap();
+        assert!(
+            !answers_within(Path::new("/dead"), Duration::from_secs(5), || Err(
+                Errno::ENOTCONN
+            ))
+            .await
+        );
+        assert!(answers_within(Path::new("/ok"), Duration::from_secs(5), || Ok(())).await);
+        assert!(
+            answers_within(Path::new("/denied"), Duration::from_secs(5), || Err(
+                Errno::EACCES
+            ))
+            .await
+        );
+    }
+
+    #[test]
+    fn a_mount_point_is_found_by_the_path_mountinfo_shows() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().canonicalize().unwrap();
+        std::os::unix::fs::symlink(&real, real.join("link")).unwrap();
+        let via_link = real.join("link").join("target");
+        assert_eq!(as_mountinfo_shows(&via_link), real.join("target"));
+        assert_eq!(as_mountinfo_shows(Path::new("/")), PathBuf::from("/"));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn failed_repairs_back_off_and_a_success_clears_it() {
