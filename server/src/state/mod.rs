@@ -69,6 +69,9 @@ pub struct Tables {
     /// write of any node. A write of an alloc's volume stats alone does
     /// not move it (the client is not sent those).
     pub node_allocs_index: BTreeMap<String, u64>,
+    /// The index of the last write that put or deleted an alloc, leaving
+    /// out writes of an alloc's volume stats alone (memory only).
+    pub allocs_state_index: u64,
 }
 
 impl Tables {
@@ -251,6 +254,7 @@ impl StateStore {
                             .is_some_and(|old| old.same_but_volume_stats(&a));
                         if !stats_only {
                             tables.node_allocs_index.insert(a.node_id.clone(), index);
+                            tables.allocs_state_index = index;
                         }
                         if let Some(old) = tables.allocs.insert(a.id.clone(), a) {
                             if !stats_only {
@@ -261,6 +265,7 @@ impl StateStore {
                     Change::DeleteAlloc(k) => {
                         if let Some(old) = tables.allocs.remove(&k) {
                             tables.node_allocs_index.insert(old.node_id, index);
+                            tables.allocs_state_index = index;
                         }
                     }
                     Change::PutNode(n) => {
@@ -403,6 +408,7 @@ mod tests {
         );
         let stats_write = put(&store, vec![Change::PutAlloc(a1.clone())]);
         assert_eq!(at("n1"), Some(first));
+        assert_eq!(store.read(|t| t.allocs_state_index), first);
         store.read(|t| {
             assert_eq!(t.allocs["a1"].modify_index, stats_write);
             assert_eq!(t.allocs["a1"].csi_volume_stats, a1.csi_volume_stats);
@@ -413,6 +419,7 @@ mod tests {
         a1.desired_status = berth_structs::AllocDesiredStatus::Stop;
         let stop = put(&store, vec![Change::PutAlloc(a1)]);
         assert_eq!(at("n1"), Some(stop));
+        assert_eq!(store.read(|t| t.allocs_state_index), stop);
 
         // Moved to another node: both nodes' move.
         let mut a1 = store.read(|t| t.allocs["a1"].clone());
