@@ -205,11 +205,17 @@ pub fn mounts_of_device(rdev: u64) -> Result<Vec<MountEntry>, Error> {
     Ok(table
         .into_iter()
         .filter(|m| {
+            // A bind of the device's node (`/dev/loopN`) shows the
+            // filesystem holding the node, which is devtmpfs on a host but
+            // a tmpfs or an overlay in a container: match by the node's
+            // name, then by the device the mounted file is.
             m.dev == dev
-                || (m.fs_type == "devtmpfs"
-                    && node
-                        .as_deref()
-                        .is_some_and(|n| m.root == Path::new("/").join(n)))
+                || (node
+                    .as_deref()
+                    .is_some_and(|n| m.root.file_name().is_some_and(|f| f == n))
+                    && fs::metadata(&m.mount_point).is_ok_and(|meta| {
+                        meta.file_type().is_block_device() && meta.rdev() == rdev
+                    }))
         })
         .collect())
 }
@@ -383,5 +389,63 @@ garbage line
             "v10 and binds from other filesystems are not v1's"
         );
         assert!(mounts_of_in(&table, Path::new("/var/lib/hp/volumes/v2")).is_empty());
+    }
+
+    /// Lazily unmounts its paths, last first, when dropped.
+    struct Unmount(Vec<PathBuf>);
+
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            for path in self.0.iter().rev() {
+                let _ = umount2(path, MntFlags::MNT_DETACH);
+            }
+        }
+    }
+
+    #[test]
+    fn finds_a_bind_of_a_device_node_kept_on_a_tmpfs() {
+        // As in a container, where /dev is a tmpfs rather than devtmpfs.
+        let rdev = match fs::metadata("/dev/loop0") {
+            Ok(meta) if meta.file_type().is_block_device() => meta.rdev(),
+            _ => return eprintln!("skipping: no /dev/loop0 here"),
+        };
+        if !nix::unistd::Uid::effective().is_root() {
+            return eprintln!("skipping: mounting needs root");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let dev_dir = root.join("dev");
+        fs::create_dir(&dev_dir).unwrap();
+        mount(
+            Some("tmpfs"),
+            &dev_dir,
+            Some("tmpfs"),
+            MsFlags::empty(),
+            None::<&str>,
+        )
+        .unwrap();
+        let mut mounted = Unmount(vec![dev_dir.clone()]);
+        let node = dev_dir.join("loop0");
+        let made = std::process::Command::new("mknod")
+            .arg(&node)
+            .arg("b")
+            .arg(nix::sys::stat::major(rdev).to_string())
+            .arg(nix::sys::stat::minor(rdev).to_string())
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let target = root.join("target");
+        make_mount_file(&target).unwrap();
+        bind_mount(&node, &target).unwrap();
+        mounted.0.push(target.clone());
+
+        let users = mounts_of_device(rdev).unwrap();
+        assert!(
+            users.iter().any(|m| m.mount_point == target),
+            "the bind of the device node is a user of the device: {users:#?}"
+        );
+        drop(mounted);
+        let users = mounts_of_device(rdev).unwrap();
+        assert!(!users.iter().any(|m| m.mount_point == target), "{users:#?}");
     }
 }
