@@ -29,7 +29,7 @@ use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use berth_proto::csi::v1 as csi;
 use berth_structs::{AttachmentMode, CsiPluginType, NodeEvent};
 use nix::errno::Errno;
-use tokio::sync::broadcast;
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -83,33 +83,27 @@ pub struct VolumeRepair {
 /// watch: the alloc's mounts are no longer repaired.
 pub struct RepairWatch {
     alloc_id: String,
-    rx: broadcast::Receiver<VolumeRepair>,
+    id: u64,
+    rx: mpsc::UnboundedReceiver<VolumeRepair>,
     repairs: Arc<Repairs>,
 }
 
 impl RepairWatch {
-    /// The next repair of a volume of the alloc. `None` once the manager
-    /// is gone.
+    /// The next repair of a volume of the alloc. Every repair of the
+    /// alloc's volumes while the watch lives is handed on (a missed one
+    /// would leave the task bound to the dead mount). Pends until one
+    /// comes.
     pub async fn next(&mut self) -> Option<VolumeRepair> {
-        loop {
-            match self.rx.recv().await {
-                Ok(r) if r.alloc_id == self.alloc_id => return Some(r),
-                Ok(_) => {}
-                Err(broadcast::error::RecvError::Lagged(n)) => {
-                    tracing::warn!(alloc_id = %self.alloc_id, missed = n, "missed volume repair notices");
-                }
-                Err(broadcast::error::RecvError::Closed) => return None,
-            }
-        }
+        self.rx.recv().await
     }
 }
 
 impl Drop for RepairWatch {
     fn drop(&mut self) {
         let mut watched = lock(&self.repairs.watched);
-        if let Some(n) = watched.get_mut(&self.alloc_id) {
-            *n -= 1;
-            if *n == 0 {
+        if let Some(watches) = watched.get_mut(&self.alloc_id) {
+            watches.retain(|(id, _)| *id != self.id);
+            if watches.is_empty() {
                 watched.remove(&self.alloc_id);
             }
         }
@@ -126,11 +120,12 @@ struct Retry {
 pub(crate) struct Repairs {
     /// The secrets each alloc's mount was made with, by stub key and alloc.
     secrets: Mutex<HashMap<(String, String), BTreeMap<String, String>>>,
-    /// Allocs whose mounts are repaired, with their number of watches.
-    watched: Mutex<HashMap<String, usize>>,
+    /// Allocs whose mounts are repaired, with their watches (by ID): each
+    /// hears of the alloc's repairs only.
+    watched: Mutex<HashMap<String, Vec<(u64, mpsc::UnboundedSender<VolumeRepair>)>>>,
+    next_watch: std::sync::atomic::AtomicU64,
     /// Volumes (stub keys) whose last repair failed.
     retries: Mutex<HashMap<String, Retry>>,
-    sender: broadcast::Sender<VolumeRepair>,
     /// The first wait after a failed repair.
     min_backoff: Duration,
 }
@@ -140,8 +135,8 @@ impl Repairs {
         Arc::new(Repairs {
             secrets: Mutex::default(),
             watched: Mutex::default(),
+            next_watch: std::sync::atomic::AtomicU64::new(0),
             retries: Mutex::default(),
-            sender: broadcast::channel(256).0,
             min_backoff,
         })
     }
@@ -186,6 +181,34 @@ impl Repairs {
             .unwrap_or_default()
     }
 
+    /// Starts a watch of `alloc_id`'s repairs.
+    fn watch(self: &Arc<Self>, alloc_id: &str) -> RepairWatch {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = self
+            .next_watch
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        lock(&self.watched)
+            .entry(alloc_id.to_string())
+            .or_default()
+            .push((id, tx));
+        RepairWatch {
+            alloc_id: alloc_id.to_string(),
+            id,
+            rx,
+            repairs: self.clone(),
+        }
+    }
+
+    /// Hands `repair` to the watches of its alloc (there may be none: the
+    /// alloc's watch just ended).
+    fn notify(&self, repair: VolumeRepair) {
+        if let Some(watches) = lock(&self.watched).get(&repair.alloc_id) {
+            for (_, tx) in watches {
+                let _ = tx.send(repair.clone());
+            }
+        }
+    }
+
     fn watched_allocs(&self) -> HashSet<String> {
         lock(&self.watched).keys().cloned().collect()
     }
@@ -221,15 +244,7 @@ impl CsiManager {
     /// Starts watching the repairs of `alloc_id`'s volumes: while a watch
     /// lives, lost mounts of the alloc are made again and reported to it.
     pub fn watch_repairs(&self, alloc_id: &str) -> RepairWatch {
-        let rx = self.repairs.sender.subscribe();
-        *lock(&self.repairs.watched)
-            .entry(alloc_id.to_string())
-            .or_default() += 1;
-        RepairWatch {
-            alloc_id: alloc_id.to_string(),
-            rx,
-            repairs: self.repairs.clone(),
-        }
+        self.repairs.watch(alloc_id)
     }
 
     /// One repair round: for each volume usage of a watched alloc whose
@@ -453,8 +468,7 @@ impl CsiManager {
             event = event.with_detail("error", e.to_string());
         }
         self.events.emit(event);
-        // Nobody may be listening (the alloc's watch just ended): fine.
-        let _ = self.repairs.sender.send(VolumeRepair {
+        self.repairs.notify(VolumeRepair {
             alloc_id: alloc_id.to_string(),
             plugin_id: plugin_id.clone(),
             volume_id: volume_id.clone(),
@@ -603,6 +617,54 @@ mod tests {
         let via_link = real.join("link").join("target");
         assert_eq!(as_mountinfo_shows(&via_link), real.join("target"));
         assert_eq!(as_mountinfo_shows(Path::new("/")), PathBuf::from("/"));
+    }
+
+    fn repair_of(alloc_id: &str, volume_id: &str) -> VolumeRepair {
+        VolumeRepair {
+            alloc_id: alloc_id.into(),
+            plugin_id: "hostpath".into(),
+            volume_id: volume_id.into(),
+            target: PathBuf::from(format!("/csi/{alloc_id}/{volume_id}")),
+            what: LostMount::Publish,
+            error: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_watch_hears_every_repair_of_its_alloc_however_many_others_are_repaired() {
+        let repairs = Repairs::new(Duration::from_secs(1));
+        let mut mine = repairs.watch("a1");
+        let mut other = repairs.watch("a2");
+        let mut second_task = repairs.watch("a1");
+        repairs.notify(repair_of("a1", "first"));
+        // A plugin restart on a busy node: many other allocs' volumes are
+        // repaired before this alloc's tasks get to look.
+        for i in 0..1000 {
+            repairs.notify(repair_of("a2", &format!("v{i}")));
+        }
+        repairs.notify(repair_of("a1", "last"));
+        for watch in [&mut mine, &mut second_task] {
+            for want in ["first", "last"] {
+                let got = tokio::time::timeout(Duration::from_secs(5), watch.next())
+                    .await
+                    .expect("the alloc's repair is handed on")
+                    .unwrap();
+                assert_eq!(
+                    (got.alloc_id.as_str(), got.volume_id.as_str()),
+                    ("a1", want)
+                );
+            }
+        }
+        assert_eq!(other.next().await.unwrap().volume_id, "v0");
+        // A watch that ends stops being watched; the alloc stays watched
+        // while another of its watches lives.
+        drop(mine);
+        assert!(repairs.watched_allocs().contains("a1"));
+        drop(second_task);
+        assert!(!repairs.watched_allocs().contains("a1"));
+        repairs.notify(repair_of("a1", "unheard"));
+        drop(other);
+        assert!(repairs.watched_allocs().is_empty());
     }
 
     #[tokio::test(start_paused = true)]
