@@ -9,7 +9,7 @@ mod common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use berth_proto::csi::v1::controller_client::ControllerClient;
@@ -25,36 +25,6 @@ use tonic::Code;
 use common::*;
 
 const NODE_KEY: &str = "topology.hostpath.csi/node";
-
-/// Detaches, when dropped, every loop device still attached to an image in
-/// a state directory, so a failing test leaves none behind. Bound before
-/// the plugin's clients (so dropped after them), it runs once the plugin is
-/// killed and the harness has unmounted what it left.
-struct LoopCleanup(PathBuf);
-
-impl Drop for LoopCleanup {
-    fn drop(&mut self) {
-        let Ok(images) = fs::read_dir(self.0.join("images")) else {
-            return;
-        };
-        let images: Vec<PathBuf> = images
-            .flatten()
-            .filter_map(|e| fs::canonicalize(e.path()).ok())
-            .collect();
-        let Ok(devices) = fs::read_dir("/sys/block") else {
-            return;
-        };
-        for device in devices.flatten() {
-            let Ok(backing) = fs::read_to_string(device.path().join("loop/backing_file")) else {
-                continue;
-            };
-            if images.iter().any(|i| i == Path::new(backing.trim_end())) {
-                let dev = Path::new("/dev").join(device.file_name());
-                let _ = Command::new("losetup").arg("-d").arg(dev).status();
-            }
-        }
-    }
-}
 
 /// Whether loop devices and mkfs.ext4 can be used here; prints why not.
 fn images_usable() -> bool {
@@ -689,7 +659,6 @@ async fn image_volumes_snapshot_restore_bigger_and_expand() {
         return;
     }
     let process = PluginProcess::start(&["--node-id", "node-a"]);
-    let _loops = LoopCleanup(process.state_dir.clone());
     let mut plugin = Instance::connect(process).await;
     let image = |name: &str, bytes: i64, source: Option<Type>| {
         let mut req = create_request(name, bytes, 0);

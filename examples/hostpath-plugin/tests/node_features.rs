@@ -24,25 +24,6 @@ use tonic::Code;
 
 use common::*;
 
-/// Detaches, when dropped, every loop device still attached to an image in
-/// the state directory, so a failing test leaves none behind. (A device
-/// that is still mounted is detached by the kernel once the plugin guard
-/// has unmounted it.)
-struct LoopCleanup(PathBuf);
-
-impl Drop for LoopCleanup {
-    fn drop(&mut self) {
-        let Ok(images) = fs::read_dir(self.0.join("images")) else {
-            return;
-        };
-        for image in images.flatten() {
-            if let Some(dev) = loop_of(&image.path()) {
-                let _ = Command::new("losetup").arg("-d").arg(dev).status();
-            }
-        }
-    }
-}
-
 /// The loop device attached to `image`, from sysfs.
 fn loop_of(image: &Path) -> Option<PathBuf> {
     let image = fs::canonicalize(image).ok()?;
@@ -238,7 +219,6 @@ async fn image_volume_is_an_ext4_filesystem_that_expands() {
         return;
     }
     let mut plugin = PluginProcess::start(&["--node-id=node-i"]);
-    let _loops = LoopCleanup(plugin.state_dir.clone());
     let channel = plugin.connect().await;
     let mut controller = ControllerClient::new(channel.clone());
     let mut node = NodeClient::new(channel);
@@ -370,7 +350,6 @@ async fn block_volume_bytes_survive_from_one_publish_to_the_next() {
         return;
     }
     let mut plugin = PluginProcess::start(&["--node-id=node-b"]);
-    let _loops = LoopCleanup(plugin.state_dir.clone());
     let channel = plugin.connect().await;
     let mut controller = ControllerClient::new(channel.clone());
     let mut node = NodeClient::new(channel);

@@ -1,7 +1,8 @@
 //! The harness shared by the plugin's integration tests: the real
 //! `hostpath-plugin` binary on a temporary unix socket, a gRPC channel to it,
 //! and requests and mount-table helpers. Dropping a `PluginProcess` kills the
-//! plugin and unmounts what is left under its directory.
+//! plugin, unmounts what is left under its directory and detaches the loop
+//! devices of the images there.
 
 // Each test binary uses part of the harness.
 #![allow(dead_code)]
@@ -172,10 +173,34 @@ impl Drop for PluginProcess {
                 let _ = umount2(&mount_point, MntFlags::MNT_DETACH);
             }
         }
+        // The last instance on the directory detaches the loop devices of
+        // its images (one still held by a lazily unmounted filesystem is
+        // cleared by the kernel on its last close).
+        if Arc::strong_count(&self._dir) == 1 {
+            for dev in loops_backed_under(&self.root) {
+                let _ = Command::new("losetup").arg("-d").arg(dev).status();
+            }
+        }
         if std::thread::panicking() {
             let _ = writeln!(io::stderr(), "--- plugin log ---\n{}", self.logs());
         }
     }
+}
+
+/// The loop devices whose backing file lies under `dir`, from sysfs.
+pub fn loops_backed_under(dir: &Path) -> Vec<PathBuf> {
+    let Ok(devices) = fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    devices
+        .flatten()
+        .filter_map(|device| {
+            let backing = fs::read_to_string(device.path().join("loop/backing_file")).ok()?;
+            Path::new(backing.trim_end())
+                .starts_with(dir)
+                .then(|| Path::new("/dev").join(device.file_name()))
+        })
+        .collect()
 }
 
 /// Mount points (with their options) at or below `dir`, read straight from
