@@ -125,7 +125,9 @@ async fn stream_allocations(
     node_id: String,
     tx: mpsc::Sender<Result<pb::AllocationsUpdate, Status>>,
 ) {
-    let mut index_rx = server.store.subscribe();
+    // Woken by writes of nodes and allocs only: not by the volume stats
+    // every node reports, nor by jobs and volumes.
+    let mut index_rx = server.store.subscribe_allocs_and_nodes();
     let mut shutdown = server.shutdown_rx();
     // What was last sent of each alloc: see `AllocSent`.
     let mut last: Option<BTreeMap<String, AllocSent>> = None;

@@ -152,6 +152,9 @@ pub struct StateStore {
     tables: RwLock<Tables>,
     writer: Mutex<()>,
     index_tx: watch::Sender<u64>,
+    /// The index of the last write that changed a node or an alloc (but
+    /// for its volume stats alone): what alloc watches wait on.
+    allocs_or_nodes_tx: watch::Sender<u64>,
 }
 
 impl StateStore {
@@ -159,11 +162,13 @@ impl StateStore {
     pub fn open(backend: Box<dyn Backend>) -> Result<StateStore, StoreError> {
         let tables = backend.load()?;
         let (index_tx, _) = watch::channel(tables.index);
+        let (allocs_or_nodes_tx, _) = watch::channel(tables.index);
         Ok(StateStore {
             backend,
             tables: RwLock::new(tables),
             writer: Mutex::new(()),
             index_tx,
+            allocs_or_nodes_tx,
         })
     }
 
@@ -202,6 +207,13 @@ impl StateStore {
         self.index_tx.subscribe()
     }
 
+    /// A receiver that sees the index of each write that changed a node or
+    /// an alloc, leaving out writes of an alloc's volume stats alone (which
+    /// nodes send all the time, and which alloc watches do not send).
+    pub fn subscribe_allocs_and_nodes(&self) -> watch::Receiver<u64> {
+        self.allocs_or_nodes_tx.subscribe()
+    }
+
     /// Wait until the index is greater than `min_index`, or `timeout`
     /// passes. Returns the index then.
     pub async fn wait_for_index(&self, min_index: u64, timeout: Duration) -> u64 {
@@ -233,7 +245,7 @@ impl StateStore {
             (result, index)
         };
         self.backend.commit(index, &changes)?;
-        {
+        let allocs_or_nodes = {
             let mut tables = self.tables.write().unwrap_or_else(|p| p.into_inner());
             for change in changes {
                 tables.table_index.insert(change.table(), index);
@@ -287,8 +299,13 @@ impl StateStore {
                 }
             }
             tables.index = index;
-        }
+            tables.allocs_state_index == index
+                || tables.table_index.get(&Table::Nodes) == Some(&index)
+        };
         self.index_tx.send_replace(index);
+        if allocs_or_nodes {
+            self.allocs_or_nodes_tx.send_replace(index);
+        }
         Ok((result, index))
     }
 }
@@ -406,9 +423,12 @@ mod tests {
                 ..Default::default()
             },
         );
+        let mut woken = store.subscribe_allocs_and_nodes();
+        woken.mark_unchanged();
         let stats_write = put(&store, vec![Change::PutAlloc(a1.clone())]);
         assert_eq!(at("n1"), Some(first));
         assert_eq!(store.read(|t| t.allocs_state_index), first);
+        assert!(!woken.has_changed().unwrap(), "alloc watches are not woken");
         store.read(|t| {
             assert_eq!(t.allocs["a1"].modify_index, stats_write);
             assert_eq!(t.allocs["a1"].csi_volume_stats, a1.csi_volume_stats);
@@ -420,6 +440,16 @@ mod tests {
         let stop = put(&store, vec![Change::PutAlloc(a1)]);
         assert_eq!(at("n1"), Some(stop));
         assert_eq!(store.read(|t| t.allocs_state_index), stop);
+        assert_eq!(*woken.borrow_and_update(), stop);
+        // So does a node's write (a purge ends the node's watch).
+        put(
+            &store,
+            vec![Change::PutNode(Node {
+                id: "n1".into(),
+                ..Node::default()
+            })],
+        );
+        assert!(woken.has_changed().unwrap());
 
         // Moved to another node: both nodes' move.
         let mut a1 = store.read(|t| t.allocs["a1"].clone());
