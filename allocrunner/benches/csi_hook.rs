@@ -241,9 +241,13 @@ fn start_plugin(dir: &Path) -> (Plugin, PathBuf) {
         .stderr(Stdio::null())
         .spawn()
         .expect("start hostpath-plugin (cargo build -p hostpath-plugin first)");
-    let plugin = Plugin(child);
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut plugin = Plugin(child);
+    // Generous: CI runs this on a busy machine.
+    let deadline = Instant::now() + Duration::from_secs(60);
     while !socket.exists() {
+        if let Ok(Some(status)) = plugin.0.try_wait() {
+            panic!("hostpath-plugin exited before it listened ({status})");
+        }
         assert!(
             Instant::now() < deadline,
             "the plugin socket never appeared"
