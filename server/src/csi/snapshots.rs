@@ -11,6 +11,7 @@ use berth_structs::CsiSnapshot;
 
 use crate::error::ServerError;
 use crate::server::Server;
+use crate::state::Tables;
 
 /// A snapshot to take of a volume (`PUT /v1/volumes/snapshot`).
 #[derive(Clone, Default, serde::Deserialize)]
@@ -52,19 +53,26 @@ fn unsupported_is_bad_request(e: ServerError) -> ServerError {
     }
 }
 
+/// The berth volumes of `plugin_id`, by their external ID.
+fn volumes_by_external_id(t: &Tables, plugin_id: &str) -> HashMap<String, String> {
+    t.volumes
+        .values()
+        .filter(|v| v.plugin_id == plugin_id && !v.external_id.is_empty())
+        .map(|v| (v.external_id.clone(), v.id.clone()))
+        .collect()
+}
+
 impl Server {
-    fn snapshot_of(&self, plugin_id: &str, s: pb::Snapshot) -> CsiSnapshot {
-        let source_volume_id = self.store.read(|t| {
-            t.volumes
-                .values()
-                .find(|v| {
-                    v.plugin_id == plugin_id
-                        && !s.source_external_id.is_empty()
-                        && v.external_id == s.source_external_id
-                })
-                .map(|v| v.id.clone())
-                .unwrap_or_default()
-        });
+    /// `s` as berth shows it; `volumes` are [`volumes_by_external_id`].
+    fn snapshot_of(
+        plugin_id: &str,
+        volumes: &HashMap<String, String>,
+        s: pb::Snapshot,
+    ) -> CsiSnapshot {
+        let source_volume_id = volumes
+            .get(&s.source_external_id)
+            .cloned()
+            .unwrap_or_default();
         CsiSnapshot {
             id: s.snapshot_id,
             name: String::new(),
@@ -119,7 +127,10 @@ impl Server {
                 "node {controller} answered CreateSnapshot with another kind of reply"
             )));
         };
-        let mut snapshot = self.snapshot_of(&vol.plugin_id, s);
+        let volumes = self
+            .store
+            .read(|t| volumes_by_external_id(t, &vol.plugin_id));
+        let mut snapshot = Self::snapshot_of(&vol.plugin_id, &volumes, s);
         snapshot.name = name;
         if snapshot.source_volume_id.is_empty() {
             snapshot.source_volume_id = vol.id.clone();
@@ -170,10 +181,13 @@ impl Server {
                     "node {controller} answered ListSnapshots with another kind of reply"
                 )));
             };
+            // One look-up table per plugin, not a scan of every volume per
+            // snapshot.
+            let volumes = self.store.read(|t| volumes_by_external_id(t, &p));
             let mut snapshots: Vec<CsiSnapshot> = list
                 .snapshots
                 .into_iter()
-                .map(|s| self.snapshot_of(&p, s))
+                .map(|s| Self::snapshot_of(&p, &volumes, s))
                 .collect();
             snapshots.sort_by(|a, b| (a.create_time_ms, &a.id).cmp(&(b.create_time_ms, &b.id)));
             out.extend(snapshots);
