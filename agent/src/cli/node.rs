@@ -386,7 +386,7 @@ pub fn topologies_text(list: &Value) -> String {
 /// The rows of a node's CSI plugins: ID, type (node or controller),
 /// health and the node plugin's topology; nothing when it runs none.
 pub fn plugin_table(node: &Value) -> Vec<String> {
-    let mut rows: Vec<[String; 4]> = Vec::new();
+    let mut rows: Vec<Vec<String>> = Vec::new();
     for (kind, field) in [
         ("node", "csi_node_plugins"),
         ("controller", "csi_controller_plugins"),
@@ -397,7 +397,7 @@ pub fn plugin_table(node: &Value) -> Vec<String> {
             } else {
                 "-".to_string()
             };
-            rows.push([
+            rows.push(vec![
                 id.clone(),
                 kind.to_string(),
                 p["healthy"].as_bool().unwrap_or(false).to_string(),
@@ -409,23 +409,13 @@ pub fn plugin_table(node: &Value) -> Vec<String> {
         return Vec::new();
     }
     rows.sort();
-    let header = ["ID", "Type", "Healthy", "Topology"].map(String::from);
-    let width = |i: usize| {
-        rows.iter()
-            .chain([&header])
-            .map(|r| r[i].chars().count())
-            .max()
-            .unwrap_or(0)
-    };
-    let (w0, w1, w2) = (width(0), width(1), width(2));
-    std::iter::once(&header)
-        .chain(rows.iter())
-        .map(|r| {
-            format!("{:<w0$}  {:<w1$}  {:<w2$}  {}", r[0], r[1], r[2], r[3])
-                .trim_end()
-                .to_string()
-        })
-        .collect()
+    rows.insert(
+        0,
+        ["ID", "Type", "Healthy", "Topology"]
+            .map(String::from)
+            .to_vec(),
+    );
+    super::volume_stats::table(&rows)
 }
 
 #[cfg(test)]

@@ -85,12 +85,14 @@ pub fn snapshot_list(args: &[String]) -> Result<i32> {
     Ok(0)
 }
 
-/// The rows `snapshot list` prints, header first.
+/// The rows `snapshot list` prints, header first, in columns as wide as
+/// their widest cell.
 pub fn snapshot_table(snapshots: &Value) -> Vec<String> {
-    let mut rows = vec![format!(
-        "{:<40} {:<14} {:<20} {:>12} {:<24} {:<5}",
-        "ID", "Plugin", "Source Volume", "Size", "Created", "Ready"
-    )];
+    let mut rows = vec![
+        ["ID", "Plugin", "Source Volume", "Size", "Created", "Ready"]
+            .map(String::from)
+            .to_vec(),
+    ];
     for s in snapshots.as_array().into_iter().flatten() {
         let source = match s["source_volume_id"].as_str().filter(|v| !v.is_empty()) {
             Some(v) => v.to_string(),
@@ -99,17 +101,16 @@ pub fn snapshot_table(snapshots: &Value) -> Vec<String> {
                 .unwrap_or_default()
                 .to_string(),
         };
-        rows.push(format!(
-            "{:<40} {:<14} {:<20} {:>12} {:<24} {:<5}",
-            s["id"].as_str().unwrap_or_default(),
-            s["plugin_id"].as_str().unwrap_or_default(),
+        rows.push(vec![
+            s["id"].as_str().unwrap_or_default().to_string(),
+            s["plugin_id"].as_str().unwrap_or_default().to_string(),
             source,
             crate::http::describe_size(s["size_bytes"].as_u64().unwrap_or(0)),
             created_text(s["create_time_ms"].as_i64().unwrap_or(0)),
-            s["ready_to_use"].as_bool().unwrap_or(false)
-        ));
+            s["ready_to_use"].as_bool().unwrap_or(false).to_string(),
+        ]);
     }
-    rows
+    super::volume_stats::table(&rows)
 }
 
 /// A creation time in UTC, `2026-12-01T10:20:00Z`; `-` when unknown.
@@ -206,6 +207,29 @@ mod tests {
         assert_eq!(created_text(1_000), "1970-01-01T00:00:01Z");
         assert_eq!(created_text(1_796_120_000_000), "2026-12-01T10:13:20Z");
         assert_eq!(created_text(951_782_400_000), "2000-02-29T00:00:00Z");
+    }
+
+    #[test]
+    fn the_snapshot_table_is_aligned_whatever_the_id_lengths() {
+        let rows = snapshot_table(&json!([
+            {"id": "snap-0123456789abcdef0123456789abcdef0123456789", "plugin_id": "hostpath.csi.example.com",
+             "source_volume_id": "data", "size_bytes": 1u64 << 20, "create_time_ms": 1_000, "ready_to_use": true},
+            {"id": "s2", "plugin_id": "hp", "source_volume_id": "",
+             "external_source_volume_id": "ext-1", "size_bytes": 0, "ready_to_use": false},
+        ]));
+        assert_eq!(rows.len(), 3, "{rows:#?}");
+        // Every column starts at the same place on every row.
+        for column in ["Plugin", "Source Volume", "Size", "Created", "Ready"] {
+            let at = rows[0].find(column).unwrap();
+            assert!(
+                rows[1..]
+                    .iter()
+                    .all(|r| r.len() > at && &r[at - 2..at] == "  " && !r[at..].starts_with(' ')),
+                "{column}: {rows:#?}"
+            );
+        }
+        assert!(rows[2].contains("ext-1"), "{rows:#?}");
+        assert!(rows.iter().all(|r| !r.ends_with(' ')), "{rows:#?}");
     }
 
     #[test]

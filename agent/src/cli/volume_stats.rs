@@ -77,7 +77,7 @@ const STATS_HEADER: [&str; 4] = [
 
 /// Rows in aligned columns; the last column of a row may run past the
 /// others' widths (a row with fewer columns than the header).
-fn table(rows: &[Vec<String>]) -> Vec<String> {
+pub(super) fn table(rows: &[Vec<String>]) -> Vec<String> {
     let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
     let mut widths = vec![0; columns];
     for row in rows {
