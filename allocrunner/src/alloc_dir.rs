@@ -151,7 +151,7 @@ impl AllocDir {
     /// volume's data. The dir is then kept, and the caller tries again
     /// later.
     pub fn destroy(&self) -> Result<(), AllocRunnerError> {
-        self.destroy_with(|m| nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH))
+        self.destroy_with(berth_csimanager::mountinfo::detach_all)
     }
 
     /// [`Self::destroy`] with `unmount` for each mount below the dir.
@@ -302,6 +302,18 @@ mod tests {
             std::fs::read_to_string(volume.join("precious")).unwrap(),
             "keep me"
         );
+    }
+
+    #[test]
+    fn destroy_detaches_mounts_stacked_at_one_place_in_one_go() {
+        let (_tmp, _guard, dir, volume) = alloc_with_bound_volume();
+        // The same volume bound again over the first bind (a repaired
+        // mount bound anew, say).
+        let target = dir.path().canonicalize().unwrap().join("web/data");
+        bind(&volume, &target);
+        dir.destroy().unwrap();
+        assert!(!dir.path().exists());
+        assert!(volume.join("precious").is_file());
     }
 
     #[test]

@@ -629,17 +629,11 @@ impl CsiManager {
         Ok(())
     }
 
-    /// Hands a node event to the sink (the volume stats loop's condition
-    /// transitions).
-    pub(crate) fn emit_node_event(&self, event: NodeEvent) {
-        self.events.emit(event);
-    }
-
     fn lock_state(&self) -> std::sync::MutexGuard<'_, FingerprintState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Sends a node event.
+    /// Sends a node event (orphaned mounts, volume condition transitions).
     pub(crate) fn emit_event(&self, event: NodeEvent) {
         self.events.emit(event);
     }

@@ -337,7 +337,7 @@ impl CsiManager {
                 "volume stats round"
             );
             for e in outcome.events {
-                self.emit_node_event(e);
+                self.emit_event(e);
             }
             for (alloc_id, stats) in outcome.reports {
                 sink.volume_stats_changed(&alloc_id, stats).await;
