@@ -247,6 +247,19 @@ pub fn only_alloc(agent: &DevAgent, job: &str) -> Result<Value> {
     }
 }
 
+/// What the plugin task of alloc `alloc_id` (task `plugin`, as in the
+/// example plugin job) wrote to stderr so far, below agent data dir
+/// `data_dir`; the plugin logs every mount and unmount there.
+pub fn plugin_stderr(data_dir: &Path, alloc_id: &str) -> String {
+    std::fs::read_to_string(
+        data_dir
+            .join("alloc")
+            .join(alloc_id)
+            .join("alloc/logs/plugin.stderr.0"),
+    )
+    .unwrap_or_default()
+}
+
 /// Polls `f` until it returns `Ok(Some(v))`, or fails after `timeout` with
 /// the last error or `what`.
 pub fn wait_for<T>(
@@ -425,15 +438,20 @@ impl DevAgent {
     /// Runs the example plugin job, waits until the plugin is healthy, and
     /// creates the example volume `data` through it.
     pub fn run_plugin_and_create_volume(&self) -> Result<()> {
+        self.run_example_plugin()?;
+        self.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
+        Ok(())
+    }
+
+    /// Runs the example plugin job and waits until the plugin is healthy.
+    pub fn run_example_plugin(&self) -> Result<()> {
         self.cli_ok(&[
             "job",
             "run",
             "-detach",
             &example("jobs/hostpath-plugin.hcl"),
         ])?;
-        self.wait_plugin_healthy("hostpath")?;
-        self.cli_ok(&["volume", "create", &example("volumes/hostpath.hcl")])?;
-        Ok(())
+        self.wait_plugin_healthy("hostpath")
     }
 
     /// The agent process's PID, while it runs.

@@ -111,13 +111,7 @@ fn bytes_written_to_a_block_volume_are_read_back_by_a_later_alloc() -> Result<()
     }
     let agent = DevAgent::start()?;
 
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &berth_tests::example("jobs/hostpath-plugin.hcl"),
-    ])?;
-    agent.wait_plugin_healthy("hostpath")?;
+    agent.run_example_plugin()?;
     let spec = agent.write_file("disk.hcl", VOLUME)?;
     agent.cli_ok(&["volume", "create", &spec])?;
 
@@ -198,13 +192,7 @@ fn job_mount_flags_replace_the_volume_s_on_the_image_s_mounts() -> Result<()> {
         return Ok(());
     }
     let agent = DevAgent::start()?;
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &berth_tests::example("jobs/hostpath-plugin.hcl"),
-    ])?;
-    agent.wait_plugin_healthy("hostpath")?;
+    agent.run_example_plugin()?;
     let volume = r#"
 id        = "fsvol"
 name      = "fsvol"

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use berth_tests::cluster::{marked_service_job, with_status, writer_volume, Client, Server};
-use berth_tests::{example, mounts_under, node_events, wait_for};
+use berth_tests::{example, mounts_under, node_events, plugin_stderr, wait_for};
 use serde_json::Value;
 
 const ALLOCS: redb::TableDefinition<&str, &[u8]> = redb::TableDefinition::new("allocs");
@@ -35,17 +35,6 @@ fn damage_alloc_record(data_dir: &Path, alloc_id: &str) -> Result<()> {
     }
     tx.commit()?;
     Ok(())
-}
-
-/// The plugin alloc's stderr (the plugin logs every unmount).
-fn plugin_log(data_dir: &Path, alloc_id: &str) -> String {
-    std::fs::read_to_string(
-        data_dir
-            .join("alloc")
-            .join(alloc_id)
-            .join("alloc/logs/plugin.stderr.0"),
-    )
-    .unwrap_or_default()
 }
 
 fn id(v: &Value) -> String {
@@ -132,7 +121,7 @@ fn mounts_of_an_alloc_that_was_not_restored_are_removed_through_the_plugin_at_st
     assert_eq!(event_for(&publish[0])?["details"]["volume_id"], "data");
 
     // The plugin unpublished and unstaged.
-    let log = plugin_log(&data_dir, &plugin_alloc);
+    let log = plugin_stderr(&data_dir, &plugin_alloc);
     for path in [&publish[0], &staging[0]] {
         let shown = path.display().to_string();
         assert!(

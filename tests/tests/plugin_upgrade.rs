@@ -19,7 +19,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use berth_tests::{
     csi_volume_service_job, example, example_with, mounts_under, node_events, only_alloc,
-    processes_with_cmdline, task_events, wait_alloc_running, wait_for, DevAgent,
+    plugin_stderr, processes_with_cmdline, task_events, wait_alloc_running, wait_for, DevAgent,
 };
 use serde_json::Value;
 
@@ -81,16 +81,6 @@ fn id_of(a: &Value) -> String {
 /// The plugin process of the alloc `alloc_id` (its socket path names it).
 fn plugin_pids(alloc_id: &str) -> Vec<i32> {
     processes_with_cmdline(&format!("/hostpath/{alloc_id}/csi.sock"))
-}
-
-fn plugin_log(data_dir: &Path, alloc_id: &str) -> String {
-    std::fs::read_to_string(
-        data_dir
-            .join("alloc")
-            .join(alloc_id)
-            .join("alloc/logs/plugin.stderr.0"),
-    )
-    .unwrap_or_default()
 }
 
 /// The lines the reader appended so far.
@@ -212,7 +202,7 @@ fn finish(
     old_id: &str,
     new_id: &str,
 ) -> Result<()> {
-    let old_log_before = plugin_log(data_dir, old_id);
+    let old_log_before = plugin_stderr(data_dir, old_id);
     agent.cli_ok(&["job", "stop", "reading"])?;
     wait_for("the reader to finish", Duration::from_secs(60), || {
         let a = agent.cli_json(&["alloc", "status", &reader.alloc_id])?;
@@ -239,14 +229,14 @@ fn finish(
         "a mount or unmount failed: {storage:?}"
     );
     // Unpublish and unstage went through the new instance.
-    let new_log = plugin_log(data_dir, new_id);
+    let new_log = plugin_stderr(data_dir, new_id);
     let unmounts = new_log.matches("unmounted volume").count();
     assert!(
         unmounts >= 2,
         "the new plugin instance should have unpublished and unstaged: {new_log}"
     );
     assert_eq!(
-        plugin_log(data_dir, old_id),
+        plugin_stderr(data_dir, old_id),
         old_log_before,
         "the old instance, gone, logged nothing more"
     );

@@ -11,8 +11,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use berth_tests::{
-    example, loop_devices_unusable, loops_backed_under, only_alloc, wait_alloc_running, wait_for,
-    DevAgent,
+    loop_devices_unusable, loops_backed_under, only_alloc, wait_alloc_running, wait_for, DevAgent,
 };
 use serde_json::Value;
 
@@ -132,13 +131,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
         return Ok(());
     }
     let agent = DevAgent::start()?;
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &example("jobs/hostpath-plugin.hcl"),
-    ])?;
-    agent.wait_plugin_healthy("hostpath")?;
+    agent.run_example_plugin()?;
 
     let backing = "parameters {\n  backing = \"image\"\n}";
     let small = agent.write_file("grow-20.hcl", &volume_spec("grow", "20MiB", backing))?;
@@ -235,13 +228,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
 #[test]
 fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> {
     let agent = DevAgent::start()?;
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &example("jobs/hostpath-plugin.hcl"),
-    ])?;
-    agent.wait_plugin_healthy("hostpath")?;
+    agent.run_example_plugin()?;
 
     let src = agent.write_file("src.hcl", &volume_spec("src", "1MiB", ""))?;
     agent.cli_ok(&["volume", "create", &src])?;

@@ -195,9 +195,11 @@ fn volume_stats_and_condition_show_in_alloc_and_volume_status() -> Result<()> {
     // Three more rounds of the same condition: still the one event.
     let rounds = || client.agent.log().matches("volume stats round").count();
     let rounds_before = rounds();
-    wait_for("three more volume stats rounds", Duration::from_secs(60), || {
-        Ok((rounds() >= rounds_before + 3).then_some(()))
-    })
+    wait_for(
+        "three more volume stats rounds",
+        Duration::from_secs(60),
+        || Ok((rounds() >= rounds_before + 3).then_some(())),
+    )
     .with_context(logs)?;
     let events = abnormal_events()?;
     assert_eq!(events.len(), 1, "{events:#?}");
