@@ -499,15 +499,10 @@ async fn follow_repairs(
 /// source: the old one is detached lazily, so the task's open files on it
 /// do not block it.
 fn rebind(b: &Bound) -> Result<(), HookError> {
-    match umount2(&b.target, MntFlags::MNT_DETACH) {
-        Ok(()) | Err(Errno::EINVAL) | Err(Errno::ENOENT) => {}
-        Err(errno) => {
-            return Err(HookError::Unbind {
-                target: b.target.clone(),
-                errno,
-            })
-        }
-    }
+    berth_csimanager::mountinfo::detach_all(&b.target).map_err(|errno| HookError::Unbind {
+        target: b.target.clone(),
+        errno,
+    })?;
     bind_into(&b.info.source, &b.target, b.read_only, b.propagation).map_err(|(e, _)| e)?;
     info!(volume = %b.volume, target = %b.target.display(), "bound the repaired volume into the task dir");
     Ok(())
