@@ -613,11 +613,11 @@ fn volume_spec_errors_name_their_line() {
         "{e}"
     );
 
-    let e = volume_err("id = \"v\"\ntype = \"csi\"\nplugin_id = \"p\"\nsnapshot_id = \"s\"\n");
+    let e = volume_err("id = \"v\"\ntype = \"csi\"\nplugin_id = \"p\"\nsnapshot_ids = \"s\"\n");
     assert_eq!(e.line, 4);
     assert_eq!(
         e.message,
-        r#"unknown attribute "snapshot_id" in the volume spec"#
+        r#"unknown attribute "snapshot_ids" in the volume spec"#
     );
 }
 
