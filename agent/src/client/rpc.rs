@@ -358,6 +358,14 @@ impl AllocStateUpdater for ServerConn {
             task_states_json: serde_json::to_vec(task_states).unwrap_or_default(),
             ..Default::default()
         };
+        self.send_update(update);
+    }
+}
+
+impl ServerConn {
+    /// Queues `update` (merged with the one waiting for its alloc) and
+    /// wakes the flusher.
+    fn send_update(&self, update: pb::AllocStatusUpdate) {
         queue_update(
             &mut self
                 .inner
@@ -368,9 +376,7 @@ impl AllocStateUpdater for ServerConn {
         );
         self.inner.flush.notify_one();
     }
-}
 
-impl ServerConn {
     /// Queues the stats of all of `alloc_id`'s CSI volumes, by the group's
     /// volume name, for the servers (with its status update when one is
     /// waiting).
@@ -392,15 +398,7 @@ impl ServerConn {
             volume_stats_only: true,
             ..Default::default()
         };
-        queue_update(
-            &mut self
-                .inner
-                .pending_updates
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-            update,
-        );
-        self.inner.flush.notify_one();
+        self.send_update(update);
     }
 }
 
