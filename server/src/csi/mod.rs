@@ -12,7 +12,7 @@ mod expand;
 mod snapshots;
 mod watcher;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use berth_proto::berth::v1 as pb;
@@ -128,20 +128,39 @@ fn alloc_live(t: &Tables, alloc_id: &str) -> bool {
         .is_some_and(|a| !a.client_status.is_terminal())
 }
 
+/// Where each plugin has a healthy node plugin on a ready node: the
+/// distinct topologies of those node plugins (`None`: one without a
+/// topology), by plugin ID; of `plugin_id` only when given. One pass over
+/// the nodes serves every volume.
+type NodePluginPlaces<'a> = HashMap<&'a str, BTreeSet<Option<&'a CsiTopology>>>;
+
+fn node_plugin_places<'a>(t: &'a Tables, plugin_id: Option<&str>) -> NodePluginPlaces<'a> {
+    let mut places: NodePluginPlaces<'a> = HashMap::new();
+    for n in t.nodes.values().filter(|n| n.status == NodeStatus::Ready) {
+        for (id, p) in &n.csi_node_plugins {
+            if p.healthy && plugin_id.is_none_or(|only| only == id) {
+                places
+                    .entry(id.as_str())
+                    .or_default()
+                    .insert(p.accessible_topology.as_ref());
+            }
+        }
+    }
+    places
+}
+
 /// A volume as the API shows it: secrets cleared, `schedulable` computed
 /// (a ready node with a healthy node plugin from which it is reachable).
 pub(crate) fn public_view(v: &CsiVolume, t: &Tables) -> CsiVolume {
+    public_view_in(v, &node_plugin_places(t, Some(&v.plugin_id)))
+}
+
+fn public_view_in(v: &CsiVolume, places: &NodePluginPlaces<'_>) -> CsiVolume {
     let mut v = v.clone();
     v.secrets.clear();
-    v.schedulable = t.nodes.values().any(|n| {
-        n.status == NodeStatus::Ready
-            && n.has_healthy_node_plugin(&v.plugin_id)
-            && v.reachable_from(
-                n.csi_node_plugins
-                    .get(&v.plugin_id)
-                    .and_then(|p| p.accessible_topology.as_ref()),
-            )
-    });
+    v.schedulable = places
+        .get(v.plugin_id.as_str())
+        .is_some_and(|at| at.iter().any(|here| v.reachable_from(*here)));
     v
 }
 
@@ -216,8 +235,13 @@ impl Server {
     }
 
     pub fn volumes(&self) -> Vec<CsiVolume> {
-        self.store
-            .read(|t| t.volumes.values().map(|v| public_view(v, t)).collect())
+        self.store.read(|t| {
+            let places = node_plugin_places(t, None);
+            t.volumes
+                .values()
+                .map(|v| public_view_in(v, &places))
+                .collect()
+        })
     }
 
     pub fn volume(&self, id: &str) -> Result<CsiVolume, ServerError> {
@@ -581,6 +605,68 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    #[test]
+    fn a_volume_is_schedulable_where_a_ready_node_has_a_healthy_plugin_that_reaches_it() {
+        let zone = |z: &str| CsiTopology::new([("zone".to_string(), z.to_string())].into());
+        let node = |id: &str, status, healthy, at: Option<CsiTopology>| berth_structs::Node {
+            id: id.into(),
+            status,
+            csi_node_plugins: [(
+                "hp".to_string(),
+                berth_structs::CsiInfo {
+                    plugin_id: "hp".into(),
+                    healthy,
+                    accessible_topology: at,
+                    ..Default::default()
+                },
+            )]
+            .into(),
+            ..Default::default()
+        };
+        let vol = |id: &str, plugin: &str, at: Vec<CsiTopology>| CsiVolume {
+            id: id.into(),
+            plugin_id: plugin.into(),
+            accessible_topology: at,
+            secrets: [("token".to_string(), "s3cret".to_string())].into(),
+            ..Default::default()
+        };
+        let t = Tables {
+            nodes: [
+                node("a", NodeStatus::Ready, true, Some(zone("a"))),
+                node("b-down", NodeStatus::Down, true, Some(zone("b"))),
+                node("c-sick", NodeStatus::Ready, false, Some(zone("c"))),
+                node("none", NodeStatus::Ready, true, None),
+            ]
+            .into_iter()
+            .map(|n| (n.id.clone(), n))
+            .collect(),
+            volumes: [
+                vol("anywhere", "hp", vec![]),
+                vol("in-a", "hp", vec![zone("a")]),
+                vol("in-b-or-c", "hp", vec![zone("b"), zone("c")]),
+                vol("other-plugin", "nfs", vec![]),
+            ]
+            .into_iter()
+            .map(|v| (v.id.clone(), v))
+            .collect(),
+            ..Default::default()
+        };
+        let places = node_plugin_places(&t, None);
+        for (id, want) in [
+            ("anywhere", true),
+            ("in-a", true),
+            ("in-b-or-c", false),
+            ("other-plugin", false),
+        ] {
+            let v = &t.volumes[id];
+            let listed = public_view_in(v, &places);
+            let single = public_view(v, &t);
+            assert_eq!(listed.schedulable, want, "{id} listed");
+            assert_eq!(single.schedulable, want, "{id} alone");
+            assert!(listed.secrets.is_empty() && single.secrets.is_empty());
+        }
+    }
 
     #[tokio::test]
     async fn volume_lock_entry_is_removed_by_the_last_holder_or_waiter() {
