@@ -756,11 +756,19 @@ fn volume_status(args: &[String]) -> Result<i32> {
         Some(id) => a.api.get(&format!("/v1/volume/csi/{}", enc(&id)))?,
         None => a.api.get("/v1/volumes")?,
     };
-    // Each volume's own answer carries its claims joined with their allocs.
+    // Each volume's own answer carries its claims joined with their allocs;
+    // one without claims has none to join (no request for it).
     if let (true, Value::Array(list)) = (a.verbose, &mut v) {
         for vol in list.iter_mut() {
-            if let Some(id) = vol["id"].as_str() {
-                *vol = a.api.get(&format!("/v1/volume/csi/{}", enc(id)))?;
+            match vol["id"].as_str() {
+                Some(id) if volume_stats::has_claims(vol) => {
+                    *vol = a.api.get(&format!("/v1/volume/csi/{}", enc(id)))?;
+                }
+                _ => {
+                    if let Some(o) = vol.as_object_mut() {
+                        o.insert("claim_allocs".into(), json!([]));
+                    }
+                }
             }
         }
     }

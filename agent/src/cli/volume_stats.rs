@@ -153,6 +153,14 @@ pub fn alloc_volume_lines(alloc: &Value) -> Vec<String> {
     table(&rows)
 }
 
+/// Whether a volume of the API's list has claims (read or write allocs):
+/// only those have claims to join with their allocs.
+pub fn has_claims(volume: &Value) -> bool {
+    ["read_allocs", "write_allocs"]
+        .iter()
+        .any(|k| volume[*k].as_array().is_some_and(|l| !l.is_empty()))
+}
+
 /// The claims lines of `berth volume status -verbose VOLUME`: each claim
 /// with its alloc and the stats its node reported for the volume. Empty
 /// when the volume has no claims.
@@ -260,5 +268,11 @@ mod tests {
         assert!(lines[1].contains("normal"), "{lines:#?}");
         assert!(lines[2].contains("no stats reported yet"), "{lines:#?}");
         assert!(volume_claim_lines(&json!({"claim_allocs": []})).is_empty());
+        assert!(has_claims(
+            &json!({"read_allocs": [], "write_allocs": ["a1"]})
+        ));
+        assert!(has_claims(&json!({"read_allocs": ["a2"]})));
+        assert!(!has_claims(&json!({"read_allocs": [], "write_allocs": []})));
+        assert!(!has_claims(&json!("not a volume")));
     }
 }
