@@ -416,6 +416,120 @@ mod tests {
         assert_eq!(CsiPath::Other.volume_id(), None);
     }
 
+    /// A store that keeps everything in memory.
+    #[derive(Default)]
+    struct Mem(std::sync::Mutex<std::collections::BTreeMap<String, VolumeStub>>);
+
+    impl crate::sinks::VolumeStateStore for Mem {
+        fn load_plugins(&self) -> Result<Vec<crate::PluginRegistration>, String> {
+            Ok(Vec::new())
+        }
+        fn save_plugins(&self, _: &[crate::PluginRegistration]) -> Result<(), String> {
+            Ok(())
+        }
+        fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+            Ok(self.0.lock().unwrap().values().cloned().collect())
+        }
+        fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
+            self.0.lock().unwrap().insert(stub.key(), stub.clone());
+            Ok(())
+        }
+        fn delete_volume(&self, key: &str) -> Result<(), String> {
+            self.0.lock().unwrap().remove(key);
+            Ok(())
+        }
+    }
+
+    struct Quiet;
+
+    impl crate::sinks::NodeEventSink for Quiet {
+        fn emit(&self, _: NodeEvent) {}
+    }
+
+    #[async_trait::async_trait]
+    impl crate::sinks::FingerprintSink for Quiet {
+        async fn update_plugins(
+            &self,
+            _: std::collections::BTreeMap<String, berth_structs::CsiInfo>,
+            _: std::collections::BTreeMap<String, berth_structs::CsiInfo>,
+        ) {
+        }
+    }
+
+    #[tokio::test]
+    async fn a_usage_forgotten_without_the_plugin_waits_for_the_volume_lock() {
+        use berth_structs::{AccessMode, AttachmentMode};
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let store = Mem::default();
+        let stub = VolumeStub {
+            plugin_id: "hostpath".into(),
+            volume_id: "data".into(),
+            external_id: "ext-data".into(),
+            access_mode: AccessMode::MultiNodeReader,
+            attachment_mode: AttachmentMode::FileSystem,
+            read_only: true,
+            staging_path: root.join("csi/hostpath/staging/data/u"),
+            staged: true,
+            allocs: [
+                (
+                    "gone".to_string(),
+                    root.join("csi/hostpath/per-alloc/gone/data/u"),
+                ),
+                (
+                    "kept".to_string(),
+                    root.join("csi/hostpath/per-alloc/kept/data/u"),
+                ),
+            ]
+            .into(),
+            mounted_with: Default::default(),
+        };
+        crate::sinks::VolumeStateStore::put_volume(&store, &stub).unwrap();
+        let manager = CsiManager::new(
+            crate::ManagerConfig {
+                root_dir: root.join("csi"),
+                node_id: "n1".into(),
+                call_timeout: Duration::from_secs(1),
+                fingerprint_interval: Duration::from_secs(30),
+            },
+            crate::PluginRegistry::new(),
+            std::sync::Arc::new(store),
+            std::sync::Arc::new(Quiet),
+            std::sync::Arc::new(Quiet),
+        )
+        .unwrap();
+        // A mount or unmount of the volume (for the restored alloc) is in
+        // flight: its record must not change under it.
+        let busy = manager.volumes.lock_volume("hostpath", "data").await;
+        let cleanup = {
+            let manager = manager.clone();
+            let alloc_root = root.join("alloc");
+            tokio::spawn(async move {
+                manager
+                    .remove_orphaned_mounts(
+                        &alloc_root,
+                        &["kept".to_string()].into(),
+                        Duration::ZERO,
+                    )
+                    .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !cleanup.is_finished(),
+            "the orphan release waits for the volume lock"
+        );
+        assert!(manager.volume_stubs()[0].allocs.contains_key("gone"));
+        drop(busy);
+        tokio::time::timeout(Duration::from_secs(5), cleanup)
+            .await
+            .expect("done once the lock is free")
+            .unwrap();
+        let left = manager.volume_stubs();
+        assert_eq!(left.len(), 1);
+        assert_eq!(left[0].allocs.keys().collect::<Vec<_>>(), vec!["kept"]);
+    }
+
     #[test]
     fn events_carry_path_volume_how_and_error() {
         let r = OrphanRemoval {
