@@ -116,13 +116,16 @@ struct Retry {
     delays: ExponentialBackoff,
 }
 
+/// One watch of an alloc's repairs: its ID and where its notices go.
+type WatchSender = (u64, mpsc::UnboundedSender<VolumeRepair>);
+
 /// What the manager keeps for repairs; in memory only.
 pub(crate) struct Repairs {
     /// The secrets each alloc's mount was made with, by stub key and alloc.
     secrets: Mutex<HashMap<(String, String), BTreeMap<String, String>>>,
     /// Allocs whose mounts are repaired, with their watches (by ID): each
     /// hears of the alloc's repairs only.
-    watched: Mutex<HashMap<String, Vec<(u64, mpsc::UnboundedSender<VolumeRepair>)>>>,
+    watched: Mutex<HashMap<String, Vec<WatchSender>>>,
     next_watch: std::sync::atomic::AtomicU64,
     /// Volumes (stub keys) whose last repair failed.
     retries: Mutex<HashMap<String, Retry>>,
