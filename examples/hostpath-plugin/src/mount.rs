@@ -269,6 +269,19 @@ pub fn make_mount_file(path: &Path) -> Result<(), Error> {
     }
 }
 
+/// Makes the filesystem mounted at `target` writable (superblock and
+/// that mount).
+pub fn remount_writable(target: &Path) -> Result<(), Error> {
+    mount(
+        None::<&str>,
+        target,
+        None::<&str>,
+        MsFlags::MS_REMOUNT,
+        None::<&str>,
+    )
+    .map_err(Error::sys("remounting writable", target))
+}
+
 /// Makes the bind mount at `target` read-only.
 pub fn remount_read_only(target: &Path) -> Result<(), Error> {
     mount(

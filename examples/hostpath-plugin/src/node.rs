@@ -374,9 +374,11 @@ impl Plugin {
             })?;
             image::refresh_loop(&dev)?;
             let rdev = image::device_number(&dev)?;
+            // A read-only mount (readers only) cannot be grown; the
+            // filesystem grows at the next writable stage.
             let mounted = mount::mounts_of_device(rdev)?
                 .iter()
-                .any(|m| m.fs_type == image::FS_TYPE);
+                .any(|m| m.fs_type == image::FS_TYPE && !m.is_read_only());
             // A block volume's content belongs to the workload; only a
             // mounted ext4 is grown here (online).
             if mounted && !block {
@@ -606,11 +608,25 @@ fn stage_image(
             );
         }
         let rdev = image::device_number(&dev)?;
+        // The filesystem's mounts on this node share one superblock, which
+        // is read-only or writable for all of them.
+        let mounted: Vec<_> = mount::mounts_of_device(rdev)?
+            .into_iter()
+            .filter(|m| m.fs_type == image::FS_TYPE)
+            .collect();
+        let sb_read_only = !mounted.is_empty() && mounted.iter().all(|m| m.is_read_only());
+        // A reader-only staging mounts a filesystem no one mounts here
+        // read-only: other nodes sharing the state directory may mount the
+        // image too, and ext4 must not be mounted writable twice. Where a
+        // writer has it mounted here, the reader shares that mount's
+        // superblock (its publish binds are read-only).
+        let read_only =
+            cap.ro_flag || (cap.is_reader_only() && (mounted.is_empty() || sb_read_only));
         if let Some(existing) = mount::mount_at(staging)? {
             let here = fs::metadata(staging)
                 .map_err(Error::io("inspecting", staging))?
                 .dev();
-            if here == rdev && existing.is_read_only() == cap.ro_flag {
+            if here == rdev && (existing.is_read_only() == read_only || cap.is_reader_only()) {
                 return Ok(false);
             }
             return Err(Error::AlreadyExists(format!(
@@ -619,7 +635,17 @@ fn stage_image(
                 staging.display()
             )));
         }
-        mount::mount_device(&dev, staging, image::FS_TYPE, &cap.mount_flags)?;
+        if !read_only && sb_read_only {
+            // Readers mounted it here first: make the filesystem writable
+            // (their publish binds stay read-only).
+            mount::remount_writable(&mounted[0].mount_point)?;
+            tracing::info!(volume_id, device = %dev.display(), "made the read-only filesystem writable for a writer");
+        }
+        let mut flags = cap.mount_flags.clone();
+        if read_only && !flags.iter().any(|f| f == "ro") {
+            flags.push("ro".to_owned());
+        }
+        mount::mount_device(&dev, staging, image::FS_TYPE, &flags)?;
         Ok(true)
     })();
     if staged.is_err() && !attached_before {
@@ -1369,6 +1395,53 @@ mod tests {
         .unwrap();
         assert!(!staging.exists());
         assert_eq!(image::find_loop(&img).unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_reader_stages_an_image_read_only_and_a_writer_after_it_makes_it_writable() {
+        if !loop_usable() {
+            return;
+        }
+        let f = Fixture::new();
+        let p = &f.plugin;
+        let id = f.create("shared", &[("backing", "image")]).await;
+        let img = image::image_path(p.state_dir(), &id);
+        let unstage = |staging: &Path| NodeUnstageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+        };
+
+        // A reader alone: ext4 is mounted read-only (other nodes sharing
+        // the state directory may mount it as well).
+        let reader = f.path("staging-reader");
+        let reader_cap = mount_cap(Mode::MultiNodeReaderOnly);
+        for _ in 0..2 {
+            p.stage(stage_req(&id, &reader, reader_cap.clone()))
+                .await
+                .unwrap();
+        }
+        assert!(mount::mount_at(&reader).unwrap().unwrap().is_read_only());
+        assert!(fs::write(reader.join("x"), b"x").is_err(), "read-only");
+
+        // A writer on the same node then: the filesystem becomes writable.
+        let writer = f.path("staging-writer");
+        p.stage(stage_req(&id, &writer, mount_cap(Mode::SingleNodeWriter)))
+            .await
+            .unwrap();
+        assert!(!mount::mount_at(&writer).unwrap().unwrap().is_read_only());
+        fs::write(writer.join("written"), b"by the writer").unwrap();
+        assert_eq!(fs::read(reader.join("written")).unwrap(), b"by the writer");
+        // A reader staged while the writer has it shares its filesystem.
+        let reader2 = f.path("staging-reader-2");
+        p.stage(stage_req(&id, &reader2, reader_cap.clone()))
+            .await
+            .unwrap();
+        assert_eq!(fs::read(reader2.join("written")).unwrap(), b"by the writer");
+
+        for staging in [&reader, &writer, &reader2] {
+            p.unstage(unstage(staging)).await.unwrap();
+        }
+        assert_eq!(image::find_loop(&img).unwrap(), None, "detached");
     }
 
     #[tokio::test]
