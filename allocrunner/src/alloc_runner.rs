@@ -253,7 +253,17 @@ impl AllocRunner {
             );
             self.inner.done.send_replace(true);
         }
-        self.alloc_dir().destroy()?;
+        // Removing an alloc dir (logs, data) is disk work of any size: off
+        // the async threads.
+        let dir = self.alloc_dir();
+        let path = dir.path().to_path_buf();
+        tokio::task::spawn_blocking(move || dir.destroy())
+            .await
+            .map_err(|e| AllocRunnerError::Io {
+                what: "removing alloc dir",
+                path,
+                error: std::io::Error::other(e.to_string()),
+            })??;
         // The records are what a restarted agent would clean a mount up
         // from: they go only once no CSI mount of the alloc remains.
         self.unmount_leftover_volumes().await?;
