@@ -159,7 +159,7 @@ dd if="$dev" bs=4096 skip=1 count=1 2>/dev/null | head -c 64 > "$BERTH_TASK_DIR/
     agent.wait_volume_unclaimed("disk")?;
     wait_for(
         "the image's loop device to be detached",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || {
             Ok(loops_backed_under(agent.data_dir.path())
                 .is_empty()
@@ -259,14 +259,14 @@ parameters {
     );
     agent.cli_ok(&["job", "stop", "app"])?;
     agent.wait_volume_unclaimed("fsvol")?;
-    wait_for("the image's mounts to go", Duration::from_secs(30), || {
+    wait_for("the image's mounts to go", Duration::from_secs(60), || {
         Ok(ext4_mounts_under(agent.data_dir.path())
             .is_empty()
             .then_some(()))
     })?;
     wait_for(
         "the image's loop device to be detached",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || {
             Ok(loops_backed_under(agent.data_dir.path())
                 .is_empty()

@@ -54,7 +54,7 @@ fn mounts_of_an_alloc_that_was_not_restored_are_removed_through_the_plugin_at_st
         &std::fs::read_to_string(example("jobs/hostpath-plugin.hcl"))?,
     )?;
     server.wait_plugin_nodes(1)?;
-    wait_for("the volume created", Duration::from_secs(30), || {
+    wait_for("the volume created", Duration::from_secs(60), || {
         Ok(server.create_volume("data", &writer_volume("data")).ok())
     })
     .with_context(|| client.agent.log())?;

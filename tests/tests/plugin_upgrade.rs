@@ -98,7 +98,7 @@ fn assert_reader_keeps_reading(reads_file: &Path, more: usize) -> Result<()> {
     let before = reads(reads_file).len();
     wait_for(
         "the reader to go on reading",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || Ok((reads(reads_file).len() >= before + more).then_some(())),
     )?;
     let all = reads(reads_file);
@@ -164,7 +164,7 @@ fn wait_taken_over(agent: &DevAgent, old_id: &str) -> Result<String> {
     .with_context(|| agent.log())?;
     wait_for(
         "the old plugin process to go",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || Ok(plugin_pids(old_id).is_empty().then_some(())),
     )?;
     assert_eq!(plugin_pids(&new_id).len(), 1, "the new plugin runs");
@@ -212,7 +212,7 @@ fn finish(
     // Node events reach the servers a moment after the alloc ends.
     let storage = wait_for(
         "a successful unmount of the reader's volume among the node events",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || {
             let node = agent.cli_json(&["node", "status", &reader.node_id])?;
             let storage: Vec<Value> = node_events(&node, "Storage").into_iter().cloned().collect();
@@ -252,7 +252,7 @@ fn finish(
         .join("alloc")
         .join(&after_id)
         .join("write/data/post");
-    wait_for("the writer to write", Duration::from_secs(30), || {
+    wait_for("the writer to write", Duration::from_secs(60), || {
         Ok(post.is_file().then_some(()))
     })
     .with_context(|| format!("{:?}", task_events(&after, "write")))?;
@@ -320,7 +320,7 @@ fn a_stopped_plugin_waits_for_its_volume_until_it_runs_again() -> Result<()> {
     agent.cli_ok(&["job", "stop", PLUGIN_JOB])?;
     wait_for(
         "the plugin to say it waits for the volume",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || {
             let a = agent.cli_json(&["alloc", "status", &old_id])?;
             Ok(task_events(&a, "plugin")

@@ -147,7 +147,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
     let alloc_id = alloc["id"].as_str().unwrap_or_default().to_string();
     let before = wait_for(
         "the task to report its volume's size",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || size_seen_by_task(&agent, &alloc_id),
     )?;
     assert!(
@@ -194,7 +194,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
     assert_eq!(vol["capacity_min"].as_u64(), Some(40 * MIB), "{vol}");
     let after = wait_for(
         "the task to see the grown filesystem",
-        Duration::from_secs(30),
+        Duration::from_secs(60),
         || Ok(size_seen_by_task(&agent, &alloc_id)?.filter(|&s| s > before + 15 * MIB)),
     )
     .with_context(|| agent.log())?;

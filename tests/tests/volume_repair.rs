@@ -102,7 +102,7 @@ fn lost_mounts_are_repaired_for_the_running_task_after_the_plugin_restarts() -> 
     let alloc_dir = data_dir.join("alloc").join(&alloc_id);
     let stdout = alloc_dir.join("alloc/logs/writer.stdout.0");
     let task_mount = alloc_dir.join("writer/data");
-    wait_for("the writer to write", Duration::from_secs(30), || {
+    wait_for("the writer to write", Duration::from_secs(60), || {
         Ok((last_written(&stdout) > 0).then_some(()))
     })?;
 
