@@ -269,15 +269,18 @@ pub fn make_mount_file(path: &Path) -> Result<(), Error> {
     }
 }
 
-/// Makes the filesystem mounted at `target` writable (superblock and
-/// that mount).
-pub fn remount_writable(target: &Path) -> Result<(), Error> {
+/// Makes the filesystem mounted at `target` and that mount writable, with
+/// the CSI `mount_flags` (an `ro` among them is left out); other mounts of
+/// the filesystem keep their own read-only flag.
+pub fn remount_writable(target: &Path, mount_flags: &[String]) -> Result<(), Error> {
+    let (flags, data) = parse_mount_flags(mount_flags);
+    let data = (!data.is_empty()).then_some(data);
     mount(
         None::<&str>,
         target,
         None::<&str>,
-        MsFlags::MS_REMOUNT,
-        None::<&str>,
+        (flags - MsFlags::MS_RDONLY) | MsFlags::MS_REMOUNT,
+        data.as_deref(),
     )
     .map_err(Error::sys("remounting writable", target))
 }

@@ -635,17 +635,20 @@ fn stage_image(
                 staging.display()
             )));
         }
-        if !read_only && sb_read_only {
-            // Readers mounted it here first: make the filesystem writable
-            // (their publish binds stay read-only).
-            mount::remount_writable(&mounted[0].mount_point)?;
-            tracing::info!(volume_id, device = %dev.display(), "made the read-only filesystem writable for a writer");
-        }
         let mut flags = cap.mount_flags.clone();
-        if read_only && !flags.iter().any(|f| f == "ro") {
+        if (read_only || sb_read_only) && !flags.iter().any(|f| f == "ro") {
             flags.push("ro".to_owned());
         }
         mount::mount_device(&dev, staging, image::FS_TYPE, &flags)?;
+        if !read_only && sb_read_only {
+            // Readers mounted it here first: the writer's own mount makes
+            // the filesystem writable; the readers' mounts stay read-only.
+            if let Err(e) = mount::remount_writable(staging, &cap.mount_flags) {
+                let _ = mount::unmount_all(staging);
+                return Err(e);
+            }
+            tracing::info!(volume_id, device = %dev.display(), "made the read-only filesystem writable for a writer");
+        }
         Ok(true)
     })();
     if staged.is_err() && !attached_before {
@@ -1422,8 +1425,20 @@ mod tests {
         }
         assert!(mount::mount_at(&reader).unwrap().unwrap().is_read_only());
         assert!(fs::write(reader.join("x"), b"x").is_err(), "read-only");
+        let target = f.path("target-reader");
+        p.publish(NodePublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: target.display().to_string(),
+            staging_target_path: reader.display().to_string(),
+            volume_capability: Some(reader_cap.clone()),
+            readonly: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
 
-        // A writer on the same node then: the filesystem becomes writable.
+        // A writer on the same node then: the filesystem becomes writable
+        // for it; the reader's mounts stay read-only.
         let writer = f.path("staging-writer");
         p.stage(stage_req(&id, &writer, mount_cap(Mode::SingleNodeWriter)))
             .await
@@ -1431,6 +1446,17 @@ mod tests {
         assert!(!mount::mount_at(&writer).unwrap().unwrap().is_read_only());
         fs::write(writer.join("written"), b"by the writer").unwrap();
         assert_eq!(fs::read(reader.join("written")).unwrap(), b"by the writer");
+        assert_eq!(fs::read(target.join("written")).unwrap(), b"by the writer");
+        for ro in [&reader, &target] {
+            assert!(mount::mount_at(ro).unwrap().unwrap().is_read_only());
+            assert!(fs::write(ro.join("x"), b"x").is_err(), "{}", ro.display());
+        }
+        p.unpublish(NodeUnpublishVolumeRequest {
+            volume_id: id.clone(),
+            target_path: target.display().to_string(),
+        })
+        .await
+        .unwrap();
         // A reader staged while the writer has it shares its filesystem.
         let reader2 = f.path("staging-reader-2");
         p.stage(stage_req(&id, &reader2, reader_cap.clone()))
