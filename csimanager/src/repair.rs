@@ -37,7 +37,7 @@ use crate::client::CsiClient;
 use crate::error::CsiError;
 use crate::manager::CsiManager;
 use crate::mountinfo;
-use crate::volume::{stub_key, MountRequest, VolumeStub};
+use crate::volume::{stub_key, MountContext, MountRequest, VolumeStub};
 use crate::volume_manager::{create_dir_all, path_string, to_map, volume_capability};
 
 /// The `Storage` node event of a lost mount made again.
@@ -119,10 +119,19 @@ struct Retry {
 /// One watch of an alloc's repairs: its ID and where its notices go.
 type WatchSender = (u64, mpsc::UnboundedSender<VolumeRepair>);
 
+/// What one alloc's mount of a volume was made with.
+struct Remembered {
+    secrets: BTreeMap<String, String>,
+    /// The alloc's own mount options and contexts: its publish is made
+    /// again with them, not with another alloc's.
+    context: MountContext,
+}
+
 /// What the manager keeps for repairs; in memory only.
 pub(crate) struct Repairs {
-    /// The secrets each alloc's mount was made with, by stub key and alloc.
-    secrets: Mutex<HashMap<(String, String), BTreeMap<String, String>>>,
+    /// What each alloc's mount was made with (its secrets among it), by
+    /// stub key and alloc.
+    secrets: Mutex<HashMap<(String, String), Remembered>>,
     /// Allocs whose mounts are repaired, with their watches (by ID): each
     /// hears of the alloc's repairs only.
     watched: Mutex<HashMap<String, Vec<WatchSender>>>,
@@ -144,7 +153,7 @@ impl Repairs {
         })
     }
 
-    /// Keeps the secrets `req` was mounted with, for a repair.
+    /// Keeps what `req` was mounted with (its secrets too), for a repair.
     pub(crate) fn remember(&self, req: &MountRequest) {
         let key = stub_key(
             &req.plugin_id,
@@ -154,7 +163,13 @@ impl Repairs {
             req.read_only,
         );
         let key = (key, req.alloc_id.clone());
-        lock(&self.secrets).insert(key, req.secrets.clone());
+        lock(&self.secrets).insert(
+            key,
+            Remembered {
+                secrets: req.secrets.clone(),
+                context: MountContext::of(req),
+            },
+        );
     }
 
     /// Forgets what is kept for the allocs no stub records any more.
@@ -180,8 +195,17 @@ impl Repairs {
                     .keys()
                     .find_map(|a| secrets.get(&(key.clone(), a.clone())))
             })
-            .cloned()
+            .map(|r| r.secrets.clone())
             .unwrap_or_default()
+    }
+
+    /// What to publish `stub` for `alloc_id` again with: what that alloc
+    /// mounted it with, else what the stub records (what it was staged
+    /// with).
+    fn context_for(&self, stub: &VolumeStub, alloc_id: &str) -> MountContext {
+        lock(&self.secrets)
+            .get(&(stub.key(), alloc_id.to_string()))
+            .map_or_else(|| stub.mounted_with.clone(), |r| r.context.clone())
     }
 
     /// Starts a watch of `alloc_id`'s repairs.
@@ -415,7 +439,7 @@ impl CsiManager {
                 }
             }
         }
-        let ctx = &stub.mounted_with;
+        let ctx = &self.repairs.context_for(stub, alloc_id);
         let req = csi::NodePublishVolumeRequest {
             volume_id: stub.external_id.clone(),
             publish_context: to_map(&ctx.publish_context),
@@ -668,6 +692,60 @@ mod tests {
         repairs.notify(repair_of("a1", "unheard"));
         drop(other);
         assert!(repairs.watched_allocs().is_empty());
+    }
+
+    #[test]
+    fn a_publish_is_made_again_with_its_own_allocs_mount_options() {
+        use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions};
+        let repairs = Repairs::new(Duration::from_secs(1));
+        let req = |alloc_id: &str, flags: &[&str]| MountRequest {
+            plugin_id: "hostpath".into(),
+            volume_id: "data".into(),
+            external_id: "ext".into(),
+            alloc_id: alloc_id.into(),
+            access_mode: AccessMode::MultiNodeMultiWriter,
+            attachment_mode: AttachmentMode::FileSystem,
+            read_only: false,
+            mount_options: CsiMountOptions {
+                fs_type: String::new(),
+                mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+            },
+            publish_context: BTreeMap::new(),
+            volume_context: BTreeMap::new(),
+            secrets: BTreeMap::from([("token".to_string(), format!("{alloc_id}-secret"))]),
+        };
+        let (a, b) = (req("a", &["noexec"]), req("b", &[]));
+        repairs.remember(&a);
+        repairs.remember(&b);
+        let stub = VolumeStub {
+            plugin_id: "hostpath".into(),
+            volume_id: "data".into(),
+            external_id: "ext".into(),
+            access_mode: AccessMode::MultiNodeMultiWriter,
+            attachment_mode: AttachmentMode::FileSystem,
+            read_only: false,
+            staging_path: "/csi/staging".into(),
+            staged: true,
+            allocs: [
+                ("a".to_string(), "/csi/a".into()),
+                ("b".to_string(), "/csi/b".into()),
+            ]
+            .into(),
+            mounted_with: MountContext::of(&a),
+        };
+        assert_eq!(
+            repairs.context_for(&stub, "a").mount_options.mount_flags,
+            ["noexec"]
+        );
+        assert!(repairs
+            .context_for(&stub, "b")
+            .mount_options
+            .mount_flags
+            .is_empty());
+        assert_eq!(repairs.secrets_for(&stub, Some("b"))["token"], "b-secret");
+        // Nothing remembered (not mounted since the agent started): what
+        // the stub records.
+        assert_eq!(repairs.context_for(&stub, "c"), stub.mounted_with);
     }
 
     #[tokio::test(start_paused = true)]

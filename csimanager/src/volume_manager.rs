@@ -508,7 +508,11 @@ impl VolumeManager {
             mounted_with: MountContext::default(),
         });
         stub.external_id = req.external_id.clone();
-        stub.mounted_with = MountContext::of(req);
+        // What the staging is made with (a repair stages again with it):
+        // another alloc's later publish leaves it as it is.
+        if need_stage || prior.is_none() {
+            stub.mounted_with = MountContext::of(req);
+        }
         stub.allocs.insert(req.alloc_id.clone(), target.clone());
         stub.staged |= need_stage;
         self.put_stub(&stub)?;

@@ -183,3 +183,26 @@ async fn a_failed_repair_is_reported_and_tried_again_later_not_every_round() {
         .await
         .expect("unmount");
 }
+
+#[tokio::test]
+async fn the_volume_record_keeps_what_the_staging_was_made_with() {
+    let h = Harness::start(&[]).await;
+    h.manager.refresh_fingerprints().await;
+    let ext = h.create_volume("data").await;
+    let mut first = mount_req("data", &ext, "alloc-1");
+    first.mount_options.mount_flags = vec!["noatime".into()];
+    let second = mount_req("data", &ext, "alloc-2");
+    h.manager.mount_volume(first.clone()).await.expect("mount");
+    h.manager.mount_volume(second.clone()).await.expect("mount");
+    // The second alloc only published: a staging made again must use the
+    // options it was made with, not the second alloc's.
+    let stubs = h.manager.volume_stubs();
+    assert_eq!(stubs.len(), 1);
+    assert_eq!(stubs[0].mounted_with.mount_options.mount_flags, ["noatime"]);
+    for r in [&second, &first] {
+        h.manager
+            .unmount_volume(unmount_req(r))
+            .await
+            .expect("unmount");
+    }
+}
