@@ -811,7 +811,9 @@ mod tests {
             ..Default::default()
         };
         asked.requested_topologies.required = vec![zone_a.clone()];
-        asked.validate(false).expect("a topology with a segment is valid");
+        asked
+            .validate(false)
+            .expect("a topology with a segment is valid");
         asked.requested_topologies.preferred = vec![CsiTopology::default()];
         let err = asked.validate(false).unwrap_err().to_string();
         assert!(
