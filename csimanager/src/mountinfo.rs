@@ -82,10 +82,12 @@ pub fn unescape(s: &str) -> String {
 
 /// Detaches everything mounted at `path` (`umount2(MNT_DETACH)` until
 /// nothing is left: mounts may be stacked). Users of a detached mount keep
-/// it until they let go. Nothing mounted there is fine.
+/// it until they let go. Nothing mounted there is fine. A symlink at
+/// `path` is not followed (a task could have put one where its mount was):
+/// nothing is detached through it.
 pub fn detach_all(path: &Path) -> Result<(), Errno> {
     loop {
-        match umount2(path, MntFlags::MNT_DETACH) {
+        match umount2(path, MntFlags::MNT_DETACH | MntFlags::UMOUNT_NOFOLLOW) {
             Ok(()) => continue,
             Err(Errno::EINVAL | Errno::ENOENT) => return Ok(()),
             Err(e) => return Err(e),
@@ -154,5 +156,19 @@ mod tests {
         detach_all(&m).unwrap();
         assert!(!is_mount_point(&m), "every mount stacked at the path went");
         detach_all(&m).unwrap();
+    }
+
+    #[test]
+    fn a_symlink_is_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let _cleanup = Cleanup(root.clone());
+        let m = root.join("m");
+        std::fs::create_dir(&m).unwrap();
+        tmpfs(&m);
+        let link = root.join("link");
+        std::os::unix::fs::symlink(&m, &link).unwrap();
+        detach_all(&link).unwrap();
+        assert!(is_mount_point(&m), "the mount the link points at stays");
     }
 }

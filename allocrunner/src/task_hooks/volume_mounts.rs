@@ -503,6 +503,15 @@ fn rebind(b: &Bound) -> Result<(), HookError> {
         target: b.target.clone(),
         errno,
     })?;
+    // The task owns its dir: it may have put a symlink where its mount was.
+    if std::fs::symlink_metadata(&b.target).is_ok_and(|m| m.file_type().is_symlink()) {
+        return Err(HookError::Invalid(format!(
+            "volume_mount of volume {:?}: {} is a symlink; the repaired volume is not bound \
+             through it",
+            b.volume,
+            b.target.display()
+        )));
+    }
     bind_into(&b.info.source, &b.target, b.read_only, b.propagation).map_err(|(e, _)| e)?;
     info!(volume = %b.volume, target = %b.target.display(), "bound the repaired volume into the task dir");
     Ok(())
@@ -642,6 +651,34 @@ mod tests {
         );
         umount2(&f.root.join("task/data/back"), MntFlags::MNT_DETACH).unwrap();
         hook.unmount_all().unwrap();
+    }
+
+    #[test]
+    fn a_repaired_volume_is_never_bound_through_a_symlink_the_task_left() {
+        let f = Fixture::new();
+        let mut hook = f.bind(PropagationMode::Private);
+        let target = f.root.join("task/data");
+        // The bind is gone (the repair detaches it) and the task put a
+        // symlink to a host dir in its place.
+        umount2(&target, MntFlags::MNT_DETACH).unwrap();
+        std::fs::remove_dir(&target).unwrap();
+        let host = f.root.join("host");
+        std::fs::create_dir(&host).unwrap();
+        std::os::unix::fs::symlink(&host, &target).unwrap();
+        let b = Bound {
+            volume: "vol".into(),
+            target: target.clone(),
+            info: MountInfo {
+                source: f.root.join("volume"),
+                read_only: false,
+            },
+            read_only: false,
+            propagation: PropagationMode::Private,
+        };
+        let err = rebind(&b).unwrap_err();
+        assert!(err.to_string().contains("is a symlink"), "{err}");
+        assert!(!is_mount_point(&host), "nothing was bound through the link");
+        hook.mounted.clear();
     }
 
     #[test]
