@@ -8,6 +8,9 @@
 //! volumes cannot shrink.
 
 use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 
 use berth_proto::berth::v1 as pb;
 use berth_structs::{ClaimState, CsiVolume};
@@ -124,6 +127,30 @@ pub fn capacity_change(old: &CsiVolume, new: &CsiVolume) -> Result<CapacityChang
 
 fn to_i64(v: Option<u64>) -> i64 {
     i64::try_from(v.unwrap_or(0)).unwrap_or(i64::MAX)
+}
+
+/// Runs `futures` concurrently; their outputs in the same order.
+async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, out) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if out.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *out = Some(v),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
 }
 
 /// `e` with what was being done in front of its message.
@@ -278,23 +305,33 @@ impl Server {
                 ))),
             };
         }
+        // The nodes are asked at once: a node that does not answer holds
+        // neither the others nor the volume's lock for a deadline each.
+        let steps: Vec<_> = by_node
+            .into_iter()
+            .map(|(node_id, (alloc_ids, capability))| {
+                let call = pb::server_call::Call::ExpandVolumeOnNode(pb::ExpandVolumeOnNode {
+                    plugin_id: plugin_id.clone(),
+                    volume_id: id.clone(),
+                    external_id: old.external_id.clone(),
+                    capacity_min: min,
+                    capacity_max: max,
+                    capability: Some(capability),
+                    secrets: secrets.clone(),
+                    alloc_ids,
+                });
+                async move {
+                    let result = self
+                        .calls
+                        .call(&node_id, call, self.config.client_call_timeout)
+                        .await;
+                    (node_id, result)
+                }
+            })
+            .collect();
         let mut failures = Vec::new();
         let mut node_capacity = 0u64;
-        for (node_id, (alloc_ids, capability)) in by_node {
-            let call = pb::server_call::Call::ExpandVolumeOnNode(pb::ExpandVolumeOnNode {
-                plugin_id: plugin_id.clone(),
-                volume_id: id.clone(),
-                external_id: old.external_id.clone(),
-                capacity_min: min,
-                capacity_max: max,
-                capability: Some(capability),
-                secrets: secrets.clone(),
-                alloc_ids,
-            });
-            let result = self
-                .calls
-                .call(&node_id, call, self.config.client_call_timeout)
-                .await;
+        for (node_id, result) in join_all(steps).await {
             match result {
                 Ok(pb::call_reply::Result::ExpandVolumeOnNode(r)) if r.node_supported => {
                     node_capacity = node_capacity.max(u64::try_from(r.capacity_bytes).unwrap_or(0));
@@ -423,6 +460,23 @@ mod tests {
             capacity_change(&max_only, &grow_max).unwrap(),
             CapacityChange::Grow
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn node_steps_run_at_once_and_answer_in_order() {
+        let started = tokio::time::Instant::now();
+        let steps: Vec<_> = [3u64, 1, 2]
+            .into_iter()
+            .map(|secs| async move {
+                tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
+                secs
+            })
+            .collect();
+        assert_eq!(join_all(steps).await, vec![3, 1, 2]);
+        assert_eq!(started.elapsed().as_secs(), 3, "not 6: at once");
+        assert!(join_all(Vec::<std::future::Ready<u8>>::new())
+            .await
+            .is_empty());
     }
 
     #[test]
