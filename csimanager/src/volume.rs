@@ -75,9 +75,10 @@ pub struct VolumeStub {
     pub staged: bool,
     /// Allocs using the volume with this usage, with their publish targets.
     pub allocs: BTreeMap<String, PathBuf>,
-    /// What the volume was last staged and published with (not the
-    /// secrets, which are never written down): a lost mount is made again
-    /// with it.
+    /// What the usage was staged with (for a plugin that does not stage:
+    /// what its first alloc published it with), not the secrets, which
+    /// are never written down: a lost staging is made again with it, and
+    /// a lost publish when its alloc's own options are not known.
     #[serde(default)]
     pub mounted_with: MountContext,
 }
