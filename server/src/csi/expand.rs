@@ -98,8 +98,12 @@ pub fn capacity_change(old: &CsiVolume, new: &CsiVolume) -> Result<CapacityChang
     let id = &old.id;
     let (old_min, new_min) = (old.capacity_min.unwrap_or(0), new.capacity_min.unwrap_or(0));
     if new_min < old_min {
+        let asks = match new.capacity_min {
+            Some(m) => format!("capacity_min {m} asks for less"),
+            None => "the spec sets no capacity_min (keep it to leave the size as it is)".into(),
+        };
         return Err(ServerError::BadRequest(format!(
-            "volumes cannot shrink: volume {id:?} was created with capacity_min {old_min} bytes; capacity_min {new_min} asks for less"
+            "volumes cannot shrink: volume {id:?} was created with capacity_min {old_min} bytes; {asks}"
         )));
     }
     // What the volume has: the plugin's answer, else what was asked.
@@ -430,6 +434,11 @@ mod tests {
         let err = capacity_change(&old, &less).unwrap_err();
         assert!(err.to_string().contains("volumes cannot shrink"), "{err}");
         assert_eq!(err.http_status(), 400);
+        // A spec without the capacity_min the volume was created with says
+        // so, rather than asking for 0 bytes.
+        let unset = vol(None, None, 0);
+        let err = capacity_change(&old, &unset).unwrap_err().to_string();
+        assert!(err.contains("the spec sets no capacity_min"), "{err}");
         // A capacity_max below what the volume has is a shrink too.
         let capped = vol(Some(20 * MIB), Some(10 * MIB), 0);
         assert!(capacity_change(&old, &capped).is_err());
