@@ -38,7 +38,7 @@ use berth_structs::limits::{too_large, MAX_DURATION};
 use crate::error::ServerError;
 use crate::nodes::resolve_node;
 use crate::server::Server;
-use crate::state::{Change, Tables};
+use crate::state::{Change, ClusterIndexes, Tables};
 
 /// The desired description of an alloc a drain stopped.
 pub const DRAIN_STOP_DESCRIPTION: &str = "node is draining";
@@ -330,22 +330,34 @@ impl Server {
     pub(crate) async fn drainer_loop(self: Arc<Self>) {
         let mut shutdown = self.shutdown_rx();
         let mut index_rx = self.store.subscribe();
+        // What the last pass read and when it wanted to look again: a write
+        // that moved none of it (the volume stats nodes report all the
+        // time) needs no pass over the draining nodes' allocs.
+        let mut passed: Option<(ClusterIndexes, Option<tokio::time::Instant>)> = None;
         tracing::info!("drainer running");
         loop {
             index_rx.borrow_and_update();
-            let wait = match self.drain_pass().await {
-                Ok(next) => next.map(|at| until(at, berth_structs::now_ms())),
-                Err(e) => {
-                    tracing::warn!(error = %e, retry_in_ms = RETRY_AFTER_FAILURE.as_millis() as u64, "drain pass failed");
-                    Some(RETRY_AFTER_FAILURE)
-                }
-            };
+            let inputs = self.store.read(Tables::cluster_indexes);
+            let now = tokio::time::Instant::now();
+            let unchanged =
+                passed.is_some_and(|(seen, due)| seen == inputs && due.is_none_or(|at| at > now));
+            if !unchanged {
+                let wait = match self.drain_pass().await {
+                    Ok(next) => next.map(|at| until(at, berth_structs::now_ms())),
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in_ms = RETRY_AFTER_FAILURE.as_millis() as u64, "drain pass failed");
+                        Some(RETRY_AFTER_FAILURE)
+                    }
+                };
+                passed = Some((inputs, wait.and_then(|d| now.checked_add(d))));
+            }
+            let due = passed.and_then(|(_, due)| due);
             tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
                 r = index_rx.changed() => if r.is_err() { return },
                 _ = async {
-                    match wait {
-                        Some(d) => tokio::time::sleep(d).await,
+                    match due {
+                        Some(at) => tokio::time::sleep_until(at).await,
                         None => std::future::pending().await,
                     }
                 } => {}

@@ -29,7 +29,7 @@ use tokio::time::Instant;
 use super::ReleaseOrigin;
 use crate::scheduler::disconnect_window_end_ms;
 use crate::server::Server;
-use crate::state::{Table, Tables};
+use crate::state::{ClusterIndexes, Tables};
 
 type ClaimKey = (String, String);
 
@@ -174,12 +174,12 @@ impl Server {
         // What the last pass read, and when it wanted to look again: a
         // write that changed none of it (an alloc's volume stats, which
         // nodes report all the time) needs no pass over every volume.
-        let mut passed: Option<(PassInputs, Option<Instant>)> = None;
+        let mut passed: Option<(ClusterIndexes, Option<Instant>)> = None;
         tracing::info!("volume watcher running");
         loop {
             index_rx.borrow_and_update();
             let now = Instant::now();
-            let inputs = self.store.read(PassInputs::of);
+            let inputs = self.store.read(Tables::cluster_indexes);
             if let Some((seen, wake)) = passed {
                 if seen == inputs && wake.is_none_or(|at| at > now) {
                     tokio::select! {
@@ -236,26 +236,6 @@ impl Server {
                 r = index_rx.changed() => if r.is_err() { return },
                 _ = sleep_until_or_forever(wake) => {}
             }
-        }
-    }
-}
-
-/// The indexes of what a watcher pass reads: the volumes, the nodes, and
-/// the allocs but for their volume stats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct PassInputs {
-    volumes: u64,
-    nodes: u64,
-    allocs: u64,
-}
-
-impl PassInputs {
-    fn of(t: &Tables) -> PassInputs {
-        let at = |table| t.table_index.get(&table).copied().unwrap_or(0);
-        PassInputs {
-            volumes: at(Table::Volumes),
-            nodes: at(Table::Nodes),
-            allocs: t.allocs_state_index,
         }
     }
 }

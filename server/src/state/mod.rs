@@ -74,7 +74,27 @@ pub struct Tables {
     pub allocs_state_index: u64,
 }
 
+/// The indexes of the last writes of the nodes, the volumes and the allocs
+/// (leaving out writes of an alloc's volume stats alone). A pass that reads
+/// only those and the clock (the volume watcher, the drainer) need not run
+/// again for a write that moves none of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClusterIndexes {
+    pub nodes: u64,
+    pub volumes: u64,
+    pub allocs: u64,
+}
+
 impl Tables {
+    pub fn cluster_indexes(&self) -> ClusterIndexes {
+        let at = |table| self.table_index.get(&table).copied().unwrap_or(0);
+        ClusterIndexes {
+            nodes: at(Table::Nodes),
+            volumes: at(Table::Volumes),
+            allocs: self.allocs_state_index,
+        }
+    }
+
     pub fn allocs_on_node<'a>(&'a self, node_id: &'a str) -> impl Iterator<Item = &'a Allocation> {
         self.allocs.values().filter(move |a| a.node_id == node_id)
     }
@@ -425,10 +445,16 @@ mod tests {
         );
         let mut woken = store.subscribe_allocs_and_nodes();
         woken.mark_unchanged();
+        let before = store.read(Tables::cluster_indexes);
         let stats_write = put(&store, vec![Change::PutAlloc(a1.clone())]);
         assert_eq!(at("n1"), Some(first));
         assert_eq!(store.read(|t| t.allocs_state_index), first);
         assert!(!woken.has_changed().unwrap(), "alloc watches are not woken");
+        assert_eq!(
+            store.read(Tables::cluster_indexes),
+            before,
+            "nor the volume watcher and the drainer"
+        );
         store.read(|t| {
             assert_eq!(t.allocs["a1"].modify_index, stats_write);
             assert_eq!(t.allocs["a1"].csi_volume_stats, a1.csi_volume_stats);
@@ -441,6 +467,7 @@ mod tests {
         assert_eq!(at("n1"), Some(stop));
         assert_eq!(store.read(|t| t.allocs_state_index), stop);
         assert_eq!(*woken.borrow_and_update(), stop);
+        assert_eq!(store.read(Tables::cluster_indexes).allocs, stop);
         // So does a node's write (a purge ends the node's watch).
         put(
             &store,
