@@ -256,7 +256,7 @@ capability {{
 }
 
 /// A service job of `count` allocs whose task is a shell loop whose
-/// command line holds `marker-<job>` (see [`marker_pids`]); with a
+/// command line holds `marker-<job>-<test pid>` (see [`marker_pids`]); with a
 /// `stop_after_client_disconnect` window when `window` is set, and the
 /// volume `volume` mounted at `data` when set.
 pub fn marked_service_job(
@@ -286,6 +286,7 @@ pub fn marked_service_job(
         ),
         None => (String::new(), String::new()),
     };
+    let marker = marker(job);
     format!(
         r#"
 job "{job}" {{
@@ -302,7 +303,7 @@ job "{job}" {{
       driver = "raw_exec"
       config {{
         command = "/bin/sh"
-        args    = ["-c", "while :; do sleep 0.2; done", "${{BERTH_ALLOC_DIR}}/marker-{job}"]
+        args    = ["-c", "while :; do sleep 0.2; done", "${{BERTH_ALLOC_DIR}}/{marker}"]
       }}
       {mount}
       resources {{
@@ -316,9 +317,17 @@ job "{job}" {{
     )
 }
 
-/// PIDs of the live task processes of a [`marked_service_job`].
+/// What the tasks of a [`marked_service_job`] carry on their command line:
+/// the job's name and this test process's PID, so that test binaries
+/// running side by side never count each other's tasks.
+fn marker(job: &str) -> String {
+    format!("marker-{job}-{}", std::process::id())
+}
+
+/// PIDs of the live task processes of a [`marked_service_job`] started by
+/// this test process.
 pub fn marker_pids(job: &str) -> BTreeSet<i32> {
-    crate::processes_with_cmdline(&format!("/marker-{job}"))
+    crate::processes_with_cmdline(&format!("/{} ", marker(job)))
         .into_iter()
         .collect()
 }
