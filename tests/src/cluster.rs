@@ -325,11 +325,25 @@ fn marker(job: &str) -> String {
 }
 
 /// PIDs of the live task processes of a [`marked_service_job`] started by
-/// this test process.
+/// this test process. The task's shell forks a child for each `sleep`,
+/// and until that child execs it shows the shell's command line: a process
+/// whose parent carries the same marker is such a child, not a task.
 pub fn marker_pids(job: &str) -> BTreeSet<i32> {
-    crate::processes_with_cmdline(&format!("/{} ", marker(job)))
+    let pids: BTreeSet<i32> = crate::processes_with_cmdline(&format!("/{} ", marker(job)))
         .into_iter()
+        .collect();
+    pids.iter()
+        .copied()
+        .filter(|pid| parent_pid(*pid).is_none_or(|parent| !pids.contains(&parent)))
         .collect()
+}
+
+/// The parent of `pid`, from `/proc/<pid>/stat` (after the command name,
+/// which may hold spaces and parentheses: the fields follow its last `)`).
+fn parent_pid(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(1)?.parse().ok()
 }
 
 /// The node an alloc (as the API shows it) is placed on.

@@ -368,7 +368,8 @@ fn a_silent_partition_stops_window_allocs_on_time_and_never_runs_two_writers() -
     );
     ensure!(
         most.get("holder").copied().unwrap_or_default() <= 1,
-        "two holder writers ran at once: {most:?}"
+        "two holder writers ran at once: {most:?}\n{}",
+        logs(&server, &[&c1, &c2])
     );
     Ok(())
 }
