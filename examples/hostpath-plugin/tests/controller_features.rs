@@ -12,14 +12,10 @@ use std::fs;
 use std::path::Path;
 use std::process::Command;
 
-use berth_proto::csi::v1::controller_client::ControllerClient;
 use berth_proto::csi::v1::controller_service_capability::{self, rpc};
-use berth_proto::csi::v1::identity_client::IdentityClient;
-use berth_proto::csi::v1::node_client::NodeClient;
 use berth_proto::csi::v1::plugin_capability::{self, service, volume_expansion};
 use berth_proto::csi::v1::volume_content_source::{SnapshotSource, Type, VolumeSource};
 use berth_proto::csi::v1::*;
-use tonic::transport::Channel;
 use tonic::Code;
 
 use common::*;
@@ -47,25 +43,7 @@ fn images_usable() -> bool {
     true
 }
 
-/// One plugin instance and its clients.
-struct Instance {
-    process: PluginProcess,
-    identity: IdentityClient<Channel>,
-    controller: ControllerClient<Channel>,
-    node: NodeClient<Channel>,
-}
-
 impl Instance {
-    async fn connect(mut process: PluginProcess) -> Self {
-        let channel = process.connect().await;
-        Self {
-            process,
-            identity: IdentityClient::new(channel.clone()),
-            controller: ControllerClient::new(channel.clone()),
-            node: NodeClient::new(channel),
-        }
-    }
-
     async fn create(&mut self, req: CreateVolumeRequest) -> Result<Volume, tonic::Status> {
         self.controller
             .create_volume(req)
@@ -82,10 +60,7 @@ impl Instance {
 
     async fn unstage(&mut self, volume_id: &str, staging: &Path) {
         self.node
-            .node_unstage_volume(NodeUnstageVolumeRequest {
-                volume_id: volume_id.to_owned(),
-                staging_target_path: staging.display().to_string(),
-            })
+            .node_unstage_volume(unstage_request(volume_id, staging))
             .await
             .expect("unstage");
     }

@@ -139,12 +139,9 @@ async fn volume_lifecycle_with_read_only_publish() {
 
     // Unpublish, twice.
     for _ in 0..2 {
-        node.node_unpublish_volume(NodeUnpublishVolumeRequest {
-            volume_id: volume_id.clone(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .unwrap();
+        node.node_unpublish_volume(unpublish_request(&volume_id, &target))
+            .await
+            .unwrap();
     }
     assert!(mount_options(&plugin.root, &target).is_none());
     assert!(!target.exists(), "target directory is removed");
@@ -162,12 +159,9 @@ async fn volume_lifecycle_with_read_only_publish() {
 
     // Unstage, twice.
     for _ in 0..2 {
-        node.node_unstage_volume(NodeUnstageVolumeRequest {
-            volume_id: volume_id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .unwrap();
+        node.node_unstage_volume(unstage_request(&volume_id, &staging))
+            .await
+            .unwrap();
     }
     assert!(!staging.exists(), "staging directory is removed");
 
@@ -203,9 +197,7 @@ async fn attach_faults_concurrency_and_restart() {
         "NodeStageVolume=unavailable:1",
         "--delay=NodePublishVolume=1s",
     ]);
-    let channel = plugin.connect().await;
-    let mut controller = ControllerClient::new(channel.clone());
-    let mut node = NodeClient::new(channel);
+    let (mut controller, mut node) = plugin.clients().await;
 
     let caps = controller
         .controller_get_capabilities(ControllerGetCapabilitiesRequest {})
@@ -311,9 +303,7 @@ async fn attach_faults_concurrency_and_restart() {
     // State survives a restart.
     assert!(plugin.stop().success());
     plugin.spawn(&["--node-id=node-b", "--enable-attach"]);
-    let channel = plugin.connect().await;
-    let mut controller = ControllerClient::new(channel.clone());
-    let mut node = NodeClient::new(channel);
+    let (mut controller, mut node) = plugin.clients().await;
 
     let mut seen = Vec::new();
     let mut token = String::new();
@@ -358,18 +348,12 @@ async fn attach_faults_concurrency_and_restart() {
     );
 
     // Tear down in order; unpublishing twice is fine.
-    node.node_unpublish_volume(NodeUnpublishVolumeRequest {
-        volume_id: volume_id.clone(),
-        target_path: target.display().to_string(),
-    })
-    .await
-    .unwrap();
-    node.node_unstage_volume(NodeUnstageVolumeRequest {
-        volume_id: volume_id.clone(),
-        staging_target_path: staging.display().to_string(),
-    })
-    .await
-    .unwrap();
+    node.node_unpublish_volume(unpublish_request(&volume_id, &target))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_request(&volume_id, &staging))
+        .await
+        .unwrap();
     assert_eq!(
         code(
             controller

@@ -118,9 +118,7 @@ fn byte_usage(stats: &NodeGetVolumeStatsResponse) -> VolumeUsage {
 #[tokio::test]
 async fn stats_report_condition_and_spec_error_codes() {
     let mut plugin = PluginProcess::start(&["--node-id=node-s"]);
-    let channel = plugin.connect().await;
-    let mut controller = ControllerClient::new(channel.clone());
-    let mut node = NodeClient::new(channel);
+    let (mut controller, mut node) = plugin.clients().await;
 
     let caps = node
         .node_get_capabilities(NodeGetCapabilitiesRequest {})
@@ -219,9 +217,7 @@ async fn image_volume_is_an_ext4_filesystem_that_expands() {
         return;
     }
     let mut plugin = PluginProcess::start(&["--node-id=node-i"]);
-    let channel = plugin.connect().await;
-    let mut controller = ControllerClient::new(channel.clone());
-    let mut node = NodeClient::new(channel);
+    let (mut controller, mut node) = plugin.clients().await;
 
     let cap = ext4_capability(&["noatime"]);
     let volume_id = create_image_volume(&mut controller, "img", 32 * MIB, cap.clone()).await;
@@ -287,18 +283,12 @@ async fn image_volume_is_an_ext4_filesystem_that_expands() {
             // says so, and the filesystem grows at the next stage.
             assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
             assert!(status.message().contains("CAP_SYS_RESOURCE"), "{status:?}");
-            node.node_unpublish_volume(NodeUnpublishVolumeRequest {
-                volume_id: volume_id.clone(),
-                target_path: target.display().to_string(),
-            })
-            .await
-            .unwrap();
-            node.node_unstage_volume(NodeUnstageVolumeRequest {
-                volume_id: volume_id.clone(),
-                staging_target_path: staging.display().to_string(),
-            })
-            .await
-            .unwrap();
+            node.node_unpublish_volume(unpublish_request(&volume_id, &target))
+                .await
+                .unwrap();
+            node.node_unstage_volume(unstage_request(&volume_id, &staging))
+                .await
+                .unwrap();
             assert_eq!(loop_of(&image), None, "detached on unstage");
             node.node_stage_volume(stage.clone()).await.unwrap();
             let mut publish = publish_request(&volume_id, &staging, &target, false);
@@ -317,21 +307,13 @@ async fn image_volume_is_an_ext4_filesystem_that_expands() {
     // A restarted plugin still finds the loop device of the image.
     plugin.stop();
     plugin.spawn(&["--node-id=node-i"]);
-    let channel = plugin.connect().await;
-    let mut controller = ControllerClient::new(channel.clone());
-    let mut node = NodeClient::new(channel);
-    node.node_unpublish_volume(NodeUnpublishVolumeRequest {
-        volume_id: volume_id.clone(),
-        target_path: target.display().to_string(),
-    })
-    .await
-    .unwrap();
-    node.node_unstage_volume(NodeUnstageVolumeRequest {
-        volume_id: volume_id.clone(),
-        staging_target_path: staging.display().to_string(),
-    })
-    .await
-    .unwrap();
+    let (mut controller, mut node) = plugin.clients().await;
+    node.node_unpublish_volume(unpublish_request(&volume_id, &target))
+        .await
+        .unwrap();
+    node.node_unstage_volume(unstage_request(&volume_id, &staging))
+        .await
+        .unwrap();
     assert_eq!(loop_of(&image), None, "detached after the restart");
     assert!(mounts_under(&plugin.root).is_empty());
     controller
@@ -350,9 +332,7 @@ async fn block_volume_bytes_survive_from_one_publish_to_the_next() {
         return;
     }
     let mut plugin = PluginProcess::start(&["--node-id=node-b"]);
-    let channel = plugin.connect().await;
-    let mut controller = ControllerClient::new(channel.clone());
-    let mut node = NodeClient::new(channel);
+    let (mut controller, mut node) = plugin.clients().await;
 
     let cap = block_capability(Mode::SingleNodeWriter);
     let volume_id = create_image_volume(&mut controller, "blk", 8 * MIB, cap.clone()).await;
@@ -372,10 +352,7 @@ async fn block_volume_bytes_survive_from_one_publish_to_the_next() {
         p.volume_capability = Some(cap.clone());
         p
     };
-    let unpublish = |target: &Path| NodeUnpublishVolumeRequest {
-        volume_id: volume_id.clone(),
-        target_path: target.display().to_string(),
-    };
+    let unpublish = |target: &Path| unpublish_request(&volume_id, target);
     let first = plugin.path("pods/a/disk");
     let second = plugin.path("pods/b/disk");
     let payload = b"berth block volume";
@@ -418,12 +395,9 @@ async fn block_volume_bytes_survive_from_one_publish_to_the_next() {
         .await
         .unwrap();
     for _ in 0..2 {
-        node.node_unstage_volume(NodeUnstageVolumeRequest {
-            volume_id: volume_id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .unwrap();
+        node.node_unstage_volume(unstage_request(&volume_id, &staging))
+            .await
+            .unwrap();
     }
     assert_eq!(loop_of(&image), None, "detached on unstage");
     assert!(mounts_under(&plugin.root).is_empty());

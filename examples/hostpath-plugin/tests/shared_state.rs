@@ -10,33 +10,14 @@ use std::fs;
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use berth_proto::csi::v1::controller_client::ControllerClient;
-use berth_proto::csi::v1::node_client::NodeClient;
 use berth_proto::csi::v1::volume_capability::access_mode::Mode;
 use berth_proto::csi::v1::*;
 use tokio::task::JoinSet;
-use tonic::transport::Channel;
 use tonic::Code;
 
 use common::*;
 
-/// One plugin instance and its clients.
-struct Instance {
-    process: PluginProcess,
-    controller: ControllerClient<Channel>,
-    node: NodeClient<Channel>,
-}
-
 impl Instance {
-    async fn connect(mut process: PluginProcess) -> Self {
-        let channel = process.connect().await;
-        Self {
-            process,
-            controller: ControllerClient::new(channel.clone()),
-            node: NodeClient::new(channel),
-        }
-    }
-
     async fn create(&mut self, name: &str) -> String {
         self.controller
             .create_volume(create_request(name, MIB, 0))
@@ -82,17 +63,11 @@ impl Instance {
         let staging = self.process.path(&format!("{dir}/staging"));
         let target = self.process.path(&format!("{dir}/target"));
         self.node
-            .node_unpublish_volume(NodeUnpublishVolumeRequest {
-                volume_id: volume_id.to_owned(),
-                target_path: target.display().to_string(),
-            })
+            .node_unpublish_volume(unpublish_request(volume_id, &target))
             .await
             .unwrap();
         self.node
-            .node_unstage_volume(NodeUnstageVolumeRequest {
-                volume_id: volume_id.to_owned(),
-                staging_target_path: staging.display().to_string(),
-            })
+            .node_unstage_volume(unstage_request(volume_id, &staging))
             .await
             .unwrap();
         assert!(mount_options(&self.process.root, &target).is_none());
@@ -311,10 +286,7 @@ async fn controller_publication_is_shared_between_instances() {
     assert!(err.message().contains("node-b"), "{err:?}");
 
     b.node
-        .node_unstage_volume(NodeUnstageVolumeRequest {
-            volume_id: volume_id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_request(&volume_id, &staging))
         .await
         .unwrap();
     b.controller

@@ -14,6 +14,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use berth_proto::csi::v1::controller_client::ControllerClient;
+use berth_proto::csi::v1::identity_client::IdentityClient;
+use berth_proto::csi::v1::node_client::NodeClient;
 use berth_proto::csi::v1::volume_capability::access_mode::Mode;
 use berth_proto::csi::v1::volume_capability::{AccessMode, AccessType, MountVolume};
 use berth_proto::csi::v1::*;
@@ -133,6 +136,15 @@ impl PluginProcess {
             .expect("connect to the plugin")
     }
 
+    /// Connects, and opens a controller and a node client on the channel.
+    pub async fn clients(&mut self) -> (ControllerClient<Channel>, NodeClient<Channel>) {
+        let channel = self.connect().await;
+        (
+            ControllerClient::new(channel.clone()),
+            NodeClient::new(channel),
+        )
+    }
+
     /// Sends SIGTERM and waits for the plugin to exit.
     pub fn stop(&mut self) -> ExitStatus {
         let mut child = self.child.take().expect("plugin running");
@@ -234,6 +246,26 @@ pub fn mount_options(dir: &Path, mount_point: &Path) -> Option<Vec<String>> {
         .map(|(_, options)| options)
 }
 
+/// One plugin instance and its clients.
+pub struct Instance {
+    pub process: PluginProcess,
+    pub identity: IdentityClient<Channel>,
+    pub controller: ControllerClient<Channel>,
+    pub node: NodeClient<Channel>,
+}
+
+impl Instance {
+    pub async fn connect(mut process: PluginProcess) -> Self {
+        let channel = process.connect().await;
+        Self {
+            process,
+            identity: IdentityClient::new(channel.clone()),
+            controller: ControllerClient::new(channel.clone()),
+            node: NodeClient::new(channel),
+        }
+    }
+}
+
 pub fn capability(mode: Mode) -> VolumeCapability {
     VolumeCapability {
         access_type: Some(AccessType::Mount(MountVolume::default())),
@@ -276,6 +308,20 @@ pub fn publish_request(
         volume_capability: Some(capability(Mode::SingleNodeWriter)),
         readonly,
         ..Default::default()
+    }
+}
+
+pub fn unpublish_request(volume_id: &str, target: &Path) -> NodeUnpublishVolumeRequest {
+    NodeUnpublishVolumeRequest {
+        volume_id: volume_id.to_owned(),
+        target_path: target.display().to_string(),
+    }
+}
+
+pub fn unstage_request(volume_id: &str, staging: &Path) -> NodeUnstageVolumeRequest {
+    NodeUnstageVolumeRequest {
+        volume_id: volume_id.to_owned(),
+        staging_target_path: staging.display().to_string(),
     }
 }
 
