@@ -972,6 +972,47 @@ mod tests {
         }
     }
 
+    fn publish_req(
+        id: &str,
+        target: &Path,
+        staging: &Path,
+        cap: VolumeCapability,
+    ) -> NodePublishVolumeRequest {
+        NodePublishVolumeRequest {
+            volume_id: id.into(),
+            target_path: target.display().to_string(),
+            staging_target_path: staging.display().to_string(),
+            volume_capability: Some(cap),
+            ..Default::default()
+        }
+    }
+
+    fn unpublish_req(id: &str, target: &Path) -> NodeUnpublishVolumeRequest {
+        NodeUnpublishVolumeRequest {
+            volume_id: id.into(),
+            target_path: target.display().to_string(),
+        }
+    }
+
+    fn unstage_req(id: &str, staging: &Path) -> NodeUnstageVolumeRequest {
+        NodeUnstageVolumeRequest {
+            volume_id: id.into(),
+            staging_target_path: staging.display().to_string(),
+        }
+    }
+
+    fn expand_req(id: &str, path: &Path, required_bytes: i64) -> NodeExpandVolumeRequest {
+        NodeExpandVolumeRequest {
+            volume_id: id.into(),
+            volume_path: path.display().to_string(),
+            capacity_range: Some(CapacityRange {
+                required_bytes,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        }
+    }
+
     fn stats_req(id: &str, path: &str) -> NodeGetVolumeStatsRequest {
         NodeGetVolumeStatsRequest {
             volume_id: id.into(),
@@ -1166,32 +1207,19 @@ mod tests {
             Code::NotFound
         );
         assert_eq!(
-            code(
-                p.unstage(NodeUnstageVolumeRequest {
-                    volume_id: id.clone(),
-                    staging_target_path: String::new(),
-                })
-                .await
-            ),
+            code(p.unstage(unstage_req(&id, Path::new(""))).await),
             Code::InvalidArgument
         );
         assert_eq!(
-            code(
-                p.unpublish(NodeUnpublishVolumeRequest {
-                    volume_id: String::new(),
-                    target_path: s.clone(),
-                })
-                .await
-            ),
+            code(p.unpublish(unpublish_req("", Path::new(&s))).await),
             Code::InvalidArgument
         );
-        let publish = NodePublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: f.path("t").display().to_string(),
-            staging_target_path: s.clone(),
-            volume_capability: Some(mount_cap(Mode::SingleNodeWriter)),
-            ..Default::default()
-        };
+        let publish = publish_req(
+            &id,
+            &f.path("t"),
+            Path::new(&s),
+            mount_cap(Mode::SingleNodeWriter),
+        );
         assert_eq!(
             code(p.publish(publish.clone()).await),
             Code::FailedPrecondition,
@@ -1236,12 +1264,8 @@ mod tests {
 
         let target = f.path("target");
         let publish = NodePublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-            staging_target_path: staging.display().to_string(),
-            volume_capability: Some(cap.clone()),
             readonly: true,
-            ..Default::default()
+            ..publish_req(&id, &target, &staging, cap.clone())
         };
         p.publish(publish.clone()).await.unwrap();
         fs::write(staging.join("a"), b"data").unwrap();
@@ -1267,12 +1291,7 @@ mod tests {
         );
 
         // A mount of something else at the target is not this volume.
-        p.unpublish(NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .unwrap();
+        p.unpublish(unpublish_req(&id, &target)).await.unwrap();
         assert!(!target.exists());
         fs::create_dir(&target).unwrap();
         mount::bind_mount(&f.root, &target).unwrap();
@@ -1286,12 +1305,7 @@ mod tests {
         mount::unmount_all(&target).unwrap();
 
         for _ in 0..2 {
-            p.unstage(NodeUnstageVolumeRequest {
-                volume_id: id.clone(),
-                staging_target_path: staging.display().to_string(),
-            })
-            .await
-            .unwrap();
+            p.unstage(unstage_req(&id, &staging)).await.unwrap();
         }
         assert!(!staging.exists());
         assert_eq!(
@@ -1327,13 +1341,7 @@ mod tests {
             "no filesystem mount"
         );
         let target = f.path("pods/p1/dev");
-        let publish = NodePublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-            staging_target_path: staging.display().to_string(),
-            volume_capability: Some(block_cap(Mode::SingleNodeWriter)),
-            ..Default::default()
-        };
+        let publish = publish_req(&id, &target, &staging, block_cap(Mode::SingleNodeWriter));
         for _ in 0..2 {
             p.publish(publish.clone()).await.unwrap();
         }
@@ -1363,12 +1371,7 @@ mod tests {
             "{err}"
         );
         assert_eq!(image::loops_of(&img).unwrap().len(), 2);
-        p.unpublish(NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: ro_target.display().to_string(),
-        })
-        .await
-        .unwrap();
+        p.unpublish(unpublish_req(&id, &ro_target)).await.unwrap();
         assert_eq!(
             image::loops_of(&img).unwrap().len(),
             1,
@@ -1383,19 +1386,9 @@ mod tests {
         assert_eq!(stats.usage[0].total, 16 << 20);
 
         // Unstaging while published keeps the device: it is still in use.
-        p.unpublish(NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .unwrap();
+        p.unpublish(unpublish_req(&id, &target)).await.unwrap();
         assert!(!target.exists(), "the device file is removed");
-        p.unstage(NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .unwrap();
+        p.unstage(unstage_req(&id, &staging)).await.unwrap();
         assert!(!staging.exists());
         assert_eq!(image::find_loop(&img).unwrap(), None);
     }
@@ -1409,10 +1402,7 @@ mod tests {
         let p = &f.plugin;
         let id = f.create("shared", &[("backing", "image")]).await;
         let img = image::image_path(p.state_dir(), &id);
-        let unstage = |staging: &Path| NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging.display().to_string(),
-        };
+        let unstage = |staging: &Path| unstage_req(&id, staging);
 
         // A reader alone: ext4 is mounted read-only (other nodes sharing
         // the state directory may mount it as well).
@@ -1427,12 +1417,8 @@ mod tests {
         assert!(fs::write(reader.join("x"), b"x").is_err(), "read-only");
         let target = f.path("target-reader");
         p.publish(NodePublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-            staging_target_path: reader.display().to_string(),
-            volume_capability: Some(reader_cap.clone()),
             readonly: true,
-            ..Default::default()
+            ..publish_req(&id, &target, &reader, reader_cap.clone())
         })
         .await
         .unwrap();
@@ -1451,12 +1437,7 @@ mod tests {
             assert!(mount::mount_at(ro).unwrap().unwrap().is_read_only());
             assert!(fs::write(ro.join("x"), b"x").is_err(), "{}", ro.display());
         }
-        p.unpublish(NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .unwrap();
+        p.unpublish(unpublish_req(&id, &target)).await.unwrap();
         // A reader staged while the writer has it shares its filesystem.
         let reader2 = f.path("staging-reader-2");
         p.stage(stage_req(&id, &reader2, reader_cap.clone()))
@@ -1483,23 +1464,13 @@ mod tests {
         p.stage(stage_req(&id, &staging, mount_cap(Mode::SingleNodeWriter)))
             .await
             .unwrap();
-        let before = statvfs(&staging).unwrap();
-        let before = wide(before.blocks()) * wide(before.fragment_size());
-        image::grow_image(&img, 32 << 20).unwrap();
-        let expand = NodeExpandVolumeRequest {
-            volume_id: id.clone(),
-            volume_path: staging.display().to_string(),
-            capacity_range: Some(CapacityRange {
-                required_bytes: 32 << 20,
-                limit_bytes: 0,
-            }),
-            ..Default::default()
-        };
         let fs_bytes = |path: &Path| {
             let st = statvfs(path).unwrap();
             wide(st.blocks()) * wide(st.fragment_size())
         };
-        match p.expand(expand.clone()).await {
+        let before = fs_bytes(&staging);
+        image::grow_image(&img, 32 << 20).unwrap();
+        match p.expand(expand_req(&id, &staging, 32 << 20)).await {
             Ok(grown) => assert_eq!(grown.capacity_bytes, 32 << 20),
             Err(Error::FailedPrecondition(why)) => {
                 // No CAP_SYS_RESOURCE here: the filesystem grows offline at
@@ -1509,12 +1480,7 @@ mod tests {
                     image::device_size(&image::find_loop(&img).unwrap().unwrap()).unwrap(),
                     32 << 20
                 );
-                p.unstage(NodeUnstageVolumeRequest {
-                    volume_id: id.clone(),
-                    staging_target_path: staging.display().to_string(),
-                })
-                .await
-                .unwrap();
+                p.unstage(unstage_req(&id, &staging)).await.unwrap();
                 p.stage(stage_req(&id, &staging, mount_cap(Mode::SingleNodeWriter)))
                     .await
                     .unwrap();
@@ -1525,26 +1491,10 @@ mod tests {
         assert!(after > before + (12 << 20), "{before} -> {after}");
         // More than the image holds is out of range.
         assert_eq!(
-            code(
-                p.expand(NodeExpandVolumeRequest {
-                    volume_id: id.clone(),
-                    volume_path: staging.display().to_string(),
-                    capacity_range: Some(CapacityRange {
-                        required_bytes: 64 << 20,
-                        limit_bytes: 0,
-                    }),
-                    ..Default::default()
-                })
-                .await
-            ),
+            code(p.expand(expand_req(&id, &staging, 64 << 20)).await),
             Code::OutOfRange
         );
-        p.unstage(NodeUnstageVolumeRequest {
-            volume_id: id,
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .unwrap();
+        p.unstage(unstage_req(&id, &staging)).await.unwrap();
         assert_eq!(image::find_loop(&img).unwrap(), None);
     }
 
