@@ -15,27 +15,13 @@ use std::time::Duration;
 use berth_allocrunner::alloc_runner::EVENT_WAITING_FOR_VOLUMES;
 use berth_allocrunner::task_hooks::MAX_SOCKET_PATH_LEN;
 use berth_allocrunner::{AllocRunner, AllocStateStore, ClaimError, ClaimGrant};
-use berth_csimanager::volume_manager::volume_capability;
-use berth_proto::csi::v1 as csi;
 use berth_structs::{
     AccessMode, AllocClientStatus, AllocDesiredStatus, AttachmentMode, ClaimMode, CsiMountOptions,
-    CsiPluginType, JobType, RestartPolicy, Task, TaskCsiPluginConfig, TaskStateKind, VolumeMount,
-    VolumeRequest,
+    JobType, RestartPolicy, Task, TaskStateKind, VolumeMount, VolumeRequest,
 };
 use common::*;
 
-const PLUGIN_ID: &str = "hostpath";
 const WITHIN: Duration = Duration::from_secs(30);
-
-fn plugin_config(health_timeout: Duration) -> TaskCsiPluginConfig {
-    TaskCsiPluginConfig {
-        id: PLUGIN_ID.into(),
-        plugin_type: CsiPluginType::Monolith,
-        mount_dir: "/csi".into(),
-        stage_publish_base_dir: None,
-        health_timeout,
-    }
-}
 
 struct Plugin {
     runner: AllocRunner,
@@ -95,12 +81,7 @@ fn task_events(runner: &AllocRunner, task: &str) -> Vec<(String, String)> {
 
 /// Runs the hostpath plugin as a plugin task and waits for it to register.
 async fn start_plugin(h: &Harness) -> Plugin {
-    let script = format!(
-        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec {} --state-dir "$BERTH_TASK_DIR/local/state" --node-id node-1"#,
-        hostpath_plugin_binary().display()
-    );
-    let mut task = sh_task("plugin", &script);
-    task.csi_plugin = Some(plugin_config(Duration::from_secs(20)));
+    let task = hostpath_plugin_task("$BERTH_TASK_DIR/local/state");
     let a = alloc(JobType::Service, vec![task]);
     let task_dir = h.data_dir().join("alloc").join(&a.id).join("plugin");
     let killer = PidFileKiller(task_dir.join("local/pid"));
@@ -115,25 +96,6 @@ async fn start_plugin(h: &Harness) -> Plugin {
         state_dir: task_dir.join("local/state"),
         _killer: killer,
     }
-}
-
-async fn create_volume(h: &Harness, name: &str) -> String {
-    let client = h.csi.client(PLUGIN_ID).await.expect("client");
-    client
-        .create_volume(csi::CreateVolumeRequest {
-            name: name.into(),
-            volume_capabilities: vec![volume_capability(
-                AccessMode::MultiNodeMultiWriter,
-                AttachmentMode::FileSystem,
-                &CsiMountOptions::default(),
-            )],
-            ..Default::default()
-        })
-        .await
-        .expect("CreateVolume")
-        .volume
-        .expect("a volume")
-        .volume_id
 }
 
 fn grant(volume_id: &str, external_id: &str) -> ClaimGrant {
@@ -170,7 +132,7 @@ fn consumer(volumes: &[&str], task: Task) -> berth_structs::Allocation {
 /// "web" uses it until the task runs. The killer ends the task's process
 /// when the test ends, also when it fails.
 async fn run_volume_user(h: &Harness) -> (berth_structs::Allocation, AllocRunner, PidFileKiller) {
-    let ext = create_volume(h, "vol").await;
+    let ext = create_volume(h, "vol", AccessMode::MultiNodeMultiWriter).await;
     h.claimer.grant(grant("vol", &ext));
     let a = consumer(
         &["vol"],
@@ -214,7 +176,7 @@ async fn csi_volume_is_claimed_mounted_bound_and_released() {
     assert_eq!(reg.provider, "hostpath.csi.berth.dev");
     assert!(reg.socket_path.ends_with("csi.sock"));
 
-    let ext = create_volume(&h, "vol").await;
+    let ext = create_volume(&h, "vol", AccessMode::MultiNodeMultiWriter).await;
     // The first claim is refused as retryable (a previous claim is being
     // freed); the hook retries.
     h.claimer.script(
@@ -296,7 +258,7 @@ sleep 1000"#,
 async fn a_failed_claim_rolls_back_the_volumes_already_mounted() {
     let h = Harness::new();
     let plugin = start_plugin(&h).await;
-    let ext = create_volume(&h, "a").await;
+    let ext = create_volume(&h, "a", AccessMode::MultiNodeMultiWriter).await;
     h.claimer.grant(grant("a", &ext));
     h.claimer.script(
         "b",
@@ -492,7 +454,7 @@ fn mount_and_leave_running_with(volumes: &[&str]) -> LeftRunning {
     let (plugin, a, task_killer) = first.block_on(async {
         let plugin = start_plugin(&h).await;
         for v in volumes {
-            let ext = create_volume(&h, v).await;
+            let ext = create_volume(&h, v, AccessMode::MultiNodeMultiWriter).await;
             h.claimer.grant(grant(v, &ext));
         }
         let mut task = sh_task(
@@ -876,12 +838,7 @@ async fn a_killed_plugin_task_is_unhealthy_until_it_restarts_and_is_healthy_agai
     let h = Harness::new();
     let (stop_csi, rx) = tokio::sync::watch::channel(false);
     let manager = tokio::spawn(h.csi.clone().run(rx));
-    let script = format!(
-        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec {} --state-dir "$BERTH_TASK_DIR/local/state" --node-id node-1"#,
-        hostpath_plugin_binary().display()
-    );
-    let mut task = sh_task("plugin", &script);
-    task.csi_plugin = Some(plugin_config(Duration::from_secs(20)));
+    let task = hostpath_plugin_task("$BERTH_TASK_DIR/local/state");
     let mut a = alloc(JobType::Service, vec![task]);
     group_mut(&mut a).restart = RestartPolicy {
         attempts: 2,

@@ -10,28 +10,16 @@ mod common;
 use std::time::Duration;
 
 use berth_allocrunner::AllocRunner;
-use berth_structs::{CsiPluginType, JobType, TaskCsiPluginConfig};
+use berth_structs::JobType;
 use common::*;
 
-const PLUGIN_ID: &str = "hostpath";
 const WITHIN: Duration = Duration::from_secs(30);
 
 /// Starts a hostpath plugin task in an alloc whose create index is
 /// `create_index`, every instance on the same state dir; its runner and
 /// the guard that kills its process.
 fn start_instance(h: &Harness, create_index: u64) -> (AllocRunner, String, PidFileKiller) {
-    let script = format!(
-        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec {} --state-dir "$BERTH_NODE_DATA_DIR" --node-id node-1"#,
-        hostpath_plugin_binary().display()
-    );
-    let mut task = sh_task("plugin", &script);
-    task.csi_plugin = Some(TaskCsiPluginConfig {
-        id: PLUGIN_ID.into(),
-        plugin_type: CsiPluginType::Monolith,
-        mount_dir: "/csi".into(),
-        stage_publish_base_dir: None,
-        health_timeout: Duration::from_secs(20),
-    });
+    let task = hostpath_plugin_task("$BERTH_NODE_DATA_DIR");
     let mut a = alloc(JobType::System, vec![task]);
     a.create_index = create_index;
     let id = a.id.clone();

@@ -11,34 +11,19 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use berth_allocrunner::{AllocRunner, ClaimGrant};
-use berth_csimanager::volume_manager::volume_capability;
-use berth_proto::csi::v1 as csi;
 use berth_structs::{
-    AccessMode, AttachmentMode, CsiMountOptions, CsiPluginType, JobType, RestartPolicy,
-    TaskCsiPluginConfig, VolumeMount, VolumeRequest,
+    AccessMode, AttachmentMode, JobType, RestartPolicy, VolumeMount, VolumeRequest,
 };
 use berth_testutil::mount_count_at;
 use common::*;
 use nix::mount::{umount2, MntFlags};
 
-const PLUGIN_ID: &str = "hostpath";
 const WITHIN: Duration = Duration::from_secs(30);
 
 /// Runs the hostpath plugin as a plugin task until it registers; its
 /// state dir (where volumes live) and the killer of its process.
 async fn start_plugin(h: &Harness) -> (AllocRunner, PathBuf, PidFileKiller) {
-    let script = format!(
-        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec {} --state-dir "$BERTH_TASK_DIR/local/state" --node-id node-1"#,
-        hostpath_plugin_binary().display()
-    );
-    let mut task = sh_task("plugin", &script);
-    task.csi_plugin = Some(TaskCsiPluginConfig {
-        id: PLUGIN_ID.into(),
-        plugin_type: CsiPluginType::Monolith,
-        mount_dir: "/csi".into(),
-        stage_publish_base_dir: None,
-        health_timeout: Duration::from_secs(20),
-    });
+    let task = hostpath_plugin_task("$BERTH_TASK_DIR/local/state");
     let a = alloc(JobType::Service, vec![task]);
     let task_dir = h.data_dir().join("alloc").join(&a.id).join("plugin");
     let killer = PidFileKiller(task_dir.join("local/pid"));
@@ -55,22 +40,7 @@ async fn start_plugin(h: &Harness) -> (AllocRunner, PathBuf, PidFileKiller) {
 
 /// Creates the volume "vol" and grants its claims; its external ID.
 async fn create_volume(h: &Harness) -> String {
-    let client = h.csi.client(PLUGIN_ID).await.expect("client");
-    let ext = client
-        .create_volume(csi::CreateVolumeRequest {
-            name: "vol".into(),
-            volume_capabilities: vec![volume_capability(
-                AccessMode::SingleNodeWriter,
-                AttachmentMode::FileSystem,
-                &CsiMountOptions::default(),
-            )],
-            ..Default::default()
-        })
-        .await
-        .expect("CreateVolume")
-        .volume
-        .expect("a volume")
-        .volume_id;
+    let ext = common::create_volume(h, "vol", AccessMode::SingleNodeWriter).await;
     h.claimer.grant(ClaimGrant {
         volume_id: "vol".into(),
         external_id: ext.clone(),

@@ -20,9 +20,12 @@ use berth_csimanager::{
     CsiManager, FingerprintSink, ManagerConfig, NodeEventSink, PluginRegistration, PluginRegistry,
     VolumeStateStore, VolumeStub,
 };
+use berth_csimanager::volume_manager::volume_capability;
+use berth_proto::csi::v1 as csi;
 use berth_structs::{
-    AllocClientStatus, Allocation, CsiInfo, Job, JobType, NodeEvent, RestartPolicy, Task,
-    TaskConfig, TaskGroup, TaskState, TaskStateKind,
+    AccessMode, AllocClientStatus, Allocation, AttachmentMode, CsiInfo, CsiMountOptions,
+    CsiPluginType, Job, JobType, NodeEvent, RestartPolicy, Task, TaskConfig, TaskCsiPluginConfig,
+    TaskGroup, TaskState, TaskStateKind,
 };
 
 // ---------------------------------------------------------------- updater
@@ -510,6 +513,56 @@ pub fn alloc(job_type: JobType, tasks: Vec<Task>) -> Allocation {
 
 pub fn group_mut(alloc: &mut Allocation) -> &mut TaskGroup {
     &mut alloc.job.task_groups[0]
+}
+
+// ---------------------------------------------------------------- plugin
+
+/// The id the hostpath plugin registers under in these tests.
+pub const PLUGIN_ID: &str = "hostpath";
+
+/// A monolith plugin `PLUGIN_ID` with its socket dir at /csi.
+pub fn plugin_config(health_timeout: Duration) -> TaskCsiPluginConfig {
+    TaskCsiPluginConfig {
+        id: PLUGIN_ID.into(),
+        plugin_type: CsiPluginType::Monolith,
+        mount_dir: "/csi".into(),
+        stage_publish_base_dir: None,
+        health_timeout,
+    }
+}
+
+/// A task "plugin" that runs the hostpath plugin as `PLUGIN_ID` with its
+/// volumes in `state_dir` (expanded by the task's shell) and writes its
+/// pid to `local/pid` in its task dir (for a `PidFileKiller`).
+pub fn hostpath_plugin_task(state_dir: &str) -> Task {
+    let script = format!(
+        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec {} --state-dir "{state_dir}" --node-id node-1"#,
+        hostpath_plugin_binary().display()
+    );
+    let mut task = sh_task("plugin", &script);
+    task.csi_plugin = Some(plugin_config(Duration::from_secs(20)));
+    task
+}
+
+/// Creates the volume `name` through the registered plugin for `mode`;
+/// its external ID.
+pub async fn create_volume(h: &Harness, name: &str, mode: AccessMode) -> String {
+    let client = h.csi.client(PLUGIN_ID).await.expect("client");
+    client
+        .create_volume(csi::CreateVolumeRequest {
+            name: name.into(),
+            volume_capabilities: vec![volume_capability(
+                mode,
+                AttachmentMode::FileSystem,
+                &CsiMountOptions::default(),
+            )],
+            ..Default::default()
+        })
+        .await
+        .expect("CreateVolume")
+        .volume
+        .expect("a volume")
+        .volume_id
 }
 
 // ---------------------------------------------------------------- cleanup
