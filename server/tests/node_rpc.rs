@@ -6,7 +6,7 @@ mod support;
 use std::time::Duration;
 
 use berth_proto::berth::v1 as pb;
-use berth_structs::{AllocClientStatus, Allocation, JobType, TaskState, TaskStateKind};
+use berth_structs::{AllocClientStatus, Allocation, JobType, TaskStateKind};
 use support::*;
 
 fn decode(update: &pb::AllocationsUpdate) -> Vec<Allocation> {
@@ -75,25 +75,9 @@ async fn client_registers_watches_its_allocs_and_reports_status() {
     assert!(next.index >= allocs[0].modify_index);
 
     // A status report is applied and streamed back.
-    let states = std::collections::BTreeMap::from([(
-        "t".to_string(),
-        TaskState {
-            state: TaskStateKind::Running,
-            ..Default::default()
-        },
-    )]);
-    nc.update_allocations(pb::UpdateAllocationsRequest {
-        node_id: "n1".into(),
-        updates: vec![pb::AllocStatusUpdate {
-            alloc_id: allocs[0].id.clone(),
-            client_status: "running".into(),
-            client_description: "Tasks are running".into(),
-            task_states_json: serde_json::to_vec(&states).unwrap(),
-            ..Default::default()
-        }],
-    })
-    .await
-    .unwrap();
+    nc.update_allocations(running_update("n1", &allocs[0].id))
+        .await
+        .unwrap();
     let next = tokio::time::timeout(Duration::from_secs(5), watch.message())
         .await
         .unwrap()

@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use berth_proto::berth::v1 as pb;
+use berth_proto::berth::v1::node_client::NodeClient;
 use berth_server::Table;
 use berth_structs::{
-    AccessMode, AllocClientStatus, CsiVolumeCondition, CsiVolumeStats, TaskState, TaskStateKind,
+    AccessMode, AllocClientStatus, Allocation, CsiVolumeCondition, CsiVolumeStats,
 };
 use support::*;
 
@@ -56,37 +57,29 @@ async fn watch_sends(
     tokio::time::timeout(within, watch.message()).await.is_ok()
 }
 
+/// A server with node n1 serving the hostpath plugin and job "app"'s
+/// alloc placed there with the volume "data"; a client of node n1.
+async fn start_with_alloc_on_data() -> (TestServer, Allocation, NodeClient<SecretChannel>) {
+    let ts = TestServer::start(|_| {}).await;
+    register(&ts.server, node("n1")).await;
+    give_plugin(&ts.server, "n1", "hostpath", true, false, false).await;
+    let job = volume_job("app", "data", AccessMode::SingleNodeWriter);
+    let alloc = place_on_data(&ts.server, job).await;
+    let nc = ts.node_client().await;
+    (ts, alloc, nc)
+}
+
 #[tokio::test]
 async fn a_stats_only_update_is_stored_without_an_evaluation_or_a_watch_message() {
-    let ts = TestServer::start(|_| {}).await;
+    let (ts, alloc, mut nc) = start_with_alloc_on_data().await;
     let s = ts.server.clone();
-    register(&s, node("n1")).await;
-    give_plugin(&s, "n1", "hostpath", true, false, false).await;
-    let alloc = place_on_data(&s, volume_job("app", "data", AccessMode::SingleNodeWriter)).await;
-    let mut nc = ts.node_client().await;
     let mut watch = open_watch(&mut nc, "n1").await;
     watch.message().await.unwrap().expect("the first set");
 
     // The client reports its alloc running: streamed back, as always.
-    let states = BTreeMap::from([(
-        "t".to_string(),
-        TaskState {
-            state: TaskStateKind::Running,
-            ..Default::default()
-        },
-    )]);
-    nc.update_allocations(pb::UpdateAllocationsRequest {
-        node_id: "n1".into(),
-        updates: vec![pb::AllocStatusUpdate {
-            alloc_id: alloc.id.clone(),
-            client_status: "running".into(),
-            client_description: "Tasks are running".into(),
-            task_states_json: serde_json::to_vec(&states).unwrap(),
-            ..Default::default()
-        }],
-    })
-    .await
-    .unwrap();
+    nc.update_allocations(running_update("n1", &alloc.id))
+        .await
+        .unwrap();
     assert!(watch_sends(&mut watch, Duration::from_secs(5)).await);
     let running = s.allocation(&alloc.id).unwrap();
     assert_eq!(running.client_status, AllocClientStatus::Running);
@@ -148,12 +141,8 @@ async fn a_stats_only_update_is_stored_without_an_evaluation_or_a_watch_message(
 
 #[tokio::test]
 async fn stats_sent_with_a_status_update_are_stored_with_it_and_old_records_decode() {
-    let ts = TestServer::start(|_| {}).await;
+    let (ts, alloc, mut nc) = start_with_alloc_on_data().await;
     let s = ts.server.clone();
-    register(&s, node("n1")).await;
-    give_plugin(&s, "n1", "hostpath", true, false, false).await;
-    let alloc = place_on_data(&s, volume_job("app", "data", AccessMode::SingleNodeWriter)).await;
-    let mut nc = ts.node_client().await;
     let by_name = BTreeMap::from([("data".to_string(), stats(7))]);
     nc.update_allocations(pb::UpdateAllocationsRequest {
         node_id: "n1".into(),

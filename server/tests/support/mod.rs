@@ -567,6 +567,20 @@ pub async fn open_watch(
 
 /// A client's report that its alloc `alloc_id` is now `client_status`
 /// (with `description` and no task states).
+/// The client's report that the alloc runs, its task "t" running.
+pub fn running_update(node_id: &str, alloc_id: &str) -> pb::UpdateAllocationsRequest {
+    let states = BTreeMap::from([(
+        "t".to_string(),
+        TaskState {
+            state: TaskStateKind::Running,
+            ..Default::default()
+        },
+    )]);
+    let mut req = status_update(node_id, alloc_id, "running", "Tasks are running");
+    req.updates[0].task_states_json = serde_json::to_vec(&states).unwrap();
+    req
+}
+
 pub fn status_update(
     node_id: &str,
     alloc_id: &str,
