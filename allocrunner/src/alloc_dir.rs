@@ -223,6 +223,7 @@ pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use berth_testutil::bind_mount;
 
     #[test]
     fn the_node_data_dir_is_private_checked_and_outlives_the_alloc_dir() {
@@ -251,20 +252,6 @@ mod tests {
         assert!(!tmp.path().join("x").exists());
     }
 
-    /// Bind-mounts `src` at `target`.
-    fn bind(src: &Path, target: &Path) {
-        std::fs::create_dir_all(src).unwrap();
-        std::fs::create_dir_all(target).unwrap();
-        nix::mount::mount(
-            Some(src),
-            target,
-            None::<&str>,
-            nix::mount::MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .unwrap();
-    }
-
     /// Lazily unmounts everything below `dir` on drop, also when a test
     /// fails.
     struct Unmounted(PathBuf);
@@ -287,7 +274,7 @@ mod tests {
         dir.build_shared().unwrap();
         let td = dir.build_task("web").unwrap();
         let volume = root.join("volume");
-        bind(&volume, &td.dir.join("data"));
+        bind_mount(&volume, &td.dir.join("data"));
         std::fs::write(volume.join("precious"), "keep me").unwrap();
         assert!(td.dir.join("data/precious").is_file());
         (tmp, guard, dir, volume)
@@ -310,7 +297,7 @@ mod tests {
         // The same volume bound again over the first bind (a repaired
         // mount bound anew, say).
         let target = dir.path().canonicalize().unwrap().join("web/data");
-        bind(&volume, &target);
+        bind_mount(&volume, &target);
         dir.destroy().unwrap();
         assert!(!dir.path().exists());
         assert!(volume.join("precious").is_file());

@@ -13,20 +13,8 @@ use std::time::Duration;
 
 use berth_csimanager::{OrphanRemoval, RemovedHow, EVENT_ORPHANED_MOUNT_REMOVED};
 use berth_structs::NodeEvent;
+use berth_testutil::bind_mount;
 use common::*;
-
-fn bind(src: &Path, target: &Path) {
-    std::fs::create_dir_all(src).unwrap();
-    std::fs::create_dir_all(target).unwrap();
-    nix::mount::mount(
-        Some(src),
-        target,
-        None::<&str>,
-        nix::mount::MsFlags::MS_BIND,
-        None::<&str>,
-    )
-    .unwrap_or_else(|e| panic!("bind mount {}: {e}", target.display()));
-}
 
 fn mounted(path: &Path) -> bool {
     mount_count_at(&path.canonicalize().unwrap_or_else(|_| path.to_path_buf())) > 0
@@ -68,13 +56,13 @@ async fn orphaned_usages_go_through_the_plugin_and_stray_mounts_are_unmounted() 
     // What the task runners bound into the task dirs.
     let gone_bind = alloc_root.join("gone/t/data");
     let kept_bind = alloc_root.join("kept/t/data");
-    bind(&gone_target, &gone_bind);
-    bind(&kept.source, &kept_bind);
+    bind_mount(&gone_target, &gone_bind);
+    bind_mount(&kept.source, &kept_bind);
     // A staging mount that no record explains, and a mount outside the roots.
     let stray = dir.join("csi/hostpath/staging/stray/single-node-writer-file-system");
-    bind(&dir.join("stray-src"), &stray);
+    bind_mount(&dir.join("stray-src"), &stray);
     let outside = dir.join("outside/m");
-    bind(&dir.join("outside-src"), &outside);
+    bind_mount(&dir.join("outside-src"), &outside);
 
     // A restart that restores only "kept".
     h.restart();

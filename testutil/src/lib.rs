@@ -48,6 +48,20 @@ fn unescape_mountinfo(s: &str) -> PathBuf {
     PathBuf::from(String::from_utf8_lossy(&out).into_owned())
 }
 
+/// Bind-mounts `src` at `target`, making both dirs first.
+pub fn bind_mount(src: &Path, target: &Path) {
+    std::fs::create_dir_all(src).unwrap();
+    std::fs::create_dir_all(target).unwrap();
+    nix::mount::mount(
+        Some(src),
+        target,
+        None::<&str>,
+        nix::mount::MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .unwrap_or_else(|e| panic!("bind mount {}: {e}", target.display()));
+}
+
 /// Lazily unmounts everything below its dir on drop, deepest first, so a
 /// failing test leaves no mount behind.
 pub struct MountCleanup(pub PathBuf);
