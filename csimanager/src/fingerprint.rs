@@ -281,6 +281,30 @@ mod tests {
         }
     }
 
+    /// The node entry of a round unhealthy for `why` that follows a
+    /// healthy round whose node entry was `good`.
+    fn node_after_unhealthy_round(good: CsiInfo, why: &str) -> CsiInfo {
+        let mut last_good = PluginFingerprint::default();
+        last_good.remember_healthy(&PluginFingerprint {
+            node: Some(good),
+            controller: None,
+        });
+        let mut fp = PluginFingerprint {
+            node: Some(info(false, why)),
+            controller: None,
+        };
+        fp.keep_capabilities_of(&last_good);
+        fp.node.unwrap()
+    }
+
+    fn rpc_cap(t: NodeRpc) -> csi::NodeServiceCapability {
+        csi::NodeServiceCapability {
+            r#type: Some(csi::node_service_capability::Type::Rpc(
+                csi::node_service_capability::Rpc { r#type: t as i32 },
+            )),
+        }
+    }
+
     #[test]
     fn a_monolith_is_healthy_only_when_both_services_are() {
         let mut fp = PluginFingerprint {
@@ -342,17 +366,7 @@ mod tests {
             version: "1.0".into(),
             ..CsiInfo::default()
         };
-        let mut last_good = PluginFingerprint::default();
-        last_good.remember_healthy(&PluginFingerprint {
-            node: Some(good),
-            controller: None,
-        });
-        let mut fp = PluginFingerprint {
-            node: Some(info(false, "connection refused")),
-            controller: None,
-        };
-        fp.keep_capabilities_of(&last_good);
-        let node = fp.node.unwrap();
+        let node = node_after_unhealthy_round(good, "connection refused");
         assert_eq!(node.provider, "hostpath.csi.berth.dev");
         assert_eq!(node.version, "1.0");
         assert!(!node.healthy);
@@ -375,67 +389,39 @@ mod tests {
             accessible_topology: Some(got.clone()),
             ..CsiInfo::default()
         };
-        let mut last_good = PluginFingerprint::default();
-        last_good.remember_healthy(&PluginFingerprint {
-            node: Some(good),
-            controller: None,
-        });
-        let mut fp = PluginFingerprint {
-            node: Some(info(false, "down")),
-            controller: None,
-        };
-        fp.keep_capabilities_of(&last_good);
-        assert_eq!(fp.node.unwrap().accessible_topology, Some(got));
+        let node = node_after_unhealthy_round(good, "down");
+        assert_eq!(node.accessible_topology, Some(got));
     }
 
     #[test]
     fn volume_stats_capabilities_are_read_and_kept_while_unhealthy() {
-        let cap = |t: NodeRpc| csi::NodeServiceCapability {
-            r#type: Some(csi::node_service_capability::Type::Rpc(
-                csi::node_service_capability::Rpc { r#type: t as i32 },
-            )),
-        };
         let caps = csi::NodeGetCapabilitiesResponse {
-            capabilities: vec![cap(NodeRpc::GetVolumeStats), cap(NodeRpc::VolumeCondition)],
+            capabilities: vec![rpc_cap(NodeRpc::GetVolumeStats), rpc_cap(NodeRpc::VolumeCondition)],
         };
         assert!(node_has_rpc(&caps, NodeRpc::GetVolumeStats));
         assert!(node_has_rpc(&caps, NodeRpc::VolumeCondition));
         assert!(!node_has_rpc(&caps, NodeRpc::ExpandVolume));
 
-        let mut last_good = PluginFingerprint::default();
-        last_good.remember_healthy(&PluginFingerprint {
-            node: Some(CsiInfo {
-                healthy: true,
-                supports_volume_stats: true,
-                supports_volume_condition: true,
-                ..CsiInfo::default()
-            }),
-            controller: None,
-        });
-        let mut fp = PluginFingerprint {
-            node: Some(info(false, "down")),
-            controller: None,
+        let good = CsiInfo {
+            healthy: true,
+            supports_volume_stats: true,
+            supports_volume_condition: true,
+            ..CsiInfo::default()
         };
-        fp.keep_capabilities_of(&last_good);
-        let node = fp.node.unwrap();
+        let node = node_after_unhealthy_round(good, "down");
         assert!(node.supports_volume_stats && node.supports_volume_condition);
     }
 
     #[test]
     fn stage_unstage_capability_is_read() {
-        let cap = |t: NodeRpc| csi::NodeServiceCapability {
-            r#type: Some(csi::node_service_capability::Type::Rpc(
-                csi::node_service_capability::Rpc { r#type: t as i32 },
-            )),
-        };
         let yes = csi::NodeGetCapabilitiesResponse {
             capabilities: vec![
-                cap(NodeRpc::GetVolumeStats),
-                cap(NodeRpc::StageUnstageVolume),
+                rpc_cap(NodeRpc::GetVolumeStats),
+                rpc_cap(NodeRpc::StageUnstageVolume),
             ],
         };
         let no = csi::NodeGetCapabilitiesResponse {
-            capabilities: vec![cap(NodeRpc::GetVolumeStats)],
+            capabilities: vec![rpc_cap(NodeRpc::GetVolumeStats)],
         };
         assert!(node_supports_stage_unstage(&yes));
         assert!(!node_supports_stage_unstage(&no));
