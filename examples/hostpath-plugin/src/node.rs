@@ -923,6 +923,13 @@ mod tests {
                 .volume_id
         }
 
+        /// Creates an image-backed volume: its ID and the path of its image.
+        async fn create_image(&self, name: &str) -> (String, PathBuf) {
+            let id = self.create(name, &[("backing", "image")]).await;
+            let img = image::image_path(self.plugin.state_dir(), &id);
+            (id, img)
+        }
+
         fn path(&self, rel: &str) -> PathBuf {
             self.root.join(rel)
         }
@@ -1240,8 +1247,7 @@ mod tests {
         }
         let f = Fixture::new();
         let p = &f.plugin;
-        let id = f.create("img", &[("backing", "image")]).await;
-        let img = image::image_path(p.state_dir(), &id);
+        let (id, img) = f.create_image("img").await;
         assert_eq!(fs::metadata(&img).unwrap().len(), 16 << 20);
         let staging = f.path("staging");
         let cap = VolumeCapability {
@@ -1330,8 +1336,7 @@ mod tests {
         }
         let f = Fixture::new();
         let p = &f.plugin;
-        let id = f.create("blk", &[("backing", "image")]).await;
-        let img = image::image_path(p.state_dir(), &id);
+        let (id, img) = f.create_image("blk").await;
         let staging = f.path("staging");
         p.stage(stage_req(&id, &staging, block_cap(Mode::SingleNodeWriter)))
             .await
@@ -1400,8 +1405,7 @@ mod tests {
         }
         let f = Fixture::new();
         let p = &f.plugin;
-        let id = f.create("shared", &[("backing", "image")]).await;
-        let img = image::image_path(p.state_dir(), &id);
+        let (id, img) = f.create_image("shared").await;
         let unstage = |staging: &Path| unstage_req(&id, staging);
 
         // A reader alone: ext4 is mounted read-only (other nodes sharing
@@ -1458,8 +1462,7 @@ mod tests {
         }
         let f = Fixture::new();
         let p = &f.plugin;
-        let id = f.create("grow", &[("backing", "image")]).await;
-        let img = image::image_path(p.state_dir(), &id);
+        let (id, img) = f.create_image("grow").await;
         let staging = f.path("staging");
         p.stage(stage_req(&id, &staging, mount_cap(Mode::SingleNodeWriter)))
             .await

@@ -10,7 +10,6 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::Path;
-use std::process::Command;
 
 use berth_proto::csi::v1::controller_service_capability::{self, rpc};
 use berth_proto::csi::v1::plugin_capability::{self, service, volume_expansion};
@@ -24,23 +23,7 @@ const NODE_KEY: &str = "topology.hostpath.csi/node";
 
 /// Whether loop devices and mkfs.ext4 can be used here; prints why not.
 fn images_usable() -> bool {
-    for (tool, arg) in [("losetup", "--find"), ("mkfs.ext4", "-V")] {
-        match Command::new(tool).arg(arg).output() {
-            Ok(out) if out.status.success() => {}
-            Ok(out) => {
-                eprintln!(
-                    "skipping: {tool} {arg} failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-                return false;
-            }
-            Err(e) => {
-                eprintln!("skipping: {tool} cannot run: {e}");
-                return false;
-            }
-        }
-    }
-    true
+    tools_usable(&[("losetup", "--find"), ("mkfs.ext4", "-V")])
 }
 
 impl Instance {
@@ -74,6 +57,15 @@ impl Instance {
             })
             .await
             .map(|r| r.into_inner().snapshot.expect("a snapshot"))
+    }
+
+    async fn plugin_capabilities(&mut self) -> Vec<PluginCapability> {
+        self.identity
+            .get_plugin_capabilities(GetPluginCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities
     }
 
     async fn controller_rpcs(&mut self) -> Vec<rpc::Type> {
@@ -149,13 +141,7 @@ async fn topology_places_volumes_and_keeps_them_on_their_node() {
 
     // Both report the constraint and their own segment.
     for (instance, node) in [(&mut a, "node-a"), (&mut b, "node-b")] {
-        let caps = instance
-            .identity
-            .get_plugin_capabilities(GetPluginCapabilitiesRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .capabilities;
+        let caps = instance.plugin_capabilities().await;
         assert!(
             caps.iter().any(|c| c.r#type
                 == Some(plugin_capability::Type::Service(
@@ -442,13 +428,7 @@ async fn snapshots_restores_and_clones_copy_the_data() {
 #[tokio::test]
 async fn expand_grows_the_recorded_capacity_and_get_volume_reports_it() {
     let mut plugin = Instance::connect(PluginProcess::start(&["--node-id", "node-a"])).await;
-    let caps = plugin
-        .identity
-        .get_plugin_capabilities(GetPluginCapabilitiesRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .capabilities;
+    let caps = plugin.plugin_capabilities().await;
     assert!(
         caps.iter().any(|c| c.r#type
             == Some(plugin_capability::Type::VolumeExpansion(

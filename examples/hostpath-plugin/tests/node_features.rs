@@ -10,7 +10,6 @@ use std::fs;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use berth_proto::csi::v1::controller_client::ControllerClient;
 use berth_proto::csi::v1::node_client::NodeClient;
@@ -37,20 +36,7 @@ fn loop_of(image: &Path) -> Option<PathBuf> {
 
 /// Whether loop devices can be attached here; prints why not.
 fn loop_devices_usable() -> bool {
-    match Command::new("losetup").arg("--find").output() {
-        Ok(out) if out.status.success() => true,
-        Ok(out) => {
-            eprintln!(
-                "skipping: losetup --find failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
-            false
-        }
-        Err(e) => {
-            eprintln!("skipping: losetup cannot run: {e}");
-            false
-        }
-    }
+    tools_usable(&[("losetup", "--find")])
 }
 
 fn block_capability(mode: Mode) -> VolumeCapability {
@@ -202,12 +188,9 @@ async fn stats_report_condition_and_spec_error_codes() {
     assert_eq!(err.code(), Code::InvalidArgument);
     assert!(err.message().contains("image-backed"), "{}", err.message());
 
-    node.node_unstage_volume(NodeUnstageVolumeRequest {
-        volume_id,
-        staging_target_path: staging.display().to_string(),
-    })
-    .await
-    .unwrap();
+    node.node_unstage_volume(unstage_request(&volume_id, &staging))
+        .await
+        .unwrap();
     assert!(mounts_under(&plugin.root).is_empty());
 }
 

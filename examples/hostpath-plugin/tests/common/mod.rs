@@ -266,6 +266,27 @@ impl Instance {
     }
 }
 
+/// Whether each tool runs and succeeds with its argument; prints why not.
+pub fn tools_usable(tools: &[(&str, &str)]) -> bool {
+    for (tool, arg) in tools {
+        match Command::new(tool).arg(arg).output() {
+            Ok(out) if out.status.success() => {}
+            Ok(out) => {
+                eprintln!(
+                    "skipping: {tool} {arg} failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+                return false;
+            }
+            Err(e) => {
+                eprintln!("skipping: {tool} cannot run: {e}");
+                return false;
+            }
+        }
+    }
+    true
+}
+
 pub fn capability(mode: Mode) -> VolumeCapability {
     VolumeCapability {
         access_type: Some(AccessType::Mount(MountVolume::default())),
