@@ -125,6 +125,32 @@ mod tests {
         }
     }
 
+    /// A temp dir `root` with a tmpfs mounted at `root/m`, all detached
+    /// when dropped.
+    struct TmpfsDir {
+        root: PathBuf,
+        m: PathBuf,
+        _cleanup: Cleanup,
+        _dir: tempfile::TempDir,
+    }
+
+    impl TmpfsDir {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let root = dir.path().canonicalize().unwrap();
+            let m = root.join("m");
+            std::fs::create_dir(&m).unwrap();
+            let cleanup = Cleanup(root.clone());
+            tmpfs(&m);
+            TmpfsDir {
+                root,
+                m,
+                _cleanup: cleanup,
+                _dir: dir,
+            }
+        }
+    }
+
     fn tmpfs(at: &Path) {
         nix::mount::mount(
             Some("tmpfs"),
@@ -138,12 +164,8 @@ mod tests {
 
     #[test]
     fn stacked_mounts_are_listed_once_and_all_detached() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().canonicalize().unwrap();
-        let _cleanup = Cleanup(root.clone());
-        let m = root.join("m");
-        std::fs::create_dir(&m).unwrap();
-        tmpfs(&m);
+        let t = TmpfsDir::new();
+        let (root, m) = (t.root.clone(), t.m.clone());
         std::fs::create_dir(m.join("deep")).unwrap();
         tmpfs(&m.join("deep"));
         tmpfs(&m);
@@ -160,12 +182,8 @@ mod tests {
 
     #[test]
     fn a_symlink_is_not_followed() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().canonicalize().unwrap();
-        let _cleanup = Cleanup(root.clone());
-        let m = root.join("m");
-        std::fs::create_dir(&m).unwrap();
-        tmpfs(&m);
+        let t = TmpfsDir::new();
+        let (root, m) = (t.root.clone(), t.m.clone());
         let link = root.join("link");
         std::os::unix::fs::symlink(&m, &link).unwrap();
         detach_all(&link).unwrap();
