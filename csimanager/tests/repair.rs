@@ -8,7 +8,7 @@ mod common;
 use std::path::Path;
 use std::time::Duration;
 
-use berth_csimanager::{LostMount, RepairWatch, VolumeRepair};
+use berth_csimanager::{LostMount, MountInfo, MountRequest, RepairWatch, VolumeRepair};
 use berth_structs::NodeEvent;
 use common::*;
 use nix::mount::{umount2, MntFlags};
@@ -31,14 +31,22 @@ fn repair_events(h: &Harness, message: &str) -> Vec<NodeEvent> {
     h.events.with_message(NodeEvent::SUBSYSTEM_STORAGE, message)
 }
 
-#[tokio::test]
-async fn lost_staging_and_publish_mounts_of_a_watched_alloc_are_made_again() {
+/// A harness whose plugin is fingerprinted and the volume "data" created
+/// and mounted for alloc-1: its external ID, the mount request and what
+/// was mounted.
+async fn start_with_data_mounted() -> (Harness, String, MountRequest, MountInfo) {
     let h = Harness::start(&[]).await;
     h.manager.refresh_fingerprints().await;
     let ext = h.create_volume("data").await;
     let req = mount_req("data", &ext, "alloc-1");
-    let staging = h.manager.staging_path(&req);
     let info = h.manager.mount_volume(req.clone()).await.expect("mount");
+    (h, ext, req, info)
+}
+
+#[tokio::test]
+async fn lost_staging_and_publish_mounts_of_a_watched_alloc_are_made_again() {
+    let (h, ext, req, info) = start_with_data_mounted().await;
+    let staging = h.manager.staging_path(&req);
     let mut watch = h.manager.watch_repairs("alloc-1");
 
     // Nothing lost: a round does nothing.
@@ -91,11 +99,7 @@ async fn lost_staging_and_publish_mounts_of_a_watched_alloc_are_made_again() {
 
 #[tokio::test]
 async fn an_unwatched_alloc_or_an_unhealthy_plugin_gets_no_repair() {
-    let mut h = Harness::start(&[]).await;
-    h.manager.refresh_fingerprints().await;
-    let ext = h.create_volume("data").await;
-    let req = mount_req("data", &ext, "alloc-1");
-    let info = h.manager.mount_volume(req.clone()).await.expect("mount");
+    let (mut h, _, req, info) = start_with_data_mounted().await;
 
     // Nobody watches alloc-1 (its tasks do not run): left alone.
     lose_mount(&info.source);
@@ -133,12 +137,8 @@ async fn an_unwatched_alloc_or_an_unhealthy_plugin_gets_no_repair() {
 
 #[tokio::test]
 async fn a_failed_repair_is_reported_and_tried_again_later_not_every_round() {
-    let mut h = Harness::start(&[]).await;
-    h.manager.refresh_fingerprints().await;
-    let ext = h.create_volume("data").await;
-    let req = mount_req("data", &ext, "alloc-1");
+    let (mut h, _, req, info) = start_with_data_mounted().await;
     let staging = h.manager.staging_path(&req);
-    let info = h.manager.mount_volume(req.clone()).await.expect("mount");
     let mut watch = h.manager.watch_repairs("alloc-1");
 
     h.restart_plugin(&["--fail", "NodeStageVolume=failedprecondition"])
