@@ -11,7 +11,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::path::Path;
 
-use berth_proto::csi::v1::controller_service_capability::{self, rpc};
+use berth_proto::csi::v1::controller_service_capability::rpc;
 use berth_proto::csi::v1::plugin_capability::{self, service, volume_expansion};
 use berth_proto::csi::v1::volume_content_source::{SnapshotSource, Type, VolumeSource};
 use berth_proto::csi::v1::*;
@@ -66,21 +66,6 @@ impl Instance {
             .unwrap()
             .into_inner()
             .capabilities
-    }
-
-    async fn controller_rpcs(&mut self) -> Vec<rpc::Type> {
-        self.controller
-            .controller_get_capabilities(ControllerGetCapabilitiesRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .capabilities
-            .into_iter()
-            .filter_map(|c| match c.r#type {
-                Some(controller_service_capability::Type::Rpc(r)) => r.r#type.try_into().ok(),
-                None => None,
-            })
-            .collect()
     }
 }
 
@@ -219,7 +204,7 @@ async fn topology_places_volumes_and_keeps_them_on_their_node() {
 #[tokio::test]
 async fn snapshots_restores_and_clones_copy_the_data() {
     let mut plugin = Instance::connect(PluginProcess::start(&["--node-id", "node-a"])).await;
-    let rpcs = plugin.controller_rpcs().await;
+    let rpcs = controller_rpcs(&mut plugin.controller).await;
     for wanted in [
         rpc::Type::CreateDeleteSnapshot,
         rpc::Type::ListSnapshots,
@@ -438,7 +423,7 @@ async fn expand_grows_the_recorded_capacity_and_get_volume_reports_it() {
             ))),
         "{caps:?}"
     );
-    let rpcs = plugin.controller_rpcs().await;
+    let rpcs = controller_rpcs(&mut plugin.controller).await;
     for wanted in [
         rpc::Type::ExpandVolume,
         rpc::Type::GetCapacity,

@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use berth_proto::csi::v1::controller_client::ControllerClient;
-use berth_proto::csi::v1::controller_service_capability::{self, rpc};
+use berth_proto::csi::v1::controller_service_capability::rpc;
 use berth_proto::csi::v1::identity_client::IdentityClient;
 use berth_proto::csi::v1::node_client::NodeClient;
 use berth_proto::csi::v1::volume_capability::access_mode::Mode;
@@ -199,20 +199,11 @@ async fn attach_faults_concurrency_and_restart() {
     ]);
     let (mut controller, mut node) = plugin.clients().await;
 
-    let caps = controller
-        .controller_get_capabilities(ControllerGetCapabilitiesRequest {})
-        .await
-        .unwrap()
-        .into_inner();
-    let types: Vec<i32> = caps
-        .capabilities
-        .iter()
-        .filter_map(|c| {
-            let controller_service_capability::Type::Rpc(r) = c.r#type?;
-            Some(r.r#type)
-        })
-        .collect();
-    assert!(types.contains(&(rpc::Type::PublishUnpublishVolume as i32)));
+    let types = controller_rpcs(&mut controller).await;
+    assert!(
+        types.contains(&rpc::Type::PublishUnpublishVolume),
+        "{types:?}"
+    );
 
     let mut ids = Vec::new();
     for name in ["a", "b", "c"] {

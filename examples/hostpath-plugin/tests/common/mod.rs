@@ -287,6 +287,24 @@ pub fn tools_usable(tools: &[(&str, &str)]) -> bool {
     true
 }
 
+/// The controller RPCs the plugin advertises.
+pub async fn controller_rpcs(
+    controller: &mut ControllerClient<Channel>,
+) -> Vec<controller_service_capability::rpc::Type> {
+    controller
+        .controller_get_capabilities(ControllerGetCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .into_iter()
+        .filter_map(|c| match c.r#type {
+            Some(controller_service_capability::Type::Rpc(r)) => r.r#type.try_into().ok(),
+            None => None,
+        })
+        .collect()
+}
+
 pub fn capability(mode: Mode) -> VolumeCapability {
     VolumeCapability {
         access_type: Some(AccessType::Mount(MountVolume::default())),
