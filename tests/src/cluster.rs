@@ -240,13 +240,22 @@ pub fn shared_plugin_job_with_args(state_dir: &Path, extra_args: &[&str]) -> Res
 
 /// A single-node-writer hostpath volume named `id`.
 pub fn writer_volume(id: &str) -> String {
+    writer_volume_with(id, "1MiB", "")
+}
+
+/// A single-node-writer hostpath volume named `id` of at least
+/// `capacity_min`, with the `extra` lines in its spec.
+pub fn writer_volume_with(id: &str, capacity_min: &str, extra: &str) -> String {
     format!(
         r#"
 id        = "{id}"
 name      = "{id}"
 type      = "csi"
 plugin_id = "hostpath"
-capacity_min = "1MiB"
+
+capacity_min = "{capacity_min}"
+{extra}
+
 capability {{
   access_mode     = "single-node-writer"
   attachment_mode = "file-system"

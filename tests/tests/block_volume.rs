@@ -141,12 +141,7 @@ dd if="$dev" bs=4096 skip=1 count=1 2>/dev/null | head -c 64 > "$BERTH_TASK_DIR/
     let alloc = wait_complete(&agent, "reader")?;
     let alloc_id = alloc["id"].as_str().context("alloc id")?;
     assert_ne!(Some(alloc_id), written["id"].as_str(), "another alloc");
-    let out = agent
-        .data_dir
-        .path()
-        .join("alloc")
-        .join(alloc_id)
-        .join("t/local/read");
+    let out = task_path(&agent, alloc_id, "local/read");
     let bytes = std::fs::read(&out).with_context(|| format!("reading {}", out.display()))?;
     assert!(
         bytes.starts_with(MARKER.as_bytes()),
@@ -157,6 +152,22 @@ dd if="$dev" bs=4096 skip=1 count=1 2>/dev/null | head -c 64 > "$BERTH_TASK_DIR/
     // Nothing of the volume stays mounted or attached once the claims are
     // gone.
     agent.wait_volume_unclaimed("disk")?;
+    wait_loops_detached(&agent)
+}
+
+/// `rel` in the dir of task `t` of the alloc `alloc_id`.
+fn task_path(agent: &DevAgent, alloc_id: &str, rel: &str) -> PathBuf {
+    agent
+        .data_dir
+        .path()
+        .join("alloc")
+        .join(alloc_id)
+        .join("t")
+        .join(rel)
+}
+
+/// Waits until no loop device is backed by an image below the data dir.
+fn wait_loops_detached(agent: &DevAgent) -> Result<()> {
     wait_for(
         "the image's loop device to be detached",
         Duration::from_secs(60),
@@ -165,8 +176,7 @@ dd if="$dev" bs=4096 skip=1 count=1 2>/dev/null | head -c 64 > "$BERTH_TASK_DIR/
                 .is_empty()
                 .then_some(()))
         },
-    )?;
-    Ok(())
+    )
 }
 
 /// The mount options (per-mount flags) of every ext4 mount below `dir`.
@@ -247,12 +257,7 @@ parameters {
             mount_point.display()
         );
     }
-    let in_task = agent
-        .data_dir
-        .path()
-        .join("alloc")
-        .join(alloc_id)
-        .join("t/fsvol");
+    let in_task = task_path(&agent, alloc_id, "fsvol");
     assert!(
         mounts.iter().any(|(m, _)| *m == in_task),
         "the task dir has the volume: {mounts:#?}"
@@ -264,14 +269,5 @@ parameters {
             .is_empty()
             .then_some(()))
     })?;
-    wait_for(
-        "the image's loop device to be detached",
-        Duration::from_secs(60),
-        || {
-            Ok(loops_backed_under(agent.data_dir.path())
-                .is_empty()
-                .then_some(()))
-        },
-    )?;
-    Ok(())
+    wait_loops_detached(&agent)
 }

@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use berth_tests::cluster::writer_volume_with;
 use berth_tests::{
     loop_devices_unusable, loops_backed_under, only_alloc, wait_alloc_running, wait_for, DevAgent,
 };
@@ -28,25 +29,6 @@ fn has_cap_sys_resource() -> bool {
             u64::from_str_radix(line.trim_start_matches("CapEff:").trim(), 16).ok()
         })
         .is_some_and(|caps| caps & (1 << CAP_SYS_RESOURCE) != 0)
-}
-
-fn volume_spec(id: &str, capacity_min: &str, extra: &str) -> String {
-    format!(
-        r#"
-id        = "{id}"
-name      = "{id}"
-type      = "csi"
-plugin_id = "hostpath"
-
-capacity_min = "{capacity_min}"
-{extra}
-
-capability {{
-  access_mode     = "single-node-writer"
-  attachment_mode = "file-system"
-}}
-"#
-    )
 }
 
 /// A job `job` of type `job_type` whose task `main` runs `/bin/sh -c
@@ -134,7 +116,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
     agent.run_example_plugin()?;
 
     let backing = "parameters {\n  backing = \"image\"\n}";
-    let small = agent.write_file("grow-20.hcl", &volume_spec("grow", "20MiB", backing))?;
+    let small = agent.write_file("grow-20.hcl", &writer_volume_with("grow", "20MiB", backing))?;
     agent.cli_ok(&["volume", "create", &small])?;
     let vol = agent.cli_json(&["volume", "status", "grow"])?;
     assert_eq!(vol["capacity"].as_u64(), Some(20 * MIB), "{vol}");
@@ -156,7 +138,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
     );
 
     // The same spec with a larger capacity_min grows it, in use.
-    let large = agent.write_file("grow-40.hcl", &volume_spec("grow", "40MiB", backing))?;
+    let large = agent.write_file("grow-40.hcl", &writer_volume_with("grow", "40MiB", backing))?;
     let alloc_id = if has_cap_sys_resource() {
         let out = agent.cli_ok(&["volume", "create", &large])?;
         assert!(out.contains("Expanded volume \"grow\""), "{out}");
@@ -206,7 +188,7 @@ fn a_volume_in_use_grows_and_its_task_sees_the_new_size() -> Result<()> {
     );
 
     // Asking for less is refused; the same spec again changes nothing.
-    let shrink = agent.write_file("grow-10.hcl", &volume_spec("grow", "10MiB", backing))?;
+    let shrink = agent.write_file("grow-10.hcl", &writer_volume_with("grow", "10MiB", backing))?;
     let out = agent.cli(&["volume", "create", &shrink])?;
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -230,7 +212,7 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
     let agent = DevAgent::start()?;
     agent.run_example_plugin()?;
 
-    let src = agent.write_file("src.hcl", &volume_spec("src", "1MiB", ""))?;
+    let src = agent.write_file("src.hcl", &writer_volume_with("src", "1MiB", ""))?;
     agent.cli_ok(&["volume", "create", &src])?;
     run_batch(
         &agent,
@@ -276,7 +258,7 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
     // A volume made from the snapshot has the data it had.
     let restored = agent.write_file(
         "restored.hcl",
-        &volume_spec("restored", "1MiB", &format!("snapshot_id = \"{snap_id}\"")),
+        &writer_volume_with("restored", "1MiB", &format!("snapshot_id = \"{snap_id}\"")),
     )?;
     agent.cli_ok(&["volume", "create", &restored])?;
     run_batch(
@@ -293,7 +275,7 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
         .to_string();
     let clone = agent.write_file(
         "cloned.hcl",
-        &volume_spec("cloned", "1MiB", &format!("clone_id = \"{ext}\"")),
+        &writer_volume_with("cloned", "1MiB", &format!("clone_id = \"{ext}\"")),
     )?;
     agent.cli_ok(&["volume", "create", &clone])?;
     run_batch(
@@ -306,7 +288,7 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
     // Both a snapshot and a clone: refused, naming the line.
     let both = agent.write_file(
         "both.hcl",
-        &volume_spec(
+        &writer_volume_with(
             "both",
             "1MiB",
             &format!("snapshot_id = \"{snap_id}\"\nclone_id = \"{ext}\""),
