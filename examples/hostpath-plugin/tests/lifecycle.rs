@@ -339,12 +339,7 @@ async fn attach_faults_concurrency_and_restart() {
     );
 
     // Tear down in order; unpublishing twice is fine.
-    node.node_unpublish_volume(unpublish_request(&volume_id, &target))
-        .await
-        .unwrap();
-    node.node_unstage_volume(unstage_request(&volume_id, &staging))
-        .await
-        .unwrap();
+    unpublish_and_unstage(&mut node, &volume_id, &staging, &target).await;
     assert_eq!(
         code(
             controller

@@ -266,12 +266,7 @@ async fn image_volume_is_an_ext4_filesystem_that_expands() {
             // says so, and the filesystem grows at the next stage.
             assert_eq!(status.code(), Code::FailedPrecondition, "{status:?}");
             assert!(status.message().contains("CAP_SYS_RESOURCE"), "{status:?}");
-            node.node_unpublish_volume(unpublish_request(&volume_id, &target))
-                .await
-                .unwrap();
-            node.node_unstage_volume(unstage_request(&volume_id, &staging))
-                .await
-                .unwrap();
+            unpublish_and_unstage(&mut node, &volume_id, &staging, &target).await;
             assert_eq!(loop_of(&image), None, "detached on unstage");
             node.node_stage_volume(stage.clone()).await.unwrap();
             let mut publish = publish_request(&volume_id, &staging, &target, false);
@@ -291,12 +286,7 @@ async fn image_volume_is_an_ext4_filesystem_that_expands() {
     plugin.stop();
     plugin.spawn(&["--node-id=node-i"]);
     let (mut controller, mut node) = plugin.clients().await;
-    node.node_unpublish_volume(unpublish_request(&volume_id, &target))
-        .await
-        .unwrap();
-    node.node_unstage_volume(unstage_request(&volume_id, &staging))
-        .await
-        .unwrap();
+    unpublish_and_unstage(&mut node, &volume_id, &staging, &target).await;
     assert_eq!(loop_of(&image), None, "detached after the restart");
     assert!(mounts_under(&plugin.root).is_empty());
     controller

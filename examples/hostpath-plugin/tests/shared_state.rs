@@ -62,14 +62,7 @@ impl Instance {
     async fn unmount(&mut self, volume_id: &str, dir: &str) {
         let staging = self.process.path(&format!("{dir}/staging"));
         let target = self.process.path(&format!("{dir}/target"));
-        self.node
-            .node_unpublish_volume(unpublish_request(volume_id, &target))
-            .await
-            .unwrap();
-        self.node
-            .node_unstage_volume(unstage_request(volume_id, &staging))
-            .await
-            .unwrap();
+        unpublish_and_unstage(&mut self.node, volume_id, &staging, &target).await;
         assert!(mount_options(&self.process.root, &target).is_none());
         assert!(mount_options(&self.process.root, &staging).is_none());
     }

@@ -287,6 +287,21 @@ pub fn tools_usable(tools: &[(&str, &str)]) -> bool {
     true
 }
 
+/// Unpublishes the volume from the target, then unstages it.
+pub async fn unpublish_and_unstage(
+    node: &mut NodeClient<Channel>,
+    volume_id: &str,
+    staging: &Path,
+    target: &Path,
+) {
+    node.node_unpublish_volume(unpublish_request(volume_id, target))
+        .await
+        .expect("unpublish");
+    node.node_unstage_volume(unstage_request(volume_id, staging))
+        .await
+        .expect("unstage");
+}
+
 /// The controller RPCs the plugin advertises.
 pub async fn controller_rpcs(
     controller: &mut ControllerClient<Channel>,
