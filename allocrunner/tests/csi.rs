@@ -81,19 +81,10 @@ fn task_events(runner: &AllocRunner, task: &str) -> Vec<(String, String)> {
 
 /// Runs the hostpath plugin as a plugin task and waits for it to register.
 async fn start_plugin(h: &Harness) -> Plugin {
-    let task = hostpath_plugin_task("$BERTH_TASK_DIR/local/state");
-    let a = alloc(JobType::Service, vec![task]);
-    let task_dir = h.data_dir().join("alloc").join(&a.id).join("plugin");
-    let killer = PidFileKiller(task_dir.join("local/pid"));
-    let runner = h.runner(a);
-    runner.run();
-    wait_for("the plugin to register", WITHIN, || {
-        h.csi.registry().get(PLUGIN_ID).is_some()
-    })
-    .await;
+    let (runner, state_dir, killer) = run_hostpath_plugin(h, WITHIN).await;
     Plugin {
         runner,
-        state_dir: task_dir.join("local/state"),
+        state_dir,
         _killer: killer,
     }
 }

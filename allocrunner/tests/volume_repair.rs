@@ -23,19 +23,10 @@ const WITHIN: Duration = Duration::from_secs(30);
 /// Runs the hostpath plugin as a plugin task until it registers; its
 /// state dir (where volumes live) and the killer of its process.
 async fn start_plugin(h: &Harness) -> (AllocRunner, PathBuf, PidFileKiller) {
-    let task = hostpath_plugin_task("$BERTH_TASK_DIR/local/state");
-    let a = alloc(JobType::Service, vec![task]);
-    let task_dir = h.data_dir().join("alloc").join(&a.id).join("plugin");
-    let killer = PidFileKiller(task_dir.join("local/pid"));
-    let runner = h.runner(a);
-    runner.run();
-    wait_for("the plugin to register", WITHIN, || {
-        h.csi.registry().get(PLUGIN_ID).is_some()
-    })
-    .await;
+    let plugin = run_hostpath_plugin(h, WITHIN).await;
     // Fingerprinted healthy: repairs wait for that.
     h.csi.refresh_fingerprints().await;
-    (runner, task_dir.join("local/state"), killer)
+    plugin
 }
 
 /// Creates the volume "vol" and grants its claims; its external ID.

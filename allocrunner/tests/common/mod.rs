@@ -544,6 +544,26 @@ pub fn hostpath_plugin_task(state_dir: &str) -> Task {
     task
 }
 
+/// Runs [`hostpath_plugin_task`] (its volumes in its task dir) in a service
+/// alloc until it registers, within `within`; its runner, its state dir
+/// and the killer of its process.
+pub async fn run_hostpath_plugin(
+    h: &Harness,
+    within: Duration,
+) -> (AllocRunner, PathBuf, PidFileKiller) {
+    let task = hostpath_plugin_task("$BERTH_TASK_DIR/local/state");
+    let a = alloc(JobType::Service, vec![task]);
+    let task_dir = h.data_dir().join("alloc").join(&a.id).join("plugin");
+    let killer = PidFileKiller(task_dir.join("local/pid"));
+    let runner = h.runner(a);
+    runner.run();
+    wait_for("the plugin to register", within, || {
+        h.csi.registry().get(PLUGIN_ID).is_some()
+    })
+    .await;
+    (runner, task_dir.join("local/state"), killer)
+}
+
 /// Creates the volume `name` through the registered plugin for `mode`;
 /// its external ID.
 pub async fn create_volume(h: &Harness, name: &str, mode: AccessMode) -> String {
