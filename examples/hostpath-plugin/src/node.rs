@@ -923,6 +923,18 @@ mod tests {
                 .volume_id
         }
 
+        /// A fixture where loop devices can be used; `None`, and why not
+        /// printed, where they cannot.
+        fn with_loop_devices() -> Option<Self> {
+            match image::check_loop_support() {
+                Ok(()) => Some(Self::new()),
+                Err(e) => {
+                    eprintln!("skipping: {e}");
+                    None
+                }
+            }
+        }
+
         /// Creates an image-backed volume: its ID and the path of its image.
         async fn create_image(&self, name: &str) -> (String, PathBuf) {
             let id = self.create(name, &[("backing", "image")]).await;
@@ -1032,16 +1044,6 @@ mod tests {
         match r {
             Ok(_) => panic!("expected an error"),
             Err(e) => e.code(),
-        }
-    }
-
-    fn loop_usable() -> bool {
-        match image::check_loop_support() {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!("skipping: {e}");
-                false
-            }
         }
     }
 
@@ -1242,10 +1244,9 @@ mod tests {
 
     #[tokio::test]
     async fn image_volume_stages_publishes_and_reports_its_own_filesystem() {
-        if !loop_usable() {
+        let Some(f) = Fixture::with_loop_devices() else {
             return;
-        }
-        let f = Fixture::new();
+        };
         let p = &f.plugin;
         let (id, img) = f.create_image("img").await;
         assert_eq!(fs::metadata(&img).unwrap().len(), 16 << 20);
@@ -1331,10 +1332,9 @@ mod tests {
 
     #[tokio::test]
     async fn block_volume_is_a_device_file_at_the_target() {
-        if !loop_usable() {
+        let Some(f) = Fixture::with_loop_devices() else {
             return;
-        }
-        let f = Fixture::new();
+        };
         let p = &f.plugin;
         let (id, img) = f.create_image("blk").await;
         let staging = f.path("staging");
@@ -1400,10 +1400,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_reader_stages_an_image_read_only_and_a_writer_after_it_makes_it_writable() {
-        if !loop_usable() {
+        let Some(f) = Fixture::with_loop_devices() else {
             return;
-        }
-        let f = Fixture::new();
+        };
         let p = &f.plugin;
         let (id, img) = f.create_image("shared").await;
         let unstage = |staging: &Path| unstage_req(&id, staging);
@@ -1457,10 +1456,9 @@ mod tests {
 
     #[tokio::test]
     async fn image_volume_expands_online() {
-        if !loop_usable() {
+        let Some(f) = Fixture::with_loop_devices() else {
             return;
-        }
-        let f = Fixture::new();
+        };
         let p = &f.plugin;
         let (id, img) = f.create_image("grow").await;
         let staging = f.path("staging");
