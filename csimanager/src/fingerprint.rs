@@ -396,7 +396,10 @@ mod tests {
     #[test]
     fn volume_stats_capabilities_are_read_and_kept_while_unhealthy() {
         let caps = csi::NodeGetCapabilitiesResponse {
-            capabilities: vec![rpc_cap(NodeRpc::GetVolumeStats), rpc_cap(NodeRpc::VolumeCondition)],
+            capabilities: vec![
+                rpc_cap(NodeRpc::GetVolumeStats),
+                rpc_cap(NodeRpc::VolumeCondition),
+            ],
         };
         assert!(node_has_rpc(&caps, NodeRpc::GetVolumeStats));
         assert!(node_has_rpc(&caps, NodeRpc::VolumeCondition));

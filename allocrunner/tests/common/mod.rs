@@ -16,11 +16,11 @@ use berth_allocrunner::{
     ClaimRequest, ExecutorCommand, PersistedAllocState, RestoredAlloc, TaskHandleRecord,
     VolumeClaimer,
 };
+use berth_csimanager::volume_manager::volume_capability;
 use berth_csimanager::{
     CsiManager, FingerprintSink, ManagerConfig, NodeEventSink, PluginRegistration, PluginRegistry,
     VolumeStateStore, VolumeStub,
 };
-use berth_csimanager::volume_manager::volume_capability;
 use berth_proto::csi::v1 as csi;
 use berth_structs::{
     AccessMode, AllocClientStatus, Allocation, AttachmentMode, CsiInfo, CsiMountOptions,
