@@ -37,7 +37,7 @@ use crate::client::CsiClient;
 use crate::error::CsiError;
 use crate::manager::CsiManager;
 use crate::mountinfo;
-use crate::volume::{stub_key, MountContext, MountRequest, VolumeStub};
+use crate::volume::{MountContext, MountRequest, VolumeStub};
 use crate::volume_manager::{create_dir_all, path_string, to_map, volume_capability};
 
 /// The `Storage` node event of a lost mount made again.
@@ -155,14 +155,7 @@ impl Repairs {
 
     /// Keeps what `req` was mounted with (its secrets too), for a repair.
     pub(crate) fn remember(&self, req: &MountRequest) {
-        let key = stub_key(
-            &req.plugin_id,
-            &req.volume_id,
-            req.access_mode,
-            req.attachment_mode,
-            req.read_only,
-        );
-        let key = (key, req.alloc_id.clone());
+        let key = (req.stub_key(), req.alloc_id.clone());
         lock(&self.secrets).insert(
             key,
             Remembered {

@@ -105,6 +105,32 @@ impl MountContext {
     }
 }
 
+impl MountRequest {
+    /// The [`VolumeStub::key`] of the usage this request mounts.
+    pub(crate) fn stub_key(&self) -> String {
+        stub_key(
+            &self.plugin_id,
+            &self.volume_id,
+            self.access_mode,
+            self.attachment_mode,
+            self.read_only,
+        )
+    }
+}
+
+impl UnmountRequest {
+    /// The [`VolumeStub::key`] of the usage this request unmounts.
+    pub(crate) fn stub_key(&self) -> String {
+        stub_key(
+            &self.plugin_id,
+            &self.volume_id,
+            self.access_mode,
+            self.attachment_mode,
+            self.read_only,
+        )
+    }
+}
+
 impl VolumeStub {
     /// `<plugin>/<volume>/<usage>`: unique per usage of a volume on a node.
     pub fn key(&self) -> String {

@@ -37,8 +37,7 @@ use crate::client::CsiClient;
 use crate::error::CsiError;
 use crate::sinks::{NodeEventSink, VolumeStateStore};
 use crate::volume::{
-    stub_key, usage_name, ExpandRequest, MountContext, MountInfo, MountRequest, UnmountRequest,
-    VolumeStub,
+    usage_name, ExpandRequest, MountContext, MountInfo, MountRequest, UnmountRequest, VolumeStub,
 };
 
 /// How uncertain CSI calls are retried: exponential backoff from
@@ -218,13 +217,7 @@ impl VolumeManager {
     /// Whether `req.alloc_id` uses the volume with this usage, and whether
     /// the usage has an unfinished undo (no alloc uses it, still staged).
     pub(crate) fn unmount_work(&self, req: &UnmountRequest) -> (bool, bool) {
-        let key = stub_key(
-            &req.plugin_id,
-            &req.volume_id,
-            req.access_mode,
-            req.attachment_mode,
-            req.read_only,
-        );
+        let key = req.stub_key();
         self.lock_stubs().get(&key).map_or((false, false), |s| {
             (
                 s.allocs.contains_key(&req.alloc_id),
@@ -341,13 +334,7 @@ impl VolumeManager {
                     ("alloc ID", &req.alloc_id),
                 ],
             )?;
-            let key = stub_key(
-                &req.plugin_id,
-                &req.volume_id,
-                req.access_mode,
-                req.attachment_mode,
-                req.read_only,
-            );
+            let key = req.stub_key();
             self.release_usage(client, &key, &req.alloc_id).await
         }
         .instrument(span)
@@ -457,13 +444,7 @@ impl VolumeManager {
         req: &MountRequest,
     ) -> Result<MountInfo, CsiError> {
         let (access, attach) = (req.access_mode, req.attachment_mode);
-        let key = stub_key(
-            &req.plugin_id,
-            &req.volume_id,
-            access,
-            attach,
-            req.read_only,
-        );
+        let key = req.stub_key();
         let staging = self.staging_path(
             &req.plugin_id,
             &req.volume_id,
