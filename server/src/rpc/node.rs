@@ -54,70 +54,6 @@ fn plugin_info(f: &pb::PluginFingerprint) -> CsiInfo {
     }
 }
 
-/// What an alloc watch last sent of one alloc: its modify index, and a
-/// digest of all the client needs of it (everything but the volume stats
-/// the client itself reported and the modify stamps). A write that changes
-/// only the volume stats moves the index but not the digest, and is not
-/// sent back to the client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct AllocSent {
-    modify_index: u64,
-    digest: u64,
-}
-
-impl AllocSent {
-    fn of(a: &berth_structs::Allocation) -> AllocSent {
-        AllocSent {
-            modify_index: a.modify_index,
-            digest: Self::digest(a),
-        }
-    }
-
-    fn digest(a: &berth_structs::Allocation) -> u64 {
-        use std::hash::{Hash, Hasher};
-        let mut for_client = a.clone();
-        for_client.csi_volume_stats.clear();
-        for_client.modify_index = 0;
-        for_client.modify_time_ms = 0;
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        serde_json::to_vec(&for_client)
-            .unwrap_or_default()
-            .hash(&mut h);
-        h.finish()
-    }
-
-    /// Whether `allocs` are what `sent` says was sent, as far as the
-    /// client cares; if so, `sent` takes their modify indexes, so that the
-    /// digest of an alloc is only taken again when it is written again.
-    fn same_for_client(
-        sent: &mut BTreeMap<String, AllocSent>,
-        allocs: &[berth_structs::Allocation],
-    ) -> bool {
-        if sent.len() != allocs.len() {
-            return false;
-        }
-        let mut moved = Vec::new();
-        for a in allocs {
-            match sent.get(&a.id) {
-                None => return false,
-                Some(s) if s.modify_index == a.modify_index => {}
-                Some(s) => {
-                    if s.digest != Self::digest(a) {
-                        return false;
-                    }
-                    moved.push((&a.id, a.modify_index));
-                }
-            }
-        }
-        for (id, modify_index) in moved {
-            if let Some(s) = sent.get_mut(id) {
-                s.modify_index = modify_index;
-            }
-        }
-        true
-    }
-}
-
 /// Send the node's allocs now and after each change of them, until the
 /// client goes away or the server shuts down.
 async fn stream_allocations(
@@ -129,10 +65,12 @@ async fn stream_allocations(
     // every node reports, nor by jobs and volumes.
     let mut index_rx = server.store.subscribe_allocs_and_nodes();
     let mut shutdown = server.shutdown_rx();
-    // What was last sent of each alloc: see `AllocSent`.
-    let mut last: Option<BTreeMap<String, AllocSent>> = None;
+    // What was last sent: each alloc's ID and modify index. A write of an
+    // alloc's volume stats alone moves neither the node's alloc index nor
+    // `index_rx` (see the store), so it is never sent back to the client.
+    let mut last: Option<Vec<(String, u64)>> = None;
     // The node's allocs are scanned again only when a write touched one of
-    // them: every write wakes every watch, and a scan is of all allocs.
+    // them: a scan is of all allocs.
     let mut scanned_at: Option<u64> = None;
     // The node the watch was opened for: once it is purged (or purged and
     // registered anew, by whichever client), this watch ends.
@@ -167,10 +105,11 @@ async fn stream_allocations(
         });
         if let Some((at, index, allocs)) = scan {
             scanned_at = Some(at);
-            let unchanged = last
-                .as_mut()
-                .is_some_and(|sent| AllocSent::same_for_client(sent, &allocs));
-            if !unchanged {
+            let seen: Vec<(String, u64)> = allocs
+                .iter()
+                .map(|a| (a.id.clone(), a.modify_index))
+                .collect();
+            if last.as_ref() != Some(&seen) {
                 let mut allocs_json = Vec::with_capacity(allocs.len());
                 for a in &allocs {
                     match serde_json::to_vec(a) {
@@ -195,12 +134,7 @@ async fn stream_allocations(
                 {
                     return;
                 }
-                last = Some(
-                    allocs
-                        .iter()
-                        .map(|a| (a.id.clone(), AllocSent::of(a)))
-                        .collect(),
-                );
+                last = Some(seen);
             }
         }
         tokio::select! {
