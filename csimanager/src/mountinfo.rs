@@ -50,6 +50,26 @@ pub fn is_mount_point(path: &Path) -> bool {
     mount_points().iter().any(|p| p == path)
 }
 
+/// Whether the topmost mount at `path` (canonical) is in a shared peer
+/// group (its optional fields hold `shared:N`). False when nothing is
+/// mounted there or mountinfo cannot be read.
+pub fn is_shared(path: &Path) -> bool {
+    std::fs::read_to_string("/proc/self/mountinfo").is_ok_and(|text| topmost_is_shared(&text, path))
+}
+
+fn topmost_is_shared(text: &str, path: &Path) -> bool {
+    text.lines()
+        .rev()
+        .filter_map(|l| {
+            let (left, _) = l.split_once(" - ")?;
+            let fields: Vec<&str> = left.split(' ').collect();
+            let mount_point = PathBuf::from(unescape(fields.get(4)?));
+            Some((mount_point, fields.get(6..).unwrap_or_default().to_vec()))
+        })
+        .find(|(m, _)| m == path)
+        .is_some_and(|(_, optional)| optional.iter().any(|f| f.starts_with("shared:")))
+}
+
 /// Undoes mountinfo's `\ooo` escapes (space, tab, newline, backslash).
 pub fn unescape(s: &str) -> String {
     let b = s.as_bytes();
@@ -98,6 +118,24 @@ pub fn detach_all(path: &Path) -> Result<(), Errno> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_topmost_mount_at_a_path_tells_whether_it_is_shared() {
+        let text = "\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+30 22 0:40 / /mnt/a\\040b rw,relatime shared:7 master:2 - tmpfs tmpfs rw
+31 30 0:41 / /mnt/a\\040b rw,relatime - tmpfs tmpfs rw
+32 22 0:42 / /mnt/c rw,relatime master:3 - tmpfs tmpfs rw
+";
+        assert!(topmost_is_shared(text, Path::new("/")));
+        // Mounted over by a private mount: the topmost one counts.
+        assert!(!topmost_is_shared(text, Path::new("/mnt/a b")));
+        assert!(!topmost_is_shared(text, Path::new("/mnt/c")));
+        assert!(!topmost_is_shared(text, Path::new("/mnt/none")));
+        let shared_on_top =
+            format!("{text}33 31 0:43 / /mnt/a\\040b rw shared:9 - tmpfs tmpfs rw\n");
+        assert!(topmost_is_shared(&shared_on_top, Path::new("/mnt/a b")));
+    }
 
     #[test]
     fn mount_points_are_unescaped() {

@@ -255,25 +255,8 @@ fn make_shared(source: &Path, propagation: PropagationMode) -> Result<(), HookEr
 
 /// Whether the topmost mount at `path` is in a shared peer group.
 fn mount_is_shared(path: &Path) -> bool {
-    let Ok(path) = path.canonicalize() else {
-        return false;
-    };
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    info.lines()
-        .rev()
-        .filter_map(|l| {
-            let (left, _) = l.split_once(" - ")?;
-            let fields: Vec<&str> = left.split(' ').collect();
-            let mount_point = berth_csimanager::mountinfo::unescape(fields.get(4)?);
-            Some((
-                PathBuf::from(mount_point),
-                fields.get(6..).unwrap_or_default().to_vec(),
-            ))
-        })
-        .find(|(m, _)| *m == path)
-        .is_some_and(|(_, optional)| optional.iter().any(|f| f.starts_with("shared:")))
+    path.canonicalize()
+        .is_ok_and(|path| berth_csimanager::mountinfo::is_shared(&path))
 }
 
 /// Makes `rel` (lexically normalized) below `root`: directories, and the
