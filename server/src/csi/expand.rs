@@ -8,12 +8,10 @@
 //! volumes cannot shrink.
 
 use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::task::Poll;
 
 use berth_proto::berth::v1 as pb;
 use berth_structs::{ClaimState, CsiVolume};
+use futures_util::future::join_all;
 
 use super::capability_pb;
 use crate::error::ServerError;
@@ -131,30 +129,6 @@ pub fn capacity_change(old: &CsiVolume, new: &CsiVolume) -> Result<CapacityChang
 
 fn to_i64(v: Option<u64>) -> i64 {
     i64::try_from(v.unwrap_or(0)).unwrap_or(i64::MAX)
-}
-
-/// Runs `futures` concurrently; their outputs in the same order.
-async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
-    let mut futures: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
-    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, out) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if out.is_none() {
-                match f.as_mut().poll(cx) {
-                    Poll::Ready(v) => *out = Some(v),
-                    Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            Poll::Pending
-        } else {
-            Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().flatten().collect()
 }
 
 /// `e` with what was being done in front of its message.
