@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::csi::{AccessMode, AttachmentMode};
 use crate::limits::{
-    duration_text, too_large, MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_MEMORY_MB, MAX_PRIORITY,
-    MAX_RESTART_ATTEMPTS,
+    duration_text, too_large, MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_LOG_FILES,
+    MAX_LOG_FILE_SIZE_MB, MAX_MEMORY_MB, MAX_PRIORITY, MAX_RESTART_ATTEMPTS,
 };
 use crate::names::{check_name, quoted};
 use crate::ValidationError;
@@ -80,6 +80,15 @@ pub struct Job {
     /// thresholds from it.
     #[serde(default)]
     pub modify_time_ms: i64,
+    /// The index of the last submission that changed the job, or of its
+    /// stop; status changes do not move it. A submission with
+    /// `enforce_index` must name it (Nomad's `JobModifyIndex`).
+    #[serde(default)]
+    pub job_modify_index: u64,
+    /// Set by a purge: the job leaves the state as soon as its allocs are
+    /// done and hold no volume claim.
+    #[serde(default)]
+    pub purge: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -199,6 +208,57 @@ pub struct Task {
     pub kill_timeout: Option<Duration>,
     #[serde(default)]
     pub meta: BTreeMap<String, String>,
+    /// How the task's stdout and stderr files rotate.
+    #[serde(default)]
+    pub logs: LogConfig,
+}
+
+/// The `logs` block: the task's stdout and stderr each go to numbered
+/// files (`<task>.stdout.0`, `.1`, ...) of at most `max_file_size` MiB, of
+/// which the newest `max_files` are kept. Nomad's names and defaults.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LogConfig {
+    pub max_files: u32,
+    /// MiB.
+    pub max_file_size: u64,
+}
+
+impl LogConfig {
+    pub const DEFAULT_MAX_FILES: u32 = 10;
+    pub const DEFAULT_MAX_FILE_SIZE_MB: u64 = 10;
+
+    /// The size at which a file is closed and the next one opened.
+    pub fn max_file_size_bytes(&self) -> u64 {
+        self.max_file_size.saturating_mul(1 << 20)
+    }
+
+    fn validate(&self, at: &str, errs: &mut Vec<String>) {
+        if self.max_files == 0 {
+            errs.push(format!("{at}: logs.max_files must be at least 1"));
+        } else if self.max_files > MAX_LOG_FILES {
+            errs.push(format!(
+                "{at}: logs.max_files {}",
+                too_large(self.max_files, MAX_LOG_FILES)
+            ));
+        }
+        if self.max_file_size == 0 {
+            errs.push(format!("{at}: logs.max_file_size must be at least 1 (MiB)"));
+        } else if self.max_file_size > MAX_LOG_FILE_SIZE_MB {
+            errs.push(format!(
+                "{at}: logs.max_file_size {}",
+                too_large(self.max_file_size, format!("{MAX_LOG_FILE_SIZE_MB} MiB"))
+            ));
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            max_files: Self::DEFAULT_MAX_FILES,
+            max_file_size: Self::DEFAULT_MAX_FILE_SIZE_MB,
+        }
+    }
 }
 
 /// Driver configuration. `raw_exec` reads `command` and `args`.
@@ -540,6 +600,7 @@ impl Task {
         if let Some(d) = self.kill_timeout {
             check_duration(&at, "kill_timeout", d, errs);
         }
+        self.logs.validate(&at, errs);
         for m in &self.volume_mounts {
             match group.volumes.get(&m.volume) {
                 None => errs.push(format!(

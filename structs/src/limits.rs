@@ -27,6 +27,12 @@ pub const MAX_RESTART_ATTEMPTS: u32 = 10_000;
 /// (365.25 days, humantime's "1year").
 pub const MAX_DURATION: Duration = Duration::from_secs(31_557_600);
 
+/// Log files kept per task and stream (`logs { max_files }`).
+pub const MAX_LOG_FILES: u32 = 1_000;
+
+/// The size of one log file in MiB (`logs { max_file_size }`): 16 GiB.
+pub const MAX_LOG_FILE_SIZE_MB: u64 = 16 << 10;
+
 /// A job's priority (Nomad's range is 1 to 100).
 pub const MAX_PRIORITY: u32 = 100;
 

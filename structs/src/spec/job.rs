@@ -7,11 +7,12 @@ use hcl_edit::structure::{Block, Body};
 use super::hcl::{BodyReader, Source};
 use super::SpecError;
 use crate::job::{
-    CsiMountOptions, CsiPluginType, Job, JobType, Resources, RestartPolicy, Task, TaskConfig,
-    TaskCsiPluginConfig, TaskGroup, VolumeMount, VolumeRequest,
+    CsiMountOptions, CsiPluginType, Job, JobType, LogConfig, Resources, RestartPolicy, Task,
+    TaskConfig, TaskCsiPluginConfig, TaskGroup, VolumeMount, VolumeRequest,
 };
 use crate::limits::{
-    MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_MEMORY_MB, MAX_PRIORITY, MAX_RESTART_ATTEMPTS,
+    MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_LOG_FILES, MAX_LOG_FILE_SIZE_MB, MAX_MEMORY_MB,
+    MAX_PRIORITY, MAX_RESTART_ATTEMPTS,
 };
 
 /// Nomad's default job priority.
@@ -226,6 +227,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
             "volume_mount",
             "csi_plugin",
             "meta",
+            "logs",
         ],
     )?;
 
@@ -271,6 +273,11 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         });
     }
 
+    let logs = match r.optional_block("logs")? {
+        None => LogConfig::default(),
+        Some(b) => decode_logs(src, b, r.ctx())?,
+    };
+
     let csi_plugin = r
         .optional_block("csi_plugin")?
         .map(|b| decode_csi_plugin(src, b, r.ctx()))
@@ -286,6 +293,29 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         csi_plugin,
         kill_timeout: r.duration("kill_timeout", MAX_DURATION)?,
         meta: r.map("meta")?,
+        logs,
+    })
+}
+
+/// `logs { max_files max_file_size }` (the size in MiB).
+fn decode_logs(src: &Source<'_>, block: &Block, parent: &str) -> Result<LogConfig, SpecError> {
+    let r = BodyReader::unlabeled(src, block, parent, &["max_files", "max_file_size"], &[])?;
+    let default = LogConfig::default();
+    let max_files = r
+        .u32("max_files", MAX_LOG_FILES)?
+        .unwrap_or(default.max_files);
+    if max_files == 0 {
+        return Err(r.invalid("max_files", "must be at least 1"));
+    }
+    let max_file_size = r
+        .u64("max_file_size", MAX_LOG_FILE_SIZE_MB)?
+        .unwrap_or(default.max_file_size);
+    if max_file_size == 0 {
+        return Err(r.invalid("max_file_size", "must be at least 1 (MiB)"));
+    }
+    Ok(LogConfig {
+        max_files,
+        max_file_size,
     })
 }
 
