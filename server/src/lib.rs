@@ -32,7 +32,8 @@ pub use csi::{
 pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
-pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, ReleasedClaim};
+pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, NodeUsage, ReleasedClaim};
+pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
 pub use rpc::{CsiVolumeService, NodeService};
 pub use scheduler::JobRegisterResponse;
 pub use server::Server;

@@ -7,7 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use berth_structs::{CsiInfo, CsiPlugin, Node, NodeStatus};
+use berth_structs::{AllocClientStatus, CsiInfo, CsiPlugin, Node, NodeEvent, NodeStatus};
+use serde::Serialize;
 
 use crate::error::ServerError;
 use crate::server::Server;
@@ -115,15 +116,201 @@ pub(crate) fn controller_nodes(t: &Tables, plugin_id: &str) -> Vec<String> {
         .collect()
 }
 
+/// A plugin with what an operator reads in `plugin status PLUGIN`: what
+/// its instances can do, where they run, the allocs that run it and how
+/// many volumes use it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PluginStatus {
+    #[serde(flatten)]
+    pub plugin: CsiPlugin,
+    /// What the controller instances can do, in CSI's terms
+    /// (`ControllerPublish`, `CreateDelete`, ...): the union over them.
+    pub controller_capabilities: Vec<&'static str>,
+    /// What the node instances can do (`StageUnstage`, ...).
+    pub node_capabilities: Vec<&'static str>,
+    /// The nodes that run an instance, by node ID.
+    pub instance_nodes: BTreeMap<String, InstanceNode>,
+    /// The allocs of the jobs that run the plugin, newest first.
+    pub allocations: Vec<PluginAlloc>,
+    /// How many volumes name this plugin.
+    pub volume_count: usize,
+}
+
+/// A node that runs an instance of a plugin.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct InstanceNode {
+    pub name: String,
+    pub status: NodeStatus,
+    /// When the node last reported a health change of the plugin (its
+    /// last `CSI` node event for it), unix milliseconds.
+    pub health_changed_ms: Option<i64>,
+}
+
+/// An alloc that runs a plugin task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PluginAlloc {
+    pub id: String,
+    pub name: String,
+    pub job_id: String,
+    pub task: String,
+    pub node_id: String,
+    pub node_name: String,
+    pub client_status: AllocClientStatus,
+    pub create_time_ms: i64,
+}
+
+/// The capabilities of a controller instance, in CSI's terms.
+pub fn controller_capabilities(info: &CsiInfo) -> Vec<&'static str> {
+    [
+        (info.requires_controller_publish, "ControllerPublish"),
+        (info.supports_create_delete, "CreateDelete"),
+        (info.supports_expand, "Expand"),
+        (info.supports_snapshots, "Snapshots"),
+    ]
+    .into_iter()
+    .filter_map(|(has, name)| has.then_some(name))
+    .collect()
+}
+
+/// The capabilities of a node instance, in CSI's terms.
+pub fn node_capabilities(info: &CsiInfo) -> Vec<&'static str> {
+    [
+        (info.supports_stage_unstage, "StageUnstage"),
+        (info.supports_expand, "Expand"),
+        (info.supports_volume_stats, "VolumeStats"),
+        (info.supports_volume_condition, "VolumeCondition"),
+    ]
+    .into_iter()
+    .filter_map(|(has, name)| has.then_some(name))
+    .collect()
+}
+
+/// The union of `of` over `infos`, in the order `of` names them.
+fn union_of(
+    infos: &BTreeMap<String, CsiInfo>,
+    of: fn(&CsiInfo) -> Vec<&'static str>,
+) -> Vec<&'static str> {
+    let mut all: Vec<&'static str> = Vec::new();
+    for name in infos.values().flat_map(of) {
+        if !all.contains(&name) {
+            all.push(name);
+        }
+    }
+    all
+}
+
+/// The plugin `given` names: its ID or a unique prefix of it.
+fn resolve_plugin(
+    plugins: &mut BTreeMap<String, CsiPlugin>,
+    given: &str,
+) -> Result<CsiPlugin, ServerError> {
+    if let Some(p) = plugins.remove(given) {
+        return Ok(p);
+    }
+    let matches: Vec<String> = plugins
+        .keys()
+        .filter(|k| !given.is_empty() && k.starts_with(given))
+        .cloned()
+        .collect();
+    match matches.as_slice() {
+        [one] => Ok(plugins.remove(one).unwrap_or_default()),
+        [] => Err(ServerError::not_found(format!(
+            "CSI plugin {given:?} not found (see `berth plugin status`)"
+        ))),
+        many => Err(ServerError::BadRequest(format!(
+            "CSI plugin ID prefix {given:?} matches {} plugins: {}",
+            many.len(),
+            many.join(", ")
+        ))),
+    }
+}
+
+fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
+    let instance_nodes = plugin
+        .controllers
+        .keys()
+        .chain(plugin.nodes.keys())
+        .filter_map(|id| t.nodes.get(id))
+        .map(|n| {
+            let changed = n
+                .events
+                .iter()
+                .filter(|e| {
+                    e.subsystem == NodeEvent::SUBSYSTEM_CSI
+                        && e.details.get("plugin_id") == Some(&plugin.id)
+                })
+                .map(|e| e.timestamp)
+                .max();
+            let node = InstanceNode {
+                name: n.name.clone(),
+                status: n.status,
+                health_changed_ms: changed,
+            };
+            (n.id.clone(), node)
+        })
+        .collect();
+    let mut allocations: Vec<PluginAlloc> = t
+        .allocs
+        .values()
+        .filter_map(|a| {
+            let task = a
+                .group()?
+                .tasks
+                .iter()
+                .find(|task| task.csi_plugin.as_ref().is_some_and(|p| p.id == plugin.id))?;
+            Some(PluginAlloc {
+                id: a.id.clone(),
+                name: a.name.clone(),
+                job_id: a.job_id.clone(),
+                task: task.name.clone(),
+                node_id: a.node_id.clone(),
+                node_name: t
+                    .nodes
+                    .get(&a.node_id)
+                    .map(|n| n.name.clone())
+                    .unwrap_or_default(),
+                client_status: a.client_status,
+                create_time_ms: a.create_time_ms,
+            })
+        })
+        .collect();
+    allocations.sort_by(|a, b| {
+        b.create_time_ms
+            .cmp(&a.create_time_ms)
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    PluginStatus {
+        controller_capabilities: union_of(&plugin.controllers, controller_capabilities),
+        node_capabilities: union_of(&plugin.nodes, node_capabilities),
+        instance_nodes,
+        allocations,
+        volume_count: t
+            .volumes
+            .values()
+            .filter(|v| v.plugin_id == plugin.id)
+            .count(),
+        plugin,
+    }
+}
+
 impl Server {
     pub fn plugins(&self) -> Vec<CsiPlugin> {
         self.store
             .read(|t| derive_plugins(t).into_values().collect())
     }
 
+    /// A plugin by ID or unique ID prefix.
     pub fn plugin(&self, id: &str) -> Result<CsiPlugin, ServerError> {
         self.store
-            .read(|t| derive_plugins(t).remove(id))
-            .ok_or_else(|| ServerError::not_found(format!("CSI plugin {id:?} not found")))
+            .read(|t| resolve_plugin(&mut derive_plugins(t), id))
+    }
+
+    /// A plugin by ID or unique ID prefix, with its instances' nodes,
+    /// capabilities, allocs and volume count.
+    pub fn plugin_status(&self, id: &str) -> Result<PluginStatus, ServerError> {
+        self.store.read(|t| {
+            let plugin = resolve_plugin(&mut derive_plugins(t), id)?;
+            Ok(plugin_status_in(t, plugin))
+        })
     }
 }
