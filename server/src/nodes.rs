@@ -426,3 +426,52 @@ impl Server {
         Ok(report)
     }
 }
+
+/// What the API shows of a node beside the node itself: what its allocs
+/// ask for and the CSI volumes they hold.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize)]
+pub struct NodeUsage {
+    /// The sums of what the node's allocs that are not terminal ask for
+    /// (what the scheduler counts against the node); disk stays 0, as no
+    /// job asks for disk yet.
+    pub allocated: berth_structs::NodeResources,
+    /// The claims held on the node, by volume then alloc.
+    pub csi_volumes: Vec<berth_structs::NodeCsiVolume>,
+}
+
+impl Server {
+    /// What `node_id`'s allocs use and which CSI volumes they claim. The
+    /// claims are found by one pass over the volumes (the state keeps no
+    /// index of claims by node).
+    pub fn node_usage(&self, node_id: &str) -> NodeUsage {
+        self.store.read(|t| {
+            let mut allocated = berth_structs::NodeResources::default();
+            for a in t.allocs_on_node(node_id).filter(|a| !a.is_terminal()) {
+                for task in a.group().into_iter().flat_map(|g| &g.tasks) {
+                    allocated.cpu = allocated.cpu.saturating_add(task.resources.cpu);
+                    allocated.memory_mb =
+                        allocated.memory_mb.saturating_add(task.resources.memory_mb);
+                }
+            }
+            let csi_volumes = t
+                .volumes
+                .values()
+                .flat_map(|v| {
+                    v.claims().filter(|c| c.node_id == node_id).map(|c| {
+                        berth_structs::NodeCsiVolume {
+                            volume_id: v.id.clone(),
+                            plugin_id: v.plugin_id.clone(),
+                            alloc_id: c.alloc_id.clone(),
+                            mode: c.mode,
+                            state: c.state.as_str().to_string(),
+                        }
+                    })
+                })
+                .collect();
+            NodeUsage {
+                allocated,
+                csi_volumes,
+            }
+        })
+    }
+}

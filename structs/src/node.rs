@@ -91,6 +91,71 @@ pub struct NodeResources {
     pub disk_mb: u64,
 }
 
+impl NodeResources {
+    /// Both together, each saturating.
+    pub fn plus(&self, other: &NodeResources) -> NodeResources {
+        NodeResources {
+            cpu: self.cpu.saturating_add(other.cpu),
+            memory_mb: self.memory_mb.saturating_add(other.memory_mb),
+            disk_mb: self.disk_mb.saturating_add(other.disk_mb),
+        }
+    }
+}
+
+/// A task driver as the client fingerprinted it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct DriverInfo {
+    /// The driver can run on this node at all.
+    pub detected: bool,
+    /// It can start tasks now.
+    pub healthy: bool,
+    /// Why it is (un)healthy, for operators.
+    #[serde(default)]
+    pub health_description: String,
+    /// Unix milliseconds of the fingerprint.
+    #[serde(default)]
+    pub update_time_ms: i64,
+}
+
+impl DriverInfo {
+    /// A detected driver that can start tasks.
+    pub fn healthy(description: impl Into<String>) -> DriverInfo {
+        DriverInfo {
+            detected: true,
+            healthy: true,
+            health_description: description.into(),
+            update_time_ms: crate::now_ms(),
+        }
+    }
+
+    /// A detected driver that cannot start tasks, and why.
+    pub fn unhealthy(description: impl Into<String>) -> DriverInfo {
+        DriverInfo {
+            detected: true,
+            healthy: false,
+            health_description: description.into(),
+            update_time_ms: crate::now_ms(),
+        }
+    }
+
+    /// The driver can place tasks: detected and healthy.
+    pub fn usable(&self) -> bool {
+        self.detected && self.healthy
+    }
+}
+
+/// A CSI volume claimed by an alloc placed on a node: one row of the node
+/// view's `csi_volumes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeCsiVolume {
+    pub volume_id: String,
+    pub plugin_id: String,
+    pub alloc_id: String,
+    pub mode: crate::csi::ClaimMode,
+    /// The claim's state (`taken`, `node-detached`, ...).
+    pub state: String,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct Node {
     pub id: String,
@@ -101,9 +166,18 @@ pub struct Node {
     pub status: NodeStatus,
     #[serde(default)]
     pub resources: NodeResources,
-    /// Drivers the client can run.
+    /// Drivers the client can run: the detected and healthy ones of
+    /// `driver_info` (what the scheduler places on).
     #[serde(default)]
     pub drivers: Vec<String>,
+    /// Each driver the client knows with its fingerprint: detected,
+    /// healthy, why not, and when that was found.
+    #[serde(default)]
+    pub driver_info: BTreeMap<String, DriverInfo>,
+    /// What the node keeps for itself (`client { reserved }`), already
+    /// taken off `resources`: the node's total is the sum of the two.
+    #[serde(default)]
+    pub reserved: NodeResources,
     #[serde(default)]
     pub attributes: BTreeMap<String, String>,
     /// The operator's class for the node (`client { node_class }`); empty
@@ -325,6 +399,21 @@ mod tests {
         let far = DrainStrategy::new(Duration::MAX, i64::MAX - 1);
         assert_eq!(far.force_deadline_ms, i64::MAX);
         assert!(!far.deadline_passed(i64::MAX - 1));
+    }
+
+    #[test]
+    fn an_old_node_record_loads_without_driver_info_or_reservations() {
+        let old: Node =
+            serde_json::from_str(r#"{"id":"n1","name":"n1","drivers":["raw_exec"]}"#).unwrap();
+        assert_eq!(old.drivers, ["raw_exec"]);
+        assert!(old.driver_info.is_empty());
+        assert_eq!(old.reserved, NodeResources::default());
+        let info = DriverInfo::unhealthy("no executor");
+        assert!(!info.usable());
+        let v = serde_json::to_value(&info).unwrap();
+        assert_eq!(v["detected"], true);
+        assert_eq!(v["healthy"], false);
+        assert_eq!(v["health_description"], "no executor");
     }
 
     #[test]
