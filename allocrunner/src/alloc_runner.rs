@@ -10,7 +10,7 @@ use berth_csimanager::UnmountRequest;
 use berth_structs::{
     AllocClientStatus, Allocation, CsiPluginType, TaskEvent, TaskGroup, TaskState, TaskStateKind,
 };
-use tokio::sync::watch;
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinSet;
 use tracing::{error, info, warn, Instrument};
 
@@ -21,6 +21,7 @@ use crate::driver::TaskHandleRecord;
 use crate::error::{AllocRunnerError, HookError};
 use crate::state::{AllocState, RestoredAlloc};
 use crate::task_hooks::VolumeMountsHook;
+use crate::task_ops::{TaskOp, TaskOpError};
 use crate::task_runner::TaskRunner;
 
 /// The task event of a task that never started because its alloc was
@@ -58,6 +59,9 @@ struct Inner {
     /// Set when the runner was restored after an agent restart: the last
     /// handle of each task, to reattach to. Taken when the lifecycle starts.
     restored: Mutex<Option<BTreeMap<String, TaskHandleRecord>>>,
+    /// Where an operator's restarts and signals reach each task runner;
+    /// a task whose runner has ended no longer takes them.
+    task_ops: Mutex<HashMap<String, mpsc::UnboundedSender<TaskOp>>>,
 }
 
 impl AllocRunner {
@@ -125,6 +129,7 @@ impl AllocRunner {
                 started: AtomicBool::new(false),
                 hooks: Mutex::new(Some(hooks)),
                 restored: Mutex::new(None),
+                task_ops: Mutex::default(),
             }),
         }
     }
@@ -275,6 +280,101 @@ impl AllocRunner {
 }
 
 impl AllocRunner {
+    /// Restarts `task` (or every running task) in place, as an operator
+    /// asked: each is killed as for a stop and started again at once, with
+    /// a `Restart Signaled` event. The restart policy does not count it and
+    /// the alloc stays where it is. Returns the tasks restarted.
+    pub async fn restart_tasks(&self, task: Option<&str>) -> Result<Vec<String>, TaskOpError> {
+        self.task_op(task, |reply| TaskOp::Restart { reply }).await
+    }
+
+    /// Sends `signal` to `task` (or every running task), with a
+    /// `Signaling` event. Returns the tasks signaled.
+    pub async fn signal_tasks(
+        &self,
+        task: Option<&str>,
+        signal: nix::sys::signal::Signal,
+    ) -> Result<Vec<String>, TaskOpError> {
+        self.task_op(task, |reply| TaskOp::Signal { signal, reply })
+            .await
+    }
+
+    /// Hands the op made by `make` to each task it is for and waits for
+    /// their answers. A terminal alloc, an unknown task or one that does
+    /// not run is refused before anything is done.
+    async fn task_op(
+        &self,
+        task: Option<&str>,
+        make: impl Fn(oneshot::Sender<Result<(), TaskOpError>>) -> TaskOp,
+    ) -> Result<Vec<String>, TaskOpError> {
+        let status = self.client_status();
+        if status.is_terminal() || *self.inner.stop.borrow() {
+            let what = if status.is_terminal() {
+                status.as_str().to_string()
+            } else {
+                "stopping".to_string()
+            };
+            return Err(TaskOpError::AllocTerminal(what));
+        }
+        let states = self.task_states();
+        let targets: Vec<String> = match task {
+            Some(t) => {
+                let Some(s) = states.get(t) else {
+                    return Err(TaskOpError::UnknownTask {
+                        task: t.to_string(),
+                        tasks: states.keys().cloned().collect(),
+                    });
+                };
+                if s.state != TaskStateKind::Running {
+                    return Err(TaskOpError::NotRunning {
+                        task: t.to_string(),
+                        state: crate::task_ops::state_name(s.state).to_string(),
+                    });
+                }
+                vec![t.to_string()]
+            }
+            None => {
+                let running: Vec<String> = states
+                    .iter()
+                    .filter(|(_, s)| s.state == TaskStateKind::Running)
+                    .map(|(t, _)| t.clone())
+                    .collect();
+                if running.is_empty() {
+                    return Err(TaskOpError::NothingRunning);
+                }
+                running
+            }
+        };
+        let mut waiting = Vec::new();
+        for t in &targets {
+            let (reply, answer) = oneshot::channel();
+            let sent = self
+                .inner
+                .task_ops
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(t)
+                .is_some_and(|ops| ops.send(make(reply)).is_ok());
+            if !sent {
+                return Err(TaskOpError::NotRunning {
+                    task: t.clone(),
+                    state: crate::task_ops::state_name(TaskStateKind::Dead).to_string(),
+                });
+            }
+            waiting.push((t.clone(), answer));
+        }
+        for (t, answer) in waiting {
+            // A runner that ends before it answers drops the request.
+            answer.await.unwrap_or_else(|_| {
+                Err(TaskOpError::NotRunning {
+                    task: t.clone(),
+                    state: crate::task_ops::state_name(TaskStateKind::Dead).to_string(),
+                })
+            })?;
+        }
+        Ok(targets)
+    }
+
     /// Unmounts (with retries) every CSI volume csimanager still records
     /// as mounted for this alloc; an error when one remains.
     async fn unmount_leftover_volumes(&self) -> Result<(), AllocRunnerError> {
@@ -580,7 +680,14 @@ async fn run_tasks(
                 &ctx.alloc_dir.executor_dir(&task.name),
             );
         }
+        let (ops_tx, ops) = mpsc::unbounded_channel();
+        inner
+            .task_ops
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(task.name.clone(), ops_tx);
         let runner = TaskRunner {
+            ops,
             reattach,
             config: inner.config.clone(),
             alloc: alloc.clone(),

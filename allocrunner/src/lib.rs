@@ -26,6 +26,7 @@ pub mod executor;
 pub mod restart;
 pub mod state;
 pub mod task_hooks;
+pub mod task_ops;
 mod task_runner;
 
 pub use alloc_dir::{AllocDir, TaskDir};
@@ -39,3 +40,4 @@ pub use error::{AllocRunnerError, DriverError, HookError};
 pub use state::{
     AllocStateStore, AllocStateUpdater, NoopStateStore, PersistedAllocState, RestoredAlloc,
 };
+pub use task_ops::{parse_signal, TaskOpError};

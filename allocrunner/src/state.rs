@@ -240,6 +240,15 @@ impl AllocState {
         });
     }
 
+    /// The task is killed to start again at once, as an operator asked:
+    /// pending, with its restart count (the restart policy's) unchanged.
+    pub(crate) fn task_restarting_in_place(&self, task: &str) {
+        self.update(|i| {
+            let s = i.task_states.entry(task.to_string()).or_default();
+            s.state = TaskStateKind::Pending;
+        });
+    }
+
     /// The task is done for good; `event`, if any, is its last event.
     pub(crate) fn task_dead(&self, task: &str, failed: bool, event: Option<TaskEvent>) {
         self.update(|i| {

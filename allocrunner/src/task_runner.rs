@@ -17,6 +17,9 @@ use crate::env;
 use crate::restart::{RestartDecision, RestartTracker};
 use crate::state::{AllocState, TaskEvents};
 use crate::task_hooks::{self, KillRequest, TaskControl, TaskHookContext};
+use crate::task_ops::{
+    TaskOp, TaskOpError, EVENT_RESTART_SIGNALED, EVENT_SIGNALING, USER_RESTART_REASON,
+};
 
 pub(crate) struct TaskRunner {
     pub config: Arc<AllocRunnerConfig>,
@@ -31,6 +34,8 @@ pub(crate) struct TaskRunner {
     /// After an agent restart: the handle of the task's last run, to
     /// reattach to instead of starting the task again.
     pub reattach: Option<TaskHandleRecord>,
+    /// An operator's restarts and signals, acted on while the task runs.
+    pub ops: mpsc::UnboundedReceiver<TaskOp>,
 }
 
 /// Why a run of the task ended.
@@ -38,6 +43,8 @@ enum Ending {
     Exited,
     Killed,
     Restart,
+    /// An operator asked for a restart: not counted by the restart policy.
+    UserRestart,
     Failed(String),
 }
 
@@ -65,6 +72,7 @@ impl TaskRunner {
             mounts,
             mut kill,
             mut reattach,
+            mut ops,
         } = self;
         let name = task.name.clone();
         let events = TaskEvents::new(state.clone(), &name);
@@ -203,16 +211,42 @@ impl TaskRunner {
                 events.emit("Killing", msg.clone());
                 (handle.stop(kill_timeout).await, Ending::Failed(msg))
             } else {
-                tokio::select! {
-                    exit = handle.wait() => (exit, Ending::Exited),
-                    reason = killed(&mut kill) => {
-                        events.emit("Killing", reason);
-                        (handle.stop(kill_timeout).await, Ending::Killed)
-                    }
-                    Some(req) = kill_rx.recv() => {
-                        events.emit("Killing", req.reason.clone());
-                        let exit = handle.stop(kill_timeout).await;
-                        (exit, if req.restart { Ending::Restart } else { Ending::Failed(req.reason) })
+                loop {
+                    tokio::select! {
+                        exit = handle.wait() => break (exit, Ending::Exited),
+                        reason = killed(&mut kill) => {
+                            events.emit("Killing", reason);
+                            break (handle.stop(kill_timeout).await, Ending::Killed);
+                        }
+                        Some(req) = kill_rx.recv() => {
+                            events.emit("Killing", req.reason.clone());
+                            let exit = handle.stop(kill_timeout).await;
+                            break (exit, if req.restart { Ending::Restart } else { Ending::Failed(req.reason) });
+                        }
+                        Some(op) = ops.recv() => match op {
+                            TaskOp::Signal { signal, reply } => {
+                                let mut event = TaskEvent::new(
+                                    EVENT_SIGNALING,
+                                    format!("Task being sent signal {}", signal.as_str()),
+                                );
+                                event.signal = Some(signal as i32);
+                                events.emit_event(event);
+                                info!(alloc_id = %alloc.id, task = %name, signal = signal.as_str(), "signaling the task");
+                                let sent = handle.signal(signal).map_err(|e| TaskOpError::SignalFailed {
+                                    task: name.clone(),
+                                    signal: signal.as_str().to_string(),
+                                    message: e.to_string(),
+                                });
+                                let _ = reply.send(sent);
+                            }
+                            TaskOp::Restart { reply } => {
+                                events.emit(EVENT_RESTART_SIGNALED, USER_RESTART_REASON);
+                                info!(alloc_id = %alloc.id, task = %name, "restarting the task: {USER_RESTART_REASON}");
+                                let exit = handle.stop(kill_timeout).await;
+                                let _ = reply.send(Ok(()));
+                                break (exit, Ending::UserRestart);
+                            }
+                        },
                     }
                 }
             };
@@ -240,6 +274,11 @@ impl TaskRunner {
                     Instant::now(),
                 ),
                 Ending::Exited => tracker.on_exit(&exit, Instant::now()),
+                Ending::UserRestart => {
+                    events.emit("Restarting", "Task restarting in 0s");
+                    state.task_restarting_in_place(&name);
+                    continue 'run;
+                }
             };
             match decision {
                 RestartDecision::Complete => break (false, None),
@@ -247,9 +286,17 @@ impl TaskRunner {
                 RestartDecision::Restart(delay) => {
                     events.emit("Restarting", format!("Task restarting in {delay:?}"));
                     state.task_restarting(&name);
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = killed(&mut kill) => break (false, None),
+                    let wait = tokio::time::sleep(delay);
+                    tokio::pin!(wait);
+                    loop {
+                        tokio::select! {
+                            _ = &mut wait => break,
+                            _ = killed(&mut kill) => break 'run (false, None),
+                            Some(op) = ops.recv() => op.refuse(TaskOpError::NotRunning {
+                                task: name.clone(),
+                                state: "waiting to restart".into(),
+                            }),
+                        }
                     }
                 }
             }
