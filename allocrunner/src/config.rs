@@ -55,8 +55,7 @@ impl AllocRunnerConfig {
         claimer: Arc<dyn VolumeClaimer>,
         updater: Arc<dyn AllocStateUpdater>,
     ) -> AllocRunnerConfig {
-        let mut drivers: BTreeMap<String, Arc<dyn Driver>> = BTreeMap::new();
-        drivers.insert("raw_exec".into(), Arc::new(RawExecDriver::new()));
+        let drivers = Self::default_drivers();
         AllocRunnerConfig {
             alloc_root,
             plugin_root,
@@ -73,6 +72,14 @@ impl AllocRunnerConfig {
             claim_retry_timeout: Duration::from_secs(5 * 60),
             release_retry_timeout: Duration::from_secs(2 * 60),
         }
+    }
+
+    /// The drivers a client has unless told otherwise: `raw_exec` under
+    /// this binary's executor.
+    pub fn default_drivers() -> BTreeMap<String, Arc<dyn Driver>> {
+        let mut drivers: BTreeMap<String, Arc<dyn Driver>> = BTreeMap::new();
+        drivers.insert("raw_exec".into(), Arc::new(RawExecDriver::new()));
+        drivers
     }
 
     /// Runs `raw_exec` tasks under `executor` instead of

@@ -260,6 +260,11 @@ fn fingerprint_resources(data_dir: &std::path::Path) -> NodeResources {
 /// operator's class, meta and reservations applied.
 pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
     let found = fingerprint_resources(&config.data_dir);
+    let driver_info: BTreeMap<String, berth_structs::DriverInfo> =
+        AllocRunnerConfig::default_drivers()
+            .iter()
+            .map(|(name, d)| (name.clone(), d.fingerprint()))
+            .collect();
     Node {
         id: node_id,
         name: config.node_name.clone().unwrap_or_else(host_name),
@@ -270,10 +275,17 @@ pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
             memory_mb: found.memory_mb.saturating_sub(config.reserved_memory_mb),
             disk_mb: found.disk_mb.saturating_sub(config.reserved_disk_mb),
         },
-        drivers: berth_structs::SUPPORTED_DRIVERS
+        drivers: driver_info
             .iter()
-            .map(|d| d.to_string())
+            .filter(|(_, d)| d.usable())
+            .map(|(name, _)| name.clone())
             .collect(),
+        driver_info,
+        reserved: NodeResources {
+            cpu: config.reserved_cpu.min(found.cpu),
+            memory_mb: config.reserved_memory_mb.min(found.memory_mb),
+            disk_mb: config.reserved_disk_mb.min(found.disk_mb),
+        },
         attributes: [
             ("os.name".to_string(), std::env::consts::OS.to_string()),
             ("cpu.arch".to_string(), std::env::consts::ARCH.to_string()),

@@ -136,6 +136,11 @@ impl TaskHandleRecord {
 #[async_trait::async_trait]
 pub trait Driver: Send + Sync {
     fn name(&self) -> &'static str;
+    /// Whether the driver can start tasks on this node now, and why not:
+    /// what the node registers for it.
+    fn fingerprint(&self) -> berth_structs::DriverInfo {
+        berth_structs::DriverInfo::healthy("Healthy")
+    }
     async fn start(&self, spec: &TaskSpec) -> Result<Arc<dyn TaskHandle>, DriverError>;
     /// A handle on a task started before the agent restarted. A task that
     /// is gone gives a handle that has exited (with its recorded exit when

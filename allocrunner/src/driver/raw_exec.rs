@@ -116,6 +116,26 @@ impl Driver for RawExecDriver {
         "raw_exec"
     }
 
+    /// Healthy while the executor program is an executable file: every
+    /// task runs under it.
+    fn fingerprint(&self) -> berth_structs::DriverInfo {
+        use std::os::unix::fs::PermissionsExt;
+        let program = &self.executor.program;
+        match std::fs::metadata(program) {
+            Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {
+                berth_structs::DriverInfo::healthy("Healthy")
+            }
+            Ok(_) => berth_structs::DriverInfo::unhealthy(format!(
+                "the executor {} is not an executable file",
+                program.display()
+            )),
+            Err(e) => berth_structs::DriverInfo::unhealthy(format!(
+                "the executor {} cannot be read: {e}",
+                program.display()
+            )),
+        }
+    }
+
     async fn start(&self, spec: &TaskSpec) -> Result<Arc<dyn TaskHandle>, DriverError> {
         if !spec.task_dir.is_dir() {
             return Err(DriverError::Spawn {
@@ -530,6 +550,38 @@ mod tests {
     use std::os::unix::process::{CommandExt, ExitStatusExt};
 
     use super::*;
+
+    #[test]
+    fn raw_exec_is_healthy_only_while_its_executor_is_an_executable_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let driver = |program: PathBuf| {
+            RawExecDriver::with_executor(ExecutorCommand {
+                program,
+                args: vec![],
+            })
+        };
+        let healthy = driver(PathBuf::from("/bin/sh")).fingerprint();
+        assert!(healthy.detected && healthy.healthy, "{healthy:?}");
+        assert!(healthy.update_time_ms > 0);
+
+        let missing = dir.path().join("gone");
+        let info = driver(missing.clone()).fingerprint();
+        assert!(info.detected && !info.healthy, "{info:?}");
+        assert!(
+            info.health_description
+                .contains(&missing.display().to_string()),
+            "{info:?}"
+        );
+
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, "").unwrap();
+        let info = driver(plain).fingerprint();
+        assert!(!info.healthy);
+        assert!(
+            info.health_description.contains("not an executable file"),
+            "{info:?}"
+        );
+    }
 
     /// An executor given up on after it started its task (its state shows
     /// the task running) takes the task's group down with it.
