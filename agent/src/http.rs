@@ -19,13 +19,14 @@ use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Request, St
 use axum::http::{header, request::Parts, Method, StatusCode, Uri};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
 use berth_server::{Server, ServerError, SnapshotRequest};
-use berth_structs::{CsiVolume, Job};
+use berth_structs::{CsiPlugin, CsiVolume, Job};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
+
+use routes::Routes;
 
 /// The largest request body the API reads. Job and volume specs are far
 /// smaller; the CLI refuses a spec file above it before reading it.
@@ -368,14 +369,31 @@ fn to_json<T: serde::Serialize>(v: &T) -> ApiResult {
 }
 
 /// The API view of a volume: the volume, without secrets, with the allocs
-/// that hold its claims.
-fn volume_view(v: &CsiVolume) -> Value {
+/// that hold its claims and the health of its plugin (`null` when no node
+/// runs the plugin).
+fn volume_view(v: &CsiVolume, plugin: Option<&CsiPlugin>) -> Value {
     let mut clean = v.clone();
     clean.secrets.clear();
     let mut out = serde_json::to_value(&clean).unwrap_or(Value::Null);
     out["read_allocs"] = json!(v.read_claims.keys().collect::<Vec<_>>());
     out["write_allocs"] = json!(v.write_claims.keys().collect::<Vec<_>>());
+    out["plugin"] = plugin.map_or(Value::Null, |p| {
+        json!({
+            "provider": p.provider,
+            "version": p.version,
+            "controller_required": p.controller_required,
+            "controllers_healthy": p.controllers_healthy,
+            "controllers_expected": p.controllers_expected,
+            "nodes_healthy": p.nodes_healthy,
+            "nodes_expected": p.nodes_expected,
+        })
+    });
     out
+}
+
+/// [`volume_view`] of a volume just written, with its plugin's health.
+fn written_volume_view(s: &Server, v: &CsiVolume) -> Value {
+    volume_view(v, s.plugin(&v.plugin_id).ok().as_ref())
 }
 
 #[derive(Deserialize)]
@@ -394,42 +412,42 @@ struct ForceQuery {
     force: bool,
 }
 
+/// The server API's routes: answered by an agent's server role, forwarded
+/// to a server by a client-only agent.
+pub fn server_routes() -> Routes<Arc<Server>> {
+    Routes::new()
+        .get("/v1/agent/health", || async { Json(json!({"ok": true})) })
+        .get("/v1/jobs", list_jobs)
+        .put("/v1/jobs", register_job)
+        .get("/v1/job/{id}", get_job)
+        .delete("/v1/job/{id}", stop_job)
+        .get("/v1/job/{id}/allocations", job_allocations)
+        .get("/v1/allocations", list_allocations)
+        .get("/v1/allocation/{id}", get_allocation)
+        .get("/v1/nodes", list_nodes)
+        .get("/v1/node/{id}", get_node)
+        .get("/v1/node/{id}/allocations", node_allocations)
+        .post("/v1/node/{id}/drain", drain_node)
+        .post("/v1/node/{id}/eligibility", node_eligibility)
+        .put("/v1/node/{id}/purge", purge_node)
+        .get("/v1/volumes", list_volumes)
+        .get("/v1/volume/csi/{id}", get_volume)
+        .put("/v1/volume/csi/{id}", register_volume)
+        .delete("/v1/volume/csi/{id}", deregister_volume)
+        .put("/v1/volume/csi/{id}/create", create_volume)
+        .delete("/v1/volume/csi/{id}/delete", delete_volume)
+        .delete("/v1/volume/csi/{id}/detach", detach_volume)
+        .get("/v1/volumes/snapshot", list_snapshots)
+        .put("/v1/volumes/snapshot", create_snapshot)
+        .delete("/v1/volumes/snapshot", delete_snapshot)
+        .get("/v1/plugins", list_plugins)
+        .get("/v1/plugin/csi/{id}", get_plugin)
+        .put("/v1/system/gc", system_gc)
+}
+
 pub fn router(server: Arc<Server>) -> Router {
-    let api = Router::new()
-        .route(
-            "/v1/agent/health",
-            get(|| async { Json(json!({"ok": true})) }),
-        )
-        .route("/v1/jobs", get(list_jobs).put(register_job))
-        .route("/v1/job/{id}", get(get_job).delete(stop_job))
-        .route("/v1/job/{id}/allocations", get(job_allocations))
-        .route("/v1/allocations", get(list_allocations))
-        .route("/v1/allocation/{id}", get(get_allocation))
-        .route("/v1/nodes", get(list_nodes))
-        .route("/v1/node/{id}", get(get_node))
-        .route("/v1/node/{id}/allocations", get(node_allocations))
-        .route("/v1/node/{id}/drain", post(drain_node))
-        .route("/v1/node/{id}/eligibility", post(node_eligibility))
-        .route("/v1/node/{id}/purge", put(purge_node))
-        .route("/v1/volumes", get(list_volumes))
-        .route(
-            "/v1/volume/csi/{id}",
-            get(get_volume)
-                .put(register_volume)
-                .delete(deregister_volume),
-        )
-        .route("/v1/volume/csi/{id}/create", put(create_volume))
-        .route("/v1/volume/csi/{id}/delete", delete(delete_volume))
-        .route("/v1/volume/csi/{id}/detach", delete(detach_volume))
-        .route(
-            "/v1/volumes/snapshot",
-            get(list_snapshots)
-                .put(create_snapshot)
-                .delete(delete_snapshot),
-        )
-        .route("/v1/plugins", get(list_plugins))
-        .route("/v1/plugin/csi/{id}", get(get_plugin))
-        .route("/v1/system/gc", put(system_gc))
+    let api = server_routes()
+        .into_router()
         .fallback(unknown_api_path)
         .with_state(server);
     // The layers wrap the whole API from outside, so that they see every
@@ -527,8 +545,19 @@ async fn list_nodes(State(s): State<Arc<Server>>) -> ApiResult {
     to_json(&s.nodes())
 }
 
+/// A node (by ID, unique ID prefix or name) with what its allocs use
+/// (`allocated_resources`), its total (`total_resources`: the schedulable
+/// `resources` plus `reserved`) and the CSI volumes its allocs claim
+/// (`csi_volumes`). A node carries no secrets.
 async fn get_node(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    to_json(&s.node(&id)?)
+    let node = s.node(&id)?;
+    let usage = s.node_usage(&node.id);
+    let mut out = serde_json::to_value(&node)
+        .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
+    out["total_resources"] = json!(node.resources.plus(&node.reserved));
+    out["allocated_resources"] = json!(usage.allocated);
+    out["csi_volumes"] = json!(usage.csi_volumes);
+    Ok(Json(out))
 }
 
 /// The allocs placed on a node (by ID, unique ID prefix or name); a
@@ -613,23 +642,58 @@ async fn node_eligibility(
 }
 
 async fn list_volumes(State(s): State<Arc<Server>>) -> ApiResult {
+    let plugins: std::collections::BTreeMap<String, CsiPlugin> =
+        s.plugins().into_iter().map(|p| (p.id.clone(), p)).collect();
     Ok(Json(Value::Array(
-        s.volumes().iter().map(volume_view).collect(),
+        s.volumes()
+            .iter()
+            .map(|v| volume_view(v, plugins.get(&v.plugin_id)))
+            .collect(),
     )))
 }
 
 async fn get_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    let vol = s.volume(&id)?;
-    let mut out = volume_view(&vol);
+    let vol = volume_by_id_or_prefix(&s, &id)?;
+    let mut out = written_volume_view(&s, &vol);
     out["claim_allocs"] = claim_allocs(&s, &vol);
     Ok(Json(out))
 }
 
-/// Each claim of `vol` joined with its alloc: the alloc's name and status
-/// and the stats its node last reported for this volume (`null` when none,
-/// or when the alloc is gone).
+/// The volume `given` names: its ID or a unique prefix of it (what
+/// `volume status` accepts).
+fn volume_by_id_or_prefix(s: &Server, given: &str) -> Result<CsiVolume, ApiError> {
+    let err = match s.volume(given) {
+        Ok(v) => return Ok(v),
+        Err(e) => e,
+    };
+    if !matches!(err, ServerError::NotFound(_)) || given.is_empty() {
+        return Err(err.into());
+    }
+    let mut matches: Vec<CsiVolume> = s
+        .volumes()
+        .into_iter()
+        .filter(|v| v.id.starts_with(given))
+        .collect();
+    match matches.len() {
+        0 => Err(err.into()),
+        1 => Ok(matches.remove(0)),
+        n => Err(ApiError::bad_request(format!(
+            "volume ID prefix {given:?} matches {n} volumes: {}",
+            matches
+                .iter()
+                .map(|v| v.id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
+/// Each claim of `vol` joined with its alloc and node: the alloc's name,
+/// job, status and creation time, the node's name, and the stats its node
+/// last reported for this volume (`null` when none, or when the alloc is
+/// gone). Newest alloc first.
 fn claim_allocs(s: &Server, vol: &CsiVolume) -> Value {
-    let claims: Vec<Value> = vol
+    let mut claims: Vec<(i64, Value)> = vol
         .claims()
         .map(|c| {
             let alloc = s.allocation(&c.alloc_id).ok();
@@ -639,18 +703,29 @@ fn claim_allocs(s: &Server, vol: &CsiVolume) -> Value {
                     .find(|st| st.volume_id == vol.id)
                     .cloned()
             });
-            json!({
+            let created = alloc.as_ref().map_or(0, |a| a.create_time_ms);
+            let claim = json!({
                 "alloc_id": c.alloc_id,
                 "alloc_name": alloc.as_ref().map(|a| a.name.clone()),
+                "job_id": alloc.as_ref().map(|a| a.job_id.clone()),
                 "node_id": c.node_id,
+                "node_name": s.node(&c.node_id).ok().map(|n| n.name),
                 "mode": c.mode,
+                "access_mode": c.access_mode,
+                "attachment_mode": c.attachment_mode,
                 "state": c.state.as_str(),
                 "client_status": alloc.as_ref().map(|a| a.client_status.as_str()),
+                "create_time_ms": alloc.as_ref().map(|a| a.create_time_ms),
                 "volume_stats": stats,
-            })
+            });
+            (created, claim)
         })
         .collect();
-    Value::Array(claims)
+    claims.sort_by(|a, b| {
+        b.0.cmp(&a.0)
+            .then_with(|| a.1["alloc_id"].as_str().cmp(&b.1["alloc_id"].as_str()))
+    });
+    Value::Array(claims.into_iter().map(|(_, c)| c).collect())
 }
 
 fn check_volume_id(path_id: &str, vol: &CsiVolume) -> Result<(), ApiError> {
@@ -670,7 +745,7 @@ async fn register_volume(
 ) -> ApiResult {
     check_volume_id(&id, &body.volume)?;
     let v = s.register_volume(body.volume).await?;
-    Ok(Json(volume_view(&v)))
+    Ok(Json(written_volume_view(&s, &v)))
 }
 
 async fn create_volume(
@@ -680,7 +755,7 @@ async fn create_volume(
 ) -> ApiResult {
     check_volume_id(&id, &body.volume)?;
     let v = s.create_volume(body.volume).await?;
-    Ok(Json(volume_view(&v)))
+    Ok(Json(written_volume_view(&s, &v)))
 }
 
 async fn deregister_volume(
@@ -757,8 +832,10 @@ async fn list_plugins(State(s): State<Arc<Server>>) -> ApiResult {
     to_json(&s.plugins())
 }
 
+/// A plugin (by ID or unique ID prefix) with its instances' nodes, its
+/// capabilities, the allocs that run it and how many volumes use it.
 async fn get_plugin(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    to_json(&s.plugin(&id)?)
+    to_json(&s.plugin_status(&id)?)
 }
 
 /// A forced garbage collection (`berth system gc`): everything that is done
@@ -785,6 +862,7 @@ pub async fn serve_router(
 
 pub mod agent_api;
 pub mod forward;
+pub mod routes;
 
 #[cfg(test)]
 mod tests;

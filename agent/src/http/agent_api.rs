@@ -10,11 +10,11 @@ use std::sync::{Arc, OnceLock};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use axum::{Json, Router};
 use berth_server::Server;
 use serde_json::json;
 
+use super::routes::Routes;
 use super::{ApiError, ApiPath, MAX_REQUEST_BODY};
 use crate::client::Client;
 
@@ -59,6 +59,14 @@ impl AgentInfo {
     }
 }
 
+/// The routes every agent answers itself, whatever its roles.
+pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
+    Routes::new()
+        .get("/v1/agent/self", agent_self)
+        .get("/v1/client/allocations", client_allocations)
+        .get("/v1/client/allocation/{id}", client_allocation)
+}
+
 /// The whole API of an agent: the node-local routes, then `server`'s API
 /// when this agent runs the server role, else forwarding to the servers
 /// the client dials.
@@ -67,10 +75,8 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         Some(s) => super::router(s),
         None => super::forward::forwarding_router(info.clone()),
     };
-    Router::new()
-        .route("/v1/agent/self", get(agent_self))
-        .route("/v1/client/allocations", get(client_allocations))
-        .route("/v1/client/allocation/{id}", get(client_allocation))
+    agent_routes()
+        .into_router()
         .with_state(info)
         .fallback_service(rest)
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))

@@ -1,0 +1,120 @@
+//! The one table of the API's routes. Every `/v1/` route goes through a
+//! [`Routes`] builder, which builds the axum router and records each
+//! (method, path) it serves, so that the API can be listed (and described,
+//! see [`super::openapi`]) without a running agent.
+//!
+//! Two tables make the whole API: [`super::server_routes`], answered by the
+//! server role (or forwarded to it by a client-only agent), and
+//! [`super::agent_api::agent_routes`], which every agent answers itself.
+//! A new route goes into one of them.
+
+use axum::handler::Handler;
+use axum::http::Method;
+use axum::routing::{self, MethodRouter};
+use axum::Router;
+
+/// A router under construction, with the list of routes it serves.
+pub struct Routes<S> {
+    router: Router<S>,
+    table: Vec<(Method, &'static str)>,
+}
+
+impl<S: Clone + Send + Sync + 'static> Default for Routes<S> {
+    fn default() -> Self {
+        Routes::new()
+    }
+}
+
+impl<S: Clone + Send + Sync + 'static> Routes<S> {
+    pub fn new() -> Routes<S> {
+        Routes {
+            router: Router::new(),
+            table: Vec::new(),
+        }
+    }
+
+    pub fn get<H, T>(self, path: &'static str, handler: H) -> Routes<S>
+    where
+        H: Handler<T, S>,
+        T: 'static,
+    {
+        self.add(Method::GET, path, routing::get(handler))
+    }
+
+    pub fn put<H, T>(self, path: &'static str, handler: H) -> Routes<S>
+    where
+        H: Handler<T, S>,
+        T: 'static,
+    {
+        self.add(Method::PUT, path, routing::put(handler))
+    }
+
+    pub fn post<H, T>(self, path: &'static str, handler: H) -> Routes<S>
+    where
+        H: Handler<T, S>,
+        T: 'static,
+    {
+        self.add(Method::POST, path, routing::post(handler))
+    }
+
+    pub fn delete<H, T>(self, path: &'static str, handler: H) -> Routes<S>
+    where
+        H: Handler<T, S>,
+        T: 'static,
+    {
+        self.add(Method::DELETE, path, routing::delete(handler))
+    }
+
+    /// Adds one (method, path); several methods of one path merge into one
+    /// axum route.
+    fn add(mut self, method: Method, path: &'static str, route: MethodRouter<S>) -> Routes<S> {
+        debug_assert!(
+            path.starts_with("/v1/"),
+            "API route {path} is not under /v1/"
+        );
+        self.table.push((method, path));
+        self.router = self.router.route(path, route);
+        self
+    }
+
+    /// The (method, path) of every route, in the order they were added.
+    pub fn table(&self) -> &[(Method, &'static str)] {
+        &self.table
+    }
+
+    /// The axum router that serves the routes (its state still to be
+    /// given).
+    pub fn into_router(self) -> Router<S> {
+        self.router
+    }
+}
+
+/// Every (method, path) any agent serves: its own routes, then the server
+/// API's (answered there or forwarded). The OpenAPI document's test holds
+/// the document to it.
+#[cfg_attr(not(test), allow(dead_code))]
+pub fn all_routes() -> Vec<(Method, &'static str)> {
+    let mut all = super::agent_api::agent_routes().table().to_vec();
+    all.extend_from_slice(super::server_routes().table());
+    all
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_lists_every_route_once() {
+        let all = all_routes();
+        let mut seen = std::collections::HashSet::new();
+        for (method, path) in &all {
+            assert!(
+                seen.insert((method.clone(), *path)),
+                "{method} {path} is registered twice"
+            );
+        }
+        assert!(all.contains(&(Method::GET, "/v1/jobs")));
+        assert!(all.contains(&(Method::PUT, "/v1/jobs")));
+        assert!(all.contains(&(Method::GET, "/v1/agent/self")));
+    }
+}
