@@ -61,13 +61,16 @@ impl AllocDir {
         self.shared_dir().join("tmp")
     }
 
-    /// `<alloc_dir>/alloc/logs/<task>.stdout.0`.
+    /// `<alloc_dir>/alloc/logs/<task>.stdout`: the task's stdout goes to
+    /// `<task>.stdout.0`, `.1`, ... (see [`crate::logs`]).
     pub fn stdout_path(&self, task: &str) -> PathBuf {
-        self.logs_dir().join(format!("{task}.stdout.0"))
+        self.logs_dir()
+            .join(crate::logs::log_base(task, crate::logs::LogStream::Stdout))
     }
 
     pub fn stderr_path(&self, task: &str) -> PathBuf {
-        self.logs_dir().join(format!("{task}.stderr.0"))
+        self.logs_dir()
+            .join(crate::logs::log_base(task, crate::logs::LogStream::Stderr))
     }
 
     pub fn task_dir(&self, task: &str) -> TaskDir {

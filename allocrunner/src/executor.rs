@@ -3,9 +3,11 @@
 //!
 //! It reads an [`ExecutorSpec`] as JSON on stdin, becomes a session leader
 //! so that it outlives the agent, starts the task in its own process group
-//! (working directory, environment, output appended to the log files),
-//! records [`ExecutorState`] in `<state_dir>/state.json`, waits for the task
-//! and records its [`ExecutorExit`] in `<state_dir>/exit.json`, then exits.
+//! (working directory, environment, stdout and stderr on pipes that it
+//! copies into rotating log files, see [`crate::logs`]), records
+//! [`ExecutorState`] in `<state_dir>/state.json`, waits for the task, drains
+//! its output, records its [`ExecutorExit`] in `<state_dir>/exit.json`, then
+//! exits.
 //! Both files are written atomically (temp file, fsync, rename, fsync of the
 //! directory), so a reader never sees half a record. It uses plain `std`
 //! and `nix`: no async runtime, no logging framework, no agent state.
@@ -15,8 +17,11 @@ use std::io::{Read, Write};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
+
+use crate::logs::{LogRotation, RotatingWriter};
 
 /// Written once the task runs, or once it could not be started.
 pub const STATE_FILE: &str = "state.json";
@@ -24,6 +29,11 @@ pub const STATE_FILE: &str = "state.json";
 pub const EXIT_FILE: &str = "exit.json";
 /// The executor's own stderr.
 pub const LOG_FILE: &str = "executor.log";
+
+/// How long the task's output is still read after the task has exited,
+/// while something it left behind (outside its process group) keeps the
+/// pipes open.
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
 
 /// What the executor runs. Sent on its stdin, never written to disk (the
 /// environment may hold credentials).
@@ -35,8 +45,12 @@ pub struct ExecutorSpec {
     /// The whole environment of the task.
     pub env: BTreeMap<String, String>,
     pub cwd: PathBuf,
+    /// Where the task's output goes: `<stdout_path>.0`, `.1`, ... (see
+    /// [`crate::logs`]).
     pub stdout_path: PathBuf,
     pub stderr_path: PathBuf,
+    #[serde(default)]
+    pub logs: LogRotation,
 }
 
 /// Why a task could not be started.
@@ -126,11 +140,47 @@ pub fn read_record<T: for<'de> Deserialize<'de>>(
     }
 }
 
-fn open_append(path: &Path) -> std::io::Result<std::fs::File> {
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
+/// A rotating writer for the log files named by `base` (`<dir>/<name>`).
+fn open_log(base: &Path, rotation: LogRotation) -> std::io::Result<RotatingWriter> {
+    let (Some(dir), Some(name)) = (base.parent(), base.file_name().and_then(|n| n.to_str())) else {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} names no log file", base.display()),
+        ));
+    };
+    RotatingWriter::open(dir, name, rotation)
+}
+
+/// Copies what the task writes on `pipe` into `log` until every writer has
+/// closed the pipe, then says so on `done`. Never stops reading because of
+/// the log: a task is never blocked on a full disk.
+fn copy_output(
+    mut pipe: impl Read + Send + 'static,
+    mut log: RotatingWriter,
+    done: std::sync::mpsc::Sender<()>,
+) {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match pipe.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => log.write_chunk(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    eprintln!("berth executor: reading the task's output: {e}");
+                    break;
+                }
+            }
+        }
+        if log.dropped() > 0 {
+            eprintln!(
+                "berth executor: {} bytes of output to {} were dropped",
+                log.dropped(),
+                log.current_path().display()
+            );
+        }
+        let _ = done.send(());
+    });
 }
 
 /// Runs the executor: `args` is what follows `executor` on the command
@@ -176,9 +226,9 @@ pub fn run_executor(args: &[String]) -> i32 {
         }
         1
     };
-    let (stdout, stderr) = match (
-        open_append(&spec.stdout_path),
-        open_append(&spec.stderr_path),
+    let (stdout_log, stderr_log) = match (
+        open_log(&spec.stdout_path, spec.logs),
+        open_log(&spec.stderr_path, spec.logs),
     ) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
@@ -191,8 +241,8 @@ pub fn run_executor(args: &[String]) -> i32 {
         .envs(&spec.env)
         .current_dir(&spec.cwd)
         .stdin(Stdio::null())
-        .stdout(stdout)
-        .stderr(stderr)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .process_group(0);
     let mut child = match cmd.spawn() {
         Ok(c) => c,
@@ -205,6 +255,17 @@ pub fn run_executor(args: &[String]) -> i32 {
             return failed(kind, format!("starting {}: {e}", spec.command.display()));
         }
     };
+    // The read ends are close-on-exec: only the task holds the write ends.
+    let (drained_tx, drained) = std::sync::mpsc::channel();
+    let mut readers = 0;
+    if let Some(out) = child.stdout.take() {
+        copy_output(out, stdout_log, drained_tx.clone());
+        readers += 1;
+    }
+    if let Some(err) = child.stderr.take() {
+        copy_output(err, stderr_log, drained_tx);
+        readers += 1;
+    }
     let task_pid = child.id();
     let state = ExecutorState::Running {
         executor_pid: std::process::id(),
@@ -244,6 +305,19 @@ pub fn run_executor(args: &[String]) -> i32 {
             return 1;
         }
     };
+    // Everything the task wrote is in its log files before its exit is
+    // recorded; a process that escaped the group and keeps the pipes open
+    // gets a short grace, then is no longer read.
+    let drain_until = std::time::Instant::now() + DRAIN_GRACE;
+    for _ in 0..readers {
+        let left = drain_until.saturating_duration_since(std::time::Instant::now());
+        if drained.recv_timeout(left).is_err() {
+            eprintln!(
+                "berth executor: the task's output is still open {DRAIN_GRACE:?} after it exited; no longer reading it"
+            );
+            break;
+        }
+    }
     let exit = ExecutorExit {
         exit_code: status.code(),
         signal: status.signal(),

@@ -23,6 +23,7 @@ pub mod driver;
 pub mod env;
 pub mod error;
 pub mod executor;
+pub mod logs;
 pub mod restart;
 pub mod state;
 pub mod task_hooks;

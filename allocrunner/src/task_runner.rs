@@ -152,6 +152,7 @@ impl TaskRunner {
                 task_dir: ctx.task_dir.dir.clone(),
                 stdout_path: alloc_dir.stdout_path(&name),
                 stderr_path: alloc_dir.stderr_path(&name),
+                logs: crate::logs::LogRotation::from(&task.logs),
                 executor_dir: alloc_dir.executor_dir(&name),
                 env,
             };

@@ -25,6 +25,7 @@ fn spec(dir: &Path, script: &str) -> TaskSpec {
         task_dir: dir.to_path_buf(),
         stdout_path: dir.join("stdout"),
         stderr_path: dir.join("stderr"),
+        logs: Default::default(),
         executor_dir: dir.join("executor"),
     }
 }

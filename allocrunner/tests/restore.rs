@@ -300,6 +300,7 @@ async fn the_executor_records_the_exit_code_of_its_task() {
         task_dir: dir.path().to_path_buf(),
         stdout_path: dir.path().join("stdout"),
         stderr_path: dir.path().join("stderr"),
+        logs: Default::default(),
         executor_dir: dir.path().join("executor"),
     };
     let handle = driver.start(&spec).await.unwrap();
@@ -309,7 +310,10 @@ async fn the_executor_records_the_exit_code_of_its_task() {
         .unwrap()
         .expect("exit.json");
     assert_eq!(recorded.exit_code, Some(42));
-    assert_eq!(std::fs::read_to_string(&spec.stdout_path).unwrap(), "out\n");
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("stdout.0")).unwrap(),
+        "out\n"
+    );
     let record = handle.record().expect("a persistable handle");
     assert_eq!(record.task_pid, handle.pid());
     assert_eq!(record.pgid, handle.pid() as i32);

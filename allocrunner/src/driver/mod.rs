@@ -32,9 +32,12 @@ pub struct TaskSpec {
     pub env: BTreeMap<String, String>,
     /// The working directory.
     pub task_dir: PathBuf,
-    /// Appended to.
+    /// Where the task's output goes: the executor writes `<stdout_path>.0`,
+    /// `.1`, ..., continuing at the highest index there is and keeping
+    /// the newest `logs.max_files` (see [`crate::logs`]).
     pub stdout_path: PathBuf,
     pub stderr_path: PathBuf,
+    pub logs: crate::logs::LogRotation,
     /// Where the task's executor keeps its state and exit records; not
     /// below `task_dir`, so the task and its volume mounts never see it.
     pub executor_dir: PathBuf,

@@ -1,8 +1,9 @@
 //! `raw_exec`: the task is a plain process on the host, in its own process
-//! group, with the task dir as its working directory and its output
-//! appended to the alloc's log files. It runs under a per-task executor
-//! (see [`crate::executor`]) that outlives the agent; after a restart the
-//! driver reattaches to the executor through its state records.
+//! group, with the task dir as its working directory. It runs under a
+//! per-task executor (see [`crate::executor`]) that outlives the agent and
+//! writes the task's output to the alloc's rotating log files; after a
+//! restart the driver reattaches to the executor through its state records
+//! and never reopens the logs.
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
@@ -181,6 +182,7 @@ impl Driver for RawExecDriver {
             cwd: spec.task_dir.clone(),
             stdout_path: spec.stdout_path.clone(),
             stderr_path: spec.stderr_path.clone(),
+            logs: spec.logs,
         };
         let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
             command: spec.command.clone(),

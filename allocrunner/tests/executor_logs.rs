@@ -1,0 +1,140 @@
+//! The executor's log files against real tasks: everything a task writes is
+//! in its files, in order, before its exit is recorded; the files rotate
+//! at their size and count; a new run continues at the highest index; a
+//! process that escaped the task's group and keeps the output open does not
+//! hold up the exit.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use berth_allocrunner::logs::{log_files, LogRotation};
+use berth_allocrunner::{Driver, RawExecDriver, TaskSpec};
+use common::test_executor;
+
+const WITHIN: Duration = Duration::from_secs(20);
+
+fn spec(dir: &Path, script: &str, logs: LogRotation) -> TaskSpec {
+    TaskSpec {
+        alloc_id: "a".into(),
+        task: "t".into(),
+        command: "/bin/sh".into(),
+        args: vec!["-c".into(), script.into()],
+        env: [("PATH".to_string(), "/usr/bin:/bin".to_string())].into(),
+        task_dir: dir.to_path_buf(),
+        stdout_path: dir.join("t.stdout"),
+        stderr_path: dir.join("t.stderr"),
+        executor_dir: dir.join("executor"),
+        logs,
+    }
+}
+
+fn concat(dir: &Path, base: &str) -> Vec<u8> {
+    let mut out = Vec::new();
+    for f in log_files(dir, base).unwrap() {
+        out.extend(std::fs::read(&f.path).unwrap());
+    }
+    out
+}
+
+async fn run(dir: &Path, script: &str, logs: LogRotation) {
+    let driver = RawExecDriver::with_executor(test_executor());
+    let handle = driver.start(&spec(dir, script, logs)).await.unwrap();
+    let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();
+    assert!(exit.successful(), "{exit}");
+}
+
+/// Numbered lines `00000001 xxx...` from `from` to `to`.
+fn numbered(from: u32, to: u32) -> String {
+    let pad = "x".repeat(90);
+    (from..=to).map(|i| format!("{i:08} {pad}\n")).collect()
+}
+
+fn awk_lines(from: u32, to: u32) -> String {
+    format!(
+        r#"awk 'BEGIN {{ pad = sprintf("%90s", ""); gsub(/ /, "x", pad); for (i = {from}; i <= {to}; i++) printf "%08d %s\n", i, pad }}'"#
+    )
+}
+
+#[tokio::test]
+async fn everything_the_task_wrote_is_in_rotated_files_when_its_exit_is_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = LogRotation {
+        max_files: 1000,
+        max_file_size: 64 * 1024,
+    };
+    // 3 MB as fast as it can, then exit at once.
+    let script = format!("{} ; echo err-line >&2", awk_lines(1, 30_000));
+    run(dir.path(), &script, logs).await;
+    let files = log_files(dir.path(), "t.stdout").unwrap();
+    assert!(files.len() > 40, "rotated into {} files", files.len());
+    assert!(files.iter().all(|f| f.len <= 64 * 1024 && f.len > 0));
+    // Lines stay whole where they can: a file is cut after a newline
+    // unless a line arrived in pieces right at the cut.
+    let whole = files
+        .iter()
+        .filter(|f| std::fs::read(&f.path).unwrap().last() == Some(&b'\n'))
+        .count();
+    assert!(whole * 10 >= files.len() * 8, "{whole} of {}", files.len());
+    assert!(
+        concat(dir.path(), "t.stdout") == numbered(1, 30_000).as_bytes(),
+        "the files are exactly what the task wrote"
+    );
+    assert_eq!(concat(dir.path(), "t.stderr"), b"err-line\n");
+}
+
+#[tokio::test]
+async fn old_files_are_deleted_and_a_new_run_continues_at_the_highest_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = LogRotation {
+        max_files: 3,
+        max_file_size: 10_000,
+    };
+    run(dir.path(), &awk_lines(1, 1000), logs).await;
+    let first: Vec<u64> = log_files(dir.path(), "t.stdout")
+        .unwrap()
+        .iter()
+        .map(|f| f.index)
+        .collect();
+    assert_eq!(first.len(), 3, "{first:?}");
+    let highest = *first.last().unwrap();
+    assert!(highest >= 9, "{first:?}");
+    // The newest lines are all there, in order.
+    let kept = String::from_utf8(concat(dir.path(), "t.stdout")).unwrap();
+    assert!(numbered(1, 1000).ends_with(&kept));
+
+    run(dir.path(), &awk_lines(1001, 1010), logs).await;
+    let files = log_files(dir.path(), "t.stdout").unwrap();
+    assert!(
+        files.first().unwrap().index >= highest - 2,
+        "continued, not restarted at 0: {files:?}"
+    );
+    let text = String::from_utf8(concat(dir.path(), "t.stdout")).unwrap();
+    assert!(text.ends_with(&numbered(995, 1010)), "appended in order");
+}
+
+#[tokio::test]
+async fn a_process_that_escaped_the_group_does_not_hold_up_the_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    // `setsid` puts the child in a new session (and group), out of reach
+    // of the group kill; it keeps stdout open for a long time.
+    let pidfile = dir.path().join("escaped.pid");
+    let script = format!(
+        r#"echo before; setsid sh -c 'echo $$ > {}; exec sleep 60' & sleep 0.2; echo after"#,
+        pidfile.display()
+    );
+    let started = Instant::now();
+    run(dir.path(), &script, LogRotation::default()).await;
+    let took = started.elapsed();
+    if let Ok(pid) = std::fs::read_to_string(&pidfile) {
+        if let Ok(pid) = pid.trim().parse::<i32>() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    assert_eq!(concat(dir.path(), "t.stdout"), b"before\nafter\n");
+}
