@@ -119,14 +119,16 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
         by_job.entry(&a.job_id).or_default().push(a);
     }
 
-    // Jobs that are done go with all their allocs.
+    // Jobs that are done go with all their allocs; a purged job as soon
+    // as they are.
     for j in t.jobs.values() {
         let done = j.stop || j.status == JobStatus::Dead;
-        if !done || !older_than(now_ms, j.modify_time_ms, th.job_ms) {
+        let threshold_ms = if j.purge { 0 } else { th.job_ms };
+        if !done || !older_than(now_ms, j.modify_time_ms, threshold_ms) {
             continue;
         }
         let allocs = by_job.get(j.id.as_str()).map_or(&[][..], Vec::as_slice);
-        if allocs.iter().all(|a| collectable(a, th.job_ms)) {
+        if allocs.iter().all(|a| collectable(a, threshold_ms)) {
             for a in allocs {
                 gone.insert(&a.id);
             }
@@ -164,7 +166,56 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
     report
 }
 
+/// A purged job leaves with its allocs once every one is done and none is
+/// held by a volume claim (what a forced pass would take of it).
+fn plan_purge(t: &Tables, job_id: &str, changes: &mut Vec<Change>) -> bool {
+    let Some(job) = t.jobs.get(job_id).filter(|j| j.purge && j.stop) else {
+        return false;
+    };
+    let claimed = claimed_allocs(t);
+    let allocs: Vec<&Allocation> = t.allocs_of_job(job_id).collect();
+    if !allocs
+        .iter()
+        .all(|a| alloc_done(t, a) && !claimed.contains(a.id.as_str()))
+    {
+        return false;
+    }
+    for a in allocs {
+        changes.push(Change::DeleteAlloc(a.id.clone()));
+    }
+    changes.push(Change::DeleteJob(job.id.clone()));
+    true
+}
+
 impl Server {
+    /// Remove a purged job now if it is done (see [`plan_purge`]);
+    /// returns whether it went.
+    pub(crate) fn collect_purged_job(&self, job_id: &str) -> Result<bool, ServerError> {
+        let (gone, _) = self
+            .store
+            .write(|t, changes| Ok::<_, ServerError>(plan_purge(t, job_id, changes)))?;
+        if gone {
+            tracing::info!(job_id, "purged job removed");
+        }
+        Ok(gone)
+    }
+
+    /// Remove every purged job that is done.
+    fn collect_purged_jobs(&self) {
+        let purged: Vec<String> = self.store.read(|t| {
+            t.jobs
+                .values()
+                .filter(|j| j.purge)
+                .map(|j| j.id.clone())
+                .collect()
+        });
+        for id in purged {
+            if let Err(e) = self.collect_purged_job(&id) {
+                tracing::warn!(job_id = %id, error = %e, "removing a purged job failed");
+            }
+        }
+    }
+
     /// One garbage collection pass with the configured thresholds; `force`
     /// (`berth system gc`) takes every threshold as zero.
     pub async fn garbage_collect(&self, force: bool) -> Result<GcReport, ServerError> {
@@ -198,11 +249,22 @@ impl Server {
 
     pub(crate) async fn gc_loop(self: Arc<Self>) {
         let mut shutdown = self.shutdown_rx();
+        // Purged jobs go as soon as they are done: look again on each write.
+        let mut writes = self.store.subscribe();
+        let mut next_pass = tokio::time::Instant::now() + self.config.gc_interval;
         loop {
             tokio::select! {
                 _ = shutdown.wait_for(|s| *s) => return,
-                _ = tokio::time::sleep(self.config.gc_interval) => {}
+                changed = writes.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    self.collect_purged_jobs();
+                    continue;
+                }
+                _ = tokio::time::sleep_until(next_pass) => {}
             }
+            next_pass = tokio::time::Instant::now() + self.config.gc_interval;
             if let Err(e) = self.garbage_collect(false).await {
                 tracing::warn!(error = %e, "garbage collection failed");
             }

@@ -18,6 +18,7 @@ mod gc;
 mod liveness;
 mod node_secrets;
 mod nodes;
+mod plan;
 mod plugins;
 mod rpc;
 mod scheduler;
@@ -33,6 +34,10 @@ pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
 pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, NodeUsage, ReleasedClaim};
+pub use plan::{
+    DiffKind, DiffOp, FieldDiff, GroupPlan, GroupSummary, JobDiff, JobPlan, JobSummary, PlannedAlloc,
+    StoppedAlloc,
+};
 pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
 pub use rpc::{CsiVolumeService, NodeService};
 pub use scheduler::JobRegisterResponse;

@@ -86,51 +86,113 @@ fn same_spec(a: &Job, b: &Job) -> bool {
         create_index: 0,
         modify_index: 0,
         modify_time_ms: 0,
+        job_modify_index: 0,
+        purge: false,
         ..j.clone()
     };
     norm(a) == norm(b)
 }
 
+/// The index a submission with `enforce_index` must name: the stored job's
+/// `job_modify_index` (its `modify_index` for a job stored before that
+/// existed), 0 when there is no such job.
+pub(crate) fn spec_index(job: Option<&Job>) -> u64 {
+    job.map_or(0, |j| {
+        if j.job_modify_index > 0 {
+            j.job_modify_index
+        } else {
+            j.modify_index
+        }
+    })
+}
+
+/// A submission with `enforce_index`: refused unless the stored job's
+/// index is `want` (0: the job must not exist yet).
+fn check_enforced_index(id: &str, stored: Option<&Job>, want: u64) -> Result<(), ServerError> {
+    let have = spec_index(stored);
+    if have == want {
+        return Ok(());
+    }
+    Err(ServerError::Conflict(if want == 0 {
+        format!(
+            "job {id:?} already exists (job modify index {have}); enforce_index with index 0 \
+             registers only a new job"
+        )
+    } else if have == 0 {
+        format!("job {id:?} does not exist; enforce_index gave job modify index {want}")
+    } else {
+        format!(
+            "job {id:?} has job modify index {have}, not the {want} given with enforce_index: \
+             it changed since"
+        )
+    }))
+}
+
+/// What registering `job` makes of it beside the stored `old`: the job to
+/// store and whether it is a change (a new job, a changed spec, or a run
+/// of a stopped job: a new version). `index` is the index the write will
+/// have.
+pub(crate) fn registration(old: Option<&Job>, mut job: Job, index: u64) -> (Job, bool) {
+    job.purge = false;
+    match old {
+        Some(old) if same_spec(old, &job) && !old.stop => (old.clone(), false),
+        Some(old) => {
+            job.version = old.version.saturating_add(1);
+            job.stop = false;
+            job.status = old.status;
+            job.job_modify_index = index;
+            (job, true)
+        }
+        None => {
+            job.version = 0;
+            job.stop = false;
+            job.status = JobStatus::Pending;
+            job.job_modify_index = index;
+            (job, true)
+        }
+    }
+}
+
 impl Server {
     /// Register (or update) a job and evaluate it.
-    pub async fn register_job(&self, mut job: Job) -> Result<JobRegisterResponse, ServerError> {
+    pub async fn register_job(&self, job: Job) -> Result<JobRegisterResponse, ServerError> {
+        self.register_job_checked(job, None).await
+    }
+
+    /// Register a job; with `enforce_index`, only while the stored job's
+    /// job modify index is that (0: only while no such job exists), so
+    /// that a submission planned against one version does not overwrite a
+    /// later one.
+    pub async fn register_job_checked(
+        &self,
+        job: Job,
+        enforce_index: Option<u64>,
+    ) -> Result<JobRegisterResponse, ServerError> {
         job.validate()?;
+        let job_id = job.id.clone();
         let ((changed, version), _) = self.store.write(|t, changes| {
-            match t.jobs.get(&job.id) {
-                Some(old) if same_spec(old, &job) && !old.stop => {
-                    Ok::<_, ServerError>((false, old.version))
-                }
-                Some(old) => {
-                    // A change, or a run of a stopped job: a new version.
-                    job.version = old.version.saturating_add(1);
-                    job.stop = false;
-                    job.status = old.status;
-                    changes.push(Change::PutJob(job.clone()));
-                    Ok((true, job.version))
-                }
-                None => {
-                    job.version = 0;
-                    job.stop = false;
-                    job.status = JobStatus::Pending;
-                    changes.push(Change::PutJob(job.clone()));
-                    Ok((true, 0))
-                }
+            let old = t.jobs.get(&job.id);
+            if let Some(want) = enforce_index {
+                check_enforced_index(&job.id, old, want)?;
             }
+            let (next, changed) = registration(old, job, t.index.saturating_add(1));
+            let version = next.version;
+            if changed {
+                changes.push(Change::PutJob(next));
+            }
+            Ok::<_, ServerError>((changed, version))
         })?;
         if changed {
-            tracing::info!(job_id = %job.id, version, "job registered");
+            tracing::info!(job_id = %job_id, version, "job registered");
         }
-        let placement = self.evaluate_job(&job.id).await;
-        let job_modify_index = self
-            .job(&job.id)
-            .map(|j| j.modify_index)
-            .unwrap_or_default();
+        let placement = self.evaluate_job(&job_id).await;
+        let job_modify_index = self.store.read(|t| spec_index(t.jobs.get(&job_id)));
         Ok(JobRegisterResponse {
             index: self.store.index(),
             job_modify_index,
             version,
             changed,
-            placement_failures: self.job_placement_failures(&job.id),
+            placement_failures: self.job_placement_failures(&job_id),
             desired_allocs: placement.desired,
             unplaced_allocs: placement.unplaced,
         })
@@ -138,20 +200,34 @@ impl Server {
 
     /// Stop a job: every alloc of it is asked to stop. Returns the index.
     pub async fn stop_job(&self, id: &str) -> Result<u64, ServerError> {
+        self.stop_job_with(id, false).await
+    }
+
+    /// Stop a job and, with `purge`, have it leave the state as soon as
+    /// every alloc of it is done and holds no volume claim (garbage
+    /// collection's rules, without its thresholds). Returns the index.
+    pub async fn stop_job_with(&self, id: &str, purge: bool) -> Result<u64, ServerError> {
         self.store.write(|t, changes| {
             let job = t
                 .jobs
                 .get(id)
                 .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))?;
-            if !job.stop {
+            if !job.stop || (purge && !job.purge) {
                 let mut job = job.clone();
+                if !job.stop {
+                    job.job_modify_index = t.index.saturating_add(1);
+                }
                 job.stop = true;
+                job.purge |= purge;
                 changes.push(Change::PutJob(job));
             }
             Ok::<_, ServerError>(())
         })?;
-        tracing::info!(job_id = id, "job stopped");
+        tracing::info!(job_id = id, purge, "job stopped");
         self.evaluate_job(id).await;
+        if purge {
+            self.collect_purged_job(id)?;
+        }
         Ok(self.store.index())
     }
 
@@ -300,9 +376,13 @@ pub(crate) struct PlacementCounts {
     pub unplaced: u64,
 }
 
+#[derive(Debug, Default)]
 pub(crate) struct PlanOutcome {
     /// One line per group and distinct reason.
     pub failures: Vec<String>,
+    /// How many allocs of each group could not be placed (groups with
+    /// none are left out).
+    pub unplaced_by_group: BTreeMap<String, u64>,
     /// A replacement waits for a delay to pass.
     pub delayed: bool,
     /// When (unix ms) the first delay passes: the job is evaluated again
@@ -312,6 +392,13 @@ pub(crate) struct PlanOutcome {
 }
 
 impl PlanOutcome {
+    fn note_unplaced(&mut self, group: &TaskGroup, unplaced: u64) {
+        self.counts.unplaced = self.counts.unplaced.saturating_add(unplaced);
+        if unplaced > 0 {
+            self.unplaced_by_group.insert(group.name.clone(), unplaced);
+        }
+    }
+
     fn delay_until(&mut self, until_ms: i64) {
         self.delayed = true;
         self.due_ms = Some(self.due_ms.map_or(until_ms, |d| d.min(until_ms)));
@@ -723,7 +810,7 @@ fn stop(a: &Allocation, why: &str) -> Allocation {
     a
 }
 
-/// Plan one job: the stops and placements it needs, and its status.
+/// Plan one stored job: the stops and placements it needs, and its status.
 pub(crate) fn plan_job(
     t: &Tables,
     job_id: &str,
@@ -731,15 +818,38 @@ pub(crate) fn plan_job(
     now_ms: i64,
     changes: &mut Vec<Change>,
 ) -> PlanOutcome {
-    let mut outcome = PlanOutcome {
-        failures: Vec::new(),
-        delayed: false,
-        due_ms: None,
-        counts: PlacementCounts::default(),
-    };
     let Some(job) = t.jobs.get(job_id) else {
-        return outcome;
+        return PlanOutcome::default();
     };
+    let outcome = place(t, job, cfg, now_ms, changes);
+    for c in changes.iter() {
+        match c {
+            Change::PutAlloc(a) if !t.allocs.contains_key(&a.id) => {
+                tracing::info!(job_id, alloc_id = %a.id, node_id = %a.node_id, name = %a.name, "placed alloc");
+            }
+            Change::PutJob(j) => {
+                tracing::info!(job_id, status = ?j.status, "job status changed");
+            }
+            _ => {}
+        }
+    }
+    outcome
+}
+
+/// The placement computation of one job against the tables: the stops and
+/// placements `job` needs (as changes), and its status. `job` is the
+/// stored job, or (for a plan) the job as a registration would store it;
+/// nothing here writes or logs, so that a plan runs exactly what a
+/// registration's evaluation runs.
+pub(crate) fn place(
+    t: &Tables,
+    job: &Job,
+    cfg: &ServerConfig,
+    now_ms: i64,
+    changes: &mut Vec<Change>,
+) -> PlanOutcome {
+    let mut outcome = PlanOutcome::default();
+    let job_id = job.id.as_str();
     let mut ctx = PlanContext::new(t);
     let allocs: Vec<&Allocation> = t.allocs_of_job(job_id).collect();
     // The allocs of the job as they will be after this plan.
@@ -823,12 +933,11 @@ pub(crate) fn plan_job(
                             Some(why) => tally.add(&why, node.name_or_id().to_string()),
                             None => {
                                 ctx.add(&alloc);
-                                tracing::info!(job_id, alloc_id = %alloc.id, node_id = %node.id, "placed system alloc");
                                 put(alloc, &mut after);
                             }
                         }
                     }
-                    outcome.counts.unplaced = outcome.counts.unplaced.saturating_add(tally.total);
+                    outcome.note_unplaced(group, tally.total);
                     outcome
                         .failures
                         .extend(system_failure_lines(group, &tally, ready));
@@ -910,7 +1019,6 @@ pub(crate) fn plan_job(
                                 ctx.add(&alloc);
                                 let n = job_on_node.entry(node.id.clone()).or_default();
                                 *n = n.saturating_add(1);
-                                tracing::info!(job_id, alloc_id = %alloc.id, node_id = %node.id, name = %alloc.name, "placed alloc");
                                 put(alloc, &mut after);
                             }
                             None => {
@@ -922,7 +1030,7 @@ pub(crate) fn plan_job(
                             }
                         }
                     }
-                    outcome.counts.unplaced = outcome.counts.unplaced.saturating_add(tally.total);
+                    outcome.note_unplaced(group, tally.total);
                     outcome
                         .failures
                         .extend(service_failure_lines(group, &tally));
@@ -935,7 +1043,6 @@ pub(crate) fn plan_job(
     if status != job.status {
         let mut j = job.clone();
         j.status = status;
-        tracing::info!(job_id, status = ?status, "job status changed");
         changes.push(Change::PutJob(j));
     }
     outcome
