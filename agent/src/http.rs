@@ -424,6 +424,7 @@ pub fn server_routes() -> Routes<Arc<Server>> {
         .get("/v1/job/{id}/allocations", job_allocations)
         .get("/v1/allocations", list_allocations)
         .get("/v1/allocation/{id}", get_allocation)
+        .post("/v1/allocation/{id}/stop", stop_allocation)
         .get("/v1/nodes", list_nodes)
         .get("/v1/node/{id}", get_node)
         .get("/v1/node/{id}/allocations", node_allocations)
@@ -449,11 +450,16 @@ pub fn router(server: Arc<Server>) -> Router {
     let api = server_routes()
         .into_router()
         .fallback(unknown_api_path)
-        .with_state(server);
+        .with_state(server.clone());
     // The layers wrap the whole API from outside, so that they see every
     // answer as it leaves, with the `Allow` header of a 405 already set.
+    // The node-local routes of an alloc go to the alloc's node.
     Router::new()
         .fallback_service(api)
+        .layer(axum::middleware::from_fn_with_state(
+            server,
+            client_forward::send_to_node,
+        ))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(one_error_shape))
 }
@@ -539,6 +545,12 @@ async fn list_allocations(State(s): State<Arc<Server>>) -> ApiResult {
 
 async fn get_allocation(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.allocation(&id)?)
+}
+
+/// `alloc stop`: the alloc is stopped through its client and, where the
+/// job still wants it, replaced; answers `{index, alloc_id, replacement}`.
+async fn stop_allocation(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
+    to_json(&s.stop_alloc(&id).await?)
 }
 
 async fn list_nodes(State(s): State<Arc<Server>>) -> ApiResult {
@@ -861,6 +873,8 @@ pub async fn serve_router(
 }
 
 pub mod agent_api;
+pub mod alloc_ops;
+pub mod client_forward;
 pub mod forward;
 pub mod routes;
 

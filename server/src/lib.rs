@@ -10,6 +10,8 @@
 //! Calls the server makes on clients (node detach, controller RPCs) travel
 //! over the client-opened call stream (`rpc::calls`).
 
+mod alloc_stop;
+mod client_routes;
 mod config;
 mod csi;
 mod drainer;
@@ -25,6 +27,8 @@ mod scheduler;
 mod server;
 pub mod state;
 
+pub use alloc_stop::{AllocStopResponse, ALLOC_STOP_DESCRIPTION};
+pub use client_routes::MAX_CLIENT_HTTP_ANSWER;
 pub use config::ServerConfig;
 pub use csi::{
     ClaimGrant, ReleaseOrigin, SnapshotRequest, VolumeClaimRequest, VolumeRelease,

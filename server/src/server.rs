@@ -93,7 +93,11 @@ impl Server {
 
     /// The gRPC `Node` service, for a `tonic::transport::Server` router.
     pub fn node_service(self: &Arc<Self>) -> NodeServer<NodeService> {
-        NodeServer::new(NodeService::new(self.clone()))
+        // A client's answer to a `ClientHttp` call (logs, say) may be as
+        // large as a forwarded answer, plus its envelope.
+        NodeServer::new(NodeService::new(self.clone())).max_decoding_message_size(
+            crate::client_routes::MAX_CLIENT_HTTP_ANSWER.saturating_add(64 * 1024),
+        )
     }
 
     /// The gRPC `CSIVolume` service, for a `tonic::transport::Server` router.

@@ -1,6 +1,8 @@
 //! The calls the servers make on this client, over the stream the client
-//! opens (`Node.OpenCallStream`): node detach, and the controller RPCs of
-//! plugins that run here. The stream is reopened whenever it drops.
+//! opens (`Node.OpenCallStream`): node detach, the controller RPCs of
+//! plugins that run here, and requests to the node-local HTTP routes
+//! (`ClientHttp`, answered by the node-local router). The stream is
+//! reopened whenever it drops.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,6 +25,7 @@ use super::rpc::ServerConn;
 pub async fn run_call_stream(
     conn: ServerConn,
     csi: Arc<CsiManager>,
+    local_api: axum::Router,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut failures: u32 = 0;
@@ -30,7 +33,7 @@ pub async fn run_call_stream(
         // The server this attempt goes to, moved on from if it fails.
         let server = conn.servers().current();
         let result = tokio::select! {
-            r = serve_once(&conn, &csi) => r,
+            r = serve_once(&conn, &csi, &local_api) => r,
             _ = shutdown.wait_for(|v| *v) => return,
         };
         match result {
@@ -50,7 +53,11 @@ pub async fn run_call_stream(
     }
 }
 
-async fn serve_once(conn: &ServerConn, csi: &Arc<CsiManager>) -> Result<(), tonic::Status> {
+async fn serve_once(
+    conn: &ServerConn,
+    csi: &Arc<CsiManager>,
+    local_api: &axum::Router,
+) -> Result<(), tonic::Status> {
     let (tx, rx) = mpsc::channel::<pb::ClientMessage>(64);
     tx.send(pb::ClientMessage {
         msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
@@ -69,16 +76,18 @@ async fn serve_once(conn: &ServerConn, csi: &Arc<CsiManager>) -> Result<(), toni
         let call = call?;
         let tx = tx.clone();
         let csi = csi.clone();
+        let local_api = local_api.clone();
         tokio::spawn(async move {
             let call_id = call.call_id;
             let deadline = Duration::from_millis(call.deadline_ms.max(1000));
-            let result = match tokio::time::timeout(deadline, handle_call(&csi, call)).await {
-                Ok(r) => r,
-                Err(_) => Err(pb::CallError {
-                    code: tonic::Code::DeadlineExceeded as i32,
-                    message: "the client did not finish the call before its deadline".into(),
-                }),
-            };
+            let result =
+                match tokio::time::timeout(deadline, handle_call(&csi, &local_api, call)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(pb::CallError {
+                        code: tonic::Code::DeadlineExceeded as i32,
+                        message: "the client did not finish the call before its deadline".into(),
+                    }),
+                };
             let result = match result {
                 Ok(r) => r,
                 Err(e) => pb::call_reply::Result::Error(e),
@@ -143,6 +152,7 @@ fn topology_requirement(
 
 async fn handle_call(
     csi: &Arc<CsiManager>,
+    local_api: &axum::Router,
     call: pb::ServerCall,
 ) -> Result<pb::call_reply::Result, pb::CallError> {
     let empty = || pb::call_reply::Result::Empty(pb::Empty {});
@@ -304,6 +314,13 @@ async fn handle_call(
             Ok(empty())
         }
         Some(Call::ListSnapshots(l)) => list_snapshots(csi, l).await,
+        Some(Call::ClientHttp(h)) => crate::http::client_forward::answer_client_http(local_api, h)
+            .await
+            .map(pb::call_reply::Result::ClientHttp)
+            .map_err(|(code, message)| pb::CallError {
+                code: code as i32,
+                message,
+            }),
     }
 }
 

@@ -405,6 +405,25 @@ impl Client {
         self.runners.lock().await.get(id).map(ClientAllocView::of)
     }
 
+    /// The runner of an alloc this client runs, by ID or unique ID prefix;
+    /// else the IDs that match (none, or several).
+    pub async fn alloc_runner(&self, id: &str) -> Result<AllocRunner, Vec<String>> {
+        let runners = self.runners.lock().await;
+        if let Some(r) = runners.get(id) {
+            return Ok(r.clone());
+        }
+        let mut matches: Vec<&AllocRunner> = runners
+            .values()
+            .filter(|r| !id.is_empty() && r.alloc_id().starts_with(id))
+            .collect();
+        if matches.len() == 1 {
+            return Ok(matches.remove(0).clone());
+        }
+        let mut ids: Vec<String> = matches.iter().map(|r| r.alloc_id().to_string()).collect();
+        ids.sort();
+        Err(ids)
+    }
+
     /// Whether the node has registered with the servers since the client
     /// started.
     pub fn registered(&self) -> bool {
@@ -499,8 +518,9 @@ impl Client {
         {
             let conn = self.conn.clone();
             let csi = self.csi.clone();
+            let local_api = crate::http::client_forward::node_local_router(self.clone());
             let rx = shutdown.clone();
-            tasks.spawn(async move { calls::run_call_stream(conn, csi, rx).await });
+            tasks.spawn(async move { calls::run_call_stream(conn, csi, local_api, rx).await });
         }
         {
             let rx = shutdown.clone();

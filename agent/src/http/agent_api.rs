@@ -65,6 +65,14 @@ pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
         .get("/v1/agent/self", agent_self)
         .get("/v1/client/allocations", client_allocations)
         .get("/v1/client/allocation/{id}", client_allocation)
+        .post(
+            "/v1/client/allocation/{id}/restart",
+            super::alloc_ops::restart_alloc,
+        )
+        .post(
+            "/v1/client/allocation/{id}/signal",
+            super::alloc_ops::signal_alloc,
+        )
 }
 
 /// The whole API of an agent: the node-local routes, then `server`'s API
@@ -75,10 +83,20 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         Some(s) => super::router(s),
         None => super::forward::forwarding_router(info.clone()),
     };
+    // An alloc-scoped client request for an alloc this agent does not run
+    // goes to `rest`: the server sends it to the alloc's node.
+    let routing = super::client_forward::ClientRouting {
+        info: info.clone(),
+        rest: rest.clone(),
+    };
     agent_routes()
         .into_router()
         .with_state(info)
         .fallback_service(rest)
+        .layer(axum::middleware::from_fn_with_state(
+            routing,
+            super::client_forward::route_client_request,
+        ))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(super::one_error_shape))
 }
@@ -118,7 +136,12 @@ async fn client_allocation(
     ApiPath(id): ApiPath<String>,
 ) -> Result<Response, ApiError> {
     let client = info.client_or_404()?;
-    match client.alloc_view(&id).await {
+    // By ID or unique prefix.
+    let full = match client.alloc_runner(&id).await {
+        Ok(r) => r.alloc_id().to_string(),
+        Err(_) => id.clone(),
+    };
+    match client.alloc_view(&full).await {
         Some(view) => Ok(Json(view).into_response()),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,

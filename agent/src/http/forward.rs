@@ -38,7 +38,7 @@ const REQUEST_HEADERS: [HeaderName; 2] = [header::CONTENT_TYPE, header::ACCEPT];
 
 /// Whether a response header travels back: hop-by-hop headers and the
 /// length (recomputed here) do not.
-fn answer_header(name: &HeaderName) -> bool {
+pub(crate) fn answer_header(name: &HeaderName) -> bool {
     !matches!(
         name.as_str(),
         "content-length" | "transfer-encoding" | "connection" | "keep-alive" | "date"
@@ -51,29 +51,36 @@ pub fn forwarding_router(info: Arc<AgentInfo>) -> Router {
     Router::new().fallback(forward).with_state(info)
 }
 
-/// How long the servers may take for `path_and_query`: a blocking query
-/// (`?index=`) waits up to its `wait` (at most 5 minutes) first.
+/// How long the servers may take for `path_and_query`: a request that
+/// waits first gets its wait on top (see [`requested_wait`]).
 fn deadline_of(path_and_query: &str) -> Duration {
-    let Some((_, query)) = path_and_query.split_once('?') else {
-        return FORWARD_TIMEOUT;
-    };
+    FORWARD_TIMEOUT.saturating_add(requested_wait(path_and_query).unwrap_or_default())
+}
+
+/// How long a request may wait before it answers: a blocking query
+/// (`?index=`) up to its `wait` (at most 5 minutes, the default), a long
+/// poll (`?wait=` alone, logs that follow) its `wait`; `None` for a
+/// request that does not wait.
+pub(crate) fn requested_wait(path_and_query: &str) -> Option<Duration> {
+    let (_, query) = path_and_query.split_once('?')?;
     let mut blocking = false;
-    let mut wait = MAX_BLOCKING_WAIT;
+    let mut wait = None;
     for pair in query.split('&') {
         match pair.split_once('=') {
             Some(("index", _)) => blocking = true,
             Some(("wait", w)) => {
-                if let Ok(d) = humantime::parse_duration(w) {
-                    wait = d.min(MAX_BLOCKING_WAIT);
-                }
+                wait = Some(
+                    humantime::parse_duration(w)
+                        .map_or(MAX_BLOCKING_WAIT, |d| d.min(MAX_BLOCKING_WAIT)),
+                );
             }
             _ => {}
         }
     }
-    if blocking {
-        FORWARD_TIMEOUT.saturating_add(wait)
-    } else {
-        FORWARD_TIMEOUT
+    match (blocking, wait) {
+        (_, Some(w)) => Some(w),
+        (true, None) => Some(MAX_BLOCKING_WAIT),
+        (false, None) => None,
     }
 }
 
@@ -493,6 +500,11 @@ mod tests {
         assert_eq!(
             deadline_of("/v1/job/x/allocations?index=3&wait=99999h"),
             FORWARD_TIMEOUT + MAX_BLOCKING_WAIT
+        );
+        // A long poll without an index (logs that follow) waits too.
+        assert_eq!(
+            deadline_of("/v1/client/fs/logs/a?wait=30s"),
+            FORWARD_TIMEOUT + Duration::from_secs(30)
         );
     }
 }

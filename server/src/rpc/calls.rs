@@ -190,5 +190,6 @@ fn call_kind(call: &server_call::Call) -> &'static str {
         server_call::Call::CreateSnapshot(_) => "CreateSnapshot",
         server_call::Call::DeleteSnapshot(_) => "DeleteSnapshot",
         server_call::Call::ListSnapshots(_) => "ListSnapshots",
+        server_call::Call::ClientHttp(_) => "ClientHttp",
     }
 }

@@ -1,0 +1,348 @@
+//! The node-local client routes of one alloc (`/v1/client/allocation/{id}`
+//! and below, `/v1/client/fs/{what}/{id}`), reachable through any agent:
+//!
+//! - an agent whose client role holds the alloc (ID or unique prefix)
+//!   answers itself;
+//! - else an agent with the server role finds the alloc's node and sends
+//!   the request there over the node's call stream (`ClientHttp`); the
+//!   client runs it through its node-local router ([`node_local_router`]);
+//! - else (a client-only agent without the alloc) the request is forwarded
+//!   to a server as any other (see [`super::forward`]), which does the step
+//!   above.
+//!
+//! Bodies travel as bytes, and answers keep their headers (the logs'
+//! `X-Berth-Log-*`), so raw answers come back as the node gave them.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use berth_proto::berth::v1 as pb;
+use berth_server::{Server, MAX_CLIENT_HTTP_ANSWER};
+use tower::ServiceExt;
+
+use super::agent_api::AgentInfo;
+use super::{body_too_large_message, ApiError, MAX_REQUEST_BODY};
+use crate::client::Client;
+
+/// How long a node may take to answer a request that does not wait (a
+/// restart waits for the task's kill timeout).
+pub const CLIENT_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The alloc ID (or prefix) a node-local route is about, when `path` is
+/// one of them: `/v1/client/allocation/{id}[/...]` or
+/// `/v1/client/fs/{what}/{id}[/...]`.
+pub fn alloc_of_path(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/client/")?;
+    let id = if let Some(r) = rest.strip_prefix("allocation/") {
+        r.split('/').next()
+    } else if let Some(r) = rest.strip_prefix("fs/") {
+        let mut parts = r.split('/');
+        parts.next().filter(|what| !what.is_empty())?;
+        parts.next()
+    } else {
+        None
+    }?;
+    (!id.is_empty()).then_some(id)
+}
+
+/// `path_and_query` with the alloc ID of its path (at `prefix`'s place)
+/// replaced by `full`.
+fn with_full_id(path_and_query: &str, prefix: &str, full: &str) -> String {
+    let (path, query) = match path_and_query.split_once('?') {
+        Some((p, q)) => (p, Some(q)),
+        None => (path_and_query, None),
+    };
+    let mut segments: Vec<&str> = path.split('/').collect();
+    // "", "v1", "client", then "allocation" ID or "fs" WHAT ID.
+    let at = if segments.get(3) == Some(&"allocation") {
+        4
+    } else {
+        5
+    };
+    if segments.get(at) == Some(&prefix) {
+        segments[at] = full;
+    }
+    let path = segments.join("/");
+    match query {
+        Some(q) => format!("{path}?{q}"),
+        None => path,
+    }
+}
+
+/// How long the node may take for `path_and_query`: a request that waits
+/// (`wait=`, logs that follow; `index=`, a blocking query) gets its wait on
+/// top.
+pub fn deadline_of(path_and_query: &str) -> Duration {
+    let wait = super::forward::requested_wait(path_and_query);
+    CLIENT_CALL_TIMEOUT.saturating_add(wait.unwrap_or_default())
+}
+
+/// Whether this agent's client role runs the alloc `id` (or allocs whose
+/// IDs start with it: the local routes then answer, naming the matches).
+async fn held_here(client: &Client, id: &str) -> bool {
+    if client.alloc_view(id).await.is_some() {
+        return true;
+    }
+    client
+        .alloc_views()
+        .await
+        .iter()
+        .any(|a| a.id.starts_with(id))
+}
+
+/// What routes a node-local request: the agent, and the API it falls back
+/// on (the server's, or forwarding).
+#[derive(Clone)]
+pub struct ClientRouting {
+    pub info: Arc<AgentInfo>,
+    pub rest: Router,
+}
+
+/// The agent's layer: an alloc-scoped client request for an alloc this
+/// agent does not run goes to `rest` instead of the local routes.
+pub async fn route_client_request(
+    State(routing): State<ClientRouting>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let Some(id) = alloc_of_path(req.uri().path()) else {
+        return next.run(req).await;
+    };
+    if let Some(client) = routing.info.client_role.get() {
+        if held_here(client, id).await {
+            return next.run(req).await;
+        }
+    }
+    match routing.rest.oneshot(req).await {
+        Ok(resp) => resp,
+        Err(never) => match never {},
+    }
+}
+
+/// The server API's layer: alloc-scoped client requests go to the node
+/// that holds the alloc.
+pub async fn send_to_node(State(server): State<Arc<Server>>, req: Request, next: Next) -> Response {
+    if alloc_of_path(req.uri().path()).is_none() {
+        return next.run(req).await;
+    }
+    match to_node(&server, req).await {
+        Ok(resp) => resp,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn to_node(server: &Server, req: Request) -> Result<Response, ApiError> {
+    let path_and_query = req
+        .uri()
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| req.uri().path().to_string());
+    let id = alloc_of_path(req.uri().path())
+        .unwrap_or_default()
+        .to_string();
+    let alloc = server.allocation(&id)?;
+    if alloc.node_id.is_empty() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!("alloc {} is not placed on a node", alloc.id),
+        ));
+    }
+    let (parts, body) = req.into_parts();
+    let body = axum::body::to_bytes(body, MAX_REQUEST_BODY)
+        .await
+        .map_err(|_| ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, body_too_large_message()))?;
+    let path_and_query = with_full_id(&path_and_query, &id, &alloc.id);
+    let deadline = deadline_of(&path_and_query);
+    let request = pb::ClientHttp {
+        method: parts.method.as_str().to_string(),
+        path_and_query,
+        content_type: parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string(),
+        body: body.to_vec(),
+    };
+    tracing::debug!(alloc_id = %alloc.id, node_id = %alloc.node_id, path = %parts.uri.path(), "sending a client request to the alloc's node");
+    let reply = server
+        .client_http(&alloc.node_id, request, deadline)
+        .await?;
+    answer_of(reply)
+}
+
+/// The node's answer as this agent's.
+fn answer_of(a: pb::ClientHttpReply) -> Result<Response, ApiError> {
+    let status = u16::try_from(a.status)
+        .ok()
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                format!("the node answered an invalid status {}", a.status),
+            )
+        })?;
+    let mut resp = Response::new(Body::from(a.body));
+    *resp.status_mut() = status;
+    for h in a.headers {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(h.name.as_bytes()),
+            HeaderValue::from_bytes(&h.value),
+        ) else {
+            continue;
+        };
+        if super::forward::answer_header(&name) {
+            resp.headers_mut().append(name, value);
+        }
+    }
+    Ok(resp)
+}
+
+/// The routes a client answers for the servers: the agent's own routes,
+/// over `client`, and nothing else (no forwarding: the request came from
+/// the servers).
+pub fn node_local_router(client: Arc<Client>) -> Router {
+    let info = AgentInfo::new(false, true, std::path::PathBuf::new(), Vec::new());
+    let _ = info.client_role.set(client);
+    super::agent_api::agent_routes()
+        .into_router()
+        .with_state(Arc::new(info))
+        .fallback(|uri: axum::http::Uri| async move {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("unknown client API path {}", uri.path()),
+            )
+        })
+        .layer(axum::middleware::from_fn(super::one_error_shape))
+}
+
+/// The client's end of a `ClientHttp` call: runs it through `local`, the
+/// node-local router. Only `/v1/client/` paths are served this way.
+pub async fn answer_client_http(
+    local: &Router,
+    r: pb::ClientHttp,
+) -> Result<pb::ClientHttpReply, (tonic::Code, String)> {
+    if !r.path_and_query.starts_with("/v1/client/") {
+        return Err((
+            tonic::Code::InvalidArgument,
+            format!(
+                "path {:?} is not a node-local client route",
+                r.path_and_query
+            ),
+        ));
+    }
+    let method = Method::from_bytes(r.method.as_bytes()).map_err(|_| {
+        (
+            tonic::Code::InvalidArgument,
+            format!("method {:?} is invalid", r.method),
+        )
+    })?;
+    let mut builder = axum::http::Request::builder()
+        .method(method)
+        .uri(&r.path_and_query);
+    if !r.content_type.is_empty() {
+        builder = builder.header(header::CONTENT_TYPE, r.content_type.as_str());
+    }
+    let req = builder.body(Body::from(r.body)).map_err(|e| {
+        (
+            tonic::Code::InvalidArgument,
+            format!("invalid request: {e}"),
+        )
+    })?;
+    let resp = match local.clone().oneshot(req).await {
+        Ok(resp) => resp,
+        Err(never) => match never {},
+    };
+    let (parts, body) = resp.into_parts();
+    let body = axum::body::to_bytes(body, MAX_CLIENT_HTTP_ANSWER)
+        .await
+        .map_err(|e| {
+            (
+                tonic::Code::ResourceExhausted,
+                format!(
+                    "the answer is larger than the {} limit or unreadable: {e}",
+                    super::describe_size(MAX_CLIENT_HTTP_ANSWER as u64)
+                ),
+            )
+        })?;
+    let headers = parts
+        .headers
+        .iter()
+        .filter(|(name, _)| super::forward::answer_header(name))
+        .map(|(name, value)| pb::HttpHeader {
+            name: name.as_str().to_string(),
+            value: value.as_bytes().to_vec(),
+        })
+        .collect();
+    Ok(pb::ClientHttpReply {
+        status: u32::from(parts.status.as_u16()),
+        headers,
+        body: body.to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_alloc_of_a_node_local_route_is_found_in_its_path() {
+        assert_eq!(alloc_of_path("/v1/client/allocation/ab12"), Some("ab12"));
+        assert_eq!(
+            alloc_of_path("/v1/client/allocation/ab12/restart"),
+            Some("ab12")
+        );
+        assert_eq!(alloc_of_path("/v1/client/fs/logs/ab12"), Some("ab12"));
+        assert_eq!(alloc_of_path("/v1/client/fs/logs/ab12/x"), Some("ab12"));
+        // Not about one alloc: served (or refused) where they arrive.
+        for path in [
+            "/v1/client/allocations",
+            "/v1/client/allocation/",
+            "/v1/client/fs/logs",
+            "/v1/client/fs/logs/",
+            "/v1/client/fs//ab12",
+            "/v1/allocation/ab12",
+            "/v1/agent/self",
+        ] {
+            assert_eq!(alloc_of_path(path), None, "{path}");
+        }
+    }
+
+    #[test]
+    fn the_node_gets_the_full_alloc_id_and_the_query_as_is() {
+        assert_eq!(
+            with_full_id("/v1/client/allocation/ab/signal", "ab", "ab12-cd"),
+            "/v1/client/allocation/ab12-cd/signal"
+        );
+        assert_eq!(
+            with_full_id("/v1/client/fs/logs/ab?task=t&type=stdout", "ab", "ab12"),
+            "/v1/client/fs/logs/ab12?task=t&type=stdout"
+        );
+        assert_eq!(
+            with_full_id("/v1/client/allocation/ab12", "ab12", "ab12"),
+            "/v1/client/allocation/ab12"
+        );
+    }
+
+    #[test]
+    fn a_request_that_waits_gets_its_wait_on_top_of_the_call_timeout() {
+        assert_eq!(
+            deadline_of("/v1/client/allocation/a/restart"),
+            CLIENT_CALL_TIMEOUT
+        );
+        assert_eq!(
+            deadline_of("/v1/client/fs/logs/a?wait=20s&offset=3"),
+            CLIENT_CALL_TIMEOUT + Duration::from_secs(20)
+        );
+        assert_eq!(
+            deadline_of("/v1/client/fs/logs/a?wait=9999h"),
+            CLIENT_CALL_TIMEOUT + Duration::from_secs(300)
+        );
+    }
+}

@@ -1,0 +1,75 @@
+//! `alloc stop`: an operator stops one alloc. The alloc is marked
+//! desired-stop (its client stops it through the normal path, unmounting
+//! its volumes and releasing their claims in order) and its job is
+//! evaluated, which, as Nomad does, places a replacement for a service or
+//! batch alloc (and a system alloc on its node) once the job still wants
+//! it.
+
+use serde::Serialize;
+
+use crate::error::ServerError;
+use crate::server::Server;
+use crate::state::Change;
+
+/// The desired description of an alloc an operator stopped.
+pub const ALLOC_STOP_DESCRIPTION: &str = "alloc was stopped by an operator";
+
+/// The answer to an alloc stop.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct AllocStopResponse {
+    /// The state index after the stop (and its evaluation).
+    pub index: u64,
+    /// The full ID of the stopped alloc.
+    pub alloc_id: String,
+    /// The alloc placed to replace it, when one was placed at once.
+    pub replacement: Option<String>,
+}
+
+impl Server {
+    /// Stops alloc `id` (ID or unique prefix) and evaluates its job. An
+    /// alloc the servers already want stopped is left as it is.
+    pub async fn stop_alloc(&self, id: &str) -> Result<AllocStopResponse, ServerError> {
+        let alloc = self.allocation(id)?;
+        let (stopped, _) = self.store.write(|t, changes| {
+            let a = t
+                .allocs
+                .get(&alloc.id)
+                .ok_or_else(|| ServerError::not_found(format!("alloc {:?} not found", alloc.id)))?;
+            if a.server_terminal() {
+                return Ok::<_, ServerError>(false);
+            }
+            let mut a = a.clone();
+            a.desired_status = berth_structs::AllocDesiredStatus::Stop;
+            a.desired_description = ALLOC_STOP_DESCRIPTION.to_string();
+            changes.push(Change::PutAlloc(a));
+            Ok(true)
+        })?;
+        if !stopped {
+            tracing::info!(alloc_id = %alloc.id, "alloc stop: the alloc is already stopped");
+            return Ok(AllocStopResponse {
+                index: self.store.index(),
+                alloc_id: alloc.id,
+                replacement: None,
+            });
+        }
+        let stop_index = self.store.index();
+        tracing::info!(alloc_id = %alloc.id, job_id = %alloc.job_id, "alloc stopped by an operator");
+        self.evaluate_job(&alloc.job_id).await;
+        let replacement = self.store.read(|t| {
+            t.allocs_of_job(&alloc.job_id)
+                .filter(|a| {
+                    a.create_index > stop_index
+                        && a.task_group == alloc.task_group
+                        && a.index == alloc.index
+                        && !a.is_terminal()
+                })
+                .map(|a| a.id.clone())
+                .next()
+        });
+        Ok(AllocStopResponse {
+            index: self.store.index(),
+            alloc_id: alloc.id,
+            replacement,
+        })
+    }
+}
