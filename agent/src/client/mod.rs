@@ -5,6 +5,7 @@
 
 pub mod calls;
 pub mod gc;
+pub mod logs;
 pub mod probe;
 pub mod rpc;
 pub mod servers;

@@ -65,6 +65,7 @@ pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
         .get("/v1/agent/self", agent_self)
         .get("/v1/client/allocations", client_allocations)
         .get("/v1/client/allocation/{id}", client_allocation)
+        .get("/v1/client/fs/logs/{id}", client_fs_logs)
         .post(
             "/v1/client/allocation/{id}/restart",
             super::alloc_ops::restart_alloc,
@@ -148,4 +149,53 @@ async fn client_allocation(
             format!("alloc {id:?} does not run on this client"),
         )),
     }
+}
+
+/// A task's stdout or stderr as raw bytes, with the cursor after them in
+/// `X-Berth-Log-File` and `X-Berth-Log-Offset` (see
+/// [`crate::client::logs`]).
+async fn client_fs_logs(
+    State(info): State<Arc<AgentInfo>>,
+    ApiPath(id): ApiPath<String>,
+    super::ApiQuery(query): super::ApiQuery<crate::client::logs::LogsQuery>,
+) -> Result<Response, ApiError> {
+    use crate::client::logs::LogsError;
+    let client = info.client_or_404()?;
+    let request = query
+        .request()
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let answer = client
+        .read_task_logs(&id, &request)
+        .await
+        .map_err(|e| match e {
+            LogsError::NotFound(m) => ApiError::new(StatusCode::NOT_FOUND, m),
+            LogsError::BadRequest(m) => ApiError::bad_request(m),
+            LogsError::Io(_) => ApiError::internal(e.to_string()),
+        })?;
+    let state = match answer.task_state {
+        berth_structs::TaskStateKind::Pending => "pending",
+        berth_structs::TaskStateKind::Running => "running",
+        berth_structs::TaskStateKind::Dead => "dead",
+    };
+    let mut headers = vec![
+        (
+            axum::http::header::CONTENT_TYPE.as_str(),
+            "application/octet-stream".to_string(),
+        ),
+        ("x-berth-log-alloc", answer.alloc_id),
+        ("x-berth-log-task", answer.task),
+        ("x-berth-log-file", answer.read.next.file.to_string()),
+        ("x-berth-log-offset", answer.read.next.offset.to_string()),
+        ("x-berth-log-task-state", state.to_string()),
+    ];
+    if answer.read.lost {
+        headers.push(("x-berth-log-lost", "true".to_string()));
+    }
+    let mut resp = answer.read.data.into_response();
+    for (name, value) in headers {
+        if let Ok(v) = axum::http::HeaderValue::from_str(&value) {
+            resp.headers_mut().insert(name, v);
+        }
+    }
+    Ok(resp)
 }
