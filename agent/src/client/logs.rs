@@ -297,6 +297,9 @@ pub enum LogsError {
     NotFound(String),
     #[error("{0}")]
     BadRequest(String),
+    /// Not now: the client is starting.
+    #[error("{0}")]
+    Unavailable(String),
     #[error("reading the task's logs: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -387,33 +390,25 @@ impl Client {
         if id.is_empty() {
             return Err(LogsError::BadRequest("an alloc ID is required".into()));
         }
-        let runner = {
-            let runners = self.runners.lock().await;
-            match runners.get(id) {
-                Some(r) => r.clone(),
-                None => {
-                    let mut matches: Vec<&String> =
-                        runners.keys().filter(|k| k.starts_with(id)).collect();
-                    matches.sort();
-                    match matches.as_slice() {
-                        [] => {
-                            return Err(LogsError::NotFound(format!(
-                                "alloc {id:?} does not run on this client"
-                            )))
-                        }
-                        [one] => runners[*one].clone(),
-                        many => {
-                            return Err(LogsError::BadRequest(format!(
-                                "alloc ID prefix {id:?} matches {} allocs: {}",
-                                many.len(),
-                                many.iter()
-                                    .map(|s| s.as_str())
-                                    .collect::<Vec<_>>()
-                                    .join(", ")
-                            )))
-                        }
-                    }
-                }
+        let runner = match self.alloc_runner(id).await {
+            Ok(r) => r,
+            // Right after a restart the allocs are not all picked up yet.
+            Err(none) if none.is_empty() && !*self.ready.borrow() => {
+                return Err(LogsError::Unavailable(format!(
+                    "alloc {id:?} is not known here yet: the client is still restoring its allocs"
+                )))
+            }
+            Err(none) if none.is_empty() => {
+                return Err(LogsError::NotFound(format!(
+                    "alloc {id:?} does not run on this client"
+                )))
+            }
+            Err(many) => {
+                return Err(LogsError::BadRequest(format!(
+                    "alloc ID prefix {id:?} matches {} allocs: {}",
+                    many.len(),
+                    many.join(", ")
+                )))
             }
         };
         let alloc = runner.alloc();

@@ -160,6 +160,14 @@ async fn client_fs_logs(
     super::ApiQuery(query): super::ApiQuery<crate::client::logs::LogsQuery>,
 ) -> Result<Response, ApiError> {
     use crate::client::logs::LogsError;
+    // A client role that has not started yet is a moment away: a follower
+    // tries again.
+    if info.client && info.client_role.get().is_none() {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the client role of this agent has not started yet",
+        ));
+    }
     let client = info.client_or_404()?;
     let request = query
         .request()
@@ -170,6 +178,7 @@ async fn client_fs_logs(
         .map_err(|e| match e {
             LogsError::NotFound(m) => ApiError::new(StatusCode::NOT_FOUND, m),
             LogsError::BadRequest(m) => ApiError::bad_request(m),
+            LogsError::Unavailable(m) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, m),
             LogsError::Io(_) => ApiError::internal(e.to_string()),
         })?;
     let state = match answer.task_state {
