@@ -541,6 +541,16 @@ impl DevAgent {
         Ok(())
     }
 
+    /// Kills the agent with SIGKILL (no shutdown at all; tasks and their
+    /// executors live on) and waits for it to be gone.
+    pub fn kill_agent(&mut self) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.kill().context("killing the agent")?;
+            c.wait().context("waiting for the killed agent")?;
+        }
+        Ok(())
+    }
+
     /// Restarts the agent as an operator would: SIGTERM, then a new agent
     /// on the same data dir and HTTP port, ready once its node is.
     pub fn restart(&mut self) -> Result<()> {
