@@ -177,9 +177,9 @@ fn unknown_block_is_named_with_its_line() {
     assert_eq!(e.line, 3);
     assert_eq!(e.message, r#"unsupported block "network" in group "g""#);
 
-    let e = job_err("variable \"x\" {}\njob \"j\" {}\n");
+    let e = job_err("locals {}\njob \"j\" {}\n");
     assert_eq!(e.line, 1);
-    assert!(e.message.contains(r#"unsupported block "variable""#), "{e}");
+    assert!(e.message.contains(r#"unsupported block "locals""#), "{e}");
 }
 
 #[test]
@@ -245,7 +245,7 @@ fn heredoc_strings_keep_interpolations() {
 #[test]
 fn expressions_are_rejected_with_their_line() {
     for (value, found) in [
-        ("var.command", "attribute or index access"),
+        ("local.command", "attribute or index access"),
         ("upper(\"x\")", "function call"),
         ("cmd", "variable reference"),
         ("\"a\" == \"b\" ? \"x\" : \"y\"", "conditional"),
@@ -259,6 +259,13 @@ fn expressions_are_rejected_with_their_line() {
             "{value}: {e}"
         );
     }
+
+    // A variable reference needs a declared variable (see spec_variables.rs).
+    let e = job_err(&job_with_task(
+        "      config {\n        command = var.command\n      }",
+    ));
+    assert_eq!(e.line, 7, "{e}");
+    assert!(e.message.contains("undeclared variable"), "{e}");
 
     let src = "job \"j\" {\n  group \"g\" {\n    count = 1 + 1\n  }\n}\n";
     let e = job_err(src);

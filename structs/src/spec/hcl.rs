@@ -26,6 +26,10 @@ use crate::limits;
 pub struct Source<'a> {
     text: &'a str,
     line_starts: Vec<usize>,
+    /// The values of the file's input variables, for `var.NAME` and
+    /// `${var.NAME}`; None where the file has no variables (a reference is
+    /// then an unsupported expression, or kept verbatim in a string).
+    variables: Option<BTreeMap<String, Expression>>,
 }
 
 impl<'a> Source<'a> {
@@ -33,7 +37,30 @@ impl<'a> Source<'a> {
         let line_starts = std::iter::once(0)
             .chain(text.match_indices('\n').map(|(i, _)| i + 1))
             .collect();
-        Source { text, line_starts }
+        Source {
+            text,
+            line_starts,
+            variables: None,
+        }
+    }
+
+    /// Give `var.NAME` references their values (literal expressions); a
+    /// reference to a name not among them is an error.
+    pub(crate) fn set_variables(&mut self, variables: BTreeMap<String, Expression>) {
+        self.variables = Some(variables);
+    }
+
+    /// `expr`, or the value of the variable it references (`var.NAME`).
+    fn resolve<'e>(
+        &'e self,
+        expr: &'e Expression,
+        what: &str,
+    ) -> Result<&'e Expression, SpecError> {
+        let (Some(vars), Some(name)) = (&self.variables, variable_reference(expr)) else {
+            return Ok(expr);
+        };
+        vars.get(name)
+            .ok_or_else(|| undeclared(self, expr, name, what))
     }
 
     /// The one-based line holding byte `offset`.
@@ -231,8 +258,9 @@ impl<'s, 'b> BodyReader<'s, 'b> {
         let Some(a) = self.attr(name) else {
             return Ok(None);
         };
-        check_literal(self.src, &a.value, &self.what(name))?;
-        match &a.value {
+        let value = self.src.resolve(&a.value, &self.what(name))?;
+        check_literal(self.src, value, &self.what(name))?;
+        match value {
             Expression::Bool(b) => Ok(Some(*b.value())),
             other => Err(self.type_error(other, name, "a bool (true or false)")),
         }
@@ -255,13 +283,14 @@ impl<'s, 'b> BodyReader<'s, 'b> {
         let Some(a) = self.attr(name) else {
             return Ok(None);
         };
-        check_literal(self.src, &a.value, &self.what(name))?;
-        let Expression::Number(n) = &a.value else {
-            return Err(self.type_error(&a.value, name, "a number"));
+        let value = self.src.resolve(&a.value, &self.what(name))?;
+        check_literal(self.src, value, &self.what(name))?;
+        let Expression::Number(n) = value else {
+            return Err(self.type_error(value, name, "a number"));
         };
         let written = self
             .src
-            .text_of(&a.value)
+            .text_of(value)
             .map(str::trim)
             .filter(|t| !t.is_empty())
             .map_or_else(|| n.value().to_string(), str::to_string);
@@ -310,7 +339,11 @@ impl<'s, 'b> BodyReader<'s, 'b> {
     /// ("10MiB") or as a number of bytes; `limit` says the limit in
     /// messages.
     pub fn size(&self, name: &str, max: u64, limit: &str) -> Result<Option<u64>, SpecError> {
-        match self.attr(name).map(|a| &a.value) {
+        let value = self
+            .attr(name)
+            .map(|a| self.src.resolve(&a.value, &self.what(name)))
+            .transpose()?;
+        match value {
             None => Ok(None),
             Some(Expression::Number(_)) => self.number_at_most(name, max, limit),
             Some(_) => self
@@ -335,9 +368,10 @@ impl<'s, 'b> BodyReader<'s, 'b> {
             return Ok(None);
         };
         let what = self.what(name);
-        check_literal(self.src, &a.value, &what)?;
-        let Expression::Array(items) = &a.value else {
-            return Err(self.type_error(&a.value, name, "a list of strings"));
+        let value = self.src.resolve(&a.value, &what)?;
+        check_literal(self.src, value, &what)?;
+        let Expression::Array(items) = value else {
+            return Err(self.type_error(value, name, "a list of strings"));
         };
         items
             .iter()
@@ -468,8 +502,10 @@ fn check_literal(src: &Source<'_>, expr: &Expression, what: &str) -> Result<(), 
 }
 
 /// A string value. `${NAME}` interpolations are kept verbatim: berth fills
-/// them in from the task environment when the task starts.
+/// them in from the task environment when the task starts; `${var.NAME}`
+/// takes the input variable's value.
 fn to_string(src: &Source<'_>, expr: &Expression, what: &str) -> Result<String, SpecError> {
+    let expr = src.resolve(expr, what)?;
     check_literal(src, expr, what)?;
     match expr {
         Expression::String(s) => Ok(s.value().clone()),
@@ -484,7 +520,7 @@ fn to_string(src: &Source<'_>, expr: &Expression, what: &str) -> Result<String, 
 
 /// A string, or a number or bool taken as its text (map values, args).
 fn to_scalar_string(src: &Source<'_>, expr: &Expression, what: &str) -> Result<String, SpecError> {
-    match expr {
+    match src.resolve(expr, what)? {
         Expression::Number(n) => Ok(n.value().to_string()),
         Expression::Bool(b) => Ok(b.value().to_string()),
         other => to_string(src, other, what),
@@ -503,6 +539,14 @@ fn template_text(src: &Source<'_>, template: &Template, what: &str) -> Result<St
                         line,
                         format!("{what}: strip markers (~) in interpolations are not supported"),
                     ));
+                }
+                if let (Some(vars), Some(name)) = (&src.variables, variable_reference(&interp.expr))
+                {
+                    let value = vars
+                        .get(name)
+                        .ok_or_else(|| undeclared(src, &interp.expr, name, what))?;
+                    out.push_str(&to_scalar_string(src, value, what)?);
+                    continue;
                 }
                 if !is_plain_reference(&interp.expr) {
                     return Err(SpecError::at(
@@ -527,6 +571,34 @@ fn template_text(src: &Source<'_>, template: &Template, what: &str) -> Result<St
         }
     }
     Ok(out)
+}
+
+/// The NAME of a `var.NAME` reference.
+pub(crate) fn variable_reference(expr: &Expression) -> Option<&str> {
+    let Expression::Traversal(t) = expr else {
+        return None;
+    };
+    let Expression::Variable(root) = &t.expr else {
+        return None;
+    };
+    match t.operators.as_slice() {
+        [op] if root.as_str() == "var" => match op.value() {
+            TraversalOperator::GetAttr(name) => Some(name.as_str()),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// A reference to a variable the file does not declare.
+fn undeclared(src: &Source<'_>, expr: &Expression, name: &str, what: &str) -> SpecError {
+    SpecError::at(
+        src.line_of(expr),
+        format!(
+            "{what}: var.{name} refers to an undeclared variable: declare it with \
+             `variable {name:?} {{ ... }}`"
+        ),
+    )
 }
 
 /// `NAME` or `a.b.c`: references berth may resolve at run time.

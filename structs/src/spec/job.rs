@@ -19,7 +19,15 @@ use crate::limits::{
 const DEFAULT_PRIORITY: u32 = 50;
 
 pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError> {
-    let file = BodyReader::new(src, body, "the job file".into(), 1, &[], &["job"])?;
+    // `variable` blocks were read before (see `variables`).
+    let file = BodyReader::new(
+        src,
+        body,
+        "the job file".into(),
+        1,
+        &[],
+        &["job", "variable"],
+    )?;
     let block = match file.blocks("job").as_slice() {
         [] => return Err(SpecError::at(1, "no job block found")),
         [b] => *b,

@@ -2,10 +2,12 @@
 //!
 //! Specs hold literal values only. An attribute or block berth does not know
 //! is an error that names it and its line, never silently dropped; so are
-//! values of the wrong type and expressions (variables, operators, function
-//! calls). `${NAME}` inside strings is kept verbatim: berth fills it in from
-//! the task environment when the task starts. Parsing does not validate: the
-//! caller runs [`Job::validate`] or [`CsiVolume::validate`].
+//! values of the wrong type and expressions (operators, function calls).
+//! `${NAME}` inside strings is kept verbatim: berth fills it in from the
+//! task environment when the task starts. A job file may declare input
+//! variables (`variable "name" { ... }`, see [`variables`]) and use them as
+//! `var.name` or `${var.name}`. Parsing does not validate: the caller runs
+//! [`Job::validate`] or [`CsiVolume::validate`].
 //!
 //! [`hcl`] is the schema reader under both specs, public so that other HCL
 //! files berth reads (the agent's configuration) refuse the same things in
@@ -14,18 +16,29 @@
 pub mod hcl;
 mod job;
 mod units;
+mod variables;
 mod volume;
 
 pub use units::{parse_duration, parse_size};
 
 use crate::{CsiVolume, Job};
 
-/// A spec that could not be read, with the (one-based) line it was found on.
+/// A spec that could not be read, with the (one-based) line it was found on
+/// (0 for a problem of no line: a `-var` that names no variable).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("line {line}: {message}")]
 pub struct SpecError {
     pub line: usize,
     pub message: String,
+}
+
+impl std::fmt::Display for SpecError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.line == 0 {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "line {}: {}", self.line, self.message)
+        }
+    }
 }
 
 impl SpecError {
@@ -35,12 +48,24 @@ impl SpecError {
             message: message.into(),
         }
     }
+
+    pub(crate) fn without_line(message: impl Into<String>) -> Self {
+        SpecError::at(0, message)
+    }
 }
 
-/// Parses a job spec: one `job "ID" { ... }` block.
+/// Parses a job spec: one `job "ID" { ... }` block, and the input variables
+/// it declares (with their defaults).
 pub fn parse_job(src: &str) -> Result<Job, SpecError> {
-    let source = hcl::Source::new(src);
+    parse_job_with_variables(src, &[])
+}
+
+/// Parses a job spec with `-var NAME=VALUE` overrides of its variables.
+pub fn parse_job_with_variables(src: &str, vars: &[(String, String)]) -> Result<Job, SpecError> {
+    let mut source = hcl::Source::new(src);
     let body = source.parse_body()?;
+    let values = variables::decode_variables(&source, &body, vars)?;
+    source.set_variables(values);
     job::decode_job(&source, &body)
 }
 
