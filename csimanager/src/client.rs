@@ -105,6 +105,18 @@ impl CsiClient {
         call: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     ) -> Result<T, CsiError> {
         tracing::trace!(plugin_id = %self.plugin_id, op, "CSI call");
+        let started = std::time::Instant::now();
+        let result = self.classified(op, call).await;
+        let code = result.as_ref().err().map(|e| code_name(e.code()));
+        berth_metrics::record_csi_rpc(&self.plugin_id, op, started.elapsed(), code);
+        result
+    }
+
+    async fn classified<T>(
+        &self,
+        op: &'static str,
+        call: impl Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, CsiError> {
         let deadline_exceeded = || {
             tracing::debug!(plugin_id = %self.plugin_id, op, timeout = ?self.call_timeout, "CSI call hit its deadline");
             CsiError::Uncertain {
@@ -401,6 +413,29 @@ impl CsiClient {
         let mut c = self.node.clone();
         self.unary("NodeExpandVolume", c.node_expand_volume(self.request(req)))
             .await
+    }
+}
+
+/// The gRPC name of `code`, as metrics label it.
+fn code_name(code: Code) -> &'static str {
+    match code {
+        Code::Ok => "OK",
+        Code::Cancelled => "Cancelled",
+        Code::Unknown => "Unknown",
+        Code::InvalidArgument => "InvalidArgument",
+        Code::DeadlineExceeded => "DeadlineExceeded",
+        Code::NotFound => "NotFound",
+        Code::AlreadyExists => "AlreadyExists",
+        Code::PermissionDenied => "PermissionDenied",
+        Code::ResourceExhausted => "ResourceExhausted",
+        Code::FailedPrecondition => "FailedPrecondition",
+        Code::Aborted => "Aborted",
+        Code::OutOfRange => "OutOfRange",
+        Code::Unimplemented => "Unimplemented",
+        Code::Internal => "Internal",
+        Code::Unavailable => "Unavailable",
+        Code::DataLoss => "DataLoss",
+        Code::Unauthenticated => "Unauthenticated",
     }
 }
 

@@ -272,6 +272,7 @@ impl VolumeManager {
             volume_id = %req.volume_id,
             alloc_id = %req.alloc_id,
         );
+        let started = std::time::Instant::now();
         let result = async {
             validate_ids(
                 &req.volume_id,
@@ -286,6 +287,12 @@ impl VolumeManager {
         }
         .instrument(span)
         .await;
+        berth_metrics::observe_plugin_op(
+            &berth_metrics::metrics().csi_mount_duration,
+            &req.plugin_id,
+            berth_metrics::Outcome::of(&result),
+            started.elapsed(),
+        );
         match &result {
             Ok(m) => {
                 tracing::info!(plugin_id = %req.plugin_id, volume_id = %req.volume_id, alloc_id = %req.alloc_id, target = %m.source.display(), "volume mounted")
@@ -316,6 +323,7 @@ impl VolumeManager {
             volume_id = %req.volume_id,
             alloc_id = %req.alloc_id,
         );
+        let started = std::time::Instant::now();
         let result = async {
             let _lock = self.locks.lock(&req.plugin_id, &req.volume_id).await;
             // No record of the alloc using the volume and no undo left:
@@ -339,6 +347,12 @@ impl VolumeManager {
         }
         .instrument(span)
         .await;
+        berth_metrics::observe_plugin_op(
+            &berth_metrics::metrics().csi_unmount_duration,
+            &req.plugin_id,
+            berth_metrics::Outcome::of(&result),
+            started.elapsed(),
+        );
         match &result {
             Ok(()) => {
                 tracing::info!(plugin_id = %req.plugin_id, volume_id = %req.volume_id, alloc_id = %req.alloc_id, "volume unmounted")
