@@ -163,6 +163,7 @@ impl Heartbeater {
             if *shutdown.borrow_and_update() {
                 break;
             }
+            let started = Instant::now();
             let outcome =
                 match tokio::time::timeout(self.config.rpc_timeout, self.rpc.heartbeat()).await {
                     Ok(r) => r,
@@ -171,6 +172,12 @@ impl Heartbeater {
                         self.config.rpc_timeout
                     ))),
                 };
+            let m = berth_metrics::metrics();
+            m.heartbeat_duration
+                .observe(started.elapsed().as_secs_f64());
+            if outcome.is_err() {
+                m.heartbeat_failures.inc();
+            }
             let next = match outcome {
                 Ok(ttl) => {
                     if failures > 0 {
