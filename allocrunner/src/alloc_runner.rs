@@ -697,7 +697,7 @@ async fn run_tasks(
             mounts: mounts.clone(),
             kill: kill_rx.clone(),
         };
-        let span = tracing::info_span!("task", task = %task.name);
+        let span = tracing::info_span!("task", alloc_id = %alloc.id, task = %task.name);
         let handle = set.spawn(runner.run().instrument(span));
         names.insert(handle.id(), task.name.clone());
     }

@@ -188,6 +188,7 @@ impl TaskRunner {
                 }
                 state.task_running(&name);
                 ran = true;
+                berth_metrics::metrics().task_starts.inc();
                 events.emit("Started", "Task started by client");
                 handle
             };
@@ -254,6 +255,15 @@ impl TaskRunner {
             for hook in hooks.iter_mut() {
                 hook.exited(&ctx).await;
             }
+            let outcome = match (&ending, exit.successful()) {
+                (Ending::Exited, true) => "success",
+                (Ending::Exited, false) => "failure",
+                _ => "killed",
+            };
+            berth_metrics::metrics()
+                .task_exits
+                .get_or_create(&berth_metrics::OutcomeLabels { outcome })
+                .inc();
             let mut terminated = TaskEvent::new("Terminated", exit.to_string());
             terminated.exit_code = exit.exit_code;
             terminated.signal = exit.signal;
@@ -276,6 +286,7 @@ impl TaskRunner {
                 ),
                 Ending::Exited => tracker.on_exit(&exit, Instant::now()),
                 Ending::UserRestart => {
+                    berth_metrics::metrics().task_restarts.inc();
                     events.emit("Restarting", "Task restarting in 0s");
                     state.task_restarting_in_place(&name);
                     continue 'run;
@@ -285,6 +296,7 @@ impl TaskRunner {
                 RestartDecision::Complete => break (false, None),
                 RestartDecision::Fail(msg) => break (true, Some(not_restarting(msg))),
                 RestartDecision::Restart(delay) => {
+                    berth_metrics::metrics().task_restarts.inc();
                     events.emit("Restarting", format!("Task restarting in {delay:?}"));
                     state.task_restarting(&name);
                     let wait = tokio::time::sleep(delay);

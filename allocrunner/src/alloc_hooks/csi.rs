@@ -73,10 +73,20 @@ impl CsiHook {
                 warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "claim not granted yet; retrying");
             });
         let mut stop = ctx.stop.clone();
-        tokio::select! {
+        let started = std::time::Instant::now();
+        let granted = tokio::select! {
             r = retried => r.map_err(|error| HookError::Claim { volume_id, error }),
             _ = stop.wait_for(|s| *s) => Err(HookError::Stopped),
-        }
+        };
+        // The plugin is known from the grant only.
+        let plugin = granted.as_ref().map(|g| g.plugin_id.as_str()).unwrap_or("");
+        berth_metrics::observe_plugin_op(
+            &berth_metrics::metrics().csi_claim_duration,
+            plugin,
+            berth_metrics::Outcome::of(&granted),
+            started.elapsed(),
+        );
+        granted
     }
 
     /// What to unmount for `v` before its claim may be released: the mount
@@ -188,6 +198,7 @@ impl CsiHook {
         }
         let claimer = ctx.config.claimer.clone();
         let alloc_id = ctx.alloc.id.clone();
+        let started = std::time::Instant::now();
         let released = (|| {
             let claimer = claimer.clone();
             let volume_id = v.volume_id.clone();
@@ -201,6 +212,12 @@ impl CsiHook {
             warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unpublish failed; retrying");
         })
         .await;
+        berth_metrics::observe_plugin_op(
+            &berth_metrics::metrics().csi_unpublish_duration,
+            &v.plugin_id,
+            berth_metrics::Outcome::of(&released),
+            started.elapsed(),
+        );
         match released {
             Ok(()) => {
                 info!("released claim");
