@@ -58,7 +58,17 @@ impl CsiVolume for CsiVolumeService {
         self.server
             .authorize_claim_call("Claim", &req.node_id, &req.volume_id, &req.alloc_id)?;
         let (vid, aid) = (req.volume_id.clone(), req.alloc_id.clone());
-        let grant = self.server.claim_volume(req).await.inspect_err(
+        let mode = req.mode.as_str();
+        let started = std::time::Instant::now();
+        let grant = self.server.claim_volume(req).await;
+        berth_metrics::metrics()
+            .server_claim_duration
+            .get_or_create(&berth_metrics::ModeOutcomeLabels {
+                mode,
+                outcome: berth_metrics::Outcome::of(&grant),
+            })
+            .observe(started.elapsed().as_secs_f64());
+        let grant = grant.inspect_err(
             |e| tracing::info!(volume_id = %vid, alloc_id = %aid, error = %e, "claim refused"),
         )?;
         Ok(Response::new(pb::ClaimResponse {

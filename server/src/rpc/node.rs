@@ -170,6 +170,7 @@ impl Node for NodeService {
         self.server
             .authenticate_node("Heartbeat", node_id, &presented_secret(&req))?;
         let ttl = self.server.node_heartbeat(node_id).await?;
+        berth_metrics::metrics().server_heartbeats.inc();
         Ok(Response::new(pb::HeartbeatResponse {
             heartbeat_ttl_ms: ttl.as_millis() as u64,
         }))
@@ -255,8 +256,12 @@ impl Node for NodeService {
                 },
                 count: 1,
             })
-            .collect();
+            .collect::<Vec<NodeEvent>>();
+        let subsystems: Vec<String> = events.iter().map(|e| e.subsystem.clone()).collect();
         self.server.emit_node_events(&r.node_id, events)?;
+        for subsystem in &subsystems {
+            berth_metrics::record_node_event(subsystem);
+        }
         Ok(Response::new(pb::EmitEventsResponse {}))
     }
 

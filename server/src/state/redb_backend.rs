@@ -319,13 +319,16 @@ impl Backend for RedbBackend {
     }
 
     fn commit(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
-        match self.commit_once(index, changes) {
+        let started = std::time::Instant::now();
+        let committed = match self.commit_once(index, changes) {
             Err(e) if is_previous_io(&e) => {
                 self.close_poisoned();
                 self.commit_once(index, changes)
             }
             other => other,
-        }
+        };
+        berth_metrics::record_state_commit(berth_metrics::Db::Server, started.elapsed());
+        committed
     }
 }
 
