@@ -32,17 +32,24 @@ pub(crate) fn resolve_node<'a>(t: &'a Tables, given: &str) -> Result<&'a Node, S
             )));
         }
     }
-    let mut m = t
+    let matches: Vec<&Node> = t
         .nodes
         .range(given.to_string()..)
-        .take_while(|(k, _)| k.starts_with(given));
-    match (m.next(), m.next()) {
-        (Some((_, n)), None) if !given.is_empty() => Ok(n),
-        (Some(_), Some(_)) if !given.is_empty() => Err(ServerError::BadRequest(format!(
-            "node ID prefix {given:?} matches more than one node"
-        ))),
-        _ => Err(ServerError::not_found(format!(
+        .take_while(|(k, _)| !given.is_empty() && k.starts_with(given))
+        .map(|(_, n)| n)
+        .collect();
+    match matches.as_slice() {
+        [one] => Ok(one),
+        [] => Err(ServerError::not_found(format!(
             "node {given:?} not found: give a node ID, a unique ID prefix or a node name (see `berth node status`)"
+        ))),
+        many => Err(ServerError::BadRequest(format!(
+            "node ID prefix {given:?} matches {} nodes: {}",
+            many.len(),
+            many.iter()
+                .map(|n| format!("{} ({})", n.id, n.name))
+                .collect::<Vec<_>>()
+                .join(", ")
         ))),
     }
 }
