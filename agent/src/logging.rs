@@ -76,11 +76,16 @@ where
             .with_writer(writer.clone())
             .with_ansi(ansi)
     });
+    // A JSON line carries the fields of the spans it was logged in (the
+    // alloc, task and volume an operation is about: `alloc_id`, `task`,
+    // `volume_id`, `plugin_id`): the innermost as `span`, all of them,
+    // outermost first, as `spans`.
     let json_lines = json.then(|| {
         tracing_subscriber::fmt::layer()
             .json()
             .with_writer(writer)
             .with_current_span(true)
+            .with_span_list(true)
     });
     let subscriber = tracing_subscriber::registry()
         .with(reload_layer)
@@ -233,5 +238,25 @@ mod tests {
         assert_eq!(lines[0]["fields"]["alloc_id"], "a1");
         assert_eq!(lines[0]["fields"]["tasks"], 2);
         assert_eq!(lines[1]["level"], "WARN");
+    }
+
+    #[test]
+    fn log_json_lines_carry_the_fields_of_their_spans() {
+        let out = Captured::default();
+        let (subscriber, _control) = subscriber(None, None, true, false, out.clone());
+        tracing::subscriber::with_default(subscriber, || {
+            let alloc = tracing::info_span!("alloc", alloc_id = "a1");
+            let _alloc = alloc.enter();
+            let task = tracing::info_span!("task", alloc_id = "a1", task = "web");
+            let _task = task.enter();
+            tracing::info!(volume_id = "data", "task started");
+        });
+        let text = out.text();
+        let line: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+        assert_eq!(line["fields"]["volume_id"], "data", "{text}");
+        assert_eq!(line["span"]["alloc_id"], "a1", "{text}");
+        assert_eq!(line["span"]["task"], "web", "{text}");
+        assert_eq!(line["spans"][0]["name"], "alloc", "{text}");
+        assert_eq!(line["spans"][1]["task"], "web", "{text}");
     }
 }

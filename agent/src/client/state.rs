@@ -158,9 +158,11 @@ impl ClientState {
         f: impl Fn(&redb::WriteTransaction) -> Result<T, StateError>,
     ) -> Result<T, StateError> {
         let attempt = || {
+            let started = std::time::Instant::now();
             let tx = self.db()?.begin_write().map_err(rdb)?;
             let out = f(&tx)?;
             tx.commit().map_err(rdb)?;
+            berth_metrics::record_state_commit(berth_metrics::Db::Client, started.elapsed());
             Ok(out)
         };
         match attempt() {
