@@ -26,6 +26,7 @@ use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use query::{encode, indexed, BlockingQuery, ListQuery};
 use routes::Routes;
 
 /// The largest request body the API reads. Job and volume specs are far
@@ -399,6 +400,24 @@ fn written_volume_view(s: &Server, v: &CsiVolume) -> Value {
 #[derive(Deserialize)]
 struct JobRegister {
     job: Job,
+    /// Register only while the stored job's job modify index is
+    /// `job_modify_index` (0: only a new job), Nomad's names.
+    #[serde(default)]
+    enforce_index: bool,
+    #[serde(default)]
+    job_modify_index: u64,
+}
+
+/// The body of `PUT /v1/job/{id}/plan`.
+#[derive(Deserialize)]
+struct JobPlanBody {
+    job: Job,
+}
+
+#[derive(Deserialize)]
+struct PurgeQuery {
+    #[serde(default)]
+    purge: bool,
 }
 
 #[derive(Deserialize)]
@@ -422,6 +441,8 @@ pub fn server_routes() -> Routes<Arc<Server>> {
         .get("/v1/job/{id}", get_job)
         .delete("/v1/job/{id}", stop_job)
         .get("/v1/job/{id}/allocations", job_allocations)
+        .put("/v1/job/{id}/plan", plan_job)
+        .get("/v1/job/{id}/summary", job_summary)
         .get("/v1/allocations", list_allocations)
         .get("/v1/allocation/{id}", get_allocation)
         .post("/v1/allocation/{id}/stop", stop_allocation)
@@ -472,79 +493,97 @@ fn job_view(s: &Server, job: &Job) -> Value {
     out
 }
 
-async fn list_jobs(State(s): State<Arc<Server>>) -> ApiResult {
-    Ok(Json(Value::Array(
-        s.jobs().iter().map(|j| job_view(&s, j)).collect(),
-    )))
+async fn list_jobs(
+    State(s): State<Arc<Server>>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::JOBS).await?;
+    let (page, next) = q.page(s.jobs(), |j| &j.id);
+    let body = Value::Array(page.iter().map(|j| job_view(&s, j)).collect());
+    Ok(indexed(index, body, next))
 }
 
 async fn register_job(
     State(s): State<Arc<Server>>,
     ApiJson(body): ApiJson<JobRegister>,
 ) -> ApiResult {
-    let resp = s.register_job(body.job).await?;
+    let enforce = body.enforce_index.then_some(body.job_modify_index);
+    let resp = s.register_job_checked(body.job, enforce).await?;
     to_json(&resp)
 }
 
-async fn get_job(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    Ok(Json(job_view(&s, &s.job(&id)?)))
-}
-
-async fn stop_job(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    let resp = s.stop_job(&id).await?;
-    to_json(&resp)
-}
-
-/// A blocking query: `?index=N` answers once the state's index passes N
-/// (or after `wait`, default 5 minutes at most), like Nomad's.
-#[derive(Deserialize)]
-struct BlockingQuery {
-    index: Option<u64>,
-    wait: Option<String>,
-}
-
-/// The longest a blocking query waits.
-const MAX_BLOCKING_WAIT: std::time::Duration = std::time::Duration::from_secs(300);
-
-impl BlockingQuery {
-    async fn block(&self, s: &Server) -> Result<(), ApiError> {
-        let Some(index) = self.index else {
-            return Ok(());
-        };
-        let wait = match &self.wait {
-            None => MAX_BLOCKING_WAIT,
-            Some(w) => humantime::parse_duration(w)
-                .map_err(|e| ApiError::bad_request(format!("wait={w:?}: {e}")))?,
-        };
-        s.wait_for_index(index, wait.min(MAX_BLOCKING_WAIT)).await;
-        Ok(())
+/// `job plan`: what registering the job would change, place and stop,
+/// without writing anything.
+async fn plan_job(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<JobPlanBody>,
+) -> ApiResult {
+    if body.job.id != id {
+        return Err(ApiError::bad_request(format!(
+            "job ID in the path ({id:?}) differs from the one in the body ({:?})",
+            body.job.id
+        )));
     }
+    to_json(&s.plan_job(body.job)?)
 }
 
-/// The answer with the state index it reflects, in `X-Berth-Index`.
-fn indexed(s: &Server, body: Value) -> Response {
-    let index = s.index();
-    ([("x-berth-index", index.to_string())], Json(body)).into_response()
+/// A job's allocs per group by state (by job ID or unique prefix).
+async fn job_summary(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
+    let id = s.resolve_job_id(&id)?;
+    to_json(&s.job_summary(&id)?)
+}
+
+/// A job by ID or unique ID prefix.
+async fn get_job(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::JOBS).await?;
+    let id = s.resolve_job_id(&id)?;
+    Ok(indexed(index, job_view(&s, &s.job(&id)?), None))
+}
+
+/// `job stop` (by ID or unique prefix); `?purge=true` also removes the job
+/// once its allocs are done. Answers the index.
+async fn stop_job(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<PurgeQuery>,
+) -> ApiResult {
+    let id = s.resolve_job_id(&id)?;
+    let resp = s.stop_job_with(&id, q.purge).await?;
+    to_json(&resp)
 }
 
 async fn job_allocations(
     State(s): State<Arc<Server>>,
     ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::JOB_ALLOCS).await?;
+    let id = s.resolve_job_id(&id)?;
+    let (page, next) = q.page(s.job_allocations(&id)?, |a| &a.id);
+    Ok(indexed(index, encode(&page)?, next))
+}
+
+async fn list_allocations(
+    State(s): State<Arc<Server>>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::ALLOCS).await?;
+    let (page, next) = q.page(s.allocations(), |a| &a.id);
+    Ok(indexed(index, encode(&page)?, next))
+}
+
+async fn get_allocation(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
     ApiQuery(q): ApiQuery<BlockingQuery>,
 ) -> Result<Response, ApiError> {
-    q.block(&s).await?;
-    let allocs = s.job_allocations(&id)?;
-    let body = serde_json::to_value(&allocs)
-        .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
-    Ok(indexed(&s, body))
-}
-
-async fn list_allocations(State(s): State<Arc<Server>>) -> ApiResult {
-    to_json(&s.allocations())
-}
-
-async fn get_allocation(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    to_json(&s.allocation(&id)?)
+    let index = q.block(&s, query::ALLOCS).await?;
+    Ok(indexed(index, encode(&s.allocation(&id)?)?, None))
 }
 
 /// `alloc stop`: the alloc is stopped through its client and, where the
@@ -553,15 +592,25 @@ async fn stop_allocation(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<Stri
     to_json(&s.stop_alloc(&id).await?)
 }
 
-async fn list_nodes(State(s): State<Arc<Server>>) -> ApiResult {
-    to_json(&s.nodes())
+async fn list_nodes(
+    State(s): State<Arc<Server>>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::NODES).await?;
+    let (page, next) = q.page(s.nodes(), |n| &n.id);
+    Ok(indexed(index, encode(&page)?, next))
 }
 
 /// A node (by ID, unique ID prefix or name) with what its allocs use
 /// (`allocated_resources`), its total (`total_resources`: the schedulable
 /// `resources` plus `reserved`) and the CSI volumes its allocs claim
 /// (`csi_volumes`). A node carries no secrets.
-async fn get_node(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
+async fn get_node(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::NODE).await?;
     let node = s.node(&id)?;
     let usage = s.node_usage(&node.id);
     let mut out = serde_json::to_value(&node)
@@ -569,21 +618,19 @@ async fn get_node(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) ->
     out["total_resources"] = json!(node.resources.plus(&node.reserved));
     out["allocated_resources"] = json!(usage.allocated);
     out["csi_volumes"] = json!(usage.csi_volumes);
-    Ok(Json(out))
+    Ok(indexed(index, out, None))
 }
 
-/// The allocs placed on a node (by ID, unique ID prefix or name); a
-/// blocking query like a job's allocations.
+/// The allocs placed on a node (by ID, unique ID prefix or name).
 async fn node_allocations(
     State(s): State<Arc<Server>>,
     ApiPath(id): ApiPath<String>,
-    ApiQuery(q): ApiQuery<BlockingQuery>,
+    ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Response, ApiError> {
-    q.block(&s).await?;
+    let index = q.block(&s, query::NODE_ALLOCS).await?;
     let node = s.node(&id)?;
-    let body = serde_json::to_value(s.allocations_on_node(&node.id))
-        .map_err(|e| ApiError::internal(format!("encoding the answer: {e}")))?;
-    Ok(indexed(&s, body))
+    let (page, next) = q.page(s.allocations_on_node(&node.id), |a| &a.id);
+    Ok(indexed(index, encode(&page)?, next))
 }
 
 /// The body of `POST /v1/node/{id}/drain`.
@@ -653,22 +700,32 @@ async fn node_eligibility(
     to_json(&s.set_node_eligibility(&id, body.eligible).await?)
 }
 
-async fn list_volumes(State(s): State<Arc<Server>>) -> ApiResult {
+async fn list_volumes(
+    State(s): State<Arc<Server>>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::VOLUMES).await?;
     let plugins: std::collections::BTreeMap<String, CsiPlugin> =
         s.plugins().into_iter().map(|p| (p.id.clone(), p)).collect();
-    Ok(Json(Value::Array(
-        s.volumes()
-            .iter()
+    let (page, next) = q.page(s.volumes(), |v| &v.id);
+    let body = Value::Array(
+        page.iter()
             .map(|v| volume_view(v, plugins.get(&v.plugin_id)))
             .collect(),
-    )))
+    );
+    Ok(indexed(index, body, next))
 }
 
-async fn get_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
+async fn get_volume(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::VOLUMES).await?;
     let vol = volume_by_id_or_prefix(&s, &id)?;
     let mut out = written_volume_view(&s, &vol);
     out["claim_allocs"] = claim_allocs(&s, &vol);
-    Ok(Json(out))
+    Ok(indexed(index, out, None))
 }
 
 /// The volume `given` names: its ID or a unique prefix of it (what
@@ -840,14 +897,24 @@ async fn delete_snapshot(
     Ok(Json(json!({})))
 }
 
-async fn list_plugins(State(s): State<Arc<Server>>) -> ApiResult {
-    to_json(&s.plugins())
+async fn list_plugins(
+    State(s): State<Arc<Server>>,
+    ApiQuery(q): ApiQuery<ListQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::PLUGINS).await?;
+    let (page, next) = q.page(s.plugins(), |p| &p.id);
+    Ok(indexed(index, encode(&page)?, next))
 }
 
 /// A plugin (by ID or unique ID prefix) with its instances' nodes, its
 /// capabilities, the allocs that run it and how many volumes use it.
-async fn get_plugin(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    to_json(&s.plugin_status(&id)?)
+async fn get_plugin(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::PLUGINS).await?;
+    Ok(indexed(index, encode(&s.plugin_status(&id)?)?, None))
 }
 
 /// A forced garbage collection (`berth system gc`): everything that is done
@@ -876,6 +943,8 @@ pub mod agent_api;
 pub mod alloc_ops;
 pub mod client_forward;
 pub mod forward;
+pub mod openapi;
+pub mod query;
 pub mod routes;
 
 #[cfg(test)]

@@ -121,6 +121,24 @@ impl Server {
         self.store.wait_for_index(min_index, timeout).await
     }
 
+    /// The index of the last write to any of `tables` (for the
+    /// `X-Berth-Index` of an answer read from them).
+    pub fn tables_index(&self, tables: &[Table]) -> u64 {
+        self.store.tables_index(tables)
+    }
+
+    /// A blocking query on `tables`: wait until one of them is written at
+    /// an index greater than `min_index` or `timeout` passes; writes to
+    /// other tables do not end the wait. Returns the tables' index then.
+    pub async fn wait_for_tables(
+        &self,
+        tables: &[Table],
+        min_index: u64,
+        timeout: Duration,
+    ) -> u64 {
+        self.store.wait_for_tables(tables, min_index, timeout).await
+    }
+
     /// Records of the state database that failed to decode at open and were
     /// set aside.
     pub fn quarantined_records(&self) -> Result<Vec<QuarantinedRecord>, ServerError> {
@@ -156,16 +174,25 @@ impl Server {
             if let Some(a) = t.allocs.get(id) {
                 return Ok(a.clone());
             }
-            let mut m = t
+            let matches: Vec<&Allocation> = t
                 .allocs
                 .range(id.to_string()..)
-                .take_while(|(k, _)| k.starts_with(id));
-            match (m.next(), m.next()) {
-                (Some((_, a)), None) if !id.is_empty() => Ok(a.clone()),
-                (Some(_), Some(_)) => Err(ServerError::BadRequest(format!(
-                    "alloc ID prefix {id:?} matches more than one alloc"
+                .take_while(|(k, _)| !id.is_empty() && k.starts_with(id))
+                .map(|(_, a)| a)
+                .collect();
+            match matches.as_slice() {
+                [one] => Ok((*one).clone()),
+                [] => Err(ServerError::not_found(format!(
+                    "alloc {id:?} not found (see `berth job status JOB`)"
                 ))),
-                _ => Err(ServerError::not_found(format!("alloc {id:?} not found"))),
+                many => Err(ServerError::BadRequest(format!(
+                    "alloc ID prefix {id:?} matches {} allocs: {}",
+                    many.len(),
+                    many.iter()
+                        .map(|a| format!("{} ({})", a.id, a.name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))),
             }
         })
     }
@@ -188,6 +215,24 @@ impl Server {
     /// (the agent's watchdog uses it to prove they are not locked up).
     pub fn node_count(&self) -> usize {
         self.store.read(|t| t.nodes.len())
+    }
+
+    /// How many allocs have each client status, every status named (zeros
+    /// too), counted in one read of the state without copying it: a
+    /// metrics scrape reports it.
+    pub fn alloc_status_counts(&self) -> Vec<(&'static str, i64)> {
+        use berth_structs::AllocClientStatus as S;
+        let all = [S::Pending, S::Running, S::Complete, S::Failed, S::Lost];
+        self.store
+            .read(|t| status_counts(&all, S::as_str, t.allocs.values().map(|a| a.client_status)))
+    }
+
+    /// How many nodes have each status, every status named (zeros too).
+    pub fn node_status_counts(&self) -> Vec<(&'static str, i64)> {
+        use berth_structs::NodeStatus as S;
+        let all = [S::Initializing, S::Ready, S::Down];
+        self.store
+            .read(|t| status_counts(&all, S::as_str, t.nodes.values().map(|n| n.status)))
     }
 
     /// A node by ID, name, or unique ID prefix, with the last heartbeat
@@ -213,4 +258,20 @@ impl Server {
             .cloned()
             .unwrap_or_default()
     }
+}
+
+/// `(name, how many of `of` have it)` for each status in `all`.
+fn status_counts<S: Copy>(
+    all: &[S],
+    name: fn(&S) -> &'static str,
+    of: impl Iterator<Item = S>,
+) -> Vec<(&'static str, i64)> {
+    let mut counts: Vec<(&'static str, i64)> = all.iter().map(|s| (name(s), 0)).collect();
+    for s in of {
+        let name = name(&s);
+        if let Some(c) = counts.iter_mut().find(|(n, _)| *n == name) {
+            c.1 += 1;
+        }
+    }
+    counts
 }

@@ -30,6 +30,8 @@ pub struct AgentInfo {
     /// Where this agent's server role serves the agent protocol.
     pub rpc_addr: OnceLock<SocketAddr>,
     pub client_role: OnceLock<Arc<Client>>,
+    /// This agent's server role, when it runs one (for its metrics).
+    pub server_role: OnceLock<Arc<Server>>,
 }
 
 impl AgentInfo {
@@ -42,6 +44,7 @@ impl AgentInfo {
             http_addr: OnceLock::new(),
             rpc_addr: OnceLock::new(),
             client_role: OnceLock::new(),
+            server_role: OnceLock::new(),
         }
     }
 
@@ -63,6 +66,8 @@ impl AgentInfo {
 pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
     Routes::new()
         .get("/v1/agent/self", agent_self)
+        .get("/v1/openapi.json", super::openapi::openapi_json)
+        .get("/v1/metrics", metrics)
         .get("/v1/client/allocations", client_allocations)
         .get("/v1/client/allocation/{id}", client_allocation)
         .get("/v1/client/fs/logs/{id}", client_fs_logs)
@@ -80,6 +85,9 @@ pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
 /// when this agent runs the server role, else forwarding to the servers
 /// the client dials.
 pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router {
+    if let Some(s) = &server {
+        let _ = info.server_role.set(s.clone());
+    }
     let rest = match server {
         Some(s) => super::router(s),
         None => super::forward::forwarding_router(info.clone()),
@@ -100,6 +108,35 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         ))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(super::one_error_shape))
+}
+
+/// This agent's own metrics in the Prometheus text format, never
+/// forwarded. The gauges of the state as a whole (allocs and nodes by
+/// status) are counted now, from the server role's state and the client
+/// role's runners.
+async fn metrics(State(info): State<Arc<AgentInfo>>) -> Response {
+    if let Some(server) = info.server_role.get() {
+        berth_metrics::set_allocs(&server.alloc_status_counts());
+        berth_metrics::set_nodes(&server.node_status_counts());
+    }
+    if let Some(client) = info.client_role.get() {
+        use berth_structs::AllocClientStatus as S;
+        let views = client.alloc_views().await;
+        let counts: Vec<(&'static str, i64)> =
+            [S::Pending, S::Running, S::Complete, S::Failed, S::Lost]
+                .iter()
+                .map(|s| {
+                    let n = views.iter().filter(|v| v.client_status == *s).count();
+                    (s.as_str(), i64::try_from(n).unwrap_or(i64::MAX))
+                })
+                .collect();
+        berth_metrics::set_client_allocs(&counts);
+    }
+    (
+        [(axum::http::header::CONTENT_TYPE, berth_metrics::CONTENT_TYPE)],
+        berth_metrics::encode(),
+    )
+        .into_response()
 }
 
 async fn agent_self(State(info): State<Arc<AgentInfo>>) -> Response {

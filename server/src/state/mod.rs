@@ -175,6 +175,9 @@ pub struct StateStore {
     /// The index of the last write that changed a node or an alloc (but
     /// for its volume stats alone): what alloc watches wait on.
     allocs_or_nodes_tx: watch::Sender<u64>,
+    /// The index of the last write to each table: what blocking queries
+    /// wait on, so that a write to one table wakes no reader of another.
+    table_tx: BTreeMap<Table, watch::Sender<u64>>,
 }
 
 impl StateStore {
@@ -183,12 +186,20 @@ impl StateStore {
         let tables = backend.load()?;
         let (index_tx, _) = watch::channel(tables.index);
         let (allocs_or_nodes_tx, _) = watch::channel(tables.index);
+        let table_tx = Table::ALL
+            .into_iter()
+            .map(|t| {
+                let at = tables.table_index.get(&t).copied().unwrap_or(0);
+                (t, watch::channel(at).0)
+            })
+            .collect();
         Ok(StateStore {
             backend,
             tables: RwLock::new(tables),
             writer: Mutex::new(()),
             index_tx,
             allocs_or_nodes_tx,
+            table_tx,
         })
     }
 
@@ -220,6 +231,49 @@ impl StateStore {
     /// The index of the last write to `table`.
     pub fn table_index(&self, table: Table) -> u64 {
         self.tables().table_index.get(&table).copied().unwrap_or(0)
+    }
+
+    /// The index of the last write to any of `tables`: what a read of
+    /// those tables reflects (0 when none was ever written).
+    pub fn tables_index(&self, tables: &[Table]) -> u64 {
+        let t = self.tables();
+        tables
+            .iter()
+            .filter_map(|table| t.table_index.get(table).copied())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Wait until a write to one of `tables` has an index greater than
+    /// `min_index`, or `timeout` passes; writes to other tables do not wake
+    /// the waiter. Returns [`Self::tables_index`] then.
+    pub async fn wait_for_tables(
+        &self,
+        tables: &[Table],
+        min_index: u64,
+        timeout: Duration,
+    ) -> u64 {
+        let mut watches: Vec<watch::Receiver<u64>> = tables
+            .iter()
+            .filter_map(|t| self.table_tx.get(t).map(watch::Sender::subscribe))
+            .collect();
+        let written = async {
+            while !watches.is_empty() {
+                if watches
+                    .iter_mut()
+                    .any(|w| *w.borrow_and_update() > min_index)
+                {
+                    return;
+                }
+                let changes = watches.iter_mut().map(|w| Box::pin(w.changed()));
+                if futures_util::future::select_all(changes).await.0.is_err() {
+                    // The store is going away: nothing more to wait for.
+                    return;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(timeout, written).await;
+        self.tables_index(tables)
     }
 
     /// A receiver that sees the index of every write.
@@ -265,6 +319,9 @@ impl StateStore {
             (result, index)
         };
         self.backend.commit(index, &changes)?;
+        let mut written: Vec<Table> = changes.iter().map(Change::table).collect();
+        written.sort();
+        written.dedup();
         let allocs_or_nodes = {
             let mut tables = self.tables.write().unwrap_or_else(|p| p.into_inner());
             for change in changes {
@@ -323,6 +380,11 @@ impl StateStore {
                 || tables.table_index.get(&Table::Nodes) == Some(&index)
         };
         self.index_tx.send_replace(index);
+        for table in written {
+            if let Some(tx) = self.table_tx.get(&table) {
+                tx.send_replace(index);
+            }
+        }
         if allocs_or_nodes {
             self.allocs_or_nodes_tx.send_replace(index);
         }

@@ -1,0 +1,839 @@
+//! The API described as an OpenAPI 3.1 document, served by every agent at
+//! `GET /v1/openapi.json`. Each route of [`super::routes::all_routes`] has
+//! one entry in [`operations`]; the tests hold the two to each other, so a
+//! route added without a description (or a description of a route that is
+//! gone) fails them, naming it.
+
+use std::sync::OnceLock;
+
+use axum::Json;
+use serde_json::{json, Map, Value};
+
+/// How an operation reads: a list (a blocking query and pages), one object
+/// (a blocking query), or neither.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Read {
+    List,
+    One,
+    Plain,
+}
+
+/// One operation: a method on a path.
+struct Op {
+    method: &'static str,
+    path: &'static str,
+    summary: &'static str,
+    read: Read,
+    /// Its own query parameters: name, JSON type, required, description.
+    query: Vec<(&'static str, &'static str, bool, &'static str)>,
+    /// The request body's schema.
+    body: Option<Value>,
+    /// Whether the body may be left out.
+    body_optional: bool,
+    /// The 200 answer's media type and schema.
+    media: &'static str,
+    answer: Value,
+    /// Headers of the 200 answer beyond the index and the next token.
+    headers: Vec<(&'static str, &'static str)>,
+}
+
+fn op(method: &'static str, path: &'static str, summary: &'static str) -> Op {
+    Op {
+        method,
+        path,
+        summary,
+        read: Read::Plain,
+        query: Vec::new(),
+        body: None,
+        body_optional: false,
+        media: "application/json",
+        answer: json!({ "type": "object" }),
+        headers: Vec::new(),
+    }
+}
+
+impl Op {
+    /// A list of `schema`s: blocking, paged.
+    fn list_of(mut self, schema: &str) -> Op {
+        self.read = Read::List;
+        self.answer = json!({ "type": "array", "items": schema_ref(schema) });
+        self
+    }
+
+    /// One object: blocking.
+    fn one(mut self, answer: Value) -> Op {
+        self.read = Read::One;
+        self.answer = answer;
+        self
+    }
+
+    fn answers(mut self, answer: Value) -> Op {
+        self.answer = answer;
+        self
+    }
+
+    /// An answer that is not JSON.
+    fn answers_raw(mut self, media: &'static str) -> Op {
+        self.media = media;
+        self.answer = json!({ "type": "string" });
+        self
+    }
+
+    fn header(mut self, name: &'static str, description: &'static str) -> Op {
+        self.headers.push((name, description));
+        self
+    }
+
+    fn query(
+        mut self,
+        name: &'static str,
+        kind: &'static str,
+        required: bool,
+        description: &'static str,
+    ) -> Op {
+        self.query.push((name, kind, required, description));
+        self
+    }
+
+    fn body(mut self, schema: Value) -> Op {
+        self.body = Some(schema);
+        self
+    }
+
+    fn optional_body(mut self, schema: Value) -> Op {
+        self.body_optional = true;
+        self.body(schema)
+    }
+}
+
+fn schema_ref(name: &str) -> Value {
+    json!({ "$ref": format!("#/components/schemas/{name}") })
+}
+
+/// An object schema: its properties, the required ones named.
+fn object(properties: Value, required: &[&str]) -> Value {
+    json!({ "type": "object", "properties": properties, "required": required })
+}
+
+/// Every operation of the API: the agent's own routes, then the server
+/// API's.
+fn operations() -> Vec<Op> {
+    let id_list = json!({ "type": "array", "items": { "type": "string" } });
+    let tasks_answer = |extra: Value| {
+        let mut props = json!({
+            "alloc_id": { "type": "string" },
+            "tasks": { "type": "array", "items": { "type": "string" } },
+        });
+        if let (Some(p), Some(e)) = (props.as_object_mut(), extra.as_object()) {
+            p.extend(e.clone());
+        }
+        object(props, &["alloc_id", "tasks"])
+    };
+    let volume_body = object(json!({ "volume": schema_ref("CsiVolume") }), &["volume"]);
+    vec![
+        // The agent's own routes.
+        op(
+            "get",
+            "/v1/agent/self",
+            "This agent: its roles, addresses, data dir, servers and, with the client role, its node",
+        )
+        .answers(object(
+            json!({
+                "roles": { "type": "array", "items": { "enum": ["server", "client"] } },
+                "data_dir": { "type": "string" },
+                "http_addr": { "type": ["string", "null"] },
+                "rpc_addr": { "type": ["string", "null"] },
+                "servers": { "type": "array", "items": { "type": "string" } },
+                "client": object(json!({
+                    "node_id": { "type": "string" },
+                    "node_name": { "type": "string" },
+                    "registered": { "type": "boolean" },
+                    "last_heartbeat_ms": { "type": ["integer", "null"] },
+                    "current_server": { "type": ["string", "null"] },
+                }), &["node_id", "node_name", "registered"]),
+            }),
+            &["roles", "data_dir", "servers"],
+        )),
+        op(
+            "get",
+            "/v1/openapi.json",
+            "This document: the API as OpenAPI 3.1",
+        ),
+        op(
+            "get",
+            "/v1/metrics",
+            "This agent's metrics in the Prometheus text format (never forwarded)",
+        )
+        .answers_raw("text/plain"),
+        op(
+            "get",
+            "/v1/client/fs/logs/{id}",
+            "A task's stdout or stderr, as raw bytes, from a cursor; sent to the alloc's node",
+        )
+        .query("task", "string", false, "the task (optional when the alloc has one)")
+        .query("type", "string", false, "stdout (the default) or stderr")
+        .query("origin", "string", false, "start (the default) or end: where offset counts from")
+        .query("offset", "integer", false, "the byte to start at")
+        .query("file", "integer", false, "with offset: the file of a cursor from an earlier answer")
+        .query("lines", "integer", false, "the last this many lines")
+        .query("limit", "integer", false, "at most this many bytes (default 1 MiB, at most 8 MiB)")
+        .query("wait", "string", false, "when there is nothing new, wait this long for it (30s)")
+        .answers_raw("application/octet-stream")
+        .header("X-Berth-Log-File", "the cursor after the answer: its file")
+        .header("X-Berth-Log-Offset", "the cursor after the answer: its offset in the file"),
+        op(
+            "get",
+            "/v1/client/allocations",
+            "The allocs this agent's client runs, as it sees them (no server needed)",
+        )
+        .answers(json!({ "type": "array", "items": schema_ref("ClientAllocation") })),
+        op(
+            "get",
+            "/v1/client/allocation/{id}",
+            "One alloc this agent's client runs (by ID), as it sees it",
+        )
+        .answers(schema_ref("ClientAllocation")),
+        op(
+            "post",
+            "/v1/client/allocation/{id}/restart",
+            "Restart a task of the alloc (or every running task) in place; not counted by the restart policy",
+        )
+        .optional_body(object(json!({ "task": { "type": "string" } }), &[]))
+        .answers(tasks_answer(json!({}))),
+        op(
+            "post",
+            "/v1/client/allocation/{id}/signal",
+            "Send a signal to a task of the alloc (or every running task)",
+        )
+        .body(object(
+            json!({
+                "signal": { "type": "string", "description": "SIGHUP, HUP, 1, ..." },
+                "task": { "type": "string" },
+            }),
+            &["signal"],
+        ))
+        .answers(tasks_answer(json!({ "signal": { "type": "string" } }))),
+        // The server API.
+        op("get", "/v1/agent/health", "Whether the server answers")
+            .answers(object(json!({ "ok": { "type": "boolean" } }), &["ok"])),
+        op("get", "/v1/jobs", "The jobs").list_of("Job"),
+        op("put", "/v1/jobs", "Register (submit or update) a job and place its allocs")
+            .body(object(
+                json!({
+                    "job": schema_ref("Job"),
+                    "enforce_index": {
+                        "type": "boolean",
+                        "description": "register only while the stored job's job_modify_index is job_modify_index (0: only a new job)",
+                    },
+                    "job_modify_index": { "type": "integer", "minimum": 0 },
+                }),
+                &["job"],
+            ))
+            .answers(object(
+                json!({
+                    "index": { "type": "integer" },
+                    "job_modify_index": { "type": "integer" },
+                    "version": { "type": "integer" },
+                    "changed": { "type": "boolean" },
+                }),
+                &["index", "job_modify_index", "version", "changed"],
+            )),
+        op("get", "/v1/job/{id}", "A job (by ID or unique ID prefix), with its placement failures")
+            .one(schema_ref("Job")),
+        op("delete", "/v1/job/{id}", "Stop a job (by ID or unique ID prefix)")
+            .query("purge", "boolean", false, "also remove the job once its allocs are done"),
+        op("get", "/v1/job/{id}/allocations", "A job's allocs").list_of("Allocation"),
+        op(
+            "put",
+            "/v1/job/{id}/plan",
+            "What registering the job would change, place and stop; writes nothing",
+        )
+        .body(object(json!({ "job": schema_ref("Job") }), &["job"]))
+        .answers(object(
+            json!({
+                "job_id": { "type": "string" },
+                "job_modify_index": { "type": "integer" },
+                "diff": { "type": "object" },
+            }),
+            &["job_id", "job_modify_index", "diff"],
+        )),
+        op("get", "/v1/job/{id}/summary", "A job's allocs per group, counted by state").one(object(
+            json!({
+                "job_id": { "type": "string" },
+                "index": { "type": "integer" },
+                "groups": { "type": "object", "additionalProperties": { "type": "object" } },
+            }),
+            &["job_id", "groups"],
+        )),
+        op("get", "/v1/allocations", "The allocs").list_of("Allocation"),
+        op("get", "/v1/allocation/{id}", "An alloc (by ID or unique ID prefix)")
+            .one(schema_ref("Allocation")),
+        op(
+            "post",
+            "/v1/allocation/{id}/stop",
+            "Stop an alloc through its client; the job's scheduler replaces it where the job still wants it",
+        )
+        .answers(object(
+            json!({
+                "index": { "type": "integer" },
+                "alloc_id": { "type": "string" },
+                "replacement": { "type": ["string", "null"] },
+            }),
+            &["index", "alloc_id"],
+        )),
+        op("get", "/v1/nodes", "The client nodes").list_of("Node"),
+        op(
+            "get",
+            "/v1/node/{id}",
+            "A node (by ID, unique ID prefix or name), with what its allocs use and the CSI volumes they claim",
+        )
+        .one(schema_ref("Node")),
+        op("get", "/v1/node/{id}/allocations", "The allocs placed on a node").list_of("Allocation"),
+        op("post", "/v1/node/{id}/drain", "Start, update or disable a node's drain")
+            .body(object(
+                json!({
+                    "enable": { "type": "boolean" },
+                    "deadline": { "type": "string", "description": "how long the drain waits for migrations (default 1h)" },
+                    "force": { "type": "boolean", "description": "a deadline of now" },
+                }),
+                &["enable"],
+            ))
+            .answers(schema_ref("Node")),
+        op("post", "/v1/node/{id}/eligibility", "Whether new allocs may be placed on a node")
+            .body(object(json!({ "eligible": { "type": "boolean" } }), &["eligible"]))
+            .answers(schema_ref("Node")),
+        op("put", "/v1/node/{id}/purge", "Remove a node the operator says is gone; its allocs are lost")
+            .answers(object(
+                json!({
+                    "node_id": { "type": "string" },
+                    "node_name": { "type": "string" },
+                    "lost_allocs": id_list.clone(),
+                    "released": { "type": "array", "items": { "type": "object" } },
+                }),
+                &["node_id", "lost_allocs", "released"],
+            )),
+        op("get", "/v1/volumes", "The CSI volumes").list_of("CsiVolume"),
+        op(
+            "get",
+            "/v1/volume/csi/{id}",
+            "A CSI volume (by ID or unique ID prefix), its claims joined with their allocs",
+        )
+        .one(schema_ref("CsiVolume")),
+        op("put", "/v1/volume/csi/{id}", "Register an existing volume")
+            .body(volume_body.clone())
+            .answers(schema_ref("CsiVolume")),
+        op("delete", "/v1/volume/csi/{id}", "Deregister a volume")
+            .query("force", "boolean", false, "deregister although the volume is claimed"),
+        op("put", "/v1/volume/csi/{id}/create", "Create a volume through its controller plugin and register it")
+            .body(volume_body)
+            .answers(schema_ref("CsiVolume")),
+        op("delete", "/v1/volume/csi/{id}/delete", "Delete a volume through its controller plugin and deregister it"),
+        op("delete", "/v1/volume/csi/{id}/detach", "Detach a volume from a node, freeing the node's claims")
+            .query("node", "string", true, "the node (ID, prefix or name)"),
+        op("get", "/v1/volumes/snapshot", "The snapshots a controller plugin lists")
+            .query("plugin_id", "string", false, "the plugin to ask (default: every plugin that lists snapshots)")
+            .answers(json!({ "type": "array", "items": schema_ref("CsiSnapshot") })),
+        op("put", "/v1/volumes/snapshot", "Snapshot a volume")
+            .body(object(
+                json!({
+                    "volume_id": { "type": "string" },
+                    "name": { "type": "string" },
+                    "parameters": { "type": "object", "additionalProperties": { "type": "string" } },
+                    "secrets": {
+                        "type": "object",
+                        "additionalProperties": { "type": "string" },
+                        "description": "default: the volume's; never answered",
+                    },
+                }),
+                &["volume_id"],
+            ))
+            .answers(schema_ref("CsiSnapshot")),
+        op("delete", "/v1/volumes/snapshot", "Delete a snapshot")
+            .query("plugin_id", "string", true, "the plugin that holds the snapshot")
+            .query("snapshot_id", "string", true, "the snapshot"),
+        op("get", "/v1/plugins", "The CSI plugins, derived from node fingerprints and plugin allocs")
+            .list_of("CsiPlugin"),
+        op(
+            "get",
+            "/v1/plugin/csi/{id}",
+            "A CSI plugin (by ID or unique ID prefix) with its instances, capabilities and allocs",
+        )
+        .one(schema_ref("CsiPlugin")),
+        op("put", "/v1/system/gc", "Garbage-collect everything that is done, now").answers(object(
+            json!({ "allocs": id_list.clone(), "jobs": id_list.clone(), "nodes": id_list }),
+            &["allocs", "jobs", "nodes"],
+        )),
+    ]
+}
+
+/// The `{name}`s of a path, in order.
+fn path_params(path: &str) -> Vec<&str> {
+    path.split('/')
+        .filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
+        .collect()
+}
+
+fn param_ref(name: &str) -> Value {
+    json!({ "$ref": format!("#/components/parameters/{name}") })
+}
+
+fn operation(o: &Op) -> Value {
+    let mut params: Vec<Value> = path_params(o.path)
+        .into_iter()
+        .map(|name| {
+            json!({
+                "name": name, "in": "path", "required": true,
+                "schema": { "type": "string" },
+            })
+        })
+        .collect();
+    if o.read != Read::Plain {
+        params.extend([param_ref("index"), param_ref("wait")]);
+    }
+    if o.read == Read::List {
+        params.extend([
+            param_ref("per_page"),
+            param_ref("next_token"),
+            param_ref("prefix"),
+        ]);
+    }
+    for (name, kind, required, description) in &o.query {
+        params.push(json!({
+            "name": name, "in": "query", "required": required,
+            "description": description, "schema": { "type": kind },
+        }));
+    }
+    let mut headers = Map::new();
+    if o.read != Read::Plain {
+        headers.insert(
+            "X-Berth-Index".into(),
+            json!({ "$ref": "#/components/headers/X-Berth-Index" }),
+        );
+    }
+    if o.read == Read::List {
+        headers.insert(
+            "X-Berth-NextToken".into(),
+            json!({ "$ref": "#/components/headers/X-Berth-NextToken" }),
+        );
+    }
+    for (name, description) in &o.headers {
+        headers.insert(
+            (*name).into(),
+            json!({ "description": description, "schema": { "type": "string" } }),
+        );
+    }
+    let mut ok = json!({
+        "description": "OK",
+        "content": { o.media: { "schema": o.answer } },
+    });
+    if !headers.is_empty() {
+        ok["headers"] = Value::Object(headers);
+    }
+    let mut out = json!({
+        "operationId": operation_id(o),
+        "summary": o.summary,
+        "parameters": params,
+        "responses": {
+            "200": ok,
+            "4XX": { "$ref": "#/components/responses/Error" },
+            "5XX": { "$ref": "#/components/responses/Error" },
+        },
+    });
+    if let Some(body) = &o.body {
+        out["requestBody"] = json!({
+            "required": !o.body_optional,
+            "content": { "application/json": { "schema": body } },
+        });
+    }
+    out
+}
+
+/// `get /v1/job/{id}/allocations` → `get_job_id_allocations`.
+fn operation_id(o: &Op) -> String {
+    let mut id = o.method.to_string();
+    for part in o
+        .path
+        .trim_start_matches("/v1/")
+        .split(|c: char| !c.is_ascii_alphanumeric())
+    {
+        if !part.is_empty() {
+            id.push('_');
+            id.push_str(part);
+        }
+    }
+    id
+}
+
+fn components() -> Value {
+    let string_map = json!({ "type": "object", "additionalProperties": { "type": "string" } });
+    json!({
+        "schemas": {
+            "Error": object(json!({ "error": { "type": "string", "minLength": 1 } }), &["error"]),
+            "Job": object(json!({
+                "id": { "type": "string" },
+                "name": { "type": "string" },
+                "type": { "enum": ["service", "batch", "system"] },
+                "datacenters": { "type": "array", "items": { "type": "string" } },
+                "priority": { "type": "integer" },
+                "task_groups": { "type": "array", "items": object(json!({
+                    "name": { "type": "string" },
+                    "count": { "type": "integer", "minimum": 0 },
+                    "volumes": { "type": "object", "additionalProperties": { "type": "object" } },
+                    "tasks": { "type": "array", "items": object(json!({
+                        "name": { "type": "string" },
+                        "driver": { "type": "string" },
+                        "config": { "type": "object" },
+                    }), &["name", "driver"]) },
+                    "stop_after_client_disconnect": { "type": ["string", "null"] },
+                }), &["name", "count", "tasks"]) },
+                "meta": string_map,
+                "stop": { "type": "boolean" },
+                "status": { "type": "string" },
+                "version": { "type": "integer" },
+                "create_index": { "type": "integer" },
+                "modify_index": { "type": "integer" },
+                "job_modify_index": { "type": "integer" },
+                "placement_failures": {
+                    "type": "array", "items": { "type": "string" },
+                    "description": "answers only: why allocs could not be placed",
+                },
+            }), &["id", "name", "type", "task_groups"]),
+            "Allocation": object(json!({
+                "id": { "type": "string" },
+                "name": { "type": "string" },
+                "job_id": { "type": "string" },
+                "job": schema_ref("Job"),
+                "task_group": { "type": "string" },
+                "node_id": { "type": "string" },
+                "desired_status": { "enum": ["run", "stop", "evict"] },
+                "desired_description": { "type": "string" },
+                "client_status": { "enum": ["pending", "running", "complete", "failed", "lost"] },
+                "client_description": { "type": "string" },
+                "task_states": { "type": "object", "additionalProperties": { "type": "object" } },
+                "csi_volume_stats": { "type": "object", "additionalProperties": { "type": "object" } },
+                "create_index": { "type": "integer" },
+                "modify_index": { "type": "integer" },
+                "create_time_ms": { "type": "integer" },
+                "modify_time_ms": { "type": "integer" },
+            }), &["id", "name", "job_id", "task_group", "node_id", "desired_status", "client_status"]),
+            "ClientAllocation": object(json!({
+                "id": { "type": "string" },
+                "task_states": { "type": "object", "additionalProperties": { "type": "object" } },
+            }), &["id"]),
+            "Node": object(json!({
+                "id": { "type": "string" },
+                "name": { "type": "string" },
+                "datacenter": { "type": "string" },
+                "node_class": { "type": "string" },
+                "status": { "enum": ["initializing", "ready", "down"] },
+                "scheduling_eligibility": { "enum": ["eligible", "ineligible"] },
+                "drain": { "type": "boolean" },
+                "drain_strategy": { "type": ["object", "null"] },
+                "resources": { "type": "object" },
+                "reserved": { "type": "object" },
+                "drivers": { "type": "array", "items": { "type": "string" } },
+                "driver_info": { "type": "object", "additionalProperties": { "type": "object" } },
+                "attributes": string_map,
+                "meta": string_map,
+                "csi_node_plugins": { "type": "object", "additionalProperties": { "type": "object" } },
+                "csi_controller_plugins": { "type": "object", "additionalProperties": { "type": "object" } },
+                "events": { "type": "array", "items": { "type": "object" } },
+                "last_heartbeat_ms": { "type": "integer" },
+                "create_index": { "type": "integer" },
+                "modify_index": { "type": "integer" },
+                "total_resources": { "type": "object", "description": "one node's answer only" },
+                "allocated_resources": { "type": "object", "description": "one node's answer only" },
+                "csi_volumes": { "type": "array", "description": "one node's answer only" },
+            }), &["id", "name", "status"]),
+            "CsiVolume": object(json!({
+                "id": { "type": "string" },
+                "name": { "type": "string" },
+                "external_id": { "type": "string" },
+                "plugin_id": { "type": "string" },
+                "provider": { "type": "string" },
+                "capabilities": { "type": "array", "items": object(json!({
+                    "access_mode": { "type": "string" },
+                    "attachment_mode": { "enum": ["file-system", "block-device"] },
+                }), &["access_mode", "attachment_mode"]) },
+                "capacity_min": { "type": ["integer", "null"] },
+                "capacity_max": { "type": ["integer", "null"] },
+                "capacity": { "type": "integer" },
+                "mount_options": { "type": "object" },
+                "secrets": {
+                    "type": "object", "additionalProperties": { "type": "string" },
+                    "description": "requests only: never answered",
+                },
+                "parameters": string_map,
+                "context": string_map,
+                "read_claims": { "type": "object", "additionalProperties": { "type": "object" } },
+                "write_claims": { "type": "object", "additionalProperties": { "type": "object" } },
+                "read_allocs": { "type": "array", "items": { "type": "string" } },
+                "write_allocs": { "type": "array", "items": { "type": "string" } },
+                "claim_allocs": { "type": "array", "items": { "type": "object" }, "description": "one volume's answer only" },
+                "plugin": { "type": ["object", "null"], "description": "its plugin's health" },
+                "schedulable": { "type": "boolean" },
+                "create_index": { "type": "integer" },
+                "modify_index": { "type": "integer" },
+            }), &["id", "plugin_id"]),
+            "CsiPlugin": object(json!({
+                "id": { "type": "string" },
+                "provider": { "type": "string" },
+                "version": { "type": "string" },
+                "controller_required": { "type": "boolean" },
+                "controllers_healthy": { "type": "integer" },
+                "controllers_expected": { "type": "integer" },
+                "nodes_healthy": { "type": "integer" },
+                "nodes_expected": { "type": "integer" },
+                "controllers": { "type": "object", "additionalProperties": { "type": "object" } },
+                "nodes": { "type": "object", "additionalProperties": { "type": "object" } },
+                "create_index": { "type": "integer" },
+                "modify_index": { "type": "integer" },
+            }), &["id", "provider", "version", "controller_required", "nodes_healthy", "nodes_expected"]),
+            "CsiSnapshot": object(json!({
+                "id": { "type": "string" },
+                "name": { "type": "string" },
+                "plugin_id": { "type": "string" },
+                "source_volume_id": { "type": "string" },
+            }), &["id", "plugin_id"]),
+        },
+        "parameters": {
+            "index": {
+                "name": "index", "in": "query", "required": false,
+                "description": "a blocking query: answer once the data changed past this index (an X-Berth-Index of an earlier answer), or after wait",
+                "schema": { "type": "integer", "minimum": 0 },
+            },
+            "wait": {
+                "name": "wait", "in": "query", "required": false,
+                "description": "how long a blocking query waits at most, such as 10s or 2m (default and cap: 5m)",
+                "schema": { "type": "string" },
+            },
+            "per_page": {
+                "name": "per_page", "in": "query", "required": false,
+                "description": "the most items on a page",
+                "schema": { "type": "integer", "minimum": 1 },
+            },
+            "next_token": {
+                "name": "next_token", "in": "query", "required": false,
+                "description": "the ID the page starts at: the X-Berth-NextToken of the page before",
+                "schema": { "type": "string" },
+            },
+            "prefix": {
+                "name": "prefix", "in": "query", "required": false,
+                "description": "only the items whose ID starts with it",
+                "schema": { "type": "string" },
+            },
+        },
+        "headers": {
+            "X-Berth-Index": {
+                "description": "the index the answer reflects: the last write to the tables it is read from",
+                "schema": { "type": "integer" },
+            },
+            "X-Berth-NextToken": {
+                "description": "present when more items remain: the next_token of the next page",
+                "schema": { "type": "string" },
+            },
+        },
+        "responses": {
+            "Error": {
+                "description": "the request failed; the message names the problem",
+                "content": { "application/json": { "schema": schema_ref("Error") } },
+            },
+        },
+    })
+}
+
+/// The whole document.
+pub fn document() -> Value {
+    let mut paths = Map::new();
+    for o in operations() {
+        let item = paths
+            .entry(o.path)
+            .or_insert_with(|| Value::Object(Map::new()));
+        item[o.method] = operation(&o);
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "berth HTTP API",
+            "version": env!("CARGO_PKG_VERSION"),
+            "description": "The JSON API of a berth agent. Every agent serves it: the agent's own routes itself, the rest through its server role or forwarded to a server. Errors are {\"error\": \"<message>\"}.",
+        },
+        "paths": paths,
+        "components": components(),
+    })
+}
+
+/// `GET /v1/openapi.json`.
+pub async fn openapi_json() -> Json<Value> {
+    static DOCUMENT: OnceLock<Value> = OnceLock::new();
+    Json(DOCUMENT.get_or_init(document).clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::*;
+    use crate::http::routes::all_routes;
+
+    fn described(doc: &Value) -> BTreeSet<(String, String)> {
+        let mut out = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            for method in item.as_object().expect("path item").keys() {
+                out.insert((method.to_ascii_uppercase(), path.clone()));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn the_document_describes_exactly_the_routes_the_agents_serve() {
+        let doc = document();
+        let documented = described(&doc);
+        let served: BTreeSet<(String, String)> = all_routes()
+            .into_iter()
+            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .collect();
+        let undescribed: Vec<String> = served
+            .difference(&documented)
+            .map(|(m, p)| format!("{m} {p}"))
+            .collect();
+        let gone: Vec<String> = documented
+            .difference(&served)
+            .map(|(m, p)| format!("{m} {p}"))
+            .collect();
+        assert!(
+            undescribed.is_empty(),
+            "routes served but not described in agent/src/http/openapi.rs: {undescribed:?}"
+        );
+        assert!(
+            gone.is_empty(),
+            "routes described in agent/src/http/openapi.rs that no agent serves: {gone:?}"
+        );
+    }
+
+    #[test]
+    fn the_document_is_openapi_3_1_json_whose_path_params_match_the_paths() {
+        let text = serde_json::to_string(&document()).expect("encode");
+        let doc: Value = serde_json::from_str(&text).expect("valid JSON");
+        assert_eq!(doc["openapi"], "3.1.0");
+        assert!(doc["info"]["title"].is_string() && doc["info"]["version"].is_string());
+        let mut operation_ids = BTreeSet::new();
+        for (path, item) in doc["paths"].as_object().expect("paths") {
+            let expected: Vec<&str> = path_params(path);
+            for (method, op) in item.as_object().expect("path item") {
+                let params = op["parameters"].as_array().expect("parameters");
+                let in_path: Vec<&str> = params
+                    .iter()
+                    .filter(|p| p["in"] == "path")
+                    .map(|p| p["name"].as_str().expect("name"))
+                    .collect();
+                assert_eq!(in_path, expected, "{method} {path}: path parameters");
+                assert!(
+                    params
+                        .iter()
+                        .filter(|p| p["in"] == "path")
+                        .all(|p| p["required"] == true),
+                    "{method} {path}: path parameters are required"
+                );
+                assert!(
+                    op["summary"].as_str().is_some_and(|s| !s.is_empty()),
+                    "{method} {path}: a summary"
+                );
+                assert!(op["responses"]["200"].is_object(), "{method} {path}: 200");
+                assert_eq!(
+                    op["responses"]["4XX"]["$ref"], "#/components/responses/Error",
+                    "{method} {path}: the error shape"
+                );
+                assert!(
+                    operation_ids
+                        .insert(op["operationId"].as_str().expect("operationId").to_string()),
+                    "{method} {path}: a unique operationId"
+                );
+            }
+        }
+        for name in [
+            "Job",
+            "Allocation",
+            "Node",
+            "CsiVolume",
+            "CsiPlugin",
+            "Error",
+        ] {
+            let schema = &doc["components"]["schemas"][name];
+            assert!(
+                schema["required"].as_array().is_some_and(|r| !r.is_empty()),
+                "{name}: required fields named"
+            );
+        }
+    }
+
+    /// Every `$ref` points at something the document defines.
+    #[test]
+    fn every_reference_resolves() {
+        fn walk(doc: &Value, v: &Value, bad: &mut Vec<String>) {
+            match v {
+                Value::Object(o) => {
+                    if let Some(Value::String(r)) = o.get("$ref") {
+                        let pointer = r.trim_start_matches('#');
+                        if doc.pointer(pointer).is_none() {
+                            bad.push(r.clone());
+                        }
+                    }
+                    o.values().for_each(|x| walk(doc, x, bad));
+                }
+                Value::Array(a) => a.iter().for_each(|x| walk(doc, x, bad)),
+                _ => {}
+            }
+        }
+        let doc = document();
+        let mut bad = Vec::new();
+        walk(&doc, &doc, &mut bad);
+        assert!(bad.is_empty(), "unresolved references: {bad:?}");
+    }
+
+    /// Reads say how they block and page: every list takes the page
+    /// parameters and answers `X-Berth-NextToken`; every blocking read
+    /// answers `X-Berth-Index`.
+    #[test]
+    fn lists_and_blocking_reads_carry_their_parameters_and_headers() {
+        let doc = document();
+        let get_of = |path: &str| doc["paths"][path]["get"].clone();
+        for path in [
+            "/v1/jobs",
+            "/v1/allocations",
+            "/v1/nodes",
+            "/v1/volumes",
+            "/v1/plugins",
+        ] {
+            let op = get_of(path);
+            let refs: Vec<&str> = op["parameters"]
+                .as_array()
+                .expect("parameters")
+                .iter()
+                .filter_map(|p| p["$ref"].as_str())
+                .collect();
+            for p in ["index", "wait", "per_page", "next_token", "prefix"] {
+                assert!(
+                    refs.contains(&format!("#/components/parameters/{p}").as_str()),
+                    "{path} takes {p}"
+                );
+            }
+            assert!(
+                op["responses"]["200"]["headers"]["X-Berth-NextToken"].is_object(),
+                "{path}"
+            );
+        }
+        for path in [
+            "/v1/job/{id}",
+            "/v1/node/{id}",
+            "/v1/volume/csi/{id}",
+            "/v1/plugin/csi/{id}",
+        ] {
+            assert!(
+                get_of(path)["responses"]["200"]["headers"]["X-Berth-Index"].is_object(),
+                "{path}"
+            );
+        }
+    }
+}
