@@ -293,6 +293,7 @@ impl TestClient {
                 Some(pb::server_call::Call::CreateSnapshot(_)) => "CreateSnapshot",
                 Some(pb::server_call::Call::DeleteSnapshot(_)) => "DeleteSnapshot",
                 Some(pb::server_call::Call::ListSnapshots(_)) => "ListSnapshots",
+                Some(pb::server_call::Call::ClientHttp(_)) => "ClientHttp",
                 None => "none",
             })
             .collect()
