@@ -118,43 +118,81 @@ pub const DEFAULT_HTTP_PORT: u16 = 4747;
 /// one.
 pub const DEFAULT_RPC_PORT: u16 = 4647;
 
-const AGENT_USAGE: &str = "\
-Usage: berth agent -dev [options]
-       berth agent [-config PATH]... [-server] [-client] [options]
-
-  -dev                  run a server and a client in one process, on a temp data dir
-  -config PATH          read an agent config file, or a directory's *.hcl in name
-                        order (repeatable; later files override earlier ones)
-  -server               run the server role (agent protocol and HTTP API)
-  -client               run the client role
-  -servers HOST:PORT[,HOST:PORT...]
-                        the servers' agent protocol addresses a client dials
-                        (the first, and the next when one fails)
-  -data-dir DIR         keep state here (-dev: default a new temp dir)
-  -http-addr HOST:PORT  HTTP API address (default bind_addr:ports.http, 127.0.0.1:4747)
-  -rpc-addr HOST:PORT   agent protocol address (-dev: default 127.0.0.1:0, any free
-                        port; else bind_addr:ports.rpc, 127.0.0.1:4647)
-  -node NAME            the node's name (default: the host name); -node-name too
-  -heartbeat-ttl DUR    shortest heartbeat TTL the servers hand out (default 10s)
-  -gc-max-allocs N      terminal allocs the node keeps before destroying the oldest (default 50)
-  -gc-alloc-threshold DUR  the node destroys allocs terminal for this long (default 1h)
-  -gc-interval DUR      how often the node collects its terminal allocs (default 1m)
-  -csi-fingerprint-interval DUR  how often the node fingerprints CSI plugins and
-                        repairs lost volume mounts of running allocs (default 30s)
-  -log-level LEVEL      trace, debug, info, warn or error (default: log_level, else info);
-                        BERTH_LOG or RUST_LOG, when set, win over both
-  -log-json             log JSON lines instead of text
-
-SIGHUP reads the config files again and applies their log_level (unless
--log-level is given); other changes need a restart.
+/// The long help of `berth agent`.
+const AGENT_ABOUT: &str = "\
+Runs a berth agent: the server role (the agent protocol and the HTTP API),
+the client role, or both. `-dev` runs a server and a client in one process
+on a temp data dir.
 
 Flags override the config files. Without -dev the files and flags together
 need a data dir, a role, and servers for a client-only agent.
-";
+
+SIGHUP reads the config files again and applies their log_level (unless
+-log-level is given); other changes need a restart.";
+
+/// `berth agent`'s flags. Values are checked when they are turned into an
+/// [`AgentConfig`], with the same messages as the config files get.
+#[derive(clap::Args, Debug, Clone, Default)]
+#[command(long_about = AGENT_ABOUT, args_override_self = true)]
+pub struct AgentArgs {
+    /// Run a server and a client in one process, on a temp data dir
+    #[arg(long)]
+    pub dev: bool,
+    /// Read an agent config file, or a directory's *.hcl in name order
+    /// (repeatable; later files override earlier ones)
+    #[arg(long, value_name = "PATH", action = clap::ArgAction::Append)]
+    pub config: Vec<PathBuf>,
+    /// Run the server role (agent protocol and HTTP API)
+    #[arg(long)]
+    pub server: bool,
+    /// Run the client role
+    #[arg(long)]
+    pub client: bool,
+    /// The servers' agent protocol addresses a client dials (the first,
+    /// and the next when one fails)
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
+    pub servers: Option<String>,
+    /// Keep state here (-dev: default a new temp dir)
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// HTTP API address (default bind_addr:ports.http, 127.0.0.1:4747)
+    #[arg(long, value_name = "HOST:PORT")]
+    pub http_addr: Option<String>,
+    /// Agent protocol address (-dev: default 127.0.0.1:0, any free port;
+    /// else bind_addr:ports.rpc, 127.0.0.1:4647)
+    #[arg(long, value_name = "HOST:PORT")]
+    pub rpc_addr: Option<String>,
+    /// The node's name (default: the host name)
+    #[arg(long, value_name = "NAME", visible_alias = "node-name")]
+    pub node: Option<String>,
+    /// Shortest heartbeat TTL the servers hand out (default 10s)
+    #[arg(long, value_name = "DUR")]
+    pub heartbeat_ttl: Option<String>,
+    /// Terminal allocs the node keeps before destroying the oldest (default 50)
+    #[arg(long, value_name = "N")]
+    pub gc_max_allocs: Option<String>,
+    /// The node destroys allocs terminal for this long (default 1h)
+    #[arg(long, value_name = "DUR")]
+    pub gc_alloc_threshold: Option<String>,
+    /// How often the node collects its terminal allocs (default 1m)
+    #[arg(long, value_name = "DUR")]
+    pub gc_interval: Option<String>,
+    /// How often the node fingerprints CSI plugins and repairs lost volume
+    /// mounts of running allocs (default 30s)
+    #[arg(long, value_name = "DUR")]
+    pub csi_fingerprint_interval: Option<String>,
+    /// trace, debug, info, warn or error (default: log_level, else info);
+    /// BERTH_LOG or RUST_LOG, when set, win over both
+    #[arg(long, value_name = "LEVEL")]
+    pub log_level: Option<String>,
+    /// Log JSON lines instead of text
+    #[arg(long)]
+    pub log_json: bool,
+}
 
 /// A command line `berth agent` cannot make sense of.
 fn usage_error(message: impl Into<String>) -> anyhow::Error {
-    crate::cli::errors::UsageError::new(message, AGENT_USAGE).into()
+    crate::cli::usage_error(&["agent"], message)
 }
 
 /// A duration flag's value: humantime ("30s", "5m"), at most
@@ -176,10 +214,11 @@ fn duration_flag(name: &str, v: &str) -> Result<Duration> {
 }
 
 /// What `berth agent`'s command line asks for.
+#[cfg(test)]
 #[derive(Debug, Clone)]
 pub enum AgentCommand {
     Run(Box<AgentConfig>),
-    /// `-h`, `-help`: print the usage.
+    /// `-h`, `-help`: clap printed the help.
     Help,
 }
 
@@ -198,120 +237,129 @@ struct Flags {
     min_heartbeat_ttl: Option<Duration>,
     log_level: Option<String>,
     log_json: bool,
-    /// The last flag given that only the server role uses, and the last
-    /// that only the client role uses: refused when that role is off.
-    server_flag: Option<String>,
-    client_flag: Option<String>,
+    /// A flag given that only the server role uses, and one that only the
+    /// client role uses: refused when that role is off.
+    server_flag: Option<&'static str>,
+    client_flag: Option<&'static str>,
+}
+
+/// `HOST:PORT` of the flag `name`.
+fn addr_flag(name: &str, v: &str) -> Result<SocketAddr> {
+    v.parse()
+        .with_context(|| format!("berth agent: -{name} {v:?} is not HOST:PORT"))
 }
 
 impl AgentConfig {
+    /// The command line as the tests write it (`["-dev", "-node", "n1"]`),
+    /// parsed as `berth agent` parses it.
+    #[cfg(test)]
     pub fn from_args(args: &[String]) -> Result<AgentCommand> {
+        let argv = std::iter::once("agent".to_string())
+            .chain(args.iter().cloned())
+            .collect();
+        match crate::cli::parse(argv)? {
+            crate::cli::Parsed::Run(cli) => match cli.command {
+                crate::cli::Command::Agent(a) => {
+                    Ok(AgentCommand::Run(Box::new(AgentConfig::from_flags(*a)?)))
+                }
+                other => bail!("not an agent command: {other:?}"),
+            },
+            crate::cli::Parsed::Print(..) => Ok(AgentCommand::Help),
+        }
+    }
+
+    /// The agent's configuration: the flags over the config files they
+    /// name (or `-dev`'s, without files).
+    pub fn from_flags(a: AgentArgs) -> Result<AgentConfig> {
         let mut c = AgentConfig::default();
-        let mut f = Flags::default();
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            let flag = a.trim_start_matches('-');
-            let (name, inline) = match flag.split_once('=') {
-                Some((n, v)) => (n, Some(v.to_string())),
-                None => (flag, None),
-            };
-            let mut value = |what: &str| -> Result<String> {
-                match &inline {
-                    Some(v) => Ok(v.clone()),
-                    None => it
-                        .next()
-                        .cloned()
-                        .ok_or_else(|| usage_error(format!("berth agent: -{what} needs a value"))),
-                }
-            };
-            match name {
-                "rpc-addr" | "heartbeat-ttl" => f.server_flag = Some(name.into()),
-                "gc-max-allocs"
-                | "gc-interval"
-                | "gc-alloc-threshold"
-                | "csi-fingerprint-interval" => f.client_flag = Some(name.into()),
-                _ => {}
+        let mut f = Flags {
+            dev: a.dev,
+            configs: a.config,
+            server: a.server,
+            client: a.client,
+            data_dir: a.data_dir,
+            log_json: a.log_json,
+            ..Flags::default()
+        };
+        f.server_flag = [
+            (a.rpc_addr.is_some(), "rpc-addr"),
+            (a.heartbeat_ttl.is_some(), "heartbeat-ttl"),
+        ]
+        .into_iter()
+        .find_map(|(set, name)| set.then_some(name));
+        f.client_flag = [
+            (a.gc_max_allocs.is_some(), "gc-max-allocs"),
+            (a.gc_interval.is_some(), "gc-interval"),
+            (a.gc_alloc_threshold.is_some(), "gc-alloc-threshold"),
+            (
+                a.csi_fingerprint_interval.is_some(),
+                "csi-fingerprint-interval",
+            ),
+        ]
+        .into_iter()
+        .find_map(|(set, name)| set.then_some(name));
+        if let Some(v) = &a.servers {
+            let mut list = Vec::new();
+            for s in v.split(',') {
+                crate::config::check_server_addr(s)
+                    .map_err(|e| anyhow!("berth agent: -servers: {e}"))?;
+                list.push(s.to_string());
             }
-            match name {
-                "dev" => f.dev = true,
-                "server" => f.server = true,
-                "client" => f.client = true,
-                "config" => f.configs.push(PathBuf::from(value(name)?)),
-                "servers" => {
-                    let v = value(name)?;
-                    let mut list = Vec::new();
-                    for s in v.split(',') {
-                        crate::config::check_server_addr(s)
-                            .map_err(|e| anyhow!("berth agent: -servers: {e}"))?;
-                        list.push(s.to_string());
-                    }
-                    f.servers = Some(list);
-                }
-                "data-dir" => f.data_dir = Some(PathBuf::from(value(name)?)),
-                "http-addr" => {
-                    let v = value(name)?;
-                    f.http_addr = Some(v.parse().with_context(|| {
-                        format!("berth agent: -http-addr {v:?} is not HOST:PORT")
-                    })?);
-                }
-                "rpc-addr" => {
-                    let v = value(name)?;
-                    f.rpc_addr = Some(v.parse().with_context(|| {
-                        format!("berth agent: -rpc-addr {v:?} is not HOST:PORT")
-                    })?);
-                }
-                "node" | "node-name" => {
-                    let v = value(name)?;
-                    berth_structs::check_name("node name", &v)
-                        .with_context(|| format!("berth agent: -{name} {v:?}"))?;
-                    f.node_name = Some(v);
-                }
-                "heartbeat-ttl" => f.min_heartbeat_ttl = Some(duration_flag(name, &value(name)?)?),
-                "log-level" => {
-                    let v = value(name)?.to_ascii_lowercase();
-                    if !crate::config::LOG_LEVELS.contains(&v.as_str()) {
-                        return Err(usage_error(format!(
-                            "berth agent: -log-level: unknown level {v:?} (want one of {})",
-                            crate::config::LOG_LEVELS.join(", ")
-                        )));
-                    }
-                    f.log_level = Some(v);
-                }
-                "log-json" => f.log_json = true,
-                // The client's garbage collection knobs.
-                "gc-max-allocs" => {
-                    let v = value(name)?;
-                    c.gc_max_allocs = v.parse().with_context(|| {
-                        format!("berth agent: -gc-max-allocs {v:?} is not a whole number")
-                    })?;
-                }
-                "gc-interval" => {
-                    let d = duration_flag(name, &value(name)?)?;
-                    if d.is_zero() {
-                        bail!("berth agent: -gc-interval must be longer than 0s");
-                    }
-                    c.gc_interval = d;
-                }
-                "gc-alloc-threshold" => {
-                    c.gc_alloc_threshold = duration_flag(name, &value(name)?)?;
-                }
-                "csi-fingerprint-interval" => {
-                    let d = duration_flag(name, &value(name)?)?;
-                    if d.is_zero() {
-                        bail!("berth agent: -csi-fingerprint-interval must be longer than 0s");
-                    }
-                    c.csi_fingerprint_interval = Some(d);
-                }
-                "h" | "help" => return Ok(AgentCommand::Help),
-                _ => return Err(usage_error(format!("berth agent: unknown flag {a:?}"))),
+            f.servers = Some(list);
+        }
+        if let Some(v) = &a.http_addr {
+            f.http_addr = Some(addr_flag("http-addr", v)?);
+        }
+        if let Some(v) = &a.rpc_addr {
+            f.rpc_addr = Some(addr_flag("rpc-addr", v)?);
+        }
+        if let Some(v) = a.node {
+            berth_structs::check_name("node name", &v)
+                .with_context(|| format!("berth agent: -node (-node-name) {v:?}"))?;
+            f.node_name = Some(v);
+        }
+        if let Some(v) = &a.heartbeat_ttl {
+            f.min_heartbeat_ttl = Some(duration_flag("heartbeat-ttl", v)?);
+        }
+        if let Some(v) = &a.log_level {
+            let v = v.to_ascii_lowercase();
+            if !crate::config::LOG_LEVELS.contains(&v.as_str()) {
+                return Err(usage_error(format!(
+                    "berth agent: -log-level: unknown level {v:?} (want one of {})",
+                    crate::config::LOG_LEVELS.join(", ")
+                )));
             }
+            f.log_level = Some(v);
+        }
+        // The client's garbage collection knobs.
+        if let Some(v) = &a.gc_max_allocs {
+            c.gc_max_allocs = v.parse().with_context(|| {
+                format!("berth agent: -gc-max-allocs {v:?} is not a whole number")
+            })?;
+        }
+        if let Some(v) = &a.gc_interval {
+            let d = duration_flag("gc-interval", v)?;
+            if d.is_zero() {
+                bail!("berth agent: -gc-interval must be longer than 0s");
+            }
+            c.gc_interval = d;
+        }
+        if let Some(v) = &a.gc_alloc_threshold {
+            c.gc_alloc_threshold = duration_flag("gc-alloc-threshold", v)?;
+        }
+        if let Some(v) = &a.csi_fingerprint_interval {
+            let d = duration_flag("csi-fingerprint-interval", v)?;
+            if d.is_zero() {
+                bail!("berth agent: -csi-fingerprint-interval must be longer than 0s");
+            }
+            c.csi_fingerprint_interval = Some(d);
         }
         if f.dev {
             c.apply_dev(f)?;
         } else {
             c.apply_files(f)?;
         }
-        Ok(AgentCommand::Run(Box::new(c)))
+        Ok(c)
     }
 
     /// `-dev`: both roles in one process, as the flags say, no files.
@@ -496,14 +544,8 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
     .collect()
 }
 
-pub fn run_from_args(args: &[String]) -> Result<i32> {
-    let config = match AgentConfig::from_args(args)? {
-        AgentCommand::Run(c) => *c,
-        AgentCommand::Help => {
-            print!("{AGENT_USAGE}");
-            return Ok(0);
-        }
-    };
+pub fn run_from_args(args: AgentArgs) -> Result<i32> {
+    let config = AgentConfig::from_flags(args)?;
     // The data dir is claimed before anything else (databases, logs), so
     // that a second agent on it fails at once with one line.
     let data_dir = prepare_data_dir(&config)?;

@@ -10,18 +10,18 @@ pub const EXIT_FAILURE: i32 = 1;
 pub const EXIT_USAGE: i32 = 2;
 
 /// An unknown command or flag, a flag without its value, missing or extra
-/// arguments: reported with the usage text, exit 2.
+/// arguments: reported with the command's usage, exit 2.
 #[derive(Debug)]
 pub struct UsageError {
     message: String,
-    usage: &'static str,
+    usage: String,
 }
 
 impl UsageError {
-    pub fn new(message: impl Into<String>, usage: &'static str) -> UsageError {
+    pub fn new(message: impl Into<String>, usage: impl Into<String>) -> UsageError {
         UsageError {
             message: message.into(),
-            usage,
+            usage: usage.into(),
         }
     }
 }
@@ -69,7 +69,11 @@ fn flatten(message: &str) -> String {
 pub fn report(e: &anyhow::Error) -> i32 {
     match e.downcast_ref::<UsageError>() {
         Some(usage) => {
-            eprintln!("Error: {}\n\n{}", flatten(&usage.message), usage.usage);
+            eprintln!(
+                "Error: {}\n\n{}",
+                flatten(&usage.message),
+                usage.usage.trim_end()
+            );
             EXIT_USAGE
         }
         None => {

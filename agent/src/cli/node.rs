@@ -1,20 +1,103 @@
-//! `berth node drain` and `berth node eligibility`, and the `node status`
-//! table.
+//! `berth node status|drain|eligibility|purge`, and the tables they print.
 
 use std::collections::HashMap;
 
 use anyhow::Result;
+use clap::{ArgGroup, Args, Subcommand};
 use serde_json::{json, Value};
 
-use super::errors::UsageError;
 use super::http_client::ApiClient;
-use super::{api_args, enc, one_positional, print_json};
+use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, volume_stats, Ctx};
 
-/// The help of `berth node drain` (also shown with its usage errors).
-pub const DRAIN_HELP: &str = "\
-Usage: berth node drain -enable [-deadline D] [-force] [-detach] NODE
-       berth node drain -disable NODE
+#[derive(Subcommand, Debug)]
+pub enum NodeCommand {
+    /// Show nodes, or one node with its CSI plugins and events
+    Status(StatusArgs),
+    /// Move a node's allocs elsewhere, or stop draining it
+    Drain(DrainArgs),
+    /// Allow or forbid new allocs on a node
+    Eligibility(EligibilityArgs),
+    /// Forget a node that is gone; its allocs are lost, its claims freed
+    Purge(PurgeArgs),
+}
 
+#[derive(Args, Debug)]
+pub struct StatusArgs {
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
+    /// The node's ID, ID prefix or name (none: every node)
+    #[arg(value_name = "NODE")]
+    pub node: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct PurgeArgs {
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
+    /// The node's ID, ID prefix or name
+    #[arg(value_name = "NODE")]
+    pub node: String,
+}
+
+/// `berth node drain -enable [-deadline D] [-force] [-detach] NODE`,
+/// `berth node drain -disable NODE`.
+#[derive(Args, Debug)]
+#[command(
+    long_about = DRAIN_ABOUT,
+    group(ArgGroup::new("mode").required(true).args(["enable", "disable"]))
+)]
+pub struct DrainArgs {
+    /// Start draining the node (or change the deadline of its drain)
+    #[arg(long)]
+    pub enable: bool,
+    /// Stop draining; stopped allocs stay stopped and the node stays ineligible
+    #[arg(long)]
+    pub disable: bool,
+    /// How long the drain waits for the service and batch allocs to stop
+    /// (default 1h). At the deadline it stops waiting and stops the system
+    /// allocs too; plugins still wait until their volumes are unmounted: no
+    /// volume is left behind a stopped plugin.
+    #[arg(long, value_name = "D", conflicts_with = "disable")]
+    pub deadline: Option<String>,
+    /// A deadline of now: do not wait for the allocs to migrate
+    #[arg(long, conflicts_with_all = ["disable", "deadline"])]
+    pub force: bool,
+    /// Return once the drain has started
+    #[arg(long, conflicts_with = "disable")]
+    pub detach: bool,
+    /// Print the node as the API answers it, and return
+    #[arg(long)]
+    pub json: bool,
+    /// The node's ID, ID prefix or name
+    #[arg(value_name = "NODE")]
+    pub node: String,
+}
+
+/// `berth node eligibility -enable|-disable NODE`.
+#[derive(Args, Debug)]
+#[command(
+    long_about = ELIGIBILITY_ABOUT,
+    group(ArgGroup::new("mode").required(true).args(["enable", "disable"]))
+)]
+pub struct EligibilityArgs {
+    /// Allow new allocs on the node
+    #[arg(long)]
+    pub enable: bool,
+    /// Forbid new allocs on the node; allocs already there keep running
+    #[arg(long)]
+    pub disable: bool,
+    /// Print the node as the API answers it
+    #[arg(long)]
+    pub json: bool,
+    /// The node's ID, ID prefix or name
+    #[arg(value_name = "NODE")]
+    pub node: String,
+}
+
+/// The long help of `berth node drain`.
+const DRAIN_ABOUT: &str = "\
 Drains a node (an ID, a unique ID prefix or a name). The node becomes
 ineligible for new allocs. Its service and batch allocs are stopped at once
 and placed again on other nodes. Its system allocs are stopped last: once the
@@ -25,103 +108,22 @@ stopped; the node then stays ineligible until `berth node eligibility -enable
 NODE`.
 
 Without -detach the command follows the drain, printing the allocs as they
-stop, until it completes; Ctrl-C leaves the drain running.
+stop, until it completes; Ctrl-C leaves the drain running.";
 
-Options:
-  -enable      start draining the node (or change the deadline of its drain)
-  -deadline D  how long the drain waits for the service and batch allocs to
-               stop (default 1h). At the deadline it stops waiting and stops
-               the system allocs too; plugins still wait until their volumes
-               are unmounted: no volume is left behind a stopped plugin.
-  -force       a deadline of now: do not wait for the allocs to migrate
-  -detach      return once the drain has started
-  -json        print the node as the API answers it, and return
-  -disable     stop draining; stopped allocs stay stopped and the node stays
-               ineligible
-  -address A   the API address (default BERTH_ADDR, then http://127.0.0.1:4747)
-";
-
-/// The help of `berth node eligibility`.
-pub const ELIGIBILITY_HELP: &str = "\
-Usage: berth node eligibility -enable|-disable NODE
-
+/// The long help of `berth node eligibility`.
+const ELIGIBILITY_ABOUT: &str = "\
 Allows (-enable) or forbids (-disable) new allocs on a node (an ID, a unique
 ID prefix or a name). Allocs already there keep running. A draining node
-cannot be made eligible: disable the drain first.
+cannot be made eligible: disable the drain first.";
 
-Options:
-  -json        print the node as the API answers it
-  -address A   the API address (default BERTH_ADDR, then http://127.0.0.1:4747)
-";
-
-fn usage(message: impl Into<String>, help: &'static str) -> anyhow::Error {
-    UsageError::new(message, help).into()
-}
-
-/// A usage error of the shared argument parsing, shown with `help`
-/// instead of the general usage; other errors as they are.
-fn with_help(e: anyhow::Error, help: &'static str) -> anyhow::Error {
-    if e.downcast_ref::<UsageError>().is_some() {
-        usage(e.to_string(), help)
-    } else {
-        e
+pub fn run(cmd: NodeCommand, ctx: &Ctx) -> Result<i32> {
+    let api = ctx.api();
+    match cmd {
+        NodeCommand::Status(a) => node_status(a, api),
+        NodeCommand::Drain(a) => node_drain(a, api),
+        NodeCommand::Eligibility(a) => node_eligibility(a, api),
+        NodeCommand::Purge(a) => node_purge(a, api),
     }
-}
-
-/// The flags `-enable`, `-disable` and `-deadline D` (`-deadline=D`) taken
-/// out of the command line; the rest is for [`api_args`].
-struct Toggle {
-    enable: bool,
-    disable: bool,
-    deadline: Option<String>,
-    rest: Vec<String>,
-    help: bool,
-}
-
-fn toggle_args(
-    command: &str,
-    args: &[String],
-    with_deadline: bool,
-    help: &'static str,
-) -> Result<Toggle> {
-    let mut t = Toggle {
-        enable: false,
-        disable: false,
-        deadline: None,
-        rest: Vec::new(),
-        help: false,
-    };
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let flag = a.strip_prefix("--").or_else(|| a.strip_prefix('-'));
-        let (name, inline) = match flag.map(|f| f.split_once('=').unwrap_or((f, ""))) {
-            Some((n, v)) if a.contains('=') => (n, Some(v.to_string())),
-            Some((n, _)) => (n, None),
-            None => ("", None),
-        };
-        match name {
-            "enable" => t.enable = true,
-            "disable" => t.disable = true,
-            "h" | "help" => t.help = true,
-            "deadline" if with_deadline => {
-                let value = match inline {
-                    Some(v) => v,
-                    None => it.next().cloned().ok_or_else(|| {
-                        usage(format!("berth {command}: -deadline needs a value"), help)
-                    })?,
-                };
-                t.deadline = Some(value);
-            }
-            _ => t.rest.push(a.clone()),
-        }
-    }
-    if !t.help && t.enable == t.disable {
-        return Err(usage(
-            format!("berth {command}: give one of -enable or -disable"),
-            help,
-        ));
-    }
-    Ok(t)
 }
 
 /// The first eight characters of an ID, as tables show it.
@@ -138,40 +140,18 @@ fn node_label(n: &Value) -> String {
 }
 
 /// `berth node drain`.
-pub fn node_drain(args: &[String]) -> Result<i32> {
-    let t = toggle_args("node drain", args, true, DRAIN_HELP)?;
-    if t.help {
-        print!("{DRAIN_HELP}");
-        return Ok(0);
-    }
-    let a = api_args("node drain", &t.rest, &["force", "detach", "json"])
-        .map_err(|e| with_help(e, DRAIN_HELP))?;
-    let node = one_positional("node drain", &a, "node ID, ID prefix or name")
-        .map_err(|e| with_help(e, DRAIN_HELP))?;
-    if t.disable && (t.deadline.is_some() || a.force || a.detach) {
-        return Err(usage(
-            "berth node drain: -deadline, -force and -detach go with -enable",
-            DRAIN_HELP,
-        ));
-    }
-    if t.deadline.is_some() && a.force {
-        return Err(usage(
-            "berth node drain: give -deadline or -force, not both (-force is a deadline of now)",
-            DRAIN_HELP,
-        ));
-    }
-    let mut body = json!({ "enable": t.enable, "force": a.force });
-    if let Some(d) = &t.deadline {
+fn node_drain(a: DrainArgs, api: &ApiClient) -> Result<i32> {
+    let node = &a.node;
+    let mut body = json!({ "enable": a.enable, "force": a.force });
+    if let Some(d) = &a.deadline {
         body["deadline"] = json!(d);
     }
-    let n = a
-        .api
-        .post(&format!("/v1/node/{}/drain", enc(&node)), &body)?;
+    let n = api.post(&format!("/v1/node/{}/drain", enc(node)), &body)?;
     if a.json {
         return print_json(&n);
     }
     let label = node_label(&n);
-    if t.disable {
+    if a.disable {
         println!(
             "Node {label}: drain disabled; it stays ineligible (berth node eligibility -enable {} makes it eligible)",
             n["name"].as_str().unwrap_or_default()
@@ -186,7 +166,7 @@ pub fn node_drain(args: &[String]) -> Result<i32> {
         return Ok(0);
     }
     let id = n["id"].as_str().unwrap_or_default().to_string();
-    follow_drain(&a.api, &id)
+    follow_drain(api, &id)
 }
 
 /// What was printed of an alloc while following a drain.
@@ -261,19 +241,10 @@ fn follow_drain(api: &ApiClient, node_id: &str) -> Result<i32> {
 }
 
 /// `berth node eligibility`.
-pub fn node_eligibility(args: &[String]) -> Result<i32> {
-    let t = toggle_args("node eligibility", args, false, ELIGIBILITY_HELP)?;
-    if t.help {
-        print!("{ELIGIBILITY_HELP}");
-        return Ok(0);
-    }
-    let a = api_args("node eligibility", &t.rest, &["json"])
-        .map_err(|e| with_help(e, ELIGIBILITY_HELP))?;
-    let node = one_positional("node eligibility", &a, "node ID, ID prefix or name")
-        .map_err(|e| with_help(e, ELIGIBILITY_HELP))?;
-    let n = a.api.post(
-        &format!("/v1/node/{}/eligibility", enc(&node)),
-        &json!({ "eligible": t.enable }),
+fn node_eligibility(a: EligibilityArgs, api: &ApiClient) -> Result<i32> {
+    let n = api.post(
+        &format!("/v1/node/{}/eligibility", enc(&a.node)),
+        &json!({ "eligible": a.enable }),
     )?;
     if a.json {
         return print_json(&n);
@@ -282,6 +253,72 @@ pub fn node_eligibility(args: &[String]) -> Result<i32> {
         "Node {} is {} for scheduling",
         node_label(&n),
         n["scheduling_eligibility"].as_str().unwrap_or_default()
+    );
+    Ok(0)
+}
+
+fn node_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
+    let v = match &a.node {
+        Some(id) => api.get(&format!("/v1/node/{}", enc(&id)))?,
+        None => api.get("/v1/nodes")?,
+    };
+    if a.json {
+        return print_json(&v);
+    }
+    let nodes = match &v {
+        Value::Array(a) => a.clone(),
+        other => vec![other.clone()],
+    };
+    let allocs = api.get("/v1/allocations")?;
+    for row in node_table(&nodes, &allocs, berth_structs::now_ms()) {
+        println!("{row}");
+    }
+    if let [n] = nodes.as_slice() {
+        println!("\nID = {}", n["id"].as_str().unwrap_or_default());
+        if let Some(d) = n["drain_strategy"].as_object() {
+            let at = d.get("force_deadline_ms").and_then(Value::as_i64);
+            println!(
+                "Drain deadline = {} ({})",
+                d.get("deadline")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+                deadline_left(at.unwrap_or(0), berth_structs::now_ms())
+            );
+        }
+        let plugins = plugin_table(n);
+        if !plugins.is_empty() {
+            println!("\nCSI Plugins");
+            for row in plugins {
+                println!("  {row}");
+            }
+        }
+        println!("\nEvents");
+        for e in n["events"].as_array().into_iter().flatten() {
+            println!(
+                "  {:<10} {:<20} {}",
+                e["subsystem"].as_str().unwrap_or_default(),
+                e["message"].as_str().unwrap_or_default(),
+                e["details"]
+            );
+        }
+    }
+    Ok(0)
+}
+
+fn node_purge(a: PurgeArgs, api: &ApiClient) -> Result<i32> {
+    let node = &a.node;
+    let resp = api.put(&format!("/v1/node/{}/purge", enc(node)), &json!({}))?;
+    if a.json {
+        return print_json(&resp);
+    }
+    print_release_warnings(&resp);
+    let name = resp["node_name"].as_str().unwrap_or_default();
+    let id = resp["node_id"].as_str().unwrap_or_default();
+    let lost = strs(&resp["lost_allocs"]);
+    let released = resp["released"].as_array().map_or(0, Vec::len);
+    println!(
+        "Purged node {name:?} ({id}): {} lost, {released} volume claim(s) freed",
+        allocs_phrase(lost.len())
     );
     Ok(0)
 }
@@ -415,7 +452,7 @@ pub fn plugin_table(node: &Value) -> Vec<String> {
             .map(String::from)
             .to_vec(),
     );
-    super::volume_stats::table(&rows)
+    volume_stats::table(&rows)
 }
 
 #[cfg(test)]
@@ -447,65 +484,6 @@ mod tests {
             "{zone=a} or {zone=b}"
         );
         assert_eq!(topologies_text(&json!([])), "-");
-    }
-
-    fn strings(args: &[&str]) -> Vec<String> {
-        args.iter().map(|s| s.to_string()).collect()
-    }
-
-    #[test]
-    fn drain_flags_are_taken_out_and_the_rest_left_for_the_api_flags() {
-        let t = toggle_args(
-            "node drain",
-            &strings(&["-enable", "-deadline", "30m", "-force", "n1"]),
-            true,
-            DRAIN_HELP,
-        )
-        .unwrap();
-        assert!(t.enable && !t.disable);
-        assert_eq!(t.deadline.as_deref(), Some("30m"));
-        assert_eq!(t.rest, strings(&["-force", "n1"]));
-        let t = toggle_args(
-            "node drain",
-            &strings(&["--deadline=1h", "-enable", "n1"]),
-            true,
-            DRAIN_HELP,
-        )
-        .unwrap();
-        assert_eq!(t.deadline.as_deref(), Some("1h"));
-        assert_eq!(t.rest, strings(&["n1"]));
-    }
-
-    #[test]
-    fn drain_and_eligibility_need_exactly_one_of_enable_or_disable() {
-        for args in [&["n1"][..], &["-enable", "-disable", "n1"][..]] {
-            let e = toggle_args("node drain", &strings(args), true, DRAIN_HELP)
-                .err()
-                .expect("a usage error");
-            assert_eq!(
-                e.to_string(),
-                "berth node drain: give one of -enable or -disable"
-            );
-            assert!(e.downcast_ref::<UsageError>().is_some());
-        }
-        let e = toggle_args(
-            "node drain",
-            &strings(&["-enable", "-deadline"]),
-            true,
-            DRAIN_HELP,
-        )
-        .err()
-        .expect("a usage error");
-        assert_eq!(e.to_string(), "berth node drain: -deadline needs a value");
-        // -deadline is no flag of node eligibility: api_args refuses it.
-        let t = toggle_args(
-            "node eligibility",
-            &strings(&["-enable", "-deadline", "1h", "n1"]),
-            false,
-            ELIGIBILITY_HELP,
-        )
-        .unwrap();
-        assert_eq!(t.rest, strings(&["-deadline", "1h", "n1"]));
     }
 
     #[test]

@@ -2,24 +2,71 @@
 //! says when the volume existed (unchanged or expanded).
 
 use anyhow::Result;
+use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::{ApiClient, ApiError};
-use super::{api_args, enc, print_json, usage_error};
+use super::{enc, print_json, Ctx};
+
+#[derive(Subcommand, Debug)]
+pub enum SnapshotCommand {
+    /// Snapshot a CSI volume through its plugin
+    Create(CreateArgs),
+    /// List the snapshots of a plugin (of all plugins)
+    List(ListArgs),
+    /// Delete a snapshot through its plugin
+    Delete(DeleteArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct CreateArgs {
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
+    /// The volume's ID
+    #[arg(value_name = "VOLUME")]
+    pub volume: String,
+    /// The snapshot's name (default: VOLUME-<unix ms>)
+    #[arg(value_name = "NAME")]
+    pub name: Option<String>,
+}
+
+#[derive(Args, Debug)]
+pub struct ListArgs {
+    /// Only this plugin's snapshots
+    #[arg(long, value_name = "PLUGIN")]
+    pub plugin: Option<String>,
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct DeleteArgs {
+    /// The plugin's ID
+    #[arg(value_name = "PLUGIN")]
+    pub plugin: String,
+    /// The snapshot's ID
+    #[arg(value_name = "SNAPSHOT")]
+    pub snapshot: String,
+}
+
+pub fn run(cmd: SnapshotCommand, ctx: &Ctx) -> Result<i32> {
+    let api = ctx.api();
+    match cmd {
+        SnapshotCommand::Create(a) => snapshot_create(a, api),
+        SnapshotCommand::List(a) => snapshot_list(a, api),
+        SnapshotCommand::Delete(a) => snapshot_delete(a, api),
+    }
+}
 
 /// `volume snapshot create VOLUME [NAME]`.
-pub fn snapshot_create(args: &[String]) -> Result<i32> {
-    let a = api_args("volume snapshot create", args, &["json"])?;
-    let (volume, name) = match a.positional.as_slice() {
-        [v] => (v.clone(), format!("{v}-{}", berth_structs::now_ms())),
-        [v, n] => (v.clone(), n.clone()),
-        _ => {
-            return Err(usage_error(
-                "berth volume snapshot create: takes a volume ID and an optional snapshot name",
-            ))
-        }
-    };
-    let s = a.api.put(
+fn snapshot_create(a: CreateArgs, api: &ApiClient) -> Result<i32> {
+    let volume = a.volume;
+    let name = a
+        .name
+        .unwrap_or_else(|| format!("{volume}-{}", berth_structs::now_ms()));
+    let s = api.put(
         "/v1/volumes/snapshot",
         &json!({ "volume_id": volume, "name": name }),
     )?;
@@ -36,46 +83,13 @@ pub fn snapshot_create(args: &[String]) -> Result<i32> {
     Ok(0)
 }
 
-/// Takes `-plugin P` (or `-plugin=P`) out of `args`.
-fn take_plugin_flag(args: &[String]) -> Result<(Option<String>, Vec<String>)> {
-    let mut plugin = None;
-    let mut rest = Vec::new();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let flag = a.trim_start_matches('-');
-        if a.starts_with('-') && flag == "plugin" {
-            plugin =
-                Some(it.next().cloned().ok_or_else(|| {
-                    usage_error("berth volume snapshot list: -plugin needs a value")
-                })?);
-        } else if let Some(v) = a
-            .starts_with('-')
-            .then(|| flag.strip_prefix("plugin="))
-            .flatten()
-        {
-            plugin = Some(v.to_string());
-        } else {
-            rest.push(a.clone());
-        }
-    }
-    Ok((plugin, rest))
-}
-
 /// `volume snapshot list [-plugin P] [-json]`.
-pub fn snapshot_list(args: &[String]) -> Result<i32> {
-    let (plugin, rest) = take_plugin_flag(args)?;
-    let a = api_args("volume snapshot list", &rest, &["json"])?;
-    if !a.positional.is_empty() {
-        return Err(usage_error(format!(
-            "berth volume snapshot list: takes no arguments, got {:?}",
-            a.positional
-        )));
-    }
-    let url = match &plugin {
+fn snapshot_list(a: ListArgs, api: &ApiClient) -> Result<i32> {
+    let url = match &a.plugin {
         Some(p) => format!("/v1/volumes/snapshot?plugin_id={}", enc(p)),
         None => "/v1/volumes/snapshot".to_string(),
     };
-    let v = a.api.get(&url)?;
+    let v = api.get(&url)?;
     if a.json {
         return print_json(&v);
     }
@@ -139,14 +153,9 @@ fn created_text(ms: i64) -> String {
 }
 
 /// `volume snapshot delete PLUGIN SNAPSHOT`.
-pub fn snapshot_delete(args: &[String]) -> Result<i32> {
-    let a = api_args("volume snapshot delete", args, &[])?;
-    let [plugin, snapshot] = a.positional.as_slice() else {
-        return Err(usage_error(
-            "berth volume snapshot delete: takes a plugin ID and a snapshot ID",
-        ));
-    };
-    a.api.delete(&format!(
+fn snapshot_delete(a: DeleteArgs, api: &ApiClient) -> Result<i32> {
+    let (plugin, snapshot) = (&a.plugin, &a.snapshot);
+    api.delete(&format!(
         "/v1/volumes/snapshot?plugin_id={}&snapshot_id={}",
         enc(plugin),
         enc(snapshot)
@@ -230,17 +239,6 @@ mod tests {
         }
         assert!(rows[2].contains("ext-1"), "{rows:#?}");
         assert!(rows.iter().all(|r| !r.ends_with(' ')), "{rows:#?}");
-    }
-
-    #[test]
-    fn the_plugin_flag_is_taken_out() {
-        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let (p, rest) = take_plugin_flag(&s(&["-plugin", "hp", "-json"])).unwrap();
-        assert_eq!(p.as_deref(), Some("hp"));
-        assert_eq!(rest, s(&["-json"]));
-        let (p, _) = take_plugin_flag(&s(&["-plugin=hp"])).unwrap();
-        assert_eq!(p.as_deref(), Some("hp"));
-        assert!(take_plugin_flag(&s(&["-plugin"])).is_err());
     }
 
     #[test]

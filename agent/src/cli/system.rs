@@ -1,0 +1,42 @@
+//! `berth system gc`.
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use serde_json::json;
+
+use super::http_client::ApiClient;
+use super::{print_json, Ctx};
+
+#[derive(Subcommand, Debug)]
+pub enum SystemCommand {
+    /// Garbage collect what is done (allocs, jobs, nodes), now
+    Gc(GcArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct GcArgs {
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(cmd: SystemCommand, ctx: &Ctx) -> Result<i32> {
+    match cmd {
+        SystemCommand::Gc(a) => system_gc(a, ctx.api()),
+    }
+}
+
+fn system_gc(a: GcArgs, api: &ApiClient) -> Result<i32> {
+    let v = api.put("/v1/system/gc", &json!({}))?;
+    if a.json {
+        return print_json(&v);
+    }
+    let n = |k: &str| v[k].as_array().map_or(0, Vec::len);
+    println!(
+        "Garbage collected {} allocs, {} jobs, {} nodes",
+        n("allocs"),
+        n("jobs"),
+        n("nodes")
+    );
+    Ok(0)
+}
