@@ -133,7 +133,10 @@ async fn metrics(State(info): State<Arc<AgentInfo>>) -> Response {
         berth_metrics::set_client_allocs(&counts);
     }
     (
-        [(axum::http::header::CONTENT_TYPE, berth_metrics::CONTENT_TYPE)],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            berth_metrics::CONTENT_TYPE,
+        )],
         berth_metrics::encode(),
     )
         .into_response()
