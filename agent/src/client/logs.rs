@@ -354,15 +354,13 @@ impl Client {
         let source = self.log_source(id, req.task.as_deref(), req.stream).await?;
         let deadline = tokio::time::Instant::now() + req.wait;
         let mut start = req.start;
-        let mut lost = false;
         loop {
             // The state first: a dead task has written everything, so a
             // read after seeing it dead that brings nothing is the end.
             let task_state = source.task_state();
-            let mut read = source.read(start, req.limit).await?;
-            read.lost |= lost;
-            let nothing_new = read.data.is_empty() && !read.lost;
-            if !nothing_new
+            let read = source.read(start, req.limit).await?;
+            if !read.data.is_empty()
+                || read.lost
                 || task_state == TaskStateKind::Dead
                 || tokio::time::Instant::now() >= deadline
             {
@@ -373,11 +371,11 @@ impl Client {
                     task_state,
                 });
             }
-            // Wait on the cursor this read settled on: a cursor past a
-            // deleted file reads as lost only once.
-            lost = read.lost;
+            // Nothing yet: wait on the cursor this read settled on (a
+            // position given from the start or the end is fixed now).
             start = LogStart::Cursor(read.next);
-            tokio::time::sleep(WAIT_POLL.min(deadline - tokio::time::Instant::now())).await;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            tokio::time::sleep(WAIT_POLL.min(left)).await;
         }
     }
 
