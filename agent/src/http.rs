@@ -529,9 +529,14 @@ async fn plan_job(
 }
 
 /// A job's allocs per group by state (by job ID or unique prefix).
-async fn job_summary(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
+async fn job_summary(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::JOB_ALLOCS).await?;
     let id = s.resolve_job_id(&id)?;
-    to_json(&s.job_summary(&id)?)
+    Ok(indexed(index, encode(&s.job_summary(&id)?)?, None))
 }
 
 /// A job by ID or unique ID prefix.
@@ -949,6 +954,9 @@ pub mod routes;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod query_tests;
 
 #[cfg(test)]
 mod proptests;
