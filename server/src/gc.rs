@@ -251,6 +251,8 @@ impl Server {
         let mut shutdown = self.shutdown_rx();
         // Purged jobs go as soon as they are done: look again on each write.
         let mut writes = self.store.subscribe();
+        // A purge asked before this loop ran (or before a restart).
+        self.collect_purged_jobs();
         let mut next_pass = tokio::time::Instant::now() + self.config.gc_interval;
         loop {
             tokio::select! {
