@@ -291,6 +291,58 @@ pub async fn answer_client_http(
 mod tests {
     use super::*;
 
+    /// An agent without the alloc (here: without a client role at all)
+    /// sends an alloc's requests to `rest` and answers the others itself.
+    #[tokio::test]
+    async fn an_agent_without_the_alloc_sends_its_requests_on() {
+        let info = Arc::new(AgentInfo::new(
+            true,
+            false,
+            std::path::PathBuf::new(),
+            Vec::new(),
+        ));
+        let rest =
+            Router::new().fallback(|uri: axum::http::Uri| async move { format!("rest: {}", uri) });
+        let routing = ClientRouting {
+            info: info.clone(),
+            rest: rest.clone(),
+        };
+        let api = Router::new()
+            .route(
+                "/v1/client/allocation/{id}",
+                axum::routing::get(|| async { "local" }),
+            )
+            .route(
+                "/v1/client/allocations",
+                axum::routing::get(|| async { "local" }),
+            )
+            .fallback_service(rest)
+            .layer(axum::middleware::from_fn_with_state(
+                routing,
+                route_client_request,
+            ));
+        for (path, want) in [
+            (
+                "/v1/client/allocation/ab12",
+                "rest: /v1/client/allocation/ab12",
+            ),
+            (
+                "/v1/client/allocation/ab12/signal?x=1",
+                "rest: /v1/client/allocation/ab12/signal?x=1",
+            ),
+            ("/v1/client/fs/logs/ab12", "rest: /v1/client/fs/logs/ab12"),
+            ("/v1/client/allocations", "local"),
+        ] {
+            let req = axum::http::Request::builder()
+                .uri(path)
+                .body(Body::empty())
+                .unwrap();
+            let resp = api.clone().oneshot(req).await.unwrap();
+            let body = axum::body::to_bytes(resp.into_body(), 1024).await.unwrap();
+            assert_eq!(body, want.as_bytes(), "{path}");
+        }
+    }
+
     #[test]
     fn the_alloc_of_a_node_local_route_is_found_in_its_path() {
         assert_eq!(alloc_of_path("/v1/client/allocation/ab12"), Some("ab12"));
