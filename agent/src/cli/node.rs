@@ -7,6 +7,7 @@ use clap::{ArgGroup, Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
+use super::output::OutputArgs;
 use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, volume_stats, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -21,15 +22,31 @@ pub enum NodeCommand {
     Purge(PurgeArgs),
 }
 
+/// `berth node status [-self] [-verbose] [-json] [-t T] [NODE]`.
 #[derive(Args, Debug)]
+#[command(long_about = STATUS_ABOUT)]
 pub struct StatusArgs {
-    /// Print the API's JSON
+    /// Show the node of the agent at -address
+    #[arg(long = "self", conflicts_with = "node")]
+    pub self_node: bool,
+    /// Full IDs, attributes and meta, every event with its details
     #[arg(long)]
-    pub json: bool,
+    pub verbose: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// The node's ID, ID prefix or name (none: every node)
     #[arg(value_name = "NODE")]
     pub node: Option<String>,
 }
+
+/// The long help of `berth node status`.
+const STATUS_ABOUT: &str = "\
+Without NODE, lists the nodes: their class, datacenter, drain, eligibility,
+status, last heartbeat and running allocs. With NODE (an ID, a unique ID
+prefix or a name) or -self (the node of the agent at -address), shows that
+node: its drivers and their health, its resources (total, what the node
+reserves for itself, what its allocs ask for), its CSI plugins and the CSI
+volumes its allocs claim, its allocs and its recent events.";
 
 #[derive(Args, Debug)]
 pub struct PurgeArgs {
@@ -258,51 +275,311 @@ fn node_eligibility(a: EligibilityArgs, api: &ApiClient) -> Result<i32> {
 }
 
 fn node_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
-    let v = match &a.node {
-        Some(id) => api.get(&format!("/v1/node/{}", enc(&id)))?,
-        None => api.get("/v1/nodes")?,
+    let node = match (&a.node, a.self_node) {
+        (_, true) => Some(self_node_id(api)?),
+        (node, false) => node.clone(),
     };
-    if a.json {
-        return print_json(&v);
-    }
-    let nodes = match &v {
-        Value::Array(a) => a.clone(),
-        other => vec![other.clone()],
+    let now = berth_structs::now_ms();
+    let Some(node) = node else {
+        let nodes = api.get("/v1/nodes")?;
+        return a.output.emit(&nodes, |nodes| {
+            let allocs = api.get("/v1/allocations")?;
+            let list = nodes.as_array().cloned().unwrap_or_default();
+            for row in node_table(&list, &allocs, now) {
+                println!("{row}");
+            }
+            Ok(())
+        });
     };
-    let allocs = api.get("/v1/allocations")?;
-    for row in node_table(&nodes, &allocs, berth_structs::now_ms()) {
-        println!("{row}");
+    let n = api.get(&format!("/v1/node/{}", enc(&node)))?;
+    a.output.emit(&n, |n| {
+        let id = n["id"].as_str().unwrap_or_default();
+        let allocs = api.get(&format!("/v1/node/{}/allocations", enc(id)))?;
+        print!("{}", node_detail(n, &allocs, a.verbose, now));
+        Ok(())
+    })
+}
+
+/// The node of the agent at the API address (`/v1/agent/self`); an error
+/// when that agent runs no client.
+fn self_node_id(api: &ApiClient) -> Result<String> {
+    let me = api.get("/v1/agent/self")?;
+    match me["client"]["node_id"].as_str() {
+        Some(id) if !id.is_empty() => Ok(id.to_string()),
+        _ => anyhow::bail!(
+            "the agent at -address runs no client, so it has no node of its own: give a NODE instead of -self"
+        ),
     }
-    if let [n] = nodes.as_slice() {
-        println!("\nID = {}", n["id"].as_str().unwrap_or_default());
-        if let Some(d) = n["drain_strategy"].as_object() {
-            let at = d.get("force_deadline_ms").and_then(Value::as_i64);
-            println!(
-                "Drain deadline = {} ({})",
+}
+
+/// Events `node status` shows without -verbose.
+pub const RECENT_EVENTS: usize = 10;
+
+/// Unix milliseconds as a UTC time to the second:
+/// `2026-12-01T12:40:03Z`; `-` for none.
+pub fn format_time(ms: i64) -> String {
+    match u64::try_from(ms) {
+        Ok(ms) if ms > 0 => humantime::format_rfc3339_seconds(
+            std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms),
+        )
+        .to_string(),
+        _ => "-".to_string(),
+    }
+}
+
+/// An ID as a table shows it: short, or whole with -verbose.
+pub fn shown_id(id: &str, verbose: bool) -> &str {
+    if verbose {
+        id
+    } else {
+        short_id(id)
+    }
+}
+
+/// `Key = value` lines, the keys padded to the longest.
+pub fn key_values(pairs: &[(&str, String)]) -> String {
+    let width = pairs
+        .iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(0);
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{k:<width$} = {v}\n"))
+        .collect()
+}
+
+/// A titled table: the title, then the rows in columns sized to their
+/// widest cell (the last column free); nothing when `rows` has no data
+/// row.
+pub fn titled_table(title: &str, header: &[&str], rows: Vec<Vec<String>>) -> String {
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut all = vec![header.iter().map(|h| h.to_string()).collect::<Vec<_>>()];
+    all.extend(rows);
+    let mut out = format!("\n{title}\n");
+    for line in volume_stats::table(&all) {
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        Value::Null => "-".to_string(),
+        other => other.to_string(),
+    }
+}
+
+fn or_none(s: &str) -> String {
+    if s.is_empty() {
+        "<none>".to_string()
+    } else {
+        s.to_string()
+    }
+}
+
+/// The detail of one node of the API's node view (`GET /v1/node/{id}`)
+/// with its allocs: the header, then the Drivers, Resources, CSI Plugins,
+/// CSI Volumes, Allocations and Recent Events sections (and Attributes
+/// and Meta with -verbose).
+pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> String {
+    let id = n["id"].as_str().unwrap_or_default();
+    let usable: Vec<String> = strs(&n["drivers"]);
+    let mut header = vec![
+        ("ID", shown_id(id, verbose).to_string()),
+        ("Name", text(&n["name"])),
+        (
+            "Class",
+            or_none(n["node_class"].as_str().unwrap_or_default()),
+        ),
+        ("DC", text(&n["datacenter"])),
+        ("Status", text(&n["status"])),
+        (
+            "Eligibility",
+            n["scheduling_eligibility"]
+                .as_str()
+                .unwrap_or("eligible")
+                .to_string(),
+        ),
+        ("Drain", n["drain"].as_bool().unwrap_or(false).to_string()),
+    ];
+    if let Some(d) = n["drain_strategy"].as_object() {
+        let at = d.get("force_deadline_ms").and_then(Value::as_i64);
+        header.push((
+            "Drain Deadline",
+            format!(
+                "{} ({})",
                 d.get("deadline")
                     .and_then(Value::as_str)
                     .unwrap_or_default(),
-                deadline_left(at.unwrap_or(0), berth_structs::now_ms())
-            );
-        }
-        let plugins = plugin_table(n);
-        if !plugins.is_empty() {
-            println!("\nCSI Plugins");
-            for row in plugins {
-                println!("  {row}");
+                deadline_left(at.unwrap_or(0), now_ms)
+            ),
+        ));
+    }
+    header.push((
+        "Last Heartbeat",
+        ago(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
+    ));
+    header.push((
+        "Drivers",
+        if usable.is_empty() {
+            "<none>".to_string()
+        } else {
+            usable.join(", ")
+        },
+    ));
+    let mut out = key_values(&header);
+
+    let drivers: Vec<Vec<String>> = n["driver_info"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(name, d)| {
+            vec![
+                name.clone(),
+                d["detected"].as_bool().unwrap_or(false).to_string(),
+                d["healthy"].as_bool().unwrap_or(false).to_string(),
+                ago(d["update_time_ms"].as_i64().unwrap_or(0), now_ms),
+                text(&d["health_description"]),
+            ]
+        })
+        .collect();
+    out += &titled_table(
+        "Drivers",
+        &["Driver", "Detected", "Healthy", "Updated", "Description"],
+        drivers,
+    );
+
+    let figures = |r: &Value| -> Vec<String> {
+        ["cpu", "memory_mb", "disk_mb"]
+            .iter()
+            .map(|k| r[*k].as_u64().unwrap_or(0).to_string())
+            .collect()
+    };
+    let mut resources = Vec::new();
+    for (label, key) in [
+        ("Total", "total_resources"),
+        ("Reserved", "reserved"),
+        ("Allocated", "allocated_resources"),
+    ] {
+        let mut row = vec![label.to_string()];
+        row.extend(figures(&n[key]));
+        resources.push(row);
+    }
+    out += &titled_table(
+        "Resources",
+        &["", "CPU (MHz)", "Memory (MiB)", "Disk (MiB)"],
+        resources,
+    );
+
+    out += &titled_table(
+        "CSI Plugins",
+        &["ID", "Type", "Healthy", "Topology", "Description"],
+        plugin_rows(n),
+    );
+
+    let volumes: Vec<Vec<String>> = n["csi_volumes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|v| {
+            vec![
+                text(&v["volume_id"]),
+                text(&v["plugin_id"]),
+                shown_id(v["alloc_id"].as_str().unwrap_or("-"), verbose).to_string(),
+                text(&v["mode"]),
+                text(&v["state"]),
+            ]
+        })
+        .collect();
+    out += &titled_table(
+        "CSI Volumes",
+        &["Volume", "Plugin", "Alloc ID", "Mode", "State"],
+        volumes,
+    );
+
+    let mut on_node: Vec<&Value> = allocs.as_array().into_iter().flatten().collect();
+    on_node.sort_by_key(|a| std::cmp::Reverse(a["create_index"].as_u64().unwrap_or(0)));
+    let allocs: Vec<Vec<String>> = on_node
+        .iter()
+        .map(|a| {
+            vec![
+                shown_id(a["id"].as_str().unwrap_or_default(), verbose).to_string(),
+                text(&a["job_id"]),
+                text(&a["task_group"]),
+                text(&a["client_status"]),
+                ago(a["create_time_ms"].as_i64().unwrap_or(0), now_ms),
+            ]
+        })
+        .collect();
+    out += &titled_table(
+        "Allocations",
+        &["ID", "Job", "Group", "Status", "Created"],
+        allocs,
+    );
+
+    if verbose {
+        for (title, key) in [("Attributes", "attributes"), ("Meta", "meta")] {
+            let pairs: Vec<(&str, String)> = n[key]
+                .as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, v)| (k.as_str(), text(v)))
+                .collect();
+            if !pairs.is_empty() {
+                out += &format!("\n{title}\n{}", key_values(&pairs));
             }
         }
-        println!("\nEvents");
-        for e in n["events"].as_array().into_iter().flatten() {
-            println!(
-                "  {:<10} {:<20} {}",
-                e["subsystem"].as_str().unwrap_or_default(),
-                e["message"].as_str().unwrap_or_default(),
-                e["details"]
-            );
-        }
     }
-    Ok(0)
+
+    out += &titled_table(
+        "Recent Events",
+        &["Time", "Subsystem", "Message"],
+        event_rows(&n["events"], verbose),
+    );
+    out
+}
+
+/// A node's events, newest first (the newest [`RECENT_EVENTS`], all with
+/// `verbose`): time, subsystem, then the message last, so a long one
+/// never pushes the others; `verbose` adds the details and the count.
+fn event_rows(events: &Value, verbose: bool) -> Vec<Vec<String>> {
+    let all: Vec<&Value> = events.as_array().into_iter().flatten().rev().collect();
+    let shown = if verbose {
+        all.len()
+    } else {
+        RECENT_EVENTS.min(all.len())
+    };
+    all[..shown]
+        .iter()
+        .map(|e| {
+            let mut message = text(&e["message"]);
+            if verbose {
+                let details: Vec<String> = e["details"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| format!("{k}={}", text(v)))
+                    .collect();
+                if !details.is_empty() {
+                    message = format!("{message} ({})", details.join(", "));
+                }
+            }
+            match e["count"].as_u64() {
+                Some(count) if count > 1 => message = format!("{message} (x{count})"),
+                _ => {}
+            }
+            vec![
+                format_time(e["timestamp"].as_i64().unwrap_or(0)),
+                text(&e["subsystem"]),
+                message,
+            ]
+        })
+        .collect()
 }
 
 fn node_purge(a: PurgeArgs, api: &ApiClient) -> Result<i32> {
@@ -346,8 +623,9 @@ pub fn deadline_left(force_deadline_ms: i64, now_ms: i64) -> String {
     }
 }
 
-/// The rows of the `node status` table: ID (short), name, class, status,
-/// eligibility, drain, last heartbeat, running allocs.
+/// The rows of the `node status` table, in columns sized to their
+/// widest cell: ID (short), name, class, datacenter, drain, eligibility,
+/// status, last heartbeat, running allocs.
 pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
     let mut running: HashMap<&str, usize> = HashMap::new();
     for a in allocs.as_array().into_iter().flatten() {
@@ -358,49 +636,37 @@ pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
             *n = n.saturating_add(1);
         }
     }
-    let row = |cols: [&str; 8]| {
-        format!(
-            "{:<8}  {:<20}  {:<10}  {:<12}  {:<11}  {:<5}  {:<16}  {}",
-            cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], cols[7]
-        )
-        .trim_end()
-        .to_string()
-    };
-    let mut out = vec![row([
+    let mut rows: Vec<Vec<String>> = vec![[
         "ID",
         "Name",
         "Class",
-        "Status",
-        "Eligibility",
+        "DC",
         "Drain",
-        "Last heartbeat",
-        "Allocs running",
-    ])];
+        "Eligibility",
+        "Status",
+        "Last Heartbeat",
+        "Allocs Running",
+    ]
+    .map(String::from)
+    .to_vec()];
     for n in nodes {
         let id = n["id"].as_str().unwrap_or_default();
-        let class = match n["node_class"].as_str().unwrap_or_default() {
-            "" => "<none>",
-            c => c,
-        };
-        let drain = if n["drain"].as_bool().unwrap_or(false) {
-            "true"
-        } else {
-            "false"
-        };
-        let heartbeat = ago(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms);
-        let count = running.get(id).copied().unwrap_or(0).to_string();
-        out.push(row([
-            short_id(id),
-            n["name"].as_str().unwrap_or_default(),
-            class,
-            n["status"].as_str().unwrap_or_default(),
-            n["scheduling_eligibility"].as_str().unwrap_or("eligible"),
-            drain,
-            &heartbeat,
-            &count,
-        ]));
+        rows.push(vec![
+            short_id(id).to_string(),
+            text(&n["name"]),
+            or_none(n["node_class"].as_str().unwrap_or_default()),
+            or_none(n["datacenter"].as_str().unwrap_or_default()),
+            n["drain"].as_bool().unwrap_or(false).to_string(),
+            n["scheduling_eligibility"]
+                .as_str()
+                .unwrap_or("eligible")
+                .to_string(),
+            text(&n["status"]),
+            ago(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
+            running.get(id).copied().unwrap_or(0).to_string(),
+        ]);
     }
-    out
+    volume_stats::table(&rows)
 }
 
 /// A topology of the API's JSON (`{"segments": {...}}`) as text:
@@ -421,8 +687,9 @@ pub fn topologies_text(list: &Value) -> String {
 }
 
 /// The rows of a node's CSI plugins: ID, type (node or controller),
-/// health and the node plugin's topology; nothing when it runs none.
-pub fn plugin_table(node: &Value) -> Vec<String> {
+/// health, the node plugin's topology and the health description; none
+/// when it runs none.
+pub fn plugin_rows(node: &Value) -> Vec<Vec<String>> {
     let mut rows: Vec<Vec<String>> = Vec::new();
     for (kind, field) in [
         ("node", "csi_node_plugins"),
@@ -434,25 +701,21 @@ pub fn plugin_table(node: &Value) -> Vec<String> {
             } else {
                 "-".to_string()
             };
+            let description = match p["health_description"].as_str() {
+                Some(d) if !d.is_empty() => d.to_string(),
+                _ => "-".to_string(),
+            };
             rows.push(vec![
                 id.clone(),
                 kind.to_string(),
                 p["healthy"].as_bool().unwrap_or(false).to_string(),
                 topology,
+                description,
             ]);
         }
     }
-    if rows.is_empty() {
-        return Vec::new();
-    }
     rows.sort();
-    rows.insert(
-        0,
-        ["ID", "Type", "Healthy", "Topology"]
-            .map(String::from)
-            .to_vec(),
-    );
-    volume_stats::table(&rows)
+    rows
 }
 
 #[cfg(test)]
@@ -460,25 +723,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_plugin_table_shows_each_plugin_and_its_node_topology() {
+    fn the_plugin_table_shows_each_plugin_its_node_topology_and_health() {
         let n = json!({
             "csi_node_plugins": {
-                "hostpath": {"healthy": true,
+                "hostpath": {"healthy": true, "health_description": "healthy",
                              "accessible_topology": {"segments": {"zone": "a", "rack": "r1"}}},
-                "nfs": {"healthy": false}
+                "nfs": {"healthy": false, "health_description": "probe failed: connection refused"}
             },
             "csi_controller_plugins": {"hostpath": {"healthy": true}}
         });
         assert_eq!(
-            plugin_table(&n),
-            vec![
-                "ID        Type        Healthy  Topology",
-                "hostpath  controller  true     -",
-                "hostpath  node        true     {rack=r1,zone=a}",
-                "nfs       node        false    -",
-            ]
+            titled_table(
+                "CSI Plugins",
+                &["ID", "Type", "Healthy", "Topology", "Description"],
+                plugin_rows(&n)
+            ),
+            "\nCSI Plugins\n\
+             ID        Type        Healthy  Topology          Description\n\
+             hostpath  controller  true     -                 -\n\
+             hostpath  node        true     {rack=r1,zone=a}  healthy\n\
+             nfs       node        false    -                 probe failed: connection refused\n"
         );
-        assert!(plugin_table(&json!({})).is_empty());
+        assert!(plugin_rows(&json!({})).is_empty());
+        assert_eq!(titled_table("CSI Plugins", &["ID"], Vec::new()), "");
         assert_eq!(
             topologies_text(&json!([{"segments": {"zone": "a"}}, {"segments": {"zone": "b"}}])),
             "{zone=a} or {zone=b}"
@@ -490,6 +757,7 @@ mod tests {
     fn the_status_table_shows_eligibility_drain_heartbeat_and_running_allocs() {
         let nodes = vec![
             json!({"id": "0123456789abcdef", "name": "worker-1", "node_class": "gpu",
+                   "datacenter": "dc1",
                    "status": "ready", "scheduling_eligibility": "ineligible", "drain": true,
                    "last_heartbeat_ms": 97_000}),
             json!({"id": "fedcba9876543210", "name": "worker-2", "status": "down",
@@ -505,9 +773,9 @@ mod tests {
         assert_eq!(
             rows,
             vec![
-                "ID        Name                  Class       Status        Eligibility  Drain  Last heartbeat    Allocs running",
-                "01234567  worker-1              gpu         ready         ineligible   true   3s ago            2",
-                "fedcba98  worker-2              <none>      down          eligible     false  never             0",
+                "ID        Name      Class   DC      Drain  Eligibility  Status  Last Heartbeat  Allocs Running",
+                "01234567  worker-1  gpu     dc1     true   ineligible   ready   3s ago          2",
+                "fedcba98  worker-2  <none>  <none>  false  eligible     down    never           0",
             ]
         );
         assert_eq!(ago(40_000, 100_000), "1m ago");
@@ -519,5 +787,122 @@ mod tests {
             deadline_left(i64::MIN, i64::MAX),
             "past: the drain no longer waits for migrations"
         );
+    }
+
+    /// A node view as the API answers it, with drivers, resources, a
+    /// plugin, a claimed volume and events.
+    fn node_view() -> Value {
+        json!({
+            "id": "0123456789abcdef0000", "name": "worker-1", "node_class": "",
+            "datacenter": "dc1", "status": "ready", "scheduling_eligibility": "eligible",
+            "drain": false, "last_heartbeat_ms": 98_000,
+            "drivers": ["raw_exec"],
+            "driver_info": {"raw_exec": {"detected": true, "healthy": true,
+                            "health_description": "Healthy", "update_time_ms": 40_000}},
+            "total_resources": {"cpu": 4000, "memory_mb": 8000, "disk_mb": 100000},
+            "reserved": {"cpu": 500, "memory_mb": 256, "disk_mb": 10},
+            "allocated_resources": {"cpu": 150, "memory_mb": 96, "disk_mb": 0},
+            "csi_node_plugins": {"hostpath": {"healthy": true, "health_description": "healthy"}},
+            "csi_volumes": [{"volume_id": "data", "plugin_id": "hostpath",
+                             "alloc_id": "aaaabbbbccccdddd", "mode": "write", "state": "taken"}],
+            "attributes": {"os.name": "linux"},
+            "meta": {},
+            "events": (0..12).map(|i| json!({
+                "subsystem": "Storage", "message": format!("Mount volume {i}"),
+                "details": {"volume_id": "data"}, "timestamp": 1_764_592_800_000_i64 + i * 1000,
+                "count": if i == 11 { 3 } else { 1 }
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    #[test]
+    fn the_node_detail_shows_each_section_and_the_newest_ten_events() {
+        let allocs = json!([
+            {"id": "aaaabbbbccccdddd", "job_id": "web", "task_group": "web",
+             "client_status": "running", "create_index": 9, "create_time_ms": 40_000},
+            {"id": "eeeeffff00001111", "job_id": "hostpath-plugin", "task_group": "plugin",
+             "client_status": "running", "create_index": 5, "create_time_ms": 10_000}
+        ]);
+        let text = node_detail(&node_view(), &allocs, false, 100_000);
+        let want = "\
+ID             = 01234567
+Name           = worker-1
+Class          = <none>
+DC             = dc1
+Status         = ready
+Eligibility    = eligible
+Drain          = false
+Last Heartbeat = 2s ago
+Drivers        = raw_exec
+
+Drivers
+Driver    Detected  Healthy  Updated  Description
+raw_exec  true      true     1m ago   Healthy
+
+Resources
+           CPU (MHz)  Memory (MiB)  Disk (MiB)
+Total      4000       8000          100000
+Reserved   500        256           10
+Allocated  150        96            0
+
+CSI Plugins
+ID        Type  Healthy  Topology  Description
+hostpath  node  true     -         healthy
+
+CSI Volumes
+Volume  Plugin    Alloc ID  Mode   State
+data    hostpath  aaaabbbb  write  taken
+
+Allocations
+ID        Job              Group   Status   Created
+aaaabbbb  web              web     running  1m ago
+eeeeffff  hostpath-plugin  plugin  running  1m 30s ago
+
+Recent Events
+Time                  Subsystem  Message
+2025-12-01T12:40:11Z  Storage    Mount volume 11 (x3)
+2025-12-01T12:40:10Z  Storage    Mount volume 10
+2025-12-01T12:40:09Z  Storage    Mount volume 9
+2025-12-01T12:40:08Z  Storage    Mount volume 8
+2025-12-01T12:40:07Z  Storage    Mount volume 7
+2025-12-01T12:40:06Z  Storage    Mount volume 6
+2025-12-01T12:40:05Z  Storage    Mount volume 5
+2025-12-01T12:40:04Z  Storage    Mount volume 4
+2025-12-01T12:40:03Z  Storage    Mount volume 3
+2025-12-01T12:40:02Z  Storage    Mount volume 2
+";
+        assert_eq!(text, want, "{text}");
+    }
+
+    #[test]
+    fn the_verbose_node_detail_shows_full_ids_attributes_and_every_event_with_details() {
+        let text = node_detail(&node_view(), &json!([]), true, 100_000);
+        assert!(
+            text.contains("ID             = 0123456789abcdef0000\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("data    hostpath  aaaabbbbccccdddd  write  taken"),
+            "{text}"
+        );
+        assert!(text.contains("\nAttributes\nos.name = linux\n"), "{text}");
+        assert!(!text.contains("\nMeta\n"), "no meta, no section: {text}");
+        assert!(
+            !text.contains("\nAllocations\n"),
+            "no allocs, no section: {text}"
+        );
+        assert!(
+            text.contains("Mount volume 11 (volume_id=data) (x3)"),
+            "{text}"
+        );
+        assert!(text.contains("Mount volume 0 (volume_id=data)"), "{text}");
+        assert_eq!(text.matches("Mount volume").count(), 12);
+    }
+
+    #[test]
+    fn times_are_utc_to_the_second() {
+        assert_eq!(format_time(1_764_592_800_999), "2025-12-01T12:40:00Z");
+        assert_eq!(format_time(0), "-");
+        assert_eq!(format_time(-5), "-");
     }
 }
