@@ -91,6 +91,54 @@ fn the_cli_works_through_a_client_agent_which_answers_its_own_routes_without_the
     let one = api_get_at(port, &format!("/v1/client/allocation/{alloc_id}"))?;
     assert_eq!(one["id"], alloc_id.as_str(), "{one}");
 
+    // Through the client agent, a list's index and next-page headers come
+    // back from the server as they were sent, a blocking query waits its
+    // wait there, and the API's description is the agent's own.
+    run_job_at(
+        &addr,
+        client.data_dir.path(),
+        "hello2",
+        &quick_batch_job("hello2", 1),
+    )
+    .with_context(|| logs(&server, &client))?;
+    let get = |path: &str| {
+        http_at(
+            port,
+            &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+        )
+    };
+    let page = get("/v1/jobs?per_page=1")?;
+    assert_eq!(page.status, 200, "{}", page.head);
+    assert_eq!(
+        page.header("x-berth-nexttoken"),
+        Some("hello2"),
+        "{}",
+        page.head
+    );
+    let index: u64 = page
+        .header("x-berth-index")
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("an index in {}", page.head))?;
+    let ids: Value = serde_json::from_slice(&page.body)?;
+    assert_eq!(ids.as_array().map(Vec::len), Some(1), "{ids}");
+    assert_eq!(ids[0]["id"], "hello", "{ids}");
+    // It answers after its wait, or earlier for a write to the jobs (the
+    // batch job finishing).
+    let started = Instant::now();
+    let blocked = get(&format!("/v1/job/hello2?index={index}&wait=1s"))?;
+    assert_eq!(blocked.status, 200, "{}", blocked.head);
+    let after: u64 = blocked
+        .header("x-berth-index")
+        .and_then(|v| v.parse().ok())
+        .with_context(|| format!("an index in {}", blocked.head))?;
+    assert!(
+        started.elapsed() >= Duration::from_secs(1) || after > index,
+        "a blocking query at index {index} answered early at {after}"
+    );
+    let doc = api_get_at(port, "/v1/openapi.json")?;
+    assert_eq!(doc["openapi"], "3.1.0");
+    assert!(doc["paths"]["/v1/jobs"]["get"].is_object());
+
     // The server goes away. The node-local routes still answer; a
     // forwarded route answers 503 in the one error shape, quickly.
     server.kill()?;
