@@ -179,8 +179,12 @@ fn operations() -> Vec<Op> {
         .query("limit", "integer", false, "at most this many bytes (default 1 MiB, at most 8 MiB)")
         .query("wait", "string", false, "when there is nothing new, wait this long for it (30s)")
         .answers_raw("application/octet-stream")
+        .header("X-Berth-Log-Alloc", "the alloc's full ID")
+        .header("X-Berth-Log-Task", "the task read")
         .header("X-Berth-Log-File", "the cursor after the answer: its file")
-        .header("X-Berth-Log-Offset", "the cursor after the answer: its offset in the file"),
+        .header("X-Berth-Log-Offset", "the cursor after the answer: its offset in the file")
+        .header("X-Berth-Log-Task-State", "the task's state: pending, running or dead")
+        .header("X-Berth-Log-Lost", "present (true) when bytes before the cursor were rotated away unread"),
         op(
             "get",
             "/v1/client/allocations",
