@@ -121,7 +121,7 @@ fn volume_stats_and_condition_show_in_alloc_and_volume_status() -> Result<()> {
     let shown = server.cli(&["volume", "status", "-verbose", "data"])?;
     println!("{shown}");
     let claims = shown
-        .split("Claims of data")
+        .split("Volume Stats")
         .nth(1)
         .with_context(|| format!("no claims section in:\n{shown}"))?;
     for want in [&alloc_id[..8], "write", "running", "MiB", "normal"] {

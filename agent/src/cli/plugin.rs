@@ -1,24 +1,33 @@
-//! `berth plugin status`.
+//! `berth plugin status`: the CSI plugins of the cluster, or one plugin
+//! with its capabilities, its controller and node instances and the allocs
+//! that run it.
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
 use super::http_client::ApiClient;
-use super::{enc, print_json, Ctx};
+use super::output::OutputArgs;
+use super::volume::{ago_text, key_values, print_lines, short_id, text};
+use super::volume_stats::table;
+use super::{enc, node, Ctx};
 
 #[derive(Subcommand, Debug)]
 pub enum PluginCommand {
-    /// Show CSI plugins, or one plugin
+    /// Show CSI plugins, or one plugin with its capabilities, instances
+    /// and allocs
     Status(StatusArgs),
 }
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
-    /// Print the API's JSON
+    #[command(flatten)]
+    pub output: OutputArgs,
+    /// Also show each instance's alloc and capabilities, and each node
+    /// instance's external node ID, volume limit and topology
     #[arg(long)]
-    pub json: bool,
-    /// The plugin's ID (none: every plugin)
+    pub verbose: bool,
+    /// The plugin's ID or a unique prefix of it (none: every plugin)
     #[arg(value_name = "PLUGIN")]
     pub plugin: Option<String>,
 }
@@ -30,32 +39,194 @@ pub fn run(cmd: PluginCommand, ctx: &Ctx) -> Result<i32> {
 }
 
 fn plugin_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
-    let v = match &a.plugin {
-        Some(id) => api.get(&format!("/v1/plugin/csi/{}", enc(&id)))?,
-        None => api.get("/v1/plugins")?,
-    };
-    if a.json {
-        return print_json(&v);
+    match &a.plugin {
+        Some(id) => {
+            let p = api.get(&format!("/v1/plugin/csi/{}", enc(id)))?;
+            a.output.emit(&p, |p| {
+                print_lines(plugin_detail(p, a.verbose));
+                Ok(())
+            })
+        }
+        None => {
+            let list = api.get("/v1/plugins")?;
+            a.output.emit(&list, |l| {
+                print_lines(plugin_list(l));
+                Ok(())
+            })
+        }
     }
-    let plugins = match &v {
-        Value::Array(a) => a.clone(),
-        other => vec![other.clone()],
-    };
-    println!(
-        "{:<20} {:<28} {:<20} {:<20}",
-        "ID", "Provider", "Controllers", "Nodes"
-    );
-    for p in &plugins {
-        println!(
-            "{:<20} {:<28} {:<20} {:<20}",
-            p["id"].as_str().unwrap_or_default(),
-            p["provider"].as_str().unwrap_or_default(),
-            format!(
-                "{}/{} healthy",
-                p["controllers_healthy"], p["controllers_expected"]
-            ),
-            format!("{}/{} healthy", p["nodes_healthy"], p["nodes_expected"])
-        );
+}
+
+/// The rows of `plugin status` without a plugin: header first.
+pub fn plugin_list(plugins: &Value) -> Vec<String> {
+    let mut rows = vec![[
+        "ID",
+        "Provider",
+        "Controllers Healthy/Expected",
+        "Nodes Healthy/Expected",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for p in plugins.as_array().into_iter().flatten() {
+        rows.push(vec![
+            text(&p["id"]),
+            text(&p["provider"]),
+            format!("{}/{}", p["controllers_healthy"], p["controllers_expected"]),
+            format!("{}/{}", p["nodes_healthy"], p["nodes_expected"]),
+        ]);
     }
-    Ok(0)
+    table(&rows)
+}
+
+/// What `plugin status PLUGIN` prints; `verbose` adds each instance's
+/// alloc, capabilities, and (nodes) the provider's node ID, volume limit
+/// and topology.
+pub fn plugin_detail(p: &Value, verbose: bool) -> Vec<String> {
+    let mut out = key_values(&[
+        ("ID", text(&p["id"])),
+        ("Provider", text(&p["provider"])),
+        ("Version", text(&p["version"])),
+        ("Controllers Healthy", text(&p["controllers_healthy"])),
+        ("Controllers Expected", text(&p["controllers_expected"])),
+        ("Nodes Healthy", text(&p["nodes_healthy"])),
+        ("Nodes Expected", text(&p["nodes_expected"])),
+        ("Volumes", text(&p["volume_count"])),
+    ]);
+    out.push(String::new());
+    out.push("Capabilities".to_string());
+    out.extend(table(&[
+        vec![
+            "Controller".to_string(),
+            names(&p["controller_capabilities"]),
+        ],
+        vec!["Node".to_string(), names(&p["node_capabilities"])],
+    ]));
+    for (title, field, is_node) in [
+        ("Controllers", "controllers", false),
+        ("Nodes", "nodes", true),
+    ] {
+        out.push(String::new());
+        out.push(title.to_string());
+        let rows = instance_rows(p, field, is_node, verbose);
+        if rows.is_empty() {
+            out.push("None".to_string());
+        } else {
+            out.extend(rows);
+        }
+    }
+    out.push(String::new());
+    out.push("Allocations".to_string());
+    let allocs = p["allocations"].as_array().cloned().unwrap_or_default();
+    if allocs.is_empty() {
+        out.push("No allocations placed".to_string());
+        return out;
+    }
+    let mut rows = vec![[
+        "ID",
+        "Node ID",
+        "Node Name",
+        "Job",
+        "Task",
+        "Status",
+        "Created",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for a in &allocs {
+        rows.push(vec![
+            short_id(&a["id"]),
+            short_id(&a["node_id"]),
+            text(&a["node_name"]),
+            text(&a["job_id"]),
+            text(&a["task"]),
+            text(&a["client_status"]),
+            ago_text(&a["create_time_ms"]),
+        ]);
+    }
+    out.extend(table(&rows));
+    out
+}
+
+/// `A, B, C`; `-` for none.
+fn names(list: &Value) -> String {
+    let names: Vec<&str> = list
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    if names.is_empty() {
+        "-".to_string()
+    } else {
+        names.join(", ")
+    }
+}
+
+/// The capabilities of one instance, in the server's terms.
+fn instance_capabilities(info: &Value, is_node: bool) -> String {
+    let flags: &[(&str, &str)] = if is_node {
+        &[
+            ("supports_stage_unstage", "StageUnstage"),
+            ("supports_expand", "Expand"),
+            ("supports_volume_stats", "VolumeStats"),
+            ("supports_volume_condition", "VolumeCondition"),
+        ]
+    } else {
+        &[
+            ("requires_controller_publish", "ControllerPublish"),
+            ("supports_create_delete", "CreateDelete"),
+            ("supports_expand", "Expand"),
+            ("supports_snapshots", "Snapshots"),
+        ]
+    };
+    let names: Vec<&str> = flags
+        .iter()
+        .filter(|(k, _)| info[*k].as_bool() == Some(true))
+        .map(|(_, n)| *n)
+        .collect();
+    if names.is_empty() {
+        "-".to_string()
+    } else {
+        names.join(",")
+    }
+}
+
+/// The instances of `field` (`controllers` or `nodes`): node, health,
+/// description, when the health last changed.
+fn instance_rows(p: &Value, field: &str, is_node: bool, verbose: bool) -> Vec<String> {
+    let Some(instances) = p[field].as_object().filter(|m| !m.is_empty()) else {
+        return Vec::new();
+    };
+    let mut header = vec!["Node ID", "Node Name", "Healthy", "Description", "Updated"];
+    if verbose {
+        header.extend(["Alloc ID", "Capabilities"]);
+        if is_node {
+            header.extend(["External Node ID", "Max Volumes", "Topology"]);
+        }
+    }
+    let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
+    for (node_id, info) in instances {
+        let node = &p["instance_nodes"][node_id];
+        let mut row = vec![
+            short_id(&Value::from(node_id.as_str())),
+            text(&node["name"]),
+            text(&info["healthy"]),
+            text(&info["health_description"]),
+            ago_text(&node["health_changed_ms"]),
+        ];
+        if verbose {
+            row.push(short_id(&info["alloc_id"]));
+            row.push(instance_capabilities(info, is_node));
+            if is_node {
+                row.push(text(&info["external_node_id"]));
+                row.push(match info["max_volumes"].as_u64() {
+                    Some(0) | None => "unlimited".to_string(),
+                    Some(n) => n.to_string(),
+                });
+                row.push(node::topology_text(&info["accessible_topology"]));
+            }
+        }
+        rows.push(row);
+    }
+    table(&rows)
 }

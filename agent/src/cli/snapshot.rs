@@ -6,6 +6,7 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::{ApiClient, ApiError};
+use super::output::OutputArgs;
 use super::{enc, print_json, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -36,9 +37,8 @@ pub struct ListArgs {
     /// Only this plugin's snapshots
     #[arg(long, value_name = "PLUGIN")]
     pub plugin: Option<String>,
-    /// Print the API's JSON
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
 }
 
 #[derive(Args, Debug)]
@@ -90,13 +90,16 @@ fn snapshot_list(a: ListArgs, api: &ApiClient) -> Result<i32> {
         None => "/v1/volumes/snapshot".to_string(),
     };
     let v = api.get(&url)?;
-    if a.json {
-        return print_json(&v);
-    }
-    for row in snapshot_table(&v) {
-        println!("{row}");
-    }
-    Ok(0)
+    a.output.emit(&v, |v| {
+        if v.as_array().is_some_and(Vec::is_empty) {
+            println!("No snapshots");
+            return Ok(());
+        }
+        for row in snapshot_table(v) {
+            println!("{row}");
+        }
+        Ok(())
+    })
 }
 
 /// The rows `snapshot list` prints, header first, in columns as wide as

@@ -6,9 +6,9 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
+use super::output::OutputArgs;
 use super::{
-    allocs_phrase, enc, node, print_json, print_release_warnings, read_spec, snapshot, strs,
-    volume_stats, Ctx,
+    allocs_phrase, enc, node, print_release_warnings, read_spec, snapshot, strs, volume_stats, Ctx,
 };
 
 #[derive(Subcommand, Debug)]
@@ -23,7 +23,8 @@ pub enum VolumeCommand {
     Delete(VolumeArg),
     /// Release a volume's claims on a node
     Detach(DetachArgs),
-    /// Show CSI volumes (-verbose: each claim with its volume stats)
+    /// Show CSI volumes, or one volume with its claims (-verbose: its
+    /// parameters, context, requested topology and each claim's volume stats)
     Status(StatusArgs),
     /// Create, list and delete snapshots of CSI volumes
     #[command(subcommand)]
@@ -66,13 +67,13 @@ pub struct DetachArgs {
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
-    /// Print the API's JSON
-    #[arg(long)]
-    pub json: bool,
-    /// Show each claim with its volume stats
+    #[command(flatten)]
+    pub output: OutputArgs,
+    /// Also show parameters, context, requested topology, the snapshot or
+    /// clone source and each claim's volume stats
     #[arg(long)]
     pub verbose: bool,
-    /// The volume's ID (none: every volume)
+    /// The volume's ID or a unique prefix of it (none: every volume)
     #[arg(value_name = "VOLUME")]
     pub volume: Option<String>,
 }
@@ -163,70 +164,334 @@ fn volume_detach(a: DetachArgs, api: &ApiClient) -> Result<i32> {
 }
 
 fn volume_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
-    let mut v = match &a.volume {
-        Some(id) => api.get(&format!("/v1/volume/csi/{}", enc(&id)))?,
-        None => api.get("/v1/volumes")?,
-    };
-    // Each volume's own answer carries its claims joined with their allocs;
-    // one without claims has none to join (no request for it).
-    if let (true, Value::Array(list)) = (a.verbose, &mut v) {
-        for vol in list.iter_mut() {
-            match vol["id"].as_str() {
-                Some(id) if volume_stats::has_claims(vol) => {
-                    *vol = api.get(&format!("/v1/volume/csi/{}", enc(id)))?;
+    let Some(id) = &a.volume else {
+        let mut list = api.get("/v1/volumes")?;
+        if a.verbose {
+            with_claims(&mut list, api)?;
+        }
+        return a.output.emit(&list, |v| {
+            print_lines(volume_list(v));
+            if a.verbose {
+                for vol in v.as_array().into_iter().flatten() {
+                    println!("\nVolume Stats of {}", text(&vol["id"]));
+                    print_lines(stats_lines(vol));
                 }
-                _ => {
-                    if let Some(o) = vol.as_object_mut() {
-                        o.insert("claim_allocs".into(), json!([]));
-                    }
+            }
+            Ok(())
+        });
+    };
+    let vol = api.get(&format!("/v1/volume/csi/{}", enc(id)))?;
+    a.output.emit(&vol, |v| {
+        print_lines(volume_detail(v, a.verbose));
+        Ok(())
+    })
+}
+
+pub(super) fn print_lines(lines: Vec<String>) {
+    for line in lines {
+        println!("{line}");
+    }
+}
+
+/// Gives each volume of the list its claims joined with their allocs (the
+/// answer for the one volume has them); a volume without claims has none
+/// to join, and costs no request.
+fn with_claims(list: &mut Value, api: &ApiClient) -> Result<()> {
+    for vol in list.as_array_mut().into_iter().flatten() {
+        match vol["id"].as_str() {
+            Some(id) if volume_stats::has_claims(vol) => {
+                *vol = api.get(&format!("/v1/volume/csi/{}", enc(id)))?;
+            }
+            _ => {
+                if let Some(o) = vol.as_object_mut() {
+                    o.insert("claim_allocs".into(), json!([]));
                 }
             }
         }
     }
-    if a.json {
-        return print_json(&v);
+    Ok(())
+}
+
+// ---- rendering of `volume status` ----
+
+/// An ID of the API's JSON as tables show it: its first eight characters.
+pub(super) fn short_id(id: &Value) -> String {
+    match id.as_str() {
+        Some(id) if !id.is_empty() => node::short_id(id).to_string(),
+        _ => "-".to_string(),
     }
-    let vols = match &v {
-        Value::Array(a) => a.clone(),
-        other => vec![other.clone()],
-    };
-    println!(
-        "{:<20} {:<14} {:<12} {:<8} {:<8}",
-        "ID", "Plugin", "Schedulable", "Readers", "Writers"
-    );
-    for vol in &vols {
-        println!(
-            "{:<20} {:<14} {:<12} {:<8} {:<8}",
-            vol["id"].as_str().unwrap_or_default(),
-            vol["plugin_id"].as_str().unwrap_or_default(),
-            vol["schedulable"].as_bool().unwrap_or_default(),
-            vol["read_allocs"].as_array().map_or(0, Vec::len),
-            vol["write_allocs"].as_array().map_or(0, Vec::len)
-        );
+}
+
+/// A time of the API's JSON (unix milliseconds) as `3m 5s ago`; `-` when
+/// unknown.
+pub(super) fn ago_text(ms: &Value) -> String {
+    match ms.as_i64() {
+        Some(ms) if ms > 0 => node::ago(ms, berth_structs::now_ms()),
+        _ => "-".to_string(),
     }
-    if let [vol] = vols.as_slice() {
-        let req = &vol["requested_topologies"];
-        println!("\nTopology");
-        for (what, list) in [
-            ("Required", &req["required"]),
-            ("Preferred", &req["preferred"]),
-            ("Accessible", &vol["accessible_topology"]),
-        ] {
-            println!("  {what:<10} = {}", node::topologies_text(list));
-        }
+}
+
+/// A JSON scalar for people: `-` for none or an empty string.
+pub(super) fn text(v: &Value) -> String {
+    match v {
+        Value::String(s) if !s.is_empty() => s.clone(),
+        Value::Number(n) => n.to_string(),
+        Value::Bool(b) => b.to_string(),
+        _ => "-".to_string(),
     }
-    if a.verbose {
-        for vol in &vols {
-            let lines = volume_stats::volume_claim_lines(vol);
-            println!(
-                "\nClaims of {}{}",
-                vol["id"].as_str().unwrap_or_default(),
-                if lines.is_empty() { ": none" } else { "" }
-            );
-            for line in lines {
-                println!("  {line}");
+}
+
+fn count(v: &Value) -> usize {
+    v.as_array().map_or(0, Vec::len)
+}
+
+/// A size in bytes for people; `-` for none.
+fn size(v: &Value) -> String {
+    match v.as_u64() {
+        Some(0) | None => "-".to_string(),
+        Some(n) => crate::http::describe_size(n),
+    }
+}
+
+/// The distinct values of `key` over the volume's claims (Nomad shows the
+/// access and attachment mode in use); `<none>` while it has no claims.
+fn claims_use(vol: &Value, key: &str) -> String {
+    let mut seen: Vec<String> = Vec::new();
+    for k in ["read_claims", "write_claims"] {
+        for c in vol[k].as_object().into_iter().flat_map(|m| m.values()) {
+            let m = text(&c[key]);
+            if !seen.contains(&m) {
+                seen.push(m);
             }
         }
     }
-    Ok(0)
+    if seen.is_empty() {
+        "<none>".to_string()
+    } else {
+        seen.join(", ")
+    }
+}
+
+/// `single-node-writer/file-system, ...`: what the volume allows.
+fn capabilities_text(vol: &Value) -> String {
+    let caps: Vec<String> = vol["capabilities"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|c| {
+            format!(
+                "{}/{}",
+                text(&c["access_mode"]),
+                text(&c["attachment_mode"])
+            )
+        })
+        .collect();
+    if caps.is_empty() {
+        "-".to_string()
+    } else {
+        caps.join(", ")
+    }
+}
+
+/// `fs_type: ext4, flags: noatime,nodev`; `<none>` when neither is set.
+fn mount_options_text(opts: &Value) -> String {
+    let mut parts = Vec::new();
+    if let Some(fs) = opts["fs_type"].as_str().filter(|s| !s.is_empty()) {
+        parts.push(format!("fs_type: {fs}"));
+    }
+    let flags: Vec<&str> = opts["mount_flags"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    if !flags.is_empty() {
+        parts.push(format!("flags: {}", flags.join(",")));
+    }
+    if parts.is_empty() {
+        "<none>".to_string()
+    } else {
+        parts.join(", ")
+    }
+}
+
+/// `Key = value` lines, the keys padded to the longest.
+pub(super) fn key_values(rows: &[(&str, String)]) -> Vec<String> {
+    let width = rows
+        .iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(0);
+    rows.iter()
+        .map(|(k, v)| format!("{k:<width$} = {v}"))
+        .collect()
+}
+
+/// A map of strings as `key = value` lines; `<none>` for an empty one.
+fn map_lines(map: &Value) -> Vec<String> {
+    let rows: Vec<(&str, String)> = map
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| (k.as_str(), text(v)))
+        .collect();
+    if rows.is_empty() {
+        return vec!["<none>".to_string()];
+    }
+    key_values(&rows)
+}
+
+/// The rows of `volume status` without a volume: header first.
+pub fn volume_list(volumes: &Value) -> Vec<String> {
+    let mut rows = vec![[
+        "ID",
+        "Name",
+        "Plugin ID",
+        "Schedulable",
+        "Access Mode",
+        "Claims (R/W)",
+        "Capacity",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for v in volumes.as_array().into_iter().flatten() {
+        rows.push(vec![
+            text(&v["id"]),
+            text(&v["name"]),
+            text(&v["plugin_id"]),
+            text(&v["schedulable"]),
+            claims_use(v, "access_mode"),
+            format!("{}/{}", count(&v["read_allocs"]), count(&v["write_allocs"])),
+            size(&v["capacity"]),
+        ]);
+    }
+    volume_stats::table(&rows)
+}
+
+/// What `volume status VOLUME` prints; `verbose` adds parameters, context,
+/// the requested topology, the snapshot or clone source, indexes and each
+/// claim's volume stats.
+pub fn volume_detail(vol: &Value, verbose: bool) -> Vec<String> {
+    let plugin = &vol["plugin"];
+    let health = |k: &str| {
+        if plugin.is_null() {
+            "-".to_string()
+        } else {
+            text(&plugin[k])
+        }
+    };
+    let provider = match vol["provider"].as_str().filter(|p| !p.is_empty()) {
+        Some(p) => p.to_string(),
+        None => health("provider"),
+    };
+    let mut capacity = size(&vol["capacity"]);
+    let bounds: Vec<String> = [("min", "capacity_min"), ("max", "capacity_max")]
+        .iter()
+        .filter(|(_, k)| vol[*k].as_u64().is_some())
+        .map(|(what, k)| format!("{what} {}", size(&vol[*k])))
+        .collect();
+    if !bounds.is_empty() {
+        capacity = format!("{capacity} (requested {})", bounds.join(", "));
+    }
+    let mut out = key_values(&[
+        ("ID", text(&vol["id"])),
+        ("Name", text(&vol["name"])),
+        ("External ID", text(&vol["external_id"])),
+        ("Plugin ID", text(&vol["plugin_id"])),
+        ("Provider", provider),
+        ("Schedulable", text(&vol["schedulable"])),
+        ("Controllers Healthy", health("controllers_healthy")),
+        ("Controllers Expected", health("controllers_expected")),
+        ("Nodes Healthy", health("nodes_healthy")),
+        ("Nodes Expected", health("nodes_expected")),
+        ("Access Mode", claims_use(vol, "access_mode")),
+        ("Attachment Mode", claims_use(vol, "attachment_mode")),
+        ("Capabilities", capabilities_text(vol)),
+        ("Mount Options", mount_options_text(&vol["mount_options"])),
+        ("Capacity", capacity),
+        (
+            "Topology",
+            node::topologies_text(&vol["accessible_topology"]),
+        ),
+    ]);
+    out.push(String::new());
+    out.push("Allocations".to_string());
+    let claims = claim_rows(vol);
+    if claims.is_empty() {
+        out.push("No allocations placed".to_string());
+    } else {
+        out.extend(claims);
+    }
+    if !verbose {
+        return out;
+    }
+    for (title, map) in [
+        ("Parameters", &vol["parameters"]),
+        ("Context", &vol["context"]),
+    ] {
+        out.push(String::new());
+        out.push(title.to_string());
+        out.extend(map_lines(map));
+    }
+    let req = &vol["requested_topologies"];
+    out.push(String::new());
+    out.push("Requested Topology".to_string());
+    out.extend(key_values(&[
+        ("Required", node::topologies_text(&req["required"])),
+        ("Preferred", node::topologies_text(&req["preferred"])),
+    ]));
+    out.push(String::new());
+    out.push("Source".to_string());
+    out.extend(key_values(&[
+        ("Snapshot ID", text(&vol["snapshot_id"])),
+        ("Clone ID", text(&vol["clone_id"])),
+        ("Create Index", text(&vol["create_index"])),
+        ("Modify Index", text(&vol["modify_index"])),
+    ]));
+    out.push(String::new());
+    out.push("Volume Stats".to_string());
+    out.extend(stats_lines(vol));
+    out
+}
+
+/// Each claim of the volume with the stats its node reported.
+fn stats_lines(vol: &Value) -> Vec<String> {
+    let stats = volume_stats::volume_claim_lines(vol);
+    if stats.is_empty() {
+        vec!["No claims".to_string()]
+    } else {
+        stats
+    }
+}
+
+/// The claims of the volume, newest alloc first (the API's order): alloc,
+/// node, claim mode and state, alloc status, age.
+fn claim_rows(vol: &Value) -> Vec<String> {
+    let claims = vol["claim_allocs"].as_array().cloned().unwrap_or_default();
+    if claims.is_empty() {
+        return Vec::new();
+    }
+    let mut rows = vec![[
+        "ID",
+        "Node ID",
+        "Node Name",
+        "Mode",
+        "Claim State",
+        "Alloc Status",
+        "Created",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for c in &claims {
+        rows.push(vec![
+            short_id(&c["alloc_id"]),
+            short_id(&c["node_id"]),
+            text(&c["node_name"]),
+            text(&c["mode"]),
+            text(&c["state"]),
+            text(&c["client_status"]),
+            ago_text(&c["create_time_ms"]),
+        ]);
+    }
+    volume_stats::table(&rows)
 }

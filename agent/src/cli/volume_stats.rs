@@ -47,7 +47,7 @@ fn condition_text(stats: &Value) -> String {
 /// The stats columns of one volume (used/total bytes, available bytes,
 /// used/total inodes, condition), or one column saying why there are
 /// none.
-fn stats_columns(stats: Option<&Value>) -> Vec<String> {
+pub(super) fn stats_columns(stats: Option<&Value>) -> Vec<String> {
     let Some(s) = stats.filter(|s| s.is_object()) else {
         return vec!["no stats reported yet".to_string()];
     };
@@ -68,7 +68,7 @@ fn stats_columns(stats: Option<&Value>) -> Vec<String> {
     ]
 }
 
-const STATS_HEADER: [&str; 4] = [
+pub(super) const STATS_HEADER: [&str; 4] = [
     "Used / Total",
     "Available",
     "Inodes Used / Total",
@@ -168,9 +168,10 @@ pub fn volume_claim_lines(volume: &Value) -> Vec<String> {
     let mut rows = Vec::new();
     for c in volume["claim_allocs"].as_array().into_iter().flatten() {
         let text = |k: &str| c[k].as_str().unwrap_or("-").to_string();
+        let id = |k: &str| super::node::short_id(c[k].as_str().unwrap_or("-")).to_string();
         let mut row = vec![
-            text("alloc_id"),
-            text("node_id"),
+            id("alloc_id"),
+            id("node_id"),
             text("mode"),
             text("client_status"),
         ];
