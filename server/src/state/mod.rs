@@ -455,6 +455,55 @@ mod tests {
             .1
     }
 
+    #[tokio::test]
+    async fn a_table_wait_ends_with_a_write_to_its_tables_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = RedbBackend::open(&RedbBackend::path_in(dir.path())).unwrap();
+        let store = std::sync::Arc::new(StateStore::open(Box::new(backend)).unwrap());
+        let node = |id: &str| {
+            Change::PutNode(Node {
+                id: id.into(),
+                ..Node::default()
+            })
+        };
+        let first = put(&store, vec![Change::PutAlloc(alloc("a1", "n1"))]);
+        assert_eq!(store.tables_index(&[Table::Allocs, Table::Jobs]), first);
+        assert_eq!(store.tables_index(&[Table::Jobs]), 0);
+
+        // Behind the index: at once.
+        let at_once = store.wait_for_tables(&[Table::Allocs], first - 1, Duration::from_secs(60));
+        assert_eq!(
+            tokio::time::timeout(Duration::from_secs(5), at_once).await,
+            Ok(first)
+        );
+
+        // At the index: a node write does not end an allocs wait, an
+        // alloc write does.
+        let waiter = {
+            let store = store.clone();
+            tokio::spawn(async move {
+                store
+                    .wait_for_tables(&[Table::Allocs], first, Duration::from_secs(60))
+                    .await
+            })
+        };
+        put(&store, vec![node("n1")]);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(!waiter.is_finished(), "a node write ended an allocs wait");
+        let second = put(&store, vec![Change::PutAlloc(alloc("a2", "n1"))]);
+        let woken = tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .expect("woken by the alloc write")
+            .unwrap();
+        assert_eq!(woken, second);
+
+        // Nothing written: the wait ends after its timeout.
+        let quiet = store
+            .wait_for_tables(&[Table::Volumes], 0, Duration::from_millis(50))
+            .await;
+        assert_eq!(quiet, 0);
+    }
+
     #[test]
     fn a_nodes_alloc_index_moves_only_with_writes_of_its_allocs() {
         let dir = tempfile::tempdir().unwrap();
