@@ -1,48 +1,108 @@
-//! `berth job run|stop|status`.
+//! `berth job run|plan|inspect|stop|status`.
+//!
+//! Exit codes: `job run` 0 when every alloc of the submitted version runs
+//! (a batch job: completed), 1 when one failed (or on any error), 2 when
+//! placements could not be made (Nomad's); `job plan` 0 when registering
+//! would create or stop no alloc, 1 when it would, 255 on error (Nomad's).
+//! Job IDs may be given as a unique prefix (the servers resolve it).
+
+use std::collections::{BTreeMap, HashMap};
 
 use anyhow::{anyhow, Result};
+use berth_structs::JobType;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
-use super::http_client::ApiClient;
-use super::{enc, print_json, read_spec, strs, Ctx};
+use super::errors::{one_line, UsageError};
+use super::http_client::{ApiClient, ApiError};
+use super::output::{ago_at, short_id, OutputArgs, Table};
+use super::{enc, print_json, read_spec, strs, usage_error, Ctx};
 
 #[derive(Subcommand, Debug)]
 pub enum JobCommand {
-    /// Submit a job and wait for its allocs to run (batch: to finish)
+    /// Submit a job and follow its allocs until they run (batch: finish)
     Run(RunArgs),
-    /// Stop a job
+    /// Show what submitting a job would change, place and stop, without
+    /// submitting it
+    Plan(PlanArgs),
+    /// Print a job as the servers store it (JSON)
+    Inspect(InspectArgs),
+    /// Stop a job and wait until its allocs have stopped
     Stop(StopArgs),
-    /// Show jobs, or one job and its allocs (the latest version's, newest first)
+    /// Show jobs, or one job: its summary and its allocs
     Status(StatusArgs),
 }
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// Return once the job is submitted; do not wait for its allocs
+    /// Return once the job is submitted; do not follow its allocs
     #[arg(long)]
     pub detach: bool,
+    /// Set a variable the job file declares (repeatable)
+    #[arg(long = "var", value_name = "NAME=VALUE")]
+    pub vars: Vec<String>,
+    /// Submit only if the job's modify index is still this one (as `job
+    /// plan` printed it; 0: only if the job does not exist yet)
+    #[arg(long, value_name = "INDEX")]
+    pub check_index: Option<u64>,
+    /// Print the job as JSON, as it would be submitted, and submit nothing
+    #[arg(long)]
+    pub output: bool,
     /// The job file (HCL)
     #[arg(value_name = "FILE")]
     pub file: String,
 }
 
 #[derive(Args, Debug)]
+pub struct PlanArgs {
+    /// Set a variable the job file declares (repeatable)
+    #[arg(long = "var", value_name = "NAME=VALUE")]
+    pub vars: Vec<String>,
+    /// Print the API's answer as JSON
+    #[arg(long)]
+    pub json: bool,
+    /// Show full IDs and every field of the diff
+    #[arg(long)]
+    pub verbose: bool,
+    /// The job file (HCL)
+    #[arg(value_name = "FILE")]
+    pub file: String,
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// Format the job with a template instead of printing its JSON
+    #[arg(short = 't', value_name = "TEMPLATE")]
+    pub template: Option<String>,
+    /// The job's ID, or a unique prefix of it
+    #[arg(value_name = "JOB")]
+    pub job: String,
+}
+
+#[derive(Args, Debug)]
 pub struct StopArgs {
-    /// The job's ID
+    /// Also remove the job from the servers' state once its allocs are done
+    #[arg(long)]
+    pub purge: bool,
+    /// Return at once; do not wait for the allocs to stop
+    #[arg(long)]
+    pub detach: bool,
+    /// The job's ID, or a unique prefix of it
     #[arg(value_name = "JOB")]
     pub job: String,
 }
 
 #[derive(Args, Debug)]
 pub struct StatusArgs {
-    /// Print the API's JSON
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// Show the allocs of every version of the job, not only the latest
     #[arg(long)]
     pub all_allocs: bool,
-    /// The job's ID (none: every job)
+    /// Show full IDs and more details
+    #[arg(long)]
+    pub verbose: bool,
+    /// The job's ID, or a unique prefix of it (none: every job)
     #[arg(value_name = "JOB")]
     pub job: Option<String>,
 }
@@ -50,48 +110,161 @@ pub struct StatusArgs {
 pub fn run(cmd: JobCommand, ctx: &Ctx) -> Result<i32> {
     match cmd {
         JobCommand::Run(a) => job_run(a, ctx.api()),
+        JobCommand::Plan(a) => job_plan(a, ctx.api()),
+        JobCommand::Inspect(a) => job_inspect(a, ctx.api()),
         JobCommand::Stop(a) => job_stop(a, ctx.api()),
         JobCommand::Status(a) => job_status(a, ctx.api()),
     }
 }
 
-fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
-    let path = a.file;
-    let src = read_spec("job file", &path)?;
-    let job = berth_structs::spec::parse_job(&src).map_err(|e| anyhow!("{path}: {e}"))?;
+/// `-var NAME=VALUE` flags as pairs; one without `=` is a usage error.
+fn parse_vars(command: &str, vars: &[String]) -> Result<Vec<(String, String)>> {
+    vars.iter()
+        .map(|v| match v.split_once('=') {
+            Some((name, value)) if !name.is_empty() => Ok((name.to_string(), value.to_string())),
+            _ => Err(usage_error(
+                &["job", command],
+                format!("-var {v:?}: want -var NAME=VALUE"),
+            )),
+        })
+        .collect()
+}
+
+/// Reads, parses (with the variables) and checks a job file.
+fn load_job(command: &str, path: &str, vars: &[String]) -> Result<berth_structs::Job> {
+    let vars = parse_vars(command, vars)?;
+    let src = read_spec("job file", path)?;
+    let job = berth_structs::spec::parse_job_with_variables(&src, &vars)
+        .map_err(|e| anyhow!("{path}: {e}"))?;
     job.validate().map_err(|e| anyhow!("{path}: {e}"))?;
-    let resp = api.put("/v1/jobs", &json!({ "job": job }))?;
-    let index = resp.get("index").and_then(Value::as_u64).unwrap_or(0);
-    println!("Job {:?} submitted (index {index})", job.id);
+    Ok(job)
+}
+
+fn s<'a>(v: &'a Value, key: &str) -> &'a str {
+    v.get(key).and_then(Value::as_str).unwrap_or_default()
+}
+
+fn n(v: &Value, key: &str) -> u64 {
+    v.get(key).and_then(Value::as_u64).unwrap_or_default()
+}
+
+fn now_ms() -> i64 {
+    berth_structs::now_ms()
+}
+
+/// Node names by ID (a node without a name shows its short ID).
+fn node_names(api: &ApiClient) -> Result<HashMap<String, String>> {
+    let nodes = api.get("/v1/nodes")?;
+    Ok(nodes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|node| {
+            let id = s(node, "id").to_string();
+            let name = match s(node, "name") {
+                "" => short_id(&id).to_string(),
+                name => name.to_string(),
+            };
+            (id, name)
+        })
+        .collect())
+}
+
+fn node_name<'a>(names: &'a HashMap<String, String>, id: &'a str) -> &'a str {
+    names.get(id).map_or_else(|| short_id(id), String::as_str)
+}
+
+/// Rows (the first the header) as a [`Table`], one line each.
+fn table(rows: &[Vec<String>]) -> String {
+    let mut rows = rows.iter();
+    let mut t = Table::new(rows.next().cloned().unwrap_or_default());
+    for row in rows {
+        t.push(row.clone());
+    }
+    let mut out = t.lines().join("\n");
+    out.push('\n');
+    out
+}
+
+fn plural(count: u64, one: &str, many: &str) -> String {
+    format!("{count} {}", if count == 1 { one } else { many })
+}
+
+// ---- job run ----------------------------------------------------------
+
+fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
+    let path = a.file.clone();
+    let job = load_job("run", &path, &a.vars)?;
+    if a.output {
+        return print_json(&json!({ "job": job }));
+    }
+    let mut body = json!({ "job": job });
+    if let Some(index) = a.check_index {
+        body["enforce_index"] = json!(true);
+        body["job_modify_index"] = json!(index);
+    }
+    let resp = api.put("/v1/jobs", &body)?;
+    let version = n(&resp, "version");
+    let changed = resp.get("changed").and_then(Value::as_bool) != Some(false);
+    if changed {
+        println!(
+            "==> Job {:?} submitted: version {version}, job modify index {}",
+            job.id,
+            n(&resp, "job_modify_index")
+        );
+    }
     let failures = strs(&resp["placement_failures"]);
+    if !changed && failures.is_empty() {
+        println!("==> Job {:?} is unchanged: nothing new to place", job.id);
+        return Ok(0);
+    }
+    let names = node_names(api)?;
+    let allocs = api.get(&format!("/v1/job/{}/allocations", enc(&job.id)))?;
+    let mine = allocs_of_version(&allocs, version);
+    if !mine.is_empty() {
+        let placed: Vec<String> = mine
+            .iter()
+            .map(|al| {
+                format!(
+                    "{} on {}",
+                    s(al, "name"),
+                    node_name(&names, s(al, "node_id"))
+                )
+            })
+            .collect();
+        println!(
+            "==> Placed {}: {}",
+            plural(placed.len() as u64, "alloc", "allocs"),
+            placed.join(", ")
+        );
+    }
     if !failures.is_empty() {
-        println!("Placement failures (the job waits until they clear):");
+        println!("==> Placement failures (the job waits until they clear):");
         for f in &failures {
-            println!("  {f}");
+            println!("    {f}");
         }
     }
     let outcome = placement_outcome(&resp);
-    if a.detach {
-        if let Some(o) = &outcome {
-            println!("{o}");
-        }
-        return Ok(0);
-    }
-    if resp.get("changed").and_then(Value::as_bool) == Some(false) && failures.is_empty() {
-        println!("Job {:?} is unchanged: nothing new to place", job.id);
-        return Ok(0);
-    }
-    let placed = monitor_job(api, &job.id, job.job_type, index, !failures.is_empty())?;
     if let Some(o) = &outcome {
-        println!("{o}");
+        println!("==> {o}");
     }
-    Ok(if failures.is_empty() { placed } else { 2 })
+    if a.detach {
+        return Ok(if failures.is_empty() { 0 } else { 2 });
+    }
+    let code = follow_run(
+        api,
+        &job.id,
+        job.job_type,
+        version,
+        &names,
+        !failures.is_empty(),
+    )?;
+    Ok(code)
 }
 
 /// How many of the job's allocs were placed, when some were not.
 fn placement_outcome(resp: &Value) -> Option<String> {
-    let num = |k: &str| resp.get(k).and_then(Value::as_u64).unwrap_or(0);
-    let (desired, unplaced) = (num("desired_allocs"), num("unplaced_allocs"));
+    let (desired, unplaced) = (n(resp, "desired_allocs"), n(resp, "unplaced_allocs"));
     if unplaced == 0 {
         return None;
     }
@@ -105,100 +278,485 @@ fn placement_outcome(resp: &Value) -> Option<String> {
     })
 }
 
-/// Waits until the allocs placed for this submission run (service, system)
-/// or finish (batch). Exit code 2 when any fails. With `blocked`, some
-/// allocs could not be placed: it returns once the placed ones are done, or
-/// at once when none were placed.
-fn monitor_job(
+/// The allocs of `version` the servers want running, by create index.
+fn allocs_of_version(allocs: &Value, version: u64) -> Vec<Value> {
+    let mut out: Vec<Value> = allocs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|al| al["job"]["version"].as_u64() == Some(version))
+        .filter(|al| s(al, "desired_status") == "run")
+        .cloned()
+        .collect();
+    out.sort_by_key(|al| (n(al, "create_index"), s(al, "name").to_string()));
+    out
+}
+
+/// Why an alloc failed: its failed tasks' last events, or what its client
+/// said.
+fn failure_reason(al: &Value) -> String {
+    let mut reasons = Vec::new();
+    if let Some(states) = al["task_states"].as_object() {
+        for (task, st) in states {
+            if st["failed"].as_bool() != Some(true) {
+                continue;
+            }
+            let events = st["events"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+            let why: Vec<String> = events
+                .iter()
+                .rev()
+                .filter(|e| !s(e, "message").is_empty())
+                .take(2)
+                .map(|e| format!("{}: {}", s(e, "type"), s(e, "message")))
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            if why.is_empty() {
+                reasons.push(format!("task {task:?} failed"));
+            } else {
+                reasons.push(format!("task {task:?}: {}", why.join("; ")));
+            }
+        }
+    }
+    if reasons.is_empty() {
+        match s(al, "client_description") {
+            "" => "no reason given".to_string(),
+            d => d.to_string(),
+        }
+    } else {
+        reasons.join("; ")
+    }
+}
+
+/// One line per alloc whose client status moved since `seen`.
+fn print_transitions(
+    allocs: &[Value],
+    seen: &mut BTreeMap<String, String>,
+    names: &HashMap<String, String>,
+) {
+    for al in allocs {
+        let id = s(al, "id").to_string();
+        let status = s(al, "client_status").to_string();
+        let before = seen.insert(id.clone(), status.clone());
+        let from = match before {
+            Some(b) if b == status => continue,
+            Some(b) => b,
+            None if status == "pending" => continue,
+            None => "pending".to_string(),
+        };
+        let mut line = format!(
+            "    Alloc {} {} on {}: {from} -> {status}",
+            short_id(&id),
+            s(al, "name"),
+            node_name(names, s(al, "node_id"))
+        );
+        if status == "failed" || status == "lost" {
+            line.push_str(&format!(": {}", failure_reason(al)));
+        }
+        println!("{line}");
+    }
+}
+
+/// Follows the allocs of `version` through blocking queries, printing
+/// each transition, until they all run (a batch job: finish). 0 when they
+/// did, 1 when one failed, 2 when some could not be placed.
+fn follow_run(
     api: &ApiClient,
     job_id: &str,
-    job_type: berth_structs::JobType,
-    index: u64,
+    job_type: JobType,
+    version: u64,
+    names: &HashMap<String, String>,
     blocked: bool,
 ) -> Result<i32> {
-    let mut last_line = String::new();
-    let mut seen_index = 0;
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    let mut index = 0;
+    let mut names = names.clone();
     loop {
-        // A blocking query: answers as soon as anything changes.
-        let (allocs, state_index) = api.get_indexed(&format!(
-            "/v1/job/{}/allocations?index={seen_index}&wait=10s",
+        let (allocs, at) = api.get_indexed(&format!(
+            "/v1/job/{}/allocations?index={index}&wait=10s",
             enc(job_id)
         ))?;
-        seen_index = state_index;
-        let allocs: Vec<&Value> = allocs
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter(|x| x.get("create_index").and_then(Value::as_u64).unwrap_or(0) >= index)
-                    .collect()
-            })
-            .unwrap_or_default();
-        let status_of = |x: &Value| {
-            x.get("client_status")
-                .and_then(Value::as_str)
-                .unwrap_or("")
-                .to_string()
-        };
-        let count = |s: &str| allocs.iter().filter(|x| status_of(x) == s).count();
-        let (pending, running, complete, failed, lost) = (
-            count("pending"),
-            count("running"),
-            count("complete"),
-            count("failed"),
-            count("lost"),
-        );
-        let line = format!(
-            "allocs: {} placed, {pending} pending, {running} running, {complete} complete, {failed} failed, {lost} lost",
-            allocs.len()
-        );
-        if line != last_line {
-            println!("{line}");
-            last_line = line;
+        index = at;
+        let mine = allocs_of_version(&allocs, version);
+        if mine.iter().any(|al| !names.contains_key(s(al, "node_id"))) {
+            names = node_names(api)?;
         }
-        if allocs.is_empty() && blocked {
-            return Ok(2);
-        }
-        if !allocs.is_empty() {
-            if failed + lost > 0 && pending + running == 0 {
-                println!("Job {job_id:?}: {failed} alloc(s) failed");
+        print_transitions(&mine, &mut seen, &names);
+        if mine.is_empty() {
+            if blocked {
                 return Ok(2);
             }
-            let done = match job_type {
-                berth_structs::JobType::Batch => pending + running == 0,
-                _ => pending == 0,
-            };
-            if done {
-                if failed + lost > 0 {
-                    println!("Job {job_id:?}: {failed} alloc(s) failed");
-                    return Ok(2);
+            println!("==> Job {job_id:?}: no allocs to wait for");
+            return Ok(0);
+        }
+        let count = |st: &str| {
+            mine.iter()
+                .filter(|al| s(al, "client_status") == st)
+                .count() as u64
+        };
+        let (pending, running, complete) = (count("pending"), count("running"), count("complete"));
+        let (failed, lost) = (count("failed"), count("lost"));
+        let done = match job_type {
+            JobType::Batch => pending + running == 0,
+            JobType::Service | JobType::System => pending == 0,
+        };
+        if !done {
+            continue;
+        }
+        let total = mine.len() as u64;
+        if failed + lost > 0 {
+            println!(
+                "==> Job {job_id:?} failed: {} of {total} failed{}",
+                plural(failed, "alloc", "allocs"),
+                if lost > 0 {
+                    format!(", {lost} lost")
+                } else {
+                    String::new()
                 }
-                if blocked {
-                    let state = match job_type {
-                        berth_structs::JobType::Batch => "done",
-                        _ => "running",
-                    };
-                    println!("Job {job_id:?}: the allocs placed are {state}");
-                    return Ok(2);
-                }
-                println!("Job {job_id:?}: done");
-                return Ok(0);
-            }
+            );
+            return Ok(1);
+        }
+        let state = match job_type {
+            JobType::Batch => format!("{} complete", plural(complete, "alloc", "allocs")),
+            _ => format!("{} running", plural(running, "alloc", "allocs")),
+        };
+        if blocked {
+            println!("==> Job {job_id:?}: the allocs placed are done ({state}); the rest wait for placement");
+            return Ok(2);
+        }
+        println!("==> Job {job_id:?} is done: {state}");
+        return Ok(0);
+    }
+}
+
+// ---- job plan ---------------------------------------------------------
+
+fn job_plan(a: PlanArgs, api: &ApiClient) -> Result<i32> {
+    match plan(&a, api) {
+        Ok(code) => Ok(code),
+        // A command line clap could not judge is still a usage error.
+        Err(e) if e.downcast_ref::<UsageError>().is_some() => Err(e),
+        Err(e) => {
+            eprintln!("Error: {}", one_line(&e));
+            Ok(255)
         }
     }
 }
 
+fn plan(a: &PlanArgs, api: &ApiClient) -> Result<i32> {
+    let job = load_job("plan", &a.file, &a.vars)?;
+    let resp = api.put(
+        &format!("/v1/job/{}/plan", enc(&job.id)),
+        &json!({ "job": job }),
+    )?;
+    let changes = resp["allocs_change"].as_bool() == Some(true);
+    if a.json {
+        print_json(&resp)?;
+        return Ok(i32::from(changes));
+    }
+    print!("{}", plan_text(&resp, &a.file, a.verbose));
+    Ok(i32::from(changes))
+}
+
+/// A value of a diff, on one line.
+fn shown(v: &Value) -> String {
+    match v {
+        Value::String(s) => format!("{s:?}"),
+        other => other.to_string(),
+    }
+}
+
+/// The human text of a plan answer.
+pub fn plan_text(plan: &Value, file: &str, verbose: bool) -> String {
+    let mut out = String::new();
+    let job_id = s(plan, "job_id");
+    let kind = s(&plan["diff"], "kind");
+    let (mark, note) = match kind {
+        "added" => ("+", " (new job)"),
+        "edited" => ("+/-", ""),
+        "restarted" => ("+", " (stopped: submitting it runs it again)"),
+        _ => ("", " (unchanged)"),
+    };
+    out.push_str(&format!(
+        "{}Job: {job_id:?}{note}\n",
+        if mark.is_empty() {
+            String::new()
+        } else {
+            format!("{mark} ")
+        }
+    ));
+    for f in plan["diff"]["fields"].as_array().into_iter().flatten() {
+        let path = s(f, "path");
+        let line = match s(f, "op") {
+            "+" => format!("  + {path}: {}", shown(&f["new"])),
+            "-" => format!("  - {path}: {}", shown(&f["old"])),
+            _ => format!("  ~ {path}: {} => {}", shown(&f["old"]), shown(&f["new"])),
+        };
+        if verbose || line.chars().count() <= 160 {
+            out.push_str(&line);
+        } else {
+            let cut: String = line.chars().take(157).collect();
+            out.push_str(&cut);
+            out.push_str("...");
+        }
+        out.push('\n');
+    }
+
+    out.push_str("\nScheduler dry-run:\n");
+    let groups = plan["groups"].as_array().map(Vec::as_slice).unwrap_or(&[]);
+    for g in groups {
+        let mut parts = Vec::new();
+        for (key, word) in [("place", "create"), ("stop", "destroy")] {
+            if n(g, key) > 0 {
+                parts.push(format!("{} {word}", n(g, key)));
+            }
+        }
+        if n(g, "update") > 0 {
+            parts.push(format!("{} create/destroy update", n(g, "update")));
+        }
+        if n(g, "keep") > 0 {
+            parts.push(format!("{} ignore", n(g, "keep")));
+        }
+        if n(g, "unplaced") > 0 {
+            parts.push(format!("{} not placed", n(g, "unplaced")));
+        }
+        if parts.is_empty() {
+            parts.push("no change".into());
+        }
+        out.push_str(&format!(
+            "- Task group {:?}: {}\n",
+            s(g, "name"),
+            parts.join(", ")
+        ));
+        for p in g["placements"].as_array().into_iter().flatten() {
+            let node = match s(p, "node_name") {
+                "" => s(p, "node_id"),
+                name => name,
+            };
+            out.push_str(&format!("    + {} on {node}\n", s(p, "name")));
+        }
+        for st in g["stops"].as_array().into_iter().flatten() {
+            let id = s(st, "id");
+            out.push_str(&format!(
+                "    - {} {} ({})\n",
+                if verbose { id } else { short_id(id) },
+                s(st, "name"),
+                s(st, "reason")
+            ));
+        }
+    }
+    let failures = strs(&plan["placement_failures"]);
+    if failures.is_empty() {
+        out.push_str("- All tasks successfully allocated.\n");
+    } else {
+        out.push_str("- WARNING: Failed to place all allocations.\n");
+        for f in &failures {
+            out.push_str(&format!("    {f}\n"));
+        }
+    }
+    let index = n(plan, "job_modify_index");
+    out.push_str(&format!(
+        "\nJob Modify Index: {index}\n\
+         To submit the job with version verification run:\n\
+         \n\
+         berth job run -check-index {index} {file}\n\
+         \n\
+         When running the job with the check-index flag, the job will only be run if the\n\
+         job modify index given matches the server-side version. If the index has\n\
+         changed, another user has modified the job and the plan's results are\n\
+         potentially invalid.\n"
+    ));
+    out
+}
+
+// ---- job inspect ------------------------------------------------------
+
+/// The stored job, without what the API adds to it.
+fn stored_job(api: &ApiClient, id: &str) -> Result<Value> {
+    let mut job = api.get(&format!("/v1/job/{}", enc(id)))?;
+    if let Value::Object(m) = &mut job {
+        m.remove("placement_failures");
+    }
+    Ok(job)
+}
+
+fn job_inspect(a: InspectArgs, api: &ApiClient) -> Result<i32> {
+    let job = stored_job(api, &a.job)?;
+    let output = OutputArgs {
+        json: a.template.is_none(),
+        template: a.template,
+    };
+    output.emit(&job, |_| Ok(()))
+}
+
+// ---- job stop ---------------------------------------------------------
+
+/// Whether an alloc has stopped for good: terminal on its client, or
+/// stopped by the servers before its client started it and the job is
+/// dead (nothing of it runs).
+fn stopped(al: &Value, job_dead: bool) -> bool {
+    matches!(s(al, "client_status"), "complete" | "failed" | "lost")
+        || (job_dead && s(al, "desired_status") != "run" && s(al, "client_status") == "pending")
+}
+
+fn is_not_found(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<ApiError>()
+        .is_some_and(|a| a.status == 404)
+}
+
 fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
-    let id = a.job;
-    api.delete(&format!("/v1/job/{}", enc(&id)))?;
-    println!("Job {id:?} stopped");
+    // Resolve a prefix once: the follow-up queries name the job exactly.
+    let id = s(&api.get(&format!("/v1/job/{}", enc(&a.job)))?, "id").to_string();
+    let path = if a.purge {
+        format!("/v1/job/{}?purge=true", enc(&id))
+    } else {
+        format!("/v1/job/{}", enc(&id))
+    };
+    let index = api.delete(&path)?;
+    println!(
+        "==> Job {id:?} {} (index {})",
+        if a.purge {
+            "stopped; it is purged once its allocs are done"
+        } else {
+            "stopped"
+        },
+        index.as_u64().unwrap_or_default()
+    );
+    if a.detach {
+        return Ok(0);
+    }
+    let names = node_names(api)?;
+    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    let mut at = 0;
+    let mut last: Vec<Value> = Vec::new();
+    loop {
+        let (allocs, next) = match api.get_indexed(&format!(
+            "/v1/job/{}/allocations?index={at}&wait=10s",
+            enc(&id)
+        )) {
+            Ok(r) => r,
+            // Purged: it and its allocs are gone, so they are done.
+            Err(e) if a.purge && is_not_found(&e) => break,
+            Err(e) => return Err(e),
+        };
+        at = next;
+        let allocs: Vec<Value> = allocs.as_array().cloned().unwrap_or_default();
+        if seen.is_empty() {
+            for al in &allocs {
+                seen.insert(s(al, "id").to_string(), s(al, "client_status").to_string());
+            }
+        }
+        print_transitions(&allocs, &mut seen, &names);
+        let dead = match api.get(&format!("/v1/job/{}", enc(&id))) {
+            Ok(job) => s(&job, "status") == "dead",
+            Err(e) if a.purge && is_not_found(&e) => true,
+            Err(e) => return Err(e),
+        };
+        last = allocs;
+        if last.iter().all(|al| stopped(al, dead)) {
+            break;
+        }
+    }
+    if a.purge {
+        // The servers remove it once no volume claim holds its allocs.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            match api.get(&format!("/v1/job/{}", enc(&id))) {
+                Err(e) if is_not_found(&e) => break,
+                Err(e) => return Err(e),
+                Ok(_) if std::time::Instant::now() >= deadline => {
+                    println!(
+                        "==> Job {id:?} is not purged yet: a volume claim still holds one of its allocs"
+                    );
+                    return Ok(1);
+                }
+                Ok(_) => {
+                    let _ = api.get_indexed(&format!(
+                        "/v1/job/{}/allocations?index={at}&wait=5s",
+                        enc(&id)
+                    ));
+                }
+            }
+        }
+    }
+    let stopped_count = last.len() as u64;
+    println!(
+        "==> Job {id:?}: {} stopped{}",
+        plural(stopped_count, "alloc", "allocs"),
+        if a.purge { "; the job is purged" } else { "" }
+    );
+    if !last.is_empty() {
+        last.sort_by_key(|al| std::cmp::Reverse(n(al, "create_index")));
+        print!("\n{}", alloc_table(&last, &names, false, now_ms()));
+    }
     Ok(0)
 }
 
-/// A job with stubs of its allocs: by default those of its latest version,
-/// newest first; with `all_allocs`, every alloc the servers still keep.
+// ---- job status -------------------------------------------------------
+
+/// The allocs table: ID, node, group, version, desired, status, created,
+/// modified.
+fn alloc_table(
+    allocs: &[Value],
+    names: &HashMap<String, String>,
+    verbose: bool,
+    now: i64,
+) -> String {
+    let mut rows = vec![[
+        "ID",
+        "Node",
+        "Task Group",
+        "Version",
+        "Desired",
+        "Status",
+        "Created",
+        "Modified",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for al in allocs {
+        let id = s(al, "id");
+        let node = s(al, "node_id");
+        let version = al
+            .get("job_version")
+            .or_else(|| al["job"].get("version"))
+            .and_then(Value::as_u64)
+            .unwrap_or_default();
+        rows.push(vec![
+            if verbose { id } else { short_id(id) }.to_string(),
+            if verbose {
+                node.to_string()
+            } else {
+                node_name(names, node).to_string()
+            },
+            s(al, "task_group").to_string(),
+            version.to_string(),
+            s(al, "desired_status").to_string(),
+            s(al, "client_status").to_string(),
+            ago_at(
+                al.get("create_time_ms")
+                    .and_then(Value::as_i64)
+                    .unwrap_or_default(),
+                now,
+            ),
+            ago_at(
+                al.get("modify_time_ms")
+                    .and_then(Value::as_i64)
+                    .unwrap_or_default(),
+                now,
+            ),
+        ]);
+    }
+    table(&rows)
+}
+
+/// A job with stubs of its allocs (by default those of its latest
+/// version, newest first; with `all_allocs` every alloc the servers keep)
+/// and its summary.
 fn job_view(api: &ApiClient, job: &Value, all_allocs: bool) -> Result<Value> {
-    let id = job.get("id").and_then(Value::as_str).unwrap_or_default();
-    let version = job.get("version").and_then(Value::as_u64).unwrap_or(0);
+    let id = s(job, "id");
+    let version = n(job, "version");
     let allocs = api.get(&format!("/v1/job/{}/allocations", enc(id)))?;
     let mut allocs: Vec<&Value> = allocs
         .as_array()
@@ -206,7 +764,7 @@ fn job_view(api: &ApiClient, job: &Value, all_allocs: bool) -> Result<Value> {
         .flatten()
         .filter(|a| all_allocs || a["job"]["version"].as_u64().unwrap_or(0) == version)
         .collect();
-    allocs.sort_by_key(|a| std::cmp::Reverse(a["create_index"].as_u64().unwrap_or(0)));
+    allocs.sort_by_key(|a| std::cmp::Reverse(n(a, "create_index")));
     let stubs: Vec<Value> = allocs
         .into_iter()
         .map(|a| {
@@ -219,55 +777,31 @@ fn job_view(api: &ApiClient, job: &Value, all_allocs: bool) -> Result<Value> {
                 "client_status": a["client_status"],
                 "desired_status": a["desired_status"],
                 "create_index": a["create_index"],
+                "create_time_ms": a["create_time_ms"],
+                "modify_time_ms": a["modify_time_ms"],
             })
         })
         .collect();
     let mut v = job.clone();
     v["allocations"] = Value::Array(stubs);
+    v["summary"] = api.get(&format!("/v1/job/{}/summary", enc(id)))?["groups"].clone();
     Ok(v)
 }
 
 fn job_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
-    match a.job {
+    match &a.job {
         Some(id) => {
-            let job = api.get(&format!("/v1/job/{}", enc(&id)))?;
+            let job = api.get(&format!("/v1/job/{}", enc(id)))?;
             let v = job_view(api, &job, a.all_allocs)?;
-            if a.json {
-                return print_json(&v);
-            }
-            println!("ID      = {}", v["id"].as_str().unwrap_or_default());
-            println!("Type    = {}", v["type"].as_str().unwrap_or_default());
-            println!("Status  = {}", v["status"].as_str().unwrap_or_default());
-            println!("Version = {}", v["version"].as_u64().unwrap_or_default());
-            let failures = strs(&v["placement_failures"]);
-            if !failures.is_empty() {
-                println!("\nPlacement failures (the job waits until they clear)");
-                for f in &failures {
-                    println!("  {f}");
-                }
-            }
-            println!(
-                "\nAllocations{}",
-                if a.all_allocs {
-                    " (all versions)"
-                } else {
-                    " (latest version, newest first)"
-                }
-            );
-            println!(
-                "{:<38} {:<38} {:<10} {:<10}",
-                "ID", "Node ID", "Desired", "Status"
-            );
-            for al in v["allocations"].as_array().into_iter().flatten() {
-                println!(
-                    "{:<38} {:<38} {:<10} {:<10}",
-                    al["id"].as_str().unwrap_or_default(),
-                    al["node_id"].as_str().unwrap_or_default(),
-                    al["desired_status"].as_str().unwrap_or_default(),
-                    al["client_status"].as_str().unwrap_or_default()
-                );
-            }
-            Ok(0)
+            let names = if a.output.json || a.output.template.is_some() {
+                HashMap::new()
+            } else {
+                node_names(api)?
+            };
+            a.output.emit(&v, |v| {
+                print!("{}", job_text(v, &names, a.all_allocs, a.verbose, now_ms()));
+                Ok(())
+            })
         }
         None => {
             let jobs = api.get("/v1/jobs")?;
@@ -277,19 +811,151 @@ fn job_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
                 .flatten()
                 .map(|j| job_view(api, j, a.all_allocs))
                 .collect::<Result<Vec<_>>>()?;
-            if a.json {
-                return print_json(&Value::Array(views));
-            }
-            println!("{:<30} {:<8} {:<8}", "ID", "Type", "Status");
-            for j in &views {
-                println!(
-                    "{:<30} {:<8} {:<8}",
-                    j["id"].as_str().unwrap_or_default(),
-                    j["type"].as_str().unwrap_or_default(),
-                    j["status"].as_str().unwrap_or_default()
-                );
-            }
-            Ok(0)
+            a.output.emit(&Value::Array(views), |v| {
+                print!("{}", jobs_text(v, now_ms()));
+                Ok(())
+            })
+        }
+    }
+}
+
+/// The jobs table: ID, type, priority, status, modified.
+pub fn jobs_text(jobs: &Value, now: i64) -> String {
+    let jobs = jobs.as_array().map(Vec::as_slice).unwrap_or(&[]);
+    if jobs.is_empty() {
+        return "No running jobs\n".into();
+    }
+    let mut rows = vec![["ID", "Type", "Priority", "Status", "Modified"]
+        .map(String::from)
+        .to_vec()];
+    for j in jobs {
+        rows.push(vec![
+            s(j, "id").to_string(),
+            s(j, "type").to_string(),
+            n(j, "priority").to_string(),
+            s(j, "status").to_string(),
+            ago_at(
+                j.get("modify_time_ms")
+                    .and_then(Value::as_i64)
+                    .unwrap_or_default(),
+                now,
+            ),
+        ]);
+    }
+    table(&rows)
+}
+
+/// One job: its header, summary, placement failures and allocs.
+pub fn job_text(
+    v: &Value,
+    names: &HashMap<String, String>,
+    all_allocs: bool,
+    verbose: bool,
+    now: i64,
+) -> String {
+    let mut out = String::new();
+    let datacenters = strs(&v["datacenters"]);
+    let mut header = vec![
+        ("ID", s(v, "id").to_string()),
+        ("Name", s(v, "name").to_string()),
+        ("Type", s(v, "type").to_string()),
+        ("Priority", n(v, "priority").to_string()),
+        ("Status", s(v, "status").to_string()),
+        ("Version", n(v, "version").to_string()),
+        (
+            "Datacenters",
+            if datacenters.is_empty() {
+                "*".to_string()
+            } else {
+                datacenters.join(",")
+            },
+        ),
+    ];
+    if v["stop"].as_bool() == Some(true) {
+        header.push(("Stopped", "true".into()));
+    }
+    if verbose {
+        header.push(("Job Modify Index", n(v, "job_modify_index").to_string()));
+        header.push(("Modify Index", n(v, "modify_index").to_string()));
+        header.push(("Create Index", n(v, "create_index").to_string()));
+        header.push((
+            "Modified",
+            ago_at(
+                v.get("modify_time_ms")
+                    .and_then(Value::as_i64)
+                    .unwrap_or_default(),
+                now,
+            ),
+        ));
+    }
+    let width = header.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    for (k, val) in &header {
+        out.push_str(&format!("{k:<width$} = {val}\n"));
+    }
+
+    out.push_str("\nSummary\n");
+    let mut rows = vec![[
+        "Task Group",
+        "Queued",
+        "Starting",
+        "Running",
+        "Failed",
+        "Complete",
+        "Lost",
+    ]
+    .map(String::from)
+    .to_vec()];
+    for (group, c) in v["summary"].as_object().into_iter().flatten() {
+        let mut row = vec![group.clone()];
+        for k in [
+            "queued", "starting", "running", "failed", "complete", "lost",
+        ] {
+            row.push(n(c, k).to_string());
+        }
+        rows.push(row);
+    }
+    out.push_str(&table(&rows));
+
+    let failures = strs(&v["placement_failures"]);
+    if !failures.is_empty() {
+        out.push_str("\nPlacement Failures (the job waits until they clear)\n");
+        for f in &failures {
+            out.push_str(&format!("  {f}\n"));
+        }
+    }
+    out.push_str(&format!(
+        "\nAllocations{}\n",
+        if all_allocs {
+            " (all versions)"
+        } else {
+            " (latest version, newest first)"
+        }
+    ));
+    let allocs = v["allocations"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    if allocs.is_empty() {
+        out.push_str("No allocations placed\n");
+    } else {
+        out.push_str(&alloc_table(allocs, names, verbose, now));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vars_need_a_name_and_an_equals_sign() {
+        assert_eq!(
+            parse_vars("run", &["a=b=c".into(), "e=".into()]).unwrap(),
+            vec![("a".into(), "b=c".into()), ("e".into(), String::new())]
+        );
+        for bad in ["novalue", "=x"] {
+            let e = parse_vars("run", &[bad.into()]).unwrap_err();
+            assert!(e.downcast_ref::<UsageError>().is_some(), "{bad}: {e}");
         }
     }
 }
