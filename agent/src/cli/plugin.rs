@@ -230,3 +230,75 @@ fn instance_rows(p: &Value, field: &str, is_node: bool, verbose: bool) -> Vec<St
     }
     table(&rows)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn plugin() -> Value {
+        json!({
+            "id": "hostpath", "provider": "hp.example", "version": "1.0",
+            "controllers_healthy": 0, "controllers_expected": 0,
+            "nodes_healthy": 1, "nodes_expected": 2, "volume_count": 3,
+            "controller_capabilities": [], "node_capabilities": ["StageUnstage", "VolumeStats"],
+            "controllers": {},
+            "nodes": {"node-1-long-id": {"alloc_id": "alloc-1-long-id", "healthy": true,
+                "health_description": "healthy", "supports_stage_unstage": true,
+                "external_node_id": "ext-n1", "max_volumes": 0,
+                "accessible_topology": {"segments": {"zone": "a"}}}},
+            "instance_nodes": {"node-1-long-id": {"name": "n1", "status": "ready",
+                "health_changed_ms": 1}},
+            "allocations": [{"id": "alloc-1-long-id", "node_id": "node-1-long-id",
+                "node_name": "n1", "job_id": "hostpath-plugin", "task": "plugin",
+                "client_status": "running", "create_time_ms": 1}],
+        })
+    }
+
+    #[test]
+    fn the_list_shows_healthy_of_expected() {
+        let rows = plugin_list(&json!([plugin()]));
+        assert_eq!(rows.len(), 2, "{rows:#?}");
+        assert!(
+            rows[1].contains("0/0") && rows[1].contains("1/2"),
+            "{rows:#?}"
+        );
+    }
+
+    #[test]
+    fn the_detail_shows_capabilities_instances_and_allocs() {
+        let lines = plugin_detail(&plugin(), false);
+        let text = lines.join("\n");
+        assert!(text.contains("Volumes              = 3"), "{text}");
+        let caps: Vec<&String> = lines
+            .iter()
+            .skip_while(|l| *l != "Capabilities")
+            .take(3)
+            .collect();
+        assert_eq!(caps[1], "Controller  -", "{text}");
+        assert_eq!(caps[2], "Node        StageUnstage, VolumeStats", "{text}");
+        assert!(text.contains("Controllers\nNone"), "{text}");
+        let node = lines.iter().find(|l| l.starts_with("node-1-l")).unwrap();
+        for want in ["n1", "true", "healthy", " ago"] {
+            assert!(node.contains(want), "{want:?} in {node:?}");
+        }
+        assert!(!node.contains("ext-n1"), "{node:?}");
+        let alloc = lines.iter().find(|l| l.starts_with("alloc-1-")).unwrap();
+        assert!(alloc.contains("hostpath-plugin") && alloc.contains("running"));
+    }
+
+    #[test]
+    fn verbose_shows_each_instance_in_full() {
+        let lines = plugin_detail(&plugin(), true);
+        let node = lines.iter().find(|l| l.starts_with("node-1-l")).unwrap();
+        for want in [
+            "alloc-1-",
+            "StageUnstage",
+            "ext-n1",
+            "unlimited",
+            "{zone=a}",
+        ] {
+            assert!(node.contains(want), "{want:?} in {node:?}");
+        }
+    }
+}

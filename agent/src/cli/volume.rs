@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
-use super::output::OutputArgs;
+use super::output::{self, OutputArgs};
 use super::{
     allocs_phrase, enc, node, print_release_warnings, read_spec, snapshot, strs, volume_stats, Ctx,
 };
@@ -217,16 +217,16 @@ fn with_claims(list: &mut Value, api: &ApiClient) -> Result<()> {
 /// An ID of the API's JSON as tables show it: its first eight characters.
 pub(super) fn short_id(id: &Value) -> String {
     match id.as_str() {
-        Some(id) if !id.is_empty() => node::short_id(id).to_string(),
+        Some(id) if !id.is_empty() => output::short_id(id).to_string(),
         _ => "-".to_string(),
     }
 }
 
-/// A time of the API's JSON (unix milliseconds) as `3m 5s ago`; `-` when
+/// A time of the API's JSON (unix milliseconds) as `3m ago`; `-` when
 /// unknown.
 pub(super) fn ago_text(ms: &Value) -> String {
     match ms.as_i64() {
-        Some(ms) if ms > 0 => node::ago(ms, berth_structs::now_ms()),
+        Some(ms) if ms > 0 => output::ago(ms),
         _ => "-".to_string(),
     }
 }
@@ -494,4 +494,107 @@ fn claim_rows(vol: &Value) -> Vec<String> {
         ]);
     }
     volume_stats::table(&rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume() -> Value {
+        json!({
+            "id": "data", "name": "data", "external_id": "ext-1", "plugin_id": "hostpath",
+            "provider": "", "schedulable": true, "capacity": 1u64 << 20,
+            "capacity_min": 1u64 << 20, "capacity_max": 100u64 << 20,
+            "capabilities": [{"access_mode": "single-node-writer", "attachment_mode": "file-system"}],
+            "mount_options": {"fs_type": "ext4", "mount_flags": ["noatime", "nodev"]},
+            "parameters": {"a": "b"}, "context": {},
+            "requested_topologies": {"required": [{"segments": {"zone": "a"}}], "preferred": []},
+            "accessible_topology": [{"segments": {"zone": "a"}}],
+            "read_claims": {},
+            "write_claims": {"alloc-1": {"access_mode": "single-node-writer", "attachment_mode": "file-system"}},
+            "read_allocs": [], "write_allocs": ["alloc-1"],
+            "plugin": {"provider": "hp.example", "controllers_healthy": 1, "controllers_expected": 1,
+                       "nodes_healthy": 0, "nodes_expected": 1},
+            "claim_allocs": [{"alloc_id": "0123456789abcdef", "node_id": "fedcba9876543210",
+                              "node_name": "n1", "mode": "write", "state": "taken",
+                              "client_status": "running", "create_time_ms": 1, "volume_stats": null}],
+        })
+    }
+
+    fn value_of(lines: &[String], key: &str) -> Option<String> {
+        lines.iter().find_map(|l| {
+            let (k, v) = l.split_once(" = ")?;
+            (k.trim() == key).then(|| v.to_string())
+        })
+    }
+
+    #[test]
+    fn the_list_sizes_its_columns_and_says_none_for_unclaimed_volumes() {
+        let mut other = volume();
+        other["id"] = json!("a-much-longer-volume-id");
+        other["write_claims"] = json!({});
+        other["write_allocs"] = json!([]);
+        other["capacity"] = json!(0);
+        let rows = volume_list(&json!([volume(), other]));
+        assert_eq!(rows.len(), 3, "{rows:#?}");
+        let at = rows[0].find("Name").unwrap();
+        assert!(
+            rows[1..].iter().all(|r| &r[at - 2..at] == "  "),
+            "{rows:#?}"
+        );
+        assert!(rows[1].contains("single-node-writer") && rows[1].contains("0/1"));
+        assert!(
+            rows[2].contains("<none>") && rows[2].contains("0/0"),
+            "{rows:#?}"
+        );
+        assert!(rows[2].ends_with(" -"), "no capacity: {rows:#?}");
+    }
+
+    #[test]
+    fn the_detail_shows_the_plugin_modes_options_capacity_and_claims() {
+        let lines = volume_detail(&volume(), false);
+        assert_eq!(value_of(&lines, "Provider").as_deref(), Some("hp.example"));
+        assert_eq!(value_of(&lines, "Nodes Healthy").as_deref(), Some("0"));
+        assert_eq!(
+            value_of(&lines, "Access Mode").as_deref(),
+            Some("single-node-writer")
+        );
+        assert_eq!(
+            value_of(&lines, "Mount Options").as_deref(),
+            Some("fs_type: ext4, flags: noatime,nodev")
+        );
+        assert_eq!(
+            value_of(&lines, "Capacity").as_deref(),
+            Some("1 MiB (requested min 1 MiB, max 100 MiB)")
+        );
+        assert_eq!(value_of(&lines, "Topology").as_deref(), Some("{zone=a}"));
+        let claim = lines.iter().find(|l| l.starts_with("01234567")).unwrap();
+        for want in ["fedcba98", "n1", "write", "taken", "running", " ago"] {
+            assert!(claim.contains(want), "{want:?} in {claim:?}");
+        }
+        assert!(!lines.iter().any(|l| l == "Parameters"), "{lines:#?}");
+    }
+
+    #[test]
+    fn verbose_adds_parameters_context_requested_topology_and_stats() {
+        let mut vol = volume();
+        vol["plugin"] = Value::Null;
+        vol["mount_options"] = json!({});
+        let lines = volume_detail(&vol, true);
+        assert_eq!(value_of(&lines, "Nodes Healthy").as_deref(), Some("-"));
+        assert_eq!(value_of(&lines, "Mount Options").as_deref(), Some("<none>"));
+        assert_eq!(value_of(&lines, "a").as_deref(), Some("b"));
+        assert_eq!(value_of(&lines, "Required").as_deref(), Some("{zone=a}"));
+        assert_eq!(value_of(&lines, "Preferred").as_deref(), Some("-"));
+        for title in [
+            "Parameters",
+            "Context",
+            "Requested Topology",
+            "Source",
+            "Volume Stats",
+        ] {
+            assert!(lines.iter().any(|l| l == title), "{title}: {lines:#?}");
+        }
+        assert!(lines.iter().any(|l| l.contains("no stats reported yet")));
+    }
 }

@@ -3,6 +3,8 @@
 
 use serde_json::Value;
 
+use super::output::{short_id, Table};
+
 /// `1536` → `1.5 KiB`; whole bytes below 1 KiB.
 pub fn human_bytes(n: u64) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
@@ -75,40 +77,18 @@ pub(super) const STATS_HEADER: [&str; 4] = [
     "Condition",
 ];
 
-/// Rows in aligned columns; the last column of a row may run past the
-/// others' widths (a row with fewer columns than the header).
+/// Rows (header first) in columns as wide as their widest cell; a row
+/// with fewer columns than the header has its last cell as free text.
 pub(super) fn table(rows: &[Vec<String>]) -> Vec<String> {
-    let columns = rows.iter().map(Vec::len).max().unwrap_or(0);
-    let mut widths = vec![0; columns];
+    let mut rows = rows.iter();
+    let Some(header) = rows.next() else {
+        return Vec::new();
+    };
+    let mut t = Table::new(header.clone());
     for row in rows {
-        // A short row's last column is free text: it does not widen.
-        let counted = if row.len() < columns {
-            row.len().saturating_sub(1)
-        } else {
-            row.len()
-        };
-        for (i, cell) in row.iter().take(counted).enumerate() {
-            widths[i] = widths[i].max(cell.chars().count());
-        }
+        t.push(row.clone());
     }
-    rows.iter()
-        .map(|row| {
-            let last = row.len().saturating_sub(1);
-            row.iter()
-                .enumerate()
-                .map(|(i, cell)| {
-                    if i == last {
-                        cell.clone()
-                    } else {
-                        format!("{cell:<w$}", w = widths[i])
-                    }
-                })
-                .collect::<Vec<_>>()
-                .join("  ")
-                .trim_end()
-                .to_string()
-        })
-        .collect()
+    t.lines()
 }
 
 /// The "CSI Volumes" lines of `berth alloc status`: each CSI volume of
@@ -168,7 +148,7 @@ pub fn volume_claim_lines(volume: &Value) -> Vec<String> {
     let mut rows = Vec::new();
     for c in volume["claim_allocs"].as_array().into_iter().flatten() {
         let text = |k: &str| c[k].as_str().unwrap_or("-").to_string();
-        let id = |k: &str| super::node::short_id(c[k].as_str().unwrap_or("-")).to_string();
+        let id = |k: &str| short_id(c[k].as_str().unwrap_or("-")).to_string();
         let mut row = vec![
             id("alloc_id"),
             id("node_id"),
