@@ -202,8 +202,6 @@ pub struct Metrics {
     pub state_commit_duration: Histograms<DbLabels>,
     /// Node events recorded, by subsystem.
     pub node_events: Family<SubsystemLabels, Counter>,
-    /// Resident memory of this process (set at scrape time).
-    pub resident_memory: Gauge,
     build_info: Family<VersionLabels, Gauge>,
 }
 
@@ -238,7 +236,6 @@ impl Metrics {
             task_exits: Family::default(),
             state_commit_duration: histograms(),
             node_events: Family::default(),
-            resident_memory: Gauge::default(),
             build_info: Family::default(),
         };
         let r = m.registry.sub_registry_with_prefix("berth");
@@ -339,12 +336,8 @@ impl Metrics {
         );
         r.register("build_info", "berth's version", m.build_info.clone());
         // The process metrics keep their standard names, without the prefix.
-        m.registry.register_with_unit(
-            "process_resident_memory",
-            "Resident memory of this process",
-            Unit::Bytes,
-            m.resident_memory.clone(),
-        );
+        m.registry
+            .register_collector(Box::new(process::ProcessCollector));
         m.build_info
             .get_or_create(&VersionLabels {
                 version: env!("CARGO_PKG_VERSION"),
@@ -364,10 +357,6 @@ pub fn metrics() -> &'static Metrics {
 /// ([`CONTENT_TYPE`]).
 pub fn encode() -> String {
     let m = metrics();
-    if let Some(bytes) = resident_memory_bytes() {
-        m.resident_memory
-            .set(i64::try_from(bytes).unwrap_or(i64::MAX));
-    }
     let mut open_metrics = String::new();
     // Writing to a String cannot fail, and every family is well formed.
     let _ = prometheus_client::encoding::text::encode(&mut open_metrics, &m.registry);
@@ -408,15 +397,6 @@ fn to_text_format(open_metrics: &str) -> String {
         }
     }
     out
-}
-
-/// Resident set size of this process, from `/proc/self/statm` (Linux).
-fn resident_memory_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    // SAFETY: sysconf reads a system constant; it has no preconditions.
-    let page_size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    Some(pages * u64::try_from(page_size).ok().filter(|p| *p > 0)?)
 }
 
 // ---- Recording helpers: one line at each place that records. ----
@@ -512,5 +492,6 @@ pub fn set_client_allocs(counts: &[(&'static str, i64)]) {
     }
 }
 
+mod process;
 #[cfg(test)]
 mod tests;

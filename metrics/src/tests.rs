@@ -64,6 +64,8 @@ fn encode_has_every_family_with_help_type_and_unit() {
         "# TYPE berth_node_events_total counter",
         "# TYPE berth_build_info gauge",
         "# TYPE process_resident_memory_bytes gauge",
+        "# TYPE process_cpu_seconds_total counter",
+        "# TYPE process_open_fds gauge",
         "# HELP berth_csi_rpc_duration_seconds Time of one CSI call to a plugin.",
     ] {
         assert!(text.contains(family), "{family} missing from:\n{text}");
