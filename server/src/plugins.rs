@@ -185,18 +185,22 @@ pub fn node_capabilities(info: &CsiInfo) -> Vec<&'static str> {
     .collect()
 }
 
-/// The union of `of` over `infos`, in the order `of` names them.
+/// What any of `infos` can do, named by `of` in its order.
 fn union_of(
     infos: &BTreeMap<String, CsiInfo>,
     of: fn(&CsiInfo) -> Vec<&'static str>,
 ) -> Vec<&'static str> {
-    let mut all: Vec<&'static str> = Vec::new();
-    for name in infos.values().flat_map(of) {
-        if !all.contains(&name) {
-            all.push(name);
-        }
-    }
-    all
+    let any = infos.values().fold(CsiInfo::default(), |mut all, i| {
+        all.requires_controller_publish |= i.requires_controller_publish;
+        all.supports_create_delete |= i.supports_create_delete;
+        all.supports_expand |= i.supports_expand;
+        all.supports_snapshots |= i.supports_snapshots;
+        all.supports_stage_unstage |= i.supports_stage_unstage;
+        all.supports_volume_stats |= i.supports_volume_stats;
+        all.supports_volume_condition |= i.supports_volume_condition;
+        all
+    });
+    of(&any)
 }
 
 /// The plugin `given` names: its ID or a unique prefix of it.
@@ -204,25 +208,14 @@ fn resolve_plugin(
     plugins: &mut BTreeMap<String, CsiPlugin>,
     given: &str,
 ) -> Result<CsiPlugin, ServerError> {
-    if let Some(p) = plugins.remove(given) {
-        return Ok(p);
-    }
-    let matches: Vec<String> = plugins
-        .keys()
-        .filter(|k| !given.is_empty() && k.starts_with(given))
-        .cloned()
-        .collect();
-    match matches.as_slice() {
-        [one] => Ok(plugins.remove(one).unwrap_or_default()),
-        [] => Err(ServerError::not_found(format!(
-            "CSI plugin {given:?} not found (see `berth plugin status`)"
-        ))),
-        many => Err(ServerError::BadRequest(format!(
-            "CSI plugin ID prefix {given:?} matches {} plugins: {}",
-            many.len(),
-            many.join(", ")
-        ))),
-    }
+    let id = crate::prefix::resolve(plugins, given, crate::prefix::PLUGIN, crate::prefix::key)?
+        .map(|(k, _)| k.clone())
+        .ok_or_else(|| {
+            ServerError::not_found(format!(
+                "CSI plugin {given:?} not found (see `berth plugin status`)"
+            ))
+        })?;
+    Ok(plugins.remove(&id).unwrap_or_default())
 }
 
 fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
@@ -312,5 +305,73 @@ impl Server {
             let plugin = resolve_plugin(&mut derive_plugins(t), id)?;
             Ok(plugin_status_in(t, plugin))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plugins(ids: &[&str]) -> BTreeMap<String, CsiPlugin> {
+        ids.iter()
+            .map(|id| {
+                let p = CsiPlugin {
+                    id: id.to_string(),
+                    ..Default::default()
+                };
+                (id.to_string(), p)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_plugin_is_found_by_id_or_unique_prefix() {
+        let all = plugins(&["hostpath", "hostpath-b", "nfs"]);
+        assert_eq!(
+            resolve_plugin(&mut all.clone(), "hostpath").unwrap().id,
+            "hostpath"
+        );
+        assert_eq!(resolve_plugin(&mut all.clone(), "nf").unwrap().id, "nfs");
+        let many = resolve_plugin(&mut all.clone(), "host").unwrap_err();
+        assert!(
+            many.to_string()
+                .contains("matches 2 plugins: hostpath, hostpath-b"),
+            "{many}"
+        );
+        let none = resolve_plugin(&mut all.clone(), "ceph").unwrap_err();
+        assert!(matches!(none, ServerError::NotFound(_)), "{none}");
+        assert!(matches!(
+            resolve_plugin(&mut all.clone(), ""),
+            Err(ServerError::NotFound(_))
+        ));
+    }
+
+    #[test]
+    fn capabilities_are_named_and_joined_over_instances() {
+        let ctrl = |publish: bool, snapshots: bool| CsiInfo {
+            requires_controller_publish: publish,
+            supports_snapshots: snapshots,
+            supports_create_delete: true,
+            ..Default::default()
+        };
+        let infos: BTreeMap<String, CsiInfo> = [
+            ("n1".to_string(), ctrl(false, true)),
+            ("n2".to_string(), ctrl(true, false)),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(
+            union_of(&infos, controller_capabilities),
+            vec!["ControllerPublish", "CreateDelete", "Snapshots"]
+        );
+        let node = CsiInfo {
+            supports_stage_unstage: true,
+            supports_volume_condition: true,
+            ..Default::default()
+        };
+        assert_eq!(
+            node_capabilities(&node),
+            vec!["StageUnstage", "VolumeCondition"]
+        );
     }
 }
