@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{example, only_alloc, wait_for, DevAgent};
+use berth_tests::{
+    cli_json_at, example, free_port, http_at, only_alloc, wait_for, Agent, DevAgent,
+};
 use prometheus_parse::{Sample, Scrape, Value};
 
 /// A volume secret that must never show.
@@ -35,10 +37,22 @@ fn volume_life(agent: &DevAgent) -> Result<String> {
     Ok(writer["id"].as_str().unwrap_or_default().to_string())
 }
 
-/// `GET /v1/metrics`: its content type and body.
+/// `GET /v1/metrics` of `agent`: its content type and body.
 fn scrape(agent: &DevAgent) -> Result<(String, String)> {
-    let answer =
-        agent.http("GET /v1/metrics HTTP/1.1\r\nHost: berth\r\nConnection: close\r\n\r\n")?;
+    let port = agent
+        .http_addr
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .context("the agent's port")?;
+    scrape_at(port)
+}
+
+/// `GET /v1/metrics` of the agent whose HTTP API listens on `port`.
+fn scrape_at(port: u16) -> Result<(String, String)> {
+    let answer = http_at(
+        port,
+        "GET /v1/metrics HTTP/1.1\r\nHost: berth\r\nConnection: close\r\n\r\n",
+    )?;
     if answer.status != 200 {
         bail!(
             "GET /v1/metrics answered {}: {}",
@@ -264,6 +278,114 @@ fn json_log_lines_carry_alloc_and_task_and_no_secret() -> Result<()> {
     assert!(
         !metrics.contains(SECRET),
         "the volume's secret is in /v1/metrics"
+    );
+    Ok(())
+}
+
+#[test]
+fn each_agent_answers_with_its_own_metrics() -> Result<()> {
+    let server_port = free_port();
+    let (mut server, rpc) = Agent::start_server(&format!("127.0.0.1:{server_port}"))?;
+    let client_port = free_port();
+    let mut client = Agent::start_client(&[], &rpc, "c1", &format!("127.0.0.1:{client_port}"))?;
+    let server_addr = format!("http://127.0.0.1:{server_port}");
+    wait_for(
+        "the node ready and heartbeating",
+        Duration::from_secs(30),
+        || {
+            server.check_running()?;
+            client.check_running()?;
+            let Ok(nodes) = cli_json_at(&server_addr, &["node", "status", "-json"]) else {
+                return Ok(None);
+            };
+            let ready = nodes
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|n| n["status"] == "ready");
+            let client_metrics = parse(&scrape_at(client_port)?.1)?;
+            let beat =
+                histogram_count(&client_metrics, "berth_heartbeat_duration_seconds", &[]) > 0.0;
+            Ok((ready && beat).then_some(()))
+        },
+    )
+    .with_context(|| {
+        format!(
+            "server log:\n{}\nclient log:\n{}",
+            server.log(),
+            client.log()
+        )
+    })?;
+
+    // The server counts nodes and heartbeats, runs no alloc and makes no
+    // heartbeat of its own.
+    let (content_type, text) = scrape_at(server_port)?;
+    assert_eq!(content_type, "text/plain; version=0.0.4; charset=utf-8");
+    let m = parse(&text)?;
+    assert_eq!(
+        value(&m, "berth_nodes", &[("status", "ready")]),
+        Some(1.0),
+        "{text}"
+    );
+    assert!(
+        value(&m, "berth_server_heartbeats_total", &[]).unwrap_or(0.0) >= 1.0,
+        "{text}"
+    );
+    assert_eq!(
+        value(&m, "berth_allocs", &[("client_status", "running")]),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(value(&m, "berth_client_allocs", &[]), None, "{text}");
+    assert_eq!(
+        histogram_count(&m, "berth_heartbeat_duration_seconds", &[]),
+        0.0,
+        "{text}"
+    );
+    assert!(
+        histogram_count(
+            &m,
+            "berth_state_commit_duration_seconds",
+            &[("db", "server")]
+        ) > 0.0,
+        "{text}"
+    );
+
+    // The client-only agent answers with its own numbers, not the
+    // server's: heartbeats sent, its allocs, its state database.
+    let text = scrape_at(client_port)?.1;
+    let m = parse(&text)?;
+    assert_eq!(value(&m, "berth_nodes", &[]), None, "{text}");
+    assert_eq!(
+        value(&m, "berth_server_heartbeats_total", &[]),
+        Some(0.0),
+        "{text}"
+    );
+    assert_eq!(
+        value(&m, "berth_client_allocs", &[("client_status", "running")]),
+        Some(0.0),
+        "{text}"
+    );
+    assert!(
+        histogram_count(&m, "berth_heartbeat_duration_seconds", &[]) > 0.0,
+        "{text}"
+    );
+    assert!(
+        histogram_count(
+            &m,
+            "berth_state_commit_duration_seconds",
+            &[("db", "client")]
+        ) > 0.0,
+        "{text}"
+    );
+    assert_eq!(
+        histogram_count(
+            &m,
+            "berth_state_commit_duration_seconds",
+            &[("db", "server")]
+        ),
+        0.0,
+        "{text}"
     );
     Ok(())
 }
