@@ -251,13 +251,23 @@ fn logs_of_a_task_by_name_the_tail_and_the_errors() -> Result<()> {
     // -tail prints the last 10 lines unless -n says otherwise; an ID
     // prefix is enough.
     let last10: String = (3..=12).map(|i| format!("a-{i}\n")).collect();
-    assert_eq!(agent.cli_ok(&["alloc", "logs", "-tail", &id[..8], "a"])?, last10);
+    assert_eq!(
+        agent.cli_ok(&["alloc", "logs", "-tail", &id[..8], "a"])?,
+        last10
+    );
     assert_eq!(
         agent.cli_ok(&["alloc", "logs", "-tail", "-n", "2", &id, "a"])?,
         "a-11\na-12\n"
     );
-    // -f on a dead task prints what there is and ends.
+    // -f on a dead task prints what there is and ends, from the tail too.
     assert_eq!(agent.cli_ok(&["alloc", "logs", "-f", &id, "b"])?, "b-out\n");
+    assert_eq!(
+        agent.cli_ok(&["alloc", "logs", "-f", "-tail", "-n", "1", &id, "a"])?,
+        "a-12\n"
+    );
+    // -n goes with -tail.
+    let out = agent.cli(&["alloc", "logs", "-n", "2", &id, "a"])?;
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
 
     // Two tasks: which one must be said.
     let out = agent.cli(&["alloc", "logs", &id])?;
