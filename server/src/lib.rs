@@ -22,6 +22,7 @@ mod node_secrets;
 mod nodes;
 mod plan;
 mod plugins;
+mod prefix;
 mod rpc;
 mod scheduler;
 mod server;

@@ -32,26 +32,15 @@ pub(crate) fn resolve_node<'a>(t: &'a Tables, given: &str) -> Result<&'a Node, S
             )));
         }
     }
-    let matches: Vec<&Node> = t
-        .nodes
-        .range(given.to_string()..)
-        .take_while(|(k, _)| !given.is_empty() && k.starts_with(given))
-        .map(|(_, n)| n)
-        .collect();
-    match matches.as_slice() {
-        [one] => Ok(one),
-        [] => Err(ServerError::not_found(format!(
+    crate::prefix::resolve(&t.nodes, given, crate::prefix::NODE, |k, n| {
+        format!("{k} ({})", n.name)
+    })?
+    .map(|(_, n)| n)
+    .ok_or_else(|| {
+        ServerError::not_found(format!(
             "node {given:?} not found: give a node ID, a unique ID prefix or a node name (see `berth node status`)"
-        ))),
-        many => Err(ServerError::BadRequest(format!(
-            "node ID prefix {given:?} matches {} nodes: {}",
-            many.len(),
-            many.iter()
-                .map(|n| format!("{} ({})", n.id, n.name))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))),
-    }
+        ))
+    })
 }
 
 /// The answer to a node registration.

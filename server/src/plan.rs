@@ -227,34 +227,8 @@ impl Server {
     /// The ID of the job `id` names: itself, or the one job whose ID starts
     /// with it. An ambiguous prefix is an error that lists the matches.
     pub fn resolve_job_id(&self, id: &str) -> Result<String, ServerError> {
-        self.store.read(|t| {
-            if t.jobs.contains_key(id) {
-                return Ok(id.to_string());
-            }
-            let matches: Vec<&String> = t
-                .jobs
-                .range(id.to_string()..)
-                .take_while(|(k, _)| k.starts_with(id))
-                .map(|(k, _)| k)
-                .collect();
-            match matches.as_slice() {
-                [one] if !id.is_empty() => Ok((*one).clone()),
-                [] | [_] => Err(ServerError::not_found(format!("job {id:?} not found"))),
-                many => {
-                    const SHOWN: usize = 10;
-                    let mut names: Vec<String> =
-                        many.iter().take(SHOWN).map(|k| format!("{k:?}")).collect();
-                    if many.len() > SHOWN {
-                        names.push(format!("and {} more", many.len() - SHOWN));
-                    }
-                    Err(ServerError::BadRequest(format!(
-                        "job ID prefix {id:?} matches {} jobs: {}",
-                        many.len(),
-                        names.join(", ")
-                    )))
-                }
-            }
-        })
+        self.store
+            .read(|t| Ok(crate::server::job_in(t, id)?.id.clone()))
     }
 }
 

@@ -149,18 +149,16 @@ impl Server {
         self.store.read(|t| t.jobs.values().cloned().collect())
     }
 
+    /// A job by ID, or by a unique ID prefix.
     pub fn job(&self, id: &str) -> Result<Job, ServerError> {
-        self.store
-            .read(|t| t.jobs.get(id).cloned())
-            .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))
+        self.store.read(|t| Ok(job_in(t, id)?.clone()))
     }
 
+    /// The allocs of the job `id` (an ID or a unique ID prefix) names.
     pub fn job_allocations(&self, id: &str) -> Result<Vec<Allocation>, ServerError> {
         self.store.read(|t| {
-            if !t.jobs.contains_key(id) {
-                return Err(ServerError::not_found(format!("job {id:?} not found")));
-            }
-            Ok(t.allocs_of_job(id).cloned().collect())
+            let job = job_in(t, id)?;
+            Ok(t.allocs_of_job(&job.id).cloned().collect())
         })
     }
 
@@ -171,29 +169,14 @@ impl Server {
     /// An alloc by ID, or by a unique ID prefix.
     pub fn allocation(&self, id: &str) -> Result<Allocation, ServerError> {
         self.store.read(|t| {
-            if let Some(a) = t.allocs.get(id) {
-                return Ok(a.clone());
-            }
-            let matches: Vec<&Allocation> = t
-                .allocs
-                .range(id.to_string()..)
-                .take_while(|(k, _)| !id.is_empty() && k.starts_with(id))
-                .map(|(_, a)| a)
-                .collect();
-            match matches.as_slice() {
-                [one] => Ok((*one).clone()),
-                [] => Err(ServerError::not_found(format!(
+            let found = crate::prefix::resolve(&t.allocs, id, crate::prefix::ALLOC, |k, a| {
+                format!("{k} ({})", a.name)
+            })?;
+            found.map(|(_, a)| a.clone()).ok_or_else(|| {
+                ServerError::not_found(format!(
                     "alloc {id:?} not found (see `berth job status JOB`)"
-                ))),
-                many => Err(ServerError::BadRequest(format!(
-                    "alloc ID prefix {id:?} matches {} allocs: {}",
-                    many.len(),
-                    many.iter()
-                        .map(|a| format!("{} ({})", a.id, a.name))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ))),
-            }
+                ))
+            })
         })
     }
 
@@ -274,4 +257,12 @@ fn status_counts<S: Copy>(
         }
     }
     counts
+}
+
+/// The job `id` names in `t`: its ID or a unique prefix of one (quoted in
+/// the list of an ambiguous prefix's matches).
+pub(crate) fn job_in<'a>(t: &'a crate::state::Tables, id: &str) -> Result<&'a Job, ServerError> {
+    crate::prefix::resolve(&t.jobs, id, crate::prefix::JOB, |k, _| format!("{k:?}"))?
+        .map(|(_, j)| j)
+        .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))
 }

@@ -244,10 +244,23 @@ impl Server {
         })
     }
 
+    /// A volume by ID, or by a unique ID prefix.
     pub fn volume(&self, id: &str) -> Result<CsiVolume, ServerError> {
-        self.store
-            .read(|t| t.volumes.get(id).map(|v| public_view(v, t)))
-            .ok_or_else(|| ServerError::not_found(format!("volume {id:?} not found")))
+        self.store.read(|t| {
+            crate::prefix::resolve(&t.volumes, id, crate::prefix::VOLUME, crate::prefix::key)?
+                .map(|(_, v)| public_view(v, t))
+                .ok_or_else(|| ServerError::not_found(format!("volume {id:?} not found")))
+        })
+    }
+
+    /// The ID of the volume `id` names: itself, or the one volume whose ID
+    /// starts with it.
+    pub fn resolve_volume_id(&self, id: &str) -> Result<String, ServerError> {
+        self.store.read(|t| {
+            crate::prefix::resolve(&t.volumes, id, crate::prefix::VOLUME, crate::prefix::key)?
+                .map(|(k, _)| k.clone())
+                .ok_or_else(|| ServerError::not_found(format!("volume {id:?} not found")))
+        })
     }
 
     /// Create a volume through a controller plugin (`CreateVolume`) and
