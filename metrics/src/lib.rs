@@ -10,10 +10,9 @@
 //! encoding, never on the hot path. This crate knows nothing of berth's
 //! data model or of HTTP: label values are plain strings.
 
+use std::fmt::Write;
 use std::sync::OnceLock;
 use std::time::Duration;
-
-use std::fmt::Write;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
@@ -70,15 +69,15 @@ impl Db {
 /// escaped as the text format wants: the encoder writes values as they
 /// are.
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
-pub struct Text(pub String);
+pub struct LabelText(pub String);
 
-impl From<&str> for Text {
-    fn from(s: &str) -> Text {
-        Text(s.to_string())
+impl From<&str> for LabelText {
+    fn from(s: &str) -> LabelText {
+        LabelText(s.to_string())
     }
 }
 
-impl EncodeLabelValue for Text {
+impl EncodeLabelValue for LabelText {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
         for c in self.0.chars() {
             match c {
@@ -106,20 +105,20 @@ impl EncodeLabelValue for Db {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CsiRpcLabels {
-    pub plugin: Text,
+    pub plugin: LabelText,
     pub method: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CsiRpcErrorLabels {
-    pub plugin: Text,
+    pub plugin: LabelText,
     pub method: &'static str,
     pub code: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct PluginOutcomeLabels {
-    pub plugin: Text,
+    pub plugin: LabelText,
     pub outcome: Outcome,
 }
 
@@ -151,7 +150,7 @@ pub struct DbLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SubsystemLabels {
-    pub subsystem: Text,
+    pub subsystem: LabelText,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
