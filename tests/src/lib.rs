@@ -13,6 +13,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
 pub mod cluster;
+pub mod snapshot;
 pub use berth_testutil::relay;
 
 pub use berth_testutil::mounts_under;
