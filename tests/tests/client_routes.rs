@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use berth_tests::cluster::{Client, Server};
-use berth_tests::{http_at, recorded_task_pid, task_events, wait_for, HttpAnswer};
+use berth_tests::{
+    cli_json_at, cli_ok_at, http_at, recorded_task_pid, task_events, wait_for, HttpAnswer,
+};
 use serde_json::{json, Value};
 
 /// A service job whose task traps SIGUSR1, writing a line to
@@ -60,10 +62,7 @@ fn request(port: u16, method: &str, path: &str, body: Option<&Value>) -> Result<
 fn expect(answer: &HttpAnswer, status: u16, what: &str) -> Result<Value> {
     let body = String::from_utf8_lossy(&answer.body);
     if answer.status != status {
-        bail!(
-            "{what}: expected {status}, got {}\n{body}",
-            answer.head
-        );
+        bail!("{what}: expected {status}, got {}\n{body}", answer.head);
     }
     serde_json::from_slice(&answer.body).with_context(|| format!("{what}: decoding {body:?}"))
 }
@@ -109,24 +108,27 @@ fn an_allocs_client_routes_answer_through_the_server_and_through_another_client(
     for (via, port) in [("the server", server.http_port), ("client b", b.http_port)] {
         // The alloc as its client sees it, by unique prefix.
         let view = expect(
-            &request(port, "GET", &format!("/v1/client/allocation/{prefix}"), None)?,
+            &request(
+                port,
+                "GET",
+                &format!("/v1/client/allocation/{prefix}"),
+                None,
+            )?,
             200,
             &format!("alloc status through {via}"),
         )?;
         assert_eq!(view["id"], alloc_id.as_str(), "through {via}: {view}");
         assert_eq!(view["task_states"]["t"]["state"], "running", "{view}");
 
+        let addr = format!("http://127.0.0.1:{port}");
+        let status = cli_json_at(&addr, &["alloc", "status", "-json", prefix])?;
+        assert_eq!(status["id"], alloc_id.as_str(), "through {via}: {status}");
+
         // A signal reaches the task: it traps it.
         let before = trapped(&marker);
-        let answer = expect(
-            &request(
-                port,
-                "POST",
-                &format!("/v1/client/allocation/{prefix}/signal"),
-                Some(&json!({"signal": "SIGUSR1", "task": "t"})),
-            )?,
-            200,
-            &format!("signal through {via}"),
+        let answer = cli_json_at(
+            &addr,
+            &["alloc", "signal", "-json", "-s", "SIGUSR1", prefix, "t"],
         )?;
         assert_eq!(answer["signal"], "SIGUSR1", "{answer}");
         assert_eq!(answer["tasks"], json!(["t"]), "{answer}");
@@ -140,16 +142,8 @@ fn an_allocs_client_routes_answer_through_the_server_and_through_another_client(
         // restart policy's count unchanged.
         let pid = recorded_task_pid(&a.agent.data_path(), &alloc_id, "t")?;
         let restarts = view["task_states"]["t"]["restarts"].as_u64();
-        expect(
-            &request(
-                port,
-                "POST",
-                &format!("/v1/client/allocation/{alloc_id}/restart"),
-                Some(&json!({"task": "t"})),
-            )?,
-            200,
-            &format!("restart through {via}"),
-        )?;
+        let out = cli_ok_at(&addr, &["alloc", "restart", prefix, "t"])?;
+        assert!(out.contains(&alloc_id), "{out}");
         let view = wait_for(
             &format!("the task running again after the restart through {via}"),
             Duration::from_secs(30),
@@ -192,7 +186,10 @@ fn an_allocs_client_routes_answer_through_the_server_and_through_another_client(
             &format!("an unknown signal through {via}"),
         )?;
         assert!(
-            e["error"].as_str().unwrap_or_default().contains("\"SIGNOPE\""),
+            e["error"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("\"SIGNOPE\""),
             "{e}"
         );
         let e = expect(

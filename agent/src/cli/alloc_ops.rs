@@ -18,6 +18,9 @@ const STOP_WAIT: Duration = Duration::from_secs(5 * 60);
 /// One blocking query's wait while `alloc stop` waits (below the CLI's
 /// read timeout).
 const POLL_WAIT: &str = "20s";
+/// How long a stopped alloc's replacement is waited for: one that needs
+/// the stopped alloc's volume claim is placed only once the claim is free.
+const REPLACEMENT_WAIT: Duration = Duration::from_secs(15);
 
 #[derive(Args, Debug)]
 pub struct StopArgs {
@@ -92,10 +95,44 @@ fn wait_stopped(api: &ApiClient, id: &str) -> Result<Value> {
     }
 }
 
+/// The alloc placed in place of the stopped `alloc` (same name, placed
+/// later), waited for up to [`REPLACEMENT_WAIT`] while its job runs.
+fn wait_replacement(api: &ApiClient, alloc: &Value) -> Result<Option<String>> {
+    let job = alloc["job_id"].as_str().unwrap_or_default();
+    if api.get(&format!("/v1/job/{}", enc(job)))?["stop"] == true {
+        return Ok(None);
+    }
+    let created = alloc["create_index"].as_u64().unwrap_or(0);
+    let started = Instant::now();
+    let mut index = 0u64;
+    loop {
+        let (allocs, at) = api.get_indexed(&format!(
+            "/v1/job/{}/allocations?index={index}&wait=5s",
+            enc(job)
+        ))?;
+        let replacement = allocs.as_array().into_iter().flatten().find(|a| {
+            a["name"] == alloc["name"]
+                && a["id"] != alloc["id"]
+                && a["desired_status"] == "run"
+                && a["create_index"].as_u64().unwrap_or(0) > created
+        });
+        if let Some(r) = replacement {
+            return Ok(r["id"].as_str().map(str::to_string));
+        }
+        if started.elapsed() >= REPLACEMENT_WAIT {
+            return Ok(None);
+        }
+        if at <= index {
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        index = at.max(index);
+    }
+}
+
 fn replacement_line(answer: &Value) -> String {
     match answer["replacement"].as_str() {
         Some(r) => format!("Replacement: {r}"),
-        None => "Replacement: none placed".to_string(),
+        None => "Replacement: none placed (yet)".to_string(),
     }
 }
 
@@ -117,6 +154,11 @@ pub fn stop(args: StopArgs, ctx: &Ctx) -> Result<i32> {
         });
     }
     let alloc = wait_stopped(api, &id)?;
+    if answer["replacement"].is_null() {
+        if let Some(r) = wait_replacement(api, &alloc)? {
+            answer["replacement"] = Value::String(r);
+        }
+    }
     answer["alloc"] = alloc;
     args.output.emit(&answer, |a| {
         let alloc = &a["alloc"];
