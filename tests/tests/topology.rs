@@ -271,7 +271,7 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
     assert!(
         text.lines().any(|l| l.trim_start().starts_with("hostpath")
             && l.contains("node")
-            && l.trim_end().ends_with(&format!("{{{KEY}={id_b}}}"))),
+            && l.contains(&format!("  {{{KEY}={id_b}}}  "))),
         "{text}"
     );
     Ok(())

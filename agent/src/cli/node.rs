@@ -563,6 +563,7 @@ fn event_rows(events: &Value, verbose: bool) -> Vec<Vec<String>> {
                     .as_object()
                     .into_iter()
                     .flatten()
+                    .filter(|(_, v)| v.as_str() != Some(""))
                     .map(|(k, v)| format!("{k}={}", text(v)))
                     .collect();
                 if !details.is_empty() {
@@ -809,7 +810,7 @@ mod tests {
             "meta": {},
             "events": (0..12).map(|i| json!({
                 "subsystem": "Storage", "message": format!("Mount volume {i}"),
-                "details": {"volume_id": "data"}, "timestamp": 1_764_592_800_000_i64 + i * 1000,
+                "details": {"volume_id": "data", "error": ""}, "timestamp": 1_764_592_800_000_i64 + i * 1000,
                 "count": if i == 11 { 3 } else { 1 }
             })).collect::<Vec<_>>(),
         })
