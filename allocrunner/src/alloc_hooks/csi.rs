@@ -256,7 +256,12 @@ impl AllocHook for CsiHook {
                 volume.attachment_mode,
                 volume.read_only,
             );
-            let span = tracing::info_span!("csi_volume", volume = %name, volume_id = %volume_id);
+            let span = tracing::info_span!(
+                "csi_volume",
+                volume = %name,
+                volume_id = %volume_id,
+                plugin_id = tracing::field::Empty,
+            );
             // Recorded before the claim is sent: a claim cut short by a stop
             // may still have been granted, and postrun releases it.
             self.volumes.push(volume);
@@ -265,6 +270,7 @@ impl AllocHook for CsiHook {
             // the task goes on using it even while they are unreachable.
             if ctx.restoring {
                 if let Some((stub, target)) = Self::still_published(ctx, &volume_id) {
+                    span.record("plugin_id", stub.plugin_id.as_str());
                     span.in_scope(|| info!(target = %target.display(), "kept the volume mounted from before the restart"));
                     if let Some(v) = self.volumes.last_mut() {
                         v.plugin_id = stub.plugin_id.clone();
@@ -305,6 +311,7 @@ impl AllocHook for CsiHook {
                 .clone()
                 .unwrap_or_default()
                 .merged_over(&claim.mount_options);
+            span.record("plugin_id", claim.plugin_id.as_str());
             if let Some(v) = self.volumes.last_mut() {
                 v.plugin_id = claim.plugin_id.clone();
                 v.external_id = claim.external_id.clone();
