@@ -459,6 +459,44 @@ mod tests {
         }
     }
 
+    /// Every command path of the tree (`job`, `job run`, ...), without
+    /// clap's `help` subcommands and hidden commands.
+    fn command_paths(cmd: &clap::Command, prefix: &str, out: &mut Vec<String>) {
+        for sub in cmd.get_subcommands() {
+            if sub.get_name() == "help" || sub.is_hide_set() {
+                continue;
+            }
+            let path = format!("{prefix}{}", sub.get_name());
+            out.push(path.clone());
+            command_paths(sub, &format!("{path} "), out);
+        }
+    }
+
+    /// The e2e test of help on every command walks a static list of the
+    /// commands: it has to name each command of the tree, and only those.
+    #[test]
+    fn the_e2e_list_of_commands_is_the_command_tree() {
+        let mut tree = Vec::new();
+        command_paths(&command(), "", &mut tree);
+        tree.sort();
+        let test = include_str!("../../../tests/tests/cli_basics.rs");
+        let start = test
+            .find("const COMMANDS: &[&str] = &[")
+            .expect("cli_basics.rs lists COMMANDS");
+        let end = start + test[start..].find("];").expect("the end of COMMANDS");
+        let mut listed: Vec<String> = test[start..end]
+            .split('"')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_string)
+            .collect();
+        listed.sort();
+        assert_eq!(
+            listed, tree,
+            "tests/tests/cli_basics.rs COMMANDS must list every command of the tree"
+        );
+    }
+
     #[test]
     fn the_command_tree_is_well_formed() {
         command().debug_assert();
