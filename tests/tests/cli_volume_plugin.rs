@@ -55,6 +55,52 @@ fn section<'a>(text: &'a str, title: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// What varies between runs, replaced: the temp dir, IDs, the node's
+/// name, ages, indexes; and the padding of table columns, which follows
+/// the widths of those.
+fn settings(agent: &DevAgent) -> Result<insta::Settings> {
+    let nodes = agent.cli_json(&["node", "status"])?;
+    let node = nodes[0]["name"].as_str().unwrap_or_default().to_string();
+    let mut s = insta::Settings::clone_current();
+    s.add_filter(
+        &regex_escape(&agent.data_dir.path().display().to_string()),
+        "[DIR]",
+    );
+    s.add_filter(
+        r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+        "[UUID]",
+    );
+    s.add_filter(r"\b[0-9a-f]{8}\b", "[ID]");
+    s.add_filter(r"\b\d+(d|h|m|s)(\d+(h|m))? ago\b", "[AGO]");
+    s.add_filter(r"(Create|Modify) Index = \d+", "$1 Index = [N]");
+    if !node.is_empty() {
+        s.add_filter(&format!(r"\b{}\b", regex_escape(&node)), "[NODE]");
+    }
+    // Table columns (not the `Key = value` lines) are two spaces apart.
+    s.add_filter(r" {2,}([^=\s])", "  $1");
+    Ok(s)
+}
+
+fn regex_escape(text: &str) -> String {
+    text.chars()
+        .flat_map(|c| {
+            let special = "\\.+*?()|[]{}^$".contains(c);
+            special
+                .then_some('\\')
+                .into_iter()
+                .chain(std::iter::once(c))
+        })
+        .collect()
+}
+
+/// `text` up to the line `title` (that section and what follows left out).
+fn before_section<'a>(text: &'a str, title: &str) -> &'a str {
+    match text.find(&format!("\n{title}\n")) {
+        Some(at) => &text[..at],
+        None => text,
+    }
+}
+
 /// The text never names the secret nor a `secrets` key.
 fn assert_no_secret(what: &str, text: &str) {
     assert!(!text.contains(SECRET), "{what} shows the secret:\n{text}");
@@ -179,6 +225,13 @@ fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
     }
     let stats = section(&verbose, "Volume Stats");
     assert!(stats[0].contains("Used / Total"), "{verbose}");
+    // The stats' figures are those of the host's filesystem: left out.
+    let verbose_head = before_section(&verbose, "Volume Stats");
+    settings(&agent)?.bind(|| {
+        insta::assert_snapshot!("volume_status_list", list);
+        insta::assert_snapshot!("volume_status_detail", detail);
+        insta::assert_snapshot!("volume_status_verbose", verbose_head);
+    });
     assert!(
         stats
             .iter()
@@ -305,6 +358,11 @@ fn plugin_status_lists_details_capabilities_and_allocs() -> Result<()> {
         assert!(nodes[0].contains(column), "{column:?} in:\n{verbose}");
     }
     assert!(nodes[1].contains(short), "{verbose}");
+    settings(&agent)?.bind(|| {
+        insta::assert_snapshot!("plugin_status_list", list);
+        insta::assert_snapshot!("plugin_status_detail", detail);
+        insta::assert_snapshot!("plugin_status_verbose", verbose);
+    });
 
     // -json: the API's JSON.
     let p = agent.cli_json(&["plugin", "status", "hostpath"])?;
