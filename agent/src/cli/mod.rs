@@ -258,7 +258,7 @@ pub fn normalise(root: &clap::Command, args: Vec<String>) -> Vec<String> {
             let first = name.chars().next();
             if name.len() > 1 && first.is_some_and(|c| c.is_ascii_alphabetic()) {
                 let long = long_flag(at, name);
-                if long.is_some() || !first.is_some_and(|c| short_flag(at, c).is_some()) {
+                if long.is_some() || first.is_none_or(|c| short_flag(at, c).is_none()) {
                     value_next = !flag.contains('=') && long.is_some_and(takes_value);
                     out.push(format!("-{a}"));
                     continue;

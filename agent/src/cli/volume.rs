@@ -92,7 +92,7 @@ pub fn run(cmd: VolumeCommand, ctx: &Ctx) -> Result<i32> {
 }
 
 fn volume_submit(path: &str, create: bool, api: &ApiClient) -> Result<i32> {
-    let src = read_spec("volume file", &path)?;
+    let src = read_spec("volume file", path)?;
     let vol = berth_structs::spec::parse_volume(&src).map_err(|e| anyhow!("{path}: {e}"))?;
     vol.validate(!create).map_err(|e| anyhow!("{path}: {e}"))?;
     let url = if create {
