@@ -7,8 +7,8 @@ use clap::{Args, Subcommand};
 use serde_json::Value;
 
 use super::http_client::ApiClient;
-use super::node::{ago, format_time, key_values, shown_id, titled_table};
-use super::output::OutputArgs;
+use super::node::{key_values, shown_id, titled_table};
+use super::output::{ago_at, format_time, OutputArgs, Table};
 use super::{alloc_logs, alloc_ops, enc, volume_stats, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -168,11 +168,11 @@ pub fn alloc_detail(
         ("Desired Description", text(&v["desired_description"])),
         (
             "Created",
-            ago(v["create_time_ms"].as_i64().unwrap_or(0), now_ms),
+            ago_at(v["create_time_ms"].as_i64().unwrap_or(0), now_ms),
         ),
         (
             "Modified",
-            ago(v["modify_time_ms"].as_i64().unwrap_or(0), now_ms),
+            ago_at(v["modify_time_ms"].as_i64().unwrap_or(0), now_ms),
         ),
     ];
     if let Some(ms) = v["node_last_heartbeat_ms"].as_i64().filter(|ms| *ms > 0) {
@@ -202,10 +202,14 @@ pub fn alloc_detail(
         out += &task_section(v, task, verbose);
     }
 
-    let volumes = volume_rows(v, plugins);
-    if !volumes.is_empty() {
+    let mut volumes = volume_rows(v, plugins).into_iter();
+    if let Some(header) = volumes.next() {
+        let mut table = Table::new(header);
+        for row in volumes {
+            table.push(row);
+        }
         out += "\nCSI Volumes\n";
-        for line in volume_stats::table(&volumes) {
+        for line in table.lines() {
             out += &line;
             out.push('\n');
         }
@@ -481,5 +485,76 @@ logs  logs[0]  hostpath  app   local/logs   true       no stats reported yet
             text.contains("data  data     -       app"),
             "no plugin known: {text}"
         );
+    }
+
+    /// A group with the per-alloc volume `vol` mounted by no task and
+    /// `logs`, with the stats `stats` reported.
+    fn with_stats(stats: Value) -> Value {
+        json!({
+            "task_group": "g",
+            "index": 2,
+            "job": {"task_groups": [{"name": "g", "volumes": {
+                "data": {"type": "csi", "source": "vol", "per_alloc": true},
+                "logs": {"type": "csi", "source": "logs"},
+            }}]},
+            "csi_volume_stats": stats,
+        })
+    }
+
+    #[test]
+    fn the_volume_rows_show_figures_condition_and_errors() {
+        let rows = volume_rows(
+            &with_stats(json!({
+                "data": {
+                    "volume_id": "vol[2]", "plugin_id": "hostpath",
+                    "bytes_total": 64u64 << 20, "bytes_used": 5u64 << 20,
+                    "bytes_available": 59u64 << 20,
+                    "inodes_total": 16384, "inodes_used": 12, "inodes_available": 16372,
+                    "condition": {"abnormal": true, "message": "data dir is gone"},
+                    "error": null, "collected_at_ms": 1,
+                },
+                "logs": {"volume_id": "logs", "plugin_id": "hostpath", "error": "deadline exceeded"},
+            })),
+            &BTreeMap::from([("vol[2]".to_string(), "hostpath".to_string())]),
+        );
+        assert_eq!(rows.len(), 3, "{rows:#?}");
+        assert_eq!(rows[0][0], "Name");
+        assert_eq!(
+            rows[1],
+            [
+                "data",
+                "vol[2]",
+                "hostpath",
+                "-",
+                "-",
+                "false",
+                "5.0 MiB / 64.0 MiB",
+                "59.0 MiB",
+                "12 / 16384",
+                "abnormal: data dir is gone"
+            ]
+        );
+        assert_eq!(
+            rows[2],
+            [
+                "logs",
+                "logs",
+                "-",
+                "-",
+                "-",
+                "false",
+                "stats unavailable: deadline exceeded"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_volume_without_stats_says_so_and_a_group_without_volumes_shows_nothing() {
+        let rows = volume_rows(&with_stats(json!({})), &BTreeMap::new());
+        assert_eq!(
+            rows[1].last().map(String::as_str),
+            Some("no stats reported yet")
+        );
+        assert!(volume_rows(&json!({"job": {"task_groups": []}}), &BTreeMap::new()).is_empty());
     }
 }

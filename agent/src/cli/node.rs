@@ -7,8 +7,8 @@ use clap::{ArgGroup, Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
-use super::output::OutputArgs;
-use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, volume_stats, Ctx};
+use super::output::{ago_at, format_time, short_id, OutputArgs, Table};
+use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, Ctx};
 
 #[derive(Subcommand, Debug)]
 pub enum NodeCommand {
@@ -141,11 +141,6 @@ pub fn run(cmd: NodeCommand, ctx: &Ctx) -> Result<i32> {
         NodeCommand::Eligibility(a) => node_eligibility(a, api),
         NodeCommand::Purge(a) => node_purge(a, api),
     }
-}
-
-/// The first eight characters of an ID, as tables show it.
-pub fn short_id(id: &str) -> &str {
-    id.get(..8).unwrap_or(id)
 }
 
 fn node_label(n: &Value) -> String {
@@ -315,18 +310,6 @@ fn self_node_id(api: &ApiClient) -> Result<String> {
 /// Events `node status` shows without -verbose.
 pub const RECENT_EVENTS: usize = 10;
 
-/// Unix milliseconds as a UTC time to the second:
-/// `2026-12-01T12:40:03Z`; `-` for none.
-pub fn format_time(ms: i64) -> String {
-    match u64::try_from(ms) {
-        Ok(ms) if ms > 0 => humantime::format_rfc3339_seconds(
-            std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms),
-        )
-        .to_string(),
-        _ => "-".to_string(),
-    }
-}
-
 /// An ID as a table shows it: short, or whole with -verbose.
 pub fn shown_id(id: &str, verbose: bool) -> &str {
     if verbose {
@@ -356,10 +339,12 @@ pub fn titled_table(title: &str, header: &[&str], rows: Vec<Vec<String>>) -> Str
     if rows.is_empty() {
         return String::new();
     }
-    let mut all = vec![header.iter().map(|h| h.to_string()).collect::<Vec<_>>()];
-    all.extend(rows);
+    let mut table = Table::new(header.iter().copied());
+    for row in rows {
+        table.push(row);
+    }
     let mut out = format!("\n{title}\n");
-    for line in volume_stats::table(&all) {
+    for line in table.lines() {
         out.push_str(&line);
         out.push('\n');
     }
@@ -422,7 +407,7 @@ pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> Str
     }
     header.push((
         "Last Heartbeat",
-        ago(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
+        ago_at(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
     ));
     header.push((
         "Drivers",
@@ -443,7 +428,7 @@ pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> Str
                 name.clone(),
                 d["detected"].as_bool().unwrap_or(false).to_string(),
                 d["healthy"].as_bool().unwrap_or(false).to_string(),
-                ago(d["update_time_ms"].as_i64().unwrap_or(0), now_ms),
+                ago_at(d["update_time_ms"].as_i64().unwrap_or(0), now_ms),
                 text(&d["health_description"]),
             ]
         })
@@ -512,7 +497,7 @@ pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> Str
                 text(&a["job_id"]),
                 text(&a["task_group"]),
                 text(&a["client_status"]),
-                ago(a["create_time_ms"].as_i64().unwrap_or(0), now_ms),
+                ago_at(a["create_time_ms"].as_i64().unwrap_or(0), now_ms),
             ]
         })
         .collect();
@@ -601,18 +586,6 @@ fn node_purge(a: PurgeArgs, api: &ApiClient) -> Result<i32> {
     Ok(0)
 }
 
-/// How long ago `ms` (unix milliseconds) was, for people: `3s ago`.
-pub fn ago(ms: i64, now_ms: i64) -> String {
-    if ms <= 0 {
-        return "never".into();
-    }
-    let secs = u64::try_from(now_ms.saturating_sub(ms)).unwrap_or(0) / 1000;
-    format!(
-        "{} ago",
-        humantime::format_duration(std::time::Duration::from_secs(secs))
-    )
-}
-
 /// When a drain stops waiting for migrations, for people.
 pub fn deadline_left(force_deadline_ms: i64, now_ms: i64) -> String {
     match u64::try_from(force_deadline_ms.saturating_sub(now_ms)) {
@@ -637,7 +610,7 @@ pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
             *n = n.saturating_add(1);
         }
     }
-    let mut rows: Vec<Vec<String>> = vec![[
+    let mut table = Table::new([
         "ID",
         "Name",
         "Class",
@@ -647,12 +620,10 @@ pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
         "Status",
         "Last Heartbeat",
         "Allocs Running",
-    ]
-    .map(String::from)
-    .to_vec()];
+    ]);
     for n in nodes {
         let id = n["id"].as_str().unwrap_or_default();
-        rows.push(vec![
+        table.push([
             short_id(id).to_string(),
             text(&n["name"]),
             or_none(n["node_class"].as_str().unwrap_or_default()),
@@ -663,11 +634,11 @@ pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
                 .unwrap_or("eligible")
                 .to_string(),
             text(&n["status"]),
-            ago(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
+            ago_at(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
             running.get(id).copied().unwrap_or(0).to_string(),
         ]);
     }
-    volume_stats::table(&rows)
+    table.lines()
 }
 
 /// A topology of the API's JSON (`{"segments": {...}}`) as text:
@@ -779,7 +750,7 @@ mod tests {
                 "fedcba98  worker-2  <none>  <none>  false  eligible     down    never           0",
             ]
         );
-        assert_eq!(ago(40_000, 100_000), "1m ago");
+        assert_eq!(ago_at(40_000, 100_000), "1m ago");
         assert_eq!(
             deadline_left(3_700_000, 100_000),
             "the drain stops waiting for migrations in 1h"
@@ -857,7 +828,7 @@ data    hostpath  aaaabbbb  write  taken
 Allocations
 ID        Job              Group   Status   Created
 aaaabbbb  web              web     running  1m ago
-eeeeffff  hostpath-plugin  plugin  running  1m 30s ago
+eeeeffff  hostpath-plugin  plugin  running  1m ago
 
 Recent Events
 Time                  Subsystem  Message
@@ -898,12 +869,5 @@ Time                  Subsystem  Message
         );
         assert!(text.contains("Mount volume 0 (volume_id=data)"), "{text}");
         assert_eq!(text.matches("Mount volume").count(), 12);
-    }
-
-    #[test]
-    fn times_are_utc_to_the_second() {
-        assert_eq!(format_time(1_764_592_800_999), "2025-12-01T12:40:00Z");
-        assert_eq!(format_time(0), "-");
-        assert_eq!(format_time(-5), "-");
     }
 }

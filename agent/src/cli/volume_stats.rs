@@ -91,48 +91,6 @@ pub(super) fn table(rows: &[Vec<String>]) -> Vec<String> {
     t.lines()
 }
 
-/// The "CSI Volumes" lines of `berth alloc status`: each CSI volume of
-/// the alloc's group with its stats. Empty when the group has none.
-pub fn alloc_volume_lines(alloc: &Value) -> Vec<String> {
-    let group = alloc["job"]["task_groups"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|g| g["name"] == alloc["task_group"]);
-    let index = alloc["index"].as_u64().unwrap_or(0);
-    let mut rows = Vec::new();
-    for (name, req) in group
-        .and_then(|g| g["volumes"].as_object())
-        .into_iter()
-        .flatten()
-    {
-        if req["type"] != "csi" {
-            continue;
-        }
-        let source = req["source"].as_str().unwrap_or_default();
-        let volume_id = if req["per_alloc"].as_bool() == Some(true) {
-            format!("{source}[{index}]")
-        } else {
-            source.to_string()
-        };
-        let stats = alloc["csi_volume_stats"].get(name);
-        let plugin = stats
-            .and_then(|s| s["plugin_id"].as_str())
-            .filter(|p| !p.is_empty())
-            .unwrap_or("-");
-        let mut row = vec![name.clone(), volume_id, plugin.to_string()];
-        row.extend(stats_columns(stats));
-        rows.push(row);
-    }
-    if rows.is_empty() {
-        return Vec::new();
-    }
-    let mut header: Vec<String> = ["Name", "Volume", "Plugin"].map(String::from).to_vec();
-    header.extend(STATS_HEADER.map(String::from));
-    rows.insert(0, header);
-    table(&rows)
-}
-
 /// Whether a volume of the API's list has claims (read or write allocs):
 /// only those have claims to join with their allocs.
 pub fn has_claims(volume: &Value) -> bool {
@@ -181,58 +139,6 @@ mod tests {
         assert_eq!(human_bytes(1536), "1.5 KiB");
         assert_eq!(human_bytes(5 << 20), "5.0 MiB");
         assert_eq!(human_bytes(u64::MAX), "16.0 EiB");
-    }
-
-    fn alloc(stats: Value) -> Value {
-        json!({
-            "task_group": "g",
-            "index": 2,
-            "job": {"task_groups": [{"name": "g", "volumes": {
-                "data": {"type": "csi", "source": "vol", "per_alloc": true},
-                "logs": {"type": "csi", "source": "logs"},
-            }}]},
-            "csi_volume_stats": stats,
-        })
-    }
-
-    #[test]
-    fn the_alloc_section_shows_figures_condition_and_errors() {
-        let lines = alloc_volume_lines(&alloc(json!({
-            "data": {
-                "volume_id": "vol[2]", "plugin_id": "hostpath",
-                "bytes_total": 64u64 << 20, "bytes_used": 5u64 << 20,
-                "bytes_available": 59u64 << 20,
-                "inodes_total": 16384, "inodes_used": 12, "inodes_available": 16372,
-                "condition": {"abnormal": true, "message": "data dir is gone"},
-                "error": null, "collected_at_ms": 1,
-            },
-            "logs": {"volume_id": "logs", "plugin_id": "hostpath", "error": "deadline exceeded"},
-        })));
-        assert_eq!(lines.len(), 3, "{lines:#?}");
-        assert!(lines[0].starts_with("Name"), "{lines:#?}");
-        let data = &lines[1];
-        for want in [
-            "data",
-            "vol[2]",
-            "hostpath",
-            "5.0 MiB / 64.0 MiB",
-            "59.0 MiB",
-            "12 / 16384",
-            "abnormal: data dir is gone",
-        ] {
-            assert!(data.contains(want), "{want:?} in {data:?}");
-        }
-        assert!(
-            lines[2].contains("stats unavailable: deadline exceeded"),
-            "{lines:#?}"
-        );
-    }
-
-    #[test]
-    fn a_volume_without_stats_says_so_and_a_group_without_volumes_shows_nothing() {
-        let lines = alloc_volume_lines(&alloc(json!({})));
-        assert!(lines[1].contains("no stats reported yet"), "{lines:#?}");
-        assert!(alloc_volume_lines(&json!({"job": {"task_groups": []}})).is_empty());
     }
 
     #[test]
