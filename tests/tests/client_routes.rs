@@ -14,8 +14,8 @@ use berth_tests::{
 };
 use serde_json::{json, Value};
 
-/// A service job whose task traps SIGUSR1, writing a line to
-/// `local/usr1` in its task dir each time it gets one.
+/// A service job whose task says `started` on stdout and traps SIGUSR1,
+/// writing a line to `local/usr1` in its task dir each time it gets one.
 fn trapping_job(id: &str) -> String {
     format!(
         r#"
@@ -26,7 +26,7 @@ job "{id}" {{
       driver = "raw_exec"
       config {{
         command = "/bin/sh"
-        args    = ["-c", "trap 'echo usr1 >> \"$BERTH_TASK_DIR/local/usr1\"' USR1; while true; do sleep 0.1; done"]
+        args    = ["-c", "echo started; trap 'echo usr1 >> \"$BERTH_TASK_DIR/local/usr1\"' USR1; while true; do sleep 0.1; done"]
       }}
       resources {{
         cpu    = 10
@@ -123,6 +123,27 @@ fn an_allocs_client_routes_answer_through_the_server_and_through_another_client(
         let addr = format!("http://127.0.0.1:{port}");
         let status = cli_json_at(&addr, &["alloc", "status", "-json", prefix])?;
         assert_eq!(status["id"], alloc_id.as_str(), "through {via}: {status}");
+
+        // The task's log, raw, with the cursor's headers.
+        let logs = request(
+            port,
+            "GET",
+            &format!("/v1/client/fs/logs/{prefix}?task=t&type=stdout"),
+            None,
+        )?;
+        assert_eq!(logs.status, 200, "logs through {via}: {}", logs.head);
+        assert!(
+            String::from_utf8_lossy(&logs.body).starts_with("started\n"),
+            "logs through {via}: {:?}",
+            String::from_utf8_lossy(&logs.body)
+        );
+        assert!(logs.header("x-berth-log-offset").is_some(), "{}", logs.head);
+        assert!(logs.header("x-berth-log-file").is_some(), "{}", logs.head);
+        let out = cli_ok_at(&addr, &["alloc", "logs", prefix, "t"])?;
+        assert!(
+            out.starts_with("started\n"),
+            "alloc logs through {via}: {out:?}"
+        );
 
         // A signal reaches the task: it traps it.
         let before = trapped(&marker);
