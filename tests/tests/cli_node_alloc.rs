@@ -296,6 +296,20 @@ fn node_status_shows_drivers_resources_plugins_volumes_allocs_and_timed_events()
     assert_eq!(header_value(&own, "ID").as_deref(), Some(&node_id[..8]));
     assert_eq!(section(&own, "CSI Volumes"), volumes);
 
+    // A server-only agent has no node of its own.
+    let out = cli_at(&s.server.addr(), &["node", "status", "-self"])?;
+    assert_error(&out, "runs no client");
+
+    // -t: a template over the API's JSON.
+    let name = s.cli(&[
+        "node",
+        "status",
+        "-t",
+        "{{ name }}/{{ reserved.cpu }}",
+        node_id,
+    ])?;
+    assert_eq!(name.trim_end(), "worker/500");
+
     // -verbose: full IDs, attributes and meta, event details.
     let verbose = s.cli(&["node", "status", "-verbose", "worker"])?;
     assert_eq!(header_value(&verbose, "ID").as_deref(), Some(node_id));
@@ -426,6 +440,9 @@ fn alloc_status_shows_tasks_their_timed_events_resources_and_the_volume_mount() 
         header_value(&verbose, "Node ID").as_deref(),
         Some(s.node_id.as_str())
     );
+
+    let job = s.cli(&["alloc", "status", "-t", "{{ job_id }}", &web_id])?;
+    assert_eq!(job.trim_end(), "web");
 
     // -json: the API's alloc.
     let v: Value = serde_json::from_str(&s.cli(&["alloc", "status", "-json", &web_id])?)?;
