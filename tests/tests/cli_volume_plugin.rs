@@ -385,6 +385,17 @@ fn plugin_status_lists_details_capabilities_and_allocs() -> Result<()> {
     let all = agent.cli_json(&["plugin", "status"])?;
     assert_eq!(all.as_array().map(Vec::len), Some(1), "{all}");
 
+    // -t: a template over the API's JSON.
+    let provider = agent.cli_ok(&["plugin", "status", "-t", "{{ provider }}", "hostpath"])?;
+    assert_eq!(provider.trim(), "hostpath.csi.berth.dev");
+    let ids = agent.cli_ok(&[
+        "volume",
+        "status",
+        "-t",
+        "{% for v in value %}{{ v.id }}/{{ v.plugin.nodes_healthy }} {% endfor %}",
+    ])?;
+    assert_eq!(ids.trim(), "data/1");
+
     let missing = agent.cli(&["plugin", "status", "nope"])?;
     assert_error(&missing, "\"nope\" not found");
     Ok(())
