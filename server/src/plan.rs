@@ -416,6 +416,8 @@ fn group_plans(t: &Tables, job: &Job, changes: &[Change], outcome: &PlanOutcome)
     }
     for g in &mut groups {
         g.placements.sort_by_key(|p| p.index);
+        g.stops
+            .sort_by(|a, b| a.name.cmp(&b.name).then_with(|| a.id.cmp(&b.id)));
     }
     groups
 }

@@ -222,8 +222,11 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
     let allocs = api.get(&format!("/v1/job/{}/allocations", enc(&job.id)))?;
     let mine = allocs_of_version(&allocs, version);
     if !mine.is_empty() {
-        let placed: Vec<String> = mine
+        /// At most this many placements are named.
+        const SHOWN: usize = 8;
+        let mut placed: Vec<String> = mine
             .iter()
+            .take(SHOWN)
             .map(|al| {
                 format!(
                     "{} on {}",
@@ -232,9 +235,12 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
                 )
             })
             .collect();
+        if mine.len() > SHOWN {
+            placed.push(format!("and {} more", mine.len() - SHOWN));
+        }
         println!(
             "==> Placed {}: {}",
-            plural(placed.len() as u64, "alloc", "allocs"),
+            plural(mine.len() as u64, "alloc", "allocs"),
             placed.join(", ")
         );
     }
@@ -249,7 +255,7 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
         println!("==> {o}");
     }
     if a.detach {
-        return Ok(if failures.is_empty() { 0 } else { 2 });
+        return Ok(0);
     }
     let code = follow_run(
         api,
@@ -335,6 +341,8 @@ fn print_transitions(
     seen: &mut BTreeMap<String, String>,
     names: &HashMap<String, String>,
 ) {
+    let mut allocs: Vec<&Value> = allocs.iter().collect();
+    allocs.sort_by_key(|al| (s(al, "name"), n(al, "create_index")));
     for al in allocs {
         let id = s(al, "id").to_string();
         let status = s(al, "client_status").to_string();
@@ -608,6 +616,10 @@ fn is_not_found(e: &anyhow::Error) -> bool {
 fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
     // Resolve a prefix once: the follow-up queries name the job exactly.
     let id = s(&api.get(&format!("/v1/job/{}", enc(&a.job)))?, "id").to_string();
+    // What runs before the stop: each is followed until it has stopped.
+    let before = api.get(&format!("/v1/job/{}/allocations", enc(&id)))?;
+    let before = before.as_array().map(Vec::as_slice).unwrap_or(&[]);
+    let live_at_stop = before.iter().filter(|al| !stopped(al, false)).count() as u64;
     let path = if a.purge {
         format!("/v1/job/{}?purge=true", enc(&id))
     } else {
@@ -627,9 +639,15 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
         return Ok(0);
     }
     let names = node_names(api)?;
-    let mut seen: BTreeMap<String, String> = BTreeMap::new();
+    let mut seen: BTreeMap<String, String> = before
+        .iter()
+        .map(|al| (s(al, "id").to_string(), s(al, "client_status").to_string()))
+        .collect();
     let mut at = 0;
     let mut last: Vec<Value> = Vec::new();
+    // Whether `last` shows every alloc stopped (a purge may take the job
+    // away before an answer says so).
+    let mut settled = false;
     loop {
         let (allocs, next) = match api.get_indexed(&format!(
             "/v1/job/{}/allocations?index={at}&wait=10s",
@@ -642,11 +660,6 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
         };
         at = next;
         let allocs: Vec<Value> = allocs.as_array().cloned().unwrap_or_default();
-        if seen.is_empty() {
-            for al in &allocs {
-                seen.insert(s(al, "id").to_string(), s(al, "client_status").to_string());
-            }
-        }
         print_transitions(&allocs, &mut seen, &names);
         let dead = match api.get(&format!("/v1/job/{}", enc(&id))) {
             Ok(job) => s(&job, "status") == "dead",
@@ -655,6 +668,7 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
         };
         last = allocs;
         if last.iter().all(|al| stopped(al, dead)) {
+            settled = true;
             break;
         }
     }
@@ -680,13 +694,13 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
             }
         }
     }
-    let stopped_count = last.len() as u64;
+    let stopped_count = live_at_stop;
     println!(
         "==> Job {id:?}: {} stopped{}",
         plural(stopped_count, "alloc", "allocs"),
         if a.purge { "; the job is purged" } else { "" }
     );
-    if !last.is_empty() {
+    if settled && !last.is_empty() {
         last.sort_by_key(|al| std::cmp::Reverse(n(al, "create_index")));
         print!("\n{}", alloc_table(&last, &names, false, now_ms()));
     }
