@@ -223,14 +223,13 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
     agent.wait_volume_unclaimed("src")?;
 
     // Snapshot it; the list shows the snapshot and where it came from.
-    let snap = agent.cli_json(&["volume", "snapshot", "create", "-json", "src", "nightly"])?;
+    let snap = agent.cli_json(&["volume", "snapshot", "create", "src", "nightly"])?;
     let snap_id = snap["id"].as_str().unwrap_or_default().to_string();
     assert!(!snap_id.is_empty(), "{snap}");
     assert_eq!(snap["name"], "nightly");
     assert_eq!(snap["source_volume_id"], "src");
     let listed = |agent: &DevAgent| -> Result<Vec<Value>> {
-        let list =
-            agent.cli_json(&["volume", "snapshot", "list", "-plugin", "hostpath", "-json"])?;
+        let list = agent.cli_json(&["volume", "snapshot", "list", "-plugin", "hostpath"])?;
         Ok(list
             .as_array()
             .into_iter()

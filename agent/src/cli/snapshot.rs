@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::http_client::{ApiClient, ApiError};
 use super::output::OutputArgs;
-use super::{enc, print_json, Ctx};
+use super::{enc, Ctx};
 
 #[derive(Subcommand, Debug)]
 pub enum SnapshotCommand {
@@ -21,9 +21,8 @@ pub enum SnapshotCommand {
 
 #[derive(Args, Debug)]
 pub struct CreateArgs {
-    /// Print the API's JSON
-    #[arg(long)]
-    pub json: bool,
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// The volume's ID
     #[arg(value_name = "VOLUME")]
     pub volume: String,
@@ -70,17 +69,16 @@ fn snapshot_create(a: CreateArgs, api: &ApiClient) -> Result<i32> {
         "/v1/volumes/snapshot",
         &json!({ "volume_id": volume, "name": name }),
     )?;
-    if a.json {
-        return print_json(&s);
-    }
-    println!(
-        "Snapshot {:?} of volume {volume:?} created (ID {}, {} bytes, ready: {})",
-        s["name"].as_str().unwrap_or(&name),
-        s["id"].as_str().unwrap_or_default(),
-        s["size_bytes"].as_u64().unwrap_or(0),
-        s["ready_to_use"].as_bool().unwrap_or(false)
-    );
-    Ok(0)
+    a.output.emit(&s, |s| {
+        println!(
+            "Snapshot {:?} of volume {volume:?} created (ID {}, {}, ready: {})",
+            s["name"].as_str().unwrap_or(&name),
+            s["id"].as_str().unwrap_or_default(),
+            crate::http::describe_size(s["size_bytes"].as_u64().unwrap_or(0)),
+            s["ready_to_use"].as_bool().unwrap_or(false)
+        );
+        Ok(())
+    })
 }
 
 /// `volume snapshot list [-plugin P] [-json]`.
