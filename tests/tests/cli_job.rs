@@ -210,7 +210,8 @@ fn job_run_follows_the_allocs_and_status_stop_and_inspect_show_them() -> Result<
         .lines()
         .filter(|l| l.starts_with("    Alloc "))
         .collect();
-    transitions.sort_unstable();
+    // By what follows the alloc's ID: its name.
+    transitions.sort_by_key(|l| l.split_whitespace().skip(2).collect::<Vec<_>>());
     let mut ordered = Vec::new();
     let mut pending = transitions.into_iter();
     for line in text.lines() {
