@@ -272,6 +272,8 @@ fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
 #[test]
 fn plugin_status_lists_details_capabilities_and_allocs() -> Result<()> {
     let agent = DevAgent::start()?;
+    assert_eq!(agent.cli_ok(&["plugin", "status"])?, "No CSI plugins\n");
+    assert_eq!(agent.cli_ok(&["volume", "status"])?, "No CSI volumes\n");
     agent.run_example_plugin()?;
     let spec = agent.write_file("data.hcl", &volume_spec("data")?)?;
     agent.cli_ok(&["volume", "create", &spec])?;

@@ -50,6 +50,10 @@ fn plugin_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
         None => {
             let list = api.get("/v1/plugins")?;
             a.output.emit(&list, |l| {
+                if l.as_array().is_some_and(Vec::is_empty) {
+                    println!("No CSI plugins");
+                    return Ok(());
+                }
                 print_lines(plugin_list(l));
                 Ok(())
             })

@@ -170,6 +170,10 @@ fn volume_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
             with_claims(&mut list, api)?;
         }
         return a.output.emit(&list, |v| {
+            if v.as_array().is_some_and(Vec::is_empty) {
+                println!("No CSI volumes");
+                return Ok(());
+            }
             print_lines(volume_list(v));
             if a.verbose {
                 for vol in v.as_array().into_iter().flatten() {
