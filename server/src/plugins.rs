@@ -142,7 +142,8 @@ pub struct InstanceNode {
     pub name: String,
     pub status: NodeStatus,
     /// When the node last reported a health change of the plugin (its
-    /// last `CSI` node event for it), unix milliseconds.
+    /// last `CSI` node event for it), unix milliseconds; `None` when the
+    /// node's kept events have none.
     pub health_changed_ms: Option<i64>,
 }
 
