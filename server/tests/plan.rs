@@ -275,3 +275,44 @@ async fn job_ids_resolve_by_unique_prefix_and_an_ambiguous_one_lists_the_matches
         Err(ServerError::NotFound(_)) | Err(ServerError::BadRequest(_))
     ));
 }
+
+#[tokio::test]
+async fn a_purged_job_stays_while_a_volume_claim_holds_one_of_its_allocs() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    give_plugin(s, "n1", "hostpath", true, false, false).await;
+    let alloc = place_on_data(s, volume_job("db", "data", AccessMode::SingleNodeWriter)).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .expect("claim");
+    report(s, &alloc, AllocClientStatus::Running).await;
+
+    s.stop_job_with("db", true).await.unwrap();
+    report(s, &alloc, AllocClientStatus::Complete).await;
+    // Done, but its claim is not released yet: the job and alloc stay,
+    // even through a forced collection.
+    let collected = s.garbage_collect(true).await.unwrap();
+    assert!(
+        collected.jobs.is_empty() && collected.allocs.is_empty(),
+        "{collected:?}"
+    );
+    assert!(s.job("db").is_ok(), "a claimed alloc keeps its purged job");
+    assert!(s.allocation(&alloc.id).is_ok());
+
+    // The client unpublishes; the claim is freed, then the job goes.
+    csi.unpublish(berth_proto::berth::v1::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: alloc.id.clone(),
+        node_id: "n1".into(),
+    })
+    .await
+    .expect("unpublish");
+    wait_until("the purged job is gone", Duration::from_secs(10), || {
+        s.job("db").is_err()
+    })
+    .await;
+    assert!(s.allocation(&alloc.id).is_err());
+    assert!(s.volume("data").unwrap().write_claims.is_empty());
+}
