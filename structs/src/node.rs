@@ -232,6 +232,17 @@ impl Node {
         self.events.drain(..extra);
     }
 
+    /// Take the client's driver fingerprints: `drivers` becomes the
+    /// usable ones (detected and healthy), which the scheduler places on.
+    pub fn set_driver_info(&mut self, info: BTreeMap<String, DriverInfo>) {
+        self.drivers = info
+            .iter()
+            .filter(|(_, d)| d.usable())
+            .map(|(name, _)| name.clone())
+            .collect();
+        self.driver_info = info;
+    }
+
     /// New allocs may be placed here: eligible and not draining.
     pub fn is_eligible(&self) -> bool {
         self.scheduling_eligibility == SchedulingEligibility::Eligible
@@ -301,6 +312,7 @@ impl NodeEvent {
     pub const SUBSYSTEM_CSI: &'static str = "CSI";
     pub const SUBSYSTEM_CLUSTER: &'static str = "Cluster";
     pub const SUBSYSTEM_DRAIN: &'static str = "Drain";
+    pub const SUBSYSTEM_DRIVER: &'static str = "Driver";
 
     pub fn new(subsystem: &str, message: impl Into<String>) -> NodeEvent {
         NodeEvent {
@@ -410,6 +422,12 @@ mod tests {
         assert_eq!(old.reserved, NodeResources::default());
         let info = DriverInfo::unhealthy("no executor");
         assert!(!info.usable());
+        let mut node = old.clone();
+        node.set_driver_info(BTreeMap::from([
+            ("raw_exec".to_string(), info.clone()),
+            ("exec".to_string(), DriverInfo::healthy("Healthy")),
+        ]));
+        assert_eq!(node.drivers, ["exec"], "only usable drivers get tasks");
         let v = serde_json::to_value(&info).unwrap();
         assert_eq!(v["detected"], true);
         assert_eq!(v["healthy"], false);

@@ -20,7 +20,7 @@ use anyhow::{Context, Result};
 use berth_allocrunner::{AllocRunner, AllocRunnerConfig};
 use berth_csimanager::{CsiManager, ManagerConfig, PluginRegistry};
 use berth_proto::berth::v1 as pb;
-use berth_structs::{Allocation, Node, NodeResources, NodeStatus};
+use berth_structs::{Allocation, DriverInfo, Node, NodeEvent, NodeResources, NodeStatus};
 use tokio::sync::{watch, Mutex, Notify};
 use tokio_stream::StreamExt;
 
@@ -257,16 +257,52 @@ fn fingerprint_resources(data_dir: &std::path::Path) -> NodeResources {
     }
 }
 
+/// How often the drivers are fingerprinted again after the start.
+pub const DRIVER_FINGERPRINT_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Each driver's fingerprint, by name.
+fn fingerprint_drivers(
+    drivers: &BTreeMap<String, Arc<dyn berth_allocrunner::Driver>>,
+) -> BTreeMap<String, DriverInfo> {
+    drivers
+        .iter()
+        .map(|(name, d)| (name.clone(), d.fingerprint()))
+        .collect()
+}
+
+/// The `Driver` node events of the drivers whose health changed from
+/// `old` to `new` (a new driver is a change when unhealthy); none when
+/// only the fingerprints' times moved.
+pub(crate) fn driver_health_events(
+    old: &BTreeMap<String, DriverInfo>,
+    new: &BTreeMap<String, DriverInfo>,
+) -> Vec<NodeEvent> {
+    new.iter()
+        .filter(|(name, info)| match old.get(*name) {
+            Some(was) => {
+                (was.detected, was.healthy, &was.health_description)
+                    != (info.detected, info.healthy, &info.health_description)
+            }
+            None => !info.usable(),
+        })
+        .map(|(name, info)| {
+            let message = if info.usable() {
+                format!("Driver {name} is healthy")
+            } else {
+                format!("Driver {name} is unhealthy")
+            };
+            NodeEvent::new(NodeEvent::SUBSYSTEM_DRIVER, message)
+                .with_detail("driver", name.as_str())
+                .with_detail("description", info.health_description.as_str())
+        })
+        .collect()
+}
+
 /// The node as this client registers it: its fingerprint with the
 /// operator's class, meta and reservations applied.
 pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
     let found = fingerprint_resources(&config.data_dir);
-    let driver_info: BTreeMap<String, berth_structs::DriverInfo> =
-        AllocRunnerConfig::default_drivers()
-            .iter()
-            .map(|(name, d)| (name.clone(), d.fingerprint()))
-            .collect();
-    Node {
+    let mut node = Node {
         id: node_id,
         name: config.node_name.clone().unwrap_or_else(host_name),
         datacenter: "dc1".into(),
@@ -276,12 +312,6 @@ pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
             memory_mb: found.memory_mb.saturating_sub(config.reserved_memory_mb),
             disk_mb: found.disk_mb.saturating_sub(config.reserved_disk_mb),
         },
-        drivers: driver_info
-            .iter()
-            .filter(|(_, d)| d.usable())
-            .map(|(name, _)| name.clone())
-            .collect(),
-        driver_info,
         reserved: NodeResources {
             cpu: config.reserved_cpu.min(found.cpu),
             memory_mb: config.reserved_memory_mb.min(found.memory_mb),
@@ -299,7 +329,9 @@ pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
         node_class: config.node_class.clone(),
         meta: config.meta.clone(),
         ..Node::default()
-    }
+    };
+    node.set_driver_info(fingerprint_drivers(&AllocRunnerConfig::default_drivers()));
+    node
 }
 
 impl Client {
@@ -444,6 +476,11 @@ impl Client {
             let csi = self.csi.clone();
             let rx = shutdown.clone();
             tasks.spawn(async move { csi.run(rx).await });
+        }
+        {
+            let me = self.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { me.watch_drivers(rx).await });
         }
         {
             let csi = self.csi.clone();
@@ -602,6 +639,38 @@ impl Client {
                 tracing::info!(mounts = removed.len(), "orphaned mounts handled");
             }
         })
+    }
+
+    /// Fingerprints the drivers every [`DRIVER_FINGERPRINT_INTERVAL`]
+    /// until `shutdown`. A change of a driver's health is a `Driver` node
+    /// event, and the node registers again with the new fingerprints (the
+    /// scheduler places only on usable drivers); a failed registration is
+    /// retried at the next round.
+    async fn watch_drivers(&self, mut shutdown: watch::Receiver<bool>) {
+        let mut unsent = false;
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(DRIVER_FINGERPRINT_INTERVAL) => {}
+                _ = shutdown.wait_for(|v| *v) => return,
+            }
+            let found = fingerprint_drivers(&self.runner_config.drivers);
+            let events = driver_health_events(&self.conn.node().driver_info, &found);
+            self.conn.set_driver_info(found);
+            if events.is_empty() && !unsent {
+                continue;
+            }
+            for event in events {
+                tracing::warn!(message = %event.message, details = ?event.details, "driver health changed");
+                berth_csimanager::NodeEventSink::emit(&self.conn, event);
+            }
+            unsent = match self.conn.register().await {
+                Ok(_) => false,
+                Err(e) => {
+                    tracing::warn!(error = %e, "registering the node's new driver health failed; retrying at the next fingerprint");
+                    true
+                }
+            };
+        }
     }
 
     async fn register_until_done(&self, mut shutdown: watch::Receiver<bool>) {
@@ -851,6 +920,55 @@ mod tests {
     };
     use berth_testutil::wait_for;
     use std::collections::BTreeMap;
+
+    #[test]
+    fn a_change_of_a_drivers_health_is_a_driver_event_and_a_new_time_is_none() {
+        let healthy = DriverInfo::healthy("Healthy");
+        let broken = DriverInfo::unhealthy("the executor /x cannot be read: gone");
+        let at = |info: &DriverInfo, ms| DriverInfo {
+            update_time_ms: ms,
+            ..info.clone()
+        };
+        let map = |info: DriverInfo| BTreeMap::from([("raw_exec".to_string(), info)]);
+
+        let same = driver_health_events(&map(at(&healthy, 1)), &map(at(&healthy, 2)));
+        assert!(same.is_empty(), "{same:?}");
+
+        let down = driver_health_events(&map(healthy.clone()), &map(broken.clone()));
+        assert_eq!(down.len(), 1);
+        assert_eq!(down[0].subsystem, "Driver");
+        assert_eq!(down[0].message, "Driver raw_exec is unhealthy");
+        assert_eq!(down[0].details["driver"], "raw_exec");
+        assert_eq!(down[0].details["description"], broken.health_description);
+
+        let up = driver_health_events(&map(broken.clone()), &map(healthy.clone()));
+        assert_eq!(up[0].message, "Driver raw_exec is healthy");
+
+        // A driver first seen is news only when it cannot run tasks.
+        assert!(driver_health_events(&BTreeMap::new(), &map(healthy)).is_empty());
+        assert_eq!(
+            driver_health_events(&BTreeMap::new(), &map(broken)).len(),
+            1
+        );
+    }
+
+    #[test]
+    fn the_registered_node_has_its_drivers_health_and_reservations() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = ClientConfig {
+            reserved_cpu: 100,
+            reserved_memory_mb: 64,
+            ..ClientConfig::new(dir.path().to_path_buf(), vec![])
+        };
+        let node = node_fingerprint(&config, "n1".into());
+        let raw_exec = &node.driver_info["raw_exec"];
+        assert!(raw_exec.detected && raw_exec.healthy, "{raw_exec:?}");
+        assert!(raw_exec.update_time_ms > 0);
+        assert_eq!(node.drivers, ["raw_exec"]);
+        assert_eq!(node.reserved.cpu, 100);
+        assert_eq!(node.reserved.memory_mb, 64);
+        assert_eq!(node.reserved.disk_mb, 0);
+    }
 
     /// A client on `dir` whose servers never answer (the connection is
     /// lazy): enough to reconcile, run allocs that start nothing, collect

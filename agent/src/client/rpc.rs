@@ -199,6 +199,16 @@ impl ServerConn {
             .clone()
     }
 
+    /// Take new driver fingerprints into the node the client registers:
+    /// its drivers are then the usable ones of `info`.
+    pub fn set_driver_info(&self, info: BTreeMap<String, berth_structs::DriverInfo>) {
+        self.inner
+            .node
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .set_driver_info(info);
+    }
+
     /// The servers this client dials, and which one is in use.
     pub fn servers(&self) -> &ServerChannels {
         &self.inner.channel
