@@ -463,7 +463,9 @@ fn plan(a: &PlanArgs, api: &ApiClient) -> Result<i32> {
         print_json(&resp)?;
         return Ok(i32::from(changes));
     }
-    print!("{}", plan_text(&resp, &a.file, a.verbose));
+    let mut args: Vec<String> = a.vars.iter().map(|v| format!("-var {v}")).collect();
+    args.push(a.file.clone());
+    print!("{}", plan_text(&resp, &args.join(" "), a.verbose));
     Ok(i32::from(changes))
 }
 
@@ -475,8 +477,9 @@ fn shown(v: &Value) -> String {
     }
 }
 
-/// The human text of a plan answer.
-pub fn plan_text(plan: &Value, file: &str, verbose: bool) -> String {
+/// The human text of a plan answer; `args` are what the hint's `job run`
+/// repeats (the `-var` flags and the file).
+pub fn plan_text(plan: &Value, args: &str, verbose: bool) -> String {
     let mut out = String::new();
     let job_id = s(plan, "job_id");
     let kind = s(&plan["diff"], "kind");
@@ -568,7 +571,7 @@ pub fn plan_text(plan: &Value, file: &str, verbose: bool) -> String {
         "\nJob Modify Index: {index}\n\
          To submit the job with version verification run:\n\
          \n\
-         berth job run -check-index {index} {file}\n\
+         berth job run -check-index {index} {args}\n\
          \n\
          When running the job with the check-index flag, the job will only be run if the\n\
          job modify index given matches the server-side version. If the index has\n\
@@ -932,7 +935,7 @@ pub fn job_text(
 
     let failures = strs(&v["placement_failures"]);
     if !failures.is_empty() {
-        out.push_str("\nPlacement Failures (the job waits until they clear)\n");
+        out.push_str("\nPlacement failures (the job waits until they clear)\n");
         for f in &failures {
             out.push_str(&format!("  {f}\n"));
         }
