@@ -532,6 +532,15 @@ mod tests {
         // -h stays short; -help is the long flag.
         assert_eq!(normalised(&["job", "-h"]), s(&["job", "-h"]));
         assert_eq!(normalised(&["job", "-help"]), s(&["job", "--help"]));
+        // -tail is the long flag, not -t with "ail"; -n, -s, -f stay short.
+        assert_eq!(
+            normalised(&["alloc", "logs", "-tail", "-n", "5", "-f", "-stderr", "a1", "t"]),
+            s(&["alloc", "logs", "--tail", "-n", "5", "-f", "--stderr", "a1", "t"])
+        );
+        assert_eq!(
+            normalised(&["alloc", "signal", "-s", "-HUP", "a1"]),
+            s(&["alloc", "signal", "-s", "-HUP", "a1"])
+        );
         // An unknown word is named as given.
         assert_eq!(
             normalised(&["job", "status", "-bogus"]),
