@@ -76,7 +76,10 @@ fn alloc_stop_of_a_service_alloc_frees_its_volume_claim_and_a_replacement_runs()
 
     // The claim goes from the old alloc to its replacement, which runs.
     let new = id(&wait_running(&agent, "writer", Some(&old))?);
-    assert!(out.contains(&new[..8]), "the replacement {new} is not named:\n{out}");
+    assert!(
+        out.contains(&new[..8]),
+        "the replacement {new} is not named:\n{out}"
+    );
     wait_for(
         "the volume claimed by the replacement alone",
         Duration::from_secs(60),
@@ -86,6 +89,23 @@ fn alloc_stop_of_a_service_alloc_frees_its_volume_claim_and_a_replacement_runs()
         },
     )
     .with_context(|| agent.log())?;
+
+    // The stopped alloc's tasks no longer run: a signal is refused.
+    let out = agent.cli(&["alloc", "signal", &old])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.starts_with(&format!(
+            "Error: the alloc is {}",
+            stopped["client_status"].as_str().unwrap_or_default()
+        )),
+        "{stderr}"
+    );
+    // An alloc nobody knows.
+    let out = agent.cli(&["alloc", "stop", "ffffffff-0000"])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("\"ffffffff-0000\" not found"), "{stderr}");
     Ok(())
 }
 
