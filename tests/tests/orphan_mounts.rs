@@ -84,7 +84,8 @@ fn mounts_of_an_alloc_that_was_not_restored_are_removed_through_the_plugin_at_st
     // While the client is away its alloc is stopped on the server, and its
     // record on the client is damaged.
     client.agent.stop()?;
-    server.cli(&["job", "stop", "holder"])?;
+    // -detach: the client is away, so the alloc cannot stop yet.
+    server.cli(&["job", "stop", "-detach", "holder"])?;
     damage_alloc_record(&data_dir, &holder)?;
     client.agent.start_again()?;
 

@@ -95,8 +95,9 @@ fn stopping_the_plugin_job_waits_until_its_volume_is_unmounted() -> Result<()> {
     let pids = processes_with_cmdline(&needle);
     assert_eq!(pids.len(), 1, "one plugin process: {pids:?}");
 
-    // The operator stops the plugin while the volume is mounted: it waits.
-    agent.cli_ok(&["job", "stop", "hostpath-plugin"])?;
+    // The operator stops the plugin while the volume is mounted: it waits
+    // (so `job stop` would too: -detach).
+    agent.cli_ok(&["job", "stop", "-detach", "hostpath-plugin"])?;
     wait_for(
         "the plugin to say it waits for the volume",
         Duration::from_secs(30),
@@ -135,7 +136,16 @@ fn stopping_the_plugin_job_waits_until_its_volume_is_unmounted() -> Result<()> {
         "the user stopped cleanly: {user}"
     );
 
-    let node = agent.cli_json(&["node", "status", &node_id])?;
+    // Node events reach the servers on their own, after the alloc's
+    // status may have: wait for the unmount's.
+    let node = wait_for("the unmount's node event", Duration::from_secs(30), || {
+        let node = agent.cli_json(&["node", "status", &node_id])?;
+        let seen = node_events(&node, "Storage").iter().any(|e| {
+            e["message"] == "Unmount volume" && e["details"]["alloc_id"] == user_id.as_str()
+        });
+        Ok(seen.then_some(node))
+    })
+    .with_context(|| agent.log())?;
     let storage = node_events(&node, "Storage");
     let unmounted = storage
         .iter()

@@ -316,8 +316,9 @@ fn a_stopped_plugin_waits_for_its_volume_until_it_runs_again() -> Result<()> {
     let data_dir = agent.data_dir.path().canonicalize()?;
     let (reader, old_id) = start_reader(&agent, &data_dir)?;
 
-    // The stop waits: the reader's volume needs the plugin.
-    agent.cli_ok(&["job", "stop", PLUGIN_JOB])?;
+    // The stop waits: the reader's volume needs the plugin (-detach: so
+    // would `job stop`).
+    agent.cli_ok(&["job", "stop", "-detach", PLUGIN_JOB])?;
     wait_for(
         "the plugin to say it waits for the volume",
         Duration::from_secs(60),

@@ -657,16 +657,28 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
             enc(&id)
         )) {
             Ok(r) => r,
-            // Purged: it and its allocs are gone, so they are done.
-            Err(e) if a.purge && is_not_found(&e) => break,
+            // Purged (or collected): it and its allocs are gone, so done.
+            Err(e) if is_not_found(&e) => break,
             Err(e) => return Err(e),
         };
         at = next;
-        let allocs: Vec<Value> = allocs.as_array().cloned().unwrap_or_default();
+        // The allocs it had when it was stopped; a later run's are not
+        // waited for.
+        let allocs: Vec<Value> = allocs
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|al| seen.contains_key(s(al, "id")))
+            .cloned()
+            .collect();
         print_transitions(&allocs, &mut seen, &names);
         let dead = match api.get(&format!("/v1/job/{}", enc(&id))) {
+            Ok(job) if job["stop"].as_bool() == Some(false) => {
+                println!("==> Job {id:?} was submitted again: not waiting for its old allocs");
+                return Ok(0);
+            }
             Ok(job) => s(&job, "status") == "dead",
-            Err(e) if a.purge && is_not_found(&e) => true,
+            Err(e) if is_not_found(&e) => true,
             Err(e) => return Err(e),
         };
         last = allocs;
