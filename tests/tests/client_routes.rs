@@ -74,11 +74,12 @@ fn trapped(marker: &PathBuf) -> usize {
         .unwrap_or(0)
 }
 
-/// Starts a server and client "a", runs the trapping job on "a", then
-/// starts client "b"; the cluster and the alloc's ID.
-fn cluster_with_alloc_on_a(job: &str) -> Result<(Server, Client, Client, String)> {
+/// Starts a server and client "a" (behind a relay when `relayed`), runs
+/// the trapping job on "a", then starts client "b"; the cluster and the
+/// alloc's ID.
+fn cluster_with_alloc_on_a(job: &str, relayed: bool) -> Result<(Server, Client, Client, String)> {
     let mut server = Server::start("")?;
-    let a = Client::start(&server, "a", false, "")?;
+    let a = Client::start(&server, "a", relayed, "")?;
     let a_id = server.wait_nodes_ready(&["a"])?.remove(0);
     server.run_job(job, &trapping_job(job))?;
     let alloc_id = wait_for("the alloc running on a", Duration::from_secs(60), || {
@@ -96,7 +97,7 @@ fn cluster_with_alloc_on_a(job: &str) -> Result<(Server, Client, Client, String)
 
 #[test]
 fn an_allocs_client_routes_answer_through_the_server_and_through_another_client() -> Result<()> {
-    let (server, a, b, alloc_id) = cluster_with_alloc_on_a("trap")?;
+    let (server, a, b, alloc_id) = cluster_with_alloc_on_a("trap", false)?;
     let marker = a
         .agent
         .data_path()
@@ -233,7 +234,7 @@ fn an_allocs_client_routes_answer_through_the_server_and_through_another_client(
 
 #[test]
 fn an_unknown_alloc_is_404_and_a_stopped_node_503_through_any_agent() -> Result<()> {
-    let (server, mut a, b, alloc_id) = cluster_with_alloc_on_a("gone")?;
+    let (server, mut a, b, alloc_id) = cluster_with_alloc_on_a("gone", false)?;
     for (via, port) in [("the server", server.http_port), ("client b", b.http_port)] {
         let e = expect(
             &request(port, "GET", "/v1/client/allocation/ffffffff-0000", None)?,
@@ -273,6 +274,42 @@ fn an_unknown_alloc_is_404_and_a_stopped_node_503_through_any_agent() -> Result<
             },
         )?;
         assert_eq!(e["error"], not_connected.as_str(), "through {via}: {e}");
+    }
+    Ok(())
+}
+
+#[test]
+fn a_partitioned_node_answers_503_naming_it_through_any_agent() -> Result<()> {
+    let (server, a, b, alloc_id) = cluster_with_alloc_on_a("cut", true)?;
+    let node_id = server.node("a")?["id"]
+        .as_str()
+        .context("node a's ID")?
+        .to_string();
+    // Packets dropped silently, no connection closed: the server finds
+    // out from its keepalive, and a call in flight ends then.
+    a.relay()?.partition();
+    for (via, port) in [("the server", server.http_port), ("client b", b.http_port)] {
+        let e = wait_for(
+            &format!("a 503 through {via} for the alloc of the partitioned node"),
+            Duration::from_secs(60),
+            || {
+                let answer = request(
+                    port,
+                    "GET",
+                    &format!("/v1/client/allocation/{alloc_id}"),
+                    None,
+                )?;
+                if answer.status != 503 {
+                    return Ok(None);
+                }
+                Ok(Some(expect(&answer, 503, "the partitioned node")?))
+            },
+        )?;
+        let message = e["error"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(&format!("node {node_id} ")),
+            "through {via}: {e}"
+        );
     }
     Ok(())
 }

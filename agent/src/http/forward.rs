@@ -52,8 +52,14 @@ pub fn forwarding_router(info: Arc<AgentInfo>) -> Router {
 }
 
 /// How long the servers may take for `path_and_query`: a request that
-/// waits first gets its wait on top (see [`requested_wait`]).
+/// waits first gets its wait on top (see [`requested_wait`]); one the
+/// servers send on to an alloc's node gets the node's time on top, so that
+/// a slow node is not taken for a server that does not answer.
 fn deadline_of(path_and_query: &str) -> Duration {
+    let path = path_and_query.split('?').next().unwrap_or_default();
+    if super::client_forward::alloc_of_path(path).is_some() {
+        return FORWARD_TIMEOUT.saturating_add(super::client_forward::deadline_of(path_and_query));
+    }
     FORWARD_TIMEOUT.saturating_add(requested_wait(path_and_query).unwrap_or_default())
 }
 
@@ -501,10 +507,16 @@ mod tests {
             deadline_of("/v1/job/x/allocations?index=3&wait=99999h"),
             FORWARD_TIMEOUT + MAX_BLOCKING_WAIT
         );
-        // A long poll without an index (logs that follow) waits too.
+        // A request for an alloc's node: the node's time on top.
         assert_eq!(
             deadline_of("/v1/client/fs/logs/a?wait=30s"),
-            FORWARD_TIMEOUT + Duration::from_secs(30)
+            FORWARD_TIMEOUT
+                + crate::http::client_forward::CLIENT_CALL_TIMEOUT
+                + Duration::from_secs(30)
+        );
+        assert_eq!(
+            deadline_of("/v1/client/allocation/a/restart"),
+            FORWARD_TIMEOUT + crate::http::client_forward::CLIENT_CALL_TIMEOUT
         );
     }
 }
