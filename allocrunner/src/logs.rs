@@ -268,19 +268,31 @@ impl RotatingWriter {
         if room == 0 {
             return self.rotate();
         }
-        let take = if (data.len() as u64) <= room {
-            data.len()
-        } else {
-            let fits = &data[..room as usize];
-            match fits.iter().rposition(|&b| b == b'\n') {
-                Some(i) => i + 1,
+        let len = data.len() as u64;
+        let (take, then_rotate) = if len >= room {
+            // The bytes fill the file: cut after the last newline that
+            // fits.
+            match data[..room as usize].iter().rposition(|&b| b == b'\n') {
+                Some(i) => (i + 1, false),
                 // The line goes whole into the next file, if it fits there.
                 None if self.size > 0 => return self.rotate(),
                 // Longer than a file: split.
-                None => room as usize,
+                None => (room as usize, false),
             }
+        } else if room - len < self.slack() && data.last() != Some(&b'\n') {
+            // They fit, but leave the file nearly full with a line begun
+            // that the next bytes would carry past its end: cut after the
+            // last newline, and the line starts the next file.
+            match data.iter().rposition(|&b| b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (data.len(), false),
+            }
+        } else {
+            (data.len(), false)
         };
-        let file = self.file.as_mut().expect("opened above");
+        let Some(file) = self.file.as_mut() else {
+            return Err(std::io::Error::other("no log file is open"));
+        };
         let mut part = &data[..take];
         while !part.is_empty() {
             match file.write(part) {
@@ -299,7 +311,16 @@ impl RotatingWriter {
                 Err(e) => return Err(e),
             }
         }
+        if then_rotate {
+            self.rotate()?;
+        }
         Ok(())
+    }
+
+    /// How near its end a file is cut at a newline rather than filled:
+    /// an eighth of a file, at most 64 KiB.
+    fn slack(&self) -> u64 {
+        (self.rotation.max_file_size / 8).min(64 * 1024)
     }
 }
 
@@ -356,6 +377,32 @@ mod tests {
             .map(|f| std::fs::read_to_string(&f.path).unwrap())
             .collect();
         assert_eq!(texts, ["abc\n", "defghij\n"]);
+    }
+
+    #[test]
+    fn a_line_begun_near_the_end_of_a_file_starts_the_next_one() {
+        // 80-byte files: the last 10 bytes are where a begun line is not
+        // started but carried to the next file.
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = RotatingWriter::open(dir.path(), "t.stdout", rotation(10, 80)).unwrap();
+        let first = format!("{}\n", "x".repeat(59));
+        w.write_chunk(format!("{first}partial-line").as_bytes());
+        w.write_chunk(b" ends here\n");
+        let texts: Vec<String> = log_files(dir.path(), "t.stdout")
+            .unwrap()
+            .iter()
+            .map(|f| std::fs::read_to_string(&f.path).unwrap())
+            .collect();
+        assert_eq!(texts, [first, "partial-line ends here\n".to_string()]);
+        // Bytes that leave room to spare stay in the file, line begun or not.
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = RotatingWriter::open(dir.path(), "t.stdout", rotation(10, 80)).unwrap();
+        w.write_chunk(b"short\npart");
+        w.write_chunk(b"ial\n");
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join("t.stdout.0")).unwrap(),
+            "short\npartial\n"
+        );
     }
 
     #[test]

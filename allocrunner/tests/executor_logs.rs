@@ -138,3 +138,81 @@ async fn a_process_that_escaped_the_group_does_not_hold_up_the_exit() {
     assert!(took < Duration::from_secs(10), "took {took:?}");
     assert_eq!(concat(dir.path(), "t.stdout"), b"before\nafter\n");
 }
+
+/// Waits until `f` holds, for at most [`WITHIN`].
+async fn until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WITHIN;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_full_disk_never_blocks_the_task_and_what_was_dropped_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let disk = berth_testutil::SmallDisk::new("1m");
+    let marks = dir.path().join("marks");
+    std::fs::create_dir(&marks).unwrap();
+    // More than a pipe holds is written while the disk is full: a task
+    // whose output were not read would block.
+    let script = format!(
+        r#"echo before
+while [ ! -e {m}/filled ]; do sleep 0.02; done
+awk 'BEGIN {{ for (i = 0; i < 40000; i++) print "lost line " i }}'
+touch {m}/written
+while [ ! -e {m}/go ]; do sleep 0.02; done
+echo after"#,
+        m = marks.display()
+    );
+    let mut task = spec(dir.path(), &script, LogRotation::default());
+    task.stdout_path = disk.path().join("t.stdout");
+    task.stderr_path = disk.path().join("t.stderr");
+    let driver = RawExecDriver::with_executor(test_executor());
+    let handle = driver.start(&task).await.unwrap();
+
+    let first = disk.path().join("t.stdout.0");
+    until("the first line", || {
+        std::fs::read(&first).is_ok_and(|b| b.starts_with(b"before\n"))
+    })
+    .await;
+    let fill = disk.fill();
+    std::fs::write(marks.join("filled"), "").unwrap();
+    until("the task to write through a full disk", || {
+        marks.join("written").exists()
+    })
+    .await;
+    std::fs::remove_file(&fill).unwrap();
+    std::fs::write(marks.join("go"), "").unwrap();
+    let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();
+    assert!(exit.successful(), "{exit}");
+
+    let text = String::from_utf8(concat(disk.path(), "t.stdout")).unwrap();
+    assert!(
+        text.starts_with("before\n"),
+        "{:?}",
+        &text[..40.min(text.len())]
+    );
+    let marker = text
+        .lines()
+        .find(|l| l.starts_with("[berth: "))
+        .unwrap_or_else(|| panic!("no marker in {:?}", &text[text.len().saturating_sub(300)..]));
+    assert!(
+        marker.contains("bytes of this task's output were dropped"),
+        "{marker}"
+    );
+    assert!(
+        text.ends_with("]\nafter\n"),
+        "{:?}",
+        &text[text.len().saturating_sub(200)..]
+    );
+    // What was written and what was dropped add up to what the task wrote.
+    let dropped: usize = marker["[berth: ".len()..]
+        .split(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .expect("a byte count");
+    let lost_lines: usize = (0..40000).map(|i| format!("lost line {i}\n").len()).sum();
+    let kept = text.len() - "before\n".len() - "after\n".len() - marker.len() - 2;
+    assert_eq!(kept + dropped, lost_lines, "{marker}");
+}
