@@ -77,6 +77,7 @@ pub fn run(args: LogsArgs, ctx: &Ctx) -> Result<i32> {
         ReadFrom::Start
     };
     let mut out = std::io::stdout().lock();
+    let mut started = false;
     loop {
         let mut path = format!("/v1/client/fs/logs/{}?type={stream}", enc(&alloc));
         if let Some(t) = &task {
@@ -93,11 +94,15 @@ pub fn run(args: LogsArgs, ctx: &Ctx) -> Result<i32> {
         if args.follow {
             path.push_str(&format!("&wait={FOLLOW_WAIT}"));
         }
-        let page = if args.follow {
+        // Once the alloc's log has been read, a follower outlasts the
+        // agent's restarts; an agent or alloc that is not there at all is
+        // said at once.
+        let page = if args.follow && started {
             fetch_retrying(api, &path)?
         } else {
             fetch(api, &path)?
         };
+        started = true;
         if page.lost {
             eprintln!(
                 "Warning: some of the log of task {:?} was rotated away before it was read; going on with the oldest there is",
