@@ -202,6 +202,25 @@ echo "stderr line 2" >&2
     let highest = files.last().map(|(i, _)| *i).unwrap_or_default();
     assert!(highest >= 47, "50 MB in 1 MiB files: {files:?}");
 
+    // A cursor on a file rotated away reads on from the oldest file there
+    // is, and says so.
+    let oldest = files.first().map(|(i, _)| *i).unwrap_or_default();
+    let answer = agent.http(&format!(
+        "GET /v1/client/fs/logs/{alloc}?file=0&offset=0&limit=100 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    ))?;
+    assert_eq!(answer.status, 200, "{}", answer.head);
+    assert_eq!(
+        answer.header("x-berth-log-lost"),
+        Some("true"),
+        "{}",
+        answer.head
+    );
+    assert_eq!(
+        answer.header("x-berth-log-file"),
+        Some(oldest.to_string().as_str())
+    );
+    assert_eq!(answer.body.len(), 100);
+
     wait_complete(&agent, "logs")?;
     let err = agent.cli_ok(&["alloc", "logs", "-stderr", &alloc])?;
     assert_eq!(err, "stderr line 1\nstderr line 2\n");
