@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use berth_tests::snapshot::settings;
 use berth_tests::{
     csi_volume_service_job, recorded_task_pid, sleeping_service_job, strs, task_events, wait_for,
     DevAgent,
@@ -80,6 +81,7 @@ fn alloc_stop_of_a_service_alloc_frees_its_volume_claim_and_a_replacement_runs()
         out.contains(&new[..8]),
         "the replacement {new} is not named:\n{out}"
     );
+    settings().bind(|| insta::assert_snapshot!("alloc_stop_done", out));
     wait_for(
         "the volume claimed by the replacement alone",
         Duration::from_secs(60),
@@ -117,7 +119,8 @@ fn alloc_restart_starts_the_task_again_without_counting_a_restart() -> Result<()
     let data = agent.data_dir.path();
     let pid = recorded_task_pid(data, &alloc, "sleep")?;
 
-    agent.cli_ok(&["alloc", "restart", &alloc[..8], "sleep"])?;
+    let out = agent.cli_ok(&["alloc", "restart", &alloc[..8], "sleep"])?;
+    settings().bind(|| insta::assert_snapshot!("alloc_restart_done", out));
     let view = wait_for(
         "the task running again with a new process",
         Duration::from_secs(30),
@@ -200,6 +203,7 @@ fn alloc_signal_to_a_dead_task_fails_with_a_message_that_says_so() -> Result<()>
     // The running task takes one; Nomad's default is SIGKILL.
     let out = agent.cli_ok(&["alloc", "signal", "-s", "HUP", &alloc, "sleep"])?;
     assert!(out.contains("SIGHUP"), "{out}");
+    settings().bind(|| insta::assert_snapshot!("alloc_signal_sent", out));
     let v = agent.api_get(&format!("/v1/client/allocation/{alloc}"))?;
     assert!(
         task_events(&v, "sleep")
