@@ -130,17 +130,19 @@ impl Ctx {
 }
 
 /// The whole command tree, as clap parses it: every command that has
-/// subcommands prints its help when given none.
+/// subcommands prints its help when given none, and a flag given twice
+/// is taken once, the last value winning (Go's flag package, which
+/// Nomad's users are used to, does the same: `-json -json` is `-json`).
 pub fn command() -> clap::Command {
-    fn help_without_subcommand(c: clap::Command) -> clap::Command {
+    fn shaped(c: clap::Command) -> clap::Command {
         let c = if c.has_subcommands() {
             c.arg_required_else_help(true)
         } else {
             c
         };
-        c.mut_subcommands(help_without_subcommand)
+        c.args_override_self(true).mut_subcommands(shaped)
     }
-    help_without_subcommand(Cli::command())
+    shaped(Cli::command())
 }
 
 /// What parsing the command line gave: a command to run, or text to
