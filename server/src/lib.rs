@@ -40,8 +40,8 @@ pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
 pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, NodeUsage, ReleasedClaim};
 pub use plan::{
-    DiffKind, DiffOp, FieldDiff, GroupPlan, GroupSummary, JobDiff, JobPlan, JobSummary, PlannedAlloc,
-    StoppedAlloc,
+    DiffKind, DiffOp, FieldDiff, GroupPlan, GroupSummary, JobDiff, JobPlan, JobSummary,
+    PlannedAlloc, StoppedAlloc,
 };
 pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
 pub use rpc::{CsiVolumeService, NodeService};

@@ -17,7 +17,9 @@ async fn stop_replaces(job_type: JobType) {
     let ts = TestServer::start(|_| {}).await;
     let s = &ts.server;
     register(s, node("n1")).await;
-    s.register_job(job("j", job_type, 1)).await.expect("register");
+    s.register_job(job("j", job_type, 1))
+        .await
+        .expect("register");
     let first = wait_for_live(s, "j").await;
     report(s, &first, AllocClientStatus::Running).await;
 
