@@ -448,8 +448,18 @@ pub fn record_state_commit(db: Db, elapsed: Duration) {
         .observe(elapsed.as_secs_f64());
 }
 
+/// The node event subsystems counted by name; any other a client reports
+/// is counted as `other`, so that the label's values stay few whatever the
+/// clients send.
+pub const NODE_EVENT_SUBSYSTEMS: &[&str] = &["CSI", "Cluster", "Drain", "Driver", "Storage"];
+
 /// Counts one node event of `subsystem`.
 pub fn record_node_event(subsystem: &str) {
+    let subsystem = NODE_EVENT_SUBSYSTEMS
+        .iter()
+        .find(|s| **s == subsystem)
+        .copied()
+        .unwrap_or("other");
     metrics()
         .node_events
         .get_or_create(&SubsystemLabels {

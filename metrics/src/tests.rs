@@ -148,3 +148,20 @@ fn outcome_of_a_result() {
     assert_eq!(Outcome::of(&Ok::<(), ()>(())), Outcome::Ok);
     assert_eq!(Outcome::of(&Err::<(), ()>(())), Outcome::Error);
 }
+
+#[test]
+fn node_events_of_subsystems_berth_does_not_know_are_counted_as_other() {
+    // A client may report any subsystem: one series per name sent would
+    // grow without bound.
+    for i in 0..50 {
+        record_node_event(&format!("made-up-{i}"));
+    }
+    let text = encode();
+    assert!(!text.contains("made-up-"), "{text}");
+    let other = text
+        .lines()
+        .find(|l| l.starts_with(r#"berth_node_events_total{subsystem="other"}"#))
+        .unwrap_or_else(|| panic!("no other series in {text}"));
+    let n: u64 = other.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(n >= 50, "{other}");
+}
