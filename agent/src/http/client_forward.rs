@@ -222,17 +222,33 @@ pub fn node_local_router(client: Arc<Client>) -> Router {
         .layer(axum::middleware::from_fn(super::one_error_shape))
 }
 
+/// Whether the servers may send `path_and_query` to a node: one alloc's
+/// node-local route, with no empty, `.` or `..` segment that a router
+/// could read as another route.
+fn servable_for_servers(path_and_query: &str) -> bool {
+    let path = path_and_query
+        .split_once('?')
+        .map_or(path_and_query, |(p, _)| p);
+    let clean = path
+        .split('/')
+        .skip(1)
+        .all(|seg| !seg.is_empty() && seg != "." && seg != "..");
+    path.starts_with('/') && clean && alloc_of_path(path).is_some()
+}
+
 /// The client's end of a `ClientHttp` call: runs it through `local`, the
-/// node-local router. Only `/v1/client/` paths are served this way.
+/// node-local router. Only an alloc's node-local routes
+/// (`/v1/client/allocation/{id}...`, `/v1/client/fs/{what}/{id}...`) are
+/// served this way.
 pub async fn answer_client_http(
     local: &Router,
     r: pb::ClientHttp,
 ) -> Result<pb::ClientHttpReply, (tonic::Code, String)> {
-    if !r.path_and_query.starts_with("/v1/client/") {
+    if !servable_for_servers(&r.path_and_query) {
         return Err((
             tonic::Code::InvalidArgument,
             format!(
-                "path {:?} is not a node-local client route",
+                "path {:?} is not a node-local route of an alloc",
                 r.path_and_query
             ),
         ));
@@ -340,6 +356,48 @@ mod tests {
             let resp = api.clone().oneshot(req).await.unwrap();
             let body = axum::body::to_bytes(resp.into_body(), 1024).await.unwrap();
             assert_eq!(body, want.as_bytes(), "{path}");
+        }
+    }
+
+    /// The servers reach an alloc's node-local routes on a node, and
+    /// nothing else of its API, however the path is spelled.
+    #[tokio::test]
+    async fn a_node_answers_the_servers_only_on_an_alloc_route() {
+        let local = Router::new()
+            .fallback(|uri: axum::http::Uri| async move { format!("served {}", uri.path()) });
+        let call = |path: &str| pb::ClientHttp {
+            method: "GET".into(),
+            path_and_query: path.into(),
+            content_type: String::new(),
+            body: Vec::new(),
+        };
+        for path in [
+            "/v1/client/allocation/ab12",
+            "/v1/client/allocation/ab12/signal",
+            "/v1/client/fs/logs/ab12?task=web&offset=0",
+        ] {
+            let reply = answer_client_http(&local, call(path)).await.unwrap();
+            assert_eq!(reply.status, 200, "{path}");
+        }
+        for path in [
+            "/v1/agent/self",
+            "/v1/metrics",
+            "/v1/client/allocations",
+            "/v1/client/../agent/self",
+            "/v1/client/allocation/../../agent/self",
+            "/v1/client/allocation/ab12/../../../metrics",
+            "/v1/client/allocation/./ab12",
+            "/v1/client//allocation/ab12",
+            "/v1/client/fs/logs/ab12/..",
+            "v1/client/allocation/ab12",
+            "",
+        ] {
+            let (code, message) = answer_client_http(&local, call(path)).await.unwrap_err();
+            assert_eq!(code, tonic::Code::InvalidArgument, "{path}");
+            assert!(
+                message.contains("not a node-local route of an alloc"),
+                "{message}"
+            );
         }
     }
 
