@@ -11,7 +11,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use berth_allocrunner::logs::{log_base, log_files, LogFile, LogStream};
+use berth_allocrunner::logs::{log_base, log_file_path, log_files, LogFile, LogStream};
 use berth_allocrunner::AllocRunner;
 use berth_structs::TaskStateKind;
 use serde::Deserialize;
@@ -64,6 +64,13 @@ pub struct LogRead {
 /// Reads at most `limit` bytes of the files of `base` in `dir` from
 /// `start`, across files.
 pub fn read_logs(dir: &Path, base: &str, start: LogStart, limit: u64) -> std::io::Result<LogRead> {
+    // A follower's reads (and each look of a waiting read) go by name,
+    // without listing the directory, whatever else it holds.
+    if let LogStart::Cursor(at) = start {
+        if let Some(read) = read_from_cursor(dir, base, at, limit)? {
+            return Ok(read);
+        }
+    }
     // A file may be deleted by rotation between the listing and the
     // read: list again, and the cursor then reads as lost.
     let mut tries = 0;
@@ -74,6 +81,61 @@ pub fn read_logs(dir: &Path, base: &str, start: LogStart, limit: u64) -> std::io
             other => return other,
         }
     }
+}
+
+/// Reads from `at` by the files' names: `at`'s file, then the next index
+/// while there is one (the writer makes them one after the other). `None`
+/// when `at`'s file is not there (deleted by rotation, or not made yet):
+/// only a listing tells where to go on from.
+fn read_from_cursor(
+    dir: &Path,
+    base: &str,
+    at: LogPosition,
+    limit: u64,
+) -> std::io::Result<Option<LogRead>> {
+    let open = |index| match std::fs::File::open(log_file_path(dir, base, index)) {
+        Ok(f) => Ok(Some(f)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e),
+    };
+    let Some(mut file) = open(at.file)? else {
+        return Ok(None);
+    };
+    let LogPosition {
+        file: mut index,
+        mut offset,
+    } = at;
+    let mut data = Vec::new();
+    let read_on = |file: &mut std::fs::File, offset: &mut u64, data: &mut Vec<u8>| {
+        file.seek(SeekFrom::Start(*offset))?;
+        let want = limit - data.len() as u64;
+        *offset += file.take(want).read_to_end(data)? as u64;
+        std::io::Result::Ok(data.len() as u64 >= limit)
+    };
+    loop {
+        if read_on(&mut file, &mut offset, &mut data)? {
+            break;
+        }
+        let Some(next) = open(index + 1)? else {
+            break;
+        };
+        // The next file exists, so this one was complete before it was
+        // made: read what was written to it since the look above.
+        if read_on(&mut file, &mut offset, &mut data)? {
+            break;
+        }
+        file = next;
+        index += 1;
+        offset = 0;
+    }
+    Ok(Some(LogRead {
+        data,
+        next: LogPosition {
+            file: index,
+            offset,
+        },
+        lost: false,
+    }))
 }
 
 fn read_listed(files: &[LogFile], start: LogStart, limit: u64) -> std::io::Result<LogRead> {
@@ -513,6 +575,28 @@ mod tests {
         let r = read(dir.path(), LogStart::Cursor(at(9, 0)), 1 << 20);
         assert!(!r.lost && r.data.is_empty());
         assert_eq!(r.next, at(9, 0));
+    }
+
+    #[test]
+    fn a_cursor_goes_by_file_names_and_never_lists_the_directory() {
+        // The writer makes files one index after the other; a cursor
+        // follows the names, so a file past a gap (never written by
+        // berth) is not reached, and what else the directory holds costs
+        // a follower nothing.
+        let dir = dir_with(&[(5, "five\n"), (6, "six\n"), (9, "nine\n")]);
+        let r = read(dir.path(), LogStart::Cursor(at(5, 2)), 1 << 20);
+        assert_eq!(text(&r), "ve\nsix\n");
+        assert_eq!(r.next, at(6, 4));
+        assert!(!r.lost);
+        // The limit stops it inside a file, the cursor there.
+        let r = read(dir.path(), LogStart::Cursor(at(5, 0)), 7);
+        assert_eq!(text(&r), "five\nsi");
+        assert_eq!(r.next, at(6, 2));
+        // A cursor whose file is gone still reads on from the oldest.
+        std::fs::remove_file(dir.path().join("t.stdout.5")).unwrap();
+        let r = read(dir.path(), LogStart::Cursor(at(5, 2)), 1 << 20);
+        assert!(r.lost);
+        assert_eq!(text(&r), "six\nnine\n");
     }
 
     #[test]
