@@ -7,8 +7,12 @@ mod common;
 
 use std::time::Duration;
 
-use berth_allocrunner::TaskOpError;
-use berth_structs::{AllocClientStatus, JobType, TaskStateKind};
+use berth_allocrunner::{ClaimGrant, TaskOpError};
+use berth_structs::{
+    AccessMode, AllocClientStatus, AttachmentMode, JobType, TaskStateKind, VolumeMount,
+    VolumeRequest,
+};
+use berth_testutil::mount_count_at;
 use common::*;
 use nix::sys::signal::Signal;
 
@@ -145,4 +149,118 @@ async fn a_signal_reaches_the_task_and_what_does_not_run_refuses_it() {
         .await
         .unwrap_err();
     assert_eq!(e.http_status(), 409, "{e}");
+}
+
+/// A restart is of the task, not of the alloc: its CSI volume stays
+/// claimed, staged, published and bound in the task dir the whole time,
+/// and the new run finds what the old one wrote. Needs
+/// `cargo build -p hostpath-plugin` first.
+#[tokio::test]
+async fn a_restarted_task_keeps_its_csi_volume_mounted_throughout() {
+    let h = Harness::new();
+    let (_plugin, _state_dir, _plugin_killer) = run_hostpath_plugin(&h, WITHIN).await;
+    h.csi.refresh_fingerprints().await;
+    let ext = create_volume(&h, "vol", AccessMode::SingleNodeWriter).await;
+    h.claimer.grant(ClaimGrant {
+        volume_id: "vol".into(),
+        external_id: ext,
+        plugin_id: PLUGIN_ID.into(),
+        ..ClaimGrant::default()
+    });
+    let mut task = sh_task(
+        "web",
+        r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; echo $$ >> "$BERTH_TASK_DIR/local/pids"; echo run >> "$BERTH_TASK_DIR/data/runs"; exec sleep 300"#,
+    );
+    task.volume_mounts = vec![VolumeMount {
+        volume: "vol".into(),
+        destination: "data".into(),
+        read_only: false,
+        ..Default::default()
+    }];
+    let mut a = alloc(JobType::Service, vec![task]);
+    group_mut(&mut a).volumes = [(
+        "vol".to_string(),
+        VolumeRequest {
+            name: "vol".into(),
+            volume_type: "csi".into(),
+            source: "vol".into(),
+            access_mode: Some(AccessMode::SingleNodeWriter),
+            attachment_mode: Some(AttachmentMode::FileSystem),
+            ..VolumeRequest::default()
+        },
+    )]
+    .into();
+    group_mut(&mut a).restart = no_restarts();
+    let id = a.id.clone();
+    let task_dir = h.data_dir().join("alloc").join(&id).join("web");
+    let _killer = PidFileKiller(task_dir.join("local/pid"));
+    let runner = h.runner(a);
+    runner.run();
+    wait_running(&runner, "web", WITHIN).await;
+    wait_lines(&h, &id, "web", "pids", 1).await;
+    let bind = task_dir.join("data");
+    let stub = h
+        .csi
+        .volume_stubs_of(&id)
+        .pop()
+        .expect("the volume's record");
+    let target = stub.allocs[&id].clone();
+    let staging = stub.staging_path.clone();
+    assert_eq!(mount_count_at(&bind), 1, "bound in the task dir");
+
+    // Watches the three mounts while the task restarts: the least of each
+    // seen, and the most of the bind (a second bind would stack on it).
+    let watching = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let watcher = {
+        let (watching, bind, target, staging) = (
+            watching.clone(),
+            bind.clone(),
+            target.clone(),
+            staging.clone(),
+        );
+        std::thread::spawn(move || {
+            let (mut least, mut most_binds) = (usize::MAX, 0);
+            while watching.load(std::sync::atomic::Ordering::SeqCst) {
+                let binds = mount_count_at(&bind);
+                most_binds = most_binds.max(binds);
+                least = least
+                    .min(binds)
+                    .min(mount_count_at(&target))
+                    .min(mount_count_at(&staging));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            (least, most_binds)
+        })
+    };
+    assert_eq!(
+        runner.restart_tasks(None).await,
+        Ok(vec!["web".to_string()])
+    );
+    wait_lines(&h, &id, "web", "pids", 2).await;
+    wait_running(&runner, "web", WITHIN).await;
+    watching.store(false, std::sync::atomic::Ordering::SeqCst);
+    let (least, most_binds) = watcher.join().unwrap();
+    assert_eq!(
+        least, 1,
+        "a mount of the volume went away during the restart"
+    );
+    assert_eq!(most_binds, 1, "the volume was bound twice in the task dir");
+
+    assert_eq!(
+        std::fs::read_to_string(bind.join("runs")).unwrap(),
+        "run\nrun\n",
+        "both runs wrote to the one volume"
+    );
+    assert!(h.claimer.unpublishes().is_empty(), "the claim was let go");
+    assert_eq!(h.csi.volume_stubs_of(&id).len(), 1);
+    assert_eq!(runner.task_states()["web"].restarts, 0);
+
+    runner.stop();
+    wait_done(&runner, WITHIN).await;
+    assert_eq!(mount_count_at(&bind), 0, "unbound once the alloc stopped");
+    assert_eq!(
+        mount_count_at(&target),
+        0,
+        "unpublished once the alloc stopped"
+    );
 }
