@@ -7,8 +7,9 @@ use clap::{Args, Subcommand};
 use serde_json::Value;
 
 use super::http_client::ApiClient;
-use super::node::{key_values, shown_id, titled_table};
-use super::output::{ago_at, format_time, OutputArgs, Table};
+use super::output::{
+    ago_at, format_time, joined, key_values, shown_id, text_or, titled_table, OutputArgs, Table,
+};
 use super::{alloc_logs, alloc_ops, enc, volume_stats, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -134,12 +135,7 @@ fn csi_volumes(alloc: &Value) -> Vec<(String, String, bool)> {
 }
 
 fn text(v: &Value) -> String {
-    match v {
-        Value::String(s) if s.is_empty() => "<none>".to_string(),
-        Value::String(s) => s.clone(),
-        Value::Null => "<none>".to_string(),
-        other => other.to_string(),
-    }
+    text_or(v, "<none>")
 }
 
 /// The whole human answer of `alloc status`: the header, each task, the
@@ -178,7 +174,7 @@ pub fn alloc_detail(
     if let Some(ms) = v["node_last_heartbeat_ms"].as_i64().filter(|ms| *ms > 0) {
         header.push(("Node Last Heartbeat", format_time(ms)));
     }
-    let mut out = key_values(&header);
+    let mut out = joined(key_values(&header));
 
     // The group's tasks in their order, then any state of a task the group
     // no longer names.
@@ -266,12 +262,12 @@ fn task_section(alloc: &Value, task: &str, verbose: bool) -> String {
             .map_or_else(|| "N/A".to_string(), format_time)
     };
     out += "\n";
-    out += &key_values(&[
+    out += &joined(key_values(&[
         ("Restarts", st["restarts"].as_u64().unwrap_or(0).to_string()),
         ("Last Restart", last_restart),
         ("Started At", time("started_at_ms")),
         ("Finished At", time("finished_at_ms")),
-    ]);
+    ]));
 
     let shown = if verbose {
         events.len()

@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 
 use super::errors::{one_line, UsageError};
 use super::http_client::{ApiClient, ApiError};
-use super::output::{ago_at, short_id, OutputArgs, Table};
+use super::output::{self, ago_at, joined, short_id, OutputArgs};
 use super::{enc, print_json, read_spec, strs, usage_error, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -174,16 +174,9 @@ fn node_name<'a>(names: &'a HashMap<String, String>, id: &'a str) -> &'a str {
     names.get(id).map_or_else(|| short_id(id), String::as_str)
 }
 
-/// Rows (the first the header) as a [`Table`], one line each.
+/// Rows (the first the header) in columns, one line each.
 fn table(rows: &[Vec<String>]) -> String {
-    let mut rows = rows.iter();
-    let mut t = Table::new(rows.next().cloned().unwrap_or_default());
-    for row in rows {
-        t.push(row.clone());
-    }
-    let mut out = t.lines().join("\n");
-    out.push('\n');
-    out
+    joined(output::table(rows))
 }
 
 fn plural(count: u64, one: &str, many: &str) -> String {

@@ -7,7 +7,10 @@ use clap::{ArgGroup, Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
-use super::output::{ago_at, format_time, short_id, OutputArgs, Table};
+use super::output::{
+    ago_at, format_time, joined, key_values, short_id, shown_id, text, titled_table, OutputArgs,
+    Table,
+};
 use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -310,55 +313,6 @@ fn self_node_id(api: &ApiClient) -> Result<String> {
 /// Events `node status` shows without -verbose.
 pub const RECENT_EVENTS: usize = 10;
 
-/// An ID as a table shows it: short, or whole with -verbose.
-pub fn shown_id(id: &str, verbose: bool) -> &str {
-    if verbose {
-        id
-    } else {
-        short_id(id)
-    }
-}
-
-/// `Key = value` lines, the keys padded to the longest.
-pub fn key_values(pairs: &[(&str, String)]) -> String {
-    let width = pairs
-        .iter()
-        .map(|(k, _)| k.chars().count())
-        .max()
-        .unwrap_or(0);
-    pairs
-        .iter()
-        .map(|(k, v)| format!("{k:<width$} = {v}\n"))
-        .collect()
-}
-
-/// A titled table: the title, then the rows in columns sized to their
-/// widest cell (the last column free); nothing when `rows` has no data
-/// row.
-pub fn titled_table(title: &str, header: &[&str], rows: Vec<Vec<String>>) -> String {
-    if rows.is_empty() {
-        return String::new();
-    }
-    let mut table = Table::new(header.iter().copied());
-    for row in rows {
-        table.push(row);
-    }
-    let mut out = format!("\n{title}\n");
-    for line in table.lines() {
-        out.push_str(&line);
-        out.push('\n');
-    }
-    out
-}
-
-fn text(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".to_string(),
-        other => other.to_string(),
-    }
-}
-
 fn or_none(s: &str) -> String {
     if s.is_empty() {
         "<none>".to_string()
@@ -417,7 +371,7 @@ pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> Str
             usable.join(", ")
         },
     ));
-    let mut out = key_values(&header);
+    let mut out = joined(key_values(&header));
 
     let drivers: Vec<Vec<String>> = n["driver_info"]
         .as_object()
@@ -516,7 +470,7 @@ pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> Str
                 .map(|(k, v)| (k.as_str(), text(v)))
                 .collect();
             if !pairs.is_empty() {
-                out += &format!("\n{title}\n{}", key_values(&pairs));
+                out += &format!("\n{title}\n{}", joined(key_values(&pairs)));
             }
         }
     }

@@ -1,7 +1,9 @@
 //! How read commands print: `-json` (the API's JSON, pretty), `-t
 //! TEMPLATE`, or the command's own human output; and the pieces human
-//! output is made of: [`Table`], [`ago`], [`format_time`], [`short_id`],
-//! [`format_bytes`].
+//! output is made of: [`Table`], [`table`], [`titled_table`],
+//! [`key_values`], [`ago`], [`format_time`], [`short_id`],
+//! [`format_bytes`], and the cells of the API's JSON: [`text`],
+//! [`id_cell`], [`ago_cell`].
 //!
 //! Templates are minijinja (Jinja2) templates with the API's JSON as
 //! `value`, and an object's fields also by their own names:
@@ -114,6 +116,99 @@ impl Table {
     }
 }
 
+/// Rows (header first) in columns as wide as their widest cell; a row
+/// with fewer columns than the header has its last cell as free text.
+pub fn table(rows: &[Vec<String>]) -> Vec<String> {
+    let mut rows = rows.iter();
+    let Some(header) = rows.next() else {
+        return Vec::new();
+    };
+    let mut t = Table::new(header.clone());
+    for row in rows {
+        t.push(row.clone());
+    }
+    t.lines()
+}
+
+/// A titled table: a blank line, the title, then the rows in columns
+/// sized to their widest cell, each line ending in a newline; nothing when
+/// `rows` has no data row.
+pub fn titled_table(title: &str, header: &[&str], rows: Vec<Vec<String>>) -> String {
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut table = Table::new(header.iter().copied());
+    for row in rows {
+        table.push(row);
+    }
+    format!("\n{title}\n{}", joined(table.lines()))
+}
+
+/// `Key = value` lines, the keys padded to the longest.
+pub fn key_values(pairs: &[(&str, String)]) -> Vec<String> {
+    let width = pairs
+        .iter()
+        .map(|(k, _)| k.chars().count())
+        .max()
+        .unwrap_or(0);
+    pairs
+        .iter()
+        .map(|(k, v)| format!("{k:<width$} = {v}"))
+        .collect()
+}
+
+/// Lines as one text, each ending in a newline.
+pub fn joined(lines: Vec<String>) -> String {
+    lines.into_iter().map(|l| l + "\n").collect()
+}
+
+/// Prints each line.
+pub fn print_lines(lines: Vec<String>) {
+    print!("{}", joined(lines));
+}
+
+/// A JSON scalar for people: a string, number or bool as it is, `none`
+/// for null or an empty string; an array or object as JSON.
+pub fn text_or(v: &Value, none: &str) -> String {
+    match v {
+        Value::String(s) if !s.is_empty() => s.clone(),
+        Value::String(_) | Value::Null => none.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// [`text_or`] with `-` for none.
+pub fn text(v: &Value) -> String {
+    text_or(v, "-")
+}
+
+/// An ID of the API's JSON as tables show it: its first eight characters;
+/// `-` for none.
+pub fn id_cell(id: &Value) -> String {
+    match id.as_str() {
+        Some(id) if !id.is_empty() => short_id(id).to_string(),
+        _ => "-".to_string(),
+    }
+}
+
+/// An ID in full with -verbose, else as tables show it.
+pub fn shown_id(id: &str, verbose: bool) -> &str {
+    if verbose {
+        id
+    } else {
+        short_id(id)
+    }
+}
+
+/// A time of the API's JSON (unix milliseconds) as `3m ago`; `-` when
+/// unknown.
+pub fn ago_cell(ms: &Value) -> String {
+    match ms.as_i64() {
+        Some(ms) if ms > 0 => ago(ms),
+        _ => "-".to_string(),
+    }
+}
+
 /// The first eight characters of an ID, as tables show it.
 pub fn short_id(id: &str) -> &str {
     match id.char_indices().nth(8) {
@@ -158,7 +253,6 @@ pub fn format_time(ms: i64) -> String {
 }
 
 /// Bytes for people: `512 B`, `1.5 KiB`, `20.0 MiB`.
-#[allow(dead_code)]
 pub fn format_bytes(n: u64) -> String {
     const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     if n < 1024 {
@@ -213,6 +307,24 @@ mod tests {
         assert_eq!(format_bytes(512), "512 B");
         assert_eq!(format_bytes(1536), "1.5 KiB");
         assert_eq!(format_bytes(20 << 20), "20.0 MiB");
+        assert_eq!(format_bytes(1023), "1023 B");
+        assert_eq!(format_bytes(u64::MAX), "16.0 EiB");
+        assert_eq!(text(&json!("")), "-");
+        assert_eq!(text_or(&Value::Null, "<none>"), "<none>");
+        assert_eq!(text(&json!(3)), "3");
+        assert_eq!(text(&json!(true)), "true");
+        assert_eq!(id_cell(&json!("0123456789")), "01234567");
+        assert_eq!(id_cell(&Value::Null), "-");
+        assert_eq!(ago_cell(&json!(0)), "-");
+        assert_eq!(
+            key_values(&[("ID", "a".into()), ("Name", "b".into())]),
+            vec!["ID   = a", "Name = b"]
+        );
+        assert_eq!(titled_table("T", &["A"], Vec::new()), "");
+        assert_eq!(
+            titled_table("T", &["A", "B"], vec![vec!["xyz".into(), "1".into()]]),
+            "\nT\nA    B\nxyz  1\n"
+        );
     }
 
     #[test]

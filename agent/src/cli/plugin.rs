@@ -7,9 +7,7 @@ use clap::{Args, Subcommand};
 use serde_json::Value;
 
 use super::http_client::ApiClient;
-use super::output::OutputArgs;
-use super::volume::{ago_text, key_values, print_lines, short_id, text};
-use super::volume_stats::table;
+use super::output::{ago_cell, id_cell, key_values, print_lines, table, text, OutputArgs};
 use super::{enc, node, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -138,13 +136,13 @@ pub fn plugin_detail(p: &Value, verbose: bool) -> Vec<String> {
     .to_vec()];
     for a in &allocs {
         rows.push(vec![
-            short_id(&a["id"]),
-            short_id(&a["node_id"]),
+            id_cell(&a["id"]),
+            id_cell(&a["node_id"]),
             text(&a["node_name"]),
             text(&a["job_id"]),
             text(&a["task"]),
             text(&a["client_status"]),
-            ago_text(&a["create_time_ms"]),
+            ago_cell(&a["create_time_ms"]),
         ]);
     }
     out.extend(table(&rows));
@@ -212,14 +210,14 @@ fn instance_rows(p: &Value, field: &str, is_node: bool, verbose: bool) -> Vec<St
     for (node_id, info) in instances {
         let node = &p["instance_nodes"][node_id];
         let mut row = vec![
-            short_id(&Value::from(node_id.as_str())),
+            id_cell(&Value::from(node_id.as_str())),
             text(&node["name"]),
             text(&info["healthy"]),
             text(&info["health_description"]),
-            ago_text(&node["health_changed_ms"]),
+            ago_cell(&node["health_changed_ms"]),
         ];
         if verbose {
-            row.push(short_id(&info["alloc_id"]));
+            row.push(id_cell(&info["alloc_id"]));
             row.push(instance_capabilities(info, is_node));
             if is_node {
                 row.push(text(&info["external_node_id"]));

@@ -125,7 +125,7 @@ pub fn snapshot_table(snapshots: &Value) -> Vec<String> {
             s["ready_to_use"].as_bool().unwrap_or(false).to_string(),
         ]);
     }
-    super::volume_stats::table(&rows)
+    super::output::table(&rows)
 }
 
 /// A creation time in UTC, `2026-12-01T10:20:00Z`; `-` when unknown.

@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
-use super::output::{self, OutputArgs};
+use super::output::{ago_cell, id_cell, key_values, print_lines, table, text, OutputArgs};
 use super::{
     allocs_phrase, enc, node, print_release_warnings, read_spec, snapshot, strs, volume_stats, Ctx,
 };
@@ -191,12 +191,6 @@ fn volume_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
     })
 }
 
-pub(super) fn print_lines(lines: Vec<String>) {
-    for line in lines {
-        println!("{line}");
-    }
-}
-
 /// Gives each volume of the list its claims joined with their allocs (the
 /// answer for the one volume has them); a volume without claims has none
 /// to join, and costs no request.
@@ -217,33 +211,6 @@ fn with_claims(list: &mut Value, api: &ApiClient) -> Result<()> {
 }
 
 // ---- rendering of `volume status` ----
-
-/// An ID of the API's JSON as tables show it: its first eight characters.
-pub(super) fn short_id(id: &Value) -> String {
-    match id.as_str() {
-        Some(id) if !id.is_empty() => output::short_id(id).to_string(),
-        _ => "-".to_string(),
-    }
-}
-
-/// A time of the API's JSON (unix milliseconds) as `3m ago`; `-` when
-/// unknown.
-pub(super) fn ago_text(ms: &Value) -> String {
-    match ms.as_i64() {
-        Some(ms) if ms > 0 => output::ago(ms),
-        _ => "-".to_string(),
-    }
-}
-
-/// A JSON scalar for people: `-` for none or an empty string.
-pub(super) fn text(v: &Value) -> String {
-    match v {
-        Value::String(s) if !s.is_empty() => s.clone(),
-        Value::Number(n) => n.to_string(),
-        Value::Bool(b) => b.to_string(),
-        _ => "-".to_string(),
-    }
-}
 
 fn count(v: &Value) -> usize {
     v.as_array().map_or(0, Vec::len)
@@ -319,18 +286,6 @@ fn mount_options_text(opts: &Value) -> String {
     }
 }
 
-/// `Key = value` lines, the keys padded to the longest.
-pub(super) fn key_values(rows: &[(&str, String)]) -> Vec<String> {
-    let width = rows
-        .iter()
-        .map(|(k, _)| k.chars().count())
-        .max()
-        .unwrap_or(0);
-    rows.iter()
-        .map(|(k, v)| format!("{k:<width$} = {v}"))
-        .collect()
-}
-
 /// A map of strings as `key = value` lines; `<none>` for an empty one.
 fn map_lines(map: &Value) -> Vec<String> {
     let rows: Vec<(&str, String)> = map
@@ -369,7 +324,7 @@ pub fn volume_list(volumes: &Value) -> Vec<String> {
             size(&v["capacity"]),
         ]);
     }
-    volume_stats::table(&rows)
+    table(&rows)
 }
 
 /// What `volume status VOLUME` prints; `verbose` adds parameters, context,
@@ -488,16 +443,16 @@ fn claim_rows(vol: &Value) -> Vec<String> {
     .to_vec()];
     for c in &claims {
         rows.push(vec![
-            short_id(&c["alloc_id"]),
-            short_id(&c["node_id"]),
+            id_cell(&c["alloc_id"]),
+            id_cell(&c["node_id"]),
             text(&c["node_name"]),
             text(&c["mode"]),
             text(&c["state"]),
             text(&c["client_status"]),
-            ago_text(&c["create_time_ms"]),
+            ago_cell(&c["create_time_ms"]),
         ]);
     }
-    volume_stats::table(&rows)
+    table(&rows)
 }
 
 #[cfg(test)]

@@ -3,22 +3,7 @@
 
 use serde_json::Value;
 
-use super::output::{short_id, Table};
-
-/// `1536` → `1.5 KiB`; whole bytes below 1 KiB.
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 6] = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut unit = 0;
-    while v >= 1024.0 && unit < UNITS.len() - 1 {
-        v /= 1024.0;
-        unit += 1;
-    }
-    format!("{v:.1} {}", UNITS[unit])
-}
+use super::output::{format_bytes, short_id, table};
 
 fn figure(stats: &Value, key: &str) -> Option<u64> {
     stats[key].as_u64()
@@ -60,9 +45,9 @@ pub(super) fn stats_columns(stats: Option<&Value>) -> Vec<String> {
         used_of_total(
             figure(s, "bytes_used"),
             figure(s, "bytes_total"),
-            human_bytes,
+            format_bytes,
         ),
-        figure(s, "bytes_available").map_or_else(|| "-".to_string(), human_bytes),
+        figure(s, "bytes_available").map_or_else(|| "-".to_string(), format_bytes),
         used_of_total(figure(s, "inodes_used"), figure(s, "inodes_total"), |n| {
             n.to_string()
         }),
@@ -76,20 +61,6 @@ pub(super) const STATS_HEADER: [&str; 4] = [
     "Inodes Used / Total",
     "Condition",
 ];
-
-/// Rows (header first) in columns as wide as their widest cell; a row
-/// with fewer columns than the header has its last cell as free text.
-pub(super) fn table(rows: &[Vec<String>]) -> Vec<String> {
-    let mut rows = rows.iter();
-    let Some(header) = rows.next() else {
-        return Vec::new();
-    };
-    let mut t = Table::new(header.clone());
-    for row in rows {
-        t.push(row.clone());
-    }
-    t.lines()
-}
 
 /// Whether a volume of the API's list has claims (read or write allocs):
 /// only those have claims to join with their allocs.
@@ -134,11 +105,11 @@ mod tests {
 
     #[test]
     fn bytes_are_shown_in_binary_units() {
-        assert_eq!(human_bytes(0), "0 B");
-        assert_eq!(human_bytes(1023), "1023 B");
-        assert_eq!(human_bytes(1536), "1.5 KiB");
-        assert_eq!(human_bytes(5 << 20), "5.0 MiB");
-        assert_eq!(human_bytes(u64::MAX), "16.0 EiB");
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1023), "1023 B");
+        assert_eq!(format_bytes(1536), "1.5 KiB");
+        assert_eq!(format_bytes(5 << 20), "5.0 MiB");
+        assert_eq!(format_bytes(u64::MAX), "16.0 EiB");
     }
 
     #[test]
