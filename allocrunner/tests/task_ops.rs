@@ -7,11 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use berth_allocrunner::{ClaimGrant, TaskOpError};
-use berth_structs::{
-    AccessMode, AllocClientStatus, AttachmentMode, JobType, TaskStateKind, VolumeMount,
-    VolumeRequest,
-};
+use berth_allocrunner::TaskOpError;
+use berth_structs::{AccessMode, AllocClientStatus, JobType, TaskStateKind};
 use berth_testutil::mount_count_at;
 use common::*;
 use nix::sys::signal::Signal;
@@ -160,36 +157,12 @@ async fn a_restarted_task_keeps_its_csi_volume_mounted_throughout() {
     let h = Harness::new();
     let (_plugin, _state_dir, _plugin_killer) = run_hostpath_plugin(&h, WITHIN).await;
     h.csi.refresh_fingerprints().await;
-    let ext = create_volume(&h, "vol", AccessMode::SingleNodeWriter).await;
-    h.claimer.grant(ClaimGrant {
-        volume_id: "vol".into(),
-        external_id: ext,
-        plugin_id: PLUGIN_ID.into(),
-        ..ClaimGrant::default()
-    });
-    let mut task = sh_task(
+    create_granted_volume(&h, "vol", AccessMode::SingleNodeWriter).await;
+    let task = sh_task(
         "web",
         r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; echo $$ >> "$BERTH_TASK_DIR/local/pids"; echo run >> "$BERTH_TASK_DIR/data/runs"; exec sleep 300"#,
     );
-    task.volume_mounts = vec![VolumeMount {
-        volume: "vol".into(),
-        destination: "data".into(),
-        read_only: false,
-        ..Default::default()
-    }];
-    let mut a = alloc(JobType::Service, vec![task]);
-    group_mut(&mut a).volumes = [(
-        "vol".to_string(),
-        VolumeRequest {
-            name: "vol".into(),
-            volume_type: "csi".into(),
-            source: "vol".into(),
-            access_mode: Some(AccessMode::SingleNodeWriter),
-            attachment_mode: Some(AttachmentMode::FileSystem),
-            ..VolumeRequest::default()
-        },
-    )]
-    .into();
+    let mut a = csi_volume_user(task, "vol", AccessMode::SingleNodeWriter);
     group_mut(&mut a).restart = no_restarts();
     let id = a.id.clone();
     let task_dir = h.data_dir().join("alloc").join(&id).join("web");

@@ -10,10 +10,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use berth_allocrunner::{AllocRunner, ClaimGrant};
-use berth_structs::{
-    AccessMode, AttachmentMode, JobType, RestartPolicy, VolumeMount, VolumeRequest,
-};
+use berth_allocrunner::AllocRunner;
+use berth_structs::{AccessMode, RestartPolicy};
 use berth_testutil::mount_count_at;
 use common::*;
 use nix::mount::{umount2, MntFlags};
@@ -31,43 +29,18 @@ async fn start_plugin(h: &Harness) -> (AllocRunner, PathBuf, PidFileKiller) {
 
 /// Creates the volume "vol" and grants its claims; its external ID.
 async fn create_volume(h: &Harness) -> String {
-    let ext = common::create_volume(h, "vol", AccessMode::SingleNodeWriter).await;
-    h.claimer.grant(ClaimGrant {
-        volume_id: "vol".into(),
-        external_id: ext.clone(),
-        plugin_id: PLUGIN_ID.into(),
-        ..ClaimGrant::default()
-    });
-    ext
+    create_granted_volume(h, "vol", AccessMode::SingleNodeWriter).await
 }
 
 /// An alloc whose task "web" records its pid and sleeps, with "vol" bound
 /// at `data`; restarted once, at once, when it fails.
 fn volume_user() -> berth_structs::Allocation {
-    let mut task = sh_task(
+    let task = sh_task(
         "web",
         r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
     );
-    task.volume_mounts = vec![VolumeMount {
-        volume: "vol".into(),
-        destination: "data".into(),
-        read_only: false,
-        ..Default::default()
-    }];
-    let mut a = alloc(JobType::Service, vec![task]);
+    let mut a = csi_volume_user(task, "vol", AccessMode::SingleNodeWriter);
     let group = group_mut(&mut a);
-    group.volumes = [(
-        "vol".to_string(),
-        VolumeRequest {
-            name: "vol".into(),
-            volume_type: "csi".into(),
-            source: "vol".into(),
-            access_mode: Some(AccessMode::SingleNodeWriter),
-            attachment_mode: Some(AttachmentMode::FileSystem),
-            ..VolumeRequest::default()
-        },
-    )]
-    .into();
     group.restart = RestartPolicy {
         attempts: 1,
         interval: Duration::from_secs(600),

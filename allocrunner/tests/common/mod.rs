@@ -25,7 +25,7 @@ use berth_proto::csi::v1 as csi;
 use berth_structs::{
     AccessMode, AllocClientStatus, Allocation, AttachmentMode, CsiInfo, CsiMountOptions,
     CsiPluginType, Job, JobType, NodeEvent, RestartPolicy, Task, TaskConfig, TaskCsiPluginConfig,
-    TaskGroup, TaskState, TaskStateKind,
+    TaskGroup, TaskState, TaskStateKind, VolumeMount, VolumeRequest,
 };
 
 // ---------------------------------------------------------------- updater
@@ -515,6 +515,32 @@ pub fn group_mut(alloc: &mut Allocation) -> &mut TaskGroup {
     &mut alloc.job.task_groups[0]
 }
 
+/// A service alloc whose one task, `task`, has the CSI volume `volume`
+/// (asked for with `mode`, as a file system) bound read-write at `data`
+/// in its task dir.
+pub fn csi_volume_user(mut task: Task, volume: &str, mode: AccessMode) -> Allocation {
+    task.volume_mounts = vec![VolumeMount {
+        volume: volume.into(),
+        destination: "data".into(),
+        read_only: false,
+        ..Default::default()
+    }];
+    let mut a = alloc(JobType::Service, vec![task]);
+    group_mut(&mut a).volumes = [(
+        volume.to_string(),
+        VolumeRequest {
+            name: volume.into(),
+            volume_type: "csi".into(),
+            source: volume.into(),
+            access_mode: Some(mode),
+            attachment_mode: Some(AttachmentMode::FileSystem),
+            ..VolumeRequest::default()
+        },
+    )]
+    .into();
+    a
+}
+
 // ---------------------------------------------------------------- plugin
 
 /// The id the hostpath plugin registers under in these tests.
@@ -583,6 +609,19 @@ pub async fn create_volume(h: &Harness, name: &str, mode: AccessMode) -> String 
         .volume
         .expect("a volume")
         .volume_id
+}
+
+/// Creates the volume `name` as [`create_volume`] does and has the
+/// claimer grant its claims; its external ID.
+pub async fn create_granted_volume(h: &Harness, name: &str, mode: AccessMode) -> String {
+    let ext = create_volume(h, name, mode).await;
+    h.claimer.grant(ClaimGrant {
+        volume_id: name.into(),
+        external_id: ext.clone(),
+        plugin_id: PLUGIN_ID.into(),
+        ..ClaimGrant::default()
+    });
+    ext
 }
 
 // ---------------------------------------------------------------- cleanup
