@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderName, HeaderValue, Method, StatusCode};
+use axum::http::{header, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
@@ -179,29 +179,7 @@ async fn to_node(server: &Server, req: Request) -> Result<Response, ApiError> {
 
 /// The node's answer as this agent's.
 fn answer_of(a: pb::ClientHttpReply) -> Result<Response, ApiError> {
-    let status = u16::try_from(a.status)
-        .ok()
-        .and_then(|s| StatusCode::from_u16(s).ok())
-        .ok_or_else(|| {
-            ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                format!("the node answered an invalid status {}", a.status),
-            )
-        })?;
-    let mut resp = Response::new(Body::from(a.body));
-    *resp.status_mut() = status;
-    for h in a.headers {
-        let (Ok(name), Ok(value)) = (
-            HeaderName::from_bytes(h.name.as_bytes()),
-            HeaderValue::from_bytes(&h.value),
-        ) else {
-            continue;
-        };
-        if super::forward::answer_header(&name) {
-            resp.headers_mut().append(name, value);
-        }
-    }
-    Ok(resp)
+    super::forward::relayed_answer("the node", a.status, a.headers, a.body)
 }
 
 /// The routes a client answers for the servers: the agent's own routes,

@@ -191,18 +191,29 @@ fn transport_failure(code: Code) -> bool {
 
 /// The servers' answer as this agent's.
 fn answer_of(a: pb::HttpResponse) -> Result<Response, ApiError> {
-    let status = u16::try_from(a.status)
+    relayed_answer("the server", a.status, a.headers, a.body)
+}
+
+/// An answer relayed over gRPC (by `who`: the server, a node) as this
+/// agent's: its status, the headers that travel back, its body.
+pub(crate) fn relayed_answer(
+    who: &str,
+    status: u32,
+    headers: Vec<pb::HttpHeader>,
+    body: Vec<u8>,
+) -> Result<Response, ApiError> {
+    let status = u16::try_from(status)
         .ok()
         .and_then(|s| StatusCode::from_u16(s).ok())
         .ok_or_else(|| {
             ApiError::new(
                 StatusCode::BAD_GATEWAY,
-                format!("the server answered an invalid status {}", a.status),
+                format!("{who} answered an invalid status {status}"),
             )
         })?;
-    let mut resp = Response::new(Body::from(a.body));
+    let mut resp = Response::new(Body::from(body));
     *resp.status_mut() = status;
-    for h in a.headers {
+    for h in headers {
         let (Ok(name), Ok(value)) = (
             HeaderName::from_bytes(h.name.as_bytes()),
             HeaderValue::from_bytes(&h.value),
