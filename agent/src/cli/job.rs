@@ -71,9 +71,10 @@ pub struct PlanArgs {
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// Format the job with a template instead of printing its JSON
-    #[arg(short = 't', value_name = "TEMPLATE")]
-    pub template: Option<String>,
+    // Inspect prints the job's JSON: -json is the same as no flag, -t
+    // formats it with a template.
+    #[command(flatten)]
+    pub output: OutputArgs,
     /// The job's ID, or a unique prefix of it
     #[arg(value_name = "JOB")]
     pub job: String,
@@ -588,8 +589,8 @@ fn stored_job(api: &ApiClient, id: &str) -> Result<Value> {
 fn job_inspect(a: InspectArgs, api: &ApiClient) -> Result<i32> {
     let job = stored_job(api, &a.job)?;
     let output = OutputArgs {
-        json: a.template.is_none(),
-        template: a.template,
+        json: a.output.template.is_none(),
+        template: a.output.template,
     };
     output.emit(&job, |_| Ok(()))
 }

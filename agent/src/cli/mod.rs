@@ -169,15 +169,49 @@ pub fn parse(args: Vec<String>) -> Result<Parsed> {
 fn clap_outcome(e: clap::Error) -> Result<Parsed> {
     use clap::error::ErrorKind;
     match e.kind() {
-        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
-            Ok(Parsed::Print(e.render().to_string(), 0))
-        }
+        ErrorKind::DisplayHelp => Ok(Parsed::Print(single_dash(&e.render().to_string()), 0)),
+        ErrorKind::DisplayVersion => Ok(Parsed::Print(e.render().to_string(), 0)),
         // `berth` or `berth job` alone: the help, as a usage error.
-        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
-            Ok(Parsed::Print(e.render().to_string(), errors::EXIT_USAGE))
-        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => Ok(Parsed::Print(
+            single_dash(&e.render().to_string()),
+            errors::EXIT_USAGE,
+        )),
         _ => Err(clap_usage_error(&e).into()),
     }
+}
+
+/// Help and usage text with Nomad's single-dash long flags: `-json`
+/// where clap writes `--json`. A flag line keeps its description where
+/// it was (the dashes taken off are added as spaces after the flags), so
+/// the columns stay aligned.
+fn single_dash(help: &str) -> String {
+    let mut out = String::with_capacity(help.len());
+    for line in help.split_inclusive('\n') {
+        let (body, end) = match line.strip_suffix('\n') {
+            Some(body) => (body, "\n"),
+            None => (line, ""),
+        };
+        let indent = body.len() - body.trim_start().len();
+        if body.starts_with("Usage:") || body.starts_with("For more information") {
+            out.push_str(&body.replace(" --", " -").replace("'--", "'-"));
+        } else if body.trim_start().starts_with('-') && indent <= 6 {
+            // The flags end where two spaces start the description.
+            let flags_end = body[indent..]
+                .find("  ")
+                .map_or(body.len(), |at| indent + at);
+            let (flags, description) = body.split_at(flags_end);
+            let taken = flags.matches("--").count();
+            out.push_str(&flags.replace("--", "-"));
+            if !description.is_empty() {
+                out.extend(std::iter::repeat_n(' ', taken));
+                out.push_str(description);
+            }
+        } else {
+            out.push_str(body);
+        }
+        out.push_str(end);
+    }
+    out
 }
 
 /// clap's error as berth reports command line errors: its first line
@@ -200,7 +234,7 @@ fn clap_usage_error(e: &clap::Error) -> UsageError {
         .lines()
         .skip_while(|l| !l.starts_with("Usage:"))
         .collect();
-    UsageError::new(message, usage.join("\n").trim_end().to_string())
+    UsageError::new(message, single_dash(usage.join("\n").trim_end()))
 }
 
 /// A usage error of the command at `path` (`["node", "drain"]`): reported
@@ -223,7 +257,11 @@ pub fn usage_error(path: &[&str], message: impl Into<String>) -> anyhow::Error {
         "For more information, try 'berth {} -help'.",
         path.join(" ")
     );
-    UsageError::new(message, format!("{}\n\n{help}", usage.trim_end())).into()
+    UsageError::new(
+        message,
+        format!("{}\n\n{help}", single_dash(usage.trim_end())),
+    )
+    .into()
 }
 
 /// Rewrites Nomad's single-dash long flags to clap's double-dash ones:
@@ -572,6 +610,42 @@ mod tests {
     }
 
     #[test]
+    fn help_shows_single_dash_long_flags_in_aligned_columns() {
+        let Ok(Parsed::Print(help, 0)) = parse(s(&["job", "status", "-h"])) else {
+            panic!("job status -h prints help");
+        };
+        assert!(!help.contains("--"), "{help}");
+        // Where the description of the flag line starting with `flag` begins.
+        let described = |flag: &str| {
+            let line = help
+                .lines()
+                .find(|l| l.trim_start().starts_with(flag))
+                .unwrap_or_else(|| panic!("{flag} in {help}"));
+            let start = line.len() - line.trim_start().len();
+            let gap = start + line[start..].find("  ").expect("a description");
+            gap + line[gap..].len() - line[gap..].trim_start().len()
+        };
+        let columns: Vec<usize> = [
+            "-json",
+            "-t <TEMPLATE>",
+            "-verbose",
+            "-all-allocs",
+            "-h, -help",
+        ]
+        .iter()
+        .map(|f| described(f))
+        .collect();
+        assert!(
+            columns.windows(2).all(|w| w[0] == w[1]),
+            "{columns:?}: {help}"
+        );
+        assert_eq!(
+            single_dash("Usage: berth alloc logs --tail -n <N> <ALLOC>\n\nOptions:\n  -f, --follow  Keep\n      --stderr  Print\n                more --text\n"),
+            "Usage: berth alloc logs -tail -n <N> <ALLOC>\n\nOptions:\n  -f, -follow   Keep\n      -stderr   Print\n                more --text\n"
+        );
+    }
+
+    #[test]
     fn help_and_version_print_and_exit_0() {
         for argv in [&["-h"][..], &["-help"], &["--help"], &["job", "run", "-h"]] {
             assert!(
@@ -583,6 +657,9 @@ mod tests {
             matches!(parse(s(&["-version"])), Ok(Parsed::Print(ref v, 0)) if v == "berth v0.1.0\n")
         );
         assert!(matches!(parse(s(&[])), Ok(Parsed::Print(_, 2))));
+        assert!(
+            matches!(parse(s(&[])), Ok(Parsed::Print(ref help, 2)) if help.contains(" -address <ADDR>"))
+        );
         assert!(matches!(parse(s(&["job"])), Ok(Parsed::Print(_, 2))));
     }
 }
