@@ -298,16 +298,11 @@ pub fn run_executor(args: &[String]) -> i32 {
         Ok(()) | Err(nix::errno::Errno::ESRCH) => {}
         Err(e) => eprintln!("berth executor: killing what is left of the task's group: {e}"),
     }
-    let status = match child.wait() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("berth executor: waiting for the task: {e}");
-            return 1;
-        }
-    };
     // Everything the task wrote is in its log files before its exit is
     // recorded; a process that escaped the group and keeps the pipes open
-    // gets a short grace, then is no longer read.
+    // gets a short grace, then is no longer read. The leader is reaped
+    // only after that: until its exit is recorded, the agent may still
+    // signal the group, and the zombie keeps the group id from reuse.
     let drain_until = std::time::Instant::now() + DRAIN_GRACE;
     for _ in 0..readers {
         let left = drain_until.saturating_duration_since(std::time::Instant::now());
@@ -318,6 +313,13 @@ pub fn run_executor(args: &[String]) -> i32 {
             break;
         }
     }
+    let status = match child.wait() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("berth executor: waiting for the task: {e}");
+            return 1;
+        }
+    };
     let exit = ExecutorExit {
         exit_code: status.code(),
         signal: status.signal(),

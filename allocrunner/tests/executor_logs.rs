@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use berth_allocrunner::logs::{log_files, LogRotation};
 use berth_allocrunner::{Driver, RawExecDriver, TaskSpec};
-use common::test_executor;
+use common::{test_executor, PidFileKiller};
 
 const WITHIN: Duration = Duration::from_secs(20);
 
@@ -215,4 +215,57 @@ echo after"#,
     let lost_lines: usize = (0..40000).map(|i| format!("lost line {i}\n").len()).sum();
     let kept = text.len() - "before\n".len() - "after\n".len() - marker.len() - 2;
     assert_eq!(kept + dropped, lost_lines, "{marker}");
+}
+
+/// While the executor drains the output of a task that has exited, the
+/// task's zombie keeps its process group id taken: a signal the agent
+/// sends the group before the exit is recorded cannot reach a group that
+/// reused the id.
+#[tokio::test]
+async fn the_task_group_id_stays_taken_until_the_exit_is_recorded() {
+    let dir = tempfile::tempdir().unwrap();
+    let task_pid_file = dir.path().join("task.pid");
+    let escaped_pid_file = dir.path().join("escaped.pid");
+    // The escaped child keeps stdout open: the executor drains for its
+    // grace after the task has exited.
+    let script = format!(
+        r#"echo $$ > {}; setsid sh -c 'echo $$ > {}; exec sleep 60' & sleep 0.2; exit 0"#,
+        task_pid_file.display(),
+        escaped_pid_file.display()
+    );
+    // setsid: the escaped child leads its own group.
+    let _escaped = PidFileKiller(escaped_pid_file);
+    let driver = RawExecDriver::with_executor(test_executor());
+    let task = spec(dir.path(), &script, LogRotation::default());
+    let exit_file = task
+        .executor_dir
+        .join(berth_allocrunner::executor::EXIT_FILE);
+    let handle = driver.start(&task).await.unwrap();
+    until("the task's pid", || {
+        std::fs::read_to_string(&task_pid_file).is_ok_and(|p| p.ends_with('\n'))
+    })
+    .await;
+    let task_pid = std::fs::read_to_string(&task_pid_file).unwrap();
+    let stat = format!("/proc/{}/stat", task_pid.trim());
+    let (mut zombie_seen, mut gone_before_exit) = (false, false);
+    let deadline = Instant::now() + WITHIN;
+    while !exit_file.exists() {
+        assert!(Instant::now() < deadline, "no exit recorded");
+        match std::fs::read_to_string(&stat) {
+            Ok(s) => zombie_seen |= s.rsplit(')').next().is_some_and(|r| r.starts_with(" Z")),
+            // Gone, but only a fault if the exit is still not recorded.
+            Err(_) => gone_before_exit |= !exit_file.exists(),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();
+    assert!(exit.successful(), "{exit}");
+    assert!(
+        zombie_seen,
+        "the exited task was never seen waiting to be reaped"
+    );
+    assert!(
+        !gone_before_exit,
+        "the task was reaped (its group id freed) before its exit was recorded"
+    );
 }
