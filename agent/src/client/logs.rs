@@ -407,7 +407,8 @@ impl LogSource {
 impl Client {
     /// Reads a task's logs: `id` is an alloc ID or a prefix of one that
     /// only one alloc of this node has. With a wait, an answer with no
-    /// bytes comes only once the wait has passed or the task is dead.
+    /// bytes comes only once the wait has passed, the task is dead or the
+    /// client stops (the agent's shutdown is not held up by followers).
     pub async fn read_task_logs(
         &self,
         id: &str,
@@ -415,6 +416,7 @@ impl Client {
     ) -> Result<LogAnswer, LogsError> {
         let source = self.log_source(id, req.task.as_deref(), req.stream).await?;
         let deadline = tokio::time::Instant::now() + req.wait;
+        let mut shutdown = self.shutdown.clone();
         let mut start = req.start;
         loop {
             // The state first: a dead task has written everything, so a
@@ -425,6 +427,7 @@ impl Client {
                 || read.lost
                 || task_state == TaskStateKind::Dead
                 || tokio::time::Instant::now() >= deadline
+                || *shutdown.borrow()
             {
                 return Ok(LogAnswer {
                     alloc_id: source.alloc_id.clone(),
@@ -437,7 +440,16 @@ impl Client {
             // position given from the start or the end is fixed now).
             start = LogStart::Cursor(read.next);
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            tokio::time::sleep(WAIT_POLL.min(left)).await;
+            let stopping = async {
+                // A stop that can no longer come is no reason to wake.
+                if shutdown.wait_for(|v| *v).await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                _ = tokio::time::sleep(WAIT_POLL.min(left)) => {}
+                _ = stopping => {}
+            }
         }
     }
 

@@ -145,6 +145,9 @@ pub struct Client {
     ready: watch::Sender<bool>,
     /// True once the node registered with the servers.
     registered: watch::Sender<bool>,
+    /// True once the client is told to stop: requests that wait (a log
+    /// read that follows) answer at once.
+    shutdown: watch::Receiver<bool>,
 }
 
 #[async_trait::async_trait]
@@ -337,7 +340,7 @@ pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
 impl Client {
     pub async fn start(
         config: ClientConfig,
-        _shutdown: watch::Receiver<bool>,
+        shutdown: watch::Receiver<bool>,
     ) -> Result<Arc<Client>> {
         let client_dir = config.data_dir.join("client");
         let state = ClientState::open(&client_dir)?;
@@ -391,6 +394,7 @@ impl Client {
             gc_wake: Notify::new(),
             ready: watch::channel(false).0,
             registered: watch::channel(false).0,
+            shutdown,
         }))
     }
 
@@ -1093,6 +1097,59 @@ mod tests {
         assert!(client.restore_allocs(watch::channel(false).1).await);
         let tasks = reported_complete(&client, &alloc_id).await;
         assert_never_started(&tasks);
+    }
+
+    /// A log read that waits for new bytes answers as soon as the client
+    /// is told to stop: the agent's shutdown waits for no follower.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_waiting_log_read_answers_at_once_when_the_client_stops() {
+        let dir = tempfile::tempdir().unwrap();
+        let (stop, stopped_rx) = watch::channel(false);
+        let config = ClientConfig::new(dir.path().to_path_buf(), vec!["http://127.0.0.1:1".into()]);
+        let client = Client::start(config, stopped_rx)
+            .await
+            .expect("the client starts");
+        // The volume's claim never gets through to the servers: the task
+        // stays pending, and has written nothing.
+        let mut a = placed_alloc(&client.conn.node_id());
+        let group = &mut a.job.task_groups[0];
+        group.tasks.truncate(1);
+        group.volumes = [(
+            "vol".to_string(),
+            berth_structs::VolumeRequest {
+                name: "vol".into(),
+                volume_type: "csi".into(),
+                source: "vol".into(),
+                access_mode: Some(berth_structs::AccessMode::SingleNodeWriter),
+                attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+                ..Default::default()
+            },
+        )]
+        .into();
+        let id = a.id.clone();
+        client.reconcile(update_of(&[a])).await;
+        let req = logs::LogsRequest {
+            task: None,
+            stream: berth_allocrunner::logs::LogStream::Stdout,
+            start: logs::LogStart::FromStart(0),
+            limit: 100,
+            wait: Duration::from_secs(120),
+        };
+        let mut read = tokio::spawn({
+            let client = client.clone();
+            async move { client.read_task_logs(&id, &req).await }
+        });
+        if let Ok(early) = tokio::time::timeout(Duration::from_millis(500), &mut read).await {
+            panic!("the read did not wait: {early:?}");
+        }
+        stop.send_replace(true);
+        let answer = tokio::time::timeout(Duration::from_secs(5), read)
+            .await
+            .expect("the read answers once the client stops")
+            .unwrap()
+            .expect("an answer");
+        assert!(answer.read.data.is_empty());
+        assert_ne!(answer.task_state, TaskStateKind::Dead);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
