@@ -6,6 +6,7 @@
 use std::process::Output;
 
 use anyhow::Result;
+use berth_tests::snapshot::settings;
 use berth_tests::{cli_at, quick_batch_job, DevAgent};
 use serde_json::Value;
 
@@ -78,38 +79,6 @@ fn start_agent() -> Result<DevAgent> {
     DevAgent::start_with_args(&["-node", NODE])
 }
 
-/// What varies between runs, replaced by placeholders of the same width
-/// where a table column holds it: IDs, ages, indexes, the temp dir.
-fn settings(agent: &DevAgent) -> Result<insta::Settings> {
-    let mut s = insta::Settings::clone_current();
-    s.add_filter(
-        &regex_escape(&agent.data_dir.path().display().to_string()),
-        "[DIR]",
-    );
-    s.add_filter(
-        r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-        "[UUID]",
-    );
-    s.add_filter(r"\b[0-9a-f]{8}\b", "[ID....]");
-    // An age in a column is padded to the column: keep two spaces after.
-    s.add_filter(r"\b\d+[dhms](\d+[hm])? ago {2,}", "[AGO]  ");
-    s.add_filter(r"\b\d+[dhms](\d+[hm])? ago\b", "[AGO]");
-    s.add_filter(r"(Job Modify Index: |-check-index |index )\d+", "$1[N]");
-    Ok(s)
-}
-
-fn regex_escape(text: &str) -> String {
-    text.chars()
-        .flat_map(|c| {
-            let special = "\\.+*?()|[]{}^$".contains(c);
-            special
-                .then_some('\\')
-                .into_iter()
-                .chain(std::iter::once(c))
-        })
-        .collect()
-}
-
 /// The allocs of `job` as the API has them.
 fn allocs(agent: &DevAgent, job: &str) -> Result<Vec<Value>> {
     Ok(agent
@@ -150,9 +119,9 @@ fn job_run_follows_the_allocs_and_status_stop_and_inspect_show_them() -> Result<
     assert_eq!(status["summary"]["g"]["running"], 2, "{status}");
     assert_eq!(status["summary"]["g"]["queued"], 0, "{status}");
     let text = agent.cli_ok(&["job", "status", "web"])?;
-    settings(&agent)?.bind(|| insta::assert_snapshot!("job_status_running", text));
+    settings().bind(|| insta::assert_snapshot!("job_status_running", text));
     let list = agent.cli_ok(&["job", "status"])?;
-    settings(&agent)?.bind(|| insta::assert_snapshot!("job_status_list", list));
+    settings().bind(|| insta::assert_snapshot!("job_status_list", list));
 
     // An ambiguous prefix names the matches.
     agent.cli_ok(&[
@@ -195,6 +164,9 @@ fn job_run_follows_the_allocs_and_status_stop_and_inspect_show_them() -> Result<
     );
     let t = agent.cli_ok(&["job", "inspect", "-t", "{{ id }} v{{ version }}", "web"])?;
     assert_eq!(t.trim(), "web v0");
+    // -json, as Nomad's users type it, prints the same JSON.
+    let json: Value = serde_json::from_str(&agent.cli_ok(&["job", "inspect", "-json", "web"])?)?;
+    assert_eq!(json, stored);
 
     // Stop waits: every alloc is terminal when it returns.
     let out = agent.cli(&["job", "stop", "web"])?;
@@ -222,7 +194,7 @@ fn job_run_follows_the_allocs_and_status_stop_and_inspect_show_them() -> Result<
         });
     }
     let text = ordered.join("\n");
-    settings(&agent)?.bind(|| insta::assert_snapshot!("job_stop", text));
+    settings().bind(|| insta::assert_snapshot!("job_stop", text));
     let status = agent.cli_json(&["job", "status", "web"])?;
     assert_eq!(status["status"], "dead");
     assert_eq!(status["summary"]["g"]["complete"], 2, "{status}");
@@ -293,7 +265,7 @@ fn plan_shows_the_diff_and_the_placements_and_places_nothing() -> Result<()> {
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
     assert!(text.contains("  ~ task_groups[g].count: 2 => 3"), "{text}");
-    settings(&agent)?.bind(|| insta::assert_snapshot!("job_plan_count", text));
+    settings().bind(|| insta::assert_snapshot!("job_plan_count", text));
     let out = agent.cli(&["job", "plan", "-json", "-var", "count=3", &file])?;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let json: Value = serde_json::from_str(&stdout(&out))?;
@@ -457,8 +429,13 @@ fn every_job_command_has_help() -> Result<()> {
         assert!(text.contains(&format!("Usage: berth job {cmd}")), "{text}");
     }
     let text = stdout(&cli_at(nowhere, &["job", "run", "-h"])?);
-    for flag in ["--detach", "--var", "--check-index"] {
-        assert!(text.contains(flag), "{flag}: {text}");
+    // Flags are listed as Nomad writes them, with one dash.
+    for flag in ["-detach", "-var <NAME=VALUE>", "-check-index <INDEX>"] {
+        assert!(
+            text.lines().any(|l| l.trim_start().starts_with(flag)),
+            "{flag}: {text}"
+        );
     }
+    assert!(!text.contains("--"), "{text}");
     Ok(())
 }

@@ -7,6 +7,7 @@ use std::process::Output;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use berth_tests::snapshot::settings;
 use berth_tests::{csi_volume_service_job, example, wait_alloc_running, wait_for, DevAgent};
 use serde_json::Value;
 
@@ -55,43 +56,9 @@ fn section<'a>(text: &'a str, title: &str) -> Vec<&'a str> {
         .collect()
 }
 
-/// What varies between runs, replaced: the temp dir, IDs, the node's
-/// name, ages, indexes; and the padding of table columns, which follows
-/// the widths of those.
-fn settings(agent: &DevAgent) -> Result<insta::Settings> {
-    let nodes = agent.cli_json(&["node", "status"])?;
-    let node = nodes[0]["name"].as_str().unwrap_or_default().to_string();
-    let mut s = insta::Settings::clone_current();
-    s.add_filter(
-        &regex_escape(&agent.data_dir.path().display().to_string()),
-        "[DIR]",
-    );
-    s.add_filter(
-        r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
-        "[UUID]",
-    );
-    s.add_filter(r"\b[0-9a-f]{8}\b", "[ID]");
-    s.add_filter(r"\b\d+(d|h|m|s)(\d+(h|m))? ago\b", "[AGO]");
-    s.add_filter(r"(Create|Modify) Index = \d+", "$1 Index = [N]");
-    if !node.is_empty() {
-        s.add_filter(&format!(r"\b{}\b", regex_escape(&node)), "[NODE]");
-    }
-    // Table columns (not the `Key = value` lines) are two spaces apart.
-    s.add_filter(r" {2,}([^=\s])", "  $1");
-    Ok(s)
-}
-
-fn regex_escape(text: &str) -> String {
-    text.chars()
-        .flat_map(|c| {
-            let special = "\\.+*?()|[]{}^$".contains(c);
-            special
-                .then_some('\\')
-                .into_iter()
-                .chain(std::iter::once(c))
-        })
-        .collect()
-}
+/// The dev agent's node name, fixed so that snapshots of tables keep
+/// their column widths on every host.
+const NODE: &str = "dev-node";
 
 /// `text` up to the line `title` (that section and what follows left out).
 fn before_section<'a>(text: &'a str, title: &str) -> &'a str {
@@ -112,7 +79,7 @@ fn assert_no_secret(what: &str, text: &str) {
 
 #[test]
 fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
-    let agent = DevAgent::start()?;
+    let agent = DevAgent::start_with_args(&["-node", NODE])?;
     agent.run_example_plugin()?;
     let spec = agent.write_file("data.hcl", &volume_spec("data")?)?;
     let created = agent.cli_ok(&["volume", "create", &spec])?;
@@ -227,7 +194,7 @@ fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
     assert!(stats[0].contains("Used / Total"), "{verbose}");
     // The stats' figures are those of the host's filesystem: left out.
     let verbose_head = before_section(&verbose, "Volume Stats");
-    settings(&agent)?.bind(|| {
+    settings().bind(|| {
         insta::assert_snapshot!("volume_status_list", list);
         insta::assert_snapshot!("volume_status_detail", detail);
         insta::assert_snapshot!("volume_status_verbose", verbose_head);
@@ -271,7 +238,7 @@ fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
 
 #[test]
 fn plugin_status_lists_details_capabilities_and_allocs() -> Result<()> {
-    let agent = DevAgent::start()?;
+    let agent = DevAgent::start_with_args(&["-node", NODE])?;
     assert_eq!(agent.cli_ok(&["plugin", "status"])?, "No CSI plugins\n");
     assert_eq!(agent.cli_ok(&["volume", "status"])?, "No CSI volumes\n");
     agent.run_example_plugin()?;
@@ -360,7 +327,7 @@ fn plugin_status_lists_details_capabilities_and_allocs() -> Result<()> {
         assert!(nodes[0].contains(column), "{column:?} in:\n{verbose}");
     }
     assert!(nodes[1].contains(short), "{verbose}");
-    settings(&agent)?.bind(|| {
+    settings().bind(|| {
         insta::assert_snapshot!("plugin_status_list", list);
         insta::assert_snapshot!("plugin_status_detail", detail);
         insta::assert_snapshot!("plugin_status_verbose", verbose);
