@@ -16,18 +16,7 @@ use common::*;
 const WITHIN: Duration = Duration::from_secs(20);
 
 fn spec(dir: &Path, script: &str) -> TaskSpec {
-    TaskSpec {
-        alloc_id: "a".into(),
-        task: "t".into(),
-        command: "/bin/sh".into(),
-        args: vec!["-c".into(), script.into()],
-        env: [("PATH".to_string(), "/usr/bin:/bin".to_string())].into(),
-        task_dir: dir.to_path_buf(),
-        stdout_path: dir.join("stdout"),
-        stderr_path: dir.join("stderr"),
-        logs: Default::default(),
-        executor_dir: dir.join("executor"),
-    }
+    sh_task_spec(dir, script)
 }
 
 /// Fields 5 and 6 (pgrp, session) of a `/proc/<pid>/stat` text.

@@ -11,22 +11,14 @@ use std::time::{Duration, Instant};
 
 use berth_allocrunner::logs::{log_files, LogRotation};
 use berth_allocrunner::{Driver, RawExecDriver, TaskSpec};
-use common::{test_executor, PidFileKiller};
+use common::{sh_task_spec, test_executor, PidFileKiller};
 
 const WITHIN: Duration = Duration::from_secs(20);
 
 fn spec(dir: &Path, script: &str, logs: LogRotation) -> TaskSpec {
     TaskSpec {
-        alloc_id: "a".into(),
-        task: "t".into(),
-        command: "/bin/sh".into(),
-        args: vec!["-c".into(), script.into()],
-        env: [("PATH".to_string(), "/usr/bin:/bin".to_string())].into(),
-        task_dir: dir.to_path_buf(),
-        stdout_path: dir.join("t.stdout"),
-        stderr_path: dir.join("t.stderr"),
-        executor_dir: dir.join("executor"),
         logs,
+        ..sh_task_spec(dir, script)
     }
 }
 

@@ -422,6 +422,24 @@ pub fn test_executor() -> ExecutorCommand {
     }
 }
 
+/// What the driver gets to run `script` under `/bin/sh -c` as task "t" of
+/// alloc "a", in `dir`: its output in `dir/t.stdout.N` and
+/// `dir/t.stderr.N`, its executor's records in `dir/executor`.
+pub fn sh_task_spec(dir: &std::path::Path, script: &str) -> berth_allocrunner::TaskSpec {
+    berth_allocrunner::TaskSpec {
+        alloc_id: "a".into(),
+        task: "t".into(),
+        command: "/bin/sh".into(),
+        args: vec!["-c".into(), script.into()],
+        env: [("PATH".to_string(), "/usr/bin:/bin".to_string())].into(),
+        task_dir: dir.to_path_buf(),
+        stdout_path: dir.join("t.stdout"),
+        stderr_path: dir.join("t.stderr"),
+        logs: Default::default(),
+        executor_dir: dir.join("executor"),
+    }
+}
+
 /// A runtime of its own, for tests that play an agent that stops (its
 /// runtime shut down) and one that starts again.
 pub fn runtime() -> tokio::runtime::Runtime {
