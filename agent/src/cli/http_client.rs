@@ -2,7 +2,6 @@
 //! error that says what the API said ([`ApiError`]) or that no agent
 //! answers at the address.
 
-use std::io::Read;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Result};
@@ -45,20 +44,10 @@ impl std::fmt::Display for ApiError {
 impl std::error::Error for ApiError {}
 
 /// A 2xx answer as it came: for bodies that are not JSON (task logs).
-#[allow(dead_code)]
 #[derive(Debug)]
 pub struct RawAnswer {
-    pub status: u16,
     pub headers: ureq::http::HeaderMap,
     pub body: Vec<u8>,
-}
-
-/// A 2xx answer whose body is read as it arrives (a followed log).
-#[allow(dead_code)]
-pub struct StreamAnswer {
-    pub status: u16,
-    pub headers: ureq::http::HeaderMap,
-    pub body: Box<dyn Read + Send>,
 }
 
 impl ApiClient {
@@ -86,12 +75,6 @@ impl ApiClient {
         })
     }
 
-    /// `http://HOST:PORT`.
-    #[allow(dead_code)]
-    pub fn address(&self) -> &str {
-        &self.base
-    }
-
     pub fn get(&self, path: &str) -> Result<Value> {
         self.json("GET", path, None).map(|(v, _)| v)
     }
@@ -116,7 +99,6 @@ impl ApiClient {
     }
 
     /// A GET whose body is kept as bytes; a non-2xx is an [`ApiError`].
-    #[allow(dead_code)]
     pub fn get_bytes(&self, path: &str) -> Result<RawAnswer> {
         let mut resp = self.send("GET", path, None, answer_timeout(path))?;
         let status = resp.status().as_u16();
@@ -125,27 +107,8 @@ impl ApiClient {
             return Err(api_error(status, &body).into());
         }
         Ok(RawAnswer {
-            status,
             headers: resp.headers().clone(),
             body,
-        })
-    }
-
-    /// A GET whose body is read as it arrives, with no deadline (a
-    /// followed log); a non-2xx is an [`ApiError`].
-    #[allow(dead_code)]
-    pub fn get_stream(&self, path: &str) -> Result<StreamAnswer> {
-        let mut resp = self.send("GET", path, None, None)?;
-        let status = resp.status().as_u16();
-        if !(200..300).contains(&status) {
-            let body = read_body(&mut resp, "GET", path)?;
-            return Err(api_error(status, &body).into());
-        }
-        let headers = resp.headers().clone();
-        Ok(StreamAnswer {
-            status,
-            headers,
-            body: Box::new(resp.into_body().into_reader()),
         })
     }
 
@@ -281,7 +244,7 @@ fn api_error(status: u16, raw: &[u8]) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Write;
+    use std::io::{Read, Write};
 
     /// A server that answers 413 after the request head and closes the
     /// connection without reading the body, as a server with a body limit
@@ -366,10 +329,7 @@ mod tests {
         );
         let raw = ApiClient::new(&addr).unwrap().get_bytes("/x").unwrap();
         server.join().unwrap();
-        assert_eq!(
-            (raw.status, raw.body.as_slice()),
-            (200, b"abcde".as_slice())
-        );
+        assert_eq!(raw.body, b"abcde");
         assert_eq!(raw.headers["x-berth-index"], "42");
 
         let (addr, server) = one_answer_server(
