@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
 use super::output::{
-    ago_at, format_time, joined, key_values, short_id, shown_id, text, titled_table, OutputArgs,
-    Table,
+    ago_at, format_time, joined, key_values, print_lines, short_id, shown_id, text, titled_table,
+    OutputArgs, Table,
 };
 use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, Ctx};
 
@@ -281,11 +281,13 @@ fn node_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
     let Some(node) = node else {
         let nodes = api.get("/v1/nodes")?;
         return a.output.emit(&nodes, |nodes| {
-            let allocs = api.get("/v1/allocations")?;
             let list = nodes.as_array().cloned().unwrap_or_default();
-            for row in node_table(&list, &allocs, now) {
-                println!("{row}");
+            if list.is_empty() {
+                println!("No nodes registered");
+                return Ok(());
             }
+            let allocs = api.get("/v1/allocations")?;
+            print_lines(node_table(&list, &allocs, a.verbose, now));
             Ok(())
         });
     };
@@ -552,9 +554,9 @@ pub fn deadline_left(force_deadline_ms: i64, now_ms: i64) -> String {
 }
 
 /// The rows of the `node status` table, in columns sized to their
-/// widest cell: ID (short), name, class, datacenter, drain, eligibility,
-/// status, last heartbeat, running allocs.
-pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
+/// widest cell: ID (short; whole with `verbose`), name, class, datacenter,
+/// drain, eligibility, status, last heartbeat, running allocs.
+pub fn node_table(nodes: &[Value], allocs: &Value, verbose: bool, now_ms: i64) -> Vec<String> {
     let mut running: HashMap<&str, usize> = HashMap::new();
     for a in allocs.as_array().into_iter().flatten() {
         if a["client_status"] == "running" {
@@ -578,7 +580,7 @@ pub fn node_table(nodes: &[Value], allocs: &Value, now_ms: i64) -> Vec<String> {
     for n in nodes {
         let id = n["id"].as_str().unwrap_or_default();
         table.push([
-            short_id(id).to_string(),
+            shown_id(id, verbose).to_string(),
             text(&n["name"]),
             or_none(n["node_class"].as_str().unwrap_or_default()),
             or_none(n["datacenter"].as_str().unwrap_or_default()),
@@ -695,7 +697,7 @@ mod tests {
             {"node_id": "0123456789abcdef", "client_status": "running"},
             {"node_id": "0123456789abcdef", "client_status": "complete"},
         ]);
-        let rows = node_table(&nodes, &allocs, 100_000);
+        let rows = node_table(&nodes, &allocs, false, 100_000);
         assert_eq!(
             rows,
             vec![
@@ -703,6 +705,11 @@ mod tests {
                 "01234567  worker-1  gpu     dc1     true   ineligible   ready   3s ago          2",
                 "fedcba98  worker-2  <none>  <none>  false  eligible     down    never           0",
             ]
+        );
+        let verbose = node_table(&nodes, &allocs, true, 100_000);
+        assert!(
+            verbose[1].starts_with("0123456789abcdef  worker-1"),
+            "{verbose:#?}"
         );
         assert_eq!(ago_at(40_000, 100_000), "1m ago");
         assert_eq!(
