@@ -86,14 +86,10 @@ pub fn deadline_of(path_and_query: &str) -> Duration {
 /// Whether this agent's client role runs the alloc `id` (or allocs whose
 /// IDs start with it: the local routes then answer, naming the matches).
 async fn held_here(client: &Client, id: &str) -> bool {
-    if client.alloc_view(id).await.is_some() {
-        return true;
+    match client.alloc_runner(id).await {
+        Ok(_) => true,
+        Err(matches) => !matches.is_empty(),
     }
-    client
-        .alloc_views()
-        .await
-        .iter()
-        .any(|a| a.id.starts_with(id))
 }
 
 /// What routes a node-local request: the agent, and the API it falls back
