@@ -437,6 +437,25 @@ impl Client {
         views
     }
 
+    /// How many of the allocs this client runs have each client status,
+    /// every status named (zeros too).
+    pub async fn alloc_status_counts(&self) -> Vec<(&'static str, i64)> {
+        use berth_structs::AllocClientStatus as S;
+        let statuses = [S::Pending, S::Running, S::Complete, S::Failed, S::Lost];
+        let mut counts = [0i64; 5];
+        for r in self.runners.lock().await.values() {
+            let status = r.client_status();
+            if let Some(i) = statuses.iter().position(|s| *s == status) {
+                counts[i] += 1;
+            }
+        }
+        statuses
+            .iter()
+            .zip(counts)
+            .map(|(s, n)| (s.as_str(), n))
+            .collect()
+    }
+
     /// One alloc this client runs, as it sees it.
     pub async fn alloc_view(&self, id: &str) -> Option<ClientAllocView> {
         self.runners.lock().await.get(id).map(ClientAllocView::of)
@@ -1097,6 +1116,27 @@ mod tests {
         assert!(client.restore_allocs(watch::channel(false).1).await);
         let tasks = reported_complete(&client, &alloc_id).await;
         assert_never_started(&tasks);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn alloc_status_counts_name_every_status() {
+        let dir = tempfile::tempdir().unwrap();
+        let client = offline_client(dir.path(), 50).await;
+        let zeros = [
+            ("pending", 0),
+            ("running", 0),
+            ("complete", 0),
+            ("failed", 0),
+            ("lost", 0),
+        ];
+        assert_eq!(client.alloc_status_counts().await, zeros);
+        let a = stopped(placed_alloc(&client.conn.node_id()));
+        let id = a.id.clone();
+        client.reconcile(update_of(&[a])).await;
+        reported_complete(&client, &id).await;
+        let mut want = zeros;
+        want[2].1 = 1;
+        assert_eq!(client.alloc_status_counts().await, want);
     }
 
     /// A log read that waits for new bytes answers as soon as the client

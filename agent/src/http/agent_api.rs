@@ -120,17 +120,7 @@ async fn metrics(State(info): State<Arc<AgentInfo>>) -> Response {
         berth_metrics::set_nodes(&server.node_status_counts());
     }
     if let Some(client) = info.client_role.get() {
-        use berth_structs::AllocClientStatus as S;
-        let views = client.alloc_views().await;
-        let counts: Vec<(&'static str, i64)> =
-            [S::Pending, S::Running, S::Complete, S::Failed, S::Lost]
-                .iter()
-                .map(|s| {
-                    let n = views.iter().filter(|v| v.client_status == *s).count();
-                    (s.as_str(), i64::try_from(n).unwrap_or(i64::MAX))
-                })
-                .collect();
-        berth_metrics::set_client_allocs(&counts);
+        berth_metrics::set_client_allocs(&client.alloc_status_counts().await);
     }
     (
         [(
