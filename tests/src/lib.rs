@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 
+pub mod cli_text;
 pub mod cluster;
 pub mod snapshot;
 pub use berth_testutil::relay;

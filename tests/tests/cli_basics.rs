@@ -5,6 +5,7 @@
 use std::process::{Command, Output, Stdio};
 
 use anyhow::{Context, Result};
+use berth_tests::cli_text::{stderr, stdout};
 use berth_tests::{binary, cli_at, free_port, quick_batch_job, DevAgent};
 
 /// Every command and subcommand of berth. A unit test of the berth crate
@@ -57,14 +58,6 @@ fn berth(args: &[&str]) -> Result<Output> {
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("running berth {}", args.join(" ")))
-}
-
-fn stdout(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stdout).into_owned()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 #[test]
@@ -146,7 +139,7 @@ fn an_unknown_flag_is_a_usage_error_with_the_commands_usage() -> Result<()> {
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(
             err.starts_with(
-                "Error: unexpected argument '--bogus' found\n\nUsage: berth job status"
+                "Error: unexpected argument '-bogus' found\n\nUsage: berth job status"
             ),
             "{err}"
         );

@@ -3,9 +3,9 @@
 //! variables, `job stop` that waits, purge, summaries, ID prefixes, and
 //! snapshots of the human outputs.
 
-use std::process::Output;
 
 use anyhow::Result;
+use berth_tests::cli_text::{stderr, stdout};
 use berth_tests::snapshot::settings;
 use berth_tests::{cli_at, quick_batch_job, DevAgent};
 use serde_json::Value;
@@ -62,14 +62,6 @@ job "failing" {
   }
 }
 "#;
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
 
 /// The dev agent's node name, fixed so that snapshots of tables keep
 /// their column widths on every host.

@@ -10,6 +10,7 @@ use std::process::Output;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use berth_tests::cli_text::{assert_error, header_value, section, stderr, stdout};
 use berth_tests::cluster::{shared_plugin_job, writer_volume, Client, Server};
 use berth_tests::snapshot::settings;
 use berth_tests::{cli_at, csi_volume_service_job, quick_batch_job, wait_for, DevAgent};
@@ -72,45 +73,10 @@ impl Setup {
     }
 }
 
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Fails unless `out` is a one-line `Error: ...` naming `want`, exit 1.
-fn assert_error(out: &Output, want: &str) {
-    let err = stderr(out);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
-    assert!(err.starts_with("Error: "), "{err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
-    assert!(err.contains(want), "{want:?} in {err}");
-}
-
-/// The value of `key` in a `Key = value` header block.
-fn header_value(text: &str, key: &str) -> Option<String> {
-    text.lines().find_map(|l| {
-        let (k, v) = l.split_once(" = ")?;
-        (k.trim() == key).then(|| v.trim().to_string())
-    })
-}
-
 /// A `key = value` line's key and value.
 fn columns_of_pair(line: &str) -> Option<(&str, &str)> {
     let (k, v) = line.split_once(" = ")?;
     Some((k.trim(), v.trim()))
-}
-
-/// The lines of the section titled `title` (up to the next blank line),
-/// its column header first.
-fn section<'a>(text: &'a str, title: &str) -> Vec<&'a str> {
-    text.lines()
-        .skip_while(|l| l.trim() != title)
-        .skip(1)
-        .take_while(|l| !l.trim().is_empty())
-        .collect()
 }
 
 /// The row of `section` whose first column is `first`, split in columns

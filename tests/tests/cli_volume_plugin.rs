@@ -3,10 +3,10 @@
 //! plugin (by ID or ID prefix), `-verbose`, `-json`, errors and help. A
 //! volume created with a secret never shows it, in any output.
 
-use std::process::Output;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use berth_tests::cli_text::{assert_error, header_value, section, stderr, stdout};
 use berth_tests::snapshot::settings;
 use berth_tests::{csi_volume_service_job, example, wait_alloc_running, wait_for, DevAgent};
 use serde_json::Value;
@@ -21,39 +21,6 @@ fn volume_spec(id: &str) -> Result<String> {
         "{}\nsecrets {{\n  token = \"{SECRET}\"\n}}\n",
         src.replace("\"data\"", &format!("{id:?}"))
     ))
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-/// Fails unless `out` is a one-line `Error: ...` naming `want`, exit 1.
-fn assert_error(out: &Output, want: &str) {
-    let err = stderr(out);
-    assert_eq!(out.status.code(), Some(1), "stderr: {err}");
-    assert!(err.starts_with("Error: "), "{err}");
-    assert!(err.contains(want), "{want:?} in {err}");
-}
-
-/// The value of `key` in a `Key = value` header block.
-fn header_value(text: &str, key: &str) -> Option<String> {
-    text.lines().find_map(|l| {
-        let (k, v) = l.split_once(" = ")?;
-        (k.trim() == key).then(|| v.trim().to_string())
-    })
-}
-
-/// The lines of the section titled `title` (up to the next blank line).
-fn section<'a>(text: &'a str, title: &str) -> Vec<&'a str> {
-    text.lines()
-        .skip_while(|l| l.trim() != title)
-        .skip(1)
-        .take_while(|l| !l.trim().is_empty())
-        .collect()
 }
 
 /// The dev agent's node name, fixed so that snapshots of tables keep
