@@ -83,6 +83,20 @@ pub fn deadline_of(path_and_query: &str) -> Duration {
     CLIENT_CALL_TIMEOUT.saturating_add(wait.unwrap_or_default())
 }
 
+/// How long a request to `alloc`'s node may take on top of
+/// [`deadline_of`] because it stops the alloc's tasks (a restart): the
+/// longest kill timeout its tasks set.
+fn kill_time(alloc: &berth_structs::Allocation, path_and_query: &str) -> Duration {
+    let path = path_and_query.split('?').next().unwrap_or_default();
+    if !path.ends_with("/restart") {
+        return Duration::ZERO;
+    }
+    alloc
+        .group()
+        .and_then(|g| g.tasks.iter().filter_map(|t| t.kill_timeout).max())
+        .unwrap_or_default()
+}
+
 /// Whether this agent's client role runs the alloc `id` (or allocs whose
 /// IDs start with it: the local routes then answer, naming the matches).
 async fn held_here(client: &Client, id: &str) -> bool {
@@ -154,7 +168,7 @@ async fn to_node(server: &Server, req: Request) -> Result<Response, ApiError> {
         .await
         .map_err(|_| ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, body_too_large_message()))?;
     let path_and_query = with_full_id(&path_and_query, &id, &alloc.id);
-    let deadline = deadline_of(&path_and_query);
+    let deadline = deadline_of(&path_and_query).saturating_add(kill_time(&alloc, &path_and_query));
     let request = pb::ClientHttp {
         method: parts.method.as_str().to_string(),
         path_and_query,
@@ -411,6 +425,46 @@ mod tests {
         assert_eq!(
             with_full_id("/v1/client/allocation/ab12", "ab12", "ab12"),
             "/v1/client/allocation/ab12"
+        );
+    }
+
+    #[test]
+    fn a_restart_gets_the_longest_kill_timeout_of_the_tasks_on_top() {
+        let task = |name: &str, kill: Option<u64>| berth_structs::Task {
+            name: name.into(),
+            kill_timeout: kill.map(Duration::from_secs),
+            ..Default::default()
+        };
+        let alloc = berth_structs::Allocation {
+            task_group: "g".into(),
+            job: berth_structs::Job {
+                task_groups: vec![berth_structs::TaskGroup {
+                    name: "g".into(),
+                    tasks: vec![task("a", Some(45)), task("b", None), task("c", Some(3))],
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        assert_eq!(
+            kill_time(&alloc, "/v1/client/allocation/x/restart"),
+            Duration::from_secs(45)
+        );
+        assert_eq!(
+            kill_time(&alloc, "/v1/client/allocation/x/restart?task=c"),
+            Duration::from_secs(45)
+        );
+        for path in [
+            "/v1/client/allocation/x/signal",
+            "/v1/client/fs/logs/x?wait=3s",
+        ] {
+            assert_eq!(kill_time(&alloc, path), Duration::ZERO, "{path}");
+        }
+        let none = berth_structs::Allocation::default();
+        assert_eq!(
+            kill_time(&none, "/v1/client/allocation/x/restart"),
+            Duration::ZERO
         );
     }
 
