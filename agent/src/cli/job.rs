@@ -828,13 +828,21 @@ fn job_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
         }
         None => {
             let jobs = api.get("/v1/jobs")?;
-            let views = jobs
-                .as_array()
-                .into_iter()
-                .flatten()
-                .map(|j| job_view(api, j, a.all_allocs))
-                .collect::<Result<Vec<_>>>()?;
-            a.output.emit(&Value::Array(views), |v| {
+            // The table shows the jobs' own fields; only -json and -t,
+            // which give each job its allocs and summary, ask for those
+            // (two requests a job).
+            let v = if a.output.json || a.output.template.is_some() {
+                let views = jobs
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|j| job_view(api, j, a.all_allocs))
+                    .collect::<Result<Vec<_>>>()?;
+                Value::Array(views)
+            } else {
+                jobs
+            };
+            a.output.emit(&v, |v| {
                 print!("{}", jobs_text(v, now_ms()));
                 Ok(())
             })
@@ -969,6 +977,45 @@ pub fn job_text(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An agent that answers one request with `body` and then no more.
+    fn one_request_agent(body: &'static str) -> (ApiClient, std::thread::JoinHandle<()>) {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            let mut head = Vec::new();
+            let mut byte = [0u8; 1];
+            while !head.ends_with(b"\r\n\r\n") {
+                conn.read_exact(&mut byte).unwrap();
+                head.push(byte[0]);
+            }
+            assert!(head.starts_with(b"GET /v1/jobs "), "{head:?}");
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            conn.write_all(answer.as_bytes()).unwrap();
+        });
+        (ApiClient::new(&addr.to_string()).unwrap(), server)
+    }
+
+    #[test]
+    fn the_job_list_is_one_request() {
+        let (api, server) = one_request_agent(
+            r#"[{"id":"web","type":"service","priority":50,"status":"running","modify_time_ms":1}]"#,
+        );
+        let args = StatusArgs {
+            output: OutputArgs::default(),
+            all_allocs: false,
+            verbose: false,
+            job: None,
+        };
+        assert_eq!(job_status(args, &api).unwrap(), 0);
+        server.join().unwrap();
+    }
 
     #[test]
     fn vars_need_a_name_and_an_equals_sign() {
