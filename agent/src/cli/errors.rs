@@ -24,6 +24,11 @@ impl UsageError {
             usage: usage.into(),
         }
     }
+
+    /// The usage text shown after the error (empty when there is none).
+    pub fn usage(&self) -> &str {
+        &self.usage
+    }
 }
 
 impl fmt::Display for UsageError {

@@ -159,11 +159,45 @@ pub fn parse(args: Vec<String>) -> Result<Parsed> {
     let mut cmd = command();
     cmd.build();
     let argv = normalise(&cmd, args);
-    let matches = cmd.try_get_matches_from(std::iter::once("berth".to_string()).chain(argv));
+    let matches = cmd
+        .clone()
+        .try_get_matches_from(std::iter::once("berth".to_string()).chain(argv.iter().cloned()));
     match matches.and_then(|m| Cli::from_arg_matches(&m)) {
         Ok(cli) => Ok(Parsed::Run(Box::new(cli))),
-        Err(e) => clap_outcome(e),
+        // `berth job` with BERTH_ADDR set: clap counts the variable as an
+        // argument given, so it reports a missing subcommand instead of
+        // showing the help it shows without the variable. Show the help
+        // either way.
+        Err(e) if e.kind() == clap::error::ErrorKind::MissingSubcommand => {
+            let help = command_at(&mut cmd, &argv).render_help().to_string();
+            Ok(Parsed::Print(single_dash(&help), errors::EXIT_USAGE))
+        }
+        // Some of clap's errors (a flag without its value) come without
+        // the usage line: add the one of the command they concern.
+        Err(e) => match clap_outcome(e) {
+            Err(err) => match err.downcast::<UsageError>() {
+                Ok(usage) if usage.usage().is_empty() => {
+                    let line = command_at(&mut cmd, &argv).render_usage().to_string();
+                    Err(UsageError::new(usage.to_string(), single_dash(line.trim_end())).into())
+                }
+                Ok(usage) => Err(usage.into()),
+                Err(other) => Err(other),
+            },
+            ok => ok,
+        },
     }
+}
+
+/// The deepest subcommand the words of `argv` name (flags skipped).
+fn command_at<'a>(cmd: &'a mut clap::Command, argv: &[String]) -> &'a mut clap::Command {
+    let mut at = cmd;
+    for word in argv.iter().filter(|w| !w.starts_with('-')) {
+        if at.find_subcommand(word).is_none() {
+            break;
+        }
+        at = at.find_subcommand_mut(word).expect("found just above");
+    }
+    at
 }
 
 fn clap_outcome(e: clap::Error) -> Result<Parsed> {
@@ -226,10 +260,13 @@ fn clap_usage_error(e: &clap::Error) -> UsageError {
         .map(str::trim)
         .collect::<Vec<_>>()
         .join(" ");
+    // Flags are named as berth documents them, with one dash.
     let message = message
         .strip_prefix("error: ")
         .unwrap_or(&message)
-        .to_string();
+        .replace("'--", "'-")
+        .replace("<--", "<-")
+        .replace("|--", "|-");
     let usage: Vec<&str> = text
         .lines()
         .skip_while(|l| !l.starts_with("Usage:"))
@@ -605,7 +642,7 @@ mod tests {
             Ok(_) => panic!("job stop takes no -json"),
         };
         let usage = e.downcast_ref::<UsageError>().expect("a usage error");
-        assert_eq!(usage.to_string(), "unexpected argument '--json' found");
+        assert_eq!(usage.to_string(), "unexpected argument '-json' found");
         assert!(parse(s(&["job", "stop", "-address"])).is_err());
     }
 
