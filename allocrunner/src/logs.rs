@@ -194,8 +194,13 @@ impl RotatingWriter {
 
     /// Closes the current file and opens the next index.
     fn rotate(&mut self) -> std::io::Result<()> {
+        let Some(next) = self.index.checked_add(1) else {
+            return Err(std::io::Error::other(
+                "the log files' index is at its largest: no next file",
+            ));
+        };
         self.file = None;
-        self.index += 1;
+        self.index = next;
         self.size = 0;
         self.open_current()?;
         self.remove_old();
@@ -204,7 +209,17 @@ impl RotatingWriter {
 
     /// Deletes the files beyond the newest `max_files`.
     fn remove_old(&mut self) {
-        let keep_from = (self.index + 1).saturating_sub(u64::from(self.rotation.max_files));
+        let keep_from = self
+            .index
+            .saturating_add(1)
+            .saturating_sub(u64::from(self.rotation.max_files));
+        if keep_from.saturating_sub(self.oldest) > 64 {
+            // A wide gap between the oldest index and the newest (files
+            // this writer did not make, or fewer kept than before): delete
+            // the files there are, not every index between.
+            self.remove_listed_below(keep_from);
+            return;
+        }
         while self.oldest < keep_from {
             let path = log_file_path(&self.dir, &self.base, self.oldest);
             match std::fs::remove_file(&path) {
@@ -221,6 +236,35 @@ impl RotatingWriter {
             }
             self.oldest += 1;
         }
+    }
+
+    /// Deletes the listed files below `keep_from`.
+    fn remove_listed_below(&mut self, keep_from: u64) {
+        let files = match log_files(&self.dir, &self.base) {
+            Ok(f) => f,
+            Err(e) => {
+                eprintln!(
+                    "berth executor: listing the old log files in {}: {e}",
+                    self.dir.display()
+                );
+                return;
+            }
+        };
+        for f in files.iter().filter(|f| f.index < keep_from) {
+            match std::fs::remove_file(&f.path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    eprintln!(
+                        "berth executor: removing the old log file {}: {e}",
+                        f.path.display()
+                    );
+                    self.oldest = f.index;
+                    return;
+                }
+            }
+        }
+        self.oldest = keep_from;
     }
 
     /// Writes `data` (what the task wrote), rotating as needed.
@@ -510,6 +554,33 @@ mod tests {
             "{text:?}"
         );
         assert!(text.ends_with("back\n"), "{text:?}");
+    }
+
+    #[test]
+    fn a_writer_at_the_largest_index_drops_what_does_not_fit_and_never_panics() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(format!("t.stdout.{}", u64::MAX)), "").unwrap();
+        let mut w = RotatingWriter::open(dir.path(), "t.stdout", rotation(3, 4)).unwrap();
+        w.write_chunk(b"abc\ndef\n");
+        assert_eq!(indexes(dir.path(), "t.stdout"), [u64::MAX]);
+        assert_eq!(concat(dir.path(), "t.stdout"), b"abc\n");
+        assert_eq!(w.dropped(), 4);
+    }
+
+    #[test]
+    fn a_wide_gap_of_indexes_is_cleaned_by_listing_not_index_by_index() {
+        // Files 0 and 10^15: a writer that tried every index between
+        // would never get to write.
+        let dir = tempfile::tempdir().unwrap();
+        let far = 1_000_000_000_000_000u64;
+        for i in [0, 1, far] {
+            std::fs::write(dir.path().join(format!("t.stdout.{i}")), "x\n").unwrap();
+        }
+        let mut w = RotatingWriter::open(dir.path(), "t.stdout", rotation(2, 4)).unwrap();
+        assert_eq!(indexes(dir.path(), "t.stdout"), [far]);
+        w.write_chunk(b"ab\ncd\n");
+        assert_eq!(indexes(dir.path(), "t.stdout"), [far + 1, far + 2]);
+        assert_eq!(concat(dir.path(), "t.stdout"), b"ab\ncd\n");
     }
 
     #[test]

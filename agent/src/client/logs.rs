@@ -116,7 +116,7 @@ fn read_from_cursor(
         if read_on(&mut file, &mut offset, &mut data)? {
             break;
         }
-        let Some(next) = open(index + 1)? else {
+        let Some(next) = index.checked_add(1).map(open).transpose()?.flatten() else {
             break;
         };
         // The next file exists, so this one was complete before it was
@@ -609,6 +609,11 @@ mod tests {
         let r = read(dir.path(), LogStart::Cursor(at(5, 2)), 1 << 20);
         assert!(r.lost);
         assert_eq!(text(&r), "six\nnine\n");
+        // The highest index there can be has no next file.
+        std::fs::write(dir.path().join(format!("t.stdout.{}", u64::MAX)), "max\n").unwrap();
+        let r = read(dir.path(), LogStart::Cursor(at(u64::MAX, 1)), 1 << 20);
+        assert_eq!(text(&r), "ax\n");
+        assert_eq!(r.next, at(u64::MAX, 4));
     }
 
     #[test]
