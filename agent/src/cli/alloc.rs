@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::http_client::ApiClient;
 use super::output::{
-    ago_at, format_time, joined, key_values, shown_id, text_or, titled_table, OutputArgs, Table,
+    ago_at, format_time, joined, key_values, shown_id, table, text_or, titled_table, OutputArgs,
 };
 use super::{alloc_logs, alloc_ops, enc, volume_stats, Ctx};
 
@@ -198,17 +198,10 @@ pub fn alloc_detail(
         out += &task_section(v, task, verbose);
     }
 
-    let mut volumes = volume_rows(v, plugins).into_iter();
-    if let Some(header) = volumes.next() {
-        let mut table = Table::new(header);
-        for row in volumes {
-            table.push(row);
-        }
+    let volumes = volume_rows(v, plugins);
+    if !volumes.is_empty() {
         out += "\nCSI Volumes\n";
-        for line in table.lines() {
-            out += &line;
-            out.push('\n');
-        }
+        out += &joined(table(&volumes));
     }
     out
 }

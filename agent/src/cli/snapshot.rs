@@ -93,9 +93,7 @@ fn snapshot_list(a: ListArgs, api: &ApiClient) -> Result<i32> {
             println!("No snapshots");
             return Ok(());
         }
-        for row in snapshot_table(v) {
-            println!("{row}");
-        }
+        super::output::print_lines(snapshot_table(v));
         Ok(())
     })
 }
