@@ -18,7 +18,8 @@ pub enum AllocCommand {
     Status(StatusArgs),
     /// Print a task's logs
     Logs(alloc_logs::LogsArgs),
-    /// Stop an allocation (it is placed again elsewhere)
+    /// Stop an allocation and wait until it has stopped (a replacement is
+    /// placed where the job still wants one)
     Stop(alloc_ops::StopArgs),
     /// Restart an allocation's tasks, or one task
     Restart(alloc_ops::RestartArgs),

@@ -15,7 +15,8 @@ use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, Ctx};
 
 #[derive(Subcommand, Debug)]
 pub enum NodeCommand {
-    /// Show nodes, or one node with its CSI plugins and events
+    /// Show nodes, or one node: drivers, resources, CSI plugins and volumes,
+    /// allocs and events
     Status(StatusArgs),
     /// Move a node's allocs elsewhere, or stop draining it
     Drain(DrainArgs),
