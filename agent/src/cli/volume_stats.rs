@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use super::output::{format_bytes, short_id, table};
+use super::output::{format_bytes, id_cell, table, text};
 
 fn figure(stats: &Value, key: &str) -> Option<u64> {
     stats[key].as_u64()
@@ -76,13 +76,11 @@ pub fn has_claims(volume: &Value) -> bool {
 pub fn volume_claim_lines(volume: &Value) -> Vec<String> {
     let mut rows = Vec::new();
     for c in volume["claim_allocs"].as_array().into_iter().flatten() {
-        let text = |k: &str| c[k].as_str().unwrap_or("-").to_string();
-        let id = |k: &str| short_id(c[k].as_str().unwrap_or("-")).to_string();
         let mut row = vec![
-            id("alloc_id"),
-            id("node_id"),
-            text("mode"),
-            text("client_status"),
+            id_cell(&c["alloc_id"]),
+            id_cell(&c["node_id"]),
+            text(&c["mode"]),
+            text(&c["client_status"]),
         ];
         row.extend(stats_columns(Some(&c["volume_stats"])));
         rows.push(row);
