@@ -151,6 +151,12 @@ impl AllocRunner {
         self.inner.state.task_states()
     }
 
+    /// Whether `task` is pending, running or dead; `None` for a task the
+    /// alloc has no state of. Cheap: for a caller that polls.
+    pub fn task_state_kind(&self, task: &str) -> Option<TaskStateKind> {
+        self.inner.state.task_state_kind(task)
+    }
+
     pub fn alloc_dir(&self) -> AllocDir {
         AllocDir::new(&self.inner.config.alloc_root, &self.inner.alloc_id)
     }

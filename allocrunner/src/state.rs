@@ -294,6 +294,16 @@ impl AllocState {
             .task_states
             .clone()
     }
+
+    /// The state of `task` alone, without a copy of its events.
+    pub(crate) fn task_state_kind(&self, task: &str) -> Option<TaskStateKind> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .task_states
+            .get(task)
+            .map(|t| t.state)
+    }
 }
 
 /// Records events of one task. Cheap to clone; hooks keep one to report

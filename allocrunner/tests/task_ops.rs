@@ -58,6 +58,8 @@ async fn a_restart_starts_the_task_again_without_counting_against_the_policy() {
     wait_running(&runner, "t", WITHIN).await;
     let pids = lines(&h, &id, "t", "pids");
     assert_ne!(pids[0], pids[1]);
+    assert_eq!(runner.task_state_kind("t"), Some(TaskStateKind::Running));
+    assert_eq!(runner.task_state_kind("nope"), None);
     let state = runner.task_states()["t"].clone();
     assert_eq!(state.restarts, 0);
     assert!(!state.failed);

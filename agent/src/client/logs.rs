@@ -388,8 +388,8 @@ struct LogSource {
 
 impl LogSource {
     fn task_state(&self) -> TaskStateKind {
-        match self.runner.task_states().get(&self.task) {
-            Some(s) => s.state,
+        match self.runner.task_state_kind(&self.task) {
+            Some(s) => s,
             None if self.runner.is_done() => TaskStateKind::Dead,
             None => TaskStateKind::Pending,
         }
