@@ -314,7 +314,7 @@ impl Metrics {
         );
         r.register(
             "task_restarts",
-            "Tasks restarted after they exited",
+            "Tasks restarted, by the restart policy or an operator",
             m.task_restarts.clone(),
         );
         r.register(
