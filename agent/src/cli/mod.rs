@@ -266,7 +266,8 @@ fn clap_usage_error(e: &clap::Error) -> UsageError {
         .unwrap_or(&message)
         .replace("'--", "'-")
         .replace("<--", "<-")
-        .replace("|--", "|-");
+        .replace("|--", "|-")
+        .replace(" --", " -");
     let usage: Vec<&str> = text
         .lines()
         .skip_while(|l| !l.starts_with("Usage:"))
@@ -694,6 +695,14 @@ mod tests {
             matches!(parse(s(&["-version"])), Ok(Parsed::Print(ref v, 0)) if v == "berth v0.1.0\n")
         );
         assert!(matches!(parse(s(&[])), Ok(Parsed::Print(_, 2))));
+        // A missing flag is named with one dash too.
+        match parse(s(&["alloc", "logs", "-n", "3", "a1"])) {
+            Err(e) => assert_eq!(
+                e.to_string(),
+                "the following required arguments were not provided: -tail"
+            ),
+            Ok(_) => panic!("-n without -tail is a usage error"),
+        }
         assert!(
             matches!(parse(s(&[])), Ok(Parsed::Print(ref help, 2)) if help.contains(" -address <ADDR>"))
         );
