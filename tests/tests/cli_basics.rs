@@ -138,9 +138,7 @@ fn an_unknown_flag_is_a_usage_error_with_the_commands_usage() -> Result<()> {
         let err = stderr(&out);
         assert_eq!(out.status.code(), Some(2), "{err}");
         assert!(
-            err.starts_with(
-                "Error: unexpected argument '-bogus' found\n\nUsage: berth job status"
-            ),
+            err.starts_with("Error: unexpected argument '-bogus' found\n\nUsage: berth job status"),
             "{err}"
         );
         assert!(stdout(&out).is_empty());

@@ -3,7 +3,6 @@
 //! variables, `job stop` that waits, purge, summaries, ID prefixes, and
 //! snapshots of the human outputs.
 
-
 use anyhow::Result;
 use berth_tests::cli_text::{stderr, stdout};
 use berth_tests::snapshot::settings;
