@@ -234,34 +234,61 @@ impl Server {
     /// Evaluate one job; failures are logged and the job stays blocked.
     /// Returns how many allocs the job wants and how many could not be
     /// placed.
+    ///
+    /// A job's placement failures are part of its answer (`GET
+    /// /v1/job/{id}`), so a change of them is a write to the jobs table
+    /// (the job's modify index, not its spec index): a blocking read of the
+    /// job wakes for it. They are set before the write commits, so a read
+    /// woken by it sees them.
     pub(crate) async fn evaluate_job(&self, job_id: &str) -> PlacementCounts {
         let now = berth_structs::now_ms();
         let result = self.store.write(|t, changes| {
-            Ok::<_, ServerError>(plan_job(t, job_id, &self.config, now, changes))
+            let outcome = plan_job(t, job_id, &self.config, now, changes);
+            let shown_before = self.set_blocked(job_id, &outcome);
+            if shown_before != outcome.failures
+                && !changes
+                    .iter()
+                    .any(|c| matches!(c, Change::PutJob(j) if j.id == job_id))
+            {
+                if let Some(job) = t.jobs.get(job_id) {
+                    let mut job = job.clone();
+                    job.job_modify_index = spec_index(Some(&job));
+                    changes.push(Change::PutJob(job));
+                }
+            }
+            Ok::<_, ServerError>(outcome)
         });
-        let mut blocked = self.blocked.lock().unwrap_or_else(|p| p.into_inner());
         match result {
             Ok((outcome, _)) => {
-                let counts = outcome.counts;
                 if let Some(due) = outcome.due_ms {
                     self.retry_due.at(due);
                 }
-                if outcome.failures.is_empty() && !outcome.delayed {
-                    blocked.remove(job_id);
-                } else {
-                    if !outcome.failures.is_empty() {
-                        tracing::info!(job_id, unplaced = counts.unplaced, failures = ?outcome.failures, "placements blocked");
-                    }
-                    blocked.insert(job_id.to_string(), outcome.failures);
+                if !outcome.failures.is_empty() {
+                    tracing::info!(job_id, unplaced = outcome.counts.unplaced, failures = ?outcome.failures, "placements blocked");
                 }
-                counts
+                outcome.counts
             }
             Err(e) => {
                 tracing::error!(job_id, error = %e, "evaluation failed");
-                blocked.insert(job_id.to_string(), vec![format!("evaluation failed: {e}")]);
+                self.blocked
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(job_id.to_string(), vec![format!("evaluation failed: {e}")]);
                 PlacementCounts::default()
             }
         }
+    }
+
+    /// Records whether `outcome` leaves job `job_id` blocked, and with
+    /// which failures; returns the failures shown for it before.
+    fn set_blocked(&self, job_id: &str, outcome: &PlanOutcome) -> Vec<String> {
+        let mut blocked = self.blocked.lock().unwrap_or_else(|p| p.into_inner());
+        let before = if outcome.failures.is_empty() && !outcome.delayed {
+            blocked.remove(job_id)
+        } else {
+            blocked.insert(job_id.to_string(), outcome.failures.clone())
+        };
+        before.unwrap_or_default()
     }
 
     /// Evaluate the blocked jobs and every system job: nodes, plugins,

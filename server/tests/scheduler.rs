@@ -268,3 +268,59 @@ async fn the_largest_asks_a_job_may_make_place_what_fits_and_summarize_the_rest(
     assert_eq!(s.job_placement_failures("huge"), resp.placement_failures);
     assert_eq!(s.job("huge").unwrap().status, JobStatus::Running);
 }
+
+/// A job's placement failures are in its answer, so a blocking read of the
+/// jobs table wakes when they appear and when they go; the job's spec index
+/// (what a check-index names) does not move for them.
+#[tokio::test]
+async fn placement_failures_that_change_are_a_write_to_the_jobs_table() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    let resp = s
+        .register_job(job("web", JobType::Service, 1))
+        .await
+        .unwrap();
+    assert!(!resp.placement_failures.is_empty(), "no node: blocked");
+    let registered = s.job("web").unwrap();
+    assert!(
+        registered.modify_index > registered.job_modify_index,
+        "the failures were written after the job: {registered:?}"
+    );
+    assert_eq!(resp.job_modify_index, registered.job_modify_index);
+
+    // The same failures again write nothing.
+    let before = s.tables_index(&[berth_server::Table::Jobs]);
+    let again = s
+        .register_job(job("web", JobType::Service, 1))
+        .await
+        .unwrap();
+    assert!(!again.changed);
+    assert_eq!(again.placement_failures, resp.placement_failures);
+    assert_eq!(s.tables_index(&[berth_server::Table::Jobs]), before);
+
+    // A node joins: the job places and its failures go; a read waiting
+    // on the jobs table wakes for it.
+    let waiting = {
+        let s = s.clone();
+        tokio::spawn(async move {
+            s.wait_for_tables(
+                &[berth_server::Table::Jobs],
+                before,
+                std::time::Duration::from_secs(30),
+            )
+            .await
+        })
+    };
+    register(s, node("n1")).await;
+    assert_eq!(live_allocs(s, "web").len(), 1);
+    assert!(s.job_placement_failures("web").is_empty());
+    let woke_at = tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
+        .await
+        .expect("the jobs table was written")
+        .unwrap();
+    assert!(woke_at > before);
+    assert_eq!(
+        s.job("web").unwrap().job_modify_index,
+        registered.job_modify_index
+    );
+}
