@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use berth_proto::berth::v1 as pb;
 use berth_server::ALLOC_STOP_DESCRIPTION;
-use berth_structs::{AllocClientStatus, AllocDesiredStatus, JobType};
+use berth_structs::{AccessMode, AllocClientStatus, AllocDesiredStatus, JobType};
 use support::*;
 
 async fn stop_replaces(job_type: JobType) {
@@ -50,6 +50,57 @@ async fn stopping_a_service_alloc_places_its_replacement() {
 #[tokio::test]
 async fn stopping_a_running_batch_alloc_places_its_replacement() {
     stop_replaces(JobType::Batch).await;
+}
+
+/// The replacement of a stopped single-node writer waits for the stopped
+/// alloc's write claim to be freed: the two never hold the volume at once.
+#[tokio::test]
+async fn a_stopped_writer_is_replaced_only_once_its_claim_is_freed() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    give_plugin(s, "n1", "hostpath", true, false, false).await;
+    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
+        .await
+        .expect("register volume");
+    s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
+        .await
+        .expect("register");
+    let first = wait_for_live(s, "db").await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &first, AccessMode::SingleNodeWriter))
+        .await
+        .expect("claim");
+    report(s, &first, AllocClientStatus::Running).await;
+
+    let answer = s.stop_alloc(&first.id).await.expect("alloc stop");
+    assert_eq!(answer.replacement, None, "placed while the claim is held");
+    assert!(live_allocs(s, "db").is_empty());
+    let failures = s.job_placement_failures("db");
+    assert!(
+        failures.iter().any(|f| f.contains("already has a writer")),
+        "{failures:?}"
+    );
+
+    // The client stops it; the claim still holds until it is freed.
+    report(s, &first, AllocClientStatus::Complete).await;
+    assert!(
+        live_allocs(s, "db").is_empty(),
+        "placed before the claim was freed"
+    );
+
+    csi.unpublish(pb::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: first.id.clone(),
+        node_id: first.node_id.clone(),
+    })
+    .await
+    .expect("unpublish");
+    assert!(s.volume("data").expect("volume").write_claims.is_empty());
+    let next = live_allocs(s, "db");
+    assert_eq!(next.len(), 1, "replaced once the claim is freed");
+    assert_ne!(next[0].id, first.id);
+    assert_eq!(next[0].index, first.index);
 }
 
 #[tokio::test]
