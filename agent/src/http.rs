@@ -727,39 +727,10 @@ async fn get_volume(
     ApiQuery(q): ApiQuery<BlockingQuery>,
 ) -> Result<Response, ApiError> {
     let index = q.block(&s, query::VOLUMES).await?;
-    let vol = volume_by_id_or_prefix(&s, &id)?;
+    let vol = s.volume(&id)?;
     let mut out = written_volume_view(&s, &vol);
     out["claim_allocs"] = claim_allocs(&s, &vol);
     Ok(indexed(index, out, None))
-}
-
-/// The volume `given` names: its ID or a unique prefix of it (what
-/// `volume status` accepts).
-fn volume_by_id_or_prefix(s: &Server, given: &str) -> Result<CsiVolume, ApiError> {
-    let err = match s.volume(given) {
-        Ok(v) => return Ok(v),
-        Err(e) => e,
-    };
-    if !matches!(err, ServerError::NotFound(_)) || given.is_empty() {
-        return Err(err.into());
-    }
-    let mut matches: Vec<CsiVolume> = s
-        .volumes()
-        .into_iter()
-        .filter(|v| v.id.starts_with(given))
-        .collect();
-    match matches.len() {
-        0 => Err(err.into()),
-        1 => Ok(matches.remove(0)),
-        n => Err(ApiError::bad_request(format!(
-            "volume ID prefix {given:?} matches {n} volumes: {}",
-            matches
-                .iter()
-                .map(|v| v.id.as_str())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ))),
-    }
 }
 
 /// Each claim of `vol` joined with its alloc and node: the alloc's name,
