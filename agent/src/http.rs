@@ -498,7 +498,7 @@ async fn list_jobs(
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Response, ApiError> {
     let index = q.block(&s, query::JOBS).await?;
-    let (page, next) = q.page(s.jobs(), |j| &j.id);
+    let (page, next) = s.jobs_page(q.table_page());
     let body = Value::Array(page.iter().map(|j| job_view(&s, j)).collect());
     Ok(indexed(index, body, next))
 }
@@ -578,7 +578,7 @@ async fn list_allocations(
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Response, ApiError> {
     let index = q.block(&s, query::ALLOCS).await?;
-    let (page, next) = q.page(s.allocations(), |a| &a.id);
+    let (page, next) = s.allocations_page(q.table_page());
     Ok(indexed(index, encode(&page)?, next))
 }
 
@@ -602,7 +602,7 @@ async fn list_nodes(
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Response, ApiError> {
     let index = q.block(&s, query::NODES).await?;
-    let (page, next) = q.page(s.nodes(), |n| &n.id);
+    let (page, next) = s.nodes_page(q.table_page());
     Ok(indexed(index, encode(&page)?, next))
 }
 
@@ -712,7 +712,7 @@ async fn list_volumes(
     let index = q.block(&s, query::VOLUMES).await?;
     let plugins: std::collections::BTreeMap<String, CsiPlugin> =
         s.plugins().into_iter().map(|p| (p.id.clone(), p)).collect();
-    let (page, next) = q.page(s.volumes(), |v| &v.id);
+    let (page, next) = s.volumes_page(q.table_page());
     let body = Value::Array(
         page.iter()
             .map(|v| volume_view(v, plugins.get(&v.plugin_id)))

@@ -20,6 +20,7 @@ mod gc;
 mod liveness;
 mod node_secrets;
 mod nodes;
+mod page;
 mod plan;
 mod plugins;
 mod prefix;
@@ -39,6 +40,7 @@ pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
 pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, NodeUsage, ReleasedClaim};
+pub use page::{Page, Paged};
 pub use plan::{
     DiffKind, DiffOp, FieldDiff, GroupPlan, GroupSummary, JobDiff, JobPlan, JobSummary,
     PlannedAlloc, StoppedAlloc,

@@ -12,7 +12,7 @@ use std::time::Duration;
 use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use berth_server::{Server, Table};
+use berth_server::{Page, Server, Table};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -114,8 +114,19 @@ impl ListQuery {
         block_on(s, tables, self.index, self.wait.as_deref()).await
     }
 
+    /// The page the query asks for, which the servers take from an
+    /// ID-keyed table by key range (copying only its items).
+    pub fn table_page(&self) -> Page<'_> {
+        Page {
+            prefix: self.prefix.as_deref().unwrap_or_default(),
+            start: self.next_token.as_deref().unwrap_or_default(),
+            limit: self.per_page,
+        }
+    }
+
     /// The page of `items` the query asks for, and the ID the next page
-    /// starts at when more remain.
+    /// starts at when more remain: for a list made in memory; a table is
+    /// paged by [`Self::table_page`].
     pub fn page<T>(&self, mut items: Vec<T>, id: impl Fn(&T) -> &str) -> (Vec<T>, Option<String>) {
         items.sort_by(|a, b| id(a).cmp(id(b)));
         let prefix = self.prefix.as_deref().unwrap_or_default();

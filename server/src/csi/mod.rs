@@ -244,6 +244,14 @@ impl Server {
         })
     }
 
+    /// A page of the volumes, as [`Self::volumes`] shows them.
+    pub fn volumes_page(&self, page: crate::Page<'_>) -> crate::Paged<CsiVolume> {
+        self.store.read(|t| {
+            let places = node_plugin_places(t, None);
+            page.of(&t.volumes, |v| public_view_in(v, &places))
+        })
+    }
+
     /// A volume by ID, or by a unique ID prefix.
     pub fn volume(&self, id: &str) -> Result<CsiVolume, ServerError> {
         self.store.read(|t| {
