@@ -32,8 +32,9 @@ pub const JOBS: &[Table] = &[Table::Jobs];
 pub const JOB_ALLOCS: &[Table] = &[Table::Jobs, Table::Allocs];
 pub const ALLOCS: &[Table] = &[Table::Allocs];
 pub const NODES: &[Table] = &[Table::Nodes];
-/// A node's answer carries what its allocs use.
-pub const NODE: &[Table] = &[Table::Nodes, Table::Allocs];
+/// A node's answer carries what its allocs use and the CSI volumes
+/// claimed on it.
+pub const NODE: &[Table] = &[Table::Nodes, Table::Allocs, Table::Volumes];
 pub const NODE_ALLOCS: &[Table] = &[Table::Nodes, Table::Allocs];
 /// A volume's answer carries its plugin's health (from nodes and plugin
 /// allocs) and its claims joined with their allocs and nodes.

@@ -380,3 +380,39 @@ async fn a_list_walks_in_pages_by_id_and_filters_by_prefix() {
         assert!(m.contains(names), "{uri}: {m}");
     }
 }
+
+/// A node's answer lists the CSI volumes claimed on it, so its read wakes
+/// for a claim there, a write to the volumes table.
+#[tokio::test]
+async fn a_node_read_wakes_for_a_volume_claimed_on_it() {
+    let (api, ids) = api_with_one_of_everything().await;
+    let uri = format!("/v1/node/{}", ids["node"]);
+    let index = index_of(&get(&api.router, &uri).await);
+    let mut pending = spawn_get(&api, &format!("{uri}?index={index}&wait=30s"));
+    assert_waiting(&mut pending, "before the claim").await;
+    api.server
+        .claim_volume(berth_server::VolumeClaimRequest {
+            volume_id: ids["volume"].clone(),
+            alloc_id: ids["alloc"].clone(),
+            node_id: ids["node"].clone(),
+            mode: berth_structs::ClaimMode::Write,
+            access_mode: AccessMode::SingleNodeWriter,
+            attachment_mode: AttachmentMode::FileSystem,
+            mount_options: Default::default(),
+        })
+        .await
+        .expect("claim");
+    let a = answer(pending, "after a claim on the node").await;
+    assert!(index_of(&a) > index);
+    let v: Value = serde_json::from_slice(&a.body).expect("JSON answer");
+    assert_eq!(
+        v["csi_volumes"][0]["volume_id"],
+        ids["volume"].as_str(),
+        "{v}"
+    );
+    assert_eq!(
+        v["csi_volumes"][0]["alloc_id"],
+        ids["alloc"].as_str(),
+        "{v}"
+    );
+}
