@@ -27,7 +27,9 @@ pub struct AllocStopResponse {
 
 impl Server {
     /// Stops alloc `id` (ID or unique prefix) and evaluates its job. An
-    /// alloc the servers already want stopped is left as it is.
+    /// alloc the servers already want stopped, or whose client says it is
+    /// done, is left as it is: nothing runs there to stop, and a finished
+    /// batch alloc marked stopped would have its work run again.
     pub async fn stop_alloc(&self, id: &str) -> Result<AllocStopResponse, ServerError> {
         let alloc = self.allocation(id)?;
         let (stopped, _) = self.store.write(|t, changes| {
@@ -35,7 +37,7 @@ impl Server {
                 .allocs
                 .get(&alloc.id)
                 .ok_or_else(|| ServerError::not_found(format!("alloc {:?} not found", alloc.id)))?;
-            if a.server_terminal() {
+            if a.is_terminal() {
                 return Ok::<_, ServerError>(false);
             }
             let mut a = a.clone();
@@ -45,7 +47,7 @@ impl Server {
             Ok(true)
         })?;
         if !stopped {
-            tracing::info!(alloc_id = %alloc.id, "alloc stop: the alloc is already stopped");
+            tracing::info!(alloc_id = %alloc.id, "alloc stop: the alloc is already stopped or done");
             return Ok(AllocStopResponse {
                 index: self.store.index(),
                 alloc_id: alloc.id,

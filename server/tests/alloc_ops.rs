@@ -52,6 +52,32 @@ async fn stopping_a_running_batch_alloc_places_its_replacement() {
     stop_replaces(JobType::Batch).await;
 }
 
+/// An alloc whose task is already done has nothing to stop: stopping it
+/// changes nothing and, for a batch job, does not run its work again.
+#[tokio::test]
+async fn stopping_a_finished_alloc_changes_nothing() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    s.register_job(job("b", JobType::Batch, 1))
+        .await
+        .expect("register");
+    let done = wait_for_live(s, "b").await;
+    report(s, &done, AllocClientStatus::Complete).await;
+    let before = s.index();
+
+    let answer = s.stop_alloc(&done.id).await.expect("alloc stop");
+    assert_eq!(answer.replacement, None);
+    assert_eq!(answer.index, before, "nothing written");
+    let after = s.allocation(&done.id).expect("the alloc");
+    assert_eq!(after.desired_status, AllocDesiredStatus::Run);
+    assert_eq!(
+        s.job_allocations("b").expect("allocs").len(),
+        1,
+        "the batch job's work is not run again"
+    );
+}
+
 /// The replacement of a stopped single-node writer waits for the stopped
 /// alloc's write claim to be freed: the two never hold the volume at once.
 #[tokio::test]
