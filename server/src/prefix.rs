@@ -63,14 +63,13 @@ pub(crate) fn resolve<'a, V>(
     let Some(second) = matches.next() else {
         return Ok(Some(first));
     };
-    let rest: Vec<(&String, &V)> = matches.collect();
-    let total = rest.len() + 2;
+    // The first few are shown; the rest are only counted.
     let mut shown: Vec<String> = [first, second]
         .into_iter()
-        .chain(rest.iter().copied())
-        .take(SHOWN_MATCHES)
+        .chain(matches.by_ref().take(SHOWN_MATCHES - 2))
         .map(|(k, v)| label(k, v))
         .collect();
+    let total = shown.len() + matches.count();
     if total > SHOWN_MATCHES {
         shown.push(format!("and {} more", total - SHOWN_MATCHES));
     }
