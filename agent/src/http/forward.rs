@@ -19,6 +19,7 @@ use tonic::Code;
 use tower::ServiceExt;
 
 use super::agent_api::AgentInfo;
+use super::query::MAX_BLOCKING_WAIT;
 use super::{body_too_large_message, ApiError, MAX_REQUEST_BODY};
 
 /// How long a forwarded request may take to reach the servers and be
@@ -28,9 +29,6 @@ pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 pub const MAX_FORWARDED_ANSWER: usize = 64 * 1024 * 1024;
 /// Room for the message's other fields around a body at its limit.
 const ENVELOPE: usize = 64 * 1024;
-/// The longest a blocking query may wait on the servers (theirs is 5
-/// minutes).
-const MAX_BLOCKING_WAIT: Duration = Duration::from_secs(300);
 
 /// Request headers that reach the servers; the rest concern only the hop
 /// to this agent.
