@@ -87,7 +87,7 @@ fn allocs_stopped_before_they_start_end_complete_and_say_so() -> Result<()> {
         // Stop it at once while a changed version comes in.
         std::thread::scope(|s| -> Result<()> {
             let resubmit = s.spawn(|| agent.cli(&["job", "run", "-detach", &changed]));
-            let stop = s.spawn(|| agent.cli(&["job", "stop", JOB]));
+            let stop = s.spawn(|| agent.cli(&["job", "stop", "-detach", JOB]));
             for h in [resubmit, stop] {
                 let out = h
                     .join()
@@ -101,7 +101,7 @@ fn allocs_stopped_before_they_start_end_complete_and_say_so() -> Result<()> {
             Ok(())
         })?;
         // Whatever won, the job ends the round stopped.
-        agent.cli_ok(&["job", "stop", JOB])?;
+        agent.cli_ok(&["job", "stop", "-detach", JOB])?;
     }
 
     let never_started = wait_for(
