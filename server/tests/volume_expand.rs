@@ -283,6 +283,12 @@ async fn snapshots_go_through_the_controller_and_name_their_source_volume() {
     assert_eq!(list[0].source_volume_id, "", "a volume berth does not know");
     assert_eq!(list[0].external_source_volume_id, "ext-unknown");
     assert_eq!(s.list_snapshots(None).await.unwrap().len(), 2);
+    let err = s.list_snapshots(Some("NOPE")).await.unwrap_err();
+    assert_eq!(err.http_status(), 404, "{err}");
+    assert!(
+        err.to_string().contains("CSI plugin \"NOPE\" not found"),
+        "{err}"
+    );
 
     s.delete_snapshot("hostpath", "snap-a").await.unwrap();
     assert_eq!(calls_of(&client, "DeleteSnapshot").len(), 1);

@@ -147,7 +147,19 @@ impl Server {
         plugin_id: Option<&str>,
     ) -> Result<Vec<CsiSnapshot>, ServerError> {
         let plugins: Vec<String> = match plugin_id {
-            Some(p) => vec![p.to_string()],
+            Some(p) => {
+                // A plugin the servers do not know is not found; one they
+                // know without a healthy controller is unavailable (below).
+                if !self
+                    .store
+                    .read(|t| crate::plugins::derive_plugins(t).contains_key(p))
+                {
+                    return Err(ServerError::not_found(format!(
+                        "CSI plugin {p:?} not found (see `berth plugin status`)"
+                    )));
+                }
+                vec![p.to_string()]
+            }
             None => self.store.read(|t| {
                 let mut ids: Vec<String> = t
                     .nodes
