@@ -33,7 +33,7 @@ pub(crate) fn resolve_node<'a>(t: &'a Tables, given: &str) -> Result<&'a Node, S
         }
     }
     crate::prefix::resolve(&t.nodes, given, crate::prefix::NODE, |k, n| {
-        format!("{k} ({})", n.name)
+        format!("{k:?} ({})", n.name)
     })?
     .map(|(_, n)| n)
     .ok_or_else(|| {

@@ -336,7 +336,7 @@ mod tests {
         let many = resolve_plugin(&mut all.clone(), "host").unwrap_err();
         assert!(
             many.to_string()
-                .contains("matches 2 plugins: hostpath, hostpath-b"),
+                .contains("matches 2 plugins: \"hostpath\", \"hostpath-b\""),
             "{many}"
         );
         let none = resolve_plugin(&mut all.clone(), "ceph").unwrap_err();

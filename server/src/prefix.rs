@@ -41,7 +41,8 @@ pub(crate) const PLUGIN: Kind = Kind {
 /// only one whose key starts with it. `None` when none does (the caller
 /// says what "not found" means for its kind); an empty `given` names
 /// nothing. Several: `BadRequest` listing them, each as `label` shows it
-/// (by key range, so the cost is the matches', not the map's).
+/// (its quoted key first, see [`key`]; by key range, so the cost is the
+/// matches', not the map's).
 pub(crate) fn resolve<'a, V>(
     map: &'a BTreeMap<String, V>,
     given: &str,
@@ -81,9 +82,10 @@ pub(crate) fn resolve<'a, V>(
     )))
 }
 
-/// The key alone, as a label.
+/// The key alone, quoted, as a label: every kind's matches are listed in
+/// one form (`job ID prefix "we" matches 2 jobs: "web", "worker"`).
 pub(crate) fn key<V>(k: &str, _: &V) -> String {
-    k.to_string()
+    format!("{k:?}")
 }
 
 #[cfg(test)]
@@ -105,7 +107,7 @@ mod tests {
         assert_eq!(found("").unwrap(), None);
         let e = found("w").unwrap_err().to_string();
         assert!(
-            e.contains("job ID prefix \"w\" matches 3 jobs: web, web-2, worker"),
+            e.contains("job ID prefix \"w\" matches 3 jobs: \"web\", \"web-2\", \"worker\""),
             "{e}"
         );
     }
@@ -115,8 +117,8 @@ mod tests {
         let keys: Vec<String> = (0..25).map(|i| format!("a{i:02}")).collect();
         let m = map(&keys.iter().map(String::as_str).collect::<Vec<_>>());
         let e = resolve(&m, "a", ALLOC, key).unwrap_err().to_string();
-        assert!(e.contains("matches 25 allocs: a00, a01,"), "{e}");
-        assert!(e.contains("a09, and 15 more"), "{e}");
+        assert!(e.contains("matches 25 allocs: \"a00\", \"a01\","), "{e}");
+        assert!(e.contains("\"a09\", and 15 more"), "{e}");
         assert!(!e.contains("a10"), "{e}");
     }
 }

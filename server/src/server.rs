@@ -170,7 +170,7 @@ impl Server {
     pub fn allocation(&self, id: &str) -> Result<Allocation, ServerError> {
         self.store.read(|t| {
             let found = crate::prefix::resolve(&t.allocs, id, crate::prefix::ALLOC, |k, a| {
-                format!("{k} ({})", a.name)
+                format!("{k:?} ({})", a.name)
             })?;
             found.map(|(_, a)| a.clone()).ok_or_else(|| {
                 ServerError::not_found(format!(
@@ -262,7 +262,7 @@ fn status_counts<S: Copy>(
 /// The job `id` names in `t`: its ID or a unique prefix of one (quoted in
 /// the list of an ambiguous prefix's matches).
 pub(crate) fn job_in<'a>(t: &'a crate::state::Tables, id: &str) -> Result<&'a Job, ServerError> {
-    crate::prefix::resolve(&t.jobs, id, crate::prefix::JOB, |k, _| format!("{k:?}"))?
+    crate::prefix::resolve(&t.jobs, id, crate::prefix::JOB, crate::prefix::key)?
         .map(|(_, j)| j)
         .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))
 }

@@ -96,7 +96,7 @@ async fn nodes_by_id_name_or_prefix() {
     assert_eq!(s.node("node-b").unwrap().id, "node-b");
     let e = bad_request(s.node("node-a"));
     assert!(
-        e.contains("node ID prefix \"node-a\" matches 2 nodes: node-a1 ("),
+        e.contains("node ID prefix \"node-a\" matches 2 nodes: \"node-a1\" ("),
         "{e}"
     );
     not_found(s.node("other"));
@@ -128,7 +128,7 @@ async fn volumes_and_plugins_by_id_or_prefix() {
     assert_eq!(s.resolve_volume_id("data-").unwrap(), "data-2");
     let e = bad_request(s.volume("d"));
     assert!(
-        e.contains("volume ID prefix \"d\" matches 2 volumes: data, data-2"),
+        e.contains("volume ID prefix \"d\" matches 2 volumes: \"data\", \"data-2\""),
         "{e}"
     );
     not_found(s.volume("x"));
@@ -137,7 +137,7 @@ async fn volumes_and_plugins_by_id_or_prefix() {
     assert_eq!(s.plugin("n").unwrap().id, "nfs");
     let e = bad_request(s.plugin("host"));
     assert!(
-        e.contains("CSI plugin ID prefix \"host\" matches 2 plugins: hostpath, hostpath-b"),
+        e.contains("CSI plugin ID prefix \"host\" matches 2 plugins: \"hostpath\", \"hostpath-b\""),
         "{e}"
     );
     not_found(s.plugin("x"));

@@ -131,7 +131,7 @@ fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
     let by_prefix = agent.cli_ok(&["volume", "status", "data2"])?;
     assert_eq!(header_value(&by_prefix, "ID").as_deref(), Some("data2"));
     let ambiguous = agent.cli(&["volume", "status", "dat"])?;
-    assert_error(&ambiguous, "matches 2 volumes: data, data2");
+    assert_error(&ambiguous, "matches 2 volumes: \"data\", \"data2\"");
     let missing = agent.cli(&["volume", "status", "nope"])?;
     assert_error(&missing, "\"nope\" not found");
 

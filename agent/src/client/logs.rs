@@ -479,7 +479,10 @@ impl Client {
                 return Err(LogsError::BadRequest(format!(
                     "alloc ID prefix {id:?} matches {} allocs: {}",
                     many.len(),
-                    many.join(", ")
+                    many.iter()
+                        .map(|m| format!("{m:?}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 )))
             }
         };
