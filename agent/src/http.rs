@@ -592,7 +592,8 @@ async fn get_allocation(
 }
 
 /// `alloc stop`: the alloc is stopped through its client and, where the
-/// job still wants it, replaced; answers `{index, alloc_id, replacement}`.
+/// job still wants it, replaced; answers `{index, alloc_id, replacement,
+/// already_stopped}`.
 async fn stop_allocation(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.stop_alloc(&id).await?)
 }

@@ -23,6 +23,9 @@ pub struct AllocStopResponse {
     pub alloc_id: String,
     /// The alloc placed to replace it, when one was placed at once.
     pub replacement: Option<String>,
+    /// The alloc was already stopped or done: nothing was written, and no
+    /// replacement comes of this stop.
+    pub already_stopped: bool,
 }
 
 impl Server {
@@ -52,6 +55,7 @@ impl Server {
                 index: self.store.index(),
                 alloc_id: alloc.id,
                 replacement: None,
+                already_stopped: true,
             });
         }
         let stop_index = self.store.index();
@@ -72,6 +76,7 @@ impl Server {
             index: self.store.index(),
             alloc_id: alloc.id,
             replacement,
+            already_stopped: false,
         })
     }
 }

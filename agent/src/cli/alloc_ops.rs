@@ -146,6 +146,13 @@ pub fn stop(args: StopArgs, ctx: &Ctx) -> Result<i32> {
         .as_str()
         .unwrap_or(&args.alloc)
         .to_string();
+    if answer["already_stopped"] == true {
+        // Nothing was stopped, so no replacement comes of it: no wait.
+        return args.output.emit(&answer, |_| {
+            println!("Alloc {id} is already stopped");
+            Ok(())
+        });
+    }
     if args.detach {
         return args.output.emit(&answer, |a| {
             println!("Alloc {id} is stopping");

@@ -282,8 +282,9 @@ fn operations() -> Vec<Op> {
                 "index": { "type": "integer" },
                 "alloc_id": { "type": "string" },
                 "replacement": { "type": ["string", "null"] },
+                "already_stopped": { "type": "boolean" },
             }),
-            &["index", "alloc_id"],
+            &["index", "alloc_id", "already_stopped"],
         )),
         op("get", "/v1/nodes", "The client nodes").list_of("Node"),
         op(
