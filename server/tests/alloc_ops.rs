@@ -86,9 +86,7 @@ async fn a_stopped_writer_is_replaced_only_once_its_claim_is_freed() {
     let s = &ts.server;
     register(s, node("n1")).await;
     give_plugin(s, "n1", "hostpath", true, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .expect("register volume");
+    register_data_volume(s).await;
     s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
         .await
         .expect("register");

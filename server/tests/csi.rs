@@ -804,9 +804,7 @@ async fn forced_deregister_frees_claims_when_the_node_is_unreachable_or_cannot_u
 
     // With a client whose unmount fails: the same.
     let client = TestClient::connect(&ts, "n1", failing_detach("device busy")).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
+    register_data_volume(&s).await;
     s.register_job(volume_job("db2", "data", AccessMode::SingleNodeWriter))
         .await
         .unwrap();

@@ -141,9 +141,7 @@ async fn a_plugin_on_a_drained_node_stops_only_after_the_volume_there_is_release
     s.register_job(job("logger", JobType::System, 1))
         .await
         .unwrap();
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
+    register_data_volume(&s).await;
     s.register_job(volume_job("db", "data", AccessMode::SingleNodeWriter))
         .await
         .unwrap();

@@ -23,9 +23,7 @@ async fn two_claims_on_n1(ts: &TestServer) -> (Allocation, Allocation) {
     let s = &ts.server;
     register(s, node("n1")).await;
     give_plugin(s, "n1", "hostpath", true, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
+    register_data_volume(s).await;
     s.register_volume(volume("logs", "hostpath", &[AccessMode::MultiNodeReader]))
         .await
         .unwrap();

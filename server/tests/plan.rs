@@ -109,9 +109,7 @@ async fn a_plan_blocked_on_a_plugin_says_why_for_each_node() {
     let s = &ts.server;
     register(s, node("n1")).await;
     give_plugin(s, "n1", "hostpath", false, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
+    register_data_volume(s).await;
     let before = s.index();
     let plan = s
         .plan_job(volume_job("db", "data", AccessMode::SingleNodeWriter))

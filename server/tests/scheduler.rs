@@ -74,9 +74,7 @@ async fn csi_group_waits_for_a_healthy_node_plugin() {
     register(s, node("n1")).await;
     // The plugin is known (fingerprinted) but not healthy yet.
     give_plugin(s, "n1", "hostpath", false, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
+    register_data_volume(s).await;
     assert!(!s.volume("data").unwrap().schedulable);
 
     // An unhealthy fingerprint is not enough.
@@ -113,9 +111,7 @@ async fn second_single_node_writer_waits_until_the_first_claim_is_freed() {
     register(s, node("n2")).await;
     give_plugin(s, "n1", "hostpath", true, false, false).await;
     give_plugin(s, "n2", "hostpath", true, false, false).await;
-    s.register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
-        .await
-        .unwrap();
+    register_data_volume(s).await;
 
     s.register_job(volume_job("first", "data", AccessMode::SingleNodeWriter))
         .await

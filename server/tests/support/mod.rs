@@ -521,13 +521,18 @@ pub fn claim_of(server: &Server, volume_id: &str, alloc_id: &str) -> Option<(Cla
         .map(|c| (c.state, c.releasing))
 }
 
-/// Register volume "data" (plugin "hostpath", single-node-writer) and
-/// `job`, which mounts it; the alloc placed for the job.
-pub async fn place_on_data(server: &Server, job: Job) -> Allocation {
+/// Registers volume "data": plugin "hostpath", single-node-writer.
+pub async fn register_data_volume(server: &Server) {
     server
         .register_volume(volume("data", "hostpath", &[AccessMode::SingleNodeWriter]))
         .await
         .expect("register volume");
+}
+
+/// Register volume "data" (plugin "hostpath", single-node-writer) and
+/// `job`, which mounts it; the alloc placed for the job.
+pub async fn place_on_data(server: &Server, job: Job) -> Allocation {
+    register_data_volume(server).await;
     let job_id = job.id.clone();
     server.register_job(job).await.expect("register job");
     live_allocs(server, &job_id)
