@@ -241,40 +241,47 @@ fn api_error(status: u16, raw: &[u8]) -> ApiError {
     ApiError { status, message }
 }
 
+/// A server on a loopback port that answers the first request on its first
+/// connection with `answer`, without reading the request's body, and closes
+/// the connection; joining it gives the request head. The answer goes out in
+/// one write, so the kernel sends it before the reset that closing with
+/// unread data makes.
+#[cfg(test)]
+pub(crate) fn one_answer_server(
+    answer: impl Into<Vec<u8>>,
+) -> (String, std::thread::JoinHandle<Vec<u8>>) {
+    use std::io::{Read, Write};
+    let answer = answer.into();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            conn.read_exact(&mut byte).unwrap();
+            head.push(byte[0]);
+        }
+        conn.write_all(&answer).unwrap();
+        head
+    });
+    (format!("http://{addr}"), server)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::{Read, Write};
 
     /// A server that answers 413 after the request head and closes the
     /// connection without reading the body, as a server with a body limit
     /// does.
-    fn early_answering_server() -> (String, std::thread::JoinHandle<()>) {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut conn, _) = listener.accept().unwrap();
-            let mut head = Vec::new();
-            let mut byte = [0u8; 1];
-            while !head.ends_with(b"\r\n\r\n") {
-                conn.read_exact(&mut byte).unwrap();
-                head.push(byte[0]);
-            }
-            let body = br#"{"error":"request body is larger than the 2 MiB limit"}"#;
-            let answer = format!(
-                "HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n\
-                 content-length: {}\r\nconnection: close\r\n\r\n",
-                body.len()
-            );
-            // One write: the kernel sends it before the reset that
-            // dropping the connection with unread data makes.
-            let mut whole = answer.into_bytes();
-            whole.extend_from_slice(body);
-            conn.write_all(&whole).unwrap();
-            // Dropped with the body unread: the kernel resets the
-            // connection while the client still writes.
-        });
-        (format!("http://{addr}"), server)
+    fn early_answering_server() -> (String, std::thread::JoinHandle<Vec<u8>>) {
+        let body = r#"{"error":"request body is larger than the 2 MiB limit"}"#;
+        one_answer_server(format!(
+            "HTTP/1.1 413 Payload Too Large\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        ))
     }
 
     #[test]
@@ -300,24 +307,6 @@ mod tests {
         assert!(ApiClient::new("127.0.0.1:4747").is_ok());
         assert!(ApiClient::new("https://x:1").is_err());
         assert!(ApiClient::new("http://x:1/path").is_err());
-    }
-
-    /// A server that answers every request on one connection with
-    /// `answer` and closes it.
-    fn one_answer_server(answer: &'static [u8]) -> (String, std::thread::JoinHandle<()>) {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut conn, _) = listener.accept().unwrap();
-            let mut head = Vec::new();
-            let mut byte = [0u8; 1];
-            while !head.ends_with(b"\r\n\r\n") {
-                conn.read_exact(&mut byte).unwrap();
-                head.push(byte[0]);
-            }
-            conn.write_all(answer).unwrap();
-        });
-        (format!("http://{addr}"), server)
     }
 
     #[test]

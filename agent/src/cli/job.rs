@@ -978,28 +978,15 @@ pub fn job_text(
 mod tests {
     use super::*;
 
-    /// An agent that answers one request with `body` and then no more.
-    fn one_request_agent(body: &'static str) -> (ApiClient, std::thread::JoinHandle<()>) {
-        use std::io::{Read, Write};
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        let server = std::thread::spawn(move || {
-            let (mut conn, _) = listener.accept().unwrap();
-            let mut head = Vec::new();
-            let mut byte = [0u8; 1];
-            while !head.ends_with(b"\r\n\r\n") {
-                conn.read_exact(&mut byte).unwrap();
-                head.push(byte[0]);
-            }
-            assert!(head.starts_with(b"GET /v1/jobs "), "{head:?}");
-            let answer = format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
-                 content-length: {}\r\nconnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            conn.write_all(answer.as_bytes()).unwrap();
-        });
-        (ApiClient::new(&addr.to_string()).unwrap(), server)
+    /// An agent that answers one request with `body` and then no more;
+    /// joining it gives the request head.
+    fn one_request_agent(body: &str) -> (ApiClient, std::thread::JoinHandle<Vec<u8>>) {
+        let (addr, server) = crate::cli::http_client::one_answer_server(format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        ));
+        (ApiClient::new(&addr).unwrap(), server)
     }
 
     #[test]
@@ -1014,7 +1001,8 @@ mod tests {
             job: None,
         };
         assert_eq!(job_status(args, &api).unwrap(), 0);
-        server.join().unwrap();
+        let head = server.join().unwrap();
+        assert!(head.starts_with(b"GET /v1/jobs "), "{head:?}");
     }
 
     #[test]
