@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use serde_json::Value;
 
 use super::http_client::ApiClient;
-use super::output::{ago_cell, id_cell, key_values, print_lines, table, text, OutputArgs};
+use super::output::{ago_cell, id_cell, key_values, print_lines, table, text, OutputArgs, Table};
 use super::{enc, node, Ctx};
 
 #[derive(Subcommand, Debug)]
@@ -61,14 +61,12 @@ fn plugin_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
 
 /// The rows of `plugin status` without a plugin: header first.
 pub fn plugin_list(plugins: &Value) -> Vec<String> {
-    let mut rows = vec![[
+    let mut rows = Table::new([
         "ID",
         "Provider",
         "Controllers Healthy/Expected",
         "Nodes Healthy/Expected",
-    ]
-    .map(String::from)
-    .to_vec()];
+    ]);
     for p in plugins.as_array().into_iter().flatten() {
         rows.push(vec![
             text(&p["id"]),
@@ -77,7 +75,7 @@ pub fn plugin_list(plugins: &Value) -> Vec<String> {
             format!("{}/{}", p["nodes_healthy"], p["nodes_expected"]),
         ]);
     }
-    table(&rows)
+    rows.lines()
 }
 
 /// What `plugin status PLUGIN` prints; `verbose` adds each instance's
@@ -123,7 +121,7 @@ pub fn plugin_detail(p: &Value, verbose: bool) -> Vec<String> {
         out.push("No allocations placed".to_string());
         return out;
     }
-    let mut rows = vec![[
+    let mut rows = Table::new([
         "ID",
         "Node ID",
         "Node Name",
@@ -131,9 +129,7 @@ pub fn plugin_detail(p: &Value, verbose: bool) -> Vec<String> {
         "Task",
         "Status",
         "Created",
-    ]
-    .map(String::from)
-    .to_vec()];
+    ]);
     for a in &allocs {
         rows.push(vec![
             id_cell(&a["id"]),
@@ -145,7 +141,7 @@ pub fn plugin_detail(p: &Value, verbose: bool) -> Vec<String> {
             ago_cell(&a["create_time_ms"]),
         ]);
     }
-    out.extend(table(&rows));
+    out.extend(rows.lines());
     out
 }
 
@@ -206,7 +202,7 @@ fn instance_rows(p: &Value, field: &str, is_node: bool, verbose: bool) -> Vec<St
             header.extend(["External Node ID", "Max Volumes", "Topology"]);
         }
     }
-    let mut rows = vec![header.into_iter().map(String::from).collect::<Vec<_>>()];
+    let mut rows = Table::new(header);
     for (node_id, info) in instances {
         let node = &p["instance_nodes"][node_id];
         let mut row = vec![
@@ -230,7 +226,7 @@ fn instance_rows(p: &Value, field: &str, is_node: bool, verbose: bool) -> Vec<St
         }
         rows.push(row);
     }
-    table(&rows)
+    rows.lines()
 }
 
 #[cfg(test)]

@@ -6,7 +6,7 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::http_client::ApiClient;
-use super::output::{ago_cell, id_cell, key_values, print_lines, table, text, OutputArgs};
+use super::output::{ago_cell, id_cell, key_values, print_lines, text, OutputArgs, Table};
 use super::{
     allocs_phrase, enc, node, print_release_warnings, read_spec, snapshot, strs, volume_stats, Ctx,
 };
@@ -302,7 +302,7 @@ fn map_lines(map: &Value) -> Vec<String> {
 
 /// The rows of `volume status` without a volume: header first.
 pub fn volume_list(volumes: &Value) -> Vec<String> {
-    let mut rows = vec![[
+    let mut rows = Table::new([
         "ID",
         "Name",
         "Plugin ID",
@@ -310,9 +310,7 @@ pub fn volume_list(volumes: &Value) -> Vec<String> {
         "Access Mode",
         "Claims (R/W)",
         "Capacity",
-    ]
-    .map(String::from)
-    .to_vec()];
+    ]);
     for v in volumes.as_array().into_iter().flatten() {
         rows.push(vec![
             text(&v["id"]),
@@ -324,7 +322,7 @@ pub fn volume_list(volumes: &Value) -> Vec<String> {
             size(&v["capacity"]),
         ]);
     }
-    table(&rows)
+    rows.lines()
 }
 
 /// What `volume status VOLUME` prints; `verbose` adds parameters, context,
@@ -430,7 +428,7 @@ fn claim_rows(vol: &Value) -> Vec<String> {
     if claims.is_empty() {
         return Vec::new();
     }
-    let mut rows = vec![[
+    let mut rows = Table::new([
         "ID",
         "Node ID",
         "Node Name",
@@ -438,9 +436,7 @@ fn claim_rows(vol: &Value) -> Vec<String> {
         "Claim State",
         "Alloc Status",
         "Created",
-    ]
-    .map(String::from)
-    .to_vec()];
+    ]);
     for c in &claims {
         rows.push(vec![
             id_cell(&c["alloc_id"]),
@@ -452,7 +448,7 @@ fn claim_rows(vol: &Value) -> Vec<String> {
             ago_cell(&c["create_time_ms"]),
         ]);
     }
-    table(&rows)
+    rows.lines()
 }
 
 #[cfg(test)]
