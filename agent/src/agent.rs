@@ -56,7 +56,9 @@ pub struct AgentConfig {
     /// `client { disconnect_startup_grace }`; `None` keeps the client's
     /// default.
     pub disconnect_startup_grace: Option<Duration>,
-    /// `client { csi_volume_stats_interval }`; `None` keeps the client's
+    /// `-csi-volume-stats-interval` (over `client {
+    /// csi_volume_stats_interval }`): how often the client collects the
+    /// stats of the CSI volumes its allocs use; `None` keeps the client's
     /// default.
     pub csi_volume_stats_interval: Option<Duration>,
     /// The log filter when `BERTH_LOG` (and `RUST_LOG`) is not set.
@@ -181,6 +183,10 @@ pub struct AgentArgs {
     /// mounts of running allocs (default 30s)
     #[arg(long, value_name = "DUR")]
     pub csi_fingerprint_interval: Option<String>,
+    /// How often the node collects the stats (usage, condition) of the CSI
+    /// volumes its allocs use (default 1m)
+    #[arg(long, value_name = "DUR")]
+    pub csi_volume_stats_interval: Option<String>,
     /// trace, debug, info, warn or error (default: log_level, else info);
     /// BERTH_LOG or RUST_LOG, when set, win over both
     #[arg(long, value_name = "LEVEL")]
@@ -295,6 +301,10 @@ impl AgentConfig {
                 a.csi_fingerprint_interval.is_some(),
                 "csi-fingerprint-interval",
             ),
+            (
+                a.csi_volume_stats_interval.is_some(),
+                "csi-volume-stats-interval",
+            ),
         ]
         .into_iter()
         .find_map(|(set, name)| set.then_some(name));
@@ -353,6 +363,17 @@ impl AgentConfig {
                 bail!("berth agent: -csi-fingerprint-interval must be longer than 0s");
             }
             c.csi_fingerprint_interval = Some(d);
+        }
+        if let Some(v) = &a.csi_volume_stats_interval {
+            let d = duration_flag("csi-volume-stats-interval", v)?;
+            let min = berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL;
+            if d < min {
+                bail!(
+                    "berth agent: -csi-volume-stats-interval must be at least {}s",
+                    min.as_secs()
+                );
+            }
+            c.csi_volume_stats_interval = Some(d);
         }
         if f.dev {
             c.apply_dev(f)?;
@@ -471,8 +492,10 @@ impl AgentConfig {
             self.reserved_memory_mb = c.reserved.memory.unwrap_or(0);
             self.reserved_disk_mb = c.reserved.disk.unwrap_or(0);
             self.disconnect_startup_grace = c.disconnect_startup_grace;
-            self.csi_volume_stats_interval = c.csi_volume_stats_interval;
-            // The flag wins over the files.
+            // The flags win over the files.
+            self.csi_volume_stats_interval = self
+                .csi_volume_stats_interval
+                .or(c.csi_volume_stats_interval);
             self.csi_fingerprint_interval =
                 self.csi_fingerprint_interval.or(c.csi_fingerprint_interval);
         }
@@ -1281,6 +1304,45 @@ client {
         assert_eq!(
             client_config(&run(&["-dev"])).csi_volume_stats_interval,
             Duration::from_secs(60)
+        );
+    }
+
+    #[test]
+    fn csi_volume_stats_interval_of_the_flag_wins_over_the_config() {
+        let hcl = CLIENT_HCL.replacen(
+            "client {",
+            "client {\n  csi_volume_stats_interval = \"5s\"",
+            1,
+        );
+        let (dir, _) = client_file(&hcl);
+        let file = dir.path().join("client.hcl");
+        let flagged = run(&[
+            "-config",
+            file.to_str().unwrap(),
+            "-csi-volume-stats-interval",
+            "1s",
+        ]);
+        assert_eq!(
+            client_config(&flagged).csi_volume_stats_interval,
+            Duration::from_secs(1),
+            "the flag wins over the file"
+        );
+        assert_eq!(
+            client_config(&run(&["-dev", "-csi-volume-stats-interval", "2s"]))
+                .csi_volume_stats_interval,
+            Duration::from_secs(2)
+        );
+        let e = AgentConfig::from_args(&args(&["-dev", "-csi-volume-stats-interval", "500ms"]))
+            .expect_err("500ms");
+        assert!(
+            format!("{e:#}").contains("-csi-volume-stats-interval must be at least 1s"),
+            "{e:#}"
+        );
+        let e = AgentConfig::from_args(&args(&["-dev", "-csi-volume-stats-interval", "soon"]))
+            .expect_err("not a duration");
+        assert!(
+            format!("{e:#}").contains("csi-volume-stats-interval"),
+            "{e:#}"
         );
     }
 

@@ -46,7 +46,7 @@ fn assert_no_secret(what: &str, text: &str) {
 
 #[test]
 fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
-    let agent = DevAgent::start_with_args(&["-node", NODE])?;
+    let agent = DevAgent::start_with_args(&["-node", NODE, "-csi-volume-stats-interval", "2s"])?;
     agent.run_example_plugin()?;
     let spec = agent.write_file("data.hcl", &volume_spec("data")?)?;
     let created = agent.cli_ok(&["volume", "create", &spec])?;
@@ -136,9 +136,9 @@ fn volume_status_lists_details_and_never_shows_secrets() -> Result<()> {
     assert_error(&missing, "\"nope\" not found");
 
     // -verbose: parameters, context, requested topology, and the claim's
-    // volume stats once its node reported them (a dev agent collects them
-    // every minute).
-    let verbose = wait_for("the claim's volume stats", Duration::from_secs(60), || {
+    // volume stats once its node reported them (this agent collects them
+    // every 2 s).
+    let verbose = wait_for("the claim's volume stats", Duration::from_secs(20), || {
         let text = agent.cli_ok(&["volume", "status", "-verbose", "data"])?;
         let stats = section(&text, "Volume Stats");
         let reported = stats
