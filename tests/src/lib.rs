@@ -498,6 +498,15 @@ impl DevAgent {
         api_get_at(self.port, path)
     }
 
+    /// The allocs of `job` as the API has them.
+    pub fn job_allocs(&self, job: &str) -> Result<Vec<Value>> {
+        Ok(self
+            .api_get(&format!("/v1/job/{job}/allocations"))?
+            .as_array()
+            .cloned()
+            .unwrap_or_default())
+    }
+
     /// Runs the CLI and fails with its output unless it exits 0.
     pub fn cli_ok(&self, args: &[&str]) -> Result<String> {
         let out = self.cli(args)?;

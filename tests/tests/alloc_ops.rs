@@ -20,22 +20,13 @@ fn run_job(agent: &DevAgent, name: &str, spec: &str) -> Result<()> {
     Ok(())
 }
 
-/// The allocs of `job`, as the server has them.
-fn allocs(agent: &DevAgent, job: &str) -> Result<Vec<Value>> {
-    Ok(agent
-        .api_get(&format!("/v1/job/{job}/allocations"))?
-        .as_array()
-        .cloned()
-        .unwrap_or_default())
-}
-
 /// Waits for the one running alloc of `job` whose ID is not `other`.
 fn wait_running(agent: &DevAgent, job: &str, other: Option<&str>) -> Result<Value> {
     wait_for(
         &format!("a running alloc of {job}"),
         Duration::from_secs(60),
         || {
-            Ok(allocs(agent, job)?.into_iter().find(|a| {
+            Ok(agent.job_allocs(job)?.into_iter().find(|a| {
                 a["client_status"] == "running" && Some(a["id"].as_str().unwrap_or("")) != other
             }))
         },
@@ -141,7 +132,7 @@ fn alloc_restart_starts_the_task_again_without_counting_a_restart() -> Result<()
         "{events:?}"
     );
     // In place: the same alloc, not a replacement.
-    assert_eq!(allocs(&agent, "sleepy")?.len(), 1);
+    assert_eq!(agent.job_allocs("sleepy")?.len(), 1);
     Ok(())
 }
 

@@ -70,15 +70,6 @@ fn start_agent() -> Result<DevAgent> {
     DevAgent::start_with_args(&["-node", NODE])
 }
 
-/// The allocs of `job` as the API has them.
-fn allocs(agent: &DevAgent, job: &str) -> Result<Vec<Value>> {
-    Ok(agent
-        .api_get(&format!("/v1/job/{job}/allocations"))?
-        .as_array()
-        .cloned()
-        .unwrap_or_default())
-}
-
 #[test]
 fn job_run_follows_the_allocs_and_status_stop_and_inspect_show_them() -> Result<()> {
     let agent = start_agent()?;
@@ -100,7 +91,7 @@ fn job_run_follows_the_allocs_and_status_stop_and_inspect_show_them() -> Result<
         text.contains("==> Job \"web\" is done: 2 allocs running"),
         "{text}"
     );
-    for a in allocs(&agent, "web")? {
+    for a in agent.job_allocs("web")? {
         assert_eq!(a["client_status"], "running", "{a}");
     }
 
@@ -163,7 +154,7 @@ fn job_run_follows_the_allocs_and_status_stop_and_inspect_show_them() -> Result<
     let out = agent.cli(&["job", "stop", "web"])?;
     let text = stdout(&out);
     assert_eq!(out.status.code(), Some(0), "{text}{}", stderr(&out));
-    for a in allocs(&agent, "web")? {
+    for a in agent.job_allocs("web")? {
         assert_eq!(a["client_status"], "complete", "{a}");
         assert_eq!(a["desired_status"], "stop", "{a}");
     }
@@ -242,7 +233,7 @@ fn plan_shows_the_diff_and_the_placements_and_places_nothing() -> Result<()> {
     assert_eq!(out.status.code(), Some(1), "the plan stored no job");
 
     agent.cli_ok(&["job", "run", &file])?;
-    let before: Vec<Value> = allocs(&agent, "web")?;
+    let before: Vec<Value> = agent.job_allocs("web")?;
 
     // The same job: exit 0, nothing to do.
     let out = agent.cli(&["job", "plan", &file])?;
@@ -263,7 +254,7 @@ fn plan_shows_the_diff_and_the_placements_and_places_nothing() -> Result<()> {
     assert_eq!(json["groups"][0]["place"], 3, "{json}");
     assert_eq!(json["diff"]["kind"], "edited");
 
-    let after = allocs(&agent, "web")?;
+    let after = agent.job_allocs("web")?;
     assert_eq!(after, before, "plans change no alloc");
 
     // An error is exit 255.
@@ -336,7 +327,8 @@ fn check_index_refuses_a_stale_submission_and_vars_set_variables() -> Result<()>
         "{err}"
     );
     assert_eq!(
-        allocs(&agent, "web")?
+        agent
+            .job_allocs("web")?
             .iter()
             .filter(|a| a["desired_status"] == "run")
             .count(),
@@ -354,7 +346,8 @@ fn check_index_refuses_a_stale_submission_and_vars_set_variables() -> Result<()>
         "count=3",
         &file,
     ])?;
-    let live = allocs(&agent, "web")?
+    let live = agent
+        .job_allocs("web")?
         .into_iter()
         .filter(|a| a["desired_status"] == "run")
         .count();
@@ -384,7 +377,8 @@ fn stop_purge_waits_and_the_job_is_gone() -> Result<()> {
     let agent = start_agent()?;
     let file = agent.write_file("web.hcl", WEB)?;
     agent.cli_ok(&["job", "run", &file])?;
-    let ids: Vec<String> = allocs(&agent, "web")?
+    let ids: Vec<String> = agent
+        .job_allocs("web")?
         .iter()
         .filter_map(|a| a["id"].as_str().map(str::to_string))
         .collect();
