@@ -70,8 +70,7 @@ fn changed_plugin_job() -> Result<String> {
 
 /// Every alloc of the plugin job, as the API shows them.
 fn plugin_allocs(agent: &DevAgent) -> Result<Vec<Value>> {
-    let v = agent.api_get(&format!("/v1/job/{PLUGIN_JOB}/allocations"))?;
-    Ok(v.as_array().cloned().unwrap_or_default())
+    agent.job_allocs(PLUGIN_JOB)
 }
 
 fn id_of(a: &Value) -> String {

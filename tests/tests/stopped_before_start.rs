@@ -23,8 +23,7 @@ fn job_file(agent: &DevAgent, version: usize) -> Result<String> {
 
 /// Every alloc of the job the servers keep.
 fn allocs(agent: &DevAgent) -> Result<Vec<Value>> {
-    let v = agent.api_get(&format!("/v1/job/{JOB}/allocations"))?;
-    Ok(v.as_array().cloned().unwrap_or_default())
+    agent.job_allocs(JOB)
 }
 
 fn is_terminal(a: &Value) -> bool {
