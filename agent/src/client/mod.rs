@@ -456,6 +456,24 @@ impl Client {
             .collect()
     }
 
+    /// Waits as a blocking read of the allocs asks: with `index` above 0,
+    /// until the client's view of its allocs changes past it, `wait`
+    /// passes, or the client stops. Returns the index the answer reflects,
+    /// read before the answer is, so that a change between the two is seen
+    /// by the next read rather than lost.
+    pub async fn wait_alloc_change(&self, index: Option<u64>, wait: Duration) -> u64 {
+        let mut changes = self.conn.alloc_changes();
+        if let Some(min) = index.filter(|i| *i > 0) {
+            let mut shutdown = self.shutdown.clone();
+            tokio::select! {
+                _ = tokio::time::timeout(wait, changes.wait_for(|i| *i > min)) => {}
+                _ = shutdown.wait_for(|v| *v) => {}
+            }
+        }
+        let index = *changes.borrow();
+        index
+    }
+
     /// One alloc this client runs, as it sees it.
     pub async fn alloc_view(&self, id: &str) -> Option<ClientAllocView> {
         self.runners.lock().await.get(id).map(ClientAllocView::of)
@@ -804,6 +822,7 @@ impl Client {
             }
         }
         drop(runners);
+        self.conn.alloc_changed();
         // The servers' view changed: terminal allocs they now know about
         // may be collected here.
         self.gc_wake.notify_one();
@@ -866,6 +885,9 @@ impl Client {
                 .filter_map(|id| runners.remove(&id).map(|r| (id, r)))
                 .collect()
         };
+        if !victims.is_empty() {
+            self.conn.alloc_changed();
+        }
         for (id, r) in victims {
             tracing::info!(alloc_id = %id, job = %r.alloc().job_id, "garbage collecting terminal alloc");
             if let Err(e) = r.destroy().await {

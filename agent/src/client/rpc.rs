@@ -16,7 +16,7 @@ use berth_proto::berth::v1::node_client::NodeClient;
 use berth_structs::{
     AllocClientStatus, CsiInfo, CsiMountOptions, Node, NodeEvent, NodeSecret, TaskState,
 };
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tonic::service::interceptor::InterceptedService;
 use tonic::Code;
 
@@ -167,6 +167,9 @@ struct Inner {
     pending_updates: Mutex<HashMap<String, pb::AllocStatusUpdate>>,
     pending_events: Mutex<Vec<NodeEvent>>,
     flush: Notify,
+    /// Bumped whenever the client's view of its allocs changes: the index
+    /// of its blocking reads (see [`ServerConn::alloc_changes`]).
+    alloc_changes: watch::Sender<u64>,
 }
 
 fn status_retryable(code: Code) -> bool {
@@ -183,6 +186,7 @@ impl ServerConn {
                 pending_updates: Mutex::default(),
                 pending_events: Mutex::default(),
                 flush: Notify::new(),
+                alloc_changes: watch::Sender::new(1),
             }),
         }
     }
@@ -236,6 +240,21 @@ impl ServerConn {
         req.set_timeout(RPC_TIMEOUT);
         let resp = self.node_client().register(req).await?.into_inner();
         Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
+    }
+
+    /// A counter of the changes of the client's view of its allocs (never
+    /// 0): a blocking read of them waits for it to pass the index it was
+    /// given.
+    pub fn alloc_changes(&self) -> watch::Receiver<u64> {
+        self.inner.alloc_changes.subscribe()
+    }
+
+    /// Bumps [`Self::alloc_changes`]: an alloc's view changed (its state,
+    /// or the set of allocs the client runs).
+    pub fn alloc_changed(&self) {
+        self.inner
+            .alloc_changes
+            .send_modify(|i| *i = i.saturating_add(1));
     }
 
     /// The alloc update waiting to be sent for `alloc_id`, if any.
@@ -384,6 +403,7 @@ impl ServerConn {
                 .unwrap_or_else(|e| e.into_inner()),
             update,
         );
+        self.alloc_changed();
         self.inner.flush.notify_one();
     }
 

@@ -14,8 +14,9 @@ use axum::{Json, Router};
 use berth_server::Server;
 use serde_json::json;
 
+use super::query::{encode, indexed, BlockingQuery};
 use super::routes::Routes;
-use super::{ApiError, ApiPath, MAX_REQUEST_BODY};
+use super::{ApiError, ApiPath, ApiQuery, MAX_REQUEST_BODY};
 use crate::client::Client;
 
 /// What `/v1/agent/self` tells about this agent. The parts known only
@@ -157,23 +158,34 @@ async fn agent_self(State(info): State<Arc<AgentInfo>>) -> Response {
     Json(out).into_response()
 }
 
-async fn client_allocations(State(info): State<Arc<AgentInfo>>) -> Result<Response, ApiError> {
+/// The allocs this client runs; a blocking query (`?index=N&wait=D`)
+/// waits for a change of the client's view of them.
+async fn client_allocations(
+    State(info): State<Arc<AgentInfo>>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
     let client = info.client_or_404()?;
-    Ok(Json(client.alloc_views().await).into_response())
+    let index = client.wait_alloc_change(q.index(), q.wait()?).await;
+    Ok(indexed(index, encode(&client.alloc_views().await)?, None))
 }
 
+/// One alloc this client runs; a blocking query as
+/// [`client_allocations`].
 async fn client_allocation(
     State(info): State<Arc<AgentInfo>>,
     ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
 ) -> Result<Response, ApiError> {
     let client = info.client_or_404()?;
+    let wait = q.wait()?;
     // By ID or unique prefix.
     let full = match client.alloc_runner(&id).await {
         Ok(r) => r.alloc_id().to_string(),
         Err(_) => id.clone(),
     };
+    let index = client.wait_alloc_change(q.index(), wait).await;
     match client.alloc_view(&full).await {
-        Some(view) => Ok(Json(view).into_response()),
+        Some(view) => Ok(indexed(index, encode(&view)?, None)),
         None => Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("alloc {id:?} does not run on this client"),

@@ -188,15 +188,15 @@ fn operations() -> Vec<Op> {
         op(
             "get",
             "/v1/client/allocations",
-            "The allocs this agent's client runs, as it sees them (no server needed)",
+            "The allocs this agent's client runs, as it sees them (no server needed); a blocking query waits for a change of any of them",
         )
-        .answers(json!({ "type": "array", "items": schema_ref("ClientAllocation") })),
+        .one(json!({ "type": "array", "items": schema_ref("ClientAllocation") })),
         op(
             "get",
             "/v1/client/allocation/{id}",
-            "One alloc this agent's client runs (by ID), as it sees it",
+            "One alloc this agent's client runs (by ID), as it sees it; a blocking query waits for a change of the client's allocs",
         )
-        .answers(schema_ref("ClientAllocation")),
+        .one(schema_ref("ClientAllocation")),
         op(
             "post",
             "/v1/client/allocation/{id}/restart",
@@ -834,6 +834,8 @@ mod tests {
             "/v1/node/{id}",
             "/v1/volume/csi/{id}",
             "/v1/plugin/csi/{id}",
+            "/v1/client/allocations",
+            "/v1/client/allocation/{id}",
         ] {
             assert!(
                 get_of(path)["responses"]["200"]["headers"]["X-Berth-Index"].is_object(),

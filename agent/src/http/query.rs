@@ -84,6 +84,16 @@ pub struct BlockingQuery {
 }
 
 impl BlockingQuery {
+    /// The index the query waits to pass, if any.
+    pub fn index(&self) -> Option<u64> {
+        self.index
+    }
+
+    /// How long the query waits at most (see [`blocking_wait`]).
+    pub fn wait(&self) -> Result<Duration, ApiError> {
+        blocking_wait(self.wait.as_deref())
+    }
+
     /// Blocks as the query asks; returns the index to answer with.
     pub async fn block(&self, s: &Server, tables: &[Table]) -> Result<u64, ApiError> {
         block_on(s, tables, self.index, self.wait.as_deref()).await
