@@ -376,3 +376,24 @@ async fn a_volume_from_a_snapshot_or_a_clone_carries_its_content_source() {
     assert!(err.to_string().contains("exclusive"), "{err}");
     assert_eq!(err.http_status(), 400);
 }
+
+/// A plugin the servers know whose controller no connected client runs is
+/// unavailable (503); one they do not know is not found (404).
+#[tokio::test]
+async fn snapshots_of_a_known_plugin_without_a_controller_are_unavailable_of_an_unknown_one_not_found(
+) {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    // Fingerprinted, but no client of n1 is connected to run its calls.
+    give_plugin(s, "n1", "hostpath", true, true, false).await;
+    let err = s.list_snapshots(Some("hostpath")).await.unwrap_err();
+    assert_eq!(err.http_status(), 503, "{err}");
+    assert!(err.to_string().contains("healthy controller"), "{err}");
+    let err = s.list_snapshots(Some("NOPE")).await.unwrap_err();
+    assert_eq!(err.http_status(), 404, "{err}");
+    assert!(
+        err.to_string().contains("CSI plugin \"NOPE\" not found"),
+        "{err}"
+    );
+}
