@@ -667,15 +667,15 @@ async fn snapshot_routes_answer_in_the_one_shape_and_never_echo_secrets() {
     assert_eq!(a.status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(!a.error_message().contains("hunter2"));
 
-    // Listing with no plugin anywhere is an empty list; a named plugin that
-    // no client runs is a 503 naming it.
+    // Listing with no plugin anywhere is an empty list; a named plugin the
+    // servers do not know is a 404 naming it.
     let a = get(&api.router, "/v1/volumes/snapshot").await;
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(body_json(&a), json!([]));
     let a = get(&api.router, "/v1/volumes/snapshot?plugin_id=hp").await;
-    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(a.status, StatusCode::NOT_FOUND);
     assert!(
-        a.error_message().contains("\"hp\""),
+        a.error_message().contains("\"hp\" not found"),
         "{}",
         a.error_message()
     );
