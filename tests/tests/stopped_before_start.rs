@@ -109,6 +109,7 @@ fn allocs_stopped_before_they_start_end_complete_and_say_so() -> Result<()> {
         || Ok(Some(check_allocs(&allocs(&agent)?)?)),
     )
     .with_context(|| agent.log())?;
+    eprintln!("{never_started} allocs were stopped before their tasks started");
     assert!(
         never_started > 0,
         "some allocs were stopped before their tasks started"

@@ -611,30 +611,39 @@ fn is_not_found(e: &anyhow::Error) -> bool {
 }
 
 fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
+    let announce = |id: &str, index: &Value| {
+        println!(
+            "==> Job {id:?} {} (index {})",
+            if a.purge {
+                "stopped; it is purged once its allocs are done"
+            } else {
+                "stopped"
+            },
+            index.as_u64().unwrap_or_default()
+        )
+    };
+    let stop_path = |id: &str| {
+        if a.purge {
+            format!("/v1/job/{}?purge=true", enc(id))
+        } else {
+            format!("/v1/job/{}", enc(id))
+        }
+    };
+    if a.detach {
+        // Nothing to follow: the stop goes out at once (the servers
+        // resolve a prefix themselves), without reads before it.
+        let index = api.delete(&stop_path(&a.job))?;
+        announce(&a.job, &index);
+        return Ok(0);
+    }
     // Resolve a prefix once: the follow-up queries name the job exactly.
     let id = s(&api.get(&format!("/v1/job/{}", enc(&a.job)))?, "id").to_string();
     // What runs before the stop: each is followed until it has stopped.
     let before = api.get(&format!("/v1/job/{}/allocations", enc(&id)))?;
     let before = before.as_array().map(Vec::as_slice).unwrap_or(&[]);
     let live_at_stop = before.iter().filter(|al| !stopped(al, false)).count() as u64;
-    let path = if a.purge {
-        format!("/v1/job/{}?purge=true", enc(&id))
-    } else {
-        format!("/v1/job/{}", enc(&id))
-    };
-    let index = api.delete(&path)?;
-    println!(
-        "==> Job {id:?} {} (index {})",
-        if a.purge {
-            "stopped; it is purged once its allocs are done"
-        } else {
-            "stopped"
-        },
-        index.as_u64().unwrap_or_default()
-    );
-    if a.detach {
-        return Ok(0);
-    }
+    let index = api.delete(&stop_path(&id))?;
+    announce(&id, &index);
     let names = node_names(api)?;
     let mut seen: BTreeMap<String, String> = before
         .iter()
