@@ -20,14 +20,18 @@ pub use berth_testutil::relay;
 pub use berth_testutil::mounts_under;
 use berth_testutil::pids_mentioning;
 
-/// The directory holding the workspace's built binaries (`target/debug`).
+/// The directory holding the workspace's built binaries
+/// (`target/<profile>`).
 pub fn bin_dir() -> PathBuf {
-    // The test executable lives in target/<profile>/deps/.
+    // A test or bench executable lives in target/<profile>/deps/, a
+    // workspace binary (berth-bench) in target/<profile>/ itself.
     let exe = std::env::current_exe().expect("current_exe");
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("test binary lives in target/<profile>/deps")
-        .to_path_buf()
+    let dir = exe.parent().expect("an executable lives in a directory");
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().expect("deps/ has a parent").to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
 }
 
 /// Path of a workspace binary, which `cargo test --workspace` builds.

@@ -1,0 +1,205 @@
+//! What every figure prints: samples summed up as median, p99 and max;
+// Figures are added one at a time; until every one uses the report
+// helpers, some sit unused.
+#![allow(dead_code)]
+//! ratios against a baseline measured in the same run; a target and
+//! whether it was met; and how a cost grows over three sizes.
+
+use std::fmt;
+use std::time::Duration;
+
+/// Durations measured for one thing, in any order.
+#[derive(Debug, Clone, Default)]
+pub struct Samples {
+    values: Vec<Duration>,
+}
+
+impl Samples {
+    pub fn new() -> Samples {
+        Samples::default()
+    }
+
+    pub fn push(&mut self, d: Duration) {
+        self.values.push(d);
+    }
+
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    /// The `p` quantile (0.0..=1.0), nearest rank; zero when empty.
+    pub fn quantile(&self, p: f64) -> Duration {
+        if self.values.is_empty() {
+            return Duration::ZERO;
+        }
+        let mut sorted = self.values.clone();
+        sorted.sort();
+        let rank = (p.clamp(0.0, 1.0) * sorted.len() as f64).ceil() as usize;
+        sorted[rank.saturating_sub(1).min(sorted.len() - 1)]
+    }
+
+    pub fn median(&self) -> Duration {
+        self.quantile(0.5)
+    }
+
+    pub fn p99(&self) -> Duration {
+        self.quantile(0.99)
+    }
+
+    pub fn max(&self) -> Duration {
+        self.values.iter().max().copied().unwrap_or_default()
+    }
+}
+
+impl FromIterator<Duration> for Samples {
+    fn from_iter<I: IntoIterator<Item = Duration>>(iter: I) -> Samples {
+        Samples {
+            values: iter.into_iter().collect(),
+        }
+    }
+}
+
+/// A duration in milliseconds with two decimals.
+pub struct Ms(pub Duration);
+
+impl fmt::Display for Ms {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.2} ms", self.0.as_secs_f64() * 1000.0)
+    }
+}
+
+/// A size in KiB shown in MiB with two decimals.
+pub struct Mib(pub u64);
+
+impl fmt::Display for Mib {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:.2} MiB", self.0 as f64 / 1024.0)
+    }
+}
+
+/// Print the figure's heading: what is measured, and how often.
+pub fn heading(figure: &str, what: &str) {
+    println!("figure: {figure}: {what}");
+}
+
+/// Print one line of samples: `label  median X  p99 Y  max Z  (n=N)`.
+pub fn samples(label: &str, s: &Samples) {
+    println!(
+        "  {label:<34} median {:>10}  p99 {:>10}  max {:>10}  (n={})",
+        Ms(s.median()).to_string(),
+        Ms(s.p99()).to_string(),
+        Ms(s.max()).to_string(),
+        s.len()
+    );
+}
+
+/// Print one labelled value (an RSS, a rate, a count).
+pub fn value(label: &str, value: impl fmt::Display) {
+    println!("  {label:<34} {value}");
+}
+
+/// The ratio of two medians, as printed (`2.31x`).
+pub fn ratio(measured: &Samples, baseline: &Samples) -> f64 {
+    let b = baseline.median().as_secs_f64();
+    if b == 0.0 {
+        return f64::INFINITY;
+    }
+    measured.median().as_secs_f64() / b
+}
+
+/// Print the ratio of `measured`'s median to `baseline`'s.
+pub fn ratio_line(label: &str, measured: &Samples, baseline: &Samples) {
+    value(label, format!("{:.2}x", ratio(measured, baseline)));
+}
+
+/// Print the target and whether it was met. Returns `met`, so a figure
+/// can say so in its exit status when it wants to.
+pub fn target(text: &str, met: bool) -> bool {
+    println!(
+        "  {:<34} {text}: {}",
+        "target",
+        if met { "MET" } else { "NOT MET" }
+    );
+    met
+}
+
+/// How a cost grows with size, from (size, cost) points of three or more
+/// sizes: the exponent k of cost ~ size^k fitted between the smallest and
+/// the largest size, and a word for it. `k` near 1 is linear; n log n
+/// over 100..10,000 fits k of about 1.2.
+pub fn growth(points: &[(f64, f64)]) -> Growth {
+    let first = points.first().copied().unwrap_or((1.0, 1.0));
+    let last = points.last().copied().unwrap_or(first);
+    let k = if last.0 > first.0 && first.1 > 0.0 && last.1 > 0.0 {
+        (last.1 / first.1).ln() / (last.0 / first.0).ln()
+    } else {
+        0.0
+    };
+    Growth { exponent: k }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Growth {
+    pub exponent: f64,
+}
+
+impl Growth {
+    pub fn word(&self) -> &'static str {
+        match self.exponent {
+            k if k < 0.25 => "flat",
+            k if k < 0.8 => "sublinear",
+            k if k < 1.3 => "linear (or n log n)",
+            k if k < 1.8 => "worse than n log n",
+            _ => "quadratic or worse",
+        }
+    }
+}
+
+impl fmt::Display for Growth {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} (cost ~ n^{:.2})", self.word(), self.exponent)
+    }
+}
+
+/// Print a growth table: one line per size, then the fitted growth.
+pub fn growth_table(label: &str, unit: &str, points: &[(f64, f64)]) -> Growth {
+    println!("  growth of {label}:");
+    for (size, cost) in points {
+        println!("    n = {size:>8}  {cost:>12.3} {unit}");
+    }
+    let g = growth(points);
+    println!("    grows {g}");
+    g
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_are_nearest_rank() {
+        let s: Samples = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(s.median(), Duration::from_millis(50));
+        assert_eq!(s.p99(), Duration::from_millis(99));
+        assert_eq!(s.max(), Duration::from_millis(100));
+        assert_eq!(Samples::new().median(), Duration::ZERO);
+    }
+
+    #[test]
+    fn growth_tells_linear_from_quadratic() {
+        let linear = [(100.0, 1.0), (1000.0, 10.0), (10000.0, 100.0)];
+        let quadratic = [(100.0, 1.0), (1000.0, 100.0), (10000.0, 10000.0)];
+        let nlogn: Vec<(f64, f64)> = [100.0f64, 1000.0, 10000.0]
+            .iter()
+            .map(|n| (*n, n * n.ln()))
+            .collect();
+        assert!((growth(&linear).exponent - 1.0).abs() < 1e-9);
+        assert_eq!(growth(&linear).word(), "linear (or n log n)");
+        assert_eq!(growth(&nlogn).word(), "linear (or n log n)");
+        assert_eq!(growth(&quadratic).word(), "quadratic or worse");
+    }
+}
