@@ -1,9 +1,10 @@
 //! What every figure prints: samples summed up as median, p99 and max;
+//! ratios against a baseline measured in the same run; a target and
+//! whether it was met; and how a cost grows over three sizes.
+
 // Figures are added one at a time; until every one uses the report
 // helpers, some sit unused.
 #![allow(dead_code)]
-//! ratios against a baseline measured in the same run; a target and
-//! whether it was met; and how a cost grows over three sizes.
 
 use std::fmt;
 use std::time::Duration;
