@@ -238,6 +238,7 @@ impl Metrics {
             build_info: Family::default(),
         };
         let r = m.registry.sub_registry_with_prefix("berth");
+        r.register_collector(Box::new(runtime::RuntimeCollector));
         let s = Unit::Seconds;
         r.register_with_unit(
             "csi_rpc_duration",
@@ -502,5 +503,6 @@ pub fn set_client_allocs(counts: &[(&'static str, i64)]) {
 }
 
 mod process;
+mod runtime;
 #[cfg(test)]
 mod tests;

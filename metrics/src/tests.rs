@@ -165,3 +165,22 @@ fn node_events_of_subsystems_berth_does_not_know_are_counted_as_other() {
     let n: u64 = other.rsplit(' ').next().unwrap().parse().unwrap();
     assert!(n >= 50, "{other}");
 }
+
+#[tokio::test]
+async fn a_scrape_on_a_runtime_counts_its_alive_tasks() {
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let held = tokio::spawn(async move {
+        let _ = rx.await;
+    });
+    let text = encode();
+    let alive: i64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("berth_runtime_alive_tasks "))
+        .unwrap_or_else(|| panic!("no berth_runtime_alive_tasks in:\n{text}"))
+        .trim()
+        .parse()
+        .expect("a count");
+    assert!(alive >= 1, "the task held open is alive: {alive}");
+    let _ = tx.send(());
+    held.await.unwrap();
+}
