@@ -64,6 +64,54 @@ impl FromIterator<Duration> for Samples {
     }
 }
 
+/// Sizes in KiB measured for one thing (the RSS of several processes,
+/// or of one process read several times), in any order.
+#[derive(Debug, Clone, Default)]
+pub struct Sizes {
+    kib: Vec<u64>,
+}
+
+impl Sizes {
+    pub fn new() -> Sizes {
+        Sizes::default()
+    }
+
+    pub fn push(&mut self, kib: u64) {
+        self.kib.push(kib);
+    }
+
+    pub fn len(&self) -> usize {
+        self.kib.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.kib.is_empty()
+    }
+
+    /// The `p` quantile (0.0..=1.0) in KiB, nearest rank; zero when empty.
+    pub fn quantile(&self, p: f64) -> u64 {
+        if self.kib.is_empty() {
+            return 0;
+        }
+        let mut sorted = self.kib.clone();
+        sorted.sort_unstable();
+        let rank = (p.clamp(0.0, 1.0) * sorted.len() as f64).ceil() as usize;
+        sorted[rank.saturating_sub(1).min(sorted.len() - 1)]
+    }
+
+    pub fn median(&self) -> u64 {
+        self.quantile(0.5)
+    }
+
+    pub fn p99(&self) -> u64 {
+        self.quantile(0.99)
+    }
+
+    pub fn max(&self) -> u64 {
+        self.kib.iter().max().copied().unwrap_or_default()
+    }
+}
+
 /// A duration in milliseconds with two decimals.
 pub struct Ms(pub Duration);
 
@@ -94,6 +142,17 @@ pub fn samples(label: &str, s: &Samples) {
         Ms(s.median()).to_string(),
         Ms(s.p99()).to_string(),
         Ms(s.max()).to_string(),
+        s.len()
+    );
+}
+
+/// Print one line of sizes: `label  median X MiB  p99 Y MiB  max Z MiB  (n=N)`.
+pub fn sizes(label: &str, s: &Sizes) {
+    println!(
+        "  {label:<34} median {:>10}  p99 {:>10}  max {:>10}  (n={})",
+        Mib(s.median()).to_string(),
+        Mib(s.p99()).to_string(),
+        Mib(s.max()).to_string(),
         s.len()
     );
 }
@@ -188,6 +247,16 @@ mod tests {
         assert_eq!(s.p99(), Duration::from_millis(99));
         assert_eq!(s.max(), Duration::from_millis(100));
         assert_eq!(Samples::new().median(), Duration::ZERO);
+    }
+
+    #[test]
+    fn size_quantiles_are_nearest_rank() {
+        let mut s = Sizes::new();
+        for kib in (1..=100).rev() {
+            s.push(kib);
+        }
+        assert_eq!((s.median(), s.p99(), s.max(), s.len()), (50, 99, 100, 100));
+        assert_eq!(Sizes::new().median(), 0);
     }
 
     #[test]
