@@ -427,6 +427,7 @@ mod tests {
             allocs: allocs.into_iter().map(|a| (a.id.clone(), a)).collect(),
             ..Default::default()
         }
+        .with_indexes()
     }
 
     fn stopped_ids(pass: &DrainPass) -> Vec<&str> {
@@ -520,6 +521,7 @@ mod tests {
             ],
         );
         t.volumes.insert("vol".into(), volume);
+        t.reindex();
 
         // A forced drain: everything but the plugin stops at once.
         let pass = plan_drains(&t, now);
@@ -532,11 +534,13 @@ mod tests {
             a.client_status = AllocClientStatus::Complete;
             t.allocs.insert(a.id.clone(), a);
         }
+        t.reindex();
         let pass = plan_drains(&t, now);
         assert!(pass.stops.is_empty(), "{:?}", stopped_ids(&pass));
 
         // The claim is released: the plugin stops.
         t.volumes.get_mut("vol").unwrap().write_claims.clear();
+        t.reindex();
         let pass = plan_drains(&t, now);
         assert_eq!(stopped_ids(&pass), vec!["plugin"]);
         assert_eq!(pass.complete, vec!["n1".to_string()]);
@@ -618,7 +622,7 @@ mod tests {
         }
         let mut t = tables(vec![draining("n1", deadline, now)], allocs);
         t.volumes.insert("vol".into(), volume);
-        t
+        t.with_indexes()
     }
 
     proptest::proptest! {

@@ -334,6 +334,7 @@ mod tests {
             nodes: nodes.into_iter().map(|n| (n.id.clone(), n)).collect(),
             ..Tables::default()
         }
+        .with_indexes()
     }
 
     fn claim_by(alloc_id: &str, node_id: &str) -> CsiVolume {
@@ -458,6 +459,7 @@ mod tests {
             vec![node("n1", NodeStatus::Down, 0)],
         );
         t.volumes.insert("data".into(), claim_by("lost", "n1"));
+        t.reindex();
         let (report, changes) = run(&t, now, Thresholds::ZERO);
         assert_eq!(report, GcReport::default(), "nothing a claim names goes");
         assert!(changes.is_empty());

@@ -1243,6 +1243,7 @@ mod tests {
             allocs: allocs.into_iter().map(|a| (a.id.clone(), a)).collect(),
             ..Default::default()
         }
+        .with_indexes()
     }
 
     /// Plan `job_id` and return the outcome and the allocs it placed.
@@ -1421,7 +1422,7 @@ mod tests {
 
     fn with_volumes(mut t: Tables, volumes: Vec<CsiVolume>) -> Tables {
         t.volumes = volumes.into_iter().map(|v| (v.id.clone(), v)).collect();
-        t
+        t.with_indexes()
     }
 
     #[test]

@@ -672,7 +672,8 @@ mod tests {
             .map(|v| (v.id.clone(), v))
             .collect(),
             ..Default::default()
-        };
+        }
+        .with_indexes();
         let places = node_plugin_places(&t, None);
         for (id, want) in [
             ("anywhere", true),

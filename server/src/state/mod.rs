@@ -15,17 +15,20 @@
 //! own database table, so that no answer built from a [`Node`] can carry
 //! one; they count as writes to the nodes table.
 
+mod indexes;
 mod redb_backend;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
 use berth_structs::{Allocation, CsiVolume, Job, Node, NodeSecret};
+use indexes::ids;
 use tokio::sync::watch;
 
 use crate::error::StoreError;
 
+pub use indexes::Indexes;
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
 
 /// The tables of the store.
@@ -72,6 +75,9 @@ pub struct Tables {
     /// The index of the last write that put or deleted an alloc, leaving
     /// out writes of an alloc's volume stats alone (memory only).
     pub allocs_state_index: u64,
+    /// Lookups by something other than an object's ID (memory only: built
+    /// when the store opens, kept by its writes).
+    pub(crate) indexes: Indexes,
 }
 
 /// The indexes of the last writes of the nodes, the volumes and the allocs
@@ -95,12 +101,112 @@ impl Tables {
         }
     }
 
-    pub fn allocs_on_node<'a>(&'a self, node_id: &'a str) -> impl Iterator<Item = &'a Allocation> {
-        self.allocs.values().filter(move |a| a.node_id == node_id)
+    /// These tables with their indexes built from them (for tables put
+    /// together by hand; the store keeps its own).
+    pub fn with_indexes(mut self) -> Tables {
+        self.indexes = Indexes::build(&self);
+        self
     }
 
-    pub fn allocs_of_job<'a>(&'a self, job_id: &'a str) -> impl Iterator<Item = &'a Allocation> {
-        self.allocs.values().filter(move |a| a.job_id == job_id)
+    /// Build the indexes again from the tables (after changing tables put
+    /// together by hand).
+    pub fn reindex(&mut self) {
+        self.indexes = Indexes::build(self);
+    }
+
+    /// The indexes, as the store keeps them.
+    pub fn indexes(&self) -> &Indexes {
+        &self.indexes
+    }
+
+    /// The allocs placed on `node_id`, in ID order.
+    pub fn allocs_on_node<'a>(&'a self, node_id: &str) -> impl Iterator<Item = &'a Allocation> {
+        self.by_ids(&self.allocs, &self.indexes.allocs_by_node, node_id)
+    }
+
+    /// The allocs of `job_id`, in ID order.
+    pub fn allocs_of_job<'a>(&'a self, job_id: &str) -> impl Iterator<Item = &'a Allocation> {
+        self.by_ids(&self.allocs, &self.indexes.allocs_by_job, job_id)
+    }
+
+    /// The allocs (terminal or not) with a task that runs CSI plugin
+    /// `plugin_id`, in ID order.
+    pub fn allocs_running_plugin<'a>(
+        &'a self,
+        plugin_id: &str,
+    ) -> impl Iterator<Item = &'a Allocation> {
+        self.by_ids(&self.allocs, &self.indexes.plugin_allocs, plugin_id)
+    }
+
+    /// The volumes with a claim made on `node_id`, in ID order.
+    pub fn volumes_claimed_on_node<'a>(
+        &'a self,
+        node_id: &str,
+    ) -> impl Iterator<Item = &'a CsiVolume> {
+        self.by_ids(&self.volumes, &self.indexes.claims_by_node, node_id)
+    }
+
+    /// The volumes `alloc_id` holds a claim of, in ID order.
+    pub fn volumes_claimed_by_alloc<'a>(
+        &'a self,
+        alloc_id: &str,
+    ) -> impl Iterator<Item = &'a CsiVolume> {
+        self.by_ids(&self.volumes, &self.indexes.claims_by_alloc, alloc_id)
+    }
+
+    /// Whether any volume holds a claim of `alloc_id`.
+    pub fn alloc_has_claims(&self, alloc_id: &str) -> bool {
+        self.indexes.claims_by_alloc.contains_key(alloc_id)
+    }
+
+    /// The IDs of the allocs that hold a volume claim, in ID order.
+    pub fn claimed_alloc_ids(&self) -> impl Iterator<Item = &str> {
+        self.indexes.claims_by_alloc.keys().map(String::as_str)
+    }
+
+    /// The volumes of CSI plugin `plugin_id`, in ID order.
+    pub fn volumes_of_plugin<'a>(&'a self, plugin_id: &str) -> impl Iterator<Item = &'a CsiVolume> {
+        self.by_ids(&self.volumes, &self.indexes.volumes_by_plugin, plugin_id)
+    }
+
+    /// The nodes named `name`, in ID order.
+    pub fn nodes_named<'a>(&'a self, name: &str) -> impl Iterator<Item = &'a Node> {
+        self.by_ids(&self.nodes, &self.indexes.nodes_by_name, name)
+    }
+
+    /// The nodes that report a node or a controller instance of CSI
+    /// plugin `plugin_id`, in ID order.
+    pub fn nodes_with_plugin<'a>(&'a self, plugin_id: &str) -> impl Iterator<Item = &'a Node> {
+        self.by_ids(&self.nodes, &self.indexes.nodes_by_plugin, plugin_id)
+    }
+
+    /// The IDs of the CSI plugins that a node reports or an alloc runs, in
+    /// ID order.
+    pub fn plugin_ids(&self) -> BTreeSet<&str> {
+        self.indexes
+            .nodes_by_plugin
+            .keys()
+            .chain(self.indexes.plugin_allocs.keys())
+            .map(String::as_str)
+            .collect()
+    }
+
+    /// The nodes with a drain strategy, in ID order.
+    pub fn draining_nodes(&self) -> impl Iterator<Item = &Node> {
+        self.indexes
+            .draining_nodes
+            .iter()
+            .filter_map(|id| self.nodes.get(id))
+    }
+
+    /// The objects of `table` whose IDs `index` has under `key`.
+    fn by_ids<'a, V>(
+        &'a self,
+        table: &'a BTreeMap<String, V>,
+        index: &'a BTreeMap<String, BTreeSet<String>>,
+        key: &str,
+    ) -> impl Iterator<Item = &'a V> + 'a {
+        ids(index, key).filter_map(move |id| table.get(id))
     }
 }
 
@@ -183,7 +289,8 @@ pub struct StateStore {
 impl StateStore {
     /// Load the tables from `backend`.
     pub fn open(backend: Box<dyn Backend>) -> Result<StateStore, StoreError> {
-        let tables = backend.load()?;
+        let mut tables = backend.load()?;
+        tables.indexes = Indexes::build(&tables);
         let (index_tx, _) = watch::channel(tables.index);
         let (allocs_or_nodes_tx, _) = watch::channel(tables.index);
         let table_tx = Table::ALL
@@ -323,7 +430,8 @@ impl StateStore {
         written.sort();
         written.dedup();
         let allocs_or_nodes = {
-            let mut tables = self.tables.write().unwrap_or_else(|p| p.into_inner());
+            let mut guard = self.tables.write().unwrap_or_else(|p| p.into_inner());
+            let tables: &mut Tables = &mut guard;
             for change in changes {
                 tables.table_index.insert(change.table(), index);
                 match change {
@@ -345,6 +453,14 @@ impl StateStore {
                             tables.node_allocs_index.insert(a.node_id.clone(), index);
                             tables.allocs_state_index = index;
                         }
+                        if !stats_only {
+                            if let Some(old) = tables.allocs.get(&a.id) {
+                                tables.indexes.remove_alloc(old);
+                                tables.indexes.put_alloc(&a);
+                            } else {
+                                tables.indexes.put_alloc(&a);
+                            }
+                        }
                         if let Some(old) = tables.allocs.insert(a.id.clone(), a) {
                             if !stats_only {
                                 tables.node_allocs_index.insert(old.node_id, index);
@@ -353,25 +469,38 @@ impl StateStore {
                     }
                     Change::DeleteAlloc(k) => {
                         if let Some(old) = tables.allocs.remove(&k) {
+                            tables.indexes.remove_alloc(&old);
                             tables.node_allocs_index.insert(old.node_id, index);
                             tables.allocs_state_index = index;
                         }
                     }
                     Change::PutNode(n) => {
+                        if let Some(old) = tables.nodes.get(&n.id) {
+                            tables.indexes.remove_node(old);
+                        }
+                        tables.indexes.put_node(&n);
                         tables.nodes.insert(n.id.clone(), n);
                     }
                     Change::DeleteNode(k) => {
-                        tables.nodes.remove(&k);
+                        if let Some(old) = tables.nodes.remove(&k) {
+                            tables.indexes.remove_node(&old);
+                        }
                         tables.node_secrets.remove(&k);
                     }
                     Change::PutNodeSecret { node_id, secret } => {
                         tables.node_secrets.insert(node_id, secret);
                     }
                     Change::PutVolume(v) => {
+                        if let Some(old) = tables.volumes.get(&v.id) {
+                            tables.indexes.remove_volume(old);
+                        }
+                        tables.indexes.put_volume(&v);
                         tables.volumes.insert(v.id.clone(), v);
                     }
                     Change::DeleteVolume(k) => {
-                        tables.volumes.remove(&k);
+                        if let Some(old) = tables.volumes.remove(&k) {
+                            tables.indexes.remove_volume(&old);
+                        }
                     }
                 }
             }
@@ -594,5 +723,309 @@ mod tests {
         a1.node_id = "n2".into();
         let moved = put(&store, vec![Change::PutAlloc(a1)]);
         assert_eq!((at("n1"), at("n2")), (Some(moved), Some(moved)));
+    }
+
+    mod indexes {
+        use std::collections::BTreeMap;
+
+        use berth_structs::{
+            AccessMode, AttachmentMode, ClaimMode, ClaimState, CsiInfo, CsiPluginType,
+            CsiVolumeClaim, DrainStrategy, Task, TaskCsiPluginConfig, TaskGroup,
+        };
+        use proptest::prelude::*;
+
+        use super::*;
+
+        /// One random change, over a handful of IDs so that puts replace,
+        /// deletes hit and several objects share a node, job or plugin.
+        #[derive(Debug, Clone)]
+        enum Op {
+            Alloc {
+                id: u8,
+                node: u8,
+                job: u8,
+                plugin: Option<u8>,
+                stats_only: bool,
+            },
+            DeleteAlloc(u8),
+            Node {
+                id: u8,
+                name: u8,
+                node_plugins: Vec<u8>,
+                controller_plugins: Vec<u8>,
+                draining: bool,
+            },
+            DeleteNode(u8),
+            Volume {
+                id: u8,
+                plugin: u8,
+                claims: Vec<(u8, u8, bool)>,
+            },
+            DeleteVolume(u8),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            let few = || 0u8..4;
+            prop_oneof![
+                4 => (0u8..8, few(), few(), proptest::option::of(few()), any::<bool>()).prop_map(
+                    |(id, node, job, plugin, stats_only)| Op::Alloc { id, node, job, plugin, stats_only }
+                ),
+                1 => (0u8..8).prop_map(Op::DeleteAlloc),
+                2 => (few(), few(), proptest::collection::vec(few(), 0..3), proptest::collection::vec(few(), 0..2), any::<bool>())
+                    .prop_map(|(id, name, node_plugins, controller_plugins, draining)| Op::Node {
+                        id, name, node_plugins, controller_plugins, draining
+                    }),
+                1 => few().prop_map(Op::DeleteNode),
+                2 => (few(), few(), proptest::collection::vec((0u8..8, few(), any::<bool>()), 0..4))
+                    .prop_map(|(id, plugin, claims)| Op::Volume { id, plugin, claims }),
+                1 => few().prop_map(Op::DeleteVolume),
+            ]
+        }
+
+        fn claim(alloc: u8, node: u8) -> CsiVolumeClaim {
+            CsiVolumeClaim {
+                alloc_id: format!("a{alloc}"),
+                node_id: format!("n{node}"),
+                external_node_id: String::new(),
+                mode: ClaimMode::Read,
+                access_mode: AccessMode::MultiNodeReader,
+                attachment_mode: AttachmentMode::FileSystem,
+                state: ClaimState::Taken,
+                publish_context: BTreeMap::new(),
+                releasing: false,
+                controller_published: false,
+            }
+        }
+
+        fn change(store: &StateStore, op: &Op) -> Change {
+            match op.clone() {
+                Op::Alloc {
+                    id,
+                    node,
+                    job,
+                    plugin,
+                    stats_only,
+                } => {
+                    let id = format!("a{id}");
+                    if stats_only {
+                        if let Some(mut a) = store.read(|t| t.allocs.get(&id).cloned()) {
+                            let stats = berth_structs::CsiVolumeStats {
+                                volume_id: "v".into(),
+                                bytes_used: Some(u64::from(node)),
+                                ..Default::default()
+                            };
+                            a.csi_volume_stats.insert("data".into(), stats);
+                            return Change::PutAlloc(a);
+                        }
+                    }
+                    let tasks = vec![Task {
+                        name: "t".into(),
+                        csi_plugin: plugin.map(|p| TaskCsiPluginConfig {
+                            id: format!("p{p}"),
+                            plugin_type: CsiPluginType::Monolith,
+                            mount_dir: "/csi".into(),
+                            stage_publish_base_dir: None,
+                            health_timeout: Duration::from_secs(30),
+                        }),
+                        ..Task::default()
+                    }];
+                    Change::PutAlloc(Allocation {
+                        id,
+                        node_id: format!("n{node}"),
+                        job_id: format!("j{job}"),
+                        task_group: "g".into(),
+                        job: Job {
+                            id: format!("j{job}"),
+                            task_groups: vec![TaskGroup {
+                                name: "g".into(),
+                                tasks,
+                                ..TaskGroup::default()
+                            }],
+                            ..Job::default()
+                        },
+                        ..Allocation::default()
+                    })
+                }
+                Op::DeleteAlloc(id) => Change::DeleteAlloc(format!("a{id}")),
+                Op::Node {
+                    id,
+                    name,
+                    node_plugins,
+                    controller_plugins,
+                    draining,
+                } => {
+                    let plugins = |ps: Vec<u8>| {
+                        ps.into_iter()
+                            .map(|p| (format!("p{p}"), CsiInfo::default()))
+                            .collect()
+                    };
+                    Change::PutNode(Node {
+                        id: format!("n{id}"),
+                        name: format!("name{name}"),
+                        csi_node_plugins: plugins(node_plugins),
+                        csi_controller_plugins: plugins(controller_plugins),
+                        drain_strategy: draining
+                            .then(|| DrainStrategy::new(Duration::from_secs(60), 0)),
+                        ..Node::default()
+                    })
+                }
+                Op::DeleteNode(id) => Change::DeleteNode(format!("n{id}")),
+                Op::Volume { id, plugin, claims } => {
+                    let mut v = CsiVolume {
+                        id: format!("v{id}"),
+                        plugin_id: format!("p{plugin}"),
+                        ..CsiVolume::default()
+                    };
+                    for (alloc, node, write) in claims {
+                        let c = claim(alloc, node);
+                        if write {
+                            v.write_claims.insert(c.alloc_id.clone(), c);
+                        } else {
+                            v.read_claims.insert(c.alloc_id.clone(), c);
+                        }
+                    }
+                    Change::PutVolume(v)
+                }
+                Op::DeleteVolume(id) => Change::DeleteVolume(format!("v{id}")),
+            }
+        }
+
+        /// Every indexed lookup against the scan it replaces.
+        fn check_lookups(t: &Tables) {
+            let ids = |it: Vec<&String>| it.into_iter().cloned().collect::<Vec<_>>();
+            for k in 0..4u8 {
+                let node = format!("n{k}");
+                let job = format!("j{k}");
+                let plugin = format!("p{k}");
+                let name = format!("name{k}");
+                assert_eq!(
+                    ids(t.allocs_on_node(&node).map(|a| &a.id).collect()),
+                    ids(t
+                        .allocs
+                        .values()
+                        .filter(|a| a.node_id == node)
+                        .map(|a| &a.id)
+                        .collect())
+                );
+                assert_eq!(
+                    ids(t.allocs_of_job(&job).map(|a| &a.id).collect()),
+                    ids(t
+                        .allocs
+                        .values()
+                        .filter(|a| a.job_id == job)
+                        .map(|a| &a.id)
+                        .collect())
+                );
+                let runs = |a: &Allocation| {
+                    a.group().is_some_and(|g| {
+                        g.tasks
+                            .iter()
+                            .any(|t| t.csi_plugin.as_ref().is_some_and(|p| p.id == plugin))
+                    })
+                };
+                assert_eq!(
+                    ids(t.allocs_running_plugin(&plugin).map(|a| &a.id).collect()),
+                    ids(t
+                        .allocs
+                        .values()
+                        .filter(|a| runs(a))
+                        .map(|a| &a.id)
+                        .collect())
+                );
+                assert_eq!(
+                    ids(t.volumes_claimed_on_node(&node).map(|v| &v.id).collect()),
+                    ids(t
+                        .volumes
+                        .values()
+                        .filter(|v| v.claims().any(|c| c.node_id == node))
+                        .map(|v| &v.id)
+                        .collect())
+                );
+                assert_eq!(
+                    ids(t.volumes_of_plugin(&plugin).map(|v| &v.id).collect()),
+                    ids(t
+                        .volumes
+                        .values()
+                        .filter(|v| v.plugin_id == plugin)
+                        .map(|v| &v.id)
+                        .collect())
+                );
+                assert_eq!(
+                    ids(t.nodes_named(&name).map(|n| &n.id).collect()),
+                    ids(t
+                        .nodes
+                        .values()
+                        .filter(|n| n.name == name)
+                        .map(|n| &n.id)
+                        .collect())
+                );
+                assert_eq!(
+                    ids(t.nodes_with_plugin(&plugin).map(|n| &n.id).collect()),
+                    ids(t
+                        .nodes
+                        .values()
+                        .filter(|n| n.csi_node_plugins.contains_key(&plugin)
+                            || n.csi_controller_plugins.contains_key(&plugin))
+                        .map(|n| &n.id)
+                        .collect())
+                );
+            }
+            for k in 0..8u8 {
+                let alloc = format!("a{k}");
+                assert_eq!(
+                    ids(t.volumes_claimed_by_alloc(&alloc).map(|v| &v.id).collect()),
+                    ids(t
+                        .volumes
+                        .values()
+                        .filter(|v| v.claim_for(&alloc).is_some())
+                        .map(|v| &v.id)
+                        .collect())
+                );
+            }
+            assert_eq!(
+                ids(t.draining_nodes().map(|n| &n.id).collect()),
+                ids(t
+                    .nodes
+                    .values()
+                    .filter(|n| n.drain_strategy.is_some())
+                    .map(|n| &n.id)
+                    .collect())
+            );
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(48))]
+
+            /// After any writes and deletes, and after a reload from disk,
+            /// the indexes are what a scan of the tables builds, and every
+            /// indexed lookup answers what the scan it replaces answers.
+            #[test]
+            fn indexes_equal_a_scan_after_writes_deletes_and_a_reload(
+                writes in proptest::collection::vec(proptest::collection::vec(op(), 1..4), 1..24)
+            ) {
+                let dir = tempfile::tempdir().unwrap();
+                let path = RedbBackend::path_in(dir.path());
+                let kept = {
+                    let store = StateStore::open(Box::new(RedbBackend::open(&path).unwrap())).unwrap();
+                    for ops in &writes {
+                        let changes: Vec<Change> = ops.iter().map(|op| change(&store, op)).collect();
+                        put(&store, changes);
+                        store.read(|t| {
+                            prop_assert_eq!(&t.indexes, &Indexes::build(t));
+                            check_lookups(t);
+                            Ok(())
+                        })?;
+                    }
+                    store.read(|t| t.indexes.clone())
+                };
+                let store = StateStore::open(Box::new(RedbBackend::open(&path).unwrap())).unwrap();
+                store.read(|t| {
+                    prop_assert_eq!(&t.indexes, &kept);
+                    prop_assert_eq!(&t.indexes, &Indexes::build(t));
+                    check_lookups(t);
+                    Ok(())
+                })?;
+            }
+        }
     }
 }
