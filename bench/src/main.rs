@@ -14,6 +14,7 @@
 
 mod figures;
 mod report;
+mod sim;
 
 use std::process::ExitCode;
 

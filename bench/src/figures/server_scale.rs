@@ -1,14 +1,316 @@
-//! Not measured yet.
+//! `server-scale`: one real server agent (`berth agent -server`, its own
+//! process, default settings: min TTL 10 s, 50 heartbeats/s) with N
+//! simulated nodes (`bench/src/sim.rs`: each registers with its own ID
+//! and secret, heartbeats at the TTL the server returns with the client's
+//! jitter, watches its allocs, reports them running and keeps a call
+//! stream open), 5 allocs per node (service jobs of up to 1,000 allocs
+//! registered through the HTTP API, each node sized to hold exactly 5),
+//! and N CSI volumes registered through the API (unclaimed: claims are
+//! the `claims-release` figure's).
+//!
+//! Measured, per size:
+//! - the heartbeat round trip (`Node.Heartbeat`, from the simulated node
+//!   sending it to the answer) while the set-up writes run, and in the
+//!   steady state after it, for `--duration` seconds;
+//! - the baseline, in the same steady window: the cheapest round trip to
+//!   the same server over the same connections (a heartbeat of a node it
+//!   does not know, refused at once), probed every 50 ms;
+//! - the server's RSS once everything is in place;
+//! - the server's CPU over the steady window (near zero: no per-volume
+//!   or per-alloc work while idle, only the heartbeats);
+//! - the server's alive tokio tasks (`berth_runtime_alive_tasks`) before
+//!   and after the N volumes are registered: equal when no task is held
+//!   per volume;
+//! - the set-up costs: registering the nodes (all at once), placing and
+//!   running the allocs (from the first job registered to every alloc
+//!   reported running), registering the volumes (4 API clients).
+//!
+//! Target: steady heartbeat p99 ≤ 20 ms at 10,000 nodes (the largest
+//! size); no node marked down; no RPC failed.
+//!
+//! ```text
+//! scripts/bench server-scale                       # --sizes 100,1000,10000
+//! scripts/bench server-scale --sizes 10000 --duration 60
+//! ```
 
-use anyhow::{bail, Result};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use berth_proto::berth::v1 as pb;
+use berth_proto::berth::v1::node_client::NodeClient;
+
+use crate::report::{self, Mib, Ms, Samples};
+use crate::sim::{self, Fleet, FleetConfig, ServerAgent, TASK_CPU};
 
 #[derive(clap::Args, Debug)]
-pub struct Args {}
-
-pub fn run(_args: &Args) -> Result<()> {
-    bail!("this figure is not written yet")
+pub struct Args {
+    /// Simulated nodes per run; allocs (5 per node) and volumes (one per
+    /// node) scale with them.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![100, 1000, 10000])]
+    pub sizes: Vec<usize>,
+    /// Seconds of steady heartbeats measured after the set-up.
+    #[arg(long, default_value_t = 30)]
+    pub duration: u64,
+    /// Allocs placed per node.
+    #[arg(long, default_value_t = 5)]
+    pub allocs_per_node: usize,
 }
 
+/// The largest job registered: `count` is at most 10,000, and smaller
+/// jobs are how a fleet's allocs arrive.
+const JOB_ALLOCS: usize = 1000;
+
+struct Point {
+    nodes: usize,
+    setup_heartbeats: Samples,
+    steady_heartbeats: Samples,
+    baseline: Samples,
+    rss_kib: u64,
+    cpu_share: f64,
+    tasks_before_volumes: f64,
+    tasks_after_volumes: f64,
+    tasks_idle: f64,
+    register: Duration,
+    place: Duration,
+    volumes: Duration,
+    down: f64,
+}
+
+pub fn run(args: &Args) -> Result<()> {
+    if args.sizes.is_empty() || args.sizes.contains(&0) {
+        bail!("--sizes: give one or more node counts above 0");
+    }
+    if args.allocs_per_node == 0 {
+        bail!("--allocs-per-node: at least 1");
+    }
+    report::heading(
+        "server-scale",
+        &format!(
+            "a server agent with N simulated nodes heartbeating, {} allocs per node, N unclaimed CSI volumes; steady window {} s",
+            args.allocs_per_node, args.duration
+        ),
+    );
+    let mut points = Vec::new();
+    for &n in &args.sizes {
+        let p = measure(n, args)?;
+        print_point(&p);
+        points.push(p);
+    }
+    let last = points.last().context("no size ran")?;
+    report::target(
+        &format!(
+            "steady heartbeat p99 <= 20 ms at {} nodes (p99 {})",
+            last.nodes,
+            Ms(last.steady_heartbeats.p99())
+        ),
+        last.steady_heartbeats.p99() <= Duration::from_millis(20),
+    );
+    if points.len() >= 2 {
+        let g = |f: &dyn Fn(&Point) -> f64| -> Vec<(f64, f64)> {
+            points.iter().map(|p| (p.nodes as f64, f(p))).collect()
+        };
+        report::growth_table(
+            "steady heartbeat p99",
+            "ms",
+            &g(&|p| p.steady_heartbeats.p99().as_secs_f64() * 1000.0),
+        );
+        report::growth_table("server RSS", "MiB", &g(&|p| p.rss_kib as f64 / 1024.0));
+        report::growth_table(
+            "registering the nodes",
+            "s",
+            &g(&|p| p.register.as_secs_f64()),
+        );
+        report::growth_table(
+            "placing and running the allocs",
+            "s",
+            &g(&|p| p.place.as_secs_f64()),
+        );
+        report::growth_table(
+            "registering the volumes",
+            "s",
+            &g(&|p| p.volumes.as_secs_f64()),
+        );
+    }
+    Ok(())
+}
+
+fn print_point(p: &Point) {
+    println!("  -- {} nodes", p.nodes);
+    report::samples("heartbeat during set-up", &p.setup_heartbeats);
+    report::samples("heartbeat steady", &p.steady_heartbeats);
+    report::samples("baseline: refused round trip", &p.baseline);
+    report::ratio_line(
+        "steady heartbeat / baseline",
+        &p.steady_heartbeats,
+        &p.baseline,
+    );
+    report::value("server RSS", Mib(p.rss_kib));
+    report::value(
+        "server CPU, steady window",
+        format!("{:.1} % of one core", p.cpu_share * 100.0),
+    );
+    report::value(
+        "alive tasks: before/after volumes",
+        format!(
+            "{} / {} (idle at the end: {})",
+            p.tasks_before_volumes, p.tasks_after_volumes, p.tasks_idle
+        ),
+    );
+    report::value(
+        "set-up: nodes / allocs / volumes",
+        format!(
+            "{:.1} s / {:.1} s / {:.1} s",
+            p.register.as_secs_f64(),
+            p.place.as_secs_f64(),
+            p.volumes.as_secs_f64()
+        ),
+    );
+    report::value("nodes marked down", p.down);
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("the bench's tokio runtime")
+}
+
+/// One channel per 100 nodes, at least 4.
+pub(crate) fn channels_for(nodes: usize) -> usize {
+    nodes.div_ceil(100).max(4)
+}
+
+fn measure(nodes: usize, args: &Args) -> Result<Point> {
+    let rt = runtime()?;
+    let server = ServerAgent::start()?;
+    let total_allocs = nodes * args.allocs_per_node;
+    let cfg = FleetConfig {
+        nodes,
+        node_cpu: args.allocs_per_node as u64 * TASK_CPU,
+        plugin_nodes: 1,
+        unpublish: true,
+        channels: channels_for(nodes),
+    };
+    let setup_started = Instant::now();
+    let fleet = rt.block_on(Fleet::start(&server.rpc, &cfg))?;
+    let register = fleet.registration;
+
+    // The allocs, through the API.
+    let placing = Instant::now();
+    let jobs = total_allocs.div_ceil(JOB_ALLOCS);
+    server.parallel(jobs, 4, |s, j| {
+        let count = JOB_ALLOCS.min(total_allocs - j * JOB_ALLOCS);
+        let job = sim::job(&format!("scale-{j}"), count as u32, None);
+        s.put("/v1/jobs", &serde_json::json!({ "job": job }))?;
+        Ok(())
+    })?;
+    let stats = fleet.stats.clone();
+    rt.block_on(sim::wait_until(
+        "every alloc reported running",
+        Duration::from_secs(1800),
+        || stats.running.load(std::sync::atomic::Ordering::Relaxed) >= total_allocs,
+        || {
+            format!(
+                "{} of {total_allocs} running",
+                stats.running.load(std::sync::atomic::Ordering::Relaxed)
+            )
+        },
+    ))?;
+    let place = placing.elapsed();
+    fleet.stats.check()?;
+
+    let tasks_before_volumes = server.metric("berth_runtime_alive_tasks")?;
+    let registering = Instant::now();
+    server.parallel(nodes, 4, |s, i| s.register_volume(&format!("vol-{i}")))?;
+    let volumes = registering.elapsed();
+    // Let the writes' watchers settle before counting.
+    std::thread::sleep(Duration::from_secs(1));
+    let tasks_after_volumes = server.metric("berth_runtime_alive_tasks")?;
+    let setup_ended = Instant::now();
+
+    // Steady: heartbeats go on; probe the baseline meanwhile.
+    let cpu_before = server.cpu_time()?;
+    let steady_started = Instant::now();
+    let window = Duration::from_secs(args.duration);
+    let baseline = rt.block_on(probe(&server.rpc, window))?;
+    let steady_ended = Instant::now();
+    let cpu = server.cpu_time()?.saturating_sub(cpu_before);
+    let cpu_share = cpu.as_secs_f64() / steady_ended.duration_since(steady_started).as_secs_f64();
+    let tasks_idle = server.metric("berth_runtime_alive_tasks")?;
+    let rss_kib = server.rss_kib()?;
+    let down = server.metric("berth_nodes{status=\"down\"}").unwrap_or(0.0);
+
+    let setup_heartbeats = fleet.stats.heartbeats_between(setup_started, setup_ended);
+    let steady_heartbeats = fleet.stats.heartbeats_between(steady_started, steady_ended);
+    fleet.stats.check()?;
+    drop(fleet);
+    drop(server);
+    if down > 0.0 {
+        bail!(
+            "{down} nodes were marked down at {nodes} nodes: heartbeats were not answered in time"
+        );
+    }
+    Ok(Point {
+        nodes,
+        setup_heartbeats,
+        steady_heartbeats,
+        baseline,
+        rss_kib,
+        cpu_share,
+        tasks_before_volumes,
+        tasks_after_volumes,
+        tasks_idle,
+        register,
+        place,
+        volumes,
+        down,
+    })
+}
+
+/// Round trips of a heartbeat the server refuses at once (a node it does
+/// not know), every 50 ms for `window`.
+async fn probe(rpc: &str, window: Duration) -> Result<Samples> {
+    let channel = sim::connect(rpc, 1).await?.remove(0);
+    let mut client = NodeClient::new(channel);
+    let mut samples = Samples::new();
+    let end = Instant::now() + window;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    while Instant::now() < end {
+        tick.tick().await;
+        let started = Instant::now();
+        let r = client
+            .heartbeat(pb::HeartbeatRequest {
+                node_id: "not-a-node".into(),
+            })
+            .await;
+        let took = started.elapsed();
+        if r.is_ok() {
+            bail!("the server answered a heartbeat of a node it does not know");
+        }
+        samples.push(took);
+    }
+    Ok(samples)
+}
+
+/// 20 nodes, 3 s steady: every part of the path runs.
 pub fn smoke() -> Result<()> {
-    run(&Args {})
+    let p = measure(
+        20,
+        &Args {
+            sizes: vec![20],
+            duration: 3,
+            allocs_per_node: 2,
+        },
+    )?;
+    print_point(&p);
+    if p.steady_heartbeats.is_empty() && p.setup_heartbeats.is_empty() {
+        bail!("no heartbeat was measured");
+    }
+    if p.tasks_after_volumes > p.tasks_before_volumes + 2.0 {
+        bail!(
+            "registering 20 volumes left {} more tasks alive",
+            p.tasks_after_volumes - p.tasks_before_volumes
+        );
+    }
+    Ok(())
 }
