@@ -1,14 +1,367 @@
-//! Not measured yet.
+//! The scheduler placing an N-alloc service job on N ready nodes, in
+//! process, against a real state store on a redb file in a temp dir.
+//!
+//! Each round starts from a copy of one seeded state file (N nodes with
+//! room for the job: ready, eligible, `raw_exec`, 4000 MHz and 8 GiB
+//! each) opened by a real `berth_server::Server`, and measures, in turn:
+//!
+//! - **write alone** (the baseline): one store write of N allocs made
+//!   beforehand, as the placement's write will hold them: what any
+//!   registration that places N allocs pays to make them durable;
+//! - **place**: `Server::plan_job`, from the call to its answer: the
+//!   scheduler's placement computation (`scheduler::place`, the function a
+//!   registration's evaluation runs) with nothing written;
+//! - **register**: `Server::register_job` (what the HTTP API's
+//!   `PUT /v1/jobs` calls), from the call to its answer: the job's write,
+//!   the evaluation that places the N allocs and commits them in one
+//!   write, and the answer's reads.
+//!
+//! Printed per size: the samples of each, register's ratio to the write
+//! alone, and the per-alloc cost; then how the register time grows over
+//! the sizes. Target: it grows no worse than n log n (fitted exponent
+//! below 1.3 over 100..10,000, see `report::growth`).
+//!
+//! A second section shows what the tables' indexes buy: one lookup of a
+//! node's allocs (`Tables::allocs_on_node`, ten allocs a node) in a store
+//! of 1,000 and of 50,000 allocs, against the scan of the allocs table it
+//! replaced (the baseline). Target: the indexed lookup costs the same at
+//! both sizes (within 2x), while the scan grows with the table.
+//!
+//! ```text
+//! scripts/bench scheduler [--sizes 100,1000,10000] [--rounds 5] [--lookup-allocs 1000,50000]
+//! ```
 
-use anyhow::{bail, Result};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, ensure, Context, Result};
+use berth_server::state::{Change, RedbBackend, StateStore};
+use berth_server::{Server, ServerConfig, StoreError};
+use berth_structs::{
+    AllocDesiredStatus, Allocation, Job, JobType, Node, NodeResources, NodeStatus, Resources, Task,
+    TaskConfig, TaskGroup,
+};
+
+use crate::report::{self, Samples};
 
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// Sizes: N nodes and a job of N allocs for each.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![100, 1_000, 10_000])]
+    pub sizes: Vec<usize>,
+    /// Measured rounds per size.
+    #[arg(long, default_value_t = 5)]
+    pub rounds: usize,
+    /// Table sizes (allocs, ten a node) of the lookup section.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1_000, 50_000])]
+    pub lookup_allocs: Vec<usize>,
+    /// Lookups per sample in the lookup section.
+    #[arg(long, default_value_t = 1_000)]
+    pub lookups: usize,
+}
 
-pub fn run(_args: &Args) -> Result<()> {
-    bail!("this figure is not written yet")
+pub fn run(args: &Args) -> Result<()> {
+    ensure!(!args.sizes.is_empty(), "--sizes names no size");
+    ensure!(args.rounds > 0, "--rounds must be at least 1");
+    ensure!(
+        args.sizes.iter().all(|n| (1..=10_000).contains(n)),
+        "every size must be 1..=10000 (a group's count is at most 10000)"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    report::heading(
+        "scheduler",
+        &format!(
+            "an N-alloc service job placed on N ready nodes, in process on a redb store, {} rounds per size",
+            args.rounds
+        ),
+    );
+    let mut growth = Vec::new();
+    let mut place_growth = Vec::new();
+    for &n in &args.sizes {
+        let m = measure_size(&rt, n, args.rounds)?;
+        println!("  N = {n}");
+        report::samples("write alone (baseline)", &m.write_alone);
+        report::samples("place (plan_job, no write)", &m.place);
+        report::samples("register (place + its write)", &m.register);
+        report::ratio_line("register / write alone", &m.register, &m.write_alone);
+        report::value(
+            "register per alloc",
+            format!(
+                "{:.1} us",
+                m.register.median().as_secs_f64() * 1e6 / n as f64
+            ),
+        );
+        report::value(
+            "place per alloc",
+            format!("{:.1} us", m.place.median().as_secs_f64() * 1e6 / n as f64),
+        );
+        growth.push((n as f64, m.register.median().as_secs_f64() * 1000.0));
+        place_growth.push((n as f64, m.place.median().as_secs_f64() * 1000.0));
+    }
+    if growth.len() >= 2 {
+        report::growth_table("place", "ms", &place_growth);
+        let g = report::growth_table("register", "ms", &growth);
+        report::target("register grows no worse than n log n", g.exponent < 1.3);
+    }
+    lookups(&args.lookup_allocs, args.lookups, args.rounds.max(5))?;
+    Ok(())
 }
 
 pub fn smoke() -> Result<()> {
-    run(&Args {})
+    run(&Args {
+        sizes: vec![10, 40],
+        rounds: 1,
+        lookup_allocs: vec![100, 400],
+        lookups: 10,
+    })
+}
+
+struct SizeSamples {
+    write_alone: Samples,
+    place: Samples,
+    register: Samples,
+}
+
+/// The rounds of one size, each on its own copy of the seeded state.
+fn measure_size(rt: &tokio::runtime::Runtime, n: usize, rounds: usize) -> Result<SizeSamples> {
+    let dir = tempfile::tempdir()?;
+    let seed = dir.path().join("seed");
+    seed_nodes(&seed, n)?;
+    let job = job(&format!("bench-{n}"), n);
+    let mut out = SizeSamples {
+        write_alone: Samples::new(),
+        place: Samples::new(),
+        register: Samples::new(),
+    };
+    for round in 0..rounds {
+        // The baseline: the same allocs, written in one write.
+        let base = copy_state(&seed, &dir.path().join(format!("base-{round}")))?;
+        let store = open_store(&base)?;
+        let allocs: Vec<Change> = (0..n)
+            .map(|i| Change::PutAlloc(alloc(&job, i, &node_id(i))))
+            .collect();
+        let start = Instant::now();
+        store.write(|_, c| {
+            c.extend(allocs);
+            Ok::<_, StoreError>(())
+        })?;
+        out.write_alone.push(start.elapsed());
+        drop(store);
+
+        // The scheduler, on a server over another copy.
+        let data = copy_state(&seed, &dir.path().join(format!("server-{round}")))?;
+        let server = Server::open(ServerConfig::new(&data))?;
+        let start = Instant::now();
+        let plan = server.plan_job(job.clone())?;
+        out.place.push(start.elapsed());
+        let placed: u64 = plan.groups.iter().map(|g| g.place).sum();
+        ensure!(
+            placed == n as u64 && plan.unplaced_allocs == 0,
+            "the plan placed {placed} of {n} allocs: {:?}",
+            plan.placement_failures
+        );
+        let start = Instant::now();
+        let resp = rt.block_on(server.register_job(job.clone()))?;
+        out.register.push(start.elapsed());
+        ensure!(
+            resp.unplaced_allocs == 0 && resp.desired_allocs == n as u64,
+            "the registration left {} of {} allocs unplaced: {:?}",
+            resp.unplaced_allocs,
+            resp.desired_allocs,
+            resp.placement_failures
+        );
+        let allocs = server.job_allocations(&job.id)?;
+        ensure!(
+            allocs.len() == n,
+            "{} allocs stored, {n} placed",
+            allocs.len()
+        );
+        // Spread: one alloc a node.
+        let nodes: std::collections::BTreeSet<&str> =
+            allocs.iter().map(|a| a.node_id.as_str()).collect();
+        ensure!(
+            nodes.len() == n,
+            "the job's {n} allocs went to {} nodes, not one a node",
+            nodes.len()
+        );
+        drop(server);
+        std::fs::remove_dir_all(&base).ok();
+        std::fs::remove_dir_all(&data).ok();
+    }
+    Ok(out)
+}
+
+/// The lookup section: a node's allocs by the index against a scan.
+fn lookups(sizes: &[usize], per_sample: usize, samples: usize) -> Result<()> {
+    if sizes.is_empty() {
+        return Ok(());
+    }
+    ensure!(per_sample > 0, "--lookups must be at least 1");
+    println!(
+        "  lookup of one node's allocs (ten a node), {per_sample} lookups a sample, {samples} samples"
+    );
+    let mut indexed_points = Vec::new();
+    let mut scan_points = Vec::new();
+    for &allocs in sizes {
+        ensure!(allocs >= 10, "--lookup-allocs sizes must be at least 10");
+        let dir = tempfile::tempdir()?;
+        let store = open_store(dir.path())?;
+        let nodes = allocs / 10;
+        let job = job("lookup", 1);
+        let changes: Vec<Change> = (0..allocs)
+            .map(|i| Change::PutAlloc(alloc(&job, i, &node_id(i % nodes))))
+            .collect();
+        store.write(|_, c| {
+            c.extend(changes);
+            Ok::<_, StoreError>(())
+        })?;
+        let mut indexed = Samples::new();
+        let mut scan = Samples::new();
+        for s in 0..samples {
+            // Interleaved, on nodes spread over the table.
+            let ids: Vec<String> = (0..per_sample)
+                .map(|i| node_id((i * 7919 + s) % nodes))
+                .collect();
+            let (found_indexed, took) = store.read(|t| {
+                let start = Instant::now();
+                let found: usize = ids.iter().map(|id| t.allocs_on_node(id).count()).sum();
+                (found, start.elapsed())
+            });
+            indexed.push(took);
+            let (found_scan, took) = store.read(|t| {
+                let start = Instant::now();
+                let found: usize = ids
+                    .iter()
+                    .map(|id| t.allocs.values().filter(|a| &a.node_id == id).count())
+                    .sum();
+                (found, start.elapsed())
+            });
+            scan.push(took);
+            ensure!(
+                found_indexed == found_scan && found_indexed == per_sample * 10,
+                "the index found {found_indexed} allocs, the scan {found_scan}, of {} expected",
+                per_sample * 10
+            );
+        }
+        report::samples(&format!("indexed, {allocs} allocs"), &indexed);
+        report::samples(&format!("scan (baseline), {allocs} allocs"), &scan);
+        report::ratio_line(&format!("scan / indexed, {allocs} allocs"), &scan, &indexed);
+        indexed_points.push((allocs as f64, indexed.median().as_secs_f64() * 1000.0));
+        scan_points.push((allocs as f64, scan.median().as_secs_f64() * 1000.0));
+    }
+    if indexed_points.len() >= 2 {
+        report::growth_table("the indexed lookup", "ms", &indexed_points);
+        report::growth_table("the scan", "ms", &scan_points);
+        let first = indexed_points[0].1;
+        let last = indexed_points[indexed_points.len() - 1].1;
+        report::target(
+            "the indexed lookup costs the same at every size (within 2x)",
+            last <= first * 2.0,
+        );
+    }
+    Ok(())
+}
+
+fn node_id(i: usize) -> String {
+    format!("node-{i:05}")
+}
+
+fn node(i: usize) -> Node {
+    Node {
+        id: node_id(i),
+        name: format!("bench-{i:05}"),
+        datacenter: "dc1".into(),
+        status: NodeStatus::Ready,
+        drivers: vec!["raw_exec".into()],
+        resources: NodeResources {
+            cpu: 4_000,
+            memory_mb: 8_192,
+            disk_mb: 0,
+        },
+        ..Node::default()
+    }
+}
+
+fn job(id: &str, count: usize) -> Job {
+    Job {
+        id: id.into(),
+        name: id.into(),
+        job_type: JobType::Service,
+        datacenters: vec!["dc1".into()],
+        task_groups: vec![TaskGroup {
+            name: "web".into(),
+            count: u32::try_from(count).unwrap_or(u32::MAX),
+            tasks: vec![Task {
+                name: "server".into(),
+                driver: "raw_exec".into(),
+                config: TaskConfig {
+                    command: "/bin/sleep".into(),
+                    args: vec!["3600".into()],
+                },
+                resources: Resources {
+                    cpu: 100,
+                    memory_mb: 64,
+                },
+                ..Task::default()
+            }],
+            ..TaskGroup::default()
+        }],
+        ..Job::default()
+    }
+}
+
+/// An alloc of `job` as a placement makes it.
+fn alloc(job: &Job, index: usize, node_id: &str) -> Allocation {
+    let group = &job.task_groups[0];
+    Allocation {
+        id: berth_structs::generate_id(),
+        name: format!("{}.{}[{index}]", job.id, group.name),
+        job_id: job.id.clone(),
+        job: job.clone(),
+        task_group: group.name.clone(),
+        index: u32::try_from(index).unwrap_or(u32::MAX),
+        node_id: node_id.to_string(),
+        desired_status: AllocDesiredStatus::Run,
+        ..Allocation::default()
+    }
+}
+
+/// A server data dir at `data_dir` with `n` ready nodes, written in one
+/// write.
+fn seed_nodes(data_dir: &Path, n: usize) -> Result<()> {
+    std::fs::create_dir_all(data_dir)?;
+    let store = open_store(data_dir)?;
+    let nodes: Vec<Change> = (0..n).map(|i| Change::PutNode(node(i))).collect();
+    store.write(|_, c| {
+        c.extend(nodes);
+        Ok::<_, StoreError>(())
+    })?;
+    Ok(())
+}
+
+fn open_store(data_dir: &Path) -> Result<StateStore> {
+    let path = RedbBackend::path_in(data_dir);
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let backend =
+        RedbBackend::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    Ok(StateStore::open(Box::new(backend))?)
+}
+
+/// A copy of the server state under `from` in a new data dir `to`.
+fn copy_state(from: &Path, to: &Path) -> Result<PathBuf> {
+    let src = RedbBackend::path_in(from);
+    let dst = RedbBackend::path_in(to);
+    if let Some(parent) = dst.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::copy(&src, &dst)
+        .with_context(|| format!("copying {} to {}", src.display(), dst.display()))?;
+    if !dst.exists() {
+        bail!("{} was not made", dst.display());
+    }
+    Ok(to.to_path_buf())
 }
