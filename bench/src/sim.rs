@@ -61,8 +61,8 @@ pub const TASK_CPU: u64 = 100;
 pub struct FleetStats {
     /// Each heartbeat round trip and when it started.
     heartbeats: Mutex<Vec<(Instant, Duration)>>,
-    /// Each `CSIVolume.Unpublish` round trip.
-    unpublishes: Mutex<Vec<Duration>>,
+    /// Each `CSIVolume.Unpublish` round trip, and when it ended.
+    unpublishes: Mutex<Vec<(Instant, Duration)>>,
     failures: Mutex<Vec<String>>,
     /// Allocs reported running, and reported complete.
     pub running: AtomicUsize,
@@ -96,8 +96,18 @@ impl FleetStats {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .copied()
+            .map(|(_, d)| *d)
             .collect()
+    }
+
+    /// When the last `CSIVolume.Unpublish` was answered.
+    pub fn last_unpublish(&self) -> Option<Instant> {
+        self.unpublishes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(at, _)| *at)
+            .max()
     }
 
     /// The first failures (at most `n`) and how many there were.
@@ -122,7 +132,6 @@ impl FleetStats {
 /// A running fleet; dropping it ends every node's tasks.
 pub struct Fleet {
     pub stats: Arc<FleetStats>,
-    pub node_ids: Vec<String>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
     /// How long registering every node took (all at once).
@@ -220,9 +229,7 @@ impl Fleet {
         }
         let registration = started.elapsed();
         let mut tasks = Vec::with_capacity(cfg.nodes * 3);
-        let mut node_ids = Vec::with_capacity(cfg.nodes);
         for (sim, ttl) in nodes {
-            node_ids.push(sim.id.clone());
             tasks.push(tokio::spawn(
                 sim.clone().heartbeat_loop(ttl, stop_rx.clone()),
             ));
@@ -231,7 +238,6 @@ impl Fleet {
         }
         Ok(Fleet {
             stats,
-            node_ids,
             stop,
             tasks,
             registration,
@@ -579,7 +585,7 @@ impl SimNode {
                 .unpublishes
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(started.elapsed());
+                .push((Instant::now(), started.elapsed()));
             self.stats.unpublished.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
@@ -760,7 +766,10 @@ impl ServerAgent {
             ..Default::default()
         };
         self.put(
-            &format!("/v1/volume/csi/{id}"),
+            &format!(
+                "/v1/volume/csi/{}",
+                id.replace('[', "%5B").replace(']', "%5D")
+            ),
             &serde_json::json!({ "volume": vol }),
         )?;
         Ok(())
