@@ -922,3 +922,47 @@ async fn operator_detach_of_a_down_nodes_claim_says_the_node_was_not_told() {
     assert_eq!(claim_of(&s, "data", &alloc.id), None);
     assert!(client.call_kinds().is_empty(), "nobody to call");
 }
+
+/// Releases a claim of a running alloc as its client does after unmounting
+/// (no other writer is busy then) and answers how many writes it took.
+async fn writes_of_a_clients_release(controller: bool) -> u64 {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let alloc = setup(&ts, controller, &[AccessMode::SingleNodeWriter]).await;
+    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    let before = s.index();
+    csi.unpublish(pb::UnpublishRequest {
+        volume_id: "data".into(),
+        alloc_id: alloc.id.clone(),
+        node_id: "n1".into(),
+    })
+    .await
+    .unwrap();
+    assert_eq!(claim_of(&s, "data", &alloc.id), None, "the claim is freed");
+    let kinds = client.call_kinds();
+    assert!(!kinds.contains(&"NodeDetach"), "{kinds:?}");
+    assert_eq!(
+        kinds.contains(&"ControllerUnpublish"),
+        controller,
+        "{kinds:?}"
+    );
+    s.index() - before
+}
+
+#[tokio::test]
+async fn a_clients_release_frees_the_claim_in_one_write_or_two_around_a_controller_detach() {
+    assert_eq!(
+        writes_of_a_clients_release(false).await,
+        1,
+        "nothing to detach: the claim is freed in one write"
+    );
+    assert_eq!(
+        writes_of_a_clients_release(true).await,
+        2,
+        "node-detached before ControllerUnpublish, then the free"
+    );
+}

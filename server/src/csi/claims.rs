@@ -2,8 +2,12 @@
 //! the plugin needs it) and releasing it through
 //! `taken → node-detached → controller-detached → ready-to-free → freed`.
 //!
-//! Each step is checkpointed in the state store before the next starts, so a
-//! step that fails (or a server restart) resumes where it stopped. The claim
+//! The state is checkpointed in the state store before each detach call
+//! (node detach, controller detach), so a call that fails (or a server
+//! restart) resumes where it stopped; steps with no call between them share
+//! one write. A client's own release of a claim that needs no controller
+//! detach is freed in a single write; with a controller detach it takes
+//! two (node-detached before the call, the free after it). The claim
 //! records (`controller_published`) that ControllerPublish was sent, before
 //! it is sent; the controller detach follows that record, never the plugin's
 //! current fingerprint, and waits (claim `node-detached`, retried) while no
@@ -386,11 +390,25 @@ impl Server {
             }) else {
                 return Ok(false);
             };
+            // A controller detach follows what was sent for this claim,
+            // never the plugin's current fingerprint: an unhealthy
+            // controller reports no capabilities. A publish context is
+            // proof of a publish too (claims stored before the flag
+            // existed).
+            let controller_detach = claim.controller_published || !claim.publish_context.is_empty();
             match claim.state {
                 ClaimState::Taken => {
+                    // The client of the claim's node unpublished and
+                    // unstaged before asking: no node detach call is made.
+                    let node_call = !matches!(origin,
+                        ReleaseOrigin::Client { node_id } if *node_id == claim.node_id);
                     if !claim.releasing {
                         tracing::info!(volume_id, alloc_id, node_id = %claim.node_id, origin = ?origin, "releasing claim");
-                        self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)?;
+                        // Checkpointed before the node detach call; with no
+                        // call to make, the next write is the checkpoint.
+                        if node_call {
+                            self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)?;
+                        }
                     }
                     if let Some(warnings) = warnings.as_deref_mut() {
                         if !self.node_up(&claim.node_id) {
@@ -407,14 +425,15 @@ impl Server {
                         );
                         self.go_on_past(e, &claim, volume_id, what, warnings.as_deref_mut())?;
                     }
+                    if !controller_detach {
+                        // Nothing is left to detach: the claim is freed in
+                        // this one write.
+                        return self.free_claim(volume_id, alloc_id);
+                    }
                     self.checkpoint_claim(volume_id, alloc_id, ClaimState::NodeDetached)?;
                 }
                 ClaimState::NodeDetached => {
-                    // Decided by what was sent for this claim, never by the
-                    // plugin's current fingerprint: an unhealthy controller
-                    // reports no capabilities. A publish context is proof of
-                    // a publish too (claims stored before the flag existed).
-                    if claim.controller_published || !claim.publish_context.is_empty() {
+                    if controller_detach {
                         if let Err(e) = self.controller_detach(&vol, &claim).await {
                             let node = self.node_label(&claim.node_id);
                             let what = format!(
@@ -423,18 +442,27 @@ impl Server {
                             self.go_on_past(e, &claim, volume_id, what, warnings.as_deref_mut())?;
                         }
                     }
-                    self.checkpoint_claim(volume_id, alloc_id, ClaimState::ControllerDetached)?;
+                    // No call follows the controller detach: the
+                    // controller-detached and ready-to-free steps are the
+                    // free itself, in one write.
+                    return self.free_claim(volume_id, alloc_id);
                 }
-                ClaimState::ControllerDetached => {
-                    self.checkpoint_claim(volume_id, alloc_id, ClaimState::ReadyToFree)?;
-                }
-                ClaimState::ReadyToFree => {
-                    self.drop_claim(volume_id, alloc_id)?;
-                    tracing::info!(volume_id, alloc_id, "claim freed");
-                    return Ok(true);
+                // Claims checkpointed past the controller detach (stored by
+                // an earlier release that stopped there): only the free is
+                // left.
+                ClaimState::ControllerDetached | ClaimState::ReadyToFree => {
+                    return self.free_claim(volume_id, alloc_id);
                 }
             }
         }
+    }
+
+    /// Removes a claim whose detach steps are done; answers that a claim
+    /// was freed.
+    fn free_claim(&self, volume_id: &str, alloc_id: &str) -> Result<bool, ServerError> {
+        self.drop_claim(volume_id, alloc_id)?;
+        tracing::info!(volume_id, alloc_id, "claim freed");
+        Ok(true)
     }
 
     /// Whether the node exists and is not down (it can be told to detach).
