@@ -61,9 +61,10 @@ async fn stream_allocations(
     node_id: String,
     tx: mpsc::Sender<Result<pb::AllocationsUpdate, Status>>,
 ) {
-    // Woken by writes of nodes and allocs only: not by the volume stats
-    // every node reports, nor by jobs and volumes.
-    let mut index_rx = server.store.subscribe_allocs_and_nodes();
+    // Woken by writes of this node and of its allocs only: not by other
+    // nodes' (ten thousand watches are not all woken by each write), not
+    // by the volume stats every node reports, nor by jobs and volumes.
+    let mut index_rx = server.store.subscribe_node(&node_id);
     let mut shutdown = server.shutdown_rx();
     // What was last sent: each alloc's ID and modify index. A write of an
     // alloc's volume stats alone moves neither the node's alloc index nor

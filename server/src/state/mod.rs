@@ -18,7 +18,7 @@
 mod indexes;
 mod redb_backend;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
@@ -281,6 +281,11 @@ pub struct StateStore {
     /// The index of the last write that changed a node or an alloc (but
     /// for its volume stats alone): what alloc watches wait on.
     allocs_or_nodes_tx: watch::Sender<u64>,
+    /// Per node that someone watches: the index of the last write that
+    /// put or deleted one of its allocs (but for their volume stats alone)
+    /// or wrote the node. A node's alloc watch waits on its own, so a
+    /// write wakes the watches of the nodes it touched, not every node's.
+    node_tx: Mutex<HashMap<String, watch::Sender<u64>>>,
     /// The index of the last write to each table: what blocking queries
     /// wait on, so that a write to one table wakes no reader of another.
     table_tx: BTreeMap<Table, watch::Sender<u64>>,
@@ -306,6 +311,7 @@ impl StateStore {
             writer: Mutex::new(()),
             index_tx,
             allocs_or_nodes_tx,
+            node_tx: Mutex::new(HashMap::new()),
             table_tx,
         })
     }
@@ -395,6 +401,22 @@ impl StateStore {
         self.allocs_or_nodes_tx.subscribe()
     }
 
+    /// A receiver that sees the index of each write that put or deleted
+    /// an alloc of `node_id` (leaving out writes of an alloc's volume stats
+    /// alone) or wrote the node itself (its status, a purge, a new
+    /// registration). It starts at the current index.
+    pub fn subscribe_node(&self, node_id: &str) -> watch::Receiver<u64> {
+        let mut map = self.node_tx.lock().unwrap_or_else(|p| p.into_inner());
+        match map.get(node_id) {
+            Some(tx) => tx.subscribe(),
+            None => {
+                let (tx, rx) = watch::channel(self.index());
+                map.insert(node_id.to_string(), tx);
+                rx
+            }
+        }
+    }
+
     /// Wait until the index is greater than `min_index`, or `timeout`
     /// passes. Returns the index then.
     pub async fn wait_for_index(&self, min_index: u64, timeout: Duration) -> u64 {
@@ -429,6 +451,8 @@ impl StateStore {
         let mut written: Vec<Table> = changes.iter().map(Change::table).collect();
         written.sort();
         written.dedup();
+        // The nodes whose alloc watches this write concerns.
+        let mut touched: Vec<String> = Vec::new();
         let allocs_or_nodes = {
             let mut guard = self.tables.write().unwrap_or_else(|p| p.into_inner());
             let tables: &mut Tables = &mut guard;
@@ -452,6 +476,7 @@ impl StateStore {
                         if !stats_only {
                             tables.node_allocs_index.insert(a.node_id.clone(), index);
                             tables.allocs_state_index = index;
+                            touched.push(a.node_id.clone());
                         }
                         if !stats_only {
                             if let Some(old) = tables.allocs.get(&a.id) {
@@ -463,6 +488,7 @@ impl StateStore {
                         }
                         if let Some(old) = tables.allocs.insert(a.id.clone(), a) {
                             if !stats_only {
+                                touched.push(old.node_id.clone());
                                 tables.node_allocs_index.insert(old.node_id, index);
                             }
                         }
@@ -470,6 +496,7 @@ impl StateStore {
                     Change::DeleteAlloc(k) => {
                         if let Some(old) = tables.allocs.remove(&k) {
                             tables.indexes.remove_alloc(&old);
+                            touched.push(old.node_id.clone());
                             tables.node_allocs_index.insert(old.node_id, index);
                             tables.allocs_state_index = index;
                         }
@@ -479,6 +506,7 @@ impl StateStore {
                             tables.indexes.remove_node(old);
                         }
                         tables.indexes.put_node(&n);
+                        touched.push(n.id.clone());
                         tables.nodes.insert(n.id.clone(), n);
                     }
                     Change::DeleteNode(k) => {
@@ -486,6 +514,7 @@ impl StateStore {
                             tables.indexes.remove_node(&old);
                         }
                         tables.node_secrets.remove(&k);
+                        touched.push(k);
                     }
                     Change::PutNodeSecret { node_id, secret } => {
                         tables.node_secrets.insert(node_id, secret);
@@ -516,6 +545,21 @@ impl StateStore {
         }
         if allocs_or_nodes {
             self.allocs_or_nodes_tx.send_replace(index);
+        }
+        if !touched.is_empty() {
+            touched.sort();
+            touched.dedup();
+            let mut map = self.node_tx.lock().unwrap_or_else(|p| p.into_inner());
+            for node_id in touched {
+                if let Some(tx) = map.get(&node_id) {
+                    if tx.receiver_count() == 0 {
+                        // No watch left on the node: forget it.
+                        map.remove(&node_id);
+                    } else {
+                        tx.send_replace(index);
+                    }
+                }
+            }
         }
         Ok((result, index))
     }
@@ -662,6 +706,50 @@ mod tests {
         let delete = put(&store, vec![Change::DeleteAlloc("a1".into())]);
         assert_eq!(at("n1"), Some(delete));
         assert_eq!(at("n3"), None);
+    }
+
+    #[test]
+    fn a_nodes_watch_is_woken_by_writes_of_its_allocs_and_itself_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = RedbBackend::open(&RedbBackend::path_in(dir.path())).unwrap();
+        let store = StateStore::open(Box::new(backend)).unwrap();
+        let mut n1 = store.subscribe_node("n1");
+        let mut n2 = store.subscribe_node("n2");
+        let first = put(&store, vec![Change::PutAlloc(alloc("a1", "n1"))]);
+        assert_eq!(*n1.borrow_and_update(), first);
+        assert!(!n2.has_changed().unwrap(), "another node's alloc woke n2");
+
+        // Its volume stats alone: not woken.
+        let mut a1 = store.read(|t| t.allocs["a1"].clone());
+        a1.csi_volume_stats
+            .insert("data".into(), Default::default());
+        put(&store, vec![Change::PutAlloc(a1)]);
+        assert!(!n1.has_changed().unwrap(), "volume stats woke the watch");
+
+        // A write of the node, and a move of the alloc to n2: both woken.
+        let node = put(
+            &store,
+            vec![Change::PutNode(Node {
+                id: "n2".into(),
+                ..Node::default()
+            })],
+        );
+        assert_eq!(*n2.borrow_and_update(), node);
+        assert!(!n1.has_changed().unwrap());
+        let mut a1 = store.read(|t| t.allocs["a1"].clone());
+        a1.node_id = "n2".into();
+        let moved = put(&store, vec![Change::PutAlloc(a1)]);
+        assert_eq!(*n1.borrow_and_update(), moved);
+        assert_eq!(*n2.borrow_and_update(), moved);
+        let deleted = put(&store, vec![Change::DeleteAlloc("a1".into())]);
+        assert_eq!(*n2.borrow_and_update(), deleted);
+        assert!(!n1.has_changed().unwrap());
+
+        // A watch dropped: its node's sender goes with the next write.
+        drop(n1);
+        put(&store, vec![Change::PutAlloc(alloc("a3", "n1"))]);
+        assert!(!store.node_tx.lock().unwrap().contains_key("n1"));
+        assert!(store.node_tx.lock().unwrap().contains_key("n2"));
     }
 
     #[test]
