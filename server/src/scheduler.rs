@@ -579,6 +579,15 @@ impl<'a> PlanContext<'a> {
         alloc_id: &str,
         node: &Node,
     ) -> Option<String> {
+        self.node_infeasible(job, group, node)
+            .or_else(|| self.volumes_infeasible(group, index, alloc_id, node))
+    }
+
+    /// The checks of [`Self::infeasible`] that do not depend on the alloc's
+    /// index: the node's status, eligibility, datacenter and drivers, and
+    /// the cpu and memory left on it. Within one group's placements these
+    /// only ever turn from fit to no fit (placements only add usage).
+    fn node_infeasible(&self, job: &Job, group: &TaskGroup, node: &Node) -> Option<String> {
         if node.status != NodeStatus::Ready {
             return Some(format!("node is {}", node.status.as_str()));
         }
@@ -619,6 +628,19 @@ impl<'a> PlanContext<'a> {
         ) {
             return Some(why);
         }
+        None
+    }
+
+    /// The volume checks of [`Self::infeasible`]: a per_alloc volume's
+    /// depend on the alloc's index; every other one's only ever turn from
+    /// fit to no fit within one group's placements (claims are only added).
+    fn volumes_infeasible(
+        &self,
+        group: &TaskGroup,
+        index: u32,
+        alloc_id: &str,
+        node: &Node,
+    ) -> Option<String> {
         for (name, req) in &group.volumes {
             let vid = req.source_for(index);
             let shown = if req.per_alloc {
@@ -940,9 +962,16 @@ pub(crate) fn place(
                     let ready = targets.len();
                     outcome.counts.desired = outcome.counts.desired.saturating_add(ready as u64);
                     let mut tally = Tally::new();
+                    let mut current_on: HashMap<&str, Vec<&Allocation>> = HashMap::new();
+                    for a in &current {
+                        current_on.entry(a.node_id.as_str()).or_default().push(a);
+                    }
                     for node in &targets {
                         let mut held = false;
-                        for a in current.iter().filter(|a| a.node_id == node.id) {
+                        let here = current_on
+                            .get(node.id.as_str())
+                            .map_or(&[][..], Vec::as_slice);
+                        for a in here {
                             match occupancy(a, false, group, cfg, now_ms) {
                                 Occupancy::Free => {}
                                 Occupancy::Held => held = true,
@@ -1009,6 +1038,17 @@ pub(crate) fn place(
                     let same_for_every_index = !group.volumes.values().any(|r| r.per_alloc);
                     let mut group_blocked: Option<String> = None;
                     let mut tally = Tally::new();
+                    // The nodes in the order the group prefers them (the
+                    // job's allocs spread, then free memory, then the
+                    // nodes' order): the first that fits is the best, and
+                    // one that fails a check no later placement of the
+                    // group can undo leaves the set, so that a placement
+                    // costs what it looks at, not every node.
+                    let mut candidates: BTreeSet<(usize, Reverse<u64>, usize)> = nodes
+                        .iter()
+                        .enumerate()
+                        .map(|(pos, node)| preference(&ctx, &job_on_node, node, pos))
+                        .collect();
                     for index in 0..group.count {
                         if occupied.contains(&index) {
                             continue;
@@ -1018,37 +1058,51 @@ pub(crate) fn place(
                             continue;
                         }
                         let mut alloc = new_alloc(job, group, index, "");
-                        let mut reasons = Vec::new();
-                        let mut best: Option<(&Node, (usize, Reverse<u64>))> = None;
-                        for node in &nodes {
-                            match ctx.infeasible(job, group, index, &alloc.id, node) {
-                                Some(why) => {
-                                    reasons.push(format!("node {}: {why}", node.name_or_id()))
+                        let mut best = None;
+                        let mut gone = Vec::new();
+                        for &key in &candidates {
+                            let node = nodes[key.2];
+                            if ctx.node_infeasible(job, group, node).is_some() {
+                                gone.push(key);
+                            } else if ctx
+                                .volumes_infeasible(group, index, &alloc.id, node)
+                                .is_some()
+                            {
+                                // A per_alloc volume's check is this
+                                // index's: the node may fit the next one.
+                                if same_for_every_index {
+                                    gone.push(key);
                                 }
-                                None => {
-                                    // Spread the job's allocs, then prefer free memory.
-                                    let same_job =
-                                        job_on_node.get(&node.id).copied().unwrap_or_default();
-                                    let used = ctx.used.get(&node.id).map_or(0, |u| u.memory_mb);
-                                    let free =
-                                        u128::from(node.resources.memory_mb).saturating_sub(used);
-                                    let free = u64::try_from(free).unwrap_or(u64::MAX);
-                                    let score = (same_job, Reverse(free));
-                                    if best.as_ref().is_none_or(|(_, s)| score < *s) {
-                                        best = Some((node, score));
-                                    }
-                                }
+                            } else {
+                                best = Some(key);
+                                break;
                             }
                         }
+                        for key in gone {
+                            candidates.remove(&key);
+                        }
                         match best {
-                            Some((node, _)) => {
+                            Some(key) => {
+                                let node = nodes[key.2];
+                                candidates.remove(&key);
                                 alloc.node_id = node.id.clone();
                                 ctx.add(&alloc);
                                 let n = job_on_node.entry(node.id.clone()).or_default();
                                 *n = n.saturating_add(1);
+                                candidates.insert(preference(&ctx, &job_on_node, node, key.2));
                                 put(alloc, &mut after);
                             }
                             None => {
+                                // Nothing fits: every node's reason, as
+                                // the failure shows them.
+                                let reasons: Vec<String> = nodes
+                                    .iter()
+                                    .filter_map(|node| {
+                                        let why =
+                                            ctx.infeasible(job, group, index, &alloc.id, node)?;
+                                        Some(format!("node {}: {why}", node.name_or_id()))
+                                    })
+                                    .collect();
                                 let reason = per_node_reasons(&reasons, nodes.len());
                                 tally.add(&reason, index);
                                 if same_for_every_index {
@@ -1073,6 +1127,25 @@ pub(crate) fn place(
         changes.push(Change::PutJob(j));
     }
     outcome
+}
+
+/// Where `node` (at `pos` in the ready nodes) stands for the next
+/// placement of a group: fewer of the job's allocs first (spread), then
+/// more free memory, then the nodes' order. Smaller is better.
+fn preference(
+    ctx: &PlanContext<'_>,
+    job_on_node: &HashMap<String, usize>,
+    node: &Node,
+    pos: usize,
+) -> (usize, Reverse<u64>, usize) {
+    let same_job = job_on_node.get(&node.id).copied().unwrap_or_default();
+    let used = ctx.used.get(&node.id).map_or(0, |u| u.memory_mb);
+    let free = u128::from(node.resources.memory_mb).saturating_sub(used);
+    (
+        same_job,
+        Reverse(u64::try_from(free).unwrap_or(u64::MAX)),
+        pos,
+    )
 }
 
 enum Occupancy {
@@ -1717,6 +1790,152 @@ mod tests {
             prop_assert_eq!(outcome.counts.unplaced + placed.len() as u64, u64::from(count));
             // One group, no per_alloc volumes: one reason at most.
             prop_assert_eq!(outcome.failures.len(), usize::from(outcome.counts.unplaced > 0));
+        }
+    }
+
+    /// Where the placement of every index of group 0 goes when each one
+    /// looks at every ready node and takes the best fit (fewest allocs of
+    /// the job, then most free memory, then the first in ID order): the
+    /// rule the ordered candidates of [`place`] must give, without them.
+    fn every_node_placement(t: &Tables, job: &Job) -> Vec<Option<String>> {
+        let mut ctx = PlanContext::new(t);
+        let group = &job.task_groups[0];
+        let nodes: Vec<&Node> = t
+            .nodes
+            .values()
+            .filter(|n| n.status == NodeStatus::Ready)
+            .collect();
+        let mut job_on_node: HashMap<String, usize> = HashMap::new();
+        let mut out = Vec::new();
+        for index in 0..group.count {
+            let mut alloc = new_alloc(job, group, index, "");
+            let mut best: Option<(&Node, (usize, Reverse<u64>))> = None;
+            for node in &nodes {
+                if ctx.infeasible(job, group, index, &alloc.id, node).is_none() {
+                    let (same, free, _) = preference(&ctx, &job_on_node, node, 0);
+                    if best.as_ref().is_none_or(|(_, s)| (same, free) < *s) {
+                        best = Some((node, (same, free)));
+                    }
+                }
+            }
+            match best {
+                Some((node, _)) => {
+                    alloc.node_id = node.id.clone();
+                    ctx.add(&alloc);
+                    *job_on_node.entry(node.id.clone()).or_default() += 1;
+                    out.push(Some(node.id.clone()));
+                }
+                None => out.push(None),
+            }
+        }
+        out
+    }
+
+    /// A node of the placement property: its capacity, whether it is
+    /// ready and eligible, and whether it runs plugin "hp".
+    fn varied_node() -> impl Strategy<Value = (u64, u64, bool, bool, bool)> {
+        (
+            prop_oneof![Just(0u64), 1..400u64, Just(4000)],
+            prop_oneof![Just(0u64), 1..400u64, Just(4096)],
+            prop::bool::weighted(0.85),
+            prop::bool::weighted(0.85),
+            any::<bool>(),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 256,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// The ordered candidates place every index where a look at every
+        /// node would: nodes that do not fit, fill up, or lose a volume
+        /// to a claim, per_alloc volumes (some missing) or none.
+        #[test]
+        fn placement_by_ordered_candidates_is_placement_by_every_node(
+            specs in prop::collection::vec(varied_node(), 1..12),
+            existing in prop::collection::vec((1..300u64, 1..300u64, 0..12usize), 0..8),
+            ask in (1..200u64, 1..200u64),
+            count in 1..24u32,
+            volume in prop::option::of((any::<bool>(), any::<bool>(), 0..3u8)),
+            missing in prop::collection::vec(prop::bool::weighted(0.2), 24),
+        ) {
+            let nodes: Vec<Node> = specs
+                .iter()
+                .enumerate()
+                .map(|(i, &(cpu, mem, ready, eligible, plugin))| {
+                    let mut n = if plugin {
+                        node_at(&format!("n{i:02}"), None)
+                    } else {
+                        node(&format!("n{i:02}"), 0, 0)
+                    };
+                    n.resources.cpu = cpu;
+                    n.resources.memory_mb = mem;
+                    if !ready {
+                        n.status = NodeStatus::Down;
+                    }
+                    if eligible { n } else { ineligible(n) }
+                })
+                .collect();
+            let mut jobs = Vec::new();
+            let mut allocs = Vec::new();
+            for (i, (cpu, mem, on)) in existing.into_iter().enumerate() {
+                let other = job(&format!("other{i}"), 1, vec![task("t", cpu, mem)]);
+                allocs.push(running(&other, 0, &nodes[on % nodes.len()].id));
+                jobs.push(other);
+            }
+            let mut under_test = job("j", count, vec![task("t", ask.0, ask.1)]);
+            let mut volumes = Vec::new();
+            if let Some((per_alloc, read_only, access)) = volume {
+                let access = [
+                    berth_structs::AccessMode::SingleNodeWriter,
+                    berth_structs::AccessMode::MultiNodeReader,
+                    berth_structs::AccessMode::MultiNodeMultiWriter,
+                ][usize::from(access)];
+                let mut ids = vec!["data".to_string()];
+                if per_alloc {
+                    // Some indices' volumes do not exist: those fit no
+                    // node, the others may.
+                    ids = (0..count)
+                        .filter(|&i| !missing[i as usize])
+                        .map(|i| format!("data[{i}]"))
+                        .collect();
+                }
+                for id in ids {
+                    let mut v = volume_in(&id, vec![]);
+                    v.capabilities[0].access_mode = access;
+                    volumes.push(v);
+                }
+                under_test.task_groups[0].volumes.insert(
+                    "data".into(),
+                    berth_structs::VolumeRequest {
+                        name: "data".into(),
+                        volume_type: "csi".into(),
+                        source: "data".into(),
+                        per_alloc,
+                        read_only,
+                        access_mode: Some(access),
+                        attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+                        ..Default::default()
+                    },
+                );
+            }
+            jobs.push(under_test.clone());
+            let t = with_volumes(tables(nodes, jobs, allocs), volumes);
+
+            let want = every_node_placement(&t, &under_test);
+            let (outcome, placed) = plan(&t, "j");
+            let mut got: Vec<Option<String>> = vec![None; count as usize];
+            for a in &placed {
+                got[a.index as usize] = Some(a.node_id.clone());
+            }
+            prop_assert_eq!(&got, &want);
+            prop_assert_eq!(
+                outcome.counts.unplaced,
+                want.iter().filter(|w| w.is_none()).count() as u64
+            );
         }
     }
 }
