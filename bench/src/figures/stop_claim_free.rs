@@ -37,7 +37,9 @@ use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
-use berth_tests::{csi_volume_service_job, example, example_with, wait_for, DevAgent};
+use berth_tests::{
+    csi_volume_service_job, example, example_with, mounts_under, plugin_stderr, wait_for, DevAgent,
+};
 use serde_json::Value;
 
 use crate::report::{self, Samples};
@@ -265,7 +267,30 @@ fn measure(rounds: usize, warmup: usize) -> Result<Measured> {
             m.attach.push(attach);
         }
     }
+    check(&plain_agent, false, warmup + rounds)?;
+    check(&attach_agent, true, warmup + rounds)?;
     Ok(m)
+}
+
+/// After `stops` rounds on `agent`: nothing is mounted below its data dir,
+/// and the plugin's controller unpublished the volume once per stop with
+/// attach, never without (the path measured is the one named).
+fn check(agent: &DevAgent, enable_attach: bool, stops: usize) -> Result<()> {
+    let left = mounts_under(agent.data_dir.path());
+    ensure!(left.is_empty(), "mounts left behind: {left:?}");
+    let plugin = agent.job_allocs("hostpath-plugin")?;
+    let alloc_id = plugin
+        .first()
+        .and_then(|a| a["id"].as_str())
+        .context("no alloc of the plugin job")?;
+    let log = plugin_stderr(agent.data_dir.path(), alloc_id);
+    let unpublished = log.matches("unpublished volume").count();
+    let want = if enable_attach { stops } else { 0 };
+    ensure!(
+        unpublished == want,
+        "the plugin's controller unpublished {unpublished} times in {stops} stops (attach: {enable_attach}), not {want}"
+    );
+    Ok(())
 }
 
 fn print(m: &Measured) -> bool {
