@@ -157,8 +157,10 @@ pub struct VolumeCapability {
     pub attachment_mode: AttachmentMode,
 }
 
-/// Where a claim stands on its way to being freed. Each step is checkpointed
-/// in the state store, so a failed step is retried from where it stopped.
+/// Where a claim stands on its way to being freed. The state is checkpointed
+/// in the state store before each detach call, so a failed call is retried
+/// from where it stopped; steps with no call between them share one write
+/// (a claim with nothing to detach is freed in one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum ClaimState {
