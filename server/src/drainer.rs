@@ -81,8 +81,7 @@ fn plugin_still_needed(
     ids: &BTreeSet<&str>,
 ) -> Option<String> {
     for v in t
-        .volumes
-        .values()
+        .volumes_claimed_on_node(node_id)
         .filter(|v| ids.contains(v.plugin_id.as_str()))
     {
         if let Some(c) = v.claims().find(|c| c.node_id == node_id) {
@@ -124,7 +123,7 @@ fn drain_stop(a: &Allocation) -> Allocation {
 /// Decide the stops and completions of every draining node at `now_ms`.
 fn plan_drains(t: &Tables, now_ms: i64) -> DrainPass {
     let mut pass = DrainPass::default();
-    for node in t.nodes.values() {
+    for node in t.draining_nodes() {
         let Some(strategy) = node.drain_strategy else {
             continue;
         };
@@ -288,9 +287,7 @@ impl Server {
     /// done, evaluate the jobs whose allocs were stopped. Returns the
     /// earliest deadline still ahead.
     async fn drain_pass(&self) -> Result<Option<i64>, ServerError> {
-        let draining = self
-            .store
-            .read(|t| t.nodes.values().any(|n| n.drain_strategy.is_some()));
+        let draining = self.store.read(|t| t.draining_nodes().next().is_some());
         if !draining {
             return Ok(None);
         }

@@ -19,7 +19,7 @@
 //! Nomad's does. What is live, claimed or not yet terminal is never
 //! collected, forced or not.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -78,15 +78,6 @@ fn alloc_done(t: &Tables, a: &Allocation) -> bool {
             && !t.nodes.contains_key(&a.node_id))
 }
 
-/// Allocs that a volume claim still names.
-fn claimed_allocs(t: &Tables) -> BTreeSet<&str> {
-    t.volumes
-        .values()
-        .flat_map(|v| v.claims())
-        .map(|c| c.alloc_id.as_str())
-        .collect()
-}
-
 /// A finished alloc of the current version of a batch job that still
 /// runs: it stands for its index being done, so it goes only with its job
 /// (collected alone, the scheduler would run that index again).
@@ -106,18 +97,12 @@ fn holds_batch_index(t: &Tables, a: &Allocation) -> bool {
 /// Plan one pass over the tables: the changes and what they remove.
 fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> GcReport {
     let mut report = GcReport::default();
-    let claimed = claimed_allocs(t);
     let collectable = |a: &Allocation, threshold_ms: i64| -> bool {
         alloc_done(t, a)
-            && !claimed.contains(a.id.as_str())
+            && !t.alloc_has_claims(&a.id)
             && older_than(now_ms, a.modify_time_ms, threshold_ms)
     };
     let mut gone: BTreeSet<&str> = BTreeSet::new();
-    // One scan of the allocs, not one per job.
-    let mut by_job: BTreeMap<&str, Vec<&Allocation>> = BTreeMap::new();
-    for a in t.allocs.values() {
-        by_job.entry(&a.job_id).or_default().push(a);
-    }
 
     // Jobs that are done go with all their allocs; a purged job as soon
     // as they are.
@@ -127,9 +112,8 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
         if !done || !older_than(now_ms, j.modify_time_ms, threshold_ms) {
             continue;
         }
-        let allocs = by_job.get(j.id.as_str()).map_or(&[][..], Vec::as_slice);
-        if allocs.iter().all(|a| collectable(a, threshold_ms)) {
-            for a in allocs {
+        if t.allocs_of_job(&j.id).all(|a| collectable(a, threshold_ms)) {
+            for a in t.allocs_of_job(&j.id) {
                 gone.insert(&a.id);
             }
             report.jobs.push(j.id.clone());
@@ -148,17 +132,13 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
         changes.push(Change::DeleteAlloc(id.to_string()));
     }
     // Nodes down for long enough with nothing left on them.
-    let occupied: BTreeSet<&str> = t
-        .allocs
-        .values()
-        .filter(|a| !gone.contains(a.id.as_str()))
-        .map(|a| a.node_id.as_str())
-        .collect();
     for n in t.nodes.values() {
         if n.status != NodeStatus::Down || !older_than(now_ms, n.last_heartbeat_ms, th.node_ms) {
             continue;
         }
-        if !occupied.contains(n.id.as_str()) {
+        if t.allocs_on_node(&n.id)
+            .all(|a| gone.contains(a.id.as_str()))
+        {
             report.nodes.push(n.id.clone());
             changes.push(Change::DeleteNode(n.id.clone()));
         }
@@ -172,11 +152,10 @@ fn plan_purge(t: &Tables, job_id: &str, changes: &mut Vec<Change>) -> bool {
     let Some(job) = t.jobs.get(job_id).filter(|j| j.purge && j.stop) else {
         return false;
     };
-    let claimed = claimed_allocs(t);
     let allocs: Vec<&Allocation> = t.allocs_of_job(job_id).collect();
     if !allocs
         .iter()
-        .all(|a| alloc_done(t, a) && !claimed.contains(a.id.as_str()))
+        .all(|a| alloc_done(t, a) && !t.alloc_has_claims(&a.id))
     {
         return false;
     }
@@ -346,7 +325,7 @@ mod tests {
             access_mode: AccessMode::SingleNodeWriter,
             attachment_mode: AttachmentMode::FileSystem,
             state: ClaimState::Taken,
-            publish_context: BTreeMap::new(),
+            publish_context: Default::default(),
             releasing: false,
             controller_published: false,
         };

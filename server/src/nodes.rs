@@ -19,7 +19,7 @@ pub(crate) fn resolve_node<'a>(t: &'a Tables, given: &str) -> Result<&'a Node, S
     if let Some(n) = t.nodes.get(given) {
         return Ok(n);
     }
-    let named: Vec<&Node> = t.nodes.values().filter(|n| n.name == given).collect();
+    let named: Vec<&Node> = t.nodes_named(given).collect();
     match named.as_slice() {
         [one] => return Ok(one),
         [] => {}
@@ -388,8 +388,7 @@ impl Server {
         tracing::warn!(node_id = %report.node_id, name = %report.node_name,
             lost_allocs = report.lost_allocs.len(), "node purged");
         let claims: Vec<ReleasedClaim> = self.store.read(|t| {
-            t.volumes
-                .values()
+            t.volumes_claimed_on_node(&report.node_id)
                 .flat_map(|v| {
                     v.claims()
                         .filter(|c| c.node_id == report.node_id)
@@ -436,9 +435,9 @@ pub struct NodeUsage {
 }
 
 impl Server {
-    /// What `node_id`'s allocs use and which CSI volumes they claim. The
-    /// claims are found by one pass over the volumes (the state keeps no
-    /// index of claims by node).
+    /// What `node_id`'s allocs use and which CSI volumes they claim, from
+    /// the state's indexes of allocs and claims by node: the cost is the
+    /// node's, not the fleet's.
     pub fn node_usage(&self, node_id: &str) -> NodeUsage {
         self.store.read(|t| {
             let mut allocated = berth_structs::NodeResources::default();
@@ -450,8 +449,7 @@ impl Server {
                 }
             }
             let csi_volumes = t
-                .volumes
-                .values()
+                .volumes_claimed_on_node(node_id)
                 .flat_map(|v| {
                     v.claims().filter(|c| c.node_id == node_id).map(|c| {
                         berth_structs::NodeCsiVolume {

@@ -14,68 +14,66 @@ use crate::error::ServerError;
 use crate::server::Server;
 use crate::state::Tables;
 
+/// Every plugin, from the state's indexes of the nodes that run one and
+/// the allocs that run one: the cost is theirs, not the fleet's.
 pub(crate) fn derive_plugins(t: &Tables) -> BTreeMap<String, CsiPlugin> {
-    let mut plugins: BTreeMap<String, CsiPlugin> = BTreeMap::new();
-    let mut expected: BTreeMap<String, (u32, u32)> = BTreeMap::new();
-    for a in t.allocs.values().filter(|a| !a.is_terminal()) {
+    t.plugin_ids()
+        .into_iter()
+        .map(|id| (id.to_string(), derive_plugin(t, id)))
+        .collect()
+}
+
+/// Plugin `id` as its node and controller instances and the allocs of
+/// plugin jobs show it.
+pub(crate) fn derive_plugin(t: &Tables, id: &str) -> CsiPlugin {
+    let mut p = CsiPlugin {
+        id: id.to_string(),
+        ..Default::default()
+    };
+    let (mut expected_controllers, mut expected_nodes) = (0u32, 0u32);
+    for a in t.allocs_running_plugin(id).filter(|a| !a.is_terminal()) {
         let Some(g) = a.group() else { continue };
         for task in &g.tasks {
-            if let Some(p) = &task.csi_plugin {
-                let e = expected.entry(p.id.clone()).or_default();
-                if p.plugin_type.has_controller() {
-                    e.0 = e.0.saturating_add(1);
+            if let Some(c) = task.csi_plugin.as_ref().filter(|c| c.id == id) {
+                if c.plugin_type.has_controller() {
+                    expected_controllers = expected_controllers.saturating_add(1);
                 }
-                if p.plugin_type.has_node() {
-                    e.1 = e.1.saturating_add(1);
+                if c.plugin_type.has_node() {
+                    expected_nodes = expected_nodes.saturating_add(1);
                 }
             }
         }
     }
-    for node in t.nodes.values() {
-        for (id, info) in &node.csi_controller_plugins {
-            let p = plugin_entry(&mut plugins, id);
+    for node in t.nodes_with_plugin(id) {
+        if let Some(info) = node.csi_controller_plugins.get(id) {
             p.controllers.insert(node.id.clone(), info.clone());
-            absorb(p, node, info);
+            absorb(&mut p, node, info);
         }
-        for (id, info) in &node.csi_node_plugins {
-            let p = plugin_entry(&mut plugins, id);
+        if let Some(info) = node.csi_node_plugins.get(id) {
             p.nodes.insert(node.id.clone(), info.clone());
-            absorb(p, node, info);
+            absorb(&mut p, node, info);
         }
     }
-    for id in expected.keys() {
-        plugin_entry(&mut plugins, id);
-    }
-    for p in plugins.values_mut() {
-        let up = |i: &&CsiInfo, node_id: &String| {
-            i.healthy
-                && t.nodes
-                    .get(node_id)
-                    .is_some_and(|n| n.status == NodeStatus::Ready)
-        };
-        p.controllers_healthy = count_u32(p.controllers.iter().filter(|(n, i)| up(i, n)).count());
-        p.nodes_healthy = count_u32(p.nodes.iter().filter(|(n, i)| up(i, n)).count());
-        let (ec, en) = expected.get(&p.id).copied().unwrap_or_default();
-        p.controllers_expected = ec.max(count_u32(p.controllers.len()));
-        p.nodes_expected = en.max(count_u32(p.nodes.len()));
-        p.controller_required = p
-            .controllers
-            .values()
-            .any(|c| c.requires_controller_publish || c.supports_create_delete);
-    }
-    plugins
+    let up = |i: &&CsiInfo, node_id: &String| {
+        i.healthy
+            && t.nodes
+                .get(node_id)
+                .is_some_and(|n| n.status == NodeStatus::Ready)
+    };
+    p.controllers_healthy = count_u32(p.controllers.iter().filter(|(n, i)| up(i, n)).count());
+    p.nodes_healthy = count_u32(p.nodes.iter().filter(|(n, i)| up(i, n)).count());
+    p.controllers_expected = expected_controllers.max(count_u32(p.controllers.len()));
+    p.nodes_expected = expected_nodes.max(count_u32(p.nodes.len()));
+    p.controller_required = p
+        .controllers
+        .values()
+        .any(|c| c.requires_controller_publish || c.supports_create_delete);
+    p
 }
 
 /// A count as the API's u32, saturating.
 fn count_u32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-fn plugin_entry<'a>(plugins: &'a mut BTreeMap<String, CsiPlugin>, id: &str) -> &'a mut CsiPlugin {
-    plugins.entry(id.to_string()).or_insert_with(|| CsiPlugin {
-        id: id.to_string(),
-        ..Default::default()
-    })
 }
 
 fn absorb(p: &mut CsiPlugin, node: &Node, info: &CsiInfo) {
@@ -94,7 +92,7 @@ fn absorb(p: &mut CsiPlugin, node: &Node, info: &CsiInfo) {
 /// Whether volumes of `plugin_id` must be published through a controller:
 /// some controller instance says so in its fingerprint.
 pub(crate) fn requires_controller_publish(t: &Tables, plugin_id: &str) -> bool {
-    t.nodes.values().any(|n| {
+    t.nodes_with_plugin(plugin_id).any(|n| {
         n.csi_controller_plugins
             .get(plugin_id)
             .is_some_and(|c| c.requires_controller_publish)
@@ -104,8 +102,7 @@ pub(crate) fn requires_controller_publish(t: &Tables, plugin_id: &str) -> bool {
 /// Nodes that run a healthy controller of `plugin_id` and are ready, best
 /// first (deterministic order).
 pub(crate) fn controller_nodes(t: &Tables, plugin_id: &str) -> Vec<String> {
-    t.nodes
-        .values()
+    t.nodes_with_plugin(plugin_id)
         .filter(|n| n.status == NodeStatus::Ready)
         .filter(|n| {
             n.csi_controller_plugins
@@ -204,19 +201,28 @@ fn union_of(
     of(&any)
 }
 
-/// The plugin `given` names: its ID or a unique prefix of it.
-fn resolve_plugin(
-    plugins: &mut BTreeMap<String, CsiPlugin>,
-    given: &str,
-) -> Result<CsiPlugin, ServerError> {
-    let id = crate::prefix::resolve(plugins, given, crate::prefix::PLUGIN, crate::prefix::key)?
+/// The ID of the plugin `given` names among `plugins`: its ID or a
+/// unique prefix of it.
+fn resolve_plugin<V>(plugins: &BTreeMap<String, V>, given: &str) -> Result<String, ServerError> {
+    crate::prefix::resolve(plugins, given, crate::prefix::PLUGIN, crate::prefix::key)?
         .map(|(k, _)| k.clone())
         .ok_or_else(|| {
             ServerError::not_found(format!(
                 "CSI plugin {given:?} not found (see `berth plugin status`)"
             ))
-        })?;
-    Ok(plugins.remove(&id).unwrap_or_default())
+        })
+}
+
+/// The plugin `given` names in `t` (its ID or a unique prefix), derived
+/// alone.
+fn resolve_plugin_in(t: &Tables, given: &str) -> Result<CsiPlugin, ServerError> {
+    let ids: BTreeMap<String, ()> = t
+        .plugin_ids()
+        .into_iter()
+        .map(|id| (id.to_string(), ()))
+        .collect();
+    let id = resolve_plugin(&ids, given)?;
+    Ok(derive_plugin(t, &id))
 }
 
 fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
@@ -244,8 +250,7 @@ fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
         })
         .collect();
     let mut allocations: Vec<PluginAlloc> = t
-        .allocs
-        .values()
+        .allocs_running_plugin(&plugin.id)
         .filter_map(|a| {
             let task = a
                 .group()?
@@ -278,11 +283,7 @@ fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
         node_capabilities: union_of(&plugin.nodes, node_capabilities),
         instance_nodes,
         allocations,
-        volume_count: t
-            .volumes
-            .values()
-            .filter(|v| v.plugin_id == plugin.id)
-            .count(),
+        volume_count: t.volumes_of_plugin(&plugin.id).count(),
         plugin,
     }
 }
@@ -295,15 +296,14 @@ impl Server {
 
     /// A plugin by ID or unique ID prefix.
     pub fn plugin(&self, id: &str) -> Result<CsiPlugin, ServerError> {
-        self.store
-            .read(|t| resolve_plugin(&mut derive_plugins(t), id))
+        self.store.read(|t| resolve_plugin_in(t, id))
     }
 
     /// A plugin by ID or unique ID prefix, with its instances' nodes,
     /// capabilities, allocs and volume count.
     pub fn plugin_status(&self, id: &str) -> Result<PluginStatus, ServerError> {
         self.store.read(|t| {
-            let plugin = resolve_plugin(&mut derive_plugins(t), id)?;
+            let plugin = resolve_plugin_in(t, id)?;
             Ok(plugin_status_in(t, plugin))
         })
     }
@@ -328,21 +328,18 @@ mod tests {
     #[test]
     fn a_plugin_is_found_by_id_or_unique_prefix() {
         let all = plugins(&["hostpath", "hostpath-b", "nfs"]);
-        assert_eq!(
-            resolve_plugin(&mut all.clone(), "hostpath").unwrap().id,
-            "hostpath"
-        );
-        assert_eq!(resolve_plugin(&mut all.clone(), "nf").unwrap().id, "nfs");
-        let many = resolve_plugin(&mut all.clone(), "host").unwrap_err();
+        assert_eq!(resolve_plugin(&all, "hostpath").unwrap(), "hostpath");
+        assert_eq!(resolve_plugin(&all, "nf").unwrap(), "nfs");
+        let many = resolve_plugin(&all, "host").unwrap_err();
         assert!(
             many.to_string()
                 .contains("matches 2 plugins: \"hostpath\", \"hostpath-b\""),
             "{many}"
         );
-        let none = resolve_plugin(&mut all.clone(), "ceph").unwrap_err();
+        let none = resolve_plugin(&all, "ceph").unwrap_err();
         assert!(matches!(none, ServerError::NotFound(_)), "{none}");
         assert!(matches!(
-            resolve_plugin(&mut all.clone(), ""),
+            resolve_plugin(&all, ""),
             Err(ServerError::NotFound(_))
         ));
     }

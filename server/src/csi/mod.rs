@@ -16,7 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
 use berth_proto::berth::v1 as pb;
-use berth_structs::{topologies_text, CsiTopology, CsiVolume, NodeStatus};
+use berth_structs::{topologies_text, CsiTopology, CsiVolume, Node, NodeStatus};
 use tokio::sync::OwnedMutexGuard;
 
 pub use claims::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, FORCED_RELEASE_EVENT};
@@ -130,13 +130,17 @@ fn alloc_live(t: &Tables, alloc_id: &str) -> bool {
 
 /// Where each plugin has a healthy node plugin on a ready node: the
 /// distinct topologies of those node plugins (`None`: one without a
-/// topology), by plugin ID; of `plugin_id` only when given. One pass over
-/// the nodes serves every volume.
+/// topology), by plugin ID; of `plugin_id` only when given (then from the
+/// nodes that run it alone). One pass over the nodes serves every volume.
 type NodePluginPlaces<'a> = HashMap<&'a str, BTreeSet<Option<&'a CsiTopology>>>;
 
 fn node_plugin_places<'a>(t: &'a Tables, plugin_id: Option<&str>) -> NodePluginPlaces<'a> {
     let mut places: NodePluginPlaces<'a> = HashMap::new();
-    for n in t.nodes.values().filter(|n| n.status == NodeStatus::Ready) {
+    let nodes: Box<dyn Iterator<Item = &'a Node>> = match plugin_id {
+        Some(id) => Box::new(t.nodes_with_plugin(id)),
+        None => Box::new(t.nodes.values()),
+    };
+    for n in nodes.filter(|n| n.status == NodeStatus::Ready) {
         for (id, p) in &n.csi_node_plugins {
             if p.healthy && plugin_id.is_none_or(|only| only == id) {
                 places

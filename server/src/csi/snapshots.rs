@@ -150,10 +150,7 @@ impl Server {
             Some(p) => {
                 // A plugin the servers do not know is not found; one they
                 // know without a healthy controller is unavailable (below).
-                if !self
-                    .store
-                    .read(|t| crate::plugins::derive_plugins(t).contains_key(p))
-                {
+                if !self.store.read(|t| t.plugin_ids().contains(p)) {
                     return Err(ServerError::not_found(format!(
                         "CSI plugin {p:?} not found (see `berth plugin status`)"
                     )));

@@ -180,13 +180,18 @@ impl Tables {
         self.by_ids(&self.nodes, &self.indexes.nodes_by_plugin, plugin_id)
     }
 
-    /// The IDs of the CSI plugins that a node reports or an alloc runs, in
-    /// ID order.
+    /// The IDs of the CSI plugins that a node reports or an alloc that is
+    /// not terminal runs, in ID order.
     pub fn plugin_ids(&self) -> BTreeSet<&str> {
+        let run = self
+            .indexes
+            .plugin_allocs
+            .keys()
+            .filter(|id| self.allocs_running_plugin(id).any(|a| !a.is_terminal()));
         self.indexes
             .nodes_by_plugin
             .keys()
-            .chain(self.indexes.plugin_allocs.keys())
+            .chain(run)
             .map(String::as_str)
             .collect()
     }
@@ -834,6 +839,7 @@ mod tests {
                 job: u8,
                 plugin: Option<u8>,
                 stats_only: bool,
+                stopped: bool,
             },
             DeleteAlloc(u8),
             Node {
@@ -855,8 +861,8 @@ mod tests {
         fn op() -> impl Strategy<Value = Op> {
             let few = || 0u8..4;
             prop_oneof![
-                4 => (0u8..8, few(), few(), proptest::option::of(few()), any::<bool>()).prop_map(
-                    |(id, node, job, plugin, stats_only)| Op::Alloc { id, node, job, plugin, stats_only }
+                4 => (0u8..8, few(), few(), proptest::option::of(few()), any::<bool>(), any::<bool>()).prop_map(
+                    |(id, node, job, plugin, stats_only, stopped)| Op::Alloc { id, node, job, plugin, stats_only, stopped }
                 ),
                 1 => (0u8..8).prop_map(Op::DeleteAlloc),
                 2 => (few(), few(), proptest::collection::vec(few(), 0..3), proptest::collection::vec(few(), 0..2), any::<bool>())
@@ -893,6 +899,7 @@ mod tests {
                     job,
                     plugin,
                     stats_only,
+                    stopped,
                 } => {
                     let id = format!("a{id}");
                     if stats_only {
@@ -921,6 +928,11 @@ mod tests {
                         id,
                         node_id: format!("n{node}"),
                         job_id: format!("j{job}"),
+                        desired_status: if stopped {
+                            berth_structs::AllocDesiredStatus::Stop
+                        } else {
+                            berth_structs::AllocDesiredStatus::Run
+                        },
                         task_group: "g".into(),
                         job: Job {
                             id: format!("j{job}"),
@@ -1070,6 +1082,16 @@ mod tests {
                         .collect())
                 );
             }
+            let mut plugins: BTreeSet<&str> = BTreeSet::new();
+            for n in t.nodes.values() {
+                plugins.extend(n.csi_node_plugins.keys().map(String::as_str));
+                plugins.extend(n.csi_controller_plugins.keys().map(String::as_str));
+            }
+            for a in t.allocs.values().filter(|a| !a.is_terminal()) {
+                let tasks = a.group().into_iter().flat_map(|g| &g.tasks);
+                plugins.extend(tasks.filter_map(|t| t.csi_plugin.as_ref().map(|p| p.id.as_str())));
+            }
+            assert_eq!(t.plugin_ids(), plugins);
             assert_eq!(
                 ids(t.draining_nodes().map(|n| &n.id).collect()),
                 ids(t
