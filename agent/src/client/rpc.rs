@@ -1,7 +1,9 @@
 //! The client's side of the agent protocol: one gRPC channel to the servers,
 //! and the traits the lower crates define (claims, heartbeats, fingerprints,
 //! node events, alloc updates) implemented on it. Node events and alloc
-//! updates are batched: callers never wait on the network.
+//! updates are queued (callers never wait on the network) and sent by one
+//! flusher: at once when it is idle, and, while a request is in flight,
+//! gathered into the next one, so that they batch only under load.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -31,8 +33,6 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(30);
 /// loop gives up on first is dropped unseen, and the client would stay
 /// with that server round after round.
 const HEARTBEAT_DEADLINE: Duration = Duration::from_secs(5);
-/// How long updates gather before they are sent together.
-const BATCH_WINDOW: Duration = Duration::from_millis(50);
 /// Node events kept while the servers are unreachable; older ones are
 /// dropped first (the servers keep only the newest events of a node too).
 const MAX_PENDING_EVENTS: usize = 1000;
@@ -268,7 +268,12 @@ impl ServerConn {
             .cloned()
     }
 
-    /// Sends batched alloc updates and node events until `shutdown`.
+    /// Sends queued alloc updates and node events until `shutdown`. An
+    /// update that finds the flusher idle goes at once: a task's exit
+    /// reaches the servers without waiting out a window. Updates queued
+    /// while a request is in flight wait for it and go together in the
+    /// next one (the wake-up [`Notify`] keeps one permit), so a busy
+    /// client sends fewer, larger requests, one at a time.
     pub async fn run_flusher(&self, mut shutdown: tokio::sync::watch::Receiver<bool>) {
         let mut failures: u32 = 0;
         loop {
@@ -276,7 +281,10 @@ impl ServerConn {
                 _ = self.inner.flush.notified() => {}
                 _ = shutdown.wait_for(|v| *v) => return,
             }
-            tokio::time::sleep(BATCH_WINDOW).await;
+            // What the task that woke us queues right after (a runner
+            // reports several changes of one transition in a row) goes in
+            // the same request.
+            tokio::task::yield_now().await;
             match self.flush_once().await {
                 Ok(()) => failures = 0,
                 Err(e) => {
@@ -854,6 +862,100 @@ mod tests {
                 "all allocs placed in time"
             );
         }
+        serving.abort();
+    }
+
+    /// An alloc update that finds the flusher idle is sent at once, not
+    /// after a batch window: of five updates, each sent once the one
+    /// before has reached the server, the fastest reaches it well within
+    /// the 50 ms window updates used to wait out (one round trip and a
+    /// write of the real server).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_update_to_an_idle_flusher_is_sent_at_once() {
+        use berth_structs::{Job, JobType, Resources, Task, TaskConfig, TaskGroup};
+        let (_dir, server, serving, channel) = serve_node_service().await;
+        let conn = ServerConn::new(
+            channel,
+            Node {
+                id: berth_structs::generate_id(),
+                name: "n".into(),
+                datacenter: "dc1".into(),
+                status: berth_structs::NodeStatus::Ready,
+                drivers: vec!["raw_exec".into()],
+                resources: berth_structs::NodeResources {
+                    cpu: 1000,
+                    memory_mb: 1000,
+                    disk_mb: 0,
+                },
+                ..Node::default()
+            },
+            NodeSecret::generate(),
+        );
+        conn.register().await.expect("the node registers");
+        let job = Job {
+            id: "one".into(),
+            name: "one".into(),
+            job_type: JobType::Service,
+            datacenters: vec!["dc1".into()],
+            task_groups: vec![TaskGroup {
+                name: "g".into(),
+                count: 1,
+                tasks: vec![Task {
+                    name: "t".into(),
+                    driver: "raw_exec".into(),
+                    config: TaskConfig {
+                        command: "/bin/true".into(),
+                        args: Vec::new(),
+                    },
+                    resources: Resources {
+                        cpu: 1,
+                        memory_mb: 1,
+                    },
+                    ..Task::default()
+                }],
+                ..TaskGroup::default()
+            }],
+            ..Job::default()
+        };
+        server.register_job(job).await.expect("the job registers");
+        let alloc_id = server.job_allocations("one").expect("the job's allocs")[0]
+            .id
+            .clone();
+        let (stop, shutdown) = watch::channel(false);
+        let flusher = {
+            let conn = conn.clone();
+            tokio::spawn(async move { conn.run_flusher(shutdown).await })
+        };
+        let mut fastest = Duration::MAX;
+        for round in 0..5 {
+            let description = format!("round {round}");
+            let sent = std::time::Instant::now();
+            conn.alloc_updated(
+                &alloc_id,
+                AllocClientStatus::Running,
+                &description,
+                &BTreeMap::new(),
+            );
+            let deadline = sent + Duration::from_secs(30);
+            loop {
+                let a = server.allocation(&alloc_id).expect("the alloc");
+                if a.client_description == description {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "update {round} reaches the server"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            fastest = fastest.min(sent.elapsed());
+        }
+        assert!(
+            fastest < Duration::from_millis(40),
+            "the fastest of five updates took {fastest:?}"
+        );
+        stop.send_replace(true);
+        flusher.await.expect("the flusher ends on shutdown");
         serving.abort();
     }
 
