@@ -19,7 +19,7 @@ use crate::alloc_hooks::{self, AllocHook, AllocHookContext};
 use crate::config::AllocRunnerConfig;
 use crate::driver::TaskHandleRecord;
 use crate::error::{AllocRunnerError, HookError};
-use crate::state::{AllocState, RestoredAlloc};
+use crate::state::{AllocState, Persist, RestoredAlloc};
 use crate::task_hooks::VolumeMountsHook;
 use crate::task_ops::{TaskOp, TaskOpError};
 use crate::task_runner::TaskRunner;
@@ -192,7 +192,7 @@ impl AllocRunner {
         if self.inner.started.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.inner.persist_alloc();
+        self.inner.persist_alloc(Persist::Synced);
         if self.inner.alloc().server_terminal() {
             self.stop();
         }
@@ -223,7 +223,14 @@ impl AllocRunner {
             *current = Arc::new(alloc);
         }
         if self.inner.started.load(Ordering::SeqCst) {
-            self.inner.persist_alloc();
+            // A stop is synced: a restarted agent must not run the alloc
+            // again. Any other change the servers send again after a
+            // restart; it rides on the next synced write.
+            self.inner.persist_alloc(if stop {
+                Persist::Synced
+            } else {
+                Persist::Unsynced
+            });
         }
         if stop {
             info!(alloc_id = %self.inner.alloc_id, "the servers want the alloc stopped");
@@ -431,8 +438,8 @@ impl Inner {
         self.alloc.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn persist_alloc(&self) {
-        if let Err(e) = self.config.store.put_alloc(&self.alloc()) {
+    fn persist_alloc(&self, persist: Persist) {
+        if let Err(e) = self.config.store.put_alloc_with(&self.alloc(), persist) {
             warn!(alloc_id = %self.alloc_id, error = %e, "persisting the alloc failed; a restarted agent will not find it");
         }
     }

@@ -39,6 +39,6 @@ pub use driver::{
 };
 pub use error::{AllocRunnerError, DriverError, HookError};
 pub use state::{
-    AllocStateStore, AllocStateUpdater, NoopStateStore, PersistedAllocState, RestoredAlloc,
+    AllocStateStore, AllocStateUpdater, NoopStateStore, Persist, PersistedAllocState, RestoredAlloc,
 };
 pub use task_ops::{parse_signal, TaskOpError};

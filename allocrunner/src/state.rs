@@ -23,10 +23,26 @@ pub trait AllocStateUpdater: Send + Sync {
     );
 }
 
+/// How soon a write must be on disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Persist {
+    /// On disk (synced) before the call returns: a restart finds it.
+    Synced,
+    /// Kept in order with every other write and visible at once, but on
+    /// disk only with the next synced write: a crash of the agent before
+    /// that loses it. Only for what a restarted agent can do without: the
+    /// task events of a transition, a task's running state (the agent
+    /// reattaches to the task through its synced handle and the executor's
+    /// own records), an alloc the servers send again.
+    Unsynced,
+}
+
 /// What an alloc runner persists so that a restarted agent picks its allocs
 /// up again instead of starting their tasks a second time. The agent
 /// implements it on its state database. Writes are made with the runner's
-/// state lock held: they must be quick.
+/// state lock held: they must be quick. The `*_with` and
+/// [`Self::put_task_started`] methods let a store sync less; by default
+/// they make the same synced writes as the plain ones.
 pub trait AllocStateStore: Send + Sync {
     /// The alloc, when its runner starts and on every update.
     fn put_alloc(&self, alloc: &Allocation) -> Result<(), String>;
@@ -43,6 +59,39 @@ pub trait AllocStateStore: Send + Sync {
     fn delete_alloc(&self, alloc_id: &str) -> Result<(), String>;
     /// Every alloc recorded, for [`crate::AllocRunner::restore`].
     fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String>;
+
+    /// [`Self::put_alloc`], synced only when `persist` asks for it.
+    fn put_alloc_with(&self, alloc: &Allocation, persist: Persist) -> Result<(), String> {
+        let _ = persist;
+        self.put_alloc(alloc)
+    }
+
+    /// [`Self::put_alloc_state`], synced only when `persist` asks for it.
+    fn put_alloc_state_with(
+        &self,
+        alloc_id: &str,
+        state: &PersistedAllocState,
+        persist: Persist,
+    ) -> Result<(), String> {
+        let _ = persist;
+        self.put_alloc_state(alloc_id, state)
+    }
+
+    /// A task just started: its handle and the alloc's state (the task
+    /// running) together, synced, before the start is reported. A store
+    /// writes both in one transaction.
+    fn put_task_started(
+        &self,
+        alloc_id: &str,
+        task: &str,
+        handle: Option<&TaskHandleRecord>,
+        state: &PersistedAllocState,
+    ) -> Result<(), String> {
+        if let Some(h) = handle {
+            self.put_task_handle(alloc_id, task, h)?;
+        }
+        self.put_alloc_state(alloc_id, state)
+    }
 }
 
 /// The alloc's state as persisted.
@@ -155,8 +204,21 @@ impl AllocState {
         }
     }
 
-    /// Changes the state under the lock, then reports it.
-    fn update(&self, f: impl FnOnce(&mut Inner)) {
+    /// Changes the state under the lock, persists it (synced as `persist`
+    /// says), then reports it.
+    fn update(&self, persist: Persist, f: impl FnOnce(&mut Inner)) {
+        self.update_and_store(f, |store, alloc_id, state| {
+            store.put_alloc_state_with(alloc_id, state, persist)
+        });
+    }
+
+    /// Changes the state under the lock, writes it with `write`, then
+    /// reports it.
+    fn update_and_store(
+        &self,
+        f: impl FnOnce(&mut Inner),
+        write: impl FnOnce(&dyn AllocStateStore, &str, &PersistedAllocState) -> Result<(), String>,
+    ) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut inner);
         if !inner.client_status.is_terminal()
@@ -175,7 +237,7 @@ impl AllocState {
             task_states: inner.task_states.clone(),
             terminal_at_ms: inner.terminal_at_ms,
         };
-        if let Err(e) = self.store.put_alloc_state(&self.alloc_id, &persisted) {
+        if let Err(e) = write(&*self.store, &self.alloc_id, &persisted) {
             warn!(alloc_id = %self.alloc_id, error = %e, "persisting the alloc's state failed");
         }
         self.updater.alloc_updated(
@@ -187,7 +249,7 @@ impl AllocState {
     }
 
     pub(crate) fn report(&self) {
-        self.update(|_| {});
+        self.update(Persist::Unsynced, |_| {});
     }
 
     pub(crate) fn task_event(&self, task: &str, event: TaskEvent) {
@@ -200,7 +262,7 @@ impl AllocState {
             signal = event.signal,
             "task event"
         );
-        self.update(|i| {
+        self.update(Persist::Unsynced, |i| {
             i.task_states
                 .entry(task.to_string())
                 .or_default()
@@ -208,18 +270,37 @@ impl AllocState {
         });
     }
 
-    pub(crate) fn task_running(&self, task: &str) {
-        self.update(|i| {
-            let s = i.task_states.entry(task.to_string()).or_default();
-            s.state = TaskStateKind::Running;
-            s.started_at_ms = Some(now_ms());
-        });
+    /// The task started: running, with `event`; its `handle` (what a
+    /// restarted agent reattaches to) and the state are synced together
+    /// before the start is reported.
+    pub(crate) fn task_started(
+        &self,
+        task: &str,
+        handle: Option<&TaskHandleRecord>,
+        event: TaskEvent,
+    ) {
+        info!(
+            alloc_id = %self.alloc_id,
+            task,
+            event = %event.event_type,
+            message = %event.message,
+            "task event"
+        );
+        self.update_and_store(
+            |i| {
+                let s = i.task_states.entry(task.to_string()).or_default();
+                s.state = TaskStateKind::Running;
+                s.started_at_ms = Some(now_ms());
+                s.push_event(event);
+            },
+            |store, alloc_id, state| store.put_task_started(alloc_id, task, handle, state),
+        );
     }
 
     /// A task found running after a restart: running again, keeping its
     /// start time.
     pub(crate) fn task_reattached(&self, task: &str) {
-        self.update(|i| {
+        self.update(Persist::Unsynced, |i| {
             let s = i.task_states.entry(task.to_string()).or_default();
             s.state = TaskStateKind::Running;
             if s.started_at_ms.is_none() {
@@ -233,7 +314,7 @@ impl AllocState {
     }
 
     pub(crate) fn task_restarting(&self, task: &str) {
-        self.update(|i| {
+        self.update(Persist::Unsynced, |i| {
             let s = i.task_states.entry(task.to_string()).or_default();
             s.state = TaskStateKind::Pending;
             s.restarts += 1;
@@ -243,15 +324,16 @@ impl AllocState {
     /// The task is killed to start again at once, as an operator asked:
     /// pending, with its restart count (the restart policy's) unchanged.
     pub(crate) fn task_restarting_in_place(&self, task: &str) {
-        self.update(|i| {
+        self.update(Persist::Unsynced, |i| {
             let s = i.task_states.entry(task.to_string()).or_default();
             s.state = TaskStateKind::Pending;
         });
     }
 
     /// The task is done for good; `event`, if any, is its last event.
+    /// Synced: a restarted agent must not run it again.
     pub(crate) fn task_dead(&self, task: &str, failed: bool, event: Option<TaskEvent>) {
-        self.update(|i| {
+        self.update(Persist::Synced, |i| {
             let s = i.task_states.entry(task.to_string()).or_default();
             if let Some(e) = event {
                 s.push_event(e);
@@ -262,8 +344,9 @@ impl AllocState {
         });
     }
 
+    /// Synced: a restarted agent finds the alloc done.
     pub(crate) fn set_terminal(&self, status: AllocClientStatus, description: String) {
-        self.update(|i| {
+        self.update(Persist::Synced, |i| {
             i.client_status = status;
             i.description = description;
             if i.terminal_at_ms.is_none() {

@@ -179,17 +179,16 @@ impl TaskRunner {
                         break (true, Some(not_restarting("Error was unrecoverable")));
                     }
                 };
-                // Persisted before the task is reported running: a restart
-                // from here on finds it.
-                if let Some(record) = handle.record() {
-                    if let Err(e) = config.store.put_task_handle(&alloc.id, &name, &record) {
-                        error!(alloc_id = %alloc.id, task = %name, error = %e, "persisting the task handle failed; a restarted agent will not find the task");
-                    }
-                }
-                state.task_running(&name);
+                // The handle is synced with the running state, before the
+                // task is reported running: a restart from here on finds
+                // it.
+                state.task_started(
+                    &name,
+                    handle.record().as_ref(),
+                    TaskEvent::new("Started", "Task started by client"),
+                );
                 ran = true;
                 berth_metrics::metrics().task_starts.inc();
-                events.emit("Started", "Task started by client");
                 handle
             };
 

@@ -9,10 +9,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
-use berth_allocrunner::{AllocStateStore, PersistedAllocState, RestoredAlloc, TaskHandleRecord};
+use berth_allocrunner::{
+    AllocStateStore, Persist, PersistedAllocState, RestoredAlloc, TaskHandleRecord,
+};
 use berth_csimanager::{PluginRegistration, VolumeStateStore, VolumeStub};
 use berth_structs::{Allocation, NodeSecret};
-use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -150,16 +152,32 @@ impl ClientState {
         Ok(db)
     }
 
-    /// Runs `f` in a write transaction and commits it. After an I/O error
-    /// (a full disk) poisoned the database, it is opened again and `f` is
-    /// tried once more, so the agent recovers once space is freed.
+    /// Runs `f` in a write transaction and commits it, synced. After an
+    /// I/O error (a full disk) poisoned the database, it is opened again
+    /// and `f` is tried once more, so the agent recovers once space is
+    /// freed.
     fn write<T>(
         &self,
         f: impl Fn(&redb::WriteTransaction) -> Result<T, StateError>,
     ) -> Result<T, StateError> {
+        self.write_with(Persist::Synced, f)
+    }
+
+    /// [`Self::write`], committed without a sync when `persist` is
+    /// [`Persist::Unsynced`]: readers see it at once, and the next synced
+    /// commit puts it on disk with its own (redb's `Durability::None`); a
+    /// crash before that loses it.
+    fn write_with<T>(
+        &self,
+        persist: Persist,
+        f: impl Fn(&redb::WriteTransaction) -> Result<T, StateError>,
+    ) -> Result<T, StateError> {
         let attempt = || {
             let started = std::time::Instant::now();
-            let tx = self.db()?.begin_write().map_err(rdb)?;
+            let mut tx = self.db()?.begin_write().map_err(rdb)?;
+            if persist == Persist::Unsynced {
+                tx.set_durability(Durability::None).map_err(db_err)?;
+            }
             let out = f(&tx)?;
             tx.commit().map_err(rdb)?;
             berth_metrics::record_state_commit(berth_metrics::Db::Client, started.elapsed());
@@ -292,8 +310,18 @@ impl ClientState {
         key: &str,
         value: &T,
     ) -> Result<(), StateError> {
+        self.put_with(Persist::Synced, table, key, value)
+    }
+
+    fn put_with<T: Serialize>(
+        &self,
+        persist: Persist,
+        table: TableDefinition<&str, &[u8]>,
+        key: &str,
+        value: &T,
+    ) -> Result<(), StateError> {
         let bytes = serde_json::to_vec(value).map_err(db_err)?;
-        self.write(|tx| {
+        self.write_with(persist, |tx| {
             let mut t = tx.open_table(table).map_err(rdb)?;
             t.insert(key, bytes.as_slice()).map_err(rdb)?;
             Ok(())
@@ -373,12 +401,62 @@ impl AllocStateStore for ClientState {
     }
 
     fn put_alloc_state(&self, alloc_id: &str, state: &PersistedAllocState) -> Result<(), String> {
+        self.put_alloc_state_with(alloc_id, state, Persist::Synced)
+    }
+
+    fn put_alloc_with(&self, alloc: &Allocation, persist: Persist) -> Result<(), String> {
+        self.put_with(persist, ALLOCS, &alloc.id, alloc)
+            .map_err(|e| e.to_string())
+    }
+
+    fn put_alloc_state_with(
+        &self,
+        alloc_id: &str,
+        state: &PersistedAllocState,
+        persist: Persist,
+    ) -> Result<(), String> {
         let row = AllocStateRow {
             alloc_id: alloc_id.to_string(),
             state: state.clone(),
         };
-        self.put(ALLOC_STATES, alloc_id, &row)
+        self.put_with(persist, ALLOC_STATES, alloc_id, &row)
             .map_err(|e| e.to_string())
+    }
+
+    /// The handle and the state in one synced transaction.
+    fn put_task_started(
+        &self,
+        alloc_id: &str,
+        task: &str,
+        handle: Option<&TaskHandleRecord>,
+        state: &PersistedAllocState,
+    ) -> Result<(), String> {
+        let state_row = serde_json::to_vec(&AllocStateRow {
+            alloc_id: alloc_id.to_string(),
+            state: state.clone(),
+        })
+        .map_err(|e| e.to_string())?;
+        let handle_row = handle
+            .map(|h| {
+                serde_json::to_vec(&TaskHandleRow {
+                    alloc_id: alloc_id.to_string(),
+                    task: task.to_string(),
+                    handle: h.clone(),
+                })
+            })
+            .transpose()
+            .map_err(|e| e.to_string())?;
+        let handle_key = task_handle_key(alloc_id, task);
+        self.write(|tx| {
+            if let Some(row) = &handle_row {
+                let mut t = tx.open_table(TASK_HANDLES).map_err(rdb)?;
+                t.insert(handle_key.as_str(), row.as_slice()).map_err(rdb)?;
+            }
+            let mut t = tx.open_table(ALLOC_STATES).map_err(rdb)?;
+            t.insert(alloc_id, state_row.as_slice()).map_err(rdb)?;
+            Ok(())
+        })
+        .map_err(|e| e.to_string())
     }
 
     fn put_task_handle(
@@ -617,6 +695,42 @@ mod tests {
             id: id.into(),
             ..Allocation::default()
         }
+    }
+
+    /// An unsynced state is read back at once and reaches the disk with
+    /// the next synced write; a task's start writes its handle and the
+    /// state together.
+    #[test]
+    fn unsynced_states_are_seen_at_once_and_kept_by_the_next_synced_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = |description: &str| PersistedAllocState {
+            description: description.into(),
+            ..Default::default()
+        };
+        {
+            let s = ClientState::open(dir.path()).unwrap();
+            s.put_alloc_with(&alloc("a1"), Persist::Synced).unwrap();
+            s.put_alloc_state_with("a1", &state("pending"), Persist::Unsynced)
+                .unwrap();
+            let loaded = s.load_allocs().unwrap();
+            assert_eq!(loaded[0].state, Some(state("pending")));
+            s.put_alloc_with(
+                &Allocation {
+                    name: "renamed".into(),
+                    ..alloc("a1")
+                },
+                Persist::Unsynced,
+            )
+            .unwrap();
+            s.put_task_started("a1", "web", Some(&handle(10)), &state("running"))
+                .unwrap();
+        }
+        let s = ClientState::open(dir.path()).unwrap();
+        let loaded = s.load_allocs().unwrap();
+        assert_eq!(loaded.len(), 1);
+        assert_eq!(loaded[0].alloc.name, "renamed");
+        assert_eq!(loaded[0].state, Some(state("running")));
+        assert_eq!(loaded[0].handles.get("web"), Some(&handle(10)));
     }
 
     #[test]

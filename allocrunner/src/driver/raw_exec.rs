@@ -31,7 +31,13 @@ use crate::executor::{
 const AFTER_SIGKILL: Duration = Duration::from_secs(30);
 /// How long the executor may take to report that the task runs.
 const EXECUTOR_START_TIMEOUT: Duration = Duration::from_secs(10);
-const EXECUTOR_START_POLL: Duration = Duration::from_millis(5);
+/// How often the executor's state record is looked for while it starts:
+/// often at first (an executor records a started task within milliseconds,
+/// and the task's start waits on this), then less often.
+const EXECUTOR_START_POLL: Duration = Duration::from_millis(1);
+const EXECUTOR_START_POLL_SLOW: Duration = Duration::from_millis(5);
+/// How long the executor's state is polled at [`EXECUTOR_START_POLL`].
+const EXECUTOR_START_FAST_FOR: Duration = Duration::from_millis(100);
 /// How often a reattached executor that has no pidfd is checked.
 const EXECUTOR_POLL: Duration = Duration::from_millis(500);
 
@@ -221,7 +227,8 @@ impl Driver for RawExecDriver {
                 warn!(alloc_id = %spec.alloc_id, task = %spec.task, error = %e, "sending the spec to the executor");
             }
         }
-        let deadline = Instant::now() + EXECUTOR_START_TIMEOUT;
+        let spawned = Instant::now();
+        let deadline = spawned + EXECUTOR_START_TIMEOUT;
         let executor_failed = |message: String| DriverError::ExecutorFailed {
             command: spec.command.clone(),
             message,
@@ -253,7 +260,12 @@ impl Driver for RawExecDriver {
                     "the task did not start within {EXECUTOR_START_TIMEOUT:?}"
                 )));
             }
-            tokio::time::sleep(EXECUTOR_START_POLL).await;
+            tokio::time::sleep(if spawned.elapsed() < EXECUTOR_START_FAST_FOR {
+                EXECUTOR_START_POLL
+            } else {
+                EXECUTOR_START_POLL_SLOW
+            })
+            .await;
         };
         if let ExecutorState::StartFailed { kind, message } = state {
             let _ = child.wait().await;
