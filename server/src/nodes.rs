@@ -435,6 +435,22 @@ pub struct NodeUsage {
 }
 
 impl Server {
+    /// How many allocs their clients report running on each of
+    /// `node_ids` (the node list's count), from the index of allocs by
+    /// node: the cost is those nodes' allocs, not every alloc.
+    pub fn running_allocs_on_nodes(&self, node_ids: &[&str]) -> Vec<usize> {
+        self.store.read(|t| {
+            node_ids
+                .iter()
+                .map(|id| {
+                    t.allocs_on_node(id)
+                        .filter(|a| a.client_status == AllocClientStatus::Running)
+                        .count()
+                })
+                .collect()
+        })
+    }
+
     /// What `node_id`'s allocs use and which CSI volumes they claim, from
     /// the state's indexes of allocs and claims by node: the cost is the
     /// node's, not the fleet's.

@@ -287,8 +287,7 @@ fn node_status(a: StatusArgs, api: &ApiClient) -> Result<i32> {
                 println!("No nodes registered");
                 return Ok(());
             }
-            let allocs = api.get("/v1/allocations")?;
-            print_lines(node_table(&list, &allocs, a.verbose, now));
+            print_lines(node_table(&list, a.verbose, now));
             Ok(())
         });
     };
@@ -556,17 +555,9 @@ pub fn deadline_left(force_deadline_ms: i64, now_ms: i64) -> String {
 
 /// The rows of the `node status` table, in columns sized to their
 /// widest cell: ID (short; whole with `verbose`), name, class, datacenter,
-/// drain, eligibility, status, last heartbeat, running allocs.
-pub fn node_table(nodes: &[Value], allocs: &Value, verbose: bool, now_ms: i64) -> Vec<String> {
-    let mut running: HashMap<&str, usize> = HashMap::new();
-    for a in allocs.as_array().into_iter().flatten() {
-        if a["client_status"] == "running" {
-            let n = running
-                .entry(a["node_id"].as_str().unwrap_or_default())
-                .or_default();
-            *n = n.saturating_add(1);
-        }
-    }
+/// drain, eligibility, status, last heartbeat, running allocs (the
+/// list's `allocs_running`).
+pub fn node_table(nodes: &[Value], verbose: bool, now_ms: i64) -> Vec<String> {
     let mut table = Table::new([
         "ID",
         "Name",
@@ -592,7 +583,7 @@ pub fn node_table(nodes: &[Value], allocs: &Value, verbose: bool, now_ms: i64) -
                 .to_string(),
             text(&n["status"]),
             ago_at(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
-            running.get(id).copied().unwrap_or(0).to_string(),
+            n["allocs_running"].as_u64().unwrap_or(0).to_string(),
         ]);
     }
     table.lines()
@@ -688,17 +679,12 @@ mod tests {
             json!({"id": "0123456789abcdef", "name": "worker-1", "node_class": "gpu",
                    "datacenter": "dc1",
                    "status": "ready", "scheduling_eligibility": "ineligible", "drain": true,
-                   "last_heartbeat_ms": 97_000}),
+                   "last_heartbeat_ms": 97_000, "allocs_running": 2}),
             json!({"id": "fedcba9876543210", "name": "worker-2", "status": "down",
                    "scheduling_eligibility": "eligible", "drain": false,
-                   "last_heartbeat_ms": 0}),
+                   "last_heartbeat_ms": 0, "allocs_running": 0}),
         ];
-        let allocs = json!([
-            {"node_id": "0123456789abcdef", "client_status": "running"},
-            {"node_id": "0123456789abcdef", "client_status": "running"},
-            {"node_id": "0123456789abcdef", "client_status": "complete"},
-        ]);
-        let rows = node_table(&nodes, &allocs, false, 100_000);
+        let rows = node_table(&nodes, false, 100_000);
         assert_eq!(
             rows,
             vec![
@@ -707,7 +693,7 @@ mod tests {
                 "fedcba98  worker-2  <none>  <none>  false  eligible     down    never           0",
             ]
         );
-        let verbose = node_table(&nodes, &allocs, true, 100_000);
+        let verbose = node_table(&nodes, true, 100_000);
         assert!(
             verbose[1].starts_with("0123456789abcdef  worker-1"),
             "{verbose:#?}"

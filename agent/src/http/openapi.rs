@@ -549,6 +549,7 @@ fn components() -> Value {
                 "total_resources": { "type": "object", "description": "one node's answer only" },
                 "allocated_resources": { "type": "object", "description": "one node's answer only" },
                 "csi_volumes": { "type": "array", "description": "one node's answer only" },
+                "allocs_running": { "type": "integer", "description": "the list's answer only: allocs its client reports running" },
             }), &["id", "name", "status"]),
             "CsiVolume": object(json!({
                 "id": { "type": "string" },

@@ -31,6 +31,8 @@ pub const JOBS: &[Table] = &[Table::Jobs];
 /// A job's allocs (the job must exist).
 pub const JOB_ALLOCS: &[Table] = &[Table::Jobs, Table::Allocs];
 pub const ALLOCS: &[Table] = &[Table::Allocs];
+/// The node list (its `allocs_running` counts are read as it answers;
+/// an alloc write does not wake it).
 pub const NODES: &[Table] = &[Table::Nodes];
 /// A node's answer carries what its allocs use and the CSI volumes
 /// claimed on it.
