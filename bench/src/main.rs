@@ -12,6 +12,7 @@
 //! Nothing here is part of `cargo test`; CI runs `smoke` (debug build) so
 //! that no figure can rot.
 
+mod cluster;
 mod figures;
 mod report;
 mod sim;
