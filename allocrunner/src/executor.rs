@@ -8,8 +8,13 @@
 //! [`ExecutorState`] in `<state_dir>/state.json`, waits for the task, drains
 //! its output, records its [`ExecutorExit`] in `<state_dir>/exit.json`, then
 //! exits.
-//! Both files are written atomically (temp file, fsync, rename, fsync of the
-//! directory), so a reader never sees half a record. It uses plain `std`
+//! Both files are written atomically (temp file, rename), so a reader never
+//! sees half a record. `exit.json` is synced too (the file, then the
+//! directory): it is the one word on a task that finished while no agent
+//! ran, and must outlive a crash of the machine. `state.json` is not: it
+//! describes processes that no crash of the machine leaves running, and a
+//! record lost or cut short by one reads as no record, as when the executor
+//! never ran. It uses plain `std`
 //! and `nix`: no async runtime, no logging framework, no agent state.
 
 use std::collections::BTreeMap;
@@ -113,17 +118,39 @@ pub fn live_process_start_ticks(pid: u32) -> Option<u64> {
     rest.split(' ').nth(19)?.parse().ok()
 }
 
-/// Writes `value` as JSON to `dir/name` atomically.
+/// Writes `value` as JSON to `dir/name` atomically and durably (synced).
 pub fn write_record<T: Serialize>(dir: &Path, name: &str, value: &T) -> std::io::Result<()> {
+    write_record_with(dir, name, value, true)
+}
+
+/// Writes `value` as JSON to `dir/name` atomically: every reader sees the
+/// old record or the new one, whatever process dies when. Not synced: a
+/// crash of the machine may lose it (see the module's doc for why
+/// `state.json` may be).
+fn write_state_record<T: Serialize>(dir: &Path, name: &str, value: &T) -> std::io::Result<()> {
+    write_record_with(dir, name, value, false)
+}
+
+fn write_record_with<T: Serialize>(
+    dir: &Path,
+    name: &str,
+    value: &T,
+    sync: bool,
+) -> std::io::Result<()> {
     let bytes = serde_json::to_vec(value).map_err(std::io::Error::other)?;
     let tmp = dir.join(format!(".{name}.tmp"));
     {
         let mut f = std::fs::File::create(&tmp)?;
         f.write_all(&bytes)?;
-        f.sync_all()?;
+        if sync {
+            f.sync_all()?;
+        }
     }
     std::fs::rename(&tmp, dir.join(name))?;
-    std::fs::File::open(dir)?.sync_all()
+    if sync {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// Reads `dir/name`; `Ok(None)` when it does not exist.
@@ -217,7 +244,7 @@ pub fn run_executor(args: &[String]) -> i32 {
     }
     let failed = |kind, message: String| {
         eprintln!("berth executor: {message}");
-        if let Err(e) = write_record(
+        if let Err(e) = write_state_record(
             &state_dir,
             STATE_FILE,
             &ExecutorState::StartFailed { kind, message },
@@ -275,7 +302,7 @@ pub fn run_executor(args: &[String]) -> i32 {
         task_start_ticks: process_start_ticks(task_pid).unwrap_or_default(),
         started_at_ms: berth_structs::now_ms(),
     };
-    if let Err(e) = write_record(&state_dir, STATE_FILE, &state) {
+    if let Err(e) = write_state_record(&state_dir, STATE_FILE, &state) {
         // Nobody could find this task again: do not leave it running.
         eprintln!("berth executor: recording the task's state: {e}; killing the task");
         let _ = nix::sys::signal::killpg(
