@@ -19,6 +19,7 @@
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -178,20 +179,30 @@ fn open_log(base: &Path, rotation: LogRotation) -> std::io::Result<RotatingWrite
     RotatingWriter::open(dir, name, rotation)
 }
 
+/// How much of the task's output is read at once: a pipe's default
+/// capacity.
+const READ_SIZE: usize = 64 * 1024;
+
 /// Copies what the task writes on `pipe` into `log` until every writer has
-/// closed the pipe, then says so on `done`. Never stops reading because of
-/// the log: a task is never blocked on a full disk.
+/// closed the pipe, then says so on `done`. Says on `started` when it is
+/// about to read: the thread has run its start. Never stops reading
+/// because of the log: a task is never blocked on a full disk.
 fn copy_output(
-    mut pipe: impl Read + Send + 'static,
+    pipe: OwnedFd,
     mut log: RotatingWriter,
+    started: std::sync::mpsc::Sender<()>,
     done: std::sync::mpsc::Sender<()>,
 ) {
     std::thread::spawn(move || {
-        let mut buf = vec![0u8; 64 * 1024];
+        // Never written but by `read`: a task that writes little keeps the
+        // buffer's pages untouched, out of the executor's memory.
+        let mut buf = Vec::with_capacity(READ_SIZE);
+        let _ = started.send(());
+        drop(started);
         loop {
-            match pipe.read(&mut buf) {
+            match read_into(&pipe, &mut buf) {
                 Ok(0) => break,
-                Ok(n) => log.write_chunk(&buf[..n]),
+                Ok(_) => log.write_chunk(&buf),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) => {
                     eprintln!("berth executor: reading the task's output: {e}");
@@ -210,6 +221,122 @@ fn copy_output(
     });
 }
 
+/// Reads from `fd` into `buf`'s free capacity, replacing what `buf`
+/// held; the number of bytes read.
+fn read_into(fd: &OwnedFd, buf: &mut Vec<u8>) -> std::io::Result<usize> {
+    buf.clear();
+    let spare = buf.spare_capacity_mut();
+    // SAFETY: read(2) writes at most `spare.len()` bytes at `spare`, memory
+    // that `buf` owns and that outlives the call.
+    let n = unsafe { libc::read(fd.as_raw_fd(), spare.as_mut_ptr().cast(), spare.len()) };
+    let Ok(n) = usize::try_from(n) else {
+        return Err(std::io::Error::last_os_error());
+    };
+    // SAFETY: the kernel initialised the first `n` bytes, `n <= capacity`.
+    unsafe { buf.set_len(n) };
+    Ok(n)
+}
+
+/// One malloc arena for all the executor's threads, not one for each
+/// copy thread: an arena costs its first pages even when little is
+/// allocated in it.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn limit_arenas() {
+    // SAFETY: mallopt only sets malloc's tunables; called before the
+    // executor starts any thread.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn limit_arenas() {}
+
+/// What the executor holds on to once its task runs, for days: neither
+/// the heap the start used (the spec, the command) nor the pages of the
+/// program's read-only segments (its code and constants, and the
+/// relocation tables the loader read once at start). Those are the agent
+/// binary's pages, in the page cache and shared with the agent: this only
+/// takes them out of the executor's page tables, and what the executor
+/// runs later (the copy loop, recording the exit) is mapped back from the
+/// page cache when it is touched. Writable segments (the relocated data
+/// among them) are left alone: their pages are the executor's own.
+fn release_start_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap memory to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    #[cfg(target_os = "linux")]
+    release_program_pages();
+}
+
+/// Unmaps the pages of the program's read-only loaded segments from this
+/// process (`MADV_DONTNEED`): they are clean file pages, mapped back from
+/// the page cache on their next touch.
+#[cfg(target_os = "linux")]
+fn release_program_pages() {
+    /// Start and end of the program's loaded segments that are not
+    /// writable; at most 8 (a program has 2: constants and code).
+    struct Segments {
+        spans: [(usize, usize); 8],
+        len: usize,
+    }
+    /// Called for every loaded object, the program first: takes the
+    /// program's segments, then stops the walk.
+    unsafe extern "C" fn program(
+        info: *mut libc::dl_phdr_info,
+        _size: libc::size_t,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
+        // SAFETY: dl_iterate_phdr passes a valid info for the call, and
+        // `data` is the `Segments` given below, borrowed by nothing else.
+        let (info, out) = unsafe { (&*info, &mut *data.cast::<Segments>()) };
+        if info.dlpi_phdr.is_null() {
+            return 1;
+        }
+        // SAFETY: dlpi_phdr points at dlpi_phnum program headers.
+        let headers =
+            unsafe { std::slice::from_raw_parts(info.dlpi_phdr, usize::from(info.dlpi_phnum)) };
+        for h in headers {
+            if h.p_type == libc::PT_LOAD && h.p_flags & libc::PF_W == 0 && out.len < out.spans.len()
+            {
+                let start = (info.dlpi_addr as usize).wrapping_add(h.p_vaddr as usize);
+                out.spans[out.len] = (start, start.saturating_add(h.p_memsz as usize));
+                out.len += 1;
+            }
+        }
+        1
+    }
+    let mut segments = Segments {
+        spans: [(0, 0); 8],
+        len: 0,
+    };
+    // SAFETY: the callback only reads the headers it is given and writes
+    // into `segments`, which outlives the call.
+    unsafe {
+        libc::dl_iterate_phdr(Some(program), (&raw mut segments).cast());
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = match usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }) {
+        Ok(p) if p.is_power_of_two() => p,
+        _ => return,
+    };
+    for &(start, end) in &segments.spans[..segments.len] {
+        // Whole pages inside the segment only.
+        let start = start.next_multiple_of(page);
+        let end = end & !(page - 1);
+        if end > start {
+            // SAFETY: the span is page-aligned and lies in a mapped,
+            // read-only, private file mapping of the program: nothing in
+            // it was ever written, so dropping its pages loses nothing.
+            unsafe {
+                libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED);
+            }
+        }
+    }
+}
+
 /// Runs the executor: `args` is what follows `executor` on the command
 /// line, the state directory. Returns the executor's exit code: 0 once the
 /// task's exit is recorded, 1 when the task could not be started or its
@@ -220,6 +347,7 @@ pub fn run_executor(args: &[String]) -> i32 {
         return 2;
     };
     let state_dir = PathBuf::from(state_dir);
+    limit_arenas();
     let mut raw = Vec::new();
     if let Err(e) = std::io::stdin().read_to_end(&mut raw) {
         eprintln!("berth executor: reading the spec from stdin: {e}");
@@ -284,15 +412,22 @@ pub fn run_executor(args: &[String]) -> i32 {
     };
     // The read ends are close-on-exec: only the task holds the write ends.
     let (drained_tx, drained) = std::sync::mpsc::channel();
+    let (started_tx, started) = std::sync::mpsc::channel();
     let mut readers = 0;
     if let Some(out) = child.stdout.take() {
-        copy_output(out, stdout_log, drained_tx.clone());
+        copy_output(
+            out.into(),
+            stdout_log,
+            started_tx.clone(),
+            drained_tx.clone(),
+        );
         readers += 1;
     }
     if let Some(err) = child.stderr.take() {
-        copy_output(err, stderr_log, drained_tx);
+        copy_output(err.into(), stderr_log, started_tx.clone(), drained_tx);
         readers += 1;
     }
+    drop(started_tx);
     let task_pid = child.id();
     let state = ExecutorState::Running {
         executor_pid: std::process::id(),
@@ -312,12 +447,26 @@ pub fn run_executor(args: &[String]) -> i32 {
         let _ = child.wait();
         return 1;
     }
+    // The copy threads have run their start (and touched its pages)
+    // before the start's memory is given back; a thread that died instead
+    // ends its channel.
+    for _ in 0..readers {
+        if started.recv().is_err() {
+            break;
+        }
+    }
+    drop((raw, spec, cmd, started));
+    release_start_memory();
     // Wait for the leader without reaping it: its zombie keeps the group
     // id reserved, so the kill below reaches the task's own leftovers and
     // never a group that reused the id.
-    if let Err(e) = wait_unreaped(task_pid) {
-        eprintln!("berth executor: waiting for the task: {e}");
-    }
+    let ended = match wait_unreaped(task_pid) {
+        Ok(ended) => Some(ended),
+        Err(e) => {
+            eprintln!("berth executor: waiting for the task: {e}");
+            None
+        }
+    };
     match nix::sys::signal::killpg(
         nix::unistd::Pid::from_raw(task_pid as i32),
         nix::sys::signal::Signal::SIGKILL,
@@ -340,19 +489,30 @@ pub fn run_executor(args: &[String]) -> i32 {
             break;
         }
     }
-    let status = match child.wait() {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("berth executor: waiting for the task: {e}");
-            return 1;
-        }
+    let (exit_code, signal) = match ended {
+        Some(ended) => ended,
+        // Not known without reaping it.
+        None => match child.wait() {
+            Ok(status) => (status.code(), status.signal()),
+            Err(e) => {
+                eprintln!("berth executor: waiting for the task: {e}");
+                return 1;
+            }
+        },
     };
     let exit = ExecutorExit {
-        exit_code: status.code(),
-        signal: status.signal(),
+        exit_code,
+        signal,
         finished_at_ms: berth_structs::now_ms(),
     };
-    match write_record(&state_dir, EXIT_FILE, &exit) {
+    let recorded = write_record(&state_dir, EXIT_FILE, &exit);
+    // Reaped only now that its exit is recorded (see above).
+    if ended.is_some() {
+        if let Err(e) = child.wait() {
+            eprintln!("berth executor: reaping the task: {e}");
+        }
+    }
+    match recorded {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("berth executor: recording the task's exit: {e}");
@@ -361,8 +521,9 @@ pub fn run_executor(args: &[String]) -> i32 {
     }
 }
 
-/// Waits until `pid` (a child) has exited, leaving it unreaped.
-fn wait_unreaped(pid: u32) -> std::io::Result<()> {
+/// Waits until `pid` (a child) has exited, leaving it unreaped; how it
+/// ended: its exit code, or the signal that ended it.
+fn wait_unreaped(pid: u32) -> std::io::Result<(Option<i32>, Option<i32>)> {
     loop {
         // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
         let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
@@ -376,7 +537,18 @@ fn wait_unreaped(pid: u32) -> std::io::Result<()> {
             )
         };
         if rc == 0 {
-            return Ok(());
+            // SAFETY: waitid succeeded for a child's exit: `info` holds a
+            // SIGCHLD siginfo, whose si_status field is set.
+            let status = unsafe { info.si_status() };
+            return Ok(match info.si_code {
+                libc::CLD_EXITED => (Some(status), None),
+                libc::CLD_KILLED | libc::CLD_DUMPED => (None, Some(status)),
+                code => {
+                    return Err(std::io::Error::other(format!(
+                        "waitid reported no exit (si_code {code})"
+                    )))
+                }
+            });
         }
         let e = std::io::Error::last_os_error();
         if e.kind() != std::io::ErrorKind::Interrupted {
