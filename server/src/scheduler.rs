@@ -490,7 +490,8 @@ struct PlanContext<'a> {
     tables: &'a Tables,
     /// Resources in use per node.
     used: HashMap<String, Usage>,
-    /// Volumes with expected claims added.
+    /// The volumes the job being planned asks for, with expected claims
+    /// added (no other volume is looked at, so no other is copied).
     volumes: BTreeMap<String, CsiVolume>,
 }
 
@@ -516,11 +517,26 @@ fn expected_claim(a: &Allocation, req: &berth_structs::VolumeRequest) -> Option<
 }
 
 impl<'a> PlanContext<'a> {
-    fn new(tables: &'a Tables) -> PlanContext<'a> {
+    fn new(tables: &'a Tables, job: &Job) -> PlanContext<'a> {
+        let mut volumes = BTreeMap::new();
+        for g in &job.task_groups {
+            for req in g.volumes.values() {
+                let ids: Box<dyn Iterator<Item = String>> = if req.per_alloc {
+                    Box::new((0..g.count).map(|i| req.source_for(i)))
+                } else {
+                    Box::new(std::iter::once(req.source.clone()))
+                };
+                for id in ids {
+                    if let Some(v) = tables.volumes.get(&id) {
+                        volumes.insert(id, v.clone());
+                    }
+                }
+            }
+        }
         let mut ctx = PlanContext {
             tables,
             used: HashMap::new(),
-            volumes: tables.volumes.clone(),
+            volumes,
         };
         for a in tables.allocs.values().filter(|a| !a.is_terminal()) {
             ctx.add(a);
@@ -899,7 +915,7 @@ pub(crate) fn place(
 ) -> PlanOutcome {
     let mut outcome = PlanOutcome::default();
     let job_id = job.id.as_str();
-    let mut ctx = PlanContext::new(t);
+    let mut ctx = PlanContext::new(t, job);
     let allocs: Vec<&Allocation> = t.allocs_of_job(job_id).collect();
     // The allocs of the job as they will be after this plan.
     let mut after: BTreeMap<String, Allocation> = allocs
@@ -1798,7 +1814,7 @@ mod tests {
     /// the job, then most free memory, then the first in ID order): the
     /// rule the ordered candidates of [`place`] must give, without them.
     fn every_node_placement(t: &Tables, job: &Job) -> Vec<Option<String>> {
-        let mut ctx = PlanContext::new(t);
+        let mut ctx = PlanContext::new(t, job);
         let group = &job.task_groups[0];
         let nodes: Vec<&Node> = t
             .nodes
