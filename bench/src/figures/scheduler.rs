@@ -21,6 +21,13 @@
 //! the sizes. Target: it grows no worse than n log n (fitted exponent
 //! below 1.3 over 100..10,000, see `report::growth`).
 //!
+//! With `--http N` (1,000 by default; 0 leaves it out), the whole
+//! registration through a real server: a `berth agent -server` process
+//! whose state was seeded with N ready nodes, `PUT /v1/jobs` of a new
+//! N-alloc job from the request's first byte to the answer's last,
+//! against the in-process register of the same size (its baseline, from
+//! the rounds above when the size is among `--sizes`).
+//!
 //! A second section shows what the tables' indexes buy: one lookup of a
 //! node's allocs (`Tables::allocs_on_node`, ten allocs a node) in a store
 //! of 1,000 and of 50,000 allocs, against the scan of the allocs table it
@@ -28,7 +35,7 @@
 //! both sizes (within 2x), while the scan grows with the table.
 //!
 //! ```text
-//! scripts/bench scheduler [--sizes 100,1000,10000] [--rounds 5] [--lookup-allocs 1000,50000]
+//! scripts/bench scheduler [--sizes 100,1000,10000] [--rounds 5] [--http 1000] [--lookup-allocs 1000,50000]
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -52,6 +59,9 @@ pub struct Args {
     /// Measured rounds per size.
     #[arg(long, default_value_t = 5)]
     pub rounds: usize,
+    /// N of the registration through a real server's HTTP API (0: none).
+    #[arg(long, default_value_t = 1_000)]
+    pub http: usize,
     /// Table sizes (allocs, ten a node) of the lookup section.
     #[arg(long, value_delimiter = ',', default_values_t = vec![1_000, 50_000])]
     pub lookup_allocs: Vec<usize>,
@@ -79,8 +89,10 @@ pub fn run(args: &Args) -> Result<()> {
     );
     let mut growth = Vec::new();
     let mut place_growth = Vec::new();
+    let mut in_process = std::collections::BTreeMap::new();
     for &n in &args.sizes {
         let m = measure_size(&rt, n, args.rounds)?;
+        in_process.insert(n, m.register.clone());
         println!("  N = {n}");
         report::samples("write alone (baseline)", &m.write_alone);
         report::samples("place (plan_job, no write)", &m.place);
@@ -105,6 +117,21 @@ pub fn run(args: &Args) -> Result<()> {
         let g = report::growth_table("register", "ms", &growth);
         report::target("register grows no worse than n log n", g.exponent < 1.3);
     }
+    if args.http > 0 {
+        ensure!(
+            args.http <= 10_000,
+            "--http must be at most 10000 (a group's count)"
+        );
+        let baseline = match in_process.get(&args.http) {
+            Some(s) => s.clone(),
+            None => measure_size(&rt, args.http, args.rounds)?.register,
+        };
+        let http = register_over_http(args.http, args.rounds)?;
+        println!("  N = {} through a server's HTTP API", args.http);
+        report::samples("register in process (baseline)", &baseline);
+        report::samples("PUT /v1/jobs", &http);
+        report::ratio_line("HTTP / in process", &http, &baseline);
+    }
     lookups(&args.lookup_allocs, args.lookups, args.rounds.max(5))?;
     Ok(())
 }
@@ -113,6 +140,7 @@ pub fn smoke() -> Result<()> {
     run(&Args {
         sizes: vec![10, 40],
         rounds: 1,
+        http: 20,
         lookup_allocs: vec![100, 400],
         lookups: 10,
     })
@@ -191,6 +219,64 @@ fn measure_size(rt: &tokio::runtime::Runtime, n: usize, rounds: usize) -> Result
         std::fs::remove_dir_all(&data).ok();
     }
     Ok(out)
+}
+
+/// `PUT /v1/jobs` of an N-alloc job, `rounds` times (a new job each
+/// time), to a `berth agent -server` whose state holds N ready nodes.
+fn register_over_http(n: usize, rounds: usize) -> Result<Samples> {
+    let port = berth_tests::free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let mut agent = berth_tests::Agent::start(&["-server", "-http-addr", &addr])?;
+    berth_tests::wait_for(
+        "the server's HTTP API",
+        std::time::Duration::from_secs(30),
+        || {
+            agent.check_running()?;
+            Ok(berth_tests::api_get_at(port, "/v1/nodes").ok())
+        },
+    )?;
+    // Seed the nodes while the agent is stopped; it gives every node a
+    // fresh heartbeat TTL when it starts again.
+    agent.stop()?;
+    {
+        let store = open_store(&agent.data_path())?;
+        let nodes: Vec<Change> = (0..n).map(|i| Change::PutNode(node(i))).collect();
+        store.write(|_, c| {
+            c.extend(nodes);
+            Ok::<_, StoreError>(())
+        })?;
+    }
+    agent.start_again()?;
+    berth_tests::wait_for(
+        "the seeded nodes",
+        std::time::Duration::from_secs(30),
+        || {
+            agent.check_running()?;
+            let nodes = berth_tests::api_get_at(port, "/v1/nodes").ok();
+            Ok(nodes.filter(|v| v.as_array().is_some_and(|a| a.len() == n)))
+        },
+    )?;
+    let mut samples = Samples::new();
+    for round in 0..rounds {
+        let job = job(&format!("http-{n}-{round}"), n);
+        let body = serde_json::to_string(&serde_json::json!({ "job": job }))?;
+        let request = format!(
+            "PUT /v1/jobs HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let start = Instant::now();
+        let answer = berth_tests::http_at(port, &request)?;
+        samples.push(start.elapsed());
+        let resp: serde_json::Value = serde_json::from_slice(&answer.body)
+            .with_context(|| format!("PUT /v1/jobs: {}", String::from_utf8_lossy(&answer.body)))?;
+        ensure!(
+            answer.status == 200 && resp["unplaced_allocs"] == 0 && resp["desired_allocs"] == n,
+            "PUT /v1/jobs answered {}: {resp}",
+            answer.status
+        );
+    }
+    agent.stop()?;
+    Ok(samples)
 }
 
 /// The lookup section: a node's allocs by the index against a scan.
