@@ -54,6 +54,10 @@ struct Inner {
     /// True once postrun is done (or the alloc was destroyed unrun).
     done: watch::Sender<bool>,
     started: AtomicBool,
+    /// True while the store holds exactly the alloc this runner has: a
+    /// restored runner's alloc is the store's own record, which `run`
+    /// need not write (and sync) again. Cleared by any change.
+    in_store: AtomicBool,
     /// The prerun/postrun chain; taken when the lifecycle starts.
     hooks: Mutex<Option<Vec<Box<dyn AllocHook>>>>,
     /// Set when the runner was restored after an agent restart: the last
@@ -93,6 +97,7 @@ impl AllocRunner {
             handles,
         } = restored;
         let runner = Self::build(config, alloc, alloc_hooks::default_hooks(), state);
+        runner.inner.in_store.store(true, Ordering::SeqCst);
         *runner
             .inner
             .restored
@@ -127,6 +132,7 @@ impl AllocRunner {
                 stop: watch::channel(false).0,
                 done: watch::channel(false).0,
                 started: AtomicBool::new(false),
+                in_store: AtomicBool::new(false),
                 hooks: Mutex::new(Some(hooks)),
                 restored: Mutex::new(None),
                 task_ops: Mutex::default(),
@@ -192,7 +198,11 @@ impl AllocRunner {
         if self.inner.started.swap(true, Ordering::SeqCst) {
             return;
         }
-        self.inner.persist_alloc(Persist::Synced);
+        // A restored alloc is already in the store as it is: restoring
+        // many allocs does not wait on a sync for each.
+        if !self.inner.in_store.load(Ordering::SeqCst) {
+            self.inner.persist_alloc(Persist::Synced);
+        }
         if self.inner.alloc().server_terminal() {
             self.stop();
         }
@@ -222,6 +232,7 @@ impl AllocRunner {
             }
             *current = Arc::new(alloc);
         }
+        self.inner.in_store.store(false, Ordering::SeqCst);
         if self.inner.started.load(Ordering::SeqCst) {
             // A stop is synced: a restarted agent must not run the alloc
             // again. Any other change the servers send again after a
