@@ -35,6 +35,12 @@ pub const STATE_FILE: &str = "state.json";
 pub const EXIT_FILE: &str = "exit.json";
 /// The executor's own stderr.
 pub const LOG_FILE: &str = "executor.log";
+/// The executor's protocol with the agent: bumped whenever
+/// [`ExecutorSpec`], [`ExecutorState`] or [`ExecutorExit`] change in a way
+/// an executor and an agent of different builds would not both understand.
+/// A separate executor program answers `--version` with it, and the agent
+/// uses that program only when its version and protocol are its own.
+pub const PROTOCOL: u32 = 1;
 
 /// How long the task's output is still read after the task has exited,
 /// while something it left behind (outside its process group) keeps the

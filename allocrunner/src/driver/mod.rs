@@ -17,7 +17,7 @@ use crate::error::DriverError;
 
 mod raw_exec;
 
-pub use raw_exec::{ExecutorCommand, RawExecDriver};
+pub use raw_exec::{executor_version_line, ExecutorCommand, RawExecDriver, EXECUTOR_PROGRAM};
 
 /// Everything a driver needs to start one task.
 #[derive(Debug, Clone)]

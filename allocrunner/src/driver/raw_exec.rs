@@ -48,14 +48,125 @@ pub struct ExecutorCommand {
     pub args: Vec<String>,
 }
 
+/// The executor-only program installed next to the agent's binary.
+pub const EXECUTOR_PROGRAM: &str = "berth-executor";
+/// How long [`EXECUTOR_PROGRAM`] may take to answer `--version`.
+const EXECUTOR_VERSION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What [`EXECUTOR_PROGRAM`] of `version` answers to `--version`: its
+/// version and [`executor::PROTOCOL`].
+pub fn executor_version_line(version: &str) -> String {
+    format!(
+        "{EXECUTOR_PROGRAM} {version} protocol {}",
+        executor::PROTOCOL
+    )
+}
+
 impl ExecutorCommand {
     /// `<this binary> executor`: the agent's hidden subcommand.
     pub fn current_exe() -> ExecutorCommand {
+        ExecutorCommand::agent_subcommand(
+            &std::env::current_exe().unwrap_or_else(|_| PathBuf::from("berth")),
+        )
+    }
+
+    fn agent_subcommand(agent: &Path) -> ExecutorCommand {
         ExecutorCommand {
-            program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("berth")),
+            program: agent.to_path_buf(),
             args: vec!["executor".into()],
         }
     }
+
+    /// The executor this process runs its tasks under, chosen once (the
+    /// first call; later calls return the same): [`EXECUTOR_PROGRAM`] next
+    /// to this binary when it answers `--version` with this build's
+    /// version and protocol, otherwise `<this binary> executor`, with an
+    /// info log saying why. Tasks started under either are reattached the
+    /// same way (their state records do not name the program).
+    pub fn for_agent() -> ExecutorCommand {
+        static CHOSEN: std::sync::OnceLock<ExecutorCommand> = std::sync::OnceLock::new();
+        CHOSEN
+            .get_or_init(|| {
+                let agent = std::env::current_exe().unwrap_or_else(|_| PathBuf::from("berth"));
+                let (command, fallback) = Self::choose(&agent, env!("CARGO_PKG_VERSION"));
+                match fallback {
+                    None => info!(executor = %command.program.display(), "tasks run under the executor program"),
+                    Some(why) => info!(
+                        executor = %command.program.display(),
+                        "tasks run under `berth executor` of the agent's own binary: {why}"
+                    ),
+                }
+                command
+            })
+            .clone()
+    }
+
+    /// [`EXECUTOR_PROGRAM`] next to `agent` when its `--version` answer is
+    /// exactly [`executor_version_line`] of `version`; otherwise `<agent>
+    /// executor` and why.
+    pub fn choose(agent: &Path, version: &str) -> (ExecutorCommand, Option<String>) {
+        let program = agent
+            .parent()
+            .unwrap_or_else(|| Path::new("."))
+            .join(EXECUTOR_PROGRAM);
+        let want = executor_version_line(version);
+        let why = match executor_version(&program) {
+            Ok(got) if got == want => {
+                return (
+                    ExecutorCommand {
+                        program,
+                        args: vec![],
+                    },
+                    None,
+                )
+            }
+            Ok(got) => format!(
+                "{} is of another version: it answers {got:?}, this agent is {want:?}",
+                program.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                format!("{} is missing", program.display())
+            }
+            Err(e) => format!("{} --version failed: {e}", program.display()),
+        };
+        (ExecutorCommand::agent_subcommand(agent), Some(why))
+    }
+}
+
+/// The first line `program --version` prints (trimmed), once it exits 0
+/// within [`EXECUTOR_VERSION_TIMEOUT`].
+fn executor_version(program: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut child = std::process::Command::new(program)
+        .arg("--version")
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + EXECUTOR_VERSION_TIMEOUT;
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {EXECUTOR_VERSION_TIMEOUT:?}"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    if !status.success() {
+        return Err(std::io::Error::other(format!("it exited with {status}")));
+    }
+    let mut out = String::new();
+    if let Some(stdout) = child.stdout.take() {
+        stdout.take(4096).read_to_string(&mut out)?;
+    }
+    Ok(out.lines().next().unwrap_or_default().trim().to_string())
 }
 
 #[derive(Debug, Clone)]
@@ -65,12 +176,12 @@ pub struct RawExecDriver {
 
 impl Default for RawExecDriver {
     fn default() -> Self {
-        RawExecDriver::with_executor(ExecutorCommand::current_exe())
+        RawExecDriver::with_executor(ExecutorCommand::for_agent())
     }
 }
 
 impl RawExecDriver {
-    /// Runs tasks under `<this binary> executor`.
+    /// Runs tasks under [`ExecutorCommand::for_agent`].
     pub fn new() -> RawExecDriver {
         RawExecDriver::default()
     }
@@ -564,6 +675,104 @@ mod tests {
     use std::os::unix::process::{CommandExt, ExitStatusExt};
 
     use super::*;
+
+    /// Writes an executable shell script `dir`/`name` and waits until it
+    /// can be run (a process forked meanwhile by another test may briefly
+    /// hold it open for writing: ETXTBSY).
+    fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join(name);
+        std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match std::process::Command::new(&path)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+            {
+                Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => {
+                    assert!(std::time::Instant::now() < deadline, "{e}");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                _ => return path,
+            }
+        }
+    }
+
+    #[test]
+    fn the_agent_falls_back_to_its_own_executor_when_berth_executor_is_missing() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = dir.path().join("berth");
+        let (command, why) = ExecutorCommand::choose(&agent, "1.2.3");
+        assert_eq!(
+            command,
+            ExecutorCommand {
+                program: agent.clone(),
+                args: vec!["executor".into()]
+            }
+        );
+        let why = why.expect("a reason for the fallback");
+        assert!(why.contains("missing"), "{why}");
+        assert!(
+            why.contains(&dir.path().join(EXECUTOR_PROGRAM).display().to_string()),
+            "{why}"
+        );
+    }
+
+    #[test]
+    fn the_agent_falls_back_to_its_own_executor_when_berth_executor_is_of_another_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = dir.path().join("berth");
+        let other = format!("{EXECUTOR_PROGRAM} 1.2.4 protocol {}", executor::PROTOCOL);
+        script(dir.path(), EXECUTOR_PROGRAM, &format!("echo '{other}'"));
+        let (command, why) = ExecutorCommand::choose(&agent, "1.2.3");
+        assert_eq!(command.program, agent);
+        assert_eq!(command.args, ["executor"]);
+        let why = why.expect("a reason for the fallback");
+        assert!(why.contains(&other), "names the found version: {why}");
+        assert!(
+            why.contains(&executor_version_line("1.2.3")),
+            "names the agent's version: {why}"
+        );
+
+        // The same version of another protocol is another version too.
+        let other = format!(
+            "{EXECUTOR_PROGRAM} 1.2.3 protocol {}",
+            executor::PROTOCOL + 1
+        );
+        script(dir.path(), EXECUTOR_PROGRAM, &format!("echo '{other}'"));
+        let (command, why) = ExecutorCommand::choose(&agent, "1.2.3");
+        assert_eq!(command.program, agent);
+        assert!(why.expect("a fallback").contains(&other));
+
+        // A program that fails its --version is not used either.
+        script(dir.path(), EXECUTOR_PROGRAM, "echo oops >&2; exit 3");
+        let (command, why) = ExecutorCommand::choose(&agent, "1.2.3");
+        assert_eq!(command.program, agent);
+        assert!(why.expect("a fallback").contains("failed"));
+    }
+
+    #[test]
+    fn the_agent_runs_berth_executor_of_its_own_version_and_protocol() {
+        let dir = tempfile::tempdir().unwrap();
+        let agent = dir.path().join("berth");
+        let program = script(
+            dir.path(),
+            EXECUTOR_PROGRAM,
+            &format!("echo '{}'", executor_version_line("1.2.3")),
+        );
+        let (command, why) = ExecutorCommand::choose(&agent, "1.2.3");
+        assert_eq!(why, None);
+        assert_eq!(
+            command,
+            ExecutorCommand {
+                program,
+                args: vec![]
+            }
+        );
+    }
 
     #[test]
     fn raw_exec_is_healthy_only_while_its_executor_is_an_executable_file() {
