@@ -213,7 +213,7 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
         return Ok(0);
     }
     let names = node_names(api)?;
-    let allocs = api.get(&format!("/v1/job/{}/allocations", enc(&job.id)))?;
+    let (allocs, index) = api.get_indexed(&format!("/v1/job/{}/allocations", enc(&job.id)))?;
     let mine = allocs_of_version(&allocs, version);
     if !mine.is_empty() {
         /// At most this many placements are named.
@@ -258,6 +258,7 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
         version,
         &names,
         !failures.is_empty(),
+        (allocs, index),
     )?;
     Ok(code)
 }
@@ -361,8 +362,10 @@ fn print_transitions(
 }
 
 /// Follows the allocs of `version` through blocking queries, printing
-/// each transition, until they all run (a batch job: finish). 0 when they
-/// did, 1 when one failed, 2 when some could not be placed.
+/// each transition, until they all run (a batch job: finish). `first` is
+/// the job's allocs as already read, with the index they reflect: they are
+/// looked at first, and the blocking queries wait for changes after them.
+/// 0 when they did, 1 when one failed, 2 when some could not be placed.
 fn follow_run(
     api: &ApiClient,
     job_id: &str,
@@ -370,15 +373,20 @@ fn follow_run(
     version: u64,
     names: &HashMap<String, String>,
     blocked: bool,
+    first: (Value, u64),
 ) -> Result<i32> {
     let mut seen: BTreeMap<String, String> = BTreeMap::new();
-    let mut index = 0;
     let mut names = names.clone();
+    let mut next = Some(first);
+    let mut index = 0;
     loop {
-        let (allocs, at) = api.get_indexed(&format!(
-            "/v1/job/{}/allocations?index={index}&wait=10s",
-            enc(job_id)
-        ))?;
+        let (allocs, at) = match next.take() {
+            Some(read) => read,
+            None => api.get_indexed(&format!(
+                "/v1/job/{}/allocations?index={index}&wait=10s",
+                enc(job_id)
+            ))?,
+        };
         index = at;
         let mine = allocs_of_version(&allocs, version);
         if mine.iter().any(|al| !names.contains_key(s(al, "node_id"))) {
