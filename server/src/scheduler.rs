@@ -488,7 +488,9 @@ fn exhausted(what: &str, unit: &str, used: u128, asked: u128, total: u64) -> Opt
 /// What an evaluation sees of the cluster, updated as it plans.
 struct PlanContext<'a> {
     tables: &'a Tables,
-    /// Resources in use per node.
+    /// Resources in use on the nodes this evaluation placed on or stopped
+    /// allocs of; every other node's are the state's (its index of what
+    /// the allocs that are not terminal use per node).
     used: HashMap<String, Usage>,
     /// The volumes the job being planned asks for, with expected claims
     /// added (no other volume is looked at, so no other is copied).
@@ -538,16 +540,43 @@ impl<'a> PlanContext<'a> {
             used: HashMap::new(),
             volumes,
         };
-        for a in tables.allocs.values().filter(|a| !a.is_terminal()) {
-            ctx.add(a);
+        // Only a job that asks for volumes needs the expected claims of
+        // the allocs that ask for them too.
+        if !ctx.volumes.is_empty() {
+            for a in tables.allocs.values().filter(|a| !a.is_terminal()) {
+                ctx.expect_claims(a);
+            }
         }
         ctx
     }
 
+    /// The resources in use on `node_id`.
+    fn used(&self, node_id: &str) -> Usage {
+        self.used.get(node_id).copied().unwrap_or_else(|| {
+            let u = self.tables.node_use(node_id);
+            Usage {
+                cpu: u.cpu,
+                memory_mb: u.memory_mb,
+            }
+        })
+    }
+
+    fn used_mut(&mut self, node_id: &str) -> &mut Usage {
+        let base = self.used(node_id);
+        self.used.entry(node_id.to_string()).or_insert(base)
+    }
+
     fn add(&mut self, a: &Allocation) {
         let Some(g) = a.group() else { return };
-        let u = self.used.entry(a.node_id.clone()).or_default();
+        let u = self.used_mut(&a.node_id);
         *u = u.plus(Usage::of_group(g));
+        self.expect_claims(a);
+    }
+
+    /// An expected claim of `a` on each volume of the job's it asks for
+    /// and has not claimed yet.
+    fn expect_claims(&mut self, a: &Allocation) {
+        let Some(g) = a.group() else { return };
         for req in g.volumes.values() {
             let vid = req.source_for(a.index);
             let Some(v) = self.volumes.get_mut(&vid) else {
@@ -567,9 +596,8 @@ impl<'a> PlanContext<'a> {
 
     fn remove(&mut self, a: &Allocation) {
         let Some(g) = a.group() else { return };
-        if let Some(u) = self.used.get_mut(&a.node_id) {
-            *u = u.minus(Usage::of_group(g));
-        }
+        let u = self.used_mut(&a.node_id);
+        *u = u.minus(Usage::of_group(g));
         // Expected claims go; real claims stay until they are freed.
         for req in g.volumes.values() {
             let vid = req.source_for(a.index);
@@ -631,7 +659,7 @@ impl<'a> PlanContext<'a> {
             }
         }
         let asked = Usage::of_group(group);
-        let used = self.used.get(&node.id).copied().unwrap_or_default();
+        let used = self.used(&node.id);
         if let Some(why) = exhausted("cpu", "MHz", used.cpu, asked.cpu, node.resources.cpu) {
             return Some(why);
         }
@@ -1155,7 +1183,7 @@ fn preference(
     pos: usize,
 ) -> (usize, Reverse<u64>, usize) {
     let same_job = job_on_node.get(&node.id).copied().unwrap_or_default();
-    let used = ctx.used.get(&node.id).map_or(0, |u| u.memory_mb);
+    let used = ctx.used(&node.id).memory_mb;
     let free = u128::from(node.resources.memory_mb).saturating_sub(used);
     (
         same_job,

@@ -68,6 +68,41 @@ pub struct Indexes {
     pub(crate) nodes_by_plugin: Multi,
     /// Node IDs of nodes with a drain strategy.
     pub(crate) draining_nodes: BTreeSet<String>,
+    /// What the allocs that are not terminal on each node ask for, by
+    /// node ID (nodes with none are left out).
+    pub(crate) node_usage: BTreeMap<String, NodeUse>,
+}
+
+/// The sums of what a node's allocs that are not terminal ask for (their
+/// groups' tasks), in u128 where sums of u64 asks cannot wrap, and how
+/// many allocs they are.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct NodeUse {
+    pub allocs: u64,
+    /// MHz.
+    pub cpu: u128,
+    /// MiB.
+    pub memory_mb: u128,
+}
+
+impl NodeUse {
+    /// What `a` asks for (its group's tasks), as one alloc.
+    fn of(a: &Allocation) -> NodeUse {
+        let tasks = a.group().into_iter().flat_map(|g| &g.tasks);
+        tasks.fold(
+            NodeUse {
+                allocs: 1,
+                ..NodeUse::default()
+            },
+            |u, t| NodeUse {
+                allocs: u.allocs,
+                cpu: u.cpu.saturating_add(u128::from(t.resources.cpu)),
+                memory_mb: u
+                    .memory_mb
+                    .saturating_add(u128::from(t.resources.memory_mb)),
+            },
+        )
+    }
 }
 
 impl Indexes {
@@ -94,6 +129,13 @@ impl Indexes {
         for p in plugins_run_by(a) {
             link(&mut self.plugin_allocs, p, &a.id);
         }
+        if !a.is_terminal() {
+            let add = NodeUse::of(a);
+            let u = self.node_usage.entry(a.node_id.clone()).or_default();
+            u.allocs = u.allocs.saturating_add(add.allocs);
+            u.cpu = u.cpu.saturating_add(add.cpu);
+            u.memory_mb = u.memory_mb.saturating_add(add.memory_mb);
+        }
     }
 
     pub(crate) fn remove_alloc(&mut self, a: &Allocation) {
@@ -101,6 +143,17 @@ impl Indexes {
         unlink(&mut self.allocs_by_job, &a.job_id, &a.id);
         for p in plugins_run_by(a) {
             unlink(&mut self.plugin_allocs, p, &a.id);
+        }
+        if !a.is_terminal() {
+            let gone = NodeUse::of(a);
+            if let Some(u) = self.node_usage.get_mut(&a.node_id) {
+                u.allocs = u.allocs.saturating_sub(gone.allocs);
+                u.cpu = u.cpu.saturating_sub(gone.cpu);
+                u.memory_mb = u.memory_mb.saturating_sub(gone.memory_mb);
+                if u.allocs == 0 {
+                    self.node_usage.remove(&a.node_id);
+                }
+            }
         }
     }
 

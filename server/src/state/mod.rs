@@ -28,7 +28,7 @@ use tokio::sync::watch;
 
 use crate::error::StoreError;
 
-pub use indexes::Indexes;
+pub use indexes::{Indexes, NodeUse};
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
 
 /// The tables of the store.
@@ -194,6 +194,16 @@ impl Tables {
             .chain(run)
             .map(String::as_str)
             .collect()
+    }
+
+    /// What the allocs that are not terminal on `node_id` ask for (zero
+    /// when none is there).
+    pub fn node_use(&self, node_id: &str) -> NodeUse {
+        self.indexes
+            .node_usage
+            .get(node_id)
+            .copied()
+            .unwrap_or_default()
     }
 
     /// The nodes with a drain strategy, in ID order.
@@ -1029,6 +1039,20 @@ mod tests {
                         .filter(|a| a.node_id == node)
                         .map(|a| &a.id)
                         .collect())
+                );
+                let live: Vec<&Allocation> = t
+                    .allocs
+                    .values()
+                    .filter(|a| a.node_id == node && !a.is_terminal())
+                    .collect();
+                let tasks = || live.iter().filter_map(|a| a.group()).flat_map(|g| &g.tasks);
+                assert_eq!(
+                    t.node_use(&node),
+                    NodeUse {
+                        allocs: live.len() as u64,
+                        cpu: tasks().map(|t| u128::from(t.resources.cpu)).sum(),
+                        memory_mb: tasks().map(|t| u128::from(t.resources.memory_mb)).sum(),
+                    }
                 );
                 assert_eq!(
                     ids(t.allocs_of_job(&job).map(|a| &a.id).collect()),
