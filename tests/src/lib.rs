@@ -364,6 +364,8 @@ pub struct DevAgent {
     log_path: PathBuf,
     /// Flags given to `berth agent -dev` besides the data dir and address.
     extra_args: Vec<String>,
+    /// The `berth` binary it runs.
+    program: PathBuf,
 }
 
 impl DevAgent {
@@ -376,6 +378,12 @@ impl DevAgent {
     /// [`Self::start`] with more flags for `berth agent -dev` (kept on
     /// restarts).
     pub fn start_with_args(extra_args: &[&str]) -> Result<DevAgent> {
+        Self::start_program(&binary("berth"), extra_args)
+    }
+
+    /// [`Self::start_with_args`] running the agent binary `program`
+    /// instead of the workspace's `berth` (e.g. a copy of it elsewhere).
+    pub fn start_program(program: &Path, extra_args: &[&str]) -> Result<DevAgent> {
         let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
         let port = free_port();
         let http_addr = format!("http://127.0.0.1:{port}");
@@ -389,6 +397,7 @@ impl DevAgent {
             path_env,
             log_path,
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+            program: program.to_path_buf(),
         };
         agent.spawn(port)?;
         agent.wait_ready()?;
@@ -401,7 +410,12 @@ impl DevAgent {
         args.push("-http-addr".into());
         args.push(format!("127.0.0.1:{port}").into());
         args.extend(self.extra_args.iter().map(OsString::from));
-        self.child = Some(spawn_agent(&args, &self.path_env, &self.log_path)?);
+        self.child = Some(spawn_agent(
+            &self.program,
+            &args,
+            &self.path_env,
+            &self.log_path,
+        )?);
         Ok(())
     }
 
@@ -796,11 +810,16 @@ pub fn run_job_at(addr: &str, dir: &Path, name: &str, spec: &str) -> Result<()> 
     Ok(())
 }
 
-/// Starts `berth agent ARGS...` with the workspace's binaries on `PATH`,
-/// its output appended to `log_path` (a restarted agent's log follows the
-/// first one's).
-fn spawn_agent(args: &[OsString], path_env: &str, log_path: &Path) -> Result<Child> {
-    spawn_agent_with_env(args, path_env, log_path, &[])
+/// Starts `PROGRAM agent ARGS...` (PROGRAM a `berth` binary) with the
+/// workspace's binaries on `PATH`, its output appended to `log_path` (a
+/// restarted agent's log follows the first one's).
+fn spawn_agent(
+    program: &Path,
+    args: &[OsString],
+    path_env: &str,
+    log_path: &Path,
+) -> Result<Child> {
+    spawn_program(program, args, path_env, log_path, &[])
 }
 
 /// [`spawn_agent`] with environment changes last: `(NAME, Some(value))`
@@ -811,11 +830,21 @@ fn spawn_agent_with_env(
     log_path: &Path,
     env: &[(String, Option<String>)],
 ) -> Result<Child> {
+    spawn_program(&binary("berth"), args, path_env, log_path, env)
+}
+
+fn spawn_program(
+    program: &Path,
+    args: &[OsString],
+    path_env: &str,
+    log_path: &Path,
+    env: &[(String, Option<String>)],
+) -> Result<Child> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log_path)?;
-    let mut command = Command::new(binary("berth"));
+    let mut command = Command::new(program);
     command
         .arg("agent")
         .args(args)

@@ -20,15 +20,22 @@
 //! prints the largest mappings of one executor (from `/proc/PID/smaps`),
 //! to see where its memory goes.
 //!
+//! The executor measured is the one the agent picks: `berth-executor`,
+//! the small executor-only binary next to `berth`, when its version
+//! matches. `--agent-binary` measures the fallback instead, the agent's
+//! own `berth executor`: the agent runs from a copy of `berth` in a temp
+//! dir, with no `berth-executor` beside it. The figure prints the program
+//! the executors run and fails unless it is the one the mode expects.
+//!
 //! ```text
-//! scripts/bench executor-rss [--tasks 20] [--rounds 5] [--mappings]
+//! scripts/bench executor-rss [--tasks 20] [--rounds 5] [--mappings] [--agent-binary]
 //! ```
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::{wait_for, DevAgent};
+use berth_tests::{binary, wait_for, DevAgent};
 use serde_json::Value;
 
 use crate::report::{self, Mib, Sizes};
@@ -47,13 +54,37 @@ pub struct Args {
     /// Also print the largest mappings of the executor with the median RSS.
     #[arg(long)]
     pub mappings: bool,
+    /// Measure the fallback, the agent's own `berth executor`, instead of
+    /// `berth-executor`.
+    #[arg(long)]
+    pub agent_binary: bool,
 }
 
 pub fn run(args: &Args) -> Result<()> {
     if args.tasks == 0 || args.rounds == 0 {
         bail!("--tasks and --rounds must be at least 1");
     }
-    let agent = DevAgent::start().context("starting a dev agent")?;
+    // Dropped after the agent (declared before it): the agent's binary
+    // when it runs from a copy.
+    let copy_dir = tempfile::Builder::new()
+        .prefix("berth-bench-agent-")
+        .tempdir()?;
+    let (agent, expected) = if args.agent_binary {
+        let copy = copy_dir.path().join("berth");
+        std::fs::copy(binary("berth"), &copy)
+            .with_context(|| format!("copying berth to {}", copy.display()))?;
+        let agent = DevAgent::start_program(&copy, &[]).context("starting a dev agent")?;
+        (
+            agent,
+            format!("{} executor", copy.canonicalize()?.display()),
+        )
+    } else {
+        let agent = DevAgent::start().context("starting a dev agent")?;
+        let program = binary("berth")
+            .canonicalize()?
+            .with_file_name("berth-executor");
+        (agent, program.display().to_string())
+    };
     let job = agent.write_file("sleepers.hcl", &sleepers_job(args.tasks))?;
     agent.cli_ok(&["job", "run", "-detach", &job])?;
     let n = args.tasks as usize;
@@ -78,6 +109,16 @@ pub fn run(args: &Args) -> Result<()> {
             agent.data_dir.path().display()
         );
     }
+    let program = executor_program(pairs[0].executor)?;
+    for p in &pairs {
+        let other = executor_program(p.executor)?;
+        if other != program {
+            bail!("executors run different programs: {program:?} and {other:?}");
+        }
+    }
+    if program != expected {
+        bail!("the executors run {program:?}, not {expected:?}");
+    }
 
     let mut exec = Measured::default();
     let mut task = Measured::default();
@@ -100,6 +141,7 @@ pub fn run(args: &Args) -> Result<()> {
             args.rounds
         ),
     );
+    report::value("executor program", &program);
     report::sizes("executor VmRSS", &exec.rss);
     report::sizes("executor Pss", &exec.pss);
     report::sizes("executor RssAnon", &exec.anon);
@@ -152,7 +194,31 @@ pub fn smoke() -> Result<()> {
         tasks: 2,
         rounds: 2,
         mappings: false,
+        agent_binary: false,
     })
+}
+
+/// The program executor `pid` runs and its arguments before the state dir
+/// (the last one): `/path/berth-executor` or `/path/berth executor`.
+fn executor_program(pid: u32) -> Result<String> {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe"))
+        .with_context(|| format!("reading the program of executor {pid}"))?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
+        .with_context(|| format!("reading the command line of executor {pid}"))?;
+    let args: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let middle = args
+        .get(1..args.len().saturating_sub(1))
+        .unwrap_or_default();
+    let mut program = exe.display().to_string();
+    for a in middle {
+        program.push(' ');
+        program.push_str(a);
+    }
+    Ok(program)
 }
 
 /// A service job of `count` allocs of one raw_exec task, `sleep 3600`.
