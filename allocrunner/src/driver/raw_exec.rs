@@ -121,7 +121,7 @@ impl ExecutorCommand {
                 )
             }
             Ok(got) => format!(
-                "{} is of another version: it answers {got:?}, this agent is {want:?}",
+                "{} is of another build: it answers {got:?}, this agent needs {want:?}",
                 program.display()
             ),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
