@@ -87,7 +87,8 @@ fn main() -> ExitCode {
 /// Every figure at its smoke size, one after another; the first failure
 /// ends the run.
 fn smoke() -> anyhow::Result<()> {
-    let figures: [(&str, fn() -> anyhow::Result<()>); 9] = [
+    type SmokeRun = fn() -> anyhow::Result<()>;
+    let figures: [(&str, SmokeRun); 9] = [
         ("job-run", job_run::smoke),
         ("job-run-csi", job_run_csi::smoke),
         ("stop-claim-free", stop_claim_free::smoke),
