@@ -577,6 +577,7 @@ pub fn run_from_args(args: AgentArgs) -> Result<i32> {
     if config.data_dir.is_none() {
         tracing::info!(data_dir = %data_dir.display(), "dev agent uses a fresh temp data dir");
     }
+    limit_malloc_arenas();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("berth-agent")
@@ -586,6 +587,23 @@ pub fn run_from_args(args: AgentArgs) -> Result<i32> {
     drop(lock);
     Ok(0)
 }
+
+/// One malloc arena for the agent's threads, instead of glibc's eight per
+/// core: every runtime worker and blocking thread would otherwise get an
+/// arena of its own, whose pages stay resident once a burst of work (many
+/// allocs starting) has touched them. (Threads keep their own small
+/// caches, so they seldom wait on the arena's lock.)
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn limit_malloc_arenas() {
+    // SAFETY: mallopt only sets malloc's tunables; called before the
+    // runtime starts its threads.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn limit_malloc_arenas() {}
 
 /// The data dir, created if needed, as an absolute path.
 fn prepare_data_dir(config: &AgentConfig) -> Result<PathBuf> {

@@ -524,6 +524,11 @@ impl Client {
             tasks.spawn(async move { me.watch_drivers(rx).await });
         }
         {
+            let changes = self.conn.alloc_changes();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { trim_heap_after_changes(changes, rx).await });
+        }
+        {
             let csi = self.csi.clone();
             let sink: Arc<dyn berth_csimanager::VolumeStatsSink> = self.clone();
             let interval = self.csi_volume_stats_interval;
@@ -897,6 +902,43 @@ impl Client {
         }
     }
 }
+
+/// How often the heap is trimmed while the client's allocs change.
+pub const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Gives the heap's free pages back to the kernel (`malloc_trim`) at most
+/// every [`HEAP_TRIM_INTERVAL`], and only after the client's allocs changed
+/// (`changes` moved): starting or restoring many allocs decodes, copies and
+/// frees far more than stays live, and glibc keeps the freed pages
+/// resident in the middle of the heap. An idle client trims nothing.
+async fn trim_heap_after_changes(
+    mut changes: watch::Receiver<u64>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            r = changes.changed() => if r.is_err() { return },
+            _ = shutdown.wait_for(|v| *v) => return,
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(HEAP_TRIM_INTERVAL) => {}
+            _ = shutdown.wait_for(|v| *v) => return,
+        }
+        changes.mark_unchanged();
+        trim_heap();
+    }
+}
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn trim_heap() {
+    // SAFETY: malloc_trim only returns free heap memory to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn trim_heap() {}
 
 /// Destroys the alloc, retrying with backoff. Destroying waits for every
 /// volume of the alloc to be unmounted; until it is, the alloc's records

@@ -27,6 +27,12 @@ const ALLOC_STATES: TableDefinition<&str, &[u8]> = TableDefinition::new("alloc_s
 const TASK_HANDLES: TableDefinition<&str, &[u8]> = TableDefinition::new("task_handles");
 const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
 
+/// redb's page cache (reads and buffered writes). Its default, 1 GiB,
+/// would keep the whole file in the agent's memory as it grows with the
+/// allocs; the client reads the database in full only when it starts, and
+/// the pages a write walks stay within this.
+const CACHE_BYTES: usize = 1 << 20;
+
 /// The schema this build writes. Opening a database with a newer schema is
 /// refused rather than misread.
 pub const SCHEMA_VERSION: u32 = 1;
@@ -131,10 +137,13 @@ impl ClientState {
 
     fn open_db(path: &Path) -> Result<Database, StateError> {
         restrict_mode(path)?;
-        Database::create(path).map_err(|source| StateError::Open {
-            path: path.display().to_string(),
-            source,
-        })
+        Database::builder()
+            .set_cache_size(CACHE_BYTES)
+            .create(path)
+            .map_err(|source| StateError::Open {
+                path: path.display().to_string(),
+                source,
+            })
     }
 
     /// The open database, opened again if an I/O error closed it.

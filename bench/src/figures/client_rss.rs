@@ -12,7 +12,8 @@
 //!    published N/M times), all running.
 //!
 //! Each state is measured once the servers see every alloc running and the
-//! client has settled: VmRSS and Pss (`/proc/PID/smaps_rollup`; Pss shares
+//! client has settled (6 s, past the moment it trims its heap after a
+//! change): VmRSS and Pss (`/proc/PID/smaps_rollup`; Pss shares
 //! out the pages of the berth binary that the tasks' executors map too)
 //! are sampled five times over two seconds and the highest is printed.
 //! The baseline is the idle client of the same run; the growth table over
@@ -73,10 +74,15 @@ pub fn memory_of(pid: u32) -> Result<Memory> {
     })
 }
 
-/// The highest of five samples over two seconds, once the client has had
-/// a second to settle after the last change.
+/// How long a client is left to settle after the last change before its
+/// memory is sampled: longer than the 5 s after which a client whose
+/// allocs changed gives the heap's free pages back to the kernel.
+const SETTLE: Duration = Duration::from_secs(6);
+
+/// The highest of five samples over two seconds, once the client has
+/// settled ([`SETTLE`]) after the last change.
 fn settled_memory(client: &mut BenchClient) -> Result<Memory> {
-    std::thread::sleep(Duration::from_secs(1));
+    std::thread::sleep(SETTLE);
     let mut high = Memory::default();
     for i in 0..5 {
         if i > 0 {
