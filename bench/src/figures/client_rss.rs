@@ -96,11 +96,19 @@ fn settled_memory(client: &mut BenchClient) -> Result<Memory> {
     Ok(high)
 }
 
-fn show(label: &str, m: Memory) {
+fn show(label: &str, m: Memory, extra: &str) {
     report::value(
         label,
-        format!("RSS {}  Pss {}", Mib(m.rss_kib), Mib(m.pss_kib)),
+        format!("RSS {}  Pss {}{extra}", Mib(m.rss_kib), Mib(m.pss_kib)),
     );
+}
+
+/// `  (all running N.N s after the job was submitted)`.
+fn running_after(started: Instant) -> String {
+    format!(
+        "  (all running {:.1} s after submitting)",
+        started.elapsed().as_secs_f64()
+    )
 }
 
 /// How long the allocs of `count` tasks may take to run on a loaded
@@ -120,7 +128,7 @@ pub fn run(args: &Args) -> Result<()> {
     if sizes.first() == Some(&0) {
         bail!("--sizes: a size is at least 1 task");
     }
-    if args.volumes > 0 && args.tasks % args.volumes != 0 {
+    if args.volumes > 0 && !args.tasks.is_multiple_of(args.volumes) {
         bail!(
             "--volumes {} must divide --tasks {}: each volume is shared by the same number of allocs",
             args.volumes,
@@ -146,21 +154,16 @@ pub fn run(args: &Args) -> Result<()> {
         let server = BenchServer::start()?;
         let mut client = BenchClient::start(&server, "rss-tasks")?;
         let idle = settled_memory(&mut client)?;
-        show("idle (baseline)", idle);
+        show("idle (baseline)", idle, "");
         let mut points = Vec::new();
         let mut at_tasks = None;
         for &n in &sizes {
-            server.run_job("sleepers", &cluster::sleep_job("sleepers", n, None))?;
             let started = Instant::now();
+            server.run_job("sleepers", &cluster::sleep_job("sleepers", n, None))?;
             server.wait_job_running("sleepers", n as usize, run_timeout(n))?;
+            let took = running_after(started);
             let m = settled_memory(&mut client)?;
-            show(
-                &format!(
-                    "{n} tasks (running in {:.1} s)",
-                    started.elapsed().as_secs_f64()
-                ),
-                m,
-            );
+            show(&format!("{n} tasks"), m, &took);
             let per_task = m.rss_kib.saturating_sub(idle.rss_kib) as f64 / f64::from(n);
             report::value(
                 &format!("  per task above idle ({n})"),
@@ -191,6 +194,7 @@ pub fn run(args: &Args) -> Result<()> {
         show(
             &format!("plugin running, {} volumes", args.volumes),
             plugin_only,
+            "",
         );
         let jobs = args.tasks / args.volumes;
         let started = Instant::now();
@@ -202,15 +206,12 @@ pub fn run(args: &Args) -> Result<()> {
             let job = format!("shared-{j}");
             server.wait_job_running(&job, args.volumes as usize, run_timeout(args.tasks))?;
         }
+        let took = running_after(started);
         let m = settled_memory(&mut client)?;
         show(
-            &format!(
-                "{} tasks on {} volumes (running in {:.1} s)",
-                args.tasks,
-                args.volumes,
-                started.elapsed().as_secs_f64()
-            ),
+            &format!("{} tasks on {} volumes", args.tasks, args.volumes),
             m,
+            &took,
         );
         Some(m)
     } else {
@@ -258,6 +259,6 @@ pub fn smoke() -> Result<()> {
     run(&Args {
         tasks: 2,
         volumes: 1,
-        sizes: vec![1, 2],
+        sizes: Vec::new(),
     })
 }
