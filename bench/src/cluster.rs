@@ -104,14 +104,22 @@ impl BenchServer {
         let mut found = Vec::new();
         let deadline = Instant::now() + within;
         wait_until(self.http_port, &path, deadline, |v| {
-            let running: Vec<Value> = v
-                .as_array()
-                .into_iter()
-                .flatten()
+            let allocs = v.as_array().map(Vec::as_slice).unwrap_or_default();
+            // A changed job (a new count too) replaces its allocs: the
+            // servers' stopped ones are not counted, and must be gone
+            // before the job counts as running.
+            let wanted = |a: &&Value| a["desired_status"] == "run";
+            let running: Vec<Value> = allocs
+                .iter()
+                .filter(wanted)
                 .filter(|a| a["client_status"] == "running" && all_tasks_running(a))
                 .cloned()
                 .collect();
-            let done = running.len() >= count;
+            let stopping = allocs.iter().any(|a| {
+                a["desired_status"] != "run"
+                    && matches!(a["client_status"].as_str(), Some("pending" | "running"))
+            });
+            let done = running.len() >= count && !stopping;
             found = running;
             Ok(done)
         })
@@ -238,6 +246,7 @@ pub fn wait_until(
         let wait = (deadline - now).min(Duration::from_secs(5));
         match get_indexed(port, path, index, wait) {
             Ok((v, next)) => {
+                last_err = None;
                 if done(&v)? {
                     return Ok(Instant::now());
                 }
