@@ -303,7 +303,16 @@ impl Server {
                     tracing::info!(alloc_id = %a.id, node_id, status = a.client_status.as_str(), "alloc terminal");
                 }
                 let old = &t.allocs[&a.id];
-                if old.client_status != a.client_status {
+                // Only a change that makes the alloc terminal on its client,
+                // or from one terminal status to another, can change what
+                // its job's evaluation does (what the alloc holds, a
+                // replacement, the job's status). Pending to running
+                // changes none of it, and evaluating a large job for each
+                // of its allocs starting would cost the whole job's
+                // placement once per alloc.
+                if old.client_status != a.client_status
+                    && (old.client_status.is_terminal() || a.client_status.is_terminal())
+                {
                     jobs.insert(a.job_id.clone());
                 }
                 if *old != a {
