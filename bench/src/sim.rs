@@ -64,6 +64,10 @@ pub struct FleetStats {
     /// Each `CSIVolume.Unpublish` round trip, and when it ended.
     unpublishes: Mutex<Vec<(Instant, Duration)>>,
     failures: Mutex<Vec<String>>,
+    /// Alloc watches and call streams that broke or ended and were
+    /// reopened (as a client does), and the first reasons why.
+    pub reopened: AtomicUsize,
+    reopen_reasons: Mutex<Vec<String>>,
     /// Allocs reported running, and reported complete.
     pub running: AtomicUsize,
     pub complete: AtomicUsize,
@@ -78,6 +82,26 @@ impl FleetStats {
         if f.len() < 1000 {
             f.push(what);
         }
+    }
+
+    fn reopen(&self, what: String) {
+        self.reopened.fetch_add(1, Ordering::Relaxed);
+        let mut r = self
+            .reopen_reasons
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if r.len() < 5 {
+            r.push(what);
+        }
+    }
+
+    /// How many streams were reopened, and the first reasons.
+    pub fn reopens(&self) -> (usize, Vec<String>) {
+        let r = self
+            .reopen_reasons
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        (self.reopened.load(Ordering::Relaxed), r.clone())
     }
 
     /// Heartbeat round trips that started in `[from, to)`.
@@ -182,13 +206,29 @@ fn interval(ttl: Duration) -> Duration {
         .max(Duration::from_millis(500))
 }
 
-/// Channels to the server's agent protocol at `rpc` (`HOST:PORT`).
+/// How long a client waits before reopening a stream after the
+/// `failures`th failure in a row: 100 ms doubling up to 6.4 s, each wait
+/// drawn from its upper half (the client's `retry_delay`).
+fn retry_delay(failures: u32) -> Duration {
+    let full = Duration::from_millis(100).saturating_mul(1u32 << failures.min(6));
+    let half = full / 2;
+    half.saturating_add(half.mul_f64(random_fraction()))
+}
+
+/// Channels to the server's agent protocol at `rpc` (`HOST:PORT`), set
+/// up as a client's are (HTTP/2 keepalive pings every 5 s, also while
+/// idle, the connection dropped when one is not answered in 5 s). A
+/// channel dials again by itself after its connection is lost.
 pub async fn connect(rpc: &str, channels: usize) -> Result<Vec<Channel>> {
     let mut out = Vec::with_capacity(channels.max(1));
     for _ in 0..channels.max(1) {
         let ch = Channel::from_shared(format!("http://{rpc}"))
             .context("the server's agent protocol address")?
             .connect_timeout(Duration::from_secs(10))
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(5))
+            .keep_alive_timeout(Duration::from_secs(5))
+            .keep_alive_while_idle(true)
             .connect()
             .await
             .with_context(|| format!("connecting to the server at {rpc}"))?;
@@ -340,7 +380,33 @@ impl SimNode {
     }
 
     /// Answer the servers' calls: node and controller detaches succeed.
+    /// A stream that fails to open, breaks or ends is reopened after the
+    /// client's backoff, as a client does.
     async fn call_stream(self, mut stop: watch::Receiver<bool>) {
+        let mut failures = 0u32;
+        loop {
+            let why = match self.call_stream_once(&mut stop, &mut failures).await {
+                None => return,
+                Some(why) => why,
+            };
+            if *stop.borrow() {
+                return;
+            }
+            self.stats.reopen(why);
+            failures += 1;
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(retry_delay(failures)) => {}
+            }
+        }
+    }
+
+    /// One call stream, until told to stop (None) or it breaks (why).
+    async fn call_stream_once(
+        &self,
+        stop: &mut watch::Receiver<bool>,
+        failures: &mut u32,
+    ) -> Option<String> {
         let (tx, rx) = mpsc::channel::<pb::ClientMessage>(16);
         let hello = pb::ClientMessage {
             msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
@@ -348,7 +414,7 @@ impl SimNode {
             })),
         };
         if tx.send(hello).await.is_err() {
-            return;
+            return Some("the call stream's outbound queue closed".into());
         }
         let outbound = tokio_stream::wrappers::ReceiverStream::new(rx);
         let mut calls = match self
@@ -359,27 +425,25 @@ impl SimNode {
         {
             Ok(s) => s.into_inner(),
             Err(e) => {
-                self.stats
-                    .fail(format!("call stream of node {}: {e}", self.index));
-                return;
+                return Some(format!(
+                    "opening the call stream of node {}: {e}",
+                    self.index
+                ))
             }
         };
         loop {
             let call = tokio::select! {
-                _ = stop.wait_for(|s| *s) => return,
+                _ = stop.wait_for(|s| *s) => return None,
                 c = calls.message() => c,
             };
             let call = match call {
                 Ok(Some(c)) => c,
-                Ok(None) => return,
+                Ok(None) => return Some(format!("the call stream of node {} ended", self.index)),
                 Err(e) => {
-                    if !*stop.borrow() {
-                        self.stats
-                            .fail(format!("call stream of node {} broke: {e}", self.index));
-                    }
-                    return;
+                    return Some(format!("the call stream of node {} broke: {e}", self.index))
                 }
             };
+            *failures = 0;
             use pb::server_call::Call;
             let result = match call.call {
                 Some(Call::NodeDetach(_)) | Some(Call::ControllerUnpublish(_)) => {
@@ -397,14 +461,47 @@ impl SimNode {
                 })),
             };
             if tx.send(reply).await.is_err() {
-                return;
+                return Some("the call stream's outbound queue closed".into());
             }
         }
     }
 
     /// Follow the node's allocs: claim and report new ones running;
-    /// release and report stopped ones complete.
+    /// release and report stopped ones complete. A watch that fails to
+    /// open, breaks or ends is reopened after the client's backoff, as a
+    /// client does; the first update on the new watch lists every alloc
+    /// again and only what changed is reported.
     async fn watch_allocs(self, mut stop: watch::Receiver<bool>) {
+        // What this node reported of each alloc.
+        let mut reported: HashMap<String, AllocClientStatus> = HashMap::new();
+        let mut failures = 0u32;
+        loop {
+            let why = match self
+                .watch_allocs_once(&mut stop, &mut reported, &mut failures)
+                .await
+            {
+                None => return,
+                Some(why) => why,
+            };
+            if *stop.borrow() {
+                return;
+            }
+            self.stats.reopen(why);
+            failures += 1;
+            tokio::select! {
+                _ = stop.wait_for(|s| *s) => return,
+                _ = tokio::time::sleep(retry_delay(failures)) => {}
+            }
+        }
+    }
+
+    /// One alloc watch, until told to stop (None) or it breaks (why).
+    async fn watch_allocs_once(
+        &self,
+        stop: &mut watch::Receiver<bool>,
+        reported: &mut HashMap<String, AllocClientStatus>,
+        failures: &mut u32,
+    ) -> Option<String> {
         let mut stream = match self
             .node
             .clone()
@@ -418,29 +515,25 @@ impl SimNode {
         {
             Ok(s) => s.into_inner(),
             Err(e) => {
-                self.stats
-                    .fail(format!("alloc watch of node {}: {e}", self.index));
-                return;
+                return Some(format!(
+                    "opening the alloc watch of node {}: {e}",
+                    self.index
+                ))
             }
         };
-        // What this node reported of each alloc.
-        let mut reported: HashMap<String, AllocClientStatus> = HashMap::new();
         loop {
             let update = tokio::select! {
-                _ = stop.wait_for(|s| *s) => return,
+                _ = stop.wait_for(|s| *s) => return None,
                 u = stream.message() => u,
             };
             let update = match update {
                 Ok(Some(u)) => u,
-                Ok(None) => return,
+                Ok(None) => return Some(format!("the alloc watch of node {} ended", self.index)),
                 Err(e) => {
-                    if !*stop.borrow() {
-                        self.stats
-                            .fail(format!("alloc watch of node {} broke: {e}", self.index));
-                    }
-                    return;
+                    return Some(format!("the alloc watch of node {} broke: {e}", self.index))
                 }
             };
+            *failures = 0;
             let mut allocs = Vec::with_capacity(update.allocs_json.len());
             for raw in &update.allocs_json {
                 match serde_json::from_slice::<Allocation>(raw) {

@@ -75,6 +75,8 @@ struct Point {
     place: Duration,
     volumes: Duration,
     down: f64,
+    /// Alloc watches and call streams reopened, the first reasons.
+    reopened: (usize, Vec<String>),
 }
 
 pub fn run(args: &Args) -> Result<()> {
@@ -178,6 +180,11 @@ fn print_point(p: &Point) {
         ),
     );
     report::value("nodes marked down", p.down);
+    let (n, why) = &p.reopened;
+    report::value("streams reopened by the nodes", n);
+    for w in why {
+        println!("      {w}");
+    }
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -254,6 +261,7 @@ fn measure(nodes: usize, args: &Args) -> Result<Point> {
 
     let setup_heartbeats = fleet.stats.heartbeats_between(setup_started, setup_ended);
     let steady_heartbeats = fleet.stats.heartbeats_between(steady_started, steady_ended);
+    let reopened = fleet.stats.reopens();
     fleet.stats.check()?;
     drop(fleet);
     drop(server);
@@ -271,6 +279,7 @@ fn measure(nodes: usize, args: &Args) -> Result<Point> {
         place,
         volumes,
         down,
+        reopened,
     })
 }
 
