@@ -784,13 +784,9 @@ mod tests {
         serving.abort();
     }
 
-    /// The servers send every alloc of the node in one watch message: a
-    /// node with many allocs gets a message far larger than tonic's 4 MiB
-    /// default, and must still read it (or it would never see a change).
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_alloc_watch_message_larger_than_4_mib_is_read() {
-        use berth_structs::{Job, JobType, Resources, Task, TaskConfig, TaskGroup};
-        let (_dir, server, serving, channel) = serve_node_service().await;
+    /// A node with the raw_exec driver and `capacity` MHz and MB,
+    /// registered through `channel`.
+    async fn registered_raw_exec_node(channel: ServerChannels, capacity: u64) -> ServerConn {
         let conn = ServerConn::new(
             channel,
             Node {
@@ -800,8 +796,8 @@ mod tests {
                 status: berth_structs::NodeStatus::Ready,
                 drivers: vec!["raw_exec".into()],
                 resources: berth_structs::NodeResources {
-                    cpu: 1_000_000,
-                    memory_mb: 1_000_000,
+                    cpu: capacity,
+                    memory_mb: capacity,
                     disk_mb: 0,
                 },
                 ..Node::default()
@@ -809,16 +805,21 @@ mod tests {
             NodeSecret::generate(),
         );
         conn.register().await.expect("the node registers");
-        // 1,500 allocs of about 4 KiB each: some 6 MiB in one message.
-        const COUNT: usize = 1500;
-        let job = Job {
-            id: "big".into(),
-            name: "big".into(),
+        conn
+    }
+
+    /// A service job `id` of `count` allocs whose one raw_exec task runs
+    /// `/bin/true` with `env`, at 1 MHz and 1 MB.
+    fn true_job(id: &str, count: u32, env: BTreeMap<String, String>) -> berth_structs::Job {
+        use berth_structs::{Job, JobType, Resources, Task, TaskConfig, TaskGroup};
+        Job {
+            id: id.into(),
+            name: id.into(),
             job_type: JobType::Service,
             datacenters: vec!["dc1".into()],
             task_groups: vec![TaskGroup {
                 name: "g".into(),
-                count: COUNT as u32,
+                count,
                 tasks: vec![Task {
                     name: "t".into(),
                     driver: "raw_exec".into(),
@@ -826,7 +827,7 @@ mod tests {
                         command: "/bin/true".into(),
                         args: Vec::new(),
                     },
-                    env: BTreeMap::from([("PAD".to_string(), "x".repeat(4096))]),
+                    env,
                     resources: Resources {
                         cpu: 1,
                         memory_mb: 1,
@@ -836,7 +837,23 @@ mod tests {
                 ..TaskGroup::default()
             }],
             ..Job::default()
-        };
+        }
+    }
+
+    /// The servers send every alloc of the node in one watch message: a
+    /// node with many allocs gets a message far larger than tonic's 4 MiB
+    /// default, and must still read it (or it would never see a change).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_alloc_watch_message_larger_than_4_mib_is_read() {
+        let (_dir, server, serving, channel) = serve_node_service().await;
+        let conn = registered_raw_exec_node(channel, 1_000_000).await;
+        // 1,500 allocs of about 4 KiB each: some 6 MiB in one message.
+        const COUNT: usize = 1500;
+        let job = true_job(
+            "big",
+            COUNT as u32,
+            BTreeMap::from([("PAD".to_string(), "x".repeat(4096))]),
+        );
         server.register_job(job).await.expect("the job registers");
         let mut stream = conn
             .node_client()
@@ -872,51 +889,9 @@ mod tests {
     /// write of the real server).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_update_to_an_idle_flusher_is_sent_at_once() {
-        use berth_structs::{Job, JobType, Resources, Task, TaskConfig, TaskGroup};
         let (_dir, server, serving, channel) = serve_node_service().await;
-        let conn = ServerConn::new(
-            channel,
-            Node {
-                id: berth_structs::generate_id(),
-                name: "n".into(),
-                datacenter: "dc1".into(),
-                status: berth_structs::NodeStatus::Ready,
-                drivers: vec!["raw_exec".into()],
-                resources: berth_structs::NodeResources {
-                    cpu: 1000,
-                    memory_mb: 1000,
-                    disk_mb: 0,
-                },
-                ..Node::default()
-            },
-            NodeSecret::generate(),
-        );
-        conn.register().await.expect("the node registers");
-        let job = Job {
-            id: "one".into(),
-            name: "one".into(),
-            job_type: JobType::Service,
-            datacenters: vec!["dc1".into()],
-            task_groups: vec![TaskGroup {
-                name: "g".into(),
-                count: 1,
-                tasks: vec![Task {
-                    name: "t".into(),
-                    driver: "raw_exec".into(),
-                    config: TaskConfig {
-                        command: "/bin/true".into(),
-                        args: Vec::new(),
-                    },
-                    resources: Resources {
-                        cpu: 1,
-                        memory_mb: 1,
-                    },
-                    ..Task::default()
-                }],
-                ..TaskGroup::default()
-            }],
-            ..Job::default()
-        };
+        let conn = registered_raw_exec_node(channel, 1000).await;
+        let job = true_job("one", 1, BTreeMap::new());
         server.register_job(job).await.expect("the job registers");
         let alloc_id = server.job_allocations("one").expect("the job's allocs")[0]
             .id
