@@ -443,7 +443,30 @@ impl StateStore {
     /// Run `f` against the current tables and commit the changes it asks
     /// for. Returns what `f` returned and the index of the write (the
     /// current index when `f` asked for no change).
+    ///
+    /// A write blocks its thread: waiting for the writer before it, its
+    /// closure (a scheduling pass may take a while) and the backend's
+    /// commit (an fsync). On a multi-threaded tokio runtime it tells the
+    /// runtime so ([`tokio::task::block_in_place`]), which hands the
+    /// worker's other tasks to another thread meanwhile: heartbeats and
+    /// reads are not left waiting behind writes.
     pub fn write<R, E>(
+        &self,
+        f: impl FnOnce(&Tables, &mut Vec<Change>) -> Result<R, E>,
+    ) -> Result<(R, u64), E>
+    where
+        E: From<StoreError>,
+    {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        match Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| self.write_blocking(f))
+            }
+            _ => self.write_blocking(f),
+        }
+    }
+
+    fn write_blocking<R, E>(
         &self,
         f: impl FnOnce(&Tables, &mut Vec<Change>) -> Result<R, E>,
     ) -> Result<(R, u64), E>
