@@ -698,33 +698,6 @@ fn status(a: &Allocation, s: AllocClientStatus, description: &str) -> pb::AllocS
 /// ten thousand nodes placing a job is slow.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// `request`, a whole HTTP/1.1 request asking for `Connection: close`, to
-/// loopback `port`; the answer read to its end within `timeout`.
-fn http(port: u16, request: &str, timeout: Duration) -> Result<berth_tests::HttpAnswer> {
-    use std::io::{Read, Write};
-    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port))
-        .context("connecting to the server's HTTP API")?;
-    conn.set_read_timeout(Some(timeout))?;
-    conn.write_all(request.as_bytes())?;
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw)?;
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("no HTTP answer: {:?}", String::from_utf8_lossy(&raw)))?;
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("no status in {head:?}"))?;
-    Ok(berth_tests::HttpAnswer {
-        status,
-        head,
-        body: raw[split + 4..].to_vec(),
-    })
-}
-
 /// A real server agent (`berth agent -server`, its own process, the
 /// default log level) on free loopback ports; killed on drop.
 pub struct ServerAgent {
@@ -815,7 +788,7 @@ impl ServerAgent {
             "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         );
-        let a = http(self.http_port, &request, SETUP_TIMEOUT)
+        let a = berth_tests::http_at_within(self.http_port, &request, SETUP_TIMEOUT)
             .with_context(|| format!("{method} {path}"))?;
         if a.status != 200 {
             return Err(anyhow!(

@@ -715,10 +715,16 @@ fn path_with_bins() -> String {
 /// `Connection: close`), to the HTTP API on loopback `port` and reads the
 /// answer to its end.
 pub fn http_at(port: u16, request: &str) -> Result<HttpAnswer> {
+    http_at_within(port, request, Duration::from_secs(30))
+}
+
+/// [`http_at`], waiting up to `timeout` for the answer (a request that
+/// places thousands of allocs takes longer than a test's 30 s).
+pub fn http_at_within(port: u16, request: &str, timeout: Duration) -> Result<HttpAnswer> {
     use std::io::{Read, Write};
     let mut conn =
         std::net::TcpStream::connect(("127.0.0.1", port)).context("connecting to the HTTP API")?;
-    conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+    conn.set_read_timeout(Some(timeout))?;
     conn.write_all(request.as_bytes())?;
     let mut raw = Vec::new();
     conn.read_to_end(&mut raw)?;
