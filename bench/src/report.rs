@@ -2,10 +2,6 @@
 //! ratios against a baseline measured in the same run; a target and
 //! whether it was met; and how a cost grows over three sizes.
 
-// Figures are added one at a time; until every one uses the report
-// helpers, some sit unused.
-#![allow(dead_code)]
-
 use std::fmt;
 use std::time::Duration;
 
@@ -72,20 +68,12 @@ pub struct Sizes {
 }
 
 impl Sizes {
-    pub fn new() -> Sizes {
-        Sizes::default()
-    }
-
     pub fn push(&mut self, kib: u64) {
         self.kib.push(kib);
     }
 
     pub fn len(&self) -> usize {
         self.kib.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.kib.is_empty()
     }
 
     /// The `p` quantile (0.0..=1.0) in KiB, nearest rank; zero when empty.
@@ -251,12 +239,12 @@ mod tests {
 
     #[test]
     fn size_quantiles_are_nearest_rank() {
-        let mut s = Sizes::new();
+        let mut s = Sizes::default();
         for kib in (1..=100).rev() {
             s.push(kib);
         }
         assert_eq!((s.median(), s.p99(), s.max(), s.len()), (50, 99, 100, 100));
-        assert_eq!(Sizes::new().median(), 0);
+        assert_eq!(Sizes::default().median(), 0);
     }
 
     #[test]
