@@ -802,22 +802,7 @@ impl ServerAgent {
 
     /// `GET path`, its JSON and `X-Berth-Index`.
     pub fn get_indexed(&self, path: &str) -> Result<(serde_json::Value, u64)> {
-        let a = berth_tests::http_at(
-            self.http_port,
-            &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
-        )?;
-        if a.status != 200 {
-            return Err(anyhow!(
-                "GET {path}: {} {}",
-                a.status,
-                String::from_utf8_lossy(&a.body)
-            ));
-        }
-        let index = a
-            .header("x-berth-index")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        Ok((serde_json::from_slice(&a.body)?, index))
+        crate::cluster::get_indexed(self.http_port, path, 0, Duration::ZERO)
     }
 
     /// Run `each(i)` for `0..count` on `workers` threads (HTTP requests
