@@ -1,12 +1,15 @@
 //! What clients tell the servers about their nodes: registration,
 //! heartbeats, node events, CSI plugin fingerprints and alloc status.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use berth_structs::{
-    AllocClientStatus, CsiInfo, Node, NodeEvent, NodeStatus, TaskState, ValidationError,
+    AllocClientStatus, Allocation, CsiInfo, Node, NodeEvent, NodeStatus, TaskState, ValidationError,
 };
+use tokio::sync::oneshot;
 
 use crate::csi::ReleaseOrigin;
 use crate::error::ServerError;
@@ -249,86 +252,272 @@ impl Server {
 
     /// Apply alloc status reports of `node_id`. A terminal alloc never
     /// becomes non-terminal again; reports about allocs of another node are
-    /// ignored. Returns the index.
+    /// ignored. Returns the index of the write that holds the reports
+    /// (the current index when they changed nothing), once it is durable
+    /// and the jobs it calls for are evaluated.
+    ///
+    /// Reports that arrive while another write of reports is in flight
+    /// wait for it and go, together, in the next one: one commit for many
+    /// nodes' reports, however many clients report at once. A report that
+    /// arrives when none is in flight is written at once.
     pub async fn update_allocations(
         &self,
         node_id: &str,
         updates: Vec<AllocUpdate>,
     ) -> Result<u64, ServerError> {
-        let (jobs, index) = self.store.write(|t, changes| {
-            let mut jobs = BTreeSet::new();
-            for u in updates {
-                let Some(a) = t.allocs.get(&u.alloc_id) else {
-                    tracing::debug!(alloc_id = %u.alloc_id, node_id, "status update of an unknown alloc");
-                    continue;
-                };
-                if a.node_id != node_id {
-                    tracing::warn!(alloc_id = %u.alloc_id, node_id, owner = %a.node_id,
-                        "status update of an alloc placed on another node; ignored");
-                    continue;
+        let (queued, mut written) = self.alloc_reports.enqueue(node_id, updates);
+        let outcome = loop {
+            tokio::select! {
+                biased;
+                outcome = &mut written => break outcome,
+                _writing = self.alloc_reports.writing.lock() => {
+                    // No await until `_writing` is dropped: the batch taken
+                    // is written and answered whatever becomes of this call.
+                    self.write_alloc_reports();
                 }
-                if u.volume_stats_only && a.client_status.is_terminal() {
-                    // Its volumes are unmounted; a write would also move the
-                    // modify time the volume watcher's reap grace counts from.
-                    tracing::debug!(alloc_id = %a.id, node_id, status = a.client_status.as_str(),
-                        "volume stats of a terminal alloc; ignored");
-                    continue;
-                }
-                let mut a = a.clone();
-                if let Some(mut stats) = u.csi_volume_stats {
-                    // Only the group's own volumes.
-                    let group = a.group();
-                    stats.retain(|name, _| group.is_some_and(|g| g.volumes.contains_key(name)));
-                    a.csi_volume_stats = stats;
-                }
-                if u.volume_stats_only {
-                    // Nothing an evaluation looks at changes.
-                    if t.allocs[&a.id] != a {
-                        changes.push(Change::PutAlloc(a));
+            }
+        };
+        drop(queued);
+        let written = outcome
+            .map_err(|_| ServerError::Internal("alloc status report dropped unwritten".into()))??;
+        if let Some(evaluations) = written.evaluations {
+            evaluations
+                .done
+                .get_or_init(|| async {
+                    for job_id in &evaluations.jobs {
+                        self.evaluate_job(job_id).await;
                     }
-                    continue;
-                }
-                let was_terminal = a.client_status.is_terminal();
-                if was_terminal && !u.client_status.is_terminal() {
-                    tracing::debug!(alloc_id = %a.id, from = a.client_status.as_str(),
-                        to = u.client_status.as_str(), "refusing to make a terminal alloc live again");
-                } else {
-                    a.client_status = u.client_status;
-                    a.client_description = u.client_description;
-                }
-                if let Some(ts) = u.task_states {
-                    a.task_states = ts;
-                }
-                if !was_terminal && a.client_status.is_terminal() {
-                    tracing::info!(alloc_id = %a.id, node_id, status = a.client_status.as_str(), "alloc terminal");
-                }
-                let old = &t.allocs[&a.id];
-                // Only a change that makes the alloc terminal on its client,
-                // or from one terminal status to another, can change what
-                // its job's evaluation does (what the alloc holds, a
-                // replacement, the job's status). Pending to running
-                // changes none of it, and evaluating a large job for each
-                // of its allocs starting would cost the whole job's
-                // placement once per alloc.
-                if old.client_status != a.client_status
-                    && (old.client_status.is_terminal() || a.client_status.is_terminal())
-                {
-                    jobs.insert(a.job_id.clone());
-                }
-                if *old != a {
-                    changes.push(Change::PutAlloc(a));
-                }
-            }
-            Ok::<_, ServerError>(jobs)
-        })?;
-        if !jobs.is_empty() {
-            for job_id in &jobs {
-                self.evaluate_job(job_id).await;
-            }
-            self.evaluate_blocked().await;
+                    self.evaluate_blocked().await;
+                })
+                .await;
         }
-        Ok(index)
+        Ok(written.index)
     }
+
+    /// Write the oldest queued alloc status reports (at most
+    /// [`MAX_REPORTS_PER_WRITE`]) in one store write and answer each.
+    /// Called with `alloc_reports.writing` held.
+    fn write_alloc_reports(&self) {
+        let batch = self.alloc_reports.take_batch();
+        if batch.is_empty() {
+            return;
+        }
+        let result = self
+            .store
+            .write(|t, changes| Ok::<_, ServerError>(apply_alloc_reports(t, &batch, changes)));
+        match result {
+            Ok(((evaluate, jobs), index)) => {
+                tracing::debug!(
+                    reports = batch.len(),
+                    index,
+                    jobs = jobs.len(),
+                    "alloc status reports written"
+                );
+                let evaluations = (!jobs.is_empty()).then(|| {
+                    Arc::new(BatchEvaluations {
+                        jobs,
+                        done: tokio::sync::OnceCell::new(),
+                    })
+                });
+                for (report, evaluate) in batch.into_iter().zip(evaluate) {
+                    let _ = report.written.send(Ok(ReportWritten {
+                        index,
+                        evaluations: evaluations.clone().filter(|_| evaluate),
+                    }));
+                }
+            }
+            Err(e) => {
+                tracing::error!(reports = batch.len(), error = %e, "writing alloc status reports failed");
+                let message = e.to_string();
+                for report in batch {
+                    let _ = report
+                        .written
+                        .send(Err(ServerError::Internal(message.clone())));
+                }
+            }
+        }
+    }
+}
+
+/// The most alloc status reports one store write takes; more wait for the
+/// next write.
+pub(crate) const MAX_REPORTS_PER_WRITE: usize = 256;
+
+/// Alloc status reports waiting to be written, oldest first, and the
+/// token of the write of reports in flight: whoever holds `writing` writes
+/// the oldest queued reports, its own or others'.
+#[derive(Default)]
+pub(crate) struct AllocReports {
+    queue: Mutex<VecDeque<QueuedReport>>,
+    writing: tokio::sync::Mutex<()>,
+    next_id: AtomicU64,
+}
+
+struct QueuedReport {
+    id: u64,
+    node_id: String,
+    updates: Vec<AllocUpdate>,
+    written: oneshot::Sender<Result<ReportWritten, ServerError>>,
+}
+
+/// What a report's caller learns once the write that holds it is durable.
+struct ReportWritten {
+    index: u64,
+    /// The evaluations of the write's batch, when this report calls for one.
+    evaluations: Option<Arc<BatchEvaluations>>,
+}
+
+/// The jobs a batch of reports calls to be evaluated; run once, by
+/// whichever of the batch's callers that wait for them gets there first.
+struct BatchEvaluations {
+    jobs: BTreeSet<String>,
+    done: tokio::sync::OnceCell<()>,
+}
+
+/// A queued report; dropping it before its report is taken (its caller
+/// went away) takes the report out of the queue unwritten.
+pub(crate) struct QueuedGuard<'a> {
+    reports: &'a AllocReports,
+    id: u64,
+}
+
+impl Drop for QueuedGuard<'_> {
+    fn drop(&mut self) {
+        self.reports.queue().retain(|r| r.id != self.id);
+    }
+}
+
+type Written = oneshot::Receiver<Result<ReportWritten, ServerError>>;
+
+impl AllocReports {
+    fn queue(&self) -> MutexGuard<'_, VecDeque<QueuedReport>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn enqueue(&self, node_id: &str, updates: Vec<AllocUpdate>) -> (QueuedGuard<'_>, Written) {
+        let (tx, rx) = oneshot::channel();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.queue().push_back(QueuedReport {
+            id,
+            node_id: node_id.to_string(),
+            updates,
+            written: tx,
+        });
+        (QueuedGuard { reports: self, id }, rx)
+    }
+
+    fn take_batch(&self) -> Vec<QueuedReport> {
+        let mut queue = self.queue();
+        let n = queue.len().min(MAX_REPORTS_PER_WRITE);
+        queue.drain(..n).collect()
+    }
+
+    /// How many reports wait for a write.
+    #[cfg(test)]
+    fn queued(&self) -> usize {
+        self.queue().len()
+    }
+}
+
+/// Apply `batch` to `t` in order, as if each report were a write of its
+/// own: a later report of an alloc sees what an earlier one made of it.
+/// Returns, for each report, whether it calls for evaluations, and the
+/// jobs to evaluate.
+fn apply_alloc_reports(
+    t: &Tables,
+    batch: &[QueuedReport],
+    changes: &mut Vec<Change>,
+) -> (Vec<bool>, BTreeSet<String>) {
+    // Each alloc as the reports so far left it.
+    let mut reported: BTreeMap<String, Allocation> = BTreeMap::new();
+    let mut jobs = BTreeSet::new();
+    let mut evaluate = Vec::with_capacity(batch.len());
+    for report in batch {
+        let mut any = false;
+        for u in &report.updates {
+            let Some(old) = reported
+                .get(&u.alloc_id)
+                .or_else(|| t.allocs.get(&u.alloc_id))
+            else {
+                tracing::debug!(alloc_id = %u.alloc_id, node_id = %report.node_id, "status update of an unknown alloc");
+                continue;
+            };
+            if let Some(a) = apply_alloc_update(old, &report.node_id, u, &mut |job_id| {
+                any = true;
+                jobs.insert(job_id.to_string());
+            }) {
+                reported.insert(a.id.clone(), a);
+            }
+        }
+        evaluate.push(any);
+    }
+    for (id, a) in reported {
+        if t.allocs.get(&id) != Some(&a) {
+            changes.push(Change::PutAlloc(a));
+        }
+    }
+    (evaluate, jobs)
+}
+
+/// What one status update of `node_id` makes of `old`: the changed alloc,
+/// or None when it changes nothing or is ignored. `evaluate` is given the
+/// job to evaluate when the change calls for it.
+fn apply_alloc_update(
+    old: &Allocation,
+    node_id: &str,
+    u: &AllocUpdate,
+    evaluate: &mut dyn FnMut(&str),
+) -> Option<Allocation> {
+    if old.node_id != node_id {
+        tracing::warn!(alloc_id = %u.alloc_id, node_id, owner = %old.node_id,
+            "status update of an alloc placed on another node; ignored");
+        return None;
+    }
+    if u.volume_stats_only && old.client_status.is_terminal() {
+        // Its volumes are unmounted; a write would also move the
+        // modify time the volume watcher's reap grace counts from.
+        tracing::debug!(alloc_id = %old.id, node_id, status = old.client_status.as_str(),
+            "volume stats of a terminal alloc; ignored");
+        return None;
+    }
+    let mut a = old.clone();
+    if let Some(stats) = &u.csi_volume_stats {
+        // Only the group's own volumes.
+        let group = a.group();
+        let mut stats = stats.clone();
+        stats.retain(|name, _| group.is_some_and(|g| g.volumes.contains_key(name)));
+        a.csi_volume_stats = stats;
+    }
+    if u.volume_stats_only {
+        // Nothing an evaluation looks at changes.
+        return (a != *old).then_some(a);
+    }
+    let was_terminal = a.client_status.is_terminal();
+    if was_terminal && !u.client_status.is_terminal() {
+        tracing::debug!(alloc_id = %a.id, from = a.client_status.as_str(),
+            to = u.client_status.as_str(), "refusing to make a terminal alloc live again");
+    } else {
+        a.client_status = u.client_status;
+        a.client_description = u.client_description.clone();
+    }
+    if let Some(ts) = &u.task_states {
+        a.task_states = ts.clone();
+    }
+    if !was_terminal && a.client_status.is_terminal() {
+        tracing::info!(alloc_id = %a.id, node_id, status = a.client_status.as_str(), "alloc terminal");
+    }
+    // Only a change that makes the alloc terminal on its client, or from
+    // one terminal status to another, can change what its job's
+    // evaluation does (what the alloc holds, a replacement, the job's
+    // status). Pending to running changes none of it, and evaluating a
+    // large job for each of its allocs starting would cost the whole
+    // job's placement once per alloc.
+    if old.client_status != a.client_status
+        && (old.client_status.is_terminal() || a.client_status.is_terminal())
+    {
+        evaluate(&a.job_id);
+    }
+    (a != *old).then_some(a)
 }
 
 /// A claim freed by a purge.
@@ -492,5 +681,244 @@ impl Server {
                 csi_volumes,
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use berth_structs::{AllocClientStatus, Allocation};
+
+    use super::{AllocUpdate, MAX_REPORTS_PER_WRITE};
+    use crate::server::Server;
+    use crate::state::Change;
+
+    /// A server whose state holds `per_node` pending allocs on each of
+    /// the nodes `n0`..`n{nodes-1}`, alloc `a{node}-{i}`.
+    fn server_with_allocs(dir: &std::path::Path, nodes: usize, per_node: usize) -> Arc<Server> {
+        let server = Server::open(crate::ServerConfig::new(dir)).unwrap();
+        server
+            .store
+            .write(|_, changes| {
+                for n in 0..nodes {
+                    for i in 0..per_node {
+                        changes.push(Change::PutAlloc(Allocation {
+                            id: format!("a{n}-{i}"),
+                            node_id: format!("n{n}"),
+                            job_id: "web".into(),
+                            ..Allocation::default()
+                        }));
+                    }
+                }
+                Ok::<_, crate::ServerError>(())
+            })
+            .unwrap();
+        server
+    }
+
+    fn status(alloc_id: &str, status: AllocClientStatus) -> AllocUpdate {
+        AllocUpdate {
+            alloc_id: alloc_id.into(),
+            client_status: status,
+            client_description: format!("{} by its client", status.as_str()),
+            ..AllocUpdate::default()
+        }
+    }
+
+    fn client_status(server: &Server, alloc_id: &str) -> AllocClientStatus {
+        server.allocation(alloc_id).unwrap().client_status
+    }
+
+    /// Poll `cond` until it holds; panic after `timeout`.
+    async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !cond() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out after {timeout:?} waiting for {what}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Start a report of `node_id` on its own task.
+    fn spawn_report(
+        server: &Arc<Server>,
+        node_id: String,
+        updates: Vec<AllocUpdate>,
+    ) -> tokio::task::JoinHandle<Result<u64, crate::ServerError>> {
+        let server = server.clone();
+        tokio::spawn(async move { server.update_allocations(&node_id, updates).await })
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reports_that_arrive_during_a_write_share_the_next_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let nodes = MAX_REPORTS_PER_WRITE + 44;
+        let server = server_with_allocs(dir.path(), nodes, 2);
+        let before = server.index();
+        // A write of reports in flight: every report that arrives meanwhile
+        // is queued.
+        let in_flight = server.alloc_reports.writing.lock().await;
+        let reports: Vec<_> = (0..nodes)
+            .map(|n| {
+                let updates = vec![
+                    status(&format!("a{n}-0"), AllocClientStatus::Running),
+                    status(&format!("a{n}-1"), AllocClientStatus::Running),
+                ];
+                spawn_report(&server, format!("n{n}"), updates)
+            })
+            .collect();
+        wait_until("every report queued", Duration::from_secs(30), || {
+            server.alloc_reports.queued() == nodes
+        })
+        .await;
+        drop(in_flight);
+        let mut indexes = Vec::new();
+        for r in reports {
+            indexes.push(r.await.unwrap().unwrap());
+        }
+        // Two writes: a full batch and the rest.
+        assert_eq!(
+            server.index(),
+            before + 2,
+            "one commit per batch of reports"
+        );
+        // Queued in whatever order the tasks ran: count, not position.
+        let first = indexes.iter().filter(|&&i| i == before + 1).count();
+        let second = indexes.iter().filter(|&&i| i == before + 2).count();
+        assert_eq!(
+            (first, second),
+            (MAX_REPORTS_PER_WRITE, nodes - MAX_REPORTS_PER_WRITE)
+        );
+        for n in 0..nodes {
+            for i in 0..2 {
+                let id = format!("a{n}-{i}");
+                assert_eq!(
+                    client_status(&server, &id),
+                    AllocClientStatus::Running,
+                    "{id}"
+                );
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_rejected_report_in_a_batch_leaves_the_others_applied() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = server_with_allocs(dir.path(), 3, 1);
+        let before = server.index();
+        let in_flight = server.alloc_reports.writing.lock().await;
+        let reports = vec![
+            spawn_report(
+                &server,
+                "n0".into(),
+                vec![status("a0-0", AllocClientStatus::Running)],
+            ),
+            // n1 reports n2's alloc (and one no one knows): both ignored.
+            spawn_report(
+                &server,
+                "n1".into(),
+                vec![
+                    status("a2-0", AllocClientStatus::Failed),
+                    status("no-such-alloc", AllocClientStatus::Running),
+                ],
+            ),
+            spawn_report(
+                &server,
+                "n2".into(),
+                vec![status("a2-0", AllocClientStatus::Running)],
+            ),
+        ];
+        wait_until("every report queued", Duration::from_secs(30), || {
+            server.alloc_reports.queued() == 3
+        })
+        .await;
+        drop(in_flight);
+        for r in reports {
+            assert_eq!(r.await.unwrap().unwrap(), before + 1);
+        }
+        assert_eq!(client_status(&server, "a0-0"), AllocClientStatus::Running);
+        assert_eq!(client_status(&server, "a2-0"), AllocClientStatus::Running);
+        assert_eq!(client_status(&server, "a1-0"), AllocClientStatus::Pending);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reports_of_one_alloc_in_a_batch_apply_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = server_with_allocs(dir.path(), 1, 1);
+        let in_flight = server.alloc_reports.writing.lock().await;
+        let mut reports = Vec::new();
+        for (i, s) in [
+            AllocClientStatus::Running,
+            AllocClientStatus::Failed,
+            AllocClientStatus::Running,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            reports.push(spawn_report(&server, "n0".into(), vec![status("a0-0", s)]));
+            wait_until("the report queued", Duration::from_secs(30), || {
+                server.alloc_reports.queued() == i + 1
+            })
+            .await;
+        }
+        drop(in_flight);
+        for r in reports {
+            r.await.unwrap().unwrap();
+        }
+        // Failed, then never live again.
+        let a = server.allocation("a0-0").unwrap();
+        assert_eq!(a.client_status, AllocClientStatus::Failed);
+        assert_eq!(a.client_description, "failed by its client");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_report_is_written_without_waiting_for_another() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = server_with_allocs(dir.path(), 1, 1);
+        let before = server.index();
+        let report = spawn_report(
+            &server,
+            "n0".into(),
+            vec![status("a0-0", AllocClientStatus::Running)],
+        );
+        wait_until("the lone report answered", Duration::from_secs(30), || {
+            report.is_finished()
+        })
+        .await;
+        assert_eq!(report.await.unwrap().unwrap(), before + 1);
+        assert_eq!(client_status(&server, "a0-0"), AllocClientStatus::Running);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_report_whose_caller_went_away_before_its_write_is_not_written() {
+        let dir = tempfile::tempdir().unwrap();
+        let server = server_with_allocs(dir.path(), 1, 1);
+        let before = server.index();
+        let in_flight = server.alloc_reports.writing.lock().await;
+        let report = spawn_report(
+            &server,
+            "n0".into(),
+            vec![status("a0-0", AllocClientStatus::Running)],
+        );
+        wait_until("the report queued", Duration::from_secs(30), || {
+            server.alloc_reports.queued() == 1
+        })
+        .await;
+        report.abort();
+        wait_until(
+            "the report taken out of the queue",
+            Duration::from_secs(30),
+            || server.alloc_reports.queued() == 0,
+        )
+        .await;
+        drop(in_flight);
+        // The next report is written alone.
+        let next = spawn_report(&server, "n0".into(), vec![]);
+        assert_eq!(next.await.unwrap().unwrap(), before);
+        assert_eq!(client_status(&server, "a0-0"), AllocClientStatus::Pending);
     }
 }

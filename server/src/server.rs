@@ -31,6 +31,8 @@ pub struct Server {
     /// Heartbeat deadlines and last heartbeats by node ID (memory only).
     pub(crate) heartbeats: Mutex<crate::liveness::Heartbeats>,
     pub(crate) volume_locks: VolumeLocks,
+    /// Alloc status reports of clients waiting to be written together.
+    pub(crate) alloc_reports: crate::nodes::AllocReports,
     /// Set when `run` is told to shut down; streams end on it.
     pub(crate) shutdown: watch::Sender<bool>,
 }
@@ -56,6 +58,7 @@ impl Server {
             retry_due: Default::default(),
             heartbeats: Mutex::default(),
             volume_locks: VolumeLocks::default(),
+            alloc_reports: Default::default(),
             shutdown,
         });
         server.arm_heartbeats_after_restore();
