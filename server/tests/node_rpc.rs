@@ -218,3 +218,69 @@ async fn events_a_registration_carries_fold_like_any_others() {
     assert_eq!(registered.len(), 1, "{events:?}");
     assert_eq!(registered[0].count, 2);
 }
+
+/// The watch's next message, within 5 s.
+async fn next(watch: &mut tonic::Streaming<pb::AllocationsUpdate>) -> pb::AllocationsUpdate {
+    tokio::time::timeout(Duration::from_secs(5), watch.message())
+        .await
+        .expect("a watch message within 5 s")
+        .unwrap()
+        .expect("the watch is open")
+}
+
+#[tokio::test]
+async fn after_a_report_of_one_alloc_the_watch_sends_every_alloc_as_it_is_now() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let mut nc = ts.node_client().await;
+    register(&s, node("n1")).await;
+    let mut watch = open_watch(&mut nc, "n1").await;
+    assert!(next(&mut watch).await.allocs_json.is_empty());
+    s.register_job(job("web", JobType::Service, 2))
+        .await
+        .unwrap();
+    let placed = next(&mut watch).await;
+    let allocs = decode(&placed);
+    assert_eq!(allocs.len(), 2);
+    let by_id = |u: &pb::AllocationsUpdate, id: &str| -> (Allocation, Vec<u8>) {
+        let i = decode(u)
+            .iter()
+            .position(|a| a.id == id)
+            .expect("alloc in the update");
+        (decode(u).remove(i), u.allocs_json[i].clone())
+    };
+    let (first, second) = (allocs[0].id.clone(), allocs[1].id.clone());
+
+    // One alloc changes: it is sent as it is now, the other as before.
+    nc.update_allocations(running_update("n1", &first))
+        .await
+        .unwrap();
+    let after_first = next(&mut watch).await;
+    let (a, _) = by_id(&after_first, &first);
+    assert_eq!(a.client_status, AllocClientStatus::Running);
+    assert_eq!(by_id(&after_first, &second).1, by_id(&placed, &second).1);
+
+    // Then the other: both are sent as they are now.
+    nc.update_allocations(status_update("n1", &second, "failed", "exit 1"))
+        .await
+        .unwrap();
+    let after_second = loop {
+        let u = next(&mut watch).await;
+        if by_id(&u, &second).0.client_status != AllocClientStatus::Pending {
+            break u;
+        }
+    };
+    let (b, _) = by_id(&after_second, &second);
+    assert_eq!(b.client_status, AllocClientStatus::Failed);
+    assert_eq!(b.client_description, "exit 1");
+    assert_eq!(
+        by_id(&after_second, &first).0,
+        s.allocation(&first).unwrap(),
+        "the first alloc as the servers have it"
+    );
+    assert_eq!(
+        by_id(&after_second, &second).0,
+        s.allocation(&second).unwrap()
+    );
+    ts.stop().await;
+}
