@@ -577,8 +577,7 @@ async fn a_failed_stage_on_remount_keeps_the_alloc_and_its_published_target() {
 
 #[tokio::test]
 async fn mount_persists_the_registry_before_its_csi_calls() {
-    // Staging takes a while, so the store can be looked at meanwhile.
-    let h = Harness::start(&["--delay", "NodeStageVolume=2s"]).await;
+    let h = Harness::start(&[]).await;
     let ext = h.create_volume("v").await;
     // A manager started before the plugin registered, whose run loop has
     // not persisted the registration (it is not running).
@@ -598,6 +597,10 @@ async fn mount_persists_the_registry_before_its_csi_calls() {
     registry.register(reg.clone());
     assert!(store.plugins().is_empty());
 
+    // The plugin is paused: no CSI call of the mount can be answered
+    // until it resumes, so whatever the store holds meanwhile was written
+    // before any of them.
+    let paused = Paused::new(h.plugin.pid());
     let m = mount_req("v", &ext, "alloc-1");
     let mount = tokio::spawn({
         let manager = manager.clone();
@@ -605,11 +608,17 @@ async fn mount_persists_the_registry_before_its_csi_calls() {
         async move { manager.mount_volume(m).await }
     });
     wait_for(
-        "the registration persisted while staging",
-        Duration::from_secs(1),
+        "the registration persisted while the plugin cannot answer",
+        Duration::from_secs(30),
         || store.plugins() == vec![reg.clone()],
     )
     .await;
+    assert!(
+        !mount.is_finished(),
+        "the mount finished while its plugin was paused: {:?}",
+        mount.await
+    );
+    drop(paused);
     mount.await.unwrap().expect("mount");
 
     // A restarted client knows the plugin, so it can unmount.

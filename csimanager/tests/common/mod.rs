@@ -164,6 +164,11 @@ impl PluginProcess {
         p
     }
 
+    /// The plugin's process ID, to pause (SIGSTOP) and resume it.
+    pub fn pid(&self) -> nix::unistd::Pid {
+        nix::unistd::Pid::from_raw(self.child.id() as i32)
+    }
+
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -173,6 +178,23 @@ impl PluginProcess {
 impl Drop for PluginProcess {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// A process paused with SIGSTOP until this is dropped (SIGCONT), also
+/// when the test fails.
+pub struct Paused(nix::unistd::Pid);
+
+impl Paused {
+    pub fn new(pid: nix::unistd::Pid) -> Paused {
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("SIGSTOP");
+        Paused(pid)
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
     }
 }
 
