@@ -556,8 +556,10 @@ async fn watcher_keeps_the_claim_of_a_lost_alloc_until_its_stop_after_client_dis
         "replacement placed at {}, before {rule_ms}",
         next.create_time_ms
     );
+    // The periodic retry is an hour away: a placement within seconds of
+    // the rule is the timer's, however loaded the machine.
     assert!(
-        next.create_time_ms < rule_ms + 1500,
+        next.create_time_ms < rule_ms + 3_000,
         "replacement placed at {}, long after the window ended at {rule_ms}",
         next.create_time_ms
     );
@@ -603,7 +605,7 @@ async fn unknown_volume_ids_sent_to_claim_and_unpublish_leave_no_lock_entries() 
     .await
     .unwrap();
     assert_eq!(claim_of(&s, "data", &alloc.id), None);
-    wait_until("no volume lock entries", Duration::from_secs(2), || {
+    wait_until("no volume lock entries", Duration::from_secs(10), || {
         s.volume_locks_in_use() == 0
     })
     .await;

@@ -251,8 +251,10 @@ async fn a_lost_allocs_delayed_replacement_is_placed_when_its_window_ends() {
 
     let (next, rule_ms) =
         replacement_after_window(&s, last_heartbeat, window + grace, Duration::from_secs(10)).await;
+    // The periodic retry is an hour away: a placement within seconds of
+    // the rule is the timer's, however loaded the machine.
     assert!(
-        next.create_time_ms < rule_ms + 1000,
+        next.create_time_ms < rule_ms + 3_000,
         "placed at {}, long after the window ended ({rule_ms})",
         next.create_time_ms
     );

@@ -260,11 +260,16 @@ async fn write_claim_of_a_windowed_lost_alloc_is_kept_past_the_window_once_its_n
     give_plugin(&s, "n2", "hostpath", true, false, false).await;
     let client = TestClient::connect(&ts, "n1", ok_handler()).await;
 
+    // The window counts from this heartbeat, not from the registration,
+    // so the set-up above, however slow, does not use it up.
+    s.node_heartbeat("n1").await.unwrap();
     s.mark_node_down("n1", "Node heartbeat missed")
         .await
         .unwrap();
     let lost = s.allocation(&db.id).unwrap();
     assert_eq!(lost.client_status, AllocClientStatus::Lost);
+    let back_by =
+        lost.node_last_heartbeat_ms + i64::try_from((window + grace).as_millis()).unwrap();
     // The node comes back inside the window: its client no longer counts
     // the window (its heartbeats succeed) and stops the alloc because it
     // is desired stop, which may take longer than the rest of the window.
@@ -275,6 +280,10 @@ async fn write_claim_of_a_windowed_lost_alloc_is_kept_past_the_window_once_its_n
     .await
     .expect("heartbeat of the returning node");
     assert_eq!(s.node("n1").unwrap().status, NodeStatus::Ready);
+    assert!(
+        berth_structs::now_ms() < back_by,
+        "the node came back after its window ended: the test did not test a return inside it"
+    );
 
     // Past the window's end, the claim stays the stopping alloc's.
     let end_ms = lost.node_last_heartbeat_ms + i64::try_from((window + grace).as_millis()).unwrap();
