@@ -240,7 +240,19 @@ impl Server {
     /// (the job's modify index, not its spec index): a blocking read of the
     /// job wakes for it. They are set before the write commits, so a read
     /// woken by it sees them.
+    ///
+    /// Concurrent calls for one job coalesce (see [`Coalesced`]): when a
+    /// call returns, an evaluation of the job that started after the call
+    /// was made has completed, and its counts are returned; n calls made
+    /// while an evaluation runs share the one that follows it.
     pub(crate) async fn evaluate_job(&self, job_id: &str) -> PlacementCounts {
+        self.job_evaluations
+            .run(job_id, || async { self.evaluate_job_now(job_id) })
+            .await
+    }
+
+    /// One evaluation of job `job_id`, now (not coalesced).
+    fn evaluate_job_now(&self, job_id: &str) -> PlacementCounts {
         let now = berth_structs::now_ms();
         let result = self.store.write(|t, changes| {
             let outcome = plan_job(t, job_id, &self.config, now, changes);
@@ -314,7 +326,16 @@ impl Server {
     }
 
     /// Evaluate only the blocked jobs: capacity or a claim was freed.
+    /// Concurrent calls coalesce like [`Server::evaluate_job`]'s: a call
+    /// returns once a pass over the blocked jobs that started after it
+    /// has completed.
     pub(crate) async fn evaluate_blocked(&self) {
+        self.blocked_evaluations
+            .run("", || self.evaluate_blocked_now())
+            .await
+    }
+
+    async fn evaluate_blocked_now(&self) {
         let ids: Vec<String> = self
             .blocked
             .lock()
@@ -391,6 +412,177 @@ impl RetryDue {
         let mut due = self.due.lock().unwrap_or_else(|p| p.into_inner());
         if due.is_some_and(|d| d <= now_ms) {
             *due = None;
+        }
+    }
+}
+
+/// Runs of one piece of work per key (a job's evaluation), coalesced.
+///
+/// Per key, a requested and a done generation. A call takes the next
+/// requested generation; if no run for the key is under way it becomes the
+/// runner: it notes the requested generation, runs the work once, sets done
+/// to what it noted and wakes the waiters. Otherwise it waits until done
+/// reaches its generation, or until no run is under way, and then runs
+/// itself. So a run covers every call made before it started, a call
+/// returns after a run that started after it, and n calls arriving during a
+/// run cost two runs, not n. Keys run independently of each other.
+///
+/// A key's entry lives only while calls for it are under way. A call that
+/// ends without finishing its run (its work panicked, or the call was
+/// dropped) gives up the runner's role on its way out (a drop guard) and
+/// wakes the waiters, one of which runs instead.
+pub(crate) struct Coalesced<T> {
+    keys: Mutex<HashMap<String, Arc<KeyRuns<T>>>>,
+    /// Runs started, for every key.
+    runs: std::sync::atomic::AtomicU64,
+}
+
+struct KeyRuns<T> {
+    gens: Mutex<Generations<T>>,
+    /// Woken when a run ends or a runner gives up.
+    ended: tokio::sync::Notify,
+}
+
+struct Generations<T> {
+    requested: u64,
+    done: u64,
+    running: bool,
+    /// Calls under way (running or waiting): the entry goes at 0.
+    calls: usize,
+    /// What the run that set `done` returned (none before the first).
+    last: Option<T>,
+}
+
+impl<T> Default for Coalesced<T> {
+    fn default() -> Self {
+        Coalesced {
+            keys: Mutex::default(),
+            runs: Default::default(),
+        }
+    }
+}
+
+impl<T: Clone> Coalesced<T> {
+    /// Run `work` for `key`, or wait for a run of it that starts after
+    /// this call; returns what that run returned.
+    pub(crate) async fn run<F, Fut>(&self, key: &str, work: F) -> T
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = T>,
+    {
+        let (runs, generation) = {
+            let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            let runs = keys
+                .entry(key.to_string())
+                .or_insert_with(|| {
+                    Arc::new(KeyRuns {
+                        gens: Mutex::new(Generations {
+                            requested: 0,
+                            done: 0,
+                            running: false,
+                            calls: 0,
+                            last: None,
+                        }),
+                        ended: tokio::sync::Notify::new(),
+                    })
+                })
+                .clone();
+            let mut gens = runs.lock();
+            gens.requested += 1;
+            gens.calls += 1;
+            let generation = gens.requested;
+            drop(gens);
+            (runs, generation)
+        };
+        let mut call = Call {
+            coalesced: self,
+            key,
+            runs: &runs,
+            running: false,
+        };
+        loop {
+            // Registered before the check: a run ending after it wakes us.
+            let ended = runs.ended.notified();
+            let noted = {
+                let mut gens = runs.lock();
+                if let (true, Some(last)) = (gens.done >= generation, &gens.last) {
+                    return last.clone();
+                }
+                if gens.running {
+                    None
+                } else {
+                    gens.running = true;
+                    call.running = true;
+                    Some(gens.requested)
+                }
+            };
+            let Some(noted) = noted else {
+                ended.await;
+                continue;
+            };
+            self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let out = work().await;
+            let mut gens = runs.lock();
+            gens.done = noted;
+            gens.last = Some(out.clone());
+            gens.running = false;
+            call.running = false;
+            drop(gens);
+            runs.ended.notify_waiters();
+            return out;
+        }
+    }
+
+    /// How many runs started, for every key.
+    #[cfg(test)]
+    pub(crate) fn runs(&self) -> u64 {
+        self.runs.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// How many calls for `key` are under way.
+    #[cfg(test)]
+    pub(crate) fn calls(&self, key: &str) -> usize {
+        let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        keys.get(key).map_or(0, |r| r.lock().calls)
+    }
+}
+
+impl<T> KeyRuns<T> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Generations<T>> {
+        self.gens.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// One call of [`Coalesced::run`]: on its way out (returned, panicked or
+/// dropped) it is counted off, gives up the runner's role if it still
+/// holds it, and removes the key's entry when it was the last call.
+struct Call<'a, T> {
+    coalesced: &'a Coalesced<T>,
+    key: &'a str,
+    runs: &'a Arc<KeyRuns<T>>,
+    running: bool,
+}
+
+impl<T> Drop for Call<'_, T> {
+    fn drop(&mut self) {
+        let mut keys = self
+            .coalesced
+            .keys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut gens = self.runs.lock();
+        gens.calls -= 1;
+        let gave_up = std::mem::take(&mut self.running);
+        if gave_up {
+            gens.running = false;
+        }
+        if gens.calls == 0 {
+            keys.remove(self.key);
+        }
+        drop(gens);
+        drop(keys);
+        if gave_up {
+            self.runs.ended.notify_waiters();
         }
     }
 }
@@ -1981,5 +2173,320 @@ mod tests {
                 want.iter().filter(|w| w.is_none()).count() as u64
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod coalescing_tests {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Instant;
+
+    use berth_structs::{NodeResources, Resources, Task};
+    use tokio::sync::watch;
+
+    use super::*;
+
+    const DEADLINE: Duration = Duration::from_secs(10);
+
+    /// Poll `cond` until it holds; fail after [`DEADLINE`].
+    async fn until(what: &str, cond: impl Fn() -> bool) {
+        let start = Instant::now();
+        while !cond() {
+            assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// A gate runs wait at until it is opened.
+    fn gate() -> (watch::Sender<bool>, watch::Receiver<bool>) {
+        watch::channel(false)
+    }
+
+    async fn pass(mut gate: watch::Receiver<bool>) {
+        let _ = gate.wait_for(|open| *open).await;
+    }
+
+    #[tokio::test]
+    async fn concurrent_calls_share_two_runs_and_each_returns_after_a_run_that_started_after_it() {
+        let coalesced = Arc::new(Coalesced::<u64>::default());
+        // One clock for calls and run starts: a run's start must come after
+        // the call it answers.
+        let clock = Arc::new(AtomicU64::new(1));
+        let (open, gated) = gate();
+        let call = |set: &mut tokio::task::JoinSet<(u64, u64)>| {
+            let (coalesced, clock, gated) = (coalesced.clone(), clock.clone(), gated.clone());
+            set.spawn(async move {
+                let called = clock.fetch_add(1, Ordering::SeqCst);
+                let started = coalesced
+                    .run("web", || async {
+                        let started = clock.fetch_add(1, Ordering::SeqCst);
+                        pass(gated).await;
+                        started
+                    })
+                    .await;
+                (called, started)
+            });
+        };
+        let mut calls = tokio::task::JoinSet::new();
+        call(&mut calls);
+        until("the first run to start", || coalesced.runs() == 1).await;
+        for _ in 0..49 {
+            call(&mut calls);
+        }
+        until("50 calls under way", || coalesced.calls("web") == 50).await;
+        open.send_replace(true);
+        let mut answered = 0;
+        while let Some(done) = calls.join_next().await {
+            let (called, started) = done.unwrap();
+            assert!(
+                started > called,
+                "a call made at {called} was answered by a run started at {started}"
+            );
+            answered += 1;
+        }
+        assert_eq!(answered, 50);
+        assert_eq!(coalesced.runs(), 2, "50 calls, one run under way: two runs");
+        assert!(coalesced.keys.lock().unwrap().is_empty(), "no entry left");
+
+        // A call after the runs ended does not take their answer: it runs.
+        let called = clock.fetch_add(1, Ordering::SeqCst);
+        let started = coalesced
+            .run("web", || async { clock.fetch_add(1, Ordering::SeqCst) })
+            .await;
+        assert!(started > called);
+        assert_eq!(coalesced.runs(), 3);
+    }
+
+    #[tokio::test]
+    async fn different_keys_run_independently() {
+        let coalesced = Arc::new(Coalesced::<u64>::default());
+        let (open, gated) = gate();
+        let a = tokio::spawn({
+            let coalesced = coalesced.clone();
+            async move {
+                coalesced
+                    .run("a", || async {
+                        pass(gated).await;
+                        1
+                    })
+                    .await
+            }
+        });
+        until("the run of a to start", || coalesced.runs() == 1).await;
+        // "b" runs and answers while a run of "a" is under way.
+        let b = tokio::time::timeout(DEADLINE, coalesced.run("b", || async { 2 }))
+            .await
+            .expect("a call for b waits for no run of a");
+        assert_eq!(b, 2);
+        assert_eq!(coalesced.runs(), 2);
+        assert!(!a.is_finished());
+        open.send_replace(true);
+        assert_eq!(a.await.unwrap(), 1);
+        assert!(coalesced.keys.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_failing_run_answers_its_waiters_and_a_panicking_or_dropped_one_hands_over() {
+        let coalesced = Arc::new(Coalesced::<Result<u64, String>>::default());
+        let waiters = |n: usize, set: &mut tokio::task::JoinSet<Result<u64, String>>| {
+            for _ in 0..n {
+                let coalesced = coalesced.clone();
+                set.spawn(async move { coalesced.run("j", || async { Ok(7) }).await });
+            }
+        };
+
+        // A run that fails: the calls it covers get its failure, and the
+        // ones after it a run of their own.
+        let (open, gated) = gate();
+        let failing = tokio::spawn({
+            let coalesced = coalesced.clone();
+            async move {
+                coalesced
+                    .run("j", || async {
+                        pass(gated).await;
+                        Err("store closed".to_string())
+                    })
+                    .await
+            }
+        });
+        until("the failing run to start", || coalesced.runs() == 1).await;
+        let mut set = tokio::task::JoinSet::new();
+        waiters(5, &mut set);
+        until("6 calls under way", || coalesced.calls("j") == 6).await;
+        open.send_replace(true);
+        assert_eq!(failing.await.unwrap(), Err("store closed".into()));
+        while let Some(answer) = tokio::time::timeout(DEADLINE, set.join_next())
+            .await
+            .expect("the waiters of a failed run are answered")
+        {
+            assert_eq!(answer.unwrap(), Ok(7));
+        }
+        assert_eq!(coalesced.runs(), 2);
+
+        // A run that panics, then one whose call is dropped: each time a
+        // waiter takes over and every waiter is answered.
+        for how in ["panics", "is dropped"] {
+            let before = coalesced.runs();
+            let (open, gated) = gate();
+            let runner = tokio::spawn({
+                let coalesced = coalesced.clone();
+                async move {
+                    coalesced
+                        .run("j", || async {
+                            pass(gated).await;
+                            panic!("evaluation panicked");
+                        })
+                        .await
+                }
+            });
+            until("the run to start", || coalesced.runs() == before + 1).await;
+            let mut set = tokio::task::JoinSet::new();
+            waiters(5, &mut set);
+            until("6 calls under way", || coalesced.calls("j") == 6).await;
+            if how == "panics" {
+                open.send_replace(true);
+                assert!(runner.await.unwrap_err().is_panic());
+            } else {
+                runner.abort();
+                assert!(runner.await.unwrap_err().is_cancelled());
+            }
+            let mut answered = 0;
+            while let Some(answer) = tokio::time::timeout(DEADLINE, set.join_next())
+                .await
+                .unwrap_or_else(|_| panic!("the waiters of a run that {how} are answered"))
+            {
+                assert_eq!(answer.unwrap(), Ok(7));
+                answered += 1;
+            }
+            assert_eq!(answered, 5);
+            assert_eq!(coalesced.runs(), before + 2, "one waiter ran instead");
+        }
+        assert!(coalesced.keys.lock().unwrap().is_empty());
+    }
+
+    fn web_job(count: u32) -> Job {
+        Job {
+            id: "web".into(),
+            name: "web".into(),
+            job_type: JobType::Service,
+            task_groups: vec![TaskGroup {
+                name: "g".into(),
+                count,
+                tasks: vec![Task {
+                    name: "t".into(),
+                    driver: "raw_exec".into(),
+                    config: berth_structs::TaskConfig {
+                        command: "/bin/true".into(),
+                        args: vec![],
+                    },
+                    resources: Resources {
+                        cpu: 10,
+                        memory_mb: 10,
+                    },
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    async fn server_with_web(count: u32) -> (tempfile::TempDir, Arc<Server>) {
+        let dir = tempfile::tempdir().unwrap();
+        let server = Server::open(ServerConfig::new(dir.path())).unwrap();
+        server
+            .register_node(Node {
+                id: "n1".into(),
+                name: "n1".into(),
+                status: NodeStatus::Ready,
+                resources: NodeResources {
+                    cpu: 100_000,
+                    memory_mb: 100_000,
+                    disk_mb: 0,
+                },
+                drivers: vec!["raw_exec".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let placed = server.register_job(web_job(count)).await.unwrap();
+        assert_eq!(placed.unplaced_allocs, 0);
+        (dir, server)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_evaluations_of_one_job_run_twice() {
+        let (_dir, server) = server_with_web(3).await;
+        let before = server.job_evaluations.runs();
+        // Hold the first evaluation in its write (it records the job's
+        // blocked state under this lock) until every call is made. The
+        // lock is held on a thread of its own, which lets go when told or
+        // when this test ends.
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let holder = std::thread::spawn({
+            let server = server.clone();
+            move || {
+                let _held = server.blocked.lock().unwrap_or_else(|p| p.into_inner());
+                let _ = locked.send(());
+                let _ = released.recv();
+            }
+        });
+        is_locked.recv().unwrap();
+        let calls: Vec<_> = (0..30)
+            .map(|_| {
+                let server = server.clone();
+                tokio::spawn(async move { server.evaluate_job("web").await })
+            })
+            .collect();
+        until("30 evaluations asked for", || {
+            server.job_evaluations.calls("web") == 30
+        })
+        .await;
+        drop(release);
+        holder.join().unwrap();
+        for call in calls {
+            let counts = call.await.unwrap();
+            assert_eq!(
+                counts,
+                PlacementCounts {
+                    desired: 3,
+                    unplaced: 0
+                }
+            );
+        }
+        let runs = server.job_evaluations.runs() - before;
+        assert!((1..=2).contains(&runs), "30 calls ran {runs} evaluations");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn each_of_concurrent_alloc_stops_finds_its_replacement() {
+        let (_dir, server) = server_with_web(20).await;
+        let ids: Vec<String> = server
+            .store
+            .read(|t| t.allocs_of_job("web").map(|a| a.id.clone()).collect());
+        assert_eq!(ids.len(), 20);
+        let before = server.job_evaluations.runs();
+        let stops: Vec<_> = ids
+            .into_iter()
+            .map(|id| {
+                let server = server.clone();
+                tokio::spawn(async move { server.stop_alloc(&id).await })
+            })
+            .collect();
+        for stop in stops {
+            let stopped = stop.await.unwrap().unwrap();
+            assert!(
+                stopped.replacement.is_some(),
+                "alloc {} was stopped and its job evaluated, but no replacement was found",
+                stopped.alloc_id
+            );
+        }
+        let runs = server.job_evaluations.runs() - before;
+        assert!((1..=20).contains(&runs), "20 stops ran {runs} evaluations");
+        let live = server
+            .store
+            .read(|t| t.allocs_of_job("web").filter(|a| !a.is_terminal()).count());
+        assert_eq!(live, 20);
     }
 }

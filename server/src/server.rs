@@ -28,6 +28,10 @@ pub struct Server {
     pub(crate) blocked: Mutex<BTreeMap<String, Vec<String>>>,
     /// When a delayed replacement becomes due.
     pub(crate) retry_due: crate::scheduler::RetryDue,
+    /// Concurrent evaluations of one job, coalesced.
+    pub(crate) job_evaluations: crate::scheduler::Coalesced<crate::scheduler::PlacementCounts>,
+    /// Concurrent passes over the blocked jobs, coalesced.
+    pub(crate) blocked_evaluations: crate::scheduler::Coalesced<()>,
     /// Heartbeat deadlines and last heartbeats by node ID (memory only).
     pub(crate) heartbeats: Mutex<crate::liveness::Heartbeats>,
     pub(crate) volume_locks: VolumeLocks,
@@ -56,6 +60,8 @@ impl Server {
             calls: CallRegistry::default(),
             blocked: Mutex::new(BTreeMap::new()),
             retry_due: Default::default(),
+            job_evaluations: Default::default(),
+            blocked_evaluations: Default::default(),
             heartbeats: Mutex::default(),
             volume_locks: VolumeLocks::default(),
             alloc_reports: Default::default(),
