@@ -8,6 +8,11 @@
 //! [`ExecutorState`] in `<state_dir>/state.json`, waits for the task, drains
 //! its output, records its [`ExecutorExit`] in `<state_dir>/exit.json`, then
 //! exits.
+//! Once `state.json` is written (the task runs, or could not be started)
+//! it says so on its stdout: one byte, [`STATE_WRITTEN`], on the pipe the
+//! driver waits on, so the driver learns of the start without looking for
+//! the file; its stdout is `/dev/null` from then on. An executor that dies
+//! first closes the pipe without that byte.
 //! Both files are written atomically (temp file, rename), so a reader never
 //! sees half a record. `exit.json` is synced too (the file, then the
 //! directory): it is the one word on a task that finished while no agent
@@ -36,11 +41,17 @@ pub const EXIT_FILE: &str = "exit.json";
 /// The executor's own stderr.
 pub const LOG_FILE: &str = "executor.log";
 /// The executor's protocol with the agent: bumped whenever
-/// [`ExecutorSpec`], [`ExecutorState`] or [`ExecutorExit`] change in a way
-/// an executor and an agent of different builds would not both understand.
+/// [`ExecutorSpec`], [`ExecutorState`], [`ExecutorExit`] or how the
+/// executor reports its start ([`STATE_WRITTEN`]) change in a way an
+/// executor and an agent of different builds would not both understand.
 /// A separate executor program answers `--version` with it, and the agent
 /// uses that program only when its version and protocol are its own.
-pub const PROTOCOL: u32 = 1;
+///
+/// 2: the executor writes [`STATE_WRITTEN`] on its stdout once `state.json`
+/// is written (1 wrote nothing there; its agent looked for the file).
+pub const PROTOCOL: u32 = 2;
+/// What the executor writes on its stdout once `state.json` is written.
+pub const STATE_WRITTEN: u8 = b'\n';
 
 /// How long the task's output is still read after the task has exited,
 /// while something it left behind (outside its process group) keeps the
@@ -378,12 +389,13 @@ pub fn run_executor(args: &[String]) -> i32 {
     }
     let failed = |kind, message: String| {
         eprintln!("berth executor: {message}");
-        if let Err(e) = write_state_record(
+        match write_state_record(
             &state_dir,
             STATE_FILE,
             &ExecutorState::StartFailed { kind, message },
         ) {
-            eprintln!("berth executor: recording the start failure: {e}");
+            Ok(()) => report_state_written(),
+            Err(e) => eprintln!("berth executor: recording the start failure: {e}"),
         }
         1
     };
@@ -453,6 +465,7 @@ pub fn run_executor(args: &[String]) -> i32 {
         let _ = child.wait();
         return 1;
     }
+    report_state_written();
     // The copy threads have run their start (and touched its pages)
     // before the start's memory is given back; a thread that died instead
     // ends its channel.
@@ -524,6 +537,33 @@ pub fn run_executor(args: &[String]) -> i32 {
             eprintln!("berth executor: recording the task's exit: {e}");
             1
         }
+    }
+}
+
+/// Tells the driver that `state.json` is written: [`STATE_WRITTEN`] on
+/// stdout, then stdout becomes `/dev/null`, so that the driver's end of the
+/// pipe is no longer written to (nor held open by this process). Failing
+/// to say so is not fatal: the driver still learns of the start when this
+/// process exits or its deadline passes.
+fn report_state_written() {
+    // Straight to fd 1: std's stdout would keep a buffer for the
+    // executor's whole life.
+    let byte = STATE_WRITTEN;
+    // SAFETY: write(2) reads one byte from a live local.
+    let written = unsafe { libc::write(libc::STDOUT_FILENO, (&raw const byte).cast(), 1) };
+    if written != 1 {
+        eprintln!(
+            "berth executor: reporting the task's state on stdout: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    match std::fs::File::open("/dev/null") {
+        // SAFETY: dup2 onto fd 1, which this process owns as its stdout;
+        // no Rust object owns fd 1 as a file of its own.
+        Ok(null) => unsafe {
+            libc::dup2(null.as_raw_fd(), libc::STDOUT_FILENO);
+        },
+        Err(e) => eprintln!("berth executor: opening /dev/null: {e}"),
     }
 }
 

@@ -2,14 +2,17 @@
 //! executor is detached from the agent's session and group from its first
 //! instruction, kills what its task leaves behind in its group, and a
 //! reattach that cannot get a pidfd polls the executor instead of taking it
-//! for dead (and killing its task).
+//! for dead (and killing its task). A start is learned from the executor's
+//! report, not by looking for its state record, and an executor that dies
+//! or hangs before it reports fails the start with a clear error, promptly
+//! or at the deadline.
 
 mod common;
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use berth_allocrunner::{Driver, ExecutorCommand, RawExecDriver, TaskSpec};
+use berth_allocrunner::{Driver, DriverError, ExecutorCommand, RawExecDriver, TaskSpec};
 use berth_structs::{AllocClientStatus, JobType};
 use common::*;
 
@@ -219,4 +222,160 @@ fn a_reattach_without_pidfd_open_polls_the_executor_and_keeps_its_task() {
     });
     let exit = watcher.join().expect("the watcher thread");
     assert_eq!(exit.exit_code, Some(7), "{exit}");
+}
+
+/// An executor run as `/bin/sh -c SCRIPT STATE_DIR`: `$0` is its state dir.
+fn sh_executor(script: &str) -> ExecutorCommand {
+    ExecutorCommand {
+        program: "/bin/sh".into(),
+        args: vec!["-c".into(), script.into()],
+    }
+}
+
+/// The start waits on the executor's report, not on its state record: with
+/// the report held back, a start whose `state.json` is written and whose
+/// task runs is still waiting; once the report comes, the start completes.
+#[tokio::test]
+async fn a_start_is_learned_from_the_executors_report_not_its_state_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = test_executor();
+    let release = dir.path().join("release");
+    // The real executor, its report held in `report` until `release` exists.
+    let wrapper = sh_executor(&format!(
+        r#"{} "$0" | {{ head -c 1 > "$0/../report"; while [ ! -e "$0/../release" ]; do sleep 0.01; done; cat "$0/../report"; }}"#,
+        real.program.display()
+    ));
+    let driver = RawExecDriver::with_executor(wrapper);
+    let spec = spec(dir.path(), r#"echo $$ > pid; exec sleep 1000"#);
+    let _task = PidFileKiller(dir.path().join("pid"));
+    let state = spec.executor_dir.join("state.json");
+    let report = dir.path().join("report");
+    let mut start = std::pin::pin!(driver.start(&spec));
+
+    // Runs the start until the executor has recorded the task and sent
+    // its report (held back by the wrapper).
+    let recorded = tokio::time::timeout(WITHIN, async {
+        tokio::select! {
+            started = &mut start => panic!("the start completed before the report: {:?}", started.map(|h| h.pid())),
+            () = wait_for("state.json and the held-back report", WITHIN, || {
+                state.exists() && std::fs::metadata(&report).is_ok_and(|m| m.len() == 1)
+            }) => {}
+        }
+    })
+    .await;
+    assert!(recorded.is_ok(), "the executor never recorded its task");
+    assert_eq!(
+        std::fs::read(&report).unwrap(),
+        b"\n",
+        "the report is one newline"
+    );
+    // A start that looked for the file would see it within a millisecond.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), &mut start)
+            .await
+            .is_err(),
+        "the start completed on the state file alone"
+    );
+
+    std::fs::write(&release, "").unwrap();
+    let released = Instant::now();
+    let handle = tokio::time::timeout(WITHIN, &mut start)
+        .await
+        .expect("the start completes once the report comes")
+        .expect("the task starts");
+    assert!(
+        released.elapsed() < Duration::from_secs(5),
+        "the start took {:?} after the report",
+        released.elapsed()
+    );
+    let pid_file = dir.path().join("pid");
+    wait_for("the task to record its pid", WITHIN, || {
+        read_pid(&pid_file).is_some()
+    })
+    .await;
+    assert_eq!(read_pid(&pid_file), Some(handle.pid() as i32));
+    let exit = handle.stop(Duration::from_secs(5)).await;
+    assert_eq!(exit.signal, Some(libc::SIGTERM), "{exit}");
+}
+
+/// An executor that dies before it records a state fails the start at
+/// once, with its exit and its last words, long before the deadline; also
+/// when something it left behind keeps its stdout open (its exit, not the
+/// end of its report pipe, wakes the start).
+#[tokio::test]
+async fn an_executor_that_dies_before_recording_a_state_fails_the_start_promptly() {
+    for (what, script) in [
+        (
+            "alone",
+            r#"cat > /dev/null; echo "executor: cannot go on" >&2; exit 3"#,
+        ),
+        (
+            "leaving its stdout open",
+            r#"cat > /dev/null; echo $$ > "$0/../holder"; sleep 1000 & echo "executor: cannot go on" >&2; exit 3"#,
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let _holder = PidFileKiller(dir.path().join("holder"));
+        let driver = RawExecDriver::with_executor(sh_executor(script))
+            .with_start_timeout(Duration::from_secs(60));
+        let spec = spec(dir.path(), "exit 0");
+        let began = Instant::now();
+        let started = tokio::time::timeout(WITHIN, driver.start(&spec))
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the start hung"));
+        let took = began.elapsed();
+        let Err(DriverError::ExecutorFailed { message, .. }) = started.as_ref().map(|h| h.pid())
+        else {
+            panic!(
+                "{what}: not an executor failure: {:?}",
+                started.map(|h| h.pid())
+            );
+        };
+        assert!(
+            message.contains("exited (exit status: 3) before the task started"),
+            "{what}: {message}"
+        );
+        assert!(
+            message.contains("executor: cannot go on"),
+            "{what}: {message}"
+        );
+        assert!(
+            took < Duration::from_secs(5),
+            "{what}: the failure took {took:?}"
+        );
+    }
+}
+
+/// An executor that neither reports nor exits is given up on at the
+/// deadline: the start fails saying so, and the executor is killed.
+#[tokio::test]
+async fn an_executor_that_hangs_fails_the_start_at_the_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let pid_file = dir.path().join("executor.pid");
+    let _executor = PidFileKiller(pid_file.clone());
+    let timeout = Duration::from_millis(500);
+    let driver = RawExecDriver::with_executor(sh_executor(
+        r#"cat > /dev/null; echo $$ > "$0/../executor.pid"; exec sleep 1000"#,
+    ))
+    .with_start_timeout(timeout);
+    let spec = spec(dir.path(), "exit 0");
+    let began = Instant::now();
+    let started = tokio::time::timeout(WITHIN, driver.start(&spec))
+        .await
+        .expect("the start hung past its deadline");
+    let took = began.elapsed();
+    let Err(DriverError::ExecutorFailed { message, .. }) = started.as_ref().map(|h| h.pid()) else {
+        panic!("not an executor failure: {:?}", started.map(|h| h.pid()));
+    };
+    assert!(
+        message.contains("the task did not start within 500ms"),
+        "{message}"
+    );
+    assert!(
+        took >= timeout,
+        "gave up after {took:?}, before the deadline"
+    );
+    assert!(took < Duration::from_secs(5), "gave up only after {took:?}");
+    let pid = read_pid(&pid_file).expect("the executor ran");
+    assert!(!process_alive(pid), "the hung executor was left running");
 }

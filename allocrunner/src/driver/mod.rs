@@ -17,7 +17,9 @@ use crate::error::DriverError;
 
 mod raw_exec;
 
-pub use raw_exec::{executor_version_line, ExecutorCommand, RawExecDriver, EXECUTOR_PROGRAM};
+pub use raw_exec::{
+    executor_version_line, ExecutorCommand, RawExecDriver, EXECUTOR_PROGRAM, EXECUTOR_START_TIMEOUT,
+};
 
 /// Everything a driver needs to start one task.
 #[derive(Debug, Clone)]

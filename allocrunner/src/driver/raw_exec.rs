@@ -16,7 +16,7 @@ use nix::errno::Errno;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::unix::AsyncFd;
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -29,15 +29,9 @@ use crate::executor::{
 
 /// How long to wait for a process to go after SIGKILL before giving up on it.
 const AFTER_SIGKILL: Duration = Duration::from_secs(30);
-/// How long the executor may take to report that the task runs.
-const EXECUTOR_START_TIMEOUT: Duration = Duration::from_secs(10);
-/// How often the executor's state record is looked for while it starts:
-/// often at first (an executor records a started task within milliseconds,
-/// and the task's start waits on this), then less often.
-const EXECUTOR_START_POLL: Duration = Duration::from_millis(1);
-const EXECUTOR_START_POLL_SLOW: Duration = Duration::from_millis(5);
-/// How long the executor's state is polled at [`EXECUTOR_START_POLL`].
-const EXECUTOR_START_FAST_FOR: Duration = Duration::from_millis(100);
+/// How long the executor may take, from its spawn, to report that the
+/// task runs (or could not be started).
+pub const EXECUTOR_START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often a reattached executor that has no pidfd is checked.
 const EXECUTOR_POLL: Duration = Duration::from_millis(500);
 
@@ -172,6 +166,7 @@ fn executor_version(program: &Path) -> std::io::Result<String> {
 #[derive(Debug, Clone)]
 pub struct RawExecDriver {
     executor: ExecutorCommand,
+    start_timeout: Duration,
 }
 
 impl Default for RawExecDriver {
@@ -187,7 +182,17 @@ impl RawExecDriver {
     }
 
     pub fn with_executor(executor: ExecutorCommand) -> RawExecDriver {
-        RawExecDriver { executor }
+        RawExecDriver {
+            executor,
+            start_timeout: EXECUTOR_START_TIMEOUT,
+        }
+    }
+
+    /// How long an executor may take to report its task's start before it
+    /// is given up on ([`EXECUTOR_START_TIMEOUT`] unless set).
+    pub fn with_start_timeout(mut self, timeout: Duration) -> RawExecDriver {
+        self.start_timeout = timeout;
+        self
     }
 }
 
@@ -312,7 +317,8 @@ impl Driver for RawExecDriver {
             .arg(dir)
             .env_clear()
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            // Where it reports that its state is recorded.
+            .stdout(Stdio::piped())
             .stderr(log)
             .kill_on_drop(false);
         // A session (and so a process group) of its own from its first
@@ -332,51 +338,87 @@ impl Driver for RawExecDriver {
             program: program.clone(),
             error,
         })?;
-        if let Some(mut stdin) = child.stdin.take() {
-            // A failed write shows as the executor exiting without a state.
-            if let Err(e) = stdin.write_all(&input).await {
-                warn!(alloc_id = %spec.alloc_id, task = %spec.task, error = %e, "sending the spec to the executor");
-            }
-        }
-        let spawned = Instant::now();
-        let deadline = spawned + EXECUTOR_START_TIMEOUT;
+        let timeout = self.start_timeout;
+        let deadline = Instant::now() + timeout;
         let executor_failed = |message: String| DriverError::ExecutorFailed {
             command: spec.command.clone(),
             message,
         };
-        let state = loop {
-            match executor::read_record::<ExecutorState>(dir, executor::STATE_FILE) {
-                Ok(Some(state)) => break state,
-                Ok(None) => {}
+        if let Some(mut stdin) = child.stdin.take() {
+            // A failed write shows as the executor exiting without a state;
+            // one that does not read its spec is given up on at the deadline.
+            match tokio::time::timeout_at(deadline, stdin.write_all(&input)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    warn!(alloc_id = %spec.alloc_id, task = %spec.task, error = %e, "sending the spec to the executor")
+                }
+                Err(_) => {
+                    abandon_start(&mut child, dir).await;
+                    return Err(executor_failed(format!(
+                        "it did not read its spec within {timeout:?}"
+                    )));
+                }
+            }
+        }
+        let Some(mut reports) = child.stdout.take() else {
+            abandon_start(&mut child, dir).await;
+            return Err(executor_failed("its stdout is not a pipe".into()));
+        };
+        // Woken by the executor's report, by its exit, or by the deadline:
+        // never by a timer that looks for the state record.
+        let ended = tokio::time::timeout_at(deadline, async {
+            let mut byte = [0u8; 1];
+            tokio::select! {
+                biased;
+                read = reports.read(&mut byte) => match read {
+                    // The report, or its stdout closed: it has exited or
+                    // will, without a report.
+                    Ok(n) => StartReport::Reported(n == 1),
+                    Err(e) => {
+                        debug!(error = %e, "reading the executor's report");
+                        StartReport::Reported(false)
+                    }
+                },
+                status = child.wait() => StartReport::Exited(status),
+            }
+        })
+        .await;
+        drop(reports);
+        let read_state = || executor::read_record::<ExecutorState>(dir, executor::STATE_FILE);
+        let state = match ended {
+            Err(_) => None,
+            Ok(StartReport::Reported(true)) => match read_state() {
+                Ok(Some(state)) => Some(state),
+                Ok(None) => {
+                    abandon_start(&mut child, dir).await;
+                    return Err(executor_failed(
+                        "it reported its state, but none is recorded".into(),
+                    ));
+                }
                 Err(e) => {
                     abandon_start(&mut child, dir).await;
                     return Err(executor_failed(format!("reading its state: {e}")));
                 }
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                // It may have written its state just before exiting.
-                if let Ok(Some(state)) =
-                    executor::read_record::<ExecutorState>(dir, executor::STATE_FILE)
-                {
-                    break state;
+            },
+            // No report: only its exit (or the deadline) is left to wait for.
+            Ok(StartReport::Reported(false)) => {
+                match tokio::time::timeout_at(deadline, child.wait()).await {
+                    Ok(status) => {
+                        exited_without_state(status, dir, read_state(), &executor_failed)?
+                    }
+                    Err(_) => None,
                 }
-                return Err(executor_failed(format!(
-                    "it exited ({status}) before the task started: {}",
-                    executor_log(dir)
-                )));
             }
-            if Instant::now() >= deadline {
-                abandon_start(&mut child, dir).await;
-                return Err(executor_failed(format!(
-                    "the task did not start within {EXECUTOR_START_TIMEOUT:?}"
-                )));
+            Ok(StartReport::Exited(status)) => {
+                exited_without_state(status, dir, read_state(), &executor_failed)?
             }
-            tokio::time::sleep(if spawned.elapsed() < EXECUTOR_START_FAST_FOR {
-                EXECUTOR_START_POLL
-            } else {
-                EXECUTOR_START_POLL_SLOW
-            })
-            .await;
+        };
+        let Some(state) = state else {
+            abandon_start(&mut child, dir).await;
+            return Err(executor_failed(format!(
+                "the task did not start within {timeout:?}: {}",
+                executor_log(dir)
+            )));
         };
         if let ExecutorState::StartFailed { kind, message } = state {
             let _ = child.wait().await;
@@ -468,6 +510,35 @@ impl Driver for RawExecDriver {
             exit,
         }))
     }
+}
+
+/// What ended the wait for an executor's start.
+enum StartReport {
+    /// Its stdout gave the report (`true`) or closed without it.
+    Reported(bool),
+    /// It exited.
+    Exited(std::io::Result<std::process::ExitStatus>),
+}
+
+/// The state an executor that `status` ended recorded before it exited
+/// (`recorded`, read after its exit), or why it has none.
+fn exited_without_state(
+    status: std::io::Result<std::process::ExitStatus>,
+    dir: &Path,
+    recorded: std::io::Result<Option<ExecutorState>>,
+    executor_failed: &dyn Fn(String) -> DriverError,
+) -> Result<Option<ExecutorState>, DriverError> {
+    if let Ok(Some(state)) = recorded {
+        return Ok(Some(state));
+    }
+    let how = match status {
+        Ok(status) => status.to_string(),
+        Err(e) => format!("waiting for it: {e}"),
+    };
+    Err(executor_failed(format!(
+        "it exited ({how}) before the task started: {}",
+        executor_log(dir)
+    )))
 }
 
 /// How to learn that a reattached executor has exited.
