@@ -73,7 +73,11 @@ fn log_file_sizes(agent: &DevAgent, alloc: &str, base: &str) -> Result<Vec<(u64,
 fn follow_reads_every_line_in_order_while_files_rotate_and_the_agent_is_killed() -> Result<()> {
     let mut agent = DevAgent::start()?;
     // Numbered lines, paced (about 4 MB/s) so that the 30 files kept are
-    // more than the follower falls behind while the agent is down.
+    // more than the follower falls behind while the agent is down. Half
+    // way, the writer waits for `resume`, made once the agent is back: the
+    // agent is killed in the middle of the task however slow the test.
+    let resume = agent.data_dir.path().join("resume");
+    let half = LINES / 2;
     let script = agent.write_file(
         "writer.sh",
         &format!(
@@ -83,10 +87,12 @@ awk 'BEGIN {{
   for (i = 1; i <= {LINES}; i++) {{
     printf "%08d %s\n", i, pad
     if (i % 10000 == 0) {{ fflush(); system("sleep 0.25") }}
+    if (i == {half}) {{ while (system("test -e {resume}") != 0) system("sleep 0.05") }}
   }}
 }}'
 echo "stderr line 2" >&2
-"#
+"#,
+            resume = resume.display()
         ),
     )?;
     let job = agent.write_file(
@@ -167,6 +173,7 @@ echo "stderr line 2" >&2
     assert!(at_kill < LINES, "the agent was killed in the middle");
     eprintln!("killed the agent after {at_kill} lines");
     agent.start_again()?;
+    std::fs::write(&resume, "")?;
 
     let deadline = Instant::now() + Duration::from_secs(90);
     let status = loop {
