@@ -110,22 +110,9 @@ fn lost_mounts_are_repaired_for_the_running_task_after_the_plugin_restarts() -> 
     let staging = mount_with(&csi_dir, "/staging/")?;
     let target = mount_with(&csi_dir, &format!("/per-alloc/{alloc_id}/"))?;
 
-    // The plugin dies, and its mounts with it.
-    let needle = format!("--endpoint=unix://{}", data_dir.display());
-    let plugin_pids = agent.processes_with_cmdline(&needle);
-    let [plugin_pid] = plugin_pids.as_slice() else {
-        bail!("want one plugin process, found {plugin_pids:?}");
-    };
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(*plugin_pid),
-        nix::sys::signal::Signal::SIGKILL,
-    )?;
-    for m in [&target, &staging] {
-        while nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH).is_ok() {}
-        assert_eq!(mount_count_at(m), 0, "{} still mounted", m.display());
-    }
-    // The volume's directory is replaced meanwhile: the task's old bind
-    // keeps showing the old one, only a new bind shows the new one.
+    // The volume's directory is replaced: the task's old bind keeps
+    // showing the old one, only a new bind shows the new one. Done before
+    // the plugin dies, so no repair can come before it.
     let volumes = data_dir.join("node_data/hostpath-plugin/plugin/plugin/volumes");
     let backing = match std::fs::read_dir(&volumes)?
         .map(|e| e.map(|e| e.path()))
@@ -141,6 +128,21 @@ fn lost_mounts_are_repaired_for_the_running_task_after_the_plugin_restarts() -> 
     std::fs::rename(&backing, backing.with_extension("gen1"))?;
     std::fs::create_dir(&backing)?;
     std::fs::write(backing.join("generation"), "2")?;
+
+    // The plugin dies, and its mounts with it.
+    let needle = format!("--endpoint=unix://{}", data_dir.display());
+    let plugin_pids = agent.processes_with_cmdline(&needle);
+    let [plugin_pid] = plugin_pids.as_slice() else {
+        bail!("want one plugin process, found {plugin_pids:?}");
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(*plugin_pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    for m in [&target, &staging] {
+        while nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH).is_ok() {}
+        assert_eq!(mount_count_at(m), 0, "{} still mounted", m.display());
+    }
     let lost_at = Instant::now();
 
     // The plugin restarts (1 s), is found healthy, and the next round (at
