@@ -277,7 +277,8 @@ impl Server {
                 }
             }
         };
-        drop(queued);
+        // Taken from the queue by the write that answered it.
+        queued.taken();
         let written = outcome
             .map_err(|_| ServerError::Internal("alloc status report dropped unwritten".into()))??;
         if let Some(evaluations) = written.evaluations {
@@ -374,11 +375,20 @@ struct BatchEvaluations {
     done: tokio::sync::OnceCell<()>,
 }
 
-/// A queued report; dropping it before its report is taken (its caller
-/// went away) takes the report out of the queue unwritten.
+/// A queued report; dropped before its report is answered (its caller
+/// went away), it takes the report out of the queue unwritten, if it is
+/// still there.
 pub(crate) struct QueuedGuard<'a> {
     reports: &'a AllocReports,
     id: u64,
+}
+
+impl QueuedGuard<'_> {
+    /// The report was answered: it is no longer queued, and dropping the
+    /// guard need not look for it.
+    fn taken(self) {
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for QueuedGuard<'_> {
