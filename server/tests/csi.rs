@@ -14,29 +14,10 @@ use support::*;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
-/// n1 with a node plugin (and a controller that needs publish when asked),
-/// a volume "data" and a job "db" placed on n1.
-async fn setup(
-    ts: &TestServer,
-    controller: bool,
-    caps: &[AccessMode],
-) -> berth_structs::Allocation {
-    let s = &ts.server;
-    register(s, node("n1")).await;
-    give_plugin(s, "n1", "hostpath", true, controller, controller).await;
-    s.register_volume(volume("data", "hostpath", caps))
-        .await
-        .unwrap();
-    s.register_job(volume_job("db", "data", caps[0]))
-        .await
-        .unwrap();
-    live_allocs(s, "db").pop().expect("db placed")
-}
-
 #[tokio::test]
 async fn claim_refuses_an_access_mode_the_volume_does_not_list() {
     let ts = TestServer::start(|_| {}).await;
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let alloc = place_db_on_n1(&ts, false, &[AccessMode::SingleNodeWriter]).await;
     let mut csi = ts.csi_client().await;
     let err = csi
         .claim(claim_request(
@@ -72,7 +53,7 @@ async fn claim_refuses_an_access_mode_the_volume_does_not_list() {
 async fn unpublish_drives_the_claim_states_and_frees_it_through_controller_detach() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, true, &[AccessMode::SingleNodeWriter]).await;
+    let alloc = place_db_on_n1(&ts, true, &[AccessMode::SingleNodeWriter]).await;
     let client = TestClient::connect(&ts, "n1", ok_handler()).await;
     let mut csi = ts.csi_client().await;
 
@@ -168,12 +149,7 @@ async fn unpublish_drives_the_claim_states_and_frees_it_through_controller_detac
 async fn garbage_collection_keeps_an_alloc_until_its_claim_is_freed() {
     let ts = TestServer::start(|c| c.alloc_gc_threshold = Duration::ZERO).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
-    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (alloc, client, mut csi) = claimed_db_on_n1(&ts, false, ok_handler()).await;
 
     s.stop_job("db").await.unwrap();
     report(&s, &alloc, AllocClientStatus::Complete).await;
@@ -212,12 +188,7 @@ async fn garbage_collection_keeps_an_alloc_until_its_claim_is_freed() {
 async fn volume_watcher_reaps_claims_of_terminal_allocs_and_keeps_write_claims_of_lost_allocs() {
     let ts = TestServer::start(|c| c.claim_reap_grace = Duration::from_millis(200)).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
-    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (alloc, client, mut csi) = claimed_db_on_n1(&ts, false, ok_handler()).await;
     report(&s, &alloc, AllocClientStatus::Failed).await;
     wait_until(
         "claim of the failed alloc freed",
@@ -334,12 +305,7 @@ async fn pending_call_fails_unavailable_when_the_stream_drops_and_new_stream_rep
 async fn deregister_refuses_a_claimed_volume_unless_forced_and_force_reaps_first() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
-    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (alloc, client, _csi) = claimed_db_on_n1(&ts, false, ok_handler()).await;
 
     let err = s.deregister_volume("data", false).await.unwrap_err();
     assert!(matches!(err, ServerError::Conflict(_)), "{err:?}");
@@ -390,7 +356,7 @@ async fn set_controller(s: &berth_server::Server, healthy: bool, requires_publis
 async fn release_controller_detaches_a_published_claim_while_the_controller_reports_unhealthy() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, true, &[AccessMode::SingleNodeWriter]).await;
+    let alloc = place_db_on_n1(&ts, true, &[AccessMode::SingleNodeWriter]).await;
     // ControllerPublish answers without a publish context, so only the
     // claim's record of the publish can call for the detach. The handler
     // notes whether that record was persisted before the call arrived.
@@ -407,11 +373,7 @@ async fn release_controller_detaches_a_published_claim_while_the_controller_repo
         }
         _ => pb::call_reply::Result::Empty(pb::Empty {}),
     });
-    let client = TestClient::connect(&ts, "n1", handler).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (client, mut csi) = connect_and_claim_data(&ts, &alloc, handler).await;
     assert_eq!(
         *flag_at_publish.lock().unwrap(),
         Some(true),
@@ -464,12 +426,7 @@ async fn release_controller_detaches_a_published_claim_while_the_controller_repo
 async fn controller_unpublish_not_found_counts_as_detached_and_frees_the_claim() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, true, &[AccessMode::SingleNodeWriter]).await;
-    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (alloc, client, mut csi) = claimed_db_on_n1(&ts, true, ok_handler()).await;
     s.stop_job("db").await.unwrap();
     report(&s, &alloc, AllocClientStatus::Complete).await;
     client.set_handler(Arc::new(|call| match call.call {
@@ -570,7 +527,7 @@ async fn watcher_keeps_the_claim_of_a_lost_alloc_until_its_stop_after_client_dis
 async fn unknown_volume_ids_sent_to_claim_and_unpublish_leave_no_lock_entries() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let alloc = place_db_on_n1(&ts, false, &[AccessMode::SingleNodeWriter]).await;
     let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
     let mut csi = ts.csi_client().await;
     for i in 0..50 {
@@ -615,7 +572,7 @@ async fn unknown_volume_ids_sent_to_claim_and_unpublish_leave_no_lock_entries() 
 async fn detach_names_a_node_that_does_not_exist_and_accepts_a_name_or_id_prefix() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let alloc = place_db_on_n1(&ts, false, &[AccessMode::SingleNodeWriter]).await;
     let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
     let mut other = node("7f3c2a10-0000-4000-8000-000000000002");
     other.name = "worker-2".into();
@@ -713,12 +670,8 @@ fn forced_release_events(s: &berth_server::Server) -> Vec<berth_structs::NodeEve
 async fn operator_detach_frees_a_stopped_allocs_claim_when_the_node_cannot_unmount() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
-    let client = TestClient::connect(&ts, "n1", failing_detach("target is busy")).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (alloc, client, mut csi) =
+        claimed_db_on_n1(&ts, false, failing_detach("target is busy")).await;
     report(&s, &alloc, AllocClientStatus::Failed).await;
 
     let r = s.detach_volume("data", "n1").await.unwrap();
@@ -755,12 +708,8 @@ async fn an_unpublish_that_names_no_node_is_refused_and_keeps_the_claim() {
     // check that the alloc has stopped, release a claim without one.
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
-    let client = TestClient::connect(&ts, "n1", failing_detach("target is busy")).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (alloc, client, mut csi) =
+        claimed_db_on_n1(&ts, false, failing_detach("target is busy")).await;
 
     let err = csi
         .unpublish(pb::UnpublishRequest {
@@ -785,7 +734,7 @@ async fn an_unpublish_that_names_no_node_is_refused_and_keeps_the_claim() {
 async fn forced_deregister_frees_claims_when_the_node_is_unreachable_or_cannot_unmount() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let alloc = place_db_on_n1(&ts, false, &[AccessMode::SingleNodeWriter]).await;
     let mut csi = ts.csi_client().await;
     csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
         .await
@@ -827,7 +776,7 @@ async fn forced_deregister_frees_claims_when_the_node_is_unreachable_or_cannot_u
 async fn a_failing_reap_backs_off_and_its_node_keeps_one_event_per_distinct_error() {
     let ts = TestServer::start(|c| c.claim_reap_grace = Duration::from_millis(100)).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, false, &[AccessMode::SingleNodeWriter]).await;
+    let alloc = place_db_on_n1(&ts, false, &[AccessMode::SingleNodeWriter]).await;
     // The client fails each detach and, as csimanager does, records a
     // Storage event for it; each event is a store write that wakes the
     // watcher.
@@ -847,11 +796,7 @@ async fn a_failing_reap_backs_off_and_its_node_keeps_one_event_per_distinct_erro
         }
         _ => pb::call_reply::Result::Empty(pb::Empty {}),
     });
-    let client = TestClient::connect(&ts, "n1", handler).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (client, _csi) = connect_and_claim_data(&ts, &alloc, handler).await;
     report(&s, &alloc, AllocClientStatus::Failed).await;
 
     let detaches = || {
@@ -930,12 +875,7 @@ async fn operator_detach_of_a_down_nodes_claim_says_the_node_was_not_told() {
 async fn writes_of_a_clients_release(controller: bool) -> u64 {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
-    let alloc = setup(&ts, controller, &[AccessMode::SingleNodeWriter]).await;
-    let client = TestClient::connect(&ts, "n1", ok_handler()).await;
-    let mut csi = ts.csi_client().await;
-    csi.claim(claim_request("data", &alloc, AccessMode::SingleNodeWriter))
-        .await
-        .unwrap();
+    let (alloc, client, mut csi) = claimed_db_on_n1(&ts, controller, ok_handler()).await;
     let before = s.index();
     csi.unpublish(pb::UnpublishRequest {
         volume_id: "data".into(),

@@ -521,6 +521,49 @@ pub fn claim_of(server: &Server, volume_id: &str, alloc_id: &str) -> Option<(Cla
         .map(|c| (c.state, c.releasing))
 }
 
+/// n1 with a node plugin "hostpath" (and, with `controller`, a controller
+/// plugin that needs publish), a volume "data" of `caps` and a job "db"
+/// placed on n1; db's alloc.
+pub async fn place_db_on_n1(ts: &TestServer, controller: bool, caps: &[AccessMode]) -> Allocation {
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    give_plugin(s, "n1", "hostpath", true, controller, controller).await;
+    s.register_volume(volume("data", "hostpath", caps))
+        .await
+        .unwrap();
+    s.register_job(volume_job("db", "data", caps[0]))
+        .await
+        .unwrap();
+    live_allocs(s, "db").pop().expect("db placed")
+}
+
+/// n1's client connected with `handler`, and `alloc`'s single-node-writer
+/// claim of "data" taken over gRPC; the client and the CSI service.
+pub async fn connect_and_claim_data(
+    ts: &TestServer,
+    alloc: &Allocation,
+    handler: CallHandler,
+) -> (TestClient, CsiVolumeClient<SecretChannel>) {
+    let client = TestClient::connect(ts, "n1", handler).await;
+    let mut csi = ts.csi_client().await;
+    csi.claim(claim_request("data", alloc, AccessMode::SingleNodeWriter))
+        .await
+        .unwrap();
+    (client, csi)
+}
+
+/// [`place_db_on_n1`] with a single-node-writer volume, then
+/// [`connect_and_claim_data`]: db holds the write claim of "data".
+pub async fn claimed_db_on_n1(
+    ts: &TestServer,
+    controller: bool,
+    handler: CallHandler,
+) -> (Allocation, TestClient, CsiVolumeClient<SecretChannel>) {
+    let alloc = place_db_on_n1(ts, controller, &[AccessMode::SingleNodeWriter]).await;
+    let (client, csi) = connect_and_claim_data(ts, &alloc, handler).await;
+    (alloc, client, csi)
+}
+
 /// Registers volume "data": plugin "hostpath", single-node-writer.
 pub async fn register_data_volume(server: &Server) {
     server
