@@ -721,13 +721,39 @@ pub fn http_at(port: u16, request: &str) -> Result<HttpAnswer> {
 /// [`http_at`], waiting up to `timeout` for the answer (a request that
 /// places thousands of allocs takes longer than a test's 30 s).
 pub fn http_at_within(port: u16, request: &str, timeout: Duration) -> Result<HttpAnswer> {
-    use std::io::{Read, Write};
+    http_send_at(port, request, timeout)?.answer()
+}
+
+/// A request on its own connection whose answer is read later.
+pub struct HttpSent {
+    conn: std::net::TcpStream,
+}
+
+/// Sends `request` as [`http_at`] does and returns once it is on the wire,
+/// before its answer: a blocking query sent before the change it waits
+/// for. [`HttpSent::answer`] waits up to `timeout` for the answer.
+pub fn http_send_at(port: u16, request: &str, timeout: Duration) -> Result<HttpSent> {
+    use std::io::Write;
     let mut conn =
         std::net::TcpStream::connect(("127.0.0.1", port)).context("connecting to the HTTP API")?;
+    conn.set_nodelay(true)?;
     conn.set_read_timeout(Some(timeout))?;
     conn.write_all(request.as_bytes())?;
-    let mut raw = Vec::new();
-    conn.read_to_end(&mut raw)?;
+    Ok(HttpSent { conn })
+}
+
+impl HttpSent {
+    /// Reads the answer to its end.
+    pub fn answer(mut self) -> Result<HttpAnswer> {
+        use std::io::Read;
+        let mut raw = Vec::new();
+        self.conn.read_to_end(&mut raw)?;
+        parse_http_answer(raw)
+    }
+}
+
+/// Splits a whole raw HTTP/1.1 answer into its status, head and body.
+fn parse_http_answer(raw: Vec<u8>) -> Result<HttpAnswer> {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

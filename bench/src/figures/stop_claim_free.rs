@@ -32,13 +32,12 @@
 //! scripts/bench stop-claim-free [--rounds 30] [--warmup 3]
 //! ```
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use berth_tests::{
-    csi_volume_service_job, example, example_with, mounts_under, plugin_stderr, wait_for, DevAgent,
+    csi_volume_service_job, example, example_with, http_send_at, mounts_under, plugin_stderr,
+    wait_for, DevAgent, HttpSent,
 };
 use serde_json::Value;
 
@@ -87,52 +86,42 @@ fn port(agent: &DevAgent) -> Result<u16> {
 /// A GET sent on its own connection, answered later: the request is on
 /// the wire when [`PendingGet::send`] returns.
 struct PendingGet {
-    conn: TcpStream,
+    sent: HttpSent,
     path: String,
 }
 
 impl PendingGet {
     fn send(port: u16, path: &str) -> Result<PendingGet> {
-        let mut conn = TcpStream::connect(("127.0.0.1", port)).context("connecting to the API")?;
-        conn.set_nodelay(true)?;
-        conn.set_read_timeout(Some(ROUND_TIMEOUT))?;
-        conn.write_all(
-            format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-                .as_bytes(),
-        )?;
+        let sent = http_send_at(
+            port,
+            &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"),
+            ROUND_TIMEOUT,
+        )
+        .with_context(|| format!("GET {path}"))?;
         Ok(PendingGet {
-            conn,
+            sent,
             path: path.to_string(),
         })
     }
 
     /// The answer's `X-Berth-Index` and JSON body; an error for any status
     /// but 200.
-    fn answer(mut self) -> Result<(u64, Value)> {
-        let mut raw = Vec::new();
-        self.conn
-            .read_to_end(&mut raw)
-            .with_context(|| format!("GET {}", self.path))?;
-        let split = raw
-            .windows(4)
-            .position(|w| w == b"\r\n\r\n")
-            .ok_or_else(|| anyhow!("GET {}: no HTTP answer", self.path))?;
-        let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-        if head.split_whitespace().nth(1) != Some("200") {
+    fn answer(self) -> Result<(u64, Value)> {
+        let path = self.path;
+        let answer = self.sent.answer().with_context(|| format!("GET {path}"))?;
+        if answer.status != 200 {
             bail!(
-                "GET {}: {head}\n{}",
-                self.path,
-                String::from_utf8_lossy(&raw[split + 4..])
+                "GET {path}: {}\n{}",
+                answer.head,
+                String::from_utf8_lossy(&answer.body)
             );
         }
-        let index = head
-            .lines()
-            .filter_map(|l| l.split_once(':'))
-            .find(|(k, _)| k.trim().eq_ignore_ascii_case("x-berth-index"))
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .with_context(|| format!("GET {}: no X-Berth-Index in {head}", self.path))?;
-        let body = serde_json::from_slice(&raw[split + 4..])
-            .with_context(|| format!("GET {}: decoding the answer", self.path))?;
+        let index = answer
+            .header("x-berth-index")
+            .and_then(|v| v.parse().ok())
+            .with_context(|| format!("GET {path}: no X-Berth-Index in {}", answer.head))?;
+        let body = serde_json::from_slice(&answer.body)
+            .with_context(|| format!("GET {path}: decoding the answer"))?;
         Ok((index, body))
     }
 }
