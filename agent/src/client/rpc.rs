@@ -3,7 +3,11 @@
 //! node events, alloc updates) implemented on it. Node events and alloc
 //! updates are queued (callers never wait on the network) and sent by one
 //! flusher: at once when it is idle, and, while a request is in flight,
-//! gathered into the next one, so that they batch only under load.
+//! gathered into the next one, so that they batch only under load. A node
+//! event alone waits up to [`EVENT_LINGER`] for an alloc update to go with
+//! (and after) it: each request is a synced write on the servers, and an
+//! event sent by itself would hold back the alloc update right behind it
+//! (a volume's `Unmount volume` and the alloc's terminal status).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -36,6 +40,11 @@ const HEARTBEAT_DEADLINE: Duration = Duration::from_secs(5);
 /// Node events kept while the servers are unreachable; older ones are
 /// dropped first (the servers keep only the newest events of a node too).
 const MAX_PENDING_EVENTS: usize = 1000;
+
+/// How long a queued node event waits for an alloc update to go with;
+/// after that it is sent alone. Node events only inform: a tenth of a
+/// second late is nothing to an operator.
+pub const EVENT_LINGER: Duration = Duration::from_millis(100);
 /// Alloc updates go in requests of at most about this many bytes, well
 /// below the 4 MiB the servers accept in one message: a backlog gathered
 /// while they were unreachable must not become one request they refuse
@@ -166,7 +175,11 @@ struct Inner {
     node: Mutex<Node>,
     pending_updates: Mutex<HashMap<String, pb::AllocStatusUpdate>>,
     pending_events: Mutex<Vec<NodeEvent>>,
+    /// Wakes the flusher at once: an alloc update is queued.
     flush: Notify,
+    /// Wakes the flusher after `event_linger`: a node event is queued.
+    event_queued: Notify,
+    event_linger: Duration,
     /// Bumped whenever the client's view of its allocs changes: the index
     /// of its blocking reads (see [`ServerConn::alloc_changes`]).
     alloc_changes: watch::Sender<u64>,
@@ -186,6 +199,8 @@ impl ServerConn {
                 pending_updates: Mutex::default(),
                 pending_events: Mutex::default(),
                 flush: Notify::new(),
+                event_queued: Notify::new(),
+                event_linger: EVENT_LINGER,
                 alloc_changes: watch::Sender::new(1),
             }),
         }
@@ -277,8 +292,15 @@ impl ServerConn {
     pub async fn run_flusher(&self, mut shutdown: tokio::sync::watch::Receiver<bool>) {
         let mut failures: u32 = 0;
         loop {
+            // An update goes at once, and queued events with it (after
+            // it, see `flush_once`); events alone wait out the linger.
+            let lingered = async {
+                self.inner.event_queued.notified().await;
+                tokio::time::sleep(self.inner.event_linger).await;
+            };
             tokio::select! {
                 _ = self.inner.flush.notified() => {}
+                _ = lingered => {}
                 _ = shutdown.wait_for(|v| *v) => return,
             }
             // What the task that woke us queues right after (a runner
@@ -301,6 +323,7 @@ impl ServerConn {
         }
     }
 
+    /// Sends the queued alloc updates, then the queued node events.
     async fn flush_once(&self) -> Result<(), tonic::Status> {
         let node_id = self.node_id();
         let updates: Vec<pb::AllocStatusUpdate> = {
@@ -462,7 +485,7 @@ impl NodeEventSink for ServerConn {
                 "servers unreachable; dropped the oldest node events"
             );
         }
-        self.inner.flush.notify_one();
+        self.inner.event_queued.notify_one();
     }
 }
 
@@ -929,6 +952,92 @@ mod tests {
             fastest < Duration::from_millis(40),
             "the fastest of five updates took {fastest:?}"
         );
+        stop.send_replace(true);
+        flusher.await.expect("the flusher ends on shutdown");
+        serving.abort();
+    }
+
+    /// A node event queued just before an alloc update waits for it and
+    /// reaches the servers after it (a later write), not as a write of its
+    /// own in front of it; an event with no update to go with reaches them
+    /// once the linger is over.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_node_event_goes_after_the_alloc_update_that_follows_it() {
+        let (_dir, server, serving, channel) = serve_node_service().await;
+        let mut conn = registered_raw_exec_node(channel, 1000).await;
+        // Long enough that the update below certainly comes within it.
+        Arc::get_mut(&mut conn.inner)
+            .expect("the only handle")
+            .event_linger = Duration::from_secs(30);
+        let job = true_job("one", 1, BTreeMap::new());
+        server.register_job(job).await.expect("the job registers");
+        let alloc_id = server.job_allocations("one").expect("the job's allocs")[0]
+            .id
+            .clone();
+        let (stop, shutdown) = watch::channel(false);
+        let flusher = {
+            let conn = conn.clone();
+            tokio::spawn(async move { conn.run_flusher(shutdown).await })
+        };
+        let node_id = conn.node_id();
+        let has_event = |message: &str| {
+            let node = server.node(&node_id).expect("the node");
+            node.events
+                .iter()
+                .any(|e| e.message == message)
+                .then_some(node.modify_index)
+        };
+        conn.emit(NodeEvent::new(
+            NodeEvent::SUBSYSTEM_STORAGE,
+            "Unmount volume",
+        ));
+        // Time for an event sent at once to reach the servers.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        conn.alloc_updated(
+            &alloc_id,
+            AllocClientStatus::Complete,
+            "done",
+            &BTreeMap::new(),
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let event_index = loop {
+            if let Some(i) = has_event("Unmount volume") {
+                break i;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the event reaches the servers with the update"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        let alloc = server.allocation(&alloc_id).expect("the alloc");
+        assert_eq!(alloc.client_description, "done");
+        assert!(
+            alloc.modify_index < event_index,
+            "the update (index {}) is written before the event (index {event_index})",
+            alloc.modify_index
+        );
+
+        // Alone, an event goes once the linger is over.
+        stop.send_replace(true);
+        flusher.await.expect("the flusher ends on shutdown");
+        Arc::get_mut(&mut conn.inner)
+            .expect("the only handle")
+            .event_linger = Duration::from_millis(20);
+        let (stop, shutdown) = watch::channel(false);
+        let flusher = {
+            let conn = conn.clone();
+            tokio::spawn(async move { conn.run_flusher(shutdown).await })
+        };
+        conn.emit(NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, "Mount volume"));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while has_event("Mount volume").is_none() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "an event alone reaches the servers after the linger"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
         stop.send_replace(true);
         flusher.await.expect("the flusher ends on shutdown");
         serving.abort();
