@@ -513,7 +513,7 @@ async fn lost_mounts(
     mounts: &HashSet<PathBuf>,
 ) -> Option<Lost> {
     let staging = if supports_stage && stub.staged {
-        !mount_is_live(&stub.staging_path, mounts).await
+        !staging_is_live(&stub.staging_path, stub.attachment_mode, mounts).await
     } else {
         false
     };
@@ -543,6 +543,34 @@ pub async fn mount_is_live(path: &Path, mounts: &HashSet<PathBuf>) -> bool {
         nix::sys::stat::stat(&p).map(|_| ())
     })
     .await
+}
+
+/// Whether the staging of a usage at `staging` is there and answers. A
+/// filesystem volume is staged as a mount at the staging path. A block
+/// volume is staged as a device that the plugin binds inside the staging
+/// directory (`hostpath-plugin` at `<staging>/device`, other plugins under
+/// their own names): a live mount at or below the staging path.
+pub(crate) async fn staging_is_live(
+    staging: &Path,
+    attach: AttachmentMode,
+    mounts: &HashSet<PathBuf>,
+) -> bool {
+    match attach {
+        AttachmentMode::FileSystem => mount_is_live(staging, mounts).await,
+        AttachmentMode::BlockDevice => {
+            let shown = as_mountinfo_shows(staging);
+            let below: Vec<&PathBuf> = mounts
+                .iter()
+                .filter(|m| m.starts_with(staging) || m.starts_with(&shown))
+                .collect();
+            for m in below {
+                if mount_is_live(m, mounts).await {
+                    return true;
+                }
+            }
+            false
+        }
+    }
 }
 
 /// `path` with its parent resolved, as mountinfo lists mount points. The
@@ -583,7 +611,7 @@ pub async fn mount_points() -> HashSet<PathBuf> {
 
 /// Detaches whatever is mounted at `path` (a dead mount), lazily: users
 /// of the old mount keep it until they let go. Nothing mounted is fine.
-async fn detach_dead_mount(path: &Path) -> Result<(), CsiError> {
+pub(crate) async fn detach_dead_mount(path: &Path) -> Result<(), CsiError> {
     let p = path.to_path_buf();
     tokio::task::spawn_blocking(move || {
         mountinfo::detach_all(&p)

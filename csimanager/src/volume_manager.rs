@@ -35,6 +35,7 @@ use tracing::Instrument;
 
 use crate::client::CsiClient;
 use crate::error::CsiError;
+use crate::repair::{detach_dead_mount, mount_points, staging_is_live};
 use crate::sinks::{NodeEventSink, VolumeStateStore};
 use crate::volume::{
     usage_name, ExpandRequest, MountContext, MountInfo, MountRequest, UnmountRequest, VolumeStub,
@@ -487,7 +488,23 @@ impl VolumeManager {
         let staged_for_others = prior
             .as_ref()
             .is_some_and(|s| s.staged && s.allocs.keys().any(|a| a != &req.alloc_id));
-        let need_stage = supports_stage && (remount || !staged_for_others);
+        // The record says staged for another alloc; trusted only when the
+        // staging is really there. A crash between a finished
+        // NodeUnstageVolume and the removal of the record, or anyone
+        // unmounting the staging path, leaves a record that says staged
+        // while nothing is: publishing from the bare directory would hand
+        // the task a directory that is not the volume. Staging again is
+        // safe: NodeStageVolume is idempotent. A plugin whose staging
+        // leaves no mount at (or, for a block volume, below) the staging
+        // path gets one more idempotent NodeStageVolume per new user.
+        let stage_missing = supports_stage
+            && staged_for_others
+            && !remount
+            && !staging_is_live(&staging, attach, &mount_points().await).await;
+        if stage_missing {
+            tracing::info!(staging = %staging.display(), "the volume is recorded as staged for other allocs but nothing is staged at its staging path; staging it again");
+        }
+        let need_stage = supports_stage && (remount || !staged_for_others || stage_missing);
 
         // Take the usage, durably, before any CSI call.
         let mut stub = prior.clone().unwrap_or_else(|| VolumeStub {
@@ -514,6 +531,11 @@ impl VolumeManager {
 
         if need_stage {
             let staged = async {
+                if stage_missing {
+                    // A dead mount left at the staging path is taken away
+                    // first, as a repair does; nothing mounted is fine.
+                    detach_dead_mount(&staging).await?;
+                }
                 create_dir_all(&staging)?;
                 let stage_req = csi::NodeStageVolumeRequest {
                     volume_id: req.external_id.clone(),
@@ -850,12 +872,19 @@ pub(crate) fn create_dir_all(p: &Path) -> Result<(), CsiError> {
 }
 
 /// Removes `path` and its parents up to (not including) `root`, stopping at
-/// the first that is not empty (or is still a mount point).
+/// the first that is not empty (or is still a mount point). One already
+/// gone (a plugin removes its mount points on unpublish and unstage) is
+/// passed over to its parent.
 fn remove_empty_dirs(path: &Path, root: &Path) {
     let mut dir = Some(path);
     while let Some(d) = dir {
-        if d == root || !d.starts_with(root) || std::fs::remove_dir(d).is_err() {
+        if d == root || !d.starts_with(root) {
             break;
+        }
+        match std::fs::remove_dir(d) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(_) => break,
         }
         dir = d.parent();
     }

@@ -637,3 +637,92 @@ async fn mount_persists_the_registry_before_its_csi_calls() {
     assert!(mounts_under(&h.root).is_empty());
     assert!(store.volumes().is_empty());
 }
+
+/// Mounts `m` and then undoes its publish and stage straight through the
+/// plugin, leaving the record as it is: what a crash right after the last
+/// user's NodeUnstageVolume, before its record was removed, leaves behind
+/// (the record still lists the alloc, staged).
+async fn crash_after_the_last_unstage(h: &Harness, m: &berth_csimanager::MountRequest) {
+    use berth_proto::csi::v1 as csi;
+    let target = h.manager.mount_volume(m.clone()).await.unwrap().source;
+    let staging = h.manager.staging_path(m);
+    let client = h.client();
+    client
+        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: m.external_id.clone(),
+            target_path: target.display().to_string(),
+        })
+        .await
+        .expect("NodeUnpublishVolume");
+    client
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: m.external_id.clone(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .expect("NodeUnstageVolume");
+    assert!(mounts_under(&h.root).is_empty());
+    let stub = h.store.volumes().into_values().next().expect("record kept");
+    assert!(stub.staged);
+    assert_eq!(stub.allocs.keys().collect::<Vec<_>>(), [&m.alloc_id]);
+}
+
+#[tokio::test]
+async fn a_teardown_after_a_crash_after_the_last_unstage_removes_the_record() {
+    let mut h = Harness::start(&[]).await;
+    let ext = h.create_volume("v").await;
+    let m = mount_req("v", &ext, "alloc-1");
+    crash_after_the_last_unstage(&h, &m).await;
+
+    h.restart();
+    h.manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect("the alloc's teardown finishes");
+    assert!(h.store.volumes().is_empty(), "the record is gone");
+    assert!(h.manager.volume_stubs().is_empty());
+    assert!(mounts_under(&h.root).is_empty());
+    assert!(
+        !h.root.join(PLUGIN_ID).join("staging").join("v").exists(),
+        "the staging directory is removed"
+    );
+}
+
+#[tokio::test]
+async fn a_new_user_after_a_crash_after_the_last_unstage_stages_again() {
+    let mut h = Harness::start(&[]).await;
+    let ext = h.create_volume("v").await;
+    let old = mount_req("v", &ext, "alloc-old");
+    crash_after_the_last_unstage(&h, &old).await;
+
+    // After the restart a new alloc of the volume comes before the old
+    // alloc's teardown has run.
+    h.restart();
+    let new = mount_req("v", &ext, "alloc-new");
+    let target = h
+        .manager
+        .mount_volume(new.clone())
+        .await
+        .expect("mount the new alloc")
+        .source;
+    assert_eq!(mount_count_at(&h.manager.staging_path(&new)), 1, "staged");
+    std::fs::write(h.backing_dir(&ext).join("data"), "the volume").unwrap();
+    assert_eq!(
+        std::fs::read_to_string(target.join("data")).unwrap(),
+        "the volume"
+    );
+
+    // The old alloc's teardown leaves the new alloc's mounts alone.
+    h.manager
+        .unmount_volume(unmount_req(&old))
+        .await
+        .expect("the old alloc's teardown");
+    assert_eq!(mount_count_at(&h.manager.staging_path(&new)), 1);
+    assert_eq!(mount_count_at(&target), 1);
+    let stub = h.store.volumes().into_values().next().expect("record kept");
+    assert_eq!(stub.allocs.keys().collect::<Vec<_>>(), ["alloc-new"]);
+
+    h.manager.unmount_volume(unmount_req(&new)).await.unwrap();
+    assert!(mounts_under(&h.root).is_empty(), "no mount left behind");
+    assert!(h.store.volumes().is_empty());
+}
