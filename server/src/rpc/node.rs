@@ -1,7 +1,7 @@
 //! `berth.v1.Node`: what clients tell the servers, the alloc watch, and
 //! the call stream.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use berth_proto::berth::v1 as pb;
@@ -70,10 +70,6 @@ async fn stream_allocations(
     // alloc's volume stats alone moves neither the node's alloc index nor
     // `index_rx` (see the store), so it is never sent back to the client.
     let mut last: Option<Vec<(String, u64)>> = None;
-    // The encoding last sent of each alloc, at its modify index: an alloc
-    // that did not change since is not encoded again (a node's report
-    // changes one alloc, and the watch sends them all).
-    let mut sent_json: HashMap<String, (u64, Vec<u8>)> = HashMap::new();
     // The node's allocs are scanned again only when a write touched one of
     // them: a scan is of all allocs.
     let mut scanned_at: Option<u64> = None;
@@ -116,22 +112,9 @@ async fn stream_allocations(
                 .collect();
             if last.as_ref() != Some(&seen) {
                 let mut allocs_json = Vec::with_capacity(allocs.len());
-                let mut encoded = HashMap::with_capacity(allocs.len());
                 for a in &allocs {
-                    // Every write of an alloc moves its modify index: the
-                    // encoding sent at the same index is the alloc's now.
-                    if let Some((at, json)) = sent_json.remove(&a.id) {
-                        if at == a.modify_index {
-                            allocs_json.push(json.clone());
-                            encoded.insert(a.id.clone(), (at, json));
-                            continue;
-                        }
-                    }
                     match serde_json::to_vec(a) {
-                        Ok(b) => {
-                            allocs_json.push(b.clone());
-                            encoded.insert(a.id.clone(), (a.modify_index, b));
-                        }
+                        Ok(b) => allocs_json.push(b),
                         Err(e) => {
                             tracing::error!(alloc_id = %a.id, error = %e, "encoding alloc failed");
                             let _ = tx
@@ -153,7 +136,6 @@ async fn stream_allocations(
                     return;
                 }
                 last = Some(seen);
-                sent_json = encoded;
             }
         }
         tokio::select! {
