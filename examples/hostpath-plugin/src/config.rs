@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-use crate::faults::{parse_delay_spec, parse_fail_spec, FaultPlan};
+use crate::faults::{parse_delay_spec, parse_fail_spec, parse_hold_spec, FaultPlan};
 
 /// Name of the environment variable through which a CO hands the endpoint.
 pub const CSI_ENDPOINT_ENV: &str = "CSI_ENDPOINT";
@@ -37,6 +37,8 @@ OPTIONS:
                              Repeatable; rules for one RPC apply in order
     --delay RPC=DURATION     Delay every RPC call by DURATION (e.g. 500ms, 2s).
                              Repeatable
+    --hold-after RPC=FILE    Once the work of an RPC call is done, hold its answer
+                             until FILE exists. Repeatable
     -h, --help               Print this help
     -V, --version            Print the version
 
@@ -131,12 +133,13 @@ pub enum ConfigError {
 }
 
 /// The flags that take a value.
-const VALUE_FLAGS: [&str; 6] = [
+const VALUE_FLAGS: [&str; 7] = [
     "endpoint",
     "state-dir",
     "node-id",
     "fail",
     "delay",
+    "hold-after",
     "topology",
 ];
 
@@ -219,6 +222,15 @@ where
                         reason,
                     })?;
                 faults.set_delay(rpc, delay);
+            }
+            "hold-after" => {
+                let (rpc, file) =
+                    parse_hold_spec(&value).map_err(|reason| ConfigError::BadFault {
+                        flag: "hold-after",
+                        value: value.clone(),
+                        reason,
+                    })?;
+                faults.set_hold_after(rpc, file);
             }
             "topology" => add_topology(&mut topology, &value)?,
             _ => unreachable!("every value flag is handled"),
@@ -396,6 +408,8 @@ mod tests {
             "--delay",
             "NodePublishVolume=2s",
             "--delay=Probe=500ms",
+            "--hold-after",
+            "NodeUnstageVolume=/tmp/go",
         ]);
         assert_eq!(
             c.faults.failures("NodeStageVolume"),
@@ -416,6 +430,11 @@ mod tests {
         );
         assert_eq!(c.faults.delay("Probe"), Some(Duration::from_millis(500)));
         assert_eq!(c.faults.delay("NodeStageVolume"), None);
+        assert_eq!(
+            c.faults.hold_after("NodeUnstageVolume"),
+            Some(&PathBuf::from("/tmp/go"))
+        );
+        assert_eq!(c.faults.hold_after("NodeStageVolume"), None);
     }
 
     #[test]

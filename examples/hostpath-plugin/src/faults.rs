@@ -1,6 +1,8 @@
-//! Fault injection for tests: `--fail RPC=CODE[:COUNT]` and `--delay RPC=DURATION`.
+//! Fault injection for tests: `--fail RPC=CODE[:COUNT]`, `--delay RPC=DURATION`
+//! and `--hold-after RPC=FILE`.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -55,6 +57,7 @@ pub struct FailRule {
 pub struct FaultPlan {
     failures: BTreeMap<&'static str, Vec<FailRule>>,
     delays: BTreeMap<&'static str, Duration>,
+    holds: BTreeMap<&'static str, PathBuf>,
 }
 
 impl FaultPlan {
@@ -68,6 +71,16 @@ impl FaultPlan {
         self.delays.insert(rpc, delay);
     }
 
+    /// Holds the answer of every call of an RPC, once its work is done,
+    /// until `file` exists (the last one given wins).
+    pub fn set_hold_after(&mut self, rpc: &'static str, file: PathBuf) {
+        self.holds.insert(rpc, file);
+    }
+
+    pub fn hold_after(&self, rpc: &str) -> Option<&PathBuf> {
+        self.holds.get(rpc)
+    }
+
     pub fn failures(&self, rpc: &str) -> &[FailRule] {
         self.failures.get(rpc).map(Vec::as_slice).unwrap_or(&[])
     }
@@ -77,7 +90,7 @@ impl FaultPlan {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.failures.is_empty() && self.delays.is_empty()
+        self.failures.is_empty() && self.delays.is_empty() && self.holds.is_empty()
     }
 }
 
@@ -86,7 +99,11 @@ impl FaultPlan {
 pub struct Faults {
     failures: HashMap<&'static str, Mutex<Vec<FailRule>>>,
     delays: HashMap<&'static str, Duration>,
+    holds: HashMap<&'static str, PathBuf>,
 }
+
+/// How often a held answer looks for its file.
+const HOLD_POLL: Duration = Duration::from_millis(50);
 
 impl Faults {
     pub fn new(plan: &FaultPlan) -> Self {
@@ -97,6 +114,22 @@ impl Faults {
                 .map(|(rpc, rules)| (*rpc, Mutex::new(rules.clone())))
                 .collect(),
             delays: plan.delays.iter().map(|(k, v)| (*k, *v)).collect(),
+            holds: plan.holds.iter().map(|(k, v)| (*k, v.clone())).collect(),
+        }
+    }
+
+    /// Once the work of a call of `rpc` is done, holds its answer until
+    /// the `--hold-after` file of `rpc` exists, if there is one: a test
+    /// can stop the caller between the work and the answer.
+    pub async fn hold_after(&self, rpc: &'static str) {
+        let Some(file) = self.holds.get(rpc) else {
+            return;
+        };
+        if !file.exists() {
+            tracing::info!(rpc, file = %file.display(), "injected hold: the answer waits for the file");
+            while !file.exists() {
+                tokio::time::sleep(HOLD_POLL).await;
+            }
         }
     }
 
@@ -177,6 +210,17 @@ pub fn parse_delay_spec(spec: &str) -> Result<(&'static str, Duration), String> 
     Ok((rpc_name(rpc)?, parse_duration(value)?))
 }
 
+/// Parses `RPC=FILE`.
+pub fn parse_hold_spec(spec: &str) -> Result<(&'static str, PathBuf), String> {
+    let (rpc, file) = spec
+        .split_once('=')
+        .ok_or_else(|| "expected RPC=FILE".to_owned())?;
+    if file.is_empty() {
+        return Err("FILE is empty".to_owned());
+    }
+    Ok((rpc_name(rpc)?, PathBuf::from(file)))
+}
+
 /// Parses a gRPC status code: a name in any case, with or without
 /// underscores (`unavailable`, `DEADLINE_EXCEEDED`, `NotFound`), or its
 /// number (1-16).
@@ -243,6 +287,36 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_held_answer_waits_for_its_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let go = dir.path().join("go");
+        let mut plan = FaultPlan::default();
+        plan.set_hold_after("NodeUnstageVolume", go.clone());
+        let faults = std::sync::Arc::new(Faults::new(&plan));
+        // Another RPC is not held.
+        tokio::time::timeout(Duration::from_secs(5), faults.hold_after("NodeStageVolume"))
+            .await
+            .expect("not held");
+        let held = tokio::spawn({
+            let faults = faults.clone();
+            async move { faults.hold_after("NodeUnstageVolume").await }
+        });
+        tokio::time::sleep(HOLD_POLL * 4).await;
+        assert!(!held.is_finished(), "held while the file is missing");
+        std::fs::write(&go, "").unwrap();
+        tokio::time::timeout(Duration::from_secs(5), held)
+            .await
+            .expect("let go once the file exists")
+            .unwrap();
+        assert_eq!(
+            parse_hold_spec("NodeUnstageVolume=/go"),
+            Ok(("NodeUnstageVolume", PathBuf::from("/go")))
+        );
+        assert!(parse_hold_spec("NodeUnstageVolume=").is_err());
+        assert!(parse_hold_spec("Nope=/go").is_err());
+    }
 
     #[test]
     fn fail_specs() {

@@ -185,6 +185,7 @@ impl Plugin {
             Ok(result) => result,
             Err(e) => Err(Error::Internal(format!("{rpc} task failed: {e}"))),
         };
+        self.inner.faults.hold_after(rpc).await;
         respond(rpc, result)
     }
 }
