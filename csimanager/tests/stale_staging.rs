@@ -15,6 +15,7 @@ use std::time::Duration;
 use berth_csimanager::volume_manager::volume_capability;
 use berth_proto::csi::v1 as csi;
 use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions, NodeEvent};
+use berth_testutil::loops::{loop_devices_unusable, loops_backed_under};
 use common::*;
 use nix::mount::{umount2, MntFlags};
 
@@ -106,35 +107,6 @@ async fn a_new_user_stages_again_when_the_recorded_staging_is_gone() {
     assert!(h.store.volumes().is_empty(), "the record is gone");
 }
 
-/// Why loop devices (for an image-backed block volume) cannot be used
-/// here, if they cannot.
-fn loop_devices_unusable() -> Option<String> {
-    if !Path::new("/dev/loop-control").exists() {
-        return Some("/dev/loop-control is missing".into());
-    }
-    match std::process::Command::new("losetup").arg("--find").output() {
-        Ok(o) if o.status.success() => None,
-        Ok(o) => Some(String::from_utf8_lossy(&o.stderr).trim().to_string()),
-        Err(e) => Some(format!("losetup cannot run: {e}")),
-    }
-}
-
-/// The loop devices backed by a file below `dir`.
-fn loops_backed_under(dir: &Path) -> Vec<String> {
-    let Ok(entries) = std::fs::read_dir("/sys/block") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| {
-            let backing = std::fs::read_to_string(e.path().join("loop/backing_file")).ok()?;
-            Path::new(backing.trim_end())
-                .starts_with(dir)
-                .then(|| e.file_name().to_string_lossy().into_owned())
-        })
-        .collect()
-}
-
 /// Detaches the loop devices backed below its directory when dropped,
 /// also when the test fails (after the harness took its mounts away).
 struct LoopCleanup(std::path::PathBuf);
@@ -143,7 +115,8 @@ impl Drop for LoopCleanup {
     fn drop(&mut self) {
         for dev in loops_backed_under(&self.0) {
             let _ = std::process::Command::new("losetup")
-                .args(["-d", &format!("/dev/{dev}")])
+                .arg("-d")
+                .arg(&dev)
                 .status();
         }
     }

@@ -5,6 +5,7 @@
 //! every crate's tests can use it.
 
 pub mod json;
+pub mod loops;
 pub mod relay;
 
 use std::path::{Path, PathBuf};
