@@ -385,19 +385,31 @@ impl SimNode {
     async fn call_stream(self, mut stop: watch::Receiver<bool>) {
         let mut failures = 0u32;
         loop {
-            let why = match self.call_stream_once(&mut stop, &mut failures).await {
-                None => return,
-                Some(why) => why,
+            let Some(why) = self.call_stream_once(&mut stop, &mut failures).await else {
+                return;
             };
-            if *stop.borrow() {
+            if !self.back_off_to_reopen(&mut stop, &mut failures, why).await {
                 return;
             }
-            self.stats.reopen(why);
-            failures += 1;
-            tokio::select! {
-                _ = stop.wait_for(|s| *s) => return,
-                _ = tokio::time::sleep(retry_delay(failures)) => {}
-            }
+        }
+    }
+
+    /// After a stream of this node broke (`why`): counts the reopen and
+    /// waits out the client's backoff. False when told to stop meanwhile.
+    async fn back_off_to_reopen(
+        &self,
+        stop: &mut watch::Receiver<bool>,
+        failures: &mut u32,
+        why: String,
+    ) -> bool {
+        if *stop.borrow() {
+            return false;
+        }
+        self.stats.reopen(why);
+        *failures += 1;
+        tokio::select! {
+            _ = stop.wait_for(|s| *s) => false,
+            _ = tokio::time::sleep(retry_delay(*failures)) => true,
         }
     }
 
@@ -476,21 +488,14 @@ impl SimNode {
         let mut reported: HashMap<String, AllocClientStatus> = HashMap::new();
         let mut failures = 0u32;
         loop {
-            let why = match self
+            let Some(why) = self
                 .watch_allocs_once(&mut stop, &mut reported, &mut failures)
                 .await
-            {
-                None => return,
-                Some(why) => why,
-            };
-            if *stop.borrow() {
+            else {
                 return;
-            }
-            self.stats.reopen(why);
-            failures += 1;
-            tokio::select! {
-                _ = stop.wait_for(|s| *s) => return,
-                _ = tokio::time::sleep(retry_delay(failures)) => {}
+            };
+            if !self.back_off_to_reopen(&mut stop, &mut failures, why).await {
+                return;
             }
         }
     }
