@@ -863,6 +863,23 @@ mod tests {
         }
     }
 
+    /// Registers a job of one `/bin/true` alloc; its alloc's ID.
+    async fn one_true_alloc(server: &berth_server::Server) -> String {
+        let job = true_job("one", 1, BTreeMap::new());
+        server.register_job(job).await.expect("the job registers");
+        server.job_allocations("one").expect("the job's allocs")[0]
+            .id
+            .clone()
+    }
+
+    /// Runs `conn`'s flusher until `true` is sent on the sender returned.
+    fn spawn_flusher(conn: &ServerConn) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+        let (stop, shutdown) = watch::channel(false);
+        let conn = conn.clone();
+        let flusher = tokio::spawn(async move { conn.run_flusher(shutdown).await });
+        (stop, flusher)
+    }
+
     /// The servers send every alloc of the node in one watch message: a
     /// node with many allocs gets a message far larger than tonic's 4 MiB
     /// default, and must still read it (or it would never see a change).
@@ -914,16 +931,8 @@ mod tests {
     async fn an_update_to_an_idle_flusher_is_sent_at_once() {
         let (_dir, server, serving, channel) = serve_node_service().await;
         let conn = registered_raw_exec_node(channel, 1000).await;
-        let job = true_job("one", 1, BTreeMap::new());
-        server.register_job(job).await.expect("the job registers");
-        let alloc_id = server.job_allocations("one").expect("the job's allocs")[0]
-            .id
-            .clone();
-        let (stop, shutdown) = watch::channel(false);
-        let flusher = {
-            let conn = conn.clone();
-            tokio::spawn(async move { conn.run_flusher(shutdown).await })
-        };
+        let alloc_id = one_true_alloc(&server).await;
+        let (stop, flusher) = spawn_flusher(&conn);
         let mut fastest = Duration::MAX;
         for round in 0..5 {
             let description = format!("round {round}");
@@ -969,16 +978,8 @@ mod tests {
         Arc::get_mut(&mut conn.inner)
             .expect("the only handle")
             .event_linger = Duration::from_secs(30);
-        let job = true_job("one", 1, BTreeMap::new());
-        server.register_job(job).await.expect("the job registers");
-        let alloc_id = server.job_allocations("one").expect("the job's allocs")[0]
-            .id
-            .clone();
-        let (stop, shutdown) = watch::channel(false);
-        let flusher = {
-            let conn = conn.clone();
-            tokio::spawn(async move { conn.run_flusher(shutdown).await })
-        };
+        let alloc_id = one_true_alloc(&server).await;
+        let (stop, flusher) = spawn_flusher(&conn);
         let node_id = conn.node_id();
         let has_event = |message: &str| {
             let node = server.node(&node_id).expect("the node");
@@ -1024,11 +1025,7 @@ mod tests {
         Arc::get_mut(&mut conn.inner)
             .expect("the only handle")
             .event_linger = Duration::from_millis(20);
-        let (stop, shutdown) = watch::channel(false);
-        let flusher = {
-            let conn = conn.clone();
-            tokio::spawn(async move { conn.run_flusher(shutdown).await })
-        };
+        let (stop, flusher) = spawn_flusher(&conn);
         conn.emit(NodeEvent::new(NodeEvent::SUBSYSTEM_STORAGE, "Mount volume"));
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while has_event("Mount volume").is_none() {
