@@ -475,6 +475,14 @@ impl DevAgent {
         self.wait_plugin_healthy("hostpath")
     }
 
+    /// Writes `spec` to job file `name`.hcl and runs it detached; an error
+    /// with the CLI's output unless it exits 0.
+    pub fn run_job(&self, name: &str, spec: &str) -> Result<()> {
+        let file = self.write_file(&format!("{name}.hcl"), spec)?;
+        self.cli_ok(&["job", "run", "-detach", &file])?;
+        Ok(())
+    }
+
     /// The agent process's PID, while it runs.
     pub fn pid(&self) -> Option<u32> {
         self.child.as_ref().map(Child::id)

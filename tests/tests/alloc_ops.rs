@@ -13,13 +13,6 @@ use berth_tests::{
 };
 use serde_json::Value;
 
-/// Runs `spec` as job file `name` on `agent` (detached).
-fn run_job(agent: &DevAgent, name: &str, spec: &str) -> Result<()> {
-    let file = agent.write_file(&format!("{name}.hcl"), spec)?;
-    agent.cli_ok(&["job", "run", "-detach", &file])?;
-    Ok(())
-}
-
 /// Waits for the one running alloc of `job` whose ID is not `other`.
 fn wait_running(agent: &DevAgent, job: &str, other: Option<&str>) -> Result<Value> {
     wait_for(
@@ -42,8 +35,7 @@ fn id(alloc: &Value) -> String {
 fn alloc_stop_of_a_service_alloc_frees_its_volume_claim_and_a_replacement_runs() -> Result<()> {
     let agent = DevAgent::start()?;
     agent.run_plugin_and_create_volume()?;
-    run_job(
-        &agent,
+    agent.run_job(
         "writer",
         &csi_volume_service_job("writer", "w", &["-c", "sleep 300"]),
     )?;
@@ -105,7 +97,7 @@ fn alloc_stop_of_a_service_alloc_frees_its_volume_claim_and_a_replacement_runs()
 #[test]
 fn alloc_restart_starts_the_task_again_without_counting_a_restart() -> Result<()> {
     let agent = DevAgent::start()?;
-    run_job(&agent, "sleepy", &sleeping_service_job("sleepy", 1, 1))?;
+    agent.run_job("sleepy", &sleeping_service_job("sleepy", 1, 1))?;
     let alloc = id(&wait_running(&agent, "sleepy", None)?);
     let data = agent.data_dir.path();
     let pid = recorded_task_pid(data, &alloc, "sleep")?;
@@ -169,7 +161,7 @@ job "half" {
 #[test]
 fn alloc_signal_to_a_dead_task_fails_with_a_message_that_says_so() -> Result<()> {
     let agent = DevAgent::start()?;
-    run_job(&agent, "half", HALF_DONE_JOB)?;
+    agent.run_job("half", HALF_DONE_JOB)?;
     let alloc = id(&wait_running(&agent, "half", None)?);
     wait_for("task done to be dead", Duration::from_secs(30), || {
         let v = agent.api_get(&format!("/v1/client/allocation/{alloc}"))?;

@@ -62,12 +62,7 @@ fn a_crash_right_after_the_last_unstage_leaves_no_mount_and_the_volume_usable() 
             "echo from-first > $BERTH_TASK_DIR/data/note && sleep 3600",
         ],
     );
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &agent.write_file("first.hcl", &first)?,
-    ])?;
+    agent.run_job("first", &first)?;
     let first_alloc = wait_alloc_running(&agent, "first")?;
     let first_id = first_alloc["id"].as_str().context("alloc id")?.to_string();
     let note = data_dir
@@ -112,12 +107,7 @@ fn a_crash_right_after_the_last_unstage_leaves_no_mount_and_the_volume_usable() 
         "second",
         &["-c", "cat $BERTH_TASK_DIR/data/note && sleep 3600"],
     );
-    agent.cli_ok(&[
-        "job",
-        "run",
-        "-detach",
-        &agent.write_file("second.hcl", &second)?,
-    ])?;
+    agent.run_job("second", &second)?;
     let second_alloc = wait_alloc_running(&agent, "second")?;
     let second_id = second_alloc["id"].as_str().context("alloc id")?.to_string();
     let stdout = data_dir
