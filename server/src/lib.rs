@@ -46,7 +46,7 @@ pub use plan::{
     PlannedAlloc, StoppedAlloc,
 };
 pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
-pub use rpc::{CsiVolumeService, NodeService};
+pub use rpc::{CsiVolumeService, NodeService, PeerIdentity};
 pub use scheduler::JobRegisterResponse;
 pub use server::Server;
 pub use state::Table;

@@ -9,6 +9,19 @@ mod node;
 pub use csi_volume::CsiVolumeService;
 pub use node::NodeService;
 
+/// Who the peer of an agent-protocol connection proved to be when the
+/// connection was set up. The agent's listener puts it into every
+/// request's extensions (tonic's `Connected::connect_info`); a request
+/// without one came over a listener that checks nothing (no TLS).
+#[derive(Debug, Clone, Default)]
+pub struct PeerIdentity {
+    /// The peer's address, when the listener knows it.
+    pub remote_addr: Option<std::net::SocketAddr>,
+    /// The DNS names of the certificate the peer presented, which chained
+    /// to the agents' CA; empty when the peer presented none.
+    pub cert_names: Vec<String>,
+}
+
 use berth_proto::berth::v1::NODE_SECRET_METADATA;
 use berth_structs::{NodeSecret, ValidationError};
 
