@@ -75,6 +75,11 @@ pub struct AgentConfig {
     /// Config keys that were set but that this version does not apply
     /// yet; logged at start.
     pub not_applied: Vec<&'static str>,
+    /// `region`, `insecure_bind`, `acl`, `tls` and `limits` (`-dev`: ACLs
+    /// only with `-acl-enabled`, no TLS).
+    pub security: crate::config::SecuritySections,
+    /// `client { intro_token }`: what a new node registers with.
+    pub intro_token: Option<crate::config::ConfigSecret>,
 }
 
 impl Default for AgentConfig {
@@ -108,6 +113,8 @@ impl Default for AgentConfig {
             config_paths: Vec::new(),
             files_at_start: None,
             not_applied: Vec::new(),
+            security: crate::config::SecuritySections::default(),
+            intro_token: None,
         }
     }
 }
@@ -193,6 +200,9 @@ pub struct AgentArgs {
     /// Log JSON lines instead of text
     #[arg(long)]
     pub log_json: bool,
+    /// Require ACL tokens on the API (-dev runs with ACLs off without it)
+    #[arg(long)]
+    pub acl_enabled: bool,
 }
 
 /// A command line `berth agent` cannot make sense of.
@@ -242,6 +252,7 @@ struct Flags {
     min_heartbeat_ttl: Option<Duration>,
     log_level: Option<String>,
     log_json: bool,
+    acl_enabled: bool,
     /// A flag given that only the server role uses, and one that only the
     /// client role uses: refused when that role is off.
     server_flag: Option<&'static str>,
@@ -284,6 +295,7 @@ impl AgentConfig {
             client: a.client,
             data_dir: a.data_dir,
             log_json: a.log_json,
+            acl_enabled: a.acl_enabled,
             ..Flags::default()
         };
         f.server_flag = [
@@ -413,6 +425,7 @@ impl AgentConfig {
         self.log_level = f.log_level.clone();
         self.log_level_flag = f.log_level;
         self.log_json = f.log_json;
+        self.security.acl.enabled = Some(f.acl_enabled);
         Ok(())
     }
 
@@ -445,6 +458,9 @@ impl AgentConfig {
         }
         if f.log_json {
             file.log_json = Some(true);
+        }
+        if f.acl_enabled {
+            file.security.acl.enabled = Some(true);
         }
         let file = crate::config::check_whole(files, file)
             .context("berth agent: the configuration (files and flags)")?;
@@ -483,6 +499,8 @@ impl AgentConfig {
         self.log_level_flag = f.log_level;
         self.log_json = file.log_json.unwrap_or(false);
         self.config_paths = f.configs;
+        self.security = file.security.clone();
+        self.intro_token = file.client.intro_token.clone();
         if file.client_enabled() {
             let c = &file.client;
             self.node_class = c.node_class.clone();

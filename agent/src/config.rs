@@ -31,6 +31,10 @@ use berth_structs::limits::{self, MAX_CPU_MHZ, MAX_DURATION, MAX_MEMORY_MB};
 use berth_structs::spec::hcl::{BodyReader, Source};
 use berth_structs::spec::SpecError;
 
+pub mod security;
+
+pub use security::{ConfigSecret, SecuritySections};
+
 /// The largest configuration file berth reads.
 pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
 
@@ -125,6 +129,9 @@ pub struct ClientSection {
     /// How often CSI plugins are fingerprinted and lost volume mounts
     /// repaired; longer than 0s.
     pub csi_fingerprint_interval: Option<Duration>,
+    /// The introduction token a new node registers with (minted by
+    /// `berth node intro create`).
+    pub intro_token: Option<ConfigSecret>,
 }
 
 /// One agent's configuration: a file's, or several merged. What a file
@@ -142,6 +149,8 @@ pub struct AgentFileConfig {
     pub ports: Ports,
     pub server: ServerSection,
     pub client: ClientSection,
+    /// `region`, `insecure_bind`, `acl`, `tls`, `limits`.
+    pub security: SecuritySections,
 }
 
 impl AgentFileConfig {
@@ -194,7 +203,9 @@ impl AgentFileConfig {
                     .client
                     .csi_fingerprint_interval
                     .or(self.client.csi_fingerprint_interval),
+                intro_token: later.client.intro_token.or(self.client.intro_token),
             },
+            security: self.security.merge(later.security),
         }
     }
 
@@ -225,7 +236,7 @@ impl AgentFileConfig {
                 "the client has no servers: set client { servers = [\"HOST:PORT\"] }".into(),
             );
         }
-        None
+        self.security.tls.incomplete()
     }
 }
 
@@ -323,13 +334,21 @@ pub fn read_file(path: &Path) -> Result<AgentFileConfig, ConfigError> {
 pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
     let src = Source::new(text);
     let body = src.parse_body()?;
+    let attributes: Vec<&str> = ["data_dir", "name", "log_level", "log_json", "bind_addr"]
+        .into_iter()
+        .chain(SecuritySections::ATTRIBUTES)
+        .collect();
+    let blocks: Vec<&str> = ["ports", "server", "client"]
+        .into_iter()
+        .chain(SecuritySections::BLOCKS)
+        .collect();
     let r = BodyReader::new(
         &src,
         &body,
         "the agent config".into(),
         1,
-        &["data_dir", "name", "log_level", "log_json", "bind_addr"],
-        &["ports", "server", "client"],
+        &attributes,
+        &blocks,
     )?;
 
     let data_dir = match r.string("data_dir")? {
@@ -422,6 +441,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
                     "disconnect_startup_grace",
                     "csi_volume_stats_interval",
                     "csi_fingerprint_interval",
+                    "intro_token",
                 ],
                 &["meta", "reserved"],
             )?;
@@ -455,9 +475,11 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
                 disconnect_startup_grace: c.duration("disconnect_startup_grace", MAX_DURATION)?,
                 csi_volume_stats_interval: csi_volume_stats_interval(&c)?,
                 csi_fingerprint_interval: csi_fingerprint_interval(&c)?,
+                intro_token: c.string("intro_token")?.map(ConfigSecret::new),
             }
         }
     };
+    let security = SecuritySections::parse(&src, &r)?;
 
     Ok(AgentFileConfig {
         data_dir,
@@ -468,6 +490,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
         ports,
         server,
         client,
+        security,
     })
 }
 
