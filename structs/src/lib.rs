@@ -7,6 +7,7 @@
 //! This crate is plain data. It knows nothing of the client, the servers, the
 //! wire protocol or the HTTP API: every other crate speaks in its types.
 
+pub mod acl;
 pub mod alloc;
 pub mod csi;
 pub mod job;

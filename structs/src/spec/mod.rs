@@ -13,12 +13,14 @@
 //! files berth reads (the agent's configuration) refuse the same things in
 //! the same words.
 
+mod acl_policy;
 pub mod hcl;
 mod job;
 mod units;
 mod variables;
 mod volume;
 
+pub use acl_policy::parse_acl_policy;
 pub use units::{parse_duration, parse_size};
 
 use crate::{CsiVolume, Job};
