@@ -543,6 +543,7 @@ impl AgentConfig {
             csi_volume_stats_interval: self
                 .csi_volume_stats_interval
                 .unwrap_or(defaults.csi_volume_stats_interval),
+            intro_token: self.intro_token.clone(),
             ..defaults
         }
     }
@@ -659,12 +660,21 @@ pub async fn run(
 
     let mut components = crate::systemd::Components::default();
     let mut tasks = tokio::task::JoinSet::new();
-    let agent_info = std::sync::Arc::new(crate::http::agent_api::AgentInfo::new(
-        config.server,
-        config.client,
-        data_dir.clone(),
-        config.servers.clone(),
-    ));
+    let agent_info = std::sync::Arc::new(
+        crate::http::agent_api::AgentInfo::new(
+            config.server,
+            config.client,
+            data_dir.clone(),
+            config.servers.clone(),
+        )
+        .with_acl(
+            config
+                .security
+                .acl
+                .enabled()
+                .then(|| config.security.acl.effective_token_ttl()),
+        ),
+    );
     let local_rpc_addr = if config.server {
         crate::systemd::status("loading the server state");
         let (addr, server) =
@@ -696,12 +706,21 @@ pub async fn run(
     let (client_stop_tx, client_stop_rx) = watch::channel(false);
     let mut client_task = if config.client {
         tracing::info!(servers = ?servers, "client starting");
-        let client = Client::start(
-            config.client_config(data_dir.clone(), servers),
-            client_stop_rx.clone(),
-        )
-        .await
-        .context("starting the client")?;
+        let mut client_config = config.client_config(data_dir.clone(), servers);
+        // The client beside the server role is let in by it: a token of
+        // one use, for the case that the servers do not know the node yet.
+        if let (Some(server), None) = (&components.server, &client_config.intro_token) {
+            if server.config().node_enrollment {
+                let token = server
+                    .create_intro_token(Some("10m"), Some(1))
+                    .await
+                    .context("making the local client's introduction token")?;
+                client_config.intro_token = Some(crate::config::ConfigSecret::new(token.secret_id));
+            }
+        }
+        let client = Client::start(client_config, client_stop_rx.clone())
+            .await
+            .context("starting the client")?;
         crate::systemd::status("restoring allocs, then registering with the servers");
         components.client = Some(client.clone());
         let _ = agent_info.client_role.set(client.clone());
@@ -905,9 +924,15 @@ async fn start_server(
     tasks: &mut tokio::task::JoinSet<Result<()>>,
     info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
 ) -> Result<(SocketAddr, std::sync::Arc<Server>)> {
+    let security = &config.security;
     let mut server_config = ServerConfig {
         data_dir: data_dir.to_path_buf(),
         min_heartbeat_ttl: config.min_heartbeat_ttl,
+        acl_enabled: security.acl.enabled(),
+        // With ACLs or TLS on, a node the servers do not know must prove
+        // it may join.
+        node_enrollment: security.acl.enabled() || security.tls.rpc_enabled(),
+        region: security.effective_region().to_string(),
         ..ServerConfig::default()
     };
     if let Some(g) = config.heartbeat_grace {

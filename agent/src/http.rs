@@ -21,6 +21,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use berth_server::{Server, ServerError, SnapshotRequest};
+use berth_structs::acl::{Capability, Level, Need};
 use berth_structs::{CsiPlugin, CsiVolume, Job};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
@@ -431,40 +432,138 @@ struct ForceQuery {
     force: bool,
 }
 
+/// What a route of the default namespace needs.
+const fn ns(c: Capability) -> Need {
+    Need::Namespace(c)
+}
+
 /// The server API's routes: answered by an agent's server role, forwarded
 /// to a server by a client-only agent.
 pub fn server_routes() -> Routes<Arc<Server>> {
     Routes::new()
-        .get("/v1/agent/health", || async { Json(json!({"ok": true})) })
-        .get("/v1/jobs", list_jobs)
-        .put("/v1/jobs", register_job)
-        .get("/v1/job/{id}", get_job)
-        .delete("/v1/job/{id}", stop_job)
-        .get("/v1/job/{id}/allocations", job_allocations)
-        .put("/v1/job/{id}/plan", plan_job)
-        .get("/v1/job/{id}/summary", job_summary)
-        .get("/v1/allocations", list_allocations)
-        .get("/v1/allocation/{id}", get_allocation)
-        .post("/v1/allocation/{id}/stop", stop_allocation)
-        .get("/v1/nodes", list_nodes)
-        .get("/v1/node/{id}", get_node)
-        .get("/v1/node/{id}/allocations", node_allocations)
-        .post("/v1/node/{id}/drain", drain_node)
-        .post("/v1/node/{id}/eligibility", node_eligibility)
-        .put("/v1/node/{id}/purge", purge_node)
-        .get("/v1/volumes", list_volumes)
-        .get("/v1/volume/csi/{id}", get_volume)
-        .put("/v1/volume/csi/{id}", register_volume)
-        .delete("/v1/volume/csi/{id}", deregister_volume)
-        .put("/v1/volume/csi/{id}/create", create_volume)
-        .delete("/v1/volume/csi/{id}/delete", delete_volume)
-        .delete("/v1/volume/csi/{id}/detach", detach_volume)
-        .get("/v1/volumes/snapshot", list_snapshots)
-        .put("/v1/volumes/snapshot", create_snapshot)
-        .delete("/v1/volumes/snapshot", delete_snapshot)
-        .get("/v1/plugins", list_plugins)
-        .get("/v1/plugin/csi/{id}", get_plugin)
-        .put("/v1/system/gc", system_gc)
+        .get("/v1/agent/health", Need::Public, || async {
+            Json(json!({"ok": true}))
+        })
+        .get("/v1/jobs", ns(Capability::ListJobs), list_jobs)
+        .put("/v1/jobs", ns(Capability::SubmitJob), register_job)
+        .get("/v1/job/{id}", ns(Capability::ReadJob), get_job)
+        .delete("/v1/job/{id}", ns(Capability::SubmitJob), stop_job)
+        .get(
+            "/v1/job/{id}/allocations",
+            ns(Capability::ReadJob),
+            job_allocations,
+        )
+        .put("/v1/job/{id}/plan", ns(Capability::SubmitJob), plan_job)
+        .get("/v1/job/{id}/summary", ns(Capability::ReadJob), job_summary)
+        .get("/v1/allocations", ns(Capability::ReadJob), list_allocations)
+        .get(
+            "/v1/allocation/{id}",
+            ns(Capability::ReadJob),
+            get_allocation,
+        )
+        .post(
+            "/v1/allocation/{id}/stop",
+            ns(Capability::AllocLifecycle),
+            stop_allocation,
+        )
+        .get("/v1/nodes", Need::Node(Level::Read), list_nodes)
+        .get("/v1/node/{id}", Need::Node(Level::Read), get_node)
+        .get(
+            "/v1/node/{id}/allocations",
+            Need::Node(Level::Read),
+            node_allocations,
+        )
+        .post("/v1/node/{id}/drain", Need::Node(Level::Write), drain_node)
+        .post(
+            "/v1/node/{id}/eligibility",
+            Need::Node(Level::Write),
+            node_eligibility,
+        )
+        .put("/v1/node/{id}/purge", Need::Node(Level::Write), purge_node)
+        .get("/v1/volumes", ns(Capability::CsiReadVolume), list_volumes)
+        .get(
+            "/v1/volume/csi/{id}",
+            ns(Capability::CsiReadVolume),
+            get_volume,
+        )
+        .put(
+            "/v1/volume/csi/{id}",
+            ns(Capability::CsiWriteVolume),
+            register_volume,
+        )
+        .delete(
+            "/v1/volume/csi/{id}",
+            ns(Capability::CsiWriteVolume),
+            deregister_volume,
+        )
+        .put(
+            "/v1/volume/csi/{id}/create",
+            ns(Capability::CsiWriteVolume),
+            create_volume,
+        )
+        .delete(
+            "/v1/volume/csi/{id}/delete",
+            ns(Capability::CsiWriteVolume),
+            delete_volume,
+        )
+        .delete(
+            "/v1/volume/csi/{id}/detach",
+            ns(Capability::CsiWriteVolume),
+            detach_volume,
+        )
+        .get(
+            "/v1/volumes/snapshot",
+            ns(Capability::CsiReadVolume),
+            list_snapshots,
+        )
+        .put(
+            "/v1/volumes/snapshot",
+            ns(Capability::CsiWriteVolume),
+            create_snapshot,
+        )
+        .delete(
+            "/v1/volumes/snapshot",
+            ns(Capability::CsiWriteVolume),
+            delete_snapshot,
+        )
+        .get("/v1/plugins", Need::Plugin(Level::Read), list_plugins)
+        .get("/v1/plugin/csi/{id}", Need::Plugin(Level::Read), get_plugin)
+        .put("/v1/system/gc", Need::Management, system_gc)
+        .put(
+            "/v1/node/intro",
+            Need::Node(Level::Write),
+            acl_api::create_intro,
+        )
+        .post("/v1/acl/bootstrap", Need::Public, acl_api::bootstrap)
+        .get("/v1/acl/policies", Need::Management, acl_api::list_policies)
+        .get(
+            "/v1/acl/policy/{name}",
+            Need::Management,
+            acl_api::get_policy,
+        )
+        .put(
+            "/v1/acl/policy/{name}",
+            Need::Management,
+            acl_api::put_policy,
+        )
+        .delete(
+            "/v1/acl/policy/{name}",
+            Need::Management,
+            acl_api::delete_policy,
+        )
+        .get("/v1/acl/tokens", Need::Management, acl_api::list_tokens)
+        .put("/v1/acl/token", Need::Management, acl_api::create_token)
+        .get("/v1/acl/token/self", Need::AnyToken, acl_api::token_self)
+        .get(
+            "/v1/acl/token/{accessor}",
+            Need::Management,
+            acl_api::get_token,
+        )
+        .delete(
+            "/v1/acl/token/{accessor}",
+            Need::Management,
+            acl_api::delete_token,
+        )
 }
 
 pub fn router(server: Arc<Server>) -> Router {
@@ -475,12 +574,21 @@ pub fn router(server: Arc<Server>) -> Router {
     // The layers wrap the whole API from outside, so that they see every
     // answer as it leaves, with the `Allow` header of a 405 already set.
     // The node-local routes of an alloc go to the alloc's node.
-    Router::new()
+    let acl_enabled = server.acl_enabled();
+    let gate = acl::AclGate::new(&routes::all_routes(), server.clone());
+    let router = Router::new()
         .fallback_service(api)
         .layer(axum::middleware::from_fn_with_state(
             server,
             client_forward::send_to_node,
-        ))
+        ));
+    // The ACL check comes before anything is sent on to a node.
+    let router = if acl_enabled {
+        router.layer(axum::middleware::from_fn_with_state(gate, acl::check))
+    } else {
+        router
+    };
+    router
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(one_error_shape))
 }
@@ -503,10 +611,36 @@ async fn list_jobs(
     Ok(indexed(index, body, next))
 }
 
+/// What a job asks beyond `submit-job`: running a CSI plugin needs
+/// `csi-register-plugin`, mounting CSI volumes `csi-mount-volume`.
+fn check_job_capabilities(
+    acl: Option<&berth_structs::acl::Acl>,
+    job: &Job,
+) -> Result<(), ApiError> {
+    let tasks = || job.task_groups.iter().flat_map(|g| g.tasks.iter());
+    if let Some(t) = tasks().find(|t| t.csi_plugin.is_some()) {
+        acl::require(
+            acl,
+            ns(Capability::CsiRegisterPlugin),
+            &format!("task {:?} runs a CSI plugin", t.name),
+        )?;
+    }
+    if job.task_groups.iter().any(|g| !g.volumes.is_empty()) {
+        acl::require(
+            acl,
+            ns(Capability::CsiMountVolume),
+            "the job mounts CSI volumes",
+        )?;
+    }
+    Ok(())
+}
+
 async fn register_job(
     State(s): State<Arc<Server>>,
+    acl: Option<axum::Extension<berth_structs::acl::Acl>>,
     ApiJson(body): ApiJson<JobRegister>,
 ) -> ApiResult {
+    check_job_capabilities(acl.as_deref(), &body.job)?;
     let enforce = body.enforce_index.then_some(body.job_modify_index);
     let resp = s.register_job_checked(body.job, enforce).await?;
     to_json(&resp)
@@ -927,6 +1061,8 @@ pub async fn serve_router(
         .await
 }
 
+pub mod acl;
+mod acl_api;
 pub mod agent_api;
 pub mod alloc_ops;
 pub mod client_forward;

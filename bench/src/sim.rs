@@ -307,7 +307,13 @@ impl SimNode {
         let ttl = self
             .node
             .clone()
-            .register(with_secret(pb::RegisterRequest { node_json }, &self.secret))
+            .register(with_secret(
+                pb::RegisterRequest {
+                    node_json,
+                    ..Default::default()
+                },
+                &self.secret,
+            ))
             .await
             .with_context(|| format!("register of node {}", self.index))?
             .into_inner()

@@ -22,5 +22,13 @@ pub mod berth {
         /// every `Node` and `CSIVolume` RPC. The servers refuse a call whose
         /// secret is not the one the node registered with.
         pub const NODE_SECRET_METADATA: &str = "x-berth-node-secret";
+
+        /// The gRPC metadata key that carries an introduction token on
+        /// `Node.Register`: what a node the servers do not know registers
+        /// with when it has no client certificate.
+        pub const INTRO_TOKEN_METADATA: &str = "x-berth-intro-token";
+
+        /// The largest node JSON a `Node.Register` may carry.
+        pub const MAX_REGISTER_NODE_JSON: usize = 1024 * 1024;
     }
 }

@@ -173,7 +173,13 @@ async fn simulate_node(
     };
     let node_json = serde_json::to_vec(&node).expect("a node encodes");
     let ttl = match client
-        .register(with_secret(pb::RegisterRequest { node_json }, &secret))
+        .register(with_secret(
+            pb::RegisterRequest {
+                node_json,
+                ..Default::default()
+            },
+            &secret,
+        ))
         .await
     {
         Ok(r) => Duration::from_millis(r.into_inner().heartbeat_ttl_ms),

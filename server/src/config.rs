@@ -37,6 +37,13 @@ pub struct ServerConfig {
     pub node_gc_threshold: Duration,
     /// How often the garbage collector runs.
     pub gc_interval: Duration,
+    /// Every API request needs an ACL token (see `crate::acl`).
+    pub acl_enabled: bool,
+    /// A node the servers do not know registers only with an
+    /// introduction token or a client certificate of `region`.
+    pub node_enrollment: bool,
+    /// The region the agents' certificates name (`global`).
+    pub region: String,
 }
 
 /// Production defaults with an empty `data_dir`, which `Server::open`
@@ -63,6 +70,9 @@ impl ServerConfig {
             job_gc_threshold: Duration::from_secs(4 * 60 * 60),
             node_gc_threshold: Duration::from_secs(24 * 60 * 60),
             gc_interval: Duration::from_secs(5 * 60),
+            acl_enabled: false,
+            node_enrollment: false,
+            region: "global".into(),
         }
     }
 }

@@ -10,6 +10,7 @@
 //! Calls the server makes on clients (node detach, controller RPCs) travel
 //! over the client-opened call stream (`rpc::calls`).
 
+mod acl;
 mod alloc_stop;
 mod client_routes;
 mod config;
@@ -29,6 +30,7 @@ mod scheduler;
 mod server;
 pub mod state;
 
+pub use acl::{NewIntroToken, NewToken, TokenRequest, TokenWithPolicies};
 pub use alloc_stop::{AllocStopResponse, ALLOC_STOP_DESCRIPTION};
 pub use client_routes::MAX_CLIENT_HTTP_ANSWER;
 pub use config::ServerConfig;
@@ -39,6 +41,7 @@ pub use csi::{
 pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
+pub use node_secrets::Enrollment;
 pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, NodeUsage, ReleasedClaim};
 pub use page::{Page, Paged};
 pub use plan::{

@@ -20,22 +20,66 @@ fn refused(node_id: &str, why: &str) -> ServerError {
     ServerError::Forbidden(format!("node {node_id}: {why}"))
 }
 
+/// What a registration brings besides its node secret to be let in as a
+/// node the servers do not know.
+#[derive(Debug, Clone, Default)]
+pub struct Enrollment {
+    /// Whether the servers demand proof (ACLs or TLS on); when not, a
+    /// node the servers do not know takes the secret it brings.
+    pub required: bool,
+    /// The caller presented a client (or server) certificate of the
+    /// region, verified at the TLS handshake.
+    pub certificate: bool,
+    /// The introduction token the caller presented, if any.
+    pub intro_token: Option<String>,
+}
+
 /// Check a registration of `node_id` with `secret` and record the secret;
-/// runs inside the registration's write.
+/// runs inside the registration's write (so that an introduction token's
+/// use is spent in the same write).
+///
+/// - A registered node keeps its secret: any other is refused.
+/// - The secret a node had before it was purged or collected still
+///   proves it.
+/// - Otherwise, with enrollment required, the caller needs an
+///   introduction token (which loses a use), or a certificate for a node
+///   ID never seen; without, it takes the secret it brings.
 pub(crate) fn admit_registration(
     t: &Tables,
     node_id: &str,
     secret: &NodeSecret,
+    enrollment: &Enrollment,
     changes: &mut Vec<Change>,
 ) -> Result<(), ServerError> {
     let known = t.node_secrets.get(node_id);
-    // A node the servers do not know (or know from before node secrets)
-    // takes the secret it brings.
     if t.nodes.contains_key(node_id) && known.is_some_and(|k| k != secret) {
         return Err(refused(
             node_id,
             "is registered with another node secret; a node ID belongs to the client that registered it first",
         ));
+    }
+    let proven = known == Some(secret);
+    if !proven && enrollment.required {
+        match &enrollment.intro_token {
+            Some(token) => {
+                let accessor = crate::acl::spend_intro_token(t, token, changes)
+                    .map_err(|why| refused(node_id, &why))?;
+                tracing::info!(node_id, intro_token = %accessor, "node enrolled with an introduction token");
+            }
+            None if enrollment.certificate && known.is_none() => {}
+            None if known.is_some() => {
+                return Err(refused(
+                    node_id,
+                    "was registered before with another node secret; it registers again only with that secret or a new introduction token",
+                ))
+            }
+            None => {
+                return Err(refused(
+                    node_id,
+                    "is not known to the servers: a new node registers with an introduction token (client { intro_token }, made by `berth node intro create`) or a client certificate",
+                ))
+            }
+        }
     }
     if known != Some(secret) {
         changes.push(Change::PutNodeSecret {
@@ -80,14 +124,53 @@ impl Server {
         node: Node,
         secret: &NodeSecret,
     ) -> Result<NodeRegistration, ServerError> {
+        let enrollment = self.enrollment(false, None);
+        self.register_node_enrolled(node, secret, enrollment).await
+    }
+
+    /// [`Self::register_node_with_secret`] with what the caller brings to
+    /// enroll a node the servers do not know.
+    pub async fn register_node_enrolled(
+        &self,
+        node: Node,
+        secret: &NodeSecret,
+        enrollment: Enrollment,
+    ) -> Result<NodeRegistration, ServerError> {
         let node_id = node.id.clone();
-        self.register_node_as(node, Some(secret))
+        self.register_node_as(node, Some((secret, enrollment)))
             .await
             .inspect_err(|e| {
                 if matches!(e, ServerError::Forbidden(_)) {
                     tracing::warn!(node_id, rpc = "Register", error = %e, "node RPC refused");
                 }
             })
+    }
+
+    /// Whether a registration of `node_id` would be let in, checked before
+    /// its node is decoded (the write checks again).
+    pub(crate) fn precheck_registration(
+        &self,
+        node_id: &str,
+        secret: &NodeSecret,
+        enrollment: &Enrollment,
+    ) -> Result<(), ServerError> {
+        self.store
+            .read(|t| {
+                let mut scratch = Vec::new();
+                admit_registration(t, node_id, secret, enrollment, &mut scratch)
+            })
+            .inspect_err(|e| {
+                tracing::warn!(node_id, rpc = "Register", error = %e, "node RPC refused");
+            })
+    }
+
+    /// The enrollment rules in force, with what a caller brings.
+    pub(crate) fn enrollment(&self, certificate: bool, intro_token: Option<String>) -> Enrollment {
+        Enrollment {
+            required: self.config.node_enrollment,
+            certificate,
+            intro_token,
+        }
     }
 
     /// Check that the caller of node RPC `rpc` is the node `node_id`.

@@ -84,7 +84,7 @@ impl Server {
     pub(crate) async fn register_node_as(
         &self,
         mut node: Node,
-        secret: Option<&berth_structs::NodeSecret>,
+        secret: Option<(&berth_structs::NodeSecret, crate::node_secrets::Enrollment)>,
     ) -> Result<NodeRegistration, ServerError> {
         let bad_names: Vec<String> = [("node ID", &node.id), ("node name", &node.name)]
             .into_iter()
@@ -96,8 +96,8 @@ impl Server {
         }
         let ((), index) = self.store.write(|t, changes| {
             let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
-            if let Some(secret) = secret {
-                crate::node_secrets::admit_registration(t, &node.id, secret, changes)?;
+            if let Some((secret, enrollment)) = &secret {
+                crate::node_secrets::admit_registration(t, &node.id, secret, enrollment, changes)?;
             }
             // The registration's events join the stored ones as any
             // others do: folded and capped.

@@ -45,11 +45,19 @@ pub(crate) fn derive_plugin(t: &Tables, id: &str) -> CsiPlugin {
         }
     }
     for node in t.nodes_with_plugin(id) {
-        if let Some(info) = node.csi_controller_plugins.get(id) {
+        if let Some(info) = node
+            .csi_controller_plugins
+            .get(id)
+            .filter(|_| t.plugin_instance_allowed(&node.id, id, true))
+        {
             p.controllers.insert(node.id.clone(), info.clone());
             absorb(&mut p, node, info);
         }
-        if let Some(info) = node.csi_node_plugins.get(id) {
+        if let Some(info) = node
+            .csi_node_plugins
+            .get(id)
+            .filter(|_| t.plugin_instance_allowed(&node.id, id, false))
+        {
             p.nodes.insert(node.id.clone(), info.clone());
             absorb(&mut p, node, info);
         }
@@ -96,6 +104,7 @@ pub(crate) fn requires_controller_publish(t: &Tables, plugin_id: &str) -> bool {
         n.csi_controller_plugins
             .get(plugin_id)
             .is_some_and(|c| c.requires_controller_publish)
+            && t.plugin_instance_allowed(&n.id, plugin_id, true)
     })
 }
 
@@ -108,6 +117,7 @@ pub(crate) fn controller_nodes(t: &Tables, plugin_id: &str) -> Vec<String> {
             n.csi_controller_plugins
                 .get(plugin_id)
                 .is_some_and(|c| c.healthy)
+                && t.plugin_instance_allowed(&n.id, plugin_id, true)
         })
         .map(|n| n.id.clone())
         .collect()

@@ -889,7 +889,11 @@ impl<'a> PlanContext<'a> {
                     "volume {shown:?} (group volume {name:?}) does not exist"
                 ));
             };
-            if !node.has_healthy_node_plugin(&v.plugin_id) {
+            if !node.has_healthy_node_plugin(&v.plugin_id)
+                || !self
+                    .tables
+                    .plugin_instance_allowed(&node.id, &v.plugin_id, false)
+            {
                 return Some(format!(
                     "no healthy node plugin {:?} for volume {shown:?}",
                     v.plugin_id

@@ -53,6 +53,9 @@ impl Server {
         let path = RedbBackend::path_in(&config.data_dir);
         let backend = RedbBackend::open(&path)?;
         let store = StateStore::open(Box::new(backend))?;
+        // With enrollment on, nodes are not trusted to say which plugins
+        // they run: only plugin allocs placed on them count.
+        store.set_plugin_instances_need_allocs(config.node_enrollment);
         let (shutdown, _) = watch::channel(false);
         let server = Arc::new(Server {
             config,

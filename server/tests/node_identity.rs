@@ -16,6 +16,7 @@ const FORGED: &str = "forged-secret-0123456789abcdef0123";
 fn register_request(node: &berth_structs::Node) -> pb::RegisterRequest {
     pb::RegisterRequest {
         node_json: serde_json::to_vec(node).unwrap(),
+        ..Default::default()
     }
 }
 

@@ -42,6 +42,7 @@ async fn client_registers_watches_its_allocs_and_reports_status() {
     let reg = nc
         .register(pb::RegisterRequest {
             node_json: serde_json::to_vec(&node("n1")).unwrap(),
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -111,6 +112,7 @@ async fn plugin_fingerprints_and_events_reach_the_node_and_plugin_table() {
     let mut nc = ts.node_client().await;
     nc.register(pb::RegisterRequest {
         node_json: serde_json::to_vec(&node("n1")).unwrap(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -151,6 +153,7 @@ async fn plugin_fingerprints_and_events_reach_the_node_and_plugin_table() {
     // A re-registration without plugins keeps the fingerprints.
     nc.register(pb::RegisterRequest {
         node_json: serde_json::to_vec(&node("n1")).unwrap(),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -178,6 +178,7 @@ async fn node_registration_refuses_ids_and_names_that_escape() {
     let err = nc
         .register(pb::RegisterRequest {
             node_json: serde_json::to_vec(&node("..")).unwrap(),
+            ..Default::default()
         })
         .await
         .unwrap_err();

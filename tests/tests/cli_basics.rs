@@ -11,6 +11,19 @@ use berth_tests::{binary, cli_at, free_port, quick_batch_job, DevAgent};
 /// Every command and subcommand of berth. A unit test of the berth crate
 /// checks this list against its command tree.
 const COMMANDS: &[&str] = &[
+    "acl",
+    "acl bootstrap",
+    "acl policy",
+    "acl policy apply",
+    "acl policy delete",
+    "acl policy info",
+    "acl policy list",
+    "acl token",
+    "acl token create",
+    "acl token delete",
+    "acl token info",
+    "acl token list",
+    "acl token self",
     "agent",
     "alloc",
     "alloc logs",
@@ -30,6 +43,8 @@ const COMMANDS: &[&str] = &[
     "node",
     "node drain",
     "node eligibility",
+    "node intro",
+    "node intro create",
     "node purge",
     "node status",
     "plugin",

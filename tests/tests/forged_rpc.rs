@@ -76,6 +76,7 @@ fn a_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() -> Result<()>
             "register",
             nc.register(forged(pb::RegisterRequest {
                 node_json: serde_json::to_vec(&impostor)?,
+                ..Default::default()
             }))
             .await,
             &node_id,

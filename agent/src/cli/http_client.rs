@@ -13,6 +13,8 @@ pub struct ApiClient {
     /// `http://host:port`, no trailing slash.
     base: String,
     agent: ureq::Agent,
+    /// The ACL token sent with every request (`-token`, `BERTH_TOKEN`).
+    token: Option<String>,
 }
 
 pub const DEFAULT_ADDR: &str = "http://127.0.0.1:4747";
@@ -72,7 +74,17 @@ impl ApiClient {
         Ok(ApiClient {
             base: format!("http://{authority}"),
             agent: config.into(),
+            token: None,
         })
+    }
+
+    /// This client, presenting `token` (an empty one counts as none).
+    pub fn with_token(mut self, token: Option<&str>) -> ApiClient {
+        self.token = token
+            .map(str::trim)
+            .filter(|t| !t.is_empty())
+            .map(str::to_string);
+        self
     }
 
     pub fn get(&self, path: &str) -> Result<Value> {
@@ -142,6 +154,9 @@ impl ApiClient {
             .method(method)
             .uri(&url)
             .header("content-type", "application/json");
+        if let Some(token) = &self.token {
+            req = req.header("x-berth-token", token);
+        }
         if body
             .as_ref()
             .is_some_and(|b| b.len() >= EXPECT_CONTINUE_FROM)

@@ -8,6 +8,7 @@
 //! Each command group lives in its own module with its own
 //! `clap::Subcommand` enum and a `run(cmd, &Ctx)`.
 
+pub mod acl;
 pub mod alloc;
 pub mod alloc_logs;
 pub mod alloc_ops;
@@ -56,6 +57,16 @@ pub struct Cli {
     )]
     pub address: String,
 
+    /// The ACL token the API commands present (sent as X-Berth-Token)
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_TOKEN",
+        value_name = "SECRET",
+        hide_env_values = true
+    )]
+    pub token: Option<String>,
+
     #[command(subcommand)]
     pub command: Command,
 }
@@ -85,6 +96,9 @@ pub enum Command {
     /// Operate the cluster as a whole
     #[command(subcommand)]
     System(system::SystemCommand),
+    /// ACL bootstrap, policies and tokens
+    #[command(subcommand)]
+    Acl(acl::AclCommand),
     /// Print berth's version
     Version,
     /// Print a shell completion script (bash, zsh or fish)
@@ -118,9 +132,9 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    pub fn new(address: &str) -> Result<Ctx> {
+    pub fn new(address: &str, token: Option<&str>) -> Result<Ctx> {
         Ok(Ctx {
-            api: ApiClient::new(address)?,
+            api: ApiClient::new(address)?.with_token(token),
         })
     }
 
@@ -394,7 +408,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
             return Ok(code);
         }
     };
-    let ctx = || Ctx::new(&cli.address);
+    let ctx = || Ctx::new(&cli.address, cli.token.as_deref());
     match cli.command {
         Command::Agent(a) => crate::agent::run_from_args(*a),
         Command::Config(ConfigCommand::Validate { paths }) => config_validate(&paths),
@@ -404,6 +418,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         Command::Volume(cmd) => volume::run(cmd, &ctx()?),
         Command::Plugin(cmd) => plugin::run(cmd, &ctx()?),
         Command::System(cmd) => system::run(cmd, &ctx()?),
+        Command::Acl(cmd) => acl::run(cmd, &ctx()?),
         Command::Version => {
             println!("berth {VERSION}");
             Ok(0)

@@ -24,6 +24,29 @@ pub enum NodeCommand {
     Eligibility(EligibilityArgs),
     /// Forget a node that is gone; its allocs are lost, its claims freed
     Purge(PurgeArgs),
+    /// Introduction tokens new nodes register with
+    #[command(subcommand)]
+    Intro(IntroCommand),
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum IntroCommand {
+    /// Make a token that lets new nodes register (set it as client {
+    /// intro_token }); its secret is printed this once
+    Create(IntroCreateArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct IntroCreateArgs {
+    /// How long the token lets nodes register (default 1h)
+    #[arg(long, value_name = "DUR")]
+    pub ttl: Option<String>,
+    /// How many nodes may register with it (default 1)
+    #[arg(long, value_name = "N")]
+    pub uses: Option<u32>,
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `berth node status [-self] [-verbose] [-json] [-t T] [NODE]`.
@@ -144,7 +167,32 @@ pub fn run(cmd: NodeCommand, ctx: &Ctx) -> Result<i32> {
         NodeCommand::Drain(a) => node_drain(a, api),
         NodeCommand::Eligibility(a) => node_eligibility(a, api),
         NodeCommand::Purge(a) => node_purge(a, api),
+        NodeCommand::Intro(IntroCommand::Create(a)) => node_intro_create(a, api),
     }
+}
+
+/// `berth node intro create [-ttl D] [-uses N]`.
+fn node_intro_create(a: IntroCreateArgs, api: &ApiClient) -> Result<i32> {
+    let v = api.put("/v1/node/intro", &json!({ "ttl": a.ttl, "uses": a.uses }))?;
+    if a.json {
+        return print_json(&v);
+    }
+    print_lines(key_values(&[
+        ("Accessor ID", super::output::text(&v["accessor_id"])),
+        ("Secret ID", super::output::text(&v["secret_id"])),
+        ("Uses", super::output::text(&v["uses_left"])),
+        (
+            "Expires",
+            humantime::format_rfc3339_seconds(
+                std::time::UNIX_EPOCH
+                    + std::time::Duration::from_millis(
+                        u64::try_from(v["expiration_time_ms"].as_i64().unwrap_or(0)).unwrap_or(0),
+                    ),
+            )
+            .to_string(),
+        ),
+    ]));
+    Ok(0)
 }
 
 fn node_label(n: &Value) -> String {

@@ -69,6 +69,9 @@ pub struct ClientConfig {
     /// How often CSI plugins are fingerprinted and lost volume mounts of
     /// running allocs are repaired (`-csi-fingerprint-interval`).
     pub csi_fingerprint_interval: Duration,
+    /// The introduction token the node registers with while the servers
+    /// do not know it (`client { intro_token }`).
+    pub intro_token: Option<crate::config::ConfigSecret>,
 }
 
 impl ClientConfig {
@@ -94,6 +97,7 @@ impl ClientConfig {
             disconnect_startup_grace: berth_heartbeat::DisconnectConfig::default().startup_grace,
             csi_volume_stats_interval: berth_csimanager::stats::DEFAULT_VOLUME_STATS_INTERVAL,
             csi_fingerprint_interval: Self::DEFAULT_CSI_FINGERPRINT_INTERVAL,
+            intro_token: None,
         }
     }
 }
@@ -354,6 +358,9 @@ impl Client {
         tracing::info!(node_id = %node.id, name = %node.name, "client starting");
         let channels = servers::ServerChannels::new(&config.servers)?;
         let conn = ServerConn::new(channels, node, identity.secret);
+        if let Some(token) = &config.intro_token {
+            conn.set_intro_token(token.clone());
+        }
         let store = Arc::new(state.clone());
         let csi = CsiManager::new(
             ManagerConfig {

@@ -183,6 +183,9 @@ struct Inner {
     /// Bumped whenever the client's view of its allocs changes: the index
     /// of its blocking reads (see [`ServerConn::alloc_changes`]).
     alloc_changes: watch::Sender<u64>,
+    /// Sent with each registration, for servers that do not know the node
+    /// yet.
+    intro_token: Mutex<Option<crate::config::ConfigSecret>>,
 }
 
 fn status_retryable(code: Code) -> bool {
@@ -202,12 +205,22 @@ impl ServerConn {
                 event_queued: Notify::new(),
                 event_linger: EVENT_LINGER,
                 alloc_changes: watch::Sender::new(1),
+                intro_token: Mutex::new(None),
             }),
         }
     }
 
     pub fn node_id(&self) -> String {
         self.node().id
+    }
+
+    /// The introduction token sent with registrations from now on.
+    pub fn set_intro_token(&self, token: crate::config::ConfigSecret) {
+        *self
+            .inner
+            .intro_token
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(token);
     }
 
     pub fn node(&self) -> Node {
@@ -251,8 +264,25 @@ impl ServerConn {
     pub async fn register(&self) -> Result<Duration, tonic::Status> {
         let node_json = serde_json::to_vec(&self.node())
             .map_err(|e| tonic::Status::internal(format!("encoding the node: {e}")))?;
-        let mut req = tonic::Request::new(pb::RegisterRequest { node_json });
+        let mut req = tonic::Request::new(pb::RegisterRequest {
+            node_json,
+            node_id: self.node_id(),
+        });
         req.set_timeout(RPC_TIMEOUT);
+        let intro = self
+            .inner
+            .intro_token
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Some(token) = intro {
+            let mut value =
+                tonic::metadata::MetadataValue::try_from(token.expose()).map_err(|_| {
+                    tonic::Status::invalid_argument("client { intro_token } is not printable ASCII")
+                })?;
+            value.set_sensitive(true);
+            req.metadata_mut().insert(pb::INTRO_TOKEN_METADATA, value);
+        }
         let resp = self.node_client().register(req).await?.into_inner();
         Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
     }

@@ -12,6 +12,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::{Json, Router};
 use berth_server::Server;
+use berth_structs::acl::{Capability, Level, Need};
 use serde_json::json;
 
 use super::query::{encode, indexed, BlockingQuery};
@@ -33,6 +34,9 @@ pub struct AgentInfo {
     pub client_role: OnceLock<Arc<Client>>,
     /// This agent's server role, when it runs one (for its metrics).
     pub server_role: OnceLock<Arc<Server>>,
+    /// `Some(token_ttl)` when ACLs are on: how long a client-only agent
+    /// keeps a token the servers resolved.
+    pub acl: Option<std::time::Duration>,
 }
 
 impl AgentInfo {
@@ -46,7 +50,14 @@ impl AgentInfo {
             rpc_addr: OnceLock::new(),
             client_role: OnceLock::new(),
             server_role: OnceLock::new(),
+            acl: None,
         }
+    }
+
+    /// With ACLs on, tokens resolved remotely kept for `token_ttl`.
+    pub fn with_acl(mut self, token_ttl: Option<std::time::Duration>) -> AgentInfo {
+        self.acl = token_ttl;
+        self
     }
 
     /// The client role, or a 404 that says this agent does not run one
@@ -66,18 +77,36 @@ impl AgentInfo {
 /// The routes every agent answers itself, whatever its roles.
 pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
     Routes::new()
-        .get("/v1/agent/self", agent_self)
-        .get("/v1/openapi.json", super::openapi::openapi_json)
-        .get("/v1/metrics", metrics)
-        .get("/v1/client/allocations", client_allocations)
-        .get("/v1/client/allocation/{id}", client_allocation)
-        .get("/v1/client/fs/logs/{id}", client_fs_logs)
+        .get("/v1/agent/self", Need::Agent(Level::Read), agent_self)
+        .get(
+            "/v1/openapi.json",
+            Need::Public,
+            super::openapi::openapi_json,
+        )
+        .get("/v1/metrics", Need::Agent(Level::Read), metrics)
+        .get(
+            "/v1/client/allocations",
+            Need::Node(Level::Read),
+            client_allocations,
+        )
+        .get(
+            "/v1/client/allocation/{id}",
+            Need::Namespace(Capability::ReadJob),
+            client_allocation,
+        )
+        .get(
+            "/v1/client/fs/logs/{id}",
+            Need::Namespace(Capability::ReadLogs),
+            client_fs_logs,
+        )
         .post(
             "/v1/client/allocation/{id}/restart",
+            Need::Namespace(Capability::AllocLifecycle),
             super::alloc_ops::restart_alloc,
         )
         .post(
             "/v1/client/allocation/{id}/signal",
+            Need::Namespace(Capability::AllocLifecycle),
             super::alloc_ops::signal_alloc,
         )
 }
@@ -99,14 +128,39 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         info: info.clone(),
         rest: rest.clone(),
     };
-    agent_routes()
+    let gate = info.acl.map(|ttl| {
+        let resolver: Arc<dyn super::acl::TokenResolver> = match info.server_role.get() {
+            Some(s) => s.clone(),
+            None => {
+                let info = info.clone();
+                Arc::new(super::acl::RemoteResolver::new(
+                    move |secret: String| {
+                        let info = info.clone();
+                        async move { super::forward::resolve_remotely(&info, secret).await }
+                    },
+                    ttl,
+                ))
+            }
+        };
+        // The agent's own routes; the rest is checked where it is answered.
+        super::acl::AclGate::new(agent_routes().table(), resolver)
+    });
+    let router = agent_routes()
         .into_router()
         .with_state(info)
         .fallback_service(rest)
         .layer(axum::middleware::from_fn_with_state(
             routing,
             super::client_forward::route_client_request,
-        ))
+        ));
+    let router = match gate {
+        Some(gate) => router.layer(axum::middleware::from_fn_with_state(
+            gate,
+            super::acl::check,
+        )),
+        None => router,
+    };
+    router
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(super::one_error_shape))
 }

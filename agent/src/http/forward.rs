@@ -32,7 +32,13 @@ const ENVELOPE: usize = 64 * 1024;
 
 /// Request headers that reach the servers; the rest concern only the hop
 /// to this agent.
-const REQUEST_HEADERS: [HeaderName; 2] = [header::CONTENT_TYPE, header::ACCEPT];
+/// The ACL token travels too: the servers check it.
+const REQUEST_HEADERS: [HeaderName; 4] = [
+    header::CONTENT_TYPE,
+    header::ACCEPT,
+    HeaderName::from_static(super::acl::TOKEN_HEADER),
+    header::AUTHORIZATION,
+];
 
 /// Whether a response header travels back: hop-by-hop headers and the
 /// length (recomputed here) do not.
@@ -101,6 +107,34 @@ async fn forward(State(info): State<Arc<AgentInfo>>, req: Request) -> Response {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
+}
+
+/// What the servers say `secret` may do (`GET /v1/acl/token/self`,
+/// forwarded as any request): how a client-only agent checks a token on
+/// its node-local routes.
+pub(crate) async fn resolve_remotely(
+    info: &AgentInfo,
+    secret: String,
+) -> Result<berth_structs::acl::Acl, ApiError> {
+    let req = Request::builder()
+        .method(Method::GET)
+        .uri("/v1/acl/token/self")
+        .header(super::acl::TOKEN_HEADER, secret)
+        .body(Body::empty())
+        .map_err(|e| ApiError::internal(format!("building the token request: {e}")))?;
+    let resp = forward_request(info, req).await?;
+    let status = resp.status();
+    let body = axum::body::to_bytes(resp.into_body(), 1024 * 1024)
+        .await
+        .map_err(|e| unreachable(format!("reading the servers' answer: {e}")))?;
+    let value: serde_json::Value = serde_json::from_slice(&body)
+        .map_err(|e| unreachable(format!("the servers' answer to a token is not JSON: {e}")))?;
+    if !status.is_success() {
+        let message = value["error"].as_str().unwrap_or("the token was refused");
+        return Err(ApiError::new(status, message.to_string()));
+    }
+    serde_json::from_value(value["acl"].clone())
+        .map_err(|e| unreachable(format!("the servers' answer to a token has no ACL: {e}")))
 }
 
 async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, ApiError> {

@@ -368,6 +368,55 @@ fn operations() -> Vec<Op> {
             json!({ "allocs": id_list.clone(), "jobs": id_list.clone(), "nodes": id_list }),
             &["allocs", "jobs", "nodes"],
         )),
+        op(
+            "put",
+            "/v1/node/intro",
+            "Make an introduction token new nodes register with (its secret is shown once)",
+        )
+        .body(object(
+            json!({ "ttl": { "type": "string" }, "uses": { "type": "integer" } }),
+            &[],
+        ))
+        .answers(schema_ref("NewIntroToken")),
+        op(
+            "post",
+            "/v1/acl/bootstrap",
+            "Make the first management token (once; its secret is shown once)",
+        )
+        .answers(schema_ref("NewAclToken")),
+        op("get", "/v1/acl/policies", "The ACL policies, without their rules")
+            .answers(json!({ "type": "array", "items": { "type": "object" } })),
+        op("get", "/v1/acl/policy/{name}", "An ACL policy with its rules")
+            .answers(schema_ref("AclPolicy")),
+        op("put", "/v1/acl/policy/{name}", "Make or replace an ACL policy from its HCL rules")
+            .body(object(
+                json!({ "description": { "type": "string" }, "rules": { "type": "string" } }),
+                &["rules"],
+            ))
+            .answers(schema_ref("AclPolicy")),
+        op("delete", "/v1/acl/policy/{name}", "Delete an ACL policy"),
+        op("get", "/v1/acl/tokens", "The ACL tokens, by accessor ID (no secrets)")
+            .answers(json!({ "type": "array", "items": schema_ref("AclToken") })),
+        op("put", "/v1/acl/token", "Make an ACL token (its secret is shown once)")
+            .body(object(
+                json!({
+                    "name": { "type": "string" },
+                    "type": { "type": "string", "enum": ["client", "management"] },
+                    "policies": { "type": "array", "items": { "type": "string" } },
+                    "ttl": { "type": "string" },
+                }),
+                &[],
+            ))
+            .answers(schema_ref("NewAclToken")),
+        op(
+            "get",
+            "/v1/acl/token/self",
+            "The token the request carries, its policies and what it may do",
+        )
+        .answers(schema_ref("AclToken")),
+        op("get", "/v1/acl/token/{accessor}", "An ACL token by accessor ID or unique prefix")
+            .answers(schema_ref("AclToken")),
+        op("delete", "/v1/acl/token/{accessor}", "Delete an ACL token"),
     ]
 }
 
@@ -581,6 +630,31 @@ fn components() -> Value {
                 "create_index": { "type": "integer" },
                 "modify_index": { "type": "integer" },
             }), &["id", "plugin_id"]),
+            "AclToken": object(json!({
+                "accessor_id": { "type": "string" },
+                "name": { "type": "string" },
+                "type": { "type": "string", "enum": ["client", "management"] },
+                "policies": { "type": "array", "items": { "type": "string" } },
+                "create_time_ms": { "type": "integer" },
+                "expiration_time_ms": { "type": ["integer", "null"] },
+            }), &["accessor_id", "type"]),
+            "NewAclToken": object(json!({
+                "accessor_id": { "type": "string" },
+                "secret_id": { "type": "string", "description": "Shown this once; berth keeps only its hash" },
+                "type": { "type": "string" },
+                "policies": { "type": "array", "items": { "type": "string" } },
+            }), &["accessor_id", "secret_id"]),
+            "NewIntroToken": object(json!({
+                "accessor_id": { "type": "string" },
+                "secret_id": { "type": "string", "description": "Shown this once: set it as client { intro_token }" },
+                "uses_left": { "type": "integer" },
+                "expiration_time_ms": { "type": "integer" },
+            }), &["accessor_id", "secret_id"]),
+            "AclPolicy": object(json!({
+                "name": { "type": "string" },
+                "description": { "type": "string" },
+                "rules": { "type": "string" },
+            }), &["name", "rules"]),
             "CsiPlugin": object(json!({
                 "id": { "type": "string" },
                 "provider": { "type": "string" },
@@ -656,6 +730,13 @@ pub fn document() -> Value {
             .entry(o.path)
             .or_insert_with(|| Value::Object(Map::new()));
         item[o.method] = operation(&o);
+        let need = super::routes::all_routes()
+            .into_iter()
+            .find(|r| r.path == o.path && r.method.as_str().eq_ignore_ascii_case(o.method))
+            .map(|r| r.need.to_string());
+        if let Some(need) = need {
+            item[o.method]["x-berth-acl"] = Value::String(need);
+        }
     }
     json!({
         "openapi": "3.1.0",
@@ -698,7 +779,7 @@ mod tests {
         let documented = described(&doc);
         let served: BTreeSet<(String, String)> = all_routes()
             .into_iter()
-            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .map(|r| (r.method.to_string(), r.path.to_string()))
             .collect();
         let undescribed: Vec<String> = served
             .difference(&documented)

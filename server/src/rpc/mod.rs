@@ -22,6 +22,26 @@ pub struct PeerIdentity {
     pub cert_names: Vec<String>,
 }
 
+impl PeerIdentity {
+    /// Whether the peer's verified certificate names an agent of `region`
+    /// (`client.<region>.berth` or `server.<region>.berth`).
+    pub fn is_agent_of(&self, region: &str) -> bool {
+        let client = format!("client.{region}.berth");
+        let server = format!("server.{region}.berth");
+        self.cert_names.iter().any(|n| *n == client || *n == server)
+    }
+}
+
+impl crate::server::Server {
+    /// Whether the peer of `req` presented an agent certificate of this
+    /// region at the TLS handshake.
+    pub(crate) fn peer_has_agent_certificate<T>(&self, req: &tonic::Request<T>) -> bool {
+        req.extensions()
+            .get::<PeerIdentity>()
+            .is_some_and(|p| p.is_agent_of(&self.config.region))
+    }
+}
+
 use berth_proto::berth::v1::NODE_SECRET_METADATA;
 use berth_structs::{NodeSecret, ValidationError};
 

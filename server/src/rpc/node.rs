@@ -152,11 +152,60 @@ impl Node for NodeService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
-        let node: berth_structs::Node = decode_json("node", &req.get_ref().node_json)?;
-        let secret = presented_secret(&req).map_err(|why| {
-            ServerError::Forbidden(format!("register of node {}: {why}", node.id))
-        })?;
-        let reg = self.server.register_node_with_secret(node, &secret).await?;
+        let size = req.get_ref().node_json.len();
+        if size > pb::MAX_REGISTER_NODE_JSON {
+            return Err(ServerError::BadRequest(format!(
+                "register: the node is {size} bytes of JSON; the limit is {} bytes",
+                pb::MAX_REGISTER_NODE_JSON
+            ))
+            .into());
+        }
+        // A caller that does not say its node ID (an older client) has its
+        // node decoded first, within the size limit.
+        let mut decoded: Option<berth_structs::Node> = None;
+        let mut claimed_id = req.get_ref().node_id.clone();
+        if claimed_id.is_empty() {
+            let node: berth_structs::Node = decode_json("node", &req.get_ref().node_json)?;
+            claimed_id = node.id.clone();
+            decoded = Some(node);
+        }
+        let what = format!("register of node {claimed_id}");
+        let secret = presented_secret(&req)
+            .map_err(|why| ServerError::Forbidden(format!("{what}: {why}")))?;
+        let intro_token = match req.metadata().get(pb::INTRO_TOKEN_METADATA) {
+            None => None,
+            Some(v) => Some(
+                v.to_str()
+                    .map_err(|_| {
+                        ServerError::Forbidden(format!(
+                            "{what}: metadata {} is not printable ASCII",
+                            pb::INTRO_TOKEN_METADATA
+                        ))
+                    })?
+                    .to_string(),
+            ),
+        };
+        let certificate = self.server.peer_has_agent_certificate(&req);
+        let enrollment = self.server.enrollment(certificate, intro_token);
+        // The caller's right to the ID is checked before its node is
+        // decoded: a stranger's megabyte of JSON is never parsed.
+        self.server
+            .precheck_registration(&claimed_id, &secret, &enrollment)?;
+        let node: berth_structs::Node = match decoded {
+            Some(n) => n,
+            None => decode_json("node", &req.get_ref().node_json)?,
+        };
+        if node.id != claimed_id {
+            return Err(ServerError::BadRequest(format!(
+                "register: node_id {claimed_id:?} is not the ID of the node ({:?})",
+                node.id
+            ))
+            .into());
+        }
+        let reg = self
+            .server
+            .register_node_enrolled(node, &secret, enrollment)
+            .await?;
         Ok(Response::new(pb::RegisterResponse {
             heartbeat_ttl_ms: reg.heartbeat_ttl.as_millis() as u64,
             index: reg.index,

@@ -15,6 +15,7 @@
 //! own database table, so that no answer built from a [`Node`] can carry
 //! one; they count as writes to the nodes table.
 
+mod acl_tables;
 mod indexes;
 mod redb_backend;
 
@@ -28,6 +29,10 @@ use tokio::sync::watch;
 
 use crate::error::StoreError;
 
+pub use acl_tables::{
+    intro_key as acl_intro_key, policy_key as acl_policy_key, token_key as acl_token_key,
+    AclBootstrap, AclRecord, AclTables,
+};
 pub use indexes::{Indexes, NodeUse};
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
 
@@ -38,10 +43,18 @@ pub enum Table {
     Allocs,
     Nodes,
     Volumes,
+    /// ACL policies, tokens and introduction tokens.
+    Acl,
 }
 
 impl Table {
-    pub const ALL: [Table; 4] = [Table::Jobs, Table::Allocs, Table::Nodes, Table::Volumes];
+    pub const ALL: [Table; 5] = [
+        Table::Jobs,
+        Table::Allocs,
+        Table::Nodes,
+        Table::Volumes,
+        Table::Acl,
+    ];
 
     pub fn name(&self) -> &'static str {
         match self {
@@ -49,6 +62,7 @@ impl Table {
             Table::Allocs => "allocs",
             Table::Nodes => "nodes",
             Table::Volumes => "volumes",
+            Table::Acl => "acl",
         }
     }
 }
@@ -62,6 +76,8 @@ pub struct Tables {
     pub volumes: BTreeMap<String, CsiVolume>,
     /// The secret each node registered with, by node ID.
     pub node_secrets: BTreeMap<String, NodeSecret>,
+    /// ACL policies and tokens.
+    pub acl: AclTables,
     /// The index of the last write.
     pub index: u64,
     /// The index of the last write to each table.
@@ -78,6 +94,10 @@ pub struct Tables {
     /// Lookups by something other than an object's ID (memory only: built
     /// when the store opens, kept by its writes).
     pub(crate) indexes: Indexes,
+    /// A node counts as an instance of a CSI plugin only while an alloc of
+    /// a job with that plugin's `csi_plugin` block runs on it (memory
+    /// only: the servers' policy, set when they open the store).
+    pub plugin_instances_need_allocs: bool,
 }
 
 /// The indexes of the last writes of the nodes, the volumes and the allocs
@@ -174,6 +194,34 @@ impl Tables {
         self.by_ids(&self.nodes, &self.indexes.nodes_by_name, name)
     }
 
+    /// Whether node `node_id` may count as a controller (or node)
+    /// instance of `plugin_id`: always, unless the servers demand that an
+    /// alloc of that plugin, not terminal, runs there
+    /// ([`Tables::plugin_instances_need_allocs`]).
+    pub fn plugin_instance_allowed(
+        &self,
+        node_id: &str,
+        plugin_id: &str,
+        controller: bool,
+    ) -> bool {
+        if !self.plugin_instances_need_allocs {
+            return true;
+        }
+        self.allocs_running_plugin(plugin_id)
+            .filter(|a| a.node_id == node_id && !a.is_terminal())
+            .filter_map(|a| a.group())
+            .flat_map(|g| g.tasks.iter())
+            .filter_map(|task| task.csi_plugin.as_ref())
+            .any(|c| {
+                c.id == plugin_id
+                    && if controller {
+                        c.plugin_type.has_controller()
+                    } else {
+                        c.plugin_type.has_node()
+                    }
+            })
+    }
+
     /// The nodes that report a node or a controller instance of CSI
     /// plugin `plugin_id`, in ID order.
     pub fn nodes_with_plugin<'a>(&'a self, plugin_id: &str) -> impl Iterator<Item = &'a Node> {
@@ -233,7 +281,9 @@ pub enum Change {
     PutAlloc(Allocation),
     DeleteAlloc(String),
     PutNode(Node),
-    /// Deleting a node deletes its secret too.
+    /// Deleting a node keeps its secret: the ID stays bound to it, so that
+    /// only the node that had it (or a new introduction token) takes the ID
+    /// again.
     DeleteNode(String),
     /// Set the secret of a node (its registration's).
     PutNodeSecret {
@@ -242,9 +292,24 @@ pub enum Change {
     },
     PutVolume(CsiVolume),
     DeleteVolume(String),
+    /// Put an ACL record under `key` (its [`AclRecord::key`]).
+    PutAcl {
+        key: String,
+        record: AclRecord,
+    },
+    /// Delete the ACL record under a key.
+    DeleteAcl(String),
 }
 
 impl Change {
+    /// Put an ACL record.
+    pub fn put_acl(record: AclRecord) -> Change {
+        Change::PutAcl {
+            key: record.key(),
+            record,
+        }
+    }
+
     pub fn table(&self) -> Table {
         match self {
             Change::PutJob(_) | Change::DeleteJob(_) => Table::Jobs,
@@ -253,6 +318,7 @@ impl Change {
                 Table::Nodes
             }
             Change::PutVolume(_) | Change::DeleteVolume(_) => Table::Volumes,
+            Change::PutAcl { .. } | Change::DeleteAcl(_) => Table::Acl,
         }
     }
 
@@ -263,7 +329,9 @@ impl Change {
             Change::PutNode(n) => &n.id,
             Change::PutVolume(v) => &v.id,
             Change::PutNodeSecret { node_id, .. } => node_id,
+            Change::PutAcl { key, .. } => key,
             Change::DeleteJob(k)
+            | Change::DeleteAcl(k)
             | Change::DeleteAlloc(k)
             | Change::DeleteNode(k)
             | Change::DeleteVolume(k) => k,
@@ -344,6 +412,12 @@ impl StateStore {
     /// Read the tables.
     pub fn read<R>(&self, f: impl FnOnce(&Tables) -> R) -> R {
         f(&self.tables())
+    }
+
+    /// Sets [`Tables::plugin_instances_need_allocs`].
+    pub fn set_plugin_instances_need_allocs(&self, on: bool) {
+        let mut guard = self.tables.write().unwrap_or_else(|p| p.into_inner());
+        guard.plugin_instances_need_allocs = on;
     }
 
     /// Records the backend set aside because they failed to decode.
@@ -551,7 +625,6 @@ impl StateStore {
                         if let Some(old) = tables.nodes.remove(&k) {
                             tables.indexes.remove_node(&old);
                         }
-                        tables.node_secrets.remove(&k);
                         touched.push(k);
                     }
                     Change::PutNodeSecret { node_id, secret } => {
@@ -569,6 +642,8 @@ impl StateStore {
                             tables.indexes.remove_volume(&old);
                         }
                     }
+                    Change::PutAcl { record, .. } => tables.acl.put(record),
+                    Change::DeleteAcl(k) => tables.acl.delete(&k),
                 }
             }
             tables.index = index;
@@ -635,10 +710,12 @@ fn stamp(tables: &Tables, index: u64, changes: &mut [Change]) {
                 v.create_index = tables.volumes.get(&v.id).map_or(index, |o| o.create_index);
                 v.modify_index = index;
             }
+            Change::PutAcl { record, .. } => tables.acl.stamp(record, index),
             Change::DeleteJob(_)
             | Change::DeleteAlloc(_)
             | Change::DeleteNode(_)
             | Change::DeleteVolume(_)
+            | Change::DeleteAcl(_)
             | Change::PutNodeSecret { .. } => {}
         }
     }

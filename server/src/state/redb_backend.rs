@@ -29,6 +29,7 @@ fn definition(table: Table) -> TableDefinition<'static, &'static str, &'static [
         Table::Allocs => TableDefinition::new("allocs"),
         Table::Nodes => TableDefinition::new("nodes"),
         Table::Volumes => TableDefinition::new("volumes"),
+        Table::Acl => TableDefinition::new("acl"),
     }
 }
 
@@ -237,6 +238,36 @@ fn decode_node_secrets(
     Ok(out)
 }
 
+/// The ACL records; like [`decode_table`], a record that fails to decode,
+/// sits under another key than its own or has an impossible index is
+/// returned as bad.
+fn decode_acl(
+    table: &redb::Table<&str, &[u8]>,
+    bad: &mut Vec<(Table, String, Vec<u8>)>,
+) -> Result<Vec<super::AclRecord>, StoreError> {
+    let mut out = Vec::new();
+    for row in table.iter()? {
+        let (k, v) = row?;
+        let key = k.value().to_string();
+        match serde_json::from_slice::<super::AclRecord>(v.value()) {
+            Ok(r) if r.key() == key && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX) => {
+                out.push(r)
+            }
+            Ok(_) => {
+                tracing::error!(table = "acl", key = %key,
+                    "ACL record does not match its key or has an impossible index; quarantining it");
+                bad.push((Table::Acl, key, v.value().to_vec()));
+            }
+            Err(e) => {
+                tracing::error!(table = "acl", key = %key, error = %e,
+                    "ACL record failed to decode; quarantining it");
+                bad.push((Table::Acl, key, v.value().to_vec()));
+            }
+        }
+    }
+    Ok(out)
+}
+
 impl Backend for RedbBackend {
     fn load(&self) -> Result<Tables, StoreError> {
         let txn = self.db()?.begin_write()?;
@@ -278,6 +309,8 @@ impl Backend for RedbBackend {
             tables.volumes = decode_table(&t, Table::Volumes, &mut bad)?;
             let t = txn.open_table(NODE_SECRETS)?;
             tables.node_secrets = decode_node_secrets(&t)?;
+            let t = txn.open_table(definition(Table::Acl))?;
+            tables.acl = super::AclTables::from_records(decode_acl(&t, &mut bad)?);
         }
         // The index never goes backwards, even if meta was lost.
         let max_seen = tables
@@ -346,10 +379,6 @@ impl RedbBackend {
                         s.insert(node_id.as_str(), secret.expose())?;
                         continue;
                     }
-                    Change::DeleteNode(node_id) => {
-                        let mut s = txn.open_table(NODE_SECRETS)?;
-                        s.remove(node_id.as_str())?;
-                    }
                     _ => {}
                 }
                 let mut t = txn.open_table(definition(kind))?;
@@ -358,6 +387,7 @@ impl RedbBackend {
                     Change::PutAlloc(a) => Some(serde_json::to_vec(a)),
                     Change::PutNode(n) => Some(serde_json::to_vec(n)),
                     Change::PutVolume(v) => Some(serde_json::to_vec(v)),
+                    Change::PutAcl { record, .. } => Some(serde_json::to_vec(record)),
                     _ => None,
                 };
                 match encoded {
@@ -437,6 +467,7 @@ mod tests {
                 modify_index: 6,
                 ..Default::default()
             }),
+            Table::Acl => unreachable!("the generated records are of the first four tables"),
         };
         v.expect("encode a valid record")
     }
@@ -499,6 +530,7 @@ mod tests {
             Table::Allocs => good::<Allocation>(key, bytes),
             Table::Nodes => good::<Node>(key, bytes),
             Table::Volumes => good::<CsiVolume>(key, bytes),
+            Table::Acl => unreachable!("the generated records are of the first four tables"),
         }
     }
 

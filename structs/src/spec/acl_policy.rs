@@ -112,16 +112,28 @@ plugin   { policy = "read" }
     #[test]
     fn mistakes_name_their_line_and_problem() {
         for (text, line, wanted) in [
-            ("namespace \"default\" {\n policy = \"admin\"\n}", 2, "unknown policy \"admin\""),
+            (
+                "namespace \"default\" {\n policy = \"admin\"\n}",
+                2,
+                "unknown policy \"admin\"",
+            ),
             (
                 "namespace \"default\" {\n capabilities = [\"fly\"]\n}",
                 2,
                 "unknown capability \"fly\"",
             ),
-            ("node {\n policy = \"read\"\n}\nhost {}", 4, "unsupported block \"host\""),
+            (
+                "node {\n policy = \"read\"\n}\nhost {}",
+                4,
+                "unsupported block \"host\"",
+            ),
             ("namespace {\n policy = \"read\"\n}", 1, "exactly one label"),
             ("agent {}", 1, "missing required attribute \"policy\""),
-            ("namespace \"default\" {}", 1, "missing required attribute \"policy\""),
+            (
+                "namespace \"default\" {}",
+                1,
+                "missing required attribute \"policy\"",
+            ),
         ] {
             let e = parse_acl_policy(text).expect_err(text);
             assert_eq!(e.line, line, "{text}: {e}");

@@ -1,0 +1,298 @@
+//! The ACL check of every API request: the caller's token (the
+//! `X-Berth-Token` header, or `Authorization: Bearer`), resolved to what it
+//! may do, against the [`Need`] its route names in the route table. Deny
+//! by default: no token is the anonymous token, which reaches the public
+//! routes only. Every write that passes is logged as an audit line with
+//! the token's accessor (`acl_accessor`).
+//!
+//! The server role resolves tokens from its state; a client-only agent
+//! asks the servers (`GET /v1/acl/token/self`, forwarded as any request)
+//! and keeps the answer for `acl { token_ttl }`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use berth_structs::acl::{check_secret_text, secret_hash, Acl, Need};
+
+use super::routes::Route;
+use super::ApiError;
+
+/// The header that carries a token (Nomad's is `X-Nomad-Token`).
+pub const TOKEN_HEADER: &str = "x-berth-token";
+
+/// Who resolves a token's secret to an [`Acl`].
+#[async_trait::async_trait]
+pub trait TokenResolver: Send + Sync {
+    /// What `secret` may do (`None`: no token was given).
+    async fn resolve(&self, secret: Option<&str>) -> Result<Acl, ApiError>;
+}
+
+#[async_trait::async_trait]
+impl TokenResolver for berth_server::Server {
+    async fn resolve(&self, secret: Option<&str>) -> Result<Acl, ApiError> {
+        self.resolve_token(secret).map_err(ApiError::from)
+    }
+}
+
+/// The routes' needs, found by method and path.
+pub struct NeedTable {
+    by_method: HashMap<Method, matchit::Router<Need>>,
+}
+
+impl NeedTable {
+    pub fn new(routes: &[Route]) -> NeedTable {
+        let mut by_method: HashMap<Method, matchit::Router<Need>> = HashMap::new();
+        for r in routes {
+            let table = by_method.entry(r.method.clone()).or_default();
+            if let Err(e) = table.insert(r.path, r.need) {
+                // The route table's test refuses duplicates; a clash here
+                // is a programming error seen at start.
+                tracing::error!(path = r.path, error = %e, "route cannot be entered in the ACL table");
+            }
+        }
+        NeedTable { by_method }
+    }
+
+    /// What `method` on `path` needs; `None` for a path no route serves.
+    pub fn need(&self, method: &Method, path: &str) -> Option<Need> {
+        self.by_method
+            .get(method)
+            .and_then(|t| t.at(path).ok())
+            .map(|m| *m.value)
+    }
+}
+
+/// The ACL check of one router.
+pub struct AclGate {
+    needs: NeedTable,
+    resolver: Arc<dyn TokenResolver>,
+}
+
+impl AclGate {
+    pub fn new(routes: &[Route], resolver: Arc<dyn TokenResolver>) -> Arc<AclGate> {
+        Arc::new(AclGate {
+            needs: NeedTable::new(routes),
+            resolver,
+        })
+    }
+}
+
+/// The secret a request carries, or why it is unusable. The error never
+/// holds the secret.
+pub fn token_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+    let forbidden = |m: String| ApiError::new(StatusCode::FORBIDDEN, m);
+    if let Some(v) = headers.get(TOKEN_HEADER) {
+        let text = v
+            .to_str()
+            .map_err(|_| forbidden(format!("header {TOKEN_HEADER} is not printable ASCII")))?;
+        return check_secret_text(text)
+            .map(|t| Some(t.to_string()))
+            .map_err(forbidden);
+    }
+    if let Some(v) = headers.get(header::AUTHORIZATION) {
+        let text = v
+            .to_str()
+            .map_err(|_| forbidden("header Authorization is not printable ASCII".into()))?;
+        let Some(bearer) = text
+            .strip_prefix("Bearer ")
+            .or_else(|| text.strip_prefix("bearer "))
+        else {
+            return Err(forbidden(
+                "header Authorization must be \"Bearer <token>\"".into(),
+            ));
+        };
+        return check_secret_text(bearer)
+            .map(|t| Some(t.to_string()))
+            .map_err(forbidden);
+    }
+    Ok(None)
+}
+
+/// The middleware: resolves the token, checks the route's need, puts the
+/// [`Acl`] into the request's extensions (handlers that check more, such
+/// as job registration, read it there), and logs writes.
+pub async fn check(State(gate): State<Arc<AclGate>>, mut req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let Some(need) = gate.needs.need(&method, &path) else {
+        // No route here: the fallback answers.
+        return next.run(req).await;
+    };
+    let acl = match token_of(req.headers()) {
+        Ok(secret) => match gate.resolver.resolve(secret.as_deref()).await {
+            Ok(acl) => acl,
+            Err(e) => return e.into_response(),
+        },
+        Err(e) => return e.into_response(),
+    };
+    if let Err(why) = acl.check(need) {
+        tracing::info!(acl_accessor = acl.accessor_id.as_deref().unwrap_or("anonymous"),
+            method = %method, path = %path, "API request refused by ACL");
+        return ApiError::new(StatusCode::FORBIDDEN, why).into_response();
+    }
+    let accessor = acl.accessor_id.clone();
+    req.extensions_mut().insert(acl);
+    let resp = next.run(req).await;
+    if method != Method::GET && method != Method::HEAD {
+        tracing::info!(
+            target: "berth::audit",
+            acl_accessor = accessor.as_deref().unwrap_or("anonymous"),
+            method = %method,
+            path = %path,
+            status = resp.status().as_u16(),
+            "API write"
+        );
+    }
+    resp
+}
+
+/// Whether the request's ACL (none: ACLs are off) allows `need`; for the
+/// checks a handler makes beyond its route's.
+pub fn require(acl: Option<&Acl>, need: Need, why: &str) -> Result<(), ApiError> {
+    match acl {
+        None => Ok(()),
+        Some(acl) => acl
+            .check(need)
+            .map_err(|e| ApiError::new(StatusCode::FORBIDDEN, format!("{e} ({why})"))),
+    }
+}
+
+/// A client-only agent's resolver: asks the servers through `ask` and
+/// keeps each answer for `ttl`, by the hash of the secret.
+pub struct RemoteResolver<F> {
+    ask: F,
+    ttl: Duration,
+    cache: Mutex<HashMap<String, (Instant, Acl)>>,
+}
+
+/// The most resolved tokens a client-only agent keeps.
+const MAX_CACHED_TOKENS: usize = 4096;
+
+impl<F> RemoteResolver<F> {
+    pub fn new(ask: F, ttl: Duration) -> RemoteResolver<F> {
+        RemoteResolver {
+            ask,
+            ttl,
+            cache: Mutex::new(HashMap::new()),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl<F, Fut> TokenResolver for RemoteResolver<F>
+where
+    F: Fn(String) -> Fut + Send + Sync,
+    Fut: std::future::Future<Output = Result<Acl, ApiError>> + Send,
+{
+    async fn resolve(&self, secret: Option<&str>) -> Result<Acl, ApiError> {
+        let Some(secret) = secret else {
+            return Ok(Acl::anonymous());
+        };
+        let key = secret_hash(secret);
+        let now = Instant::now();
+        {
+            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some((at, acl)) = cache.get(&key) {
+                if now.duration_since(*at) < self.ttl {
+                    return Ok(acl.clone());
+                }
+            }
+        }
+        let acl = (self.ask)(secret.to_string()).await?;
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= MAX_CACHED_TOKENS {
+            let ttl = self.ttl;
+            cache.retain(|_, (at, _)| now.duration_since(*at) < ttl);
+            if cache.len() >= MAX_CACHED_TOKENS {
+                cache.clear();
+            }
+        }
+        cache.insert(key, (now, acl.clone()));
+        Ok(acl)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use berth_structs::acl::{Capability, Level};
+
+    #[test]
+    fn needs_are_found_by_method_and_path() {
+        let t = NeedTable::new(&super::super::routes::all_routes());
+        assert_eq!(
+            t.need(&Method::PUT, "/v1/jobs"),
+            Some(Need::Namespace(Capability::SubmitJob))
+        );
+        assert_eq!(
+            t.need(&Method::GET, "/v1/job/web"),
+            Some(Need::Namespace(Capability::ReadJob))
+        );
+        assert_eq!(
+            t.need(&Method::PUT, "/v1/node/n1/purge"),
+            Some(Need::Node(Level::Write))
+        );
+        assert_eq!(
+            t.need(&Method::GET, "/v1/acl/token/self"),
+            Some(Need::AnyToken)
+        );
+        assert_eq!(t.need(&Method::GET, "/v1/nowhere"), None);
+    }
+
+    #[test]
+    fn a_token_comes_from_either_header() {
+        let mut h = HeaderMap::new();
+        assert_eq!(token_of(&h).unwrap(), None);
+        h.insert(header::AUTHORIZATION, "Bearer abc".parse().unwrap());
+        assert_eq!(token_of(&h).unwrap().as_deref(), Some("abc"));
+        h.insert(TOKEN_HEADER, "def".parse().unwrap());
+        assert_eq!(token_of(&h).unwrap().as_deref(), Some("def"));
+        let mut bad = HeaderMap::new();
+        bad.insert(header::AUTHORIZATION, "Basic xyz".parse().unwrap());
+        assert!(token_of(&bad).is_err());
+    }
+
+    /// Only these routes answer without a token; a new public route must
+    /// be added here on purpose.
+    #[test]
+    fn every_route_needs_a_token_but_the_few_public_ones() {
+        let public: Vec<String> = super::super::routes::all_routes()
+            .into_iter()
+            .filter(|r| r.need == Need::Public)
+            .map(|r| format!("{} {}", r.method, r.path))
+            .collect();
+        assert_eq!(
+            public,
+            [
+                "GET /v1/openapi.json",
+                "GET /v1/agent/health",
+                "POST /v1/acl/bootstrap",
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_remote_resolution_is_kept_for_its_ttl() {
+        let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = asked.clone();
+        let r = RemoteResolver::new(
+            move |_secret: String| {
+                let counter = counter.clone();
+                async move {
+                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    Ok(Acl::management(Some("a".into())))
+                }
+            },
+            Duration::from_secs(60),
+        );
+        assert!(r.resolve(None).await.unwrap().accessor_id.is_none());
+        r.resolve(Some("s")).await.unwrap();
+        r.resolve(Some("s")).await.unwrap();
+        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+}
