@@ -33,6 +33,10 @@ pub struct AgentInfo {
     pub client_role: OnceLock<Arc<Client>>,
     /// This agent's server role, when it runs one (for its metrics).
     pub server_role: OnceLock<Arc<Server>>,
+    /// The `Host` values its HTTP API answers (see [`super::host_check`]).
+    pub allowed_hosts: super::host_check::AllowedHosts,
+    /// How many waiting requests it holds at once (see [`super::limits`]).
+    pub limits: super::limits::ApiLimits,
 }
 
 impl AgentInfo {
@@ -46,6 +50,20 @@ impl AgentInfo {
             rpc_addr: OnceLock::new(),
             client_role: OnceLock::new(),
             server_role: OnceLock::new(),
+            allowed_hosts: super::host_check::AllowedHosts::default(),
+            limits: super::limits::ApiLimits::default(),
+        }
+    }
+
+    /// This agent as its security config has it: the `Host` names it
+    /// answers and its `limits`.
+    pub fn with_security(self, security: &crate::config::SecuritySections) -> AgentInfo {
+        AgentInfo {
+            allowed_hosts: super::host_check::AllowedHosts::new(
+                security.http_allowed_hosts.clone(),
+            ),
+            limits: super::limits::ApiLimits::new(&security.limits.effective()),
+            ..self
         }
     }
 
@@ -101,7 +119,7 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
     };
     agent_routes()
         .into_router()
-        .with_state(info)
+        .with_state(info.clone())
         .fallback_service(rest)
         .layer(axum::middleware::from_fn_with_state(
             routing,
@@ -109,6 +127,14 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         ))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(super::one_error_shape))
+        .layer(axum::middleware::from_fn_with_state(
+            info.limits.clone(),
+            super::limits::limit_waiting_requests,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            info,
+            super::host_check::refuse_foreign_host,
+        ))
 }
 
 /// This agent's own metrics in the Prometheus text format, never
@@ -144,6 +170,7 @@ async fn agent_self(State(info): State<Arc<AgentInfo>>) -> Response {
         "http_addr": info.http_addr.get().map(ToString::to_string),
         "rpc_addr": info.rpc_addr.get().map(ToString::to_string),
         "servers": info.servers,
+        "limits": info.limits.view(),
     });
     if let Some(c) = info.client_role.get() {
         let node = c.node();
