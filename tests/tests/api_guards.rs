@@ -224,9 +224,15 @@ fn assert_refused(answer: &HttpAnswer, key: &str) -> Result<()> {
 #[test]
 fn blocking_queries_past_the_limit_are_refused() -> Result<()> {
     let mut agent = LimitedAgent::start("  max_blocking_queries = 2")?;
-    // An index far ahead: these wait their whole `wait`.
-    let long = agent.send("/v1/jobs?index=999999999&wait=60s")?;
-    let short = agent.send("/v1/nodes?index=999999999&wait=4s")?;
+    // One waits for the next job write, the other for an index far
+    // ahead: its whole wait.
+    let jobs = agent.get("/v1/jobs")?;
+    let index = jobs
+        .header("x-berth-index")
+        .context("the job list's index")?
+        .to_string();
+    let on_next_job = agent.send(&format!("/v1/jobs?index={index}&wait=60s"))?;
+    let long = agent.send("/v1/nodes?index=999999999&wait=60s")?;
     agent.wait_in_flight("blocking_queries", 2)?;
 
     let refused = agent.get("/v1/allocations?index=999999999&wait=60s")?;
@@ -235,8 +241,15 @@ fn blocking_queries_past_the_limit_are_refused() -> Result<()> {
     let plain = agent.get("/v1/jobs")?;
     ensure!(plain.status == 200, "a plain read: {}", plain.head);
 
-    // The short one is answered when its wait is over, and frees a slot.
-    let answered = short.answer()?;
+    // A job write answers the first, which frees its slot.
+    let dir = agent.agent.data_dir.path().to_path_buf();
+    run_job_at(
+        &agent.addr(),
+        &dir,
+        "wake",
+        &sleeping_service_job("wake", 1, 1),
+    )?;
+    let answered = on_next_job.answer()?;
     ensure!(answered.status == 200, "{}", answered.head);
     agent.wait_in_flight("blocking_queries", 1)?;
     let admitted = agent.get("/v1/jobs?index=999999999&wait=1s")?;
