@@ -109,7 +109,7 @@ pub async fn refuse_foreign_host(
         .map(|h| h.to_str().unwrap_or("<not text>"))
         .or_else(|| req.uri().authority().map(Authority::as_str));
     if let Some(why) = info.allowed_hosts.refusal(listen, host) {
-        tracing::warn!(path = %req.uri().path(), host = ?host.map(super::shown_path), "request refused: its Host does not name this agent");
+        tracing::debug!(path = %req.uri().path(), host = ?host.map(super::shown_path), "request refused: its Host does not name this agent");
         return ApiError::new(StatusCode::FORBIDDEN, why).into_response();
     }
     next.run(req).await
