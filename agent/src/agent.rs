@@ -667,6 +667,7 @@ pub async fn run(
             data_dir.clone(),
             config.servers.clone(),
         )
+        .with_security(&config.security)
         .with_acl(
             config
                 .security
@@ -970,9 +971,11 @@ async fn start_server(
             .http2_keepalive_timeout(Some(crate::client::servers::KEEPALIVE_TIMEOUT))
             .add_service(server.node_service())
             .add_service(server.csi_volume_service())
-            .add_service(crate::http::forward::forward_service(crate::http::router(
-                server.clone(),
-            )));
+            // Requests that client agents forward count against this
+            // agent's limits too.
+            .add_service(crate::http::forward::forward_service(
+                info.limits.apply(crate::http::router(server.clone())),
+            ));
         // TCP_NODELAY on every accepted connection (tonic sets it only on
         // listeners it binds itself): without it a small frame written
         // while an earlier one is unacknowledged waits out the peer's

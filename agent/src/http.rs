@@ -1067,6 +1067,8 @@ pub mod agent_api;
 pub mod alloc_ops;
 pub mod client_forward;
 pub mod forward;
+pub mod host_check;
+pub mod limits;
 pub mod openapi;
 pub mod query;
 pub mod routes;

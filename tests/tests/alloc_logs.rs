@@ -213,7 +213,7 @@ echo "stderr line 2" >&2
     // is, and says so.
     let oldest = files.first().map(|(i, _)| *i).unwrap_or_default();
     let answer = agent.http(&format!(
-        "GET /v1/client/fs/logs/{alloc}?file=0&offset=0&limit=100 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET /v1/client/fs/logs/{alloc}?file=0&offset=0&limit=100 HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     ))?;
     assert_eq!(answer.status, 200, "{}", answer.head);
     assert_eq!(
@@ -322,7 +322,7 @@ fn logs_of_a_task_by_name_the_tail_and_the_errors() -> Result<()> {
 
     // The API: raw bytes, the cursor and the task's state in headers.
     let answer = agent.http(&format!(
-        "GET /v1/client/fs/logs/{id}?task=a&type=stdout&limit=5 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET /v1/client/fs/logs/{id}?task=a&type=stdout&limit=5 HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     ))?;
     assert_eq!(answer.status, 200);
     assert_eq!(answer.body, b"a-1\na");
@@ -334,7 +334,7 @@ fn logs_of_a_task_by_name_the_tail_and_the_errors() -> Result<()> {
     assert_eq!(answer.header("x-berth-log-offset"), Some("5"));
     assert_eq!(answer.header("x-berth-log-task-state"), Some("dead"));
     let answer = agent.http(&format!(
-        "GET /v1/client/fs/logs/{id}?task=a&file=0&offset=5&lines=2 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET /v1/client/fs/logs/{id}?task=a&file=0&offset=5&lines=2 HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
     ))?;
     assert_eq!(answer.status, 400);
     let body: Value = serde_json::from_slice(&answer.body)?;

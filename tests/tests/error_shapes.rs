@@ -29,7 +29,7 @@ fn request(method: &str, path: &str, content_type: Option<&str>, body: &str) -> 
         .map(|c| format!("Content-Type: {c}\r\n"))
         .unwrap_or_default();
     format!(
-        "{method} {path} HTTP/1.1\r\nHost: berth\r\n{ct}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{ct}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
 }
@@ -72,7 +72,7 @@ fn every_api_error_has_one_shape_on_the_wire() -> Result<()> {
         ),
         (
             // Announced larger than the limit: answered before it is sent.
-            "PUT /v1/jobs HTTP/1.1\r\nHost: berth\r\nContent-Type: application/json\r\n\
+            "PUT /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n\
              Content-Length: 3145728\r\nConnection: close\r\n\r\n"
                 .to_string(),
             413,

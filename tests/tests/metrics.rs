@@ -51,7 +51,7 @@ fn scrape(agent: &DevAgent) -> Result<(String, String)> {
 fn scrape_at(port: u16) -> Result<(String, String)> {
     let answer = http_at(
         port,
-        "GET /v1/metrics HTTP/1.1\r\nHost: berth\r\nConnection: close\r\n\r\n",
+        "GET /v1/metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
     )?;
     if answer.status != 200 {
         bail!(

@@ -301,7 +301,7 @@ fn a_snapshot_restores_into_a_new_volume_and_a_clone_copies_one() -> Result<()> 
     // The API never echoes a snapshot request's secrets.
     let body = r#"{"volume_id":"src","name":"with-secret","secrets":{"token":"s3cr3t-snap"}}"#;
     let answer = agent.http(&format!(
-        "PUT /v1/volumes/snapshot HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "PUT /v1/volumes/snapshot HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     ))?;
     let text = String::from_utf8_lossy(&answer.body).to_string();

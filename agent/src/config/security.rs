@@ -3,6 +3,7 @@
 //!
 //! ```hcl
 //! region = "global"
+//! http_allowed_hosts = ["berth.example.com"]
 //! acl    { enabled = true, token_ttl = "30s" }
 //! tls {
 //!   http = true
@@ -233,6 +234,11 @@ pub struct SecuritySections {
     pub region: Option<String>,
     /// Bind a server's listeners to a non-loopback address without TLS.
     pub insecure_bind: Option<bool>,
+    /// The names besides the agent's own address (and `localhost`) that
+    /// a request's `Host` may name; with a list set, or on a loopback
+    /// listener, any other `Host` is refused (DNS rebinding). Lowercase,
+    /// no port: a name matches on any port.
+    pub http_allowed_hosts: Option<Vec<String>>,
     pub acl: AclSection,
     pub tls: TlsSection,
     pub limits: LimitsSection,
@@ -243,7 +249,7 @@ pub const DEFAULT_REGION: &str = "global";
 
 impl SecuritySections {
     /// The attributes and blocks this module reads at the top level.
-    pub const ATTRIBUTES: [&'static str; 2] = ["region", "insecure_bind"];
+    pub const ATTRIBUTES: [&'static str; 3] = ["region", "insecure_bind", "http_allowed_hosts"];
     pub const BLOCKS: [&'static str; 3] = ["acl", "tls", "limits"];
 
     pub fn effective_region(&self) -> &str {
@@ -254,6 +260,7 @@ impl SecuritySections {
         SecuritySections {
             region: later.region.or(self.region),
             insecure_bind: later.insecure_bind.or(self.insecure_bind),
+            http_allowed_hosts: later.http_allowed_hosts.or(self.http_allowed_hosts),
             acl: self.acl.merge(later.acl),
             tls: self.tls.merge(later.tls),
             limits: self.limits.merge(later.limits),
@@ -278,6 +285,15 @@ impl SecuritySections {
                 ));
             }
         }
+        let http_allowed_hosts = match r.strings("http_allowed_hosts")? {
+            None => None,
+            Some(names) => Some(
+                names
+                    .into_iter()
+                    .map(|n| allowed_host(&n).map_err(|e| r.invalid("http_allowed_hosts", e)))
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+        };
         let acl = match r.optional_block("acl")? {
             None => AclSection::default(),
             Some(b) => {
@@ -364,11 +380,34 @@ impl SecuritySections {
         Ok(SecuritySections {
             region,
             insecure_bind: r.bool("insecure_bind")?,
+            http_allowed_hosts,
             acl,
             tls,
             limits,
         })
     }
+}
+
+/// A name of `http_allowed_hosts`, lowercased, or why it is none: a DNS
+/// name or an IP address, without a scheme, a port or a path.
+fn allowed_host(name: &str) -> Result<String, String> {
+    let n = name.trim_end_matches('.').to_ascii_lowercase();
+    if n.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(n);
+    }
+    let label_ok = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    if n.is_empty() || n.len() > 253 || !n.split('.').all(label_ok) {
+        return Err(format!(
+            "{name:?} is not a host name (letters, digits, '-' and '.', no scheme, port or path)"
+        ));
+    }
+    Ok(n)
 }
 
 #[cfg(test)]
@@ -385,6 +424,7 @@ mod tests {
             r#"
 region = "eu-west"
 insecure_bind = true
+http_allowed_hosts = ["Berth.Example.com.", "10.0.0.7"]
 acl {
   enabled   = true
   token_ttl = "1m"
@@ -410,6 +450,10 @@ limits {
         .expect("a full security config");
         assert_eq!(s.effective_region(), "eu-west");
         assert_eq!(s.insecure_bind, Some(true));
+        assert_eq!(
+            s.http_allowed_hosts.as_deref(),
+            Some(&["berth.example.com".to_string(), "10.0.0.7".to_string()][..])
+        );
         assert!(s.acl.enabled());
         assert_eq!(s.acl.effective_token_ttl(), Duration::from_secs(60));
         assert!(s.tls.http_enabled() && s.tls.rpc_enabled());
@@ -452,6 +496,15 @@ limits {
                 "longer than 0s",
             ),
             ("acl {\n bootstrap = true\n}", "\"bootstrap\""),
+            (
+                "http_allowed_hosts = [\"http://berth.example.com\"]",
+                "is not a host name",
+            ),
+            (
+                "http_allowed_hosts = [\"a.example:4646\"]",
+                "no scheme, port",
+            ),
+            ("http_allowed_hosts = \"a.example\"", "http_allowed_hosts"),
         ] {
             let e = parse(text).expect_err(text);
             assert!(e.message.contains(wanted), "{text}: {e}");

@@ -37,6 +37,10 @@ pub struct AgentInfo {
     /// `Some(token_ttl)` when ACLs are on: how long a client-only agent
     /// keeps a token the servers resolved.
     pub acl: Option<std::time::Duration>,
+    /// The `Host` values its HTTP API answers (see [`super::host_check`]).
+    pub allowed_hosts: super::host_check::AllowedHosts,
+    /// How many waiting requests it holds at once (see [`super::limits`]).
+    pub limits: super::limits::ApiLimits,
 }
 
 impl AgentInfo {
@@ -51,6 +55,20 @@ impl AgentInfo {
             client_role: OnceLock::new(),
             server_role: OnceLock::new(),
             acl: None,
+            allowed_hosts: super::host_check::AllowedHosts::default(),
+            limits: super::limits::ApiLimits::default(),
+        }
+    }
+
+    /// This agent as its security config has it: the `Host` names it
+    /// answers and its `limits`.
+    pub fn with_security(self, security: &crate::config::SecuritySections) -> AgentInfo {
+        AgentInfo {
+            allowed_hosts: super::host_check::AllowedHosts::new(
+                security.http_allowed_hosts.clone(),
+            ),
+            limits: super::limits::ApiLimits::new(&security.limits.effective()),
+            ..self
         }
     }
 
@@ -147,7 +165,7 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
     });
     let router = agent_routes()
         .into_router()
-        .with_state(info)
+        .with_state(info.clone())
         .fallback_service(rest)
         .layer(axum::middleware::from_fn_with_state(
             routing,
@@ -163,6 +181,14 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
     router
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(super::one_error_shape))
+        .layer(axum::middleware::from_fn_with_state(
+            info.limits.clone(),
+            super::limits::limit_waiting_requests,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            info,
+            super::host_check::refuse_foreign_host,
+        ))
 }
 
 /// This agent's own metrics in the Prometheus text format, never
@@ -198,6 +224,7 @@ async fn agent_self(State(info): State<Arc<AgentInfo>>) -> Response {
         "http_addr": info.http_addr.get().map(ToString::to_string),
         "rpc_addr": info.rpc_addr.get().map(ToString::to_string),
         "servers": info.servers,
+        "limits": info.limits.view(),
     });
     if let Some(c) = info.client_role.get() {
         let node = c.node();

@@ -135,7 +135,7 @@ fn operations() -> Vec<Op> {
         op(
             "get",
             "/v1/agent/self",
-            "This agent: its roles, addresses, data dir, servers and, with the client role, its node",
+            "This agent: its roles, addresses, data dir, servers, its limits of waiting requests and what is in flight, and, with the client role, its node",
         )
         .answers(object(
             json!({
@@ -144,6 +144,12 @@ fn operations() -> Vec<Op> {
                 "http_addr": { "type": ["string", "null"] },
                 "rpc_addr": { "type": ["string", "null"] },
                 "servers": { "type": "array", "items": { "type": "string" } },
+                "limits": object(json!({
+                    "max_blocking_queries": { "type": "integer" },
+                    "blocking_queries": { "type": "integer" },
+                    "max_log_follows": { "type": "integer" },
+                    "log_follows": { "type": "integer" },
+                }), &["max_blocking_queries", "blocking_queries", "max_log_follows", "log_follows"]),
                 "client": object(json!({
                     "node_id": { "type": "string" },
                     "node_name": { "type": "string" },
