@@ -465,6 +465,7 @@ pub fn server_routes() -> Routes<Arc<Server>> {
         .get("/v1/plugins", list_plugins)
         .get("/v1/plugin/csi/{id}", get_plugin)
         .put("/v1/system/gc", system_gc)
+        .put("/v1/operator/keyring/rotate", rotate_keyring)
 }
 
 pub fn router(server: Arc<Server>) -> Router {
@@ -910,6 +911,13 @@ async fn get_plugin(
 async fn system_gc(State(s): State<Arc<Server>>) -> ApiResult {
     let report = s.garbage_collect(true).await?;
     to_json(&report)
+}
+
+/// A new root keyring key seals every stored secret; answers its ID and
+/// the retired keys' IDs, never key material.
+async fn rotate_keyring(State(s): State<Arc<Server>>) -> ApiResult {
+    let rotation = s.rotate_keyring()?;
+    to_json(&rotation)
 }
 
 /// Serves `router` on `listener` until `shutdown` flips.

@@ -15,6 +15,7 @@ pub mod errors;
 pub mod http_client;
 pub mod job;
 pub mod node;
+pub mod operator;
 pub mod output;
 pub mod plugin;
 pub mod snapshot;
@@ -85,6 +86,9 @@ pub enum Command {
     /// Operate the cluster as a whole
     #[command(subcommand)]
     System(system::SystemCommand),
+    /// Operate the servers themselves (the root keyring)
+    #[command(subcommand)]
+    Operator(operator::OperatorCommand),
     /// Print berth's version
     Version,
     /// Print a shell completion script (bash, zsh or fish)
@@ -404,6 +408,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         Command::Volume(cmd) => volume::run(cmd, &ctx()?),
         Command::Plugin(cmd) => plugin::run(cmd, &ctx()?),
         Command::System(cmd) => system::run(cmd, &ctx()?),
+        Command::Operator(cmd) => operator::run(cmd, &ctx()?),
         Command::Version => {
             println!("berth {VERSION}");
             Ok(0)

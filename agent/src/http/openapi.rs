@@ -368,6 +368,20 @@ fn operations() -> Vec<Op> {
             json!({ "allocs": id_list.clone(), "jobs": id_list.clone(), "nodes": id_list }),
             &["allocs", "jobs", "nodes"],
         )),
+        op(
+            "put",
+            "/v1/operator/keyring/rotate",
+            "Make a new root keyring key, seal every stored secret again with it and retire the old keys",
+        )
+        .answers(object(
+            json!({
+                "key_id": { "type": "string" },
+                "retired": { "type": "array", "items": { "type": "string" } },
+                "volumes": { "type": "integer" },
+                "node_secrets": { "type": "integer" },
+            }),
+            &["key_id", "retired", "volumes", "node_secrets"],
+        )),
     ]
 }
 
