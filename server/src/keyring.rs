@@ -157,8 +157,14 @@ impl Keyring {
         let mut keys = Vec::new();
         for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
             let path = entry.map_err(io_err(dir))?.path();
-            if path.extension().and_then(|e| e.to_str()) != Some("json") {
-                continue;
+            match path.extension().and_then(|e| e.to_str()) {
+                Some("json") => {}
+                // A key write that a crash cut short: never made active.
+                Some("tmp") => {
+                    std::fs::remove_file(&path).map_err(io_err(&path))?;
+                    continue;
+                }
+                _ => continue,
             }
             keys.push(read_key(&path)?);
         }
@@ -377,5 +383,98 @@ impl crate::server::Server {
     /// (never key material).
     pub fn rotate_keyring(&self) -> Result<KeyRotation, crate::error::ServerError> {
         Ok(self.store.rotate_keyring()?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_keyring_opens_what_it_sealed_after_a_restart_and_nothing_else() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let keyring = Keyring::open(&dir.path().join(KEYRING_DIR)).expect("open");
+        let sealed = keyring.seal(b"hunter2", "volumes/v").expect("seal");
+        assert_eq!(sealed.key_id, keyring.active_id());
+        assert!(!format!("{sealed:?}").contains(&sealed.ciphertext));
+        let again = Keyring::open(keyring.dir()).expect("reopen");
+        assert_eq!(again.key_ids(), keyring.key_ids());
+        assert_eq!(
+            again.open_sealed(&sealed, "volumes/v").expect("open"),
+            b"hunter2"
+        );
+        let e = again
+            .open_sealed(&sealed, "volumes/w")
+            .expect_err("another record");
+        assert!(matches!(e, KeyringError::Corrupt { .. }), "{e}");
+        let mut newer = sealed.clone();
+        newer.version = 2;
+        let e = again
+            .open_sealed(&newer, "volumes/v")
+            .expect_err("unknown format");
+        assert!(e.to_string().contains("sealed format 2"), "{e}");
+    }
+
+    #[test]
+    fn an_added_key_seals_and_the_old_one_opens_until_it_is_retired() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let keyring = Keyring::open(&dir.path().join(KEYRING_DIR)).expect("open");
+        let old = keyring.active_id();
+        let sealed_old = keyring.seal(b"a", "r").expect("seal");
+        let new = keyring.add_key().expect("add");
+        assert_ne!(old, new);
+        assert_eq!(keyring.seal(b"b", "r").expect("seal").key_id, new);
+        assert_eq!(
+            keyring.open_sealed(&sealed_old, "r").expect("old opens"),
+            b"a"
+        );
+        // The newest key seals after a restart too.
+        assert_eq!(
+            Keyring::open(keyring.dir()).expect("reopen").active_id(),
+            new
+        );
+        assert_eq!(
+            keyring.retire_all_but_active().expect("retire"),
+            std::slice::from_ref(&old)
+        );
+        assert!(!keyring.dir().join(format!("{old}.json")).exists());
+        let e = keyring.open_sealed(&sealed_old, "r").expect_err("retired");
+        assert!(
+            e.to_string().contains(&format!(
+                "sealed with key {old}, which is not in the keyring"
+            )),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_bad_key_file_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ring = dir.path().join(KEYRING_DIR);
+        let keyring = Keyring::open(&ring).expect("open");
+        let path = ring.join(format!("{}.json", keyring.active_id()));
+        for (text, why) in [
+            ("not json", "is not a key"),
+            (
+                r#"{"id":"x","created_ms":1,"key":"AAAA"}"#,
+                "is not its file name's",
+            ),
+        ] {
+            std::fs::write(&path, text).expect("write");
+            let e = Keyring::open(&ring).expect_err("a bad key file");
+            let shown = e.to_string();
+            assert!(
+                shown.contains(&path.display().to_string()) && shown.contains(why),
+                "{shown}"
+            );
+        }
+        let id = keyring.active_id();
+        std::fs::write(
+            &path,
+            format!(r#"{{"id":"{id}","created_ms":1,"key":"AAAA"}}"#),
+        )
+        .expect("write");
+        let e = Keyring::open(&ring).expect_err("a short key");
+        assert!(e.to_string().contains("key is 3 bytes, not 32"), "{e}");
     }
 }
