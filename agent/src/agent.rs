@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -593,6 +593,7 @@ pub fn run_from_args(args: AgentArgs) -> Result<i32> {
     let lock = DataDirLock::acquire(&data_dir)?;
     let log = crate::logging::init(config.log_level.as_deref(), config.log_json);
     tracing::debug!(lock = %lock.path().display(), "data dir claimed");
+    restrict_data_dir(&data_dir)?;
     if config.data_dir.is_none() {
         tracing::info!(data_dir = %data_dir.display(), "dev agent uses a fresh temp data dir");
     }
@@ -624,11 +625,30 @@ fn limit_malloc_arenas() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn limit_malloc_arenas() {}
 
-/// The data dir, created if needed, as an absolute path.
+/// The data dir and its `server/` and `client/` dirs hold the state
+/// databases and the keyring: they are their owner's only (0700). A looser
+/// mode is narrowed, with a warning naming the path and both modes.
+fn restrict_data_dir(data_dir: &Path) -> Result<()> {
+    for dir in [
+        data_dir.to_path_buf(),
+        data_dir.join("server"),
+        data_dir.join("client"),
+    ] {
+        berth_server::file_modes::narrow(&dir, 0o700)
+            .with_context(|| format!("setting mode 0700 on {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// The data dir, created (mode 0700) if needed, as an absolute path.
 fn prepare_data_dir(config: &AgentConfig) -> Result<PathBuf> {
     match &config.data_dir {
         Some(d) => {
-            std::fs::create_dir_all(d)
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(d)
                 .with_context(|| format!("creating data dir {}", d.display()))?;
             d.canonicalize()
                 .with_context(|| format!("resolving data dir {}", d.display()))

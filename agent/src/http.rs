@@ -530,6 +530,11 @@ pub fn server_routes() -> Routes<Arc<Server>> {
         .get("/v1/plugin/csi/{id}", Need::Plugin(Level::Read), get_plugin)
         .put("/v1/system/gc", Need::Management, system_gc)
         .put(
+            "/v1/operator/keyring/rotate",
+            Need::Operator(Level::Write),
+            rotate_keyring,
+        )
+        .put(
             "/v1/node/intro",
             Need::Node(Level::Write),
             acl_api::create_intro,
@@ -1044,6 +1049,13 @@ async fn get_plugin(
 async fn system_gc(State(s): State<Arc<Server>>) -> ApiResult {
     let report = s.garbage_collect(true).await?;
     to_json(&report)
+}
+
+/// A new root keyring key seals every stored secret; answers its ID and
+/// the retired keys' IDs, never key material.
+async fn rotate_keyring(State(s): State<Arc<Server>>) -> ApiResult {
+    let rotation = s.rotate_keyring()?;
+    to_json(&rotation)
 }
 
 /// Serves `router` on `listener` until `shutdown` flips.

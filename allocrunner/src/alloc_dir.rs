@@ -126,10 +126,20 @@ impl AllocDir {
         Ok(dir)
     }
 
-    /// Makes the shared directories. Idempotent.
+    /// Makes the alloc dir and the shared directories, mode 0750 (the
+    /// agent's and its group's only). Idempotent.
     pub fn build_shared(&self) -> Result<(), HookError> {
         for d in [self.data_dir(), self.logs_dir(), self.tmp_dir()] {
             create_dir(&d)?;
+        }
+        for d in [
+            self.path.clone(),
+            self.shared_dir(),
+            self.data_dir(),
+            self.logs_dir(),
+            self.tmp_dir(),
+        ] {
+            restrict(&d, ALLOC_DIR_MODE)?;
         }
         Ok(())
     }
@@ -142,8 +152,10 @@ impl AllocDir {
         for d in [&td.local, &td.secrets, &td.tmp] {
             create_dir(d)?;
         }
-        std::fs::set_permissions(&td.secrets, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| HookError::io("restricting secrets dir", &td.secrets, e))?;
+        for d in [&td.dir, &td.local, &td.tmp] {
+            restrict(d, ALLOC_DIR_MODE)?;
+        }
+        restrict(&td.secrets, 0o700)?;
         Ok(td)
     }
 
@@ -201,6 +213,15 @@ const EXECUTOR_DIR: &str = ".executor";
 /// root.
 pub const NODE_DATA_DIR: &str = "node_data";
 
+/// The mode of the alloc dir and the directories in it but `secrets`
+/// (0700): tasks run as the agent's user and reach them; others do not.
+pub const ALLOC_DIR_MODE: u32 = 0o750;
+
+fn restrict(d: &Path, mode: u32) -> Result<(), HookError> {
+    std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| HookError::io("setting the mode of", d, e))
+}
+
 fn create_dir(d: &Path) -> Result<(), HookError> {
     std::fs::create_dir_all(d).map_err(|e| HookError::io("creating", d, e))
 }
@@ -227,6 +248,28 @@ pub(crate) fn mounts_below(dir: &Path) -> Vec<PathBuf> {
 mod tests {
     use super::*;
     use berth_testutil::bind_mount;
+
+    #[test]
+    fn alloc_dirs_are_0750_and_a_tasks_secrets_0700() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = AllocDir::new(&tmp.path().join("alloc"), "a1");
+        dir.build_shared().unwrap();
+        let td = dir.build_task("web").unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        for d in [
+            dir.path().to_path_buf(),
+            dir.shared_dir(),
+            dir.data_dir(),
+            dir.logs_dir(),
+            dir.tmp_dir(),
+            td.dir.clone(),
+            td.local.clone(),
+            td.tmp.clone(),
+        ] {
+            assert_eq!(mode(&d), 0o750, "{}", d.display());
+        }
+        assert_eq!(mode(&td.secrets), 0o700);
+    }
 
     #[test]
     fn the_node_data_dir_is_private_checked_and_outlives_the_alloc_dir() {

@@ -71,6 +71,10 @@ impl std::str::FromStr for LogStream {
 
 /// The name every log file of one task and stream starts with:
 /// `<task>.<stream>`; the files are `<base>.0`, `<base>.1`, ...
+/// The mode of task log files: the agent's user reads and writes them, its
+/// group reads them, others nothing (tasks may print secrets).
+pub const LOG_FILE_MODE: u32 = 0o640;
+
 pub fn log_base(task: &str, stream: LogStream) -> String {
     format!("{task}.{}", stream.as_str())
 }
@@ -183,11 +187,18 @@ impl RotatingWriter {
     }
 
     fn open_current(&mut self) -> std::io::Result<()> {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
         let file = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(LOG_FILE_MODE)
             .open(self.current_path())?;
-        self.size = file.metadata()?.len();
+        let meta = file.metadata()?;
+        // A file an older berth made (0644) is narrowed.
+        if meta.permissions().mode() & 0o777 & !LOG_FILE_MODE != 0 {
+            file.set_permissions(std::fs::Permissions::from_mode(LOG_FILE_MODE))?;
+        }
+        self.size = meta.len();
         self.file = Some(file);
         Ok(())
     }

@@ -33,6 +33,18 @@ pub enum StoreError {
         #[source]
         source: serde_json::Error,
     },
+    #[error("sealing the secrets of {record}: {source}")]
+    Seal {
+        record: String,
+        #[source]
+        source: crate::keyring::KeyringError,
+    },
+    #[error("{0}")]
+    Keyring(#[from] crate::keyring::KeyringError),
+    #[error("sealing the secrets of {record} again: {why}; the keyring is unchanged")]
+    Reseal { record: String, why: String },
+    #[error("this state store keeps no keyring")]
+    NoKeyring,
     #[error("creating the state directory {path}: {source}")]
     Io {
         path: String,

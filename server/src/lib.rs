@@ -1,5 +1,6 @@
 //! berth-server: the control plane. It owns the cluster state (the state
-//! store and its redb persistence), the scheduler, node identity (the
+//! store and its redb persistence, with the keyring that seals the
+//! secrets it stores), the scheduler, node identity (the
 //! node secrets every node RPC is checked against), node liveness and
 //! drain, CSI volumes, claims and the volume watcher, garbage collection,
 //! and the gRPC services clients call (`berth.v1.Node`, `berth.v1.CSIVolume`).
@@ -17,7 +18,9 @@ mod config;
 mod csi;
 mod drainer;
 mod error;
+pub mod file_modes;
 mod gc;
+pub mod keyring;
 mod liveness;
 mod node_secrets;
 mod nodes;

@@ -16,6 +16,7 @@ pub mod errors;
 pub mod http_client;
 pub mod job;
 pub mod node;
+pub mod operator;
 pub mod output;
 pub mod plugin;
 pub mod snapshot;
@@ -99,6 +100,9 @@ pub enum Command {
     /// ACL bootstrap, policies and tokens
     #[command(subcommand)]
     Acl(acl::AclCommand),
+    /// Operate the servers themselves (the root keyring)
+    #[command(subcommand)]
+    Operator(operator::OperatorCommand),
     /// Print berth's version
     Version,
     /// Print a shell completion script (bash, zsh or fish)
@@ -419,6 +423,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         Command::Plugin(cmd) => plugin::run(cmd, &ctx()?),
         Command::System(cmd) => system::run(cmd, &ctx()?),
         Command::Acl(cmd) => acl::run(cmd, &ctx()?),
+        Command::Operator(cmd) => operator::run(cmd, &ctx()?),
         Command::Version => {
             println!("berth {VERSION}");
             Ok(0)

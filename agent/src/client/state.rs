@@ -54,7 +54,7 @@ pub enum StateError {
     TooNew { found: u32 },
     #[error("client state database: an earlier write failed on I/O (is the disk full?)")]
     PreviousIo,
-    #[error("client state database {path}: setting its mode to 0600: {source}")]
+    #[error("client state {path}: setting its mode to 0600 (0700 for the directory): {source}")]
     Mode {
         path: String,
         #[source]
@@ -93,9 +93,34 @@ fn restrict_mode(path: &Path) -> Result<(), StateError> {
         .map_err(mode_err)?;
     let mode = file.metadata().map_err(mode_err)?.permissions().mode();
     if mode & 0o077 != 0 {
-        tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), "client state database was readable by others; setting mode 0600");
+        tracing::warn!(path = %path.display(), mode = format!("{:o}", mode & 0o777), narrowed_to = "600", "client state database was readable by others; setting mode 0600");
         file.set_permissions(std::fs::Permissions::from_mode(0o600))
             .map_err(mode_err)?;
+    }
+    Ok(())
+}
+
+/// The directory of the database (`<data_dir>/client`): its owner's only.
+/// Created with mode 0700 when missing; a looser mode is narrowed.
+fn restrict_dir(dir: &Path) -> Result<(), StateError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let mode_err = |source| StateError::Mode {
+        path: dir.display().to_string(),
+        source,
+    };
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(mode_err)?;
+    let mode = std::fs::metadata(dir)
+        .map_err(mode_err)?
+        .permissions()
+        .mode()
+        & 0o777;
+    if mode & 0o077 != 0 {
+        tracing::warn!(path = %dir.display(), mode = format!("{mode:o}"), narrowed_to = "700", "client state directory was open to others; setting mode 0700");
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(mode_err)?;
     }
     Ok(())
 }
@@ -124,7 +149,7 @@ pub struct ClientState {
 
 impl ClientState {
     pub fn open(dir: &Path) -> Result<ClientState, StateError> {
-        std::fs::create_dir_all(dir).map_err(db_err)?;
+        restrict_dir(dir)?;
         let path = dir.join("state.redb");
         let db = Self::open_db(&path)?;
         let state = ClientState {

@@ -423,6 +423,20 @@ fn operations() -> Vec<Op> {
         op("get", "/v1/acl/token/{accessor}", "An ACL token by accessor ID or unique prefix")
             .answers(schema_ref("AclToken")),
         op("delete", "/v1/acl/token/{accessor}", "Delete an ACL token"),
+        op(
+            "put",
+            "/v1/operator/keyring/rotate",
+            "Make a new root keyring key, seal every stored secret again with it and retire the old keys",
+        )
+        .answers(object(
+            json!({
+                "key_id": { "type": "string" },
+                "retired": { "type": "array", "items": { "type": "string" } },
+                "volumes": { "type": "integer" },
+                "node_secrets": { "type": "integer" },
+            }),
+            &["key_id", "retired", "volumes", "node_secrets"],
+        )),
     ]
 }
 

@@ -6,7 +6,7 @@
 //! and never reopens the logs.
 
 use std::os::fd::{FromRawFd, OwnedFd};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::Arc;
@@ -292,6 +292,7 @@ impl Driver for RawExecDriver {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(crate::logs::LOG_FILE_MODE)
             .open(dir.join(executor::LOG_FILE))
             .map_err(|error| DriverError::Logs {
                 path: dir.join(executor::LOG_FILE),

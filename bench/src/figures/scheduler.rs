@@ -451,5 +451,20 @@ fn copy_state(from: &Path, to: &Path) -> Result<PathBuf> {
     if !dst.exists() {
         bail!("{} was not made", dst.display());
     }
+    // The keyring beside it opens the secrets the copy holds sealed.
+    let keyring = |p: &Path| {
+        p.parent()
+            .unwrap_or(p)
+            .join(berth_server::keyring::KEYRING_DIR)
+    };
+    let (src_keys, dst_keys) = (keyring(&src), keyring(&dst));
+    std::fs::create_dir_all(&dst_keys)?;
+    for entry in
+        std::fs::read_dir(&src_keys).with_context(|| format!("reading {}", src_keys.display()))?
+    {
+        let entry = entry?;
+        std::fs::copy(entry.path(), dst_keys.join(entry.file_name()))
+            .with_context(|| format!("copying {}", entry.path().display()))?;
+    }
     Ok(to.to_path_buf())
 }

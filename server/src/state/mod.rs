@@ -352,6 +352,11 @@ pub trait Backend: Send + Sync {
     fn quarantined(&self) -> Result<Vec<QuarantinedRecord>, StoreError> {
         Ok(Vec::new())
     }
+    /// Seal every stored secret again with a new key and retire the old
+    /// keys (see `crate::keyring`).
+    fn rotate_keyring(&self) -> Result<crate::keyring::KeyRotation, StoreError> {
+        Err(StoreError::NoKeyring)
+    }
 }
 
 /// The state store. Cheap reads through [`StateStore::read`], serialized
@@ -512,6 +517,23 @@ impl StateStore {
         let mut rx = self.subscribe();
         let _ = tokio::time::timeout(timeout, rx.wait_for(|i| *i > min_index)).await;
         self.index()
+    }
+
+    /// Rotate the backend's keyring, between writes (see
+    /// [`Backend::rotate_keyring`]). Blocks its thread as [`Self::write`]
+    /// does.
+    pub fn rotate_keyring(&self) -> Result<crate::keyring::KeyRotation, StoreError> {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        let rotate = || {
+            let _writer = self.writer();
+            self.backend.rotate_keyring()
+        };
+        match Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(rotate)
+            }
+            _ => rotate(),
+        }
     }
 
     /// Run `f` against the current tables and commit the changes it asks

@@ -1,25 +1,44 @@
 //! The redb backend: `<data_dir>/server/state.redb`, one table per object
 //! kind with JSON values keyed by ID, the indexes and the schema version in
 //! `meta`, records that failed to decode in `quarantine`, and the node
-//! secrets in `node_secrets` (text by node ID), apart from the nodes.
+//! secrets in `node_secrets_sealed` by node ID, apart from the nodes.
+//!
+//! Secrets are sealed with the keyring beside the file
+//! (`<data_dir>/server/keyring/`, see [`crate::keyring`]) when a record is
+//! written and opened when it is loaded: a volume's `secrets` are stored as
+//! `sealed_secrets`, a node secret as a [`Sealed`] value. The in-memory
+//! tables hold them in the clear. Schema 1 kept both in the clear (node
+//! secrets as text in `node_secrets`); such records still load and are
+//! sealed in the same transaction. A record that does not open (its key is
+//! gone, its ciphertext damaged) is quarantined like one that fails to
+//! decode.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use berth_structs::NodeSecret;
+use berth_structs::{CsiVolume, NodeSecret};
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
 
 use super::{Backend, Change, Table, Tables};
 use crate::error::StoreError;
+use crate::file_modes;
+use crate::keyring::{KeyRotation, Keyring, KeyringError, Sealed, KEYRING_DIR};
 
 /// The schema version this build writes. Bump it with a migration in
 /// [`RedbBackend::migrate`] when a stored shape changes incompatibly.
-pub const SCHEMA_VERSION: u64 = 1;
+/// Version 2 seals secrets; version 1's clear ones are sealed on load.
+pub const SCHEMA_VERSION: u64 = 2;
 
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 const QUARANTINE: TableDefinition<&str, &[u8]> = TableDefinition::new("quarantine");
+/// Schema 1's node secrets, in the clear; emptied into
+/// [`NODE_SECRETS_SEALED`] and deleted on load.
 const NODE_SECRETS: TableDefinition<&str, &str> = TableDefinition::new("node_secrets");
+/// A JSON [`Sealed`] node secret by node ID.
+const NODE_SECRETS_SEALED: TableDefinition<&str, &[u8]> =
+    TableDefinition::new(NODE_SECRETS_SEALED_NAME);
+const NODE_SECRETS_SEALED_NAME: &str = "node_secrets_sealed";
 const META_SCHEMA: &str = "schema_version";
 const META_INDEX: &str = "index";
 
@@ -49,6 +68,7 @@ pub struct RedbBackend {
     /// `None` after an I/O error closed it; the next use opens it again.
     db: std::sync::RwLock<Option<std::sync::Arc<Database>>>,
     path: PathBuf,
+    keyring: Keyring,
 }
 
 /// redb refuses every transaction after one failed on I/O (a full disk,
@@ -63,22 +83,34 @@ impl RedbBackend {
         data_dir.join("server").join("state.redb")
     }
 
-    /// Open (or create) the database at `path`.
+    /// Open (or create) the database at `path`, and the keyring in
+    /// `keyring/` beside it (made with a first key when missing). The
+    /// directory is kept 0700 and the file 0600; looser modes are narrowed.
     pub fn open(path: &Path) -> Result<RedbBackend, StoreError> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
-                path: dir.display().to_string(),
-                source,
-            })?;
-        }
+        let dir = path.parent().unwrap_or(Path::new("."));
+        file_modes::ensure_private_dir(dir).map_err(|source| StoreError::Io {
+            path: dir.display().to_string(),
+            source,
+        })?;
+        let keyring = Keyring::open(&dir.join(KEYRING_DIR))?;
         let db = Self::open_db(path)?;
         Ok(RedbBackend {
             db: std::sync::RwLock::new(Some(std::sync::Arc::new(db))),
             path: path.to_path_buf(),
+            keyring,
         })
     }
 
+    /// The keyring that seals the database's secrets.
+    pub fn keyring(&self) -> &Keyring {
+        &self.keyring
+    }
+
     fn open_db(path: &Path) -> Result<Database, StoreError> {
+        file_modes::ensure_private_file(path).map_err(|source| StoreError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
         Database::create(path).map_err(|e| StoreError::Open {
             path: path.display().to_string(),
             source: e.into(),
@@ -137,11 +169,26 @@ impl RedbBackend {
 /// and trusting it would leave no room for the index of the next write.
 pub(crate) const MAX_SANE_INDEX: u64 = 1 << 53;
 
+/// Why a stored record did not load.
+#[derive(Debug, thiserror::Error)]
+enum RecordError {
+    #[error("failed to decode: {0}")]
+    Decode(#[from] serde_json::Error),
+    #[error("its secrets do not open: {0}")]
+    Unseal(#[from] KeyringError),
+}
+
 /// What loading checks of a decoded record besides its shape.
 trait StoredRecord: DeserializeOwned {
     fn id(&self) -> &str;
     /// The create and modify index.
     fn indexes(&self) -> [u64; 2];
+    /// Decode the stored bytes under `key`, opening sealed parts. The flag
+    /// is true for a record that held secrets in the clear (schema 1),
+    /// which is to be written again sealed.
+    fn decode(_key: &str, bytes: &[u8], _keyring: &Keyring) -> Result<(Self, bool), RecordError> {
+        Ok((serde_json::from_slice(bytes)?, false))
+    }
 }
 
 macro_rules! stored_record {
@@ -159,41 +206,161 @@ macro_rules! stored_record {
 stored_record!(
     berth_structs::Job,
     berth_structs::Allocation,
-    berth_structs::Node,
-    berth_structs::CsiVolume
+    berth_structs::Node
 );
+
+impl StoredRecord for CsiVolume {
+    fn id(&self) -> &str {
+        &self.id
+    }
+    fn indexes(&self) -> [u64; 2] {
+        [self.create_index, self.modify_index]
+    }
+    fn decode(key: &str, bytes: &[u8], keyring: &Keyring) -> Result<(Self, bool), RecordError> {
+        decode_volume(key, bytes, keyring)
+    }
+}
+
+/// A volume as stored: its secrets sealed, apart from the rest.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredVolume<V> {
+    #[serde(flatten)]
+    volume: V,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sealed_secrets: Option<Sealed>,
+}
+
+/// The associated data a record's sealed value is bound to.
+fn record_aad(table: &str, key: &str) -> String {
+    format!("{table}/{key}")
+}
+
+/// A volume's stored bytes: its secrets sealed with the active key.
+fn encode_volume(v: &CsiVolume, keyring: &Keyring) -> Result<Vec<u8>, StoreError> {
+    let encode_err = |source| StoreError::Encode {
+        table: Table::Volumes.name(),
+        key: v.id.clone(),
+        source,
+    };
+    if v.secrets.is_empty() {
+        return serde_json::to_vec(v).map_err(encode_err);
+    }
+    let secrets = serde_json::to_vec(&v.secrets).map_err(encode_err)?;
+    let sealed = keyring
+        .seal(&secrets, &record_aad(Table::Volumes.name(), &v.id))
+        .map_err(|source| StoreError::Seal {
+            record: record_aad(Table::Volumes.name(), &v.id),
+            source,
+        })?;
+    let mut bare = v.clone();
+    bare.secrets.clear();
+    serde_json::to_vec(&StoredVolume {
+        volume: bare,
+        sealed_secrets: Some(sealed),
+    })
+    .map_err(encode_err)
+}
+
+fn decode_volume(
+    key: &str,
+    bytes: &[u8],
+    keyring: &Keyring,
+) -> Result<(CsiVolume, bool), RecordError> {
+    let stored: StoredVolume<CsiVolume> = serde_json::from_slice(bytes)?;
+    let mut volume = stored.volume;
+    match stored.sealed_secrets {
+        Some(sealed) => {
+            let plain = keyring.open_sealed(&sealed, &record_aad(Table::Volumes.name(), key))?;
+            volume.secrets = serde_json::from_slice(&plain)?;
+            Ok((volume, false))
+        }
+        None => {
+            let clear = !volume.secrets.is_empty();
+            Ok((volume, clear))
+        }
+    }
+}
+
+/// A node secret's stored bytes.
+fn seal_node_secret(
+    node_id: &str,
+    secret: &NodeSecret,
+    keyring: &Keyring,
+) -> Result<Vec<u8>, StoreError> {
+    let record = record_aad(NODE_SECRETS_SEALED_NAME, node_id);
+    let sealed = keyring
+        .seal(secret.expose().as_bytes(), &record)
+        .map_err(|source| StoreError::Seal {
+            record: record.clone(),
+            source,
+        })?;
+    serde_json::to_vec(&sealed).map_err(|source| StoreError::Encode {
+        table: NODE_SECRETS_SEALED_NAME,
+        key: node_id.to_string(),
+        source,
+    })
+}
+
+/// Why a stored node secret is unusable.
+#[derive(Debug, thiserror::Error)]
+enum NodeSecretRecordError {
+    #[error(transparent)]
+    Record(#[from] RecordError),
+    #[error("is not a node secret: {0}")]
+    Invalid(#[from] berth_structs::NodeSecretError),
+}
+
+fn open_node_secret(
+    node_id: &str,
+    bytes: &[u8],
+    keyring: &Keyring,
+) -> Result<NodeSecret, NodeSecretRecordError> {
+    let sealed: Sealed = serde_json::from_slice(bytes).map_err(RecordError::from)?;
+    let plain = keyring
+        .open_sealed(&sealed, &record_aad(NODE_SECRETS_SEALED_NAME, node_id))
+        .map_err(RecordError::from)?;
+    let text =
+        String::from_utf8(plain).map_err(|_| berth_structs::NodeSecretError::NotPrintable)?;
+    Ok(NodeSecret::parse(&text)?)
+}
 
 /// Decode every record of `table`; undecodable ones, ones whose ID does not
 /// match their key and ones with an index beyond [`MAX_SANE_INDEX`] are
 /// returned as bad keys.
+/// Keys of records that held secrets in the clear go to `clear`.
 fn decode_table<T: StoredRecord>(
     table: &redb::Table<&str, &[u8]>,
     kind: Table,
+    keyring: &Keyring,
     bad: &mut Vec<(Table, String, Vec<u8>)>,
+    clear: &mut Vec<String>,
 ) -> Result<BTreeMap<String, T>, StoreError> {
     let name = kind.name();
     let mut out = BTreeMap::new();
     for row in table.iter()? {
         let (k, v) = row?;
         let key = k.value().to_string();
-        match serde_json::from_slice::<T>(v.value()) {
-            Ok(obj) if obj.id() != key => {
+        match T::decode(&key, v.value(), keyring) {
+            Ok((obj, _)) if obj.id() != key => {
                 tracing::error!(table = name, key = %key, id = %obj.id(),
                     "state record's ID does not match its key; quarantining it");
                 bad.push((kind, key, v.value().to_vec()));
             }
-            Ok(obj) if obj.indexes().iter().any(|&i| i > MAX_SANE_INDEX) => {
+            Ok((obj, _)) if obj.indexes().iter().any(|&i| i > MAX_SANE_INDEX) => {
                 let [create_index, modify_index] = obj.indexes();
                 tracing::error!(table = name, key = %key, create_index, modify_index,
                     "state record's index is beyond any real store's; quarantining it");
                 bad.push((kind, key, v.value().to_vec()));
             }
-            Ok(obj) => {
+            Ok((obj, was_clear)) => {
+                if was_clear {
+                    clear.push(key.clone());
+                }
                 out.insert(key, obj);
             }
             Err(e) => {
                 tracing::error!(table = name, key = %key, error = %e,
-                    "state record failed to decode; quarantining it");
+                    "state record did not load; quarantining it");
                 bad.push((kind, key, v.value().to_vec()));
             }
         }
@@ -217,16 +384,42 @@ fn sane_index(key: &str, value: Option<u64>) -> u64 {
     }
 }
 
-/// The node secrets. One that is not a valid secret is left out (and
-/// reported by node ID only): its node is then treated as one without a
-/// secret, which takes the secret of its next registration.
-fn decode_node_secrets(
-    t: &redb::Table<&str, &str>,
-) -> Result<BTreeMap<String, NodeSecret>, StoreError> {
+/// The node secrets: schema 1's clear ones are moved into the sealed
+/// table (and their table deleted), then every sealed one is opened. One
+/// that is unusable (not a secret, not opening) is left out and reported by
+/// node ID only: its node is then treated as one without a secret, which
+/// takes the secret of its next registration.
+fn load_node_secrets(
+    txn: &redb::WriteTransaction,
+    keyring: &Keyring,
+) -> Result<(BTreeMap<String, NodeSecret>, usize), StoreError> {
+    let mut clear = Vec::new();
+    {
+        let old = txn.open_table(NODE_SECRETS)?;
+        for row in old.iter()? {
+            let (k, v) = row?;
+            clear.push((k.value().to_string(), v.value().to_string()));
+        }
+    }
+    txn.delete_table(NODE_SECRETS)?;
+    let mut sealed_table = txn.open_table(NODE_SECRETS_SEALED)?;
+    let mut moved = 0;
+    for (node_id, text) in clear {
+        match NodeSecret::parse(&text) {
+            Ok(secret) => {
+                let bytes = seal_node_secret(&node_id, &secret, keyring)?;
+                sealed_table.insert(node_id.as_str(), bytes.as_slice())?;
+                moved += 1;
+            }
+            Err(e) => {
+                tracing::error!(node_id, error = %e, "stored node secret is unusable; the node's next registration sets a new one");
+            }
+        }
+    }
     let mut out = BTreeMap::new();
-    for row in t.iter()? {
+    for row in sealed_table.iter()? {
         let (k, v) = row?;
-        match NodeSecret::parse(v.value()) {
+        match open_node_secret(k.value(), v.value(), keyring) {
             Ok(secret) => {
                 out.insert(k.value().to_string(), secret);
             }
@@ -235,7 +428,7 @@ fn decode_node_secrets(
             }
         }
     }
-    Ok(out)
+    Ok((out, moved))
 }
 
 /// The ACL records; like [`decode_table`], a record that fails to decode,
@@ -298,19 +491,37 @@ impl Backend for RedbBackend {
             }
         }
         let mut bad = Vec::new();
+        let mut clear = Vec::new();
+        let k = &self.keyring;
+        let sealed_node_secrets;
         {
             let t = txn.open_table(definition(Table::Jobs))?;
-            tables.jobs = decode_table(&t, Table::Jobs, &mut bad)?;
+            tables.jobs = decode_table(&t, Table::Jobs, k, &mut bad, &mut clear)?;
             let t = txn.open_table(definition(Table::Allocs))?;
-            tables.allocs = decode_table(&t, Table::Allocs, &mut bad)?;
+            tables.allocs = decode_table(&t, Table::Allocs, k, &mut bad, &mut clear)?;
             let t = txn.open_table(definition(Table::Nodes))?;
-            tables.nodes = decode_table(&t, Table::Nodes, &mut bad)?;
-            let t = txn.open_table(definition(Table::Volumes))?;
-            tables.volumes = decode_table(&t, Table::Volumes, &mut bad)?;
-            let t = txn.open_table(NODE_SECRETS)?;
-            tables.node_secrets = decode_node_secrets(&t)?;
+            tables.nodes = decode_table(&t, Table::Nodes, k, &mut bad, &mut clear)?;
+            clear.clear();
+            let mut t = txn.open_table(definition(Table::Volumes))?;
+            tables.volumes = decode_table(&t, Table::Volumes, k, &mut bad, &mut clear)?;
+            // Schema 1's clear secrets are sealed now.
+            for key in &clear {
+                if let Some(v) = tables.volumes.get(key) {
+                    t.insert(key.as_str(), encode_volume(v, k)?.as_slice())?;
+                }
+            }
+            let (secrets, moved) = load_node_secrets(&txn, k)?;
+            tables.node_secrets = secrets;
+            sealed_node_secrets = moved;
             let t = txn.open_table(definition(Table::Acl))?;
             tables.acl = super::AclTables::from_records(decode_acl(&t, &mut bad)?);
+        }
+        if !clear.is_empty() || sealed_node_secrets > 0 {
+            tracing::info!(
+                volumes = clear.len(),
+                node_secrets = sealed_node_secrets,
+                "sealed secrets that an older berth stored in the clear"
+            );
         }
         // The index never goes backwards, even if meta was lost.
         let max_seen = tables
@@ -351,6 +562,34 @@ impl Backend for RedbBackend {
         self.quarantined_records()
     }
 
+    fn rotate_keyring(&self) -> Result<KeyRotation, StoreError> {
+        let key_id = self.keyring.add_key()?;
+        let resealed = match self.reseal_all() {
+            Err(e) if is_previous_io(&e) => {
+                self.close_poisoned();
+                self.reseal_all()
+            }
+            other => other,
+        };
+        let (volumes, node_secrets) = match resealed {
+            Ok(counts) => counts,
+            Err(e) => {
+                if let Err(undo) = self.keyring.remove_key(&key_id) {
+                    tracing::error!(key_id, error = %undo, "removing the unused new keyring key failed");
+                }
+                return Err(e);
+            }
+        };
+        let retired = self.keyring.retire_all_but_active()?;
+        tracing::info!(key_id, retired = ?retired, volumes, node_secrets, "rotated the keyring");
+        Ok(KeyRotation {
+            key_id,
+            retired,
+            volumes,
+            node_secrets,
+        })
+    }
+
     fn commit(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
         let started = std::time::Instant::now();
         let committed = match self.commit_once(index, changes) {
@@ -366,6 +605,54 @@ impl Backend for RedbBackend {
 }
 
 impl RedbBackend {
+    /// Seal every stored secret again with the active key, in one
+    /// transaction. A secret that does not open fails it: its key must
+    /// stay.
+    fn reseal_all(&self) -> Result<(usize, usize), StoreError> {
+        let k = &self.keyring;
+        let txn = self.db()?.begin_write()?;
+        let (volumes, node_secrets);
+        {
+            let mut t = txn.open_table(definition(Table::Volumes))?;
+            let mut resealed = Vec::new();
+            for row in t.iter()? {
+                let (key, bytes) = row?;
+                let key = key.value().to_string();
+                let (volume, _) =
+                    decode_volume(&key, bytes.value(), k).map_err(|e| StoreError::Reseal {
+                        record: record_aad(Table::Volumes.name(), &key),
+                        why: e.to_string(),
+                    })?;
+                if !volume.secrets.is_empty() {
+                    resealed.push((key, encode_volume(&volume, k)?));
+                }
+            }
+            for (key, bytes) in &resealed {
+                t.insert(key.as_str(), bytes.as_slice())?;
+            }
+            volumes = resealed.len();
+            let mut s = txn.open_table(NODE_SECRETS_SEALED)?;
+            let mut resealed = Vec::new();
+            for row in s.iter()? {
+                let (node_id, bytes) = row?;
+                let node_id = node_id.value().to_string();
+                let secret = open_node_secret(&node_id, bytes.value(), k).map_err(|e| {
+                    StoreError::Reseal {
+                        record: record_aad(NODE_SECRETS_SEALED_NAME, &node_id),
+                        why: e.to_string(),
+                    }
+                })?;
+                resealed.push((node_id.clone(), seal_node_secret(&node_id, &secret, k)?));
+            }
+            for (node_id, bytes) in &resealed {
+                s.insert(node_id.as_str(), bytes.as_slice())?;
+            }
+            node_secrets = resealed.len();
+        }
+        txn.commit()?;
+        Ok((volumes, node_secrets))
+    }
+
     fn commit_once(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
         let txn = self.db()?.begin_write()?;
         {
@@ -375,31 +662,32 @@ impl RedbBackend {
                 touched.insert(kind);
                 match change {
                     Change::PutNodeSecret { node_id, secret } => {
-                        let mut s = txn.open_table(NODE_SECRETS)?;
-                        s.insert(node_id.as_str(), secret.expose())?;
+                        let bytes = seal_node_secret(node_id, secret, &self.keyring)?;
+                        let mut s = txn.open_table(NODE_SECRETS_SEALED)?;
+                        s.insert(node_id.as_str(), bytes.as_slice())?;
                         continue;
                     }
                     _ => {}
                 }
                 let mut t = txn.open_table(definition(kind))?;
+                let encode_err = |source| StoreError::Encode {
+                    table: kind.name(),
+                    key: change.key().to_string(),
+                    source,
+                };
                 let encoded = match change {
-                    Change::PutJob(j) => Some(serde_json::to_vec(j)),
-                    Change::PutAlloc(a) => Some(serde_json::to_vec(a)),
-                    Change::PutNode(n) => Some(serde_json::to_vec(n)),
-                    Change::PutVolume(v) => Some(serde_json::to_vec(v)),
-                    Change::PutAcl { record, .. } => Some(serde_json::to_vec(record)),
+                    Change::PutJob(j) => Some(serde_json::to_vec(j).map_err(encode_err)?),
+                    Change::PutAlloc(a) => Some(serde_json::to_vec(a).map_err(encode_err)?),
+                    Change::PutNode(n) => Some(serde_json::to_vec(n).map_err(encode_err)?),
+                    Change::PutVolume(v) => Some(encode_volume(v, &self.keyring)?),
+                    Change::PutAcl { record, .. } => {
+                        Some(serde_json::to_vec(record).map_err(encode_err)?)
+                    }
                     _ => None,
                 };
                 match encoded {
-                    Some(Ok(bytes)) => {
+                    Some(bytes) => {
                         t.insert(change.key(), bytes.as_slice())?;
-                    }
-                    Some(Err(source)) => {
-                        return Err(StoreError::Encode {
-                            table: kind.name(),
-                            key: change.key().to_string(),
-                            source,
-                        });
                     }
                     None => {
                         t.remove(change.key())?;
@@ -426,11 +714,14 @@ mod tests {
 
     use std::collections::BTreeSet;
 
-    use berth_structs::{Allocation, CsiVolume, Job, Node};
+    use berth_structs::{Allocation, Job, Node};
     use berth_testutil::json::{self, Nodes};
     use proptest::prelude::*;
     use proptest::sample::Index;
     use serde_json::Value;
+
+    use base64::engine::general_purpose::STANDARD as B64;
+    use base64::Engine;
 
     use super::*;
     use crate::state::StateStore;
@@ -697,5 +988,331 @@ mod tests {
             })
             .expect("a write after the load");
         assert_eq!(index, 6);
+    }
+
+    /// What every secret test stores: a volume with secrets and a node
+    /// secret.
+    const VOLUME_SECRET: &str = "vol-secret-0123456789";
+
+    fn secret_volume() -> CsiVolume {
+        CsiVolume {
+            id: "vol".into(),
+            plugin_id: "p".into(),
+            secrets: [("password".to_string(), VOLUME_SECRET.to_string())].into(),
+            ..Default::default()
+        }
+    }
+
+    fn node_secret() -> NodeSecret {
+        NodeSecret::parse("node-secret-abcdefghijklmnop").expect("a node secret")
+    }
+
+    fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+        haystack.windows(needle.len()).any(|w| w == needle)
+    }
+
+    fn file_bytes(path: &Path) -> Vec<u8> {
+        std::fs::read(path).expect("read the database file")
+    }
+
+    fn put_secrets(store: &StateStore) {
+        store
+            .write(|_, changes| {
+                changes.push(crate::state::Change::PutVolume(secret_volume()));
+                changes.push(crate::state::Change::PutNode(Node {
+                    id: "n1".into(),
+                    ..Default::default()
+                }));
+                changes.push(crate::state::Change::PutNodeSecret {
+                    node_id: "n1".into(),
+                    secret: node_secret(),
+                });
+                Ok::<_, StoreError>(())
+            })
+            .expect("write the secrets");
+    }
+
+    fn assert_secrets_loaded(store: &StateStore) {
+        store.read(|t| {
+            assert_eq!(t.volumes["vol"].secrets["password"], VOLUME_SECRET);
+            assert_eq!(t.node_secrets["n1"], node_secret());
+        });
+    }
+
+    #[test]
+    fn secrets_are_sealed_in_the_file_and_open_again_on_load() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        let store =
+            StateStore::open(Box::new(RedbBackend::open(&path).expect("open"))).expect("store");
+        put_secrets(&store);
+        assert_secrets_loaded(&store);
+        let raw = file_bytes(&path);
+        assert!(
+            !contains(&raw, VOLUME_SECRET.as_bytes()),
+            "volume secret in the file"
+        );
+        assert!(!contains(&raw, b"password"), "secret names are sealed too");
+        assert!(
+            !contains(&raw, node_secret().expose().as_bytes()),
+            "node secret in the file"
+        );
+        drop(store);
+
+        let store =
+            StateStore::open(Box::new(RedbBackend::open(&path).expect("reopen"))).expect("store");
+        assert_secrets_loaded(&store);
+        assert!(store.quarantined().expect("quarantine").is_empty());
+    }
+
+    #[test]
+    fn a_schema_1_database_with_clear_secrets_loads_and_is_sealed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+        // What schema 1 wrote: the volume's secrets in its JSON, the node
+        // secret as text.
+        {
+            let db = Database::create(&path).expect("create db");
+            let txn = db.begin_write().expect("begin");
+            {
+                let mut t = txn.open_table(definition(Table::Volumes)).expect("volumes");
+                let bytes = serde_json::to_vec(&secret_volume()).expect("encode");
+                t.insert("vol", bytes.as_slice()).expect("insert");
+                let mut n = txn.open_table(definition(Table::Nodes)).expect("nodes");
+                let bytes = serde_json::to_vec(&Node {
+                    id: "n1".into(),
+                    ..Default::default()
+                })
+                .expect("encode");
+                n.insert("n1", bytes.as_slice()).expect("insert");
+                let mut s = txn.open_table(NODE_SECRETS).expect("node secrets");
+                s.insert("n1", node_secret().expose()).expect("insert");
+                let mut m = txn.open_table(META).expect("meta");
+                m.insert(META_SCHEMA, 1).expect("schema");
+            }
+            txn.commit().expect("commit");
+        }
+        assert!(contains(&file_bytes(&path), VOLUME_SECRET.as_bytes()));
+
+        let backend = RedbBackend::open(&path).expect("open");
+        let store = StateStore::open(Box::new(backend)).expect("store");
+        assert_secrets_loaded(&store);
+        assert!(store.quarantined().expect("quarantine").is_empty());
+        drop(store);
+
+        // Stored sealed now: the tables hold no clear secret, and it loads
+        // from the sealed form.
+        let db = Database::create(&path).expect("open db");
+        {
+            let txn = db.begin_read().expect("read");
+            let t = txn.open_table(definition(Table::Volumes)).expect("volumes");
+            let bytes = t
+                .get("vol")
+                .expect("get")
+                .expect("vol stored")
+                .value()
+                .to_vec();
+            assert!(!contains(&bytes, VOLUME_SECRET.as_bytes()));
+            assert!(contains(&bytes, b"sealed_secrets"));
+            assert!(matches!(
+                txn.open_table(NODE_SECRETS),
+                Err(redb::TableError::TableDoesNotExist(_))
+            ));
+            let m = txn.open_table(META).expect("meta");
+            assert_eq!(
+                m.get(META_SCHEMA).expect("get").map(|v| v.value()),
+                Some(SCHEMA_VERSION)
+            );
+        }
+        drop(db);
+        let store =
+            StateStore::open(Box::new(RedbBackend::open(&path).expect("reopen"))).expect("store");
+        assert_secrets_loaded(&store);
+    }
+
+    /// Rewrites the stored volume `vol` with `edit` applied to its JSON.
+    fn edit_stored_volume(path: &Path, edit: impl FnOnce(&mut Value)) {
+        let db = Database::create(path).expect("open db");
+        let txn = db.begin_write().expect("begin");
+        {
+            let mut t = txn.open_table(definition(Table::Volumes)).expect("volumes");
+            let bytes = t
+                .get("vol")
+                .expect("get")
+                .expect("vol stored")
+                .value()
+                .to_vec();
+            let mut v: Value = serde_json::from_slice(&bytes).expect("json");
+            edit(&mut v);
+            t.insert("vol", v.to_string().as_bytes()).expect("insert");
+        }
+        txn.commit().expect("commit");
+    }
+
+    #[test]
+    fn a_damaged_ciphertext_is_quarantined_and_reported_and_writes_go_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        let store =
+            StateStore::open(Box::new(RedbBackend::open(&path).expect("open"))).expect("store");
+        put_secrets(&store);
+        drop(store);
+        edit_stored_volume(&path, |v| {
+            let ct = v["sealed_secrets"]["ciphertext"]
+                .as_str()
+                .expect("ciphertext")
+                .to_string();
+            let mut bytes = B64.decode(ct).expect("base64");
+            bytes[0] ^= 0xff;
+            v["sealed_secrets"]["ciphertext"] = Value::from(B64.encode(bytes));
+        });
+
+        let backend = RedbBackend::open(&path).expect("reopen");
+        let store =
+            StateStore::open(Box::new(backend)).expect("a damaged record never stops the store");
+        assert!(store.read(|t| t.volumes.is_empty()));
+        assert_eq!(store.read(|t| t.node_secrets.len()), 1, "the rest loads");
+        let quarantined = store.quarantined().expect("quarantine");
+        assert_eq!(quarantined.len(), 1);
+        assert!(
+            quarantined[0].key.starts_with("volumes/vol/"),
+            "{}",
+            quarantined[0].key
+        );
+        put_secrets(&store);
+        assert_secrets_loaded(&store);
+    }
+
+    #[test]
+    fn a_volume_sealed_with_a_missing_key_is_quarantined_with_the_key_named() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        let store =
+            StateStore::open(Box::new(RedbBackend::open(&path).expect("open"))).expect("store");
+        put_secrets(&store);
+        drop(store);
+        edit_stored_volume(&path, |v| {
+            v["sealed_secrets"]["key_id"] = Value::from("0000gone");
+        });
+        let volume = {
+            let db = Database::create(&path).expect("open db");
+            let txn = db.begin_read().expect("read");
+            let t = txn.open_table(definition(Table::Volumes)).expect("volumes");
+            let bytes = t.get("vol").expect("get").expect("stored").value().to_vec();
+            bytes
+        };
+        let backend = RedbBackend::open(&path).expect("reopen");
+        let keyring_dir = backend.keyring().dir().display().to_string();
+        let e = decode_volume("vol", &volume, backend.keyring()).expect_err("does not open");
+        assert_eq!(
+            e.to_string(),
+            format!("its secrets do not open: sealed with key 0000gone, which is not in the keyring {keyring_dir}")
+        );
+        let store = StateStore::open(Box::new(backend)).expect("store");
+        assert!(store.read(|t| t.volumes.is_empty()));
+        assert_eq!(store.quarantined().expect("quarantine").len(), 1);
+    }
+
+    #[test]
+    fn a_sealed_value_moved_onto_another_record_does_not_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let keyring = Keyring::open(&dir.path().join("keyring")).expect("keyring");
+        let bytes = encode_volume(&secret_volume(), &keyring).expect("encode");
+        let (back, clear) = decode_volume("vol", &bytes, &keyring).expect("round trip");
+        assert_eq!(back, secret_volume());
+        assert!(!clear);
+        let e = decode_volume("other", &bytes, &keyring).expect_err("bound to its record");
+        assert!(
+            e.to_string()
+                .contains("ciphertext is damaged or was sealed for another record"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn rotating_the_keyring_reseals_everything_and_removes_the_old_key() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        let backend = RedbBackend::open(&path).expect("open");
+        let old = backend.keyring().active_id();
+        let keyring_dir = backend.keyring().dir().to_path_buf();
+        let store = StateStore::open(Box::new(backend)).expect("store");
+        put_secrets(&store);
+        let index = store.index();
+        let old_ciphertext = {
+            let raw = file_bytes(&path);
+            let at = raw
+                .windows(b"\"ciphertext\":\"".len())
+                .position(|w| w == b"\"ciphertext\":\"")
+                .expect("a sealed value in the file")
+                + b"\"ciphertext\":\"".len();
+            raw[at..at + 24].to_vec()
+        };
+
+        let rotation = store.rotate_keyring().expect("rotate");
+        assert_ne!(rotation.key_id, old);
+        assert_eq!(rotation.retired, std::slice::from_ref(&old));
+        assert_eq!((rotation.volumes, rotation.node_secrets), (1, 1));
+        assert_eq!(store.index(), index, "a rotation is no write of the tables");
+        assert!(!keyring_dir.join(format!("{old}.json")).exists());
+        assert!(keyring_dir
+            .join(format!("{}.json", rotation.key_id))
+            .exists());
+        assert_secrets_loaded(&store);
+        drop(store);
+
+        let raw = file_bytes(&path);
+        assert!(
+            !contains(&raw, &old_ciphertext),
+            "the old ciphertext is gone from the file"
+        );
+        assert!(!contains(&raw, old.as_bytes()), "nothing names the old key");
+        let backend = RedbBackend::open(&path).expect("reopen");
+        assert_eq!(
+            backend.keyring().key_ids(),
+            std::slice::from_ref(&rotation.key_id)
+        );
+        let store = StateStore::open(Box::new(backend)).expect("store");
+        assert_secrets_loaded(&store);
+        assert!(store.quarantined().expect("quarantine").is_empty());
+    }
+
+    #[test]
+    fn the_state_dir_keyring_and_files_are_private_and_looser_ones_are_narrowed() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).expect("stat").permissions().mode() & 0o777;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        let backend = RedbBackend::open(&path).expect("open");
+        let keyring_dir = backend.keyring().dir().to_path_buf();
+        let key_file = keyring_dir.join(format!("{}.json", backend.keyring().active_id()));
+        drop(backend);
+        let server_dir = path.parent().expect("parent").to_path_buf();
+        for (p, want) in [
+            (&server_dir, 0o700),
+            (&path, 0o600),
+            (&keyring_dir, 0o700),
+            (&key_file, 0o600),
+        ] {
+            assert_eq!(mode(p), want, "{}", p.display());
+        }
+        for (p, loose) in [
+            (&server_dir, 0o755),
+            (&path, 0o644),
+            (&keyring_dir, 0o755),
+            (&key_file, 0o644),
+        ] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(loose)).expect("chmod");
+        }
+        RedbBackend::open(&path).expect("reopen");
+        for (p, want) in [
+            (&server_dir, 0o700),
+            (&path, 0o600),
+            (&keyring_dir, 0o700),
+            (&key_file, 0o600),
+        ] {
+            assert_eq!(mode(p), want, "narrowed: {}", p.display());
+        }
     }
 }
