@@ -119,6 +119,11 @@ impl Default for AgentConfig {
     }
 }
 
+/// How many calls one agent protocol connection carries at once (a
+/// client holds a few streams and short calls; a forwarded blocking query
+/// holds one while it waits).
+pub const MAX_RPC_STREAMS_PER_CONNECTION: u32 = 256;
+
 /// The HTTP API's port when neither a flag nor a file sets one (the
 /// CLI's default address).
 pub const DEFAULT_HTTP_PORT: u16 = 4747;
@@ -657,6 +662,11 @@ pub async fn run(
         tracing::warn!(key, "this config key is not applied by this version yet");
     }
 
+    let tls = crate::tls::AgentTls::from_config(&config.security).context("berth agent")?;
+    if let Some(t) = &tls {
+        tracing::info!(rpc = t.rpc, http = t.http, "TLS on");
+    }
+
     let mut components = crate::systemd::Components::default();
     let mut tasks = tokio::task::JoinSet::new();
     let agent_info = std::sync::Arc::new(crate::http::agent_api::AgentInfo::new(
@@ -667,14 +677,21 @@ pub async fn run(
     ));
     let local_rpc_addr = if config.server {
         crate::systemd::status("loading the server state");
-        let (addr, server) =
-            start_server(&config, &data_dir, &shutdown_rx, &mut tasks, &agent_info).await?;
+        let (addr, server) = start_server(
+            &config,
+            tls.as_ref(),
+            &data_dir,
+            &shutdown_rx,
+            &mut tasks,
+            &agent_info,
+        )
+        .await?;
         components.server = Some(server);
         Some(addr)
     } else {
         // A client-only agent serves the HTTP API too: its node-local
         // routes, and the rest forwarded to its servers.
-        start_client_http(&config, &shutdown_rx, &mut tasks, &agent_info).await?;
+        start_client_http(&config, tls.as_ref(), &shutdown_rx, &mut tasks, &agent_info).await?;
         None
     };
     // A client next to the server role dials it; a client-only agent dials
@@ -696,12 +713,11 @@ pub async fn run(
     let (client_stop_tx, client_stop_rx) = watch::channel(false);
     let mut client_task = if config.client {
         tracing::info!(servers = ?servers, "client starting");
-        let client = Client::start(
-            config.client_config(data_dir.clone(), servers),
-            client_stop_rx.clone(),
-        )
-        .await
-        .context("starting the client")?;
+        let mut client_config = config.client_config(data_dir.clone(), servers);
+        client_config.tls = tls.clone().filter(|t| t.rpc);
+        let client = Client::start(client_config, client_stop_rx.clone())
+            .await
+            .context("starting the client")?;
         crate::systemd::status("restoring allocs, then registering with the servers");
         components.client = Some(client.clone());
         let _ = agent_info.client_role.set(client.clone());
@@ -748,6 +764,9 @@ pub async fn run(
                         break;
                     }
                     Signal::Reload => {
+                        if let Some(t) = &tls {
+                            reload_tls(t);
+                        }
                         reload_log_level(&config, &log, &components, *ready_rx.borrow()).await;
                     }
                 }
@@ -836,6 +855,18 @@ impl Signals {
     }
 }
 
+/// SIGHUP: reads the TLS certificate, key and CA again. New connections
+/// use them; open ones keep theirs. Files that do not load are logged and
+/// the ones in force kept.
+fn reload_tls(tls: &crate::tls::AgentTls) {
+    match tls.reload() {
+        Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded; new connections use them"),
+        Err(e) => {
+            tracing::error!(error = %e, "SIGHUP: the TLS files do not load; the certificates in force stay")
+        }
+    }
+}
+
 /// SIGHUP: reads the config files again and applies their `log_level`
 /// (the `-log-level` flag, when given, stays in force). Files that no
 /// longer read are logged and the level in force kept; other keys are not
@@ -900,6 +931,7 @@ async fn reload_log_level(
 /// client on this machine dials it.
 async fn start_server(
     config: &AgentConfig,
+    tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
     data_dir: &std::path::Path,
     shutdown_rx: &watch::Receiver<bool>,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
@@ -943,33 +975,54 @@ async fn start_server(
         let router = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(crate::client::servers::KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(crate::client::servers::KEEPALIVE_TIMEOUT))
+            .max_concurrent_streams(Some(MAX_RPC_STREAMS_PER_CONNECTION))
             .add_service(server.node_service())
             .add_service(server.csi_volume_service())
             .add_service(crate::http::forward::forward_service(crate::http::router(
                 server.clone(),
             )));
-        // TCP_NODELAY on every accepted connection (tonic sets it only on
-        // listeners it binds itself): without it a small frame written
-        // while an earlier one is unacknowledged waits out the peer's
-        // delayed ACK, about 40 ms on Linux, which an alloc update or a
-        // claim answer would pay now and then.
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(rpc_listener).with_nodelay(Some(true));
+        // The accept loop sets TCP_NODELAY on every accepted connection
+        // (tonic sets it only on listeners it binds itself): without it a
+        // small frame written while an earlier one is unacknowledged waits
+        // out the peer's delayed ACK, about 40 ms on Linux, which an alloc
+        // update or a claim answer would pay now and then.
+        let limit = crate::listener::PerClientLimit::new(
+            config.security.limits.effective().rpc_max_conns_per_client,
+        );
         let mut rx = shutdown_rx.clone();
-        tasks.spawn(async move {
-            router
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = rx.wait_for(|v| *v).await;
-                })
-                .await
-                .context("agent protocol server")
-        });
+        let stop = async move {
+            let _ = rx.wait_for(|v| *v).await;
+        };
+        match tls.filter(|t| t.rpc).cloned() {
+            Some(tls) => {
+                let incoming = crate::listener::incoming(rpc_listener, limit, move |s, a, slot| {
+                    crate::listener::accept_tls(tls.clone(), s, a, slot)
+                });
+                tasks.spawn(async move {
+                    router
+                        .serve_with_incoming_shutdown(incoming, stop)
+                        .await
+                        .context("agent protocol server")
+                });
+            }
+            None => {
+                let incoming =
+                    crate::listener::incoming(rpc_listener, limit, crate::listener::accept_plain);
+                tasks.spawn(async move {
+                    router
+                        .serve_with_incoming_shutdown(incoming, stop)
+                        .await
+                        .context("agent protocol server")
+                });
+            }
+        }
     }
     {
         let rx = shutdown_rx.clone();
         let api = crate::http::agent_api::agent_router(Some(server.clone()), info.clone());
+        let how = http_serving(config, tls);
         tasks.spawn(async move {
-            crate::http::serve_router(http_listener, api, rx)
+            crate::http::listener::serve(http_listener, api, rx, how)
                 .await
                 .context("HTTP API")
         });
@@ -990,6 +1043,7 @@ async fn start_server(
 /// Binds a client-only agent's HTTP API and serves it on `tasks`.
 async fn start_client_http(
     config: &AgentConfig,
+    tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
     shutdown_rx: &watch::Receiver<bool>,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
     info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
@@ -1000,12 +1054,25 @@ async fn start_client_http(
     let _ = info.http_addr.set(http_listener.local_addr()?);
     let api = crate::http::agent_api::agent_router(None, info.clone());
     let rx = shutdown_rx.clone();
+    let how = http_serving(config, tls);
     tasks.spawn(async move {
-        crate::http::serve_router(http_listener, api, rx)
+        crate::http::listener::serve(http_listener, api, rx, how)
             .await
             .context("HTTP API")
     });
     Ok(())
+}
+
+/// How the HTTP API is served: over TLS when `tls.http` is on, within
+/// the configured limits.
+fn http_serving(
+    config: &AgentConfig,
+    tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
+) -> crate::http::listener::HttpServing {
+    crate::http::listener::HttpServing {
+        tls: tls.filter(|t| t.http).cloned(),
+        limits: config.security.limits.effective(),
+    }
 }
 
 #[cfg(test)]

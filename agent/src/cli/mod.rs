@@ -19,6 +19,7 @@ pub mod output;
 pub mod plugin;
 pub mod snapshot;
 pub mod system;
+pub mod tls;
 pub mod volume;
 pub mod volume_stats;
 
@@ -85,6 +86,9 @@ pub enum Command {
     /// Operate the cluster as a whole
     #[command(subcommand)]
     System(system::SystemCommand),
+    /// Create the agents' CA and certificates for mutual TLS
+    #[command(subcommand)]
+    Tls(tls::TlsCommand),
     /// Print berth's version
     Version,
     /// Print a shell completion script (bash, zsh or fish)
@@ -404,6 +408,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         Command::Volume(cmd) => volume::run(cmd, &ctx()?),
         Command::Plugin(cmd) => plugin::run(cmd, &ctx()?),
         Command::System(cmd) => system::run(cmd, &ctx()?),
+        Command::Tls(cmd) => tls::run(cmd),
         Command::Version => {
             println!("berth {VERSION}");
             Ok(0)

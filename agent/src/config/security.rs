@@ -238,6 +238,25 @@ pub struct SecuritySections {
     pub limits: LimitsSection,
 }
 
+/// Whether `region` may name a region (it is part of certificate names:
+/// `server.<region>.berth`).
+pub fn check_region(region: &str) -> Result<(), String> {
+    let ok = !region.is_empty()
+        && region.len() <= 63
+        && region
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !region.starts_with('-')
+        && !region.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{region:?} is not a region name (lowercase letters, digits and '-', at most 63)"
+        ))
+    }
+}
+
 /// The region when none is set, as Nomad's.
 pub const DEFAULT_REGION: &str = "global";
 
@@ -264,19 +283,7 @@ impl SecuritySections {
     pub fn parse(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<SecuritySections, SpecError> {
         let region = r.string("region")?;
         if let Some(reg) = &region {
-            let ok = !reg.is_empty()
-                && reg.len() <= 63
-                && reg
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !reg.starts_with('-')
-                && !reg.ends_with('-');
-            if !ok {
-                return Err(r.invalid(
-                    "region",
-                    format!("{reg:?} is not a region name (lowercase letters, digits and '-', at most 63)"),
-                ));
-            }
+            check_region(reg).map_err(|e| r.invalid("region", e))?;
         }
         let acl = match r.optional_block("acl")? {
             None => AclSection::default(),
