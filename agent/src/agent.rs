@@ -495,6 +495,13 @@ impl AgentConfig {
             bind,
             file.ports.rpc.unwrap_or(DEFAULT_RPC_PORT),
         ));
+        // The addresses the flags set are held to what bind_addr is.
+        if let Some(problem) = file
+            .security
+            .insecure_bind_problem(self.server, &[self.http_addr.ip(), self.rpc_addr.ip()])
+        {
+            return Err(usage_error(format!("berth agent: {problem}")));
+        }
         if let Some(d) = file.server.min_heartbeat_ttl {
             self.min_heartbeat_ttl = d;
         }
@@ -1213,6 +1220,7 @@ mod tests {
         std::fs::write(
             dir.path().join("10-server.hcl"),
             "data_dir = \"/var/lib/berth\"\nname = \"s1\"\nbind_addr = \"0.0.0.0\"\n\
+             insecure_bind = true\n\
              ports {\n http = 5646\n rpc = 5647\n}\nserver {\n enabled = true\n \
              heartbeat_grace = \"7s\"\n min_heartbeat_ttl = \"3s\"\n \
              max_heartbeats_per_second = 20\n}\nclient {\n meta {\n rack = \"r1\"\n }\n}\n",

@@ -43,7 +43,9 @@ pub const VERSION: &str = concat!("v", env!("CARGO_PKG_VERSION"));
     version = VERSION,
     disable_version_flag = false,
     after_help = "Flags take one dash or two: -json and --json are the same flag.\n\
-                  Every API command takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747)."
+                  Every API command takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747);\n\
+                  an https:// address takes -ca-cert, -client-cert and -client-key (BERTH_CACERT,\n\
+                  BERTH_CLIENT_CERT, BERTH_CLIENT_KEY)."
 )]
 pub struct Cli {
     /// The HTTP API of a berth agent
@@ -56,6 +58,34 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub address: String,
+
+    /// The CA certificate an https:// agent's certificate must chain to
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_CACERT",
+        value_name = "FILE",
+        hide_env_values = true
+    )]
+    pub ca_cert: Option<PathBuf>,
+    /// The certificate the CLI presents to an https:// agent
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_CLIENT_CERT",
+        value_name = "FILE",
+        hide_env_values = true
+    )]
+    pub client_cert: Option<PathBuf>,
+    /// The key of -client-cert
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_CLIENT_KEY",
+        value_name = "FILE",
+        hide_env_values = true
+    )]
+    pub client_key: Option<PathBuf>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -122,9 +152,9 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    pub fn new(address: &str) -> Result<Ctx> {
+    pub fn new(address: &str, tls: &http_client::CliTls) -> Result<Ctx> {
         Ok(Ctx {
-            api: ApiClient::new(address)?,
+            api: ApiClient::with_tls(address, tls)?,
         })
     }
 
@@ -398,7 +428,12 @@ pub fn run(args: Vec<String>) -> Result<i32> {
             return Ok(code);
         }
     };
-    let ctx = || Ctx::new(&cli.address);
+    let tls = http_client::CliTls {
+        ca_cert: cli.ca_cert.clone(),
+        client_cert: cli.client_cert.clone(),
+        client_key: cli.client_key.clone(),
+    };
+    let ctx = || Ctx::new(&cli.address, &tls);
     match cli.command {
         Command::Agent(a) => crate::agent::run_from_args(*a),
         Command::Config(ConfigCommand::Validate { paths }) => config_validate(&paths),
