@@ -119,6 +119,11 @@ impl Default for AgentConfig {
     }
 }
 
+/// How many calls one agent protocol connection carries at once (a
+/// client holds a few streams and short calls; a forwarded blocking query
+/// holds one while it waits).
+pub const MAX_RPC_STREAMS_PER_CONNECTION: u32 = 256;
+
 /// The HTTP API's port when neither a flag nor a file sets one (the
 /// CLI's default address).
 pub const DEFAULT_HTTP_PORT: u16 = 4747;
@@ -490,6 +495,13 @@ impl AgentConfig {
             bind,
             file.ports.rpc.unwrap_or(DEFAULT_RPC_PORT),
         ));
+        // The addresses the flags set are held to what bind_addr is.
+        if let Some(problem) = file
+            .security
+            .insecure_bind_problem(self.server, &[self.http_addr.ip(), self.rpc_addr.ip()])
+        {
+            return Err(usage_error(format!("berth agent: {problem}")));
+        }
         if let Some(d) = file.server.min_heartbeat_ttl {
             self.min_heartbeat_ttl = d;
         }
@@ -678,6 +690,11 @@ pub async fn run(
         tracing::warn!(key, "this config key is not applied by this version yet");
     }
 
+    let tls = crate::tls::AgentTls::from_config(&config.security).context("berth agent")?;
+    if let Some(t) = &tls {
+        tracing::info!(rpc = t.rpc, http = t.http, "TLS on");
+    }
+
     let mut components = crate::systemd::Components::default();
     let mut tasks = tokio::task::JoinSet::new();
     let agent_info = std::sync::Arc::new(
@@ -698,14 +715,21 @@ pub async fn run(
     );
     let local_rpc_addr = if config.server {
         crate::systemd::status("loading the server state");
-        let (addr, server) =
-            start_server(&config, &data_dir, &shutdown_rx, &mut tasks, &agent_info).await?;
+        let (addr, server) = start_server(
+            &config,
+            tls.as_ref(),
+            &data_dir,
+            &shutdown_rx,
+            &mut tasks,
+            &agent_info,
+        )
+        .await?;
         components.server = Some(server);
         Some(addr)
     } else {
         // A client-only agent serves the HTTP API too: its node-local
         // routes, and the rest forwarded to its servers.
-        start_client_http(&config, &shutdown_rx, &mut tasks, &agent_info).await?;
+        start_client_http(&config, tls.as_ref(), &shutdown_rx, &mut tasks, &agent_info).await?;
         None
     };
     // A client next to the server role dials it; a client-only agent dials
@@ -728,6 +752,7 @@ pub async fn run(
     let mut client_task = if config.client {
         tracing::info!(servers = ?servers, "client starting");
         let mut client_config = config.client_config(data_dir.clone(), servers);
+        client_config.tls = tls.clone().filter(|t| t.rpc);
         // The client beside the server role is let in by it: a token of
         // one use, for the case that the servers do not know the node yet.
         if let (Some(server), None) = (&components.server, &client_config.intro_token) {
@@ -788,6 +813,9 @@ pub async fn run(
                         break;
                     }
                     Signal::Reload => {
+                        if let Some(t) = &tls {
+                            reload_tls(t);
+                        }
                         reload_log_level(&config, &log, &components, *ready_rx.borrow()).await;
                     }
                 }
@@ -876,6 +904,18 @@ impl Signals {
     }
 }
 
+/// SIGHUP: reads the TLS certificate, key and CA again. New connections
+/// use them; open ones keep theirs. Files that do not load are logged and
+/// the ones in force kept.
+fn reload_tls(tls: &crate::tls::AgentTls) {
+    match tls.reload() {
+        Ok(()) => tracing::info!("SIGHUP: TLS certificates reloaded; new connections use them"),
+        Err(e) => {
+            tracing::error!(error = %e, "SIGHUP: the TLS files do not load; the certificates in force stay")
+        }
+    }
+}
+
 /// SIGHUP: reads the config files again and applies their `log_level`
 /// (the `-log-level` flag, when given, stays in force). Files that no
 /// longer read are logged and the level in force kept; other keys are not
@@ -940,6 +980,7 @@ async fn reload_log_level(
 /// client on this machine dials it.
 async fn start_server(
     config: &AgentConfig,
+    tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
     data_dir: &std::path::Path,
     shutdown_rx: &watch::Receiver<bool>,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
@@ -989,6 +1030,7 @@ async fn start_server(
         let router = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(crate::client::servers::KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(crate::client::servers::KEEPALIVE_TIMEOUT))
+            .max_concurrent_streams(Some(MAX_RPC_STREAMS_PER_CONNECTION))
             .add_service(server.node_service())
             .add_service(server.csi_volume_service())
             // Requests that client agents forward count against this
@@ -996,28 +1038,48 @@ async fn start_server(
             .add_service(crate::http::forward::forward_service(
                 info.limits.apply(crate::http::router(server.clone())),
             ));
-        // TCP_NODELAY on every accepted connection (tonic sets it only on
-        // listeners it binds itself): without it a small frame written
-        // while an earlier one is unacknowledged waits out the peer's
-        // delayed ACK, about 40 ms on Linux, which an alloc update or a
-        // claim answer would pay now and then.
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(rpc_listener).with_nodelay(Some(true));
+        // The accept loop sets TCP_NODELAY on every accepted connection
+        // (tonic sets it only on listeners it binds itself): without it a
+        // small frame written while an earlier one is unacknowledged waits
+        // out the peer's delayed ACK, about 40 ms on Linux, which an alloc
+        // update or a claim answer would pay now and then.
+        let limit = crate::listener::PerClientLimit::new(
+            config.security.limits.effective().rpc_max_conns_per_client,
+        );
         let mut rx = shutdown_rx.clone();
-        tasks.spawn(async move {
-            router
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = rx.wait_for(|v| *v).await;
-                })
-                .await
-                .context("agent protocol server")
-        });
+        let stop = async move {
+            let _ = rx.wait_for(|v| *v).await;
+        };
+        match tls.filter(|t| t.rpc).cloned() {
+            Some(tls) => {
+                let incoming = crate::listener::incoming(rpc_listener, limit, move |s, a, slot| {
+                    crate::listener::accept_tls(tls.clone(), s, a, slot)
+                });
+                tasks.spawn(async move {
+                    router
+                        .serve_with_incoming_shutdown(incoming, stop)
+                        .await
+                        .context("agent protocol server")
+                });
+            }
+            None => {
+                let incoming =
+                    crate::listener::incoming(rpc_listener, limit, crate::listener::accept_plain);
+                tasks.spawn(async move {
+                    router
+                        .serve_with_incoming_shutdown(incoming, stop)
+                        .await
+                        .context("agent protocol server")
+                });
+            }
+        }
     }
     {
         let rx = shutdown_rx.clone();
         let api = crate::http::agent_api::agent_router(Some(server.clone()), info.clone());
+        let how = http_serving(config, tls);
         tasks.spawn(async move {
-            crate::http::serve_router(http_listener, api, rx)
+            crate::http::listener::serve(http_listener, api, rx, how)
                 .await
                 .context("HTTP API")
         });
@@ -1038,6 +1100,7 @@ async fn start_server(
 /// Binds a client-only agent's HTTP API and serves it on `tasks`.
 async fn start_client_http(
     config: &AgentConfig,
+    tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
     shutdown_rx: &watch::Receiver<bool>,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
     info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
@@ -1048,12 +1111,25 @@ async fn start_client_http(
     let _ = info.http_addr.set(http_listener.local_addr()?);
     let api = crate::http::agent_api::agent_router(None, info.clone());
     let rx = shutdown_rx.clone();
+    let how = http_serving(config, tls);
     tasks.spawn(async move {
-        crate::http::serve_router(http_listener, api, rx)
+        crate::http::listener::serve(http_listener, api, rx, how)
             .await
             .context("HTTP API")
     });
     Ok(())
+}
+
+/// How the HTTP API is served: over TLS when `tls.http` is on, within
+/// the configured limits.
+fn http_serving(
+    config: &AgentConfig,
+    tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
+) -> crate::http::listener::HttpServing {
+    crate::http::listener::HttpServing {
+        tls: tls.filter(|t| t.http).cloned(),
+        limits: config.security.limits.effective(),
+    }
 }
 
 #[cfg(test)]
@@ -1194,6 +1270,7 @@ mod tests {
         std::fs::write(
             dir.path().join("10-server.hcl"),
             "data_dir = \"/var/lib/berth\"\nname = \"s1\"\nbind_addr = \"0.0.0.0\"\n\
+             insecure_bind = true\n\
              ports {\n http = 5646\n rpc = 5647\n}\nserver {\n enabled = true\n \
              heartbeat_grace = \"7s\"\n min_heartbeat_ttl = \"3s\"\n \
              max_heartbeats_per_second = 20\n}\nclient {\n meta {\n rack = \"r1\"\n }\n}\n",

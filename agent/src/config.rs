@@ -236,7 +236,12 @@ impl AgentFileConfig {
                 "the client has no servers: set client { servers = [\"HOST:PORT\"] }".into(),
             );
         }
-        self.security.tls.incomplete()
+        if let Some(problem) = self.security.tls.incomplete() {
+            return Some(problem);
+        }
+        let bind = self.bind_addr.into_iter().collect::<Vec<_>>();
+        self.security
+            .insecure_bind_problem(self.server_enabled(), &bind)
     }
 }
 

@@ -10,7 +10,6 @@
 //! itself answers (a wrong method, say) through the [`one_error_shape`]
 //! layer, so that no route can answer another shape.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -1058,19 +1057,15 @@ async fn rotate_keyring(State(s): State<Arc<Server>>) -> ApiResult {
     to_json(&rotation)
 }
 
-/// Serves `router` on `listener` until `shutdown` flips.
+#[cfg(test)]
+/// Serves `router` on `listener` over plain HTTP with the default limits
+/// until `shutdown` flips (the agent's listeners: [`listener::serve`]).
 pub async fn serve_router(
     listener: tokio::net::TcpListener,
     router: Router,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> std::io::Result<()> {
-    let addr: Option<SocketAddr> = listener.local_addr().ok();
-    tracing::info!(addr = ?addr, "HTTP API listening");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move {
-            let _ = shutdown.wait_for(|v| *v).await;
-        })
-        .await
+    listener::serve(listener, router, shutdown, listener::HttpServing::plain()).await
 }
 
 pub mod acl;
@@ -1081,6 +1076,7 @@ pub mod client_forward;
 pub mod forward;
 pub mod host_check;
 pub mod limits;
+pub mod listener;
 pub mod openapi;
 pub mod query;
 pub mod routes;

@@ -10,8 +10,10 @@ mod client;
 mod config;
 mod data_dir;
 mod http;
+mod listener;
 mod logging;
 mod systemd;
+mod tls;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

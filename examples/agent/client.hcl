@@ -29,3 +29,20 @@ client {
 
   disconnect_startup_grace = "30s"
 }
+
+acl {
+  enabled = true
+}
+
+# Dials the servers over mutual TLS, accepting only a certificate that
+# names server.global.berth; serves its own HTTP API over TLS too.
+tls {
+  rpc       = true
+  http      = true
+  ca_file   = "/etc/berth.d/tls/berth-agent-ca.pem"
+  cert_file = "/etc/berth.d/tls/global-client-berth.pem"
+  key_file  = "/etc/berth.d/tls/global-client-berth-key.pem"
+
+  verify_server_hostname = true
+  verify_https_client    = true
+}

@@ -93,3 +93,27 @@ fn a_client_without_servers_is_refused() -> Result<()> {
     assert!(stderr.contains("the client has no servers"), "{stderr}");
     Ok(())
 }
+
+#[test]
+fn a_server_on_a_public_address_without_tls_is_refused_unless_insecure_bind() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let open = dir.path().join("open.hcl");
+    std::fs::write(
+        &open,
+        "data_dir = \"/var/lib/berth\"\nbind_addr = \"0.0.0.0\"\nserver {\n  enabled = true\n}\n",
+    )?;
+    let out = validate(&[&open])?;
+    let stderr = text(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{stderr}");
+    assert!(
+        stderr.contains("0.0.0.0, which is not loopback")
+            && stderr.contains("tls.rpc and tls.http are off")
+            && stderr.contains("insecure_bind = true"),
+        "{stderr}"
+    );
+    let insecure = dir.path().join("insecure.hcl");
+    std::fs::write(&insecure, "insecure_bind = true\n")?;
+    let out = validate(&[&open, &insecure])?;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    Ok(())
+}

@@ -52,28 +52,106 @@ pub struct RawAnswer {
     pub body: Vec<u8>,
 }
 
+/// The CLI's TLS files (`-ca-cert`, `-client-cert`, `-client-key`, or
+/// `BERTH_CACERT`, `BERTH_CLIENT_CERT`, `BERTH_CLIENT_KEY`), for an
+/// `https://` address.
+#[derive(Debug, Clone, Default)]
+pub struct CliTls {
+    /// The CA the agent's certificate must chain to (else the system's
+    /// web roots).
+    pub ca_cert: Option<std::path::PathBuf>,
+    /// The certificate the CLI presents, with its key.
+    pub client_cert: Option<std::path::PathBuf>,
+    pub client_key: Option<std::path::PathBuf>,
+}
+
+impl CliTls {
+    fn read(what: &str, path: &std::path::Path) -> Result<Vec<u8>> {
+        std::fs::read(path).map_err(|e| anyhow!("reading {what} {}: {e}", path.display()))
+    }
+
+    fn certs(what: &str, path: &std::path::Path) -> Result<Vec<ureq::tls::Certificate<'static>>> {
+        let pem = CliTls::read(what, path)?;
+        let mut certs = Vec::new();
+        for item in ureq::tls::parse_pem(&pem) {
+            match item {
+                Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
+                Ok(_) => {}
+                Err(e) => bail!("{what} {} is not valid PEM: {e}", path.display()),
+            }
+        }
+        if certs.is_empty() {
+            bail!("{what} {} holds no PEM certificate", path.display());
+        }
+        Ok(certs)
+    }
+
+    /// The TLS configuration of the CLI's HTTP agent.
+    fn config(&self) -> Result<ureq::tls::TlsConfig> {
+        let mut b = ureq::tls::TlsConfig::builder().provider(ureq::tls::TlsProvider::Rustls);
+        if let Some(ca) = &self.ca_cert {
+            let certs = CliTls::certs("the CA certificate (-ca-cert, BERTH_CACERT)", ca)?;
+            b = b.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
+        }
+        match (&self.client_cert, &self.client_key) {
+            (Some(cert), Some(key)) => {
+                let chain = CliTls::certs(
+                    "the client certificate (-client-cert, BERTH_CLIENT_CERT)",
+                    cert,
+                )?;
+                let what = "the client key (-client-key, BERTH_CLIENT_KEY)";
+                let key_pem = CliTls::read(what, key)?;
+                let key = ureq::tls::PrivateKey::from_pem(&key_pem)
+                    .map_err(|_| anyhow!("{what} {} holds no PEM private key", key.display()))?;
+                b = b.client_cert(Some(ureq::tls::ClientCert::new_with_certs(&chain, key)));
+            }
+            (None, None) => {}
+            (Some(_), None) => {
+                bail!("-client-cert (BERTH_CLIENT_CERT) needs -client-key (BERTH_CLIENT_KEY)")
+            }
+            (None, Some(_)) => {
+                bail!("-client-key (BERTH_CLIENT_KEY) needs -client-cert (BERTH_CLIENT_CERT)")
+            }
+        }
+        Ok(b.build())
+    }
+}
+
 impl ApiClient {
+    /// A client of the API at `address` over plain HTTP, or HTTPS with the
+    /// system's roots and no client certificate.
+    #[cfg(test)]
     pub fn new(address: &str) -> Result<ApiClient> {
-        if address.starts_with("https://") {
-            bail!("address {address:?}: https is not supported yet; use http://");
-        }
-        let authority = address
-            .strip_prefix("http://")
-            .unwrap_or(address)
-            .trim_end_matches('/');
+        ApiClient::with_tls(address, &CliTls::default())
+    }
+
+    /// A client of the API at `address` (`http://HOST:PORT` or
+    /// `https://HOST:PORT`); `tls` applies to an `https://` address.
+    pub fn with_tls(address: &str, tls: &CliTls) -> Result<ApiClient> {
+        let (scheme, rest) = match address.split_once("://") {
+            Some(("http", rest)) => ("http", rest),
+            Some(("https", rest)) => ("https", rest),
+            Some(_) => bail!(
+                "address {address:?} is not of the form http://HOST:PORT or https://HOST:PORT"
+            ),
+            None => ("http", address),
+        };
+        let authority = rest.trim_end_matches('/');
         if authority.is_empty() || authority.contains('/') || authority.contains("://") {
-            bail!("address {address:?} is not of the form http://HOST:PORT");
+            bail!("address {address:?} is not of the form http://HOST:PORT or https://HOST:PORT");
         }
-        let config = ureq::Agent::config_builder()
+        let mut config = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_connect(Some(CONNECT_TIMEOUT))
             .max_redirects(0)
             .user_agent("berth-cli")
-            .accept("application/json")
-            .build();
+            .accept("application/json");
+        if scheme == "https" {
+            config = config.tls_config(tls.config()?);
+        }
         Ok(ApiClient {
-            base: format!("http://{authority}"),
-            agent: config.into(),
+            base: format!("{scheme}://{authority}"),
+            agent: config.build().into(),
             token: None,
         })
     }
@@ -185,6 +263,15 @@ impl ApiClient {
                 std::io::ErrorKind::AddrNotAvailable
                 | std::io::ErrorKind::NetworkUnreachable
                 | std::io::ErrorKind::HostUnreachable => refused(io.to_string()),
+                _ if io
+                    .get_ref()
+                    .is_some_and(|inner| inner.is::<rustls::Error>()) =>
+                {
+                    anyhow!(
+                        "TLS with the berth API at {} failed: {io} (check -ca-cert, -client-cert and -client-key, or BERTH_CACERT, BERTH_CLIENT_CERT and BERTH_CLIENT_KEY)",
+                        self.base
+                    )
+                }
                 _ => anyhow!("{method} {path} at the berth API {}: {io}", self.base),
             },
             ureq::Error::HostNotFound => refused("host not found".into()),
@@ -192,6 +279,11 @@ impl ApiClient {
             ureq::Error::Timeout(ureq::Timeout::Connect) => {
                 refused(format!("no connection in {}s", CONNECT_TIMEOUT.as_secs()))
             }
+            ureq::Error::Rustls(e) => anyhow!(
+                "TLS with the berth API at {} failed: {e} (check -ca-cert, -client-cert and -client-key, or BERTH_CACERT, BERTH_CLIENT_CERT and BERTH_CLIENT_KEY)",
+                self.base
+            ),
+            ureq::Error::Tls(e) => anyhow!("TLS with the berth API at {} failed: {e}", self.base),
             ureq::Error::Timeout(t) => anyhow!(
                 "{method} {path}: the berth API at {} did not answer in time ({t})",
                 self.base
@@ -320,7 +412,8 @@ mod tests {
     fn address_forms() {
         assert!(ApiClient::new("http://127.0.0.1:4747").is_ok());
         assert!(ApiClient::new("127.0.0.1:4747").is_ok());
-        assert!(ApiClient::new("https://x:1").is_err());
+        assert!(ApiClient::new("https://x:1").is_ok());
+        assert!(ApiClient::new("ftp://x:1").is_err());
         assert!(ApiClient::new("http://x:1/path").is_err());
     }
 

@@ -21,6 +21,7 @@ pub mod output;
 pub mod plugin;
 pub mod snapshot;
 pub mod system;
+pub mod tls;
 pub mod volume;
 pub mod volume_stats;
 
@@ -44,7 +45,9 @@ pub const VERSION: &str = concat!("v", env!("CARGO_PKG_VERSION"));
     version = VERSION,
     disable_version_flag = false,
     after_help = "Flags take one dash or two: -json and --json are the same flag.\n\
-                  Every API command takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747)."
+                  Every API command takes -address ADDR (default BERTH_ADDR, then http://127.0.0.1:4747);\n\
+                  an https:// address takes -ca-cert, -client-cert and -client-key (BERTH_CACERT,\n\
+                  BERTH_CLIENT_CERT, BERTH_CLIENT_KEY)."
 )]
 pub struct Cli {
     /// The HTTP API of a berth agent
@@ -67,6 +70,33 @@ pub struct Cli {
         hide_env_values = true
     )]
     pub token: Option<String>,
+    /// The CA certificate an https:// agent's certificate must chain to
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_CACERT",
+        value_name = "FILE",
+        hide_env_values = true
+    )]
+    pub ca_cert: Option<PathBuf>,
+    /// The certificate the CLI presents to an https:// agent
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_CLIENT_CERT",
+        value_name = "FILE",
+        hide_env_values = true
+    )]
+    pub client_cert: Option<PathBuf>,
+    /// The key of -client-cert
+    #[arg(
+        long,
+        global = true,
+        env = "BERTH_CLIENT_KEY",
+        value_name = "FILE",
+        hide_env_values = true
+    )]
+    pub client_key: Option<PathBuf>,
 
     #[command(subcommand)]
     pub command: Command,
@@ -103,6 +133,9 @@ pub enum Command {
     /// Operate the servers themselves (the root keyring)
     #[command(subcommand)]
     Operator(operator::OperatorCommand),
+    /// Create the agents' CA and certificates for mutual TLS
+    #[command(subcommand)]
+    Tls(tls::TlsCommand),
     /// Print berth's version
     Version,
     /// Print a shell completion script (bash, zsh or fish)
@@ -136,9 +169,9 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    pub fn new(address: &str, token: Option<&str>) -> Result<Ctx> {
+    pub fn new(address: &str, tls: &http_client::CliTls, token: Option<&str>) -> Result<Ctx> {
         Ok(Ctx {
-            api: ApiClient::new(address)?.with_token(token),
+            api: ApiClient::with_tls(address, tls)?.with_token(token),
         })
     }
 
@@ -412,7 +445,12 @@ pub fn run(args: Vec<String>) -> Result<i32> {
             return Ok(code);
         }
     };
-    let ctx = || Ctx::new(&cli.address, cli.token.as_deref());
+    let tls = http_client::CliTls {
+        ca_cert: cli.ca_cert.clone(),
+        client_cert: cli.client_cert.clone(),
+        client_key: cli.client_key.clone(),
+    };
+    let ctx = || Ctx::new(&cli.address, &tls, cli.token.as_deref());
     match cli.command {
         Command::Agent(a) => crate::agent::run_from_args(*a),
         Command::Config(ConfigCommand::Validate { paths }) => config_validate(&paths),
@@ -424,6 +462,7 @@ pub fn run(args: Vec<String>) -> Result<i32> {
         Command::System(cmd) => system::run(cmd, &ctx()?),
         Command::Acl(cmd) => acl::run(cmd, &ctx()?),
         Command::Operator(cmd) => operator::run(cmd, &ctx()?),
+        Command::Tls(cmd) => tls::run(cmd),
         Command::Version => {
             println!("berth {VERSION}");
             Ok(0)

@@ -41,6 +41,8 @@ pub struct ClientConfig {
     /// `http://HOST:PORT` of each server's agent protocol; the client
     /// dials the first and moves on to the next when one fails.
     pub servers: Vec<String>,
+    /// The client dials its servers over mutual TLS (`tls.rpc`).
+    pub tls: Option<Arc<crate::tls::AgentTls>>,
     pub node_name: Option<String>,
     /// How often terminal allocs are checked for garbage collection
     /// (Nomad's `gc_interval`).
@@ -85,6 +87,7 @@ impl ClientConfig {
         ClientConfig {
             data_dir,
             servers,
+            tls: None,
             node_name: None,
             gc_interval: Self::DEFAULT_GC_INTERVAL,
             gc_max_allocs: Self::DEFAULT_GC_MAX_ALLOCS,
@@ -356,7 +359,7 @@ impl Client {
         let node_id = identity.node_id.clone();
         let node = node_fingerprint(&config, node_id.clone());
         tracing::info!(node_id = %node.id, name = %node.name, "client starting");
-        let channels = servers::ServerChannels::new(&config.servers)?;
+        let channels = servers::ServerChannels::with_tls(&config.servers, config.tls.clone())?;
         let conn = ServerConn::new(channels, node, identity.secret);
         if let Some(token) = &config.intro_token {
             conn.set_intro_token(token.clone());

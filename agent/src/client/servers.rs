@@ -82,13 +82,71 @@ pub fn endpoint(addr: &str) -> Result<Endpoint, ServersError> {
         .keep_alive_while_idle(true))
 }
 
+/// Dials a server over mutual TLS: TCP to the address of the URI, then a
+/// handshake that presents the agent's certificate and accepts only a
+/// server certificate of the CA naming `server.<region>.berth` (see
+/// [`crate::tls`]). Each dial takes the certificates in force then.
+#[derive(Clone)]
+struct TlsDialer {
+    tls: Arc<crate::tls::AgentTls>,
+}
+
+impl Service<http::Uri> for TlsDialer {
+    type Response = hyper_util::rt::TokioIo<tokio_rustls::client::TlsStream<tokio::net::TcpStream>>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let (connector, name) = self.tls.connector();
+        Box::pin(async move {
+            let host = uri
+                .host()
+                .map(|h| h.trim_start_matches('[').trim_end_matches(']').to_string())
+                .ok_or_else(|| {
+                    std::io::Error::other(format!("server address {uri} has no host"))
+                })?;
+            let port = uri.port_u16().ok_or_else(|| {
+                std::io::Error::other(format!("server address {uri} has no port"))
+            })?;
+            let tcp = tokio::net::TcpStream::connect((host.as_str(), port)).await?;
+            let _ = tcp.set_nodelay(true);
+            match connector.connect(name, tcp).await {
+                Ok(s) => Ok(hyper_util::rt::TokioIo::new(s)),
+                Err(e) => {
+                    tracing::warn!(server = %uri, error = %e, "TLS handshake with the server failed");
+                    Err(std::io::Error::other(format!(
+                        "TLS handshake with the server {uri}: {e}"
+                    )))
+                }
+            }
+        })
+    }
+}
+
 impl ServerChannels {
-    /// Channels to `addrs` (`http://HOST:PORT` each), none dialled yet.
+    /// Channels to `addrs` (`http://HOST:PORT` each) in plaintext, none
+    /// dialled yet.
+    #[cfg(test)]
+    pub fn new(addrs: &[String]) -> Result<ServerChannels, ServersError> {
+        ServerChannels::with_tls(addrs, None)
+    }
+
+    /// Channels to `addrs` (`http://HOST:PORT` each), over mutual TLS
+    /// when `tls` is given, none dialled yet.
     /// An address listed twice gets one channel (the first place it is
     /// listed): a dead server listed twice would otherwise cost every
     /// failover from it a second failure before the client reaches the
     /// next server.
-    pub fn new(addrs: &[String]) -> Result<ServerChannels, ServersError> {
+    pub fn with_tls(
+        addrs: &[String],
+        tls: Option<Arc<crate::tls::AgentTls>>,
+    ) -> Result<ServerChannels, ServersError> {
         if addrs.is_empty() {
             return Err(ServersError::Empty);
         }
@@ -106,7 +164,12 @@ impl ServerChannels {
             .collect();
         let channels = addrs
             .iter()
-            .map(|a| endpoint(a).map(|e| e.connect_lazy()))
+            .map(|a| {
+                endpoint(a).map(|e| match &tls {
+                    Some(tls) => e.connect_with_connector_lazy(TlsDialer { tls: tls.clone() }),
+                    None => e.connect_lazy(),
+                })
+            })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(ServerChannels {
             inner: Arc::new(Inner {

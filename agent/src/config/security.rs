@@ -244,6 +244,25 @@ pub struct SecuritySections {
     pub limits: LimitsSection,
 }
 
+/// Whether `region` may name a region (it is part of certificate names:
+/// `server.<region>.berth`).
+pub fn check_region(region: &str) -> Result<(), String> {
+    let ok = !region.is_empty()
+        && region.len() <= 63
+        && region
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !region.starts_with('-')
+        && !region.ends_with('-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "{region:?} is not a region name (lowercase letters, digits and '-', at most 63)"
+        ))
+    }
+}
+
 /// The region when none is set, as Nomad's.
 pub const DEFAULT_REGION: &str = "global";
 
@@ -254,6 +273,39 @@ impl SecuritySections {
 
     pub fn effective_region(&self) -> &str {
         self.region.as_deref().unwrap_or(DEFAULT_REGION)
+    }
+
+    /// Why a server listening on `binds` must not start: an address that
+    /// is not loopback while `tls.rpc` or `tls.http` is off, unless
+    /// `insecure_bind = true`. `None` when it may.
+    pub fn insecure_bind_problem(
+        &self,
+        server: bool,
+        binds: &[std::net::IpAddr],
+    ) -> Option<String> {
+        if !server || self.insecure_bind == Some(true) {
+            return None;
+        }
+        let open = binds.iter().find(|a| !a.is_loopback())?;
+        let off: Vec<&str> = [
+            ("tls.rpc", !self.tls.rpc_enabled()),
+            ("tls.http", !self.tls.http_enabled()),
+        ]
+        .into_iter()
+        .filter_map(|(k, off)| off.then_some(k))
+        .collect();
+        if off.is_empty() {
+            return None;
+        }
+        Some(format!(
+            "the server listens on {open}, which is not loopback, while {} {} off: \
+             anyone who reaches its ports would be trusted. Turn TLS on \
+             (tls {{ rpc = true, http = true, ca_file, cert_file, key_file }}; \
+             berth tls makes the certificates), bind to 127.0.0.1, or set \
+             insecure_bind = true to accept an unprotected cluster",
+            off.join(" and "),
+            if off.len() == 1 { "is" } else { "are" }
+        ))
     }
 
     pub fn merge(self, later: SecuritySections) -> SecuritySections {
@@ -271,19 +323,7 @@ impl SecuritySections {
     pub fn parse(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<SecuritySections, SpecError> {
         let region = r.string("region")?;
         if let Some(reg) = &region {
-            let ok = !reg.is_empty()
-                && reg.len() <= 63
-                && reg
-                    .chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-                && !reg.starts_with('-')
-                && !reg.ends_with('-');
-            if !ok {
-                return Err(r.invalid(
-                    "region",
-                    format!("{reg:?} is not a region name (lowercase letters, digits and '-', at most 63)"),
-                ));
-            }
+            check_region(reg).map_err(|e| r.invalid("region", e))?;
         }
         let http_allowed_hosts = match r.strings("http_allowed_hosts")? {
             None => None,
@@ -528,6 +568,34 @@ limits {
         assert!(m.acl.enabled());
         assert_eq!(m.acl.effective_token_ttl(), Duration::from_secs(5));
         assert_eq!(m.limits.effective().max_log_follows, 6);
+    }
+
+    #[test]
+    fn a_server_on_a_public_address_needs_tls_or_insecure_bind() {
+        let public: std::net::IpAddr = "0.0.0.0".parse().unwrap();
+        let lo: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        let s = parse("").unwrap();
+        let e = s.insecure_bind_problem(true, &[public]).expect("refused");
+        assert!(
+            e.contains("0.0.0.0") && e.contains("tls.rpc and tls.http are off"),
+            "{e}"
+        );
+        assert!(e.contains("insecure_bind = true"), "{e}");
+        assert_eq!(s.insecure_bind_problem(true, &[lo]), None);
+        assert_eq!(
+            s.insecure_bind_problem(false, &[public]),
+            None,
+            "a client only dials"
+        );
+        let half = parse("tls {\n rpc = true\n}").unwrap();
+        let e = half
+            .insecure_bind_problem(true, &[public])
+            .expect("http still open");
+        assert!(e.contains("tls.http is off"), "{e}");
+        let both = parse("tls {\n rpc = true\n http = true\n}").unwrap();
+        assert_eq!(both.insecure_bind_problem(true, &[public]), None);
+        let insecure = parse("insecure_bind = true").unwrap();
+        assert_eq!(insecure.insecure_bind_problem(true, &[public]), None);
     }
 
     #[test]

@@ -1,0 +1,416 @@
+//! The agent's TLS (rustls with ring): the certificate, key and CA of
+//! `tls { ... }` read into the server and client configurations of its
+//! listeners and of its dials to the servers, reloadable on SIGHUP.
+//!
+//! - The agent protocol listener asks every peer for a certificate that
+//!   chains to the CA and refuses a peer without one at the handshake.
+//! - The HTTP listener asks for one too with `verify_https_client`
+//!   (the CLI presents its `cli` certificate).
+//! - A client dials its servers by address and, with
+//!   `verify_server_hostname`, accepts only a server certificate that
+//!   names `server.<region>.berth`; it presents its own certificate.
+//!
+//! A reload reads the three files again; new connections use what it
+//! read, connections already open keep theirs. A reload that fails keeps
+//! the configuration in force.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::client::WebPkiServerVerifier;
+use rustls::crypto::CryptoProvider;
+use rustls::server::WebPkiClientVerifier;
+use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+
+use crate::config::security::TlsSection;
+use crate::config::SecuritySections;
+
+/// ALPN of the agent protocol (gRPC speaks HTTP/2 only).
+const ALPN_H2: &[u8] = b"h2";
+/// ALPN of the HTTP API: the CLI speaks HTTP/1.1, other clients may
+/// speak HTTP/2.
+const ALPN_HTTP1: &[u8] = b"http/1.1";
+
+/// Why the TLS files do not make a configuration. Never holds key bytes.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("tls: reading {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("tls: {what} {} holds no PEM {expected}", path.display())]
+    NoPem {
+        what: &'static str,
+        path: PathBuf,
+        expected: &'static str,
+    },
+    #[error("tls: {what} {} is not valid PEM: {message}", path.display())]
+    BadPem {
+        what: &'static str,
+        path: PathBuf,
+        message: String,
+    },
+    #[error("tls: the CA file {}: {message}", path.display())]
+    BadCa { path: PathBuf, message: String },
+    #[error("tls: the certificate and key do not make a configuration: {0}")]
+    Config(#[from] rustls::Error),
+    #[error("tls: {0}")]
+    Incomplete(String),
+    #[error("tls: {0:?} does not make a server name to verify")]
+    BadServerName(String),
+}
+
+/// The certificate, key and CA of a `tls` block.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    pub ca_file: PathBuf,
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+}
+
+impl TlsFiles {
+    /// The files `tls` names, or what it lacks.
+    pub fn of(tls: &TlsSection) -> Result<TlsFiles, TlsError> {
+        match (&tls.ca_file, &tls.cert_file, &tls.key_file) {
+            (Some(ca), Some(cert), Some(key)) => Ok(TlsFiles {
+                ca_file: ca.clone(),
+                cert_file: cert.clone(),
+                key_file: key.clone(),
+            }),
+            _ => Err(TlsError::Incomplete(tls.incomplete().unwrap_or_else(
+                || "ca_file, cert_file and key_file must be set".to_string(),
+            ))),
+        }
+    }
+}
+
+/// What the three files hold.
+struct Material {
+    roots: Arc<RootCertStore>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// The certificates of the PEM file `path`, at least one.
+pub fn read_certs(
+    what: &'static str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bytes = read(what, path)?;
+    let certs = CertificateDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError::BadPem {
+            what,
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError::NoPem {
+            what,
+            path: path.to_path_buf(),
+            expected: "CERTIFICATE",
+        });
+    }
+    Ok(certs)
+}
+
+/// The private key of the PEM file `path`.
+pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let what = "the key file";
+    let bytes = read(what, path)?;
+    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| match e {
+        rustls_pki_types::pem::Error::NoItemsFound => TlsError::NoPem {
+            what,
+            path: path.to_path_buf(),
+            expected: "PRIVATE KEY",
+        },
+        e => TlsError::BadPem {
+            what,
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        },
+    })
+}
+
+impl Material {
+    fn load(files: &TlsFiles) -> Result<Material, TlsError> {
+        let mut roots = RootCertStore::empty();
+        for ca in read_certs("the CA file", &files.ca_file)? {
+            roots.add(ca).map_err(|e| TlsError::BadCa {
+                path: files.ca_file.clone(),
+                message: e.to_string(),
+            })?;
+        }
+        Ok(Material {
+            roots: Arc::new(roots),
+            chain: read_certs("the certificate file", &files.cert_file)?,
+            key: read_key(&files.key_file)?,
+        })
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// A server configuration presenting `m`'s certificate; with
+/// `require_client_cert` a peer must present one that chains to the CA,
+/// else it may present none (one it presents must still chain).
+fn server_config(
+    m: &Material,
+    require_client_cert: bool,
+    alpn: &[&[u8]],
+) -> Result<Arc<ServerConfig>, TlsError> {
+    let p = provider();
+    let verifier = WebPkiClientVerifier::builder_with_provider(m.roots.clone(), p.clone());
+    let verifier = if require_client_cert {
+        verifier
+    } else {
+        verifier.allow_unauthenticated()
+    };
+    let verifier = verifier
+        .build()
+        .map_err(|e| TlsError::Config(rustls::Error::General(e.to_string())))?;
+    let mut c = ServerConfig::builder_with_provider(p)
+        .with_safe_default_protocol_versions()?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(m.chain.clone(), m.key.clone_key())?;
+    c.alpn_protocols = alpn.iter().map(|a| a.to_vec()).collect();
+    Ok(Arc::new(c))
+}
+
+/// A client configuration that trusts only the CA and presents `m`'s
+/// certificate; without `verify_hostname` any server certificate of the
+/// CA is accepted whatever it names.
+fn client_config(m: &Material, verify_hostname: bool) -> Result<Arc<ClientConfig>, TlsError> {
+    let p = provider();
+    let webpki = WebPkiServerVerifier::builder_with_provider(m.roots.clone(), p.clone())
+        .build()
+        .map_err(|e| TlsError::Config(rustls::Error::General(e.to_string())))?;
+    let verifier: Arc<dyn ServerCertVerifier> = if verify_hostname {
+        webpki
+    } else {
+        Arc::new(ChainOnly(webpki))
+    };
+    let mut c = ClientConfig::builder_with_provider(p)
+        .with_safe_default_protocol_versions()?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_client_auth_cert(m.chain.clone(), m.key.clone_key())?;
+    c.alpn_protocols = vec![ALPN_H2.to_vec()];
+    Ok(Arc::new(c))
+}
+
+/// Checks that a server certificate chains to the CA, not the name it
+/// was dialled by (`verify_server_hostname = false`).
+#[derive(Debug)]
+struct ChainOnly(Arc<WebPkiServerVerifier>);
+
+impl ServerCertVerifier for ChainOnly {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        // The name is checked last, once the chain verified.
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            r => r,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// The configurations made of one reading of the files.
+struct Configs {
+    rpc_server: Arc<ServerConfig>,
+    http_server: Arc<ServerConfig>,
+    client: Arc<ClientConfig>,
+}
+
+/// The agent's TLS: which listeners speak it, and the configurations in
+/// force, replaced by [`AgentTls::reload`].
+pub struct AgentTls {
+    files: TlsFiles,
+    /// `tls.rpc`: the agent protocol (listener and dials) speaks TLS.
+    pub rpc: bool,
+    /// `tls.http`: the HTTP API is served over TLS.
+    pub http: bool,
+    verify_server_hostname: bool,
+    verify_https_client: bool,
+    /// `server.<region>.berth`: what a server certificate must name.
+    server_name: ServerName<'static>,
+    current: RwLock<Arc<Configs>>,
+}
+
+impl std::fmt::Debug for AgentTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AgentTls")
+            .field("files", &self.files)
+            .field("rpc", &self.rpc)
+            .field("http", &self.http)
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The name a server certificate of `region` carries.
+pub fn server_name_of(region: &str) -> String {
+    format!("server.{region}.berth")
+}
+
+impl AgentTls {
+    /// The agent's TLS as `security` configures it: `None` when neither
+    /// `tls.rpc` nor `tls.http` is on.
+    pub fn from_config(security: &SecuritySections) -> Result<Option<Arc<AgentTls>>, TlsError> {
+        let tls = &security.tls;
+        if !tls.rpc_enabled() && !tls.http_enabled() {
+            return Ok(None);
+        }
+        let files = TlsFiles::of(tls)?;
+        let name = server_name_of(security.effective_region());
+        let server_name =
+            ServerName::try_from(name.clone()).map_err(|_| TlsError::BadServerName(name))?;
+        let t = AgentTls {
+            rpc: tls.rpc_enabled(),
+            http: tls.http_enabled(),
+            verify_server_hostname: tls.effective_verify_server_hostname(),
+            verify_https_client: tls.effective_verify_https_client(),
+            server_name,
+            current: RwLock::new(Arc::new(Configs::build(
+                &files,
+                tls.effective_verify_server_hostname(),
+                tls.effective_verify_https_client(),
+            )?)),
+            files,
+        };
+        Ok(Some(Arc::new(t)))
+    }
+
+    /// Reads the files again; on success new connections use them, on
+    /// failure the configuration in force stays.
+    pub fn reload(&self) -> Result<(), TlsError> {
+        let c = Configs::build(
+            &self.files,
+            self.verify_server_hostname,
+            self.verify_https_client,
+        )?;
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(c);
+        Ok(())
+    }
+
+    fn configs(&self) -> Arc<Configs> {
+        self.current
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The configuration a new agent protocol connection is accepted with.
+    pub fn rpc_acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.configs().rpc_server.clone())
+    }
+
+    /// The configuration a new HTTP API connection is accepted with.
+    pub fn http_acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        tokio_rustls::TlsAcceptor::from(self.configs().http_server.clone())
+    }
+
+    /// The configuration a new dial to a server uses, and the name its
+    /// certificate must carry.
+    pub fn connector(&self) -> (tokio_rustls::TlsConnector, ServerName<'static>) {
+        (
+            tokio_rustls::TlsConnector::from(self.configs().client.clone()),
+            self.server_name.clone(),
+        )
+    }
+}
+
+impl Configs {
+    fn build(
+        files: &TlsFiles,
+        verify_server_hostname: bool,
+        verify_https_client: bool,
+    ) -> Result<Configs, TlsError> {
+        let m = Material::load(files)?;
+        Ok(Configs {
+            rpc_server: server_config(&m, true, &[ALPN_H2])?,
+            http_server: server_config(&m, verify_https_client, &[ALPN_H2, ALPN_HTTP1])?,
+            client: client_config(&m, verify_server_hostname)?,
+        })
+    }
+}
+
+/// The DNS names of a certificate's subject alternative names (empty when
+/// it does not parse or has none).
+pub fn dns_names(cert: &CertificateDer<'_>) -> Vec<String> {
+    use x509_parser::extensions::GeneralName;
+    let Ok((_, cert)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
+        return Vec::new();
+    };
+    match cert.subject_alternative_name() {
+        Ok(Some(san)) => san
+            .value
+            .general_names
+            .iter()
+            .filter_map(|n| match n {
+                GeneralName::DNSName(d) => Some(d.to_string()),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// The DNS names of the certificate the peer of `conn` presented.
+pub fn peer_dns_names(conn: &rustls::CommonState) -> Vec<String> {
+    conn.peer_certificates()
+        .and_then(|c| c.first())
+        .map(dns_names)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests;
