@@ -660,14 +660,12 @@ impl RedbBackend {
             for change in changes {
                 let kind = change.table();
                 touched.insert(kind);
-                match change {
-                    Change::PutNodeSecret { node_id, secret } => {
-                        let bytes = seal_node_secret(node_id, secret, &self.keyring)?;
-                        let mut s = txn.open_table(NODE_SECRETS_SEALED)?;
-                        s.insert(node_id.as_str(), bytes.as_slice())?;
-                        continue;
-                    }
-                    _ => {}
+                // A deleted node's secret stays: its ID stays bound to it.
+                if let Change::PutNodeSecret { node_id, secret } = change {
+                    let bytes = seal_node_secret(node_id, secret, &self.keyring)?;
+                    let mut s = txn.open_table(NODE_SECRETS_SEALED)?;
+                    s.insert(node_id.as_str(), bytes.as_slice())?;
+                    continue;
                 }
                 let mut t = txn.open_table(definition(kind))?;
                 let encode_err = |source| StoreError::Encode {
