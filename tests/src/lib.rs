@@ -367,6 +367,9 @@ pub struct DevAgent {
     extra_args: Vec<String>,
     /// The `berth` binary it runs.
     program: PathBuf,
+    /// With `-acl-enabled`: the management token its ACL bootstrap made,
+    /// which [`Self::cli`] presents.
+    pub token: Option<String>,
 }
 
 impl DevAgent {
@@ -399,6 +402,7 @@ impl DevAgent {
             log_path,
             extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
             program: program.to_path_buf(),
+            token: None,
         };
         agent.spawn(port)?;
         agent.wait_ready()?;
@@ -421,6 +425,22 @@ impl DevAgent {
     }
 
     fn wait_ready(&mut self) -> Result<()> {
+        if self.token.is_none() && self.extra_args.iter().any(|a| a == "-acl-enabled") {
+            let token = wait_for("the ACL bootstrap", Duration::from_secs(30), || {
+                if let Some(c) = self.child.as_mut() {
+                    if let Some(status) = c.try_wait()? {
+                        bail!("berth agent exited early ({status}); log:\n{}", self.log());
+                    }
+                }
+                let out = self.cli(&["acl", "bootstrap", "-json"])?;
+                if !out.status.success() {
+                    return Ok(None);
+                }
+                let v: Value = serde_json::from_slice(&out.stdout)?;
+                Ok(v["secret_id"].as_str().map(str::to_string))
+            })?;
+            self.token = Some(token);
+        }
         wait_for("the dev node to be ready", Duration::from_secs(30), || {
             if let Some(c) = self.child.as_mut() {
                 if let Some(status) = c.try_wait()? {
@@ -503,8 +523,11 @@ impl DevAgent {
 
     /// Runs the CLI against this agent.
     pub fn cli(&self, args: &[&str]) -> Result<Output> {
-        Command::new(binary("berth"))
-            .args(args)
+        let mut cmd = Command::new(binary("berth"));
+        if let Some(t) = &self.token {
+            cmd.env("BERTH_TOKEN", t);
+        }
+        cmd.args(args)
             .env("BERTH_ADDR", &self.http_addr)
             .env("PATH", &self.path_env)
             .stdin(Stdio::null())

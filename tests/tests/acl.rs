@@ -1,0 +1,221 @@
+//! ACLs end to end on a real `berth agent -dev -acl-enabled`: without a
+//! token nothing but the public routes answers, the bootstrap token may do
+//! everything, a read-only token reads and is refused every write, and the
+//! same refusals hold for a request sent straight to the agent protocol
+//! port through `Agent.ForwardHttp`. A new node needs an introduction
+//! token there too.
+
+use anyhow::{Context, Result};
+use berth_proto::berth::v1 as pb;
+use berth_proto::berth::v1::agent_client::AgentClient;
+use berth_tests::{free_port, sleeping_service_job, DevAgent, HttpAnswer};
+use serde_json::Value;
+
+trait Body {
+    fn text(&self) -> String;
+    fn json(&self) -> Result<Value>;
+}
+
+impl Body for HttpAnswer {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    fn json(&self) -> Result<Value> {
+        serde_json::from_slice(&self.body).with_context(|| self.text())
+    }
+}
+
+const READONLY: &str = r#"
+namespace "default" {
+  policy = "read"
+}
+node   { policy = "read" }
+plugin { policy = "read" }
+"#;
+
+fn request(method: &str, path: &str, token: Option<&str>, body: &str) -> String {
+    let auth = token.map_or(String::new(), |t| format!("X-Berth-Token: {t}\r\n"));
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+/// The status of each request a read-only token must be refused, and one
+/// it may make.
+fn writes(job_body: &str) -> Vec<(&'static str, String, String)> {
+    vec![
+        ("PUT", "/v1/jobs".into(), job_body.to_string()),
+        ("PUT", "/v1/node/x/purge".into(), "{}".into()),
+        (
+            "POST",
+            "/v1/node/x/drain".into(),
+            r#"{"enable": true}"#.into(),
+        ),
+        ("PUT", "/v1/system/gc".into(), "{}".into()),
+        (
+            "PUT",
+            "/v1/volume/csi/v1/create".into(),
+            r#"{"volume": {"id": "v1"}}"#.into(),
+        ),
+    ]
+}
+
+fn json_of(agent: &DevAgent, args: &[&str]) -> Result<Value> {
+    let out = agent.cli_ok(args)?;
+    serde_json::from_str(&out).with_context(|| out.clone())
+}
+
+async fn forward(
+    rpc: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> Result<u32> {
+    let mut client = AgentClient::connect(format!("http://{rpc}")).await?;
+    let mut headers = vec![pb::HttpHeader {
+        name: "content-type".into(),
+        value: b"application/json".to_vec(),
+    }];
+    if let Some(t) = token {
+        headers.push(pb::HttpHeader {
+            name: "x-berth-token".into(),
+            value: t.as_bytes().to_vec(),
+        });
+    }
+    let answer = client
+        .forward_http(pb::HttpRequest {
+            method: method.into(),
+            path_and_query: path.into(),
+            headers,
+            body: body.as_bytes().to_vec(),
+        })
+        .await?
+        .into_inner();
+    Ok(answer.status)
+}
+
+#[test]
+fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()> {
+    let rpc_port = free_port();
+    let rpc = format!("127.0.0.1:{rpc_port}");
+    let agent = DevAgent::start_with_args(&["-acl-enabled", "-rpc-addr", &rpc])?;
+    let boot = agent.token.clone().context("the bootstrap token")?;
+
+    // A second bootstrap is refused.
+    let again = agent.http(&request("POST", "/v1/acl/bootstrap", None, "{}"))?;
+    assert_eq!(again.status, 409, "{}", again.text());
+
+    let job = agent.write_file("sleeper.hcl", &sleeping_service_job("sleeper", 1, 0))?;
+    let job_json = agent.cli_ok(&["job", "run", "-output", &job])?;
+    let job_body = job_json.trim().to_string();
+
+    // No token: 403 and no job.
+    let anon = agent.http(&request("PUT", "/v1/jobs", None, &job_body))?;
+    assert_eq!(anon.status, 403, "{}", anon.text());
+    assert!(anon.text().contains("permission denied"), "{}", anon.text());
+    let list = agent.http(&request("GET", "/v1/jobs", Some(&boot), ""))?;
+    assert_eq!(list.status, 200);
+    assert_eq!(
+        list.json()?,
+        Value::Array(vec![]),
+        "a refused submit wrote a job"
+    );
+    // A made-up token: 403.
+    let bad = agent.http(&request("GET", "/v1/jobs", Some("made-up"), ""))?;
+    assert_eq!(bad.status, 403, "{}", bad.text());
+    // Public routes answer anyone.
+    assert_eq!(
+        agent
+            .http(&request("GET", "/v1/agent/health", None, ""))?
+            .status,
+        200
+    );
+
+    // The bootstrap token submits.
+    let ok = agent.http(&request("PUT", "/v1/jobs", Some(&boot), &job_body))?;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+
+    // A read-only token.
+    let policy = agent.write_file("readonly.hcl", READONLY)?;
+    agent.cli_ok(&["acl", "policy", "apply", "readonly", &policy])?;
+    let created = json_of(
+        &agent,
+        &[
+            "acl", "token", "create", "-json", "-name", "ro", "-policy", "readonly",
+        ],
+    )?;
+    let ro = created["secret_id"].as_str().context("secret")?.to_string();
+    let accessor = created["accessor_id"]
+        .as_str()
+        .context("accessor")?
+        .to_string();
+    assert_eq!(
+        agent
+            .http(&request("GET", "/v1/jobs", Some(&ro), ""))?
+            .status,
+        200
+    );
+    // Nothing the servers answer or list carries a secret.
+    let tokens = json_of(&agent, &["acl", "token", "list", "-json"])?.to_string();
+    assert!(!tokens.contains(&ro) && !tokens.contains(&boot), "{tokens}");
+    assert!(tokens.contains(&accessor));
+    for (method, path, body) in writes(&job_body) {
+        let a = agent.http(&request(method, &path, Some(&ro), &body))?;
+        assert_eq!(a.status, 403, "{method} {path}: {}", a.text());
+    }
+
+    // The same through Agent.ForwardHttp on the agent protocol port.
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        assert_eq!(
+            forward(&rpc, "PUT", "/v1/jobs", None, &job_body).await?,
+            403
+        );
+        assert_eq!(forward(&rpc, "GET", "/v1/jobs", None, "").await?, 403);
+        assert_eq!(forward(&rpc, "GET", "/v1/jobs", Some(&ro), "").await?, 200);
+        for (method, path, body) in writes(&job_body) {
+            let status = forward(&rpc, method, &path, Some(&ro), &body).await?;
+            assert_eq!(status, 403, "forwarded {method} {path}");
+        }
+        assert_eq!(
+            forward(&rpc, "PUT", "/v1/system/gc", Some(&boot), "{}").await?,
+            200
+        );
+        anyhow::Ok(())
+    })?;
+
+    // The CLI without a token says why.
+    let out = berth_tests::cli_at(&agent.http_addr, &["job", "status"])?;
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("permission denied"), "{stderr}");
+
+    // Every write is in the audit log with the accessor that made it.
+    let me = json_of(&agent, &["acl", "token", "self", "-json"])?;
+    let boot_accessor = me["accessor_id"].as_str().context("accessor")?.to_string();
+    let log = agent.log();
+    assert!(
+        log.lines().any(|l| l.contains("API write")
+            && l.contains("acl_accessor")
+            && l.contains(&boot_accessor)),
+        "no audit line in:\n{log}"
+    );
+    // The token secrets never reach the log.
+    assert!(
+        !log.contains(&ro) && !log.contains(&boot),
+        "a token secret is in the log"
+    );
+
+    // A deleted token is refused at once.
+    agent.cli_ok(&["acl", "token", "delete", &accessor])?;
+    assert_eq!(
+        agent
+            .http(&request("GET", "/v1/jobs", Some(&ro), ""))?
+            .status,
+        403
+    );
+    Ok(())
+}
