@@ -745,13 +745,14 @@ fn components() -> Value {
 /// The whole document.
 pub fn document() -> Value {
     let mut paths = Map::new();
+    let routes = super::routes::all_routes();
     for o in operations() {
         let item = paths
             .entry(o.path)
             .or_insert_with(|| Value::Object(Map::new()));
         item[o.method] = operation(&o);
-        let need = super::routes::all_routes()
-            .into_iter()
+        let need = routes
+            .iter()
             .find(|r| r.path == o.path && r.method.as_str().eq_ignore_ascii_case(o.method))
             .map(|r| r.need.to_string());
         if let Some(need) = need {
