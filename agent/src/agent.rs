@@ -995,6 +995,13 @@ async fn start_server(
         // it may join.
         node_enrollment: security.acl.enabled() || security.tls.rpc_enabled(),
         region: security.effective_region().to_string(),
+        register_rate: Some({
+            let l = security.limits.effective();
+            berth_server::RegisterRate {
+                rate: f64::from(l.node_register_rate_per_client),
+                burst: l.node_register_burst_per_client,
+            }
+        }),
         ..ServerConfig::default()
     };
     if let Some(g) = config.heartbeat_grace {

@@ -710,20 +710,39 @@ fn status(a: &Allocation, s: AllocClientStatus, description: &str) -> pb::AllocS
 const SETUP_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// A real server agent (`berth agent -server`, its own process, the
-/// default log level) on free loopback ports; killed on drop.
+/// default log level) on free loopback ports; killed on drop. The whole
+/// simulated fleet registers from one loopback address, so its limit of
+/// registrations per address is raised to the most it allows.
 pub struct ServerAgent {
     pub agent: berth_tests::Agent,
     pub http_port: u16,
     pub rpc: String,
+    _config: tempfile::TempDir,
 }
+
+/// The `limits` block of a server a simulated fleet registers with.
+const FLEET_LIMITS: &str = "limits {\n  node_register_rate_per_client = 1000000\n  \
+                            node_register_burst_per_client = 1000000\n}\n";
 
 impl ServerAgent {
     pub fn start() -> Result<ServerAgent> {
+        let config = tempfile::tempdir()?;
+        let file = config.path().join("server.hcl");
+        std::fs::write(&file, FLEET_LIMITS)?;
+        let file = file.to_str().context("the temp dir is not UTF-8")?;
         let http_port = berth_tests::free_port();
         let rpc = format!("127.0.0.1:{}", berth_tests::free_port());
         let http = format!("127.0.0.1:{http_port}");
         let mut agent = berth_tests::Agent::start_with_env(
-            &["-server", "-http-addr", &http, "-rpc-addr", &rpc],
+            &[
+                "-server",
+                "-config",
+                file,
+                "-http-addr",
+                &http,
+                "-rpc-addr",
+                &rpc,
+            ],
             &[("BERTH_LOG", None)],
         )?;
         berth_tests::wait_for(
@@ -738,6 +757,7 @@ impl ServerAgent {
             agent,
             http_port,
             rpc,
+            _config: config,
         })
     }
 

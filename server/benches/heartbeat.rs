@@ -239,6 +239,8 @@ async fn run(args: Args) -> Result<bool, String> {
     cfg.min_heartbeat_ttl = args.min_ttl;
     cfg.max_heartbeats_per_second = args.max_per_second;
     cfg.heartbeat_grace = args.grace;
+    // The whole simulated fleet registers from one loopback address.
+    cfg.register_rate = None;
     let server = Server::open(cfg).map_err(|e| format!("opening the server: {e}"))?;
     let (stop, rx) = watch::channel(false);
     let (addr, grpc) = support::serve_grpc(&server, rx.clone())

@@ -44,6 +44,9 @@ pub struct ServerConfig {
     pub node_enrollment: bool,
     /// The region the agents' certificates name (`global`).
     pub region: String,
+    /// How often one peer address may call `Node.Register`; `None` for
+    /// no limit.
+    pub register_rate: Option<crate::RegisterRate>,
 }
 
 /// Production defaults with an empty `data_dir`, which `Server::open`
@@ -73,6 +76,7 @@ impl ServerConfig {
             acl_enabled: false,
             node_enrollment: false,
             region: "global".into(),
+            register_rate: Some(crate::RegisterRate::default()),
         }
     }
 }

@@ -100,6 +100,11 @@ pub enum ServerError {
     /// never a secret.
     #[error("{0}")]
     Forbidden(String),
+    /// The caller made more requests of this kind than its limit allows
+    /// (`Node.Register` per peer address); retry after the wait the
+    /// message names.
+    #[error("{0}")]
+    TooManyRequests(String),
     /// A client answered a server call with an error (typically a CSI plugin
     /// error); `code` is the gRPC code it reported.
     #[error("{message}")]
@@ -123,6 +128,7 @@ impl ServerError {
             ServerError::Conflict(_) | ServerError::InUse(_) => 409,
             ServerError::Unavailable(_) => 503,
             ServerError::Forbidden(_) => 403,
+            ServerError::TooManyRequests(_) => 429,
             ServerError::Remote { code, .. } => match code {
                 tonic::Code::InvalidArgument | tonic::Code::OutOfRange => 400,
                 tonic::Code::NotFound => 404,
@@ -146,6 +152,7 @@ impl ServerError {
             ServerError::InUse(_) => tonic::Code::ResourceExhausted,
             ServerError::Unavailable(_) => tonic::Code::Unavailable,
             ServerError::Forbidden(_) => tonic::Code::PermissionDenied,
+            ServerError::TooManyRequests(_) => tonic::Code::ResourceExhausted,
             ServerError::Remote { code, .. } => *code,
             ServerError::Store(_) | ServerError::Internal(_) => tonic::Code::Internal,
         }

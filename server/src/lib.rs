@@ -28,6 +28,7 @@ mod page;
 mod plan;
 mod plugins;
 mod prefix;
+mod register_rate;
 mod rpc;
 mod scheduler;
 mod server;
@@ -52,6 +53,7 @@ pub use plan::{
     PlannedAlloc, StoppedAlloc,
 };
 pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
+pub use register_rate::RegisterRate;
 pub use rpc::{CsiVolumeService, NodeService, PeerIdentity};
 pub use scheduler::JobRegisterResponse;
 pub use server::Server;

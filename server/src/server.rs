@@ -37,6 +37,8 @@ pub struct Server {
     pub(crate) volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
     pub(crate) alloc_reports: crate::nodes::AllocReports,
+    /// `Node.Register` calls per peer address (`config.register_rate`).
+    pub(crate) register_limiter: Option<crate::register_rate::RegisterLimiter>,
     /// Set when `run` is told to shut down; streams end on it.
     pub(crate) shutdown: watch::Sender<bool>,
 }
@@ -57,7 +59,11 @@ impl Server {
         // they run: only plugin allocs placed on them count.
         store.set_plugin_instances_need_allocs(config.node_enrollment);
         let (shutdown, _) = watch::channel(false);
+        let register_limiter = config
+            .register_rate
+            .map(crate::register_rate::RegisterLimiter::new);
         let server = Arc::new(Server {
+            register_limiter,
             config,
             store,
             calls: CallRegistry::default(),

@@ -422,3 +422,55 @@ async fn the_alloc_watch_of_a_purged_node_ends() {
     let err = end.expect("it ends with an error saying why");
     assert_eq!(err.code(), tonic::Code::NotFound, "{err:?}");
 }
+
+/// One peer address registers at most its burst at once: the next call is
+/// refused before anything of it is looked at (its node is not written)
+/// with `ResourceExhausted` that says the limit and the wait, and a call
+/// is allowed again once the bucket refilled.
+#[tokio::test]
+async fn registrations_of_one_peer_are_rate_limited() {
+    let ts = TestServer::start(|c| {
+        c.register_rate = Some(berth_server::RegisterRate {
+            rate: 2.0,
+            burst: 3,
+        })
+    })
+    .await;
+    let n1 = node("n1");
+    for _ in 0..3 {
+        register_with(&ts, Some(GOOD), &n1)
+            .await
+            .expect("a registration within the burst");
+    }
+    let stranger = node("stranger");
+    let err = register_with(&ts, Some(FORGED), &stranger)
+        .await
+        .expect_err("past the burst");
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err:?}");
+    let msg = err.message();
+    assert!(
+        msg.contains("127.0.0.1")
+            && msg.contains("node_register_burst_per_client")
+            && msg.contains("retry in"),
+        "{msg}"
+    );
+    assert!(
+        ts.server.node("stranger").is_err(),
+        "a refused registration wrote its node"
+    );
+    // Two per second: within a second (polled) a registration is allowed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match register_with(&ts, Some(GOOD), &n1).await {
+            Ok(_) => break,
+            Err(e) if e.code() == tonic::Code::ResourceExhausted => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the bucket did not refill: {e:?}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+}

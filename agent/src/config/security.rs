@@ -20,6 +20,8 @@
 //!   max_blocking_queries      = 4096
 //!   max_log_follows           = 256
 //!   http_header_read_timeout  = "15s"
+//!   node_register_rate_per_client  = 10
+//!   node_register_burst_per_client = 100
 //! }
 //! ```
 //!
@@ -166,6 +168,11 @@ pub struct LimitsSection {
     pub max_log_follows: Option<u32>,
     /// How long a connection may take to send a request's headers.
     pub http_header_read_timeout: Option<Duration>,
+    /// `Node.Register` calls per second one peer address may make once
+    /// its burst is spent (servers only).
+    pub node_register_rate_per_client: Option<u32>,
+    /// `Node.Register` calls one peer address may make at once.
+    pub node_register_burst_per_client: Option<u32>,
 }
 
 /// The limits in force, defaults filled in.
@@ -176,6 +183,8 @@ pub struct Limits {
     pub max_blocking_queries: u32,
     pub max_log_follows: u32,
     pub http_header_read_timeout: Duration,
+    pub node_register_rate_per_client: u32,
+    pub node_register_burst_per_client: u32,
 }
 
 impl Default for Limits {
@@ -188,6 +197,8 @@ impl Default for Limits {
             max_blocking_queries: 4096,
             max_log_follows: 256,
             http_header_read_timeout: Duration::from_secs(15),
+            node_register_rate_per_client: 10,
+            node_register_burst_per_client: 100,
         }
     }
 }
@@ -207,6 +218,12 @@ impl LimitsSection {
             http_header_read_timeout: self
                 .http_header_read_timeout
                 .unwrap_or(d.http_header_read_timeout),
+            node_register_rate_per_client: self
+                .node_register_rate_per_client
+                .unwrap_or(d.node_register_rate_per_client),
+            node_register_burst_per_client: self
+                .node_register_burst_per_client
+                .unwrap_or(d.node_register_burst_per_client),
         }
     }
 
@@ -223,6 +240,12 @@ impl LimitsSection {
             http_header_read_timeout: later
                 .http_header_read_timeout
                 .or(self.http_header_read_timeout),
+            node_register_rate_per_client: later
+                .node_register_rate_per_client
+                .or(self.node_register_rate_per_client),
+            node_register_burst_per_client: later
+                .node_register_burst_per_client
+                .or(self.node_register_burst_per_client),
         }
     }
 }
@@ -395,6 +418,8 @@ impl SecuritySections {
                         "max_blocking_queries",
                         "max_log_follows",
                         "http_header_read_timeout",
+                        "node_register_rate_per_client",
+                        "node_register_burst_per_client",
                     ],
                     &[],
                 )?;
@@ -414,6 +439,8 @@ impl SecuritySections {
                     max_blocking_queries: count("max_blocking_queries")?,
                     max_log_follows: count("max_log_follows")?,
                     http_header_read_timeout: timeout,
+                    node_register_rate_per_client: count("node_register_rate_per_client")?,
+                    node_register_burst_per_client: count("node_register_burst_per_client")?,
                 }
             }
         };
@@ -484,6 +511,8 @@ limits {
   max_blocking_queries      = 30
   max_log_follows           = 40
   http_header_read_timeout  = "5s"
+  node_register_rate_per_client  = 2
+  node_register_burst_per_client = 7
 }
 "#,
         )
@@ -508,6 +537,8 @@ limits {
                 max_blocking_queries: 30,
                 max_log_follows: 40,
                 http_header_read_timeout: Duration::from_secs(5),
+                node_register_rate_per_client: 2,
+                node_register_burst_per_client: 7,
             }
         );
     }

@@ -40,6 +40,44 @@ impl crate::server::Server {
             .get::<PeerIdentity>()
             .is_some_and(|p| p.is_agent_of(&self.config.region))
     }
+
+    /// Refuses a `Node.Register` of a peer that registered more often
+    /// than `config.register_rate` allows. A request whose peer address is
+    /// unknown (not over TCP) is not limited.
+    pub(crate) fn check_register_rate<T>(
+        &self,
+        req: &tonic::Request<T>,
+    ) -> Result<(), ServerError> {
+        let Some(limiter) = &self.register_limiter else {
+            return Ok(());
+        };
+        let Some(peer) = peer_addr(req) else {
+            return Ok(());
+        };
+        limiter
+            .take(peer.ip(), std::time::Instant::now())
+            .map_err(|wait| {
+                let limit = limiter.limit();
+                ServerError::TooManyRequests(format!(
+                    "register: {} registered more than {} times at {}/s \
+                     (limits.node_register_burst_per_client, \
+                     limits.node_register_rate_per_client); retry in {} ms",
+                    peer.ip(),
+                    limit.burst,
+                    limit.rate,
+                    wait.as_millis().max(1)
+                ))
+            })
+    }
+}
+
+/// The address of the peer of `req`: from the TLS listener's
+/// [`PeerIdentity`], or tonic's own connect info on a plain listener.
+pub(crate) fn peer_addr<T>(req: &tonic::Request<T>) -> Option<std::net::SocketAddr> {
+    req.extensions()
+        .get::<PeerIdentity>()
+        .and_then(|p| p.remote_addr)
+        .or_else(|| req.remote_addr())
 }
 
 use berth_proto::berth::v1::NODE_SECRET_METADATA;

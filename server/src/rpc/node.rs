@@ -152,6 +152,7 @@ impl Node for NodeService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
+        self.server.check_register_rate(&req)?;
         let size = req.get_ref().node_json.len();
         if size > pb::MAX_REGISTER_NODE_JSON {
             return Err(ServerError::BadRequest(format!(
