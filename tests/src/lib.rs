@@ -14,6 +14,7 @@ use serde_json::Value;
 
 pub mod cli_text;
 pub mod cluster;
+pub mod pki;
 pub mod snapshot;
 pub use berth_testutil::relay;
 

@@ -4,85 +4,13 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use berth_tests::{binary, free_port, wait_for, Agent};
-use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use berth_tests::pki::{berth_in, https_request_on, tls_connect, Pki, TlsConn};
+use berth_tests::{free_port, wait_for, Agent};
 use serde_json::Value;
-
-/// Runs `berth ARGS...` in `dir`; an error with its output unless it
-/// exits 0.
-fn berth_in(dir: &Path, args: &[&str]) -> Result<Output> {
-    let out = Command::new(binary("berth"))
-        .args(args)
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running berth {}", args.join(" ")))?;
-    if !out.status.success() {
-        bail!(
-            "berth {} failed: {}{}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(out)
-}
-
-/// The agents' CA and certificates, made by `berth tls` in `dir`, and a
-/// rogue CA with a client certificate in `dir/rogue`.
-struct Pki {
-    dir: tempfile::TempDir,
-}
-
-impl Pki {
-    fn new() -> Result<Pki> {
-        let dir = tempfile::Builder::new().prefix("berth-tls-").tempdir()?;
-        let d = dir.path();
-        berth_in(d, &["tls", "ca", "create"])?;
-        berth_in(d, &["tls", "cert", "create", "-server"])?;
-        berth_in(d, &["tls", "cert", "create", "-client"])?;
-        berth_in(d, &["tls", "cert", "create", "-cli"])?;
-        berth_in(d, &["tls", "cert", "create", "-server", "-region", "eu"])?;
-        let rogue = d.join("rogue");
-        std::fs::create_dir(&rogue)?;
-        berth_in(&rogue, &["tls", "ca", "create"])?;
-        berth_in(&rogue, &["tls", "cert", "create", "-client"])?;
-        Ok(Pki { dir })
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-
-    fn ca(&self) -> PathBuf {
-        self.path("berth-agent-ca.pem")
-    }
-
-    /// A `tls` block with the agents' CA and the certificate `base`
-    /// (`global-server-berth`, `rogue/global-client-berth`...).
-    fn tls_block(&self, base: &str, http: bool) -> String {
-        format!(
-            "tls {{\n  rpc = true\n  http = {http}\n  ca_file = {:?}\n  cert_file = {:?}\n  key_file = {:?}\n}}\n",
-            self.ca(),
-            self.path(&format!("{base}.pem")),
-            self.path(&format!("{base}-key.pem")),
-        )
-    }
-
-    /// Writes `body` as the config file `name` in the PKI dir.
-    fn config(&self, name: &str, body: &str) -> Result<PathBuf> {
-        let p = self.path(name);
-        std::fs::write(&p, body)?;
-        Ok(p)
-    }
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("temp paths are UTF-8")
@@ -122,50 +50,6 @@ fn start_client(pki: &Pki, node: &str, rpc: &str, body: &str) -> Result<Agent> {
     ])
 }
 
-fn certs(path: &Path) -> Result<Vec<CertificateDer<'static>>> {
-    CertificateDer::pem_file_iter(path)
-        .with_context(|| format!("reading {}", path.display()))?
-        .collect::<Result<Vec<_>, _>>()
-        .with_context(|| format!("parsing {}", path.display()))
-}
-
-/// A rustls client that trusts the agents' CA and presents `identity`
-/// (a certificate base name) or nothing.
-fn tls_client(pki: &Pki, identity: Option<&str>) -> Result<Arc<rustls::ClientConfig>> {
-    let mut roots = rustls::RootCertStore::empty();
-    for c in certs(&pki.ca())? {
-        roots.add(c)?;
-    }
-    let b = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()?
-    .with_root_certificates(roots);
-    Ok(Arc::new(match identity {
-        Some(base) => {
-            let chain = certs(&pki.path(&format!("{base}.pem")))?;
-            let key = PrivateKeyDer::from_pem_file(pki.path(&format!("{base}-key.pem")))?;
-            b.with_client_auth_cert(chain, key)?
-        }
-        None => b.with_no_client_auth(),
-    }))
-}
-
-type TlsConn = rustls::StreamOwned<rustls::ClientConnection, TcpStream>;
-
-/// A TLS connection to `127.0.0.1:port`, the handshake done.
-fn tls_connect(config: &Arc<rustls::ClientConfig>, port: u16) -> Result<TlsConn> {
-    let tcp = TcpStream::connect(("127.0.0.1", port))?;
-    tcp.set_read_timeout(Some(Duration::from_secs(30)))?;
-    let name = ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
-    let conn = rustls::ClientConnection::new(config.clone(), name)?;
-    let mut tls = rustls::StreamOwned::new(conn, tcp);
-    while tls.conn.is_handshaking() {
-        tls.conn.complete_io(&mut tls.sock)?;
-    }
-    Ok(tls)
-}
-
 /// The DNS names of the certificate the server presented on `tls`.
 fn peer_names(tls: &TlsConn) -> Vec<String> {
     let Some(cert) = tls.conn.peer_certificates().and_then(|c| c.first()) else {
@@ -183,39 +67,16 @@ fn peer_names(tls: &TlsConn) -> Vec<String> {
         .collect()
 }
 
-/// Sends a GET of `path` on `tls` and reads the whole answer
-/// (`Connection: close`): its status, head and body.
-fn https_get_on(mut tls: TlsConn, path: &str) -> Result<(u16, String, Vec<u8>)> {
-    write!(
-        tls,
-        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
-    )?;
-    tls.flush()?;
-    let mut raw = Vec::new();
-    match tls.read_to_end(&mut raw) {
-        Ok(_) => {}
-        // A server that closes without close_notify still sent it all.
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
-        Err(e) => return Err(e.into()),
-    }
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("no HTTP answer: {:?}", String::from_utf8_lossy(&raw)))?;
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("no status in {head:?}"))?;
-    let body = raw[split + 4..].to_vec();
-    Ok((status, head, body))
+/// A GET of `path` on `tls`, no token: its status, head and body.
+fn https_get_on(tls: TlsConn, path: &str) -> Result<(u16, String, Vec<u8>)> {
+    let a = https_request_on(tls, "GET", path, None, "")?;
+    Ok((a.status, a.head, a.body))
 }
 
 /// The names of the nodes the server at `port` knows, over HTTPS with
 /// the CLI's certificate.
 fn node_names(pki: &Pki, port: u16) -> Result<Vec<String>> {
-    let cli = tls_client(pki, Some("global-cli-berth"))?;
+    let cli = pki.client_config(Some("global-cli-berth"))?;
     let (status, _, body) = https_get_on(tls_connect(&cli, port)?, "/v1/nodes")?;
     if status != 200 {
         bail!("GET /v1/nodes: {status} {}", String::from_utf8_lossy(&body));
@@ -234,104 +95,6 @@ fn node_names(pki: &Pki, port: u16) -> Result<Vec<String>> {
 /// How many times `needle` is in the agent's log.
 fn logged(agent: &Agent, needle: &str) -> usize {
     agent.log().matches(needle).count()
-}
-
-#[test]
-fn only_a_client_with_a_certificate_of_the_ca_becomes_a_node() -> Result<()> {
-    let pki = Pki::new()?;
-    let (mut server, port, rpc) = start_server(&pki, "global-server-berth", "")?;
-    wait_for("the server's HTTPS API", Duration::from_secs(30), || {
-        server.check_running()?;
-        Ok(node_names(&pki, port).ok())
-    })?;
-
-    let mut good = start_client(
-        &pki,
-        "good",
-        &rpc,
-        &pki.tls_block("global-client-berth", true),
-    )?;
-    // Trusts the agents' CA, presents a certificate of another.
-    let _rogue = start_client(
-        &pki,
-        "rogue",
-        &rpc,
-        &pki.tls_block("rogue/global-client-berth", true),
-    )?;
-    let _plain = start_client(&pki, "plain", &rpc, "")?;
-
-    // A TLS peer that presents no certificate is refused at the handshake.
-    let bare = tls_client(&pki, None)?;
-    let refused = match tls_connect(&bare, rpc_port(&rpc)?) {
-        Err(_) => true,
-        // TLS 1.3: the client finishes first; the server's alert follows.
-        Ok(mut c) => {
-            let _ = c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
-            let mut buf = [0u8; 64];
-            matches!(c.read(&mut buf), Ok(0) | Err(_))
-        }
-    };
-    assert!(refused, "a peer without a certificate was served");
-
-    wait_for(
-        "the good client to register",
-        Duration::from_secs(60),
-        || {
-            good.check_running()?;
-            Ok(node_names(&pki, port)?
-                .contains(&"good".to_string())
-                .then_some(()))
-        },
-    )?;
-    // Both bad clients have tried (and been refused) by now, and the
-    // bare peer: three refused handshakes, each client's at least once.
-    wait_for(
-        "the bad clients to be refused",
-        Duration::from_secs(60),
-        || Ok((logged(&server, "agent protocol: TLS handshake refused") >= 3).then_some(())),
-    )?;
-    assert_eq!(node_names(&pki, port)?, vec!["good".to_string()]);
-    let log = server.log();
-    assert!(log.contains("invalid peer certificate"), "{log}");
-
-    // The CLI over HTTPS: with its certificate it is served, without one
-    // it is told that TLS failed.
-    let addr = format!("https://127.0.0.1:{port}");
-    let cli = |args: &[&str]| {
-        Command::new(binary("berth"))
-            .args(["-address", &addr, "-ca-cert", s(&pki.ca())])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-    };
-    let with_cert = cli(&[
-        "-client-cert",
-        s(&pki.path("global-cli-berth.pem")),
-        "-client-key",
-        s(&pki.path("global-cli-berth-key.pem")),
-        "node",
-        "status",
-        "-json",
-    ])?;
-    assert!(
-        with_cert.status.success(),
-        "{}",
-        String::from_utf8_lossy(&with_cert.stderr)
-    );
-    let nodes: Value = serde_json::from_slice(&with_cert.stdout)?;
-    assert_eq!(nodes.as_array().map(Vec::len), Some(1), "{nodes}");
-    let without = cli(&["node", "status"])?;
-    let err = String::from_utf8_lossy(&without.stderr);
-    assert!(!without.status.success());
-    assert!(err.contains("TLS"), "{err}");
-    Ok(())
-}
-
-fn rpc_port(rpc: &str) -> Result<u16> {
-    rpc.rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .ok_or_else(|| anyhow!("no port in {rpc}"))
 }
 
 #[test]
@@ -462,7 +225,7 @@ fn the_http_listener_closes_half_sent_requests_and_answers_429_past_the_limit() 
 fn sighup_reloads_the_server_certificate_for_new_connections_only() -> Result<()> {
     let pki = Pki::new()?;
     let (mut server, port, _rpc) = start_server(&pki, "global-server-berth", "")?;
-    let cli = tls_client(&pki, Some("global-cli-berth"))?;
+    let cli = pki.client_config(Some("global-cli-berth"))?;
     wait_for("the server's HTTPS API", Duration::from_secs(30), || {
         server.check_running()?;
         Ok(node_names(&pki, port).ok())
