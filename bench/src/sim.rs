@@ -215,33 +215,43 @@ fn retry_delay(failures: u32) -> Duration {
     half.saturating_add(half.mul_f64(random_fraction()))
 }
 
-/// Channels to the server's agent protocol at `rpc` (`HOST:PORT`), set
-/// up as a client's are (HTTP/2 keepalive pings every 5 s, also while
-/// idle, the connection dropped when one is not answered in 5 s). A
-/// channel dials again by itself after its connection is lost.
-pub async fn connect(rpc: &str, channels: usize) -> Result<Vec<Channel>> {
+/// Channels to the agent protocol of `server`, set up as a client's are
+/// (HTTP/2 keepalive pings every 5 s, also while idle, the connection
+/// dropped when one is not answered in 5 s), over mutual TLS with a
+/// client certificate when the server has TLS on. A channel dials again
+/// by itself after its connection is lost.
+pub async fn connect(server: &ServerAgent, channels: usize) -> Result<Vec<Channel>> {
+    let rpc = &server.rpc;
     let mut out = Vec::with_capacity(channels.max(1));
     for _ in 0..channels.max(1) {
-        let ch = Channel::from_shared(format!("http://{rpc}"))
+        let endpoint = Channel::from_shared(format!("http://{rpc}"))
             .context("the server's agent protocol address")?
             .connect_timeout(Duration::from_secs(10))
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(5))
             .keep_alive_timeout(Duration::from_secs(5))
-            .keep_alive_while_idle(true)
-            .connect()
-            .await
-            .with_context(|| format!("connecting to the server at {rpc}"))?;
+            .keep_alive_while_idle(true);
+        let ch = match &server.tls {
+            Some(pki) => {
+                let config = pki.client_config(Some(berth_tests::pki::CLIENT_CERT))?;
+                berth_tests::pki::grpc_channel_on(endpoint, config, rpc, "server.global.berth")
+                    .await?
+            }
+            None => endpoint
+                .connect()
+                .await
+                .with_context(|| format!("connecting to the server at {rpc}"))?,
+        };
         out.push(ch);
     }
     Ok(out)
 }
 
 impl Fleet {
-    /// Register `cfg.nodes` nodes with the server at `rpc`, all at once,
-    /// and start each one's heartbeats, alloc watch and call stream.
-    pub async fn start(rpc: &str, cfg: &FleetConfig) -> Result<Fleet> {
-        let channels = connect(rpc, cfg.channels).await?;
+    /// Register `cfg.nodes` nodes with `server`, all at once, and start
+    /// each one's heartbeats, alloc watch and call stream.
+    pub async fn start(server: &ServerAgent, cfg: &FleetConfig) -> Result<Fleet> {
+        let channels = connect(server, cfg.channels).await?;
         let stats = Arc::new(FleetStats::default());
         let (stop, stop_rx) = watch::channel(false);
         let started = Instant::now();
@@ -712,23 +722,36 @@ const SETUP_TIMEOUT: Duration = Duration::from_secs(600);
 /// A real server agent (`berth agent -server`, its own process, the
 /// default log level) on free loopback ports; killed on drop. The whole
 /// simulated fleet registers from one loopback address, so its limit of
-/// registrations per address is raised to the most it allows.
+/// registrations and connections per address are raised.
 pub struct ServerAgent {
     pub agent: berth_tests::Agent,
     pub http_port: u16,
     pub rpc: String,
+    /// With mutual TLS on the agent protocol: the certificates.
+    pub tls: Option<berth_tests::pki::Pki>,
     _config: tempfile::TempDir,
 }
 
 /// The `limits` block of a server a simulated fleet registers with.
 const FLEET_LIMITS: &str = "limits {\n  node_register_rate_per_client = 1000000\n  \
-                            node_register_burst_per_client = 1000000\n}\n";
+                            node_register_burst_per_client = 1000000\n  \
+                            rpc_max_conns_per_client = 10000\n}\n";
 
 impl ServerAgent {
     pub fn start() -> Result<ServerAgent> {
+        Self::start_with_tls(false)
+    }
+
+    /// With `tls`, mutual TLS on the agent protocol (certificates made by
+    /// `berth tls` in a temp dir); the HTTP API stays plain.
+    pub fn start_with_tls(tls: bool) -> Result<ServerAgent> {
         let config = tempfile::tempdir()?;
         let file = config.path().join("server.hcl");
-        std::fs::write(&file, FLEET_LIMITS)?;
+        let pki = tls.then(berth_tests::pki::Pki::new).transpose()?;
+        let tls_block = pki.as_ref().map_or(String::new(), |p| {
+            p.tls_block(berth_tests::pki::SERVER_CERT, false)
+        });
+        std::fs::write(&file, format!("{FLEET_LIMITS}{tls_block}"))?;
         let file = file.to_str().context("the temp dir is not UTF-8")?;
         let http_port = berth_tests::free_port();
         let rpc = format!("127.0.0.1:{}", berth_tests::free_port());
@@ -757,6 +780,7 @@ impl ServerAgent {
             agent,
             http_port,
             rpc,
+            tls: pki,
             _config: config,
         })
     }

@@ -221,8 +221,21 @@ pub fn https_request_on(
 
 /// A gRPC channel to the agent protocol at `rpc` (`127.0.0.1:PORT`) over
 /// TLS with `config`, the server's certificate checked for `server_name`
-/// (`server.global.berth`). Connects lazily.
-pub fn grpc_channel(
+/// (`server.global.berth`), connected.
+pub async fn grpc_channel(
+    config: Arc<rustls::ClientConfig>,
+    rpc: &str,
+    server_name: &str,
+) -> Result<tonic::transport::Channel> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{rpc}"))?
+        .connect_timeout(Duration::from_secs(10));
+    grpc_channel_on(endpoint, config, rpc, server_name).await
+}
+
+/// [`grpc_channel`] with the settings of `endpoint` (keepalive, ...),
+/// whose URI is `http://` + `rpc`: TLS is the connector's, not tonic's.
+pub async fn grpc_channel_on(
+    endpoint: tonic::transport::Endpoint,
     config: Arc<rustls::ClientConfig>,
     rpc: &str,
     server_name: &str,
@@ -232,9 +245,6 @@ pub fn grpc_channel(
     let addr: std::net::SocketAddr = rpc
         .parse()
         .with_context(|| format!("{rpc:?} is not HOST:PORT"))?;
-    // The scheme is `http`: TLS is the connector's, not tonic's.
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{rpc}"))?
-        .connect_timeout(Duration::from_secs(10));
     let connector = tower::service_fn(move |_: tonic::codegen::http::Uri| {
         let connector = tokio_rustls::TlsConnector::from(config.clone());
         let name = name.clone();
@@ -245,5 +255,8 @@ pub fn grpc_channel(
             Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tls))
         }
     });
-    Ok(endpoint.connect_with_connector_lazy(connector))
+    endpoint
+        .connect_with_connector(connector)
+        .await
+        .with_context(|| format!("connecting over TLS to {rpc}"))
 }

@@ -166,7 +166,8 @@ async fn forward(
         pki.client_config(Some(CLI_CERT))?,
         rpc,
         "server.global.berth",
-    )?;
+    )
+    .await?;
     let mut headers = vec![pb::HttpHeader {
         name: "content-type".into(),
         value: b"application/json".to_vec(),
@@ -397,7 +398,8 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
             pki.client_config(Some(CLI_CERT))?,
             rpc,
             "server.global.berth",
-        )?;
+        )
+        .await?;
         for id in ["a-node-nobody-knows", c1_id.as_str()] {
             let mut req = tonic::Request::new(pb::RegisterRequest {
                 node_json: format!(r#"{{"id": "{id}", "name": "intruder"}}"#).into_bytes(),

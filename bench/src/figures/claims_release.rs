@@ -157,7 +157,7 @@ fn measure(claims: usize, unpublish: bool) -> Result<Point> {
         unpublish,
         channels: super::server_scale::channels_for(nodes),
     };
-    let fleet = rt.block_on(Fleet::start(&server.rpc, &cfg))?;
+    let fleet = rt.block_on(Fleet::start(&server, &cfg))?;
     let source = format!("cr-{claims}");
     server.parallel(claims, 4, |s, i| {
         s.register_volume(&format!("{source}[{i}]"))

@@ -19,8 +19,14 @@
 //! Target: median ≤ 25 ms, or ≤ 5x the baseline's median.
 //!
 //! ```text
-//! scripts/bench job-run [--rounds 50] [--warmup 5]
+//! scripts/bench job-run [--rounds 50] [--warmup 5] [--tls]
 //! ```
+//!
+//! With `--tls` the rounds are timed again on two clusters of one server
+//! agent and one client agent each (`-dev` takes no config file), one
+//! plain and one with mutual TLS on both ports of both agents, a round of
+//! each in turn: the CLI over HTTPS with a client certificate (a new
+//! handshake per process), the client to its server over TLS.
 //!
 //! The job spec and the timing loop are `pub`: the CSI variant
 //! (`job_run_csi`) runs the same rounds with a volume in the group.
@@ -30,7 +36,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use berth_tests::{binary, cli_at, DevAgent};
+use berth_tests::{binary, DevAgent};
 
 use crate::report::{self, Samples};
 
@@ -42,6 +48,11 @@ pub struct Args {
     /// Unmeasured rounds first (warms the agent, the page cache, the CLI)
     #[arg(long, default_value_t = 5)]
     pub warmup: usize,
+    /// Also time the rounds on a plain server + client pair and on one
+    /// with mutual TLS on every port, interleaved, and print what TLS
+    /// costs.
+    #[arg(long)]
+    pub tls: bool,
 }
 
 /// The task's command: what the figure runs as a task and as the
@@ -111,7 +122,7 @@ pub fn timed_job_run(
     let id = format!("{prefix}-{round}");
     let file = agent.write_file(&format!("{id}.hcl"), &job_spec(&id, shape))?;
     let start = Instant::now();
-    let out = cli_at(&agent.http_addr, &["job", "run", &file])?;
+    let out = agent.cli(&["job", "run", &file])?;
     let took = start.elapsed();
     if !out.status.success() {
         bail!(
@@ -128,7 +139,7 @@ pub fn timed_job_run(
 /// exit, status 0) and a fork/exec of `sh -c 'echo hi > file'` in `dir`.
 pub fn timed_baseline(agent: &DevAgent, dir: &Path) -> Result<(Duration, Duration)> {
     let start = Instant::now();
-    let out = cli_at(&agent.http_addr, &["node", "status", "-json"])?;
+    let out = agent.cli(&["node", "status", "-json"])?;
     let read = start.elapsed();
     ensure!(
         out.status.success(),
@@ -267,7 +278,138 @@ pub fn run(args: &Args) -> Result<()> {
         check_task_wrote(&agent, last, "file")?;
     }
     print(&rounds);
+    if args.tls {
+        let (plain, tls) = tls_pair(args.rounds, args.warmup)?;
+        print_tls(&plain, &tls);
+    }
     Ok(())
+}
+
+/// One server agent and one client agent, each its own process, with
+/// mutual TLS on both ports of both or on none; the CLI is pointed at the
+/// server (over HTTPS with the CLI's certificate when TLS is on).
+struct TwoAgents {
+    _server: berth_tests::Agent,
+    client: berth_tests::Agent,
+    cli_flags: Vec<String>,
+    dir: tempfile::TempDir,
+}
+
+impl TwoAgents {
+    fn start(pki: Option<&berth_tests::pki::Pki>) -> Result<TwoAgents> {
+        use berth_tests::pki::{CLIENT_CERT, SERVER_CERT};
+        let dir = tempfile::Builder::new()
+            .prefix("berth-bench-tls-")
+            .tempdir()?;
+        let block = |cert: &str| pki.map_or(String::new(), |p| p.tls_block(cert, true));
+        let server_file = dir.path().join("server.hcl");
+        std::fs::write(&server_file, block(SERVER_CERT))?;
+        let client_file = dir.path().join("client.hcl");
+        std::fs::write(&client_file, block(CLIENT_CERT))?;
+        let path = |p: &Path| {
+            p.to_str()
+                .map(str::to_string)
+                .context("temp paths are UTF-8")
+        };
+        let http_port = berth_tests::free_port();
+        let rpc = format!("127.0.0.1:{}", berth_tests::free_port());
+        let server = berth_tests::Agent::start(&[
+            "-server",
+            "-config",
+            &path(&server_file)?,
+            "-http-addr",
+            &format!("127.0.0.1:{http_port}"),
+            "-rpc-addr",
+            &rpc,
+        ])?;
+        let client = berth_tests::Agent::start(&[
+            "-client",
+            "-config",
+            &path(&client_file)?,
+            "-servers",
+            &rpc,
+            "-node",
+            "bench",
+            "-http-addr",
+            &format!("127.0.0.1:{}", berth_tests::free_port()),
+        ])?;
+        let cli_flags = match pki {
+            Some(p) => p.cli_flags(http_port),
+            None => vec!["-address".into(), format!("http://127.0.0.1:{http_port}")],
+        };
+        let mut two = TwoAgents {
+            _server: server,
+            client,
+            cli_flags,
+            dir,
+        };
+        berth_tests::wait_for("the client's node ready", Duration::from_secs(60), || {
+            two.client.check_running()?;
+            let Ok(out) = two.cli(&["node", "status", "-json"]) else {
+                return Ok(None);
+            };
+            let nodes: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+            Ok(nodes
+                .as_array()
+                .is_some_and(|n| n.iter().any(|n| n["status"] == "ready"))
+                .then_some(()))
+        })?;
+        Ok(two)
+    }
+
+    fn cli(&self, args: &[&str]) -> Result<std::process::Output> {
+        let out = Command::new(binary("berth"))
+            .args(&self.cli_flags)
+            .args(args)
+            .current_dir(self.dir.path())
+            .stdin(Stdio::null())
+            .output()
+            .context("running berth")?;
+        ensure!(
+            out.status.success(),
+            "berth {} failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(out)
+    }
+
+    /// Times `berth job run` of a new job `<prefix>-<round>`: spawn to
+    /// exit, once its alloc is complete.
+    fn timed_job_run(&self, prefix: &str, round: usize) -> Result<Duration> {
+        let id = format!("{prefix}-{round}");
+        let file = self.dir.path().join(format!("{id}.hcl"));
+        std::fs::write(&file, job_spec(&id, &JobShape::default()))?;
+        let file = file.to_str().context("temp paths are UTF-8")?;
+        let start = Instant::now();
+        self.cli(&["job", "run", file])?;
+        Ok(start.elapsed())
+    }
+}
+
+/// `job run` timed on a plain server and client pair and on one with
+/// mutual TLS on every port, one round of each in turn, so that the
+/// machine's noise falls on both alike.
+fn tls_pair(rounds: usize, warmup: usize) -> Result<(Samples, Samples)> {
+    let pki = berth_tests::pki::Pki::new()?;
+    let plain = TwoAgents::start(None)?;
+    let tls = TwoAgents::start(Some(&pki))?;
+    let (mut p, mut t) = (Samples::new(), Samples::new());
+    for round in 0..warmup + rounds {
+        let took_plain = plain.timed_job_run("plain", round)?;
+        let took_tls = tls.timed_job_run("tls", round)?;
+        if round >= warmup {
+            p.push(took_plain);
+            t.push(took_tls);
+        }
+    }
+    Ok((p, t))
+}
+
+fn print_tls(plain: &Samples, tls: &Samples) {
+    report::samples("job run, server + client, plain", plain);
+    report::samples("job run, server + client, mutual TLS", tls);
+    report::ratio_line("TLS / plain", tls, plain);
 }
 
 /// Two rounds after one warm-up; every job's task must have written its
@@ -280,5 +422,7 @@ pub fn smoke() -> Result<()> {
         check_task_wrote(&agent, id, &shape.write_to)?;
     }
     print(&rounds);
+    let (plain, tls) = tls_pair(2, 1)?;
+    print_tls(&plain, &tls);
     Ok(())
 }

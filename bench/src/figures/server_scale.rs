@@ -36,6 +36,7 @@
 //! ```text
 //! scripts/bench server-scale                       # --sizes 100,1000,10000
 //! scripts/bench server-scale --sizes 10000 --duration 60
+//! scripts/bench server-scale --sizes 10000 --tls   # and again with mutual TLS
 //! ```
 
 use std::time::{Duration, Instant};
@@ -59,6 +60,11 @@ pub struct Args {
     /// Allocs placed per node.
     #[arg(long, default_value_t = 5)]
     pub allocs_per_node: usize,
+    /// Run each size twice, the second time with mutual TLS on the agent
+    /// protocol (the nodes present client certificates), and print what
+    /// TLS costs.
+    #[arg(long)]
+    pub tls: bool,
 }
 
 /// The largest job registered: `count` is at most 10,000, and smaller
@@ -99,8 +105,33 @@ pub fn run(args: &Args) -> Result<()> {
     );
     let mut points = Vec::new();
     for &n in &args.sizes {
-        let p = measure(n, args)?;
+        let p = measure(n, args, false)?;
         print_point(&p);
+        if args.tls {
+            let t = measure(n, args, true)?;
+            println!("  -- {n} nodes, mutual TLS on the agent protocol");
+            print_point(&t);
+            report::ratio_line(
+                "TLS / plain: steady heartbeat",
+                &t.steady_heartbeats,
+                &p.steady_heartbeats,
+            );
+            report::value(
+                "TLS / plain: steady heartbeat p99",
+                format!(
+                    "{} / {}",
+                    Ms(t.steady_heartbeats.p99()),
+                    Ms(p.steady_heartbeats.p99())
+                ),
+            );
+            report::value(
+                "TLS / plain: server RSS",
+                format!("{} / {}", Mib(t.rss_kib), Mib(p.rss_kib)),
+            );
+            if t.down > 0.0 {
+                bail!("with TLS, {} of {n} nodes were marked down", t.down);
+            }
+        }
         points.push(p);
     }
     let last = points.last().context("no size ran")?;
@@ -203,9 +234,9 @@ pub(crate) fn channels_for(nodes: usize) -> usize {
     nodes.div_ceil(100).max(4)
 }
 
-fn measure(nodes: usize, args: &Args) -> Result<Point> {
+fn measure(nodes: usize, args: &Args, tls: bool) -> Result<Point> {
     let rt = runtime()?;
-    let server = ServerAgent::start()?;
+    let server = ServerAgent::start_with_tls(tls)?;
     let total_allocs = nodes * args.allocs_per_node;
     let cfg = FleetConfig {
         nodes,
@@ -215,7 +246,7 @@ fn measure(nodes: usize, args: &Args) -> Result<Point> {
         channels: channels_for(nodes),
     };
     let setup_started = Instant::now();
-    let fleet = rt.block_on(Fleet::start(&server.rpc, &cfg))?;
+    let fleet = rt.block_on(Fleet::start(&server, &cfg))?;
     let register = fleet.registration;
 
     // The allocs, through the API, one job after another.
@@ -255,7 +286,7 @@ fn measure(nodes: usize, args: &Args) -> Result<Point> {
     let cpu_before = server.cpu_time()?;
     let steady_started = Instant::now();
     let window = Duration::from_secs(args.duration);
-    let baseline = rt.block_on(probe(&server.rpc, window))?;
+    let baseline = rt.block_on(probe(&server, window))?;
     let steady_ended = Instant::now();
     let cpu = server.cpu_time()?.saturating_sub(cpu_before);
     let cpu_share = cpu.as_secs_f64() / steady_ended.duration_since(steady_started).as_secs_f64();
@@ -289,8 +320,8 @@ fn measure(nodes: usize, args: &Args) -> Result<Point> {
 
 /// Round trips of a heartbeat the server refuses at once (a node it does
 /// not know), every 50 ms for `window`.
-async fn probe(rpc: &str, window: Duration) -> Result<Samples> {
-    let channel = sim::connect(rpc, 1).await?.remove(0);
+async fn probe(server: &ServerAgent, window: Duration) -> Result<Samples> {
+    let channel = sim::connect(server, 1).await?.remove(0);
     let mut client = NodeClient::new(channel);
     let mut samples = Samples::new();
     let end = Instant::now() + window;
@@ -314,14 +345,22 @@ async fn probe(rpc: &str, window: Duration) -> Result<Samples> {
 
 /// 20 nodes, 3 s steady: every part of the path runs.
 pub fn smoke() -> Result<()> {
-    let p = measure(
-        20,
-        &Args {
-            sizes: vec![20],
-            duration: 3,
-            allocs_per_node: 2,
-        },
-    )?;
+    let args = Args {
+        sizes: vec![20],
+        duration: 3,
+        allocs_per_node: 2,
+        tls: true,
+    };
+    let t = measure(20, &args, true)?;
+    print_point(&t);
+    if t.down > 0.0 || t.steady_heartbeats.is_empty() {
+        bail!(
+            "with TLS: {} nodes down, {} steady heartbeats",
+            t.down,
+            t.steady_heartbeats.len()
+        );
+    }
+    let p = measure(20, &args, false)?;
     print_point(&p);
     if p.down > 0.0 {
         bail!("{} simulated nodes were marked down", p.down);
