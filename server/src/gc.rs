@@ -35,11 +35,18 @@ pub struct GcReport {
     pub allocs: Vec<String>,
     pub jobs: Vec<String>,
     pub nodes: Vec<String>,
+    /// Accessor IDs of the ACL tokens removed: past their expiry, they can
+    /// never be used again. (Spent and expired introduction tokens go
+    /// too, unlisted.)
+    pub acl_tokens: Vec<String>,
 }
 
 impl GcReport {
     pub fn is_empty(&self) -> bool {
-        self.allocs.is_empty() && self.jobs.is_empty() && self.nodes.is_empty()
+        self.allocs.is_empty()
+            && self.jobs.is_empty()
+            && self.nodes.is_empty()
+            && self.acl_tokens.is_empty()
     }
 }
 
@@ -142,6 +149,20 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
             report.nodes.push(n.id.clone());
             changes.push(Change::DeleteNode(n.id.clone()));
         }
+    }
+    // Tokens that can never be used again, whatever the thresholds: an
+    // expired ACL token is refused, a spent or expired introduction token
+    // too.
+    for token in t.acl.tokens.values().filter(|tok| tok.expired_at(now_ms)) {
+        report.acl_tokens.push(token.accessor_id.clone());
+        changes.push(Change::DeleteAcl(crate::state::acl_token_key(
+            &token.accessor_id,
+        )));
+    }
+    for intro in t.acl.intros.values().filter(|i| !i.usable_at(now_ms)) {
+        changes.push(Change::DeleteAcl(crate::state::acl_intro_key(
+            &intro.accessor_id,
+        )));
     }
     report
 }

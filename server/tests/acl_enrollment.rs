@@ -254,3 +254,40 @@ async fn a_node_without_a_plugin_alloc_is_no_plugin_instance() {
         "{p:?}"
     );
 }
+
+/// A token past its expiry is refused, and the garbage collector removes
+/// it (and says so); a token without a TTL stays.
+#[tokio::test]
+async fn expired_tokens_are_garbage_collected() {
+    let ts = TestServer::start(|c| c.acl_enabled = true).await;
+    let s = ts.server.clone();
+    s.acl_bootstrap().await.expect("bootstrap");
+    let token = |name: &str, ttl: Option<&str>| TokenRequest {
+        name: name.into(),
+        token_type: TokenType::Management,
+        policies: vec![],
+        ttl: ttl.map(str::to_string),
+    };
+    let short = s
+        .create_acl_token(token("short", Some("200ms")))
+        .await
+        .expect("a short-lived token");
+    let lasting = s
+        .create_acl_token(token("lasting", None))
+        .await
+        .expect("a token without a TTL");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while s.resolve_token(Some(&short.secret_id)).is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the token never expired"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let report = s.garbage_collect(false).await.expect("gc");
+    assert_eq!(report.acl_tokens, vec![short.token.accessor_id.clone()]);
+    let left: Vec<String> = s.acl_tokens().into_iter().map(|t| t.accessor_id).collect();
+    assert!(!left.contains(&short.token.accessor_id), "{left:?}");
+    assert!(left.contains(&lasting.token.accessor_id), "{left:?}");
+    assert!(s.resolve_token(Some(&lasting.secret_id)).is_ok());
+}

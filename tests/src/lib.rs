@@ -353,6 +353,50 @@ impl HttpAnswer {
             .find(|(k, _)| k.trim().eq_ignore_ascii_case(name))
             .map(|(_, v)| v.trim())
     }
+
+    /// The body as text (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body decoded as JSON; an error with the body when it is not.
+    pub fn json(&self) -> Result<Value> {
+        serde_json::from_slice(&self.body).with_context(|| self.text())
+    }
+}
+
+/// `Agent.ForwardHttp` of `method path` (with `token` as `X-Berth-Token`
+/// when given, and a JSON `body`) on `channel` to an agent protocol port;
+/// the status of the HTTP answer.
+pub async fn forward_http(
+    channel: tonic::transport::Channel,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> Result<u32> {
+    use berth_proto::berth::v1 as pb;
+    let mut headers = vec![pb::HttpHeader {
+        name: "content-type".into(),
+        value: b"application/json".to_vec(),
+    }];
+    if let Some(t) = token {
+        headers.push(pb::HttpHeader {
+            name: "x-berth-token".into(),
+            value: t.as_bytes().to_vec(),
+        });
+    }
+    let answer = pb::agent_client::AgentClient::new(channel)
+        .forward_http(pb::HttpRequest {
+            method: method.into(),
+            path_and_query: path.into(),
+            headers,
+            body: body.as_bytes().to_vec(),
+        })
+        .await
+        .with_context(|| format!("Agent.ForwardHttp of {method} {path}"))?
+        .into_inner();
+    Ok(answer.status)
 }
 
 /// A running dev agent and everything it started.
@@ -741,7 +785,7 @@ impl HttpSent {
 }
 
 /// Splits a whole raw HTTP/1.1 answer into its status, head and body.
-fn parse_http_answer(raw: Vec<u8>) -> Result<HttpAnswer> {
+pub(crate) fn parse_http_answer(raw: Vec<u8>) -> Result<HttpAnswer> {
     let split = raw
         .windows(4)
         .position(|w| w == b"\r\n\r\n")

@@ -11,11 +11,11 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use crate::binary;
+use crate::{binary, HttpAnswer};
 
 /// Runs `berth ARGS...` in `dir`; an error with its output unless it
 /// exits 0.
@@ -161,23 +161,6 @@ pub fn tls_connect(config: &Arc<rustls::ClientConfig>, port: u16) -> Result<TlsC
     Ok(tls)
 }
 
-/// An HTTP answer read whole: its status, head and body.
-pub struct HttpsAnswer {
-    pub status: u16,
-    pub head: String,
-    pub body: Vec<u8>,
-}
-
-impl HttpsAnswer {
-    pub fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
-    pub fn json(&self) -> Result<serde_json::Value> {
-        serde_json::from_slice(&self.body).with_context(|| self.text())
-    }
-}
-
 /// Sends `method path` on `tls` (with `token` as `X-Berth-Token` when
 /// given, and `body`) and reads the whole answer (`Connection: close`).
 pub fn https_request_on(
@@ -186,7 +169,7 @@ pub fn https_request_on(
     path: &str,
     token: Option<&str>,
     body: &str,
-) -> Result<HttpsAnswer> {
+) -> Result<HttpAnswer> {
     let auth = token.map_or(String::new(), |t| format!("X-Berth-Token: {t}\r\n"));
     write!(
         tls,
@@ -202,21 +185,7 @@ pub fn https_request_on(
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
         Err(e) => return Err(e.into()),
     }
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| anyhow!("no HTTP answer: {:?}", String::from_utf8_lossy(&raw)))?;
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| anyhow!("no status in {head:?}"))?;
-    Ok(HttpsAnswer {
-        status,
-        head,
-        body: raw[split + 4..].to_vec(),
-    })
+    crate::parse_http_answer(raw)
 }
 
 /// A gRPC channel to the agent protocol at `rpc` (`127.0.0.1:PORT`) over

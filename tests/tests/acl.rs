@@ -6,24 +6,8 @@
 //! token there too.
 
 use anyhow::{Context, Result};
-use berth_proto::berth::v1 as pb;
-use berth_proto::berth::v1::agent_client::AgentClient;
-use berth_tests::{free_port, sleeping_service_job, DevAgent, HttpAnswer};
+use berth_tests::{forward_http, free_port, sleeping_service_job, DevAgent};
 use serde_json::Value;
-
-trait Body {
-    fn text(&self) -> String;
-    fn json(&self) -> Result<Value>;
-}
-
-impl Body for HttpAnswer {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-    fn json(&self) -> Result<Value> {
-        serde_json::from_slice(&self.body).with_context(|| self.text())
-    }
-}
 
 const READONLY: &str = r#"
 namespace "default" {
@@ -74,27 +58,10 @@ async fn forward(
     token: Option<&str>,
     body: &str,
 ) -> Result<u32> {
-    let mut client = AgentClient::connect(format!("http://{rpc}")).await?;
-    let mut headers = vec![pb::HttpHeader {
-        name: "content-type".into(),
-        value: b"application/json".to_vec(),
-    }];
-    if let Some(t) = token {
-        headers.push(pb::HttpHeader {
-            name: "x-berth-token".into(),
-            value: t.as_bytes().to_vec(),
-        });
-    }
-    let answer = client
-        .forward_http(pb::HttpRequest {
-            method: method.into(),
-            path_and_query: path.into(),
-            headers,
-            body: body.as_bytes().to_vec(),
-        })
-        .await?
-        .into_inner();
-    Ok(answer.status)
+    let channel = tonic::transport::Channel::from_shared(format!("http://{rpc}"))?
+        .connect()
+        .await?;
+    forward_http(channel, method, path, token, body).await
 }
 
 #[test]

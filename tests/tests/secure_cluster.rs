@@ -13,13 +13,11 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use berth_proto::berth::v1 as pb;
-use berth_proto::berth::v1::agent_client::AgentClient;
 use berth_proto::berth::v1::node_client::NodeClient;
 use berth_tests::pki::{
-    grpc_channel, https_request_on, tls_connect, HttpsAnswer, Pki, CLIENT_CERT, CLI_CERT,
-    SERVER_CERT,
+    grpc_channel, https_request_on, tls_connect, Pki, CLIENT_CERT, CLI_CERT, SERVER_CERT,
 };
-use berth_tests::{binary, free_port, wait_for, Agent};
+use berth_tests::{binary, forward_http, free_port, wait_for, Agent, HttpAnswer};
 use serde_json::Value;
 
 const READONLY: &str = r#"
@@ -80,7 +78,7 @@ impl Cluster {
         path: &str,
         token: Option<&str>,
         body: &str,
-    ) -> Result<HttpsAnswer> {
+    ) -> Result<HttpAnswer> {
         let cli = self.pki.client_config(Some(CLI_CERT))?;
         https_request_on(tls_connect(&cli, port)?, method, path, token, body)
     }
@@ -136,24 +134,13 @@ fn logged(agent: &Agent, needle: &str) -> usize {
 fn start_client(pki: &Pki, node: &str, rpc: &str, body: &str) -> Result<(Agent, u16)> {
     let file = pki.config(&format!("client-{node}.hcl"), body)?;
     let port = free_port();
-    let http = format!("127.0.0.1:{port}");
     let file = file.to_str().context("the temp dir is UTF-8")?;
-    let agent = Agent::start(&[
-        "-config",
-        file,
-        "-client",
-        "-servers",
-        rpc,
-        "-node",
-        node,
-        "-http-addr",
-        &http,
-    ])?;
+    let agent = Agent::start_client(&["-config", file], rpc, node, &format!("127.0.0.1:{port}"))?;
     Ok((agent, port))
 }
 
-/// `Agent.ForwardHttp` of `method path` on the server's agent protocol
-/// port, over TLS with the CLI's certificate; the answer's status.
+/// `Agent.ForwardHttp` on the server's agent protocol port, over TLS with
+/// the CLI's certificate; the answer's status.
 async fn forward(
     pki: &Pki,
     rpc: &str,
@@ -162,32 +149,9 @@ async fn forward(
     token: Option<&str>,
     body: &str,
 ) -> Result<u32> {
-    let channel = grpc_channel(
-        pki.client_config(Some(CLI_CERT))?,
-        rpc,
-        "server.global.berth",
-    )
-    .await?;
-    let mut headers = vec![pb::HttpHeader {
-        name: "content-type".into(),
-        value: b"application/json".to_vec(),
-    }];
-    if let Some(t) = token {
-        headers.push(pb::HttpHeader {
-            name: "x-berth-token".into(),
-            value: t.as_bytes().to_vec(),
-        });
-    }
-    let answer = AgentClient::new(channel)
-        .forward_http(pb::HttpRequest {
-            method: method.into(),
-            path_and_query: path.into(),
-            headers,
-            body: body.as_bytes().to_vec(),
-        })
-        .await?
-        .into_inner();
-    Ok(answer.status)
+    let config = pki.client_config(Some(CLI_CERT))?;
+    let channel = grpc_channel(config, rpc, "server.global.berth").await?;
+    forward_http(channel, method, path, token, body).await
 }
 
 #[test]

@@ -9,7 +9,7 @@ use super::{print_json, Ctx};
 
 #[derive(Subcommand, Debug)]
 pub enum SystemCommand {
-    /// Garbage collect what is done (allocs, jobs, nodes), now
+    /// Garbage collect what is done (allocs, jobs, nodes, expired ACL tokens), now
     Gc(GcArgs),
 }
 
@@ -33,10 +33,11 @@ fn system_gc(a: GcArgs, api: &ApiClient) -> Result<i32> {
     }
     let n = |k: &str| v[k].as_array().map_or(0, Vec::len);
     println!(
-        "Garbage collected {} allocs, {} jobs, {} nodes",
+        "Garbage collected {} allocs, {} jobs, {} nodes, {} expired ACL tokens",
         n("allocs"),
         n("jobs"),
-        n("nodes")
+        n("nodes"),
+        n("acl_tokens")
     );
     Ok(0)
 }

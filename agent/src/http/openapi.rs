@@ -371,8 +371,13 @@ fn operations() -> Vec<Op> {
         )
         .one(schema_ref("CsiPlugin")),
         op("put", "/v1/system/gc", "Garbage-collect everything that is done, now").answers(object(
-            json!({ "allocs": id_list.clone(), "jobs": id_list.clone(), "nodes": id_list }),
-            &["allocs", "jobs", "nodes"],
+            json!({
+                "allocs": id_list.clone(),
+                "jobs": id_list.clone(),
+                "nodes": id_list.clone(),
+                "acl_tokens": id_list
+            }),
+            &["allocs", "jobs", "nodes", "acl_tokens"],
         )),
         op(
             "put",

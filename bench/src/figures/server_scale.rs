@@ -106,11 +106,10 @@ pub fn run(args: &Args) -> Result<()> {
     let mut points = Vec::new();
     for &n in &args.sizes {
         let p = measure(n, args, false)?;
-        print_point(&p);
+        print_point(&p, "");
         if args.tls {
             let t = measure(n, args, true)?;
-            println!("  -- {n} nodes, mutual TLS on the agent protocol");
-            print_point(&t);
+            print_point(&t, ", mutual TLS on the agent protocol");
             report::ratio_line(
                 "TLS / plain: steady heartbeat",
                 &t.steady_heartbeats,
@@ -183,8 +182,8 @@ pub fn run(args: &Args) -> Result<()> {
     Ok(())
 }
 
-fn print_point(p: &Point) {
-    println!("  -- {} nodes", p.nodes);
+fn print_point(p: &Point, label: &str) {
+    println!("  -- {} nodes{label}", p.nodes);
     report::samples("heartbeat during set-up", &p.setup_heartbeats);
     report::samples("heartbeat steady", &p.steady_heartbeats);
     report::samples("baseline: refused round trip", &p.baseline);
@@ -352,7 +351,7 @@ pub fn smoke() -> Result<()> {
         tls: true,
     };
     let t = measure(20, &args, true)?;
-    print_point(&t);
+    print_point(&t, ", mutual TLS on the agent protocol");
     if t.down > 0.0 || t.steady_heartbeats.is_empty() {
         bail!(
             "with TLS: {} nodes down, {} steady heartbeats",
@@ -361,7 +360,7 @@ pub fn smoke() -> Result<()> {
         );
     }
     let p = measure(20, &args, false)?;
-    print_point(&p);
+    print_point(&p, "");
     if p.down > 0.0 {
         bail!("{} simulated nodes were marked down", p.down);
     }

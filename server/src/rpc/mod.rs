@@ -58,9 +58,10 @@ impl crate::server::Server {
             .take(peer.ip(), std::time::Instant::now())
             .map_err(|wait| {
                 let limit = limiter.limit();
+                tracing::debug!(peer = %peer.ip(), "register refused: over the rate limit");
                 ServerError::TooManyRequests(format!(
-                    "register: {} registered more than {} times at {}/s \
-                     (limits.node_register_burst_per_client, \
+                    "register: too many registrations from {} (a burst of {}, then {} a \
+                     second: limits.node_register_burst_per_client, \
                      limits.node_register_rate_per_client); retry in {} ms",
                     peer.ip(),
                     limit.burst,
