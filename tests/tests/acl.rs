@@ -6,16 +6,11 @@
 //! token there too.
 
 use anyhow::{Context, Result};
-use berth_tests::{forward_http, free_port, sleeping_service_job, DevAgent};
+use berth_tests::{
+    forward_http, free_port, sleeping_service_job, writes_refused_to_readers, DevAgent,
+    READONLY_POLICY,
+};
 use serde_json::Value;
-
-const READONLY: &str = r#"
-namespace "default" {
-  policy = "read"
-}
-node   { policy = "read" }
-plugin { policy = "read" }
-"#;
 
 fn request(method: &str, path: &str, token: Option<&str>, body: &str) -> String {
     let auth = token.map_or(String::new(), |t| format!("X-Berth-Token: {t}\r\n"));
@@ -24,26 +19,6 @@ fn request(method: &str, path: &str, token: Option<&str>, body: &str) -> String 
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
-}
-
-/// The status of each request a read-only token must be refused, and one
-/// it may make.
-fn writes(job_body: &str) -> Vec<(&'static str, String, String)> {
-    vec![
-        ("PUT", "/v1/jobs".into(), job_body.to_string()),
-        ("PUT", "/v1/node/x/purge".into(), "{}".into()),
-        (
-            "POST",
-            "/v1/node/x/drain".into(),
-            r#"{"enable": true}"#.into(),
-        ),
-        ("PUT", "/v1/system/gc".into(), "{}".into()),
-        (
-            "PUT",
-            "/v1/volume/csi/v1/create".into(),
-            r#"{"volume": {"id": "v1"}}"#.into(),
-        ),
-    ]
 }
 
 fn json_of(agent: &DevAgent, args: &[&str]) -> Result<Value> {
@@ -106,7 +81,7 @@ fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()>
     assert_eq!(ok.status, 200, "{}", ok.text());
 
     // A read-only token.
-    let policy = agent.write_file("readonly.hcl", READONLY)?;
+    let policy = agent.write_file("readonly.hcl", READONLY_POLICY)?;
     agent.cli_ok(&["acl", "policy", "apply", "readonly", &policy])?;
     let created = json_of(
         &agent,
@@ -129,8 +104,8 @@ fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()>
     let tokens = json_of(&agent, &["acl", "token", "list", "-json"])?.to_string();
     assert!(!tokens.contains(&ro) && !tokens.contains(&boot), "{tokens}");
     assert!(tokens.contains(&accessor));
-    for (method, path, body) in writes(&job_body) {
-        let a = agent.http(&request(method, &path, Some(&ro), &body))?;
+    for (method, path, body) in writes_refused_to_readers(&job_body) {
+        let a = agent.http(&request(method, path, Some(&ro), &body))?;
         assert_eq!(a.status, 403, "{method} {path}: {}", a.text());
     }
 
@@ -143,8 +118,8 @@ fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()>
         );
         assert_eq!(forward(&rpc, "GET", "/v1/jobs", None, "").await?, 403);
         assert_eq!(forward(&rpc, "GET", "/v1/jobs", Some(&ro), "").await?, 200);
-        for (method, path, body) in writes(&job_body) {
-            let status = forward(&rpc, method, &path, Some(&ro), &body).await?;
+        for (method, path, body) in writes_refused_to_readers(&job_body) {
+            let status = forward(&rpc, method, path, Some(&ro), &body).await?;
             assert_eq!(status, 403, "forwarded {method} {path}");
         }
         assert_eq!(

@@ -17,16 +17,11 @@ use berth_proto::berth::v1::node_client::NodeClient;
 use berth_tests::pki::{
     grpc_channel, https_request_on, tls_connect, Pki, CLIENT_CERT, CLI_CERT, SERVER_CERT,
 };
-use berth_tests::{binary, forward_http, free_port, wait_for, Agent, HttpAnswer};
+use berth_tests::{
+    binary, forward_http, free_port, wait_for, writes_refused_to_readers, Agent, HttpAnswer,
+    READONLY_POLICY,
+};
 use serde_json::Value;
-
-const READONLY: &str = r#"
-namespace "default" {
-  policy = "read"
-}
-node   { policy = "read" }
-plugin { policy = "read" }
-"#;
 
 const SYSTEM_JOB: &str = r#"
 job "everywhere" {
@@ -46,21 +41,6 @@ job "everywhere" {
   }
 }
 "#;
-
-/// The requests a read-only token must be refused.
-fn writes(job_body: &str) -> Vec<(&'static str, &'static str, String)> {
-    vec![
-        ("PUT", "/v1/jobs", job_body.to_string()),
-        ("PUT", "/v1/node/x/purge", "{}".into()),
-        ("POST", "/v1/node/x/drain", r#"{"enable": true}"#.into()),
-        ("PUT", "/v1/system/gc", "{}".into()),
-        (
-            "PUT",
-            "/v1/volume/csi/v1/create",
-            r#"{"volume": {"id": "v1"}}"#.into(),
-        ),
-    ]
-}
 
 struct Cluster {
     pki: Pki,
@@ -302,7 +282,7 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
 
     // A read-only token reads, and is refused every write, at the server
     // and at a client agent, which forwards to it.
-    let policy = cluster.pki.config("readonly.hcl", READONLY)?;
+    let policy = cluster.pki.config("readonly.hcl", READONLY_POLICY)?;
     cluster.cli(
         Some(&boot),
         &[
@@ -330,7 +310,7 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
         );
         let anon = cluster.request(port, "GET", "/v1/jobs", None, "")?;
         assert_eq!(anon.status, 403, "{agent}: {}", anon.text());
-        for (method, path, body) in writes(&job_body) {
+        for (method, path, body) in writes_refused_to_readers(&job_body) {
             let a = cluster.request(port, method, path, Some(&ro), &body)?;
             assert_eq!(a.status, 403, "{agent}: {method} {path}: {}", a.text());
         }
@@ -350,7 +330,7 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
             forward(pki, rpc, "GET", "/v1/jobs", Some(&ro), "").await?,
             200
         );
-        for (method, path, body) in writes(&job_body) {
+        for (method, path, body) in writes_refused_to_readers(&job_body) {
             let status = forward(pki, rpc, method, path, Some(&ro), &body).await?;
             assert_eq!(status, 403, "forwarded {method} {path}");
         }
