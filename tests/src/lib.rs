@@ -878,7 +878,13 @@ pub fn cli_json_at(addr: &str, args: &[&str]) -> Result<Value> {
 /// Runs the CLI against `addr`; its stdout, or an error with its output
 /// unless it exits 0.
 pub fn cli_ok_at(addr: &str, args: &[&str]) -> Result<String> {
-    let out = cli_at(addr, args)?;
+    let out = exit_ok(cli_at(addr, args)?, args)?;
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// `out` of `berth ARGS...`, or an error with its stdout and stderr
+/// unless it exited 0.
+pub fn exit_ok(out: Output, args: &[&str]) -> Result<Output> {
     if !out.status.success() {
         bail!(
             "berth {} failed: {}{}",
@@ -887,7 +893,7 @@ pub fn cli_ok_at(addr: &str, args: &[&str]) -> Result<String> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    Ok(out)
 }
 
 /// Writes `spec` to `dir`/`name`.hcl and runs `berth job run -detach` on

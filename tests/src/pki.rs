@@ -11,11 +11,11 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
-use crate::{binary, HttpAnswer};
+use crate::{binary, exit_ok, free_port, Agent, HttpAnswer};
 
 /// Runs `berth ARGS...` in `dir`; an error with its output unless it
 /// exits 0.
@@ -26,15 +26,7 @@ pub fn berth_in(dir: &Path, args: &[&str]) -> Result<Output> {
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("running berth {}", args.join(" ")))?;
-    if !out.status.success() {
-        bail!(
-            "berth {} failed: {}{}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(out)
+    exit_ok(out, args)
 }
 
 /// The CLI's certificate: `global-cli-berth`.
@@ -99,6 +91,18 @@ impl Pki {
         let p = self.path(name);
         std::fs::write(&p, body)?;
         Ok(p)
+    }
+
+    /// Starts a client-only agent `node` of the servers at `rpc` with
+    /// `body` as its config file (written in the PKI dir); the agent and
+    /// its HTTP port.
+    pub fn start_client(&self, node: &str, rpc: &str, body: &str) -> Result<(Agent, u16)> {
+        let file = self.config(&format!("client-{node}.hcl"), body)?;
+        let file = file.to_str().context("temp paths are UTF-8")?;
+        let port = free_port();
+        let http = format!("127.0.0.1:{port}");
+        let agent = Agent::start_client(&["-config", file], rpc, node, &http)?;
+        Ok((agent, port))
     }
 
     /// The CLI's global flags to reach an HTTPS agent at `port` with its

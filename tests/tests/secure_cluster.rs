@@ -18,8 +18,8 @@ use berth_tests::pki::{
     grpc_channel, https_request_on, tls_connect, Pki, CLIENT_CERT, CLI_CERT, SERVER_CERT,
 };
 use berth_tests::{
-    binary, forward_http, free_port, wait_for, writes_refused_to_readers, Agent, HttpAnswer,
-    READONLY_POLICY,
+    binary, exit_ok, forward_http, free_port, wait_for, writes_refused_to_readers, Agent,
+    HttpAnswer, READONLY_POLICY,
 };
 use serde_json::Value;
 
@@ -78,13 +78,7 @@ impl Cluster {
         let out = cmd
             .output()
             .with_context(|| format!("berth {}", args.join(" ")))?;
-        anyhow::ensure!(
-            out.status.success(),
-            "berth {} failed: {}{}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let out = exit_ok(out, args)?;
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
@@ -107,16 +101,6 @@ fn names(nodes: &[Value]) -> Vec<String> {
 
 fn logged(agent: &Agent, needle: &str) -> usize {
     agent.log().matches(needle).count()
-}
-
-/// Starts a client-only agent `node` of the server at `rpc` with `body`
-/// as its config; its HTTP port.
-fn start_client(pki: &Pki, node: &str, rpc: &str, body: &str) -> Result<(Agent, u16)> {
-    let file = pki.config(&format!("client-{node}.hcl"), body)?;
-    let port = free_port();
-    let file = file.to_str().context("the temp dir is UTF-8")?;
-    let agent = Agent::start_client(&["-config", file], rpc, node, &format!("127.0.0.1:{port}"))?;
-    Ok((agent, port))
 }
 
 /// `Agent.ForwardHttp` on the server's agent protocol port, over TLS with
@@ -174,21 +158,25 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
         "acl {{\n  enabled = true\n}}\n{}",
         cluster.pki.tls_block(CLIENT_CERT, true)
     );
-    let (mut c1, c1_port) = start_client(&cluster.pki, "c1", &cluster.rpc, &client_config)?;
-    let (mut c2, _) = start_client(&cluster.pki, "c2", &cluster.rpc, &client_config)?;
+    let (mut c1, c1_port) = cluster
+        .pki
+        .start_client("c1", &cluster.rpc, &client_config)?;
+    let (mut c2, _) = cluster
+        .pki
+        .start_client("c2", &cluster.rpc, &client_config)?;
     // Trusts the agents' CA but presents a certificate of another; and
     // one that speaks plaintext.
     let rogue_config = format!(
         "acl {{\n  enabled = true\n}}\n{}",
         cluster.pki.tls_block("rogue/global-client-berth", true)
     );
-    let (_rogue, _) = start_client(&cluster.pki, "rogue", &cluster.rpc, &rogue_config)?;
-    let (_plain, _) = start_client(
-        &cluster.pki,
-        "plain",
-        &cluster.rpc,
-        "acl {\n  enabled = true\n}\n",
-    )?;
+    let (_rogue, _) = cluster
+        .pki
+        .start_client("rogue", &cluster.rpc, &rogue_config)?;
+    let (_plain, _) =
+        cluster
+            .pki
+            .start_client("plain", &cluster.rpc, "acl {\n  enabled = true\n}\n")?;
 
     // A TLS peer that presents no certificate is refused at the handshake.
     let bare = cluster.pki.client_config(None)?;

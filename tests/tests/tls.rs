@@ -32,24 +32,6 @@ fn start_server(pki: &Pki, cert: &str, extra: &str) -> Result<(Agent, u16, Strin
     Ok((agent, http_port, rpc))
 }
 
-/// A client-only agent named `node` of the server at `rpc`, with the
-/// given config body.
-fn start_client(pki: &Pki, node: &str, rpc: &str, body: &str) -> Result<Agent> {
-    let file = pki.config(&format!("client-{node}.hcl"), body)?;
-    let http = format!("127.0.0.1:{}", free_port());
-    Agent::start(&[
-        "-config",
-        s(&file),
-        "-client",
-        "-servers",
-        rpc,
-        "-node",
-        node,
-        "-http-addr",
-        &http,
-    ])
-}
-
 /// The DNS names of the certificate the server presented on `tls`.
 fn peer_names(tls: &TlsConn) -> Vec<String> {
     let Some(cert) = tls.conn.peer_certificates().and_then(|c| c.first()) else {
@@ -105,12 +87,8 @@ fn a_client_refuses_a_server_whose_certificate_names_another_region() -> Result<
         server.check_running()?;
         Ok(node_names(&pki, port).ok())
     })?;
-    let mut client = start_client(
-        &pki,
-        "c1",
-        &rpc,
-        &pki.tls_block("global-client-berth", true),
-    )?;
+    let (mut client, _) =
+        pki.start_client("c1", &rpc, &pki.tls_block("global-client-berth", true))?;
     wait_for(
         "the client to refuse the server",
         Duration::from_secs(60),

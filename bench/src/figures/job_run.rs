@@ -322,17 +322,12 @@ impl TwoAgents {
             "-rpc-addr",
             &rpc,
         ])?;
-        let client = berth_tests::Agent::start(&[
-            "-client",
-            "-config",
-            &path(&client_file)?,
-            "-servers",
+        let client = berth_tests::Agent::start_client(
+            &["-config", &path(&client_file)?],
             &rpc,
-            "-node",
             "bench",
-            "-http-addr",
             &format!("127.0.0.1:{}", berth_tests::free_port()),
-        ])?;
+        )?;
         let cli_flags = match pki {
             Some(p) => p.cli_flags(http_port),
             None => vec!["-address".into(), format!("http://127.0.0.1:{http_port}")],
@@ -365,13 +360,7 @@ impl TwoAgents {
             .stdin(Stdio::null())
             .output()
             .context("running berth")?;
-        ensure!(
-            out.status.success(),
-            "berth {} failed: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(out)
+        berth_tests::exit_ok(out, args)
     }
 
     /// Times `berth job run` of a new job `<prefix>-<round>`: spawn to
