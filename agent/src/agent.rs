@@ -10,8 +10,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use berth_server::{Server, ServerConfig};
 use tokio::sync::watch;
 
-use crate::client::{Client, ClientConfig};
 use crate::data_dir::DataDirLock;
+use berth_client::{Client, ClientConfig};
 
 /// What `berth agent` was asked to run.
 #[derive(Debug, Clone)]
@@ -131,88 +131,11 @@ pub const DEFAULT_HTTP_PORT: u16 = 4747;
 /// one.
 pub const DEFAULT_RPC_PORT: u16 = 4647;
 
-/// The long help of `berth agent`.
-const AGENT_ABOUT: &str = "\
-Runs a berth agent: the server role (the agent protocol and the HTTP API),
-the client role, or both. `-dev` runs a server and a client in one process
-on a temp data dir.
-
-Flags override the config files. Without -dev the files and flags together
-need a data dir, a role, and servers for a client-only agent.
-
-SIGHUP reads the config files again and applies their log_level (unless
--log-level is given); other changes need a restart.";
-
-/// `berth agent`'s flags. Values are checked when they are turned into an
-/// [`AgentConfig`], with the same messages as the config files get.
-#[derive(clap::Args, Debug, Clone, Default)]
-#[command(long_about = AGENT_ABOUT, args_override_self = true)]
-pub struct AgentArgs {
-    /// Run a server and a client in one process, on a temp data dir
-    #[arg(long)]
-    pub dev: bool,
-    /// Read an agent config file, or a directory's *.hcl in name order
-    /// (repeatable; later files override earlier ones)
-    #[arg(long, value_name = "PATH", action = clap::ArgAction::Append)]
-    pub config: Vec<PathBuf>,
-    /// Run the server role (agent protocol and HTTP API)
-    #[arg(long)]
-    pub server: bool,
-    /// Run the client role
-    #[arg(long)]
-    pub client: bool,
-    /// The servers' agent protocol addresses a client dials (the first,
-    /// and the next when one fails)
-    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
-    pub servers: Option<String>,
-    /// Keep state here (-dev: default a new temp dir)
-    #[arg(long, value_name = "DIR")]
-    pub data_dir: Option<PathBuf>,
-    /// HTTP API address (default bind_addr:ports.http, 127.0.0.1:4747)
-    #[arg(long, value_name = "HOST:PORT")]
-    pub http_addr: Option<String>,
-    /// Agent protocol address (-dev: default 127.0.0.1:0, any free port;
-    /// else bind_addr:ports.rpc, 127.0.0.1:4647)
-    #[arg(long, value_name = "HOST:PORT")]
-    pub rpc_addr: Option<String>,
-    /// The node's name (default: the host name)
-    #[arg(long, value_name = "NAME", visible_alias = "node-name")]
-    pub node: Option<String>,
-    /// Shortest heartbeat TTL the servers hand out (default 10s)
-    #[arg(long, value_name = "DUR")]
-    pub heartbeat_ttl: Option<String>,
-    /// Terminal allocs the node keeps before destroying the oldest (default 50)
-    #[arg(long, value_name = "N")]
-    pub gc_max_allocs: Option<String>,
-    /// The node destroys allocs terminal for this long (default 1h)
-    #[arg(long, value_name = "DUR")]
-    pub gc_alloc_threshold: Option<String>,
-    /// How often the node collects its terminal allocs (default 1m)
-    #[arg(long, value_name = "DUR")]
-    pub gc_interval: Option<String>,
-    /// How often the node fingerprints CSI plugins and repairs lost volume
-    /// mounts of running allocs (default 30s)
-    #[arg(long, value_name = "DUR")]
-    pub csi_fingerprint_interval: Option<String>,
-    /// How often the node collects the stats (usage, condition) of the CSI
-    /// volumes its allocs use (default 1m)
-    #[arg(long, value_name = "DUR")]
-    pub csi_volume_stats_interval: Option<String>,
-    /// trace, debug, info, warn or error (default: log_level, else info);
-    /// BERTH_LOG or RUST_LOG, when set, win over both
-    #[arg(long, value_name = "LEVEL")]
-    pub log_level: Option<String>,
-    /// Log JSON lines instead of text
-    #[arg(long)]
-    pub log_json: bool,
-    /// Require ACL tokens on the API (-dev runs with ACLs off without it)
-    #[arg(long)]
-    pub acl_enabled: bool,
-}
+pub use berth_cli::agent_args::AgentArgs;
 
 /// A command line `berth agent` cannot make sense of.
 fn usage_error(message: impl Into<String>) -> anyhow::Error {
-    crate::cli::usage_error(&["agent"], message)
+    berth_cli::usage_error(&["agent"], message)
 }
 
 /// A duration flag's value: humantime ("30s", "5m"), at most
@@ -278,14 +201,14 @@ impl AgentConfig {
         let argv = std::iter::once("agent".to_string())
             .chain(args.iter().cloned())
             .collect();
-        match crate::cli::parse(argv)? {
-            crate::cli::Parsed::Run(cli) => match cli.command {
-                crate::cli::Command::Agent(a) => {
+        match berth_cli::parse(argv)? {
+            berth_cli::Parsed::Run(cli) => match cli.command {
+                berth_cli::Command::Agent(a) => {
                     Ok(AgentCommand::Run(Box::new(AgentConfig::from_flags(*a)?)))
                 }
                 other => bail!("not an agent command: {other:?}"),
             },
-            crate::cli::Parsed::Print(..) => Ok(AgentCommand::Help),
+            berth_cli::Parsed::Print(..) => Ok(AgentCommand::Help),
         }
     }
 
@@ -556,6 +479,7 @@ impl AgentConfig {
                 .csi_volume_stats_interval
                 .unwrap_or(defaults.csi_volume_stats_interval),
             intro_token: self.intro_token.clone(),
+            local_api: Some(crate::http::client_forward::local_api_factory()),
             ..defaults
         }
     }
@@ -752,7 +676,10 @@ pub async fn run(
     let mut client_task = if config.client {
         tracing::info!(servers = ?servers, "client starting");
         let mut client_config = config.client_config(data_dir.clone(), servers);
-        client_config.tls = tls.clone().filter(|t| t.rpc);
+        client_config.tls = tls
+            .clone()
+            .filter(|t| t.rpc)
+            .map(|t| t as std::sync::Arc<dyn berth_client::servers::ServerTls>);
         // The client beside the server role is let in by it: a token of
         // one use, for the case that the servers do not know the node yet.
         if let (Some(server), None) = (&components.server, &client_config.intro_token) {
@@ -1035,8 +962,8 @@ async fn start_server(
         // Keepalive drops the streams of clients whose packets silently
         // vanish, as the clients do on their side.
         let router = tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(crate::client::servers::KEEPALIVE_INTERVAL))
-            .http2_keepalive_timeout(Some(crate::client::servers::KEEPALIVE_TIMEOUT))
+            .http2_keepalive_interval(Some(berth_client::servers::KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(berth_client::servers::KEEPALIVE_TIMEOUT))
             .max_concurrent_streams(Some(MAX_RPC_STREAMS_PER_CONNECTION))
             .add_service(server.node_service())
             .add_service(server.csi_volume_service())
@@ -1349,7 +1276,7 @@ client {
     #[test]
     fn node_class_and_meta_of_the_config_are_registered_with_the_node() {
         let (_dir, c) = client_file(CLIENT_HCL);
-        let node = crate::client::node_fingerprint(&client_config(&c), "n1".into());
+        let node = berth_client::node_fingerprint(&client_config(&c), "n1".into());
         assert_eq!(node.node_class, "storage");
         assert_eq!(
             node.meta,
@@ -1363,16 +1290,16 @@ client {
             .iter()
             .any(|k| k.contains("node_class") || k.contains("meta")));
         // Without them the node has no class and no meta.
-        let node = crate::client::node_fingerprint(&client_config(&run(&["-dev"])), "n1".into());
+        let node = berth_client::node_fingerprint(&client_config(&run(&["-dev"])), "n1".into());
         assert!(node.node_class.is_empty() && node.meta.is_empty());
     }
 
     #[test]
     fn reserved_cpu_memory_and_disk_come_off_the_fingerprinted_resources() {
         let (_dir, c) = client_file(CLIENT_HCL);
-        let bare = crate::client::node_fingerprint(&client_config(&run(&["-dev"])), "n1".into());
+        let bare = berth_client::node_fingerprint(&client_config(&run(&["-dev"])), "n1".into());
         let cc = client_config(&c);
-        let node = crate::client::node_fingerprint(&cc, "n1".into());
+        let node = berth_client::node_fingerprint(&cc, "n1".into());
         assert_eq!(node.resources.cpu, bare.resources.cpu.saturating_sub(500));
         assert_eq!(
             node.resources.memory_mb,
@@ -1395,7 +1322,7 @@ client {
             reserved_disk_mb: u64::MAX,
             ..cc
         };
-        let node = crate::client::node_fingerprint(&all, "n1".into());
+        let node = berth_client::node_fingerprint(&all, "n1".into());
         assert_eq!(
             (
                 node.resources.cpu,

@@ -29,31 +29,7 @@ use serde_json::{json, Value};
 use query::{encode, indexed, BlockingQuery, ListQuery};
 use routes::Routes;
 
-/// The largest request body the API reads. Job and volume specs are far
-/// smaller; the CLI refuses a spec file above it before reading it.
-pub const MAX_REQUEST_BODY: usize = 2 * 1024 * 1024;
-
-/// A size for people: `2 MiB` for whole MiB, else `50.0 MiB`, `3.5 KiB`.
-pub fn describe_size(bytes: u64) -> String {
-    const KIB: u64 = 1024;
-    const MIB: u64 = 1024 * 1024;
-    const GIB: u64 = 1024 * 1024 * 1024;
-    let (unit, name) = if bytes >= GIB {
-        (GIB, "GiB")
-    } else if bytes >= MIB {
-        (MIB, "MiB")
-    } else if bytes >= KIB {
-        (KIB, "KiB")
-    } else {
-        return format!("{bytes} bytes");
-    };
-    if bytes.checked_rem(unit) == Some(0) {
-        format!("{} {name}", bytes / unit)
-    } else {
-        // Precision is irrelevant here: the number is only shown.
-        format!("{:.1} {name}", bytes as f64 / unit as f64)
-    }
-}
+pub use berth_api::{describe_size, MAX_REQUEST_BODY};
 
 /// The message of a 413 answer.
 pub fn body_too_large_message() -> String {

@@ -4,17 +4,6 @@
 //! validate` checks agent config files; every other command talks to the
 //! HTTP API.
 
-mod agent;
-mod cli;
-mod client;
-mod config;
-mod data_dir;
-mod http;
-mod listener;
-mod logging;
-mod systemd;
-mod tls;
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.first().map(String::as_str) != Some("agent") {
@@ -25,9 +14,14 @@ fn main() {
             libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         }
     }
-    let code = match cli::run(args) {
+    // Hidden: the per-task executor the raw_exec driver starts. Its
+    // arguments are internal, so clap never sees them.
+    if args.first().map(String::as_str) == Some("executor") {
+        std::process::exit(berth_allocrunner::executor::run_executor(&args[1..]));
+    }
+    let code = match berth_cli::run(args, &berth::AgentHost) {
         Ok(code) => code,
-        Err(e) => cli::errors::report(&e),
+        Err(e) => berth_cli::errors::report(&e),
     };
     std::process::exit(code);
 }

@@ -35,7 +35,7 @@ use berth_server::Server;
 use sd_notify::NotifyState;
 use tokio::sync::watch;
 
-use crate::client::Client;
+use berth_client::Client;
 
 /// Whether the agent runs under a service manager that listens.
 pub fn enabled() -> bool {

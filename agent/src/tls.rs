@@ -368,6 +368,12 @@ impl AgentTls {
     }
 }
 
+impl berth_client::servers::ServerTls for AgentTls {
+    fn connector(&self) -> (tokio_rustls::TlsConnector, ServerName<'static>) {
+        AgentTls::connector(self)
+    }
+}
+
 impl Configs {
     fn build(
         files: &TlsFiles,
@@ -383,26 +389,7 @@ impl Configs {
     }
 }
 
-/// The DNS names of a certificate's subject alternative names (empty when
-/// it does not parse or has none).
-pub fn dns_names(cert: &CertificateDer<'_>) -> Vec<String> {
-    use x509_parser::extensions::GeneralName;
-    let Ok((_, cert)) = x509_parser::parse_x509_certificate(cert.as_ref()) else {
-        return Vec::new();
-    };
-    match cert.subject_alternative_name() {
-        Ok(Some(san)) => san
-            .value
-            .general_names
-            .iter()
-            .filter_map(|n| match n {
-                GeneralName::DNSName(d) => Some(d.to_string()),
-                _ => None,
-            })
-            .collect(),
-        _ => Vec::new(),
-    }
-}
+pub use berth_api::tls::dns_names;
 
 /// The DNS names of the certificate the peer of `conn` presented.
 pub fn peer_dns_names(conn: &rustls::CommonState) -> Vec<String> {

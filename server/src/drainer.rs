@@ -40,11 +40,7 @@ use crate::nodes::resolve_node;
 use crate::server::Server;
 use crate::state::{Change, ClusterIndexes, Tables};
 
-/// The desired description of an alloc a drain stopped.
-pub const DRAIN_STOP_DESCRIPTION: &str = "node is draining";
-
-/// The node event of a finished drain.
-pub const DRAIN_COMPLETE_EVENT: &str = "Node drain complete";
+pub use berth_structs::node::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 
 /// What one look at the draining nodes decided.
 #[derive(Debug, Default)]

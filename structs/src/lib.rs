@@ -15,6 +15,7 @@ pub mod limits;
 pub mod names;
 pub mod node;
 pub mod node_secret;
+pub mod secret;
 pub mod spec;
 
 pub use alloc::*;

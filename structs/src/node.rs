@@ -217,6 +217,12 @@ pub struct Node {
 /// Nodes keep at most this many events; older ones are dropped.
 pub const MAX_NODE_EVENTS: usize = 50;
 
+/// The desired description of an alloc a drain stopped.
+pub const DRAIN_STOP_DESCRIPTION: &str = "node is draining";
+
+/// The node event of a finished drain.
+pub const DRAIN_COMPLETE_EVENT: &str = "Node drain complete";
+
 impl Node {
     /// Record events, newest last. An event equal to one already recorded
     /// (same subsystem, message and details) is folded into the newest such

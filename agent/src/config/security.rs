@@ -35,27 +35,7 @@ use berth_structs::limits::MAX_DURATION;
 use berth_structs::spec::hcl::{BodyReader, Source};
 use berth_structs::spec::SpecError;
 
-/// A secret read from a configuration file: its value never reaches a
-/// `Debug` or `Display`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct ConfigSecret(String);
-
-impl ConfigSecret {
-    pub fn new(value: impl Into<String>) -> ConfigSecret {
-        ConfigSecret(value.into())
-    }
-
-    /// The secret itself, for the one place that sends it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for ConfigSecret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("ConfigSecret(<redacted>)")
-    }
-}
+pub use berth_structs::secret::ConfigSecret;
 
 /// `acl { ... }`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -267,27 +247,7 @@ pub struct SecuritySections {
     pub limits: LimitsSection,
 }
 
-/// Whether `region` may name a region (it is part of certificate names:
-/// `server.<region>.berth`).
-pub fn check_region(region: &str) -> Result<(), String> {
-    let ok = !region.is_empty()
-        && region.len() <= 63
-        && region
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        && !region.starts_with('-')
-        && !region.ends_with('-');
-    if ok {
-        Ok(())
-    } else {
-        Err(format!(
-            "{region:?} is not a region name (lowercase letters, digits and '-', at most 63)"
-        ))
-    }
-}
-
-/// The region when none is set, as Nomad's.
-pub const DEFAULT_REGION: &str = "global";
+pub use berth_api::tls::{check_region, DEFAULT_REGION};
 
 impl SecuritySections {
     /// The attributes and blocks this module reads at the top level.

@@ -18,7 +18,7 @@ use serde_json::json;
 use super::query::{encode, indexed, BlockingQuery};
 use super::routes::Routes;
 use super::{ApiError, ApiPath, ApiQuery, MAX_REQUEST_BODY};
-use crate::client::Client;
+use berth_client::Client;
 
 /// What `/v1/agent/self` tells about this agent. The parts known only
 /// once a role has started are set then.
@@ -276,13 +276,13 @@ async fn client_allocation(
 
 /// A task's stdout or stderr as raw bytes, with the cursor after them in
 /// `X-Berth-Log-File` and `X-Berth-Log-Offset` (see
-/// [`crate::client::logs`]).
+/// [`berth_client::logs`]).
 async fn client_fs_logs(
     State(info): State<Arc<AgentInfo>>,
     ApiPath(id): ApiPath<String>,
-    super::ApiQuery(query): super::ApiQuery<crate::client::logs::LogsQuery>,
+    super::ApiQuery(query): super::ApiQuery<berth_client::logs::LogsQuery>,
 ) -> Result<Response, ApiError> {
-    use crate::client::logs::LogsError;
+    use berth_client::logs::LogsError;
     // A client role that has not started yet is a moment away: a follower
     // tries again.
     if info.client && info.client_role.get().is_none() {

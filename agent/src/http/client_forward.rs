@@ -28,7 +28,7 @@ use tower::ServiceExt;
 
 use super::agent_api::AgentInfo;
 use super::{body_too_large_message, ApiError, MAX_REQUEST_BODY};
-use crate::client::Client;
+use berth_client::Client;
 
 /// How long a node may take to answer a request that does not wait (a
 /// restart waits for the task's kill timeout).
@@ -208,6 +208,27 @@ pub fn node_local_router(client: Arc<Client>) -> Router {
             )
         })
         .layer(axum::middleware::from_fn(super::one_error_shape))
+}
+
+/// The node-local API as the client answers the servers' forwarded
+/// requests with it.
+pub struct NodeLocalApi(Router);
+
+#[async_trait::async_trait]
+impl berth_client::calls::LocalApi for NodeLocalApi {
+    async fn answer(
+        &self,
+        request: pb::ClientHttp,
+    ) -> Result<pb::ClientHttpReply, (tonic::Code, String)> {
+        answer_client_http(&self.0, request).await
+    }
+}
+
+/// What a client is given to make its node-local API.
+pub fn local_api_factory() -> berth_client::calls::LocalApiFactory {
+    berth_client::calls::LocalApiFactory(std::sync::Arc::new(|client| {
+        std::sync::Arc::new(NodeLocalApi(node_local_router(client)))
+    }))
 }
 
 /// Whether the servers may send `path_and_query` to a node: one alloc's

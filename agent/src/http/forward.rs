@@ -333,8 +333,8 @@ impl pb::agent_server::Agent for ForwardService {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::client::{Client, ClientConfig};
     use crate::http::agent_api::{agent_router, AgentInfo};
+    use berth_client::{Client, ClientConfig};
     use berth_testutil::wait_for;
 
     /// A real server on `dir` serving the agent protocol, the forwarding
@@ -370,7 +370,10 @@ mod tests {
         servers: Vec<String>,
     ) -> (Router, Arc<Client>, tokio::sync::watch::Sender<bool>) {
         let client = Client::start(
-            ClientConfig::new(dir.to_path_buf(), servers.clone()),
+            ClientConfig {
+                local_api: Some(crate::http::client_forward::local_api_factory()),
+                ..ClientConfig::new(dir.to_path_buf(), servers.clone())
+            },
             tokio::sync::watch::channel(false).1,
         )
         .await

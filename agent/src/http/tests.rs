@@ -380,13 +380,13 @@ fn the_cli_client_reports_the_servers_413_for_a_body_over_the_limit() {
     let addr = listener.local_addr().expect("addr");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let served = rt.spawn(serve_router(listener, router(api.server.clone()), stop_rx));
-    let client = crate::cli::http_client::ApiClient::new(&format!("http://{addr}")).unwrap();
+    let client = berth_api::ApiClient::new(&format!("http://{addr}")).unwrap();
     let big = json!({ "job": "x".repeat(16 * 1024 * 1024) });
     let err = client.put("/v1/jobs", &big).unwrap_err();
     let _ = stop_tx.send(true);
     let _ = rt.block_on(served);
     let api_err = err
-        .downcast_ref::<crate::cli::http_client::ApiError>()
+        .api()
         .unwrap_or_else(|| panic!("expected the API's answer, got: {err:#}"));
     assert_eq!(api_err.status, 413);
     assert_eq!(

@@ -4,8 +4,8 @@
 use std::path::Path;
 
 use super::*;
-use crate::cli::tls::{create_ca, create_cert, write_pair, Extra, Pems, Role};
 use crate::config::security::TlsSection;
+use berth_cli::tls::{create_ca, create_cert, write_pair, Extra, Pems, Role};
 
 /// A CA in `dir` (`<name>-ca.pem`) and certificates signed by it.
 struct Ca {

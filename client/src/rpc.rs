@@ -185,7 +185,7 @@ struct Inner {
     alloc_changes: watch::Sender<u64>,
     /// Sent with each registration, for servers that do not know the node
     /// yet.
-    intro_token: Mutex<Option<crate::config::ConfigSecret>>,
+    intro_token: Mutex<Option<berth_structs::secret::ConfigSecret>>,
 }
 
 fn status_retryable(code: Code) -> bool {
@@ -215,7 +215,7 @@ impl ServerConn {
     }
 
     /// The introduction token sent with registrations from now on.
-    pub fn set_intro_token(&self, token: crate::config::ConfigSecret) {
+    pub fn set_intro_token(&self, token: berth_structs::secret::ConfigSecret) {
         *self
             .inner
             .intro_token
@@ -1157,8 +1157,9 @@ mod tests {
         serving.abort();
     }
 
-    /// A real server's agent protocol, and its HTTP API on another port;
-    /// both addresses. The temp dir goes with the first value.
+    /// A real server's agent protocol, and an HTTP API on another port (one
+    /// that answers as the agent's does, without the agent); both
+    /// addresses. The temp dir goes with the first value.
     async fn serve_agent_protocol_and_http_api() -> (
         tempfile::TempDir,
         std::sync::Arc<berth_server::Server>,
@@ -1176,13 +1177,32 @@ mod tests {
         );
         let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http_addr = http.local_addr().unwrap();
-        let (stop, stop_rx) = tokio::sync::watch::channel(false);
-        tokio::spawn(crate::http::serve_router(
-            http,
-            crate::http::router(server.clone()),
-            stop_rx,
-        ));
+        let (stop, mut stop_rx) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            loop {
+                let conn = tokio::select! {
+                    c = http.accept() => c,
+                    _ = stop_rx.wait_for(|v| *v) => return,
+                };
+                let Ok((conn, _)) = conn else { return };
+                tokio::spawn(serve_http_api_answer(conn));
+            }
+        });
         (dir, server, rpc_addr, http_addr, stop)
+    }
+
+    /// One connection of an HTTP API as a server's HTTP port serves it
+    /// (HTTP/1 and HTTP/2): every request gets the API's JSON 404.
+    async fn serve_http_api_answer(conn: tokio::net::TcpStream) {
+        let service = hyper::service::service_fn(|_req| async {
+            hyper::Response::builder()
+                .status(404)
+                .header("content-type", "application/json")
+                .body(String::from(r#"{"error":"unknown API path"}"#))
+        });
+        let _ = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .serve_connection(hyper_util::rt::TokioIo::new(conn), service)
+            .await;
     }
 
     /// The first of the client's servers is a server's HTTP API port (an

@@ -5,9 +5,9 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
-use super::http_client::{ApiClient, ApiError};
 use super::output::OutputArgs;
 use super::{enc, Ctx};
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum SnapshotCommand {
@@ -74,7 +74,7 @@ fn snapshot_create(a: CreateArgs, api: &ApiClient) -> Result<i32> {
             "Snapshot {:?} of volume {volume:?} created (ID {}, {}, ready: {})",
             s["name"].as_str().unwrap_or(&name),
             s["id"].as_str().unwrap_or_default(),
-            crate::http::describe_size(s["size_bytes"].as_u64().unwrap_or(0)),
+            berth_api::describe_size(s["size_bytes"].as_u64().unwrap_or(0)),
             s["ready_to_use"].as_bool().unwrap_or(false)
         );
         Ok(())
@@ -118,7 +118,7 @@ pub fn snapshot_table(snapshots: &Value) -> Vec<String> {
             s["id"].as_str().unwrap_or_default().to_string(),
             s["plugin_id"].as_str().unwrap_or_default().to_string(),
             source,
-            crate::http::describe_size(s["size_bytes"].as_u64().unwrap_or(0)),
+            berth_api::describe_size(s["size_bytes"].as_u64().unwrap_or(0)),
             created_text(s["create_time_ms"].as_i64().unwrap_or(0)),
             s["ready_to_use"].as_bool().unwrap_or(false).to_string(),
         ]);
@@ -167,13 +167,8 @@ fn snapshot_delete(a: DeleteArgs, api: &ApiClient) -> Result<i32> {
 pub fn existing_volume(api: &ApiClient, id: &str) -> Result<Option<Value>> {
     match api.get(&format!("/v1/volume/csi/{}", enc(id))) {
         Ok(v) => Ok(Some(v)),
-        Err(e)
-            if e.downcast_ref::<ApiError>()
-                .is_some_and(|e| e.status == 404) =>
-        {
-            Ok(None)
-        }
-        Err(e) => Err(e),
+        Err(e) if e.api().is_some_and(|e| e.status == 404) => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -192,13 +187,13 @@ pub fn create_outcome(id: &str, before: Option<&Value>, after: &Value) -> String
     if now > was {
         format!(
             "Expanded volume {id:?} from {} to {}",
-            crate::http::describe_size(was),
-            crate::http::describe_size(now)
+            berth_api::describe_size(was),
+            berth_api::describe_size(now)
         )
     } else if requests(before) != requests(after) {
         format!(
             "Volume {id:?} has {}; its capacity requests are updated",
-            crate::http::describe_size(now)
+            berth_api::describe_size(now)
         )
     } else {
         format!("Volume {id:?} exists and is unchanged (external ID {ext:?})")

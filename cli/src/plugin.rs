@@ -6,9 +6,9 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
-use super::http_client::ApiClient;
 use super::output::{ago_cell, id_cell, key_values, print_lines, table, text, OutputArgs, Table};
 use super::{enc, node, Ctx};
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum PluginCommand {

@@ -6,14 +6,17 @@
 //! the HTTP API.
 //!
 //! Each command group lives in its own module with its own
-//! `clap::Subcommand` enum and a `run(cmd, &Ctx)`.
+//! `clap::Subcommand` enum and a `run(cmd, &Ctx)`. The commands speak to
+//! the API through `berth-api` only; the three that are no API client
+//! (`agent`, `config validate`, the hidden `executor`) are run by the
+//! binary, through [`Host`].
 
 pub mod acl;
+pub mod agent_args;
 pub mod alloc;
 pub mod alloc_logs;
 pub mod alloc_ops;
 pub mod errors;
-pub mod http_client;
 pub mod job;
 pub mod node;
 pub mod operator;
@@ -31,8 +34,19 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use serde_json::Value;
 
+use berth_api::{ApiClient, DEFAULT_ADDR};
 use errors::UsageError;
-use http_client::{ApiClient, DEFAULT_ADDR};
+
+/// What the binary runs itself: the commands that are not clients of the
+/// API.
+pub trait Host {
+    /// `berth agent`: runs until the agent stops; the exit code.
+    fn agent(&self, args: agent_args::AgentArgs) -> Result<i32>;
+    /// `berth config validate PATH...`: the merged configuration of the
+    /// paths, checked; `Ok` with the roles it enables ("server", "client"
+    /// or "server and client").
+    fn config_roles(&self, paths: &[PathBuf]) -> Result<&'static str>;
+}
 
 /// `berth version` and `berth -version`.
 pub const VERSION: &str = concat!("v", env!("CARGO_PKG_VERSION"));
@@ -105,7 +119,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Run a berth agent: a server, a client, or both in one process (-dev)
-    Agent(Box<crate::agent::AgentArgs>),
+    Agent(Box<agent_args::AgentArgs>),
     /// Check agent configuration files
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -169,7 +183,7 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    pub fn new(address: &str, tls: &http_client::CliTls, token: Option<&str>) -> Result<Ctx> {
+    pub fn new(address: &str, tls: &berth_api::TlsFiles, token: Option<&str>) -> Result<Ctx> {
         Ok(Ctx {
             api: ApiClient::with_tls(address, tls)?.with_token(token),
         })
@@ -428,12 +442,7 @@ fn takes_value(arg: &clap::Arg) -> bool {
 
 /// Runs the command line (without the program name); returns the process
 /// exit code. A [`UsageError`] says the command line itself is wrong.
-pub fn run(args: Vec<String>) -> Result<i32> {
-    // Hidden: the per-task executor the raw_exec driver starts. Its
-    // arguments are internal, so clap never sees them.
-    if args.first().map(String::as_str) == Some("executor") {
-        return Ok(berth_allocrunner::executor::run_executor(&args[1..]));
-    }
+pub fn run(args: Vec<String>, host: &dyn Host) -> Result<i32> {
     let cli = match parse(args)? {
         Parsed::Run(cli) => *cli,
         Parsed::Print(text, 0) => {
@@ -445,15 +454,19 @@ pub fn run(args: Vec<String>) -> Result<i32> {
             return Ok(code);
         }
     };
-    let tls = http_client::CliTls {
+    let tls = berth_api::TlsFiles {
         ca_cert: cli.ca_cert.clone(),
         client_cert: cli.client_cert.clone(),
         client_key: cli.client_key.clone(),
     };
     let ctx = || Ctx::new(&cli.address, &tls, cli.token.as_deref());
     match cli.command {
-        Command::Agent(a) => crate::agent::run_from_args(*a),
-        Command::Config(ConfigCommand::Validate { paths }) => config_validate(&paths),
+        Command::Agent(a) => host.agent(*a),
+        Command::Config(ConfigCommand::Validate { paths }) => {
+            let roles = host.config_roles(&paths)?;
+            println!("Configuration is valid ({roles})");
+            Ok(0)
+        }
         Command::Job(cmd) => job::run(cmd, &ctx()?),
         Command::Alloc(cmd) => alloc::run(cmd, &ctx()?),
         Command::Node(cmd) => node::run(cmd, &ctx()?),
@@ -525,11 +538,11 @@ fn allocs_phrase(n: usize) -> String {
 /// neither memory nor a request.
 fn read_spec(kind: &str, path: &str) -> Result<String> {
     use std::io::Read;
-    let limit = crate::http::MAX_REQUEST_BODY as u64;
+    let limit = berth_api::MAX_REQUEST_BODY as u64;
     let too_large = |size: String| {
         anyhow!(
             "{kind} {path} is {size}; the limit is {}",
-            crate::http::describe_size(limit)
+            berth_api::describe_size(limit)
         )
     };
     let file = std::fs::File::open(path).with_context(|| format!("reading {path}"))?;
@@ -538,7 +551,7 @@ fn read_spec(kind: &str, path: &str) -> Result<String> {
         bail!("{kind} {path} is a directory");
     }
     if meta.len() > limit {
-        return Err(too_large(crate::http::describe_size(meta.len())));
+        return Err(too_large(berth_api::describe_size(meta.len())));
     }
     // A pipe or a file that grows has no size up front: read one byte past
     // the limit at most.
@@ -549,7 +562,7 @@ fn read_spec(kind: &str, path: &str) -> Result<String> {
     if raw.len() as u64 > limit {
         return Err(too_large(format!(
             "more than {}",
-            crate::http::describe_size(limit)
+            berth_api::describe_size(limit)
         )));
     }
     String::from_utf8(raw).map_err(|e| {
@@ -558,20 +571,6 @@ fn read_spec(kind: &str, path: &str) -> Result<String> {
             e.utf8_error().valid_up_to()
         )
     })
-}
-
-/// `berth config validate PATH...`: reads the paths as `berth agent
-/// -config` would (one agent's configuration, later files over earlier
-/// ones) and says whether they make a valid one. Starts nothing.
-fn config_validate(paths: &[PathBuf]) -> Result<i32> {
-    let config = crate::config::load(paths)?;
-    let roles = match (config.server_enabled(), config.client_enabled()) {
-        (true, true) => "server and client",
-        (true, false) => "server",
-        _ => "client",
-    };
-    println!("Configuration is valid ({roles})");
-    Ok(0)
 }
 
 #[cfg(test)]
@@ -616,7 +615,7 @@ mod tests {
         let mut tree = Vec::new();
         command_paths(&command(), "", &mut tree);
         tree.sort();
-        let test = include_str!("../../../tests/tests/cli_basics.rs");
+        let test = include_str!("../../tests/tests/cli_basics.rs");
         let start = test
             .find("const COMMANDS: &[&str] = &[")
             .expect("cli_basics.rs lists COMMANDS");

@@ -9,9 +9,9 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use super::http_client::ApiClient;
 use super::output::OutputArgs;
 use super::{enc, Ctx};
+use berth_api::ApiClient;
 
 /// How long `alloc stop` waits for the client to stop the alloc.
 const STOP_WAIT: Duration = Duration::from_secs(5 * 60);

@@ -6,12 +6,12 @@ use anyhow::Result;
 use clap::{ArgGroup, Args, Subcommand};
 use serde_json::{json, Value};
 
-use super::http_client::ApiClient;
 use super::output::{
     ago_at, format_time, joined, key_values, print_lines, short_id, shown_id, text, titled_table,
     OutputArgs, Table,
 };
 use super::{allocs_phrase, enc, print_json, print_release_warnings, strs, Ctx};
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum NodeCommand {
@@ -256,7 +256,7 @@ fn follow_drain(api: &ApiClient, node_id: &str) -> Result<i32> {
             let id = a["id"].as_str().unwrap_or_default();
             let s = shown.entry(id.to_string()).or_default();
             let drained = a["desired_status"] == "stop"
-                && a["desired_description"] == berth_server::DRAIN_STOP_DESCRIPTION;
+                && a["desired_description"] == berth_structs::node::DRAIN_STOP_DESCRIPTION;
             let label = format!(
                 "Alloc {} ({})",
                 short_id(id),
@@ -266,7 +266,7 @@ fn follow_drain(api: &ApiClient, node_id: &str) -> Result<i32> {
                 s.stopped = true;
                 println!(
                     "{label}: stopping ({})",
-                    berth_server::DRAIN_STOP_DESCRIPTION
+                    berth_structs::node::DRAIN_STOP_DESCRIPTION
                 );
             }
             let status = a["client_status"].as_str().unwrap_or_default();
@@ -286,7 +286,7 @@ fn follow_drain(api: &ApiClient, node_id: &str) -> Result<i32> {
                 .and_then(|e| e["message"].as_str())
                 .unwrap_or_default()
                 .to_string();
-            if last == berth_server::DRAIN_COMPLETE_EVENT {
+            if last == berth_structs::node::DRAIN_COMPLETE_EVENT {
                 println!("Node {}: drain complete", node_label(&n));
                 return Ok(0);
             }

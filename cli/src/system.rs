@@ -4,8 +4,8 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::json;
 
-use super::http_client::ApiClient;
 use super::{print_json, Ctx};
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum SystemCommand {

@@ -6,11 +6,11 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 use serde_json::Value;
 
-use super::http_client::ApiClient;
 use super::output::{
     ago_at, format_time, joined, key_values, shown_id, table, text_or, titled_table, OutputArgs,
 };
 use super::{alloc_logs, alloc_ops, enc, volume_stats, Ctx};
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum AllocCommand {

@@ -56,7 +56,7 @@ mod tests {
     use tokio::sync::watch;
 
     use super::*;
-    use crate::client::ClientConfig;
+    use crate::ClientConfig;
 
     #[tokio::test]
     async fn a_client_whose_runners_stay_locked_fails_the_probe() {

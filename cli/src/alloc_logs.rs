@@ -15,8 +15,10 @@ use anyhow::{anyhow, Context, Result};
 use backon::{BlockingRetryable, ExponentialBuilder};
 use clap::Args;
 
-use super::http_client::{ApiClient, ApiError, RawAnswer};
 use super::{enc, Ctx};
+#[cfg(test)]
+use berth_api::ApiError;
+use berth_api::{ApiClient, RawAnswer};
 
 /// Bytes asked for per answer.
 const PAGE: u64 = 1 << 20;
@@ -163,7 +165,7 @@ fn fetch_retrying(api: &ApiClient, path: &str) -> Result<Page> {
 /// answer, or answered with a 5xx (it is starting, or its client role
 /// is). An answer that names a problem (404, 400) is final.
 fn worth_retrying(e: &anyhow::Error) -> bool {
-    match e.downcast_ref::<ApiError>() {
+    match super::errors::api_answer(e) {
         Some(api) => api.status >= 500,
         None => true,
     }
@@ -201,10 +203,10 @@ mod tests {
     #[test]
     fn only_an_agent_away_or_failing_is_tried_again() {
         let api = |status| {
-            anyhow::Error::from(ApiError {
+            anyhow::Error::from(berth_api::Error::Api(ApiError {
                 status,
                 message: "x".into(),
-            })
+            }))
         };
         assert!(worth_retrying(&api(503)));
         assert!(worth_retrying(&api(500)));

@@ -71,6 +71,13 @@ fn flatten(message: &str) -> String {
 }
 
 /// Prints `e` as the CLI reports failures and returns the exit code.
+/// The API's answer `e` carries, when the failure is one (a non-2xx).
+pub fn api_answer(e: &anyhow::Error) -> Option<&berth_api::ApiError> {
+    e.downcast_ref::<berth_api::Error>()
+        .and_then(berth_api::Error::api)
+        .or_else(|| e.downcast_ref::<berth_api::ApiError>())
+}
+
 pub fn report(e: &anyhow::Error) -> i32 {
     match e.downcast_ref::<UsageError>() {
         Some(usage) => {

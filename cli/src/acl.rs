@@ -8,9 +8,9 @@ use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
-use super::http_client::ApiClient;
 use super::output::{ago_cell, key_values, print_lines, text, Table};
 use super::{enc, print_json, Ctx};
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum AclCommand {

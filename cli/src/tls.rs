@@ -73,7 +73,7 @@ pub struct CertCreate {
     #[arg(long)]
     pub cli: bool,
     /// The region the certificate names
-    #[arg(long, default_value = crate::config::security::DEFAULT_REGION, value_name = "REGION")]
+    #[arg(long, default_value = berth_api::tls::DEFAULT_REGION, value_name = "REGION")]
     pub region: String,
     /// Another DNS name the certificate carries (repeatable)
     #[arg(long = "additional-dnsname", value_name = "NAME")]
@@ -242,7 +242,7 @@ pub fn create_cert(
     ca_key_pem: &str,
     days: u32,
 ) -> Result<Pems> {
-    crate::config::security::check_region(region).map_err(|e| anyhow!("-region {e}"))?;
+    berth_api::tls::check_region(region).map_err(|e| anyhow!("-region {e}"))?;
     let ca_key = KeyPair::from_pem(ca_key_pem).context("the CA key is not a PEM private key")?;
     let issuer = Issuer::from_ca_cert_pem(ca_pem, ca_key)
         .context("the CA certificate is not a PEM certificate")?;
@@ -347,7 +347,7 @@ mod tests {
             .iter()
             .filter(|n| matches!(n, x509_parser::extensions::GeneralName::IPAddress(_)))
             .count();
-        (crate::tls::dns_names(&der), ips)
+        (berth_api::tls::dns_names(&der), ips)
     }
 
     use rustls_pki_types::pem::PemObject;

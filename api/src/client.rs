@@ -1,13 +1,17 @@
-//! The CLI's client of the HTTP API, on ureq: blocking, JSON bodies, an
-//! error that says what the API said ([`ApiError`]) or that no agent
-//! answers at the address.
+//! The client of the HTTP API, on ureq: blocking, JSON bodies, an error
+//! that says what the API said ([`ApiError`]) or that no agent answers at
+//! the address ([`Error`]).
 
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Result};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use serde_json::Value;
 
-/// The API's base address, from `-address`, `BERTH_ADDR`, or the default.
+use crate::{Error, Result};
+
+/// A client of one agent's HTTP API (the CLI's `-address`, `BERTH_ADDR`,
+/// or [`DEFAULT_ADDR`]).
 #[derive(Debug, Clone)]
 pub struct ApiClient {
     /// `http://host:port`, no trailing slash.
@@ -52,11 +56,11 @@ pub struct RawAnswer {
     pub body: Vec<u8>,
 }
 
-/// The CLI's TLS files (`-ca-cert`, `-client-cert`, `-client-key`, or
-/// `BERTH_CACERT`, `BERTH_CLIENT_CERT`, `BERTH_CLIENT_KEY`), for an
-/// `https://` address.
+/// The TLS files for an `https://` address. Errors name them as the CLI's
+/// flags and variables do (`-ca-cert`, `-client-cert`, `-client-key`, or
+/// `BERTH_CACERT`, `BERTH_CLIENT_CERT`, `BERTH_CLIENT_KEY`).
 #[derive(Debug, Clone, Default)]
-pub struct CliTls {
+pub struct TlsFiles {
     /// The CA the agent's certificate must chain to (else the system's
     /// web roots).
     pub ca_cert: Option<std::path::PathBuf>,
@@ -65,23 +69,32 @@ pub struct CliTls {
     pub client_key: Option<std::path::PathBuf>,
 }
 
-impl CliTls {
+impl TlsFiles {
     fn read(what: &str, path: &std::path::Path) -> Result<Vec<u8>> {
-        std::fs::read(path).map_err(|e| anyhow!("reading {what} {}: {e}", path.display()))
+        std::fs::read(path)
+            .map_err(|e| Error::Tls(format!("reading {what} {}: {e}", path.display())))
     }
 
     fn certs(what: &str, path: &std::path::Path) -> Result<Vec<ureq::tls::Certificate<'static>>> {
-        let pem = CliTls::read(what, path)?;
+        let pem = TlsFiles::read(what, path)?;
         let mut certs = Vec::new();
         for item in ureq::tls::parse_pem(&pem) {
             match item {
                 Ok(ureq::tls::PemItem::Certificate(c)) => certs.push(c),
                 Ok(_) => {}
-                Err(e) => bail!("{what} {} is not valid PEM: {e}", path.display()),
+                Err(e) => {
+                    return Err(Error::Tls(format!(
+                        "{what} {} is not valid PEM: {e}",
+                        path.display()
+                    )))
+                }
             }
         }
         if certs.is_empty() {
-            bail!("{what} {} holds no PEM certificate", path.display());
+            return Err(Error::Tls(format!(
+                "{what} {} holds no PEM certificate",
+                path.display()
+            )));
         }
         Ok(certs)
     }
@@ -90,27 +103,32 @@ impl CliTls {
     fn config(&self) -> Result<ureq::tls::TlsConfig> {
         let mut b = ureq::tls::TlsConfig::builder().provider(ureq::tls::TlsProvider::Rustls);
         if let Some(ca) = &self.ca_cert {
-            let certs = CliTls::certs("the CA certificate (-ca-cert, BERTH_CACERT)", ca)?;
+            let certs = TlsFiles::certs("the CA certificate (-ca-cert, BERTH_CACERT)", ca)?;
             b = b.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
         }
         match (&self.client_cert, &self.client_key) {
             (Some(cert), Some(key)) => {
-                let chain = CliTls::certs(
+                let chain = TlsFiles::certs(
                     "the client certificate (-client-cert, BERTH_CLIENT_CERT)",
                     cert,
                 )?;
                 let what = "the client key (-client-key, BERTH_CLIENT_KEY)";
-                let key_pem = CliTls::read(what, key)?;
-                let key = ureq::tls::PrivateKey::from_pem(&key_pem)
-                    .map_err(|_| anyhow!("{what} {} holds no PEM private key", key.display()))?;
+                let key_pem = TlsFiles::read(what, key)?;
+                let key = ureq::tls::PrivateKey::from_pem(&key_pem).map_err(|_| {
+                    Error::Tls(format!("{what} {} holds no PEM private key", key.display()))
+                })?;
                 b = b.client_cert(Some(ureq::tls::ClientCert::new_with_certs(&chain, key)));
             }
             (None, None) => {}
             (Some(_), None) => {
-                bail!("-client-cert (BERTH_CLIENT_CERT) needs -client-key (BERTH_CLIENT_KEY)")
+                return Err(Error::Tls(
+                    "-client-cert (BERTH_CLIENT_CERT) needs -client-key (BERTH_CLIENT_KEY)".into(),
+                ))
             }
             (None, Some(_)) => {
-                bail!("-client-key (BERTH_CLIENT_KEY) needs -client-cert (BERTH_CLIENT_CERT)")
+                return Err(Error::Tls(
+                    "-client-key (BERTH_CLIENT_KEY) needs -client-cert (BERTH_CLIENT_CERT)".into(),
+                ))
             }
         }
         Ok(b.build())
@@ -120,25 +138,22 @@ impl CliTls {
 impl ApiClient {
     /// A client of the API at `address` over plain HTTP, or HTTPS with the
     /// system's roots and no client certificate.
-    #[cfg(test)]
     pub fn new(address: &str) -> Result<ApiClient> {
-        ApiClient::with_tls(address, &CliTls::default())
+        ApiClient::with_tls(address, &TlsFiles::default())
     }
 
     /// A client of the API at `address` (`http://HOST:PORT` or
     /// `https://HOST:PORT`); `tls` applies to an `https://` address.
-    pub fn with_tls(address: &str, tls: &CliTls) -> Result<ApiClient> {
+    pub fn with_tls(address: &str, tls: &TlsFiles) -> Result<ApiClient> {
         let (scheme, rest) = match address.split_once("://") {
             Some(("http", rest)) => ("http", rest),
             Some(("https", rest)) => ("https", rest),
-            Some(_) => bail!(
-                "address {address:?} is not of the form http://HOST:PORT or https://HOST:PORT"
-            ),
+            Some(_) => return Err(Error::Address(address.to_string())),
             None => ("http", address),
         };
         let authority = rest.trim_end_matches('/');
         if authority.is_empty() || authority.contains('/') || authority.contains("://") {
-            bail!("address {address:?} is not of the form http://HOST:PORT or https://HOST:PORT");
+            return Err(Error::Address(address.to_string()));
         }
         let mut config = ureq::Agent::config_builder()
             .http_status_as_error(false)
@@ -188,6 +203,23 @@ impl ApiClient {
         self.json("DELETE", path, None).map(|(v, _)| v)
     }
 
+    /// A GET whose answer is decoded as `T`.
+    pub fn get_as<T: DeserializeOwned>(&self, path: &str) -> Result<T> {
+        decode(path, self.get(path)?)
+    }
+
+    /// A PUT of `body` whose answer is decoded as `T`.
+    pub fn put_as<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> Result<T> {
+        let body = serde_json::to_value(body).map_err(Error::Encode)?;
+        decode(path, self.put(path, &body)?)
+    }
+
+    /// A POST of `body` whose answer is decoded as `T`.
+    pub fn post_as<B: Serialize, T: DeserializeOwned>(&self, path: &str, body: &B) -> Result<T> {
+        let body = serde_json::to_value(body).map_err(Error::Encode)?;
+        decode(path, self.post(path, &body)?)
+    }
+
     /// A GET whose body is kept as bytes; a non-2xx is an [`ApiError`].
     pub fn get_bytes(&self, path: &str) -> Result<RawAnswer> {
         let mut resp = self.send("GET", path, None, answer_timeout(path))?;
@@ -227,7 +259,10 @@ impl ApiClient {
         timeout: Option<Duration>,
     ) -> Result<ureq::http::Response<ureq::Body>> {
         let url = format!("{}{path}", self.base);
-        let body = body.map(serde_json::to_vec).transpose()?;
+        let body = body
+            .map(serde_json::to_vec)
+            .transpose()
+            .map_err(Error::Encode)?;
         let mut req = ureq::http::Request::builder()
             .method(method)
             .uri(&url)
@@ -243,7 +278,7 @@ impl ApiClient {
         }
         let req = req
             .body(body.unwrap_or_default())
-            .map_err(|e| anyhow!("{method} {url}: {e}"))?;
+            .map_err(|e| Error::Transport(format!("{method} {url}: {e}")))?;
         let req = self
             .agent
             .configure_request(req)
@@ -255,8 +290,11 @@ impl ApiClient {
             .map_err(|e| self.transport_error(e, method, path))
     }
 
-    fn transport_error(&self, e: ureq::Error, method: &str, path: &str) -> anyhow::Error {
-        let refused = |why: String| anyhow!("no berth agent answers at {} ({why})", self.base);
+    fn transport_error(&self, e: ureq::Error, method: &str, path: &str) -> Error {
+        let refused = |why: String| Error::Unreachable {
+            base: self.base.clone(),
+            why,
+        };
         match e {
             ureq::Error::Io(io) => match io.kind() {
                 std::io::ErrorKind::ConnectionRefused => refused("connection refused".into()),
@@ -267,28 +305,34 @@ impl ApiClient {
                     .get_ref()
                     .is_some_and(|inner| inner.is::<rustls::Error>()) =>
                 {
-                    anyhow!(
+                    Error::Transport(format!(
                         "TLS with the berth API at {} failed: {io} (check -ca-cert, -client-cert and -client-key, or BERTH_CACERT, BERTH_CLIENT_CERT and BERTH_CLIENT_KEY)",
                         self.base
-                    )
+                    ))
                 }
-                _ => anyhow!("{method} {path} at the berth API {}: {io}", self.base),
+                _ => Error::Transport(format!("{method} {path} at the berth API {}: {io}", self.base)),
             },
             ureq::Error::HostNotFound => refused("host not found".into()),
             ureq::Error::ConnectionFailed => refused("connection failed".into()),
             ureq::Error::Timeout(ureq::Timeout::Connect) => {
                 refused(format!("no connection in {}s", CONNECT_TIMEOUT.as_secs()))
             }
-            ureq::Error::Rustls(e) => anyhow!(
+            ureq::Error::Rustls(e) => Error::Transport(format!(
                 "TLS with the berth API at {} failed: {e} (check -ca-cert, -client-cert and -client-key, or BERTH_CACERT, BERTH_CLIENT_CERT and BERTH_CLIENT_KEY)",
                 self.base
-            ),
-            ureq::Error::Tls(e) => anyhow!("TLS with the berth API at {} failed: {e}", self.base),
-            ureq::Error::Timeout(t) => anyhow!(
+            )),
+            ureq::Error::Tls(e) => Error::Transport(format!(
+                "TLS with the berth API at {} failed: {e}",
+                self.base
+            )),
+            ureq::Error::Timeout(t) => Error::Transport(format!(
                 "{method} {path}: the berth API at {} did not answer in time ({t})",
                 self.base
-            ),
-            other => anyhow!("{method} {path} at the berth API {}: {other}", self.base),
+            )),
+            other => Error::Transport(format!(
+                "{method} {path} at the berth API {}: {other}",
+                self.base
+            )),
         }
     }
 }
@@ -323,7 +367,14 @@ fn read_body(
         .with_config()
         .limit(MAX_ANSWER)
         .read_to_vec()
-        .map_err(|e| anyhow!("reading the answer to {method} {path}: {e}"))
+        .map_err(|e| Error::Transport(format!("reading the answer to {method} {path}: {e}")))
+}
+
+fn decode<T: DeserializeOwned>(path: &str, v: Value) -> Result<T> {
+    serde_json::from_value(v).map_err(|source| Error::Decode {
+        path: path.to_string(),
+        source,
+    })
 }
 
 fn json_value(raw: &[u8]) -> Value {
@@ -353,10 +404,8 @@ fn api_error(status: u16, raw: &[u8]) -> ApiError {
 /// the connection; joining it gives the request head. The answer goes out in
 /// one write, so the kernel sends it before the reset that closing with
 /// unread data makes.
-#[cfg(test)]
-pub(crate) fn one_answer_server(
-    answer: impl Into<Vec<u8>>,
-) -> (String, std::thread::JoinHandle<Vec<u8>>) {
+#[doc(hidden)]
+pub fn one_answer_server(answer: impl Into<Vec<u8>>) -> (String, std::thread::JoinHandle<Vec<u8>>) {
     use std::io::{Read, Write};
     let answer = answer.into();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -399,7 +448,7 @@ mod tests {
         let err = api.put("/v1/jobs", &big).unwrap_err();
         server.join().unwrap();
         let api_err = err
-            .downcast_ref::<ApiError>()
+            .api()
             .unwrap_or_else(|| panic!("expected the server's answer, got {err:#}"));
         assert_eq!(api_err.status, 413);
         assert_eq!(
@@ -446,7 +495,7 @@ mod tests {
         );
         let err = ApiClient::new(&addr).unwrap().get("/v1/job/x").unwrap_err();
         server.join().unwrap();
-        let api = err.downcast_ref::<ApiError>().expect("an ApiError");
+        let api = err.api().expect("an ApiError");
         assert_eq!((api.status, api.message.as_str()), (404, "job x not found"));
     }
 

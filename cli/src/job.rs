@@ -14,9 +14,9 @@ use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
 use super::errors::{one_line, UsageError};
-use super::http_client::{ApiClient, ApiError};
 use super::output::{self, ago_at, joined, short_id, OutputArgs};
 use super::{enc, print_json, read_spec, strs, usage_error, Ctx};
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum JobCommand {
@@ -613,9 +613,8 @@ fn stopped(al: &Value, job_dead: bool) -> bool {
         || (job_dead && s(al, "desired_status") != "run" && s(al, "client_status") == "pending")
 }
 
-fn is_not_found(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<ApiError>()
-        .is_some_and(|a| a.status == 404)
+fn is_not_found(e: &berth_api::Error) -> bool {
+    e.api().is_some_and(|a| a.status == 404)
 }
 
 fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
@@ -670,7 +669,7 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
             Ok(r) => r,
             // Purged (or collected): it and its allocs are gone, so done.
             Err(e) if is_not_found(&e) => break,
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
         at = next;
         // The allocs it had when it was stopped; a later run's are not
@@ -690,7 +689,7 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
             }
             Ok(job) => s(&job, "status") == "dead",
             Err(e) if is_not_found(&e) => true,
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
         last = allocs;
         if last.iter().all(|al| stopped(al, dead)) {
@@ -704,7 +703,7 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
         loop {
             match api.get(&format!("/v1/job/{}", enc(&id))) {
                 Err(e) if is_not_found(&e) => break,
-                Err(e) => return Err(e),
+                Err(e) => return Err(e.into()),
                 Ok(_) if std::time::Instant::now() >= deadline => {
                     println!(
                         "==> Job {id:?} is not purged yet: a volume claim still holds one of its allocs"
@@ -998,7 +997,7 @@ mod tests {
     /// An agent that answers one request with `body` and then no more;
     /// joining it gives the request head.
     fn one_request_agent(body: &str) -> (ApiClient, std::thread::JoinHandle<Vec<u8>>) {
-        let (addr, server) = crate::cli::http_client::one_answer_server(format!(
+        let (addr, server) = berth_api::client::one_answer_server(format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
              content-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()

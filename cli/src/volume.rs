@@ -5,11 +5,11 @@ use anyhow::{anyhow, Result};
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 
-use super::http_client::ApiClient;
 use super::output::{ago_cell, id_cell, key_values, print_lines, text, OutputArgs, Table};
 use super::{
     allocs_phrase, enc, node, print_release_warnings, read_spec, snapshot, strs, volume_stats, Ctx,
 };
+use berth_api::ApiClient;
 
 #[derive(Subcommand, Debug)]
 pub enum VolumeCommand {
@@ -220,7 +220,7 @@ fn count(v: &Value) -> usize {
 fn size(v: &Value) -> String {
     match v.as_u64() {
         Some(0) | None => "-".to_string(),
-        Some(n) => crate::http::describe_size(n),
+        Some(n) => berth_api::describe_size(n),
     }
 }
 

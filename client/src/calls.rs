@@ -21,11 +21,63 @@ use tokio_stream::StreamExt;
 
 use super::rpc::ServerConn;
 
+/// What answers the HTTP requests the servers forward to this node over
+/// the call stream (`Call::ClientHttp`): the agent's node-local API.
+#[async_trait::async_trait]
+pub trait LocalApi: Send + Sync + 'static {
+    /// The answer to one forwarded request; an error is the gRPC code and
+    /// message the call fails with.
+    async fn answer(
+        &self,
+        request: pb::ClientHttp,
+    ) -> Result<pb::ClientHttpReply, (tonic::Code, String)>;
+}
+
+/// Makes the [`LocalApi`] of a running client. A factory rather than the
+/// API itself: the API holds the client, which holds its configuration.
+#[derive(Clone)]
+pub struct LocalApiFactory(pub Arc<dyn Fn(Arc<crate::Client>) -> Arc<dyn LocalApi> + Send + Sync>);
+
+impl std::fmt::Debug for LocalApiFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LocalApiFactory")
+    }
+}
+
+impl LocalApiFactory {
+    /// The local API of `client`: the factory's, else one that refuses.
+    pub(crate) fn make(
+        factory: Option<&LocalApiFactory>,
+        client: &Arc<crate::Client>,
+    ) -> Arc<dyn LocalApi> {
+        match factory {
+            Some(f) => (f.0)(client.clone()),
+            None => Arc::new(NoLocalApi),
+        }
+    }
+}
+
+/// A client without a node-local API refuses forwarded requests.
+struct NoLocalApi;
+
+#[async_trait::async_trait]
+impl LocalApi for NoLocalApi {
+    async fn answer(
+        &self,
+        _request: pb::ClientHttp,
+    ) -> Result<pb::ClientHttpReply, (tonic::Code, String)> {
+        Err((
+            tonic::Code::Unimplemented,
+            "this node serves no local HTTP API".into(),
+        ))
+    }
+}
+
 /// Keeps the call stream open until `shutdown`.
 pub async fn run_call_stream(
     conn: ServerConn,
     csi: Arc<CsiManager>,
-    local_api: axum::Router,
+    local_api: Arc<dyn LocalApi>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let mut failures: u32 = 0;
@@ -56,7 +108,7 @@ pub async fn run_call_stream(
 async fn serve_once(
     conn: &ServerConn,
     csi: &Arc<CsiManager>,
-    local_api: &axum::Router,
+    local_api: &Arc<dyn LocalApi>,
 ) -> Result<(), tonic::Status> {
     let (tx, rx) = mpsc::channel::<pb::ClientMessage>(64);
     tx.send(pb::ClientMessage {
@@ -152,7 +204,7 @@ fn topology_requirement(
 
 async fn handle_call(
     csi: &Arc<CsiManager>,
-    local_api: &axum::Router,
+    local_api: &Arc<dyn LocalApi>,
     call: pb::ServerCall,
 ) -> Result<pb::call_reply::Result, pb::CallError> {
     let empty = || pb::call_reply::Result::Empty(pb::Empty {});
@@ -314,7 +366,8 @@ async fn handle_call(
             Ok(empty())
         }
         Some(Call::ListSnapshots(l)) => list_snapshots(csi, l).await,
-        Some(Call::ClientHttp(h)) => crate::http::client_forward::answer_client_http(local_api, h)
+        Some(Call::ClientHttp(h)) => local_api
+            .answer(h)
             .await
             .map(pb::call_reply::Result::ClientHttp)
             .map_err(|(code, message)| pb::CallError {

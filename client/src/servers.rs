@@ -85,10 +85,23 @@ pub fn endpoint(addr: &str) -> Result<Endpoint, ServersError> {
 /// Dials a server over mutual TLS: TCP to the address of the URI, then a
 /// handshake that presents the agent's certificate and accepts only a
 /// server certificate of the CA naming `server.<region>.berth` (see
-/// [`crate::tls`]). Each dial takes the certificates in force then.
+/// [`ServerTls`]). Each dial takes the certificates in force then.
 #[derive(Clone)]
 struct TlsDialer {
-    tls: Arc<crate::tls::AgentTls>,
+    tls: Arc<dyn ServerTls>,
+}
+
+/// The TLS a client dials its servers with: the agent's certificates,
+/// which it may reload at any time.
+pub trait ServerTls: std::fmt::Debug + Send + Sync + 'static {
+    /// The configuration a new dial to a server uses, and the name its
+    /// certificate must carry.
+    fn connector(
+        &self,
+    ) -> (
+        tokio_rustls::TlsConnector,
+        rustls_pki_types::ServerName<'static>,
+    );
 }
 
 impl Service<http::Uri> for TlsDialer {
@@ -145,7 +158,7 @@ impl ServerChannels {
     /// next server.
     pub fn with_tls(
         addrs: &[String],
-        tls: Option<Arc<crate::tls::AgentTls>>,
+        tls: Option<Arc<dyn ServerTls>>,
     ) -> Result<ServerChannels, ServersError> {
         if addrs.is_empty() {
             return Err(ServersError::Empty);

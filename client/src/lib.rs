@@ -2,6 +2,11 @@
 //! watches the allocs the servers place here and runs them, and answers the
 //! servers' calls. Its durable state lives in one database file under
 //! `<data_dir>/client/`.
+//!
+//! The client knows nothing of the agent around it: what it needs from it
+//! comes through small traits, the TLS it dials with
+//! ([`servers::ServerTls`]) and the node-local HTTP API that answers the
+//! servers' forwarded requests ([`calls::LocalApi`]).
 
 pub mod calls;
 pub mod gc;
@@ -42,7 +47,7 @@ pub struct ClientConfig {
     /// dials the first and moves on to the next when one fails.
     pub servers: Vec<String>,
     /// The client dials its servers over mutual TLS (`tls.rpc`).
-    pub tls: Option<Arc<crate::tls::AgentTls>>,
+    pub tls: Option<Arc<dyn servers::ServerTls>>,
     pub node_name: Option<String>,
     /// How often terminal allocs are checked for garbage collection
     /// (Nomad's `gc_interval`).
@@ -73,7 +78,10 @@ pub struct ClientConfig {
     pub csi_fingerprint_interval: Duration,
     /// The introduction token the node registers with while the servers
     /// do not know it (`client { intro_token }`).
-    pub intro_token: Option<crate::config::ConfigSecret>,
+    pub intro_token: Option<berth_structs::secret::ConfigSecret>,
+    /// What answers the HTTP requests the servers forward to this node
+    /// (the agent's node-local API); without one they are refused.
+    pub local_api: Option<calls::LocalApiFactory>,
 }
 
 impl ClientConfig {
@@ -101,6 +109,7 @@ impl ClientConfig {
             csi_volume_stats_interval: berth_csimanager::stats::DEFAULT_VOLUME_STATS_INTERVAL,
             csi_fingerprint_interval: Self::DEFAULT_CSI_FINGERPRINT_INTERVAL,
             intro_token: None,
+            local_api: None,
         }
     }
 }
@@ -145,6 +154,8 @@ pub struct Client {
     disconnect_startup_grace: Duration,
     /// See [`ClientConfig::csi_volume_stats_interval`].
     csi_volume_stats_interval: Duration,
+    /// See [`ClientConfig::local_api`].
+    local_api: Option<calls::LocalApiFactory>,
     /// Wakes the garbage collector (the servers' view of the allocs
     /// changed: some may have become collectable).
     gc_wake: Notify,
@@ -310,7 +321,7 @@ pub(crate) fn driver_health_events(
 
 /// The node as this client registers it: its fingerprint with the
 /// operator's class, meta and reservations applied.
-pub(crate) fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
+pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
     let found = fingerprint_resources(&config.data_dir);
     let mut node = Node {
         id: node_id,
@@ -401,6 +412,7 @@ impl Client {
             gc_interval: config.gc_interval,
             disconnect_startup_grace: config.disconnect_startup_grace,
             csi_volume_stats_interval: config.csi_volume_stats_interval,
+            local_api: config.local_api.clone(),
             gc_wake: Notify::new(),
             ready: watch::channel(false).0,
             registered: watch::channel(false).0,
@@ -612,7 +624,7 @@ impl Client {
         {
             let conn = self.conn.clone();
             let csi = self.csi.clone();
-            let local_api = crate::http::client_forward::node_local_router(self.clone());
+            let local_api = calls::LocalApiFactory::make(self.local_api.as_ref(), &self);
             let rx = shutdown.clone();
             tasks.spawn(async move { calls::run_call_stream(conn, csi, local_api, rx).await });
         }
