@@ -1,5 +1,8 @@
 //! The CLI's answers to bad input, without an agent: each names the problem.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use std::process::Command;
 
 fn berth(args: &[&str]) -> (i32, String, String) {

@@ -3,6 +3,9 @@
 //! arguments are a usage error, and it reports on its stdout once its task's
 //! state is recorded.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use std::io::{Read, Write};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};

@@ -19,6 +19,9 @@
 //!     cargo build -p hostpath-plugin
 //!     cargo bench -p berth-allocrunner --bench csi_hook [-- --rounds 300] [--store redb|file|mem]
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};

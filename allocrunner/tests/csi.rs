@@ -5,6 +5,9 @@
 //!
 //! Needs `cargo build -p hostpath-plugin` first.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::BTreeMap;

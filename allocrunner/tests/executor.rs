@@ -7,6 +7,9 @@
 //! or hangs before it reports fails the start with a clear error, promptly
 //! or at the deadline.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;

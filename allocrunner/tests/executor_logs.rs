@@ -4,6 +4,9 @@
 //! process that escaped the task's group and keeps the output open does not
 //! hold up the exit.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;

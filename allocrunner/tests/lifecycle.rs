@@ -1,6 +1,9 @@
 //! The alloc runner end to end with real processes: batch completion, task
 //! environment, failures, restarts, stop, the alloc dir.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::os::unix::fs::PermissionsExt;

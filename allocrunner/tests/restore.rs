@@ -7,6 +7,9 @@
 //! task and waiter, as an agent that exits does, while the executors (and
 //! their tasks) keep running.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::{Path, PathBuf};

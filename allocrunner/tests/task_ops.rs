@@ -3,6 +3,9 @@
 //! restart, and a signal reaches the task's process; what does not run
 //! refuses both.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;

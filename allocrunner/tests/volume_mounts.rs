@@ -1,5 +1,8 @@
 //! The volume mounts hook alone, with real bind mounts of a temp dir.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::BTreeMap;

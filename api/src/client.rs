@@ -399,34 +399,10 @@ fn api_error(status: u16, raw: &[u8]) -> ApiError {
     ApiError { status, message }
 }
 
-/// A server on a loopback port that answers the first request on its first
-/// connection with `answer`, without reading the request's body, and closes
-/// the connection; joining it gives the request head. The answer goes out in
-/// one write, so the kernel sends it before the reset that closing with
-/// unread data makes.
-#[doc(hidden)]
-pub fn one_answer_server(answer: impl Into<Vec<u8>>) -> (String, std::thread::JoinHandle<Vec<u8>>) {
-    use std::io::{Read, Write};
-    let answer = answer.into();
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let server = std::thread::spawn(move || {
-        let (mut conn, _) = listener.accept().unwrap();
-        let mut head = Vec::new();
-        let mut byte = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
-            conn.read_exact(&mut byte).unwrap();
-            head.push(byte[0]);
-        }
-        conn.write_all(&answer).unwrap();
-        head
-    });
-    (format!("http://{addr}"), server)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use berth_testutil::one_answer_server;
 
     /// A server that answers 413 after the request head and closes the
     /// connection without reading the body, as a server with a body limit

@@ -997,7 +997,7 @@ mod tests {
     /// An agent that answers one request with `body` and then no more;
     /// joining it gives the request head.
     fn one_request_agent(body: &str) -> (ApiClient, std::thread::JoinHandle<Vec<u8>>) {
-        let (addr, server) = berth_api::client::one_answer_server(format!(
+        let (addr, server) = berth_testutil::one_answer_server(format!(
             "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
              content-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()

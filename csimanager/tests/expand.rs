@@ -2,6 +2,9 @@
 //! real `hostpath-plugin`: the volume manager finds the publish target of a
 //! claiming alloc and refuses a volume that is not published here.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use berth_csimanager::{CsiError, ExpandRequest};

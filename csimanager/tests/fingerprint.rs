@@ -2,6 +2,9 @@
 //! real `hostpath-plugin` and, for answers it never gives, a small in-test
 //! identity plugin served with tonic over a real unix socket.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;

@@ -3,6 +3,9 @@
 //! failed call counted under its gRPC code, a volume's mount and unmount
 //! timed with their outcome.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;

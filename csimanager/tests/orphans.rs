@@ -5,6 +5,9 @@
 //! unmounted, and nothing else is touched. Against the real
 //! `hostpath-plugin` with real mounts (the tests run as root).
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::BTreeSet;

@@ -3,6 +3,9 @@
 //! of the plugin serves the unmounts. Against the real `hostpath-plugin`
 //! with real mounts (the tests run as root).
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::sync::{Arc, Mutex};

@@ -3,6 +3,9 @@
 //! round once the plugin is healthy, reported as node events and to the
 //! alloc's watchers.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;

@@ -7,6 +7,9 @@
 //! The tests count the NodeStageVolume calls in berth's metrics, which
 //! every test of a binary shares: they run one at a time.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::path::Path;

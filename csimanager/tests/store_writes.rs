@@ -2,6 +2,9 @@
 //! synced write of the agent's state database, on the path every alloc
 //! walks. Against the real `hostpath-plugin`.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

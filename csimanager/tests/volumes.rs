@@ -1,6 +1,9 @@
 //! The volume manager against the real `hostpath-plugin`: real unix
 //! sockets, real gRPC, real bind mounts (the tests run as root).
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::{Duration, Instant};

@@ -20,6 +20,9 @@
 //! process) and how many nodes the server marked down, which must be 0: the
 //! run fails otherwise.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 #[path = "../tests/support/mod.rs"]
 mod support;
 

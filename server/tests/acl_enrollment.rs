@@ -4,6 +4,9 @@
 //! with an introduction token (spent per use), a purged node's ID stays
 //! its own, and a node that runs no plugin alloc is no plugin instance.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use berth_proto::berth::v1 as pb;

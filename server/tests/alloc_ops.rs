@@ -3,6 +3,9 @@
 //! Nomad does); the node-local routes of an alloc reach its node over the
 //! call stream (`ClientHttp`), and a node without one is unavailable.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::sync::Arc;

@@ -1,6 +1,9 @@
 //! CSI claims over real gRPC, their release through the checkpointed
 //! states, calls to clients over real call streams, and the volume watcher.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::collections::BTreeMap;

@@ -4,6 +4,9 @@
 //! serves are released, the drain completes, and eligibility is the
 //! operator's.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::time::Duration;

@@ -1,6 +1,9 @@
 //! A node that misses its heartbeat TTL goes down; its allocs are lost and
 //! replaced elsewhere.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::sync::Arc;

@@ -4,6 +4,9 @@
 //! is purged or when an operator detaches the volume; read claims are freed
 //! at once. Over real gRPC and call streams.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::time::Duration;

@@ -2,6 +2,9 @@
 //! node RPC that presents another secret (or none) is refused and changes
 //! nothing; a node acts on volume claims only for its own allocs.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use berth_proto::berth::v1 as pb;

@@ -1,6 +1,9 @@
 //! The Node service over real gRPC: register, heartbeat, the alloc watch,
 //! status updates, plugin fingerprints and events.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::time::Duration;

@@ -1,6 +1,9 @@
 //! What the servers show of a node beside the node itself: what its allocs
 //! that are not terminal ask for, and the CSI volumes they claim there.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use berth_structs::{AccessMode, AllocClientStatus, ClaimMode, JobType, NodeCsiVolume};

@@ -1,6 +1,9 @@
 //! Job plans, registration with enforce_index, purge, summaries and job ID
 //! prefixes.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::collections::BTreeSet;

@@ -3,6 +3,9 @@
 //! over a longer one it is a prefix of; an ambiguous prefix lists the
 //! matches.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use berth_server::ServerError;

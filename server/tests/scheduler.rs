@@ -1,6 +1,9 @@
 //! Scheduling: system jobs on every ready node, CSI feasibility, claims
 //! that block a second writer until freed.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use berth_structs::{

@@ -1,6 +1,9 @@
 //! The state store persists to redb and loads back; a corrupt record is
 //! quarantined, never fatal.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use berth_server::state::{RedbBackend, SCHEMA_VERSION};

@@ -2,6 +2,9 @@
 //! queued before the alloc stopped) are not stored: they would move the
 //! modify time that the volume watcher's reap grace counts from.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::collections::BTreeMap;

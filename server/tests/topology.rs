@@ -3,6 +3,9 @@
 //! of its answer, a registered volume's topology, placement only where a
 //! volume is reachable, and the reasons shown when it is nowhere.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::collections::BTreeMap;

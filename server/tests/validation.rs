@@ -3,6 +3,9 @@
 //! their limits, with a message naming the field; nothing of them is
 //! stored and no call reaches a client.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use berth_proto::berth::v1 as pb;

@@ -2,6 +2,9 @@
 //! snapshots: the servers' decisions, over real gRPC call streams to a test
 //! client that answers like a client running the plugin.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::sync::Arc;

@@ -2,6 +2,9 @@
 //! the alloc, without an evaluation and without being streamed back to the
 //! client that sent them.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod support;
 
 use std::collections::BTreeMap;

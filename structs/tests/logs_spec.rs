@@ -1,6 +1,9 @@
 //! The task's `logs` block: Nomad's defaults, the values that survive
 //! parsing, and the errors that name the field.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use berth_structs::spec::parse_job;
 use berth_structs::{Job, LogConfig, Task};
 

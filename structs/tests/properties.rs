@@ -8,6 +8,9 @@
 //! Each property runs a fixed number of cases (its `ProptestConfig`), so the
 //! whole file finishes in a few seconds.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use std::time::Duration;
 
 use berth_structs::limits::{

@@ -1,6 +1,9 @@
 //! The HCL job and volume specs: the example files, the errors operators see
 //! (with lines), and the values that must survive parsing untouched.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use std::time::Duration;
 
 use berth_structs::spec::{parse_job, parse_volume, SpecError};

@@ -1,6 +1,9 @@
 //! Input variables in job files: `variable` blocks, `var.NAME` and
 //! `${var.NAME}` references, `-var NAME=VALUE` overrides.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use berth_structs::spec::{parse_job, parse_job_with_variables};
 
 const JOB: &str = r#"

@@ -2,6 +2,9 @@
 //! with limits, refused when a job or volume is parsed or validated, with a
 //! message that names the field, the value and what is allowed.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use std::time::Duration;
 
 use berth_structs::limits::{

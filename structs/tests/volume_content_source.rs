@@ -1,5 +1,8 @@
 //! A volume spec's content source: `snapshot_id` or `clone_id`, never both.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 use berth_structs::spec::parse_volume;
 
 const BASE: &str = r#"

@@ -22,30 +22,7 @@ pub use berth_testutil::loops::{loop_devices_unusable, loops_backed_under};
 pub use berth_testutil::mounts_under;
 use berth_testutil::pids_mentioning;
 
-/// The directory holding the workspace's built binaries
-/// (`target/<profile>`).
-pub fn bin_dir() -> PathBuf {
-    // A test or bench executable lives in target/<profile>/deps/, a
-    // workspace binary (berth-bench) in target/<profile>/ itself.
-    let exe = std::env::current_exe().expect("current_exe");
-    let dir = exe.parent().expect("an executable lives in a directory");
-    if dir.file_name().is_some_and(|n| n == "deps") {
-        dir.parent().expect("deps/ has a parent").to_path_buf()
-    } else {
-        dir.to_path_buf()
-    }
-}
-
-/// Path of a workspace binary, which `cargo test --workspace` builds.
-pub fn binary(name: &str) -> PathBuf {
-    let p = bin_dir().join(name);
-    assert!(
-        p.exists(),
-        "{} is missing: run the tests with `cargo test --workspace`, which builds it",
-        p.display()
-    );
-    p
-}
+pub use berth_testutil::{bin_dir, binary};
 
 /// The repository root.
 pub fn repo_root() -> PathBuf {

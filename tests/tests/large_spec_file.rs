@@ -12,6 +12,8 @@ use anyhow::Result;
 use berth_tests::DevAgent;
 
 /// The largest resident set of any child waited for so far, in KiB.
+// getrusage has no safe wrapper in the crates the tests use.
+#[allow(unsafe_code)]
 fn children_peak_rss_kib() -> i64 {
     // SAFETY: getrusage only writes the struct it is given.
     let mut usage: libc::rusage = unsafe { std::mem::zeroed() };

@@ -179,22 +179,96 @@ impl Drop for SmallDisk {
     }
 }
 
-/// The workspace's `target/debug` (where `cargo test --workspace` puts the
-/// binaries every test uses).
-pub fn target_debug_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug")
+/// The directory holding the workspace's built binaries
+/// (`target/<profile>`): the one the running test or bench executable was
+/// built into (tests live in `<profile>/deps/`, a workspace binary such as
+/// `berth-bench` in `<profile>/` itself), which is where cargo put the
+/// binaries it built with it, whatever `CARGO_TARGET_DIR` or
+/// `build.target-dir` said.
+pub fn bin_dir() -> PathBuf {
+    match std::env::current_exe() {
+        Ok(exe) => profile_dir_of(&exe),
+        Err(_) => target_dir().join("debug"),
+    }
+}
+
+fn profile_dir_of(exe: &Path) -> PathBuf {
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().unwrap_or(dir).to_path_buf()
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+/// The workspace's target directory as cargo has it: `CARGO_TARGET_DIR`,
+/// else what `cargo metadata` says (which honours `build.target-dir`),
+/// else `target/` beside the workspace's manifest.
+pub fn target_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir);
+    }
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let metadata = std::process::Command::new(std::env::var("CARGO").unwrap_or("cargo".into()))
+        .args(["metadata", "--format-version", "1", "--no-deps"])
+        .current_dir(&workspace)
+        .output();
+    if let Some(out) = metadata.ok().filter(|o| o.status.success()) {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&out.stdout) {
+            if let Some(dir) = v["target_directory"].as_str() {
+                return PathBuf::from(dir);
+            }
+        }
+    }
+    workspace.join("target")
+}
+
+/// Path of a workspace binary, which `cargo test --workspace` builds: in
+/// [`bin_dir`], else in the target directory's `debug/`. A test that
+/// cannot find it fails saying so.
+pub fn binary(name: &str) -> PathBuf {
+    let mut tried = Vec::new();
+    for dir in [bin_dir(), target_dir().join("debug")] {
+        let p = dir.join(name);
+        if p.is_file() {
+            return p;
+        }
+        tried.push(p.display().to_string());
+    }
+    panic!(
+        "{name} not found (looked for {}): run the tests with `cargo test --workspace`, which builds it",
+        tried.join(" and ")
+    );
 }
 
 /// The example `hostpath-plugin` binary. `cargo test --workspace` builds
 /// it; a test that cannot find it fails saying so.
 pub fn hostpath_plugin_binary() -> PathBuf {
-    let path = target_debug_dir().join("hostpath-plugin");
-    assert!(
-        path.is_file(),
-        "{} not found: run the tests with `cargo test --workspace`, or build it first with `cargo build -p hostpath-plugin`",
-        path.display()
-    );
-    path
+    binary("hostpath-plugin")
+}
+
+/// A server on a loopback port that answers the first request on its first
+/// connection with `answer`, without reading the request's body, and closes
+/// the connection; joining it gives the request head. The answer goes out in
+/// one write, so the kernel sends it before the reset that closing with
+/// unread data makes.
+pub fn one_answer_server(answer: impl Into<Vec<u8>>) -> (String, std::thread::JoinHandle<Vec<u8>>) {
+    use std::io::{Read, Write};
+    let answer = answer.into();
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            conn.read_exact(&mut byte).unwrap();
+            head.push(byte[0]);
+        }
+        conn.write_all(&answer).unwrap();
+        head
+    });
+    (format!("http://{addr}"), server)
 }
 
 /// Polls `cond` every 20 ms until it holds; fails the test naming `what`
@@ -210,6 +284,20 @@ pub async fn wait_for(what: &str, within: Duration, mut cond: impl FnMut() -> bo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn binaries_are_found_beside_the_running_executable() {
+        let exe = Path::new("/t/debug/deps/layout-0a1b");
+        assert_eq!(profile_dir_of(exe), Path::new("/t/debug"));
+        assert_eq!(
+            profile_dir_of(Path::new("/t/release/berth-bench")),
+            Path::new("/t/release")
+        );
+        // This test's own executable is in the directory it reports.
+        let dir = bin_dir();
+        assert!(dir.join("deps").is_dir(), "{}", dir.display());
+        assert!(target_dir().is_dir(), "{}", target_dir().display());
+    }
 
     #[test]
     fn mountinfo_paths_are_unescaped() {

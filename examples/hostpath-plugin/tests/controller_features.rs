@@ -5,6 +5,9 @@
 //! mounts), controller expansion, capacity and volume condition, and fault
 //! injection on the new RPCs. Needs root (to mount).
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::collections::{BTreeMap, HashMap};

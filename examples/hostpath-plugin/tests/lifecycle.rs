@@ -2,6 +2,9 @@
 //! drives volumes through their whole life over CSI, with real bind mounts.
 //! Needs root (to mount).
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::fs;

@@ -4,6 +4,9 @@
 //! Needs root; the image tests return early (saying why) where loop devices
 //! cannot be used.
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::fs;

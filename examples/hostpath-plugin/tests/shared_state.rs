@@ -4,6 +4,9 @@
 //! through one is lost to a change made through the other, and the mount and
 //! publication rules hold across them. Needs root (to mount).
 
+// Test code: an unwrap that fails fails the test, with the value.
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::fs;
