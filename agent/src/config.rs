@@ -398,11 +398,30 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
         }
     };
 
-    let server = match r.optional_block("server")? {
+    let server = server_section(&src, &r)?;
+    let client = client_section(&src, &r)?;
+    let security = SecuritySections::parse(&src, &r)?;
+
+    Ok(AgentFileConfig {
+        data_dir,
+        name,
+        log_level,
+        log_json: r.bool("log_json")?,
+        bind_addr,
+        ports,
+        server,
+        client,
+        security,
+    })
+}
+
+/// `server { ... }` of a configuration file.
+fn server_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ServerSection, SpecError> {
+    let section = match r.optional_block("server")? {
         None => ServerSection::default(),
         Some(b) => {
             let s = BodyReader::unlabeled(
-                &src,
+                src,
                 b,
                 r.ctx(),
                 &[
@@ -430,12 +449,16 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
             }
         }
     };
+    Ok(section)
+}
 
-    let client = match r.optional_block("client")? {
+/// `client { ... }` of a configuration file.
+fn client_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ClientSection, SpecError> {
+    let section = match r.optional_block("client")? {
         None => ClientSection::default(),
         Some(b) => {
             let c = BodyReader::unlabeled(
-                &src,
+                src,
                 b,
                 r.ctx(),
                 &[
@@ -463,7 +486,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
                 None => Reserved::default(),
                 Some(b) => {
                     let v =
-                        BodyReader::unlabeled(&src, b, c.ctx(), &["cpu", "memory", "disk"], &[])?;
+                        BodyReader::unlabeled(src, b, c.ctx(), &["cpu", "memory", "disk"], &[])?;
                     Reserved {
                         cpu: v.u64("cpu", MAX_CPU_MHZ)?,
                         memory: v.u64("memory", MAX_MEMORY_MB)?,
@@ -484,19 +507,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
             }
         }
     };
-    let security = SecuritySections::parse(&src, &r)?;
-
-    Ok(AgentFileConfig {
-        data_dir,
-        name,
-        log_level,
-        log_json: r.bool("log_json")?,
-        bind_addr,
-        ports,
-        server,
-        client,
-        security,
-    })
+    Ok(section)
 }
 
 /// `client { csi_volume_stats_interval }`: a duration of at least

@@ -376,94 +376,9 @@ fn or_none(s: &str) -> String {
 /// CSI Volumes, Allocations and Recent Events sections (and Attributes
 /// and Meta with -verbose).
 pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> String {
-    let id = n["id"].as_str().unwrap_or_default();
-    let usable: Vec<String> = strs(&n["drivers"]);
-    let mut header = vec![
-        ("ID", shown_id(id, verbose).to_string()),
-        ("Name", text(&n["name"])),
-        (
-            "Class",
-            or_none(n["node_class"].as_str().unwrap_or_default()),
-        ),
-        ("DC", text(&n["datacenter"])),
-        ("Status", text(&n["status"])),
-        (
-            "Eligibility",
-            n["scheduling_eligibility"]
-                .as_str()
-                .unwrap_or("eligible")
-                .to_string(),
-        ),
-        ("Drain", n["drain"].as_bool().unwrap_or(false).to_string()),
-    ];
-    if let Some(d) = n["drain_strategy"].as_object() {
-        let at = d.get("force_deadline_ms").and_then(Value::as_i64);
-        header.push((
-            "Drain Deadline",
-            format!(
-                "{} ({})",
-                d.get("deadline")
-                    .and_then(Value::as_str)
-                    .unwrap_or_default(),
-                deadline_left(at.unwrap_or(0), now_ms)
-            ),
-        ));
-    }
-    header.push((
-        "Last Heartbeat",
-        ago_at(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
-    ));
-    header.push((
-        "Drivers",
-        if usable.is_empty() {
-            "<none>".to_string()
-        } else {
-            usable.join(", ")
-        },
-    ));
-    let mut out = joined(key_values(&header));
+    let mut out = joined(key_values(&node_header(n, verbose, now_ms)));
 
-    let drivers: Vec<Vec<String>> = n["driver_info"]
-        .as_object()
-        .into_iter()
-        .flatten()
-        .map(|(name, d)| {
-            vec![
-                name.clone(),
-                d["detected"].as_bool().unwrap_or(false).to_string(),
-                d["healthy"].as_bool().unwrap_or(false).to_string(),
-                ago_at(d["update_time_ms"].as_i64().unwrap_or(0), now_ms),
-                text(&d["health_description"]),
-            ]
-        })
-        .collect();
-    out += &titled_table(
-        "Drivers",
-        &["Driver", "Detected", "Healthy", "Updated", "Description"],
-        drivers,
-    );
-
-    let figures = |r: &Value| -> Vec<String> {
-        ["cpu", "memory_mb", "disk_mb"]
-            .iter()
-            .map(|k| r[*k].as_u64().unwrap_or(0).to_string())
-            .collect()
-    };
-    let mut resources = Vec::new();
-    for (label, key) in [
-        ("Total", "total_resources"),
-        ("Reserved", "reserved"),
-        ("Allocated", "allocated_resources"),
-    ] {
-        let mut row = vec![label.to_string()];
-        row.extend(figures(&n[key]));
-        resources.push(row);
-    }
-    out += &titled_table(
-        "Resources",
-        &["", "CPU (MHz)", "Memory (MiB)", "Disk (MiB)"],
-        resources,
-    );
+    out += &driver_and_resource_tables(n, now_ms);
 
     out += &titled_table(
         "CSI Plugins",
@@ -529,6 +444,103 @@ pub fn node_detail(n: &Value, allocs: &Value, verbose: bool, now_ms: i64) -> Str
         "Recent Events",
         &["Time", "Subsystem", "Message"],
         event_rows(&n["events"], verbose),
+    );
+    out
+}
+
+/// The key/value header of [`node_detail`].
+fn node_header(n: &Value, verbose: bool, now_ms: i64) -> Vec<(&'static str, String)> {
+    let id = n["id"].as_str().unwrap_or_default();
+    let usable: Vec<String> = strs(&n["drivers"]);
+    let mut header = vec![
+        ("ID", shown_id(id, verbose).to_string()),
+        ("Name", text(&n["name"])),
+        (
+            "Class",
+            or_none(n["node_class"].as_str().unwrap_or_default()),
+        ),
+        ("DC", text(&n["datacenter"])),
+        ("Status", text(&n["status"])),
+        (
+            "Eligibility",
+            n["scheduling_eligibility"]
+                .as_str()
+                .unwrap_or("eligible")
+                .to_string(),
+        ),
+        ("Drain", n["drain"].as_bool().unwrap_or(false).to_string()),
+    ];
+    if let Some(d) = n["drain_strategy"].as_object() {
+        let at = d.get("force_deadline_ms").and_then(Value::as_i64);
+        header.push((
+            "Drain Deadline",
+            format!(
+                "{} ({})",
+                d.get("deadline")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default(),
+                deadline_left(at.unwrap_or(0), now_ms)
+            ),
+        ));
+    }
+    header.push((
+        "Last Heartbeat",
+        ago_at(n["last_heartbeat_ms"].as_i64().unwrap_or(0), now_ms),
+    ));
+    header.push((
+        "Drivers",
+        if usable.is_empty() {
+            "<none>".to_string()
+        } else {
+            usable.join(", ")
+        },
+    ));
+    header
+}
+
+/// The Drivers and Resources sections of [`node_detail`].
+fn driver_and_resource_tables(n: &Value, now_ms: i64) -> String {
+    let mut out = String::new();
+    let drivers: Vec<Vec<String>> = n["driver_info"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(name, d)| {
+            vec![
+                name.clone(),
+                d["detected"].as_bool().unwrap_or(false).to_string(),
+                d["healthy"].as_bool().unwrap_or(false).to_string(),
+                ago_at(d["update_time_ms"].as_i64().unwrap_or(0), now_ms),
+                text(&d["health_description"]),
+            ]
+        })
+        .collect();
+    out += &titled_table(
+        "Drivers",
+        &["Driver", "Detected", "Healthy", "Updated", "Description"],
+        drivers,
+    );
+
+    let figures = |r: &Value| -> Vec<String> {
+        ["cpu", "memory_mb", "disk_mb"]
+            .iter()
+            .map(|k| r[*k].as_u64().unwrap_or(0).to_string())
+            .collect()
+    };
+    let mut resources = Vec::new();
+    for (label, key) in [
+        ("Total", "total_resources"),
+        ("Reserved", "reserved"),
+        ("Allocated", "allocated_resources"),
+    ] {
+        let mut row = vec![label.to_string()];
+        row.extend(figures(&n[key]));
+        resources.push(row);
+    }
+    out += &titled_table(
+        "Resources",
+        &["", "CPU (MHz)", "Memory (MiB)", "Disk (MiB)"],
+        resources,
     );
     out
 }

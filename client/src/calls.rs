@@ -210,25 +210,7 @@ async fn handle_call(
     let empty = || pb::call_reply::Result::Empty(pb::Empty {});
     match call.call {
         None => Err(bad_call("empty call")),
-        Some(Call::NodeDetach(d)) => {
-            let cap = d
-                .capability
-                .ok_or_else(|| bad_call("node detach needs the claim's capability"))?;
-            let access: AccessMode = cap.access_mode.parse().map_err(bad_call)?;
-            let attach: AttachmentMode = cap.attachment_mode.parse().map_err(bad_call)?;
-            csi.unmount_volume(UnmountRequest {
-                plugin_id: d.plugin_id,
-                volume_id: d.volume_id,
-                external_id: d.external_id,
-                alloc_id: d.alloc_id,
-                access_mode: access,
-                attachment_mode: attach,
-                read_only: d.read_only,
-            })
-            .await
-            .map_err(call_error)?;
-            Ok(empty())
-        }
+        Some(Call::NodeDetach(d)) => node_detach(csi, d).await,
         Some(Call::ControllerPublish(p)) => {
             let client = csi.client(&p.plugin_id).await.map_err(call_error)?;
             let resp = client
@@ -260,56 +242,7 @@ async fn handle_call(
                 .map_err(call_error)?;
             Ok(empty())
         }
-        Some(Call::CreateVolume(c)) => {
-            let client = csi.client(&c.plugin_id).await.map_err(call_error)?;
-            let caps = c
-                .capabilities
-                .iter()
-                .map(|cap| csi_capability(Some(cap)))
-                .collect::<Result<Vec<_>, _>>()?;
-            let capacity_range =
-                (c.capacity_min > 0 || c.capacity_max > 0).then_some(csi::CapacityRange {
-                    required_bytes: c.capacity_min,
-                    limit_bytes: c.capacity_max,
-                });
-            let resp = client
-                .create_volume(csi::CreateVolumeRequest {
-                    name: c.name,
-                    capacity_range,
-                    volume_capabilities: caps,
-                    parameters: c.parameters,
-                    secrets: c.secrets,
-                    accessibility_requirements: topology_requirement(c.requisite, c.preferred),
-                    volume_content_source: content_source(&c.snapshot_id, &c.clone_id),
-                    ..Default::default()
-                })
-                .await
-                .map_err(call_error)?;
-            let vol = resp.volume.ok_or_else(|| pb::CallError {
-                code: tonic::Code::Internal as i32,
-                message: "plugin answered CreateVolume without a volume".into(),
-            })?;
-            if vol.volume_id.is_empty() {
-                return Err(pb::CallError {
-                    code: tonic::Code::Internal as i32,
-                    message: "plugin answered CreateVolume with an empty volume_id".into(),
-                });
-            }
-            Ok(pb::call_reply::Result::CreateVolume(
-                pb::CreateVolumeReply {
-                    external_id: vol.volume_id,
-                    capacity_bytes: vol.capacity_bytes,
-                    volume_context: vol.volume_context,
-                    accessible_topology: vol
-                        .accessible_topology
-                        .into_iter()
-                        .map(|t| pb::Topology {
-                            segments: t.segments.into_iter().collect(),
-                        })
-                        .collect(),
-                },
-            ))
-        }
+        Some(Call::CreateVolume(c)) => create_volume(csi, c).await,
         Some(Call::DeleteVolume(d)) => {
             let client = csi.client(&d.plugin_id).await.map_err(call_error)?;
             client
@@ -321,35 +254,7 @@ async fn handle_call(
                 .map_err(call_error)?;
             Ok(empty())
         }
-        Some(Call::ValidateVolume(v)) => {
-            let client = csi.client(&v.plugin_id).await.map_err(call_error)?;
-            let caps = v
-                .capabilities
-                .iter()
-                .map(|cap| csi_capability(Some(cap)))
-                .collect::<Result<Vec<_>, _>>()?;
-            let resp = client
-                .validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
-                    volume_id: v.external_id,
-                    volume_context: v.volume_context,
-                    volume_capabilities: caps,
-                    parameters: v.parameters,
-                    secrets: v.secrets,
-                    ..Default::default()
-                })
-                .await
-                .map_err(call_error)?;
-            if resp.confirmed.is_none() {
-                return Err(pb::CallError {
-                    code: tonic::Code::FailedPrecondition as i32,
-                    message: format!(
-                        "plugin did not confirm the volume's capabilities: {}",
-                        resp.message
-                    ),
-                });
-            }
-            Ok(empty())
-        }
+        Some(Call::ValidateVolume(v)) => validate_volume(csi, v).await,
         Some(Call::ExpandVolume(e)) => expand_volume(csi, e).await,
         Some(Call::ExpandVolumeOnNode(e)) => expand_volume_on_node(csi, e).await,
         Some(Call::CreateSnapshot(c)) => create_snapshot(csi, c).await,
@@ -375,6 +280,122 @@ async fn handle_call(
                 message,
             }),
     }
+}
+
+/// Unmounts a volume of an alloc on this node for the servers (a node
+/// detach of a claim whose alloc is gone).
+async fn node_detach(
+    csi: &Arc<CsiManager>,
+    d: pb::NodeDetach,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let empty = || pb::call_reply::Result::Empty(pb::Empty {});
+    let cap = d
+        .capability
+        .ok_or_else(|| bad_call("node detach needs the claim's capability"))?;
+    let access: AccessMode = cap.access_mode.parse().map_err(bad_call)?;
+    let attach: AttachmentMode = cap.attachment_mode.parse().map_err(bad_call)?;
+    csi.unmount_volume(UnmountRequest {
+        plugin_id: d.plugin_id,
+        volume_id: d.volume_id,
+        external_id: d.external_id,
+        alloc_id: d.alloc_id,
+        access_mode: access,
+        attachment_mode: attach,
+        read_only: d.read_only,
+    })
+    .await
+    .map_err(call_error)?;
+    Ok(empty())
+}
+
+/// `CreateVolume` through the controller plugin.
+async fn create_volume(
+    csi: &Arc<CsiManager>,
+    c: pb::CreateVolume,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let client = csi.client(&c.plugin_id).await.map_err(call_error)?;
+    let caps = c
+        .capabilities
+        .iter()
+        .map(|cap| csi_capability(Some(cap)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let capacity_range = (c.capacity_min > 0 || c.capacity_max > 0).then_some(csi::CapacityRange {
+        required_bytes: c.capacity_min,
+        limit_bytes: c.capacity_max,
+    });
+    let resp = client
+        .create_volume(csi::CreateVolumeRequest {
+            name: c.name,
+            capacity_range,
+            volume_capabilities: caps,
+            parameters: c.parameters,
+            secrets: c.secrets,
+            accessibility_requirements: topology_requirement(c.requisite, c.preferred),
+            volume_content_source: content_source(&c.snapshot_id, &c.clone_id),
+            ..Default::default()
+        })
+        .await
+        .map_err(call_error)?;
+    let vol = resp.volume.ok_or_else(|| pb::CallError {
+        code: tonic::Code::Internal as i32,
+        message: "plugin answered CreateVolume without a volume".into(),
+    })?;
+    if vol.volume_id.is_empty() {
+        return Err(pb::CallError {
+            code: tonic::Code::Internal as i32,
+            message: "plugin answered CreateVolume with an empty volume_id".into(),
+        });
+    }
+    Ok(pb::call_reply::Result::CreateVolume(
+        pb::CreateVolumeReply {
+            external_id: vol.volume_id,
+            capacity_bytes: vol.capacity_bytes,
+            volume_context: vol.volume_context,
+            accessible_topology: vol
+                .accessible_topology
+                .into_iter()
+                .map(|t| pb::Topology {
+                    segments: t.segments.into_iter().collect(),
+                })
+                .collect(),
+        },
+    ))
+}
+
+/// `ValidateVolumeCapabilities` through the controller plugin: an
+/// unconfirmed answer is a failed precondition.
+async fn validate_volume(
+    csi: &Arc<CsiManager>,
+    v: pb::ValidateVolume,
+) -> Result<pb::call_reply::Result, pb::CallError> {
+    let empty = || pb::call_reply::Result::Empty(pb::Empty {});
+    let client = csi.client(&v.plugin_id).await.map_err(call_error)?;
+    let caps = v
+        .capabilities
+        .iter()
+        .map(|cap| csi_capability(Some(cap)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let resp = client
+        .validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
+            volume_id: v.external_id,
+            volume_context: v.volume_context,
+            volume_capabilities: caps,
+            parameters: v.parameters,
+            secrets: v.secrets,
+            ..Default::default()
+        })
+        .await
+        .map_err(call_error)?;
+    if resp.confirmed.is_none() {
+        return Err(pb::CallError {
+            code: tonic::Code::FailedPrecondition as i32,
+            message: format!(
+                "plugin did not confirm the volume's capabilities: {}",
+                resp.message
+            ),
+        });
+    }
+    Ok(empty())
 }
 
 /// CSI `volume_content_source` of a create: a snapshot or a volume to

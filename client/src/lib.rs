@@ -9,7 +9,9 @@
 //! servers' forwarded requests ([`calls::LocalApi`]).
 
 pub mod calls;
+mod fingerprint;
 pub mod gc;
+mod heap;
 pub mod logs;
 pub mod probe;
 pub mod rpc;
@@ -25,10 +27,14 @@ use anyhow::{Context, Result};
 use berth_allocrunner::{AllocRunner, AllocRunnerConfig};
 use berth_csimanager::{CsiManager, ManagerConfig, PluginRegistry};
 use berth_proto::berth::v1 as pb;
-use berth_structs::{Allocation, DriverInfo, Node, NodeEvent, NodeResources, NodeStatus};
+use berth_structs::{Allocation, Node};
 use tokio::sync::{watch, Mutex, Notify};
 use tokio_stream::StreamExt;
 
+pub use fingerprint::node_fingerprint;
+use fingerprint::{driver_health_events, fingerprint_drivers, DRIVER_FINGERPRINT_INTERVAL};
+use heap::trim_heap_after_changes;
+pub use heap::HEAP_TRIM_INTERVAL;
 use rpc::ServerConn;
 use state::ClientState;
 
@@ -240,121 +246,6 @@ fn volume_stats_by_name(
         .collect()
 }
 
-fn host_name() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|h| h.into_string().ok())
-        .unwrap_or_else(|| "berth-node".to_string())
-}
-
-/// MiB available to unprivileged writers on the filesystem holding `dir`
-/// (0 when it cannot be read).
-fn free_disk_mb(dir: &std::path::Path) -> u64 {
-    match nix::sys::statvfs::statvfs(dir) {
-        Ok(s) => s.blocks_available().saturating_mul(s.fragment_size()) / (1024 * 1024),
-        Err(e) => {
-            tracing::warn!(dir = %dir.display(), error = %e, "reading the free disk space failed");
-            0
-        }
-    }
-}
-
-/// What this machine offers; disk as free below `data_dir`.
-fn fingerprint_resources(data_dir: &std::path::Path) -> NodeResources {
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as u64;
-    let memory_mb = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(1024, |kb| kb / 1024);
-    NodeResources {
-        cpu: cpus * 1000,
-        memory_mb,
-        disk_mb: free_disk_mb(data_dir),
-    }
-}
-
-/// How often the drivers are fingerprinted again after the start.
-pub const DRIVER_FINGERPRINT_INTERVAL: Duration = Duration::from_secs(30);
-
-/// Each driver's fingerprint, by name.
-fn fingerprint_drivers(
-    drivers: &BTreeMap<String, Arc<dyn berth_allocrunner::Driver>>,
-) -> BTreeMap<String, DriverInfo> {
-    drivers
-        .iter()
-        .map(|(name, d)| (name.clone(), d.fingerprint()))
-        .collect()
-}
-
-/// The `Driver` node events of the drivers whose health changed from
-/// `old` to `new` (a new driver is a change when unhealthy); none when
-/// only the fingerprints' times moved.
-pub(crate) fn driver_health_events(
-    old: &BTreeMap<String, DriverInfo>,
-    new: &BTreeMap<String, DriverInfo>,
-) -> Vec<NodeEvent> {
-    new.iter()
-        .filter(|(name, info)| match old.get(*name) {
-            Some(was) => {
-                (was.detected, was.healthy, &was.health_description)
-                    != (info.detected, info.healthy, &info.health_description)
-            }
-            None => !info.usable(),
-        })
-        .map(|(name, info)| {
-            let message = if info.usable() {
-                format!("Driver {name} is healthy")
-            } else {
-                format!("Driver {name} is unhealthy")
-            };
-            NodeEvent::new(NodeEvent::SUBSYSTEM_DRIVER, message)
-                .with_detail("driver", name.as_str())
-                .with_detail("description", info.health_description.as_str())
-        })
-        .collect()
-}
-
-/// The node as this client registers it: its fingerprint with the
-/// operator's class, meta and reservations applied.
-pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
-    let found = fingerprint_resources(&config.data_dir);
-    let mut node = Node {
-        id: node_id,
-        name: config.node_name.clone().unwrap_or_else(host_name),
-        datacenter: "dc1".into(),
-        status: NodeStatus::Initializing,
-        resources: NodeResources {
-            cpu: found.cpu.saturating_sub(config.reserved_cpu),
-            memory_mb: found.memory_mb.saturating_sub(config.reserved_memory_mb),
-            disk_mb: found.disk_mb.saturating_sub(config.reserved_disk_mb),
-        },
-        reserved: NodeResources {
-            cpu: config.reserved_cpu.min(found.cpu),
-            memory_mb: config.reserved_memory_mb.min(found.memory_mb),
-            disk_mb: config.reserved_disk_mb.min(found.disk_mb),
-        },
-        attributes: [
-            ("os.name".to_string(), std::env::consts::OS.to_string()),
-            ("cpu.arch".to_string(), std::env::consts::ARCH.to_string()),
-            (
-                "berth.version".to_string(),
-                env!("CARGO_PKG_VERSION").to_string(),
-            ),
-        ]
-        .into(),
-        node_class: config.node_class.clone(),
-        meta: config.meta.clone(),
-        ..Node::default()
-    };
-    node.set_driver_info(fingerprint_drivers(&AllocRunnerConfig::default_drivers()));
-    node
-}
-
 impl Client {
     pub async fn start(
         config: ClientConfig,
@@ -530,33 +421,7 @@ impl Client {
     /// returns.
     pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
         let mut tasks = tokio::task::JoinSet::new();
-        {
-            let conn = self.conn.clone();
-            let rx = shutdown.clone();
-            tasks.spawn(async move { conn.run_flusher(rx).await });
-        }
-        {
-            let csi = self.csi.clone();
-            let rx = shutdown.clone();
-            tasks.spawn(async move { csi.run(rx).await });
-        }
-        {
-            let me = self.clone();
-            let rx = shutdown.clone();
-            tasks.spawn(async move { me.watch_drivers(rx).await });
-        }
-        {
-            let changes = self.conn.alloc_changes();
-            let rx = shutdown.clone();
-            tasks.spawn(async move { trim_heap_after_changes(changes, rx).await });
-        }
-        {
-            let csi = self.csi.clone();
-            let sink: Arc<dyn berth_csimanager::VolumeStatsSink> = self.clone();
-            let interval = self.csi_volume_stats_interval;
-            let rx = shutdown.clone();
-            tasks.spawn(async move { csi.run_volume_stats(sink, interval, rx).await });
-        }
+        self.spawn_background(&mut tasks, &shutdown);
         // The heartbeater restores the time of the last successful heartbeat
         // from disk; from it, the disconnect tracker stops the allocs that
         // must not outlive a partition, also while the servers are still
@@ -595,23 +460,7 @@ impl Client {
             let rx = shutdown.clone();
             tasks.spawn(async move { this.run_gc(rx).await });
         }
-        // Servers that do not answer do not keep the client from coming
-        // up: after a while it is ready anyway, and registering goes on.
-        {
-            let register = self.register_until_done(shutdown.clone());
-            tokio::pin!(register);
-            tokio::select! {
-                _ = &mut register => {}
-                _ = tokio::time::sleep(READY_WITHOUT_SERVERS_AFTER) => {
-                    tracing::warn!(
-                        waited = ?READY_WITHOUT_SERVERS_AFTER,
-                        "the servers do not answer; the client is up and keeps registering"
-                    );
-                    self.ready.send_replace(true);
-                    register.await;
-                }
-            }
-        }
+        self.register_or_ready_anyway(shutdown.clone()).await;
         if *shutdown.borrow() {
             while tasks.join_next().await.is_some() {}
             return;
@@ -652,6 +501,62 @@ impl Client {
             tasks.spawn(async move { this.watch_allocs(rx).await });
         }
         while tasks.join_next().await.is_some() {}
+    }
+
+    /// The loops that run from the start, whether or not the servers
+    /// answer: the update flusher, CSI, the drivers' health, the heap
+    /// trimmer and the volume stats.
+    fn spawn_background(
+        self: &Arc<Self>,
+        tasks: &mut tokio::task::JoinSet<()>,
+        shutdown: &watch::Receiver<bool>,
+    ) {
+        {
+            let conn = self.conn.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { conn.run_flusher(rx).await });
+        }
+        {
+            let csi = self.csi.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { csi.run(rx).await });
+        }
+        {
+            let me = self.clone();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { me.watch_drivers(rx).await });
+        }
+        {
+            let changes = self.conn.alloc_changes();
+            let rx = shutdown.clone();
+            tasks.spawn(async move { trim_heap_after_changes(changes, rx).await });
+        }
+        {
+            let csi = self.csi.clone();
+            let sink: Arc<dyn berth_csimanager::VolumeStatsSink> = self.clone();
+            let interval = self.csi_volume_stats_interval;
+            let rx = shutdown.clone();
+            tasks.spawn(async move { csi.run_volume_stats(sink, interval, rx).await });
+        }
+    }
+
+    /// Registers the node. Servers that do not answer do not keep the
+    /// client from coming up: after a while it is ready anyway, and
+    /// registering goes on.
+    async fn register_or_ready_anyway(&self, shutdown: watch::Receiver<bool>) {
+        let register = self.register_until_done(shutdown);
+        tokio::pin!(register);
+        tokio::select! {
+            _ = &mut register => {}
+            _ = tokio::time::sleep(READY_WITHOUT_SERVERS_AFTER) => {
+                tracing::warn!(
+                    waited = ?READY_WITHOUT_SERVERS_AFTER,
+                    "the servers do not answer; the client is up and keeps registering"
+                );
+                self.ready.send_replace(true);
+                register.await;
+            }
+        }
     }
 
     /// Picks up the allocs this node ran before the agent restarted, before
@@ -925,43 +830,6 @@ impl Client {
     }
 }
 
-/// How often the heap is trimmed while the client's allocs change.
-pub const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(5);
-
-/// Gives the heap's free pages back to the kernel (`malloc_trim`) at most
-/// every [`HEAP_TRIM_INTERVAL`], and only after the client's allocs changed
-/// (`changes` moved): starting or restoring many allocs decodes, copies and
-/// frees far more than stays live, and glibc keeps the freed pages
-/// resident in the middle of the heap. An idle client trims nothing.
-async fn trim_heap_after_changes(
-    mut changes: watch::Receiver<u64>,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    loop {
-        tokio::select! {
-            r = changes.changed() => if r.is_err() { return },
-            _ = shutdown.wait_for(|v| *v) => return,
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(HEAP_TRIM_INTERVAL) => {}
-            _ = shutdown.wait_for(|v| *v) => return,
-        }
-        changes.mark_unchanged();
-        trim_heap();
-    }
-}
-
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn trim_heap() {
-    // SAFETY: malloc_trim only returns free heap memory to the kernel.
-    unsafe {
-        libc::malloc_trim(0);
-    }
-}
-
-#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn trim_heap() {}
-
 /// Destroys the alloc, retrying with backoff. Destroying waits for every
 /// volume of the alloc to be unmounted; until it is, the alloc's records
 /// are kept (a restarted agent picks it up again) and destroying is tried
@@ -1023,6 +891,7 @@ fn allocs_to_collect<'a>(
 mod tests {
     use super::*;
     use berth_allocrunner::AllocStateStore;
+    use berth_structs::DriverInfo;
     use berth_structs::{
         AllocClientStatus, AllocDesiredStatus, Job, JobType, Task, TaskGroup, TaskState,
         TaskStateKind,

@@ -2,6 +2,7 @@
 //! dir: every status has the one shape `{"error": "<message>"}` with
 //! `content-type: application/json`, and the message names the problem.
 
+use axum::body::Bytes;
 use std::sync::Arc;
 
 use axum::body::Body;
