@@ -476,15 +476,7 @@ async fn run(rounds: usize, store_kind: &str) {
             volume_context: BTreeMap::new(),
             secrets: BTreeMap::from([("token".to_string(), "s3cr3t".to_string())]),
         };
-        let unmount = UnmountRequest {
-            plugin_id: req.plugin_id.clone(),
-            volume_id: req.volume_id.clone(),
-            external_id: req.external_id.clone(),
-            alloc_id: req.alloc_id.clone(),
-            access_mode: ACCESS,
-            attachment_mode: ATTACH,
-            read_only: false,
-        };
+        let unmount = UnmountRequest::from(&req);
         let t = Instant::now();
         csi.mount_volume(req).await.expect("mount_volume");
         mgr_mount.0.push(t.elapsed());

@@ -5,7 +5,6 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use backon::Retryable;
 use berth_csimanager::UnmountRequest;
 use berth_structs::{
     AllocClientStatus, Allocation, CsiPluginType, TaskEvent, TaskGroup, TaskState, TaskStateKind,
@@ -407,25 +406,19 @@ impl AllocRunner {
         let total = self.inner.config.release_retry_timeout;
         for stub in csi.volume_stubs_of(alloc_id) {
             warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, "a volume is still mounted for the destroyed alloc; unmounting it");
-            let req = UnmountRequest {
-                plugin_id: stub.plugin_id.clone(),
-                volume_id: stub.volume_id.clone(),
-                external_id: stub.external_id.clone(),
-                alloc_id: alloc_id.clone(),
-                access_mode: stub.access_mode,
-                attachment_mode: stub.attachment_mode,
-                read_only: stub.read_only,
-            };
-            let unmounted = (|| {
-                let csi = csi.clone();
-                let req = req.clone();
-                async move { csi.unmount_volume(req).await }
-            })
-            .retry(crate::alloc_hooks::csi::backoff(total))
-            .sleep(tokio::time::sleep)
-            .notify(|e, wait: std::time::Duration| {
-                warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
-            })
+            let req = UnmountRequest::for_stub(&stub, alloc_id);
+            let unmounted = berth_csimanager::retry_notify(
+                crate::alloc_hooks::csi::backoff(total),
+                || {
+                    let csi = csi.clone();
+                    let req = req.clone();
+                    async move { csi.unmount_volume(req).await }
+                },
+                |_| true,
+                |e, wait: std::time::Duration| {
+                    warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
+                },
+            )
             .await;
             if let Err(error) = unmounted {
                 error!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, error = %error, "cannot unmount a volume of the destroyed alloc; keeping its records");

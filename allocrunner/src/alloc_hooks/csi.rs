@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
-use berth_csimanager::{MountRequest, UnmountRequest};
+use backon::ExponentialBuilder;
+use berth_csimanager::{retry_notify, MountRequest, UnmountRequest};
 use berth_structs::{AccessMode, AttachmentMode, ClaimMode, VolumeRequest};
 use tracing::{error, info, warn, Instrument};
 
@@ -23,10 +23,9 @@ struct VolumeUse {
     read_only: bool,
     /// Set once the servers granted the claim.
     plugin_id: String,
-    external_id: String,
-    /// A mount was asked for: it may have (partly) happened even if it
-    /// failed, so postrun unmounts.
-    mount_attempted: bool,
+    /// Set once a mount was asked for: it may have (partly) happened even
+    /// if it failed, so postrun unmounts with it.
+    unmount: Option<UnmountRequest>,
 }
 
 /// Claims and mounts the group's CSI volumes; see the module docs. Every
@@ -65,13 +64,14 @@ impl CsiHook {
             let req = req.clone();
             async move { claimer.claim(req).await }
         };
-        let retried = attempt
-            .retry(backoff(ctx.config.claim_retry_timeout))
-            .sleep(tokio::time::sleep)
-            .when(|e: &ClaimError| e.retryable)
-            .notify(|e: &ClaimError, wait: Duration| {
+        let retried = retry_notify(
+            backoff(ctx.config.claim_retry_timeout),
+            attempt,
+            |e: &ClaimError| e.retryable,
+            |e: &ClaimError, wait: Duration| {
                 warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "claim not granted yet; retrying");
-            });
+            },
+        );
         let mut stop = ctx.stop.clone();
         let started = std::time::Instant::now();
         let granted = tokio::select! {
@@ -94,31 +94,15 @@ impl CsiHook {
     /// alloc (made before an agent restart, when this run's claim or mount
     /// did not get that far).
     fn unmount_request(ctx: &AllocHookContext, v: &VolumeUse) -> Option<UnmountRequest> {
-        if v.mount_attempted {
-            return Some(UnmountRequest {
-                plugin_id: v.plugin_id.clone(),
-                volume_id: v.volume_id.clone(),
-                external_id: v.external_id.clone(),
-                alloc_id: ctx.alloc.id.clone(),
-                access_mode: v.access_mode,
-                attachment_mode: v.attachment_mode,
-                read_only: v.read_only,
-            });
+        if let Some(req) = &v.unmount {
+            return Some(req.clone());
         }
         ctx.config
             .csi
             .volume_stubs_of(&ctx.alloc.id)
             .into_iter()
             .find(|s| s.volume_id == v.volume_id)
-            .map(|s| UnmountRequest {
-                plugin_id: s.plugin_id,
-                volume_id: s.volume_id,
-                external_id: s.external_id,
-                alloc_id: ctx.alloc.id.clone(),
-                access_mode: s.access_mode,
-                attachment_mode: s.attachment_mode,
-                read_only: s.read_only,
-            })
+            .map(|s| UnmountRequest::for_stub(&s, &ctx.alloc.id))
     }
 
     /// What the alloc uses of the group's volume request `name`.
@@ -146,8 +130,7 @@ impl CsiHook {
             attachment_mode,
             read_only: req.read_only || access_mode.is_reader_only(),
             plugin_id: String::new(),
-            external_id: String::new(),
-            mount_attempted: false,
+            unmount: None,
         })
     }
 
@@ -176,16 +159,18 @@ impl CsiHook {
         let total = ctx.config.release_retry_timeout;
         if let Some(req) = Self::unmount_request(ctx, v) {
             let csi = ctx.config.csi.clone();
-            let unmounted = (|| {
-                let csi = csi.clone();
-                let req = req.clone();
-                async move { csi.unmount_volume(req).await }
-            })
-            .retry(backoff(total))
-            .sleep(tokio::time::sleep)
-            .notify(|e, wait: Duration| {
-                warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
-            })
+            let unmounted = retry_notify(
+                backoff(total),
+                || {
+                    let csi = csi.clone();
+                    let req = req.clone();
+                    async move { csi.unmount_volume(req).await }
+                },
+                |_| true,
+                |e, wait: Duration| {
+                    warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
+                },
+            )
             .await;
             if let Err(error) = unmounted {
                 error!(error = %error, "unmount failed for good; leaving the claim for the servers to reap");
@@ -199,18 +184,19 @@ impl CsiHook {
         let claimer = ctx.config.claimer.clone();
         let alloc_id = ctx.alloc.id.clone();
         let started = std::time::Instant::now();
-        let released = (|| {
-            let claimer = claimer.clone();
-            let volume_id = v.volume_id.clone();
-            let alloc_id = alloc_id.clone();
-            async move { claimer.unpublish(&volume_id, &alloc_id).await }
-        })
-        .retry(backoff(total))
-        .sleep(tokio::time::sleep)
-        .when(|e: &ClaimError| e.retryable)
-        .notify(|e: &ClaimError, wait: Duration| {
-            warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unpublish failed; retrying");
-        })
+        let released = retry_notify(
+            backoff(total),
+            || {
+                let claimer = claimer.clone();
+                let volume_id = v.volume_id.clone();
+                let alloc_id = alloc_id.clone();
+                async move { claimer.unpublish(&volume_id, &alloc_id).await }
+            },
+            |e: &ClaimError| e.retryable,
+            |e: &ClaimError, wait: Duration| {
+                warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unpublish failed; retrying");
+            },
+        )
         .await;
         berth_metrics::observe_plugin_op(
             &berth_metrics::metrics().csi_unpublish_duration,
@@ -274,8 +260,7 @@ impl AllocHook for CsiHook {
                     span.in_scope(|| info!(target = %target.display(), "kept the volume mounted from before the restart"));
                     if let Some(v) = self.volumes.last_mut() {
                         v.plugin_id = stub.plugin_id.clone();
-                        v.external_id = stub.external_id.clone();
-                        v.mount_attempted = true;
+                        v.unmount = Some(UnmountRequest::for_stub(&stub, &ctx.alloc.id));
                     }
                     ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).insert(
                         name.clone(),
@@ -312,11 +297,6 @@ impl AllocHook for CsiHook {
                 .unwrap_or_default()
                 .merged_over(&claim.mount_options);
             span.record("plugin_id", claim.plugin_id.as_str());
-            if let Some(v) = self.volumes.last_mut() {
-                v.plugin_id = claim.plugin_id.clone();
-                v.external_id = claim.external_id.clone();
-                v.mount_attempted = true;
-            }
             let mount = MountRequest {
                 plugin_id: claim.plugin_id,
                 volume_id: volume_id.clone(),
@@ -330,6 +310,10 @@ impl AllocHook for CsiHook {
                 volume_context: claim.volume_context,
                 secrets: claim.secrets,
             };
+            if let Some(v) = self.volumes.last_mut() {
+                v.plugin_id = mount.plugin_id.clone();
+                v.unmount = Some(UnmountRequest::from(&mount));
+            }
             let info = ctx
                 .config
                 .csi
