@@ -28,8 +28,7 @@ use std::time::{Duration, Instant};
 
 use berth_allocrunner::alloc_hooks::{AllocHook, AllocHookContext, CsiHook};
 use berth_allocrunner::{
-    AllocDir, AllocRunnerConfig, AllocStateUpdater, ClaimError, ClaimGrant, ClaimRequest,
-    VolumeClaimer,
+    AllocRunnerConfig, AllocStateUpdater, ClaimError, ClaimGrant, ClaimRequest, VolumeClaimer,
 };
 use berth_csimanager::volume_manager::volume_capability;
 use berth_csimanager::{
@@ -446,14 +445,12 @@ async fn run(rounds: usize, store_kind: &str) {
     for round in 0..rounds {
         // The CSI hook, as the alloc runner drives it.
         let alloc_id = format!("hook-{round}");
-        let ctx = AllocHookContext {
-            config: config.clone(),
-            alloc: Arc::new(alloc_with_volume(&alloc_id)),
-            alloc_dir: AllocDir::new(&config.alloc_root, &alloc_id),
-            stop: stop_rx.clone(),
-            mounts: Mutex::default(),
-            restoring: false,
-        };
+        let ctx = AllocHookContext::new(
+            config.clone(),
+            Arc::new(alloc_with_volume(&alloc_id)),
+            stop_rx.clone(),
+            false,
+        );
         let mut hook = CsiHook::default();
         let t = Instant::now();
         hook.prerun(&ctx).await.expect("hook prerun");

@@ -1,17 +1,23 @@
 //! The CSI hook: claims the group's CSI volumes on the servers and mounts
 //! them on this node before the tasks start; unmounts and releases them
-//! after the tasks are done.
+//! after the tasks are done. Before the tasks of a stopping alloc that runs
+//! a CSI node plugin are killed, it waits until no other alloc needs the
+//! plugin; when the alloc is destroyed, it unmounts what csimanager still
+//! records as mounted for it.
 
 use std::time::Duration;
 
 use backon::ExponentialBuilder;
-use berth_csimanager::{retry_notify, MountRequest, UnmountRequest};
-use berth_structs::{AccessMode, AttachmentMode, ClaimMode, VolumeRequest};
+use berth_csimanager::{retry_notify, CsiError, MountRequest, UnmountRequest};
+use berth_structs::{
+    AccessMode, AttachmentMode, ClaimMode, CsiPluginType, TaskEvent, TaskGroup, VolumeRequest,
+};
 use tracing::{error, info, warn, Instrument};
 
 use super::{AllocHook, AllocHookContext};
+use crate::alloc_runner::EVENT_WAITING_FOR_VOLUMES;
 use crate::claims::{ClaimError, ClaimGrant, ClaimRequest};
-use crate::error::HookError;
+use crate::error::{AllocRunnerError, HookError};
 
 /// One volume of the group, as far as prerun got with it.
 #[derive(Debug, Clone)]
@@ -49,6 +55,41 @@ pub(crate) fn backoff(total: Duration) -> ExponentialBuilder {
         .with_jitter_seed(berth_structs::now_ms() as u64)
         .without_max_times()
         .with_total_delay(Some(total))
+}
+
+/// The CSI node (or monolith) plugins the group's tasks run, as (task,
+/// plugin ID): volumes on this node may need them to be unmounted.
+pub(crate) fn node_plugins(group: &TaskGroup) -> Vec<(String, String)> {
+    group
+        .tasks
+        .iter()
+        .filter_map(|t| {
+            let plugin = t.csi_plugin.as_ref()?;
+            (plugin.plugin_type != CsiPluginType::Controller)
+                .then(|| (t.name.clone(), plugin.id.clone()))
+        })
+        .collect()
+}
+
+/// Unmounts with `req`, retrying every error until the release retry
+/// timeout; `notify` hears of each retry.
+async fn unmount(
+    ctx: &AllocHookContext,
+    req: &UnmountRequest,
+    notify: impl FnMut(&CsiError, Duration),
+) -> Result<(), CsiError> {
+    let csi = ctx.config.csi.clone();
+    retry_notify(
+        backoff(ctx.config.release_retry_timeout),
+        || {
+            let csi = csi.clone();
+            let req = req.clone();
+            async move { csi.unmount_volume(req).await }
+        },
+        |_| true,
+        notify,
+    )
+    .await
 }
 
 impl CsiHook {
@@ -158,19 +199,9 @@ impl CsiHook {
     async fn release(ctx: &AllocHookContext, v: &VolumeUse) -> Result<(), HookError> {
         let total = ctx.config.release_retry_timeout;
         if let Some(req) = Self::unmount_request(ctx, v) {
-            let csi = ctx.config.csi.clone();
-            let unmounted = retry_notify(
-                backoff(total),
-                || {
-                    let csi = csi.clone();
-                    let req = req.clone();
-                    async move { csi.unmount_volume(req).await }
-                },
-                |_| true,
-                |e, wait: Duration| {
-                    warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
-                },
-            )
+            let unmounted = unmount(ctx, &req, |e, wait: Duration| {
+                warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
+            })
             .await;
             if let Err(error) = unmounted {
                 error!(error = %error, "unmount failed for good; leaving the claim for the servers to reap");
@@ -367,5 +398,63 @@ impl AllocHook for CsiHook {
                 .remove(&v.name);
         }
         HookError::from_many(errs)
+    }
+    /// Before the tasks of a stopping alloc are killed: waits, for each CSI
+    /// node plugin the alloc runs, until no other alloc on this node has a
+    /// volume of the plugin mounted (their unpublish and unstage need it),
+    /// unless another healthy instance of the plugin serves them. No
+    /// deadline: a mount is never left behind a stopped plugin. The plugin
+    /// task gets an event, and the log a line, when the wait starts and
+    /// whenever the number of volumes changes; the tasks keep running (and
+    /// the alloc its status) meanwhile.
+    async fn pre_kill(&mut self, ctx: &AllocHookContext) {
+        let Some(group) = ctx.alloc.group() else {
+            return;
+        };
+        for (task, plugin_id) in node_plugins(group) {
+            let mut waited = false;
+            ctx.config
+                .csi
+                .wait_until_plugin_instance_unneeded(&plugin_id, &ctx.alloc.id, |volumes| {
+                    waited = true;
+                    let message = format!(
+                        "Waiting for {volumes} volume(s) of plugin {plugin_id:?} to be unmounted before stopping"
+                    );
+                    info!(task = %task, plugin_id = %plugin_id, volumes, "waiting for the plugin's volumes to be unmounted before stopping it");
+                    ctx.task_event(&task, TaskEvent::new(EVENT_WAITING_FOR_VOLUMES, message));
+                })
+                .await;
+            if waited {
+                info!(task = %task, plugin_id = %plugin_id, "no volume needs the plugin any more; stopping it");
+            }
+        }
+    }
+
+    /// Unmounts (with retries) every CSI volume csimanager still records
+    /// as mounted for the alloc; an error when one remains.
+    async fn destroy(&mut self, ctx: &AllocHookContext) -> Result<(), AllocRunnerError> {
+        let alloc_id = &ctx.alloc.id;
+        let csi = &ctx.config.csi;
+        for stub in csi.volume_stubs_of(alloc_id) {
+            warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, "a volume is still mounted for the destroyed alloc; unmounting it");
+            let req = UnmountRequest::for_stub(&stub, alloc_id);
+            let unmounted = unmount(ctx, &req, |e, wait: Duration| {
+                warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
+            })
+            .await;
+            if let Err(error) = unmounted {
+                error!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, error = %error, "cannot unmount a volume of the destroyed alloc; keeping its records");
+                return Err(AllocRunnerError::VolumeStillMounted {
+                    volume_id: stub.volume_id,
+                    error,
+                });
+            }
+        }
+        if let Some(stub) = csi.volume_stubs_of(alloc_id).into_iter().next() {
+            return Err(AllocRunnerError::VolumeStillRecorded {
+                volume_id: stub.volume_id,
+            });
+        }
+        Ok(())
     }
 }
