@@ -166,3 +166,22 @@ impl StateError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::StateError;
+
+    #[test]
+    fn a_state_error_reads_as_its_cause_and_keeps_it() {
+        let io = std::io::Error::other("disk full");
+        let e = StateError::backend(io);
+        assert_eq!(e.to_string(), "disk full");
+
+        let json = serde_json::from_str::<u32>("x").unwrap_err();
+        let message = json.to_string();
+        let e = StateError::codec("a1/web", json);
+        assert_eq!(e.to_string(), message);
+        assert!(std::error::Error::source(&e).is_some());
+        assert!(matches!(e, StateError::Codec { ref key, .. } if key == "a1/web"));
+    }
+}
