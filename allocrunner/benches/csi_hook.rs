@@ -31,8 +31,7 @@ use std::time::{Duration, Instant};
 
 use berth_allocrunner::alloc_hooks::{AllocHook, AllocHookContext, CsiHook};
 use berth_allocrunner::{
-    AllocDir, AllocRunnerConfig, AllocStateUpdater, ClaimError, ClaimGrant, ClaimRequest,
-    VolumeClaimer,
+    AllocRunnerConfig, AllocStateUpdater, ClaimError, ClaimGrant, ClaimRequest, VolumeClaimer,
 };
 use berth_csimanager::volume_manager::volume_capability;
 use berth_csimanager::{
@@ -374,59 +373,9 @@ async fn run(rounds: usize, store_kind: &str) {
     let root = dir.path().canonicalize().expect("temp dir path");
     let _mounts = berth_testutil::MountCleanup(root.clone());
     let (_plugin, socket) = start_plugin(&root);
-
-    let state = root.join("state");
-    std::fs::create_dir_all(&state).expect("state dir");
-    let store: Arc<dyn VolumeStateStore> = match store_kind {
-        "redb" => Arc::new(RedbStore {
-            db: redb::Database::create(state.join("client.db")).expect("redb database"),
-        }),
-        "file" => Arc::new(SyncedStore { dir: state }),
-        _ => Arc::new(MemStore::default()),
-    };
-    let registry = PluginRegistry::new();
-    registry.register(PluginRegistration {
-        plugin_id: PLUGIN_ID.into(),
-        plugin_type: CsiPluginType::Monolith,
-        socket_path: socket.clone(),
-        alloc_id: "plugin-alloc".into(),
-        task: "plugin".into(),
-        mount_root: PathBuf::new(),
-        provider: String::new(),
-        version: String::new(),
-    });
-    let csi = CsiManager::new(
-        ManagerConfig {
-            root_dir: root.join("client/csi"),
-            node_id: "bench-node".into(),
-            call_timeout: Duration::from_secs(10),
-            fingerprint_interval: Duration::from_secs(30),
-        },
-        registry,
-        store,
-        Arc::new(Discard),
-        Arc::new(Discard),
-    )
-    .expect("CsiManager::new");
-    csi.refresh_fingerprints().await;
-
+    let csi = manager(&root, &socket, store_kind).await;
     let bare = CsiClient::connect(PLUGIN_ID, &socket, Duration::from_secs(10)).expect("client");
-    let external_id = bare
-        .create_volume(csi::CreateVolumeRequest {
-            name: VOLUME.into(),
-            volume_capabilities: vec![volume_capability(
-                ACCESS,
-                ATTACH,
-                &CsiMountOptions::default(),
-            )],
-            ..Default::default()
-        })
-        .await
-        .expect("CreateVolume")
-        .volume
-        .expect("a volume")
-        .volume_id;
-
+    let external_id = create_volume(&bare).await;
     let config = Arc::new(AllocRunnerConfig::new(
         root.join("alloc"),
         root.join("client/csi/plugins"),
@@ -443,20 +392,15 @@ async fn run(rounds: usize, store_kind: &str) {
     let (mut bare_mount, mut bare_unmount) = (Samples::default(), Samples::default());
     let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let bare_dir = root.join("bare");
-    let capability = volume_capability(ACCESS, ATTACH, &CsiMountOptions::default());
-    let secrets = std::collections::HashMap::from([("token".to_string(), "s3cr3t".to_string())]);
 
     for round in 0..rounds {
         // The CSI hook, as the alloc runner drives it.
-        let alloc_id = format!("hook-{round}");
-        let ctx = AllocHookContext {
-            config: config.clone(),
-            alloc: Arc::new(alloc_with_volume(&alloc_id)),
-            alloc_dir: AllocDir::new(&config.alloc_root, &alloc_id),
-            stop: stop_rx.clone(),
-            mounts: Mutex::default(),
-            restoring: false,
-        };
+        let ctx = AllocHookContext::new(
+            config.clone(),
+            Arc::new(alloc_with_volume(&format!("hook-{round}"))),
+            stop_rx.clone(),
+            false,
+        );
         let mut hook = CsiHook::default();
         let t = Instant::now();
         hook.prerun(&ctx).await.expect("hook prerun");
@@ -479,15 +423,7 @@ async fn run(rounds: usize, store_kind: &str) {
             volume_context: BTreeMap::new(),
             secrets: BTreeMap::from([("token".to_string(), "s3cr3t".to_string())]),
         };
-        let unmount = UnmountRequest {
-            plugin_id: req.plugin_id.clone(),
-            volume_id: req.volume_id.clone(),
-            external_id: req.external_id.clone(),
-            alloc_id: req.alloc_id.clone(),
-            access_mode: ACCESS,
-            attachment_mode: ATTACH,
-            read_only: false,
-        };
+        let unmount = UnmountRequest::from(&req);
         let t = Instant::now();
         csi.mount_volume(req).await.expect("mount_volume");
         mgr_mount.0.push(t.elapsed());
@@ -495,48 +431,9 @@ async fn run(rounds: usize, store_kind: &str) {
         csi.unmount_volume(unmount).await.expect("unmount_volume");
         mgr_unmount.0.push(t.elapsed());
 
-        // The bare calls, to paths made the same way berth makes them.
-        let staging = bare_dir.join(format!("staging-{round}"));
-        let target = bare_dir.join(format!("target-{round}"));
-        let t = Instant::now();
-        std::fs::create_dir_all(&staging).expect("staging dir");
-        bare.node_stage_volume(csi::NodeStageVolumeRequest {
-            volume_id: external_id.clone(),
-            staging_target_path: staging.display().to_string(),
-            volume_capability: Some(capability.clone()),
-            secrets: secrets.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("NodeStageVolume");
-        std::fs::create_dir_all(&target).expect("target dir");
-        bare.node_publish_volume(csi::NodePublishVolumeRequest {
-            volume_id: external_id.clone(),
-            staging_target_path: staging.display().to_string(),
-            target_path: target.display().to_string(),
-            volume_capability: Some(capability.clone()),
-            secrets: secrets.clone(),
-            ..Default::default()
-        })
-        .await
-        .expect("NodePublishVolume");
-        bare_mount.0.push(t.elapsed());
-        let t = Instant::now();
-        bare.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: external_id.clone(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .expect("NodeUnpublishVolume");
-        bare.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: external_id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .expect("NodeUnstageVolume");
-        let _ = std::fs::remove_dir(&target);
-        let _ = std::fs::remove_dir(&staging);
-        bare_unmount.0.push(t.elapsed());
+        let (mount, unmount) = bare_round(&bare, &external_id, &bare_dir, round).await;
+        bare_mount.0.push(mount);
+        bare_unmount.0.push(unmount);
     }
 
     println!(
@@ -556,4 +453,114 @@ async fn run(rounds: usize, store_kind: &str) {
         "target: at most 1.2x the bare calls or +2 ms, whichever is larger: {}",
         if ok { "met" } else { "NOT met" }
     );
+}
+
+/// A CsiManager on `store_kind`'s store that knows the plugin at `socket`.
+async fn manager(root: &Path, socket: &Path, store_kind: &str) -> Arc<CsiManager> {
+    let state = root.join("state");
+    std::fs::create_dir_all(&state).expect("state dir");
+    let store: Arc<dyn VolumeStateStore> = match store_kind {
+        "redb" => Arc::new(RedbStore {
+            db: redb::Database::create(state.join("client.db")).expect("redb database"),
+        }),
+        "file" => Arc::new(SyncedStore { dir: state }),
+        _ => Arc::new(MemStore::default()),
+    };
+    let registry = PluginRegistry::new();
+    registry.register(PluginRegistration {
+        plugin_id: PLUGIN_ID.into(),
+        plugin_type: CsiPluginType::Monolith,
+        socket_path: socket.to_path_buf(),
+        alloc_id: "plugin-alloc".into(),
+        task: "plugin".into(),
+        mount_root: PathBuf::new(),
+        provider: String::new(),
+        version: String::new(),
+    });
+    let csi = CsiManager::new(
+        ManagerConfig {
+            root_dir: root.join("client/csi"),
+            node_id: "bench-node".into(),
+            call_timeout: Duration::from_secs(10),
+            fingerprint_interval: Duration::from_secs(30),
+        },
+        registry,
+        store,
+        Arc::new(Discard),
+        Arc::new(Discard),
+    )
+    .expect("CsiManager::new");
+    csi.refresh_fingerprints().await;
+    csi
+}
+
+/// Creates the bench's volume through the plugin; its external ID.
+async fn create_volume(bare: &CsiClient) -> String {
+    bare.create_volume(csi::CreateVolumeRequest {
+        name: VOLUME.into(),
+        volume_capabilities: vec![volume_capability(
+            ACCESS,
+            ATTACH,
+            &CsiMountOptions::default(),
+        )],
+        ..Default::default()
+    })
+    .await
+    .expect("CreateVolume")
+    .volume
+    .expect("a volume")
+    .volume_id
+}
+
+/// The bare CSI calls of one round, to paths made the same way berth makes
+/// them: how long the mount (stage, publish) and the unmount took.
+async fn bare_round(
+    bare: &CsiClient,
+    external_id: &str,
+    bare_dir: &Path,
+    round: usize,
+) -> (Duration, Duration) {
+    let capability = volume_capability(ACCESS, ATTACH, &CsiMountOptions::default());
+    let secrets = std::collections::HashMap::from([("token".to_string(), "s3cr3t".to_string())]);
+    let staging = bare_dir.join(format!("staging-{round}"));
+    let target = bare_dir.join(format!("target-{round}"));
+    let t = Instant::now();
+    std::fs::create_dir_all(&staging).expect("staging dir");
+    bare.node_stage_volume(csi::NodeStageVolumeRequest {
+        volume_id: external_id.to_string(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(capability.clone()),
+        secrets: secrets.clone(),
+        ..Default::default()
+    })
+    .await
+    .expect("NodeStageVolume");
+    std::fs::create_dir_all(&target).expect("target dir");
+    bare.node_publish_volume(csi::NodePublishVolumeRequest {
+        volume_id: external_id.to_string(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(capability),
+        secrets,
+        ..Default::default()
+    })
+    .await
+    .expect("NodePublishVolume");
+    let mount = t.elapsed();
+    let t = Instant::now();
+    bare.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+        volume_id: external_id.to_string(),
+        target_path: target.display().to_string(),
+    })
+    .await
+    .expect("NodeUnpublishVolume");
+    bare.node_unstage_volume(csi::NodeUnstageVolumeRequest {
+        volume_id: external_id.to_string(),
+        staging_target_path: staging.display().to_string(),
+    })
+    .await
+    .expect("NodeUnstageVolume");
+    let _ = std::fs::remove_dir(&target);
+    let _ = std::fs::remove_dir(&staging);
+    (mount, t.elapsed())
 }

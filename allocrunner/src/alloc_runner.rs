@@ -1,28 +1,26 @@
-//! The alloc runner: one alloc's lifecycle from prerun hooks through its
-//! task runners to postrun hooks, and the handle the agent drives it with.
+//! The alloc runner: the handle the agent drives one alloc with. Its
+//! lifecycle, from prerun hooks through its task runners to postrun hooks,
+//! is in [`lifecycle`].
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use backon::Retryable;
-use berth_csimanager::UnmountRequest;
-use berth_structs::{
-    AllocClientStatus, Allocation, CsiPluginType, TaskEvent, TaskGroup, TaskState, TaskStateKind,
-};
+use berth_structs::{AllocClientStatus, Allocation, TaskEvent, TaskState, TaskStateKind};
 use tokio::sync::{mpsc, oneshot, watch};
-use tokio::task::JoinSet;
-use tracing::{error, info, warn, Instrument};
+use tracing::{info, warn, Instrument};
 
 use crate::alloc_dir::AllocDir;
 use crate::alloc_hooks::{self, AllocHook, AllocHookContext};
 use crate::config::AllocRunnerConfig;
 use crate::driver::TaskHandleRecord;
-use crate::error::{AllocRunnerError, HookError};
+use crate::error::AllocRunnerError;
 use crate::state::{AllocState, Persist, RestoredAlloc};
-use crate::task_hooks::VolumeMountsHook;
 use crate::task_ops::{TaskOp, TaskOpError};
-use crate::task_runner::TaskRunner;
+
+mod lifecycle;
+
+use lifecycle::lifecycle;
 
 /// The task event of a task that never started because its alloc was
 /// stopped (or destroyed) first.
@@ -47,7 +45,9 @@ pub struct AllocRunner {
 struct Inner {
     config: Arc<AllocRunnerConfig>,
     alloc_id: String,
-    alloc: Mutex<Arc<Allocation>>,
+    /// The latest version of the alloc; its subscribers (the lifecycle's
+    /// hooks) hear of every change.
+    alloc: watch::Sender<Arc<Allocation>>,
     state: Arc<AllocState>,
     /// True once the alloc must stop.
     stop: watch::Sender<bool>,
@@ -58,7 +58,8 @@ struct Inner {
     /// restored runner's alloc is the store's own record, which `run`
     /// need not write (and sync) again. Cleared by any change.
     in_store: AtomicBool,
-    /// The prerun/postrun chain; taken when the lifecycle starts.
+    /// The alloc hook chain; the lifecycle has it while it runs, and
+    /// gives it back for the destroy.
     hooks: Mutex<Option<Vec<Box<dyn AllocHook>>>>,
     /// Set when the runner was restored after an agent restart: the last
     /// handle of each task, to reattach to. Taken when the lifecycle starts.
@@ -126,7 +127,7 @@ impl AllocRunner {
         AllocRunner {
             inner: Arc::new(Inner {
                 alloc_id: alloc.id.clone(),
-                alloc: Mutex::new(Arc::new(alloc)),
+                alloc: watch::channel(Arc::new(alloc)).0,
                 config,
                 state,
                 stop: watch::channel(false).0,
@@ -219,18 +220,20 @@ impl AllocRunner {
             return;
         }
         let stop = alloc.server_terminal();
-        {
-            let mut current = self.inner.alloc.lock().unwrap_or_else(|e| e.into_inner());
-            // The servers send every alloc of the node on every change to
-            // any of them: an unchanged one costs nothing, not a write.
+        // The servers send every alloc of the node on every change to any
+        // of them: an unchanged one costs nothing, not a write.
+        let changed = self.inner.alloc.send_if_modified(|current| {
             if **current == alloc {
-                drop(current);
-                if stop {
-                    self.stop();
-                }
-                return;
+                return false;
             }
             *current = Arc::new(alloc);
+            true
+        });
+        if !changed {
+            if stop {
+                self.stop();
+            }
+            return;
         }
         self.inner.in_store.store(false, Ordering::SeqCst);
         if self.inner.started.load(Ordering::SeqCst) {
@@ -266,7 +269,9 @@ impl AllocRunner {
     }
 
     /// Stops the alloc if it runs, waits for postrun, then removes the
-    /// alloc dir (after unmounting whatever is still mounted in it).
+    /// alloc dir (after unmounting whatever is still mounted in it) and
+    /// runs the hooks' `destroy` (the CSI hook unmounts the volumes still
+    /// recorded for the alloc) before its persisted records go.
     pub async fn destroy(&self) -> Result<(), AllocRunnerError> {
         self.stop();
         if self.inner.started.swap(true, Ordering::SeqCst) {
@@ -295,7 +300,7 @@ impl AllocRunner {
             })??;
         // The records are what a restarted agent would clean a mount up
         // from: they go only once no CSI mount of the alloc remains.
-        self.unmount_leftover_volumes().await?;
+        self.destroy_hooks().await?;
         if let Err(e) = self.inner.config.store.delete_alloc(&self.inner.alloc_id) {
             warn!(alloc_id = %self.inner.alloc_id, error = %e, "deleting the alloc's persisted state failed");
         }
@@ -398,409 +403,52 @@ impl AllocRunner {
         }
         Ok(targets)
     }
+}
 
-    /// Unmounts (with retries) every CSI volume csimanager still records
-    /// as mounted for this alloc; an error when one remains.
-    async fn unmount_leftover_volumes(&self) -> Result<(), AllocRunnerError> {
-        let alloc_id = &self.inner.alloc_id;
-        let csi = self.inner.config.csi.clone();
-        let total = self.inner.config.release_retry_timeout;
-        for stub in csi.volume_stubs_of(alloc_id) {
-            warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, "a volume is still mounted for the destroyed alloc; unmounting it");
-            let req = UnmountRequest {
-                plugin_id: stub.plugin_id.clone(),
-                volume_id: stub.volume_id.clone(),
-                external_id: stub.external_id.clone(),
-                alloc_id: alloc_id.clone(),
-                access_mode: stub.access_mode,
-                attachment_mode: stub.attachment_mode,
-                read_only: stub.read_only,
-            };
-            let unmounted = (|| {
-                let csi = csi.clone();
-                let req = req.clone();
-                async move { csi.unmount_volume(req).await }
-            })
-            .retry(crate::alloc_hooks::csi::backoff(total))
-            .sleep(tokio::time::sleep)
-            .notify(|e, wait: std::time::Duration| {
-                warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
-            })
-            .await;
-            if let Err(error) = unmounted {
-                error!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, error = %error, "cannot unmount a volume of the destroyed alloc; keeping its records");
-                return Err(AllocRunnerError::VolumeStillMounted {
-                    volume_id: stub.volume_id,
-                    error,
-                });
+impl AllocRunner {
+    /// Runs each hook's `destroy` in order; the first error ends it.
+    async fn destroy_hooks(&self) -> Result<(), AllocRunnerError> {
+        let mut hooks = self.inner.take_hooks();
+        let ctx = self.inner.hook_context(self.inner.alloc(), false);
+        let mut destroyed = Ok(());
+        for hook in hooks.iter_mut() {
+            destroyed = hook.destroy(&ctx).await;
+            if destroyed.is_err() {
+                break;
             }
         }
-        if let Some(stub) = csi.volume_stubs_of(alloc_id).into_iter().next() {
-            return Err(AllocRunnerError::VolumeStillRecorded {
-                volume_id: stub.volume_id,
-            });
-        }
-        Ok(())
+        self.inner.put_back_hooks(hooks);
+        destroyed
     }
 }
 
 impl Inner {
     fn alloc(&self) -> Arc<Allocation> {
-        self.alloc.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.alloc.borrow().clone()
+    }
+
+    /// What the alloc hooks see of `alloc`.
+    fn hook_context(&self, alloc: Arc<Allocation>, restoring: bool) -> AllocHookContext {
+        AllocHookContext::new(self.config.clone(), alloc, self.stop.subscribe(), restoring)
+            .with_state(self.state.clone())
+    }
+
+    /// The hook chain, while the lifecycle or the destroy has it.
+    fn take_hooks(&self) -> Vec<Box<dyn AllocHook>> {
+        self.hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default()
+    }
+
+    fn put_back_hooks(&self, hooks: Vec<Box<dyn AllocHook>>) {
+        *self.hooks.lock().unwrap_or_else(|e| e.into_inner()) = Some(hooks);
     }
 
     fn persist_alloc(&self, persist: Persist) {
         if let Err(e) = self.config.store.put_alloc_with(&self.alloc(), persist) {
             warn!(alloc_id = %self.alloc_id, error = %e, "persisting the alloc failed; a restarted agent will not find it");
-        }
-    }
-}
-
-async fn lifecycle(inner: Arc<Inner>) {
-    let state = inner.state.clone();
-    let restored = inner
-        .restored
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take();
-    if restored.is_some() && state.client_status().is_terminal() {
-        // Postrun ran before the restart.
-        info!("restored alloc had finished; nothing to run");
-        state.report();
-        inner.done.send_replace(true);
-        return;
-    }
-    if restored.is_some() {
-        info!("restoring alloc");
-    }
-    state.report();
-    let alloc = inner.alloc();
-    let Some(group) = alloc.group().cloned() else {
-        let msg = format!(
-            "group {:?} is not in job {:?}",
-            alloc.task_group, alloc.job_id
-        );
-        error!(error = %msg, "cannot run alloc");
-        state.set_terminal(AllocClientStatus::Failed, msg);
-        inner.done.send_replace(true);
-        return;
-    };
-    let ctx = AllocHookContext {
-        config: inner.config.clone(),
-        alloc: alloc.clone(),
-        alloc_dir: AllocDir::new(&inner.config.alloc_root, &alloc.id),
-        stop: inner.stop.subscribe(),
-        mounts: Mutex::default(),
-        restoring: restored.is_some(),
-    };
-
-    let mut hooks = inner
-        .hooks
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take()
-        .unwrap_or_default();
-    // A restored alloc that runs a CSI node plugin is stopped through its
-    // task runners even when the stop came first: the plugin is reattached
-    // (supervised, restarted if it dies) and its kill waits, as for a
-    // running alloc, for the volumes other allocs still have mounted.
-    let stop_through_tasks = restored.is_some() && !node_plugins(&group).is_empty();
-    let stop_now = |ctx: &AllocHookContext| *ctx.stop.borrow() && !stop_through_tasks;
-    let mut ran = 0usize;
-    let mut prerun_failure: Option<String> = None;
-    let mut stopped = false;
-    for hook in hooks.iter_mut() {
-        if stop_now(&ctx) {
-            stopped = true;
-            break;
-        }
-        ran += 1;
-        let span = tracing::info_span!("prerun", hook = hook.name());
-        match hook.prerun(&ctx).instrument(span).await {
-            Ok(()) => {}
-            Err(HookError::Stopped) => {
-                stopped = true;
-                break;
-            }
-            Err(e) => {
-                let msg = format!("prerun hook {:?} failed: {e}", hook.name());
-                error!(hook = hook.name(), error = %e, "prerun hook failed");
-                prerun_failure = Some(msg);
-                break;
-            }
-        }
-    }
-
-    let mut killed_leftovers = BTreeSet::new();
-    if prerun_failure.is_some() || stopped || stop_now(&ctx) {
-        // Tasks left running by the previous agent must not outlive an
-        // alloc that will not run: those of a restored alloc, and those a
-        // fresh runner finds through their executors' records (the agent
-        // lost the alloc's own records).
-        let none = BTreeMap::new();
-        killed_leftovers =
-            kill_restored_tasks(&inner, &group, restored.as_ref().unwrap_or(&none)).await;
-    }
-    if let Some(msg) = &prerun_failure {
-        for task in &group.tasks {
-            state.task_dead(
-                &task.name,
-                true,
-                Some(TaskEvent::new("Setup Failure", msg.clone())),
-            );
-        }
-    } else if stopped || stop_now(&ctx) {
-        let task_states = state.task_states();
-        for task in &group.tasks {
-            // A restored task that ran before the restart was killed above;
-            // any other never ran.
-            let ran = killed_leftovers.contains(&task.name)
-                || task_states
-                    .get(&task.name)
-                    .is_some_and(|s| s.started_at_ms.is_some());
-            let event = if ran {
-                TaskEvent::new("Killed", "The alloc was stopped")
-            } else {
-                not_started_event()
-            };
-            state.task_dead(&task.name, false, Some(event));
-        }
-    } else {
-        run_tasks(&inner, &alloc, &group, &ctx, restored).await;
-    }
-
-    // A restored alloc's hooks all ran their prerun before the restart, so
-    // all of them undo, even those this run stopped short of.
-    let undo = if ctx.restoring { hooks.len() } else { ran };
-    let mut postrun_errors = Vec::new();
-    for hook in hooks[..undo].iter_mut().rev() {
-        let span = tracing::info_span!("postrun", hook = hook.name());
-        if let Err(e) = hook.postrun(&ctx).instrument(span).await {
-            error!(hook = hook.name(), error = %e, "postrun hook failed");
-            postrun_errors.push(format!("postrun hook {:?} failed: {e}", hook.name()));
-        }
-    }
-
-    let failed_tasks: Vec<String> = state
-        .task_states()
-        .into_iter()
-        .filter(|(_, s)| s.failed)
-        .map(|(t, _)| t)
-        .collect();
-    let (status, mut description) = match (&prerun_failure, failed_tasks.is_empty()) {
-        (Some(msg), _) => (AllocClientStatus::Failed, msg.clone()),
-        (None, false) => (
-            AllocClientStatus::Failed,
-            format!("Failed tasks: {}", failed_tasks.join(", ")),
-        ),
-        (None, true) => (
-            AllocClientStatus::Complete,
-            "All tasks have completed".into(),
-        ),
-    };
-    for e in &postrun_errors {
-        description.push_str("; ");
-        description.push_str(e);
-    }
-    info!(status = status.as_str(), description = %description, "alloc finished");
-    state.set_terminal(status, description);
-    inner.done.send_replace(true);
-}
-
-/// The task's latest run: the executor's own record whenever there is one
-/// (its dir is cleared before each start, so it is always the latest run,
-/// whatever the wall clock said), else the persisted handle. The agent may
-/// have died after the executor started a task and before the handle was
-/// persisted.
-fn last_run(
-    persisted: Option<TaskHandleRecord>,
-    driver: &str,
-    executor_dir: &std::path::Path,
-) -> Option<TaskHandleRecord> {
-    TaskHandleRecord::from_executor_dir(driver, executor_dir).or(persisted)
-}
-
-/// Stops the tasks of a restored alloc that were left running, and unbinds
-/// the volumes bound into their task dirs. Returns the tasks it stopped.
-async fn kill_restored_tasks(
-    inner: &Inner,
-    group: &TaskGroup,
-    handles: &BTreeMap<String, TaskHandleRecord>,
-) -> BTreeSet<String> {
-    let mut stopped = BTreeSet::new();
-    let alloc_dir = AllocDir::new(&inner.config.alloc_root, &inner.alloc_id);
-    if handles.is_empty() && !alloc_dir.path().exists() {
-        // Never set up on this node: nothing can be left of it.
-        return stopped;
-    }
-    for task in &group.tasks {
-        let Some(record) = last_run(
-            handles.get(&task.name).cloned(),
-            &task.driver,
-            &alloc_dir.executor_dir(&task.name),
-        ) else {
-            continue;
-        };
-        let Some(driver) = inner.config.drivers.get(&record.driver) else {
-            warn!(task = %task.name, driver = %record.driver, "cannot stop a restored task: its driver is not available");
-            continue;
-        };
-        match driver.reattach(&record).await {
-            Ok(handle) if handle.try_exit().is_none() => {
-                info!(task = %task.name, pid = handle.pid(), "stopping a restored task of an alloc that will not run");
-                let kill_timeout = task
-                    .kill_timeout
-                    .unwrap_or(inner.config.default_kill_timeout);
-                handle.stop(kill_timeout).await;
-                stopped.insert(task.name.clone());
-            }
-            Ok(_) => {}
-            Err(e) => warn!(task = %task.name, error = %e, "cannot stop a restored task"),
-        }
-    }
-    // The task runners will not run, so their volume-mounts hooks will not
-    // unbind what the previous agent bound: do it here, before postrun
-    // unmounts the volumes and releases their claims.
-    for task in &group.tasks {
-        let task_dir = alloc_dir.task_dir(&task.name);
-        let mut binds = VolumeMountsHook::default();
-        let unbound = binds
-            .adopt_existing(&task_dir.dir, &task.volume_mounts)
-            .and_then(|()| binds.unmount_all());
-        if let Err(e) = unbound {
-            warn!(task = %task.name, error = %e, "cannot unbind a restored task's volumes");
-        }
-    }
-    stopped
-}
-
-/// Runs every task of the group at once until all are done. A task that
-/// fails for good kills its siblings; a stop kills them all.
-async fn run_tasks(
-    inner: &Arc<Inner>,
-    alloc: &Arc<Allocation>,
-    group: &TaskGroup,
-    ctx: &AllocHookContext,
-    restored: Option<BTreeMap<String, TaskHandleRecord>>,
-) {
-    let mounts = Arc::new(ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).clone());
-    let (kill_tx, kill_rx) = watch::channel::<Option<String>>(None);
-    let mut set = JoinSet::new();
-    let mut names = HashMap::new();
-    let task_states = inner.state.task_states();
-    for task in &group.tasks {
-        let mut reattach = None;
-        if let Some(handles) = &restored {
-            let dead = task_states
-                .get(&task.name)
-                .is_some_and(|s| s.state == TaskStateKind::Dead);
-            if dead {
-                info!(task = %task.name, "restored task was done; not running it");
-                continue;
-            }
-            reattach = last_run(
-                handles.get(&task.name).cloned(),
-                &task.driver,
-                &ctx.alloc_dir.executor_dir(&task.name),
-            );
-        }
-        let (ops_tx, ops) = mpsc::unbounded_channel();
-        inner
-            .task_ops
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(task.name.clone(), ops_tx);
-        let runner = TaskRunner {
-            ops,
-            reattach,
-            config: inner.config.clone(),
-            alloc: alloc.clone(),
-            task: task.clone(),
-            alloc_dir: ctx.alloc_dir.clone(),
-            state: inner.state.clone(),
-            mounts: mounts.clone(),
-            kill: kill_rx.clone(),
-        };
-        let span = tracing::info_span!("task", alloc_id = %alloc.id, task = %task.name);
-        let handle = set.spawn(runner.run().instrument(span));
-        names.insert(handle.id(), task.name.clone());
-    }
-    let plugins = node_plugins(group);
-    let mut stop = inner.stop.subscribe();
-    let stopping = async {
-        let _ = stop.wait_for(|s| *s).await;
-        wait_for_plugin_volumes(inner, &plugins).await;
-    };
-    tokio::pin!(stopping);
-    loop {
-        let killing = kill_tx.borrow().is_some();
-        tokio::select! {
-            joined = set.join_next_with_id() => match joined {
-                None => break,
-                Some(Ok((id, failed))) => {
-                    if failed && !killing {
-                        let name = names.get(&id).cloned().unwrap_or_default();
-                        kill_tx.send_replace(Some(format!("Sibling task {name} failed")));
-                    }
-                }
-                Some(Err(e)) => {
-                    let name = names.get(&e.id()).cloned().unwrap_or_default();
-                    error!(task = %name, error = %e, "task runner panicked");
-                    inner.state.task_dead(&name, true, Some(TaskEvent::new("Driver Failure", format!("task runner crashed: {e}"))));
-                    if !killing {
-                        kill_tx.send_replace(Some(format!("Sibling task {name} failed")));
-                    }
-                }
-            },
-            // Completes once; the kill it sends disables it.
-            () = &mut stopping, if !killing => {
-                kill_tx.send_replace(Some("The alloc is being stopped".into()));
-            }
-        }
-    }
-}
-
-/// The CSI node (or monolith) plugins the group's tasks run, as (task,
-/// plugin ID): volumes on this node may need them to be unmounted.
-fn node_plugins(group: &TaskGroup) -> Vec<(String, String)> {
-    group
-        .tasks
-        .iter()
-        .filter_map(|t| {
-            let plugin = t.csi_plugin.as_ref()?;
-            (plugin.plugin_type != CsiPluginType::Controller)
-                .then(|| (t.name.clone(), plugin.id.clone()))
-        })
-        .collect()
-}
-
-/// Before the tasks of a stopping alloc are killed: waits, for each CSI
-/// node plugin the alloc runs, until no other alloc on this node has a
-/// volume of the plugin mounted (their unpublish and unstage need it),
-/// unless another healthy instance of the plugin serves them. No deadline:
-/// a mount is never left behind a stopped plugin. The plugin task gets an
-/// event, and the log a line, when the wait starts and whenever the number
-/// of volumes changes; the tasks keep running (and the alloc its status)
-/// meanwhile.
-async fn wait_for_plugin_volumes(inner: &Inner, plugins: &[(String, String)]) {
-    for (task, plugin_id) in plugins {
-        let mut waited = false;
-        inner
-            .config
-            .csi
-            .wait_until_plugin_instance_unneeded(plugin_id, &inner.alloc_id, |volumes| {
-                waited = true;
-                let message = format!(
-                    "Waiting for {volumes} volume(s) of plugin {plugin_id:?} to be unmounted before stopping"
-                );
-                info!(task = %task, plugin_id = %plugin_id, volumes, "waiting for the plugin's volumes to be unmounted before stopping it");
-                inner
-                    .state
-                    .task_event(task, TaskEvent::new(EVENT_WAITING_FOR_VOLUMES, message));
-            })
-            .await;
-        if waited {
-            info!(task = %task, plugin_id = %plugin_id, "no volume needs the plugin any more; stopping it");
         }
     }
 }

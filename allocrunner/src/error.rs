@@ -135,3 +135,53 @@ pub enum AllocRunnerError {
         error: std::io::Error,
     },
 }
+
+/// Why an [`crate::AllocStateStore`] could not read or write. Its message
+/// is its cause's own, as stores have always reported it.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    /// The store's backend (its database, the disk) failed.
+    #[error(transparent)]
+    Backend(Box<dyn std::error::Error + Send + Sync + 'static>),
+    /// The record under `key` did not encode to (or decode from) its
+    /// stored form.
+    #[error("{source}")]
+    Codec {
+        key: String,
+        source: serde_json::Error,
+    },
+}
+
+impl StateError {
+    /// The backend failed with `error`.
+    pub fn backend(error: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        StateError::Backend(error.into())
+    }
+
+    /// The record under `key` did not encode or decode.
+    pub fn codec(key: impl Into<String>, source: serde_json::Error) -> Self {
+        StateError::Codec {
+            key: key.into(),
+            source,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StateError;
+
+    #[test]
+    fn a_state_error_reads_as_its_cause_and_keeps_it() {
+        let io = std::io::Error::other("disk full");
+        let e = StateError::backend(io);
+        assert_eq!(e.to_string(), "disk full");
+
+        let json = serde_json::from_str::<u32>("x").unwrap_err();
+        let message = json.to_string();
+        let e = StateError::codec("a1/web", json);
+        assert_eq!(e.to_string(), message);
+        assert!(std::error::Error::source(&e).is_some());
+        assert!(matches!(e, StateError::Codec { ref key, .. } if key == "a1/web"));
+    }
+}

@@ -365,32 +365,90 @@ pub fn run_executor(args: &[String]) -> i32 {
     };
     let state_dir = PathBuf::from(state_dir);
     limit_arenas();
+    let (raw, spec) = match read_spec() {
+        Ok(read) => read,
+        Err(code) => return code,
+    };
+    become_session_leader();
+    let started = match start_task(&state_dir, &spec) {
+        Ok(started) => started,
+        Err(code) => return code,
+    };
+    let StartedTask {
+        mut child,
+        cmd,
+        readers,
+        started,
+        drained,
+    } = started;
+    let task_pid = child.id();
+    if let Err(code) = record_running(&state_dir, &mut child) {
+        return code;
+    }
+    report_state_written();
+    // The copy threads have run their start (and touched its pages)
+    // before the start's memory is given back; a thread that died instead
+    // ends its channel.
+    for _ in 0..readers {
+        if started.recv().is_err() {
+            break;
+        }
+    }
+    drop((raw, spec, cmd, started));
+    release_start_memory();
+    wait_and_record_exit(&state_dir, child, task_pid, readers, drained)
+}
+
+/// The spec on stdin: its bytes and what they decode to. An exit code
+/// when it cannot be read.
+fn read_spec() -> Result<(Vec<u8>, ExecutorSpec), i32> {
     let mut raw = Vec::new();
     if let Err(e) = std::io::stdin().read_to_end(&mut raw) {
         eprintln!("berth executor: reading the spec from stdin: {e}");
-        return 1;
+        return Err(1);
     }
-    let spec: ExecutorSpec = match serde_json::from_slice(&raw) {
-        Ok(s) => s,
+    match serde_json::from_slice(&raw) {
+        Ok(spec) => Ok((raw, spec)),
         Err(e) => {
             eprintln!("berth executor: decoding the spec: {e}");
-            return 1;
+            Err(1)
         }
-    };
-    // A session of its own: no terminal, no signals meant for the agent's
-    // group; the executor lives on when the agent stops. The driver makes
-    // it a session leader before exec; this covers an executor started by
-    // other means.
+    }
+}
+
+/// A session of its own: no terminal, no signals meant for the agent's
+/// group; the executor lives on when the agent stops. The driver makes it
+/// a session leader before exec; this covers an executor started by other
+/// means.
+fn become_session_leader() {
     let me = nix::unistd::getpid();
     if nix::unistd::getsid(None).ok() != Some(me) {
         if let Err(e) = nix::unistd::setsid() {
             eprintln!("berth executor: setsid: {e}");
         }
     }
+}
+
+/// A started task whose output the copy threads read.
+struct StartedTask {
+    child: std::process::Child,
+    cmd: std::process::Command,
+    /// How many copy threads read the task's output.
+    readers: usize,
+    /// Each copy thread says here that it has run its start.
+    started: std::sync::mpsc::Receiver<()>,
+    /// Each copy thread says here that its pipe is drained.
+    drained: std::sync::mpsc::Receiver<()>,
+}
+
+/// Opens the task's logs and starts it with copy threads on its output.
+/// A start that fails is recorded in the state dir; its exit code is the
+/// error.
+fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32> {
     let failed = |kind, message: String| {
         eprintln!("berth executor: {message}");
         match write_state_record(
-            &state_dir,
+            state_dir,
             STATE_FILE,
             &ExecutorState::StartFailed { kind, message },
         ) {
@@ -405,7 +463,10 @@ pub fn run_executor(args: &[String]) -> i32 {
     ) {
         (Ok(o), Ok(e)) => (o, e),
         (Err(e), _) | (_, Err(e)) => {
-            return failed(StartFailure::Other, format!("opening the task's logs: {e}"))
+            return Err(failed(
+                StartFailure::Other,
+                format!("opening the task's logs: {e}"),
+            ))
         }
     };
     let mut cmd = std::process::Command::new(&spec.command);
@@ -425,7 +486,10 @@ pub fn run_executor(args: &[String]) -> i32 {
                 std::io::ErrorKind::PermissionDenied => StartFailure::PermissionDenied,
                 _ => StartFailure::Other,
             };
-            return failed(kind, format!("starting {}: {e}", spec.command.display()));
+            return Err(failed(
+                kind,
+                format!("starting {}: {e}", spec.command.display()),
+            ));
         }
     };
     // The read ends are close-on-exec: only the task holds the write ends.
@@ -446,6 +510,19 @@ pub fn run_executor(args: &[String]) -> i32 {
         readers += 1;
     }
     drop(started_tx);
+    Ok(StartedTask {
+        child,
+        cmd,
+        readers,
+        started,
+        drained,
+    })
+}
+
+/// Records the running task in the state dir. A task nobody could find
+/// again is not left running: it is killed, and the exit code is the
+/// error.
+fn record_running(state_dir: &Path, child: &mut std::process::Child) -> Result<(), i32> {
     let task_pid = child.id();
     let state = ExecutorState::Running {
         executor_pid: std::process::id(),
@@ -455,27 +532,28 @@ pub fn run_executor(args: &[String]) -> i32 {
         task_start_ticks: process_start_ticks(task_pid).unwrap_or_default(),
         started_at_ms: berth_structs::now_ms(),
     };
-    if let Err(e) = write_state_record(&state_dir, STATE_FILE, &state) {
-        // Nobody could find this task again: do not leave it running.
+    if let Err(e) = write_state_record(state_dir, STATE_FILE, &state) {
         eprintln!("berth executor: recording the task's state: {e}; killing the task");
         let _ = nix::sys::signal::killpg(
             nix::unistd::Pid::from_raw(task_pid as i32),
             nix::sys::signal::Signal::SIGKILL,
         );
         let _ = child.wait();
-        return 1;
+        return Err(1);
     }
-    report_state_written();
-    // The copy threads have run their start (and touched its pages)
-    // before the start's memory is given back; a thread that died instead
-    // ends its channel.
-    for _ in 0..readers {
-        if started.recv().is_err() {
-            break;
-        }
-    }
-    drop((raw, spec, cmd, started));
-    release_start_memory();
+    Ok(())
+}
+
+/// Waits for the task to exit, kills what is left of its group, lets its
+/// output drain into the logs, then records its exit. The executor's exit
+/// code.
+fn wait_and_record_exit(
+    state_dir: &Path,
+    mut child: std::process::Child,
+    task_pid: u32,
+    readers: usize,
+    drained: std::sync::mpsc::Receiver<()>,
+) -> i32 {
     // Wait for the leader without reaping it: its zombie keeps the group
     // id reserved, so the kill below reaches the task's own leftovers and
     // never a group that reused the id.
@@ -524,7 +602,7 @@ pub fn run_executor(args: &[String]) -> i32 {
         signal,
         finished_at_ms: berth_structs::now_ms(),
     };
-    let recorded = write_record(&state_dir, EXIT_FILE, &exit);
+    let recorded = write_record(state_dir, EXIT_FILE, &exit);
     // Reaped only now that its exit is recorded (see above).
     if ended.is_some() {
         if let Err(e) = child.wait() {

@@ -37,7 +37,7 @@ pub use config::AllocRunnerConfig;
 pub use driver::{
     Driver, ExecutorCommand, ExitResult, RawExecDriver, TaskHandle, TaskHandleRecord, TaskSpec,
 };
-pub use error::{AllocRunnerError, DriverError, HookError};
+pub use error::{AllocRunnerError, DriverError, HookError, StateError};
 pub use state::{
     AllocStateStore, AllocStateUpdater, NoopStateStore, Persist, PersistedAllocState, RestoredAlloc,
 };

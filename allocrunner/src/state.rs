@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::driver::TaskHandleRecord;
+use crate::error::StateError;
 
 /// Receives every change of an alloc's client status, description or task
 /// states; the agent batches them to the servers. Called with the runner's
@@ -45,23 +46,27 @@ pub enum Persist {
 /// they make the same synced writes as the plain ones.
 pub trait AllocStateStore: Send + Sync {
     /// The alloc, when its runner starts and on every update.
-    fn put_alloc(&self, alloc: &Allocation) -> Result<(), String>;
+    fn put_alloc(&self, alloc: &Allocation) -> Result<(), StateError>;
     /// The alloc's client status and task states, on every change.
-    fn put_alloc_state(&self, alloc_id: &str, state: &PersistedAllocState) -> Result<(), String>;
+    fn put_alloc_state(
+        &self,
+        alloc_id: &str,
+        state: &PersistedAllocState,
+    ) -> Result<(), StateError>;
     /// A task's handle, right after the task started.
     fn put_task_handle(
         &self,
         alloc_id: &str,
         task: &str,
         handle: &TaskHandleRecord,
-    ) -> Result<(), String>;
+    ) -> Result<(), StateError>;
     /// Everything recorded of the alloc, once it is destroyed.
-    fn delete_alloc(&self, alloc_id: &str) -> Result<(), String>;
+    fn delete_alloc(&self, alloc_id: &str) -> Result<(), StateError>;
     /// Every alloc recorded, for [`crate::AllocRunner::restore`].
-    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String>;
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, StateError>;
 
     /// [`Self::put_alloc`], synced only when `persist` asks for it.
-    fn put_alloc_with(&self, alloc: &Allocation, persist: Persist) -> Result<(), String> {
+    fn put_alloc_with(&self, alloc: &Allocation, persist: Persist) -> Result<(), StateError> {
         let _ = persist;
         self.put_alloc(alloc)
     }
@@ -72,7 +77,7 @@ pub trait AllocStateStore: Send + Sync {
         alloc_id: &str,
         state: &PersistedAllocState,
         persist: Persist,
-    ) -> Result<(), String> {
+    ) -> Result<(), StateError> {
         let _ = persist;
         self.put_alloc_state(alloc_id, state)
     }
@@ -86,7 +91,7 @@ pub trait AllocStateStore: Send + Sync {
         task: &str,
         handle: Option<&TaskHandleRecord>,
         state: &PersistedAllocState,
-    ) -> Result<(), String> {
+    ) -> Result<(), StateError> {
         if let Some(h) = handle {
             self.put_task_handle(alloc_id, task, h)?;
         }
@@ -120,19 +125,24 @@ pub struct RestoredAlloc {
 pub struct NoopStateStore;
 
 impl AllocStateStore for NoopStateStore {
-    fn put_alloc(&self, _alloc: &Allocation) -> Result<(), String> {
+    fn put_alloc(&self, _alloc: &Allocation) -> Result<(), StateError> {
         Ok(())
     }
-    fn put_alloc_state(&self, _id: &str, _state: &PersistedAllocState) -> Result<(), String> {
+    fn put_alloc_state(&self, _id: &str, _state: &PersistedAllocState) -> Result<(), StateError> {
         Ok(())
     }
-    fn put_task_handle(&self, _id: &str, _task: &str, _h: &TaskHandleRecord) -> Result<(), String> {
+    fn put_task_handle(
+        &self,
+        _id: &str,
+        _task: &str,
+        _h: &TaskHandleRecord,
+    ) -> Result<(), StateError> {
         Ok(())
     }
-    fn delete_alloc(&self, _alloc_id: &str) -> Result<(), String> {
+    fn delete_alloc(&self, _alloc_id: &str) -> Result<(), StateError> {
         Ok(())
     }
-    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String> {
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, StateError> {
         Ok(Vec::new())
     }
 }
@@ -217,7 +227,7 @@ impl AllocState {
     fn update_and_store(
         &self,
         f: impl FnOnce(&mut Inner),
-        write: impl FnOnce(&dyn AllocStateStore, &str, &PersistedAllocState) -> Result<(), String>,
+        write: impl FnOnce(&dyn AllocStateStore, &str, &PersistedAllocState) -> Result<(), StateError>,
     ) {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         f(&mut inner);

@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
 use berth_allocrunner::{
-    AllocStateStore, Persist, PersistedAllocState, RestoredAlloc, TaskHandleRecord,
+    AllocStateStore, Persist, PersistedAllocState, RestoredAlloc, StateError as StoreError,
+    TaskHandleRecord,
 };
 use berth_csimanager::{PluginRegistration, VolumeStateStore, VolumeStub};
 use berth_structs::{Allocation, NodeSecret};
@@ -429,18 +430,22 @@ fn task_handle_key(alloc_id: &str, task: &str) -> String {
 }
 
 impl AllocStateStore for ClientState {
-    fn put_alloc(&self, alloc: &Allocation) -> Result<(), String> {
+    fn put_alloc(&self, alloc: &Allocation) -> Result<(), StoreError> {
         self.put(ALLOCS, &alloc.id, alloc)
-            .map_err(|e| e.to_string())
+            .map_err(StoreError::backend)
     }
 
-    fn put_alloc_state(&self, alloc_id: &str, state: &PersistedAllocState) -> Result<(), String> {
+    fn put_alloc_state(
+        &self,
+        alloc_id: &str,
+        state: &PersistedAllocState,
+    ) -> Result<(), StoreError> {
         self.put_alloc_state_with(alloc_id, state, Persist::Synced)
     }
 
-    fn put_alloc_with(&self, alloc: &Allocation, persist: Persist) -> Result<(), String> {
+    fn put_alloc_with(&self, alloc: &Allocation, persist: Persist) -> Result<(), StoreError> {
         self.put_with(persist, ALLOCS, &alloc.id, alloc)
-            .map_err(|e| e.to_string())
+            .map_err(StoreError::backend)
     }
 
     fn put_alloc_state_with(
@@ -448,13 +453,13 @@ impl AllocStateStore for ClientState {
         alloc_id: &str,
         state: &PersistedAllocState,
         persist: Persist,
-    ) -> Result<(), String> {
+    ) -> Result<(), StoreError> {
         let row = AllocStateRow {
             alloc_id: alloc_id.to_string(),
             state: state.clone(),
         };
         self.put_with(persist, ALLOC_STATES, alloc_id, &row)
-            .map_err(|e| e.to_string())
+            .map_err(StoreError::backend)
     }
 
     /// The handle and the state in one synced transaction.
@@ -464,12 +469,13 @@ impl AllocStateStore for ClientState {
         task: &str,
         handle: Option<&TaskHandleRecord>,
         state: &PersistedAllocState,
-    ) -> Result<(), String> {
+    ) -> Result<(), StoreError> {
+        let handle_key = task_handle_key(alloc_id, task);
         let state_row = serde_json::to_vec(&AllocStateRow {
             alloc_id: alloc_id.to_string(),
             state: state.clone(),
         })
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| StoreError::codec(alloc_id, e))?;
         let handle_row = handle
             .map(|h| {
                 serde_json::to_vec(&TaskHandleRow {
@@ -479,8 +485,7 @@ impl AllocStateStore for ClientState {
                 })
             })
             .transpose()
-            .map_err(|e| e.to_string())?;
-        let handle_key = task_handle_key(alloc_id, task);
+            .map_err(|e| StoreError::codec(handle_key.as_str(), e))?;
         self.write(|tx| {
             if let Some(row) = &handle_row {
                 let mut t = tx.open_table(TASK_HANDLES).map_err(rdb)?;
@@ -490,7 +495,7 @@ impl AllocStateStore for ClientState {
             t.insert(alloc_id, state_row.as_slice()).map_err(rdb)?;
             Ok(())
         })
-        .map_err(|e| e.to_string())
+        .map_err(StoreError::backend)
     }
 
     fn put_task_handle(
@@ -498,17 +503,17 @@ impl AllocStateStore for ClientState {
         alloc_id: &str,
         task: &str,
         handle: &TaskHandleRecord,
-    ) -> Result<(), String> {
+    ) -> Result<(), StoreError> {
         let row = TaskHandleRow {
             alloc_id: alloc_id.to_string(),
             task: task.to_string(),
             handle: handle.clone(),
         };
         self.put(TASK_HANDLES, &task_handle_key(alloc_id, task), &row)
-            .map_err(|e| e.to_string())
+            .map_err(StoreError::backend)
     }
 
-    fn delete_alloc(&self, alloc_id: &str) -> Result<(), String> {
+    fn delete_alloc(&self, alloc_id: &str) -> Result<(), StoreError> {
         let prefix = format!("{alloc_id}/");
         self.write(|tx| {
             for table in [ALLOCS, ALLOC_STATES] {
@@ -519,22 +524,22 @@ impl AllocStateStore for ClientState {
             t.retain(|k, _| !k.starts_with(&prefix)).map_err(rdb)?;
             Ok(())
         })
-        .map_err(|e| e.to_string())
+        .map_err(StoreError::backend)
     }
 
     /// Allocs with their states and handles. A state or handle whose alloc
     /// is missing (or was quarantined) is ignored: without the alloc there
     /// is nothing to restore.
-    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String> {
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, StoreError> {
         let allocs: Vec<Allocation> = self
             .load_all(ALLOCS, |a: &Allocation| a.id.clone())
-            .map_err(|e| e.to_string())?;
+            .map_err(StoreError::backend)?;
         let states: Vec<AllocStateRow> = self
             .load_all(ALLOC_STATES, |r: &AllocStateRow| r.alloc_id.clone())
-            .map_err(|e| e.to_string())?;
+            .map_err(StoreError::backend)?;
         let handles: Vec<TaskHandleRow> = self
             .load_all(TASK_HANDLES, TaskHandleRow::key)
-            .map_err(|e| e.to_string())?;
+            .map_err(StoreError::backend)?;
         let mut out: std::collections::BTreeMap<String, RestoredAlloc> = allocs
             .into_iter()
             .map(|alloc| {

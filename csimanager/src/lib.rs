@@ -11,7 +11,8 @@
 //! per-volume serialization, retries, undo, storage events), `manager` (the
 //! entry point that ties them together), `orphans` (mounts no restored
 //! alloc owns, removed at agent start), `repair` (lost mounts of running
-//! allocs made again once their plugin is healthy), `stats` (the loop that
+//! allocs made again once their plugin is healthy), `retry` (the retry
+//! loop with backoff all CSI calls share), `stats` (the loop that
 //! collects volume stats and conditions), `mountinfo` (the mount table,
 //! read one way for all of them).
 //!
@@ -27,6 +28,7 @@ pub mod mountinfo;
 pub mod orphans;
 pub mod registry;
 pub mod repair;
+pub mod retry;
 pub mod sinks;
 pub mod stats;
 pub mod volume;
@@ -39,6 +41,7 @@ pub use manager::{CsiManager, ManagerConfig};
 pub use orphans::{OrphanRemoval, RemovedHow, EVENT_ORPHANED_MOUNT_REMOVED};
 pub use registry::{PluginRegistration, PluginRegistry, RegistryEntry};
 pub use repair::{LostMount, RepairWatch, VolumeRepair};
+pub use retry::retry_notify;
 pub use sinks::{FingerprintSink, NodeEventSink, VolumeStateStore};
 pub use stats::VolumeStatsSink;
 pub use volume::{

@@ -280,15 +280,7 @@ impl CsiManager {
         };
         tracing::warn!(plugin_id = %stub.plugin_id, volume_id = %stub.volume_id, alloc_id, "releasing the volume usage of an alloc that was not restored");
         let plugin_error = if self.wait_for_node_plugin(&stub.plugin_id, deadline).await {
-            let req = UnmountRequest {
-                plugin_id: stub.plugin_id.clone(),
-                volume_id: stub.volume_id.clone(),
-                external_id: stub.external_id.clone(),
-                alloc_id: alloc_id.to_string(),
-                access_mode: stub.access_mode,
-                attachment_mode: stub.attachment_mode,
-                read_only: stub.read_only,
-            };
+            let req = UnmountRequest::for_stub(stub, alloc_id);
             match self.unmount_volume(req).await {
                 Ok(()) => {
                     let gone: Vec<PathBuf> = mounted_before

@@ -119,6 +119,19 @@ impl MountRequest {
 }
 
 impl UnmountRequest {
+    /// Unmounts `alloc_id`'s use of the volume usage `stub` records.
+    pub fn for_stub(stub: &VolumeStub, alloc_id: &str) -> UnmountRequest {
+        UnmountRequest {
+            plugin_id: stub.plugin_id.clone(),
+            volume_id: stub.volume_id.clone(),
+            external_id: stub.external_id.clone(),
+            alloc_id: alloc_id.to_string(),
+            access_mode: stub.access_mode,
+            attachment_mode: stub.attachment_mode,
+            read_only: stub.read_only,
+        }
+    }
+
     /// The [`VolumeStub::key`] of the usage this request unmounts.
     pub(crate) fn stub_key(&self) -> String {
         stub_key(
@@ -128,6 +141,21 @@ impl UnmountRequest {
             self.attachment_mode,
             self.read_only,
         )
+    }
+}
+
+/// Undoes the mount `req` asks for.
+impl From<&MountRequest> for UnmountRequest {
+    fn from(req: &MountRequest) -> UnmountRequest {
+        UnmountRequest {
+            plugin_id: req.plugin_id.clone(),
+            volume_id: req.volume_id.clone(),
+            external_id: req.external_id.clone(),
+            alloc_id: req.alloc_id.clone(),
+            access_mode: req.access_mode,
+            attachment_mode: req.attachment_mode,
+            read_only: req.read_only,
+        }
     }
 }
 

@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
+use backon::ExponentialBuilder;
 use berth_proto::csi::v1 as csi;
 use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions, NodeEvent};
 use tokio::sync::{watch, OwnedMutexGuard};
@@ -740,12 +740,15 @@ impl VolumeManager {
         Fut: Future<Output = Result<T, CsiError>>,
     {
         let policy = *self.retry.lock().unwrap_or_else(|e| e.into_inner());
-        call.retry(policy.backoff())
-            .when(CsiError::is_uncertain)
-            .notify(|e: &CsiError, after: Duration| {
+        crate::retry::retry_notify(
+            policy.backoff(),
+            call,
+            CsiError::is_uncertain,
+            |e: &CsiError, after: Duration| {
                 tracing::warn!(op, error = %e, retry_in = ?after, "uncertain CSI error, retrying");
-            })
-            .await
+            },
+        )
+        .await
     }
 
     fn lock_stubs(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, VolumeStub>> {

@@ -1,17 +1,23 @@
 //! The CSI hook: claims the group's CSI volumes on the servers and mounts
 //! them on this node before the tasks start; unmounts and releases them
-//! after the tasks are done.
+//! after the tasks are done. Before the tasks of a stopping alloc that runs
+//! a CSI node plugin are killed, it waits until no other alloc needs the
+//! plugin; when the alloc is destroyed, it unmounts what csimanager still
+//! records as mounted for it.
 
 use std::time::Duration;
 
-use backon::{ExponentialBuilder, Retryable};
-use berth_csimanager::{MountRequest, UnmountRequest};
-use berth_structs::{AccessMode, AttachmentMode, ClaimMode, VolumeRequest};
+use backon::ExponentialBuilder;
+use berth_csimanager::{retry_notify, CsiError, MountRequest, UnmountRequest};
+use berth_structs::{
+    AccessMode, AttachmentMode, ClaimMode, CsiPluginType, TaskEvent, TaskGroup, VolumeRequest,
+};
 use tracing::{error, info, warn, Instrument};
 
 use super::{AllocHook, AllocHookContext};
+use crate::alloc_runner::EVENT_WAITING_FOR_VOLUMES;
 use crate::claims::{ClaimError, ClaimGrant, ClaimRequest};
-use crate::error::HookError;
+use crate::error::{AllocRunnerError, HookError};
 
 /// One volume of the group, as far as prerun got with it.
 #[derive(Debug, Clone)]
@@ -23,10 +29,9 @@ struct VolumeUse {
     read_only: bool,
     /// Set once the servers granted the claim.
     plugin_id: String,
-    external_id: String,
-    /// A mount was asked for: it may have (partly) happened even if it
-    /// failed, so postrun unmounts.
-    mount_attempted: bool,
+    /// Set once a mount was asked for: it may have (partly) happened even
+    /// if it failed, so postrun unmounts with it.
+    unmount: Option<UnmountRequest>,
 }
 
 /// Claims and mounts the group's CSI volumes; see the module docs. Every
@@ -52,6 +57,41 @@ pub(crate) fn backoff(total: Duration) -> ExponentialBuilder {
         .with_total_delay(Some(total))
 }
 
+/// The CSI node (or monolith) plugins the group's tasks run, as (task,
+/// plugin ID): volumes on this node may need them to be unmounted.
+pub(crate) fn node_plugins(group: &TaskGroup) -> Vec<(String, String)> {
+    group
+        .tasks
+        .iter()
+        .filter_map(|t| {
+            let plugin = t.csi_plugin.as_ref()?;
+            (plugin.plugin_type != CsiPluginType::Controller)
+                .then(|| (t.name.clone(), plugin.id.clone()))
+        })
+        .collect()
+}
+
+/// Unmounts with `req`, retrying every error until the release retry
+/// timeout; `notify` hears of each retry.
+async fn unmount(
+    ctx: &AllocHookContext,
+    req: &UnmountRequest,
+    notify: impl FnMut(&CsiError, Duration),
+) -> Result<(), CsiError> {
+    let csi = ctx.config.csi.clone();
+    retry_notify(
+        backoff(ctx.config.release_retry_timeout),
+        || {
+            let csi = csi.clone();
+            let req = req.clone();
+            async move { csi.unmount_volume(req).await }
+        },
+        |_| true,
+        notify,
+    )
+    .await
+}
+
 impl CsiHook {
     async fn claim(
         &self,
@@ -65,13 +105,14 @@ impl CsiHook {
             let req = req.clone();
             async move { claimer.claim(req).await }
         };
-        let retried = attempt
-            .retry(backoff(ctx.config.claim_retry_timeout))
-            .sleep(tokio::time::sleep)
-            .when(|e: &ClaimError| e.retryable)
-            .notify(|e: &ClaimError, wait: Duration| {
+        let retried = retry_notify(
+            backoff(ctx.config.claim_retry_timeout),
+            attempt,
+            |e: &ClaimError| e.retryable,
+            |e: &ClaimError, wait: Duration| {
                 warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "claim not granted yet; retrying");
-            });
+            },
+        );
         let mut stop = ctx.stop.clone();
         let started = std::time::Instant::now();
         let granted = tokio::select! {
@@ -94,31 +135,15 @@ impl CsiHook {
     /// alloc (made before an agent restart, when this run's claim or mount
     /// did not get that far).
     fn unmount_request(ctx: &AllocHookContext, v: &VolumeUse) -> Option<UnmountRequest> {
-        if v.mount_attempted {
-            return Some(UnmountRequest {
-                plugin_id: v.plugin_id.clone(),
-                volume_id: v.volume_id.clone(),
-                external_id: v.external_id.clone(),
-                alloc_id: ctx.alloc.id.clone(),
-                access_mode: v.access_mode,
-                attachment_mode: v.attachment_mode,
-                read_only: v.read_only,
-            });
+        if let Some(req) = &v.unmount {
+            return Some(req.clone());
         }
         ctx.config
             .csi
             .volume_stubs_of(&ctx.alloc.id)
             .into_iter()
             .find(|s| s.volume_id == v.volume_id)
-            .map(|s| UnmountRequest {
-                plugin_id: s.plugin_id,
-                volume_id: s.volume_id,
-                external_id: s.external_id,
-                alloc_id: ctx.alloc.id.clone(),
-                access_mode: s.access_mode,
-                attachment_mode: s.attachment_mode,
-                read_only: s.read_only,
-            })
+            .map(|s| UnmountRequest::for_stub(&s, &ctx.alloc.id))
     }
 
     /// What the alloc uses of the group's volume request `name`.
@@ -146,8 +171,7 @@ impl CsiHook {
             attachment_mode,
             read_only: req.read_only || access_mode.is_reader_only(),
             plugin_id: String::new(),
-            external_id: String::new(),
-            mount_attempted: false,
+            unmount: None,
         })
     }
 
@@ -175,15 +199,7 @@ impl CsiHook {
     async fn release(ctx: &AllocHookContext, v: &VolumeUse) -> Result<(), HookError> {
         let total = ctx.config.release_retry_timeout;
         if let Some(req) = Self::unmount_request(ctx, v) {
-            let csi = ctx.config.csi.clone();
-            let unmounted = (|| {
-                let csi = csi.clone();
-                let req = req.clone();
-                async move { csi.unmount_volume(req).await }
-            })
-            .retry(backoff(total))
-            .sleep(tokio::time::sleep)
-            .notify(|e, wait: Duration| {
+            let unmounted = unmount(ctx, &req, |e, wait: Duration| {
                 warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
             })
             .await;
@@ -199,18 +215,19 @@ impl CsiHook {
         let claimer = ctx.config.claimer.clone();
         let alloc_id = ctx.alloc.id.clone();
         let started = std::time::Instant::now();
-        let released = (|| {
-            let claimer = claimer.clone();
-            let volume_id = v.volume_id.clone();
-            let alloc_id = alloc_id.clone();
-            async move { claimer.unpublish(&volume_id, &alloc_id).await }
-        })
-        .retry(backoff(total))
-        .sleep(tokio::time::sleep)
-        .when(|e: &ClaimError| e.retryable)
-        .notify(|e: &ClaimError, wait: Duration| {
-            warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unpublish failed; retrying");
-        })
+        let released = retry_notify(
+            backoff(total),
+            || {
+                let claimer = claimer.clone();
+                let volume_id = v.volume_id.clone();
+                let alloc_id = alloc_id.clone();
+                async move { claimer.unpublish(&volume_id, &alloc_id).await }
+            },
+            |e: &ClaimError| e.retryable,
+            |e: &ClaimError, wait: Duration| {
+                warn!(error = %e, retry_in_ms = wait.as_millis() as u64, "unpublish failed; retrying");
+            },
+        )
         .await;
         berth_metrics::observe_plugin_op(
             &berth_metrics::metrics().csi_unpublish_duration,
@@ -274,8 +291,7 @@ impl AllocHook for CsiHook {
                     span.in_scope(|| info!(target = %target.display(), "kept the volume mounted from before the restart"));
                     if let Some(v) = self.volumes.last_mut() {
                         v.plugin_id = stub.plugin_id.clone();
-                        v.external_id = stub.external_id.clone();
-                        v.mount_attempted = true;
+                        v.unmount = Some(UnmountRequest::for_stub(&stub, &ctx.alloc.id));
                     }
                     ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).insert(
                         name.clone(),
@@ -312,11 +328,6 @@ impl AllocHook for CsiHook {
                 .unwrap_or_default()
                 .merged_over(&claim.mount_options);
             span.record("plugin_id", claim.plugin_id.as_str());
-            if let Some(v) = self.volumes.last_mut() {
-                v.plugin_id = claim.plugin_id.clone();
-                v.external_id = claim.external_id.clone();
-                v.mount_attempted = true;
-            }
             let mount = MountRequest {
                 plugin_id: claim.plugin_id,
                 volume_id: volume_id.clone(),
@@ -330,6 +341,10 @@ impl AllocHook for CsiHook {
                 volume_context: claim.volume_context,
                 secrets: claim.secrets,
             };
+            if let Some(v) = self.volumes.last_mut() {
+                v.plugin_id = mount.plugin_id.clone();
+                v.unmount = Some(UnmountRequest::from(&mount));
+            }
             let info = ctx
                 .config
                 .csi
@@ -383,5 +398,63 @@ impl AllocHook for CsiHook {
                 .remove(&v.name);
         }
         HookError::from_many(errs)
+    }
+    /// Before the tasks of a stopping alloc are killed: waits, for each CSI
+    /// node plugin the alloc runs, until no other alloc on this node has a
+    /// volume of the plugin mounted (their unpublish and unstage need it),
+    /// unless another healthy instance of the plugin serves them. No
+    /// deadline: a mount is never left behind a stopped plugin. The plugin
+    /// task gets an event, and the log a line, when the wait starts and
+    /// whenever the number of volumes changes; the tasks keep running (and
+    /// the alloc its status) meanwhile.
+    async fn pre_kill(&mut self, ctx: &AllocHookContext) {
+        let Some(group) = ctx.alloc.group() else {
+            return;
+        };
+        for (task, plugin_id) in node_plugins(group) {
+            let mut waited = false;
+            ctx.config
+                .csi
+                .wait_until_plugin_instance_unneeded(&plugin_id, &ctx.alloc.id, |volumes| {
+                    waited = true;
+                    let message = format!(
+                        "Waiting for {volumes} volume(s) of plugin {plugin_id:?} to be unmounted before stopping"
+                    );
+                    info!(task = %task, plugin_id = %plugin_id, volumes, "waiting for the plugin's volumes to be unmounted before stopping it");
+                    ctx.task_event(&task, TaskEvent::new(EVENT_WAITING_FOR_VOLUMES, message));
+                })
+                .await;
+            if waited {
+                info!(task = %task, plugin_id = %plugin_id, "no volume needs the plugin any more; stopping it");
+            }
+        }
+    }
+
+    /// Unmounts (with retries) every CSI volume csimanager still records
+    /// as mounted for the alloc; an error when one remains.
+    async fn destroy(&mut self, ctx: &AllocHookContext) -> Result<(), AllocRunnerError> {
+        let alloc_id = &ctx.alloc.id;
+        let csi = &ctx.config.csi;
+        for stub in csi.volume_stubs_of(alloc_id) {
+            warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, "a volume is still mounted for the destroyed alloc; unmounting it");
+            let req = UnmountRequest::for_stub(&stub, alloc_id);
+            let unmounted = unmount(ctx, &req, |e, wait: Duration| {
+                warn!(alloc_id = %alloc_id, volume_id = %stub.volume_id, error = %e, retry_in_ms = wait.as_millis() as u64, "unmount failed; retrying");
+            })
+            .await;
+            if let Err(error) = unmounted {
+                error!(alloc_id = %alloc_id, volume_id = %stub.volume_id, plugin_id = %stub.plugin_id, error = %error, "cannot unmount a volume of the destroyed alloc; keeping its records");
+                return Err(AllocRunnerError::VolumeStillMounted {
+                    volume_id: stub.volume_id,
+                    error,
+                });
+            }
+        }
+        if let Some(stub) = csi.volume_stubs_of(alloc_id).into_iter().next() {
+            return Err(AllocRunnerError::VolumeStillRecorded {
+                volume_id: stub.volume_id,
+            });
+        }
+        Ok(())
     }
 }

@@ -194,6 +194,219 @@ impl RawExecDriver {
         self.start_timeout = timeout;
         self
     }
+
+    /// Starts the executor for `spec` in a session of its own, its log in
+    /// the executor dir, and hands it the spec on its stdin.
+    fn spawn_executor(&self, spec: &TaskSpec) -> Result<ExecutorStart, DriverError> {
+        let dir = &spec.executor_dir;
+        prepare_executor_dir(dir).map_err(|error| DriverError::Spawn {
+            command: spec.command.clone(),
+            error,
+        })?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(crate::logs::LOG_FILE_MODE)
+            .open(dir.join(executor::LOG_FILE))
+            .map_err(|error| DriverError::Logs {
+                path: dir.join(executor::LOG_FILE),
+                error,
+            })?;
+        let exec_spec = ExecutorSpec {
+            command: program_path(spec),
+            args: spec.args.clone(),
+            env: spec.env.clone(),
+            cwd: spec.task_dir.clone(),
+            stdout_path: spec.stdout_path.clone(),
+            stderr_path: spec.stderr_path.clone(),
+            logs: spec.logs,
+        };
+        let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
+            command: spec.command.clone(),
+            error: std::io::Error::other(e),
+        })?;
+        let program = self.executor.program.clone();
+        let mut command = tokio::process::Command::new(&program);
+        command
+            .args(&self.executor.args)
+            .arg(dir)
+            .env_clear()
+            .stdin(Stdio::piped())
+            // Where it reports that its state is recorded.
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(false);
+        // A session (and so a process group) of its own from its first
+        // instruction: a signal to the agent's group or terminal never
+        // reaches it, not even before it has read its spec.
+        // SAFETY: the closure runs in the forked child before exec and only
+        // calls setsid, which is async-signal-safe and touches no memory.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let child = command.spawn().map_err(|error| DriverError::Executor {
+            program: program.clone(),
+            error,
+        })?;
+        Ok(ExecutorStart {
+            child,
+            input,
+            deadline: Instant::now() + self.start_timeout,
+        })
+    }
+
+    /// Sends the executor its spec and waits, until the start deadline,
+    /// for the state it records: the running task, or why it did not
+    /// start. An executor given up on is killed.
+    async fn await_started(
+        &self,
+        start: &mut ExecutorStart,
+        spec: &TaskSpec,
+    ) -> Result<ExecutorState, DriverError> {
+        let dir = &spec.executor_dir;
+        let timeout = self.start_timeout;
+        let (child, deadline) = (&mut start.child, start.deadline);
+        let executor_failed = |message: String| executor_failed(spec, message);
+        if let Some(mut stdin) = child.stdin.take() {
+            // A failed write shows as the executor exiting without a state;
+            // one that does not read its spec is given up on at the deadline.
+            match tokio::time::timeout_at(deadline, stdin.write_all(&start.input)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    warn!(alloc_id = %spec.alloc_id, task = %spec.task, error = %e, "sending the spec to the executor")
+                }
+                Err(_) => {
+                    abandon_start(child, dir).await;
+                    return Err(executor_failed(format!(
+                        "it did not read its spec within {timeout:?}"
+                    )));
+                }
+            }
+        }
+        let Some(mut reports) = child.stdout.take() else {
+            abandon_start(child, dir).await;
+            return Err(executor_failed("its stdout is not a pipe".into()));
+        };
+        // Woken by the executor's report, by its exit, or by the deadline:
+        // never by a timer that looks for the state record.
+        let ended = tokio::time::timeout_at(deadline, async {
+            let mut byte = [0u8; 1];
+            tokio::select! {
+                biased;
+                read = reports.read(&mut byte) => match read {
+                    // The report, or its stdout closed: it has exited or
+                    // will, without a report.
+                    Ok(n) => StartReport::Reported(n == 1),
+                    Err(e) => {
+                        debug!(error = %e, "reading the executor's report");
+                        StartReport::Reported(false)
+                    }
+                },
+                status = child.wait() => StartReport::Exited(status),
+            }
+        })
+        .await;
+        drop(reports);
+        let read_state = || executor::read_record::<ExecutorState>(dir, executor::STATE_FILE);
+        let state = match ended {
+            Err(_) => None,
+            Ok(StartReport::Reported(true)) => match read_state() {
+                Ok(Some(state)) => Some(state),
+                Ok(None) => {
+                    abandon_start(child, dir).await;
+                    return Err(executor_failed(
+                        "it reported its state, but none is recorded".into(),
+                    ));
+                }
+                Err(e) => {
+                    abandon_start(child, dir).await;
+                    return Err(executor_failed(format!("reading its state: {e}")));
+                }
+            },
+            // No report: only its exit (or the deadline) is left to wait for.
+            Ok(StartReport::Reported(false)) => {
+                match tokio::time::timeout_at(deadline, child.wait()).await {
+                    Ok(status) => {
+                        exited_without_state(status, dir, read_state(), &executor_failed)?
+                    }
+                    Err(_) => None,
+                }
+            }
+            Ok(StartReport::Exited(status)) => {
+                exited_without_state(status, dir, read_state(), &executor_failed)?
+            }
+        };
+        let Some(state) = state else {
+            abandon_start(child, dir).await;
+            return Err(executor_failed(format!(
+                "the task did not start within {timeout:?}: {}",
+                executor_log(dir)
+            )));
+        };
+        Ok(state)
+    }
+
+    /// The handle of the task the executor started, as its recorded
+    /// `state` says; the error of a start that failed.
+    async fn handle_of(
+        &self,
+        start: ExecutorStart,
+        spec: &TaskSpec,
+        state: ExecutorState,
+    ) -> Result<Arc<dyn TaskHandle>, DriverError> {
+        let dir = &spec.executor_dir;
+        let mut child = start.child;
+        if let ExecutorState::StartFailed { kind, message } = state {
+            let _ = child.wait().await;
+            let command = spec.command.clone();
+            return Err(match kind {
+                StartFailure::NotFound => DriverError::CommandNotFound { command },
+                StartFailure::PermissionDenied => DriverError::PermissionDenied { command },
+                StartFailure::Other => DriverError::Spawn {
+                    command,
+                    error: std::io::Error::other(message),
+                },
+            });
+        }
+        let Some(record) = TaskHandleRecord::from_state(self.name(), dir, &state) else {
+            abandon_start(&mut child, dir).await;
+            return Err(executor_failed(
+                spec,
+                "its state names no running task".into(),
+            ));
+        };
+        debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid = record.task_pid, executor_pid = record.executor_pid, "started raw_exec task");
+        let (tx, exit) = watch::channel(None);
+        let waited = record.clone();
+        tokio::spawn(async move {
+            if let Err(e) = child.wait().await {
+                warn!(executor_pid = waited.executor_pid, error = %e, "waiting for the executor");
+            }
+            tx.send_replace(Some(exit_of(&waited)));
+        });
+        Ok(Arc::new(ExecutorHandle { record, exit }))
+    }
+}
+
+/// An executor just spawned: the spec it is to read, and when its task
+/// must have started.
+struct ExecutorStart {
+    child: tokio::process::Child,
+    input: Vec<u8>,
+    deadline: Instant,
+}
+
+/// The executor of `spec` failed with `message`.
+fn executor_failed(spec: &TaskSpec, message: String) -> DriverError {
+    DriverError::ExecutorFailed {
+        command: spec.command.clone(),
+        message,
+    }
 }
 
 /// A relative command with a `/` is relative to the task dir.
@@ -285,168 +498,9 @@ impl Driver for RawExecDriver {
                 return self.reattach(&record).await;
             }
         }
-        prepare_executor_dir(dir).map_err(|error| DriverError::Spawn {
-            command: spec.command.clone(),
-            error,
-        })?;
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(crate::logs::LOG_FILE_MODE)
-            .open(dir.join(executor::LOG_FILE))
-            .map_err(|error| DriverError::Logs {
-                path: dir.join(executor::LOG_FILE),
-                error,
-            })?;
-        let exec_spec = ExecutorSpec {
-            command: program_path(spec),
-            args: spec.args.clone(),
-            env: spec.env.clone(),
-            cwd: spec.task_dir.clone(),
-            stdout_path: spec.stdout_path.clone(),
-            stderr_path: spec.stderr_path.clone(),
-            logs: spec.logs,
-        };
-        let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
-            command: spec.command.clone(),
-            error: std::io::Error::other(e),
-        })?;
-        let program = self.executor.program.clone();
-        let mut command = tokio::process::Command::new(&program);
-        command
-            .args(&self.executor.args)
-            .arg(dir)
-            .env_clear()
-            .stdin(Stdio::piped())
-            // Where it reports that its state is recorded.
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .kill_on_drop(false);
-        // A session (and so a process group) of its own from its first
-        // instruction: a signal to the agent's group or terminal never
-        // reaches it, not even before it has read its spec.
-        // SAFETY: the closure runs in the forked child before exec and only
-        // calls setsid, which is async-signal-safe and touches no memory.
-        unsafe {
-            command.pre_exec(|| {
-                if libc::setsid() < 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let mut child = command.spawn().map_err(|error| DriverError::Executor {
-            program: program.clone(),
-            error,
-        })?;
-        let timeout = self.start_timeout;
-        let deadline = Instant::now() + timeout;
-        let executor_failed = |message: String| DriverError::ExecutorFailed {
-            command: spec.command.clone(),
-            message,
-        };
-        if let Some(mut stdin) = child.stdin.take() {
-            // A failed write shows as the executor exiting without a state;
-            // one that does not read its spec is given up on at the deadline.
-            match tokio::time::timeout_at(deadline, stdin.write_all(&input)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    warn!(alloc_id = %spec.alloc_id, task = %spec.task, error = %e, "sending the spec to the executor")
-                }
-                Err(_) => {
-                    abandon_start(&mut child, dir).await;
-                    return Err(executor_failed(format!(
-                        "it did not read its spec within {timeout:?}"
-                    )));
-                }
-            }
-        }
-        let Some(mut reports) = child.stdout.take() else {
-            abandon_start(&mut child, dir).await;
-            return Err(executor_failed("its stdout is not a pipe".into()));
-        };
-        // Woken by the executor's report, by its exit, or by the deadline:
-        // never by a timer that looks for the state record.
-        let ended = tokio::time::timeout_at(deadline, async {
-            let mut byte = [0u8; 1];
-            tokio::select! {
-                biased;
-                read = reports.read(&mut byte) => match read {
-                    // The report, or its stdout closed: it has exited or
-                    // will, without a report.
-                    Ok(n) => StartReport::Reported(n == 1),
-                    Err(e) => {
-                        debug!(error = %e, "reading the executor's report");
-                        StartReport::Reported(false)
-                    }
-                },
-                status = child.wait() => StartReport::Exited(status),
-            }
-        })
-        .await;
-        drop(reports);
-        let read_state = || executor::read_record::<ExecutorState>(dir, executor::STATE_FILE);
-        let state = match ended {
-            Err(_) => None,
-            Ok(StartReport::Reported(true)) => match read_state() {
-                Ok(Some(state)) => Some(state),
-                Ok(None) => {
-                    abandon_start(&mut child, dir).await;
-                    return Err(executor_failed(
-                        "it reported its state, but none is recorded".into(),
-                    ));
-                }
-                Err(e) => {
-                    abandon_start(&mut child, dir).await;
-                    return Err(executor_failed(format!("reading its state: {e}")));
-                }
-            },
-            // No report: only its exit (or the deadline) is left to wait for.
-            Ok(StartReport::Reported(false)) => {
-                match tokio::time::timeout_at(deadline, child.wait()).await {
-                    Ok(status) => {
-                        exited_without_state(status, dir, read_state(), &executor_failed)?
-                    }
-                    Err(_) => None,
-                }
-            }
-            Ok(StartReport::Exited(status)) => {
-                exited_without_state(status, dir, read_state(), &executor_failed)?
-            }
-        };
-        let Some(state) = state else {
-            abandon_start(&mut child, dir).await;
-            return Err(executor_failed(format!(
-                "the task did not start within {timeout:?}: {}",
-                executor_log(dir)
-            )));
-        };
-        if let ExecutorState::StartFailed { kind, message } = state {
-            let _ = child.wait().await;
-            let command = spec.command.clone();
-            return Err(match kind {
-                StartFailure::NotFound => DriverError::CommandNotFound { command },
-                StartFailure::PermissionDenied => DriverError::PermissionDenied { command },
-                StartFailure::Other => DriverError::Spawn {
-                    command,
-                    error: std::io::Error::other(message),
-                },
-            });
-        }
-        let Some(record) = TaskHandleRecord::from_state(self.name(), dir, &state) else {
-            abandon_start(&mut child, dir).await;
-            return Err(executor_failed("its state names no running task".into()));
-        };
-        debug!(alloc_id = %spec.alloc_id, task = %spec.task, pid = record.task_pid, executor_pid = record.executor_pid, "started raw_exec task");
-        let (tx, exit) = watch::channel(None);
-        let waited = record.clone();
-        tokio::spawn(async move {
-            if let Err(e) = child.wait().await {
-                warn!(executor_pid = waited.executor_pid, error = %e, "waiting for the executor");
-            }
-            tx.send_replace(Some(exit_of(&waited)));
-        });
-        Ok(Arc::new(ExecutorHandle { record, exit }))
+        let mut start = self.spawn_executor(spec)?;
+        let state = self.await_started(&mut start, spec).await?;
+        self.handle_of(start, spec, state).await
     }
 
     async fn reattach(

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use berth_allocrunner::{
     AllocRunner, AllocRunnerConfig, AllocStateStore, AllocStateUpdater, ClaimError, ClaimGrant,
-    ClaimRequest, ExecutorCommand, PersistedAllocState, RestoredAlloc, TaskHandleRecord,
-    VolumeClaimer,
+    ClaimRequest, ExecutorCommand, PersistedAllocState, RestoredAlloc, StateError,
+    TaskHandleRecord, VolumeClaimer,
 };
 use berth_csimanager::volume_manager::volume_capability;
 use berth_csimanager::{
@@ -250,7 +250,7 @@ impl MemAllocStore {
 }
 
 impl AllocStateStore for MemAllocStore {
-    fn put_alloc(&self, alloc: &Allocation) -> Result<(), String> {
+    fn put_alloc(&self, alloc: &Allocation) -> Result<(), StateError> {
         self.alloc_writes
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let mut allocs = self.allocs.lock().unwrap();
@@ -265,7 +265,11 @@ impl AllocStateStore for MemAllocStore {
         Ok(())
     }
 
-    fn put_alloc_state(&self, alloc_id: &str, state: &PersistedAllocState) -> Result<(), String> {
+    fn put_alloc_state(
+        &self,
+        alloc_id: &str,
+        state: &PersistedAllocState,
+    ) -> Result<(), StateError> {
         if let Some(r) = self.allocs.lock().unwrap().get_mut(alloc_id) {
             r.state = Some(state.clone());
         }
@@ -277,19 +281,19 @@ impl AllocStateStore for MemAllocStore {
         alloc_id: &str,
         task: &str,
         handle: &TaskHandleRecord,
-    ) -> Result<(), String> {
+    ) -> Result<(), StateError> {
         if let Some(r) = self.allocs.lock().unwrap().get_mut(alloc_id) {
             r.handles.insert(task.to_string(), handle.clone());
         }
         Ok(())
     }
 
-    fn delete_alloc(&self, alloc_id: &str) -> Result<(), String> {
+    fn delete_alloc(&self, alloc_id: &str) -> Result<(), StateError> {
         self.allocs.lock().unwrap().remove(alloc_id);
         Ok(())
     }
 
-    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, String> {
+    fn load_allocs(&self) -> Result<Vec<RestoredAlloc>, StateError> {
         Ok(self.allocs.lock().unwrap().values().cloned().collect())
     }
 }

@@ -369,13 +369,5 @@ pub fn mount_req(volume_id: &str, external_id: &str, alloc_id: &str) -> MountReq
 }
 
 pub fn unmount_req(m: &MountRequest) -> UnmountRequest {
-    UnmountRequest {
-        plugin_id: m.plugin_id.clone(),
-        volume_id: m.volume_id.clone(),
-        external_id: m.external_id.clone(),
-        alloc_id: m.alloc_id.clone(),
-        access_mode: m.access_mode,
-        attachment_mode: m.attachment_mode,
-        read_only: m.read_only,
-    }
+    UnmountRequest::from(m)
 }
