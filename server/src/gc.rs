@@ -233,7 +233,7 @@ impl Server {
             .store
             .write(|t, changes| Ok::<_, ServerError>(plan(t, now, th, changes)))?;
         for node_id in &report.nodes {
-            self.forget_last_heartbeat(node_id);
+            self.liveness.forget_last_heartbeat(node_id);
         }
         if !report.is_empty() {
             tracing::info!(

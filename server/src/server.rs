@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use crate::config::ServerConfig;
 use crate::csi::VolumeLocks;
 use crate::error::ServerError;
+use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
 use crate::rpc::calls::CallRegistry;
 use crate::rpc::{CsiVolumeService, NodeService};
 use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
@@ -22,7 +23,7 @@ use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
 pub struct Server {
     pub(crate) config: ServerConfig,
-    pub(crate) store: StateStore,
+    pub(crate) store: Arc<StateStore>,
     pub(crate) calls: CallRegistry,
     /// Jobs with placements that could not be made, and why.
     pub(crate) blocked: Mutex<BTreeMap<String, Vec<String>>>,
@@ -32,8 +33,8 @@ pub struct Server {
     pub(crate) job_evaluations: crate::scheduler::Coalesced<crate::scheduler::PlacementCounts>,
     /// Concurrent passes over the blocked jobs, coalesced.
     pub(crate) blocked_evaluations: crate::scheduler::Coalesced<()>,
-    /// Heartbeat deadlines and last heartbeats by node ID (memory only).
-    pub(crate) heartbeats: Mutex<crate::liveness::Heartbeats>,
+    /// Node liveness: heartbeat deadlines and marking silent nodes down.
+    pub(crate) liveness: Arc<Liveness>,
     pub(crate) volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
     pub(crate) alloc_reports: crate::nodes::AllocReports,
@@ -54,7 +55,7 @@ impl Server {
         }
         let path = RedbBackend::path_in(&config.data_dir);
         let backend = RedbBackend::open(&path)?;
-        let store = StateStore::open(Box::new(backend))?;
+        let store = Arc::new(StateStore::open(Box::new(backend))?);
         // With enrollment on, nodes are not trusted to say which plugins
         // they run: only plugin allocs placed on them count.
         store.set_plugin_instances_need_allocs(config.node_enrollment);
@@ -62,6 +63,7 @@ impl Server {
         let register_limiter = config
             .register_rate
             .map(crate::register_rate::RegisterLimiter::new);
+        let liveness = Arc::new(Liveness::new(store.clone(), LivenessConfig::of(&config)));
         let server = Arc::new(Server {
             register_limiter,
             config,
@@ -71,12 +73,12 @@ impl Server {
             retry_due: Default::default(),
             job_evaluations: Default::default(),
             blocked_evaluations: Default::default(),
-            heartbeats: Mutex::default(),
+            liveness,
             volume_locks: VolumeLocks::default(),
             alloc_reports: Default::default(),
             shutdown,
         });
-        server.arm_heartbeats_after_restore();
+        server.liveness.arm_heartbeats_after_restore();
         Ok(server)
     }
 
@@ -87,7 +89,13 @@ impl Server {
         // Evaluate everything once: a restart may have left work undone.
         self.evaluate_all().await;
         let tasks = vec![
-            tokio::spawn(self.clone().liveness_loop()),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.liveness.run(&*server, shutdown).await
+                }
+            }),
             tokio::spawn(self.clone().volume_watcher_loop()),
             tokio::spawn(self.clone().drainer_loop()),
             tokio::spawn(self.clone().scheduler_retry_loop()),
@@ -208,7 +216,7 @@ impl Server {
         self.store
             .read(|t| t.nodes.values().cloned().collect::<Vec<_>>())
             .into_iter()
-            .map(|n| self.with_live_heartbeat(n))
+            .map(|n| self.liveness.with_live_heartbeat(n))
             .collect()
     }
 
@@ -241,12 +249,23 @@ impl Server {
     pub fn node(&self, id: &str) -> Result<Node, ServerError> {
         self.store
             .read(|t| crate::nodes::resolve_node(t, id).cloned())
-            .map(|n| self.with_live_heartbeat(n))
+            .map(|n| self.liveness.with_live_heartbeat(n))
     }
 
     /// Whether `node_id` has a call stream open (the server can call it).
     pub fn node_connected(&self, node_id: &str) -> bool {
         self.calls.is_connected(node_id)
+    }
+
+    /// The heartbeat TTL to hand to a node now, jitter included.
+    pub fn heartbeat_ttl(&self) -> Duration {
+        self.liveness.heartbeat_ttl()
+    }
+
+    /// Mark a node down: its live allocs become lost and their jobs are
+    /// evaluated.
+    pub async fn mark_node_down(&self, node_id: &str, why: &str) -> Result<(), ServerError> {
+        self.liveness.mark_node_down(node_id, why, self).await
     }
 
     /// Placement failures of a job that is waiting for capacity, a plugin
@@ -258,6 +277,13 @@ impl Server {
             .get(job_id)
             .cloned()
             .unwrap_or_default()
+    }
+}
+
+#[async_trait::async_trait]
+impl EvaluateJob for Server {
+    async fn evaluate_job(&self, job_id: &str) {
+        Server::evaluate_job(self, job_id).await;
     }
 }
 
