@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use crate::config::ServerConfig;
 use crate::csi::VolumeLocks;
 use crate::error::ServerError;
+use crate::gc::{Gc, GcConfig, GcReport};
 use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
 use crate::rpc::calls::CallRegistry;
 use crate::rpc::{CsiVolumeService, NodeService};
@@ -35,6 +36,8 @@ pub struct Server {
     pub(crate) blocked_evaluations: crate::scheduler::Coalesced<()>,
     /// Node liveness: heartbeat deadlines and marking silent nodes down.
     pub(crate) liveness: Arc<Liveness>,
+    /// Garbage collection.
+    pub(crate) gc: Gc,
     pub(crate) volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
     pub(crate) alloc_reports: crate::nodes::AllocReports,
@@ -64,6 +67,7 @@ impl Server {
             .register_rate
             .map(crate::register_rate::RegisterLimiter::new);
         let liveness = Arc::new(Liveness::new(store.clone(), LivenessConfig::of(&config)));
+        let gc = Gc::new(store.clone(), GcConfig::of(&config), liveness.clone());
         let server = Arc::new(Server {
             register_limiter,
             config,
@@ -74,6 +78,7 @@ impl Server {
             job_evaluations: Default::default(),
             blocked_evaluations: Default::default(),
             liveness,
+            gc,
             volume_locks: VolumeLocks::default(),
             alloc_reports: Default::default(),
             shutdown,
@@ -99,7 +104,13 @@ impl Server {
             tokio::spawn(self.clone().volume_watcher_loop()),
             tokio::spawn(self.clone().drainer_loop()),
             tokio::spawn(self.clone().scheduler_retry_loop()),
-            tokio::spawn(self.clone().gc_loop()),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.gc.run(shutdown).await
+                }
+            }),
         ];
         let _ = shutdown.wait_for(|s| *s).await;
         tracing::info!("server shutting down");
@@ -266,6 +277,17 @@ impl Server {
     /// evaluated.
     pub async fn mark_node_down(&self, node_id: &str, why: &str) -> Result<(), ServerError> {
         self.liveness.mark_node_down(node_id, why, self).await
+    }
+
+    /// One garbage collection pass with the configured thresholds; `force`
+    /// (`berth system gc`) takes every threshold as zero.
+    pub async fn garbage_collect(&self, force: bool) -> Result<GcReport, ServerError> {
+        self.gc.garbage_collect(force).await
+    }
+
+    /// Remove a purged job now if it is done; returns whether it went.
+    pub(crate) fn collect_purged_job(&self, job_id: &str) -> Result<bool, ServerError> {
+        self.gc.collect_purged_job(job_id)
     }
 
     /// Placement failures of a job that is waiting for capacity, a plugin
