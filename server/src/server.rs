@@ -14,6 +14,7 @@ use tokio::sync::watch;
 
 use crate::config::ServerConfig;
 use crate::csi::VolumeLocks;
+use crate::drainer::Drainer;
 use crate::error::ServerError;
 use crate::gc::{Gc, GcConfig, GcReport};
 use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
@@ -38,6 +39,8 @@ pub struct Server {
     pub(crate) liveness: Arc<Liveness>,
     /// Garbage collection.
     pub(crate) gc: Gc,
+    /// Node drains and eligibility.
+    pub(crate) drainer: Drainer,
     pub(crate) volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
     pub(crate) alloc_reports: crate::nodes::AllocReports,
@@ -68,6 +71,7 @@ impl Server {
             .map(crate::register_rate::RegisterLimiter::new);
         let liveness = Arc::new(Liveness::new(store.clone(), LivenessConfig::of(&config)));
         let gc = Gc::new(store.clone(), GcConfig::of(&config), liveness.clone());
+        let drainer = Drainer::new(store.clone());
         let server = Arc::new(Server {
             register_limiter,
             config,
@@ -79,6 +83,7 @@ impl Server {
             blocked_evaluations: Default::default(),
             liveness,
             gc,
+            drainer,
             volume_locks: VolumeLocks::default(),
             alloc_reports: Default::default(),
             shutdown,
@@ -102,7 +107,13 @@ impl Server {
                 }
             }),
             tokio::spawn(self.clone().volume_watcher_loop()),
-            tokio::spawn(self.clone().drainer_loop()),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.drainer.run(&*server, shutdown).await
+                }
+            }),
             tokio::spawn(self.clone().scheduler_retry_loop()),
             tokio::spawn({
                 let server = self.clone();
@@ -288,6 +299,33 @@ impl Server {
     /// Remove a purged job now if it is done; returns whether it went.
     pub(crate) fn collect_purged_job(&self, job_id: &str) -> Result<bool, ServerError> {
         self.gc.collect_purged_job(job_id)
+    }
+
+    /// Start or update (`Some(deadline)`) or disable (`None`) the drain of
+    /// `node` (an ID, a unique ID prefix or a name). A drain makes the node
+    /// ineligible; disabling it leaves the node ineligible. A zero deadline
+    /// is a forced drain; one above a year is refused. Returns the node.
+    pub async fn update_node_drain(
+        &self,
+        node: &str,
+        deadline: Option<Duration>,
+    ) -> Result<Node, ServerError> {
+        let node_id = self.drainer.update_node_drain(node, deadline)?;
+        self.node(&node_id)
+    }
+
+    /// Make `node` eligible or ineligible for new allocs. A draining node
+    /// cannot be made eligible: disable the drain first. Returns the node.
+    pub async fn set_node_eligibility(
+        &self,
+        node: &str,
+        eligible: bool,
+    ) -> Result<Node, ServerError> {
+        let (node_id, made_eligible) = self.drainer.set_node_eligibility(node, eligible)?;
+        if made_eligible {
+            self.evaluate_after_cluster_change().await;
+        }
+        self.node(&node_id)
     }
 
     /// Placement failures of a job that is waiting for capacity, a plugin
