@@ -1,7 +1,17 @@
 //! The [`Server`]: opening the store, the background loops, the RPC services
 //! and the read side of the public API. The write side lives with its
-//! concern: jobs in `scheduler.rs`, nodes in `nodes.rs` and `liveness.rs`,
-//! volumes and claims under `csi/`.
+//! concern: jobs in `scheduler.rs`, nodes in `nodes.rs`, volumes and claims
+//! under `csi/`.
+//!
+//! The background loops are parts of their own, each holding the store and
+//! only what it needs of the rest of the server: node liveness
+//! ([`Liveness`], handed an [`EvaluateJob`]), the drainer ([`Drainer`], the
+//! same), the volume watcher ([`VolumeWatcher`], handed a
+//! [`ReleaseClaim`]) and garbage collection ([`Gc`], which tells liveness
+//! of the nodes it removed). The server constructs them in
+//! [`Server::open`], runs them in [`Server::run`], and its public methods
+//! for them (`mark_node_down`, `update_node_drain`, `garbage_collect`,
+//! ...) delegate.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -13,7 +23,7 @@ use berth_structs::{Allocation, Job, Node};
 use tokio::sync::watch;
 
 use crate::config::ServerConfig;
-use crate::csi::VolumeLocks;
+use crate::csi::{ReleaseClaim, ReleaseOrigin, VolumeLocks, VolumeWatcher};
 use crate::drainer::Drainer;
 use crate::error::ServerError;
 use crate::gc::{Gc, GcConfig, GcReport};
@@ -41,6 +51,8 @@ pub struct Server {
     pub(crate) gc: Gc,
     /// Node drains and eligibility.
     pub(crate) drainer: Drainer,
+    /// Frees the claims nobody released.
+    pub(crate) volume_watcher: VolumeWatcher,
     pub(crate) volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
     pub(crate) alloc_reports: crate::nodes::AllocReports,
@@ -72,6 +84,7 @@ impl Server {
         let liveness = Arc::new(Liveness::new(store.clone(), LivenessConfig::of(&config)));
         let gc = Gc::new(store.clone(), GcConfig::of(&config), liveness.clone());
         let drainer = Drainer::new(store.clone());
+        let volume_watcher = VolumeWatcher::new(store.clone(), &config);
         let server = Arc::new(Server {
             register_limiter,
             config,
@@ -84,6 +97,7 @@ impl Server {
             liveness,
             gc,
             drainer,
+            volume_watcher,
             volume_locks: VolumeLocks::default(),
             alloc_reports: Default::default(),
             shutdown,
@@ -106,7 +120,13 @@ impl Server {
                     server.liveness.run(&*server, shutdown).await
                 }
             }),
-            tokio::spawn(self.clone().volume_watcher_loop()),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.volume_watcher.run(&*server, shutdown).await
+                }
+            }),
             tokio::spawn({
                 let server = self.clone();
                 async move {
@@ -344,6 +364,14 @@ impl Server {
 impl EvaluateJob for Server {
     async fn evaluate_job(&self, job_id: &str) {
         Server::evaluate_job(self, job_id).await;
+    }
+}
+
+#[async_trait::async_trait]
+impl ReleaseClaim for Server {
+    async fn release_claim(&self, volume_id: &str, alloc_id: &str) -> Result<(), ServerError> {
+        self.unpublish_claim(volume_id, alloc_id, ReleaseOrigin::Watcher)
+            .await
     }
 }
 

@@ -366,7 +366,7 @@ pub(crate) fn decode_volume(
     }
 }
 
-/// A visitor of every table of [`Tables`], one record type at a time (see
+/// A visitor of every table of [`super::Tables`], one record type at a time (see
 /// `Tables::visit_mut`): how the backend loads them.
 pub trait TableVisitor {
     type Error;
