@@ -30,15 +30,25 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_structs::{
-    AllocDesiredStatus, Allocation, DrainStrategy, JobType, Node, NodeEvent, SchedulingEligibility,
+    AllocDesiredStatus, Allocation, DrainStrategy, JobType, NodeEvent, SchedulingEligibility,
 };
 
 use berth_structs::limits::{too_large, MAX_DURATION};
 
+use tokio::sync::watch;
+
 use crate::error::ServerError;
+use crate::liveness::EvaluateJob;
 use crate::nodes::resolve_node;
-use crate::server::Server;
-use crate::state::{Change, ClusterIndexes, Tables};
+use crate::state::{Change, ClusterIndexes, StateStore, Tables};
+
+/// The drainer: the operator's drain and eligibility requests, and the
+/// loop that moves allocs off draining nodes. What it needs of the rest of
+/// the server, evaluating the jobs whose allocs it stopped, is handed to
+/// its loop as an [`EvaluateJob`].
+pub(crate) struct Drainer {
+    store: Arc<StateStore>,
+}
 
 pub use berth_structs::node::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 
@@ -175,16 +185,21 @@ fn until(at_ms: i64, now_ms: i64) -> Duration {
 /// How long the drainer waits before it retries a pass that failed.
 const RETRY_AFTER_FAILURE: Duration = Duration::from_secs(1);
 
-impl Server {
+impl Drainer {
+    pub(crate) fn new(store: Arc<StateStore>) -> Drainer {
+        Drainer { store }
+    }
+
     /// Start or update (`Some(deadline)`) or disable (`None`) the drain of
     /// `node` (an ID, a unique ID prefix or a name). A drain makes the node
     /// ineligible; disabling it leaves the node ineligible. A zero deadline
-    /// is a forced drain; one above a year is refused. Returns the node.
-    pub async fn update_node_drain(
+    /// is a forced drain; one above a year is refused. Returns the node's
+    /// ID.
+    pub(crate) fn update_node_drain(
         &self,
         node: &str,
         deadline: Option<Duration>,
-    ) -> Result<Node, ServerError> {
+    ) -> Result<String, ServerError> {
         if let Some(d) = deadline {
             if d > MAX_DURATION {
                 return Err(ServerError::BadRequest(format!(
@@ -230,16 +245,18 @@ impl Server {
             changes.push(Change::PutNode(n));
             Ok(id)
         })?;
-        self.node(&node_id)
+        Ok(node_id)
     }
 
     /// Make `node` eligible or ineligible for new allocs. A draining node
-    /// cannot be made eligible: disable the drain first. Returns the node.
-    pub async fn set_node_eligibility(
+    /// cannot be made eligible: disable the drain first. Returns the node's
+    /// ID, and whether it was made eligible (the cluster is to be
+    /// evaluated again then).
+    pub(crate) fn set_node_eligibility(
         &self,
         node: &str,
         eligible: bool,
-    ) -> Result<Node, ServerError> {
+    ) -> Result<(String, bool), ServerError> {
         let wanted = if eligible {
             SchedulingEligibility::Eligible
         } else {
@@ -272,17 +289,14 @@ impl Server {
                 eligibility = wanted.as_str(),
                 "node eligibility changed"
             );
-            if eligible {
-                self.evaluate_after_cluster_change().await;
-            }
         }
-        self.node(&node_id)
+        Ok((node_id, changed && eligible))
     }
 
     /// One look at the draining nodes: stop what is due, complete what is
     /// done, evaluate the jobs whose allocs were stopped. Returns the
     /// earliest deadline still ahead.
-    async fn drain_pass(&self) -> Result<Option<i64>, ServerError> {
+    async fn drain_pass(&self, jobs: &dyn EvaluateJob) -> Result<Option<i64>, ServerError> {
         let draining = self.store.read(|t| t.draining_nodes().next().is_some());
         if !draining {
             return Ok(None);
@@ -306,22 +320,24 @@ impl Server {
             }
             Ok::<_, ServerError>(pass)
         })?;
-        let mut jobs = BTreeSet::new();
+        let mut stopped_jobs = BTreeSet::new();
         for a in &pass.stops {
             tracing::info!(node_id = %a.node_id, alloc_id = %a.id, job_id = %a.job_id, name = %a.name, "drain: alloc stopped");
-            jobs.insert(a.job_id.clone());
+            stopped_jobs.insert(a.job_id.clone());
         }
         for id in &pass.complete {
             tracing::info!(node_id = %id, "node drain complete");
         }
-        for job_id in &jobs {
-            self.evaluate_job(job_id).await;
+        for job_id in &stopped_jobs {
+            jobs.evaluate_job(job_id).await;
         }
         Ok(pass.next_deadline_ms)
     }
 
-    pub(crate) async fn drainer_loop(self: Arc<Self>) {
-        let mut shutdown = self.shutdown_rx();
+    /// Look at the draining nodes on every write that moved the nodes,
+    /// volumes or allocs and at each drain deadline, until `shutdown`
+    /// turns true.
+    pub(crate) async fn run(&self, jobs: &dyn EvaluateJob, mut shutdown: watch::Receiver<bool>) {
         let mut index_rx = self.store.subscribe();
         // What the last pass read and when it wanted to look again: a write
         // that moved none of it (the volume stats nodes report all the
@@ -335,7 +351,7 @@ impl Server {
             let unchanged =
                 passed.is_some_and(|(seen, due)| seen == inputs && due.is_none_or(|at| at > now));
             if !unchanged {
-                let wait = match self.drain_pass().await {
+                let wait = match self.drain_pass(jobs).await {
                     Ok(next) => next.map(|at| until(at, berth_structs::now_ms())),
                     Err(e) => {
                         tracing::warn!(error = %e, retry_in_ms = RETRY_AFTER_FAILURE.as_millis() as u64, "drain pass failed");
@@ -362,7 +378,7 @@ impl Server {
 #[cfg(test)]
 mod tests {
     use berth_structs::{
-        AllocClientStatus, CsiPluginType, Job, Task, TaskCsiPluginConfig, TaskGroup,
+        AllocClientStatus, CsiPluginType, Job, Node, Task, TaskCsiPluginConfig, TaskGroup,
     };
 
     use super::*;

@@ -41,8 +41,12 @@ pub enum StoreError {
     },
     #[error("{0}")]
     Keyring(#[from] crate::keyring::KeyringError),
-    #[error("sealing the secrets of {record} again: {why}; the keyring is unchanged")]
-    Reseal { record: String, why: String },
+    #[error("sealing the secrets of {record} again: {source}; the keyring is unchanged")]
+    Reseal {
+        record: String,
+        #[source]
+        source: crate::state::RecordError,
+    },
     #[error("this state store keeps no keyring")]
     NoKeyring,
     #[error("creating the state directory {path}: {source}")]

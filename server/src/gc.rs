@@ -25,9 +25,52 @@ use std::time::Duration;
 
 use berth_structs::{AllocClientStatus, Allocation, JobStatus, JobType, NodeStatus};
 
+use tokio::sync::watch;
+
+use crate::config::ServerConfig;
 use crate::error::ServerError;
-use crate::server::Server;
-use crate::state::{Change, Tables};
+use crate::state::{Change, StateStore, Tables};
+
+/// What garbage collection needs from the rest of the server: forgetting
+/// what is kept in memory of the nodes it removed.
+pub(crate) trait CollectedNodes: Send + Sync {
+    /// `node_id` was garbage collected.
+    fn node_collected(&self, node_id: &str);
+}
+
+impl CollectedNodes for crate::liveness::Liveness {
+    fn node_collected(&self, node_id: &str) {
+        self.forget_last_heartbeat(node_id);
+    }
+}
+
+/// The garbage collection settings of the server's config.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GcConfig {
+    pub(crate) alloc_gc_threshold: Duration,
+    pub(crate) job_gc_threshold: Duration,
+    pub(crate) node_gc_threshold: Duration,
+    pub(crate) gc_interval: Duration,
+}
+
+impl GcConfig {
+    pub(crate) fn of(config: &ServerConfig) -> GcConfig {
+        GcConfig {
+            alloc_gc_threshold: config.alloc_gc_threshold,
+            job_gc_threshold: config.job_gc_threshold,
+            node_gc_threshold: config.node_gc_threshold,
+            gc_interval: config.gc_interval,
+        }
+    }
+}
+
+/// The garbage collector: its passes, on an interval and forced, and the
+/// removal of purged jobs once they are done.
+pub(crate) struct Gc {
+    store: Arc<StateStore>,
+    config: GcConfig,
+    nodes: Arc<dyn CollectedNodes>,
+}
 
 /// What a garbage collection removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
@@ -187,7 +230,19 @@ fn plan_purge(t: &Tables, job_id: &str, changes: &mut Vec<Change>) -> bool {
     true
 }
 
-impl Server {
+impl Gc {
+    pub(crate) fn new(
+        store: Arc<StateStore>,
+        config: GcConfig,
+        nodes: Arc<dyn CollectedNodes>,
+    ) -> Gc {
+        Gc {
+            store,
+            config,
+            nodes,
+        }
+    }
+
     /// Remove a purged job now if it is done (see [`plan_purge`]);
     /// returns whether it went.
     pub(crate) fn collect_purged_job(&self, job_id: &str) -> Result<bool, ServerError> {
@@ -218,7 +273,7 @@ impl Server {
 
     /// One garbage collection pass with the configured thresholds; `force`
     /// (`berth system gc`) takes every threshold as zero.
-    pub async fn garbage_collect(&self, force: bool) -> Result<GcReport, ServerError> {
+    pub(crate) async fn garbage_collect(&self, force: bool) -> Result<GcReport, ServerError> {
         let th = if force {
             Thresholds::ZERO
         } else {
@@ -233,7 +288,7 @@ impl Server {
             .store
             .write(|t, changes| Ok::<_, ServerError>(plan(t, now, th, changes)))?;
         for node_id in &report.nodes {
-            self.forget_last_heartbeat(node_id);
+            self.nodes.node_collected(node_id);
         }
         if !report.is_empty() {
             tracing::info!(
@@ -247,8 +302,9 @@ impl Server {
         Ok(report)
     }
 
-    pub(crate) async fn gc_loop(self: Arc<Self>) {
-        let mut shutdown = self.shutdown_rx();
+    /// Collect on every interval, and purged jobs on every write, until
+    /// `shutdown` turns true.
+    pub(crate) async fn run(&self, mut shutdown: watch::Receiver<bool>) {
         // Purged jobs go as soon as they are done: look again on each write.
         let mut writes = self.store.subscribe();
         // A purge asked before this loop ran (or before a restart).

@@ -15,15 +15,50 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_structs::{AllocClientStatus, AllocDesiredStatus, NodeEvent, NodeStatus};
+use tokio::sync::watch;
 use tokio::time::Instant;
 
+use crate::config::ServerConfig;
 use crate::error::ServerError;
-use crate::server::Server;
-use crate::state::Change;
+use crate::state::{Change, StateStore};
+
+/// What node liveness needs from the rest of the server: evaluating the
+/// jobs whose allocs a down node lost.
+#[async_trait::async_trait]
+pub(crate) trait EvaluateJob: Send + Sync {
+    /// Evaluate `job_id` (place replacements for lost allocs).
+    async fn evaluate_job(&self, job_id: &str);
+}
+
+/// The liveness settings of the server's config.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LivenessConfig {
+    pub(crate) min_heartbeat_ttl: Duration,
+    pub(crate) max_heartbeats_per_second: f64,
+    pub(crate) heartbeat_grace: Duration,
+}
+
+impl LivenessConfig {
+    pub(crate) fn of(config: &ServerConfig) -> LivenessConfig {
+        LivenessConfig {
+            min_heartbeat_ttl: config.min_heartbeat_ttl,
+            max_heartbeats_per_second: config.max_heartbeats_per_second,
+            heartbeat_grace: config.heartbeat_grace,
+        }
+    }
+}
+
+/// Node liveness: the heartbeat deadlines and last heartbeats of the nodes
+/// (memory only), and the loop that marks silent nodes down.
+pub(crate) struct Liveness {
+    store: Arc<StateStore>,
+    config: LivenessConfig,
+    heartbeats: Mutex<Heartbeats>,
+}
 
 /// A random fraction in [0, 1), from the std hasher's random keys.
 fn random_fraction() -> f64 {
@@ -57,13 +92,21 @@ pub(crate) const LIVENESS_TICK: Duration = Duration::from_millis(500);
 /// given a fresh TTL rather than marked down for that time.
 pub(crate) const PAUSE_THRESHOLD: Duration = Duration::from_secs(3);
 
-impl Server {
+impl Liveness {
+    pub(crate) fn new(store: Arc<StateStore>, config: LivenessConfig) -> Liveness {
+        Liveness {
+            store,
+            config,
+            heartbeats: Mutex::default(),
+        }
+    }
+
     fn heartbeat_map(&self) -> std::sync::MutexGuard<'_, Heartbeats> {
         self.heartbeats.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The TTL to hand to a node now, jitter included.
-    pub fn heartbeat_ttl(&self) -> Duration {
+    pub(crate) fn heartbeat_ttl(&self) -> Duration {
         let live_nodes = self.heartbeat_map().deadlines.len();
         let base = base_ttl(
             live_nodes,
@@ -185,8 +228,9 @@ impl Server {
         );
     }
 
-    pub(crate) async fn liveness_loop(self: Arc<Self>) {
-        let mut shutdown = self.shutdown_rx();
+    /// Mark down the nodes not heard from in time until `shutdown` turns
+    /// true.
+    pub(crate) async fn run(&self, jobs: &dyn EvaluateJob, mut shutdown: watch::Receiver<bool>) {
         // Deadlines set when the state was opened count from now: the
         // time between opening and running is not the nodes' fault.
         self.arm_heartbeats_after_restore();
@@ -225,7 +269,7 @@ impl Server {
                 ids
             };
             for node_id in expired {
-                if let Err(e) = self.mark_silent_node_down(&node_id).await {
+                if let Err(e) = self.mark_silent_node_down(&node_id, jobs).await {
                     tracing::error!(node_id, error = %e, "marking node down failed; retrying");
                     self.reset_heartbeat_timer(&node_id, Duration::from_secs(1));
                 }
@@ -247,15 +291,25 @@ impl Server {
     /// and flags the node as being marked down there, and a heartbeat that
     /// sees the flag makes the node ready again after that write. So a node
     /// whose heartbeat was answered does not stay down.
-    async fn mark_silent_node_down(&self, node_id: &str) -> Result<(), ServerError> {
-        self.mark_down(node_id, "Node heartbeat missed", true).await
+    async fn mark_silent_node_down(
+        &self,
+        node_id: &str,
+        jobs: &dyn EvaluateJob,
+    ) -> Result<(), ServerError> {
+        self.mark_down(node_id, "Node heartbeat missed", true, jobs)
+            .await
     }
 
     /// Mark a node down: its live allocs become lost and their jobs are
     /// evaluated.
-    pub async fn mark_node_down(&self, node_id: &str, why: &str) -> Result<(), ServerError> {
+    pub(crate) async fn mark_node_down(
+        &self,
+        node_id: &str,
+        why: &str,
+        jobs: &dyn EvaluateJob,
+    ) -> Result<(), ServerError> {
         self.clear_heartbeat_timer(node_id);
-        self.mark_down(node_id, why, false).await
+        self.mark_down(node_id, why, false, jobs).await
     }
 
     async fn mark_down(
@@ -263,6 +317,7 @@ impl Server {
         node_id: &str,
         why: &str,
         only_if_silent: bool,
+        jobs: &dyn EvaluateJob,
     ) -> Result<(), ServerError> {
         let last_heartbeat = self.last_heartbeat_ms(node_id);
         let written = self.store.write(|t, changes| {
@@ -318,12 +373,17 @@ impl Server {
             Ok(Some(jobs))
         });
         self.heartbeat_map().marking_down.remove(node_id);
-        let Some(jobs) = written?.0 else {
+        let Some(lost_jobs) = written?.0 else {
             return Ok(());
         };
-        tracing::warn!(node_id, reason = why, lost_jobs = jobs.len(), "node down");
-        for job_id in jobs {
-            self.evaluate_job(&job_id).await;
+        tracing::warn!(
+            node_id,
+            reason = why,
+            lost_jobs = lost_jobs.len(),
+            "node down"
+        );
+        for job_id in lost_jobs {
+            jobs.evaluate_job(&job_id).await;
         }
         Ok(())
     }
@@ -352,6 +412,7 @@ fn with_jitter(base: Duration, fraction: f64) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::server::Server;
 
     #[test]
     fn ttl_stretches_with_nodes() {
@@ -383,15 +444,15 @@ mod tests {
                 })
                 .await
                 .unwrap();
-            assert!(server.last_heartbeat_ms(id).is_some());
+            assert!(server.liveness.last_heartbeat_ms(id).is_some());
         }
         server.mark_node_down("n1", "test").await.unwrap();
         let gc = server.garbage_collect(true).await.unwrap();
         assert_eq!(gc.nodes, vec!["n1".to_string()]);
-        assert_eq!(server.last_heartbeat_ms("n1"), None);
+        assert_eq!(server.liveness.last_heartbeat_ms("n1"), None);
         server.purge_node("n2").await.unwrap();
-        assert_eq!(server.last_heartbeat_ms("n2"), None);
-        assert_eq!(server.heartbeat_map().deadlines.len(), 0);
+        assert_eq!(server.liveness.last_heartbeat_ms("n2"), None);
+        assert_eq!(server.liveness.heartbeat_map().deadlines.len(), 0);
     }
 
     #[tokio::test]
@@ -409,19 +470,27 @@ mod tests {
         // The liveness loop found the deadline passed and took it off; the
         // node is marked down after the nodes expired before it, and its
         // heartbeat arrives meanwhile (it answered "ready").
-        server.heartbeat_map().deadlines.remove("n1");
+        server.liveness.heartbeat_map().deadlines.remove("n1");
         server.node_heartbeat("n1").await.unwrap();
-        server.mark_silent_node_down("n1").await.unwrap();
+        server
+            .liveness
+            .mark_silent_node_down("n1", &*server)
+            .await
+            .unwrap();
         let n1 = server.node("n1").unwrap();
         assert_eq!(
             n1.status,
             NodeStatus::Ready,
             "a node whose heartbeat was answered is not marked down for the deadline before it"
         );
-        assert!(server.heartbeat_map().deadlines.contains_key("n1"));
+        assert!(server.liveness.heartbeat_map().deadlines.contains_key("n1"));
         // Silent after that: marked down.
-        server.heartbeat_map().deadlines.remove("n1");
-        server.mark_silent_node_down("n1").await.unwrap();
+        server.liveness.heartbeat_map().deadlines.remove("n1");
+        server
+            .liveness
+            .mark_silent_node_down("n1", &*server)
+            .await
+            .unwrap();
         assert_eq!(server.node("n1").unwrap().status, NodeStatus::Down);
     }
 

@@ -126,9 +126,10 @@ impl Server {
             changes.push(Change::PutNode(node.clone()));
             Ok::<_, ServerError>(())
         })?;
-        self.record_heartbeat(&node.id, node.last_heartbeat_ms);
+        self.liveness
+            .record_heartbeat(&node.id, node.last_heartbeat_ms);
         let ttl = self.heartbeat_ttl();
-        self.reset_heartbeat_timer(&node.id, ttl);
+        self.liveness.reset_heartbeat_timer(&node.id, ttl);
         tracing::info!(node_id = %node.id, name = %node.name, ttl_ms = ttl.as_millis() as u64, "node registered");
         self.evaluate_after_cluster_change().await;
         Ok(NodeRegistration {
@@ -151,9 +152,9 @@ impl Server {
         // the node down at this moment either finds the deadline and leaves
         // the node, or is seen marking it, and the node is made ready again
         // below (see `mark_silent_node_down`).
-        self.record_heartbeat(node_id, now_ms);
+        self.liveness.record_heartbeat(node_id, now_ms);
         let ttl = self.heartbeat_ttl();
-        let marking_down = self.rearm_heartbeat_timer(node_id, ttl);
+        let marking_down = self.liveness.rearm_heartbeat_timer(node_id, ttl);
         let ready = self
             .store
             .read(|t| t.nodes.get(node_id).map(|n| n.status == NodeStatus::Ready));
@@ -179,14 +180,14 @@ impl Server {
                     })
                     .inspect_err(|e| {
                         if matches!(e, ServerError::NotFound(_)) {
-                            self.forget_heartbeats(node_id);
+                            self.liveness.forget_heartbeats(node_id);
                         }
                     })?
                     .0
             }
             None => {
                 // Purged meanwhile.
-                self.forget_heartbeats(node_id);
+                self.liveness.forget_heartbeats(node_id);
                 return Err(unknown());
             }
         };
@@ -562,7 +563,7 @@ impl Server {
             let id = self
                 .store
                 .read(|t| resolve_node(t, given).map(|n| n.id.clone()))?;
-            self.last_heartbeat_ms(&id)
+            self.liveness.last_heartbeat_ms(&id)
         };
         let ((mut report, jobs), _) = self.store.write(|t, changes| {
             let node = resolve_node(t, given)?;
@@ -592,7 +593,7 @@ impl Server {
             changes.push(Change::DeleteNode(node.id.clone()));
             Ok::<_, ServerError>((report, jobs))
         })?;
-        self.forget_heartbeats(&report.node_id);
+        self.liveness.forget_heartbeats(&report.node_id);
         tracing::warn!(node_id = %report.node_id, name = %report.node_name,
             lost_allocs = report.lost_allocs.len(), "node purged");
         let claims: Vec<ReleasedClaim> = self.store.read(|t| {

@@ -62,7 +62,7 @@ impl Server {
         let (nodes, next) = self.store.read(|t| page.of(&t.nodes, Node::clone));
         let nodes = nodes
             .into_iter()
-            .map(|n| self.with_live_heartbeat(n))
+            .map(|n| self.liveness.with_live_heartbeat(n))
             .collect();
         (nodes, next)
     }

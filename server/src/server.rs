@@ -1,7 +1,17 @@
 //! The [`Server`]: opening the store, the background loops, the RPC services
 //! and the read side of the public API. The write side lives with its
-//! concern: jobs in `scheduler.rs`, nodes in `nodes.rs` and `liveness.rs`,
-//! volumes and claims under `csi/`.
+//! concern: jobs in `scheduler.rs`, nodes in `nodes.rs`, volumes and claims
+//! under `csi/`.
+//!
+//! The background loops are parts of their own, each holding the store and
+//! only what it needs of the rest of the server: node liveness
+//! ([`Liveness`], handed an [`EvaluateJob`]), the drainer ([`Drainer`], the
+//! same), the volume watcher ([`VolumeWatcher`], handed a
+//! [`ReleaseClaim`]) and garbage collection ([`Gc`], which tells liveness
+//! of the nodes it removed). The server constructs them in
+//! [`Server::open`], runs them in [`Server::run`], and its public methods
+//! for them (`mark_node_down`, `update_node_drain`, `garbage_collect`,
+//! ...) delegate.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -13,8 +23,11 @@ use berth_structs::{Allocation, Job, Node};
 use tokio::sync::watch;
 
 use crate::config::ServerConfig;
-use crate::csi::VolumeLocks;
+use crate::csi::{ReleaseClaim, ReleaseOrigin, VolumeLocks, VolumeWatcher};
+use crate::drainer::Drainer;
 use crate::error::ServerError;
+use crate::gc::{Gc, GcConfig, GcReport};
+use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
 use crate::rpc::calls::CallRegistry;
 use crate::rpc::{CsiVolumeService, NodeService};
 use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
@@ -22,7 +35,7 @@ use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
 pub struct Server {
     pub(crate) config: ServerConfig,
-    pub(crate) store: StateStore,
+    pub(crate) store: Arc<StateStore>,
     pub(crate) calls: CallRegistry,
     /// Jobs with placements that could not be made, and why.
     pub(crate) blocked: Mutex<BTreeMap<String, Vec<String>>>,
@@ -32,8 +45,14 @@ pub struct Server {
     pub(crate) job_evaluations: crate::scheduler::Coalesced<crate::scheduler::PlacementCounts>,
     /// Concurrent passes over the blocked jobs, coalesced.
     pub(crate) blocked_evaluations: crate::scheduler::Coalesced<()>,
-    /// Heartbeat deadlines and last heartbeats by node ID (memory only).
-    pub(crate) heartbeats: Mutex<crate::liveness::Heartbeats>,
+    /// Node liveness: heartbeat deadlines and marking silent nodes down.
+    pub(crate) liveness: Arc<Liveness>,
+    /// Garbage collection.
+    pub(crate) gc: Gc,
+    /// Node drains and eligibility.
+    pub(crate) drainer: Drainer,
+    /// Frees the claims nobody released.
+    pub(crate) volume_watcher: VolumeWatcher,
     pub(crate) volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
     pub(crate) alloc_reports: crate::nodes::AllocReports,
@@ -54,7 +73,7 @@ impl Server {
         }
         let path = RedbBackend::path_in(&config.data_dir);
         let backend = RedbBackend::open(&path)?;
-        let store = StateStore::open(Box::new(backend))?;
+        let store = Arc::new(StateStore::open(Box::new(backend))?);
         // With enrollment on, nodes are not trusted to say which plugins
         // they run: only plugin allocs placed on them count.
         store.set_plugin_instances_need_allocs(config.node_enrollment);
@@ -62,6 +81,10 @@ impl Server {
         let register_limiter = config
             .register_rate
             .map(crate::register_rate::RegisterLimiter::new);
+        let liveness = Arc::new(Liveness::new(store.clone(), LivenessConfig::of(&config)));
+        let gc = Gc::new(store.clone(), GcConfig::of(&config), liveness.clone());
+        let drainer = Drainer::new(store.clone());
+        let volume_watcher = VolumeWatcher::new(store.clone(), &config);
         let server = Arc::new(Server {
             register_limiter,
             config,
@@ -71,12 +94,15 @@ impl Server {
             retry_due: Default::default(),
             job_evaluations: Default::default(),
             blocked_evaluations: Default::default(),
-            heartbeats: Mutex::default(),
+            liveness,
+            gc,
+            drainer,
+            volume_watcher,
             volume_locks: VolumeLocks::default(),
             alloc_reports: Default::default(),
             shutdown,
         });
-        server.arm_heartbeats_after_restore();
+        server.liveness.arm_heartbeats_after_restore();
         Ok(server)
     }
 
@@ -87,11 +113,35 @@ impl Server {
         // Evaluate everything once: a restart may have left work undone.
         self.evaluate_all().await;
         let tasks = vec![
-            tokio::spawn(self.clone().liveness_loop()),
-            tokio::spawn(self.clone().volume_watcher_loop()),
-            tokio::spawn(self.clone().drainer_loop()),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.liveness.run(&*server, shutdown).await
+                }
+            }),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.volume_watcher.run(&*server, shutdown).await
+                }
+            }),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.drainer.run(&*server, shutdown).await
+                }
+            }),
             tokio::spawn(self.clone().scheduler_retry_loop()),
-            tokio::spawn(self.clone().gc_loop()),
+            tokio::spawn({
+                let server = self.clone();
+                async move {
+                    let shutdown = server.shutdown_rx();
+                    server.gc.run(shutdown).await
+                }
+            }),
         ];
         let _ = shutdown.wait_for(|s| *s).await;
         tracing::info!("server shutting down");
@@ -208,7 +258,7 @@ impl Server {
         self.store
             .read(|t| t.nodes.values().cloned().collect::<Vec<_>>())
             .into_iter()
-            .map(|n| self.with_live_heartbeat(n))
+            .map(|n| self.liveness.with_live_heartbeat(n))
             .collect()
     }
 
@@ -241,12 +291,61 @@ impl Server {
     pub fn node(&self, id: &str) -> Result<Node, ServerError> {
         self.store
             .read(|t| crate::nodes::resolve_node(t, id).cloned())
-            .map(|n| self.with_live_heartbeat(n))
+            .map(|n| self.liveness.with_live_heartbeat(n))
     }
 
     /// Whether `node_id` has a call stream open (the server can call it).
     pub fn node_connected(&self, node_id: &str) -> bool {
         self.calls.is_connected(node_id)
+    }
+
+    /// The heartbeat TTL to hand to a node now, jitter included.
+    pub fn heartbeat_ttl(&self) -> Duration {
+        self.liveness.heartbeat_ttl()
+    }
+
+    /// Mark a node down: its live allocs become lost and their jobs are
+    /// evaluated.
+    pub async fn mark_node_down(&self, node_id: &str, why: &str) -> Result<(), ServerError> {
+        self.liveness.mark_node_down(node_id, why, self).await
+    }
+
+    /// One garbage collection pass with the configured thresholds; `force`
+    /// (`berth system gc`) takes every threshold as zero.
+    pub async fn garbage_collect(&self, force: bool) -> Result<GcReport, ServerError> {
+        self.gc.garbage_collect(force).await
+    }
+
+    /// Remove a purged job now if it is done; returns whether it went.
+    pub(crate) fn collect_purged_job(&self, job_id: &str) -> Result<bool, ServerError> {
+        self.gc.collect_purged_job(job_id)
+    }
+
+    /// Start or update (`Some(deadline)`) or disable (`None`) the drain of
+    /// `node` (an ID, a unique ID prefix or a name). A drain makes the node
+    /// ineligible; disabling it leaves the node ineligible. A zero deadline
+    /// is a forced drain; one above a year is refused. Returns the node.
+    pub async fn update_node_drain(
+        &self,
+        node: &str,
+        deadline: Option<Duration>,
+    ) -> Result<Node, ServerError> {
+        let node_id = self.drainer.update_node_drain(node, deadline)?;
+        self.node(&node_id)
+    }
+
+    /// Make `node` eligible or ineligible for new allocs. A draining node
+    /// cannot be made eligible: disable the drain first. Returns the node.
+    pub async fn set_node_eligibility(
+        &self,
+        node: &str,
+        eligible: bool,
+    ) -> Result<Node, ServerError> {
+        let (node_id, made_eligible) = self.drainer.set_node_eligibility(node, eligible)?;
+        if made_eligible {
+            self.evaluate_after_cluster_change().await;
+        }
+        self.node(&node_id)
     }
 
     /// Placement failures of a job that is waiting for capacity, a plugin
@@ -258,6 +357,21 @@ impl Server {
             .get(job_id)
             .cloned()
             .unwrap_or_default()
+    }
+}
+
+#[async_trait::async_trait]
+impl EvaluateJob for Server {
+    async fn evaluate_job(&self, job_id: &str) {
+        Server::evaluate_job(self, job_id).await;
+    }
+}
+
+#[async_trait::async_trait]
+impl ReleaseClaim for Server {
+    async fn release_claim(&self, volume_id: &str, alloc_id: &str) -> Result<(), ServerError> {
+        self.unpublish_claim(volume_id, alloc_id, ReleaseOrigin::Watcher)
+            .await
     }
 }
 

@@ -21,6 +21,7 @@ use tokio::sync::OwnedMutexGuard;
 
 pub use claims::{ClaimGrant, ReleaseOrigin, VolumeClaimRequest, FORCED_RELEASE_EVENT};
 pub use snapshots::SnapshotRequest;
+pub(crate) use watcher::{ReleaseClaim, VolumeWatcher};
 
 use crate::error::ServerError;
 use crate::nodes::resolve_node;

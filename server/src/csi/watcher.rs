@@ -26,10 +26,28 @@ use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use berth_structs::{AllocClientStatus, Allocation, ClaimMode, Node, NodeStatus};
 use tokio::time::Instant;
 
-use super::ReleaseOrigin;
+use tokio::sync::watch;
+
+use crate::config::ServerConfig;
+use crate::error::ServerError;
 use crate::scheduler::disconnect_window_end_ms;
-use crate::server::Server;
-use crate::state::{ClusterIndexes, Tables};
+use crate::state::{ClusterIndexes, StateStore, Tables};
+
+/// What the volume watcher needs from the rest of the server: releasing a
+/// claim it reaps (node detach, controller detach, free).
+#[async_trait::async_trait]
+pub(crate) trait ReleaseClaim: Send + Sync {
+    /// Release the claim of `alloc_id` on `volume_id`, as the watcher.
+    async fn release_claim(&self, volume_id: &str, alloc_id: &str) -> Result<(), ServerError>;
+}
+
+/// The volume watcher: the store, the two grace periods it counts with,
+/// and its loop.
+pub(crate) struct VolumeWatcher {
+    store: Arc<StateStore>,
+    claim_reap_grace: Duration,
+    heartbeat_grace: Duration,
+}
 
 type ClaimKey = (String, String);
 
@@ -166,9 +184,19 @@ fn backoff() -> ExponentialBackoff {
         .build()
 }
 
-impl Server {
-    pub(crate) async fn volume_watcher_loop(self: Arc<Self>) {
-        let mut shutdown = self.shutdown_rx();
+impl VolumeWatcher {
+    pub(crate) fn new(store: Arc<StateStore>, config: &ServerConfig) -> VolumeWatcher {
+        VolumeWatcher {
+            store,
+            claim_reap_grace: config.claim_reap_grace,
+            heartbeat_grace: config.heartbeat_grace,
+        }
+    }
+
+    /// Release the claims nobody released, on every write that moved the
+    /// nodes, volumes or allocs and when a grace period ends or a retry is
+    /// due, until `shutdown` turns true.
+    pub(crate) async fn run(&self, claims: &dyn ReleaseClaim, mut shutdown: watch::Receiver<bool>) {
         let mut index_rx = self.store.subscribe();
         let mut retries: HashMap<ClaimKey, Retry> = HashMap::new();
         // What the last pass read, and when it wanted to look again: a
@@ -194,8 +222,8 @@ impl Server {
                 reapable(
                     t,
                     berth_structs::now_ms(),
-                    self.config.claim_reap_grace,
-                    self.config.heartbeat_grace,
+                    self.claim_reap_grace,
+                    self.heartbeat_grace,
                 )
             });
             // Forget retries of claims that are gone.
@@ -205,10 +233,7 @@ impl Server {
                     continue;
                 }
                 let (volume_id, alloc_id) = (&key.0, &key.1);
-                match self
-                    .unpublish_claim(volume_id, alloc_id, ReleaseOrigin::Watcher)
-                    .await
-                {
+                match claims.release_claim(volume_id, alloc_id).await {
                     Ok(()) => {
                         retries.remove(&key);
                     }

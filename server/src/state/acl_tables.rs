@@ -2,10 +2,14 @@
 //! were bootstrapped, kept in one table of the store (`Table::Acl`).
 //! Tokens are found by the hash of their secret; no secret is stored.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 
 use berth_structs::acl::{AclPolicy, AclToken, IntroToken};
 use serde::{Deserialize, Serialize};
+
+use super::record::{Record, RecordError, RecordStore, WriteEffects};
+use super::{Indexes, Table};
 
 /// When ACLs were bootstrapped: the management token it made may be
 /// deleted later, bootstrap stays done.
@@ -164,6 +168,69 @@ impl AclTables {
             }
             AclRecord::Bootstrap(_) => {}
         }
+    }
+}
+
+impl Record for AclRecord {
+    const TABLE: Table = Table::Acl;
+    type Store = AclTables;
+
+    fn key(&self) -> Cow<'_, str> {
+        Cow::Owned(AclRecord::key(self))
+    }
+
+    fn indexes(&self) -> [u64; 2] {
+        AclRecord::indexes(self)
+    }
+
+    fn stamp(&mut self, old: Option<&Self>, index: u64, _now_ms: i64) {
+        let create_index = old.map_or(index, |o| AclRecord::indexes(o)[0]);
+        let (create, modify) = match self {
+            AclRecord::Policy(p) => (&mut p.create_index, &mut p.modify_index),
+            AclRecord::Token(t) => (&mut t.create_index, &mut t.modify_index),
+            AclRecord::Intro(i) => (&mut i.create_index, &mut i.modify_index),
+            AclRecord::Bootstrap(_) => return,
+        };
+        *create = create_index;
+        *modify = index;
+    }
+
+    fn report_bad(key: &str, decoded: Option<&Self>, error: Option<&RecordError>) {
+        match (decoded, error) {
+            (_, Some(e)) => tracing::error!(table = "acl", key = %key, error = %e,
+                "ACL record failed to decode; quarantining it"),
+            (Some(_), None) => tracing::error!(table = "acl", key = %key,
+                "ACL record does not match its key or has an impossible index; quarantining it"),
+            (None, None) => {}
+        }
+    }
+}
+
+/// The ACL records keep their own lookups (by secret hash), none in
+/// [`Indexes`], and wake no alloc or node watch.
+impl RecordStore<AclRecord> for AclTables {
+    fn stamp(&self, record: &mut AclRecord, index: u64, _now_ms: i64) {
+        AclTables::stamp(self, record, index);
+    }
+
+    fn put(&mut self, record: AclRecord, _idx: &mut Indexes, _fx: &mut WriteEffects) {
+        AclTables::put(self, record);
+    }
+
+    fn delete(&mut self, key: &str, _idx: &mut Indexes, _fx: &mut WriteEffects) {
+        AclTables::delete(self, key);
+    }
+
+    fn insert_loaded(&mut self, record: AclRecord) {
+        AclTables::put(self, record);
+    }
+
+    fn index_all(&self, _idx: &mut Indexes) {}
+
+    /// ACL records do not count: the store's index is kept above those of
+    /// the jobs, allocs, nodes and volumes (and the tables' indexes).
+    fn max_modify_index(&self) -> u64 {
+        0
     }
 }
 

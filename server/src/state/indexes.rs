@@ -5,8 +5,9 @@
 //! touch, not the size of the fleet.
 //!
 //! They are kept in one place: [`Indexes::put_alloc`] and its siblings,
-//! which `StateStore::write` calls as it applies each change, and
-//! [`Indexes::build`], which the store runs over the tables it loads.
+//! which each record's `Record::index` and `Record::unindex` call as the
+//! store applies a change, and [`Indexes::build`], which the store runs
+//! over the tables it loads.
 //! Each entry is a set of IDs, in ID order, so an indexed lookup yields
 //! its objects in the order a scan of the table would.
 
@@ -109,15 +110,7 @@ impl Indexes {
     /// The indexes of `t`, from a scan of its tables.
     pub fn build(t: &Tables) -> Indexes {
         let mut idx = Indexes::default();
-        for a in t.allocs.values() {
-            idx.put_alloc(a);
-        }
-        for n in t.nodes.values() {
-            idx.put_node(n);
-        }
-        for v in t.volumes.values() {
-            idx.put_volume(v);
-        }
+        t.index_all(&mut idx);
         idx
     }
 

@@ -14,16 +14,22 @@
 //! Node secrets are kept apart from the nodes, in their own map and their
 //! own database table, so that no answer built from a [`Node`] can carry
 //! one; they count as writes to the nodes table.
+//!
+//! The tables are declared once, in `schema`: each holds one [`Record`]
+//! type, and the store's stamping, applying and indexing and the redb
+//! backend's loading and committing are generic over it.
 
 mod acl_tables;
 mod indexes;
+mod record;
 mod redb_backend;
+mod schema;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
 
-use berth_structs::{Allocation, CsiVolume, Job, Node, NodeSecret};
+use berth_structs::{Allocation, CsiVolume, Node};
 use indexes::ids;
 use tokio::sync::watch;
 
@@ -34,71 +40,9 @@ pub use acl_tables::{
     AclBootstrap, AclRecord, AclTables,
 };
 pub use indexes::{Indexes, NodeUse};
+pub use record::{Record, RecordError, RecordStore, TableVisitor, WriteEffects};
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
-
-/// The tables of the store.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Table {
-    Jobs,
-    Allocs,
-    Nodes,
-    Volumes,
-    /// ACL policies, tokens and introduction tokens.
-    Acl,
-}
-
-impl Table {
-    pub const ALL: [Table; 5] = [
-        Table::Jobs,
-        Table::Allocs,
-        Table::Nodes,
-        Table::Volumes,
-        Table::Acl,
-    ];
-
-    pub fn name(&self) -> &'static str {
-        match self {
-            Table::Jobs => "jobs",
-            Table::Allocs => "allocs",
-            Table::Nodes => "nodes",
-            Table::Volumes => "volumes",
-            Table::Acl => "acl",
-        }
-    }
-}
-
-/// The in-memory tables and their indexes.
-#[derive(Debug, Default, Clone)]
-pub struct Tables {
-    pub jobs: BTreeMap<String, Job>,
-    pub allocs: BTreeMap<String, Allocation>,
-    pub nodes: BTreeMap<String, Node>,
-    pub volumes: BTreeMap<String, CsiVolume>,
-    /// The secret each node registered with, by node ID.
-    pub node_secrets: BTreeMap<String, NodeSecret>,
-    /// ACL policies and tokens.
-    pub acl: AclTables,
-    /// The index of the last write.
-    pub index: u64,
-    /// The index of the last write to each table.
-    pub table_index: BTreeMap<Table, u64>,
-    /// The index of the last write that put or deleted an alloc of each
-    /// node, since the store was opened (memory only): an alloc watch
-    /// looks at the allocs again only when its node's moved, not on every
-    /// write of any node. A write of an alloc's volume stats alone does
-    /// not move it (the client is not sent those).
-    pub node_allocs_index: BTreeMap<String, u64>,
-    /// The index of the last write that put or deleted an alloc, leaving
-    /// out writes of an alloc's volume stats alone (memory only).
-    pub allocs_state_index: u64,
-    /// Lookups by something other than an object's ID (memory only: built
-    /// when the store opens, kept by its writes).
-    pub(crate) indexes: Indexes,
-    /// A node counts as an instance of a CSI plugin only while an alloc of
-    /// a job with that plugin's `csi_plugin` block runs on it (memory
-    /// only: the servers' policy, set when they open the store).
-    pub plugin_instances_need_allocs: bool,
-}
+pub use schema::{Change, Table, Tables};
 
 /// The indexes of the last writes of the nodes, the volumes and the allocs
 /// (leaving out writes of an alloc's volume stats alone). A pass that reads
@@ -270,72 +214,6 @@ impl Tables {
         key: &str,
     ) -> impl Iterator<Item = &'a V> + 'a {
         ids(index, key).filter_map(move |id| table.get(id))
-    }
-}
-
-/// One change of a write.
-#[derive(Debug, Clone)]
-pub enum Change {
-    PutJob(Job),
-    DeleteJob(String),
-    PutAlloc(Allocation),
-    DeleteAlloc(String),
-    PutNode(Node),
-    /// Deleting a node keeps its secret: the ID stays bound to it, so that
-    /// only the node that had it (or a new introduction token) takes the ID
-    /// again.
-    DeleteNode(String),
-    /// Set the secret of a node (its registration's).
-    PutNodeSecret {
-        node_id: String,
-        secret: NodeSecret,
-    },
-    PutVolume(CsiVolume),
-    DeleteVolume(String),
-    /// Put an ACL record under `key` (its [`AclRecord::key`]).
-    PutAcl {
-        key: String,
-        record: AclRecord,
-    },
-    /// Delete the ACL record under a key.
-    DeleteAcl(String),
-}
-
-impl Change {
-    /// Put an ACL record.
-    pub fn put_acl(record: AclRecord) -> Change {
-        Change::PutAcl {
-            key: record.key(),
-            record,
-        }
-    }
-
-    pub fn table(&self) -> Table {
-        match self {
-            Change::PutJob(_) | Change::DeleteJob(_) => Table::Jobs,
-            Change::PutAlloc(_) | Change::DeleteAlloc(_) => Table::Allocs,
-            Change::PutNode(_) | Change::DeleteNode(_) | Change::PutNodeSecret { .. } => {
-                Table::Nodes
-            }
-            Change::PutVolume(_) | Change::DeleteVolume(_) => Table::Volumes,
-            Change::PutAcl { .. } | Change::DeleteAcl(_) => Table::Acl,
-        }
-    }
-
-    pub fn key(&self) -> &str {
-        match self {
-            Change::PutJob(j) => &j.id,
-            Change::PutAlloc(a) => &a.id,
-            Change::PutNode(n) => &n.id,
-            Change::PutVolume(v) => &v.id,
-            Change::PutNodeSecret { node_id, .. } => node_id,
-            Change::PutAcl { key, .. } => key,
-            Change::DeleteJob(k)
-            | Change::DeleteAcl(k)
-            | Change::DeleteAlloc(k)
-            | Change::DeleteNode(k)
-            | Change::DeleteVolume(k) => k,
-        }
     }
 }
 
@@ -578,103 +456,54 @@ impl StateStore {
                 return Ok((result, tables.index));
             }
             let index = tables.index + 1;
-            stamp(&tables, index, &mut changes);
+            schema::stamp(&tables, index, &mut changes);
             (result, index)
         };
         self.backend.commit(index, &changes)?;
         let mut written: Vec<Table> = changes.iter().map(Change::table).collect();
         written.sort();
         written.dedup();
-        // The nodes whose alloc watches this write concerns.
-        let mut touched: Vec<String> = Vec::new();
-        let allocs_or_nodes = {
-            let mut guard = self.tables.write().unwrap_or_else(|p| p.into_inner());
-            let tables: &mut Tables = &mut guard;
-            for change in changes {
-                tables.table_index.insert(change.table(), index);
-                match change {
-                    Change::PutJob(j) => {
-                        tables.jobs.insert(j.id.clone(), j);
-                    }
-                    Change::DeleteJob(k) => {
-                        tables.jobs.remove(&k);
-                    }
-                    Change::PutAlloc(a) => {
-                        // A write of the volume stats alone sends nothing
-                        // new to the node: its alloc watch is not made to
-                        // scan every alloc again for it.
-                        let stats_only = tables
-                            .allocs
-                            .get(&a.id)
-                            .is_some_and(|old| old.same_but_volume_stats(&a));
-                        if !stats_only {
-                            tables.node_allocs_index.insert(a.node_id.clone(), index);
-                            tables.allocs_state_index = index;
-                            touched.push(a.node_id.clone());
-                        }
-                        if !stats_only {
-                            if let Some(old) = tables.allocs.get(&a.id) {
-                                tables.indexes.remove_alloc(old);
-                                tables.indexes.put_alloc(&a);
-                            } else {
-                                tables.indexes.put_alloc(&a);
-                            }
-                        }
-                        if let Some(old) = tables.allocs.insert(a.id.clone(), a) {
-                            if !stats_only {
-                                touched.push(old.node_id.clone());
-                                tables.node_allocs_index.insert(old.node_id, index);
-                            }
-                        }
-                    }
-                    Change::DeleteAlloc(k) => {
-                        if let Some(old) = tables.allocs.remove(&k) {
-                            tables.indexes.remove_alloc(&old);
-                            touched.push(old.node_id.clone());
-                            tables.node_allocs_index.insert(old.node_id, index);
-                            tables.allocs_state_index = index;
-                        }
-                    }
-                    Change::PutNode(n) => {
-                        if let Some(old) = tables.nodes.get(&n.id) {
-                            tables.indexes.remove_node(old);
-                        }
-                        tables.indexes.put_node(&n);
-                        touched.push(n.id.clone());
-                        tables.nodes.insert(n.id.clone(), n);
-                    }
-                    Change::DeleteNode(k) => {
-                        if let Some(old) = tables.nodes.remove(&k) {
-                            tables.indexes.remove_node(&old);
-                        }
-                        touched.push(k);
-                    }
-                    Change::PutNodeSecret { node_id, secret } => {
-                        tables.node_secrets.insert(node_id, secret);
-                    }
-                    Change::PutVolume(v) => {
-                        if let Some(old) = tables.volumes.get(&v.id) {
-                            tables.indexes.remove_volume(old);
-                        }
-                        tables.indexes.put_volume(&v);
-                        tables.volumes.insert(v.id.clone(), v);
-                    }
-                    Change::DeleteVolume(k) => {
-                        if let Some(old) = tables.volumes.remove(&k) {
-                            tables.indexes.remove_volume(&old);
-                        }
-                    }
-                    Change::PutAcl { record, .. } => tables.acl.put(record),
-                    Change::DeleteAcl(k) => tables.acl.delete(&k),
-                }
-            }
-            tables.index = index;
-            tables.allocs_state_index == index
-                || tables.table_index.get(&Table::Nodes) == Some(&index)
-        };
+        let (allocs_or_nodes, touched) = self.apply(index, changes);
+        self.notify(index, &written, allocs_or_nodes, touched);
+        Ok((result, index))
+    }
+
+    /// Applies the changes of a durable write at `index` in memory.
+    /// Returns whether the write changed a node or an alloc (but for its
+    /// volume stats alone), and the nodes whose alloc watches it concerns.
+    fn apply(&self, index: u64, changes: Vec<Change>) -> (bool, Vec<String>) {
+        let mut guard = self.tables.write().unwrap_or_else(|p| p.into_inner());
+        let tables: &mut Tables = &mut guard;
+        let mut fx = WriteEffects::default();
+        for change in changes {
+            tables.table_index.insert(change.table(), index);
+            change.apply(tables, &mut fx);
+        }
+        for node_id in &fx.alloc_nodes {
+            tables.node_allocs_index.insert(node_id.clone(), index);
+        }
+        if fx.allocs_moved {
+            tables.allocs_state_index = index;
+        }
+        tables.index = index;
+        let allocs_or_nodes = tables.allocs_state_index == index
+            || tables.table_index.get(&Table::Nodes) == Some(&index);
+        let mut touched = fx.alloc_nodes;
+        touched.extend(fx.nodes);
+        (allocs_or_nodes, touched)
+    }
+
+    /// Wakes the watchers of a write at `index` to the `written` tables.
+    fn notify(
+        &self,
+        index: u64,
+        written: &[Table],
+        allocs_or_nodes: bool,
+        mut touched: Vec<String>,
+    ) {
         self.index_tx.send_replace(index);
         for table in written {
-            if let Some(tx) = self.table_tx.get(&table) {
+            if let Some(tx) = self.table_tx.get(table) {
                 tx.send_replace(index);
             }
         }
@@ -696,55 +525,13 @@ impl StateStore {
                 }
             }
         }
-        Ok((result, index))
-    }
-}
-
-/// Set create/modify indexes (and alloc times) on the changes of a write.
-fn stamp(tables: &Tables, index: u64, changes: &mut [Change]) {
-    let now = berth_structs::now_ms();
-    for change in changes.iter_mut() {
-        match change {
-            Change::PutJob(j) => {
-                j.create_index = tables.jobs.get(&j.id).map_or(index, |o| o.create_index);
-                j.modify_index = index;
-                j.modify_time_ms = now;
-            }
-            Change::PutAlloc(a) => {
-                match tables.allocs.get(&a.id) {
-                    Some(o) => {
-                        a.create_index = o.create_index;
-                        a.create_time_ms = o.create_time_ms;
-                    }
-                    None => {
-                        a.create_index = index;
-                        a.create_time_ms = now;
-                    }
-                }
-                a.modify_index = index;
-                a.modify_time_ms = now;
-            }
-            Change::PutNode(n) => {
-                n.create_index = tables.nodes.get(&n.id).map_or(index, |o| o.create_index);
-                n.modify_index = index;
-            }
-            Change::PutVolume(v) => {
-                v.create_index = tables.volumes.get(&v.id).map_or(index, |o| o.create_index);
-                v.modify_index = index;
-            }
-            Change::PutAcl { record, .. } => tables.acl.stamp(record, index),
-            Change::DeleteJob(_)
-            | Change::DeleteAlloc(_)
-            | Change::DeleteNode(_)
-            | Change::DeleteVolume(_)
-            | Change::DeleteAcl(_)
-            | Change::PutNodeSecret { .. } => {}
-        }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use berth_structs::Job;
+
     use super::*;
 
     fn alloc(id: &str, node_id: &str) -> Allocation {

@@ -16,14 +16,14 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use berth_structs::{CsiVolume, NodeSecret};
+use berth_structs::NodeSecret;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
-use serde::de::DeserializeOwned;
 
-use super::{Backend, Change, Table, Tables};
+use super::record::{decode_volume, encode_volume, record_aad, Record, RecordError};
+use super::{Backend, Change, RecordStore, Table, TableVisitor, Tables};
 use crate::error::StoreError;
 use crate::file_modes;
-use crate::keyring::{KeyRotation, Keyring, KeyringError, Sealed, KEYRING_DIR};
+use crate::keyring::{KeyRotation, Keyring, Sealed, KEYRING_DIR};
 
 /// The schema version this build writes. Bump it with a migration in
 /// [`RedbBackend::migrate`] when a stored shape changes incompatibly.
@@ -42,14 +42,9 @@ const NODE_SECRETS_SEALED_NAME: &str = "node_secrets_sealed";
 const META_SCHEMA: &str = "schema_version";
 const META_INDEX: &str = "index";
 
+/// A table's redb table: its records' JSON by key, under its name.
 fn definition(table: Table) -> TableDefinition<'static, &'static str, &'static [u8]> {
-    match table {
-        Table::Jobs => TableDefinition::new("jobs"),
-        Table::Allocs => TableDefinition::new("allocs"),
-        Table::Nodes => TableDefinition::new("nodes"),
-        Table::Volumes => TableDefinition::new("volumes"),
-        Table::Acl => TableDefinition::new("acl"),
-    }
+    TableDefinition::new(table.name())
 }
 
 fn table_index_key(table: Table) -> String {
@@ -162,124 +157,45 @@ impl RedbBackend {
     fn migrate(&self, _from: u64, _txn: &redb::WriteTransaction) -> Result<(), StoreError> {
         Ok(())
     }
+
+    /// Checks the schema version (migrating an older one) and reads the
+    /// indexes from `meta` into `tables`.
+    fn load_meta(
+        &self,
+        txn: &redb::WriteTransaction,
+        tables: &mut Tables,
+    ) -> Result<(), StoreError> {
+        let mut meta = txn.open_table(META)?;
+        let found = meta.get(META_SCHEMA)?.map(|v| v.value());
+        match found {
+            Some(v) if v > SCHEMA_VERSION => {
+                return Err(StoreError::SchemaTooNew {
+                    path: self.path.display().to_string(),
+                    found: v,
+                    supported: SCHEMA_VERSION,
+                });
+            }
+            Some(v) if v < SCHEMA_VERSION => {
+                tracing::info!(from = v, to = SCHEMA_VERSION, "migrating server state");
+                self.migrate(v, txn)?;
+            }
+            _ => {}
+        }
+        meta.insert(META_SCHEMA, SCHEMA_VERSION)?;
+        tables.index = sane_index(META_INDEX, meta.get(META_INDEX)?.map(|v| v.value()));
+        for t in Table::ALL {
+            let key = table_index_key(t);
+            let i = sane_index(&key, meta.get(key.as_str())?.map(|v| v.value()));
+            tables.table_index.insert(t, i);
+        }
+        Ok(())
+    }
 }
 
 /// No real store reaches this index: 2^53 writes take centuries at a
 /// million writes a second. A record or meta entry beyond it is corrupt,
 /// and trusting it would leave no room for the index of the next write.
 pub(crate) const MAX_SANE_INDEX: u64 = 1 << 53;
-
-/// Why a stored record did not load.
-#[derive(Debug, thiserror::Error)]
-enum RecordError {
-    #[error("failed to decode: {0}")]
-    Decode(#[from] serde_json::Error),
-    #[error("its secrets do not open: {0}")]
-    Unseal(#[from] KeyringError),
-}
-
-/// What loading checks of a decoded record besides its shape.
-trait StoredRecord: DeserializeOwned {
-    fn id(&self) -> &str;
-    /// The create and modify index.
-    fn indexes(&self) -> [u64; 2];
-    /// Decode the stored bytes under `key`, opening sealed parts. The flag
-    /// is true for a record that held secrets in the clear (schema 1),
-    /// which is to be written again sealed.
-    fn decode(_key: &str, bytes: &[u8], _keyring: &Keyring) -> Result<(Self, bool), RecordError> {
-        Ok((serde_json::from_slice(bytes)?, false))
-    }
-}
-
-macro_rules! stored_record {
-    ($($t:ty),*) => {$(
-        impl StoredRecord for $t {
-            fn id(&self) -> &str {
-                &self.id
-            }
-            fn indexes(&self) -> [u64; 2] {
-                [self.create_index, self.modify_index]
-            }
-        }
-    )*};
-}
-stored_record!(
-    berth_structs::Job,
-    berth_structs::Allocation,
-    berth_structs::Node
-);
-
-impl StoredRecord for CsiVolume {
-    fn id(&self) -> &str {
-        &self.id
-    }
-    fn indexes(&self) -> [u64; 2] {
-        [self.create_index, self.modify_index]
-    }
-    fn decode(key: &str, bytes: &[u8], keyring: &Keyring) -> Result<(Self, bool), RecordError> {
-        decode_volume(key, bytes, keyring)
-    }
-}
-
-/// A volume as stored: its secrets sealed, apart from the rest.
-#[derive(serde::Serialize, serde::Deserialize)]
-struct StoredVolume<V> {
-    #[serde(flatten)]
-    volume: V,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    sealed_secrets: Option<Sealed>,
-}
-
-/// The associated data a record's sealed value is bound to.
-fn record_aad(table: &str, key: &str) -> String {
-    format!("{table}/{key}")
-}
-
-/// A volume's stored bytes: its secrets sealed with the active key.
-fn encode_volume(v: &CsiVolume, keyring: &Keyring) -> Result<Vec<u8>, StoreError> {
-    let encode_err = |source| StoreError::Encode {
-        table: Table::Volumes.name(),
-        key: v.id.clone(),
-        source,
-    };
-    if v.secrets.is_empty() {
-        return serde_json::to_vec(v).map_err(encode_err);
-    }
-    let secrets = serde_json::to_vec(&v.secrets).map_err(encode_err)?;
-    let sealed = keyring
-        .seal(&secrets, &record_aad(Table::Volumes.name(), &v.id))
-        .map_err(|source| StoreError::Seal {
-            record: record_aad(Table::Volumes.name(), &v.id),
-            source,
-        })?;
-    let mut bare = v.clone();
-    bare.secrets.clear();
-    serde_json::to_vec(&StoredVolume {
-        volume: bare,
-        sealed_secrets: Some(sealed),
-    })
-    .map_err(encode_err)
-}
-
-fn decode_volume(
-    key: &str,
-    bytes: &[u8],
-    keyring: &Keyring,
-) -> Result<(CsiVolume, bool), RecordError> {
-    let stored: StoredVolume<CsiVolume> = serde_json::from_slice(bytes)?;
-    let mut volume = stored.volume;
-    match stored.sealed_secrets {
-        Some(sealed) => {
-            let plain = keyring.open_sealed(&sealed, &record_aad(Table::Volumes.name(), key))?;
-            volume.secrets = serde_json::from_slice(&plain)?;
-            Ok((volume, false))
-        }
-        None => {
-            let clear = !volume.secrets.is_empty();
-            Ok((volume, clear))
-        }
-    }
-}
 
 /// A node secret's stored bytes.
 fn seal_node_secret(
@@ -301,71 +217,76 @@ fn seal_node_secret(
     })
 }
 
-/// Why a stored node secret is unusable.
-#[derive(Debug, thiserror::Error)]
-enum NodeSecretRecordError {
-    #[error(transparent)]
-    Record(#[from] RecordError),
-    #[error("is not a node secret: {0}")]
-    Invalid(#[from] berth_structs::NodeSecretError),
-}
-
 fn open_node_secret(
     node_id: &str,
     bytes: &[u8],
     keyring: &Keyring,
-) -> Result<NodeSecret, NodeSecretRecordError> {
-    let sealed: Sealed = serde_json::from_slice(bytes).map_err(RecordError::from)?;
-    let plain = keyring
-        .open_sealed(&sealed, &record_aad(NODE_SECRETS_SEALED_NAME, node_id))
-        .map_err(RecordError::from)?;
+) -> Result<NodeSecret, RecordError> {
+    let sealed: Sealed = serde_json::from_slice(bytes)?;
+    let plain = keyring.open_sealed(&sealed, &record_aad(NODE_SECRETS_SEALED_NAME, node_id))?;
     let text =
         String::from_utf8(plain).map_err(|_| berth_structs::NodeSecretError::NotPrintable)?;
     Ok(NodeSecret::parse(&text)?)
 }
 
-/// Decode every record of `table`; undecodable ones, ones whose ID does not
-/// match their key and ones with an index beyond [`MAX_SANE_INDEX`] are
-/// returned as bad keys.
-/// Keys of records that held secrets in the clear go to `clear`.
-fn decode_table<T: StoredRecord>(
+/// Decode every record of `table`; undecodable ones, ones whose key does
+/// not match their own and ones with an index beyond [`MAX_SANE_INDEX`]
+/// are reported and returned as bad. Each good record comes with whether
+/// it held secrets in the clear.
+fn decode_table<R: Record>(
     table: &redb::Table<&str, &[u8]>,
-    kind: Table,
     keyring: &Keyring,
     bad: &mut Vec<(Table, String, Vec<u8>)>,
-    clear: &mut Vec<String>,
-) -> Result<BTreeMap<String, T>, StoreError> {
-    let name = kind.name();
-    let mut out = BTreeMap::new();
+) -> Result<Vec<(String, R, bool)>, StoreError> {
+    let mut out = Vec::new();
     for row in table.iter()? {
         let (k, v) = row?;
         let key = k.value().to_string();
-        match T::decode(&key, v.value(), keyring) {
-            Ok((obj, _)) if obj.id() != key => {
-                tracing::error!(table = name, key = %key, id = %obj.id(),
-                    "state record's ID does not match its key; quarantining it");
-                bad.push((kind, key, v.value().to_vec()));
+        match R::decode(&key, v.value(), keyring) {
+            Ok((r, clear))
+                if r.key() == key.as_str() && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX) =>
+            {
+                out.push((key, r, clear));
             }
-            Ok((obj, _)) if obj.indexes().iter().any(|&i| i > MAX_SANE_INDEX) => {
-                let [create_index, modify_index] = obj.indexes();
-                tracing::error!(table = name, key = %key, create_index, modify_index,
-                    "state record's index is beyond any real store's; quarantining it");
-                bad.push((kind, key, v.value().to_vec()));
-            }
-            Ok((obj, was_clear)) => {
-                if was_clear {
-                    clear.push(key.clone());
-                }
-                out.insert(key, obj);
+            Ok((r, _)) => {
+                R::report_bad(&key, Some(&r), None);
+                bad.push((R::TABLE, key, v.value().to_vec()));
             }
             Err(e) => {
-                tracing::error!(table = name, key = %key, error = %e,
-                    "state record did not load; quarantining it");
-                bad.push((kind, key, v.value().to_vec()));
+                R::report_bad(&key, None, Some(&e));
+                bad.push((R::TABLE, key, v.value().to_vec()));
             }
         }
     }
     Ok(out)
+}
+
+/// Loads every table of the schema in one write transaction, setting bad
+/// records aside and sealing clear secrets.
+struct Loader<'a> {
+    txn: &'a redb::WriteTransaction,
+    keyring: &'a Keyring,
+    /// Records to quarantine: table, key, stored bytes.
+    bad: Vec<(Table, String, Vec<u8>)>,
+    /// Records that held secrets in the clear, now sealed.
+    sealed: usize,
+}
+
+impl TableVisitor for Loader<'_> {
+    type Error = StoreError;
+
+    fn visit<R: Record>(&mut self, store: &mut R::Store) -> Result<(), StoreError> {
+        let mut t = self.txn.open_table(definition(R::TABLE))?;
+        for (key, record, clear) in decode_table::<R>(&t, self.keyring, &mut self.bad)? {
+            // Schema 1's clear secrets are sealed now.
+            if clear {
+                t.insert(key.as_str(), record.encode(self.keyring)?.as_slice())?;
+                self.sealed += 1;
+            }
+            store.insert_loaded(record);
+        }
+        Ok(())
+    }
 }
 
 /// An index read from `meta`, or 0 (lost) when it is beyond
@@ -431,106 +352,30 @@ fn load_node_secrets(
     Ok((out, moved))
 }
 
-/// The ACL records; like [`decode_table`], a record that fails to decode,
-/// sits under another key than its own or has an impossible index is
-/// returned as bad.
-fn decode_acl(
-    table: &redb::Table<&str, &[u8]>,
-    bad: &mut Vec<(Table, String, Vec<u8>)>,
-) -> Result<Vec<super::AclRecord>, StoreError> {
-    let mut out = Vec::new();
-    for row in table.iter()? {
-        let (k, v) = row?;
-        let key = k.value().to_string();
-        match serde_json::from_slice::<super::AclRecord>(v.value()) {
-            Ok(r) if r.key() == key && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX) => {
-                out.push(r)
-            }
-            Ok(_) => {
-                tracing::error!(table = "acl", key = %key,
-                    "ACL record does not match its key or has an impossible index; quarantining it");
-                bad.push((Table::Acl, key, v.value().to_vec()));
-            }
-            Err(e) => {
-                tracing::error!(table = "acl", key = %key, error = %e,
-                    "ACL record failed to decode; quarantining it");
-                bad.push((Table::Acl, key, v.value().to_vec()));
-            }
-        }
-    }
-    Ok(out)
-}
-
 impl Backend for RedbBackend {
     fn load(&self) -> Result<Tables, StoreError> {
         let txn = self.db()?.begin_write()?;
         let mut tables = Tables::default();
-        {
-            let mut meta = txn.open_table(META)?;
-            let found = meta.get(META_SCHEMA)?.map(|v| v.value());
-            match found {
-                Some(v) if v > SCHEMA_VERSION => {
-                    return Err(StoreError::SchemaTooNew {
-                        path: self.path.display().to_string(),
-                        found: v,
-                        supported: SCHEMA_VERSION,
-                    });
-                }
-                Some(v) if v < SCHEMA_VERSION => {
-                    tracing::info!(from = v, to = SCHEMA_VERSION, "migrating server state");
-                    self.migrate(v, &txn)?;
-                }
-                _ => {}
-            }
-            meta.insert(META_SCHEMA, SCHEMA_VERSION)?;
-            tables.index = sane_index(META_INDEX, meta.get(META_INDEX)?.map(|v| v.value()));
-            for t in Table::ALL {
-                let key = table_index_key(t);
-                let i = sane_index(&key, meta.get(key.as_str())?.map(|v| v.value()));
-                tables.table_index.insert(t, i);
-            }
-        }
-        let mut bad = Vec::new();
-        let mut clear = Vec::new();
-        let k = &self.keyring;
-        let sealed_node_secrets;
-        {
-            let t = txn.open_table(definition(Table::Jobs))?;
-            tables.jobs = decode_table(&t, Table::Jobs, k, &mut bad, &mut clear)?;
-            let t = txn.open_table(definition(Table::Allocs))?;
-            tables.allocs = decode_table(&t, Table::Allocs, k, &mut bad, &mut clear)?;
-            let t = txn.open_table(definition(Table::Nodes))?;
-            tables.nodes = decode_table(&t, Table::Nodes, k, &mut bad, &mut clear)?;
-            clear.clear();
-            let mut t = txn.open_table(definition(Table::Volumes))?;
-            tables.volumes = decode_table(&t, Table::Volumes, k, &mut bad, &mut clear)?;
-            // Schema 1's clear secrets are sealed now.
-            for key in &clear {
-                if let Some(v) = tables.volumes.get(key) {
-                    t.insert(key.as_str(), encode_volume(v, k)?.as_slice())?;
-                }
-            }
-            let (secrets, moved) = load_node_secrets(&txn, k)?;
-            tables.node_secrets = secrets;
-            sealed_node_secrets = moved;
-            let t = txn.open_table(definition(Table::Acl))?;
-            tables.acl = super::AclTables::from_records(decode_acl(&t, &mut bad)?);
-        }
-        if !clear.is_empty() || sealed_node_secrets > 0 {
+        self.load_meta(&txn, &mut tables)?;
+        let mut loader = Loader {
+            txn: &txn,
+            keyring: &self.keyring,
+            bad: Vec::new(),
+            sealed: 0,
+        };
+        tables.visit_mut(&mut loader)?;
+        let Loader { bad, sealed, .. } = loader;
+        let (secrets, sealed_node_secrets) = load_node_secrets(&txn, &self.keyring)?;
+        tables.node_secrets = secrets;
+        if sealed > 0 || sealed_node_secrets > 0 {
             tracing::info!(
-                volumes = clear.len(),
+                volumes = sealed,
                 node_secrets = sealed_node_secrets,
                 "sealed secrets that an older berth stored in the clear"
             );
         }
         // The index never goes backwards, even if meta was lost.
-        let max_seen = tables
-            .jobs
-            .values()
-            .map(|j| j.modify_index)
-            .chain(tables.allocs.values().map(|a| a.modify_index))
-            .chain(tables.nodes.values().map(|n| n.modify_index))
-            .chain(tables.volumes.values().map(|v| v.modify_index))
+        let max_seen = std::iter::once(tables.max_modify_index())
             .chain(tables.table_index.values().copied())
             .max()
             .unwrap_or(0);
@@ -619,9 +464,9 @@ impl RedbBackend {
                 let (key, bytes) = row?;
                 let key = key.value().to_string();
                 let (volume, _) =
-                    decode_volume(&key, bytes.value(), k).map_err(|e| StoreError::Reseal {
+                    decode_volume(&key, bytes.value(), k).map_err(|source| StoreError::Reseal {
                         record: record_aad(Table::Volumes.name(), &key),
-                        why: e.to_string(),
+                        source,
                     })?;
                 if !volume.secrets.is_empty() {
                     resealed.push((key, encode_volume(&volume, k)?));
@@ -636,10 +481,10 @@ impl RedbBackend {
             for row in s.iter()? {
                 let (node_id, bytes) = row?;
                 let node_id = node_id.value().to_string();
-                let secret = open_node_secret(&node_id, bytes.value(), k).map_err(|e| {
+                let secret = open_node_secret(&node_id, bytes.value(), k).map_err(|source| {
                     StoreError::Reseal {
                         record: record_aad(NODE_SECRETS_SEALED_NAME, &node_id),
-                        why: e.to_string(),
+                        source,
                     }
                 })?;
                 resealed.push((node_id.clone(), seal_node_secret(&node_id, &secret, k)?));
@@ -668,27 +513,12 @@ impl RedbBackend {
                     continue;
                 }
                 let mut t = txn.open_table(definition(kind))?;
-                let encode_err = |source| StoreError::Encode {
-                    table: kind.name(),
-                    key: change.key().to_string(),
-                    source,
-                };
-                let encoded = match change {
-                    Change::PutJob(j) => Some(serde_json::to_vec(j).map_err(encode_err)?),
-                    Change::PutAlloc(a) => Some(serde_json::to_vec(a).map_err(encode_err)?),
-                    Change::PutNode(n) => Some(serde_json::to_vec(n).map_err(encode_err)?),
-                    Change::PutVolume(v) => Some(encode_volume(v, &self.keyring)?),
-                    Change::PutAcl { record, .. } => {
-                        Some(serde_json::to_vec(record).map_err(encode_err)?)
-                    }
-                    _ => None,
-                };
-                match encoded {
+                match change.encode(&self.keyring) {
                     Some(bytes) => {
-                        t.insert(change.key(), bytes.as_slice())?;
+                        t.insert(change.key().as_ref(), bytes?.as_slice())?;
                     }
                     None => {
-                        t.remove(change.key())?;
+                        t.remove(change.key().as_ref())?;
                     }
                 }
             }
@@ -712,7 +542,7 @@ mod tests {
 
     use std::collections::BTreeSet;
 
-    use berth_structs::{Allocation, Job, Node};
+    use berth_structs::{Allocation, CsiVolume, Job, Node};
     use berth_testutil::json::{self, Nodes};
     use proptest::prelude::*;
     use proptest::sample::Index;
@@ -810,9 +640,9 @@ mod tests {
 
     /// Whether `bytes` under `key` is a record the store should load.
     fn is_good(kind: Table, key: &str, bytes: &[u8]) -> bool {
-        fn good<T: StoredRecord>(key: &str, bytes: &[u8]) -> bool {
+        fn good<T: Record>(key: &str, bytes: &[u8]) -> bool {
             serde_json::from_slice::<T>(bytes)
-                .is_ok_and(|r| r.id() == key && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX))
+                .is_ok_and(|r| r.key() == key && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX))
         }
         match kind {
             Table::Jobs => good::<Job>(key, bytes),
@@ -986,6 +816,96 @@ mod tests {
             })
             .expect("a write after the load");
         assert_eq!(index, 6);
+    }
+
+    /// The stored form of each table: the record's JSON under its key, in
+    /// the table named after it, and the indexes in `meta`.
+    #[test]
+    fn each_table_stores_its_records_json_under_their_keys() {
+        use berth_structs::acl::AclPolicy;
+
+        use crate::state::{AclRecord, Change};
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = RedbBackend::path_in(dir.path());
+        let store =
+            StateStore::open(Box::new(RedbBackend::open(&path).expect("open"))).expect("store");
+        let ((), index) = store
+            .write(|_, changes| {
+                changes.push(Change::PutJob(Job {
+                    id: "j".into(),
+                    ..Default::default()
+                }));
+                changes.push(Change::PutAlloc(Allocation {
+                    id: "a".into(),
+                    ..Default::default()
+                }));
+                changes.push(Change::PutNode(Node {
+                    id: "n".into(),
+                    ..Default::default()
+                }));
+                changes.push(Change::PutVolume(CsiVolume {
+                    id: "v".into(),
+                    ..Default::default()
+                }));
+                changes.push(Change::put_acl(AclRecord::Policy(AclPolicy {
+                    name: "ops".into(),
+                    ..Default::default()
+                })));
+                Ok::<_, StoreError>(())
+            })
+            .expect("write");
+        let want: Vec<(&str, &str, Vec<u8>)> = store.read(|t| {
+            vec![
+                ("jobs", "j", serde_json::to_vec(&t.jobs["j"]).expect("json")),
+                (
+                    "allocs",
+                    "a",
+                    serde_json::to_vec(&t.allocs["a"]).expect("json"),
+                ),
+                (
+                    "nodes",
+                    "n",
+                    serde_json::to_vec(&t.nodes["n"]).expect("json"),
+                ),
+                (
+                    "volumes",
+                    "v",
+                    serde_json::to_vec(&t.volumes["v"]).expect("json"),
+                ),
+                (
+                    "acl",
+                    "policy/ops",
+                    serde_json::to_vec(&AclRecord::Policy(t.acl.policies["ops"].clone()))
+                        .expect("json"),
+                ),
+            ]
+        });
+        drop(store);
+        let db = Database::create(&path).expect("open db");
+        let txn = db.begin_read().expect("read");
+        for (table, key, bytes) in want {
+            let t = txn
+                .open_table(TableDefinition::<&str, &[u8]>::new(table))
+                .expect("table");
+            let stored = t.get(key).expect("get").expect("stored").value().to_vec();
+            assert_eq!(stored, bytes, "{table}/{key}");
+        }
+        let m = txn.open_table(META).expect("meta");
+        for key in [
+            META_INDEX,
+            "index/jobs",
+            "index/allocs",
+            "index/nodes",
+            "index/volumes",
+            "index/acl",
+        ] {
+            assert_eq!(
+                m.get(key).expect("get").map(|v| v.value()),
+                Some(index),
+                "{key}"
+            );
+        }
     }
 
     /// What every secret test stores: a volume with secrets and a node

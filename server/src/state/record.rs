@@ -1,0 +1,374 @@
+//! What the store needs to know of one kind of object: [`Record`], its
+//! table, its key, its create and modify index and how a write stamps
+//! them, the secondary indexes it is in, and how it is encoded for the
+//! backend. The store's writes, its stamping, its indexes and the redb
+//! backend are generic over it; the list of tables is in `schema`.
+//!
+//! [`RecordStore`] is how a table holds its records in memory: a map by
+//! key for most, [`super::AclTables`] (with lookups by secret hash) for
+//! the ACL records.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+
+use berth_structs::{Allocation, CsiVolume, Job, Node};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use super::{Indexes, Table};
+use crate::error::StoreError;
+use crate::keyring::{Keyring, KeyringError, Sealed};
+
+/// Why a stored record did not load (or did not open to be sealed again).
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("failed to decode: {0}")]
+    Decode(#[from] serde_json::Error),
+    #[error("its secrets do not open: {0}")]
+    Unseal(#[from] KeyringError),
+    #[error("is not a node secret: {0}")]
+    InvalidNodeSecret(#[from] berth_structs::NodeSecretError),
+}
+
+/// What a write moved besides its tables, for the store's watches.
+#[derive(Debug, Default)]
+pub struct WriteEffects {
+    /// Nodes that had an alloc put or deleted (but for its volume stats
+    /// alone).
+    pub alloc_nodes: Vec<String>,
+    /// Nodes written or deleted.
+    pub nodes: Vec<String>,
+    /// An alloc was put or deleted (but for its volume stats alone).
+    pub allocs_moved: bool,
+}
+
+/// One kind of object the store keeps, in its own table.
+pub trait Record: Clone + std::fmt::Debug + Serialize + DeserializeOwned + Sized {
+    /// The table it is kept in.
+    const TABLE: Table;
+    /// How the table holds its records in memory.
+    type Store: RecordStore<Self>;
+
+    /// Its key in the table.
+    fn key(&self) -> Cow<'_, str>;
+
+    /// The create and modify index (zero where the record has none).
+    fn indexes(&self) -> [u64; 2];
+
+    /// Sets the create and modify index (and times) of a record about to
+    /// be written at `index`, replacing `old` when there was one.
+    fn stamp(&mut self, old: Option<&Self>, index: u64, now_ms: i64);
+
+    /// Adds the record to the secondary indexes.
+    fn index(&self, _idx: &mut Indexes) {}
+
+    /// Removes the record from the secondary indexes.
+    fn unindex(&self, _idx: &mut Indexes) {}
+
+    /// Whether a put of `self` over `old` changes nothing that watchers or
+    /// indexes look at (an alloc's volume stats alone).
+    fn quiet_over(&self, _old: &Self) -> bool {
+        false
+    }
+
+    /// Notes what a put (`new` is `Some`) or a delete (`new` is `None`)
+    /// under `key` moved for the watches; `old` is what was there.
+    fn note_write(_key: &str, _old: Option<&Self>, _new: Option<&Self>, _fx: &mut WriteEffects) {}
+
+    /// The stored bytes.
+    fn encode(&self, _keyring: &Keyring) -> Result<Vec<u8>, StoreError> {
+        serde_json::to_vec(self).map_err(|source| StoreError::Encode {
+            table: Self::TABLE.name(),
+            key: self.key().into_owned(),
+            source,
+        })
+    }
+
+    /// Decodes the stored bytes under `key`, opening sealed parts. The flag
+    /// is true for a record that held secrets in the clear (schema 1),
+    /// which is to be written again sealed.
+    fn decode(_key: &str, bytes: &[u8], _keyring: &Keyring) -> Result<(Self, bool), RecordError> {
+        Ok((serde_json::from_slice(bytes)?, false))
+    }
+
+    /// Reports a stored record that is quarantined on load: `decoded` is
+    /// the record when it decoded but is unusable.
+    fn report_bad(key: &str, decoded: Option<&Self>, error: Option<&RecordError>) {
+        let name = Self::TABLE.name();
+        match (decoded, error) {
+            (_, Some(e)) => tracing::error!(table = name, key = %key, error = %e,
+                "state record did not load; quarantining it"),
+            (Some(r), None) if r.key() != key => {
+                tracing::error!(table = name, key = %key, id = %r.key(),
+                    "state record's ID does not match its key; quarantining it")
+            }
+            (Some(r), None) => {
+                let [create_index, modify_index] = r.indexes();
+                tracing::error!(table = name, key = %key, create_index, modify_index,
+                    "state record's index is beyond any real store's; quarantining it")
+            }
+            (None, None) => {}
+        }
+    }
+}
+
+/// How a table holds its records in memory. Everything the store does to
+/// a table goes through here.
+pub trait RecordStore<R: Record>: std::fmt::Debug + Default + Clone {
+    /// Stamps `record` for a write at `index` (see [`Record::stamp`]).
+    fn stamp(&self, record: &mut R, index: u64, now_ms: i64);
+    /// Puts `record`, keeping `idx` and noting what moved in `fx`.
+    fn put(&mut self, record: R, idx: &mut Indexes, fx: &mut WriteEffects);
+    /// Deletes the record under `key`, keeping `idx` and noting what moved.
+    fn delete(&mut self, key: &str, idx: &mut Indexes, fx: &mut WriteEffects);
+    /// Puts a record as loaded from the backend.
+    fn insert_loaded(&mut self, record: R);
+    /// Adds every record to `idx`.
+    fn index_all(&self, idx: &mut Indexes);
+    /// The highest modify index of the records that the store's index is
+    /// kept above on load.
+    fn max_modify_index(&self) -> u64;
+}
+
+impl<R: Record> RecordStore<R> for BTreeMap<String, R> {
+    fn stamp(&self, record: &mut R, index: u64, now_ms: i64) {
+        let old = self.get(record.key().as_ref());
+        record.stamp(old, index, now_ms);
+    }
+
+    fn put(&mut self, record: R, idx: &mut Indexes, fx: &mut WriteEffects) {
+        let key = record.key().into_owned();
+        let old = self.get(&key);
+        if !old.is_some_and(|o| record.quiet_over(o)) {
+            if let Some(o) = old {
+                o.unindex(idx);
+            }
+            record.index(idx);
+            R::note_write(&key, old, Some(&record), fx);
+        }
+        self.insert(key, record);
+    }
+
+    fn delete(&mut self, key: &str, idx: &mut Indexes, fx: &mut WriteEffects) {
+        let old = self.remove(key);
+        if let Some(o) = &old {
+            o.unindex(idx);
+        }
+        R::note_write(key, old.as_ref(), None, fx);
+    }
+
+    fn insert_loaded(&mut self, record: R) {
+        self.insert(record.key().into_owned(), record);
+    }
+
+    fn index_all(&self, idx: &mut Indexes) {
+        for r in self.values() {
+            r.index(idx);
+        }
+    }
+
+    fn max_modify_index(&self) -> u64 {
+        self.values().map(|r| r.indexes()[1]).max().unwrap_or(0)
+    }
+}
+
+impl Record for Job {
+    const TABLE: Table = Table::Jobs;
+    type Store = BTreeMap<String, Job>;
+
+    fn key(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.id)
+    }
+
+    fn indexes(&self) -> [u64; 2] {
+        [self.create_index, self.modify_index]
+    }
+
+    fn stamp(&mut self, old: Option<&Self>, index: u64, now_ms: i64) {
+        self.create_index = old.map_or(index, |o| o.create_index);
+        self.modify_index = index;
+        self.modify_time_ms = now_ms;
+    }
+}
+
+impl Record for Allocation {
+    const TABLE: Table = Table::Allocs;
+    type Store = BTreeMap<String, Allocation>;
+
+    fn key(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.id)
+    }
+
+    fn indexes(&self) -> [u64; 2] {
+        [self.create_index, self.modify_index]
+    }
+
+    fn stamp(&mut self, old: Option<&Self>, index: u64, now_ms: i64) {
+        match old {
+            Some(o) => {
+                self.create_index = o.create_index;
+                self.create_time_ms = o.create_time_ms;
+            }
+            None => {
+                self.create_index = index;
+                self.create_time_ms = now_ms;
+            }
+        }
+        self.modify_index = index;
+        self.modify_time_ms = now_ms;
+    }
+
+    fn index(&self, idx: &mut Indexes) {
+        idx.put_alloc(self);
+    }
+
+    fn unindex(&self, idx: &mut Indexes) {
+        idx.remove_alloc(self);
+    }
+
+    /// A write of the volume stats alone sends nothing new to the node:
+    /// its alloc watch is not made to scan every alloc again for it.
+    fn quiet_over(&self, old: &Self) -> bool {
+        old.same_but_volume_stats(self)
+    }
+
+    fn note_write(_key: &str, old: Option<&Self>, new: Option<&Self>, fx: &mut WriteEffects) {
+        for a in new.into_iter().chain(old) {
+            fx.alloc_nodes.push(a.node_id.clone());
+            fx.allocs_moved = true;
+        }
+    }
+}
+
+impl Record for Node {
+    const TABLE: Table = Table::Nodes;
+    type Store = BTreeMap<String, Node>;
+
+    fn key(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.id)
+    }
+
+    fn indexes(&self) -> [u64; 2] {
+        [self.create_index, self.modify_index]
+    }
+
+    fn stamp(&mut self, old: Option<&Self>, index: u64, _now_ms: i64) {
+        self.create_index = old.map_or(index, |o| o.create_index);
+        self.modify_index = index;
+    }
+
+    fn index(&self, idx: &mut Indexes) {
+        idx.put_node(self);
+    }
+
+    fn unindex(&self, idx: &mut Indexes) {
+        idx.remove_node(self);
+    }
+
+    /// A node's watch is woken by any write of the node, a delete of one
+    /// that is not there too.
+    fn note_write(key: &str, _old: Option<&Self>, _new: Option<&Self>, fx: &mut WriteEffects) {
+        fx.nodes.push(key.to_string());
+    }
+}
+
+impl Record for CsiVolume {
+    const TABLE: Table = Table::Volumes;
+    type Store = BTreeMap<String, CsiVolume>;
+
+    fn key(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.id)
+    }
+
+    fn indexes(&self) -> [u64; 2] {
+        [self.create_index, self.modify_index]
+    }
+
+    fn stamp(&mut self, old: Option<&Self>, index: u64, _now_ms: i64) {
+        self.create_index = old.map_or(index, |o| o.create_index);
+        self.modify_index = index;
+    }
+
+    fn index(&self, idx: &mut Indexes) {
+        idx.put_volume(self);
+    }
+
+    fn unindex(&self, idx: &mut Indexes) {
+        idx.remove_volume(self);
+    }
+
+    fn encode(&self, keyring: &Keyring) -> Result<Vec<u8>, StoreError> {
+        encode_volume(self, keyring)
+    }
+
+    fn decode(key: &str, bytes: &[u8], keyring: &Keyring) -> Result<(Self, bool), RecordError> {
+        decode_volume(key, bytes, keyring)
+    }
+}
+
+/// A volume as stored: its secrets sealed, apart from the rest.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct StoredVolume<V> {
+    #[serde(flatten)]
+    volume: V,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    sealed_secrets: Option<Sealed>,
+}
+
+/// The associated data a record's sealed value is bound to.
+pub(crate) fn record_aad(table: &str, key: &str) -> String {
+    format!("{table}/{key}")
+}
+
+/// A volume's stored bytes: its secrets sealed with the active key.
+pub(crate) fn encode_volume(v: &CsiVolume, keyring: &Keyring) -> Result<Vec<u8>, StoreError> {
+    let encode_err = |source| StoreError::Encode {
+        table: Table::Volumes.name(),
+        key: v.id.clone(),
+        source,
+    };
+    if v.secrets.is_empty() {
+        return serde_json::to_vec(v).map_err(encode_err);
+    }
+    let secrets = serde_json::to_vec(&v.secrets).map_err(encode_err)?;
+    let sealed = keyring
+        .seal(&secrets, &record_aad(Table::Volumes.name(), &v.id))
+        .map_err(|source| StoreError::Seal {
+            record: record_aad(Table::Volumes.name(), &v.id),
+            source,
+        })?;
+    let mut bare = v.clone();
+    bare.secrets.clear();
+    serde_json::to_vec(&StoredVolume {
+        volume: bare,
+        sealed_secrets: Some(sealed),
+    })
+    .map_err(encode_err)
+}
+
+pub(crate) fn decode_volume(
+    key: &str,
+    bytes: &[u8],
+    keyring: &Keyring,
+) -> Result<(CsiVolume, bool), RecordError> {
+    let stored: StoredVolume<CsiVolume> = serde_json::from_slice(bytes)?;
+    let mut volume = stored.volume;
+    match stored.sealed_secrets {
+        Some(sealed) => {
+            let plain = keyring.open_sealed(&sealed, &record_aad(Table::Volumes.name(), key))?;
+            volume.secrets = serde_json::from_slice(&plain)?;
+            Ok((volume, false))
+        }
+        None => {
+            let clear = !volume.secrets.is_empty();
+            Ok((volume, clear))
+        }
+    }
+}
+
+/// A visitor of every table of [`super::Tables`], one record type at a time (see
+/// `Tables::visit_mut`): how the backend loads them.
+pub trait TableVisitor {
+    type Error;
+    fn visit<R: Record>(&mut self, store: &mut R::Store) -> Result<(), Self::Error>;
+}
