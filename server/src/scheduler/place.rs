@@ -48,229 +48,44 @@ pub(crate) fn place(
     now_ms: i64,
     changes: &mut Vec<Change>,
 ) -> PlanOutcome {
-    let mut outcome = PlanOutcome::default();
-    let job_id = job.id.as_str();
-    let mut ctx = PlanContext::new(t, job);
-    let allocs: Vec<&Allocation> = t.allocs_of_job(job_id).collect();
-    // The allocs of the job as they will be after this plan.
-    let mut after: BTreeMap<String, Allocation> = allocs
-        .iter()
-        .map(|a| (a.id.clone(), (*a).clone()))
-        .collect();
-    let mut put = |a: Allocation, after: &mut BTreeMap<String, Allocation>| {
-        after.insert(a.id.clone(), a.clone());
-        changes.push(Change::PutAlloc(a));
+    let allocs: Vec<&Allocation> = t.allocs_of_job(&job.id).collect();
+    let mut placer = Placer {
+        job,
+        cfg,
+        now_ms,
+        nodes: Vec::new(),
+        ctx: PlanContext::new(t, job),
+        // The allocs of the job as they will be after this plan.
+        after: allocs
+            .iter()
+            .map(|a| (a.id.clone(), (*a).clone()))
+            .collect(),
+        changes,
+        outcome: PlanOutcome::default(),
     };
-
     if job.stop {
-        for a in &allocs {
-            if !a.server_terminal() {
-                put(stop(a, "job stopped"), &mut after);
-            }
-        }
+        placer.stop_all(&allocs);
     } else {
-        for a in &allocs {
-            if a.server_terminal() {
-                continue;
-            }
-            let outdated = a.job.version != job.version;
-            let gone = job.lookup_group(&a.task_group).is_none();
-            if outdated || gone {
-                let why = if gone {
-                    "group removed from the job"
-                } else {
-                    "job updated"
-                };
-                ctx.remove(a);
-                put(stop(a, why), &mut after);
-            }
-        }
-        let nodes: Vec<&Node> = t
+        placer.stop_outdated(&allocs);
+        placer.nodes = t
             .nodes
             .values()
             .filter(|n| n.status == NodeStatus::Ready)
             .collect();
         for group in &job.task_groups {
-            let current: Vec<Allocation> = after
+            let current: Vec<Allocation> = placer
+                .after
                 .values()
                 .filter(|a| a.task_group == group.name && a.job.version == job.version)
                 .cloned()
                 .collect();
             match job.job_type {
-                JobType::System => {
-                    if group.count == 0 {
-                        for a in current.iter().filter(|a| !a.is_terminal()) {
-                            ctx.remove(a);
-                            put(stop(a, "count is 0"), &mut after);
-                        }
-                        continue;
-                    }
-                    // A system job runs on every eligible ready node; an
-                    // ineligible one is no target (its allocs there stay
-                    // until a drain stops them).
-                    let targets: Vec<&Node> =
-                        nodes.iter().copied().filter(|n| n.is_eligible()).collect();
-                    let ready = targets.len();
-                    outcome.counts.desired = outcome.counts.desired.saturating_add(ready as u64);
-                    let mut tally = Tally::new();
-                    let mut current_on: HashMap<&str, Vec<&Allocation>> = HashMap::new();
-                    for a in &current {
-                        current_on.entry(a.node_id.as_str()).or_default().push(a);
-                    }
-                    for node in &targets {
-                        let mut held = false;
-                        let here = current_on
-                            .get(node.id.as_str())
-                            .map_or(&[][..], Vec::as_slice);
-                        for a in here {
-                            match occupancy(a, false, group, cfg, now_ms) {
-                                Occupancy::Free => {}
-                                Occupancy::Held => held = true,
-                                Occupancy::Delayed(until) => {
-                                    outcome.delay_until(until);
-                                    held = true;
-                                }
-                            }
-                        }
-                        if held {
-                            continue;
-                        }
-                        let alloc = new_alloc(job, group, 0, &node.id);
-                        match ctx.infeasible(job, group, 0, &alloc.id, node) {
-                            Some(why) => tally.add(&why, node.name_or_id().to_string()),
-                            None => {
-                                ctx.add(&alloc);
-                                put(alloc, &mut after);
-                            }
-                        }
-                    }
-                    outcome.note_unplaced(group, tally.total);
-                    outcome
-                        .failures
-                        .extend(system_failure_lines(group, &tally, ready));
-                }
-                JobType::Service | JobType::Batch => {
-                    let batch = job.job_type == JobType::Batch;
-                    outcome.counts.desired = outcome
-                        .counts
-                        .desired
-                        .saturating_add(u64::from(group.count));
-                    let mut occupied = BTreeSet::new();
-                    for a in &current {
-                        let occupies = match occupancy(a, batch, group, cfg, now_ms) {
-                            Occupancy::Free => false,
-                            Occupancy::Held => true,
-                            Occupancy::Delayed(until) => {
-                                outcome.delay_until(until);
-                                true
-                            }
-                        };
-                        if occupies {
-                            occupied.insert(a.index);
-                        }
-                    }
-                    // Count lowered: stop the live allocs above it.
-                    for a in current
-                        .iter()
-                        .filter(|a| !a.is_terminal() && a.index >= group.count)
-                    {
-                        ctx.remove(a);
-                        put(stop(a, "count reduced"), &mut after);
-                    }
-                    // The job's live allocs per node, for spreading.
-                    let mut job_on_node: HashMap<String, usize> = HashMap::new();
-                    for a in after.values().filter(|a| !a.is_terminal()) {
-                        let n = job_on_node.entry(a.node_id.clone()).or_default();
-                        *n = n.saturating_add(1);
-                    }
-                    // Without per_alloc volumes every index of the group
-                    // asks the same: once one fits no node (and nothing was
-                    // placed since), the rest fit none, for the same reason.
-                    let same_for_every_index = !group.volumes.values().any(|r| r.per_alloc);
-                    let mut group_blocked: Option<String> = None;
-                    let mut tally = Tally::new();
-                    // The nodes in the order the group prefers them (the
-                    // job's allocs spread, then free memory, then the
-                    // nodes' order): the first that fits is the best, and
-                    // one that fails a check no later placement of the
-                    // group can undo leaves the set, so that a placement
-                    // costs what it looks at, not every node.
-                    let mut candidates: BTreeSet<(usize, Reverse<u64>, usize)> = nodes
-                        .iter()
-                        .enumerate()
-                        .map(|(pos, node)| preference(&ctx, &job_on_node, node, pos))
-                        .collect();
-                    for index in 0..group.count {
-                        if occupied.contains(&index) {
-                            continue;
-                        }
-                        if let Some(reason) = &group_blocked {
-                            tally.add(reason, index);
-                            continue;
-                        }
-                        let mut alloc = new_alloc(job, group, index, "");
-                        let mut best = None;
-                        let mut gone = Vec::new();
-                        for &key in &candidates {
-                            let node = nodes[key.2];
-                            if ctx.node_infeasible(job, group, node).is_some() {
-                                gone.push(key);
-                            } else if ctx
-                                .volumes_infeasible(group, index, &alloc.id, node)
-                                .is_some()
-                            {
-                                // A per_alloc volume's check is this
-                                // index's: the node may fit the next one.
-                                if same_for_every_index {
-                                    gone.push(key);
-                                }
-                            } else {
-                                best = Some(key);
-                                break;
-                            }
-                        }
-                        for key in gone {
-                            candidates.remove(&key);
-                        }
-                        match best {
-                            Some(key) => {
-                                let node = nodes[key.2];
-                                candidates.remove(&key);
-                                alloc.node_id = node.id.clone();
-                                ctx.add(&alloc);
-                                let n = job_on_node.entry(node.id.clone()).or_default();
-                                *n = n.saturating_add(1);
-                                candidates.insert(preference(&ctx, &job_on_node, node, key.2));
-                                put(alloc, &mut after);
-                            }
-                            None => {
-                                // Nothing fits: every node's reason, as
-                                // the failure shows them.
-                                let reasons: Vec<String> = nodes
-                                    .iter()
-                                    .filter_map(|node| {
-                                        let why =
-                                            ctx.infeasible(job, group, index, &alloc.id, node)?;
-                                        Some(format!("node {}: {why}", node.name_or_id()))
-                                    })
-                                    .collect();
-                                let reason = per_node_reasons(&reasons, nodes.len());
-                                tally.add(&reason, index);
-                                if same_for_every_index {
-                                    group_blocked = Some(reason);
-                                }
-                            }
-                        }
-                    }
-                    outcome.note_unplaced(group, tally.total);
-                    outcome
-                        .failures
-                        .extend(service_failure_lines(group, &tally));
-                }
+                JobType::System => placer.place_system_group(group, &current),
+                JobType::Service | JobType::Batch => placer.place_indexed_group(group, &current),
             }
         }
     }
-
+    let Placer { after, outcome, .. } = placer;
     let status = job_status(job, &after, &outcome);
     if status != job.status {
         let mut j = job.clone();
@@ -278,6 +93,285 @@ pub(crate) fn place(
         changes.push(Change::PutJob(j));
     }
     outcome
+}
+
+/// One placement computation under way: what it sees and what it has
+/// decided so far.
+struct Placer<'a, 'c> {
+    job: &'a Job,
+    cfg: &'a ServerConfig,
+    now_ms: i64,
+    /// The ready nodes (set once the job's stops are decided).
+    nodes: Vec<&'a Node>,
+    ctx: PlanContext<'a>,
+    /// The allocs of the job as they will be after this plan.
+    after: BTreeMap<String, Allocation>,
+    changes: &'c mut Vec<Change>,
+    outcome: PlanOutcome,
+}
+
+impl Placer<'_, '_> {
+    /// Write `a` (a stop or a placement).
+    fn put(&mut self, a: Allocation) {
+        self.after.insert(a.id.clone(), a.clone());
+        self.changes.push(Change::PutAlloc(a));
+    }
+
+    /// A stopped job: every alloc not stopped yet is stopped.
+    fn stop_all(&mut self, allocs: &[&Allocation]) {
+        for a in allocs {
+            if !a.server_terminal() {
+                self.put(stop(a, "job stopped"));
+            }
+        }
+    }
+
+    /// Stop the allocs of an older version of the job, or of a group it
+    /// no longer has.
+    fn stop_outdated(&mut self, allocs: &[&Allocation]) {
+        for a in allocs {
+            if a.server_terminal() {
+                continue;
+            }
+            let outdated = a.job.version != self.job.version;
+            let gone = self.job.lookup_group(&a.task_group).is_none();
+            if outdated || gone {
+                let why = if gone {
+                    "group removed from the job"
+                } else {
+                    "job updated"
+                };
+                self.ctx.remove(a);
+                self.put(stop(a, why));
+            }
+        }
+    }
+
+    /// A system group: one alloc per eligible ready node that fits.
+    fn place_system_group(&mut self, group: &TaskGroup, current: &[Allocation]) {
+        let job = self.job;
+        if group.count == 0 {
+            for a in current.iter().filter(|a| !a.is_terminal()) {
+                self.ctx.remove(a);
+                self.put(stop(a, "count is 0"));
+            }
+            return;
+        }
+        // A system job runs on every eligible ready node; an ineligible
+        // one is no target (its allocs there stay until a drain stops
+        // them).
+        let targets: Vec<&Node> = self
+            .nodes
+            .iter()
+            .copied()
+            .filter(|n| n.is_eligible())
+            .collect();
+        let ready = targets.len();
+        self.outcome.counts.desired = self.outcome.counts.desired.saturating_add(ready as u64);
+        let mut tally = Tally::new();
+        let mut current_on: HashMap<&str, Vec<&Allocation>> = HashMap::new();
+        for a in current {
+            current_on.entry(a.node_id.as_str()).or_default().push(a);
+        }
+        for node in &targets {
+            let here = current_on
+                .get(node.id.as_str())
+                .map_or(&[][..], Vec::as_slice);
+            if self.held_on_node(here, group) {
+                continue;
+            }
+            let alloc = new_alloc(job, group, 0, &node.id);
+            match self.ctx.infeasible(job, group, 0, &alloc.id, node) {
+                Some(why) => tally.add(&why, node.name_or_id().to_string()),
+                None => {
+                    self.ctx.add(&alloc);
+                    self.put(alloc);
+                }
+            }
+        }
+        self.outcome.note_unplaced(group, tally.total);
+        self.outcome
+            .failures
+            .extend(system_failure_lines(group, &tally, ready));
+    }
+
+    /// Whether one of a system group's allocs `here` (on one node) holds
+    /// the node, noting a delay one of them waits for.
+    fn held_on_node(&mut self, here: &[&Allocation], group: &TaskGroup) -> bool {
+        let mut held = false;
+        for a in here {
+            match occupancy(a, false, group, self.cfg, self.now_ms) {
+                Occupancy::Free => {}
+                Occupancy::Held => held = true,
+                Occupancy::Delayed(until) => {
+                    self.outcome.delay_until(until);
+                    held = true;
+                }
+            }
+        }
+        held
+    }
+
+    /// A service or batch group: `count` allocs, one per index.
+    fn place_indexed_group(&mut self, group: &TaskGroup, current: &[Allocation]) {
+        let batch = self.job.job_type == JobType::Batch;
+        self.outcome.counts.desired = self
+            .outcome
+            .counts
+            .desired
+            .saturating_add(u64::from(group.count));
+        let occupied = self.occupied_indices(group, current, batch);
+        // Count lowered: stop the live allocs above it.
+        for a in current
+            .iter()
+            .filter(|a| !a.is_terminal() && a.index >= group.count)
+        {
+            self.ctx.remove(a);
+            self.put(stop(a, "count reduced"));
+        }
+        let mut indexed = IndexedPlacement::new(self, group);
+        for index in 0..group.count {
+            if !occupied.contains(&index) {
+                self.place_index(&mut indexed, group, index);
+            }
+        }
+        self.outcome.note_unplaced(group, indexed.tally.total);
+        self.outcome
+            .failures
+            .extend(service_failure_lines(group, &indexed.tally));
+    }
+
+    /// The indices of a service or batch group that its `current` allocs
+    /// hold, noting the delays some of them wait for.
+    fn occupied_indices(
+        &mut self,
+        group: &TaskGroup,
+        current: &[Allocation],
+        batch: bool,
+    ) -> BTreeSet<u32> {
+        let mut occupied = BTreeSet::new();
+        for a in current {
+            let occupies = match occupancy(a, batch, group, self.cfg, self.now_ms) {
+                Occupancy::Free => false,
+                Occupancy::Held => true,
+                Occupancy::Delayed(until) => {
+                    self.outcome.delay_until(until);
+                    true
+                }
+            };
+            if occupies {
+                occupied.insert(a.index);
+            }
+        }
+        occupied
+    }
+
+    /// Place alloc `index` of a service or batch group on the best node
+    /// that fits, or tally why none does.
+    fn place_index(&mut self, indexed: &mut IndexedPlacement, group: &TaskGroup, index: u32) {
+        let job = self.job;
+        if let Some(reason) = &indexed.group_blocked {
+            indexed.tally.add(reason, index);
+            return;
+        }
+        let mut alloc = new_alloc(job, group, index, "");
+        let mut best = None;
+        let mut gone = Vec::new();
+        for &key in &indexed.candidates {
+            let node = self.nodes[key.2];
+            if self.ctx.node_infeasible(job, group, node).is_some() {
+                gone.push(key);
+            } else if self
+                .ctx
+                .volumes_infeasible(group, index, &alloc.id, node)
+                .is_some()
+            {
+                // A per_alloc volume's check is this index's: the node
+                // may fit the next one.
+                if indexed.same_for_every_index {
+                    gone.push(key);
+                }
+            } else {
+                best = Some(key);
+                break;
+            }
+        }
+        for key in gone {
+            indexed.candidates.remove(&key);
+        }
+        match best {
+            Some(key) => {
+                let node = self.nodes[key.2];
+                indexed.candidates.remove(&key);
+                alloc.node_id = node.id.clone();
+                self.ctx.add(&alloc);
+                let n = indexed.job_on_node.entry(node.id.clone()).or_default();
+                *n = n.saturating_add(1);
+                indexed
+                    .candidates
+                    .insert(preference(&self.ctx, &indexed.job_on_node, node, key.2));
+                self.put(alloc);
+            }
+            None => {
+                // Nothing fits: every node's reason, as the failure shows
+                // them.
+                let reasons: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter_map(|node| {
+                        let why = self.ctx.infeasible(job, group, index, &alloc.id, node)?;
+                        Some(format!("node {}: {why}", node.name_or_id()))
+                    })
+                    .collect();
+                let reason = per_node_reasons(&reasons, self.nodes.len());
+                indexed.tally.add(&reason, index);
+                if indexed.same_for_every_index {
+                    indexed.group_blocked = Some(reason);
+                }
+            }
+        }
+    }
+}
+
+/// The placements of one service or batch group under way.
+struct IndexedPlacement {
+    /// The job's live allocs per node, for spreading.
+    job_on_node: HashMap<String, usize>,
+    /// Without per_alloc volumes every index of the group asks the same:
+    /// once one fits no node (and nothing was placed since), the rest fit
+    /// none, for the same reason.
+    same_for_every_index: bool,
+    group_blocked: Option<String>,
+    tally: Tally<u32>,
+    /// The nodes in the order the group prefers them (the job's allocs
+    /// spread, then free memory, then the nodes' order): the first that
+    /// fits is the best, and one that fails a check no later placement of
+    /// the group can undo leaves the set, so that a placement costs what
+    /// it looks at, not every node.
+    candidates: BTreeSet<(usize, Reverse<u64>, usize)>,
+}
+
+impl IndexedPlacement {
+    fn new(placer: &Placer<'_, '_>, group: &TaskGroup) -> IndexedPlacement {
+        let mut job_on_node: HashMap<String, usize> = HashMap::new();
+        for a in placer.after.values().filter(|a| !a.is_terminal()) {
+            let n = job_on_node.entry(a.node_id.clone()).or_default();
+            *n = n.saturating_add(1);
+        }
+        let candidates = placer
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(pos, node)| preference(&placer.ctx, &job_on_node, node, pos))
+            .collect();
+        IndexedPlacement {
+            job_on_node,
+            same_for_every_index: !group.volumes.values().any(|r| r.per_alloc),
+            group_blocked: None,
+            tally: Tally::new(),
+            candidates,
+        }
+    }
 }
 
 /// Where `node` (at `pos` in the ready nodes) stands for the next
