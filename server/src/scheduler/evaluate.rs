@@ -1,17 +1,62 @@
-//! Evaluations: a job's plan computed and committed in one store write,
-//! the job's blocked state and failures kept, and the passes over the
-//! blocked and system jobs.
+//! Evaluations: a job's plan computed on a snapshot of the tables and
+//! committed in a store write that checks the snapshot still holds, the
+//! job's blocked state and failures kept, and the passes over the blocked
+//! and system jobs.
 
 use std::collections::BTreeSet;
 
 use berth_structs::JobType;
 
+use crate::config::ServerConfig;
 use crate::error::ServerError;
 use crate::server::Server;
-use crate::state::Change;
+use crate::state::{Change, Table, Tables};
 
-use super::reconcile::{plan_job, PlacementCounts, PlanOutcome};
+use super::reconcile::{
+    log_plan, plan_job, plan_stored_job, tables_read, PlacementCounts, PlanOutcome,
+};
 use super::register::spec_index;
+
+/// How many times an evaluation plans on a snapshot of the tables that a
+/// write then moved before it plans inside the store's writer.
+const SNAPSHOT_PLANS: u32 = 3;
+
+/// A plan of one job made on a snapshot of the tables (a read of them),
+/// with what it read.
+struct SnapshotPlan {
+    /// The tables the plan read.
+    read: Vec<Table>,
+    /// Their last write when the plan read them.
+    seen: u64,
+    outcome: PlanOutcome,
+    changes: Vec<Change>,
+}
+
+impl SnapshotPlan {
+    fn make(t: &Tables, job_id: &str, cfg: &ServerConfig, now: i64) -> SnapshotPlan {
+        let read = tables_read(t.jobs.get(job_id));
+        let seen = t.last_write_to(&read);
+        let mut changes = Vec::new();
+        let outcome = plan_stored_job(t, job_id, cfg, now, &mut changes);
+        SnapshotPlan {
+            read,
+            seen,
+            outcome,
+            changes,
+        }
+    }
+}
+
+/// Run `f`, which may take a while, telling a multi-threaded tokio runtime
+/// so (as a store write does), so that the worker's other tasks move to
+/// another thread meanwhile.
+fn blocking<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
 
 impl Server {
     /// Evaluate one job; failures are logged and the job stays blocked.
@@ -36,25 +81,16 @@ impl Server {
 
     /// One evaluation of job `job_id`, now (not coalesced).
     fn evaluate_job_now(&self, job_id: &str) -> PlacementCounts {
+        self.evaluate_job_between(job_id, &mut || {})
+    }
+
+    /// [`Self::evaluate_job_now`], running `between` after each plan made
+    /// on a snapshot and before its commit (where a test writes what
+    /// conflicts with the plan).
+    fn evaluate_job_between(&self, job_id: &str, between: &mut dyn FnMut()) -> PlacementCounts {
         let now = berth_structs::now_ms();
-        let result = self.store.write(|t, changes| {
-            let outcome = plan_job(t, job_id, &self.config, now, changes);
-            let shown_before = self.set_blocked(job_id, &outcome);
-            if shown_before != outcome.failures
-                && !changes
-                    .iter()
-                    .any(|c| matches!(c, Change::PutJob(j) if j.id == job_id))
-            {
-                if let Some(job) = t.jobs.get(job_id) {
-                    let mut job = job.clone();
-                    job.job_modify_index = spec_index(Some(&job));
-                    changes.push(Change::PutJob(job));
-                }
-            }
-            Ok::<_, ServerError>(outcome)
-        });
-        match result {
-            Ok((outcome, _)) => {
+        match self.plan_and_commit(job_id, now, between) {
+            Ok(outcome) => {
                 if let Some(due) = outcome.due_ms {
                     self.retry_due.at(due);
                 }
@@ -72,6 +108,74 @@ impl Server {
                 PlacementCounts::default()
             }
         }
+    }
+
+    /// Plan job `job_id` and commit the plan. The plan is made on a
+    /// snapshot of the tables, outside the store's writer, so that other
+    /// writes (their closures and their commits to disk) go on meanwhile;
+    /// it commits only if no write moved a table it read since (see
+    /// [`tables_read`]), which is what keeps two plans from both claiming
+    /// a single-writer volume or the last room on a node. A plan that a
+    /// write moved is made again on a new snapshot, [`SNAPSHOT_PLANS`]
+    /// times at most; then it is made inside the writer, where nothing can
+    /// move the tables, so that an evaluation always ends.
+    fn plan_and_commit(
+        &self,
+        job_id: &str,
+        now: i64,
+        between: &mut dyn FnMut(),
+    ) -> Result<PlanOutcome, ServerError> {
+        if !self.config.scheduler_plans_in_writer {
+            for _ in 0..SNAPSHOT_PLANS {
+                let plan = blocking(|| {
+                    self.store
+                        .read(|t| SnapshotPlan::make(t, job_id, &self.config, now))
+                });
+                between();
+                let (committed, _) = self.store.write(|t, changes| {
+                    if t.last_write_to(&plan.read) != plan.seen {
+                        return Ok::<_, ServerError>(None);
+                    }
+                    log_plan(t, job_id, &plan.changes);
+                    changes.extend(plan.changes);
+                    Ok(Some(self.record_outcome(t, job_id, plan.outcome, changes)))
+                })?;
+                match committed {
+                    Some(outcome) => return Ok(outcome),
+                    None => tracing::debug!(job_id, "tables moved since the plan; planning again"),
+                }
+            }
+        }
+        let (outcome, _) = self.store.write(|t, changes| {
+            let outcome = plan_job(t, job_id, &self.config, now, changes);
+            Ok::<_, ServerError>(self.record_outcome(t, job_id, outcome, changes))
+        })?;
+        Ok(outcome)
+    }
+
+    /// In the write that commits a plan of job `job_id` (its `changes`):
+    /// record whether the job is blocked, and write the job when the
+    /// failures shown for it change (see [`Self::evaluate_job`]).
+    fn record_outcome(
+        &self,
+        t: &Tables,
+        job_id: &str,
+        outcome: PlanOutcome,
+        changes: &mut Vec<Change>,
+    ) -> PlanOutcome {
+        let shown_before = self.set_blocked(job_id, &outcome);
+        if shown_before != outcome.failures
+            && !changes
+                .iter()
+                .any(|c| matches!(c, Change::PutJob(j) if j.id == job_id))
+        {
+            if let Some(job) = t.jobs.get(job_id) {
+                let mut job = job.clone();
+                job.job_modify_index = spec_index(Some(&job));
+                changes.push(Change::PutJob(job));
+            }
+        }
+        outcome
     }
 
     /// Records whether `outcome` leaves job `job_id` blocked, and with
@@ -285,5 +389,146 @@ mod tests {
             .store
             .read(|t| t.allocs_of_job("web").filter(|a| !a.is_terminal()).count());
         assert_eq!(live, 20);
+    }
+
+    /// A job of one alloc asking for `cpu` MHz.
+    fn cpu_job(id: &str, cpu: u64) -> Job {
+        let mut job = web_job(1);
+        job.id = id.into();
+        job.name = id.into();
+        job.task_groups[0].tasks[0].resources.cpu = cpu;
+        job
+    }
+
+    /// A server with one ready node of 1000 MHz and jobs `a` and `b` of
+    /// 600 MHz each, stored but not evaluated: the node fits one of them.
+    async fn server_fitting_one_of_two(plans_in_writer: bool) -> (tempfile::TempDir, Arc<Server>) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = ServerConfig::new(dir.path());
+        config.scheduler_plans_in_writer = plans_in_writer;
+        let server = Server::open(config).unwrap();
+        server
+            .register_node(Node {
+                id: "n1".into(),
+                name: "n1".into(),
+                status: NodeStatus::Ready,
+                resources: NodeResources {
+                    cpu: 1000,
+                    memory_mb: 1000,
+                    disk_mb: 0,
+                },
+                drivers: vec!["raw_exec".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        for id in ["a", "b"] {
+            server
+                .store
+                .write(|_, changes| {
+                    changes.push(Change::PutJob(cpu_job(id, 600)));
+                    Ok::<_, ServerError>(())
+                })
+                .unwrap();
+        }
+        (dir, server)
+    }
+
+    fn live_allocs(server: &Server, job_id: &str) -> usize {
+        server
+            .store
+            .read(|t| t.allocs_of_job(job_id).filter(|a| !a.is_terminal()).count())
+    }
+
+    fn failures(server: &Server, job_id: &str) -> Vec<String> {
+        server
+            .blocked
+            .lock()
+            .unwrap()
+            .get(job_id)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_between_the_snapshot_and_the_commit_makes_the_plan_again() {
+        let (_dir, server) = server_fitting_one_of_two(false).await;
+        // Job a plans on a snapshot where n1 is free; then b takes n1
+        // before a commits. a's plan must not land (n1 would be over
+        // committed): it is made again, and finds no room.
+        let mut plans = 0;
+        let counts = server.evaluate_job_between("a", &mut || {
+            plans += 1;
+            if plans == 1 {
+                assert_eq!(server.evaluate_job_now("b").unplaced, 0);
+            }
+        });
+        assert_eq!(plans, 2, "the plan the write moved was made again");
+        assert_eq!(
+            counts,
+            PlacementCounts {
+                desired: 1,
+                unplaced: 1
+            }
+        );
+        assert_eq!(live_allocs(&server, "a"), 0);
+        assert_eq!(live_allocs(&server, "b"), 1);
+        assert_eq!(server.store.read(|t| t.node_use("n1").cpu), 600);
+
+        // The same as planning inside the writer, b first.
+        let (_dir, old) = server_fitting_one_of_two(true).await;
+        let mut plans = 0;
+        assert_eq!(old.evaluate_job_now("b").unplaced, 0);
+        let old_counts = old.evaluate_job_between("a", &mut || plans += 1);
+        assert_eq!(plans, 0, "planned inside the writer, on no snapshot");
+        assert_eq!(old_counts, counts);
+        assert_eq!(live_allocs(&old, "a"), 0);
+        assert!(!failures(&old, "a").is_empty());
+        assert_eq!(failures(&server, "a"), failures(&old, "a"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_to_a_table_the_plan_did_not_read_lets_it_commit() {
+        let (_dir, server) = server_fitting_one_of_two(false).await;
+        // Job a asks for no volume: a volume's write does not move its plan.
+        let mut plans = 0;
+        let counts = server.evaluate_job_between("a", &mut || {
+            plans += 1;
+            server
+                .store
+                .write(|_, changes| {
+                    changes.push(Change::PutVolume(berth_structs::CsiVolume {
+                        id: format!("v{plans}"),
+                        plugin_id: "p".into(),
+                        ..Default::default()
+                    }));
+                    Ok::<_, ServerError>(())
+                })
+                .unwrap();
+        });
+        assert_eq!(plans, 1);
+        assert_eq!(counts.unplaced, 0);
+        assert_eq!(live_allocs(&server, "a"), 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_plan_moved_every_time_is_made_inside_the_writer() {
+        let (_dir, server) = server_fitting_one_of_two(false).await;
+        let node = server.store.read(|t| t.nodes["n1"].clone());
+        let mut plans = 0;
+        let counts = server.evaluate_job_between("a", &mut || {
+            plans += 1;
+            server
+                .store
+                .write(|_, changes| {
+                    changes.push(Change::PutNode(node.clone()));
+                    Ok::<_, ServerError>(())
+                })
+                .unwrap();
+        });
+        assert_eq!(plans, SNAPSHOT_PLANS);
+        assert_eq!(counts.unplaced, 0);
+        assert_eq!(live_allocs(&server, "a"), 1);
+        assert!(failures(&server, "a").is_empty());
     }
 }

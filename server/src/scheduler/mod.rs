@@ -1,8 +1,10 @@
 //! The scheduler: job registration and stop, and the evaluation that
 //! turns a job into allocations.
 //!
-//! An evaluation reads the tables and writes its plan in one store write, so
-//! it never races another write. Rules:
+//! An evaluation plans on a snapshot of the tables, outside the store's
+//! writer, and commits the plan only if no write moved a table it read
+//! since (else it plans again; see `evaluate`), so it never races another
+//! write. Rules:
 //!
 //! - `service`: keep `count` allocs per group that are not terminal. Failed,
 //!   complete and lost allocs are replaced (a failed one after

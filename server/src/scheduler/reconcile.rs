@@ -8,7 +8,7 @@ use std::time::Duration;
 use berth_structs::{AllocClientStatus, Allocation, Job, JobStatus, JobType, TaskGroup};
 
 use crate::config::ServerConfig;
-use crate::state::{Change, Tables};
+use crate::state::{Change, Table, Tables};
 
 use super::place::place;
 
@@ -57,11 +57,42 @@ pub(crate) fn plan_job(
     now_ms: i64,
     changes: &mut Vec<Change>,
 ) -> PlanOutcome {
-    let Some(job) = t.jobs.get(job_id) else {
-        return PlanOutcome::default();
-    };
-    let outcome = place(t, job, cfg, now_ms, changes);
-    for c in changes.iter() {
+    let outcome = plan_stored_job(t, job_id, cfg, now_ms, changes);
+    log_plan(t, job_id, changes);
+    outcome
+}
+
+/// [`plan_job`] without its log lines: for a plan that may be thrown away
+/// (one made on a snapshot that a write moved before it committed).
+pub(super) fn plan_stored_job(
+    t: &Tables,
+    job_id: &str,
+    cfg: &ServerConfig,
+    now_ms: i64,
+    changes: &mut Vec<Change>,
+) -> PlanOutcome {
+    match t.jobs.get(job_id) {
+        Some(job) => place(t, job, cfg, now_ms, changes),
+        None => PlanOutcome::default(),
+    }
+}
+
+/// The tables a plan of `job` reads: the jobs, the allocs (the job's, and
+/// every node's usage and plugin allocs), the nodes, and the volumes only
+/// when a group of the job asks for one (a plan looks at no other volume).
+/// A plan made on a snapshot is valid while none of them moved.
+pub(super) fn tables_read(job: Option<&Job>) -> Vec<Table> {
+    let mut read = vec![Table::Jobs, Table::Allocs, Table::Nodes];
+    if job.is_some_and(|j| j.task_groups.iter().any(|g| !g.volumes.is_empty())) {
+        read.push(Table::Volumes);
+    }
+    read
+}
+
+/// The log lines of a plan of job `job_id` about to be committed: each
+/// alloc placed and a change of the job's status.
+pub(super) fn log_plan(t: &Tables, job_id: &str, changes: &[Change]) {
+    for c in changes {
         match c {
             Change::PutAlloc(a) if !t.allocs.contains_key(&a.id) => {
                 tracing::info!(job_id, alloc_id = %a.id, node_id = %a.node_id, name = %a.name, "placed alloc");
@@ -72,7 +103,6 @@ pub(crate) fn plan_job(
             _ => {}
         }
     }
-    outcome
 }
 
 pub(super) enum Occupancy {
