@@ -400,38 +400,99 @@ mod tests {
         job
     }
 
-    /// A server with one ready node of 1000 MHz and jobs `a` and `b` of
-    /// 600 MHz each, stored but not evaluated: the node fits one of them.
-    async fn server_fitting_one_of_two(plans_in_writer: bool) -> (tempfile::TempDir, Arc<Server>) {
+    /// A server with `node` and `volumes`, and `jobs` stored but not
+    /// evaluated.
+    async fn server_with(
+        node: Node,
+        volumes: Vec<berth_structs::CsiVolume>,
+        jobs: Vec<Job>,
+        plans_in_writer: bool,
+    ) -> (tempfile::TempDir, Arc<Server>) {
         let dir = tempfile::tempdir().unwrap();
         let mut config = ServerConfig::new(dir.path());
         config.scheduler_plans_in_writer = plans_in_writer;
         let server = Server::open(config).unwrap();
+        server.register_node(node).await.unwrap();
         server
-            .register_node(Node {
-                id: "n1".into(),
-                name: "n1".into(),
-                status: NodeStatus::Ready,
-                resources: NodeResources {
-                    cpu: 1000,
-                    memory_mb: 1000,
-                    disk_mb: 0,
-                },
-                drivers: vec!["raw_exec".into()],
-                ..Default::default()
+            .store
+            .write(|_, changes| {
+                changes.extend(volumes.into_iter().map(Change::PutVolume));
+                changes.extend(jobs.into_iter().map(Change::PutJob));
+                Ok::<_, ServerError>(())
             })
-            .await
             .unwrap();
-        for id in ["a", "b"] {
-            server
-                .store
-                .write(|_, changes| {
-                    changes.push(Change::PutJob(cpu_job(id, 600)));
-                    Ok::<_, ServerError>(())
-                })
-                .unwrap();
-        }
         (dir, server)
+    }
+
+    fn node_of(cpu: u64) -> Node {
+        Node {
+            id: "n1".into(),
+            name: "n1".into(),
+            status: NodeStatus::Ready,
+            resources: NodeResources {
+                cpu,
+                memory_mb: 1000,
+                disk_mb: 0,
+            },
+            drivers: vec!["raw_exec".into()],
+            ..Default::default()
+        }
+    }
+
+    /// A server with one ready node of 1000 MHz and jobs `a` and `b` of
+    /// 600 MHz each, stored but not evaluated: the node fits one of them.
+    async fn server_fitting_one_of_two(plans_in_writer: bool) -> (tempfile::TempDir, Arc<Server>) {
+        let jobs = vec![cpu_job("a", 600), cpu_job("b", 600)];
+        server_with(node_of(1000), Vec::new(), jobs, plans_in_writer).await
+    }
+
+    /// A server with a node of plugin `hp`, a single-node-writer volume
+    /// `v` of it, and jobs `a` and `b` that each write to `v`, stored but
+    /// not evaluated: one of them gets the volume.
+    async fn server_with_one_writer_volume(
+        plans_in_writer: bool,
+    ) -> (tempfile::TempDir, Arc<Server>) {
+        use berth_structs::{AccessMode, AttachmentMode};
+        let mut node = node_of(100_000);
+        node.csi_node_plugins.insert(
+            "hp".into(),
+            berth_structs::CsiInfo {
+                plugin_id: "hp".into(),
+                healthy: true,
+                ..Default::default()
+            },
+        );
+        let volume = berth_structs::CsiVolume {
+            id: "v".into(),
+            plugin_id: "hp".into(),
+            capabilities: vec![berth_structs::VolumeCapability {
+                access_mode: AccessMode::SingleNodeWriter,
+                attachment_mode: AttachmentMode::FileSystem,
+            }],
+            ..Default::default()
+        };
+        let writer = |id: &str| {
+            let mut job = cpu_job(id, 10);
+            job.task_groups[0].volumes.insert(
+                "data".into(),
+                berth_structs::VolumeRequest {
+                    name: "data".into(),
+                    volume_type: "csi".into(),
+                    source: "v".into(),
+                    access_mode: Some(AccessMode::SingleNodeWriter),
+                    attachment_mode: Some(AttachmentMode::FileSystem),
+                    ..Default::default()
+                },
+            );
+            job
+        };
+        server_with(
+            node,
+            vec![volume],
+            vec![writer("a"), writer("b")],
+            plans_in_writer,
+        )
+        .await
     }
 
     fn live_allocs(server: &Server, job_id: &str) -> usize {
@@ -530,5 +591,39 @@ mod tests {
         assert_eq!(counts.unplaced, 0);
         assert_eq!(live_allocs(&server, "a"), 1);
         assert!(failures(&server, "a").is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_plans_never_both_take_a_single_writer_volume() {
+        let (_dir, server) = server_with_one_writer_volume(false).await;
+        // a plans on a snapshot where v is free; b takes it before a
+        // commits: a's plan is made again and finds v taken.
+        let mut plans = 0;
+        let counts = server.evaluate_job_between("a", &mut || {
+            plans += 1;
+            if plans == 1 {
+                assert_eq!(server.evaluate_job_now("b").unplaced, 0);
+            }
+        });
+        assert_eq!(plans, 2, "the plan the write moved was made again");
+        assert_eq!(counts.unplaced, 1);
+        assert_eq!(live_allocs(&server, "a"), 0);
+        assert_eq!(live_allocs(&server, "b"), 1);
+
+        let (_dir, old) = server_with_one_writer_volume(true).await;
+        assert_eq!(old.evaluate_job_now("b").unplaced, 0);
+        assert_eq!(old.evaluate_job_now("a"), counts);
+        // The failure names b's alloc, which differs between the servers.
+        let shown = |s: &Server| {
+            let b = s
+                .store
+                .read(|t| t.allocs_of_job("b").next().unwrap().id.clone());
+            failures(s, "a")
+                .iter()
+                .map(|f| f.replace(&b, "<b>"))
+                .collect::<Vec<_>>()
+        };
+        assert!(shown(&old)[0].contains("already has a writer (alloc <b>)"));
+        assert_eq!(shown(&server), shown(&old));
     }
 }
