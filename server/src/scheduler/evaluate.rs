@@ -24,23 +24,34 @@ const SNAPSHOT_PLANS: u32 = 3;
 /// A plan of one job made on a snapshot of the tables (a read of them),
 /// with what it read.
 struct SnapshotPlan {
-    /// The tables the plan read.
+    /// The tables the plan read, but for the job's own record.
     read: Vec<Table>,
     /// Their last write when the plan read them.
     seen: u64,
+    /// The job's modify index then (every write of a job sets it).
+    job_index: Option<u64>,
     outcome: PlanOutcome,
     changes: Vec<Change>,
 }
 
 impl SnapshotPlan {
+    /// Whether the tables `t` are still what the plan read.
+    fn holds_in(&self, t: &Tables, job_id: &str) -> bool {
+        t.last_write_to(&self.read) == self.seen
+            && t.jobs.get(job_id).map(|j| j.modify_index) == self.job_index
+    }
+
     fn make(t: &Tables, job_id: &str, cfg: &ServerConfig, now: i64) -> SnapshotPlan {
-        let read = tables_read(t.jobs.get(job_id));
+        let job = t.jobs.get(job_id);
+        let read = tables_read(job);
         let seen = t.last_write_to(&read);
+        let job_index = job.map(|j| j.modify_index);
         let mut changes = Vec::new();
         let outcome = plan_stored_job(t, job_id, cfg, now, &mut changes);
         SnapshotPlan {
             read,
             seen,
+            job_index,
             outcome,
             changes,
         }
@@ -113,8 +124,8 @@ impl Server {
     /// Plan job `job_id` and commit the plan. The plan is made on a
     /// snapshot of the tables, outside the store's writer, so that other
     /// writes (their closures and their commits to disk) go on meanwhile;
-    /// it commits only if no write moved a table it read since (see
-    /// [`tables_read`]), which is what keeps two plans from both claiming
+    /// it commits only if no write moved the job or a table it read since
+    /// (see [`tables_read`]), which is what keeps two plans from both claiming
     /// a single-writer volume or the last room on a node. A plan that a
     /// write moved is made again on a new snapshot, [`SNAPSHOT_PLANS`]
     /// times at most; then it is made inside the writer, where nothing can
@@ -133,7 +144,7 @@ impl Server {
                 });
                 between();
                 let (committed, _) = self.store.write(|t, changes| {
-                    if t.last_write_to(&plan.read) != plan.seen {
+                    if !plan.holds_in(t, job_id) {
                         return Ok::<_, ServerError>(None);
                     }
                     log_plan(t, job_id, &plan.changes);
@@ -551,13 +562,15 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_write_to_a_table_the_plan_did_not_read_lets_it_commit() {
         let (_dir, server) = server_fitting_one_of_two(false).await;
-        // Job a asks for no volume: a volume's write does not move its plan.
+        // Job a asks for no volume: a volume's write does not move its
+        // plan, nor does another job's.
         let mut plans = 0;
         let counts = server.evaluate_job_between("a", &mut || {
             plans += 1;
             server
                 .store
                 .write(|_, changes| {
+                    changes.push(Change::PutJob(cpu_job("c", 1)));
                     changes.push(Change::PutVolume(berth_structs::CsiVolume {
                         id: format!("v{plans}"),
                         plugin_id: "p".into(),

@@ -2,9 +2,9 @@
 //! turns a job into allocations.
 //!
 //! An evaluation plans on a snapshot of the tables, outside the store's
-//! writer, and commits the plan only if no write moved a table it read
-//! since (else it plans again; see `evaluate`), so it never races another
-//! write. Rules:
+//! writer, and commits the plan only if no write moved the job or a table
+//! it read since (else it plans again; see `evaluate`), so it never races
+//! another write. Rules:
 //!
 //! - `service`: keep `count` allocs per group that are not terminal. Failed,
 //!   complete and lost allocs are replaced (a failed one after

@@ -77,12 +77,13 @@ pub(super) fn plan_stored_job(
     }
 }
 
-/// The tables a plan of `job` reads: the jobs, the allocs (the job's, and
-/// every node's usage and plugin allocs), the nodes, and the volumes only
-/// when a group of the job asks for one (a plan looks at no other volume).
-/// A plan made on a snapshot is valid while none of them moved.
+/// The tables a plan of `job` reads beside the job itself (of the jobs
+/// table it reads no other job): the allocs (the job's, and every node's
+/// usage and plugin allocs), the nodes, and the volumes only when a group
+/// of the job asks for one (a plan looks at no other volume). A plan made
+/// on a snapshot is valid while none of them moved and the job did not.
 pub(super) fn tables_read(job: Option<&Job>) -> Vec<Table> {
-    let mut read = vec![Table::Jobs, Table::Allocs, Table::Nodes];
+    let mut read = vec![Table::Allocs, Table::Nodes];
     if job.is_some_and(|j| j.task_groups.iter().any(|g| !g.volumes.is_empty())) {
         read.push(Table::Volumes);
     }
