@@ -57,6 +57,9 @@ enum Figure {
     ClaimsRelease(claims_release::Args),
     /// The scheduler placing an N-alloc job on N nodes.
     Scheduler(scheduler::Args),
+    /// Job submissions while N volume claims are released at once, with
+    /// the scheduler planning on a snapshot and inside the store's writer.
+    ConcurrentWriters(concurrent_writers::Args),
     /// Every figure at a tiny size, so that none can rot (CI runs this).
     Smoke,
 }
@@ -73,6 +76,7 @@ fn main() -> ExitCode {
         Figure::ServerScale(a) => server_scale::run(&a),
         Figure::ClaimsRelease(a) => claims_release::run(&a),
         Figure::Scheduler(a) => scheduler::run(&a),
+        Figure::ConcurrentWriters(a) => concurrent_writers::run(&a),
         Figure::Smoke => smoke(),
     };
     match result {
@@ -88,7 +92,7 @@ fn main() -> ExitCode {
 /// ends the run.
 fn smoke() -> anyhow::Result<()> {
     type SmokeRun = fn() -> anyhow::Result<()>;
-    let figures: [(&str, SmokeRun); 9] = [
+    let figures: [(&str, SmokeRun); 10] = [
         ("job-run", job_run::smoke),
         ("job-run-csi", job_run_csi::smoke),
         ("stop-claim-free", stop_claim_free::smoke),
@@ -98,6 +102,7 @@ fn smoke() -> anyhow::Result<()> {
         ("server-scale", server_scale::smoke),
         ("claims-release", claims_release::smoke),
         ("scheduler", scheduler::smoke),
+        ("concurrent-writers", concurrent_writers::smoke),
     ];
     for (name, run) in figures {
         println!("== smoke: {name}");

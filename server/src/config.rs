@@ -47,6 +47,10 @@ pub struct ServerConfig {
     /// How often one peer address may call `Node.Register`; `None` for
     /// no limit.
     pub register_rate: Option<crate::RegisterRate>,
+    /// Plan every evaluation inside the state store's writer, as the
+    /// servers did before they planned on a snapshot of the tables (for
+    /// comparison in benchmarks). Off by default.
+    pub scheduler_plans_in_writer: bool,
 }
 
 /// Production defaults with an empty `data_dir`, which `Server::open`
@@ -77,6 +81,7 @@ impl ServerConfig {
             node_enrollment: false,
             region: "global".into(),
             register_rate: Some(crate::RegisterRate::default()),
+            scheduler_plans_in_writer: false,
         }
     }
 }

@@ -14,6 +14,7 @@
 mod acl;
 mod alloc_stop;
 mod client_routes;
+mod coalesced;
 mod config;
 mod csi;
 mod drainer;

@@ -3,6 +3,7 @@
 
 pub mod claims_release;
 pub mod client_rss;
+pub mod concurrent_writers;
 pub mod executor_rss;
 pub mod job_run;
 pub mod job_run_csi;

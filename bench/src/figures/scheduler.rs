@@ -352,11 +352,11 @@ fn lookups(sizes: &[usize], per_sample: usize, samples: usize) -> Result<()> {
     Ok(())
 }
 
-fn node_id(i: usize) -> String {
+pub(super) fn node_id(i: usize) -> String {
     format!("node-{i:05}")
 }
 
-fn node(i: usize) -> Node {
+pub(super) fn node(i: usize) -> Node {
     Node {
         id: node_id(i),
         name: format!("bench-{i:05}"),
@@ -372,7 +372,7 @@ fn node(i: usize) -> Node {
     }
 }
 
-fn job(id: &str, count: usize) -> Job {
+pub(super) fn job(id: &str, count: usize) -> Job {
     Job {
         id: id.into(),
         name: id.into(),
@@ -429,7 +429,7 @@ fn seed_nodes(data_dir: &Path, n: usize) -> Result<()> {
     Ok(())
 }
 
-fn open_store(data_dir: &Path) -> Result<StateStore> {
+pub(super) fn open_store(data_dir: &Path) -> Result<StateStore> {
     let path = RedbBackend::path_in(data_dir);
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;

@@ -65,6 +65,18 @@ impl Tables {
         }
     }
 
+    /// The index of the last write to any of `tables` (0 when none was
+    /// ever written). A read of only those tables that saw this is still
+    /// valid while it has not moved: what a plan computed outside the
+    /// writer checks before it commits.
+    pub fn last_write_to(&self, tables: &[Table]) -> u64 {
+        tables
+            .iter()
+            .filter_map(|table| self.table_index.get(table).copied())
+            .max()
+            .unwrap_or(0)
+    }
+
     /// These tables with their indexes built from them (for tables put
     /// together by hand; the store keeps its own).
     pub fn with_indexes(mut self) -> Tables {

@@ -1,0 +1,62 @@
+//! The scheduler: job registration and stop, and the evaluation that
+//! turns a job into allocations.
+//!
+//! An evaluation plans on a snapshot of the tables, outside the store's
+//! writer, and commits the plan only if no write moved the job or a table
+//! it read since (else it plans again; see `evaluate`), so it never races
+//! another write. Rules:
+//!
+//! - `service`: keep `count` allocs per group that are not terminal. Failed,
+//!   complete and lost allocs are replaced (a failed one after
+//!   `reschedule_delay`, a lost one whose group sets
+//!   `stop_after_client_disconnect` only after that window, so two copies of
+//!   a single-writer workload never run at once).
+//! - `batch`: like service, but an alloc that completed or failed is done
+//!   and not replaced; lost ones are. The job is dead once every alloc is.
+//! - `system`: one alloc per ready, eligible node that passes feasibility
+//!   (a failed one is replaced after `reschedule_delay` too).
+//! - Allocs the servers stopped (desired stop: job stopped, updated, or a
+//!   node drain) count as gone: their index is placed again.
+//! - An ineligible node (an operator's choice, or a drain) gets no new
+//!   allocs; what runs there is left alone by the scheduler (the drainer
+//!   moves it).
+//! - A changed job (anything but server-managed fields differs) gets a new
+//!   version; allocs of older versions are stopped and new ones placed
+//!   (a destructive update; no rolling or in-place updates).
+//!
+//! Feasibility on a node: status ready, eligible, the job's datacenter,
+//! every task's driver, cpu and memory left after the allocs that are not
+//! terminal there, and for each CSI volume of the group: the volume exists
+//! and has the requested capability, a healthy node plugin for it runs on
+//! the node, and `CsiVolume::claim_conflict` finds no conflict. Claims
+//! counted are the volume's real claims (freed only after unpublish,
+//! whatever the alloc's state) plus an expected claim for every alloc that
+//! is not terminal and asks for the volume but has not claimed it yet.
+//! Last, once every other check passed: each volume with an accessible
+//! topology is reachable from the node, i.e. the topology of the node's
+//! plugin for it (NodeGetInfo) holds every segment of one of the volume's
+//! topologies (a node plugin without a topology holds none).
+//!
+//! A job with placements that could not be made is blocked; blocked jobs are
+//! evaluated again whenever nodes, plugins, volumes or allocs change, and
+//! every `scheduler_retry_interval`.//!
+//! The parts: [`register`] (the job endpoints), [`evaluate`] (an
+//! evaluation's store write and the passes over blocked jobs),
+//! [`reconcile`] (what a job keeps, stops and replaces), [`place`] (the
+//! placements per job type), [`feasible`] (what fits on a node),
+//! [`explain`] (the failure lines) and [`retry`] (the retry timer).
+
+mod evaluate;
+mod explain;
+mod feasible;
+mod place;
+mod reconcile;
+mod register;
+mod retry;
+
+pub(crate) use crate::coalesced::Coalesced;
+pub(crate) use place::place;
+pub(crate) use reconcile::{disconnect_window_end_ms, PlacementCounts, PlanOutcome};
+pub use register::JobRegisterResponse;
+pub(crate) use register::{registration, spec_index};
+pub(crate) use retry::RetryDue;

@@ -1,0 +1,1072 @@
+//! Placement: the stops and placements a job needs against the tables,
+//! for each job type, with nodes tried in the order a group prefers them.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use berth_structs::{AllocDesiredStatus, Allocation, Job, JobType, Node, NodeStatus, TaskGroup};
+
+use crate::config::ServerConfig;
+use crate::state::{Change, Tables};
+
+use super::explain::{
+    per_node_reasons, service_failure_lines, system_failure_lines, NodeName, Tally,
+};
+use super::feasible::PlanContext;
+use super::reconcile::{job_status, occupancy, Occupancy, PlanOutcome};
+
+pub(super) fn new_alloc(job: &Job, group: &TaskGroup, index: u32, node_id: &str) -> Allocation {
+    Allocation {
+        id: berth_structs::generate_id(),
+        name: format!("{}.{}[{}]", job.id, group.name, index),
+        job_id: job.id.clone(),
+        job: job.clone(),
+        task_group: group.name.clone(),
+        index,
+        node_id: node_id.to_string(),
+        desired_status: AllocDesiredStatus::Run,
+        ..Default::default()
+    }
+}
+
+pub(super) fn stop(a: &Allocation, why: &str) -> Allocation {
+    let mut a = a.clone();
+    a.desired_status = AllocDesiredStatus::Stop;
+    a.desired_description = why.to_string();
+    a
+}
+
+/// The placement computation of one job against the tables: the stops and
+/// placements `job` needs (as changes), and its status. `job` is the
+/// stored job, or (for a plan) the job as a registration would store it;
+/// nothing here writes or logs, so that a plan runs exactly what a
+/// registration's evaluation runs.
+pub(crate) fn place(
+    t: &Tables,
+    job: &Job,
+    cfg: &ServerConfig,
+    now_ms: i64,
+    changes: &mut Vec<Change>,
+) -> PlanOutcome {
+    let allocs: Vec<&Allocation> = t.allocs_of_job(&job.id).collect();
+    let mut placer = Placer {
+        job,
+        cfg,
+        now_ms,
+        nodes: Vec::new(),
+        ctx: PlanContext::new(t, job),
+        // The allocs of the job as they will be after this plan.
+        after: allocs
+            .iter()
+            .map(|a| (a.id.clone(), (*a).clone()))
+            .collect(),
+        changes,
+        outcome: PlanOutcome::default(),
+    };
+    if job.stop {
+        placer.stop_all(&allocs);
+    } else {
+        placer.stop_outdated(&allocs);
+        placer.nodes = t
+            .nodes
+            .values()
+            .filter(|n| n.status == NodeStatus::Ready)
+            .collect();
+        for group in &job.task_groups {
+            let current: Vec<Allocation> = placer
+                .after
+                .values()
+                .filter(|a| a.task_group == group.name && a.job.version == job.version)
+                .cloned()
+                .collect();
+            match job.job_type {
+                JobType::System => placer.place_system_group(group, &current),
+                JobType::Service | JobType::Batch => placer.place_indexed_group(group, &current),
+            }
+        }
+    }
+    let Placer { after, outcome, .. } = placer;
+    let status = job_status(job, &after, &outcome);
+    if status != job.status {
+        let mut j = job.clone();
+        j.status = status;
+        changes.push(Change::PutJob(j));
+    }
+    outcome
+}
+
+/// One placement computation under way: what it sees and what it has
+/// decided so far.
+struct Placer<'a, 'c> {
+    job: &'a Job,
+    cfg: &'a ServerConfig,
+    now_ms: i64,
+    /// The ready nodes (set once the job's stops are decided).
+    nodes: Vec<&'a Node>,
+    ctx: PlanContext<'a>,
+    /// The allocs of the job as they will be after this plan.
+    after: BTreeMap<String, Allocation>,
+    changes: &'c mut Vec<Change>,
+    outcome: PlanOutcome,
+}
+
+impl Placer<'_, '_> {
+    /// Write `a` (a stop or a placement).
+    fn put(&mut self, a: Allocation) {
+        self.after.insert(a.id.clone(), a.clone());
+        self.changes.push(Change::PutAlloc(a));
+    }
+
+    /// A stopped job: every alloc not stopped yet is stopped.
+    fn stop_all(&mut self, allocs: &[&Allocation]) {
+        for a in allocs {
+            if !a.server_terminal() {
+                self.put(stop(a, "job stopped"));
+            }
+        }
+    }
+
+    /// Stop the allocs of an older version of the job, or of a group it
+    /// no longer has.
+    fn stop_outdated(&mut self, allocs: &[&Allocation]) {
+        for a in allocs {
+            if a.server_terminal() {
+                continue;
+            }
+            let outdated = a.job.version != self.job.version;
+            let gone = self.job.lookup_group(&a.task_group).is_none();
+            if outdated || gone {
+                let why = if gone {
+                    "group removed from the job"
+                } else {
+                    "job updated"
+                };
+                self.ctx.remove(a);
+                self.put(stop(a, why));
+            }
+        }
+    }
+
+    /// A system group: one alloc per eligible ready node that fits.
+    fn place_system_group(&mut self, group: &TaskGroup, current: &[Allocation]) {
+        let job = self.job;
+        if group.count == 0 {
+            for a in current.iter().filter(|a| !a.is_terminal()) {
+                self.ctx.remove(a);
+                self.put(stop(a, "count is 0"));
+            }
+            return;
+        }
+        // A system job runs on every eligible ready node; an ineligible
+        // one is no target (its allocs there stay until a drain stops
+        // them).
+        let targets: Vec<&Node> = self
+            .nodes
+            .iter()
+            .copied()
+            .filter(|n| n.is_eligible())
+            .collect();
+        let ready = targets.len();
+        self.outcome.counts.desired = self.outcome.counts.desired.saturating_add(ready as u64);
+        let mut tally = Tally::new();
+        let mut current_on: HashMap<&str, Vec<&Allocation>> = HashMap::new();
+        for a in current {
+            current_on.entry(a.node_id.as_str()).or_default().push(a);
+        }
+        for node in &targets {
+            let here = current_on
+                .get(node.id.as_str())
+                .map_or(&[][..], Vec::as_slice);
+            if self.held_on_node(here, group) {
+                continue;
+            }
+            let alloc = new_alloc(job, group, 0, &node.id);
+            match self.ctx.infeasible(job, group, 0, &alloc.id, node) {
+                Some(why) => tally.add(&why, node.name_or_id().to_string()),
+                None => {
+                    self.ctx.add(&alloc);
+                    self.put(alloc);
+                }
+            }
+        }
+        self.outcome.note_unplaced(group, tally.total);
+        self.outcome
+            .failures
+            .extend(system_failure_lines(group, &tally, ready));
+    }
+
+    /// Whether one of a system group's allocs `here` (on one node) holds
+    /// the node, noting a delay one of them waits for.
+    fn held_on_node(&mut self, here: &[&Allocation], group: &TaskGroup) -> bool {
+        let mut held = false;
+        for a in here {
+            match occupancy(a, false, group, self.cfg, self.now_ms) {
+                Occupancy::Free => {}
+                Occupancy::Held => held = true,
+                Occupancy::Delayed(until) => {
+                    self.outcome.delay_until(until);
+                    held = true;
+                }
+            }
+        }
+        held
+    }
+
+    /// A service or batch group: `count` allocs, one per index.
+    fn place_indexed_group(&mut self, group: &TaskGroup, current: &[Allocation]) {
+        let batch = self.job.job_type == JobType::Batch;
+        self.outcome.counts.desired = self
+            .outcome
+            .counts
+            .desired
+            .saturating_add(u64::from(group.count));
+        let occupied = self.occupied_indices(group, current, batch);
+        // Count lowered: stop the live allocs above it.
+        for a in current
+            .iter()
+            .filter(|a| !a.is_terminal() && a.index >= group.count)
+        {
+            self.ctx.remove(a);
+            self.put(stop(a, "count reduced"));
+        }
+        let mut indexed = IndexedPlacement::new(self, group);
+        for index in 0..group.count {
+            if !occupied.contains(&index) {
+                self.place_index(&mut indexed, group, index);
+            }
+        }
+        self.outcome.note_unplaced(group, indexed.tally.total);
+        self.outcome
+            .failures
+            .extend(service_failure_lines(group, &indexed.tally));
+    }
+
+    /// The indices of a service or batch group that its `current` allocs
+    /// hold, noting the delays some of them wait for.
+    fn occupied_indices(
+        &mut self,
+        group: &TaskGroup,
+        current: &[Allocation],
+        batch: bool,
+    ) -> BTreeSet<u32> {
+        let mut occupied = BTreeSet::new();
+        for a in current {
+            let occupies = match occupancy(a, batch, group, self.cfg, self.now_ms) {
+                Occupancy::Free => false,
+                Occupancy::Held => true,
+                Occupancy::Delayed(until) => {
+                    self.outcome.delay_until(until);
+                    true
+                }
+            };
+            if occupies {
+                occupied.insert(a.index);
+            }
+        }
+        occupied
+    }
+
+    /// Place alloc `index` of a service or batch group on the best node
+    /// that fits, or tally why none does.
+    fn place_index(&mut self, indexed: &mut IndexedPlacement, group: &TaskGroup, index: u32) {
+        let job = self.job;
+        if let Some(reason) = &indexed.group_blocked {
+            indexed.tally.add(reason, index);
+            return;
+        }
+        let mut alloc = new_alloc(job, group, index, "");
+        let mut best = None;
+        let mut gone = Vec::new();
+        for &key in &indexed.candidates {
+            let node = self.nodes[key.2];
+            if self.ctx.node_infeasible(job, group, node).is_some() {
+                gone.push(key);
+            } else if self
+                .ctx
+                .volumes_infeasible(group, index, &alloc.id, node)
+                .is_some()
+            {
+                // A per_alloc volume's check is this index's: the node
+                // may fit the next one.
+                if indexed.same_for_every_index {
+                    gone.push(key);
+                }
+            } else {
+                best = Some(key);
+                break;
+            }
+        }
+        for key in gone {
+            indexed.candidates.remove(&key);
+        }
+        match best {
+            Some(key) => {
+                let node = self.nodes[key.2];
+                indexed.candidates.remove(&key);
+                alloc.node_id = node.id.clone();
+                self.ctx.add(&alloc);
+                let n = indexed.job_on_node.entry(node.id.clone()).or_default();
+                *n = n.saturating_add(1);
+                indexed
+                    .candidates
+                    .insert(preference(&self.ctx, &indexed.job_on_node, node, key.2));
+                self.put(alloc);
+            }
+            None => {
+                // Nothing fits: every node's reason, as the failure shows
+                // them.
+                let reasons: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .filter_map(|node| {
+                        let why = self.ctx.infeasible(job, group, index, &alloc.id, node)?;
+                        Some(format!("node {}: {why}", node.name_or_id()))
+                    })
+                    .collect();
+                let reason = per_node_reasons(&reasons, self.nodes.len());
+                indexed.tally.add(&reason, index);
+                if indexed.same_for_every_index {
+                    indexed.group_blocked = Some(reason);
+                }
+            }
+        }
+    }
+}
+
+/// The placements of one service or batch group under way.
+struct IndexedPlacement {
+    /// The job's live allocs per node, for spreading.
+    job_on_node: HashMap<String, usize>,
+    /// Without per_alloc volumes every index of the group asks the same:
+    /// once one fits no node (and nothing was placed since), the rest fit
+    /// none, for the same reason.
+    same_for_every_index: bool,
+    group_blocked: Option<String>,
+    tally: Tally<u32>,
+    /// The nodes in the order the group prefers them (the job's allocs
+    /// spread, then free memory, then the nodes' order): the first that
+    /// fits is the best, and one that fails a check no later placement of
+    /// the group can undo leaves the set, so that a placement costs what
+    /// it looks at, not every node.
+    candidates: BTreeSet<(usize, Reverse<u64>, usize)>,
+}
+
+impl IndexedPlacement {
+    fn new(placer: &Placer<'_, '_>, group: &TaskGroup) -> IndexedPlacement {
+        let mut job_on_node: HashMap<String, usize> = HashMap::new();
+        for a in placer.after.values().filter(|a| !a.is_terminal()) {
+            let n = job_on_node.entry(a.node_id.clone()).or_default();
+            *n = n.saturating_add(1);
+        }
+        let candidates = placer
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(pos, node)| preference(&placer.ctx, &job_on_node, node, pos))
+            .collect();
+        IndexedPlacement {
+            job_on_node,
+            same_for_every_index: !group.volumes.values().any(|r| r.per_alloc),
+            group_blocked: None,
+            tally: Tally::new(),
+            candidates,
+        }
+    }
+}
+
+/// Where `node` (at `pos` in the ready nodes) stands for the next
+/// placement of a group: fewer of the job's allocs first (spread), then
+/// more free memory, then the nodes' order. Smaller is better.
+fn preference(
+    ctx: &PlanContext<'_>,
+    job_on_node: &HashMap<String, usize>,
+    node: &Node,
+    pos: usize,
+) -> (usize, Reverse<u64>, usize) {
+    let same_job = job_on_node.get(&node.id).copied().unwrap_or_default();
+    let used = ctx.used(&node.id).memory_mb;
+    let free = u128::from(node.resources.memory_mb).saturating_sub(used);
+    (
+        same_job,
+        Reverse(u64::try_from(free).unwrap_or(u64::MAX)),
+        pos,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use berth_structs::{AllocClientStatus, CsiVolume};
+    use berth_structs::{NodeResources, Resources, Task};
+    use proptest::prelude::*;
+
+    use super::*;
+    use crate::scheduler::feasible::Usage;
+    use crate::scheduler::reconcile::{plan_job, PlacementCounts};
+
+    fn node(id: &str, cpu: u64, memory_mb: u64) -> Node {
+        Node {
+            id: id.into(),
+            name: id.into(),
+            status: NodeStatus::Ready,
+            resources: NodeResources {
+                cpu,
+                memory_mb,
+                disk_mb: 0,
+            },
+            drivers: vec!["raw_exec".into()],
+            ..Default::default()
+        }
+    }
+
+    fn task(name: &str, cpu: u64, memory_mb: u64) -> Task {
+        Task {
+            name: name.into(),
+            driver: "raw_exec".into(),
+            resources: Resources { cpu, memory_mb },
+            ..Default::default()
+        }
+    }
+
+    fn job(id: &str, count: u32, tasks: Vec<Task>) -> Job {
+        Job {
+            id: id.into(),
+            name: id.into(),
+            job_type: JobType::Service,
+            task_groups: vec![TaskGroup {
+                name: "g".into(),
+                count,
+                tasks,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    /// A live alloc of `job` on `node_id`.
+    fn running(job: &Job, index: u32, node_id: &str) -> Allocation {
+        Allocation {
+            client_status: AllocClientStatus::Running,
+            ..new_alloc(job, &job.task_groups[0], index, node_id)
+        }
+    }
+
+    fn tables(nodes: Vec<Node>, jobs: Vec<Job>, allocs: Vec<Allocation>) -> Tables {
+        Tables {
+            nodes: nodes.into_iter().map(|n| (n.id.clone(), n)).collect(),
+            jobs: jobs.into_iter().map(|j| (j.id.clone(), j)).collect(),
+            allocs: allocs.into_iter().map(|a| (a.id.clone(), a)).collect(),
+            ..Default::default()
+        }
+        .with_indexes()
+    }
+
+    /// Plan `job_id` and return the outcome and the allocs it placed.
+    fn plan(t: &Tables, job_id: &str) -> (PlanOutcome, Vec<Allocation>) {
+        let cfg = ServerConfig::new("/nonexistent");
+        let mut changes = Vec::new();
+        let outcome = plan_job(t, job_id, &cfg, berth_structs::now_ms(), &mut changes);
+        let placed = changes
+            .into_iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) if !t.allocs.contains_key(&a.id) => Some(a),
+                _ => None,
+            })
+            .collect();
+        (outcome, placed)
+    }
+
+    #[test]
+    fn asks_that_would_wrap_the_node_sums_place_nothing() {
+        // The dev node runs a 100 MHz plugin alloc; an ask of u64::MAX
+        // used to wrap the node's sum around to 99 MHz and fit, twice.
+        let plugin = job("plugin", 1, vec![task("p", 100, 64)]);
+        let plugin_alloc = running(&plugin, 0, "n1");
+        for (cpu, memory_mb, what) in [(u64::MAX, 64, "cpu"), (100, u64::MAX, "memory")] {
+            let big = job("big", 2, vec![task("t", cpu, memory_mb)]);
+            let t = tables(
+                vec![node("n1", 2000, 4096)],
+                vec![plugin.clone(), big],
+                vec![plugin_alloc.clone()],
+            );
+            let (outcome, placed) = plan(&t, "big");
+            assert!(placed.is_empty(), "{what}: placed {placed:?}");
+            assert_eq!(
+                outcome.counts,
+                PlacementCounts {
+                    desired: 2,
+                    unplaced: 2
+                }
+            );
+            assert_eq!(outcome.failures.len(), 1, "{:?}", outcome.failures);
+            assert!(
+                outcome.failures[0].contains(&format!("{what} exhausted")),
+                "{:?}",
+                outcome.failures
+            );
+        }
+    }
+
+    #[test]
+    fn a_group_whose_tasks_sum_past_u64_is_refused_with_a_clear_reason() {
+        let half = u64::MAX / 2 + 1;
+        let big = job("big", 1, vec![task("a", half, 1), task("b", half, 1)]);
+        let t = tables(vec![node("n1", u64::MAX, u64::MAX)], vec![big], vec![]);
+        let (outcome, placed) = plan(&t, "big");
+        assert!(placed.is_empty(), "{placed:?}");
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 1 of 1 allocs not placed: node n1: the group asks for \
+                 18446744073709551616 MHz of cpu in total, more than any node can have \
+                 (1 alloc: index 0)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn identical_failures_collapse_into_one_line_with_a_count() {
+        let web = job("web", 100_000, vec![task("t", 100, 10)]);
+        let t = tables(vec![node("n1", 2000, 1 << 20)], vec![web], vec![]);
+        let (outcome, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 20);
+        assert_eq!(
+            outcome.counts,
+            PlacementCounts {
+                desired: 100_000,
+                unplaced: 99_980
+            }
+        );
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 99980 of 100000 allocs not placed: node n1: cpu exhausted \
+                 (2000 of 2000 MHz in use, 100 MHz asked) (99980 allocs: index 20-99999)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn per_alloc_volume_reasons_do_not_vary_with_the_index() {
+        let mut j = job("db", 4, vec![task("t", 1, 1)]);
+        j.task_groups[0].volumes.insert(
+            "data".into(),
+            berth_structs::VolumeRequest {
+                name: "data".into(),
+                volume_type: "csi".into(),
+                source: "data".into(),
+                per_alloc: true,
+                access_mode: Some(berth_structs::AccessMode::SingleNodeWriter),
+                attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+                ..Default::default()
+            },
+        );
+        let t = tables(vec![node("n1", 2000, 2000)], vec![j], vec![]);
+        let (outcome, placed) = plan(&t, "db");
+        assert!(placed.is_empty());
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 4 of 4 allocs not placed: node n1: volume \"data[<index>]\" \
+                 (group volume \"data\") does not exist (4 allocs: index 0-3)"
+                    .to_string()
+            ]
+        );
+    }
+
+    fn ineligible(mut n: Node) -> Node {
+        n.scheduling_eligibility = berth_structs::SchedulingEligibility::Ineligible;
+        n
+    }
+
+    fn topology(k: &str, v: &str) -> berth_structs::CsiTopology {
+        berth_structs::CsiTopology::new([(k.to_string(), v.to_string())].into())
+    }
+
+    /// A node running a healthy node plugin "hp" at `at` (none: the plugin
+    /// answers no topology).
+    fn node_at(id: &str, at: Option<berth_structs::CsiTopology>) -> Node {
+        let mut n = node(id, 4000, 4096);
+        n.csi_node_plugins.insert(
+            "hp".into(),
+            berth_structs::CsiInfo {
+                plugin_id: "hp".into(),
+                healthy: true,
+                accessible_topology: at,
+                ..Default::default()
+            },
+        );
+        n
+    }
+
+    /// A multi-node-multi-writer volume of plugin "hp" reachable from
+    /// `accessible` (empty: everywhere).
+    fn volume_in(id: &str, accessible: Vec<berth_structs::CsiTopology>) -> CsiVolume {
+        CsiVolume {
+            id: id.into(),
+            plugin_id: "hp".into(),
+            capabilities: vec![berth_structs::VolumeCapability {
+                access_mode: berth_structs::AccessMode::MultiNodeMultiWriter,
+                attachment_mode: berth_structs::AttachmentMode::FileSystem,
+            }],
+            accessible_topology: accessible,
+            ..Default::default()
+        }
+    }
+
+    /// Job `id` whose group of `count` uses each of `volumes`.
+    fn job_using(id: &str, count: u32, volumes: &[&str]) -> Job {
+        let mut j = job(id, count, vec![task("t", 1, 1)]);
+        for v in volumes {
+            j.task_groups[0].volumes.insert(
+                v.to_string(),
+                berth_structs::VolumeRequest {
+                    name: v.to_string(),
+                    volume_type: "csi".into(),
+                    source: v.to_string(),
+                    access_mode: Some(berth_structs::AccessMode::MultiNodeMultiWriter),
+                    attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+                    ..Default::default()
+                },
+            );
+        }
+        j
+    }
+
+    fn with_volumes(mut t: Tables, volumes: Vec<CsiVolume>) -> Tables {
+        t.volumes = volumes.into_iter().map(|v| (v.id.clone(), v)).collect();
+        t.with_indexes()
+    }
+
+    #[test]
+    fn a_volume_with_a_topology_is_placed_only_on_nodes_in_it() {
+        let nodes = vec![
+            node_at("a", Some(topology("zone", "a"))),
+            node_at("b", Some(topology("zone", "b"))),
+            node_at("none", None),
+        ];
+        let t = with_volumes(
+            tables(nodes.clone(), vec![job_using("web", 6, &["data"])], vec![]),
+            vec![volume_in("data", vec![topology("zone", "a")])],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+        assert_eq!(placed.len(), 6);
+        assert!(placed.iter().all(|a| a.node_id == "a"), "{placed:?}");
+
+        // A node with more segments than the volume names is in it too; one
+        // of several topologies is enough.
+        let mut wide = node_at("wide", None);
+        wide.csi_node_plugins
+            .get_mut("hp")
+            .unwrap()
+            .accessible_topology = Some(berth_structs::CsiTopology::new(
+            [
+                ("zone".to_string(), "c".to_string()),
+                ("rack".to_string(), "r1".to_string()),
+            ]
+            .into(),
+        ));
+        let t = with_volumes(
+            tables(
+                vec![wide, node_at("b", Some(topology("zone", "b")))],
+                vec![job_using("web", 1, &["data"])],
+                vec![],
+            ),
+            vec![volume_in(
+                "data",
+                vec![topology("zone", "a"), topology("zone", "c")],
+            )],
+        );
+        let (_, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 1);
+        assert_eq!(placed[0].node_id, "wide");
+
+        // A volume without a topology is reachable from every node.
+        let t = with_volumes(
+            tables(
+                vec![node_at("none", None)],
+                vec![job_using("web", 1, &["data"])],
+                vec![],
+            ),
+            vec![volume_in("data", vec![])],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+        assert_eq!(placed.len(), 1);
+    }
+
+    #[test]
+    fn volumes_in_disjoint_topologies_place_nothing_and_the_failure_names_them() {
+        let t = with_volumes(
+            tables(
+                vec![
+                    node_at("a", Some(topology("zone", "a"))),
+                    node_at("b", Some(topology("zone", "b"))),
+                    node_at("none", None),
+                ],
+                vec![job_using("web", 1, &["va", "vb"])],
+                vec![],
+            ),
+            vec![
+                volume_in("va", vec![topology("zone", "a")]),
+                volume_in("vb", vec![topology("zone", "b")]),
+            ],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(placed.is_empty(), "{placed:?}");
+        assert_eq!(
+            outcome.failures,
+            vec!["group \"g\": 1 of 1 allocs not placed: \
+                 node a: volume \"vb\" is reachable only from topology {zone=b}; \
+                 node plugin \"hp\" here is in topology {zone=a}; \
+                 node b: volume \"va\" is reachable only from topology {zone=a}; \
+                 node plugin \"hp\" here is in topology {zone=b}; \
+                 node none: volume \"va\" is reachable only from topology {zone=a}; \
+                 node plugin \"hp\" here has no topology (1 alloc: index 0)"
+                .to_string()]
+        );
+    }
+
+    #[test]
+    fn topology_is_checked_after_the_other_checks() {
+        // Node "a" is in the volume's topology but out of memory; "b" is
+        // not in it: each node says its own reason.
+        let mut a = node_at("a", Some(topology("zone", "a")));
+        a.resources.memory_mb = 0;
+        let t = with_volumes(
+            tables(
+                vec![a, node_at("b", Some(topology("zone", "b")))],
+                vec![job_using("web", 1, &["data"])],
+                vec![],
+            ),
+            vec![volume_in("data", vec![topology("zone", "a")])],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(placed.is_empty());
+        assert_eq!(outcome.failures.len(), 1);
+        let f = &outcome.failures[0];
+        assert!(f.contains("node a: memory exhausted"), "{f}");
+        assert!(
+            f.contains("node b: volume \"data\" is reachable only from topology {zone=a}"),
+            "{f}"
+        );
+    }
+
+    #[test]
+    fn an_ineligible_node_gets_no_new_allocs_and_the_failure_says_why() {
+        let web = job("web", 2, vec![task("t", 100, 64)]);
+        let t = tables(
+            vec![ineligible(node("n1", 4000, 4096)), node("n2", 4000, 4096)],
+            vec![web.clone()],
+            vec![],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 2);
+        assert!(placed.iter().all(|a| a.node_id == "n2"), "{placed:?}");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+
+        let mut draining = node("n2", 4000, 4096);
+        draining.set_drain(Some(berth_structs::DrainStrategy::new(
+            std::time::Duration::from_secs(60),
+            0,
+        )));
+        let t = tables(
+            vec![ineligible(node("n1", 4000, 4096)), draining],
+            vec![web],
+            vec![],
+        );
+        let (outcome, placed) = plan(&t, "web");
+        assert!(placed.is_empty(), "{placed:?}");
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 2 of 2 allocs not placed: node n1: node ineligible; \
+                 node n2: node ineligible (draining) (2 allocs: index 0-1)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn a_system_job_skips_an_ineligible_node_and_leaves_its_alloc_there() {
+        let mut sys = job("sys", 1, vec![task("t", 100, 64)]);
+        sys.job_type = JobType::System;
+        let on_n1 = running(&sys, 0, "n1");
+        let t = tables(
+            vec![
+                ineligible(node("n1", 4000, 4096)),
+                node("n2", 4000, 4096),
+                ineligible(node("n3", 4000, 4096)),
+            ],
+            vec![sys.clone()],
+            vec![on_n1.clone()],
+        );
+        let cfg = ServerConfig::new("/nonexistent");
+        let mut changes = Vec::new();
+        let outcome = plan_job(&t, "sys", &cfg, berth_structs::now_ms(), &mut changes);
+        let put: Vec<&Allocation> = changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) => Some(a),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(put.len(), 1, "only a placement on n2: {put:?}");
+        assert_eq!(put[0].node_id, "n2");
+        assert_ne!(put[0].id, on_n1.id, "the alloc on n1 is not touched");
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+        assert_eq!(
+            outcome.counts,
+            PlacementCounts {
+                desired: 1,
+                unplaced: 0
+            }
+        );
+    }
+
+    #[test]
+    fn an_alloc_stopped_by_a_drain_is_replaced_on_another_node() {
+        let web = job("web", 1, vec![task("t", 100, 64)]);
+        let stopping = stop(&running(&web, 0, "n1"), "node is draining");
+        let mut n1 = node("n1", 4000, 4096);
+        n1.set_drain(Some(berth_structs::DrainStrategy::new(
+            std::time::Duration::from_secs(60),
+            0,
+        )));
+        let t = tables(vec![n1, node("n2", 4000, 4096)], vec![web], vec![stopping]);
+        let (outcome, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 1, "{placed:?}");
+        assert_eq!(placed[0].node_id, "n2");
+        assert_eq!(placed[0].index, 0);
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+    }
+
+    /// Resource amounts that hit the edges: zero, small, near and at u64::MAX.
+    fn amount() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            Just(0),
+            1..5000u64,
+            (0..5000u64).prop_map(|d| u64::MAX - d),
+            Just(u64::MAX / 2 + 1),
+            any::<u64>(),
+        ]
+    }
+
+    fn tasks() -> impl Strategy<Value = Vec<Task>> {
+        prop::collection::vec((amount(), amount()), 1..4).prop_map(|rs| {
+            rs.into_iter()
+                .enumerate()
+                .map(|(i, (c, m))| task(&format!("t{i}"), c, m))
+                .collect()
+        })
+    }
+
+    /// Number of cases of the property below (bounded: it runs in CI).
+    const PLAN_CASES: u32 = 1024;
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: PLAN_CASES,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// With any resources, nodes and allocs already placed, planning
+        /// never panics, never puts more on a node than it has (sums in
+        /// u128), accounts for every index, and says each distinct reason
+        /// once.
+        #[test]
+        fn plan_never_places_more_than_fits(
+            node_res in prop::collection::vec((amount(), amount()), 1..4),
+            existing in prop::collection::vec((tasks(), 0..4usize), 0..4),
+            group_tasks in tasks(),
+            count in 1..30u32,
+        ) {
+            let nodes: Vec<Node> = node_res
+                .iter()
+                .enumerate()
+                .map(|(i, (c, m))| node(&format!("n{i}"), *c, *m))
+                .collect();
+            let mut jobs = Vec::new();
+            let mut allocs = Vec::new();
+            for (i, (ts, on)) in existing.into_iter().enumerate() {
+                let other = job(&format!("other{i}"), 1, ts);
+                allocs.push(running(&other, 0, &nodes[on % nodes.len()].id));
+                jobs.push(other);
+            }
+            let under_test = job("j", count, group_tasks);
+            jobs.push(under_test.clone());
+            let t = tables(nodes.clone(), jobs, allocs.clone());
+
+            let (outcome, placed) = plan(&t, "j");
+
+            let demand = Usage::of_group(&under_test.task_groups[0]);
+            for n in &nodes {
+                let before = allocs
+                    .iter()
+                    .filter(|a| a.node_id == n.id)
+                    .fold(Usage::default(), |u, a| u.plus(Usage::of_group(a.group().unwrap())));
+                let new = placed.iter().filter(|a| a.node_id == n.id).count() as u128;
+                if new == 0 {
+                    continue;
+                }
+                prop_assert!(before.cpu + demand.cpu * new <= u128::from(n.resources.cpu),
+                    "cpu over on {}: {before:?} + {new} x {demand:?} > {:?}", n.id, n.resources);
+                prop_assert!(before.memory_mb + demand.memory_mb * new <= u128::from(n.resources.memory_mb),
+                    "memory over on {}: {before:?} + {new} x {demand:?} > {:?}", n.id, n.resources);
+            }
+            prop_assert_eq!(outcome.counts.desired, u64::from(count));
+            prop_assert_eq!(outcome.counts.unplaced + placed.len() as u64, u64::from(count));
+            // One group, no per_alloc volumes: one reason at most.
+            prop_assert_eq!(outcome.failures.len(), usize::from(outcome.counts.unplaced > 0));
+        }
+    }
+
+    /// Where the placement of every index of group 0 goes when each one
+    /// looks at every ready node and takes the best fit (fewest allocs of
+    /// the job, then most free memory, then the first in ID order): the
+    /// rule the ordered candidates of [`place`] must give, without them.
+    fn every_node_placement(t: &Tables, job: &Job) -> Vec<Option<String>> {
+        let mut ctx = PlanContext::new(t, job);
+        let group = &job.task_groups[0];
+        let nodes: Vec<&Node> = t
+            .nodes
+            .values()
+            .filter(|n| n.status == NodeStatus::Ready)
+            .collect();
+        let mut job_on_node: HashMap<String, usize> = HashMap::new();
+        let mut out = Vec::new();
+        for index in 0..group.count {
+            let mut alloc = new_alloc(job, group, index, "");
+            let mut best: Option<(&Node, (usize, Reverse<u64>))> = None;
+            for node in &nodes {
+                if ctx.infeasible(job, group, index, &alloc.id, node).is_none() {
+                    let (same, free, _) = preference(&ctx, &job_on_node, node, 0);
+                    if best.as_ref().is_none_or(|(_, s)| (same, free) < *s) {
+                        best = Some((node, (same, free)));
+                    }
+                }
+            }
+            match best {
+                Some((node, _)) => {
+                    alloc.node_id = node.id.clone();
+                    ctx.add(&alloc);
+                    *job_on_node.entry(node.id.clone()).or_default() += 1;
+                    out.push(Some(node.id.clone()));
+                }
+                None => out.push(None),
+            }
+        }
+        out
+    }
+
+    /// A node of the placement property: its capacity, whether it is
+    /// ready and eligible, and whether it runs plugin "hp".
+    fn varied_node() -> impl Strategy<Value = (u64, u64, bool, bool, bool)> {
+        (
+            prop_oneof![Just(0u64), 1..400u64, Just(4000)],
+            prop_oneof![Just(0u64), 1..400u64, Just(4096)],
+            prop::bool::weighted(0.85),
+            prop::bool::weighted(0.85),
+            any::<bool>(),
+        )
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 256,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// The ordered candidates place every index where a look at every
+        /// node would: nodes that do not fit, fill up, or lose a volume
+        /// to a claim, per_alloc volumes (some missing) or none.
+        #[test]
+        fn placement_by_ordered_candidates_is_placement_by_every_node(
+            specs in prop::collection::vec(varied_node(), 1..12),
+            existing in prop::collection::vec((1..300u64, 1..300u64, 0..12usize), 0..8),
+            ask in (1..200u64, 1..200u64),
+            count in 1..24u32,
+            volume in prop::option::of((any::<bool>(), any::<bool>(), 0..3u8)),
+            missing in prop::collection::vec(prop::bool::weighted(0.2), 24),
+        ) {
+            let nodes: Vec<Node> = specs
+                .iter()
+                .enumerate()
+                .map(|(i, &(cpu, mem, ready, eligible, plugin))| {
+                    let mut n = if plugin {
+                        node_at(&format!("n{i:02}"), None)
+                    } else {
+                        node(&format!("n{i:02}"), 0, 0)
+                    };
+                    n.resources.cpu = cpu;
+                    n.resources.memory_mb = mem;
+                    if !ready {
+                        n.status = NodeStatus::Down;
+                    }
+                    if eligible { n } else { ineligible(n) }
+                })
+                .collect();
+            let mut jobs = Vec::new();
+            let mut allocs = Vec::new();
+            for (i, (cpu, mem, on)) in existing.into_iter().enumerate() {
+                let other = job(&format!("other{i}"), 1, vec![task("t", cpu, mem)]);
+                allocs.push(running(&other, 0, &nodes[on % nodes.len()].id));
+                jobs.push(other);
+            }
+            let mut under_test = job("j", count, vec![task("t", ask.0, ask.1)]);
+            let mut volumes = Vec::new();
+            if let Some((per_alloc, read_only, access)) = volume {
+                let access = [
+                    berth_structs::AccessMode::SingleNodeWriter,
+                    berth_structs::AccessMode::MultiNodeReader,
+                    berth_structs::AccessMode::MultiNodeMultiWriter,
+                ][usize::from(access)];
+                let mut ids = vec!["data".to_string()];
+                if per_alloc {
+                    // Some indices' volumes do not exist: those fit no
+                    // node, the others may.
+                    ids = (0..count)
+                        .filter(|&i| !missing[i as usize])
+                        .map(|i| format!("data[{i}]"))
+                        .collect();
+                }
+                for id in ids {
+                    let mut v = volume_in(&id, vec![]);
+                    v.capabilities[0].access_mode = access;
+                    volumes.push(v);
+                }
+                under_test.task_groups[0].volumes.insert(
+                    "data".into(),
+                    berth_structs::VolumeRequest {
+                        name: "data".into(),
+                        volume_type: "csi".into(),
+                        source: "data".into(),
+                        per_alloc,
+                        read_only,
+                        access_mode: Some(access),
+                        attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+                        ..Default::default()
+                    },
+                );
+            }
+            jobs.push(under_test.clone());
+            let t = with_volumes(tables(nodes, jobs, allocs), volumes);
+
+            let want = every_node_placement(&t, &under_test);
+            let (outcome, placed) = plan(&t, "j");
+            let mut got: Vec<Option<String>> = vec![None; count as usize];
+            for a in &placed {
+                got[a.index as usize] = Some(a.node_id.clone());
+            }
+            prop_assert_eq!(&got, &want);
+            prop_assert_eq!(
+                outcome.counts.unplaced,
+                want.iter().filter(|w| w.is_none()).count() as u64
+            );
+        }
+    }
+}

@@ -1,0 +1,200 @@
+//! What a job needs: the plan of one stored job (its stops, placements and
+//! status), which allocs hold their index and which are to be replaced
+//! (and when), and the job's status after the plan.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use berth_structs::{AllocClientStatus, Allocation, Job, JobStatus, JobType, TaskGroup};
+
+use crate::config::ServerConfig;
+use crate::state::{Change, Table, Tables};
+
+use super::place::place;
+
+/// How many allocs a job wants and how many of them could not be placed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct PlacementCounts {
+    /// The groups' counts (a system group: one per ready node).
+    pub desired: u64,
+    pub unplaced: u64,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct PlanOutcome {
+    /// One line per group and distinct reason.
+    pub failures: Vec<String>,
+    /// How many allocs of each group could not be placed (groups with
+    /// none are left out).
+    pub unplaced_by_group: BTreeMap<String, u64>,
+    /// A replacement waits for a delay to pass.
+    pub delayed: bool,
+    /// When (unix ms) the first delay passes: the job is evaluated again
+    /// then.
+    pub due_ms: Option<i64>,
+    pub counts: PlacementCounts,
+}
+
+impl PlanOutcome {
+    pub(super) fn note_unplaced(&mut self, group: &TaskGroup, unplaced: u64) {
+        self.counts.unplaced = self.counts.unplaced.saturating_add(unplaced);
+        if unplaced > 0 {
+            self.unplaced_by_group.insert(group.name.clone(), unplaced);
+        }
+    }
+
+    pub(super) fn delay_until(&mut self, until_ms: i64) {
+        self.delayed = true;
+        self.due_ms = Some(self.due_ms.map_or(until_ms, |d| d.min(until_ms)));
+    }
+}
+
+/// Plan one stored job: the stops and placements it needs, and its status.
+pub(crate) fn plan_job(
+    t: &Tables,
+    job_id: &str,
+    cfg: &ServerConfig,
+    now_ms: i64,
+    changes: &mut Vec<Change>,
+) -> PlanOutcome {
+    let outcome = plan_stored_job(t, job_id, cfg, now_ms, changes);
+    log_plan(t, job_id, changes);
+    outcome
+}
+
+/// [`plan_job`] without its log lines: for a plan that may be thrown away
+/// (one made on a snapshot that a write moved before it committed).
+pub(super) fn plan_stored_job(
+    t: &Tables,
+    job_id: &str,
+    cfg: &ServerConfig,
+    now_ms: i64,
+    changes: &mut Vec<Change>,
+) -> PlanOutcome {
+    match t.jobs.get(job_id) {
+        Some(job) => place(t, job, cfg, now_ms, changes),
+        None => PlanOutcome::default(),
+    }
+}
+
+/// The tables a plan of `job` reads beside the job itself (of the jobs
+/// table it reads no other job): the allocs (the job's, and every node's
+/// usage and plugin allocs), the nodes, and the volumes only when a group
+/// of the job asks for one (a plan looks at no other volume). A plan made
+/// on a snapshot is valid while none of them moved and the job did not.
+pub(super) fn tables_read(job: Option<&Job>) -> Vec<Table> {
+    let mut read = vec![Table::Allocs, Table::Nodes];
+    if job.is_some_and(|j| j.task_groups.iter().any(|g| !g.volumes.is_empty())) {
+        read.push(Table::Volumes);
+    }
+    read
+}
+
+/// The log lines of a plan of job `job_id` about to be committed: each
+/// alloc placed and a change of the job's status.
+pub(super) fn log_plan(t: &Tables, job_id: &str, changes: &[Change]) {
+    for c in changes {
+        match c {
+            Change::PutAlloc(a) if !t.allocs.contains_key(&a.id) => {
+                tracing::info!(job_id, alloc_id = %a.id, node_id = %a.node_id, name = %a.name, "placed alloc");
+            }
+            Change::PutJob(j) => {
+                tracing::info!(job_id, status = ?j.status, "job status changed");
+            }
+            _ => {}
+        }
+    }
+}
+
+pub(super) enum Occupancy {
+    /// The alloc's index needs a new alloc.
+    Free,
+    /// The alloc holds its index (live, or a batch alloc that is done).
+    Held,
+    /// The alloc holds its index until a delay passes, at this unix ms.
+    Delayed(i64),
+}
+
+/// Whether an alloc of the current version holds its index in the group.
+pub(super) fn occupancy(
+    a: &Allocation,
+    batch: bool,
+    group: &TaskGroup,
+    cfg: &ServerConfig,
+    now_ms: i64,
+) -> Occupancy {
+    if !a.is_terminal() {
+        return Occupancy::Held;
+    }
+    match a.client_status {
+        AllocClientStatus::Complete | AllocClientStatus::Failed if batch => Occupancy::Held,
+        AllocClientStatus::Lost => match disconnect_window_end_ms(a, group, cfg.heartbeat_grace) {
+            Some(end) if now_ms < end => Occupancy::Delayed(end),
+            _ => Occupancy::Free,
+        },
+        AllocClientStatus::Failed
+            if now_ms
+                < a.modify_time_ms.saturating_add(
+                    i64::try_from(cfg.reschedule_delay.as_millis()).unwrap_or(i64::MAX),
+                ) =>
+        {
+            Occupancy::Delayed(a.modify_time_ms.saturating_add(
+                i64::try_from(cfg.reschedule_delay.as_millis()).unwrap_or(i64::MAX),
+            ))
+        }
+        _ => Occupancy::Free,
+    }
+}
+
+/// For a lost alloc whose group sets `stop_after_client_disconnect`: when
+/// (unix ms) the window ends: the node's last heartbeat before it was
+/// marked down (when the alloc was marked lost, later, if that is not
+/// known) + the window + `heartbeat_grace`, as the client counts from its
+/// own last heartbeat, a later moment. Until then its client may still run
+/// it (and write to its volumes), so no replacement is placed and its write
+/// claims are not reaped.
+pub(crate) fn disconnect_window_end_ms(
+    a: &Allocation,
+    group: &TaskGroup,
+    grace: Duration,
+) -> Option<i64> {
+    if a.client_status != AllocClientStatus::Lost {
+        return None;
+    }
+    let window = group.stop_after_client_disconnect?;
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    let from = if a.node_last_heartbeat_ms > 0 {
+        a.node_last_heartbeat_ms
+    } else {
+        a.modify_time_ms
+    };
+    Some(from.saturating_add(ms(window)).saturating_add(ms(grace)))
+}
+
+/// An alloc that counts as running for the job's status: not terminal on
+/// the client, and not a stopped alloc the client never started.
+fn still_running(a: &Allocation) -> bool {
+    let never_started = a.server_terminal() && a.client_status == AllocClientStatus::Pending;
+    !a.client_status.is_terminal() && !never_started
+}
+
+pub(super) fn job_status(
+    job: &Job,
+    allocs: &BTreeMap<String, Allocation>,
+    outcome: &PlanOutcome,
+) -> JobStatus {
+    if allocs.values().any(still_running) {
+        return JobStatus::Running;
+    }
+    if job.stop {
+        return JobStatus::Dead;
+    }
+    if job.job_type == JobType::Batch
+        && !allocs.is_empty()
+        && outcome.failures.is_empty()
+        && !outcome.delayed
+    {
+        return JobStatus::Dead;
+    }
+    JobStatus::Pending
+}

@@ -1,0 +1,186 @@
+//! Job registration and stop: the endpoints, the comparison of a new
+//! submission with the stored job, and `enforce_index`.
+
+use berth_structs::{Job, JobStatus};
+
+use crate::error::ServerError;
+use crate::server::Server;
+use crate::state::Change;
+
+/// The answer to a job registration.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct JobRegisterResponse {
+    /// The state index after the registration and its evaluation.
+    pub index: u64,
+    /// The job's modify index.
+    pub job_modify_index: u64,
+    /// The job's version (bumped on each change).
+    pub version: u64,
+    /// False when the job was already registered unchanged.
+    pub changed: bool,
+    /// Placements that could not be made (the job waits for them): one
+    /// line per group and distinct reason, with how many allocs it holds
+    /// back.
+    pub placement_failures: Vec<String>,
+    /// The allocs the job wants: the groups' counts (for a system job, one
+    /// per ready node).
+    pub desired_allocs: u64,
+    /// How many of them could not be placed now.
+    pub unplaced_allocs: u64,
+}
+
+/// Whether two submissions of a job are the same, ignoring fields the
+/// servers manage.
+fn same_spec(a: &Job, b: &Job) -> bool {
+    let norm = |j: &Job| Job {
+        stop: false,
+        status: JobStatus::Pending,
+        version: 0,
+        create_index: 0,
+        modify_index: 0,
+        modify_time_ms: 0,
+        job_modify_index: 0,
+        purge: false,
+        ..j.clone()
+    };
+    norm(a) == norm(b)
+}
+
+/// The index a submission with `enforce_index` must name: the stored job's
+/// `job_modify_index` (its `modify_index` for a job stored before that
+/// existed), 0 when there is no such job.
+pub(crate) fn spec_index(job: Option<&Job>) -> u64 {
+    job.map_or(0, |j| {
+        if j.job_modify_index > 0 {
+            j.job_modify_index
+        } else {
+            j.modify_index
+        }
+    })
+}
+
+/// A submission with `enforce_index`: refused unless the stored job's
+/// index is `want` (0: the job must not exist yet).
+fn check_enforced_index(id: &str, stored: Option<&Job>, want: u64) -> Result<(), ServerError> {
+    let have = spec_index(stored);
+    if have == want {
+        return Ok(());
+    }
+    Err(ServerError::Conflict(if want == 0 {
+        format!(
+            "job {id:?} already exists (job modify index {have}); enforce_index with index 0 \
+             registers only a new job"
+        )
+    } else if have == 0 {
+        format!("job {id:?} does not exist; enforce_index gave job modify index {want}")
+    } else {
+        format!(
+            "job {id:?} has job modify index {have}, not the {want} given with enforce_index: \
+             it changed since"
+        )
+    }))
+}
+
+/// What registering `job` makes of it beside the stored `old`: the job to
+/// store and whether it is a change (a new job, a changed spec, or a run
+/// of a stopped job: a new version). `index` is the index the write will
+/// have.
+pub(crate) fn registration(old: Option<&Job>, mut job: Job, index: u64) -> (Job, bool) {
+    job.purge = false;
+    match old {
+        Some(old) if same_spec(old, &job) && !old.stop => (old.clone(), false),
+        Some(old) => {
+            job.version = old.version.saturating_add(1);
+            job.stop = false;
+            job.status = old.status;
+            job.job_modify_index = index;
+            (job, true)
+        }
+        None => {
+            job.version = 0;
+            job.stop = false;
+            job.status = JobStatus::Pending;
+            job.job_modify_index = index;
+            (job, true)
+        }
+    }
+}
+
+impl Server {
+    /// Register (or update) a job and evaluate it.
+    pub async fn register_job(&self, job: Job) -> Result<JobRegisterResponse, ServerError> {
+        self.register_job_checked(job, None).await
+    }
+
+    /// Register a job; with `enforce_index`, only while the stored job's
+    /// job modify index is that (0: only while no such job exists), so
+    /// that a submission planned against one version does not overwrite a
+    /// later one.
+    pub async fn register_job_checked(
+        &self,
+        job: Job,
+        enforce_index: Option<u64>,
+    ) -> Result<JobRegisterResponse, ServerError> {
+        job.validate()?;
+        let job_id = job.id.clone();
+        let ((changed, version), _) = self.store.write(|t, changes| {
+            let old = t.jobs.get(&job.id);
+            if let Some(want) = enforce_index {
+                check_enforced_index(&job.id, old, want)?;
+            }
+            let (next, changed) = registration(old, job, t.index.saturating_add(1));
+            let version = next.version;
+            if changed {
+                changes.push(Change::PutJob(next));
+            }
+            Ok::<_, ServerError>((changed, version))
+        })?;
+        if changed {
+            tracing::info!(job_id = %job_id, version, "job registered");
+        }
+        let placement = self.evaluate_job(&job_id).await;
+        let job_modify_index = self.store.read(|t| spec_index(t.jobs.get(&job_id)));
+        Ok(JobRegisterResponse {
+            index: self.store.index(),
+            job_modify_index,
+            version,
+            changed,
+            placement_failures: self.job_placement_failures(&job_id),
+            desired_allocs: placement.desired,
+            unplaced_allocs: placement.unplaced,
+        })
+    }
+
+    /// Stop a job: every alloc of it is asked to stop. Returns the index.
+    pub async fn stop_job(&self, id: &str) -> Result<u64, ServerError> {
+        self.stop_job_with(id, false).await
+    }
+
+    /// Stop a job and, with `purge`, have it leave the state as soon as
+    /// every alloc of it is done and holds no volume claim (garbage
+    /// collection's rules, without its thresholds). Returns the index.
+    pub async fn stop_job_with(&self, id: &str, purge: bool) -> Result<u64, ServerError> {
+        self.store.write(|t, changes| {
+            let job = t
+                .jobs
+                .get(id)
+                .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))?;
+            if !job.stop || (purge && !job.purge) {
+                let mut job = job.clone();
+                if !job.stop {
+                    job.job_modify_index = t.index.saturating_add(1);
+                }
+                job.stop = true;
+                job.purge |= purge;
+                changes.push(Change::PutJob(job));
+            }
+            Ok::<_, ServerError>(())
+        })?;
+        tracing::info!(job_id = id, purge, "job stopped");
+        self.evaluate_job(id).await;
+        if purge {
+            self.collect_purged_job(id)?;
+        }
+        Ok(self.store.index())
+    }
+}
