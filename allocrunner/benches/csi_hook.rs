@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use berth_allocrunner::alloc_hooks::{AllocHook, AllocHookContext, CsiHook};
@@ -154,28 +154,7 @@ impl VolumeStateStore for RedbStore {
     }
 }
 
-#[derive(Default)]
-struct MemStore(Mutex<BTreeMap<String, VolumeStub>>);
-
-impl VolumeStateStore for MemStore {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
-        Ok(Vec::new())
-    }
-    fn save_plugins(&self, _: &[PluginRegistration]) -> Result<(), String> {
-        Ok(())
-    }
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
-        Ok(Vec::new())
-    }
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
-        self.0.lock().unwrap().insert(stub.key(), stub.clone());
-        Ok(())
-    }
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
-        self.0.lock().unwrap().remove(key);
-        Ok(())
-    }
-}
+use berth_csimanager::testing::MemStore;
 
 struct Discard;
 

@@ -145,9 +145,7 @@ async fn run_volume_user(h: &Harness) -> (berth_structs::Allocation, AllocRunner
 /// The node events of the storage subsystem that do not say success.
 fn storage_failures(h: &Harness) -> Vec<berth_structs::NodeEvent> {
     h.node_events
-        .0
-        .lock()
-        .unwrap()
+        .all()
         .iter()
         .filter(|e| {
             e.subsystem == "Storage" && e.details.get("success").map(String::as_str) != Some("true")
@@ -850,9 +848,7 @@ async fn a_killed_plugin_task_is_unhealthy_until_it_restarts_and_is_healthy_agai
     runner.run();
     let node_events = |message: &str| {
         h.node_events
-            .0
-            .lock()
-            .unwrap()
+            .all()
             .iter()
             .filter(|e| e.subsystem == "CSI" && e.message == message)
             .count()
@@ -919,9 +915,7 @@ async fn a_killed_plugin_task_is_unhealthy_until_it_restarts_and_is_healthy_agai
     assert_eq!(events[1].1, "the plugin task exited");
     let csi_events: Vec<String> = h
         .node_events
-        .0
-        .lock()
-        .unwrap()
+        .all()
         .iter()
         .filter(|e| e.subsystem == "CSI")
         .map(|e| e.message.clone())

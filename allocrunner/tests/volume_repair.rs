@@ -164,9 +164,7 @@ async fn a_repaired_volume_is_bound_again_and_a_failed_repair_restarts_the_task(
     );
     let node_failures: Vec<_> = h
         .node_events
-        .0
-        .lock()
-        .unwrap()
+        .all()
         .iter()
         .filter(|e| e.subsystem == "Storage" && e.message == "Volume repair failed")
         .cloned()

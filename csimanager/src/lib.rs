@@ -31,6 +31,8 @@ pub mod repair;
 pub mod retry;
 pub mod sinks;
 pub mod stats;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod volume;
 pub mod volume_manager;
 

@@ -17,15 +17,12 @@ use berth_allocrunner::{
     TaskHandleRecord, VolumeClaimer,
 };
 use berth_csimanager::volume_manager::volume_capability;
-use berth_csimanager::{
-    CsiManager, FingerprintSink, ManagerConfig, NodeEventSink, PluginRegistration, PluginRegistry,
-    VolumeStateStore, VolumeStub,
-};
+use berth_csimanager::{CsiManager, FingerprintSink, ManagerConfig, PluginRegistry};
 use berth_proto::csi::v1 as csi;
 use berth_structs::{
     AccessMode, AllocClientStatus, Allocation, AttachmentMode, CsiInfo, CsiMountOptions,
-    CsiPluginType, Job, JobType, NodeEvent, RestartPolicy, Task, TaskConfig, TaskCsiPluginConfig,
-    TaskGroup, TaskState, TaskStateKind, VolumeMount, VolumeRequest,
+    CsiPluginType, Job, JobType, RestartPolicy, Task, TaskConfig, TaskCsiPluginConfig, TaskGroup,
+    TaskState, TaskStateKind, VolumeMount, VolumeRequest,
 };
 
 // ---------------------------------------------------------------- updater
@@ -158,50 +155,7 @@ impl VolumeClaimer for ScriptedClaimer {
 
 // ---------------------------------------------------------------- csimanager
 
-#[derive(Default)]
-pub struct MemStore {
-    plugins: Mutex<Vec<PluginRegistration>>,
-    volumes: Mutex<BTreeMap<String, VolumeStub>>,
-}
-
-impl MemStore {
-    pub fn volumes(&self) -> BTreeMap<String, VolumeStub> {
-        self.volumes.lock().unwrap().clone()
-    }
-}
-
-impl VolumeStateStore for MemStore {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
-        Ok(self.plugins.lock().unwrap().clone())
-    }
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
-        *self.plugins.lock().unwrap() = plugins.to_vec();
-        Ok(())
-    }
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
-        Ok(self.volumes().into_values().collect())
-    }
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
-        self.volumes
-            .lock()
-            .unwrap()
-            .insert(stub.key(), stub.clone());
-        Ok(())
-    }
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
-        self.volumes.lock().unwrap().remove(key);
-        Ok(())
-    }
-}
-
-#[derive(Default)]
-pub struct EventLog(pub Mutex<Vec<NodeEvent>>);
-
-impl NodeEventSink for EventLog {
-    fn emit(&self, event: NodeEvent) {
-        self.0.lock().unwrap().push(event);
-    }
-}
+pub use berth_csimanager::testing::{EventLog, MemStore};
 
 #[derive(Default)]
 pub struct NoFingerprints;

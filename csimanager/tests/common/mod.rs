@@ -15,78 +15,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use berth_csimanager::{
-    CsiClient, CsiManager, FingerprintSink, ManagerConfig, MountRequest, NodeEventSink,
-    PluginRegistration, PluginRegistry, RetryPolicy, UnmountRequest, VolumeStateStore, VolumeStub,
+    CsiClient, CsiManager, FingerprintSink, ManagerConfig, MountRequest, PluginRegistration,
+    PluginRegistry, RetryPolicy, UnmountRequest,
 };
 use berth_proto::csi::v1 as csi;
-use berth_structs::{
-    AccessMode, AttachmentMode, CsiInfo, CsiMountOptions, CsiPluginType, NodeEvent,
-};
+use berth_structs::{AccessMode, AttachmentMode, CsiInfo, CsiMountOptions, CsiPluginType};
 
 // ---------------------------------------------------------------- store
 
-/// The `VolumeStateStore` of tests: in memory, shared by "restarts".
-#[derive(Default)]
-pub struct MemStore {
-    plugins: Mutex<Vec<PluginRegistration>>,
-    volumes: Mutex<BTreeMap<String, VolumeStub>>,
-}
-
-impl MemStore {
-    pub fn plugins(&self) -> Vec<PluginRegistration> {
-        self.plugins.lock().unwrap().clone()
-    }
-    pub fn volumes(&self) -> BTreeMap<String, VolumeStub> {
-        self.volumes.lock().unwrap().clone()
-    }
-}
-
-impl VolumeStateStore for MemStore {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
-        Ok(self.plugins())
-    }
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
-        *self.plugins.lock().unwrap() = plugins.to_vec();
-        Ok(())
-    }
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
-        Ok(self.volumes().into_values().collect())
-    }
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
-        self.volumes
-            .lock()
-            .unwrap()
-            .insert(stub.key(), stub.clone());
-        Ok(())
-    }
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
-        self.volumes.lock().unwrap().remove(key);
-        Ok(())
-    }
-}
-
-// ---------------------------------------------------------------- sinks
-
-#[derive(Default)]
-pub struct EventLog(Mutex<Vec<NodeEvent>>);
-
-impl EventLog {
-    pub fn all(&self) -> Vec<NodeEvent> {
-        self.0.lock().unwrap().clone()
-    }
-    pub fn with_message(&self, subsystem: &str, message: &str) -> Vec<NodeEvent> {
-        self.all()
-            .into_iter()
-            .filter(|e| e.subsystem == subsystem && e.message == message)
-            .collect()
-    }
-}
-
-impl NodeEventSink for EventLog {
-    fn emit(&self, event: NodeEvent) {
-        self.0.lock().unwrap().push(event);
-    }
-}
+pub use berth_csimanager::testing::{EventLog, MemStore};
 
 pub type PluginMaps = (BTreeMap<String, CsiInfo>, BTreeMap<String, CsiInfo>);
 
@@ -151,13 +88,15 @@ impl PluginProcess {
             state_dir,
         };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !p.socket.exists() {
+        // Listening, not just bound: the socket file appears at bind(),
+        // and a dial before listen() is refused.
+        while std::os::unix::net::UnixStream::connect(&p.socket).is_err() {
             if let Ok(Some(status)) = p.child.try_wait() {
                 panic!("hostpath-plugin exited early: {status}");
             }
             assert!(
                 Instant::now() < deadline,
-                "hostpath-plugin socket never appeared"
+                "hostpath-plugin never listened on its socket"
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
