@@ -458,6 +458,23 @@ impl VolumeManager {
         supports_stage: bool,
         req: &MountRequest,
     ) -> Result<MountInfo, CsiError> {
+        let plan = self.plan_mount(supports_stage, req).await;
+        // Take the usage, durably, before any CSI call.
+        self.take_usage(req, &plan)?;
+        if plan.need_stage {
+            self.stage_for_mount(client, req, &plan).await?;
+        }
+        self.publish_for_mount(client, req, &plan).await?;
+        Ok(MountInfo {
+            source: plan.target,
+            read_only: plan.read_only,
+        })
+    }
+
+    /// Works out what mounting `req` does: its paths and capability, and
+    /// whether it stages (first user, a remount, or a staging recorded for
+    /// others that is not really there).
+    async fn plan_mount(&self, supports_stage: bool, req: &MountRequest) -> MountPlan {
         let (access, attach) = (req.access_mode, req.attachment_mode);
         let key = req.stub_key();
         let staging = self.staging_path(
@@ -505,16 +522,30 @@ impl VolumeManager {
             tracing::info!(staging = %staging.display(), "the volume is recorded as staged for other allocs but nothing is staged at its staging path; staging it again");
         }
         let need_stage = supports_stage && (remount || !staged_for_others || stage_missing);
+        MountPlan {
+            key,
+            staging,
+            target,
+            read_only,
+            capability,
+            supports_stage,
+            prior,
+            remount,
+            stage_missing,
+            need_stage,
+        }
+    }
 
-        // Take the usage, durably, before any CSI call.
-        let mut stub = prior.clone().unwrap_or_else(|| VolumeStub {
+    /// Records the alloc's usage of the volume in its stub, durably.
+    fn take_usage(&self, req: &MountRequest, plan: &MountPlan) -> Result<(), CsiError> {
+        let mut stub = plan.prior.clone().unwrap_or_else(|| VolumeStub {
             plugin_id: req.plugin_id.clone(),
             volume_id: req.volume_id.clone(),
             external_id: req.external_id.clone(),
-            access_mode: access,
-            attachment_mode: attach,
+            access_mode: req.access_mode,
+            attachment_mode: req.attachment_mode,
             read_only: req.read_only,
-            staging_path: staging.clone(),
+            staging_path: plan.staging.clone(),
             staged: false,
             allocs: BTreeMap::new(),
             mounted_with: MountContext::default(),
@@ -522,61 +553,82 @@ impl VolumeManager {
         stub.external_id = req.external_id.clone();
         // What the staging is made with (a repair stages again with it):
         // another alloc's later publish leaves it as it is.
-        if need_stage || prior.is_none() {
+        if plan.need_stage || plan.prior.is_none() {
             stub.mounted_with = MountContext::of(req);
         }
-        stub.allocs.insert(req.alloc_id.clone(), target.clone());
-        stub.staged |= need_stage;
-        self.put_stub(&stub)?;
+        stub.allocs
+            .insert(req.alloc_id.clone(), plan.target.clone());
+        stub.staged |= plan.need_stage;
+        self.put_stub(&stub)
+    }
 
-        if need_stage {
-            let staged = async {
-                if stage_missing {
-                    // A dead mount left at the staging path is taken away
-                    // first, as a repair does; nothing mounted is fine.
-                    detach_dead_mount(&staging).await?;
-                }
-                create_dir_all(&staging)?;
-                let stage_req = csi::NodeStageVolumeRequest {
-                    volume_id: req.external_id.clone(),
-                    publish_context: to_map(&req.publish_context),
-                    staging_target_path: path_string(&staging)?,
-                    volume_capability: Some(capability.clone()),
-                    secrets: to_map(&req.secrets),
-                    volume_context: to_map(&req.volume_context),
-                };
-                self.with_retry("NodeStageVolume", || {
-                    client.node_stage_volume(stage_req.clone())
-                })
-                .await
+    /// Stages the volume (NodeStageVolume); on failure gives back the
+    /// usage taken, unless this is a remount.
+    async fn stage_for_mount(
+        &self,
+        client: &CsiClient,
+        req: &MountRequest,
+        plan: &MountPlan,
+    ) -> Result<(), CsiError> {
+        let (key, staging, capability) = (&plan.key, &plan.staging, &plan.capability);
+        let remount = plan.remount;
+        let staged = async {
+            if plan.stage_missing {
+                // A dead mount left at the staging path is taken away
+                // first, as a repair does; nothing mounted is fine.
+                detach_dead_mount(staging).await?;
             }
-            .await;
-            if let Err(e) = staged {
-                if remount {
-                    // The alloc used the volume before (an agent restart
-                    // re-runs its hooks): its target may still be published
-                    // and a task may still use it. The stub keeps the alloc
-                    // (and `staged`), so the stage stays for it and its later
-                    // unmount unpublishes the target before anything is
-                    // unstaged.
-                    tracing::warn!(error = %e, "staging again on restore failed; the alloc keeps its usage");
-                    return Err(e);
-                }
-                let prior_staged = prior.as_ref().is_some_and(|s| s.staged);
-                self.give_back_failed_stage(
-                    client,
-                    &key,
-                    &req.alloc_id,
-                    e.is_uncertain() || prior_staged,
-                )
-                .await;
+            create_dir_all(staging)?;
+            let stage_req = csi::NodeStageVolumeRequest {
+                volume_id: req.external_id.clone(),
+                publish_context: to_map(&req.publish_context),
+                staging_target_path: path_string(staging)?,
+                volume_capability: Some(capability.clone()),
+                secrets: to_map(&req.secrets),
+                volume_context: to_map(&req.volume_context),
+            };
+            self.with_retry("NodeStageVolume", || {
+                client.node_stage_volume(stage_req.clone())
+            })
+            .await
+        }
+        .await;
+        if let Err(e) = staged {
+            if remount {
+                // The alloc used the volume before (an agent restart
+                // re-runs its hooks): its target may still be published
+                // and a task may still use it. The stub keeps the alloc
+                // (and `staged`), so the stage stays for it and its later
+                // unmount unpublishes the target before anything is
+                // unstaged.
+                tracing::warn!(error = %e, "staging again on restore failed; the alloc keeps its usage");
                 return Err(e);
             }
+            let prior_staged = plan.prior.as_ref().is_some_and(|s| s.staged);
+            self.give_back_failed_stage(
+                client,
+                key,
+                &req.alloc_id,
+                e.is_uncertain() || prior_staged,
+            )
+            .await;
+            return Err(e);
         }
+        Ok(())
+    }
 
+    /// Publishes the volume at the alloc's target (NodePublishVolume); on
+    /// failure undoes the usage (unpublish, and unstage for the last user).
+    async fn publish_for_mount(
+        &self,
+        client: &CsiClient,
+        req: &MountRequest,
+        plan: &MountPlan,
+    ) -> Result<(), CsiError> {
+        let (staging, target, capability) = (&plan.staging, &plan.target, &plan.capability);
         let published = async {
-            match attach {
-                AttachmentMode::FileSystem => create_dir_all(&target)?,
+            match req.attachment_mode {
+                AttachmentMode::FileSystem => create_dir_all(target)?,
                 AttachmentMode::BlockDevice => {
                     if let Some(parent) = target.parent() {
                         create_dir_all(parent)?;
@@ -586,14 +638,14 @@ impl VolumeManager {
             let publish_req = csi::NodePublishVolumeRequest {
                 volume_id: req.external_id.clone(),
                 publish_context: to_map(&req.publish_context),
-                staging_target_path: if supports_stage {
-                    path_string(&staging)?
+                staging_target_path: if plan.supports_stage {
+                    path_string(staging)?
                 } else {
                     String::new()
                 },
-                target_path: path_string(&target)?,
+                target_path: path_string(target)?,
                 volume_capability: Some(capability.clone()),
-                readonly: read_only,
+                readonly: plan.read_only,
                 secrets: to_map(&req.secrets),
                 volume_context: to_map(&req.volume_context),
             };
@@ -606,15 +658,15 @@ impl VolumeManager {
         if let Err(e) = published {
             // Unpublish what may have been published; unstage when this was
             // the last user. A failing undo stays recorded in the stub.
-            if let Err(undo) = self.release_usage(Some(client), &key, &req.alloc_id).await {
+            if let Err(undo) = self
+                .release_usage(Some(client), &plan.key, &req.alloc_id)
+                .await
+            {
                 tracing::warn!(error = %undo, "undoing a failed publish failed; the stub keeps what remains to undo");
             }
             return Err(e);
         }
-        Ok(MountInfo {
-            source: target,
-            read_only,
-        })
+        Ok(())
     }
 
     /// Gives back the usage taken for a stage that failed. `may_be_staged`:
@@ -793,6 +845,24 @@ impl VolumeManager {
                 .with_detail("error", error.map(|e| e.to_string()).unwrap_or_default()),
         );
     }
+}
+
+/// What mounting one volume for one alloc does, worked out before any
+/// change ([`VolumeManager::mount_locked`]).
+struct MountPlan {
+    key: String,
+    staging: PathBuf,
+    target: PathBuf,
+    read_only: bool,
+    capability: csi::VolumeCapability,
+    supports_stage: bool,
+    /// The volume's stub before this mount.
+    prior: Option<VolumeStub>,
+    /// The alloc already uses the volume (a restore after a restart).
+    remount: bool,
+    /// Recorded as staged for other allocs, but nothing is staged.
+    stage_missing: bool,
+    need_stage: bool,
 }
 
 /// `NotFound` from an unpublish or unstage: the volume does not exist, so
