@@ -20,6 +20,8 @@
 //! - A mount again for an alloc the stub already records (restore) never
 //!   gives the usage back on failure: the alloc's target may be published.
 
+mod mount;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -35,10 +37,9 @@ use tracing::Instrument;
 
 use crate::client::CsiClient;
 use crate::error::CsiError;
-use crate::repair::{detach_dead_mount, mount_points, staging_is_live};
 use crate::sinks::{NodeEventSink, VolumeStateStore};
 use crate::volume::{
-    usage_name, ExpandRequest, MountContext, MountInfo, MountRequest, UnmountRequest, VolumeStub,
+    usage_name, ExpandRequest, MountInfo, MountRequest, UnmountRequest, VolumeStub,
 };
 
 /// How uncertain CSI calls are retried: exponential backoff from
@@ -458,162 +459,16 @@ impl VolumeManager {
         supports_stage: bool,
         req: &MountRequest,
     ) -> Result<MountInfo, CsiError> {
-        let (access, attach) = (req.access_mode, req.attachment_mode);
-        let key = req.stub_key();
-        let staging = self.staging_path(
-            &req.plugin_id,
-            &req.volume_id,
-            access,
-            attach,
-            req.read_only,
-        );
-        let target = self.target_path(
-            &req.plugin_id,
-            &req.alloc_id,
-            &req.volume_id,
-            access,
-            attach,
-            req.read_only,
-        );
-        let read_only = req.read_only || access.is_reader_only();
-        let capability = volume_capability(access, attach, &req.mount_options);
-
-        let prior = self.lock_stubs().get(&key).cloned();
-        // A mount again for an alloc that already uses the volume (restore
-        // after a restart) stages again: what vanished is made again, and
-        // NodeStageVolume is idempotent.
-        let remount = prior
-            .as_ref()
-            .is_some_and(|s| s.allocs.contains_key(&req.alloc_id));
-        let staged_for_others = prior
-            .as_ref()
-            .is_some_and(|s| s.staged && s.allocs.keys().any(|a| a != &req.alloc_id));
-        // The record says staged for another alloc; trusted only when the
-        // staging is really there. A crash between a finished
-        // NodeUnstageVolume and the removal of the record, or anyone
-        // unmounting the staging path, leaves a record that says staged
-        // while nothing is: publishing from the bare directory would hand
-        // the task a directory that is not the volume. Staging again is
-        // safe: NodeStageVolume is idempotent. A plugin whose staging
-        // leaves no mount at (or, for a block volume, below) the staging
-        // path gets one more idempotent NodeStageVolume per new user.
-        let stage_missing = supports_stage
-            && staged_for_others
-            && !remount
-            && !staging_is_live(&staging, attach, &mount_points().await).await;
-        if stage_missing {
-            tracing::info!(staging = %staging.display(), "the volume is recorded as staged for other allocs but nothing is staged at its staging path; staging it again");
-        }
-        let need_stage = supports_stage && (remount || !staged_for_others || stage_missing);
-
+        let plan = self.plan_mount(supports_stage, req).await;
         // Take the usage, durably, before any CSI call.
-        let mut stub = prior.clone().unwrap_or_else(|| VolumeStub {
-            plugin_id: req.plugin_id.clone(),
-            volume_id: req.volume_id.clone(),
-            external_id: req.external_id.clone(),
-            access_mode: access,
-            attachment_mode: attach,
-            read_only: req.read_only,
-            staging_path: staging.clone(),
-            staged: false,
-            allocs: BTreeMap::new(),
-            mounted_with: MountContext::default(),
-        });
-        stub.external_id = req.external_id.clone();
-        // What the staging is made with (a repair stages again with it):
-        // another alloc's later publish leaves it as it is.
-        if need_stage || prior.is_none() {
-            stub.mounted_with = MountContext::of(req);
+        self.take_usage(req, &plan)?;
+        if plan.need_stage {
+            self.stage_for_mount(client, req, &plan).await?;
         }
-        stub.allocs.insert(req.alloc_id.clone(), target.clone());
-        stub.staged |= need_stage;
-        self.put_stub(&stub)?;
-
-        if need_stage {
-            let staged = async {
-                if stage_missing {
-                    // A dead mount left at the staging path is taken away
-                    // first, as a repair does; nothing mounted is fine.
-                    detach_dead_mount(&staging).await?;
-                }
-                create_dir_all(&staging)?;
-                let stage_req = csi::NodeStageVolumeRequest {
-                    volume_id: req.external_id.clone(),
-                    publish_context: to_map(&req.publish_context),
-                    staging_target_path: path_string(&staging)?,
-                    volume_capability: Some(capability.clone()),
-                    secrets: to_map(&req.secrets),
-                    volume_context: to_map(&req.volume_context),
-                };
-                self.with_retry("NodeStageVolume", || {
-                    client.node_stage_volume(stage_req.clone())
-                })
-                .await
-            }
-            .await;
-            if let Err(e) = staged {
-                if remount {
-                    // The alloc used the volume before (an agent restart
-                    // re-runs its hooks): its target may still be published
-                    // and a task may still use it. The stub keeps the alloc
-                    // (and `staged`), so the stage stays for it and its later
-                    // unmount unpublishes the target before anything is
-                    // unstaged.
-                    tracing::warn!(error = %e, "staging again on restore failed; the alloc keeps its usage");
-                    return Err(e);
-                }
-                let prior_staged = prior.as_ref().is_some_and(|s| s.staged);
-                self.give_back_failed_stage(
-                    client,
-                    &key,
-                    &req.alloc_id,
-                    e.is_uncertain() || prior_staged,
-                )
-                .await;
-                return Err(e);
-            }
-        }
-
-        let published = async {
-            match attach {
-                AttachmentMode::FileSystem => create_dir_all(&target)?,
-                AttachmentMode::BlockDevice => {
-                    if let Some(parent) = target.parent() {
-                        create_dir_all(parent)?;
-                    }
-                }
-            }
-            let publish_req = csi::NodePublishVolumeRequest {
-                volume_id: req.external_id.clone(),
-                publish_context: to_map(&req.publish_context),
-                staging_target_path: if supports_stage {
-                    path_string(&staging)?
-                } else {
-                    String::new()
-                },
-                target_path: path_string(&target)?,
-                volume_capability: Some(capability.clone()),
-                readonly: read_only,
-                secrets: to_map(&req.secrets),
-                volume_context: to_map(&req.volume_context),
-            };
-            self.with_retry("NodePublishVolume", || {
-                client.node_publish_volume(publish_req.clone())
-            })
-            .await
-        }
-        .await;
-        if let Err(e) = published {
-            // Unpublish what may have been published; unstage when this was
-            // the last user. A failing undo stays recorded in the stub.
-            if let Err(undo) = self.release_usage(Some(client), &key, &req.alloc_id).await {
-                tracing::warn!(error = %undo, "undoing a failed publish failed; the stub keeps what remains to undo");
-            }
-            return Err(e);
-        }
+        self.publish_for_mount(client, req, &plan).await?;
         Ok(MountInfo {
-            source: target,
-            read_only,
+            source: plan.target,
+            read_only: plan.read_only,
         })
     }
 

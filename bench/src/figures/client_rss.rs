@@ -118,6 +118,34 @@ fn run_timeout(count: u32) -> Duration {
 }
 
 pub fn run(args: &Args) -> Result<()> {
+    let sizes = checked_sizes(args)?;
+    report::heading(
+        "client-rss",
+        &format!(
+            "client agent RSS: idle, with {} tasks, with {} tasks on {} CSI volumes",
+            sizes
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join("/"),
+            args.tasks,
+            args.volumes
+        ),
+    );
+    let (idle, with_tasks) = measure_idle_and_tasks(args, &sizes)?;
+    let with_volumes = if args.volumes > 0 {
+        Some(measure_shared_volumes(args)?)
+    } else {
+        None
+    };
+    report_against_targets(args, idle, with_tasks, with_volumes);
+    Ok(())
+}
+
+/// The task counts to measure (`--sizes`, else `--tasks`), ascending and
+/// distinct; an error when one is 0 or `--volumes` does not divide
+/// `--tasks`.
+fn checked_sizes(args: &Args) -> Result<Vec<u32>> {
     let mut sizes = if args.sizes.is_empty() {
         vec![args.tasks]
     } else {
@@ -135,89 +163,86 @@ pub fn run(args: &Args) -> Result<()> {
             args.tasks
         );
     }
-    report::heading(
-        "client-rss",
-        &format!(
-            "client agent RSS: idle, with {} tasks, with {} tasks on {} CSI volumes",
-            sizes
-                .iter()
-                .map(u32::to_string)
-                .collect::<Vec<_>>()
-                .join("/"),
-            args.tasks,
-            args.volumes
-        ),
-    );
+    Ok(sizes)
+}
 
-    // Idle, then the tasks at each size.
-    let (idle, with_tasks) = {
-        let server = BenchServer::start()?;
-        let mut client = BenchClient::start(&server, "rss-tasks")?;
-        let idle = settled_memory(&mut client)?;
-        show("idle (baseline)", idle, "");
-        let mut points = Vec::new();
-        let mut at_tasks = None;
-        for &n in &sizes {
-            let started = Instant::now();
-            server.run_job("sleepers", &cluster::sleep_job("sleepers", n, None))?;
-            server.wait_job_running("sleepers", n as usize, run_timeout(n))?;
-            let took = running_after(started);
-            let m = settled_memory(&mut client)?;
-            show(&format!("{n} tasks"), m, &took);
-            let per_task = m.rss_kib.saturating_sub(idle.rss_kib) as f64 / f64::from(n);
-            report::value(
-                &format!("  per task above idle ({n})"),
-                format!("{per_task:.1} KiB"),
-            );
-            points.push((f64::from(n), m.rss_kib as f64 / 1024.0));
-            if n == args.tasks {
-                at_tasks = Some(m);
-            }
-        }
-        if points.len() >= 2 {
-            report::growth_table("client RSS over running tasks", "MiB", &points);
-        }
-        (idle, at_tasks)
-    };
-
-    // Tasks sharing CSI volumes, on a fresh cluster.
-    let with_volumes = if args.volumes > 0 {
-        let server = BenchServer::start()?;
-        let mut client = BenchClient::start(&server, "rss-volumes")?;
-        server.run_example_job("jobs/hostpath-plugin.hcl")?;
-        server.wait_plugin_nodes("hostpath", 1)?;
-        for i in 0..args.volumes {
-            let id = format!("v[{i}]");
-            server.create_volume(&format!("v{i}"), &cluster::shared_volume(&id))?;
-        }
-        let plugin_only = settled_memory(&mut client)?;
-        show(
-            &format!("plugin running, {} volumes", args.volumes),
-            plugin_only,
-            "",
-        );
-        let jobs = args.tasks / args.volumes;
+/// Idle, then the tasks at each size: the idle memory and the memory with
+/// `--tasks` tasks (when that is one of `sizes`).
+fn measure_idle_and_tasks(args: &Args, sizes: &[u32]) -> Result<(Memory, Option<Memory>)> {
+    let server = BenchServer::start()?;
+    let mut client = BenchClient::start(&server, "rss-tasks")?;
+    let idle = settled_memory(&mut client)?;
+    show("idle (baseline)", idle, "");
+    let mut points = Vec::new();
+    let mut at_tasks = None;
+    for &n in sizes {
         let started = Instant::now();
-        for j in 0..jobs {
-            let job = format!("shared-{j}");
-            server.run_job(&job, &cluster::sleep_job(&job, args.volumes, Some("v")))?;
-        }
-        for j in 0..jobs {
-            let job = format!("shared-{j}");
-            server.wait_job_running(&job, args.volumes as usize, run_timeout(args.tasks))?;
-        }
+        server.run_job("sleepers", &cluster::sleep_job("sleepers", n, None))?;
+        server.wait_job_running("sleepers", n as usize, run_timeout(n))?;
         let took = running_after(started);
         let m = settled_memory(&mut client)?;
-        show(
-            &format!("{} tasks on {} volumes", args.tasks, args.volumes),
-            m,
-            &took,
+        show(&format!("{n} tasks"), m, &took);
+        let per_task = m.rss_kib.saturating_sub(idle.rss_kib) as f64 / f64::from(n);
+        report::value(
+            &format!("  per task above idle ({n})"),
+            format!("{per_task:.1} KiB"),
         );
-        Some(m)
-    } else {
-        None
-    };
+        points.push((f64::from(n), m.rss_kib as f64 / 1024.0));
+        if n == args.tasks {
+            at_tasks = Some(m);
+        }
+    }
+    if points.len() >= 2 {
+        report::growth_table("client RSS over running tasks", "MiB", &points);
+    }
+    Ok((idle, at_tasks))
+}
 
+/// Tasks sharing CSI volumes, on a fresh cluster: the memory with
+/// `--tasks` tasks on `--volumes` volumes.
+fn measure_shared_volumes(args: &Args) -> Result<Memory> {
+    let server = BenchServer::start()?;
+    let mut client = BenchClient::start(&server, "rss-volumes")?;
+    server.run_example_job("jobs/hostpath-plugin.hcl")?;
+    server.wait_plugin_nodes("hostpath", 1)?;
+    for i in 0..args.volumes {
+        let id = format!("v[{i}]");
+        server.create_volume(&format!("v{i}"), &cluster::shared_volume(&id))?;
+    }
+    let plugin_only = settled_memory(&mut client)?;
+    show(
+        &format!("plugin running, {} volumes", args.volumes),
+        plugin_only,
+        "",
+    );
+    let jobs = args.tasks / args.volumes;
+    let started = Instant::now();
+    for j in 0..jobs {
+        let job = format!("shared-{j}");
+        server.run_job(&job, &cluster::sleep_job(&job, args.volumes, Some("v")))?;
+    }
+    for j in 0..jobs {
+        let job = format!("shared-{j}");
+        server.wait_job_running(&job, args.volumes as usize, run_timeout(args.tasks))?;
+    }
+    let took = running_after(started);
+    let m = settled_memory(&mut client)?;
+    show(
+        &format!("{} tasks on {} volumes", args.tasks, args.volumes),
+        m,
+        &took,
+    );
+    Ok(m)
+}
+
+/// The ratios to idle and the targets: idle <= 25 MiB, with tasks and
+/// with volumes <= 60 MiB.
+fn report_against_targets(
+    args: &Args,
+    idle: Memory,
+    with_tasks: Option<Memory>,
+    with_volumes: Option<Memory>,
+) {
     let mib = |kib: u64| kib as f64 / 1024.0;
     report::value(
         "ratio to idle",
@@ -252,7 +277,6 @@ pub fn run(args: &Args) -> Result<()> {
         ));
     }
     report::target(&text, met);
-    Ok(())
 }
 
 pub fn smoke() -> Result<()> {

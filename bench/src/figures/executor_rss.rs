@@ -69,8 +69,22 @@ pub fn run(args: &Args) -> Result<()> {
     let copy_dir = tempfile::Builder::new()
         .prefix("berth-bench-agent-")
         .tempdir()?;
-    let (agent, expected) = if args.agent_binary {
-        let copy = copy_dir.path().join("berth");
+    let (agent, expected) = start_agent(args, copy_dir.path())?;
+    let pairs = run_sleepers(&agent, args.tasks)?;
+    let program = checked_program(&pairs, &expected)?;
+    let (exec, task) = measure_rounds(&pairs, args.rounds)?;
+    report_memory(args, &program, &pairs, &exec, &task);
+    if args.mappings {
+        print_median_and_largest(&pairs)?;
+    }
+    Ok(())
+}
+
+/// A dev agent, from a copy of `berth` in `copy_dir` with
+/// `--agent-binary`, and the program its executors are expected to run.
+fn start_agent(args: &Args, copy_dir: &Path) -> Result<(DevAgent, String)> {
+    Ok(if args.agent_binary {
+        let copy = copy_dir.join("berth");
         std::fs::copy(binary("berth"), &copy)
             .with_context(|| format!("copying berth to {}", copy.display()))?;
         let agent = DevAgent::start_program(&copy, &[]).context("starting a dev agent")?;
@@ -84,13 +98,18 @@ pub fn run(args: &Args) -> Result<()> {
             .canonicalize()?
             .with_file_name("berth-executor");
         (agent, program.display().to_string())
-    };
-    let job = agent.write_file("sleepers.hcl", &sleepers_job(args.tasks))?;
+    })
+}
+
+/// Run the sleepers job of `tasks` allocs on `agent`, wait until all run,
+/// and find one executor and task per alloc.
+fn run_sleepers(agent: &DevAgent, tasks: u32) -> Result<Vec<Pair>> {
+    let job = agent.write_file("sleepers.hcl", &sleepers_job(tasks))?;
     agent.cli_ok(&["job", "run", "-detach", &job])?;
-    let n = args.tasks as usize;
+    let n = tasks as usize;
     wait_for(
         &format!("{n} sleepers to run"),
-        Duration::from_secs(60 + 3 * u64::from(args.tasks)),
+        Duration::from_secs(60 + 3 * u64::from(tasks)),
         || {
             let running = agent
                 .job_allocs("sleepers")?
@@ -109,8 +128,14 @@ pub fn run(args: &Args) -> Result<()> {
             agent.data_dir.path().display()
         );
     }
+    Ok(pairs)
+}
+
+/// The program every executor of `pairs` runs; an error unless they all
+/// run the same one and it is `expected`.
+fn checked_program(pairs: &[Pair], expected: &str) -> Result<String> {
     let program = executor_program(pairs[0].executor)?;
-    for p in &pairs {
+    for p in pairs {
         let other = executor_program(p.executor)?;
         if other != program {
             bail!("executors run different programs: {program:?} and {other:?}");
@@ -119,21 +144,31 @@ pub fn run(args: &Args) -> Result<()> {
     if program != expected {
         bail!("the executors run {program:?}, not {expected:?}");
     }
+    Ok(program)
+}
 
+/// The memory of every executor and of its task, read `rounds` times a
+/// quarter second apart.
+fn measure_rounds(pairs: &[Pair], rounds: u32) -> Result<(Measured, Measured)> {
     let mut exec = Measured::default();
     let mut task = Measured::default();
-    for round in 0..args.rounds {
+    for round in 0..rounds {
         if round > 0 {
             std::thread::sleep(Duration::from_millis(250));
         }
         // Each executor, then at once its task: the two of a pair see the
         // same machine.
-        for p in &pairs {
+        for p in pairs {
             exec.push(read_memory(p.executor).with_context(|| format!("executor {p:?}"))?);
             task.push(read_memory(p.task).with_context(|| format!("task {p:?}"))?);
         }
     }
+    Ok((exec, task))
+}
 
+/// The figure: the executors' memory against their tasks' and the target.
+fn report_memory(args: &Args, program: &str, pairs: &[Pair], exec: &Measured, task: &Measured) {
+    let n = args.tasks as usize;
     report::heading(
         "executor-rss",
         &format!(
@@ -141,7 +176,7 @@ pub fn run(args: &Args) -> Result<()> {
             args.rounds
         ),
     );
-    report::value("executor program", &program);
+    report::value("executor program", program);
     report::sizes("executor VmRSS", &exec.rss);
     report::sizes("executor Pss", &exec.pss);
     report::sizes("executor RssAnon", &exec.anon);
@@ -172,19 +207,20 @@ pub fn run(args: &Args) -> Result<()> {
         &format!("every executor's VmRSS <= {}", Mib(TARGET_KIB)),
         exec.rss.max() <= TARGET_KIB,
     );
-    if args.mappings {
-        // The executors with the median and the largest RSS, as they are
-        // now.
-        let mut now: Vec<(u64, u32)> = pairs
-            .iter()
-            .filter_map(|p| Some((read_memory(p.executor).ok()?.rss, p.executor)))
-            .collect();
-        now.sort_unstable();
-        let mut shown = vec![now.get(now.len() / 2), now.last()];
-        shown.dedup();
-        for (_, pid) in shown.into_iter().flatten() {
-            print_mappings(*pid)?;
-        }
+}
+
+/// The largest mappings of the executors with the median and the largest
+/// RSS, as they are now.
+fn print_median_and_largest(pairs: &[Pair]) -> Result<()> {
+    let mut now: Vec<(u64, u32)> = pairs
+        .iter()
+        .filter_map(|p| Some((read_memory(p.executor).ok()?.rss, p.executor)))
+        .collect();
+    now.sort_unstable();
+    let mut shown = vec![now.get(now.len() / 2), now.last()];
+    shown.dedup();
+    for (_, pid) in shown.into_iter().flatten() {
+        print_mappings(*pid)?;
     }
     Ok(())
 }

@@ -27,15 +27,15 @@ use std::collections::BTreeMap;
 
 use berth_proto::berth::v1 as pb;
 use berth_structs::{
-    AccessMode, AttachmentMode, ClaimMode, ClaimState, CsiMountOptions, CsiVolumeClaim, NodeEvent,
-    NodeStatus,
+    AccessMode, AttachmentMode, ClaimMode, ClaimState, CsiInfo, CsiMountOptions, CsiVolume,
+    CsiVolumeClaim, NodeEvent, NodeStatus,
 };
 
 use super::capability_pb;
 use crate::error::ServerError;
 use crate::plugins::requires_controller_publish;
 use crate::server::Server;
-use crate::state::Change;
+use crate::state::{Change, Tables};
 
 /// A request to claim a volume for an alloc.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -92,123 +92,12 @@ impl Server {
         // Check and reserve in one write.
         let ((vol, external_node_id, reserved_now, needs_publish), _) =
             self.store.write(|t, changes| {
-                let vol = t
-                    .volumes
-                    .get(vid)
-                    .ok_or_else(|| ServerError::not_found(format!("volume {vid:?} not found")))?;
-                if !vol.has_capability(req.access_mode, req.attachment_mode) {
-                    return Err(ServerError::Conflict(format!(
-                        "volume {vid:?} does not have capability {}/{}",
-                        req.access_mode, req.attachment_mode
-                    )));
-                }
-                if req.mode == ClaimMode::Write && req.access_mode.is_reader_only() {
-                    return Err(ServerError::Conflict(format!(
-                        "access mode {} of volume {vid:?} does not allow a write claim",
-                        req.access_mode
-                    )));
-                }
-                let alloc = t.allocs.get(alloc_id).ok_or_else(|| {
-                    ServerError::not_found(format!("alloc {alloc_id:?} not found"))
-                })?;
-                if alloc.node_id != req.node_id {
-                    return Err(ServerError::Conflict(format!(
-                        "alloc {alloc_id} is placed on node {}, not {}",
-                        alloc.node_id, req.node_id
-                    )));
-                }
-                if alloc.is_terminal() {
-                    return Err(ServerError::Conflict(format!(
-                        "alloc {alloc_id} is terminal and cannot claim volume {vid:?}"
-                    )));
-                }
-                let node = t.nodes.get(&req.node_id).ok_or_else(|| {
-                    ServerError::not_found(format!("node {:?} not found", req.node_id))
-                })?;
-                let node_plugin = node.csi_node_plugins.get(&vol.plugin_id).ok_or_else(|| {
-                    ServerError::Unavailable(format!(
-                        "node {} does not run CSI node plugin {:?}",
-                        req.node_id, vol.plugin_id
-                    ))
-                })?;
-                // A new claim only from where the volume is reachable (the
-                // scheduler places nothing elsewhere); a claim already
-                // taken is left to the plugin.
-                if vol.claim_for(alloc_id).is_none()
-                    && !vol.reachable_from(node_plugin.accessible_topology.as_ref())
-                {
-                    return Err(ServerError::Conflict(format!(
-                        "volume {vid:?} is reachable only from topology {}; node {} is not in it",
-                        berth_structs::topologies_text(&vol.accessible_topology),
-                        req.node_id
-                    )));
-                }
+                let (vol, node_plugin) = Self::check_claim(t, &req)?;
                 let external_node_id = node_plugin.external_node_id.clone();
                 let needs_publish = requires_controller_publish(t, &vol.plugin_id);
-                let mut reserved_now = false;
-                match vol.claim_for(alloc_id) {
-                    Some(c) if c.releasing => {
-                        return Err(ServerError::Conflict(format!(
-                            "the claim of alloc {alloc_id} on volume {vid:?} is being released"
-                        )));
-                    }
-                    Some(c)
-                        if c.mode == req.mode
-                            && c.access_mode == req.access_mode
-                            && c.attachment_mode == req.attachment_mode =>
-                    {
-                        if needs_publish && !c.controller_published {
-                            // Recorded before the ControllerPublish below.
-                            let mut v = vol.clone();
-                            if let Some(c) = v
-                                .write_claims
-                                .get_mut(alloc_id)
-                                .or(v.read_claims.get_mut(alloc_id))
-                            {
-                                c.controller_published = true;
-                            }
-                            changes.push(Change::PutVolume(v));
-                        }
-                    }
-                    Some(c) => {
-                        return Err(ServerError::Conflict(format!(
-                            "alloc {alloc_id} already claims volume {vid:?} as {} {}/{}",
-                            c.mode.as_str(),
-                            c.access_mode,
-                            c.attachment_mode
-                        )));
-                    }
-                    None => {
-                        if let Some(why) =
-                            vol.claim_conflict(alloc_id, &req.node_id, req.access_mode, req.mode)
-                        {
-                            return Err(ServerError::InUse(why));
-                        }
-                        let claim = CsiVolumeClaim {
-                            alloc_id: alloc_id.to_string(),
-                            node_id: req.node_id.clone(),
-                            external_node_id: external_node_id.clone(),
-                            mode: req.mode,
-                            access_mode: req.access_mode,
-                            attachment_mode: req.attachment_mode,
-                            state: ClaimState::Taken,
-                            publish_context: BTreeMap::new(),
-                            releasing: false,
-                            // Persisted with the reservation, so before the
-                            // ControllerPublish below whose outcome may be
-                            // uncertain.
-                            controller_published: needs_publish,
-                        };
-                        let mut v = vol.clone();
-                        match req.mode {
-                            ClaimMode::Read => v.read_claims.insert(alloc_id.to_string(), claim),
-                            ClaimMode::Write => v.write_claims.insert(alloc_id.to_string(), claim),
-                        };
-                        changes.push(Change::PutVolume(v));
-                        reserved_now = true;
-                    }
-                }
-                Ok((vol.clone(), external_node_id, reserved_now, needs_publish))
+                let reserved_now =
+                    Self::reserve_claim(vol, &req, &external_node_id, needs_publish, changes)?;
+                Ok::<_, ServerError>((vol.clone(), external_node_id, reserved_now, needs_publish))
             })?;
         if reserved_now {
             tracing::info!(volume_id = vid, alloc_id, node_id = %req.node_id, mode = req.mode.as_str(), "volume claimed");
@@ -219,39 +108,9 @@ impl Server {
             .map(|c| c.publish_context.clone())
             .unwrap_or_default();
         if needs_publish {
-            match self
-                .controller_publish(&vol, &req, &external_node_id, &mount_options)
-                .await
-            {
-                Ok(ctx) => {
-                    publish_context = ctx.clone();
-                    self.store.write(|t, changes| {
-                        if let Some(mut v) = t.volumes.get(vid).cloned() {
-                            let claim = v
-                                .write_claims
-                                .get_mut(alloc_id)
-                                .or(v.read_claims.get_mut(alloc_id));
-                            if let Some(c) = claim {
-                                if c.publish_context != ctx {
-                                    c.publish_context = ctx;
-                                    changes.push(Change::PutVolume(v));
-                                }
-                            }
-                        }
-                        Ok::<_, ServerError>(())
-                    })?;
-                }
-                Err(e) => {
-                    tracing::warn!(volume_id = vid, alloc_id, plugin_id = %vol.plugin_id, error = %e,
-                        "ControllerPublish failed");
-                    if reserved_now && is_final(&e) {
-                        // The controller certainly did not publish: give the
-                        // reservation back.
-                        self.drop_claim(vid, alloc_id)?;
-                    }
-                    return Err(e);
-                }
-            }
+            publish_context = self
+                .publish_claim(&vol, &req, &external_node_id, &mount_options, reserved_now)
+                .await?;
         }
         Ok(ClaimGrant {
             volume_id: vol.id.clone(),
@@ -262,6 +121,202 @@ impl Server {
             secrets: vol.secrets.clone(),
             mount_options,
         })
+    }
+
+    /// The checks of a claim before anything is reserved: the volume exists
+    /// with the capability (and allows the claim's mode), the alloc exists,
+    /// is live and is on the claiming node, the node runs the volume's node
+    /// plugin and, for a new claim, the volume is reachable from it. The
+    /// volume and the node's plugin.
+    fn check_claim<'t>(
+        t: &'t Tables,
+        req: &VolumeClaimRequest,
+    ) -> Result<(&'t CsiVolume, &'t CsiInfo), ServerError> {
+        let vid = req.volume_id.as_str();
+        let alloc_id = req.alloc_id.as_str();
+        let vol = t
+            .volumes
+            .get(vid)
+            .ok_or_else(|| ServerError::not_found(format!("volume {vid:?} not found")))?;
+        if !vol.has_capability(req.access_mode, req.attachment_mode) {
+            return Err(ServerError::Conflict(format!(
+                "volume {vid:?} does not have capability {}/{}",
+                req.access_mode, req.attachment_mode
+            )));
+        }
+        if req.mode == ClaimMode::Write && req.access_mode.is_reader_only() {
+            return Err(ServerError::Conflict(format!(
+                "access mode {} of volume {vid:?} does not allow a write claim",
+                req.access_mode
+            )));
+        }
+        let alloc = t
+            .allocs
+            .get(alloc_id)
+            .ok_or_else(|| ServerError::not_found(format!("alloc {alloc_id:?} not found")))?;
+        if alloc.node_id != req.node_id {
+            return Err(ServerError::Conflict(format!(
+                "alloc {alloc_id} is placed on node {}, not {}",
+                alloc.node_id, req.node_id
+            )));
+        }
+        if alloc.is_terminal() {
+            return Err(ServerError::Conflict(format!(
+                "alloc {alloc_id} is terminal and cannot claim volume {vid:?}"
+            )));
+        }
+        let node = t
+            .nodes
+            .get(&req.node_id)
+            .ok_or_else(|| ServerError::not_found(format!("node {:?} not found", req.node_id)))?;
+        let node_plugin = node.csi_node_plugins.get(&vol.plugin_id).ok_or_else(|| {
+            ServerError::Unavailable(format!(
+                "node {} does not run CSI node plugin {:?}",
+                req.node_id, vol.plugin_id
+            ))
+        })?;
+        // A new claim only from where the volume is reachable (the
+        // scheduler places nothing elsewhere); a claim already
+        // taken is left to the plugin.
+        if vol.claim_for(alloc_id).is_none()
+            && !vol.reachable_from(node_plugin.accessible_topology.as_ref())
+        {
+            return Err(ServerError::Conflict(format!(
+                "volume {vid:?} is reachable only from topology {}; node {} is not in it",
+                berth_structs::topologies_text(&vol.accessible_topology),
+                req.node_id
+            )));
+        }
+        Ok((vol, node_plugin))
+    }
+
+    /// Reserves the claim of `req` on `vol` in `changes` (or, for a claim the
+    /// alloc already holds, records that ControllerPublish is to be sent):
+    /// true when the claim is taken now. A claim being released, or held in
+    /// another mode, is a conflict; claims of the kind all taken, in use.
+    fn reserve_claim(
+        vol: &CsiVolume,
+        req: &VolumeClaimRequest,
+        external_node_id: &str,
+        needs_publish: bool,
+        changes: &mut Vec<Change>,
+    ) -> Result<bool, ServerError> {
+        let vid = req.volume_id.as_str();
+        let alloc_id = req.alloc_id.as_str();
+        let mut reserved_now = false;
+        match vol.claim_for(alloc_id) {
+            Some(c) if c.releasing => {
+                return Err(ServerError::Conflict(format!(
+                    "the claim of alloc {alloc_id} on volume {vid:?} is being released"
+                )));
+            }
+            Some(c)
+                if c.mode == req.mode
+                    && c.access_mode == req.access_mode
+                    && c.attachment_mode == req.attachment_mode =>
+            {
+                if needs_publish && !c.controller_published {
+                    // Recorded before the ControllerPublish below.
+                    let mut v = vol.clone();
+                    if let Some(c) = v
+                        .write_claims
+                        .get_mut(alloc_id)
+                        .or(v.read_claims.get_mut(alloc_id))
+                    {
+                        c.controller_published = true;
+                    }
+                    changes.push(Change::PutVolume(v));
+                }
+            }
+            Some(c) => {
+                return Err(ServerError::Conflict(format!(
+                    "alloc {alloc_id} already claims volume {vid:?} as {} {}/{}",
+                    c.mode.as_str(),
+                    c.access_mode,
+                    c.attachment_mode
+                )));
+            }
+            None => {
+                if let Some(why) =
+                    vol.claim_conflict(alloc_id, &req.node_id, req.access_mode, req.mode)
+                {
+                    return Err(ServerError::InUse(why));
+                }
+                let claim = CsiVolumeClaim {
+                    alloc_id: alloc_id.to_string(),
+                    node_id: req.node_id.clone(),
+                    external_node_id: external_node_id.to_owned(),
+                    mode: req.mode,
+                    access_mode: req.access_mode,
+                    attachment_mode: req.attachment_mode,
+                    state: ClaimState::Taken,
+                    publish_context: BTreeMap::new(),
+                    releasing: false,
+                    // Persisted with the reservation, so before the
+                    // ControllerPublish below whose outcome may be
+                    // uncertain.
+                    controller_published: needs_publish,
+                };
+                let mut v = vol.clone();
+                match req.mode {
+                    ClaimMode::Read => v.read_claims.insert(alloc_id.to_string(), claim),
+                    ClaimMode::Write => v.write_claims.insert(alloc_id.to_string(), claim),
+                };
+                changes.push(Change::PutVolume(v));
+                reserved_now = true;
+            }
+        }
+        Ok(reserved_now)
+    }
+
+    /// Sends ControllerPublish for the claim of `req` and records the
+    /// publish context it answers in the claim. When it fails, a claim
+    /// reserved by this request is given back if the controller certainly
+    /// did not publish.
+    async fn publish_claim(
+        &self,
+        vol: &CsiVolume,
+        req: &VolumeClaimRequest,
+        external_node_id: &str,
+        mount_options: &CsiMountOptions,
+        reserved_now: bool,
+    ) -> Result<BTreeMap<String, String>, ServerError> {
+        let vid = req.volume_id.as_str();
+        let alloc_id = req.alloc_id.as_str();
+        match self
+            .controller_publish(vol, req, external_node_id, mount_options)
+            .await
+        {
+            Ok(ctx) => {
+                let answered = ctx.clone();
+                self.store.write(|t, changes| {
+                    if let Some(mut v) = t.volumes.get(vid).cloned() {
+                        let claim = v
+                            .write_claims
+                            .get_mut(alloc_id)
+                            .or(v.read_claims.get_mut(alloc_id));
+                        if let Some(c) = claim {
+                            if c.publish_context != ctx {
+                                c.publish_context = ctx;
+                                changes.push(Change::PutVolume(v));
+                            }
+                        }
+                    }
+                    Ok::<_, ServerError>(())
+                })?;
+                Ok(answered)
+            }
+            Err(e) => {
+                tracing::warn!(volume_id = vid, alloc_id, plugin_id = %vol.plugin_id, error = %e,
+                    "ControllerPublish failed");
+                if reserved_now && is_final(&e) {
+                    // The controller certainly did not publish: give the
+                    // reservation back.
+                    self.drop_claim(vid, alloc_id)?;
+                }
+                Err(e)
+            }
+        }
     }
 
     async fn controller_publish(

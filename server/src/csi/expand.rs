@@ -213,6 +213,55 @@ impl Server {
             old.secrets.clone().into_iter().collect();
 
         // The controller step, when the plugin has a controller.
+        let (controller_expanded, node_step) = self
+            .expand_by_controller(old, (min, max), &capability, &secrets)
+            .await?;
+        if !node_step {
+            return self.store_capacity(id, new.capacity_min, new.capacity_max, None);
+        }
+
+        // The node step, on every node where the volume is published.
+        let by_node = Self::published_on_nodes(old);
+        if by_node.is_empty() {
+            return match controller_expanded {
+                // Not mounted anywhere: a node stages it at its new size.
+                Some(_) => self.store_capacity(id, new.capacity_min, new.capacity_max, None),
+                None => Err(ServerError::BadRequest(format!(
+                    "cannot expand volume {id:?}: CSI plugin {plugin_id:?} has no controller that supports EXPAND_VOLUME, \
+                     and the volume is not in use on any node whose node plugin could expand it"
+                ))),
+            };
+        }
+        let (failures, node_capacity) = self
+            .expand_on_nodes(
+                old,
+                by_node,
+                (min, max),
+                &secrets,
+                controller_expanded.is_some(),
+            )
+            .await;
+        if failures.is_empty() {
+            let capacity = (controller_expanded.is_none() && node_capacity > 0)
+                .then(|| node_capacity.max(u64::try_from(min).unwrap_or(0)));
+            return self.store_capacity(id, new.capacity_min, new.capacity_max, capacity);
+        }
+        Err(Self::node_step_failed(id, failures, controller_expanded))
+    }
+
+    /// The controller step of an expansion (ControllerExpandVolume through
+    /// a client running the controller), when the plugin has a controller:
+    /// the node of that controller and the capacity it expanded the volume
+    /// to (stored at once), and whether the node step is still needed.
+    async fn expand_by_controller(
+        &self,
+        old: &CsiVolume,
+        (min, max): (i64, i64),
+        capability: &pb::VolumeCapability,
+        secrets: &std::collections::HashMap<String, String>,
+    ) -> Result<(Option<(String, u64)>, bool), ServerError> {
+        let id = &old.id;
+        let plugin_id = &old.plugin_id;
         let has_controller = self.store.read(|t| {
             t.nodes
                 .values()
@@ -252,11 +301,14 @@ impl Server {
                 node_step = r.node_expansion_required;
             }
         }
-        if !node_step {
-            return self.store_capacity(id, new.capacity_min, new.capacity_max, None);
-        }
+        Ok((controller_expanded, node_step))
+    }
 
-        // The node step, on every node where the volume is published.
+    /// The nodes where `old` is published (claims taken and not being
+    /// released): for each, the allocs using it and its capability there.
+    fn published_on_nodes(
+        old: &CsiVolume,
+    ) -> BTreeMap<String, (Vec<String>, pb::VolumeCapability)> {
         let mut by_node: BTreeMap<String, (Vec<String>, pb::VolumeCapability)> = BTreeMap::new();
         for c in old
             .claims()
@@ -273,16 +325,22 @@ impl Server {
                 .0
                 .push(c.alloc_id.clone());
         }
-        if by_node.is_empty() {
-            return match controller_expanded {
-                // Not mounted anywhere: a node stages it at its new size.
-                Some(_) => self.store_capacity(id, new.capacity_min, new.capacity_max, None),
-                None => Err(ServerError::BadRequest(format!(
-                    "cannot expand volume {id:?}: CSI plugin {plugin_id:?} has no controller that supports EXPAND_VOLUME, \
-                     and the volume is not in use on any node whose node plugin could expand it"
-                ))),
-            };
-        }
+        by_node
+    }
+
+    /// The node step of an expansion (NodeExpandVolume), on every node of
+    /// `by_node` at once: what failed, by node, with its code, and the
+    /// largest capacity a node reported.
+    async fn expand_on_nodes(
+        &self,
+        old: &CsiVolume,
+        by_node: BTreeMap<String, (Vec<String>, pb::VolumeCapability)>,
+        (min, max): (i64, i64),
+        secrets: &std::collections::HashMap<String, String>,
+        controller_expanded: bool,
+    ) -> (Vec<(tonic::Code, String)>, u64) {
+        let id = &old.id;
+        let plugin_id = &old.plugin_id;
         // The nodes are asked at once: a node that does not answer holds
         // neither the others nor the volume's lock for a deadline each.
         let steps: Vec<_> = by_node
@@ -319,7 +377,7 @@ impl Server {
                     tonic::Code::FailedPrecondition,
                     format!(
                         "node {node_id}: NodeExpandVolume: the node plugin of {plugin_id:?} lacks the EXPAND_VOLUME capability{}",
-                        if controller_expanded.is_some() {
+                        if controller_expanded {
                             ", but its controller says the node must expand the volume"
                         } else {
                             " and its controller cannot expand volumes either"
@@ -344,11 +402,16 @@ impl Server {
                 }
             }
         }
-        if failures.is_empty() {
-            let capacity = (controller_expanded.is_none() && node_capacity > 0)
-                .then(|| node_capacity.max(u64::try_from(min).unwrap_or(0)));
-            return self.store_capacity(id, new.capacity_min, new.capacity_max, capacity);
-        }
+        (failures, node_capacity)
+    }
+
+    /// The error of a node step that failed on some node: the first
+    /// failure's code, every node's message, and what the controller did.
+    fn node_step_failed(
+        id: &str,
+        failures: Vec<(tonic::Code, String)>,
+        controller_expanded: Option<(String, u64)>,
+    ) -> ServerError {
         let code = failures[0].0;
         let done = match &controller_expanded {
             Some((node, capacity)) => {
@@ -356,7 +419,7 @@ impl Server {
             }
             None => String::new(),
         };
-        Err(ServerError::Remote {
+        ServerError::Remote {
             code,
             message: format!(
                 "expanding volume {id:?} on its nodes failed{done}: {}",
@@ -366,7 +429,7 @@ impl Server {
                     .collect::<Vec<_>>()
                     .join("; ")
             ),
-        })
+        }
     }
 }
 

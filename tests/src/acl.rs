@@ -1,0 +1,27 @@
+//! The read-only ACL policy and the writes it refuses.
+
+/// An ACL policy that reads jobs, nodes and plugins and writes nothing.
+pub const READONLY_POLICY: &str = r#"
+namespace "default" {
+  policy = "read"
+}
+node   { policy = "read" }
+plugin { policy = "read" }
+"#;
+
+/// Writes a token of [`READONLY_POLICY`] must be refused, as (method,
+/// path, body): a job submit of `job_body`, a node purge and drain,
+/// `system gc`, a volume create.
+pub fn writes_refused_to_readers(job_body: &str) -> Vec<(&'static str, &'static str, String)> {
+    vec![
+        ("PUT", "/v1/jobs", job_body.to_string()),
+        ("PUT", "/v1/node/x/purge", "{}".into()),
+        ("POST", "/v1/node/x/drain", r#"{"enable": true}"#.into()),
+        ("PUT", "/v1/system/gc", "{}".into()),
+        (
+            "PUT",
+            "/v1/volume/csi/v1/create",
+            r#"{"volume": {"id": "v1"}}"#.into(),
+        ),
+    ]
+}
