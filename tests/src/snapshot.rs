@@ -4,7 +4,7 @@
 //! a column gap keeps a gap of two spaces, so the columns of a table stay
 //! where the CLI put them (but for those after an age, whose width varies).
 //!
-//! ```ignore
+//! ```text
 //! berth_tests::snapshot::settings().bind(|| insta::assert_snapshot!("job_status", out));
 //! ```
 //!
