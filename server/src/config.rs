@@ -47,9 +47,15 @@ pub struct ServerConfig {
     /// How often one peer address may call `Node.Register`; `None` for
     /// no limit.
     pub register_rate: Option<crate::RegisterRate>,
-    /// Plan every evaluation inside the state store's writer, as the
-    /// servers did before they planned on a snapshot of the tables (for
-    /// comparison in benchmarks). Off by default.
+    /// Plan every evaluation inside the state store's writer (on by
+    /// default). Off, the scheduler plans on a read of the tables outside
+    /// the writer and commits only if no table it read has moved, else
+    /// plans again: other writes (claim releases) no longer wait for a
+    /// plan, but while they run, submits plan again and again, because
+    /// any write to the allocs table moves it (`scripts/bench
+    /// concurrent-writers` measures both). It becomes the default once
+    /// the plan reads a copy-on-write snapshot and checks only what it
+    /// read.
     pub scheduler_plans_in_writer: bool,
 }
 
@@ -81,7 +87,7 @@ impl ServerConfig {
             node_enrollment: false,
             region: "global".into(),
             register_rate: Some(crate::RegisterRate::default()),
-            scheduler_plans_in_writer: false,
+            scheduler_plans_in_writer: true,
         }
     }
 }

@@ -303,9 +303,13 @@ mod tests {
         }
     }
 
+    /// A server that plans on a snapshot, with one node and the job
+    /// "web" of `count` allocs.
     async fn server_with_web(count: u32) -> (tempfile::TempDir, Arc<Server>) {
         let dir = tempfile::tempdir().unwrap();
-        let server = Server::open(ServerConfig::new(dir.path())).unwrap();
+        let mut config = ServerConfig::new(dir.path());
+        config.scheduler_plans_in_writer = false;
+        let server = Server::open(config).unwrap();
         server
             .register_node(Node {
                 id: "n1".into(),
