@@ -227,17 +227,19 @@ pub fn target_dir() -> PathBuf {
 /// [`bin_dir`], else in the target directory's `debug/`. A test that
 /// cannot find it fails saying so.
 pub fn binary(name: &str) -> PathBuf {
-    let mut tried = Vec::new();
-    for dir in [bin_dir(), target_dir().join("debug")] {
-        let p = dir.join(name);
-        if p.is_file() {
-            return p;
-        }
-        tried.push(p.display().to_string());
+    let beside = bin_dir().join(name);
+    if beside.is_file() {
+        return beside;
+    }
+    // Only on a miss: target_dir may run `cargo metadata`.
+    let in_target = target_dir().join("debug").join(name);
+    if in_target.is_file() {
+        return in_target;
     }
     panic!(
-        "{name} not found (looked for {}): run the tests with `cargo test --workspace`, which builds it",
-        tried.join(" and ")
+        "{name} not found (looked for {} and {}): run the tests with `cargo test --workspace`, which builds it",
+        beside.display(),
+        in_target.display()
     );
 }
 
