@@ -75,7 +75,6 @@ fn flatten(message: &str) -> String {
 pub fn api_answer(e: &anyhow::Error) -> Option<&berth_api::ApiError> {
     e.downcast_ref::<berth_api::Error>()
         .and_then(berth_api::Error::api)
-        .or_else(|| e.downcast_ref::<berth_api::ApiError>())
 }
 
 pub fn report(e: &anyhow::Error) -> i32 {
