@@ -1295,8 +1295,8 @@ mod tests {
                 .layer(tower::layer::layer_fn(move |s| {
                     RefuseHeartbeats(s, refuse_heartbeats)
                 }))
-                .add_service(server.node_service())
-                .add_service(server.csi_volume_service())
+                .add_service(berth_server::node_service(&server))
+                .add_service(berth_server::csi_volume_service(&server))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         (server, addr, serving)

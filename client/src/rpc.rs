@@ -781,7 +781,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let serving = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(server.node_service())
+                .add_service(berth_server::node_service(&server))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
         );
         let channel = ServerChannels::new(&[format!("http://{addr}")]).unwrap();
@@ -1172,7 +1172,7 @@ mod tests {
         let rpc_addr = rpc.local_addr().unwrap();
         tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(server.node_service())
+                .add_service(berth_server::node_service(&server))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(rpc)),
         );
         let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

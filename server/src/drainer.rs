@@ -39,7 +39,7 @@ use tokio::sync::watch;
 
 use crate::error::ServerError;
 use crate::liveness::EvaluateJob;
-use crate::nodes::resolve_node;
+use crate::prefix::resolve_node;
 use crate::state::{Change, ClusterIndexes, StateStore, Tables};
 
 /// The drainer: the operator's drain and eligibility requests, and the

@@ -9,53 +9,7 @@
 
 use berth_structs::ValidationError;
 
-/// Errors of the state store and its persistence.
-#[derive(Debug, thiserror::Error)]
-pub enum StoreError {
-    #[error("opening the state database {path}: {source}")]
-    Open {
-        path: String,
-        #[source]
-        source: redb::Error,
-    },
-    #[error("state database: {0}")]
-    Db(#[from] redb::Error),
-    #[error("state database {path} has schema version {found}, newer than this berth supports ({supported})")]
-    SchemaTooNew {
-        path: String,
-        found: u64,
-        supported: u64,
-    },
-    #[error("encoding {table} record {key:?}: {source}")]
-    Encode {
-        table: &'static str,
-        key: String,
-        #[source]
-        source: serde_json::Error,
-    },
-    #[error("sealing the secrets of {record}: {source}")]
-    Seal {
-        record: String,
-        #[source]
-        source: crate::keyring::KeyringError,
-    },
-    #[error("{0}")]
-    Keyring(#[from] crate::keyring::KeyringError),
-    #[error("sealing the secrets of {record} again: {source}; the keyring is unchanged")]
-    Reseal {
-        record: String,
-        #[source]
-        source: crate::state::RecordError,
-    },
-    #[error("this state store keeps no keyring")]
-    NoKeyring,
-    #[error("creating the state directory {path}: {source}")]
-    Io {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
-}
+pub use crate::state::StoreError;
 
 macro_rules! from_redb {
     ($($t:ty),*) => {$(

@@ -377,15 +377,6 @@ fn read_key(path: &Path) -> Result<Key, KeyringError> {
     })
 }
 
-impl crate::server::Server {
-    /// Make a new keyring key, seal every stored secret again with it in
-    /// one store write, and remove the old keys. Answers the new key's ID
-    /// (never key material).
-    pub fn rotate_keyring(&self) -> Result<KeyRotation, crate::error::ServerError> {
-        Ok(self.store.rotate_keyring()?)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -9,11 +9,9 @@
 //! heartbeat loop), the HTTP API or the CLI: clients reach it only through
 //! `berth-proto`, and the agent crate calls the public API of [`Server`].
 //! Calls the server makes on clients (node detach, controller RPCs) travel
-//! over the client-opened call stream (`rpc::calls`).
+//! over the client-opened call stream (`calls`).
 
-mod acl;
-mod alloc_stop;
-mod client_routes;
+mod calls;
 mod coalesced;
 mod config;
 mod csi;
@@ -23,10 +21,6 @@ pub mod file_modes;
 mod gc;
 pub mod keyring;
 mod liveness;
-mod node_secrets;
-mod nodes;
-mod page;
-mod plan;
 mod plugins;
 mod prefix;
 mod register_rate;
@@ -35,9 +29,6 @@ mod scheduler;
 mod server;
 pub mod state;
 
-pub use acl::{NewIntroToken, NewToken, TokenRequest, TokenWithPolicies};
-pub use alloc_stop::{AllocStopResponse, ALLOC_STOP_DESCRIPTION};
-pub use client_routes::MAX_CLIENT_HTTP_ANSWER;
 pub use config::ServerConfig;
 pub use csi::{
     ClaimGrant, ReleaseOrigin, SnapshotRequest, VolumeClaimRequest, VolumeRelease,
@@ -46,16 +37,19 @@ pub use csi::{
 pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
-pub use node_secrets::Enrollment;
-pub use nodes::{AllocUpdate, NodePurge, NodeRegistration, NodeUsage, ReleasedClaim};
-pub use page::{Page, Paged};
-pub use plan::{
+pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
+pub use register_rate::RegisterRate;
+pub use rpc::{csi_volume_service, node_service, CsiVolumeService, NodeService, PeerIdentity};
+pub use server::acl::{NewIntroToken, NewToken, TokenRequest, TokenWithPolicies};
+pub use server::alloc_stop::{AllocStopResponse, ALLOC_STOP_DESCRIPTION};
+pub use server::client_routes::MAX_CLIENT_HTTP_ANSWER;
+pub use server::jobs::JobRegisterResponse;
+pub use server::node_secrets::Enrollment;
+pub use server::nodes::{AllocUpdate, NodePurge, NodeRegistration, NodeUsage, ReleasedClaim};
+pub use server::page::{Page, Paged};
+pub use server::plan::{
     DiffKind, DiffOp, FieldDiff, GroupPlan, GroupSummary, JobDiff, JobPlan, JobSummary,
     PlannedAlloc, StoppedAlloc,
 };
-pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
-pub use register_rate::RegisterRate;
-pub use rpc::{CsiVolumeService, NodeService, PeerIdentity};
-pub use scheduler::JobRegisterResponse;
 pub use server::Server;
 pub use state::Table;

@@ -11,7 +11,6 @@ use berth_structs::{AllocClientStatus, CsiInfo, CsiPlugin, Node, NodeEvent, Node
 use serde::Serialize;
 
 use crate::error::ServerError;
-use crate::server::Server;
 use crate::state::Tables;
 
 /// Every plugin, from the state's indexes of the nodes that run one and
@@ -225,7 +224,7 @@ fn resolve_plugin<V>(plugins: &BTreeMap<String, V>, given: &str) -> Result<Strin
 
 /// The plugin `given` names in `t` (its ID or a unique prefix), derived
 /// alone.
-fn resolve_plugin_in(t: &Tables, given: &str) -> Result<CsiPlugin, ServerError> {
+pub(crate) fn resolve_plugin_in(t: &Tables, given: &str) -> Result<CsiPlugin, ServerError> {
     let ids: BTreeMap<String, ()> = t
         .plugin_ids()
         .into_iter()
@@ -235,7 +234,7 @@ fn resolve_plugin_in(t: &Tables, given: &str) -> Result<CsiPlugin, ServerError> 
     Ok(derive_plugin(t, &id))
 }
 
-fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
+pub(crate) fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
     let instance_nodes = plugin
         .controllers
         .keys()
@@ -295,27 +294,6 @@ fn plugin_status_in(t: &Tables, plugin: CsiPlugin) -> PluginStatus {
         allocations,
         volume_count: t.volumes_of_plugin(&plugin.id).count(),
         plugin,
-    }
-}
-
-impl Server {
-    pub fn plugins(&self) -> Vec<CsiPlugin> {
-        self.store
-            .read(|t| derive_plugins(t).into_values().collect())
-    }
-
-    /// A plugin by ID or unique ID prefix.
-    pub fn plugin(&self, id: &str) -> Result<CsiPlugin, ServerError> {
-        self.store.read(|t| resolve_plugin_in(t, id))
-    }
-
-    /// A plugin by ID or unique ID prefix, with its instances' nodes,
-    /// capabilities, allocs and volume count.
-    pub fn plugin_status(&self, id: &str) -> Result<PluginStatus, ServerError> {
-        self.store.read(|t| {
-            let plugin = resolve_plugin_in(t, id)?;
-            Ok(plugin_status_in(t, plugin))
-        })
     }
 }
 

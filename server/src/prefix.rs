@@ -4,7 +4,10 @@
 
 use std::collections::BTreeMap;
 
+use berth_structs::Node;
+
 use crate::error::ServerError;
+use crate::state::Tables;
 
 /// How many matches an ambiguous prefix's error lists before "and N more".
 pub(crate) const SHOWN_MATCHES: usize = 10;
@@ -86,6 +89,36 @@ pub(crate) fn resolve<'a, V>(
 /// one form (`job ID prefix "we" matches 2 jobs: "web", "worker"`).
 pub(crate) fn key<V>(k: &str, _: &V) -> String {
     format!("{k:?}")
+}
+
+/// The node `given` names: its ID, its name, or a unique prefix of its ID
+/// (what `node status` and `volume detach` accept), in that order.
+pub(crate) fn resolve_node<'a>(t: &'a Tables, given: &str) -> Result<&'a Node, ServerError> {
+    if let Some(n) = t.nodes.get(given) {
+        return Ok(n);
+    }
+    let named: Vec<&Node> = t.nodes_named(given).collect();
+    match named.as_slice() {
+        [one] => return Ok(one),
+        [] => {}
+        many => {
+            let ids: Vec<&str> = many.iter().map(|n| n.id.as_str()).collect();
+            return Err(ServerError::BadRequest(format!(
+                "node name {given:?} matches {} nodes ({}); give the node ID",
+                many.len(),
+                ids.join(", ")
+            )));
+        }
+    }
+    resolve(&t.nodes, given, NODE, |k, n| {
+        format!("{k:?} ({})", n.name)
+    })?
+    .map(|(_, n)| n)
+    .ok_or_else(|| {
+        ServerError::not_found(format!(
+            "node {given:?} not found: give a node ID, a unique ID prefix or a node name (see `berth node status`)"
+        ))
+    })
 }
 
 #[cfg(test)]

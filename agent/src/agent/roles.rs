@@ -104,8 +104,8 @@ fn serve_agent_protocol(
         .http2_keepalive_interval(Some(berth_client::servers::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(berth_client::servers::KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(Some(MAX_RPC_STREAMS_PER_CONNECTION))
-        .add_service(server.node_service())
-        .add_service(server.csi_volume_service())
+        .add_service(berth_server::node_service(server))
+        .add_service(berth_server::csi_volume_service(server))
         // Requests that client agents forward count against this
         // agent's limits too.
         .add_service(crate::http::forward::forward_service(

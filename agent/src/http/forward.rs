@@ -352,8 +352,8 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
         let router = tonic::transport::Server::builder()
-            .add_service(server.node_service())
-            .add_service(server.csi_volume_service())
+            .add_service(berth_server::node_service(&server))
+            .add_service(berth_server::csi_volume_service(&server))
             .add_service(forward_service(crate::http::router(server.clone())));
         tokio::spawn(router.serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),

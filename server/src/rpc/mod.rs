@@ -2,9 +2,16 @@
 //! call the [`Server`](crate::Server) and map errors in one place
 //! (`From<ServerError> for tonic::Status`).
 
-pub(crate) mod calls;
 mod csi_volume;
 mod node;
+
+use std::sync::Arc;
+
+use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
+use berth_proto::berth::v1::node_server::NodeServer;
+
+use crate::server::client_routes::MAX_CLIENT_HTTP_ANSWER;
+use crate::server::Server;
 
 pub use csi_volume::CsiVolumeService;
 pub use node::NodeService;
@@ -72,6 +79,21 @@ impl crate::server::Server {
     }
 }
 
+/// The gRPC `Node` service of `server`, for a `tonic::transport::Server`
+/// router.
+pub fn node_service(server: &Arc<Server>) -> NodeServer<NodeService> {
+    // A client's answer to a `ClientHttp` call (logs, say) may be as large
+    // as a forwarded answer, plus its envelope.
+    NodeServer::new(NodeService::new(server.clone()))
+        .max_decoding_message_size(MAX_CLIENT_HTTP_ANSWER.saturating_add(64 * 1024))
+}
+
+/// The gRPC `CSIVolume` service of `server`, for a
+/// `tonic::transport::Server` router.
+pub fn csi_volume_service(server: &Arc<Server>) -> CsiVolumeServer<CsiVolumeService> {
+    CsiVolumeServer::new(CsiVolumeService::new(server.clone()))
+}
+
 /// The address of the peer of `req`: from the TLS listener's
 /// [`PeerIdentity`], or tonic's own connect info on a plain listener.
 pub(crate) fn peer_addr<T>(req: &tonic::Request<T>) -> Option<std::net::SocketAddr> {
@@ -85,7 +107,7 @@ use berth_proto::berth::v1::NODE_SECRET_METADATA;
 use berth_structs::{NodeSecret, ValidationError};
 
 use crate::error::ServerError;
-use crate::node_secrets::Presented;
+use crate::server::node_secrets::Presented;
 
 /// The node secret a request carries in its metadata, or why there is none
 /// (the reason never holds the secret).

@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::{decode_json, parse, presented_secret};
 use crate::error::ServerError;
-use crate::nodes::AllocUpdate;
+use crate::server::nodes::AllocUpdate;
 use crate::server::Server;
 
 pub struct NodeService {

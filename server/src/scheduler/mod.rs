@@ -46,17 +46,14 @@
 //! placements per job type), [`feasible`] (what fits on a node),
 //! [`explain`] (the failure lines) and [`retry`] (the retry timer).
 
-mod evaluate;
 mod explain;
 mod feasible;
 mod place;
 mod reconcile;
-mod register;
-mod retry;
 
 pub(crate) use crate::coalesced::Coalesced;
 pub(crate) use place::place;
-pub(crate) use reconcile::{disconnect_window_end_ms, PlacementCounts, PlanOutcome};
-pub use register::JobRegisterResponse;
-pub(crate) use register::{registration, spec_index};
-pub(crate) use retry::RetryDue;
+pub(crate) use reconcile::{
+    disconnect_window_end_ms, log_plan, plan_job, plan_stored_job, tables_read, PlacementCounts,
+    PlanOutcome,
+};

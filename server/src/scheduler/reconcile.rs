@@ -64,7 +64,7 @@ pub(crate) fn plan_job(
 
 /// [`plan_job`] without its log lines: for a plan that may be thrown away
 /// (one made on a snapshot that a write moved before it committed).
-pub(super) fn plan_stored_job(
+pub(crate) fn plan_stored_job(
     t: &Tables,
     job_id: &str,
     cfg: &ServerConfig,
@@ -82,7 +82,7 @@ pub(super) fn plan_stored_job(
 /// usage and plugin allocs), the nodes, and the volumes only when a group
 /// of the job asks for one (a plan looks at no other volume). A plan made
 /// on a snapshot is valid while none of them moved and the job did not.
-pub(super) fn tables_read(job: Option<&Job>) -> Vec<Table> {
+pub(crate) fn tables_read(job: Option<&Job>) -> Vec<Table> {
     let mut read = vec![Table::Allocs, Table::Nodes];
     if job.is_some_and(|j| j.task_groups.iter().any(|g| !g.volumes.is_empty())) {
         read.push(Table::Volumes);
@@ -92,7 +92,7 @@ pub(super) fn tables_read(job: Option<&Job>) -> Vec<Table> {
 
 /// The log lines of a plan of job `job_id` about to be committed: each
 /// alloc placed and a change of the job's status.
-pub(super) fn log_plan(t: &Tables, job_id: &str, changes: &[Change]) {
+pub(crate) fn log_plan(t: &Tables, job_id: &str, changes: &[Change]) {
     for c in changes {
         match c {
             Change::PutAlloc(a) if !t.allocs.contains_key(&a.id) => {

@@ -20,6 +20,7 @@
 //! backend's loading and committing are generic over it.
 
 mod acl_tables;
+mod error;
 mod indexes;
 mod record;
 mod redb_backend;
@@ -33,7 +34,7 @@ use berth_structs::{Allocation, CsiVolume, Node};
 use indexes::ids;
 use tokio::sync::watch;
 
-use crate::error::StoreError;
+pub use error::StoreError;
 
 pub use acl_tables::{
     intro_key as acl_intro_key, policy_key as acl_policy_key, token_key as acl_token_key,

@@ -15,8 +15,8 @@ use berth_structs::{Allocation, CsiVolume, Job, Node};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use super::error::StoreError;
 use super::{Indexes, Table};
-use crate::error::StoreError;
 use crate::keyring::{Keyring, KeyringError, Sealed};
 
 /// Why a stored record did not load (or did not open to be sealed again).

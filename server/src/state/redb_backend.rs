@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 use berth_structs::NodeSecret;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
+use super::error::StoreError;
 use super::record::{decode_volume, encode_volume, record_aad, Record, RecordError};
 use super::{Backend, Change, RecordStore, Table, TableVisitor, Tables};
-use crate::error::StoreError;
 use crate::file_modes;
 use crate::keyring::{KeyRotation, Keyring, Sealed, KEYRING_DIR};
 

@@ -10,9 +10,9 @@ use std::collections::BTreeMap;
 
 use berth_structs::{Allocation, CsiVolume, Job, Node, NodeSecret};
 
+use super::error::StoreError;
 use super::record::{Record, RecordStore, TableVisitor, WriteEffects};
 use super::{AclRecord, Indexes};
-use crate::error::StoreError;
 use crate::keyring::Keyring;
 
 macro_rules! schema {

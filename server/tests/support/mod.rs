@@ -95,8 +95,8 @@ pub async fn serve_grpc(
     let addr = listener.local_addr()?;
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let router = tonic::transport::Server::builder()
-        .add_service(server.node_service())
-        .add_service(server.csi_volume_service());
+        .add_service(berth_server::node_service(server))
+        .add_service(berth_server::csi_volume_service(server));
     let grpc = tokio::spawn(async move {
         let _ = router
             .serve_with_incoming_shutdown(incoming, async move {

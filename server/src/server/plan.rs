@@ -15,9 +15,11 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::ServerError;
-use crate::scheduler::{place, registration, spec_index, PlanOutcome};
+use crate::scheduler::{place, PlanOutcome};
 use crate::server::Server;
 use crate::state::{Change, Tables};
+
+use super::jobs::{registration, spec_index};
 
 /// The answer to a job plan.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -12,10 +12,11 @@ use crate::error::ServerError;
 use crate::server::Server;
 use crate::state::{Change, Table, Tables};
 
-use super::reconcile::{
+use crate::scheduler::{
     log_plan, plan_job, plan_stored_job, tables_read, PlacementCounts, PlanOutcome,
 };
-use super::register::spec_index;
+
+use super::jobs::spec_index;
 
 /// How many times an evaluation plans on a snapshot of the tables that a
 /// write then moved before it plans inside the store's writer.

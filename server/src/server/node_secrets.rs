@@ -8,8 +8,8 @@
 
 use berth_structs::{Node, NodeSecret};
 
+use super::nodes::NodeRegistration;
 use crate::error::ServerError;
-use crate::nodes::NodeRegistration;
 use crate::server::Server;
 use crate::state::{Change, Tables};
 
@@ -62,7 +62,7 @@ pub(crate) fn admit_registration(
     if !proven && enrollment.required {
         match &enrollment.intro_token {
             Some(token) => {
-                let accessor = crate::acl::spend_intro_token(t, token, changes)
+                let accessor = super::acl::spend_intro_token(t, token, changes)
                     .map_err(|why| refused(node_id, &why))?;
                 tracing::info!(node_id, intro_token = %accessor, "node enrolled with an introduction token");
             }

@@ -13,23 +13,35 @@
 //! for them (`mark_node_down`, `update_node_drain`, `garbage_collect`,
 //! ...) delegate.
 
+pub(crate) mod acl;
+pub(crate) mod alloc_stop;
+mod claims;
+pub(crate) mod client_routes;
+mod evaluate;
+mod expand;
+pub(crate) mod jobs;
+pub(crate) mod node_secrets;
+pub(crate) mod nodes;
+pub(crate) mod page;
+pub(crate) mod plan;
+mod retry;
+mod snapshots;
+mod volumes;
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
-use berth_proto::berth::v1::node_server::NodeServer;
 use berth_structs::{Allocation, Job, Node};
 use tokio::sync::watch;
 
+use crate::calls::CallRegistry;
 use crate::config::ServerConfig;
 use crate::csi::{ReleaseClaim, ReleaseOrigin, VolumeLocks, VolumeWatcher};
 use crate::drainer::Drainer;
 use crate::error::ServerError;
 use crate::gc::{Gc, GcConfig, GcReport};
 use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
-use crate::rpc::calls::CallRegistry;
-use crate::rpc::{CsiVolumeService, NodeService};
 use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
 
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
@@ -40,7 +52,7 @@ pub struct Server {
     /// Jobs with placements that could not be made, and why.
     pub(crate) blocked: Mutex<BTreeMap<String, Vec<String>>>,
     /// When a delayed replacement becomes due.
-    pub(crate) retry_due: crate::scheduler::RetryDue,
+    pub(crate) retry_due: retry::RetryDue,
     /// Concurrent evaluations of one job, coalesced.
     pub(crate) job_evaluations: crate::scheduler::Coalesced<crate::scheduler::PlacementCounts>,
     /// Concurrent passes over the blocked jobs, coalesced.
@@ -55,7 +67,7 @@ pub struct Server {
     pub(crate) volume_watcher: VolumeWatcher,
     pub(crate) volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
-    pub(crate) alloc_reports: crate::nodes::AllocReports,
+    pub(crate) alloc_reports: nodes::AllocReports,
     /// `Node.Register` calls per peer address (`config.register_rate`).
     pub(crate) register_limiter: Option<crate::register_rate::RegisterLimiter>,
     /// Set when `run` is told to shut down; streams end on it.
@@ -157,20 +169,6 @@ impl Server {
 
     pub fn config(&self) -> &ServerConfig {
         &self.config
-    }
-
-    /// The gRPC `Node` service, for a `tonic::transport::Server` router.
-    pub fn node_service(self: &Arc<Self>) -> NodeServer<NodeService> {
-        // A client's answer to a `ClientHttp` call (logs, say) may be as
-        // large as a forwarded answer, plus its envelope.
-        NodeServer::new(NodeService::new(self.clone())).max_decoding_message_size(
-            crate::client_routes::MAX_CLIENT_HTTP_ANSWER.saturating_add(64 * 1024),
-        )
-    }
-
-    /// The gRPC `CSIVolume` service, for a `tonic::transport::Server` router.
-    pub fn csi_volume_service(self: &Arc<Self>) -> CsiVolumeServer<CsiVolumeService> {
-        CsiVolumeServer::new(CsiVolumeService::new(self.clone()))
     }
 
     /// The index of the last write.
@@ -290,7 +288,7 @@ impl Server {
     /// this server heard.
     pub fn node(&self, id: &str) -> Result<Node, ServerError> {
         self.store
-            .read(|t| crate::nodes::resolve_node(t, id).cloned())
+            .read(|t| crate::prefix::resolve_node(t, id).cloned())
             .map(|n| self.liveness.with_live_heartbeat(n))
     }
 
@@ -397,4 +395,13 @@ pub(crate) fn job_in<'a>(t: &'a crate::state::Tables, id: &str) -> Result<&'a Jo
     crate::prefix::resolve(&t.jobs, id, crate::prefix::JOB, crate::prefix::key)?
         .map(|(_, j)| j)
         .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))
+}
+
+impl Server {
+    /// Make a new keyring key, seal every stored secret again with it in
+    /// one store write, and remove the old keys. Answers the new key's ID
+    /// (never key material).
+    pub fn rotate_keyring(&self) -> Result<crate::keyring::KeyRotation, ServerError> {
+        Ok(self.store.rotate_keyring()?)
+    }
 }

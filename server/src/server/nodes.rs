@@ -13,38 +13,9 @@ use tokio::sync::oneshot;
 
 use crate::csi::ReleaseOrigin;
 use crate::error::ServerError;
+use crate::prefix::resolve_node;
 use crate::server::Server;
 use crate::state::{Change, Tables};
-
-/// The node `given` names: its ID, its name, or a unique prefix of its ID
-/// (what `node status` and `volume detach` accept), in that order.
-pub(crate) fn resolve_node<'a>(t: &'a Tables, given: &str) -> Result<&'a Node, ServerError> {
-    if let Some(n) = t.nodes.get(given) {
-        return Ok(n);
-    }
-    let named: Vec<&Node> = t.nodes_named(given).collect();
-    match named.as_slice() {
-        [one] => return Ok(one),
-        [] => {}
-        many => {
-            let ids: Vec<&str> = many.iter().map(|n| n.id.as_str()).collect();
-            return Err(ServerError::BadRequest(format!(
-                "node name {given:?} matches {} nodes ({}); give the node ID",
-                many.len(),
-                ids.join(", ")
-            )));
-        }
-    }
-    crate::prefix::resolve(&t.nodes, given, crate::prefix::NODE, |k, n| {
-        format!("{k:?} ({})", n.name)
-    })?
-    .map(|(_, n)| n)
-    .ok_or_else(|| {
-        ServerError::not_found(format!(
-            "node {given:?} not found: give a node ID, a unique ID prefix or a node name (see `berth node status`)"
-        ))
-    })
-}
 
 /// The answer to a node registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,7 +55,7 @@ impl Server {
     pub(crate) async fn register_node_as(
         &self,
         mut node: Node,
-        secret: Option<(&berth_structs::NodeSecret, crate::node_secrets::Enrollment)>,
+        secret: Option<(&berth_structs::NodeSecret, super::node_secrets::Enrollment)>,
     ) -> Result<NodeRegistration, ServerError> {
         let bad_names: Vec<String> = [("node ID", &node.id), ("node name", &node.name)]
             .into_iter()
@@ -97,7 +68,7 @@ impl Server {
         let ((), index) = self.store.write(|t, changes| {
             let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
             if let Some((secret, enrollment)) = &secret {
-                crate::node_secrets::admit_registration(t, &node.id, secret, enrollment, changes)?;
+                super::node_secrets::admit_registration(t, &node.id, secret, enrollment, changes)?;
             }
             // The registration's events join the stored ones as any
             // others do: folded and capped.
