@@ -4,6 +4,7 @@
 //! with TLS a peer whose certificate does not chain to the CA, before
 //! tonic sees the connection.
 
+use berth_sync::MutexExt;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -40,7 +41,7 @@ impl PerClientLimit {
     }
 
     fn held(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, u32>> {
-        self.held.lock().unwrap_or_else(|p| p.into_inner())
+        self.held.locked()
     }
 
     /// A slot for one more connection of `ip`, held until dropped, or

@@ -2,6 +2,7 @@
 //! (`log_json`), through a level filter that SIGHUP can change while the
 //! agent runs (see [`LogControl::set_level`]).
 
+use berth_sync::MutexExt;
 use std::sync::Mutex;
 
 use tracing_subscriber::layer::SubscriberExt;
@@ -120,7 +121,7 @@ impl LogControl {
             level: wanted.clone(),
             source,
         })?;
-        let mut current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let mut current = self.current.locked();
         if *current == wanted {
             return Ok(LevelChange::Unchanged(wanted));
         }

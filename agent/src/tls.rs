@@ -14,6 +14,7 @@
 //! read, connections already open keep theirs. A reload that fails keeps
 //! the configuration in force.
 
+use berth_sync::RwLockExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
@@ -337,15 +338,12 @@ impl AgentTls {
             self.verify_server_hostname,
             self.verify_https_client,
         )?;
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(c);
+        *self.current.write_locked() = Arc::new(c);
         Ok(())
     }
 
     fn configs(&self) -> Arc<Configs> {
-        self.current
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.current.read_locked().clone()
     }
 
     /// The configuration a new agent protocol connection is accepted with.

@@ -2,6 +2,7 @@
 //! lifecycle, from prerun hooks through its task runners to postrun hooks,
 //! is in [`lifecycle`].
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -99,11 +100,7 @@ impl AllocRunner {
         } = restored;
         let runner = Self::build(config, alloc, alloc_hooks::default_hooks(), state);
         runner.inner.in_store.store(true, Ordering::SeqCst);
-        *runner
-            .inner
-            .restored
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(handles);
+        *runner.inner.restored.locked() = Some(handles);
         runner
     }
 
@@ -380,8 +377,7 @@ impl AllocRunner {
             let sent = self
                 .inner
                 .task_ops
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+                .locked()
                 .get(t)
                 .is_some_and(|ops| ops.send(make(reply)).is_ok());
             if !sent {
@@ -435,15 +431,11 @@ impl Inner {
 
     /// The hook chain, while the lifecycle or the destroy has it.
     fn take_hooks(&self) -> Vec<Box<dyn AllocHook>> {
-        self.hooks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_default()
+        self.hooks.locked().take().unwrap_or_default()
     }
 
     fn put_back_hooks(&self, hooks: Vec<Box<dyn AllocHook>>) {
-        *self.hooks.lock().unwrap_or_else(|e| e.into_inner()) = Some(hooks);
+        *self.hooks.locked() = Some(hooks);
     }
 
     fn persist_alloc(&self, persist: Persist) {

@@ -1,5 +1,6 @@
 //! The alloc's client status and task states, and where changes go.
 
+use berth_sync::MutexExt;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -229,7 +230,7 @@ impl AllocState {
         f: impl FnOnce(&mut Inner),
         write: impl FnOnce(&dyn AllocStateStore, &str, &PersistedAllocState) -> Result<(), StateError>,
     ) {
-        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut inner = self.inner.locked();
         f(&mut inner);
         if !inner.client_status.is_terminal()
             && inner.client_status == AllocClientStatus::Pending
@@ -367,35 +368,20 @@ impl AllocState {
 
     /// When the alloc became terminal (unix ms), once it has.
     pub(crate) fn terminal_at_ms(&self) -> Option<i64> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .terminal_at_ms
+        self.inner.locked().terminal_at_ms
     }
 
     pub(crate) fn client_status(&self) -> AllocClientStatus {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .client_status
+        self.inner.locked().client_status
     }
 
     pub(crate) fn task_states(&self) -> BTreeMap<String, TaskState> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .task_states
-            .clone()
+        self.inner.locked().task_states.clone()
     }
 
     /// The state of `task` alone, without a copy of its events.
     pub(crate) fn task_state_kind(&self, task: &str) -> Option<TaskStateKind> {
-        self.inner
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .task_states
-            .get(task)
-            .map(|t| t.state)
+        self.inner.locked().task_states.get(task).map(|t| t.state)
     }
 }
 

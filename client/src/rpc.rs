@@ -9,6 +9,7 @@
 //! event sent by itself would hold back the alloc update right behind it
 //! (a volume's `Unmount volume` and the alloc's terminal status).
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -216,29 +217,17 @@ impl ServerConn {
 
     /// The introduction token sent with registrations from now on.
     pub fn set_intro_token(&self, token: berth_structs::secret::ConfigSecret) {
-        *self
-            .inner
-            .intro_token
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = Some(token);
+        *self.inner.intro_token.locked() = Some(token);
     }
 
     pub fn node(&self) -> Node {
-        self.inner
-            .node
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.inner.node.locked().clone()
     }
 
     /// Take new driver fingerprints into the node the client registers:
     /// its drivers are then the usable ones of `info`.
     pub fn set_driver_info(&self, info: BTreeMap<String, berth_structs::DriverInfo>) {
-        self.inner
-            .node
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .set_driver_info(info);
+        self.inner.node.locked().set_driver_info(info);
     }
 
     /// The servers this client dials, and which one is in use.
@@ -269,12 +258,7 @@ impl ServerConn {
             node_id: self.node_id(),
         });
         req.set_timeout(RPC_TIMEOUT);
-        let intro = self
-            .inner
-            .intro_token
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let intro = self.inner.intro_token.locked().clone();
         if let Some(token) = intro {
             let mut value =
                 tonic::metadata::MetadataValue::try_from(token.expose()).map_err(|_| {
@@ -305,12 +289,7 @@ impl ServerConn {
     /// The alloc update waiting to be sent for `alloc_id`, if any.
     #[cfg(test)]
     pub(crate) fn pending_update(&self, alloc_id: &str) -> Option<pb::AllocStatusUpdate> {
-        self.inner
-            .pending_updates
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(alloc_id)
-            .cloned()
+        self.inner.pending_updates.locked().get(alloc_id).cloned()
     }
 
     /// Sends queued alloc updates and node events until `shutdown`. An
@@ -357,11 +336,7 @@ impl ServerConn {
     async fn flush_once(&self) -> Result<(), tonic::Status> {
         let node_id = self.node_id();
         let updates: Vec<pb::AllocStatusUpdate> = {
-            let mut p = self
-                .inner
-                .pending_updates
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let mut p = self.inner.pending_updates.locked();
             p.drain().map(|(_, v)| v).collect()
         };
         let mut batches = update_batches(updates, MAX_UPDATE_BATCH_BYTES).into_iter();
@@ -374,11 +349,7 @@ impl ServerConn {
             if let Err(e) = self.node_client().update_allocations(req).await {
                 // Put back what was not sent, under any newer update
                 // that arrived meanwhile.
-                let mut p = self
-                    .inner
-                    .pending_updates
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                let mut p = self.inner.pending_updates.locked();
                 for u in batch.into_iter().chain(batches.flatten()) {
                     let merged = match p.remove(&u.alloc_id) {
                         Some(newer) => merge_update(newer, u),
@@ -389,13 +360,7 @@ impl ServerConn {
                 return Err(e);
             }
         }
-        let events: Vec<NodeEvent> = std::mem::take(
-            &mut *self
-                .inner
-                .pending_events
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-        );
+        let events: Vec<NodeEvent> = std::mem::take(&mut *self.inner.pending_events.locked());
         if !events.is_empty() {
             let pb_events = events
                 .iter()
@@ -412,11 +377,7 @@ impl ServerConn {
             });
             req.set_timeout(RPC_TIMEOUT);
             if let Err(e) = self.node_client().emit_events(req).await {
-                let mut p = self
-                    .inner
-                    .pending_events
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner());
+                let mut p = self.inner.pending_events.locked();
                 let newer = std::mem::take(&mut *p);
                 *p = events;
                 let dropped = push_bounded(&mut p, newer);
@@ -456,14 +417,7 @@ impl ServerConn {
     /// Queues `update` (merged with the one waiting for its alloc) and
     /// wakes the flusher.
     fn send_update(&self, update: pb::AllocStatusUpdate) {
-        queue_update(
-            &mut self
-                .inner
-                .pending_updates
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-            update,
-        );
+        queue_update(&mut self.inner.pending_updates.locked(), update);
         self.alloc_changed();
         self.inner.flush.notify_one();
     }
@@ -501,14 +455,7 @@ impl NodeEventSink for ServerConn {
             details = ?event.details,
             "node event"
         );
-        let dropped = push_bounded(
-            &mut self
-                .inner
-                .pending_events
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()),
-            [event],
-        );
+        let dropped = push_bounded(&mut self.inner.pending_events.locked(), [event]);
         if dropped > 0 {
             tracing::warn!(
                 dropped,
@@ -527,7 +474,7 @@ impl FingerprintSink for ServerConn {
         controller_plugins: BTreeMap<String, CsiInfo>,
     ) {
         {
-            let mut node = self.inner.node.lock().unwrap_or_else(|e| e.into_inner());
+            let mut node = self.inner.node.locked();
             node.csi_node_plugins = node_plugins.clone();
             node.csi_controller_plugins = controller_plugins.clone();
         }

@@ -6,6 +6,7 @@
 //! (what a restarted client reattaches to). A record that fails to decode is reported and moved to a
 //! quarantine table; it never stops the agent from starting.
 
+use berth_sync::RwLockExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
 
@@ -174,10 +175,10 @@ impl ClientState {
 
     /// The open database, opened again if an I/O error closed it.
     fn db(&self) -> Result<Arc<Database>, StateError> {
-        if let Some(db) = self.db.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(db) = self.db.read_locked().as_ref() {
             return Ok(db.clone());
         }
-        let mut slot = self.db.write().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.db.write_locked();
         if let Some(db) = slot.as_ref() {
             return Ok(db.clone());
         }
@@ -221,7 +222,7 @@ impl ClientState {
         match attempt() {
             Err(StateError::PreviousIo) => {
                 tracing::warn!(path = %self.path.display(), "client state database hit an I/O error; reopening it");
-                self.db.write().unwrap_or_else(|e| e.into_inner()).take();
+                self.db.write_locked().take();
                 attempt()
             }
             other => other,

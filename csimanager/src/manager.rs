@@ -1,6 +1,7 @@
 //! The CSI manager: ties the registry, clients, fingerprinting and the
 //! volume manager together.
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -220,7 +221,7 @@ impl CsiManager {
     }
 
     fn client_for(&self, reg: &PluginRegistration) -> Result<CsiClient, CsiError> {
-        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        let mut clients = self.clients.locked();
         if let Some(c) = clients.get(&reg.plugin_id) {
             if c.registration.socket_path == reg.socket_path {
                 return Ok(c.client.clone());
@@ -464,7 +465,7 @@ impl CsiManager {
 
         // Forget clients of plugins that are gone or moved.
         {
-            let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+            let mut clients = self.clients.locked();
             clients.retain(|id, c| {
                 entries.iter().any(|e| {
                     &e.registration.plugin_id == id
@@ -620,7 +621,7 @@ impl CsiManager {
     /// Saves the registry when it differs from what was saved last.
     fn persist_registry(&self) -> Result<(), CsiError> {
         let plugins = self.registry.list();
-        let mut saved = self.saved_plugins.lock().unwrap_or_else(|e| e.into_inner());
+        let mut saved = self.saved_plugins.locked();
         if saved.as_ref() == Some(&plugins) {
             return Ok(());
         }
@@ -630,7 +631,7 @@ impl CsiManager {
     }
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, FingerprintState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     /// Sends a node event (orphaned mounts, volume condition transitions).

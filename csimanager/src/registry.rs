@@ -3,6 +3,7 @@
 //! died, a probe failed) and register again once healthy, and deregister
 //! when they stop for good; csimanager watches it.
 
+use berth_sync::MutexExt;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -79,7 +80,7 @@ impl PluginRegistry {
     /// when the newer one is unhealthy. Returns whether it registered.
     pub fn register_instance(&self, reg: PluginRegistration, newness: u64) -> bool {
         {
-            let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let mut inner = self.inner.locked();
             let id = &reg.plugin_id;
             let newer_serves = inner.plugins.get(id).is_some_and(|e| {
                 e.registration.alloc_id != reg.alloc_id
@@ -111,7 +112,7 @@ impl PluginRegistry {
     /// Returns whether the mark changed anything.
     pub fn mark_unhealthy(&self, plugin_id: &str, alloc_id: &str, reason: &str) -> bool {
         let changed = {
-            let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let mut inner = self.inner.locked();
             match inner.plugins.get_mut(plugin_id) {
                 Some(e)
                     if e.registration.alloc_id == alloc_id
@@ -133,7 +134,7 @@ impl PluginRegistry {
     /// (a newer instance of the plugin is left alone).
     pub fn deregister(&self, plugin_id: &str, alloc_id: &str) -> bool {
         let removed = {
-            let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            let mut inner = self.inner.locked();
             match inner.plugins.get(plugin_id) {
                 Some(e) if e.registration.alloc_id == alloc_id => {
                     inner.newness.remove(plugin_id);
@@ -150,23 +151,23 @@ impl PluginRegistry {
 
     /// The plugin's registration and health.
     pub fn entry(&self, plugin_id: &str) -> Option<RegistryEntry> {
-        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let inner = self.inner.locked();
         inner.plugins.get(plugin_id).cloned()
     }
 
     /// Every registered plugin with its health.
     pub fn entries(&self) -> Vec<RegistryEntry> {
-        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let inner = self.inner.locked();
         inner.plugins.values().cloned().collect()
     }
 
     pub fn get(&self, plugin_id: &str) -> Option<PluginRegistration> {
-        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let inner = self.inner.locked();
         inner.plugins.get(plugin_id).map(|e| e.registration.clone())
     }
 
     pub fn list(&self) -> Vec<PluginRegistration> {
-        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let inner = self.inner.locked();
         inner
             .plugins
             .values()

@@ -20,6 +20,7 @@
 //! failed). A failed repair is tried again on a later round, with backoff,
 //! for as long as the alloc is watched.
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -100,7 +101,7 @@ impl RepairWatch {
 
 impl Drop for RepairWatch {
     fn drop(&mut self) {
-        let mut watched = lock(&self.repairs.watched);
+        let mut watched = self.repairs.watched.locked();
         if let Some(watches) = watched.get_mut(&self.alloc_id) {
             watches.retain(|(id, _)| *id != self.id);
             if watches.is_empty() {
@@ -156,7 +157,7 @@ impl Repairs {
     /// Keeps what `req` was mounted with (its secrets too), for a repair.
     pub(crate) fn remember(&self, req: &MountRequest) {
         let key = (req.stub_key(), req.alloc_id.clone());
-        lock(&self.secrets).insert(
+        self.secrets.locked().insert(
             key,
             Remembered {
                 secrets: req.secrets.clone(),
@@ -171,16 +172,16 @@ impl Repairs {
             .iter()
             .flat_map(|s| s.allocs.keys().map(move |a| (s.key(), a.clone())))
             .collect();
-        lock(&self.secrets).retain(|k, _| used.contains(k));
+        self.secrets.locked().retain(|k, _| used.contains(k));
         let keys: HashSet<String> = stubs.iter().map(VolumeStub::key).collect();
-        lock(&self.retries).retain(|k, _| keys.contains(k));
+        self.retries.locked().retain(|k, _| keys.contains(k));
     }
 
     /// The secrets to stage or publish `stub` for `alloc_id` again with:
     /// that alloc's, else any other alloc's of the same usage.
     fn secrets_for(&self, stub: &VolumeStub, alloc_id: Option<&str>) -> BTreeMap<String, String> {
         let key = stub.key();
-        let secrets = lock(&self.secrets);
+        let secrets = self.secrets.locked();
         alloc_id
             .and_then(|a| secrets.get(&(key.clone(), a.to_string())))
             .or_else(|| {
@@ -196,7 +197,8 @@ impl Repairs {
     /// mounted it with, else what the stub records (what it was staged
     /// with).
     fn context_for(&self, stub: &VolumeStub, alloc_id: &str) -> MountContext {
-        lock(&self.secrets)
+        self.secrets
+            .locked()
             .get(&(stub.key(), alloc_id.to_string()))
             .map_or_else(|| stub.mounted_with.clone(), |r| r.context.clone())
     }
@@ -207,7 +209,8 @@ impl Repairs {
         let id = self
             .next_watch
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        lock(&self.watched)
+        self.watched
+            .locked()
             .entry(alloc_id.to_string())
             .or_default()
             .push((id, tx));
@@ -222,7 +225,7 @@ impl Repairs {
     /// Hands `repair` to the watches of its alloc (there may be none: the
     /// alloc's watch just ended).
     fn notify(&self, repair: VolumeRepair) {
-        if let Some(watches) = lock(&self.watched).get(&repair.alloc_id) {
+        if let Some(watches) = self.watched.locked().get(&repair.alloc_id) {
             for (_, tx) in watches {
                 let _ = tx.send(repair.clone());
             }
@@ -230,23 +233,24 @@ impl Repairs {
     }
 
     fn watched_allocs(&self) -> HashSet<String> {
-        lock(&self.watched).keys().cloned().collect()
+        self.watched.locked().keys().cloned().collect()
     }
 
     /// Whether a repair of the volume under `key` may be tried now.
     fn due(&self, key: &str) -> bool {
-        lock(&self.retries)
+        self.retries
+            .locked()
             .get(key)
             .is_none_or(|r| Instant::now() >= r.next_at)
     }
 
     fn succeeded(&self, key: &str) {
-        lock(&self.retries).remove(key);
+        self.retries.locked().remove(key);
     }
 
     /// Puts off the next repair of the volume under `key`, longer each time.
     fn failed(&self, key: &str) {
-        let mut retries = lock(&self.retries);
+        let mut retries = self.retries.locked();
         let retry = retries.entry(key.to_string()).or_insert_with(|| Retry {
             next_at: Instant::now(),
             delays: ExponentialBuilder::default()
@@ -619,10 +623,6 @@ pub(crate) async fn detach_dead_mount(path: &Path) -> Result<(), CsiError> {
     })
     .await
     .map_err(|e| CsiError::Io(format!("detaching a dead mount: {e}")))?
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]

@@ -3,16 +3,13 @@
 //! state store that survives a "restart" because the test keeps it, and a
 //! node event log.
 
+use berth_sync::MutexExt;
 use std::collections::BTreeMap;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Mutex;
 
 use berth_structs::NodeEvent;
 
 use crate::{NodeEventSink, PluginRegistration, VolumeStateStore, VolumeStub};
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
 
 /// A [`VolumeStateStore`] in memory, shared by "restarts".
 #[derive(Default)]
@@ -23,11 +20,11 @@ pub struct MemStore {
 
 impl MemStore {
     pub fn plugins(&self) -> Vec<PluginRegistration> {
-        lock(&self.plugins).clone()
+        self.plugins.locked().clone()
     }
 
     pub fn volumes(&self) -> BTreeMap<String, VolumeStub> {
-        lock(&self.volumes).clone()
+        self.volumes.locked().clone()
     }
 }
 
@@ -36,18 +33,18 @@ impl VolumeStateStore for MemStore {
         Ok(self.plugins())
     }
     fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
-        *lock(&self.plugins) = plugins.to_vec();
+        *self.plugins.locked() = plugins.to_vec();
         Ok(())
     }
     fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
         Ok(self.volumes().into_values().collect())
     }
     fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
-        lock(&self.volumes).insert(stub.key(), stub.clone());
+        self.volumes.locked().insert(stub.key(), stub.clone());
         Ok(())
     }
     fn delete_volume(&self, key: &str) -> Result<(), String> {
-        lock(&self.volumes).remove(key);
+        self.volumes.locked().remove(key);
         Ok(())
     }
 }
@@ -58,7 +55,7 @@ pub struct EventLog(Mutex<Vec<NodeEvent>>);
 
 impl EventLog {
     pub fn all(&self) -> Vec<NodeEvent> {
-        lock(&self.0).clone()
+        self.0.locked().clone()
     }
 
     /// The events of `subsystem` with `message`.
@@ -72,6 +69,6 @@ impl EventLog {
 
 impl NodeEventSink for EventLog {
     fn emit(&self, event: NodeEvent) {
-        lock(&self.0).push(event);
+        self.0.locked().push(event);
     }
 }

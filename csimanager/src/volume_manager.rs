@@ -22,6 +22,7 @@
 
 mod mount;
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -93,7 +94,7 @@ impl VolumeLocks {
     async fn lock(&self, plugin_id: &str, volume_id: &str) -> VolumeLockGuard<'_> {
         let key = format!("{plugin_id}/{volume_id}");
         let mutex = {
-            let mut locks = self.locks.lock().unwrap_or_else(|e| e.into_inner());
+            let mut locks = self.locks.locked();
             locks.entry(key.clone()).or_default().clone()
         };
         let guard = mutex.lock_owned().await;
@@ -107,7 +108,7 @@ impl VolumeLocks {
 
 impl Drop for VolumeLockGuard<'_> {
     fn drop(&mut self) {
-        let mut locks = self.locks.locks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut locks = self.locks.locks.locked();
         // Held by the map and by our guard only: nobody waits, forget it.
         // New waiters must take the map lock first, so this cannot race.
         if locks
@@ -156,7 +157,7 @@ impl VolumeManager {
     }
 
     pub(crate) fn set_retry_policy(&self, policy: RetryPolicy) {
-        *self.retry.lock().unwrap_or_else(|e| e.into_inner()) = policy;
+        *self.retry.locked() = policy;
     }
 
     /// The usage stubs on this node.
@@ -594,7 +595,7 @@ impl VolumeManager {
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, CsiError>>,
     {
-        let policy = *self.retry.lock().unwrap_or_else(|e| e.into_inner());
+        let policy = *self.retry.locked();
         crate::retry::retry_notify(
             policy.backoff(),
             call,
@@ -607,7 +608,7 @@ impl VolumeManager {
     }
 
     fn lock_stubs(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, VolumeStub>> {
-        self.stubs.lock().unwrap_or_else(|e| e.into_inner())
+        self.stubs.locked()
     }
 
     /// Persists `stub`, then records it in memory.

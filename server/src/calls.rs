@@ -6,6 +6,7 @@
 //! replaces the older one; when a stream drops, its pending calls fail with
 //! `Unavailable` (their reply senders are dropped).
 
+use berth_sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -33,7 +34,7 @@ pub struct CallRegistry {
 
 impl CallRegistry {
     fn conns(&self) -> std::sync::MutexGuard<'_, HashMap<String, Connection>> {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+        self.conns.locked()
     }
 
     /// Register the stream of `node_id`; returns the connection's ID. An

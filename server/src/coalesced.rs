@@ -2,6 +2,7 @@
 //! key cost two runs, and each call returns after a run that started after
 //! it (a job's evaluation, a pass over the blocked jobs).
 
+use berth_sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -59,7 +60,7 @@ impl<T: Clone> Coalesced<T> {
         Fut: std::future::Future<Output = T>,
     {
         let (runs, generation) = {
-            let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            let mut keys = self.keys.locked();
             let runs = keys
                 .entry(key.to_string())
                 .or_insert_with(|| {
@@ -75,7 +76,7 @@ impl<T: Clone> Coalesced<T> {
                     })
                 })
                 .clone();
-            let mut gens = runs.lock();
+            let mut gens = runs.gens.locked();
             gens.requested += 1;
             gens.calls += 1;
             let generation = gens.requested;
@@ -92,7 +93,7 @@ impl<T: Clone> Coalesced<T> {
             // Registered before the check: a run ending after it wakes us.
             let ended = runs.ended.notified();
             let noted = {
-                let mut gens = runs.lock();
+                let mut gens = runs.gens.locked();
                 if let (true, Some(last)) = (gens.done >= generation, &gens.last) {
                     return last.clone();
                 }
@@ -110,7 +111,7 @@ impl<T: Clone> Coalesced<T> {
             };
             self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             let out = work().await;
-            let mut gens = runs.lock();
+            let mut gens = runs.gens.locked();
             gens.done = noted;
             gens.last = Some(out.clone());
             gens.running = false;
@@ -130,14 +131,8 @@ impl<T: Clone> Coalesced<T> {
     /// How many calls for `key` are under way.
     #[cfg(test)]
     pub(crate) fn calls(&self, key: &str) -> usize {
-        let keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        keys.get(key).map_or(0, |r| r.lock().calls)
-    }
-}
-
-impl<T> KeyRuns<T> {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Generations<T>> {
-        self.gens.lock().unwrap_or_else(|p| p.into_inner())
+        let keys = self.keys.locked();
+        keys.get(key).map_or(0, |r| r.gens.locked().calls)
     }
 }
 
@@ -153,12 +148,8 @@ struct Call<'a, T> {
 
 impl<T> Drop for Call<'_, T> {
     fn drop(&mut self) {
-        let mut keys = self
-            .coalesced
-            .keys
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let mut gens = self.runs.lock();
+        let mut keys = self.coalesced.keys.locked();
+        let mut gens = self.runs.gens.locked();
         gens.calls -= 1;
         let gave_up = std::mem::take(&mut self.running);
         if gave_up {

@@ -16,6 +16,7 @@
 //! Neither key material nor what it seals ever reaches a log line or an
 //! error message: errors name key IDs and paths only.
 
+use berth_sync::RwLockExt;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::RwLock;
@@ -179,7 +180,7 @@ impl Keyring {
             keys.push(key);
         }
         keys.sort_by(|a, b| (a.created_ms, &a.id).cmp(&(b.created_ms, &b.id)));
-        *keyring.keys.write().unwrap_or_else(|e| e.into_inner()) = keys;
+        *keyring.keys.write_locked() = keys;
         Ok(keyring)
     }
 
@@ -191,8 +192,7 @@ impl Keyring {
     /// The ID of the key that seals.
     pub fn active_id(&self) -> String {
         self.keys
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .last()
             .map(|k| k.id.clone())
             .unwrap_or_default()
@@ -201,8 +201,7 @@ impl Keyring {
     /// The IDs of every key, oldest first.
     pub fn key_ids(&self) -> Vec<String> {
         self.keys
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .read_locked()
             .iter()
             .map(|k| k.id.clone())
             .collect()
@@ -210,7 +209,7 @@ impl Keyring {
 
     /// Seal `plaintext` for the record `aad` with the active key.
     pub fn seal(&self, plaintext: &[u8], aad: &str) -> Result<Sealed, KeyringError> {
-        let keys = self.keys.read().unwrap_or_else(|e| e.into_inner());
+        let keys = self.keys.read_locked();
         let key = keys.last().ok_or(KeyringError::Seal)?;
         seal_with(key, plaintext, aad)
     }
@@ -223,7 +222,7 @@ impl Keyring {
                 sealed.version
             )));
         }
-        let keys = self.keys.read().unwrap_or_else(|e| e.into_inner());
+        let keys = self.keys.read_locked();
         let key = keys.iter().find(|k| k.id == sealed.key_id).ok_or_else(|| {
             KeyringError::MissingKey {
                 key_id: sealed.key_id.clone(),
@@ -259,7 +258,7 @@ impl Keyring {
     /// The older keys still open what they sealed until
     /// [`Keyring::retire_all_but_active`].
     pub fn add_key(&self) -> Result<String, KeyringError> {
-        let mut keys = self.keys.write().unwrap_or_else(|e| e.into_inner());
+        let mut keys = self.keys.write_locked();
         let newest = keys.last().map(|k| k.created_ms).unwrap_or(0);
         let key = Key::generate(now_ms().max(newest.saturating_add(1)));
         self.write_key(&key)?;
@@ -271,7 +270,7 @@ impl Keyring {
     /// Forget the key `key_id` and remove its file (undoing an
     /// [`Keyring::add_key`] whose re-seal failed).
     pub fn remove_key(&self, key_id: &str) -> Result<(), KeyringError> {
-        let mut keys = self.keys.write().unwrap_or_else(|e| e.into_inner());
+        let mut keys = self.keys.write_locked();
         keys.retain(|k| k.id != key_id);
         let path = self.key_path(key_id);
         match std::fs::remove_file(&path) {
@@ -285,7 +284,7 @@ impl Keyring {
     /// them any more. Returns the IDs removed.
     pub fn retire_all_but_active(&self) -> Result<Vec<String>, KeyringError> {
         let old: Vec<String> = {
-            let keys = self.keys.read().unwrap_or_else(|e| e.into_inner());
+            let keys = self.keys.read_locked();
             let n = keys.len().saturating_sub(1);
             keys[..n].iter().map(|k| k.id.clone()).collect()
         };

@@ -13,6 +13,7 @@
 //! gives its lost allocs no last heartbeat: their disconnect windows count
 //! from when they were marked lost.
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex};
@@ -102,7 +103,7 @@ impl Liveness {
     }
 
     fn heartbeat_map(&self) -> std::sync::MutexGuard<'_, Heartbeats> {
-        self.heartbeats.lock().unwrap_or_else(|p| p.into_inner())
+        self.heartbeats.locked()
     }
 
     /// The TTL to hand to a node now, jitter included.

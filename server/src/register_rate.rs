@@ -17,6 +17,7 @@
 //! past [`SWEEP_AT`] entries; the map holds only addresses that
 //! registered recently.
 
+use berth_sync::MutexExt;
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Mutex;
@@ -69,7 +70,7 @@ impl RegisterLimiter {
     pub(crate) fn take(&self, peer: IpAddr, now: Instant) -> Result<(), Duration> {
         let burst = f64::from(self.limit.burst.max(1));
         let rate = self.limit.rate.max(f64::MIN_POSITIVE);
-        let mut buckets = self.buckets.lock().unwrap_or_else(|p| p.into_inner());
+        let mut buckets = self.buckets.locked();
         if buckets.len() >= SWEEP_AT && !buckets.contains_key(&peer) {
             buckets.retain(|_, b| refilled(b, now, rate, burst) < burst);
         }

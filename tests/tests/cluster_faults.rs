@@ -13,6 +13,7 @@
 //! node is ready again and stops what was replaced, and only the
 //! replacement holds the write claim.
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -68,7 +69,7 @@ impl Sampler {
                     counts.push((j.clone(), pids.len()));
                     alive_now.extend(pids);
                 }
-                let mut seen = s.lock().unwrap_or_else(|p| p.into_inner());
+                let mut seen = s.locked();
                 for (j, n) in counts {
                     let m = seen.most_alive.entry(j).or_default();
                     *m = (*m).max(n);
@@ -90,7 +91,7 @@ impl Sampler {
     }
 
     fn with<T>(&self, f: impl FnOnce(&Seen) -> T) -> T {
-        f(&self.seen.lock().unwrap_or_else(|p| p.into_inner()))
+        f(&self.seen.locked())
     }
 }
 

@@ -14,6 +14,7 @@
 //! client's keepalives can notice. [`Relay::refuse`] closes every new
 //! connection at once, as a machine whose server is down does.
 
+use berth_sync::MutexExt;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -101,7 +102,7 @@ impl Relay {
     pub fn heal(&self) {
         self.shared.generation.fetch_add(1, Ordering::SeqCst);
         self.shared.partitioned.store(false, Ordering::SeqCst);
-        let mut conns = lock(&self.shared.conns);
+        let mut conns = self.shared.conns.locked();
         conns.retain(|c| {
             let broken = c.broken.load(Ordering::SeqCst);
             if broken {
@@ -137,14 +138,10 @@ impl Relay {
 impl Drop for Relay {
     fn drop(&mut self) {
         self.shared.closed.store(true, Ordering::SeqCst);
-        for c in lock(&self.shared.conns).drain(..) {
+        for c in self.shared.conns.locked().drain(..) {
             c.close();
         }
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
@@ -201,7 +198,7 @@ fn relay_conn(down: TcpStream, shared: &Arc<Shared>) -> Result<()> {
         },
         broken: broken.clone(),
     };
-    lock(&shared.conns).push(conn);
+    shared.conns.locked().push(conn);
     match up {
         Some(up) => {
             let ends = Ends { number, generation };

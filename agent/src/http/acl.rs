@@ -9,6 +9,7 @@
 //! asks the servers (`GET /v1/acl/token/self`, forwarded as any request)
 //! and keeps the answer for `acl { token_ttl }`.
 
+use berth_sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -196,7 +197,7 @@ where
         let key = secret_hash(secret);
         let now = Instant::now();
         {
-            let cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            let cache = self.cache.locked();
             if let Some((at, acl)) = cache.get(&key) {
                 if now.duration_since(*at) < self.ttl {
                     return Ok(acl.clone());
@@ -204,7 +205,7 @@ where
             }
         }
         let acl = (self.ask)(secret.to_string()).await?;
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let mut cache = self.cache.locked();
         if cache.len() >= MAX_CACHED_TOKENS {
             let ttl = self.ttl;
             cache.retain(|_, (at, _)| now.duration_since(*at) < ttl);

@@ -10,6 +10,7 @@
 //! Time is paused (and advances on its own when everything waits), so a
 //! blocking query with an arbitrary `index` and `wait` answers at once.
 
+use berth_sync::MutexExt;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
@@ -55,7 +56,7 @@ fn check<S: Strategy>(
     let result = runner.run(&strategy, |v| {
         ran.fetch_add(1, Ordering::Relaxed);
         let status = test(v)?;
-        let mut tally = statuses.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tally = statuses.locked();
         let n = tally.entry(status.as_u16()).or_default();
         *n = n.saturating_add(1);
         Ok(())
@@ -66,7 +67,7 @@ fn check<S: Strategy>(
     println!(
         "{name}: {} cases run, no failure; answers by status: {:?}",
         ran.load(Ordering::Relaxed),
-        statuses.lock().unwrap_or_else(|e| e.into_inner())
+        statuses.locked()
     );
 }
 

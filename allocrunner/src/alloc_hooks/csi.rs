@@ -5,6 +5,7 @@
 //! plugin; when the alloc is destroyed, it unmounts what csimanager still
 //! records as mounted for it.
 
+use berth_sync::MutexExt;
 use std::time::Duration;
 
 use backon::ExponentialBuilder;
@@ -293,7 +294,7 @@ impl AllocHook for CsiHook {
                         v.plugin_id = stub.plugin_id.clone();
                         v.unmount = Some(UnmountRequest::for_stub(&stub, &ctx.alloc.id));
                     }
-                    ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).insert(
+                    ctx.mounts.locked().insert(
                         name.clone(),
                         berth_csimanager::MountInfo {
                             source: target,
@@ -356,10 +357,7 @@ impl AllocHook for CsiHook {
                     error,
                 })?;
             span.in_scope(|| info!(source = %info.source.display(), "mounted volume"));
-            ctx.mounts
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(name.clone(), info);
+            ctx.mounts.locked().insert(name.clone(), info);
         }
         Ok(())
     }
@@ -392,10 +390,7 @@ impl AllocHook for CsiHook {
             if let Err(e) = Self::release(ctx, v).instrument(span).await {
                 errs.push(e);
             }
-            ctx.mounts
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&v.name);
+            ctx.mounts.locked().remove(&v.name);
         }
         HookError::from_many(errs)
     }

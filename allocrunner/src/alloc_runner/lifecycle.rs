@@ -2,6 +2,7 @@
 //! (or, for an alloc that will not run, what is left of tasks an earlier
 //! agent ran), then the postrun hooks and the alloc's final status.
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
@@ -47,11 +48,7 @@ impl Prerun {
 }
 
 pub(super) async fn lifecycle(inner: Arc<Inner>) {
-    let restored = inner
-        .restored
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .take();
+    let restored = inner.restored.locked().take();
     let Some((alloc, group)) = begin(&inner, restored.is_some()) else {
         inner.done.send_replace(true);
         return;
@@ -365,7 +362,7 @@ fn spawn_task_runners(
     kill: &watch::Receiver<Option<String>>,
 ) -> TaskRunners {
     let alloc = &ctx.alloc;
-    let mounts = Arc::new(ctx.mounts.lock().unwrap_or_else(|e| e.into_inner()).clone());
+    let mounts = Arc::new(ctx.mounts.locked().clone());
     let mut runners = TaskRunners {
         set: JoinSet::new(),
         names: HashMap::new(),
@@ -388,11 +385,7 @@ fn spawn_task_runners(
             );
         }
         let (ops_tx, ops) = mpsc::unbounded_channel();
-        inner
-            .task_ops
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(task.name.clone(), ops_tx);
+        inner.task_ops.locked().insert(task.name.clone(), ops_tx);
         let runner = TaskRunner {
             ops,
             reattach,

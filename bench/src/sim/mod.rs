@@ -24,6 +24,7 @@
 mod node;
 mod server;
 
+use berth_sync::MutexExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -82,7 +83,7 @@ pub struct FleetStats {
 
 impl FleetStats {
     fn fail(&self, what: String) {
-        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        let mut f = self.failures.locked();
         if f.len() < 1000 {
             f.push(what);
         }
@@ -90,10 +91,7 @@ impl FleetStats {
 
     fn reopen(&self, what: String) {
         self.reopened.fetch_add(1, Ordering::Relaxed);
-        let mut r = self
-            .reopen_reasons
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut r = self.reopen_reasons.locked();
         if r.len() < 5 {
             r.push(what);
         }
@@ -101,18 +99,14 @@ impl FleetStats {
 
     /// How many streams were reopened, and the first reasons.
     pub fn reopens(&self) -> (usize, Vec<String>) {
-        let r = self
-            .reopen_reasons
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let r = self.reopen_reasons.locked();
         (self.reopened.load(Ordering::Relaxed), r.clone())
     }
 
     /// Heartbeat round trips that started in `[from, to)`.
     pub fn heartbeats_between(&self, from: Instant, to: Instant) -> crate::report::Samples {
         self.heartbeats
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .iter()
             .filter(|(at, _)| *at >= from && *at < to)
             .map(|(_, d)| *d)
@@ -120,27 +114,17 @@ impl FleetStats {
     }
 
     pub fn unpublishes(&self) -> crate::report::Samples {
-        self.unpublishes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(_, d)| *d)
-            .collect()
+        self.unpublishes.locked().iter().map(|(_, d)| *d).collect()
     }
 
     /// When the last `CSIVolume.Unpublish` was answered.
     pub fn last_unpublish(&self) -> Option<Instant> {
-        self.unpublishes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .map(|(at, _)| *at)
-            .max()
+        self.unpublishes.locked().iter().map(|(at, _)| *at).max()
     }
 
     /// The first failures (at most `n`) and how many there were.
     pub fn failures(&self, n: usize) -> (Vec<String>, usize) {
-        let f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        let f = self.failures.locked();
         (f.iter().take(n).cloned().collect(), f.len())
     }
 

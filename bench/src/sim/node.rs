@@ -2,6 +2,7 @@
 //! heartbeats, the call stream and the alloc watch with its volume claims
 //! and releases.
 
+use berth_sync::MutexExt;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -94,11 +95,7 @@ impl SimNode {
             let took = started.elapsed();
             match r {
                 Ok(r) => {
-                    self.stats
-                        .heartbeats
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push((started, took));
+                    self.stats.heartbeats.locked().push((started, took));
                     next = interval(Duration::from_millis(r.into_inner().heartbeat_ttl_ms));
                 }
                 Err(e) => {
@@ -415,8 +412,7 @@ impl SimNode {
                 })?;
             self.stats
                 .unpublishes
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
+                .locked()
                 .push((Instant::now(), started.elapsed()));
             self.stats.unpublished.fetch_add(1, Ordering::Relaxed);
         }

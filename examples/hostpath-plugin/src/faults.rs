@@ -1,6 +1,7 @@
 //! Fault injection for tests: `--fail RPC=CODE[:COUNT]`, `--delay RPC=DURATION`
 //! and `--hold-after RPC=FILE`.
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;
@@ -152,7 +153,7 @@ impl Faults {
     /// call of the first rule that has calls left.
     fn next_failure(&self, rpc: &str) -> Option<Code> {
         let rules = self.failures.get(rpc)?;
-        let mut rules = rules.lock().unwrap_or_else(|e| e.into_inner());
+        let mut rules = rules.locked();
         for rule in rules.iter_mut() {
             match &mut rule.count {
                 None => return Some(rule.code),

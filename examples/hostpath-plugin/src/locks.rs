@@ -13,6 +13,7 @@
 //! A repeated call through another instance therefore finds the work done
 //! and answers as an idempotent retry.
 
+use berth_sync::MutexExt;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -39,7 +40,7 @@ impl VolumeLocks {
 
     fn set(&self) -> MutexGuard<'_, HashSet<String>> {
         // The set stays consistent even if a holder panicked.
-        self.busy.lock().unwrap_or_else(|e| e.into_inner())
+        self.busy.locked()
     }
 }
 

@@ -1,5 +1,6 @@
 //! Serving the plugin on its unix socket until SIGTERM or SIGINT.
 
+use berth_sync::MutexExt;
 use std::fs;
 use std::io;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -134,8 +135,7 @@ impl Socket {
     fn incoming(&self) -> anyhow::Result<UnixListenerStream> {
         let listener = self
             .listener
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .take()
             .context("socket already in use")?;
         Ok(UnixListenerStream::new(listener))

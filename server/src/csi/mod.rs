@@ -12,6 +12,7 @@ pub(crate) mod expand;
 pub(crate) mod snapshots;
 mod watcher;
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
@@ -84,7 +85,7 @@ impl Drop for LockUser<'_> {
 
 impl VolumeLocks {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, LockEntry>> {
-        self.locks.lock().unwrap_or_else(|p| p.into_inner())
+        self.locks.locked()
     }
 
     pub(crate) async fn lock(&self, volume_id: &str) -> VolumeLockGuard<'_> {

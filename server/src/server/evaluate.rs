@@ -3,6 +3,7 @@
 //! job's blocked state and failures kept, and the passes over the blocked
 //! and system jobs.
 
+use berth_sync::MutexExt;
 use std::collections::BTreeSet;
 
 use berth_structs::JobType;
@@ -114,8 +115,7 @@ impl Server {
             Err(e) => {
                 tracing::error!(job_id, error = %e, "evaluation failed");
                 self.blocked
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
+                    .locked()
                     .insert(job_id.to_string(), vec![format!("evaluation failed: {e}")]);
                 PlacementCounts::default()
             }
@@ -193,7 +193,7 @@ impl Server {
     /// Records whether `outcome` leaves job `job_id` blocked, and with
     /// which failures; returns the failures shown for it before.
     fn set_blocked(&self, job_id: &str, outcome: &PlanOutcome) -> Vec<String> {
-        let mut blocked = self.blocked.lock().unwrap_or_else(|p| p.into_inner());
+        let mut blocked = self.blocked.locked();
         let before = if outcome.failures.is_empty() && !outcome.delayed {
             blocked.remove(job_id)
         } else {
@@ -205,13 +205,7 @@ impl Server {
     /// Evaluate the blocked jobs and every system job: nodes, plugins,
     /// volumes or allocs changed.
     pub(crate) async fn evaluate_after_cluster_change(&self) {
-        let mut ids: BTreeSet<String> = self
-            .blocked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let mut ids: BTreeSet<String> = self.blocked.locked().keys().cloned().collect();
         ids.extend(self.store.read(|t| {
             t.jobs
                 .values()
@@ -235,13 +229,7 @@ impl Server {
     }
 
     async fn evaluate_blocked_now(&self) {
-        let ids: Vec<String> = self
-            .blocked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let ids: Vec<String> = self.blocked.locked().keys().cloned().collect();
         for id in ids {
             self.evaluate_job(&id).await;
         }
@@ -344,7 +332,7 @@ mod tests {
         let holder = std::thread::spawn({
             let server = server.clone();
             move || {
-                let _held = server.blocked.lock().unwrap_or_else(|p| p.into_inner());
+                let _held = server.blocked.locked();
                 let _ = locked.send(());
                 let _ = released.recv();
             }

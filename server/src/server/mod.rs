@@ -28,6 +28,7 @@ mod retry;
 mod snapshots;
 mod volumes;
 
+use berth_sync::MutexExt;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -350,8 +351,7 @@ impl Server {
     /// or a volume claim (empty when nothing is blocked).
     pub fn job_placement_failures(&self, job_id: &str) -> Vec<String> {
         self.blocked
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .locked()
             .get(job_id)
             .cloned()
             .unwrap_or_default()

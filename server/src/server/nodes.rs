@@ -1,6 +1,7 @@
 //! What clients tell the servers about their nodes: registration,
 //! heartbeats, node events, CSI plugin fingerprints and alloc status.
 
+use berth_sync::MutexExt;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -373,7 +374,7 @@ type Written = oneshot::Receiver<Result<ReportWritten, ServerError>>;
 
 impl AllocReports {
     fn queue(&self) -> MutexGuard<'_, VecDeque<QueuedReport>> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+        self.queue.locked()
     }
 
     fn enqueue(&self, node_id: &str, updates: Vec<AllocUpdate>) -> (QueuedGuard<'_>, Written) {

@@ -1,6 +1,7 @@
 //! The retry timer: blocked jobs are evaluated again every
 //! `scheduler_retry_interval`, and when a delayed replacement becomes due.
 
+use berth_sync::MutexExt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -45,7 +46,7 @@ pub(crate) struct RetryDue {
 impl RetryDue {
     /// Evaluate the blocked jobs again at `due_ms` (or sooner).
     pub(super) fn at(&self, due_ms: i64) {
-        let mut due = self.due.lock().unwrap_or_else(|p| p.into_inner());
+        let mut due = self.due.locked();
         if due.is_none_or(|d| due_ms < d) {
             *due = Some(due_ms);
             drop(due);
@@ -54,13 +55,13 @@ impl RetryDue {
     }
 
     fn next(&self) -> Option<i64> {
-        *self.due.lock().unwrap_or_else(|p| p.into_inner())
+        *self.due.locked()
     }
 
     /// Forget a due time that has come (the evaluation it asked for is
     /// about to run; a delay still pending sets it again).
     fn take_due(&self, now_ms: i64) {
-        let mut due = self.due.lock().unwrap_or_else(|p| p.into_inner());
+        let mut due = self.due.locked();
         if due.is_some_and(|d| d <= now_ms) {
             *due = None;
         }

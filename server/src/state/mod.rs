@@ -26,6 +26,7 @@ mod record;
 mod redb_backend;
 mod schema;
 
+use berth_sync::{MutexExt, RwLockExt};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard};
 use std::time::Duration;
@@ -298,11 +299,11 @@ impl StateStore {
     fn tables(&self) -> RwLockReadGuard<'_, Tables> {
         // A poisoned lock means a panic while applying in-memory changes that
         // were already durable; the tables are still the last good state.
-        self.tables.read().unwrap_or_else(|p| p.into_inner())
+        self.tables.read_locked()
     }
 
     fn writer(&self) -> MutexGuard<'_, ()> {
-        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+        self.writer.locked()
     }
 
     /// Read the tables.
@@ -312,7 +313,7 @@ impl StateStore {
 
     /// Sets [`Tables::plugin_instances_need_allocs`].
     pub fn set_plugin_instances_need_allocs(&self, on: bool) {
-        let mut guard = self.tables.write().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.tables.write_locked();
         guard.plugin_instances_need_allocs = on;
     }
 
@@ -391,7 +392,7 @@ impl StateStore {
     /// alone) or wrote the node itself (its status, a purge, a new
     /// registration). It starts at the current index.
     pub fn subscribe_node(&self, node_id: &str) -> watch::Receiver<u64> {
-        let mut map = self.node_tx.lock().unwrap_or_else(|p| p.into_inner());
+        let mut map = self.node_tx.locked();
         match map.get(node_id) {
             Some(tx) => tx.subscribe(),
             None => {
@@ -485,7 +486,7 @@ impl StateStore {
     /// Returns whether the write changed a node or an alloc (but for its
     /// volume stats alone), and the nodes whose alloc watches it concerns.
     fn apply(&self, index: u64, changes: Vec<Change>) -> (bool, Vec<String>) {
-        let mut guard = self.tables.write().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.tables.write_locked();
         let tables: &mut Tables = &mut guard;
         let mut fx = WriteEffects::default();
         for change in changes {
@@ -526,7 +527,7 @@ impl StateStore {
         if !touched.is_empty() {
             touched.sort();
             touched.dedup();
-            let mut map = self.node_tx.lock().unwrap_or_else(|p| p.into_inner());
+            let mut map = self.node_tx.locked();
             for node_id in touched {
                 if let Some(tx) = map.get(&node_id) {
                     if tx.receiver_count() == 0 {

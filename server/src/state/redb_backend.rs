@@ -13,6 +13,7 @@
 //! gone, its ciphertext damaged) is quarantined like one that fails to
 //! decode.
 
+use berth_sync::RwLockExt;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -114,10 +115,10 @@ impl RedbBackend {
 
     /// The open database, opening it again if an I/O error closed it.
     fn db(&self) -> Result<std::sync::Arc<Database>, StoreError> {
-        if let Some(db) = self.db.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+        if let Some(db) = self.db.read_locked().as_ref() {
             return Ok(db.clone());
         }
-        let mut slot = self.db.write().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.db.write_locked();
         if let Some(db) = slot.as_ref() {
             return Ok(db.clone());
         }
@@ -131,7 +132,7 @@ impl RedbBackend {
     /// use opens it afresh.
     fn close_poisoned(&self) {
         tracing::warn!(path = %self.path.display(), "state database hit an I/O error; reopening it");
-        self.db.write().unwrap_or_else(|e| e.into_inner()).take();
+        self.db.write_locked().take();
     }
 
     fn quarantined_records(&self) -> Result<Vec<QuarantinedRecord>, StoreError> {
