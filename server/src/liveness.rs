@@ -445,15 +445,15 @@ mod tests {
                 })
                 .await
                 .unwrap();
-            assert!(server.liveness.last_heartbeat_ms(id).is_some());
+            assert!(server.liveness().last_heartbeat_ms(id).is_some());
         }
         server.mark_node_down("n1", "test").await.unwrap();
         let gc = server.garbage_collect(true).await.unwrap();
         assert_eq!(gc.nodes, vec!["n1".to_string()]);
-        assert_eq!(server.liveness.last_heartbeat_ms("n1"), None);
+        assert_eq!(server.liveness().last_heartbeat_ms("n1"), None);
         server.purge_node("n2").await.unwrap();
-        assert_eq!(server.liveness.last_heartbeat_ms("n2"), None);
-        assert_eq!(server.liveness.heartbeat_map().deadlines.len(), 0);
+        assert_eq!(server.liveness().last_heartbeat_ms("n2"), None);
+        assert_eq!(server.liveness().heartbeat_map().deadlines.len(), 0);
     }
 
     #[tokio::test]
@@ -471,10 +471,10 @@ mod tests {
         // The liveness loop found the deadline passed and took it off; the
         // node is marked down after the nodes expired before it, and its
         // heartbeat arrives meanwhile (it answered "ready").
-        server.liveness.heartbeat_map().deadlines.remove("n1");
+        server.liveness().heartbeat_map().deadlines.remove("n1");
         server.node_heartbeat("n1").await.unwrap();
         server
-            .liveness
+            .liveness()
             .mark_silent_node_down("n1", &*server)
             .await
             .unwrap();
@@ -484,11 +484,15 @@ mod tests {
             NodeStatus::Ready,
             "a node whose heartbeat was answered is not marked down for the deadline before it"
         );
-        assert!(server.liveness.heartbeat_map().deadlines.contains_key("n1"));
+        assert!(server
+            .liveness()
+            .heartbeat_map()
+            .deadlines
+            .contains_key("n1"));
         // Silent after that: marked down.
-        server.liveness.heartbeat_map().deadlines.remove("n1");
+        server.liveness().heartbeat_map().deadlines.remove("n1");
         server
-            .liveness
+            .liveness()
             .mark_silent_node_down("n1", &*server)
             .await
             .unwrap();

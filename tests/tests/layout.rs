@@ -1,8 +1,9 @@
 //! The layout keeps its shape: within `agent/`, `client/` and `server/`,
 //! files of different folders never import each other in a circle; no
 //! source file is over 900 lines without its tests, no function over 120
-//! lines (data tables named below excepted); `docs/ARCHITECTURE.md` names
-//! only crates and files that exist.
+//! lines (data tables named below excepted); the server's `Server` is
+//! extended only in its own module; `docs/ARCHITECTURE.md` names only
+//! crates and files that exist.
 //!
 //! The sources are read as text: `crate::a::b` and `super::` paths in code
 //! (comments and test modules left out) are the imports.
@@ -469,6 +470,56 @@ fn no_source_file_or_function_is_too_long() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Whether `line` opens an `impl` block of the server's `Server` type
+/// (inherent or of a trait).
+fn opens_impl_of_server(line: &str) -> bool {
+    let Some(rest) = line.trim_start().strip_prefix("impl") else {
+        return false;
+    };
+    let rest = rest.trim_start_matches(|c: char| c != ' ').trim();
+    let target = rest.rsplit(" for ").next().unwrap_or(rest);
+    let target = target.trim_end_matches('{').trim();
+    target == "Server" || target.ends_with("::Server")
+}
+
+#[test]
+fn the_server_is_extended_only_in_its_own_module() {
+    let root = workspace();
+    let src = root.join("server/src");
+    let own = src.join("server");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let mut outside = Vec::new();
+    for f in files
+        .iter()
+        .filter(|f| !f.starts_with(&own) && !test_only(f))
+    {
+        let text = std::fs::read_to_string(f).expect("read a source file");
+        for l in product_lines(&text) {
+            if opens_impl_of_server(l) {
+                let rel = f.strip_prefix(&root).expect("in the workspace");
+                outside.push(format!("{}: {}", rel.display(), l.trim()));
+            }
+        }
+    }
+    assert!(
+        outside.is_empty(),
+        "`impl Server` outside server/src/server/:\n{}",
+        outside.join("\n")
+    );
+}
+
+#[test]
+fn the_impl_finder_sees_impls_of_the_server() {
+    assert!(opens_impl_of_server("impl Server {"));
+    assert!(opens_impl_of_server("impl crate::server::Server {"));
+    assert!(opens_impl_of_server("impl EvaluateJob for Server {"));
+    assert!(opens_impl_of_server("impl<T> Trait<T> for crate::Server {"));
+    assert!(!opens_impl_of_server("impl Drainer {"));
+    assert!(!opens_impl_of_server("impl NodeServer for NodeService {"));
+    assert!(!opens_impl_of_server("impl ServerConfig {"));
 }
 
 #[test]

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
 use berth_proto::berth::v1::node_server::NodeServer;
 
+use crate::register_rate::RegisterLimiter;
 use crate::server::client_routes::MAX_CLIENT_HTTP_ANSWER;
 use crate::server::Server;
 
@@ -39,44 +40,43 @@ impl PeerIdentity {
     }
 }
 
-impl crate::server::Server {
-    /// Whether the peer of `req` presented an agent certificate of this
-    /// region at the TLS handshake.
-    pub(crate) fn peer_has_agent_certificate<T>(&self, req: &tonic::Request<T>) -> bool {
-        req.extensions()
-            .get::<PeerIdentity>()
-            .is_some_and(|p| p.is_agent_of(&self.config.region))
-    }
+/// Whether the peer of `req` presented an agent certificate of `region`
+/// at the TLS handshake.
+pub(crate) fn peer_has_agent_certificate<T>(region: &str, req: &tonic::Request<T>) -> bool {
+    req.extensions()
+        .get::<PeerIdentity>()
+        .is_some_and(|p| p.is_agent_of(region))
+}
 
-    /// Refuses a `Node.Register` of a peer that registered more often
-    /// than `config.register_rate` allows. A request whose peer address is
-    /// unknown (not over TCP) is not limited.
-    pub(crate) fn check_register_rate<T>(
-        &self,
-        req: &tonic::Request<T>,
-    ) -> Result<(), ServerError> {
-        let Some(limiter) = &self.register_limiter else {
-            return Ok(());
-        };
-        let Some(peer) = peer_addr(req) else {
-            return Ok(());
-        };
-        limiter
-            .take(peer.ip(), std::time::Instant::now())
-            .map_err(|wait| {
-                let limit = limiter.limit();
-                tracing::debug!(peer = %peer.ip(), "register refused: over the rate limit");
-                ServerError::TooManyRequests(format!(
-                    "register: too many registrations from {} (a burst of {}, then {} a \
-                     second: limits.node_register_burst_per_client, \
-                     limits.node_register_rate_per_client); retry in {} ms",
-                    peer.ip(),
-                    limit.burst,
-                    limit.rate,
-                    wait.as_millis().max(1)
-                ))
-            })
-    }
+/// Refuses a `Node.Register` of a peer that registered more often than
+/// `limiter` (the server's `register_rate`) allows. A request whose peer
+/// address is unknown (not over TCP) is not limited, nor is any when there
+/// is no limiter.
+pub(crate) fn check_register_rate<T>(
+    limiter: Option<&RegisterLimiter>,
+    req: &tonic::Request<T>,
+) -> Result<(), ServerError> {
+    let Some(limiter) = limiter else {
+        return Ok(());
+    };
+    let Some(peer) = peer_addr(req) else {
+        return Ok(());
+    };
+    limiter
+        .take(peer.ip(), std::time::Instant::now())
+        .map_err(|wait| {
+            let limit = limiter.limit();
+            tracing::debug!(peer = %peer.ip(), "register refused: over the rate limit");
+            ServerError::TooManyRequests(format!(
+                "register: too many registrations from {} (a burst of {}, then {} a \
+                 second: limits.node_register_burst_per_client, \
+                 limits.node_register_rate_per_client); retry in {} ms",
+                peer.ip(),
+                limit.burst,
+                limit.rate,
+                wait.as_millis().max(1)
+            ))
+        })
 }
 
 /// The gRPC `Node` service of `server`, for a `tonic::transport::Server`

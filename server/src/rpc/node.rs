@@ -13,6 +13,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::{decode_json, parse, presented_secret};
 use crate::error::ServerError;
+use crate::server::alloc_watch::NodeAllocs;
 use crate::server::nodes::AllocUpdate;
 use crate::server::Server;
 
@@ -61,10 +62,7 @@ async fn stream_allocations(
     node_id: String,
     tx: mpsc::Sender<Result<pb::AllocationsUpdate, Status>>,
 ) {
-    // Woken by writes of this node and of its allocs only: not by other
-    // nodes' (ten thousand watches are not all woken by each write), not
-    // by the volume stats every node reports, nor by jobs and volumes.
-    let mut index_rx = server.store.subscribe_node(&node_id);
+    let mut index_rx = server.subscribe_node(&node_id);
     let mut shutdown = server.shutdown_rx();
     // What was last sent: each alloc's ID and modify index. A write of an
     // alloc's volume stats alone moves neither the node's alloc index nor
@@ -75,15 +73,10 @@ async fn stream_allocations(
     let mut scanned_at: Option<u64> = None;
     // The node the watch was opened for: once it is purged (or purged and
     // registered anew, by whichever client), this watch ends.
-    let registered_at = server
-        .store
-        .read(|t| t.nodes.get(&node_id).map(|n| n.create_index));
+    let registered_at = server.node_registered_at(&node_id);
     loop {
         index_rx.borrow_and_update();
-        let still_registered = server
-            .store
-            .read(|t| t.nodes.get(&node_id).map(|n| n.create_index))
-            == registered_at;
+        let still_registered = server.node_registered_at(&node_id) == registered_at;
         if !still_registered || registered_at.is_none() {
             tracing::info!(
                 node_id,
@@ -96,15 +89,8 @@ async fn stream_allocations(
                 .await;
             return;
         }
-        let scan = server.store.read(|t| {
-            let at = t.node_allocs_index.get(&node_id).copied().unwrap_or(0);
-            if scanned_at == Some(at) {
-                return None;
-            }
-            let allocs = t.allocs_on_node(&node_id).cloned().collect::<Vec<_>>();
-            Some((at, t.index, allocs))
-        });
-        if let Some((at, index, allocs)) = scan {
+        let scan = server.node_allocs_since(&node_id, scanned_at);
+        if let Some(NodeAllocs { at, index, allocs }) = scan {
             scanned_at = Some(at);
             let seen: Vec<(String, u64)> = allocs
                 .iter()
@@ -152,7 +138,7 @@ impl Node for NodeService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
-        self.server.check_register_rate(&req)?;
+        super::check_register_rate(self.server.register_limiter(), &req)?;
         let size = req.get_ref().node_json.len();
         if size > pb::MAX_REGISTER_NODE_JSON {
             return Err(ServerError::BadRequest(format!(
@@ -186,7 +172,7 @@ impl Node for NodeService {
                     .to_string(),
             ),
         };
-        let certificate = self.server.peer_has_agent_certificate(&req);
+        let certificate = super::peer_has_agent_certificate(&self.server.config().region, &req);
         let enrollment = self.server.enrollment(certificate, intro_token);
         // The caller's right to the ID is checked before its node is
         // decoded: a stranger's megabyte of JSON is never parsed.
@@ -377,7 +363,7 @@ impl Node for NodeService {
             .authenticate_node("OpenCallStream", &node_id, &presented)?;
         let (tx, rx) = mpsc::channel(16);
         let server = self.server.clone();
-        let conn_id = server.calls.attach(&node_id, tx);
+        let conn_id = server.calls().attach(&node_id, tx);
         tokio::spawn(async move {
             let mut shutdown = server.shutdown_rx();
             loop {
@@ -385,7 +371,7 @@ impl Node for NodeService {
                     _ = shutdown.wait_for(|s| *s) => break,
                     msg = inbound.message() => match msg {
                         Ok(Some(pb::ClientMessage { msg: Some(pb::client_message::Msg::Reply(reply)) })) => {
-                            server.calls.deliver(&node_id, conn_id, reply);
+                            server.calls().deliver(&node_id, conn_id, reply);
                         }
                         Ok(Some(_)) => {
                             tracing::warn!(node_id, "unexpected message on the call stream; ignored");
@@ -398,7 +384,7 @@ impl Node for NodeService {
                     }
                 }
             }
-            server.calls.detach(&node_id, conn_id);
+            server.calls().detach(&node_id, conn_id);
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }

@@ -15,6 +15,7 @@
 
 pub(crate) mod acl;
 pub(crate) mod alloc_stop;
+pub(crate) mod alloc_watch;
 mod claims;
 pub(crate) mod client_routes;
 mod evaluate;
@@ -47,32 +48,32 @@ use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
 
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
 pub struct Server {
-    pub(crate) config: ServerConfig,
-    pub(crate) store: Arc<StateStore>,
-    pub(crate) calls: CallRegistry,
+    config: ServerConfig,
+    store: Arc<StateStore>,
+    calls: CallRegistry,
     /// Jobs with placements that could not be made, and why.
-    pub(crate) blocked: Mutex<BTreeMap<String, Vec<String>>>,
+    blocked: Mutex<BTreeMap<String, Vec<String>>>,
     /// When a delayed replacement becomes due.
-    pub(crate) retry_due: retry::RetryDue,
+    retry_due: retry::RetryDue,
     /// Concurrent evaluations of one job, coalesced.
-    pub(crate) job_evaluations: crate::scheduler::Coalesced<crate::scheduler::PlacementCounts>,
+    job_evaluations: crate::scheduler::Coalesced<crate::scheduler::PlacementCounts>,
     /// Concurrent passes over the blocked jobs, coalesced.
-    pub(crate) blocked_evaluations: crate::scheduler::Coalesced<()>,
+    blocked_evaluations: crate::scheduler::Coalesced<()>,
     /// Node liveness: heartbeat deadlines and marking silent nodes down.
-    pub(crate) liveness: Arc<Liveness>,
+    liveness: Arc<Liveness>,
     /// Garbage collection.
-    pub(crate) gc: Gc,
+    gc: Gc,
     /// Node drains and eligibility.
-    pub(crate) drainer: Drainer,
+    drainer: Drainer,
     /// Frees the claims nobody released.
-    pub(crate) volume_watcher: VolumeWatcher,
-    pub(crate) volume_locks: VolumeLocks,
+    volume_watcher: VolumeWatcher,
+    volume_locks: VolumeLocks,
     /// Alloc status reports of clients waiting to be written together.
-    pub(crate) alloc_reports: nodes::AllocReports,
+    alloc_reports: nodes::AllocReports,
     /// `Node.Register` calls per peer address (`config.register_rate`).
-    pub(crate) register_limiter: Option<crate::register_rate::RegisterLimiter>,
+    register_limiter: Option<crate::register_rate::RegisterLimiter>,
     /// Set when `run` is told to shut down; streams end on it.
-    pub(crate) shutdown: watch::Sender<bool>,
+    shutdown: watch::Sender<bool>,
 }
 
 impl Server {
@@ -170,6 +171,23 @@ impl Server {
 
     pub fn config(&self) -> &ServerConfig {
         &self.config
+    }
+
+    /// Where the calls of servers to clients (over each client's call
+    /// stream) are routed.
+    pub(crate) fn calls(&self) -> &CallRegistry {
+        &self.calls
+    }
+
+    /// Node liveness, for the tests of its loop.
+    #[cfg(test)]
+    pub(crate) fn liveness(&self) -> &Liveness {
+        &self.liveness
+    }
+
+    /// The limit on node registrations per peer, when one is set.
+    pub(crate) fn register_limiter(&self) -> Option<&crate::register_rate::RegisterLimiter> {
+        self.register_limiter.as_ref()
     }
 
     /// The index of the last write.
