@@ -729,7 +729,7 @@ async fn rotate_keyring(State(s): State<Arc<Server>>) -> ApiResult {
 pub async fn serve_router(
     listener: tokio::net::TcpListener,
     router: Router,
-    shutdown: tokio::sync::watch::Receiver<bool>,
+    shutdown: berth_sync::Shutdown,
 ) -> std::io::Result<()> {
     listener::serve(listener, router, shutdown, listener::HttpServing::plain()).await
 }

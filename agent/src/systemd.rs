@@ -28,6 +28,7 @@
 //!   `WatchdogSec` passes without a ping (the tasks survive that:
 //!   `KillMode=process`). The same loop refreshes the `STATUS=` line.
 
+use berth_sync::Shutdown;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -159,7 +160,7 @@ const MIN_PING_PERIOD: Duration = Duration::from_millis(10);
 pub async fn run_watchdog(
     components: Components,
     ready: watch::Receiver<bool>,
-    mut stop: watch::Receiver<bool>,
+    mut stop: Shutdown,
 ) {
     if !enabled() {
         return;
@@ -177,7 +178,7 @@ pub async fn run_watchdog(
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = stop.wait_for(|v| *v) => return,
+            _ = stop.wait() => return,
         }
         if watchdog.is_some() {
             match components.check(timeout).await {

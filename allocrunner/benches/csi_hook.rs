@@ -22,6 +22,7 @@
 // Test code: an unwrap that fails fails the test, with the value.
 #![allow(clippy::unwrap_used)]
 
+use berth_sync::Shutdown;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -369,7 +370,7 @@ async fn run(rounds: usize, store_kind: &str) {
     let (mut hook_mount, mut hook_unmount) = (Samples::default(), Samples::default());
     let (mut mgr_mount, mut mgr_unmount) = (Samples::default(), Samples::default());
     let (mut bare_mount, mut bare_unmount) = (Samples::default(), Samples::default());
-    let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (_stop_tx, stop_rx) = Shutdown::channel();
     let bare_dir = root.join("bare");
 
     for round in 0..rounds {

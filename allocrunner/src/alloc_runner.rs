@@ -3,6 +3,7 @@
 //! is in [`lifecycle`].
 
 use berth_sync::MutexExt;
+use berth_sync::{Shutdown, ShutdownSender};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -51,7 +52,7 @@ struct Inner {
     alloc: watch::Sender<Arc<Allocation>>,
     state: Arc<AllocState>,
     /// True once the alloc must stop.
-    stop: watch::Sender<bool>,
+    stop: ShutdownSender,
     /// True once postrun is done (or the alloc was destroyed unrun).
     done: watch::Sender<bool>,
     started: AtomicBool,
@@ -127,7 +128,7 @@ impl AllocRunner {
                 alloc: watch::channel(Arc::new(alloc)).0,
                 config,
                 state,
-                stop: watch::channel(false).0,
+                stop: Shutdown::channel().0,
                 done: watch::channel(false).0,
                 started: AtomicBool::new(false),
                 in_store: AtomicBool::new(false),
@@ -255,7 +256,7 @@ impl AllocRunner {
     /// other alloc on this node has a volume of the plugin mounted (or
     /// another healthy instance of the plugin serves them).
     pub fn stop(&self) {
-        self.inner.stop.send_replace(true);
+        self.inner.stop.shutdown();
     }
 
     /// Waits until the lifecycle has finished (postrun done). Returns at
@@ -334,7 +335,7 @@ impl AllocRunner {
         make: impl Fn(oneshot::Sender<Result<(), TaskOpError>>) -> TaskOp,
     ) -> Result<Vec<String>, TaskOpError> {
         let status = self.client_status();
-        if status.is_terminal() || *self.inner.stop.borrow() {
+        if status.is_terminal() || self.inner.stop.is_shutdown() {
             let what = if status.is_terminal() {
                 status.as_str().to_string()
             } else {

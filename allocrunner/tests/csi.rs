@@ -828,7 +828,7 @@ async fn an_alloc_whose_volume_stays_mounted_is_not_collectable() {
 #[tokio::test]
 async fn a_killed_plugin_task_is_unhealthy_until_it_restarts_and_is_healthy_again() {
     let h = Harness::new();
-    let (stop_csi, rx) = tokio::sync::watch::channel(false);
+    let (stop_csi, rx) = berth_sync::Shutdown::channel();
     let manager = tokio::spawn(h.csi.clone().run(rx));
     let task = hostpath_plugin_task("$BERTH_TASK_DIR/local/state");
     let mut a = alloc(JobType::Service, vec![task]);
@@ -936,7 +936,7 @@ async fn a_killed_plugin_task_is_unhealthy_until_it_restarts_and_is_healthy_agai
         h.csi.registry().get(PLUGIN_ID).is_none(),
         "deregistered at stop"
     );
-    stop_csi.send(true).unwrap();
+    stop_csi.shutdown();
     manager.await.unwrap();
 }
 

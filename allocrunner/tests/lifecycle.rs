@@ -389,7 +389,7 @@ impl berth_allocrunner::alloc_hooks::AllocHook for WaitForStop {
         ctx: &berth_allocrunner::alloc_hooks::AllocHookContext,
     ) -> Result<(), berth_allocrunner::HookError> {
         let mut stop = ctx.stop.clone();
-        let _ = stop.wait_for(|s| *s).await;
+        stop.wait().await;
         Err(berth_allocrunner::HookError::Stopped)
     }
     async fn postrun(

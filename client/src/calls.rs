@@ -4,6 +4,7 @@
 //! (`ClientHttp`, answered by the node-local router). The stream is
 //! reopened whenever it drops.
 
+use berth_sync::Shutdown;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ use berth_structs::{AccessMode, AttachmentMode, CsiMountOptions};
 use csi::controller_service_capability::rpc::Type as ControllerRpc;
 use csi::node_service_capability::rpc::Type as NodeRpc;
 use pb::server_call::Call;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::StreamExt;
 
@@ -78,7 +79,7 @@ pub async fn run_call_stream(
     conn: ServerConn,
     csi: Arc<CsiManager>,
     local_api: Arc<dyn LocalApi>,
-    mut shutdown: watch::Receiver<bool>,
+    mut shutdown: Shutdown,
 ) {
     let mut failures: u32 = 0;
     loop {
@@ -86,7 +87,7 @@ pub async fn run_call_stream(
         let server = conn.servers().current();
         let result = tokio::select! {
             r = serve_once(&conn, &csi, &local_api) => r,
-            _ = shutdown.wait_for(|v| *v) => return,
+            _ = shutdown.wait() => return,
         };
         match result {
             Ok(()) => failures = 0,
@@ -100,7 +101,7 @@ pub async fn run_call_stream(
         let wait = super::servers::retry_delay(failures);
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
-            _ = shutdown.wait_for(|v| *v) => return,
+            _ = shutdown.wait() => return,
         }
     }
 }

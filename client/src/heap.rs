@@ -1,6 +1,7 @@
 //! Returning freed heap to the kernel after bursts of alloc changes, so
 //! the client's resident memory falls back once the work is done.
 
+use berth_sync::Shutdown;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -15,16 +16,16 @@ pub const HEAP_TRIM_INTERVAL: Duration = Duration::from_secs(5);
 /// resident in the middle of the heap. An idle client trims nothing.
 pub(crate) async fn trim_heap_after_changes(
     mut changes: watch::Receiver<u64>,
-    mut shutdown: watch::Receiver<bool>,
+    mut shutdown: Shutdown,
 ) {
     loop {
         tokio::select! {
             r = changes.changed() => if r.is_err() { return },
-            _ = shutdown.wait_for(|v| *v) => return,
+            _ = shutdown.wait() => return,
         }
         tokio::select! {
             _ = tokio::time::sleep(HEAP_TRIM_INTERVAL) => {}
-            _ = shutdown.wait_for(|v| *v) => return,
+            _ = shutdown.wait() => return,
         }
         changes.mark_unchanged();
         trim_heap();

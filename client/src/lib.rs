@@ -18,6 +18,7 @@ pub mod rpc;
 pub mod servers;
 pub mod state;
 
+use berth_sync::Shutdown;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -171,7 +172,7 @@ pub struct Client {
     registered: watch::Sender<bool>,
     /// True once the client is told to stop: requests that wait (a log
     /// read that follows) answer at once.
-    shutdown: watch::Receiver<bool>,
+    shutdown: Shutdown,
 }
 
 #[async_trait::async_trait]
@@ -247,10 +248,7 @@ fn volume_stats_by_name(
 }
 
 impl Client {
-    pub async fn start(
-        config: ClientConfig,
-        shutdown: watch::Receiver<bool>,
-    ) -> Result<Arc<Client>> {
+    pub async fn start(config: ClientConfig, shutdown: Shutdown) -> Result<Arc<Client>> {
         let client_dir = config.data_dir.join("client");
         let state = ClientState::open(&client_dir)?;
         let quarantined = state.quarantined()?;
@@ -380,7 +378,7 @@ impl Client {
             let mut shutdown = self.shutdown.clone();
             tokio::select! {
                 _ = tokio::time::timeout(wait, changes.wait_for(|i| *i > min)) => {}
-                _ = shutdown.wait_for(|v| *v) => {}
+                _ = shutdown.wait() => {}
             }
         }
         let index = *changes.borrow();
@@ -419,7 +417,7 @@ impl Client {
 
     /// Runs the client until `shutdown`. Allocs keep running after it
     /// returns.
-    pub async fn run(self: Arc<Self>, shutdown: watch::Receiver<bool>) {
+    pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
         let mut tasks = tokio::task::JoinSet::new();
         self.spawn_background(&mut tasks, &shutdown);
         // The heartbeater restores the time of the last successful heartbeat
@@ -448,7 +446,7 @@ impl Client {
         // or not the servers answer: their tasks are supervised again (and
         // their plugins registered again) at once.
         let restored = self.restore_allocs(shutdown.clone()).await;
-        if *shutdown.borrow() || !restored {
+        if shutdown.is_shutdown() || !restored {
             while tasks.join_next().await.is_some() {}
             return;
         }
@@ -461,7 +459,7 @@ impl Client {
             tasks.spawn(async move { this.run_gc(rx).await });
         }
         self.register_or_ready_anyway(shutdown.clone()).await;
-        if *shutdown.borrow() {
+        if shutdown.is_shutdown() {
             while tasks.join_next().await.is_some() {}
             return;
         }
@@ -484,7 +482,7 @@ impl Client {
         {
             let mut rx = shutdown.clone();
             let stopping = async move {
-                let _ = rx.wait_for(|v| *v).await;
+                let _ = rx.wait().await;
             };
             let stopped = tokio::select! {
                 _ = orphans => false,
@@ -509,7 +507,7 @@ impl Client {
     fn spawn_background(
         self: &Arc<Self>,
         tasks: &mut tokio::task::JoinSet<()>,
-        shutdown: &watch::Receiver<bool>,
+        shutdown: &Shutdown,
     ) {
         {
             let conn = self.conn.clone();
@@ -543,7 +541,7 @@ impl Client {
     /// Registers the node. Servers that do not answer do not keep the
     /// client from coming up: after a while it is ready anyway, and
     /// registering goes on.
-    async fn register_or_ready_anyway(&self, shutdown: watch::Receiver<bool>) {
+    async fn register_or_ready_anyway(&self, shutdown: Shutdown) {
         let register = self.register_until_done(shutdown);
         tokio::pin!(register);
         tokio::select! {
@@ -565,7 +563,7 @@ impl Client {
     /// the state database is retried: without it the client cannot know
     /// what runs here, and starting allocs blind could run a task twice.
     /// Returns false only at shutdown.
-    async fn restore_allocs(&self, mut shutdown: watch::Receiver<bool>) -> bool {
+    async fn restore_allocs(&self, mut shutdown: Shutdown) -> bool {
         let mut failures: u32 = 0;
         let restored = loop {
             match berth_allocrunner::AllocStateStore::load_allocs(&self.state) {
@@ -576,7 +574,7 @@ impl Client {
                     tracing::error!(error = %e, retry_in = ?wait, "reading the allocs to restore failed; no alloc starts until it succeeds");
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
-                        _ = shutdown.wait_for(|v| *v) => return false,
+                        _ = shutdown.wait() => return false,
                     }
                 }
             }
@@ -619,12 +617,12 @@ impl Client {
     /// event, and the node registers again with the new fingerprints (the
     /// scheduler places only on usable drivers); a failed registration is
     /// retried at the next round.
-    async fn watch_drivers(&self, mut shutdown: watch::Receiver<bool>) {
+    async fn watch_drivers(&self, mut shutdown: Shutdown) {
         let mut unsent = false;
         loop {
             tokio::select! {
                 _ = tokio::time::sleep(DRIVER_FINGERPRINT_INTERVAL) => {}
-                _ = shutdown.wait_for(|v| *v) => return,
+                _ = shutdown.wait() => return,
             }
             let found = fingerprint_drivers(&self.runner_config.drivers);
             let events = driver_health_events(&self.conn.node().driver_info, &found);
@@ -646,7 +644,7 @@ impl Client {
         }
     }
 
-    async fn register_until_done(&self, mut shutdown: watch::Receiver<bool>) {
+    async fn register_until_done(&self, mut shutdown: Shutdown) {
         let mut failures: u32 = 0;
         loop {
             match self.conn.register().await {
@@ -662,7 +660,7 @@ impl Client {
                     tracing::warn!(error = %e, retry_in = ?wait, "registering the node failed");
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
-                        _ = shutdown.wait_for(|v| *v) => return,
+                        _ = shutdown.wait() => return,
                     }
                 }
             }
@@ -671,7 +669,7 @@ impl Client {
 
     /// Follows the servers' view of this node's allocs and reconciles the
     /// runners with it.
-    async fn watch_allocs(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    async fn watch_allocs(self: Arc<Self>, mut shutdown: Shutdown) {
         let mut failures: u32 = 0;
         loop {
             let req = pb::WatchAllocationsRequest {
@@ -682,7 +680,7 @@ impl Client {
             let mut node_client = self.conn.node_client();
             let stream = tokio::select! {
                 r = node_client.watch_allocations(req) => r,
-                _ = shutdown.wait_for(|v| *v) => return,
+                _ = shutdown.wait() => return,
             };
             match stream {
                 Ok(resp) => {
@@ -690,7 +688,7 @@ impl Client {
                     loop {
                         let next = tokio::select! {
                             n = stream.next() => n,
-                            _ = shutdown.wait_for(|v| *v) => return,
+                            _ = shutdown.wait() => return,
                         };
                         match next {
                             Some(Ok(update)) => {
@@ -713,7 +711,7 @@ impl Client {
             let wait = servers::retry_delay(failures);
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = shutdown.wait_for(|v| *v) => return,
+                _ = shutdown.wait() => return,
             }
         }
     }
@@ -762,7 +760,7 @@ impl Client {
 
     /// Collects garbage every `gc_interval` and whenever the servers' view
     /// of the allocs changes, until `shutdown`.
-    async fn run_gc(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    async fn run_gc(self: Arc<Self>, mut shutdown: Shutdown) {
         // A zero period would make the interval panic, an enormous one
         // overflow the clock.
         let period = self.gc_interval.clamp(
@@ -775,7 +773,7 @@ impl Client {
             tokio::select! {
                 _ = tick.tick() => {}
                 _ = self.gc_wake.notified() => {}
-                _ = shutdown.wait_for(|v| *v) => return,
+                _ = shutdown.wait() => return,
             }
             self.collect_garbage().await;
         }
@@ -896,6 +894,7 @@ mod tests {
         AllocClientStatus, AllocDesiredStatus, Job, JobType, Task, TaskGroup, TaskState,
         TaskStateKind,
     };
+    use berth_sync::ShutdownSender;
     use berth_testutil::wait_for;
     use std::collections::BTreeMap;
 
@@ -956,7 +955,7 @@ mod tests {
             gc_max_allocs,
             ..ClientConfig::new(dir.to_path_buf(), vec!["http://127.0.0.1:1".into()])
         };
-        Client::start(config, watch::channel(false).1)
+        Client::start(config, Shutdown::channel().1)
             .await
             .expect("the client starts")
     }
@@ -1068,7 +1067,7 @@ mod tests {
         // database, before the servers even answer.
         let client = offline_client(dir.path(), 50).await;
         assert!(client.conn.pending_update(&alloc_id).is_none());
-        assert!(client.restore_allocs(watch::channel(false).1).await);
+        assert!(client.restore_allocs(Shutdown::channel().1).await);
         let tasks = reported_complete(&client, &alloc_id).await;
         assert_never_started(&tasks);
     }
@@ -1099,7 +1098,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_waiting_log_read_answers_at_once_when_the_client_stops() {
         let dir = tempfile::tempdir().unwrap();
-        let (stop, stopped_rx) = watch::channel(false);
+        let (stop, stopped_rx) = Shutdown::channel();
         let config = ClientConfig::new(dir.path().to_path_buf(), vec!["http://127.0.0.1:1".into()]);
         let client = Client::start(config, stopped_rx)
             .await
@@ -1137,7 +1136,7 @@ mod tests {
         if let Ok(early) = tokio::time::timeout(Duration::from_millis(500), &mut read).await {
             panic!("the read did not wait: {early:?}");
         }
-        stop.send_replace(true);
+        stop.shutdown();
         let answer = tokio::time::timeout(Duration::from_secs(5), read)
             .await
             .expect("the read answers once the client stops")
@@ -1243,21 +1242,21 @@ mod tests {
     /// A client on `dir`/client with `servers`.
     async fn client_of(dir: &std::path::Path, servers: Vec<String>) -> Arc<Client> {
         let config = ClientConfig::new(dir.join("client"), servers);
-        Client::start(config, watch::channel(false).1)
+        Client::start(config, Shutdown::channel().1)
             .await
             .expect("the client starts")
     }
 
     /// Runs `client` until told to stop through the sender.
-    fn run_client(client: &Arc<Client>) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
-        let (stop_tx, stop_rx) = watch::channel(false);
+    fn run_client(client: &Arc<Client>) -> (ShutdownSender, tokio::task::JoinHandle<()>) {
+        let (stop_tx, stop_rx) = Shutdown::channel();
         (stop_tx, tokio::spawn(client.clone().run(stop_rx)))
     }
 
     /// Tells `what` (a task run with `stop_tx`) to stop, and waits for it to
     /// end without a panic.
-    async fn stop(stop_tx: watch::Sender<bool>, task: tokio::task::JoinHandle<()>, what: &str) {
-        stop_tx.send_replace(true);
+    async fn stop(stop_tx: ShutdownSender, task: tokio::task::JoinHandle<()>, what: &str) {
+        stop_tx.shutdown();
         tokio::time::timeout(Duration::from_secs(10), task)
             .await
             .unwrap_or_else(|_| panic!("{what} stops"))
@@ -1372,7 +1371,7 @@ mod tests {
             format!("http://{dead_addr}")
         );
 
-        let (stop_tx, stop_rx) = watch::channel(false);
+        let (stop_tx, stop_rx) = Shutdown::channel();
         let watching = tokio::spawn(client.clone().watch_allocs(stop_rx));
         place_and_receive(&server, &client, "j", Duration::from_secs(15)).await;
         assert_eq!(client.servers().current_addr(), format!("http://{addr}"));

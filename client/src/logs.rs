@@ -427,7 +427,7 @@ impl Client {
                 || read.lost
                 || task_state == TaskStateKind::Dead
                 || tokio::time::Instant::now() >= deadline
-                || *shutdown.borrow()
+                || shutdown.is_shutdown()
             {
                 return Ok(LogAnswer {
                     alloc_id: source.alloc_id.clone(),
@@ -440,15 +440,9 @@ impl Client {
             // position given from the start or the end is fixed now).
             start = LogStart::Cursor(read.next);
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            let stopping = async {
-                // A stop that can no longer come is no reason to wake.
-                if shutdown.wait_for(|v| *v).await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            };
             tokio::select! {
                 _ = tokio::time::sleep(WAIT_POLL.min(left)) => {}
-                _ = stopping => {}
+                _ = shutdown.wait_requested() => {}
             }
         }
     }

@@ -51,9 +51,8 @@ impl Client {
 
 #[cfg(test)]
 mod tests {
+    use berth_sync::Shutdown;
     use std::time::Duration;
-
-    use tokio::sync::watch;
 
     use super::*;
     use crate::ClientConfig;
@@ -62,7 +61,7 @@ mod tests {
     async fn a_client_whose_runners_stay_locked_fails_the_probe() {
         let dir = tempfile::tempdir().unwrap();
         let config = ClientConfig::new(dir.path().to_path_buf(), vec!["http://127.0.0.1:1".into()]);
-        let client = Client::start(config, watch::channel(false).1)
+        let client = Client::start(config, Shutdown::channel().1)
             .await
             .expect("the client starts");
         let timeout = Duration::from_millis(200);

@@ -10,6 +10,7 @@
 //! (a volume's `Unmount volume` and the alloc's terminal status).
 
 use berth_sync::MutexExt;
+use berth_sync::Shutdown;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -298,7 +299,7 @@ impl ServerConn {
     /// while a request is in flight wait for it and go together in the
     /// next one (the wake-up [`Notify`] keeps one permit), so a busy
     /// client sends fewer, larger requests, one at a time.
-    pub async fn run_flusher(&self, mut shutdown: tokio::sync::watch::Receiver<bool>) {
+    pub async fn run_flusher(&self, mut shutdown: Shutdown) {
         let mut failures: u32 = 0;
         loop {
             // An update goes at once, and queued events with it (after
@@ -310,7 +311,7 @@ impl ServerConn {
             tokio::select! {
                 _ = self.inner.flush.notified() => {}
                 _ = lingered => {}
-                _ = shutdown.wait_for(|v| *v) => return,
+                _ = shutdown.wait() => return,
             }
             // What the task that woke us queues right after (a runner
             // reports several changes of one transition in a row) goes in
@@ -324,7 +325,7 @@ impl ServerConn {
                     tracing::warn!(error = %e, retry_in = ?wait, "sending updates to the servers failed");
                     tokio::select! {
                         _ = tokio::time::sleep(wait) => {}
-                        _ = shutdown.wait_for(|v| *v) => return,
+                        _ = shutdown.wait() => return,
                     }
                     self.inner.flush.notify_one();
                 }
@@ -644,6 +645,7 @@ impl NodeRegistrar for ServerConn {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use berth_sync::ShutdownSender;
 
     /// An update whose task states take about `json_bytes`.
     fn update(id: &str, json_bytes: usize) -> pb::AllocStatusUpdate {
@@ -850,8 +852,8 @@ mod tests {
     }
 
     /// Runs `conn`'s flusher until `true` is sent on the sender returned.
-    fn spawn_flusher(conn: &ServerConn) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
-        let (stop, shutdown) = watch::channel(false);
+    fn spawn_flusher(conn: &ServerConn) -> (ShutdownSender, tokio::task::JoinHandle<()>) {
+        let (stop, shutdown) = Shutdown::channel();
         let conn = conn.clone();
         let flusher = tokio::spawn(async move { conn.run_flusher(shutdown).await });
         (stop, flusher)
@@ -938,7 +940,7 @@ mod tests {
             fastest < Duration::from_millis(40),
             "the fastest of five updates took {fastest:?}"
         );
-        stop.send_replace(true);
+        stop.shutdown();
         flusher.await.expect("the flusher ends on shutdown");
         serving.abort();
     }
@@ -997,7 +999,7 @@ mod tests {
         );
 
         // Alone, an event goes once the linger is over.
-        stop.send_replace(true);
+        stop.shutdown();
         flusher.await.expect("the flusher ends on shutdown");
         Arc::get_mut(&mut conn.inner)
             .expect("the only handle")
@@ -1012,7 +1014,7 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
-        stop.send_replace(true);
+        stop.shutdown();
         flusher.await.expect("the flusher ends on shutdown");
         serving.abort();
     }
@@ -1112,7 +1114,7 @@ mod tests {
         std::sync::Arc<berth_server::Server>,
         std::net::SocketAddr,
         std::net::SocketAddr,
-        tokio::sync::watch::Sender<bool>,
+        ShutdownSender,
     ) {
         let (dir, server, _serving, _) = serve_node_service().await;
         let rpc = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -1124,12 +1126,12 @@ mod tests {
         );
         let http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let http_addr = http.local_addr().unwrap();
-        let (stop, mut stop_rx) = tokio::sync::watch::channel(false);
+        let (stop, mut stop_rx) = Shutdown::channel();
         tokio::spawn(async move {
             loop {
                 let conn = tokio::select! {
                     c = http.accept() => c,
-                    _ = stop_rx.wait_for(|v| *v) => return,
+                    _ = stop_rx.wait() => return,
                 };
                 let Ok((conn, _)) = conn else { return };
                 tokio::spawn(serve_http_api_answer(conn));

@@ -2,6 +2,7 @@
 //! volume manager together.
 
 use berth_sync::MutexExt;
+use berth_sync::Shutdown;
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -140,23 +141,18 @@ impl CsiManager {
     /// On every registry change and every interval, until `shutdown` flips
     /// to true: persists the registry, fingerprints the plugins, and finishes
     /// unstages left unfinished (in the background).
-    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    pub async fn run(self: Arc<Self>, mut shutdown: Shutdown) {
         let mut changes = self.registry.subscribe();
         let mut tick = tokio::time::interval(self.config.fingerprint_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut reaper: Option<JoinHandle<()>> = None;
         let mut repairer: Option<JoinHandle<()>> = None;
         loop {
-            if *shutdown.borrow() {
+            if shutdown.is_shutdown() {
                 break;
             }
             tokio::select! {
-                r = shutdown.changed() => {
-                    if r.is_err() {
-                        break;
-                    }
-                    continue;
-                }
+                _ = shutdown.wait() => break,
                 r = changes.changed() => {
                     if r.is_err() {
                         break;

@@ -16,6 +16,7 @@
 //! inode figure moved by at least 1% of its total. A fleet of idle volumes
 //! costs the servers nothing.
 
+use berth_sync::Shutdown;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -24,7 +25,6 @@ use std::time::Duration;
 use berth_proto::csi::v1 as csi;
 use berth_structs::{CsiVolumeCondition, CsiVolumeStats, NodeEvent};
 use csi::volume_usage::Unit;
-use tokio::sync::watch;
 use tokio::task::JoinSet;
 
 use crate::error::CsiError;
@@ -300,23 +300,18 @@ impl CsiManager {
         self: Arc<Self>,
         sink: Arc<dyn VolumeStatsSink>,
         interval: Duration,
-        mut shutdown: watch::Receiver<bool>,
+        mut shutdown: Shutdown,
     ) {
         let interval = interval.max(MIN_VOLUME_STATS_INTERVAL);
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tracker = StatsTracker::default();
         loop {
-            if *shutdown.borrow() {
+            if shutdown.is_shutdown() {
                 break;
             }
             tokio::select! {
-                r = shutdown.changed() => {
-                    if r.is_err() {
-                        break;
-                    }
-                    continue;
-                }
+                _ = shutdown.wait() => break,
                 _ = tick.tick() => {}
             }
             let targets = self.volume_stats_targets();
@@ -327,7 +322,7 @@ impl CsiManager {
             let volumes = targets.len();
             let results = tokio::select! {
                 r = self.collect_volume_stats(targets) => r,
-                _ = shutdown.wait_for(|s| *s) => break,
+                _ = shutdown.wait() => break,
             };
             let outcome = tracker.observe(results);
             tracing::debug!(

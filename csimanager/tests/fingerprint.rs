@@ -7,6 +7,7 @@
 
 mod common;
 
+use berth_sync::{Shutdown, ShutdownSender};
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,12 +17,11 @@ use berth_csimanager::{CsiClient, CsiError, PluginRegistry};
 use berth_proto::csi::v1 as csi;
 use berth_structs::{CsiPluginType, NodeEvent};
 use common::*;
-use tokio::sync::watch;
 use tonic::Code;
 
 /// Runs `manager.run` until the returned sender flips to true or drops.
-fn run_manager(h: &Harness) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
-    let (tx, rx) = watch::channel(false);
+fn run_manager(h: &Harness) -> (ShutdownSender, tokio::task::JoinHandle<()>) {
+    let (tx, rx) = Shutdown::channel();
     let task = tokio::spawn(h.manager.clone().run(rx));
     (tx, task)
 }
@@ -79,7 +79,7 @@ async fn a_monolith_fills_both_maps_and_becomes_healthy() {
         1
     );
 
-    stop.send(true).unwrap();
+    stop.shutdown();
     tokio::time::timeout(Duration::from_secs(5), task)
         .await
         .expect("run stops on shutdown")
@@ -513,7 +513,7 @@ async fn a_blocked_fingerprint_sink_holds_up_neither_the_registry_nor_health() {
         sink.clone(),
     )
     .unwrap();
-    let (stop, rx) = watch::channel(false);
+    let (stop, rx) = Shutdown::channel();
     let task = tokio::spawn(manager.clone().run(rx));
     wait_for("the first set sent", Duration::from_secs(10), || {
         sink.calls().len() == 1
@@ -559,7 +559,7 @@ async fn a_blocked_fingerprint_sink_holds_up_neither_the_registry_nor_health() {
     .await;
     assert_eq!(sink.calls().len(), 2, "sets sent while blocked coalesce");
 
-    stop.send(true).unwrap();
+    stop.shutdown();
     tokio::time::timeout(Duration::from_secs(5), task)
         .await
         .expect("run stops on shutdown")

@@ -6,6 +6,7 @@
 
 mod common;
 
+use berth_sync::{Shutdown, ShutdownSender};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -14,7 +15,6 @@ use berth_csimanager::stats::{CONDITION_ABNORMAL, CONDITION_NORMAL};
 use berth_csimanager::VolumeStatsSink;
 use berth_structs::{CsiVolumeStats, NodeEvent};
 use common::*;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 /// Every report the loop handed on, in order.
@@ -46,7 +46,7 @@ impl VolumeStatsSink for StatsLog {
 /// The stats loop of `h`, every second, until the sender flips.
 struct StatsLoop {
     log: Arc<StatsLog>,
-    stop: watch::Sender<bool>,
+    stop: ShutdownSender,
     task: JoinHandle<()>,
 }
 
@@ -61,7 +61,7 @@ impl StatsLoop {
             .expect("node fingerprint");
         assert!(node.supports_volume_stats, "{node:?}");
         let log = Arc::new(StatsLog::default());
-        let (stop, rx) = watch::channel(false);
+        let (stop, rx) = Shutdown::channel();
         let task = tokio::spawn(h.manager.clone().run_volume_stats(
             log.clone(),
             Duration::from_secs(1),
@@ -71,7 +71,7 @@ impl StatsLoop {
     }
 
     async fn stop(self) {
-        self.stop.send_replace(true);
+        self.stop.shutdown();
         tokio::time::timeout(Duration::from_secs(10), self.task)
             .await
             .expect("the stats loop stops")

@@ -6,6 +6,7 @@
 
 mod common;
 
+use berth_sync::Shutdown;
 use std::time::{Duration, Instant};
 
 use berth_csimanager::CsiError;
@@ -451,14 +452,14 @@ async fn an_unfinished_unstage_is_finished_by_the_manager_after_a_restart() {
 
     // The agent restarts; nobody asks for this volume again.
     h.restart();
-    let (stop, rx) = tokio::sync::watch::channel(false);
+    let (stop, rx) = Shutdown::channel();
     let task = tokio::spawn(h.manager.clone().run(rx));
     wait_for("the stage to be undone", Duration::from_secs(10), || {
         h.store.volumes().is_empty()
     })
     .await;
     assert!(mounts_under(&h.root).is_empty());
-    stop.send(true).unwrap();
+    stop.shutdown();
     task.await.unwrap();
 }
 
@@ -509,7 +510,7 @@ async fn an_unmount_fails_while_an_unstage_is_unfinished_and_the_plugin_is_gone(
 #[tokio::test]
 async fn an_unfinished_unstage_is_retried_by_every_round_of_the_run_loop() {
     let h = Harness::start(&["--fail", "NodeUnstageVolume=internal:1"]).await;
-    let (stop, rx) = tokio::sync::watch::channel(false);
+    let (stop, rx) = Shutdown::channel();
     let task = tokio::spawn(h.manager.clone().run(rx));
     // The loop has made its first round before the unstage fails.
     wait_for("a first round", Duration::from_secs(10), || {
@@ -530,7 +531,7 @@ async fn an_unfinished_unstage_is_retried_by_every_round_of_the_run_loop() {
     })
     .await;
     assert!(mounts_under(&h.root).is_empty());
-    stop.send(true).unwrap();
+    stop.shutdown();
     tokio::time::timeout(Duration::from_secs(5), task)
         .await
         .expect("run stops on shutdown")

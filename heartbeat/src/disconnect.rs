@@ -8,6 +8,7 @@
 //! short startup grace keeps a freshly started agent from stopping allocs
 //! before it has had a chance to reach the servers.
 
+use berth_sync::Shutdown;
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -65,7 +66,7 @@ impl DisconnectTracker {
     }
 
     /// Tracks until `shutdown` becomes true.
-    pub async fn run(mut self, mut shutdown: watch::Receiver<bool>) {
+    pub async fn run(mut self, mut shutdown: Shutdown) {
         let started = Instant::now();
         let not_before = started + self.config.startup_grace;
         let mut stopped: HashSet<String> = HashSet::new();
@@ -121,13 +122,13 @@ impl DisconnectTracker {
             let heartbeat_gone = tokio::select! {
                 _ = tokio::time::sleep_until(next_wake) => false,
                 r = self.last_success.changed() => r.is_err(),
-                _ = shutdown.wait_for(|v| *v) => return,
+                _ = shutdown.wait() => return,
             };
             if heartbeat_gone {
                 // The heartbeater is gone: only time moves on.
                 tokio::select! {
                     _ = tokio::time::sleep_until(next_wake) => {}
-                    _ = shutdown.wait_for(|v| *v) => return,
+                    _ = shutdown.wait() => return,
                 }
             }
         }
@@ -137,6 +138,7 @@ impl DisconnectTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use berth_sync::ShutdownSender;
     use std::collections::BTreeMap;
     use std::sync::Mutex;
 
@@ -182,9 +184,9 @@ mod tests {
         n: &Arc<Node>,
         last: Option<Instant>,
         grace: Duration,
-    ) -> (watch::Sender<Option<Instant>>, watch::Sender<bool>) {
+    ) -> (watch::Sender<Option<Instant>>, ShutdownSender) {
         let (hb_tx, hb_rx) = watch::channel(last);
-        let (stop_tx, stop_rx) = watch::channel(false);
+        let (stop_tx, stop_rx) = Shutdown::channel();
         let tracker = DisconnectTracker::new(
             DisconnectConfig {
                 startup_grace: grace,

@@ -1,5 +1,6 @@
 //! The heartbeat loop.
 
+use berth_sync::Shutdown;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
@@ -156,11 +157,11 @@ impl Heartbeater {
 
     /// Heartbeats until `shutdown` becomes true (or its sender is dropped).
     /// The first heartbeat is sent right away.
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+    pub async fn run(self, mut shutdown: Shutdown) {
         let mut last_ttl: Option<Duration> = None;
         let mut failures: u32 = 0;
         loop {
-            if *shutdown.borrow_and_update() {
+            if shutdown.is_shutdown() {
                 break;
             }
             let started = Instant::now();
@@ -218,11 +219,7 @@ impl Heartbeater {
             };
             tokio::select! {
                 _ = tokio::time::sleep(next) => {}
-                changed = shutdown.changed() => {
-                    if changed.is_err() {
-                        break;
-                    }
-                }
+                _ = shutdown.wait() => break,
             }
         }
         debug!("heartbeat loop stopped");

@@ -3,6 +3,7 @@
 // Test code: an unwrap that fails fails the test, with the value.
 #![allow(clippy::unwrap_used)]
 
+use berth_sync::{Shutdown, ShutdownSender};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -68,7 +69,7 @@ struct Harness {
     registrar: Arc<CountingRegistrar>,
     store: Arc<MemStore>,
     last: watch::Receiver<Option<Instant>>,
-    shutdown: watch::Sender<bool>,
+    shutdown: ShutdownSender,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -88,7 +89,7 @@ fn start(script: Vec<Option<Result<Duration, HeartbeatError>>>, store: Arc<MemSt
     let registrar = Arc::new(CountingRegistrar::default());
     let hb = Heartbeater::new(config(), rpc, registrar.clone(), store.clone());
     let last = hb.last_success();
-    let (shutdown, shutdown_rx) = watch::channel(false);
+    let (shutdown, shutdown_rx) = Shutdown::channel();
     let task = tokio::spawn(hb.run(shutdown_rx));
     Harness {
         calls,
@@ -120,7 +121,7 @@ impl Harness {
     }
 
     async fn stop(self) {
-        self.shutdown.send_replace(true);
+        self.shutdown.shutdown();
         tokio::time::timeout(Duration::from_secs(60), self.task)
             .await
             .expect("the loop stops on shutdown")

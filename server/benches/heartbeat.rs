@@ -26,6 +26,7 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use berth_sync::Shutdown;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -245,7 +246,7 @@ async fn run(args: Args) -> Result<bool, String> {
     // The whole simulated fleet registers from one loopback address.
     cfg.register_rate = None;
     let server = Server::open(cfg).map_err(|e| format!("opening the server: {e}"))?;
-    let (stop, rx) = watch::channel(false);
+    let (stop, rx) = Shutdown::channel();
     let (addr, grpc) = support::serve_grpc(&server, rx.clone())
         .await
         .map_err(|e| format!("serving gRPC on loopback: {e}"))?;
@@ -302,7 +303,7 @@ async fn run(args: Args) -> Result<bool, String> {
         .filter(|n| n.status == NodeStatus::Down)
         .count();
     let rss_end = rss_kib();
-    stop.send_replace(true);
+    stop.shutdown();
     let _ = run.await;
     let _ = grpc.await;
 

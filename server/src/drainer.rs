@@ -25,6 +25,7 @@
 //! Disabling a drain clears the strategy and leaves the node ineligible;
 //! allocs already stopped stay stopped.
 
+use berth_sync::Shutdown;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,8 +35,6 @@ use berth_structs::{
 };
 
 use berth_structs::limits::{too_large, MAX_DURATION};
-
-use tokio::sync::watch;
 
 use crate::error::ServerError;
 use crate::liveness::EvaluateJob;
@@ -337,7 +336,7 @@ impl Drainer {
     /// Look at the draining nodes on every write that moved the nodes,
     /// volumes or allocs and at each drain deadline, until `shutdown`
     /// turns true.
-    pub(crate) async fn run(&self, jobs: &dyn EvaluateJob, mut shutdown: watch::Receiver<bool>) {
+    pub(crate) async fn run(&self, jobs: &dyn EvaluateJob, mut shutdown: Shutdown) {
         let mut index_rx = self.store.subscribe();
         // What the last pass read and when it wanted to look again: a write
         // that moved none of it (the volume stats nodes report all the
@@ -362,7 +361,7 @@ impl Drainer {
             }
             let due = passed.and_then(|(_, due)| due);
             tokio::select! {
-                _ = shutdown.wait_for(|s| *s) => return,
+                _ = shutdown.wait() => return,
                 r = index_rx.changed() => if r.is_err() { return },
                 _ = async {
                     match due {

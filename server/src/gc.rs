@@ -19,13 +19,12 @@
 //! Nomad's does. What is live, claimed or not yet terminal is never
 //! collected, forced or not.
 
+use berth_sync::Shutdown;
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
 use berth_structs::{AllocClientStatus, Allocation, JobStatus, JobType, NodeStatus};
-
-use tokio::sync::watch;
 
 use crate::config::ServerConfig;
 use crate::error::ServerError;
@@ -304,7 +303,7 @@ impl Gc {
 
     /// Collect on every interval, and purged jobs on every write, until
     /// `shutdown` turns true.
-    pub(crate) async fn run(&self, mut shutdown: watch::Receiver<bool>) {
+    pub(crate) async fn run(&self, mut shutdown: Shutdown) {
         // Purged jobs go as soon as they are done: look again on each write.
         let mut writes = self.store.subscribe();
         // A purge asked before this loop ran (or before a restart).
@@ -312,7 +311,7 @@ impl Gc {
         let mut next_pass = tokio::time::Instant::now() + self.config.gc_interval;
         loop {
             tokio::select! {
-                _ = shutdown.wait_for(|s| *s) => return,
+                _ = shutdown.wait() => return,
                 changed = writes.changed() => {
                     if changed.is_err() {
                         return;

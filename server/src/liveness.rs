@@ -14,13 +14,13 @@
 //! from when they were marked lost.
 
 use berth_sync::MutexExt;
+use berth_sync::Shutdown;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_structs::{AllocClientStatus, AllocDesiredStatus, NodeEvent, NodeStatus};
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::config::ServerConfig;
@@ -231,7 +231,7 @@ impl Liveness {
 
     /// Mark down the nodes not heard from in time until `shutdown` turns
     /// true.
-    pub(crate) async fn run(&self, jobs: &dyn EvaluateJob, mut shutdown: watch::Receiver<bool>) {
+    pub(crate) async fn run(&self, jobs: &dyn EvaluateJob, mut shutdown: Shutdown) {
         // Deadlines set when the state was opened count from now: the
         // time between opening and running is not the nodes' fault.
         self.arm_heartbeats_after_restore();
@@ -247,7 +247,7 @@ impl Liveness {
                 .map_or(tick, |d| d.min(tick))
                 .max(now);
             tokio::select! {
-                _ = shutdown.wait_for(|s| *s) => return,
+                _ = shutdown.wait() => return,
                 _ = tokio::time::sleep_until(next) => {}
             }
             let now = Instant::now();

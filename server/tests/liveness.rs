@@ -6,13 +6,13 @@
 
 mod support;
 
+use berth_sync::{Shutdown, ShutdownSender};
 use std::sync::Arc;
 use std::time::Duration;
 
 use berth_server::{Server, ServerConfig, ServerError};
 use berth_structs::{AllocClientStatus, Allocation, JobType, NodeEvent, NodeStatus};
 use support::*;
-use tokio::sync::watch;
 
 /// The test config on `dir` with Nomad's 10 s minimum heartbeat TTL and
 /// 10 s grace.
@@ -24,14 +24,14 @@ fn ten_second_ttl(dir: &std::path::Path) -> ServerConfig {
 }
 
 /// Runs `server`'s loops until the sender says stop.
-fn run_loops(server: &Arc<Server>) -> (watch::Sender<bool>, tokio::task::JoinHandle<()>) {
-    let (stop, rx) = watch::channel(false);
+fn run_loops(server: &Arc<Server>) -> (ShutdownSender, tokio::task::JoinHandle<()>) {
+    let (stop, rx) = Shutdown::channel();
     (stop, tokio::spawn(server.clone().run(rx)))
 }
 
 /// Stops the loops [`run_loops`] started and waits for them to end.
-async fn stop_loops(stop: watch::Sender<bool>, run: tokio::task::JoinHandle<()>) {
-    stop.send_replace(true);
+async fn stop_loops(stop: ShutdownSender, run: tokio::task::JoinHandle<()>) {
+    stop.shutdown();
     run.await.expect("the server's loops end without a panic");
 }
 

@@ -1,4 +1,6 @@
-//! Taking berth's std locks: one rule for a lock whose holder panicked.
+//! berth's two synchronisation rules, each written once: how a std lock
+//! whose holder panicked is taken ([`MutexExt`], [`RwLockExt`]), and how
+//! a long-running loop is told to stop ([`Shutdown`]).
 //!
 //! A std lock is poisoned when a thread panics while it holds it, and
 //! every later `lock()` returns an error. berth takes the guard anyway:
@@ -7,7 +9,7 @@
 //! changes that were already durable), so a panic in one request or task
 //! leaves the last good value, and spreading that panic to every later
 //! caller would turn one bug into a stopped agent. Every lock in the
-//! workspace is taken through these traits, so the rule is written once.
+//! workspace is taken through these traits.
 //!
 //! ```
 //! use std::sync::{Mutex, RwLock};
@@ -19,6 +21,10 @@
 //! rw.write_locked().push(2);
 //! assert_eq!((*m.locked(), rw.read_locked().len()), (2, 2));
 //! ```
+
+mod shutdown;
+
+pub use shutdown::{Shutdown, ShutdownSender};
 
 use std::sync::{Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 

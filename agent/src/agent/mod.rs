@@ -5,6 +5,7 @@ mod flags;
 mod roles;
 mod signals;
 
+use berth_sync::{Shutdown, ShutdownSender};
 pub use flags::*;
 use roles::{start_client_http, start_server};
 use signals::{reload_log_level, reload_tls, Signal, Signals};
@@ -106,7 +107,7 @@ pub async fn run(
     // Installed first: a SIGHUP while the agent starts must not end it,
     // and a SIGTERM then is handled below once the agent is up.
     let mut signals = Signals::install().context("installing the signal handlers")?;
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let (shutdown_tx, shutdown_rx) = Shutdown::channel();
     for key in &config.not_applied {
         tracing::warn!(key, "this config key is not applied by this version yet");
     }
@@ -142,7 +143,7 @@ pub async fn run(
 
     // The client stops before the server role, so that its last updates
     // still reach the servers.
-    let (client_stop_tx, client_stop_rx) = watch::channel(false);
+    let (client_stop_tx, client_stop_rx) = Shutdown::channel();
     let client_task = if config.client {
         start_client_role(
             &config,
@@ -158,7 +159,7 @@ pub async fn run(
         // No client role: a task that ends only when told to stop.
         let mut rx = client_stop_rx;
         tokio::spawn(async move {
-            let _ = rx.wait_for(|v| *v).await;
+            let _ = rx.wait().await;
         })
     };
     let mut running = Running {
@@ -171,7 +172,7 @@ pub async fn run(
     // already; the client says when it is.
     let (ready_tx, ready_rx) = watch::channel(false);
     let announcer = tokio::spawn(announce_ready(components.clone(), ready_tx));
-    let (watchdog_stop_tx, watchdog_stop_rx) = watch::channel(false);
+    let (watchdog_stop_tx, watchdog_stop_rx) = Shutdown::channel();
     let watchdog = tokio::spawn(crate::systemd::run_watchdog(
         components.clone(),
         ready_rx.clone(),
@@ -196,7 +197,7 @@ pub async fn run(
         }
     };
     announcer.abort();
-    let _ = watchdog_stop_tx.send(true);
+    watchdog_stop_tx.shutdown();
     let _ = watchdog.await;
     crate::systemd::stopping();
     running.stop(client_stop_tx, shutdown_tx).await;
@@ -260,7 +261,7 @@ async fn start_client_role(
     tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
     components: &mut crate::systemd::Components,
     agent_info: &crate::http::agent_api::AgentInfo,
-    stop: watch::Receiver<bool>,
+    stop: Shutdown,
 ) -> Result<tokio::task::JoinHandle<()>> {
     tracing::info!(servers = ?servers, "client starting");
     let mut client_config = config.client_config(data_dir.to_path_buf(), servers);
@@ -335,8 +336,8 @@ impl Running {
 
     /// Stops the client first (its last updates still reach the servers),
     /// then every other component, each within a bound.
-    async fn stop(mut self, client_stop: watch::Sender<bool>, shutdown: watch::Sender<bool>) {
-        let _ = client_stop.send(true);
+    async fn stop(mut self, client_stop: ShutdownSender, shutdown: ShutdownSender) {
+        client_stop.shutdown();
         if !self.client_done
             && tokio::time::timeout(Duration::from_secs(5), &mut self.client_task)
                 .await
@@ -344,7 +345,7 @@ impl Running {
         {
             tracing::warn!("the client did not stop within 5s; going on");
         }
-        let _ = shutdown.send(true);
+        shutdown.shutdown();
         let drain = async { while self.tasks.join_next().await.is_some() {} };
         if tokio::time::timeout(Duration::from_secs(10), drain)
             .await

@@ -1,11 +1,11 @@
 //! Starting the roles' listeners: the server role with its agent protocol
 //! and HTTP API, or a client-only agent's HTTP API.
 
+use berth_sync::Shutdown;
 use std::net::SocketAddr;
 
 use anyhow::{Context, Result};
 use berth_server::{Server, ServerConfig};
-use tokio::sync::watch;
 
 use super::flags::{AgentConfig, MAX_RPC_STREAMS_PER_CONNECTION};
 
@@ -17,7 +17,7 @@ pub(super) async fn start_server(
     config: &AgentConfig,
     tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
     data_dir: &std::path::Path,
-    shutdown_rx: &watch::Receiver<bool>,
+    shutdown_rx: &Shutdown,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
     info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
 ) -> Result<(SocketAddr, std::sync::Arc<Server>)> {
@@ -94,7 +94,7 @@ fn serve_agent_protocol(
     tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
     server: &std::sync::Arc<Server>,
     rpc_listener: tokio::net::TcpListener,
-    shutdown_rx: &watch::Receiver<bool>,
+    shutdown_rx: &Shutdown,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
     info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
 ) {
@@ -121,7 +121,7 @@ fn serve_agent_protocol(
     );
     let mut rx = shutdown_rx.clone();
     let stop = async move {
-        let _ = rx.wait_for(|v| *v).await;
+        let _ = rx.wait().await;
     };
     match tls.filter(|t| t.rpc).cloned() {
         Some(tls) => {
@@ -166,7 +166,7 @@ fn loopback_dial(rpc_addr: SocketAddr) -> SocketAddr {
 pub(super) async fn start_client_http(
     config: &AgentConfig,
     tls: Option<&std::sync::Arc<crate::tls::AgentTls>>,
-    shutdown_rx: &watch::Receiver<bool>,
+    shutdown_rx: &Shutdown,
     tasks: &mut tokio::task::JoinSet<Result<()>>,
     info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
 ) -> Result<()> {

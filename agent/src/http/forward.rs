@@ -335,6 +335,7 @@ mod tests {
     use super::*;
     use crate::http::agent_api::{agent_router, AgentInfo};
     use berth_client::{Client, ClientConfig};
+    use berth_sync::{Shutdown, ShutdownSender};
     use berth_testutil::wait_for;
 
     /// A real server on `dir` serving the agent protocol, the forwarding
@@ -344,13 +345,13 @@ mod tests {
     ) -> (
         Arc<berth_server::Server>,
         std::net::SocketAddr,
-        tokio::sync::watch::Sender<bool>,
+        ShutdownSender,
     ) {
         let server = berth_server::Server::open(berth_server::ServerConfig::new(dir))
             .expect("the server opens");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+        let (stop_tx, mut stop_rx) = Shutdown::channel();
         let router = tonic::transport::Server::builder()
             .add_service(berth_server::node_service(&server))
             .add_service(berth_server::csi_volume_service(&server))
@@ -358,7 +359,7 @@ mod tests {
         tokio::spawn(router.serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             async move {
-                let _ = stop_rx.wait_for(|v| *v).await;
+                let _ = stop_rx.wait().await;
             },
         ));
         (server, addr, stop_tx)
@@ -368,17 +369,17 @@ mod tests {
     async fn client_agent(
         dir: &std::path::Path,
         servers: Vec<String>,
-    ) -> (Router, Arc<Client>, tokio::sync::watch::Sender<bool>) {
+    ) -> (Router, Arc<Client>, ShutdownSender) {
         let client = Client::start(
             ClientConfig {
                 local_api: Some(crate::http::client_forward::local_api_factory()),
                 ..ClientConfig::new(dir.to_path_buf(), servers.clone())
             },
-            tokio::sync::watch::channel(false).1,
+            Shutdown::channel().1,
         )
         .await
         .expect("the client starts");
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let (stop_tx, stop_rx) = Shutdown::channel();
         tokio::spawn(client.clone().run(stop_rx));
         let info = Arc::new(AgentInfo::new(false, true, dir.to_path_buf(), servers));
         let _ = info.client_role.set(client.clone());
@@ -493,7 +494,7 @@ mod tests {
             e["error"].as_str().unwrap_or_default().contains("\"nope\""),
             "{e}"
         );
-        stop_client.send_replace(true);
+        stop_client.shutdown();
     }
 
     /// With no server reachable, a forwarded request answers 503 in the one
@@ -534,7 +535,7 @@ mod tests {
         // Not under /v1/: not forwarded.
         let (status, _, e) = call(&api, "GET", "/metrics", "").await;
         assert_eq!(status, StatusCode::NOT_FOUND, "{e}");
-        stop_client.send_replace(true);
+        stop_client.shutdown();
     }
 
     #[test]

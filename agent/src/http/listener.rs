@@ -13,6 +13,7 @@
 //! - When `shutdown` flips the loop stops accepting and waits for the
 //!   connections to finish the requests they are serving.
 
+use berth_sync::Shutdown;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -119,7 +120,7 @@ fn too_many_connections(limit: u32) -> axum::response::Response {
 pub async fn serve(
     listener: TcpListener,
     router: Router,
-    mut shutdown: tokio::sync::watch::Receiver<bool>,
+    mut shutdown: Shutdown,
     how: HttpServing,
 ) -> std::io::Result<()> {
     let addr: Option<SocketAddr> = listener.local_addr().ok();
@@ -131,7 +132,7 @@ pub async fn serve(
         .header_read_timeout(Some(header_timeout));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let stop = async move {
-        let _ = shutdown.wait_for(|v| *v).await;
+        let _ = shutdown.wait().await;
     };
     tokio::pin!(stop);
     loop {

@@ -3,6 +3,7 @@
 //! `content-type: application/json`, and the message names the problem.
 
 use axum::body::Bytes;
+use berth_sync::Shutdown;
 use std::sync::Arc;
 
 use axum::body::Body;
@@ -379,12 +380,12 @@ fn the_cli_client_reports_the_servers_413_for_a_body_over_the_limit() {
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (stop_tx, stop_rx) = Shutdown::channel();
     let served = rt.spawn(serve_router(listener, router(api.server.clone()), stop_rx));
     let client = berth_api::ApiClient::new(&format!("http://{addr}")).unwrap();
     let big = json!({ "job": "x".repeat(16 * 1024 * 1024) });
     let err = client.put("/v1/jobs", &big).unwrap_err();
-    let _ = stop_tx.send(true);
+    stop_tx.shutdown();
     let _ = rt.block_on(served);
     let api_err = err
         .api()

@@ -118,7 +118,7 @@ impl CsiHook {
         let started = std::time::Instant::now();
         let granted = tokio::select! {
             r = retried => r.map_err(|error| HookError::Claim { volume_id, error }),
-            _ = stop.wait_for(|s| *s) => Err(HookError::Stopped),
+            _ = stop.wait() => Err(HookError::Stopped),
         };
         // The plugin is known from the grant only.
         let plugin = granted.as_ref().map(|g| g.plugin_id.as_str()).unwrap_or("");

@@ -7,12 +7,12 @@
 //! `destroy` runs in order when the alloc is destroyed, after `postrun`
 //! (or instead of everything, for an alloc destroyed before it ran).
 
+use berth_sync::Shutdown;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use berth_csimanager::MountInfo;
 use berth_structs::{Allocation, TaskEvent};
-use tokio::sync::watch;
 
 use crate::alloc_dir::AllocDir;
 use crate::config::AllocRunnerConfig;
@@ -32,7 +32,7 @@ pub struct AllocHookContext {
     pub alloc_dir: AllocDir,
     /// Flips to true when the alloc is asked to stop; a hook that waits
     /// gives up with [`HookError::Stopped`].
-    pub stop: watch::Receiver<bool>,
+    pub stop: Shutdown,
     /// Mounted CSI volumes by the name of the group's volume request; the
     /// task runners bind them into task dirs.
     pub mounts: Mutex<BTreeMap<String, MountInfo>>,
@@ -49,7 +49,7 @@ impl AllocHookContext {
     pub fn new(
         config: Arc<AllocRunnerConfig>,
         alloc: Arc<Allocation>,
-        stop: watch::Receiver<bool>,
+        stop: Shutdown,
         restoring: bool,
     ) -> AllocHookContext {
         AllocHookContext {

@@ -43,7 +43,7 @@ struct Prerun {
 impl Prerun {
     /// Whether a stop asked for now keeps the tasks from running.
     fn stop_now(&self, ctx: &AllocHookContext) -> bool {
-        *ctx.stop.borrow() && !self.stop_through_tasks
+        ctx.stop.is_shutdown() && !self.stop_through_tasks
     }
 }
 
@@ -337,7 +337,7 @@ async fn run_tasks(
                 None => break,
                 Some(joined) => runner_ended(inner, &runners.names, &kill_tx, joined, killing),
             },
-            () = async { let _ = stop.wait_for(|s| *s).await; }, if !killing => {
+            () = stop.wait(), if !killing => {
                 if pre_kill_then_kill(inner, hooks, ctx, &mut runners, &kill_tx).await {
                     break;
                 }

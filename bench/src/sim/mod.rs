@@ -25,6 +25,7 @@ mod node;
 mod server;
 
 use berth_sync::MutexExt;
+use berth_sync::{Shutdown, ShutdownSender};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,7 +35,6 @@ use berth_proto::berth::v1 as pb;
 use berth_proto::berth::v1::csi_volume_client::CsiVolumeClient;
 use berth_proto::berth::v1::node_client::NodeClient;
 use berth_structs::NodeSecret;
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
@@ -144,7 +144,7 @@ impl FleetStats {
 /// A running fleet; dropping it ends every node's tasks.
 pub struct Fleet {
     pub stats: Arc<FleetStats>,
-    stop: watch::Sender<bool>,
+    stop: ShutdownSender,
     tasks: Vec<JoinHandle<()>>,
     /// How long registering every node took (all at once).
     pub registration: Duration,
@@ -152,7 +152,7 @@ pub struct Fleet {
 
 impl Drop for Fleet {
     fn drop(&mut self) {
-        self.stop.send_replace(true);
+        self.stop.shutdown();
         for t in &self.tasks {
             t.abort();
         }
@@ -241,7 +241,7 @@ impl Fleet {
     pub async fn start(server: &ServerAgent, cfg: &FleetConfig) -> Result<Fleet> {
         let channels = connect(server, cfg.channels).await?;
         let stats = Arc::new(FleetStats::default());
-        let (stop, stop_rx) = watch::channel(false);
+        let (stop, stop_rx) = Shutdown::channel();
         let started = Instant::now();
         let mut registering = Vec::with_capacity(cfg.nodes);
         for i in 0..cfg.nodes {

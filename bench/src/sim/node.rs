@@ -3,6 +3,7 @@
 //! and releases.
 
 use berth_sync::MutexExt;
+use berth_sync::Shutdown;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use berth_proto::berth::v1 as pb;
 use berth_structs::{AllocClientStatus, Allocation, Node, NodeResources};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 
 use super::{interval, random_fraction, retry_delay, with_secret, SimNode, PLUGIN};
 
@@ -75,12 +76,12 @@ impl SimNode {
         Ok(Duration::from_millis(ttl))
     }
 
-    pub(super) async fn heartbeat_loop(self, ttl: Duration, mut stop: watch::Receiver<bool>) {
+    pub(super) async fn heartbeat_loop(self, ttl: Duration, mut stop: Shutdown) {
         let mut client = self.node.clone();
         let mut next = interval(ttl).mul_f64(random_fraction());
         loop {
             tokio::select! {
-                _ = stop.wait_for(|s| *s) => return,
+                _ = stop.wait() => return,
                 _ = tokio::time::sleep(next) => {}
             }
             let started = Instant::now();
@@ -99,7 +100,7 @@ impl SimNode {
                     next = interval(Duration::from_millis(r.into_inner().heartbeat_ttl_ms));
                 }
                 Err(e) => {
-                    if *stop.borrow() {
+                    if stop.is_shutdown() {
                         return;
                     }
                     self.stats
@@ -113,7 +114,7 @@ impl SimNode {
     /// Answer the servers' calls: node and controller detaches succeed.
     /// A stream that fails to open, breaks or ends is reopened after the
     /// client's backoff, as a client does.
-    pub(super) async fn call_stream(self, mut stop: watch::Receiver<bool>) {
+    pub(super) async fn call_stream(self, mut stop: Shutdown) {
         let mut failures = 0u32;
         loop {
             let Some(why) = self.call_stream_once(&mut stop, &mut failures).await else {
@@ -129,27 +130,23 @@ impl SimNode {
     /// waits out the client's backoff. False when told to stop meanwhile.
     async fn back_off_to_reopen(
         &self,
-        stop: &mut watch::Receiver<bool>,
+        stop: &mut Shutdown,
         failures: &mut u32,
         why: String,
     ) -> bool {
-        if *stop.borrow() {
+        if stop.is_shutdown() {
             return false;
         }
         self.stats.reopen(why);
         *failures += 1;
         tokio::select! {
-            _ = stop.wait_for(|s| *s) => false,
+            _ = stop.wait() => false,
             _ = tokio::time::sleep(retry_delay(*failures)) => true,
         }
     }
 
     /// One call stream, until told to stop (None) or it breaks (why).
-    async fn call_stream_once(
-        &self,
-        stop: &mut watch::Receiver<bool>,
-        failures: &mut u32,
-    ) -> Option<String> {
+    async fn call_stream_once(&self, stop: &mut Shutdown, failures: &mut u32) -> Option<String> {
         let (tx, rx) = mpsc::channel::<pb::ClientMessage>(16);
         let hello = pb::ClientMessage {
             msg: Some(pb::client_message::Msg::Hello(pb::ClientHello {
@@ -176,7 +173,7 @@ impl SimNode {
         };
         loop {
             let call = tokio::select! {
-                _ = stop.wait_for(|s| *s) => return None,
+                _ = stop.wait() => return None,
                 c = calls.message() => c,
             };
             let call = match call {
@@ -214,7 +211,7 @@ impl SimNode {
     /// open, breaks or ends is reopened after the client's backoff, as a
     /// client does; the first update on the new watch lists every alloc
     /// again and only what changed is reported.
-    pub(super) async fn watch_allocs(self, mut stop: watch::Receiver<bool>) {
+    pub(super) async fn watch_allocs(self, mut stop: Shutdown) {
         // What this node reported of each alloc.
         let mut reported: HashMap<String, AllocClientStatus> = HashMap::new();
         let mut failures = 0u32;
@@ -234,7 +231,7 @@ impl SimNode {
     /// One alloc watch, until told to stop (None) or it breaks (why).
     async fn watch_allocs_once(
         &self,
-        stop: &mut watch::Receiver<bool>,
+        stop: &mut Shutdown,
         reported: &mut HashMap<String, AllocClientStatus>,
         failures: &mut u32,
     ) -> Option<String> {
@@ -259,7 +256,7 @@ impl SimNode {
         };
         loop {
             let update = tokio::select! {
-                _ = stop.wait_for(|s| *s) => return None,
+                _ = stop.wait() => return None,
                 u = stream.message() => u,
             };
             let update = match update {

@@ -18,6 +18,7 @@
 //! volume: the watcher sleeps until the state changes, a grace period ends
 //! or a retry is due.
 
+use berth_sync::Shutdown;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,8 +26,6 @@ use std::time::Duration;
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use berth_structs::{AllocClientStatus, Allocation, ClaimMode, Node, NodeStatus};
 use tokio::time::Instant;
-
-use tokio::sync::watch;
 
 use crate::config::ServerConfig;
 use crate::error::ServerError;
@@ -196,7 +195,7 @@ impl VolumeWatcher {
     /// Release the claims nobody released, on every write that moved the
     /// nodes, volumes or allocs and when a grace period ends or a retry is
     /// due, until `shutdown` turns true.
-    pub(crate) async fn run(&self, claims: &dyn ReleaseClaim, mut shutdown: watch::Receiver<bool>) {
+    pub(crate) async fn run(&self, claims: &dyn ReleaseClaim, mut shutdown: Shutdown) {
         let mut index_rx = self.store.subscribe();
         let mut retries: HashMap<ClaimKey, Retry> = HashMap::new();
         // What the last pass read, and when it wanted to look again: a
@@ -211,7 +210,7 @@ impl VolumeWatcher {
             if let Some((seen, wake)) = passed {
                 if seen == inputs && wake.is_none_or(|at| at > now) {
                     tokio::select! {
-                        _ = shutdown.wait_for(|s| *s) => return,
+                        _ = shutdown.wait() => return,
                         r = index_rx.changed() => if r.is_err() { return },
                         _ = sleep_until_or_forever(wake) => {}
                     }
@@ -257,7 +256,7 @@ impl VolumeWatcher {
             };
             passed = Some((inputs, wake));
             tokio::select! {
-                _ = shutdown.wait_for(|s| *s) => return,
+                _ = shutdown.wait() => return,
                 r = index_rx.changed() => if r.is_err() { return },
                 _ = sleep_until_or_forever(wake) => {}
             }

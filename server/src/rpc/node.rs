@@ -125,7 +125,7 @@ async fn stream_allocations(
             }
         }
         tokio::select! {
-            _ = shutdown.wait_for(|s| *s) => return,
+            _ = shutdown.wait() => return,
             _ = tx.closed() => return,
             r = index_rx.changed() => if r.is_err() { return },
         }
@@ -368,7 +368,7 @@ impl Node for NodeService {
             let mut shutdown = server.shutdown_rx();
             loop {
                 tokio::select! {
-                    _ = shutdown.wait_for(|s| *s) => break,
+                    _ = shutdown.wait() => break,
                     msg = inbound.message() => match msg {
                         Ok(Some(pb::ClientMessage { msg: Some(pb::client_message::Msg::Reply(reply)) })) => {
                             server.calls().deliver(&node_id, conn_id, reply);

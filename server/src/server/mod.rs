@@ -30,12 +30,12 @@ mod snapshots;
 mod volumes;
 
 use berth_sync::MutexExt;
+use berth_sync::{Shutdown, ShutdownSender};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use berth_structs::{Allocation, Job, Node};
-use tokio::sync::watch;
 
 use crate::calls::CallRegistry;
 use crate::config::ServerConfig;
@@ -73,7 +73,7 @@ pub struct Server {
     /// `Node.Register` calls per peer address (`config.register_rate`).
     register_limiter: Option<crate::register_rate::RegisterLimiter>,
     /// Set when `run` is told to shut down; streams end on it.
-    shutdown: watch::Sender<bool>,
+    shutdown: ShutdownSender,
 }
 
 impl Server {
@@ -91,7 +91,7 @@ impl Server {
         // With enrollment on, nodes are not trusted to say which plugins
         // they run: only plugin allocs placed on them count.
         store.set_plugin_instances_need_allocs(config.node_enrollment);
-        let (shutdown, _) = watch::channel(false);
+        let (shutdown, _) = Shutdown::channel();
         let register_limiter = config
             .register_rate
             .map(crate::register_rate::RegisterLimiter::new);
@@ -122,7 +122,7 @@ impl Server {
 
     /// Run the background loops (node liveness, the volume watcher, the
     /// drainer, scheduler retries, garbage collection) until `shutdown` turns true.
-    pub async fn run(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+    pub async fn run(self: Arc<Self>, mut shutdown: Shutdown) {
         tracing::info!(index = self.store.index(), "server running");
         // Evaluate everything once: a restart may have left work undone.
         self.evaluate_all().await;
@@ -157,15 +157,15 @@ impl Server {
                 }
             }),
         ];
-        let _ = shutdown.wait_for(|s| *s).await;
+        let _ = shutdown.wait().await;
         tracing::info!("server shutting down");
-        self.shutdown.send_replace(true);
+        self.shutdown.shutdown();
         for t in tasks {
             let _ = t.await;
         }
     }
 
-    pub(crate) fn shutdown_rx(&self) -> watch::Receiver<bool> {
+    pub(crate) fn shutdown_rx(&self) -> Shutdown {
         self.shutdown.subscribe()
     }
 

@@ -26,7 +26,7 @@ impl Server {
                 None => interval,
             };
             tokio::select! {
-                _ = shutdown.wait_for(|s| *s) => return,
+                _ = shutdown.wait() => return,
                 _ = changed => continue,
                 _ = tokio::time::sleep(sleep) => {}
             }

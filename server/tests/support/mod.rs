@@ -3,6 +3,7 @@
 //! for nodes, jobs and volumes.
 #![allow(dead_code)]
 
+use berth_sync::{Shutdown, ShutdownSender};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -13,7 +14,7 @@ use berth_proto::berth::v1::csi_volume_client::CsiVolumeClient;
 use berth_proto::berth::v1::node_client::NodeClient;
 use berth_server::{Server, ServerConfig};
 use berth_structs::*;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
@@ -89,7 +90,7 @@ pub fn test_config(dir: &std::path::Path) -> ServerConfig {
 /// until `shutdown` turns true; the address and the serving task.
 pub async fn serve_grpc(
     server: &Arc<Server>,
-    mut shutdown: watch::Receiver<bool>,
+    mut shutdown: Shutdown,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
@@ -100,7 +101,7 @@ pub async fn serve_grpc(
     let grpc = tokio::spawn(async move {
         let _ = router
             .serve_with_incoming_shutdown(incoming, async move {
-                let _ = shutdown.wait_for(|s| *s).await;
+                let _ = shutdown.wait().await;
             })
             .await;
     });
@@ -113,7 +114,7 @@ pub struct TestServer {
     pub server: Arc<Server>,
     pub addr: SocketAddr,
     pub dir: tempfile::TempDir,
-    shutdown: watch::Sender<bool>,
+    shutdown: ShutdownSender,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -124,7 +125,7 @@ impl TestServer {
         let mut cfg = test_config(dir.path());
         tweak(&mut cfg);
         let server = Server::open(cfg).expect("open server");
-        let (shutdown, rx) = watch::channel(false);
+        let (shutdown, rx) = Shutdown::channel();
         let (addr, grpc) = serve_grpc(&server, rx.clone()).await.expect("serve gRPC");
         let run = tokio::spawn(server.clone().run(rx));
         TestServer {
@@ -172,7 +173,7 @@ impl TestServer {
     }
 
     pub async fn stop(mut self) {
-        self.shutdown.send_replace(true);
+        self.shutdown.shutdown();
         for t in self.tasks.drain(..) {
             let _ = t.await;
         }
@@ -181,7 +182,7 @@ impl TestServer {
 
 impl Drop for TestServer {
     fn drop(&mut self) {
-        self.shutdown.send_replace(true);
+        self.shutdown.shutdown();
     }
 }
 
