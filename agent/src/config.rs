@@ -31,8 +31,10 @@ use berth_structs::limits::{self, MAX_CPU_MHZ, MAX_DURATION, MAX_MEMORY_MB};
 use berth_structs::spec::hcl::{BodyReader, Source};
 use berth_structs::spec::SpecError;
 
+pub mod client_settings;
 pub mod security;
 
+pub use client_settings::ClientDurations;
 pub use security::{ConfigSecret, SecuritySections};
 
 /// The largest configuration file berth reads.
@@ -122,13 +124,9 @@ pub struct ClientSection {
     pub node_class: Option<String>,
     pub meta: BTreeMap<String, String>,
     pub reserved: Reserved,
-    pub disconnect_startup_grace: Option<Duration>,
-    /// How often CSI volume stats are collected; at least
-    /// [`berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL`].
-    pub csi_volume_stats_interval: Option<Duration>,
-    /// How often CSI plugins are fingerprinted and lost volume mounts
-    /// repaired; longer than 0s.
-    pub csi_fingerprint_interval: Option<Duration>,
+    /// The duration settings (`disconnect_startup_grace`,
+    /// `csi_volume_stats_interval`, ...: [`client_settings`]).
+    pub durations: ClientDurations,
     /// The introduction token a new node registers with (minted by
     /// `berth node intro create`).
     pub intro_token: Option<ConfigSecret>,
@@ -191,18 +189,7 @@ impl AgentFileConfig {
                     memory: later.client.reserved.memory.or(self.client.reserved.memory),
                     disk: later.client.reserved.disk.or(self.client.reserved.disk),
                 },
-                disconnect_startup_grace: later
-                    .client
-                    .disconnect_startup_grace
-                    .or(self.client.disconnect_startup_grace),
-                csi_volume_stats_interval: later
-                    .client
-                    .csi_volume_stats_interval
-                    .or(self.client.csi_volume_stats_interval),
-                csi_fingerprint_interval: later
-                    .client
-                    .csi_fingerprint_interval
-                    .or(self.client.csi_fingerprint_interval),
+                durations: self.client.durations.merge(later.client.durations),
                 intro_token: later.client.intro_token.or(self.client.intro_token),
             },
             security: self.security.merge(later.security),
@@ -457,22 +444,11 @@ fn client_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ClientSect
     let section = match r.optional_block("client")? {
         None => ClientSection::default(),
         Some(b) => {
-            let c = BodyReader::unlabeled(
-                src,
-                b,
-                r.ctx(),
-                &[
-                    "enabled",
-                    "servers",
-                    "node_class",
-                    "meta",
-                    "disconnect_startup_grace",
-                    "csi_volume_stats_interval",
-                    "csi_fingerprint_interval",
-                    "intro_token",
-                ],
-                &["meta", "reserved"],
-            )?;
+            let keys: Vec<&str> = ["enabled", "servers", "node_class", "meta", "intro_token"]
+                .into_iter()
+                .chain(client_settings::file_keys())
+                .collect();
+            let c = BodyReader::unlabeled(src, b, r.ctx(), &keys, &["meta", "reserved"])?;
             let servers = c.strings("servers")?;
             for s in servers.iter().flatten() {
                 check_server_addr(s).map_err(|problem| c.invalid("servers", problem))?;
@@ -500,9 +476,7 @@ fn client_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ClientSect
                 node_class,
                 meta: c.map("meta")?,
                 reserved,
-                disconnect_startup_grace: c.duration("disconnect_startup_grace", MAX_DURATION)?,
-                csi_volume_stats_interval: csi_volume_stats_interval(&c)?,
-                csi_fingerprint_interval: csi_fingerprint_interval(&c)?,
+                durations: client_durations(&c)?,
                 intro_token: c.string("intro_token")?.map(ConfigSecret::new),
             }
         }
@@ -510,26 +484,22 @@ fn client_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ClientSect
     Ok(section)
 }
 
-/// `client { csi_volume_stats_interval }`: a duration of at least
-/// [`berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL`].
-fn csi_volume_stats_interval(c: &BodyReader<'_, '_>) -> Result<Option<Duration>, SpecError> {
-    const KEY: &str = "csi_volume_stats_interval";
-    const MIN: Duration = berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL;
-    let d = c.duration(KEY, MAX_DURATION)?;
-    if d.is_some_and(|d| d < MIN) {
-        return Err(c.invalid(KEY, format!("must be at least {}s", MIN.as_secs())));
+/// The duration settings of `client { ... }`, each held to its least
+/// value.
+fn client_durations(c: &BodyReader<'_, '_>) -> Result<ClientDurations, SpecError> {
+    let mut durations = ClientDurations::default();
+    for s in client_settings::CLIENT_DURATIONS
+        .iter()
+        .filter(|s| s.in_file)
+    {
+        if let Some(d) = c.duration(s.key, MAX_DURATION)? {
+            if let Some(problem) = s.least.problem(d) {
+                return Err(c.invalid(s.key, problem));
+            }
+            durations.set(s.key, d);
+        }
     }
-    Ok(d)
-}
-
-/// `client { csi_fingerprint_interval }`: a duration longer than 0s.
-fn csi_fingerprint_interval(c: &BodyReader<'_, '_>) -> Result<Option<Duration>, SpecError> {
-    const KEY: &str = "csi_fingerprint_interval";
-    let d = c.duration(KEY, MAX_DURATION)?;
-    if d.is_some_and(|d| d.is_zero()) {
-        return Err(c.invalid(KEY, "must be longer than 0s"));
-    }
-    Ok(d)
+    Ok(durations)
 }
 
 /// A port: 1 to 65535.
@@ -671,11 +641,11 @@ client {
             }
         );
         assert_eq!(
-            c.client.disconnect_startup_grace,
+            c.client.durations.get("disconnect_startup_grace"),
             Some(Duration::from_secs(30))
         );
         assert_eq!(
-            c.client.csi_volume_stats_interval,
+            c.client.durations.get("csi_volume_stats_interval"),
             Some(Duration::from_secs(15))
         );
     }

@@ -33,14 +33,12 @@ pub struct AgentConfig {
     /// server's defaults.
     pub heartbeat_grace: Option<Duration>,
     pub max_heartbeats_per_second: Option<u32>,
-    /// The client's garbage collection knobs (see `ClientConfig`).
+    /// Terminal allocs the client keeps (`-gc-max-allocs`).
     pub gc_max_allocs: usize,
-    pub gc_interval: Duration,
-    pub gc_alloc_threshold: Duration,
-    /// `-csi-fingerprint-interval` (over `client { csi_fingerprint_interval }`):
-    /// how often the client fingerprints CSI plugins and repairs lost volume
-    /// mounts; `None` keeps the client's default.
-    pub csi_fingerprint_interval: Option<Duration>,
+    /// The client's duration settings, the flags over the files; what is
+    /// absent keeps the client's default
+    /// ([`crate::config::client_settings`]).
+    pub client_durations: crate::config::ClientDurations,
     /// The client's node class and meta, registered with the node.
     pub node_class: Option<String>,
     pub meta: BTreeMap<String, String>,
@@ -49,14 +47,6 @@ pub struct AgentConfig {
     pub reserved_cpu: u64,
     pub reserved_memory_mb: u64,
     pub reserved_disk_mb: u64,
-    /// `client { disconnect_startup_grace }`; `None` keeps the client's
-    /// default.
-    pub disconnect_startup_grace: Option<Duration>,
-    /// `-csi-volume-stats-interval` (over `client {
-    /// csi_volume_stats_interval }`): how often the client collects the
-    /// stats of the CSI volumes its allocs use; `None` keeps the client's
-    /// default.
-    pub csi_volume_stats_interval: Option<Duration>,
     /// The log filter when `BERTH_LOG` (and `RUST_LOG`) is not set.
     pub log_level: Option<String>,
     /// `-log-level`: set on the command line, it wins over the files, also
@@ -94,16 +84,12 @@ impl Default for AgentConfig {
             heartbeat_grace: None,
             max_heartbeats_per_second: None,
             gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
-            gc_interval: ClientConfig::DEFAULT_GC_INTERVAL,
-            gc_alloc_threshold: ClientConfig::DEFAULT_GC_ALLOC_THRESHOLD,
-            csi_fingerprint_interval: None,
+            client_durations: crate::config::ClientDurations::default(),
             node_class: None,
             meta: BTreeMap::new(),
             reserved_cpu: 0,
             reserved_memory_mb: 0,
             reserved_disk_mb: 0,
-            disconnect_startup_grace: None,
-            csi_volume_stats_interval: None,
             log_level: None,
             log_level_flag: None,
             log_json: false,
@@ -229,21 +215,16 @@ impl AgentConfig {
         ]
         .into_iter()
         .find_map(|(set, name)| set.then_some(name));
-        f.client_flag = [
-            (a.gc_max_allocs.is_some(), "gc-max-allocs"),
-            (a.gc_interval.is_some(), "gc-interval"),
-            (a.gc_alloc_threshold.is_some(), "gc-alloc-threshold"),
-            (
-                a.csi_fingerprint_interval.is_some(),
-                "csi-fingerprint-interval",
-            ),
-            (
-                a.csi_volume_stats_interval.is_some(),
-                "csi-volume-stats-interval",
-            ),
-        ]
-        .into_iter()
-        .find_map(|(set, name)| set.then_some(name));
+        // The client's duration flags, by the table's flag names.
+        let duration_flags = [
+            ("gc-interval", &a.gc_interval),
+            ("gc-alloc-threshold", &a.gc_alloc_threshold),
+            ("csi-fingerprint-interval", &a.csi_fingerprint_interval),
+            ("csi-volume-stats-interval", &a.csi_volume_stats_interval),
+        ];
+        f.client_flag = std::iter::once(("gc-max-allocs", &a.gc_max_allocs))
+            .chain(duration_flags)
+            .find_map(|(name, v)| v.is_some().then_some(name));
         if let Some(v) = &a.servers {
             let mut list = Vec::new();
             for s in v.split(',') {
@@ -283,33 +264,15 @@ impl AgentConfig {
                 format!("berth agent: -gc-max-allocs {v:?} is not a whole number")
             })?;
         }
-        if let Some(v) = &a.gc_interval {
-            let d = duration_flag("gc-interval", v)?;
-            if d.is_zero() {
-                bail!("berth agent: -gc-interval must be longer than 0s");
+        for (flag, v) in duration_flags {
+            let Some(v) = v else { continue };
+            let setting = crate::config::client_settings::by_flag(flag)
+                .ok_or_else(|| anyhow!("berth agent: -{flag} is not a client setting"))?;
+            let d = duration_flag(flag, v)?;
+            if let Some(problem) = setting.least.problem(d) {
+                bail!("berth agent: -{flag} {problem}");
             }
-            c.gc_interval = d;
-        }
-        if let Some(v) = &a.gc_alloc_threshold {
-            c.gc_alloc_threshold = duration_flag("gc-alloc-threshold", v)?;
-        }
-        if let Some(v) = &a.csi_fingerprint_interval {
-            let d = duration_flag("csi-fingerprint-interval", v)?;
-            if d.is_zero() {
-                bail!("berth agent: -csi-fingerprint-interval must be longer than 0s");
-            }
-            c.csi_fingerprint_interval = Some(d);
-        }
-        if let Some(v) = &a.csi_volume_stats_interval {
-            let d = duration_flag("csi-volume-stats-interval", v)?;
-            let min = berth_csimanager::stats::MIN_VOLUME_STATS_INTERVAL;
-            if d < min {
-                bail!(
-                    "berth agent: -csi-volume-stats-interval must be at least {}s",
-                    min.as_secs()
-                );
-            }
-            c.csi_volume_stats_interval = Some(d);
+            c.client_durations.set(setting.key, d);
         }
         if f.dev {
             c.apply_dev(f)?;
@@ -440,13 +403,11 @@ impl AgentConfig {
             self.reserved_cpu = c.reserved.cpu.unwrap_or(0);
             self.reserved_memory_mb = c.reserved.memory.unwrap_or(0);
             self.reserved_disk_mb = c.reserved.disk.unwrap_or(0);
-            self.disconnect_startup_grace = c.disconnect_startup_grace;
             // The flags win over the files.
-            self.csi_volume_stats_interval = self
-                .csi_volume_stats_interval
-                .or(c.csi_volume_stats_interval);
-            self.csi_fingerprint_interval =
-                self.csi_fingerprint_interval.or(c.csi_fingerprint_interval);
+            self.client_durations = c
+                .durations
+                .clone()
+                .merge(std::mem::take(&mut self.client_durations));
         }
         self.not_applied = not_applied_yet(&file);
         Ok(())
@@ -456,29 +417,20 @@ impl AgentConfig {
     /// servers' agent protocol at `servers` (`http://HOST:PORT` each).
     pub fn client_config(&self, data_dir: PathBuf, servers: Vec<String>) -> ClientConfig {
         let defaults = ClientConfig::new(data_dir, servers);
-        ClientConfig {
+        let mut config = ClientConfig {
             node_name: self.node_name.clone(),
             gc_max_allocs: self.gc_max_allocs,
-            gc_interval: self.gc_interval,
-            gc_alloc_threshold: self.gc_alloc_threshold,
-            csi_fingerprint_interval: self
-                .csi_fingerprint_interval
-                .unwrap_or(defaults.csi_fingerprint_interval),
             node_class: self.node_class.clone().unwrap_or_default(),
             meta: self.meta.clone(),
             reserved_cpu: self.reserved_cpu,
             reserved_memory_mb: self.reserved_memory_mb,
             reserved_disk_mb: self.reserved_disk_mb,
-            disconnect_startup_grace: self
-                .disconnect_startup_grace
-                .unwrap_or(defaults.disconnect_startup_grace),
-            csi_volume_stats_interval: self
-                .csi_volume_stats_interval
-                .unwrap_or(defaults.csi_volume_stats_interval),
             intro_token: self.intro_token.clone(),
             local_api: Some(crate::http::client_forward::local_api_factory()),
             ..defaults
-        }
+        };
+        self.client_durations.apply(&mut config);
+        config
     }
 }
 
@@ -507,9 +459,7 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
                     || r.cpu.is_some()
                     || r.memory.is_some()
                     || r.disk.is_some()
-                    || c.disconnect_startup_grace.is_some()
-                    || c.csi_volume_stats_interval.is_some()
-                    || c.csi_fingerprint_interval.is_some()),
+                    || !c.durations.is_empty()),
             "client (the client role is off)",
         ),
     ]
@@ -1048,8 +998,11 @@ client {
                     }
                     let max = berth_structs::limits::MAX_DURATION;
                     proptest::prop_assert!(c.min_heartbeat_ttl <= max);
-                    proptest::prop_assert!(c.gc_alloc_threshold <= max);
-                    proptest::prop_assert!(!c.gc_interval.is_zero() && c.gc_interval <= max);
+                    let client = c.client_config("/nonexistent".into(), Vec::new());
+                    proptest::prop_assert!(client.gc_alloc_threshold <= max);
+                    proptest::prop_assert!(
+                        !client.gc_interval.is_zero() && client.gc_interval <= max
+                    );
                 }
                 Ok(AgentCommand::Help) => {}
                 Err(e) => proptest::prop_assert!(!e.to_string().is_empty()),
