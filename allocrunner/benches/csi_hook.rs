@@ -35,6 +35,7 @@ use berth_allocrunner::{
     AllocRunnerConfig, AllocStateUpdater, ClaimError, ClaimGrant, ClaimRequest, VolumeClaimer,
 };
 use berth_csimanager::volume_manager::volume_capability;
+use berth_csimanager::StoreError;
 use berth_csimanager::{
     CsiClient, CsiManager, FingerprintSink, ManagerConfig, MountRequest, NodeEventSink,
     PluginRegistration, PluginRegistry, UnmountRequest, VolumeStateStore, VolumeStub,
@@ -59,20 +60,20 @@ struct SyncedStore {
 }
 
 impl SyncedStore {
-    fn write(&self, name: &str, bytes: &[u8]) -> Result<(), String> {
+    fn write(&self, name: &str, bytes: &[u8]) -> Result<(), StoreError> {
         let path = self.dir.join(name);
         let tmp = self.dir.join(format!("{name}.tmp"));
-        let mut f = std::fs::File::create(&tmp).map_err(|e| e.to_string())?;
-        f.write_all(bytes).map_err(|e| e.to_string())?;
-        f.sync_all().map_err(|e| e.to_string())?;
-        std::fs::rename(&tmp, &path).map_err(|e| e.to_string())?;
+        let mut f = std::fs::File::create(&tmp).map_err(StoreError::new)?;
+        f.write_all(bytes).map_err(StoreError::new)?;
+        f.sync_all().map_err(StoreError::new)?;
+        std::fs::rename(&tmp, &path).map_err(StoreError::new)?;
         self.sync_dir()
     }
 
-    fn sync_dir(&self) -> Result<(), String> {
+    fn sync_dir(&self) -> Result<(), StoreError> {
         std::fs::File::open(&self.dir)
             .and_then(|d| d.sync_all())
-            .map_err(|e| e.to_string())
+            .map_err(StoreError::new)
     }
 
     fn file_name(key: &str) -> String {
@@ -81,25 +82,25 @@ impl SyncedStore {
 }
 
 impl VolumeStateStore for SyncedStore {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, StoreError> {
         Ok(Vec::new())
     }
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
-        let bytes = serde_json::to_vec(plugins).map_err(|e| e.to_string())?;
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(plugins).map_err(StoreError::new)?;
         self.write("plugins", &bytes)
     }
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, StoreError> {
         Ok(Vec::new())
     }
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
-        let bytes = serde_json::to_vec(stub).map_err(|e| e.to_string())?;
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(stub).map_err(StoreError::new)?;
         self.write(&Self::file_name(&stub.key()), &bytes)
     }
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
+    fn delete_volume(&self, key: &str) -> Result<(), StoreError> {
         match std::fs::remove_file(self.dir.join(Self::file_name(key))) {
             Ok(()) => self.sync_dir(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(e.to_string()),
+            Err(e) => Err(StoreError::new(e)),
         }
     }
 }
@@ -118,39 +119,39 @@ impl RedbStore {
         table: redb::TableDefinition<&str, &[u8]>,
         key: &str,
         value: Option<&[u8]>,
-    ) -> Result<(), String> {
-        let txn = self.db.begin_write().map_err(|e| e.to_string())?;
+    ) -> Result<(), StoreError> {
+        let txn = self.db.begin_write().map_err(StoreError::new)?;
         {
-            let mut t = txn.open_table(table).map_err(|e| e.to_string())?;
+            let mut t = txn.open_table(table).map_err(StoreError::new)?;
             match value {
                 Some(v) => {
-                    t.insert(key, v).map_err(|e| e.to_string())?;
+                    t.insert(key, v).map_err(StoreError::new)?;
                 }
                 None => {
-                    t.remove(key).map_err(|e| e.to_string())?;
+                    t.remove(key).map_err(StoreError::new)?;
                 }
             }
         }
-        txn.commit().map_err(|e| e.to_string())
+        txn.commit().map_err(StoreError::new)
     }
 }
 
 impl VolumeStateStore for RedbStore {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, StoreError> {
         Ok(Vec::new())
     }
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
-        let bytes = serde_json::to_vec(plugins).map_err(|e| e.to_string())?;
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(plugins).map_err(StoreError::new)?;
         self.write(PLUGINS, "all", Some(&bytes))
     }
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, StoreError> {
         Ok(Vec::new())
     }
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
-        let bytes = serde_json::to_vec(stub).map_err(|e| e.to_string())?;
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), StoreError> {
+        let bytes = serde_json::to_vec(stub).map_err(StoreError::new)?;
         self.write(VOLUMES, &stub.key(), Some(&bytes))
     }
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
+    fn delete_volume(&self, key: &str) -> Result<(), StoreError> {
         self.write(VOLUMES, key, None)
     }
 }

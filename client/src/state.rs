@@ -14,7 +14,9 @@ use berth_allocrunner::{
     AllocStateStore, Persist, PersistedAllocState, RestoredAlloc, StateError as StoreError,
     TaskHandleRecord,
 };
-use berth_csimanager::{PluginRegistration, VolumeStateStore, VolumeStub};
+use berth_csimanager::{
+    PluginRegistration, StoreError as CsiStoreError, VolumeStateStore, VolumeStub,
+};
 use berth_structs::{Allocation, NodeSecret};
 use redb::{Database, Durability, ReadableDatabase, ReadableTable, TableDefinition};
 use serde::de::DeserializeOwned;
@@ -583,12 +585,12 @@ impl berth_heartbeat::LastHeartbeatStore for ClientState {
 }
 
 impl VolumeStateStore for ClientState {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, CsiStoreError> {
         self.load_all(PLUGINS, |p: &PluginRegistration| p.plugin_id.clone())
-            .map_err(|e| e.to_string())
+            .map_err(CsiStoreError::new)
     }
 
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), CsiStoreError> {
         self.write(|tx| {
             let mut t = tx.open_table(PLUGINS).map_err(rdb)?;
             t.retain(|_, _| false).map_err(rdb)?;
@@ -599,21 +601,21 @@ impl VolumeStateStore for ClientState {
             }
             Ok(())
         })
-        .map_err(|e| e.to_string())
+        .map_err(CsiStoreError::new)
     }
 
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, CsiStoreError> {
         self.load_all(VOLUMES, VolumeStub::key)
-            .map_err(|e| e.to_string())
+            .map_err(CsiStoreError::new)
     }
 
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), CsiStoreError> {
         self.put(VOLUMES, &stub.key(), stub)
-            .map_err(|e| e.to_string())
+            .map_err(CsiStoreError::new)
     }
 
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
-        self.delete(VOLUMES, key).map_err(|e| e.to_string())
+    fn delete_volume(&self, key: &str) -> Result<(), CsiStoreError> {
+        self.delete(VOLUMES, key).map_err(CsiStoreError::new)
     }
 }
 
@@ -844,7 +846,11 @@ mod tests {
         // Larger than what is left, whatever redb's page slack.
         big.external_id = "x".repeat(512 * 1024);
         let err = state.put_volume(&big).expect_err("the disk is full");
-        assert!(!err.is_empty());
+        assert!(!err.to_string().is_empty());
+        assert!(
+            err.cause().downcast_ref::<StateError>().is_some(),
+            "the store's own error is kept as the cause: {err:?}"
+        );
         // A later write fails too, but never panics.
         assert!(state.put_volume(&stub("during")).is_err());
 

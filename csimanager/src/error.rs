@@ -1,6 +1,27 @@
 //! CSI errors, classified.
 
+use std::sync::Arc;
+
 use tonic::Code;
+
+/// Why a [`crate::VolumeStateStore`] could not read or write. It reads as
+/// its cause, which it keeps (`source()` is the cause's own source; the
+/// cause itself is [`StoreError::cause`]).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(transparent)]
+pub struct StoreError(Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl StoreError {
+    /// The store failed with `cause`.
+    pub fn new(cause: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        StoreError(Arc::from(cause.into()))
+    }
+
+    /// What the store failed with, to downcast to the store's own type.
+    pub fn cause(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
 
 /// A CSI call that did not succeed.
 ///
@@ -31,7 +52,7 @@ pub enum CsiError {
     #[error("volume {volume_id}: {message}")]
     Volume { volume_id: String, message: String },
     #[error("persisting CSI state: {0}")]
-    Store(String),
+    Store(StoreError),
     #[error("{0}")]
     Io(String),
 }

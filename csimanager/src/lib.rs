@@ -37,7 +37,7 @@ pub mod volume;
 pub mod volume_manager;
 
 pub use client::CsiClient;
-pub use error::CsiError;
+pub use error::{CsiError, StoreError};
 pub use fingerprint::PluginFingerprint;
 pub use manager::{CsiManager, ManagerConfig};
 pub use orphans::{OrphanRemoval, RemovedHow, EVENT_ORPHANED_MOUNT_REMOVED};

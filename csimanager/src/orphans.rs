@@ -408,30 +408,6 @@ mod tests {
         assert_eq!(CsiPath::Other.volume_id(), None);
     }
 
-    /// A store that keeps everything in memory.
-    #[derive(Default)]
-    struct Mem(std::sync::Mutex<std::collections::BTreeMap<String, VolumeStub>>);
-
-    impl crate::sinks::VolumeStateStore for Mem {
-        fn load_plugins(&self) -> Result<Vec<crate::PluginRegistration>, String> {
-            Ok(Vec::new())
-        }
-        fn save_plugins(&self, _: &[crate::PluginRegistration]) -> Result<(), String> {
-            Ok(())
-        }
-        fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
-            Ok(self.0.lock().unwrap().values().cloned().collect())
-        }
-        fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
-            self.0.lock().unwrap().insert(stub.key(), stub.clone());
-            Ok(())
-        }
-        fn delete_volume(&self, key: &str) -> Result<(), String> {
-            self.0.lock().unwrap().remove(key);
-            Ok(())
-        }
-    }
-
     struct Quiet;
 
     impl crate::sinks::NodeEventSink for Quiet {
@@ -453,7 +429,7 @@ mod tests {
         use berth_structs::{AccessMode, AttachmentMode};
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().canonicalize().unwrap();
-        let store = Mem::default();
+        let store = crate::testing::MemStore::default();
         let stub = VolumeStub {
             plugin_id: "hostpath".into(),
             volume_id: "data".into(),

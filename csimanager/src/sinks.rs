@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 
 use berth_structs::{CsiInfo, NodeEvent};
 
+use crate::error::StoreError;
 use crate::registry::PluginRegistration;
 use crate::volume::VolumeStub;
 
@@ -27,10 +28,10 @@ pub trait FingerprintSink: Send + Sync + 'static {
 /// durable when the call returns; csimanager writes before the CSI call that
 /// depends on it.
 pub trait VolumeStateStore: Send + Sync + 'static {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String>;
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String>;
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String>;
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, StoreError>;
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), StoreError>;
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, StoreError>;
     /// Insert or replace the stub under `stub.key()`.
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String>;
-    fn delete_volume(&self, key: &str) -> Result<(), String>;
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), StoreError>;
+    fn delete_volume(&self, key: &str) -> Result<(), StoreError>;
 }

@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use berth_structs::NodeEvent;
 
-use crate::{NodeEventSink, PluginRegistration, VolumeStateStore, VolumeStub};
+use crate::{NodeEventSink, PluginRegistration, StoreError, VolumeStateStore, VolumeStub};
 
 /// A [`VolumeStateStore`] in memory, shared by "restarts".
 #[derive(Default)]
@@ -29,21 +29,21 @@ impl MemStore {
 }
 
 impl VolumeStateStore for MemStore {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, StoreError> {
         Ok(self.plugins())
     }
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), StoreError> {
         *self.plugins.locked() = plugins.to_vec();
         Ok(())
     }
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, StoreError> {
         Ok(self.volumes().into_values().collect())
     }
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), StoreError> {
         self.volumes.locked().insert(stub.key(), stub.clone());
         Ok(())
     }
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
+    fn delete_volume(&self, key: &str) -> Result<(), StoreError> {
         self.volumes.locked().remove(key);
         Ok(())
     }

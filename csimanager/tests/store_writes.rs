@@ -12,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use berth_csimanager::{
-    CsiManager, ManagerConfig, PluginRegistration, PluginRegistry, VolumeStateStore, VolumeStub,
+    CsiManager, ManagerConfig, PluginRegistration, PluginRegistry, StoreError, VolumeStateStore,
+    VolumeStub,
 };
 use berth_structs::CsiPluginType;
 use common::*;
@@ -31,20 +32,20 @@ impl CountingStore {
 }
 
 impl VolumeStateStore for CountingStore {
-    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, String> {
+    fn load_plugins(&self) -> Result<Vec<PluginRegistration>, StoreError> {
         self.inner.load_plugins()
     }
-    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), String> {
+    fn save_plugins(&self, plugins: &[PluginRegistration]) -> Result<(), StoreError> {
         self.inner.save_plugins(plugins)
     }
-    fn load_volumes(&self) -> Result<Vec<VolumeStub>, String> {
+    fn load_volumes(&self) -> Result<Vec<VolumeStub>, StoreError> {
         self.inner.load_volumes()
     }
-    fn put_volume(&self, stub: &VolumeStub) -> Result<(), String> {
+    fn put_volume(&self, stub: &VolumeStub) -> Result<(), StoreError> {
         self.writes.fetch_add(1, Ordering::SeqCst);
         self.inner.put_volume(stub)
     }
-    fn delete_volume(&self, key: &str) -> Result<(), String> {
+    fn delete_volume(&self, key: &str) -> Result<(), StoreError> {
         self.writes.fetch_add(1, Ordering::SeqCst);
         self.inner.delete_volume(key)
     }
