@@ -49,13 +49,13 @@ pub struct ServerConfig {
     pub register_rate: Option<crate::RegisterRate>,
     /// Plan every evaluation inside the state store's writer (on by
     /// default). Off, the scheduler plans on a read of the tables outside
-    /// the writer and commits only if no table it read has moved, else
-    /// plans again: other writes (claim releases) no longer wait for a
-    /// plan, but while they run, submits plan again and again, because
-    /// any write to the allocs table moves it (`scripts/bench
-    /// concurrent-writers` measures both). It becomes the default once
-    /// the plan reads a copy-on-write snapshot and checks only what it
-    /// read.
+    /// the writer and commits if no table it read has moved, or if every
+    /// alloc it places still fits the tables as they are by then; else it
+    /// plans again. Claim releases then wait for no plan and end sooner,
+    /// but a submit waits twice (for the read and for the writer), and a
+    /// plan's read still holds the tables' lock, which each write's apply
+    /// waits for (`scripts/bench concurrent-writers` measures both). It
+    /// becomes the default once the plan reads a copy-on-write snapshot.
     pub scheduler_plans_in_writer: bool,
 }
 

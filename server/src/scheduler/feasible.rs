@@ -8,7 +8,7 @@ use berth_structs::{
     Allocation, ClaimMode, ClaimState, CsiVolume, CsiVolumeClaim, Job, Node, NodeStatus, TaskGroup,
 };
 
-use crate::state::Tables;
+use crate::state::{Change, Tables};
 
 /// Resources in use on a node or asked for by a group. Sums of the u64
 /// asks of tasks and allocs are kept in u128, where they cannot wrap, and
@@ -339,4 +339,41 @@ impl<'a> PlanContext<'a> {
         }
         None
     }
+}
+
+/// Whether `changes`, a plan of `job` made on an earlier read of the
+/// tables, can be committed on `t` as it is now, where tables the plan
+/// read have moved since: each alloc it places is checked again on `t` as
+/// the placer checks it (the node's status, eligibility, datacenter and
+/// drivers, the cpu and memory left, the volumes' plugins, capabilities,
+/// claims and topology), with the plan's stops and placements counted in
+/// the order the placer made them. The caller checks that the job and its
+/// allocs are as the plan read them; a plan that writes anything but the
+/// job and its allocs is not checked again (false).
+pub(crate) fn plan_still_fits(t: &Tables, job: &Job, changes: &[Change]) -> bool {
+    let mut ctx = PlanContext::new(t, job);
+    for c in changes {
+        match c {
+            Change::PutJob(j) if j.id == job.id => {}
+            Change::PutAlloc(a) if a.job_id == job.id => match t.allocs.get(&a.id) {
+                // A stop of one of the job's allocs frees what it used.
+                Some(old) => {
+                    if a.server_terminal() && !old.server_terminal() {
+                        ctx.remove(old);
+                    }
+                }
+                None => {
+                    let (Some(node), Some(group)) = (t.nodes.get(&a.node_id), a.group()) else {
+                        return false;
+                    };
+                    if ctx.infeasible(job, group, a.index, &a.id, node).is_some() {
+                        return false;
+                    }
+                    ctx.add(a);
+                }
+            },
+            _ => return false,
+        }
+    }
+    true
 }

@@ -52,6 +52,7 @@ mod place;
 mod reconcile;
 
 pub(crate) use crate::coalesced::Coalesced;
+pub(crate) use feasible::plan_still_fits;
 pub(crate) use place::place;
 pub(crate) use reconcile::{
     disconnect_window_end_ms, log_plan, plan_job, plan_stored_job, tables_read, PlacementCounts,

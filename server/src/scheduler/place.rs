@@ -400,6 +400,7 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::scheduler::feasible::plan_still_fits;
     use crate::scheduler::feasible::Usage;
     use crate::scheduler::reconcile::{plan_job, PlacementCounts};
 
@@ -1067,6 +1068,110 @@ mod tests {
                 outcome.counts.unplaced,
                 want.iter().filter(|w| w.is_none()).count() as u64
             );
+        }
+    }
+
+    /// A single-node-writer version of `data` for [`plan_on_old_tables`].
+    fn single_writer_request() -> berth_structs::VolumeRequest {
+        berth_structs::VolumeRequest {
+            name: "data".into(),
+            volume_type: "csi".into(),
+            source: "data".into(),
+            access_mode: Some(berth_structs::AccessMode::SingleNodeWriter),
+            attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+            ..Default::default()
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 512,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        })]
+
+        /// A plan made on older tables that [`plan_still_fits`] lets commit
+        /// on newer ones (other jobs placed meanwhile, a writer of the
+        /// volume among them) leaves no node over its cpu and no
+        /// single-writer volume with two writers; and a plan on unchanged
+        /// tables always still fits.
+        #[test]
+        fn a_plan_that_still_fits_overcommits_no_node_and_no_volume(
+            caps in prop::collection::vec(100..2000u64, 1..6),
+            ask in 50..700u64,
+            count in 1..6u32,
+            later in prop::collection::vec((0..6usize, 50..900u64, any::<bool>()), 0..8),
+            uses_volume in any::<bool>(),
+        ) {
+            let nodes: Vec<Node> = caps
+                .iter()
+                .enumerate()
+                .map(|(i, &cpu)| {
+                    let mut n = node_at(&format!("n{i}"), None);
+                    n.resources.cpu = cpu;
+                    n
+                })
+                .collect();
+            let mut volume = volume_in("data", vec![]);
+            volume.capabilities[0].access_mode = berth_structs::AccessMode::SingleNodeWriter;
+            let mut a = job("a", count, vec![task("t", ask, 1)]);
+            if uses_volume {
+                a.task_groups[0].volumes.insert("data".into(), single_writer_request());
+            }
+            let before = with_volumes(tables(nodes.clone(), vec![a.clone()], Vec::new()), vec![volume.clone()]);
+            let cfg = ServerConfig::new("/nonexistent");
+            let mut changes = Vec::new();
+            plan_job(&before, "a", &cfg, berth_structs::now_ms(), &mut changes);
+            prop_assert!(plan_still_fits(&before, &a, &changes), "unchanged tables");
+
+            // Other jobs placed meanwhile, some writing to the volume.
+            let mut jobs = vec![a.clone()];
+            let mut allocs = Vec::new();
+            for (i, (on, cpu, writes)) in later.into_iter().enumerate() {
+                let mut other = job(&format!("o{i}"), 1, vec![task("t", cpu, 1)]);
+                if writes {
+                    other.task_groups[0].volumes.insert("data".into(), single_writer_request());
+                }
+                allocs.push(running(&other, 0, &nodes[on % nodes.len()].id));
+                jobs.push(other);
+            }
+            let now = with_volumes(tables(nodes.clone(), jobs, allocs), vec![volume]);
+            if plan_still_fits(&now, &a, &changes) {
+                let mut after = now.clone();
+                for c in &changes {
+                    if let Change::PutAlloc(x) = c {
+                        after.allocs.insert(x.id.clone(), x.clone());
+                    }
+                }
+                // Where the plan placed, the node holds what runs there.
+                let placed_on: Vec<&str> = changes
+                    .iter()
+                    .filter_map(|c| match c {
+                        Change::PutAlloc(x) => Some(x.node_id.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                for n in nodes.iter().filter(|n| placed_on.contains(&n.id.as_str())) {
+                    let used: u64 = after
+                        .allocs
+                        .values()
+                        .filter(|x| !x.is_terminal() && x.node_id == n.id)
+                        .filter_map(|x| x.group())
+                        .flat_map(|g| g.tasks.iter().map(|t| t.resources.cpu))
+                        .sum();
+                    prop_assert!(used <= n.resources.cpu, "{} over: {used}", n.id);
+                }
+                // The plan adds a writer only to a volume that had none.
+                let writers = |t: &Tables| {
+                    t.allocs
+                        .values()
+                        .filter(|x| !x.is_terminal())
+                        .filter(|x| x.group().is_some_and(|g| g.volumes.contains_key("data")))
+                        .count()
+                };
+                let (was, is) = (writers(&now), writers(&after));
+                prop_assert!(is == was || (was == 0 && is == 1), "{was} writers, then {is}");
+            }
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::server::Server;
 use crate::state::{Change, Table, Tables};
 
 use crate::scheduler::{
-    log_plan, plan_job, plan_stored_job, tables_read, PlacementCounts, PlanOutcome,
+    log_plan, plan_job, plan_still_fits, plan_stored_job, tables_read, PlacementCounts, PlanOutcome,
 };
 
 use super::jobs::spec_index;
@@ -32,6 +32,8 @@ struct SnapshotPlan {
     seen: u64,
     /// The job's modify index then (every write of a job sets it).
     job_index: Option<u64>,
+    /// The job's allocs then, by ID, with their modify indexes.
+    job_allocs: Vec<(String, u64)>,
     outcome: PlanOutcome,
     changes: Vec<Change>,
 }
@@ -43,21 +45,52 @@ impl SnapshotPlan {
             && t.jobs.get(job_id).map(|j| j.modify_index) == self.job_index
     }
 
+    /// Whether the plan can be committed on `t` though a table it read
+    /// moved: the job and its allocs are as the plan read them, the plan
+    /// placed everything it was asked for (a failure or a delay it found
+    /// may be gone in `t`, and a blocked job is only evaluated again on
+    /// the next change), and every alloc it places still fits where it
+    /// put it ([`plan_still_fits`]). Writes of other jobs' allocs, other
+    /// nodes and other volumes then cost the plan nothing.
+    fn still_fits(&self, t: &Tables, job_id: &str) -> bool {
+        let Some(job) = t.jobs.get(job_id) else {
+            return false;
+        };
+        Some(job.modify_index) == self.job_index
+            && self.outcome.failures.is_empty()
+            && !self.outcome.delayed
+            && self.outcome.counts.unplaced == 0
+            && job_allocs(t, job_id) == self.job_allocs
+            && plan_still_fits(t, job, &self.changes)
+    }
+
     fn make(t: &Tables, job_id: &str, cfg: &ServerConfig, now: i64) -> SnapshotPlan {
         let job = t.jobs.get(job_id);
         let read = tables_read(job);
         let seen = t.last_write_to(&read);
         let job_index = job.map(|j| j.modify_index);
+        let job_allocs = job_allocs(t, job_id);
         let mut changes = Vec::new();
         let outcome = plan_stored_job(t, job_id, cfg, now, &mut changes);
         SnapshotPlan {
             read,
             seen,
             job_index,
+            job_allocs,
             outcome,
             changes,
         }
     }
+}
+
+/// The allocs of job `job_id` in `t`, by ID, with their modify indexes.
+fn job_allocs(t: &Tables, job_id: &str) -> Vec<(String, u64)> {
+    let mut allocs: Vec<(String, u64)> = t
+        .allocs_of_job(job_id)
+        .map(|a| (a.id.clone(), a.modify_index))
+        .collect();
+    allocs.sort_unstable();
+    allocs
 }
 
 /// Run `f`, which may take a while, telling a multi-threaded tokio runtime
@@ -125,9 +158,12 @@ impl Server {
     /// Plan job `job_id` and commit the plan. The plan is made on a
     /// snapshot of the tables, outside the store's writer, so that other
     /// writes (their closures and their commits to disk) go on meanwhile;
-    /// it commits only if no write moved the job or a table it read since
-    /// (see [`tables_read`]), which is what keeps two plans from both claiming
-    /// a single-writer volume or the last room on a node. A plan that a
+    /// it commits if no write moved the job or a table it read since
+    /// (see [`tables_read`]), or if one did but the job and its allocs are
+    /// as they were and every alloc it places still fits on the tables as
+    /// they are now ([`SnapshotPlan::still_fits`]), which is what keeps two
+    /// plans from both claiming a single-writer volume or the last room on
+    /// a node. A plan that a
     /// write moved is made again on a new snapshot, [`SNAPSHOT_PLANS`]
     /// times at most; then it is made inside the writer, where nothing can
     /// move the tables, so that an evaluation always ends.
@@ -145,7 +181,7 @@ impl Server {
                 });
                 between();
                 let (committed, _) = self.store.write(|t, changes| {
-                    if !plan.holds_in(t, job_id) {
+                    if !plan.holds_in(t, job_id) && !plan.still_fits(t, job_id) {
                         return Ok::<_, ServerError>(None);
                     }
                     log_plan(t, job_id, &plan.changes);
@@ -579,16 +615,60 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_plan_moved_every_time_is_made_inside_the_writer() {
+    async fn a_write_that_leaves_room_lets_the_plan_commit_unmade_again() {
         let (_dir, server) = server_fitting_one_of_two(false).await;
-        let node = server.store.read(|t| t.nodes["n1"].clone());
+        server
+            .store
+            .write(|_, changes| {
+                changes.push(Change::PutJob(cpu_job("c", 300)));
+                Ok::<_, ServerError>(())
+            })
+            .unwrap();
+        // c takes 300 of n1's 1000 MHz between a's snapshot and its
+        // commit: the allocs and nodes tables moved, but a's 600 still
+        // fit, so its plan lands as it was made.
+        let mut plans = 0;
+        let counts = server.evaluate_job_between("a", &mut || {
+            plans += 1;
+            assert_eq!(server.evaluate_job_now("c").unplaced, 0);
+        });
+        assert_eq!(plans, 1, "a plan that still fits is not made again");
+        assert_eq!(counts.unplaced, 0);
+        assert_eq!(live_allocs(&server, "a"), 1);
+        assert_eq!(server.store.read(|t| t.node_use("n1").cpu), 900);
+        assert!(failures(&server, "a").is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_plan_that_placed_nothing_is_made_again_after_any_write() {
+        // a asks for more than n1 has: its plan is a failure, which a
+        // write of the tables it read may have made wrong (here c's write
+        // frees nothing, but the plan cannot tell): made again.
+        let jobs = vec![cpu_job("a", 1200), cpu_job("c", 100)];
+        let (_dir, server) = server_with(node_of(1000), Vec::new(), jobs, false).await;
+        let mut plans = 0;
+        let counts = server.evaluate_job_between("a", &mut || {
+            plans += 1;
+            if plans == 1 {
+                assert_eq!(server.evaluate_job_now("c").unplaced, 0);
+            }
+        });
+        assert_eq!(plans, 2);
+        assert_eq!(counts.unplaced, 1);
+        assert!(!failures(&server, "a").is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_plan_whose_job_moved_every_time_is_made_inside_the_writer() {
+        let (_dir, server) = server_fitting_one_of_two(false).await;
+        let job = server.store.read(|t| t.jobs["a"].clone());
         let mut plans = 0;
         let counts = server.evaluate_job_between("a", &mut || {
             plans += 1;
             server
                 .store
                 .write(|_, changes| {
-                    changes.push(Change::PutNode(node.clone()));
+                    changes.push(Change::PutJob(job.clone()));
                     Ok::<_, ServerError>(())
                 })
                 .unwrap();
