@@ -17,6 +17,7 @@ use axum::response::Response;
 use axum::{Json, Router};
 use berth_server::{Server, SnapshotRequest};
 use berth_structs::acl::{Capability, Level, Need};
+use berth_structs::api::{JobPlanRequest, JobRegisterRequest, JobView};
 use berth_structs::{CsiPlugin, CsiVolume, Job};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -61,23 +62,6 @@ fn volume_view(v: &CsiVolume, plugin: Option<&CsiPlugin>) -> Value {
 /// [`volume_view`] of a volume just written, with its plugin's health.
 fn written_volume_view(s: &Server, v: &CsiVolume) -> Value {
     volume_view(v, s.plugin(&v.plugin_id).ok().as_ref())
-}
-
-#[derive(Deserialize)]
-struct JobRegister {
-    job: Job,
-    /// Register only while the stored job's job modify index is
-    /// `job_modify_index` (0: only a new job), Nomad's names.
-    #[serde(default)]
-    enforce_index: bool,
-    #[serde(default)]
-    job_modify_index: u64,
-}
-
-/// The body of `PUT /v1/job/{id}/plan`.
-#[derive(Deserialize)]
-struct JobPlanBody {
-    job: Job,
 }
 
 #[derive(Deserialize)]
@@ -266,9 +250,11 @@ pub fn router(server: Arc<Server>) -> Router {
 /// The API view of a job: the job, with why any of its allocs could not be
 /// placed.
 fn job_view(s: &Server, job: &Job) -> Value {
-    let mut out = serde_json::to_value(job).unwrap_or(Value::Null);
-    out["placement_failures"] = json!(s.job_placement_failures(&job.id));
-    out
+    let view = JobView {
+        job,
+        placement_failures: s.job_placement_failures(&job.id),
+    };
+    serde_json::to_value(view).unwrap_or(Value::Null)
 }
 
 async fn list_jobs(
@@ -308,7 +294,7 @@ fn check_job_capabilities(
 async fn register_job(
     State(s): State<Arc<Server>>,
     acl: Option<axum::Extension<berth_structs::acl::Acl>>,
-    ApiJson(body): ApiJson<JobRegister>,
+    ApiJson(body): ApiJson<JobRegisterRequest>,
 ) -> ApiResult {
     check_job_capabilities(acl.as_deref(), &body.job)?;
     let enforce = body.enforce_index.then_some(body.job_modify_index);
@@ -321,7 +307,7 @@ async fn register_job(
 async fn plan_job(
     State(s): State<Arc<Server>>,
     ApiPath(id): ApiPath<String>,
-    ApiJson(body): ApiJson<JobPlanBody>,
+    ApiJson(body): ApiJson<JobPlanRequest>,
 ) -> ApiResult {
     if body.job.id != id {
         return Err(ApiError::bad_request(format!(

@@ -370,7 +370,7 @@ fn read_body(
         .map_err(|e| Error::Transport(format!("reading the answer to {method} {path}: {e}")))
 }
 
-fn decode<T: DeserializeOwned>(path: &str, v: Value) -> Result<T> {
+pub(crate) fn decode<T: DeserializeOwned>(path: &str, v: Value) -> Result<T> {
     serde_json::from_value(v).map_err(|source| Error::Decode {
         path: path.to_string(),
         source,

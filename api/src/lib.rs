@@ -5,14 +5,21 @@
 //! TLS, an ACL token in `X-Berth-Token`); its answers are JSON values or,
 //! through the `_as` methods, any type that deserializes from them, such
 //! as the data model of [`berth_structs`], re-exported as [`structs`].
+//! The job and alloc endpoints have typed calls ([`jobs`]:
+//! `register_job`, `job`, `job_allocations`, `stop_job`,
+//! `stop_allocation`, ...) whose request and answer bodies are
+//! [`types`], the definitions the agent answers with.
 //! Every failure is an [`Error`]: what the API answered ([`ApiError`]),
 //! or why no answer came.
 
 pub mod client;
+pub mod jobs;
 pub mod tls;
 
 pub use berth_structs as structs;
+pub use berth_structs::api as types;
 pub use client::{ApiClient, ApiError, RawAnswer, TlsFiles, DEFAULT_ADDR};
+pub use jobs::path_segment;
 
 /// The largest request body the API reads. Job and volume specs are far
 /// smaller; the CLI refuses a spec file above it before reading it.

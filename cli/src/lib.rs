@@ -494,15 +494,7 @@ pub fn run(args: Vec<String>, host: &dyn Host) -> Result<i32> {
 
 /// Percent-encodes an ID for a URL path segment or query value.
 fn enc(id: &str) -> String {
-    let mut out = String::with_capacity(id.len());
-    for b in id.bytes() {
-        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
+    berth_api::path_segment(id)
 }
 
 fn print_json(v: &Value) -> Result<i32> {

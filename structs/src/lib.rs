@@ -9,6 +9,7 @@
 
 pub mod acl;
 pub mod alloc;
+pub mod api;
 pub mod csi;
 pub mod job;
 pub mod limits;

@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use super::errors::{one_line, UsageError};
 use super::output::{self, ago_at, joined, short_id, OutputArgs};
 use super::{enc, print_json, read_spec, strs, usage_error, Ctx};
+use berth_api::types::JobRegisterResponse;
 use berth_api::ApiClient;
 
 mod plan;
@@ -197,22 +198,15 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
     if a.output {
         return print_json(&json!({ "job": job }));
     }
-    let mut body = json!({ "job": job });
-    if let Some(index) = a.check_index {
-        body["enforce_index"] = json!(true);
-        body["job_modify_index"] = json!(index);
-    }
-    let resp = api.put("/v1/jobs", &body)?;
-    let version = n(&resp, "version");
-    let changed = resp.get("changed").and_then(Value::as_bool) != Some(false);
+    let resp = api.register_job(&job, a.check_index)?;
+    let (version, changed) = (resp.version, resp.changed);
     if changed {
         println!(
             "==> Job {:?} submitted: version {version}, job modify index {}",
-            job.id,
-            n(&resp, "job_modify_index")
+            job.id, resp.job_modify_index
         );
     }
-    let failures = strs(&resp["placement_failures"]);
+    let failures = resp.placement_failures.clone();
     if !changed && failures.is_empty() {
         println!("==> Job {:?} is unchanged: nothing new to place", job.id);
         return Ok(0);
@@ -269,8 +263,8 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
 }
 
 /// How many of the job's allocs were placed, when some were not.
-fn placement_outcome(resp: &Value) -> Option<String> {
-    let (desired, unplaced) = (n(resp, "desired_allocs"), n(resp, "unplaced_allocs"));
+fn placement_outcome(resp: &JobRegisterResponse) -> Option<String> {
+    let (desired, unplaced) = (resp.desired_allocs, resp.unplaced_allocs);
     if unplaced == 0 {
         return None;
     }

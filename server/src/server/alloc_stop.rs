@@ -5,8 +5,6 @@
 //! batch alloc (and a system alloc on its node) once the job still wants
 //! it.
 
-use serde::Serialize;
-
 use crate::error::ServerError;
 use crate::server::Server;
 use crate::state::Change;
@@ -14,19 +12,7 @@ use crate::state::Change;
 /// The desired description of an alloc an operator stopped.
 pub const ALLOC_STOP_DESCRIPTION: &str = "alloc was stopped by an operator";
 
-/// The answer to an alloc stop.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct AllocStopResponse {
-    /// The state index after the stop (and its evaluation).
-    pub index: u64,
-    /// The full ID of the stopped alloc.
-    pub alloc_id: String,
-    /// The alloc placed to replace it, when one was placed at once.
-    pub replacement: Option<String>,
-    /// The alloc was already stopped or done: nothing was written, and no
-    /// replacement comes of this stop.
-    pub already_stopped: bool,
-}
+pub use berth_structs::api::AllocStopResponse;
 
 impl Server {
     /// Stops alloc `id` (ID or unique prefix) and evaluates its job. An

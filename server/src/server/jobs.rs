@@ -7,27 +7,7 @@ use crate::error::ServerError;
 use crate::server::Server;
 use crate::state::Change;
 
-/// The answer to a job registration.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct JobRegisterResponse {
-    /// The state index after the registration and its evaluation.
-    pub index: u64,
-    /// The job's modify index.
-    pub job_modify_index: u64,
-    /// The job's version (bumped on each change).
-    pub version: u64,
-    /// False when the job was already registered unchanged.
-    pub changed: bool,
-    /// Placements that could not be made (the job waits for them): one
-    /// line per group and distinct reason, with how many allocs it holds
-    /// back.
-    pub placement_failures: Vec<String>,
-    /// The allocs the job wants: the groups' counts (for a system job, one
-    /// per ready node).
-    pub desired_allocs: u64,
-    /// How many of them could not be placed now.
-    pub unplaced_allocs: u64,
-}
+pub use berth_structs::api::JobRegisterResponse;
 
 /// Whether two submissions of a job are the same, ignoring fields the
 /// servers manage.
