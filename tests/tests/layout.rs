@@ -6,7 +6,8 @@
 //! crates and files that exist.
 //!
 //! The sources are read as text: `crate::a::b` and `super::` paths in code
-//! (comments and test modules left out) are the imports.
+//! (comments and test modules left out) are the imports, followed through
+//! `pub use` re-exports to the module that defines what they name.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -31,6 +32,7 @@ const SIZED: &[&str] = &[
     "bench/src",
     "tests/src",
     "examples/hostpath-plugin/src",
+    "sync/src",
 ];
 
 /// Files that may still be in a circle across folders. The check fails on
@@ -213,6 +215,98 @@ fn path_of(s: &str) -> Vec<String> {
     out
 }
 
+/// The names module `at` re-exports (`pub use a::B;`, `pub(crate) use
+/// super::{C, D as E};`) with the module path each comes from, for the
+/// paths within the crate (`crate::`, `super::`, `self::` or a child
+/// module of `at`); a re-export from another crate is left out.
+fn reexports(code: &str, at: &[String], children: &[String]) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    for vis in ["pub use ", "pub(crate) use ", "pub(super) use "] {
+        let mut from = 0;
+        while let Some(pos) = code[from..].find(vis) {
+            let start = from + pos + vis.len();
+            let end = code[start..].find(';').map_or(code.len(), |e| start + e);
+            from = end;
+            let stmt: String = code[start..end]
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ");
+            let (prefix, items) = match stmt.split_once('{') {
+                Some((p, rest)) => (
+                    p.trim_end_matches("::").to_string(),
+                    rest.trim_end_matches('}').to_string(),
+                ),
+                None => match stmt.rsplit_once("::") {
+                    Some((p, item)) => (p.to_string(), item.to_string()),
+                    None => continue,
+                },
+            };
+            let mut segs: Vec<&str> = prefix.split("::").filter(|s| !s.is_empty()).collect();
+            let mut base: Vec<String> = match segs.first().copied() {
+                Some("crate") => Vec::new(),
+                Some("super") => at[..at.len().saturating_sub(1)].to_vec(),
+                Some("self") => at.to_vec(),
+                Some(first) if children.iter().any(|c| c == first) => {
+                    segs.insert(0, "self");
+                    at.to_vec()
+                }
+                _ => continue,
+            };
+            for seg in segs.iter().skip(1) {
+                match *seg {
+                    "super" => {
+                        base.pop();
+                    }
+                    s => base.push(s.to_string()),
+                }
+            }
+            for item in items.split(',') {
+                let item = item.trim();
+                let (name, alias) = match item.split_once(" as ") {
+                    Some((n, a)) => (n.trim(), a.trim()),
+                    None => (item, item),
+                };
+                let path = path_of(name);
+                if path.is_empty() || alias == "_" || alias == "*" {
+                    continue;
+                }
+                let shown = path_of(alias).last().cloned().unwrap_or_default();
+                out.push((shown, [base.clone(), path].concat()));
+            }
+        }
+    }
+    out
+}
+
+/// The file a module path names: its longest module prefix, followed
+/// through the re-exports of the modules on the way (`crate::Server`,
+/// re-exported by the root from `server`, names `server/mod.rs`), so
+/// that a re-export does not hide where an import goes.
+fn target_of(
+    path: &[String],
+    by_module: &BTreeMap<Vec<String>, String>,
+    reexported: &BTreeMap<(Vec<String>, String), Vec<String>>,
+) -> Option<String> {
+    let mut path = path.to_vec();
+    for _ in 0..8 {
+        let n = (1..=path.len())
+            .rev()
+            .find(|&n| by_module.contains_key(&path[..n]));
+        // None: only the root holds the name, a root-level re-export.
+        let found = n.unwrap_or(0);
+        match path
+            .get(found)
+            .and_then(|name| reexported.get(&(path[..found].to_vec(), name.clone())))
+        {
+            Some(from) if *from != path[..=found] => {
+                path = [from.clone(), path[found + 1..].to_vec()].concat();
+            }
+            _ => return by_module.get(&path[..found]).cloned(),
+        }
+    }
+    None
+}
+
 /// Strongly connected components of `edges` (Tarjan, iterative enough for
 /// a few hundred files).
 fn components(nodes: &[String], edges: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
@@ -292,22 +386,29 @@ fn circles_across_folders(src: &Path) -> Vec<Vec<String>> {
         .iter()
         .map(|f| (f.display().to_string(), folder_of(src, f, &modules)))
         .collect();
+    let children_of = |at: &[String]| -> Vec<String> {
+        modules
+            .iter()
+            .filter(|m| m.len() == at.len() + 1 && m.starts_with(at))
+            .filter_map(|m| m.last().cloned())
+            .collect()
+    };
+    let mut reexported: BTreeMap<(Vec<String>, String), Vec<String>> = BTreeMap::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).expect("read a source file");
+        let at = module_of(src, f);
+        for (name, from) in reexports(&code_lines(&text).join("\n"), &at, &children_of(&at)) {
+            reexported.insert((at.clone(), name), from);
+        }
+    }
     let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for f in &files {
         let text = std::fs::read_to_string(f).expect("read a source file");
         let at = module_of(src, f);
         let me = f.display().to_string();
-        let children: Vec<String> = modules
-            .iter()
-            .filter(|m| m.len() == at.len() + 1 && m.starts_with(&at))
-            .filter_map(|m| m.last().cloned())
-            .collect();
+        let children = children_of(&at);
         for r in references(&code_lines(&text).join("\n"), &at, &children) {
-            // The longest module prefix of the path is the file it names.
-            let target = (1..=r.len())
-                .rev()
-                .find_map(|n| by_module.get(&r[..n]))
-                .cloned();
+            let target = target_of(&r, &by_module, &reexported);
             if let Some(t) = target.filter(|t| *t != me) {
                 edges.entry(me.clone()).or_default().insert(t);
             }
@@ -362,6 +463,57 @@ fn no_folder_imports_another_in_a_circle() {
         out.is_empty(),
         "no longer in a circle, take them off IN_CIRCLES_STILL: {out:?}"
     );
+}
+
+#[test]
+fn a_reexport_does_not_hide_where_an_import_goes() {
+    let m = |p: &[&str]| p.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    // lib.rs: `mod server; pub use server::jobs::{Jobs, Resp as Answer};`
+    let root = reexports(
+        "pub use server::jobs::{Jobs, Resp as Answer};\npub use berth_structs::Job;",
+        &[],
+        &m(&["server"]),
+    );
+    assert_eq!(
+        root,
+        vec![
+            ("Jobs".to_string(), m(&["server", "jobs", "Jobs"])),
+            ("Answer".to_string(), m(&["server", "jobs", "Resp"])),
+        ],
+        "a re-export from another crate is left out"
+    );
+    // server/mod.rs: `pub(crate) use super::state::Tables;`
+    let server = reexports("pub(crate) use super::state::Tables;", &m(&["server"]), &[]);
+    assert_eq!(
+        server,
+        vec![("Tables".to_string(), m(&["state", "Tables"]))]
+    );
+
+    let by_module: BTreeMap<Vec<String>, String> = [
+        (m(&[]), "lib.rs"),
+        (m(&["server"]), "server/mod.rs"),
+        (m(&["server", "jobs"]), "server/jobs.rs"),
+        (m(&["state"]), "state.rs"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k, v.to_string()))
+    .collect();
+    let mut reexported = BTreeMap::new();
+    for (name, from) in root {
+        reexported.insert((m(&[]), name), from);
+    }
+    for (name, from) in server {
+        reexported.insert((m(&["server"]), name), from);
+    }
+    let to = |p: &[&str]| target_of(&m(p), &by_module, &reexported);
+    assert_eq!(to(&["Jobs"]).as_deref(), Some("server/jobs.rs"));
+    assert_eq!(to(&["Answer", "new"]).as_deref(), Some("server/jobs.rs"));
+    assert_eq!(to(&["server", "Tables"]).as_deref(), Some("state.rs"));
+    assert_eq!(
+        to(&["server", "jobs", "Jobs"]).as_deref(),
+        Some("server/jobs.rs")
+    );
+    assert_eq!(to(&["Unknown"]).as_deref(), Some("lib.rs"));
 }
 
 #[test]
