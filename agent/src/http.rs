@@ -229,7 +229,11 @@ pub fn router(server: Arc<Server>) -> Router {
     // answer as it leaves, with the `Allow` header of a 405 already set.
     // The node-local routes of an alloc go to the alloc's node.
     let acl_enabled = server.acl_enabled();
-    let gate = acl::AclGate::new(&routes::all_routes(), server.clone());
+    let gate = acl::AclGate::new(
+        &routes::all_routes(),
+        acl::UnknownPaths::Deny,
+        server.clone(),
+    );
     let router = Router::new()
         .fallback_service(api)
         .layer(axum::middleware::from_fn_with_state(

@@ -68,6 +68,21 @@ fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()>
     // A made-up token: 403.
     let bad = agent.http(&request("GET", "/v1/jobs", Some("made-up"), ""))?;
     assert_eq!(bad.status, 403, "{}", bad.text());
+    // HEAD runs the GET handler, so it needs what GET needs: no header
+    // of the answer leaks, and a HEAD blocking query is refused before it
+    // waits.
+    for path in [
+        "/v1/acl/tokens",
+        "/v1/jobs?index=1&wait=3s",
+        "/v1/client/fs/logs/0?task=t&type=stdout",
+    ] {
+        let head = agent.http(&request("HEAD", path, None, ""))?;
+        assert_eq!(head.status, 403, "HEAD {path}: {}", head.text());
+        assert_eq!(head.header("x-berth-index"), None, "HEAD {path}");
+    }
+    // A method no route lists is refused, not let through.
+    let options = agent.http(&request("OPTIONS", "/v1/jobs", None, ""))?;
+    assert_eq!(options.status, 403, "{}", options.text());
     // Public routes answer anyone.
     assert_eq!(
         agent
@@ -117,6 +132,14 @@ fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()>
             403
         );
         assert_eq!(forward(&rpc, "GET", "/v1/jobs", None, "").await?, 403);
+        assert_eq!(
+            forward(&rpc, "HEAD", "/v1/acl/tokens", None, "").await?,
+            403
+        );
+        assert_eq!(
+            forward(&rpc, "HEAD", "/v1/acl/tokens", Some(&ro), "").await?,
+            403
+        );
         assert_eq!(forward(&rpc, "GET", "/v1/jobs", Some(&ro), "").await?, 200);
         for (method, path, body) in writes_refused_to_readers(&job_body) {
             let status = forward(&rpc, method, path, Some(&ro), &body).await?;

@@ -43,11 +43,25 @@ impl TokenResolver for berth_server::Server {
 /// The routes' needs, found by method and path.
 pub struct NeedTable {
     by_method: HashMap<Method, matchit::Router<Need>>,
+    /// Every path some route serves, whatever its method.
+    paths: matchit::Router<()>,
+}
+
+/// What the table says of one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    /// A route serves this method on this path and needs this.
+    Route(Need),
+    /// A route serves the path, but not with this method (`OPTIONS`, say).
+    UnlistedMethod,
+    /// No route of this table serves the path.
+    UnknownPath,
 }
 
 impl NeedTable {
     pub fn new(routes: &[Route]) -> NeedTable {
         let mut by_method: HashMap<Method, matchit::Router<Need>> = HashMap::new();
+        let mut paths = matchit::Router::new();
         for r in routes {
             let table = by_method.entry(r.method.clone()).or_default();
             if let Err(e) = table.insert(r.path, r.need) {
@@ -55,31 +69,82 @@ impl NeedTable {
                 // is a programming error seen at start.
                 tracing::error!(path = r.path, error = %e, "route cannot be entered in the ACL table");
             }
+            // Several methods share a path: the second insert of it is
+            // expected to clash.
+            let _ = paths.insert(r.path, ());
         }
-        NeedTable { by_method }
+        NeedTable { by_method, paths }
     }
 
-    /// What `method` on `path` needs; `None` for a path no route serves.
-    pub fn need(&self, method: &Method, path: &str) -> Option<Need> {
-        self.by_method
-            .get(method)
-            .and_then(|t| t.at(path).ok())
-            .map(|m| *m.value)
+    /// What `method` on `path` needs. `HEAD` runs the `GET` handler (axum
+    /// serves it so), so it needs what `GET` needs.
+    pub fn lookup(&self, method: &Method, path: &str) -> Lookup {
+        let method = if method == Method::HEAD {
+            &Method::GET
+        } else {
+            method
+        };
+        if let Some(m) = self.by_method.get(method).and_then(|t| t.at(path).ok()) {
+            return Lookup::Route(*m.value);
+        }
+        if self.paths.at(path).is_ok() {
+            Lookup::UnlistedMethod
+        } else {
+            Lookup::UnknownPath
+        }
     }
+
+    /// What `method` on `path` needs; `None` when no route serves it.
+    pub fn need(&self, method: &Method, path: &str) -> Option<Need> {
+        match self.lookup(method, path) {
+            Lookup::Route(need) => Some(need),
+            Lookup::UnlistedMethod | Lookup::UnknownPath => None,
+        }
+    }
+}
+
+/// What a gate does with a path its table does not list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnknownPaths {
+    /// Another router behind this one answers them and checks them there
+    /// (the agent's own routes, in front of the server API or the
+    /// forwarding to it).
+    PassOn,
+    /// Nothing behind checks them: only a management token gets past
+    /// (to the 404), anyone else is refused.
+    Deny,
 }
 
 /// The ACL check of one router.
 pub struct AclGate {
     needs: NeedTable,
+    unknown_paths: UnknownPaths,
     resolver: Arc<dyn TokenResolver>,
 }
 
 impl AclGate {
-    pub fn new(routes: &[Route], resolver: Arc<dyn TokenResolver>) -> Arc<AclGate> {
+    pub fn new(
+        routes: &[Route],
+        unknown_paths: UnknownPaths,
+        resolver: Arc<dyn TokenResolver>,
+    ) -> Arc<AclGate> {
         Arc::new(AclGate {
             needs: NeedTable::new(routes),
+            unknown_paths,
             resolver,
         })
+    }
+
+    /// What a request needs to pass; `None`: it is another router's to
+    /// check. A method or path with no entry is denied, never allowed.
+    fn need_of(&self, method: &Method, path: &str) -> Option<Need> {
+        match (self.needs.lookup(method, path), self.unknown_paths) {
+            (Lookup::Route(need), _) => Some(need),
+            (Lookup::UnlistedMethod, _) | (Lookup::UnknownPath, UnknownPaths::Deny) => {
+                Some(Need::Management)
+            }
+            (Lookup::UnknownPath, UnknownPaths::PassOn) => None,
+        }
     }
 }
 
@@ -120,8 +185,8 @@ pub fn token_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 pub async fn check(State(gate): State<Arc<AclGate>>, mut req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    let Some(need) = gate.needs.need(&method, &path) else {
-        // No route here: the fallback answers.
+    let Some(need) = gate.need_of(&method, &path) else {
+        // Not this gate's route: the router behind checks it.
         return next.run(req).await;
     };
     let acl = match token_of(req.headers()) {
@@ -243,6 +308,16 @@ mod tests {
             Some(Need::AnyToken)
         );
         assert_eq!(t.need(&Method::GET, "/v1/nowhere"), None);
+        // HEAD runs the GET handler: it needs what GET needs.
+        assert_eq!(
+            t.lookup(&Method::HEAD, "/v1/acl/tokens"),
+            Lookup::Route(Need::Management)
+        );
+        assert_eq!(
+            t.lookup(&Method::OPTIONS, "/v1/jobs"),
+            Lookup::UnlistedMethod
+        );
+        assert_eq!(t.lookup(&Method::GET, "/v1/nowhere"), Lookup::UnknownPath);
     }
 
     #[test]
@@ -295,5 +370,95 @@ mod tests {
         r.resolve(Some("s")).await.unwrap();
         r.resolve(Some("s")).await.unwrap();
         assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    /// Every method a client can send, on every route's path: each one the
+    /// router serves has an entry in the need table, and without a token
+    /// each one that needs something is refused, HEAD and OPTIONS
+    /// included, through the agent's whole router (its own routes, then
+    /// the server API behind them).
+    #[tokio::test]
+    async fn every_method_on_every_route_is_checked() {
+        use crate::http::agent_api::{agent_router, AgentInfo};
+        use crate::http::tests::call;
+        use axum::body::Body;
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = berth_server::ServerConfig::new(dir.path());
+        config.acl_enabled = true;
+        let server = berth_server::Server::open(config).expect("open server");
+        let boot = server.acl_bootstrap().await.expect("bootstrap").secret_id;
+        let info = AgentInfo::new(true, false, dir.path().to_path_buf(), Vec::new())
+            .with_acl(Some(Duration::from_secs(30)));
+        let router = agent_router(Some(server.clone()), Arc::new(info));
+        let table = NeedTable::new(&super::super::routes::all_routes());
+
+        let methods = [
+            Method::GET,
+            Method::HEAD,
+            Method::POST,
+            Method::PUT,
+            Method::DELETE,
+            Method::PATCH,
+            Method::OPTIONS,
+        ];
+        let mut checked = 0;
+        for route in super::super::routes::all_routes() {
+            // A made-up value in every path parameter.
+            let path: String = route
+                .path
+                .split('/')
+                .map(|seg| if seg.starts_with('{') { "x" } else { seg })
+                .collect::<Vec<_>>()
+                .join("/");
+            for method in &methods {
+                let need = table.lookup(method, &path);
+                if need == Lookup::Route(Need::Public) {
+                    continue;
+                }
+                let anon = call(&router, method.clone(), &path, None, Body::empty()).await;
+                assert_eq!(
+                    anon.status,
+                    StatusCode::FORBIDDEN,
+                    "{method} {path} answered {} without a token",
+                    anon.status
+                );
+                checked += 1;
+                // What the router serves (with a token that may do
+                // everything: anything but a 405, or the 404 of the
+                // made-up ID) has its own need.
+                let req = axum::http::Request::builder()
+                    .method(method.clone())
+                    .uri(&path)
+                    .header(TOKEN_HEADER, &boot)
+                    .body(Body::empty())
+                    .expect("request");
+                let served = tower::ServiceExt::oneshot(router.clone(), req)
+                    .await
+                    .expect("the router is infallible");
+                let refused = [StatusCode::METHOD_NOT_ALLOWED, StatusCode::NOT_FOUND];
+                if !refused.contains(&served.status()) {
+                    assert!(
+                        matches!(need, Lookup::Route(_)),
+                        "{method} {path} is served ({}) but has no ACL need",
+                        served.status()
+                    );
+                }
+            }
+        }
+        assert!(checked > 100, "only {checked} requests were checked");
+        // A path no route serves is refused too, not let through.
+        let nowhere = call(&router, Method::GET, "/v1/nowhere", None, Body::empty()).await;
+        assert_eq!(nowhere.status, StatusCode::FORBIDDEN);
+        let head = call(
+            &router,
+            Method::HEAD,
+            "/v1/acl/tokens?index=1&wait=3s",
+            None,
+            Body::empty(),
+        )
+        .await;
+        assert_eq!(head.status, StatusCode::FORBIDDEN);
+        assert!(head.headers.get("x-berth-index").is_none());
     }
 }

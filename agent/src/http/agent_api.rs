@@ -161,7 +161,11 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
             }
         };
         // The agent's own routes; the rest is checked where it is answered.
-        super::acl::AclGate::new(agent_routes().table(), resolver)
+        super::acl::AclGate::new(
+            agent_routes().table(),
+            super::acl::UnknownPaths::PassOn,
+            resolver,
+        )
     });
     let router = agent_routes()
         .into_router()

@@ -35,8 +35,10 @@ pub enum Waiting {
 
 impl Waiting {
     /// The kind of waiting request `method` on `path_and_query` is, if any.
+    /// `HEAD` runs the `GET` handler, so it waits as long and counts the
+    /// same.
     pub fn of(method: &Method, path: &str, query: Option<&str>) -> Option<Waiting> {
-        if method != Method::GET {
+        if method != Method::GET && method != Method::HEAD {
             return None;
         }
         let query = query?;
@@ -236,6 +238,16 @@ mod tests {
         assert_eq!(of("/v1/client/fs/logs/abc", Some("limit=10")), None);
         // A log read is never a blocking query.
         assert_eq!(of("/v1/client/fs/logs/abc", Some("index=3")), None);
+        // HEAD runs the GET handler and waits as long.
+        let head = |path, query| Waiting::of(&Method::HEAD, path, query);
+        assert_eq!(
+            head("/v1/jobs", Some("index=5&wait=3s")),
+            Some(Waiting::BlockingQuery)
+        );
+        assert_eq!(
+            head("/v1/client/fs/logs/abc", Some("wait=30s")),
+            Some(Waiting::LogFollow)
+        );
         // Writes do not wait.
         assert_eq!(Waiting::of(&Method::PUT, "/v1/jobs", Some("index=5")), None);
     }
