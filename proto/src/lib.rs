@@ -28,6 +28,10 @@ pub mod berth {
         /// with when it has no client certificate.
         pub const INTRO_TOKEN_METADATA: &str = "x-berth-intro-token";
 
+        /// The largest answer a client sends back on the call stream for
+        /// one node-local HTTP request (as large as a forwarded answer).
+        pub const MAX_CLIENT_HTTP_ANSWER: usize = 64 * 1024 * 1024;
+
         /// The largest node JSON a `Node.Register` may carry.
         pub const MAX_REGISTER_NODE_JSON: usize = 1024 * 1024;
     }

@@ -21,6 +21,7 @@ pub mod file_modes;
 mod gc;
 pub mod keyring;
 mod liveness;
+mod partial_budget;
 mod plugins;
 mod prefix;
 mod register_rate;
@@ -39,7 +40,10 @@ pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
 pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
 pub use register_rate::RegisterRate;
-pub use rpc::{csi_volume_service, node_service, CsiVolumeService, NodeService, PeerIdentity};
+pub use rpc::{
+    csi_volume_service, limits, node_service, CsiVolumeService, Limited, MethodLimit, NodeService,
+    PeerIdentity,
+};
 pub use server::acl::{NewIntroToken, NewToken, TokenRequest, TokenWithPolicies};
 pub use server::alloc_stop::{AllocStopResponse, ALLOC_STOP_DESCRIPTION};
 pub use server::client_routes::MAX_CLIENT_HTTP_ANSWER;

@@ -208,6 +208,23 @@ async fn a_register_too_large_is_refused_before_it_is_decoded() {
         .register(req)
         .await
         .unwrap_err();
+    // Refused by the method's message limit as its header arrives.
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+    assert!(
+        err.message().contains("over the method's limit"),
+        "{}",
+        err.message()
+    );
+    // Within the message limit but over the node JSON's: refused before
+    // it is decoded.
+    let mut req = register_request(&node("n1"));
+    req.node_json = vec![b'x'; berth_proto::berth::v1::MAX_REGISTER_NODE_JSON + 1];
+    let err = ts
+        .node_client_with(Some(A))
+        .await
+        .register(req)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
     assert!(err.message().contains("the limit is"), "{}", err.message());
 

@@ -110,6 +110,7 @@ fn serve_agent_protocol(
         // agent's limits too.
         .add_service(crate::http::forward::forward_service(
             info.limits.apply(crate::http::router(server.clone())),
+            server,
         ));
     // The accept loop sets TCP_NODELAY on every accepted connection
     // (tonic sets it only on listeners it binds itself): without it a

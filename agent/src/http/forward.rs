@@ -265,12 +265,24 @@ pub struct ForwardService {
     router: Router,
 }
 
+/// The `Agent` service's one method: a forwarded request is at most an
+/// API request body and its envelope.
+const AGENT_METHODS: &[berth_server::MethodLimit] = &[berth_server::MethodLimit::open(
+    "/berth.v1.Agent/ForwardHttp",
+    MAX_REQUEST_BODY + ENVELOPE,
+)];
+
 /// The `Agent` gRPC service of a server, answering forwarded requests
-/// with `router`.
-pub fn forward_service(router: Router) -> AgentServer<ForwardService> {
-    AgentServer::new(ForwardService { router })
+/// with `router`, behind the agent protocol's limits on what a peer sends
+/// (see [`berth_server::limits`]).
+pub fn forward_service(
+    router: Router,
+    server: &std::sync::Arc<berth_server::Server>,
+) -> berth_server::Limited<AgentServer<ForwardService>> {
+    let svc = AgentServer::new(ForwardService { router })
         .max_decoding_message_size(MAX_REQUEST_BODY.saturating_add(ENVELOPE))
-        .max_encoding_message_size(MAX_FORWARDED_ANSWER.saturating_add(ENVELOPE))
+        .max_encoding_message_size(MAX_FORWARDED_ANSWER.saturating_add(ENVELOPE));
+    berth_server::Limited::new(svc, AGENT_METHODS, server)
 }
 
 #[tonic::async_trait]
@@ -355,7 +367,10 @@ mod tests {
         let router = tonic::transport::Server::builder()
             .add_service(berth_server::node_service(&server))
             .add_service(berth_server::csi_volume_service(&server))
-            .add_service(forward_service(crate::http::router(server.clone())));
+            .add_service(forward_service(
+                crate::http::router(server.clone()),
+                &server,
+            ));
         tokio::spawn(router.serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             async move {

@@ -3,6 +3,7 @@
 //! (`From<ServerError> for tonic::Status`).
 
 mod csi_volume;
+pub mod limits;
 mod node;
 
 use std::sync::Arc;
@@ -11,8 +12,9 @@ use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
 use berth_proto::berth::v1::node_server::NodeServer;
 
 use crate::register_rate::RegisterLimiter;
-use crate::server::client_routes::MAX_CLIENT_HTTP_ANSWER;
 use crate::server::Server;
+
+pub use limits::{Limited, MethodLimit};
 
 pub use csi_volume::CsiVolumeService;
 pub use node::NodeService;
@@ -52,14 +54,14 @@ pub(crate) fn peer_has_agent_certificate<T>(region: &str, req: &tonic::Request<T
 /// `limiter` (the server's `register_rate`) allows. A request whose peer
 /// address is unknown (not over TCP) is not limited, nor is any when there
 /// is no limiter.
-pub(crate) fn check_register_rate<T>(
+pub(crate) fn check_register_rate(
     limiter: Option<&RegisterLimiter>,
-    req: &tonic::Request<T>,
+    peer: Option<std::net::SocketAddr>,
 ) -> Result<(), ServerError> {
     let Some(limiter) = limiter else {
         return Ok(());
     };
-    let Some(peer) = peer_addr(req) else {
+    let Some(peer) = peer else {
         return Ok(());
     };
     limiter
@@ -80,27 +82,22 @@ pub(crate) fn check_register_rate<T>(
 }
 
 /// The gRPC `Node` service of `server`, for a `tonic::transport::Server`
-/// router.
-pub fn node_service(server: &Arc<Server>) -> NodeServer<NodeService> {
+/// router, behind the per-method limits of [`limits::NODE_METHODS`].
+pub fn node_service(server: &Arc<Server>) -> Limited<NodeServer<NodeService>> {
     // A client's answer to a `ClientHttp` call (logs, say) may be as large
-    // as a forwarded answer, plus its envelope.
-    NodeServer::new(NodeService::new(server.clone()))
-        .max_decoding_message_size(MAX_CLIENT_HTTP_ANSWER.saturating_add(64 * 1024))
+    // as a forwarded answer, plus its envelope; the limits let only the
+    // call stream's replies be that large.
+    let svc = NodeServer::new(NodeService::new(server.clone()))
+        .max_decoding_message_size(crate::partial_budget::CALL_REPLY);
+    Limited::new(svc, limits::NODE_METHODS, server)
 }
 
 /// The gRPC `CSIVolume` service of `server`, for a
-/// `tonic::transport::Server` router.
-pub fn csi_volume_service(server: &Arc<Server>) -> CsiVolumeServer<CsiVolumeService> {
-    CsiVolumeServer::new(CsiVolumeService::new(server.clone()))
-}
-
-/// The address of the peer of `req`: from the TLS listener's
-/// [`PeerIdentity`], or tonic's own connect info on a plain listener.
-pub(crate) fn peer_addr<T>(req: &tonic::Request<T>) -> Option<std::net::SocketAddr> {
-    req.extensions()
-        .get::<PeerIdentity>()
-        .and_then(|p| p.remote_addr)
-        .or_else(|| req.remote_addr())
+/// `tonic::transport::Server` router, behind the limits of
+/// [`limits::CSI_VOLUME_METHODS`].
+pub fn csi_volume_service(server: &Arc<Server>) -> Limited<CsiVolumeServer<CsiVolumeService>> {
+    let svc = CsiVolumeServer::new(CsiVolumeService::new(server.clone()));
+    Limited::new(svc, limits::CSI_VOLUME_METHODS, server)
 }
 
 use berth_proto::berth::v1::NODE_SECRET_METADATA;
@@ -112,12 +109,21 @@ use crate::server::node_secrets::Presented;
 /// The node secret a request carries in its metadata, or why there is none
 /// (the reason never holds the secret).
 pub(crate) fn presented_secret<T>(req: &tonic::Request<T>) -> Presented {
-    let value = req.metadata().get(NODE_SECRET_METADATA).ok_or_else(|| {
+    secret_of(
+        req.metadata()
+            .get(NODE_SECRET_METADATA)
+            .map(|v| v.to_str().map_err(drop)),
+    )
+}
+
+/// [`presented_secret`] from the metadata's text: none, or text that is
+/// printable ASCII or not.
+pub(crate) fn secret_of(value: Option<Result<&str, ()>>) -> Presented {
+    let value = value.ok_or_else(|| {
         format!("the request carries no node secret (metadata {NODE_SECRET_METADATA})")
     })?;
-    let text = value
-        .to_str()
-        .map_err(|_| format!("metadata {NODE_SECRET_METADATA} is not printable ASCII"))?;
+    let text =
+        value.map_err(|()| format!("metadata {NODE_SECRET_METADATA} is not printable ASCII"))?;
     NodeSecret::parse(text).map_err(|e| format!("metadata {NODE_SECRET_METADATA}: {e}"))
 }
 

@@ -138,7 +138,6 @@ impl Node for NodeService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterResponse>, Status> {
-        super::check_register_rate(self.server.register_limiter(), &req)?;
         let size = req.get_ref().node_json.len();
         if size > pb::MAX_REGISTER_NODE_JSON {
             return Err(ServerError::BadRequest(format!(

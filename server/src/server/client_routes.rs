@@ -11,9 +11,7 @@ use pb::{call_reply, server_call};
 use crate::error::ServerError;
 use crate::server::Server;
 
-/// The largest answer a client sends back for one request (as for
-/// forwarded requests).
-pub const MAX_CLIENT_HTTP_ANSWER: usize = 64 * 1024 * 1024;
+pub use berth_proto::berth::v1::MAX_CLIENT_HTTP_ANSWER;
 
 impl Server {
     /// Runs `request` through the node-local routes of `node_id`, at most

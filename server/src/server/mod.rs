@@ -72,6 +72,9 @@ pub struct Server {
     alloc_reports: nodes::AllocReports,
     /// `Node.Register` calls per peer address (`config.register_rate`).
     register_limiter: Option<crate::register_rate::RegisterLimiter>,
+    /// The bytes of agent-protocol messages announced and not yet
+    /// received, per peer and in all (see [`crate::partial_budget`]).
+    partial_budget: Arc<crate::partial_budget::PartialBudget>,
     /// Set when `run` is told to shut down; streams end on it.
     shutdown: ShutdownSender,
 }
@@ -101,6 +104,10 @@ impl Server {
         let volume_watcher = VolumeWatcher::new(store.clone(), &config);
         let server = Arc::new(Server {
             register_limiter,
+            partial_budget: crate::partial_budget::PartialBudget::new(
+                crate::partial_budget::PEER_PARTIAL_BYTES,
+                crate::partial_budget::TOTAL_PARTIAL_BYTES,
+            ),
             config,
             store,
             calls: CallRegistry::default(),
@@ -188,6 +195,11 @@ impl Server {
     /// The limit on node registrations per peer, when one is set.
     pub(crate) fn register_limiter(&self) -> Option<&crate::register_rate::RegisterLimiter> {
         self.register_limiter.as_ref()
+    }
+
+    /// What agent-protocol peers hold of partly received messages.
+    pub(crate) fn partial_budget(&self) -> &Arc<crate::partial_budget::PartialBudget> {
+        &self.partial_budget
     }
 
     /// The index of the last write.
