@@ -1,8 +1,8 @@
 //! What the agent's listeners share: how many connections one client
 //! address holds ([`PerClientLimit`]), and the agent protocol's accept
 //! loop ([`rpc_incoming`]), which refuses a client over its limit, and
-//! with TLS a peer whose certificate does not chain to the CA, before
-//! tonic sees the connection.
+//! with TLS a peer whose certificate does not chain to the CA or is not
+//! an agent's, before tonic sees the connection.
 
 use berth_sync::MutexExt;
 use std::collections::HashMap;
@@ -205,8 +205,11 @@ pub async fn accept_plain(
     })
 }
 
-/// A TLS connection whose peer presented a certificate of the CA, or
-/// `None` (logged) when the handshake fails or takes too long.
+/// A TLS connection whose peer presented a certificate of the CA that
+/// names an agent of the region (a client or a server), or `None`
+/// (logged) when the handshake fails or takes too long, or the
+/// certificate is another role's: the CLI's certificate is for the HTTPS
+/// API only.
 pub async fn accept_tls(
     tls: Arc<crate::tls::AgentTls>,
     stream: TcpStream,
@@ -220,6 +223,16 @@ pub async fn accept_tls(
                 remote_addr: Some(addr),
                 cert_names: crate::tls::peer_dns_names(s.get_ref().1),
             };
+            if !identity.is_agent_of(tls.region()) {
+                tracing::warn!(
+                    peer = %addr,
+                    names = ?identity.cert_names,
+                    region = tls.region(),
+                    "agent protocol: connection refused; the certificate names no client or server \
+                     agent of the region (the CLI certificate is for the HTTPS API only)"
+                );
+                return None;
+            }
             tracing::debug!(peer = %addr, names = ?identity.cert_names, "agent protocol: TLS peer");
             Some(Counted {
                 io: s,

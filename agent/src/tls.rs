@@ -283,6 +283,8 @@ pub struct AgentTls {
     verify_https_client: bool,
     /// `server.<region>.berth`: what a server certificate must name.
     server_name: ServerName<'static>,
+    /// The region whose agents' certificates the agent protocol takes.
+    region: String,
     current: RwLock<Arc<Configs>>,
 }
 
@@ -320,6 +322,7 @@ impl AgentTls {
             verify_server_hostname: tls.effective_verify_server_hostname(),
             verify_https_client: tls.effective_verify_https_client(),
             server_name,
+            region: security.effective_region().to_string(),
             current: RwLock::new(Arc::new(Configs::build(
                 &files,
                 tls.effective_verify_server_hostname(),
@@ -344,6 +347,12 @@ impl AgentTls {
 
     fn configs(&self) -> Arc<Configs> {
         self.current.read_locked().clone()
+    }
+
+    /// The region whose agents' certificates (`client.<region>.berth`,
+    /// `server.<region>.berth`) the agent protocol takes.
+    pub fn region(&self) -> &str {
+        &self.region
     }
 
     /// The configuration a new agent protocol connection is accepted with.

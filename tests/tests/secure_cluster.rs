@@ -104,7 +104,8 @@ fn logged(agent: &Agent, needle: &str) -> usize {
 }
 
 /// `Agent.ForwardHttp` on the server's agent protocol port, over TLS with
-/// the CLI's certificate; the answer's status.
+/// a client agent's certificate (as a client agent forwards); the answer's
+/// status.
 async fn forward(
     pki: &Pki,
     rpc: &str,
@@ -113,7 +114,7 @@ async fn forward(
     token: Option<&str>,
     body: &str,
 ) -> Result<u32> {
-    let config = pki.client_config(Some(CLI_CERT))?;
+    let config = pki.client_config(Some(CLIENT_CERT))?;
     let channel = grpc_channel(config, rpc, "server.global.berth").await?;
     forward_http(channel, method, path, token, body).await
 }
@@ -323,16 +324,7 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
             assert_eq!(status, 403, "forwarded {method} {path}");
         }
 
-        // A peer whose certificate is the CLI's, not an agent's: a new
-        // node ID without an introduction token is refused, and so is
-        // c1's ID with a secret that is not c1's.
-        let channel = grpc_channel(
-            pki.client_config(Some(CLI_CERT))?,
-            rpc,
-            "server.global.berth",
-        )
-        .await?;
-        for id in ["a-node-nobody-knows", c1_id.as_str()] {
+        let register = |id: &str| -> Result<tonic::Request<pb::RegisterRequest>> {
             let mut req = tonic::Request::new(pb::RegisterRequest {
                 node_json: format!(r#"{{"id": "{id}", "name": "intruder"}}"#).into_bytes(),
                 node_id: id.into(),
@@ -341,14 +333,52 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
                 pb::NODE_SECRET_METADATA,
                 "made-up-secret-0123456789abcdef0123".parse()?,
             );
-            let err = NodeClient::new(channel.clone())
-                .register(req)
+            Ok(req)
+        };
+        // A peer whose certificate is the CLI's, not an agent's, cannot
+        // speak the agent protocol at all: neither register a node nor
+        // forward a request.
+        let cli_peer = async {
+            let channel = grpc_channel(
+                pki.client_config(Some(CLI_CERT))?,
+                rpc,
+                "server.global.berth",
+            )
+            .await?;
+            NodeClient::new(channel)
+                .register(register("a-node-nobody-knows")?)
                 .await
-                .expect_err("a stranger's register");
-            assert_eq!(err.code(), tonic::Code::PermissionDenied, "{id}: {err:?}");
-        }
+                .map_err(anyhow::Error::from)
+        };
+        assert!(
+            cli_peer.await.is_err(),
+            "a peer with the CLI's certificate was served on the agent port"
+        );
+        // A client agent's certificate does not make c1's ID its own.
+        let channel = grpc_channel(
+            pki.client_config(Some(CLIENT_CERT))?,
+            rpc,
+            "server.global.berth",
+        )
+        .await?;
+        let err = NodeClient::new(channel)
+            .register(register(c1_id.as_str())?)
+            .await
+            .expect_err("a register of c1 with another secret");
+        assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
         anyhow::Ok(())
     })?;
+    wait_for(
+        "the refusal of the CLI's certificate in the server's log",
+        Duration::from_secs(10),
+        || {
+            let seen = logged(
+                &cluster.server,
+                "the certificate names no client or server agent",
+            );
+            Ok((seen > 0).then_some(()))
+        },
+    )?;
     let nodes = cluster.nodes(&boot)?;
     assert_eq!(names(&nodes), ["c1", "c2"]);
     assert!(
