@@ -295,6 +295,151 @@ async fn a_node_claims_and_releases_volumes_only_for_its_own_allocs() {
     assert_eq!((claim.state, claim.releasing), (ClaimState::Taken, false));
 }
 
+/// The claim request of `alloc` for `volume_id` in `mode` with `access`.
+fn claim_as(
+    volume_id: &str,
+    alloc: &berth_structs::Allocation,
+    mode: &str,
+    access: AccessMode,
+) -> pb::ClaimRequest {
+    let mut r = claim_request(volume_id, alloc, access);
+    r.mode = mode.into();
+    r
+}
+
+/// The review's attack and its neighbours: a node claims a volume only for
+/// an alloc whose group asks for it, in the modes the group asks for; a
+/// refusal returns no secret and takes no claim.
+#[tokio::test]
+async fn a_node_claims_only_the_volumes_its_allocs_groups_ask_for() {
+    use berth_structs::{JobType, VolumeRequest};
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    register(&s, node("n1")).await;
+    let _client = TestClient::connect(&ts, "n1", ok_handler()).await;
+    give_plugin(&s, "n1", "hostpath", true, false, false).await;
+    let writer = AccessMode::SingleNodeWriter;
+    let shared = AccessMode::MultiNodeMultiWriter;
+    for (id, caps) in [
+        ("payroll-db", vec![writer]),
+        ("shared", vec![shared, AccessMode::MultiNodeReader]),
+    ] {
+        s.register_volume(volume(id, "hostpath", &caps))
+            .await
+            .unwrap();
+    }
+    let mut csi = ts.csi_client().await;
+    let refused = |what: &str, err: tonic::Status, needle: &str| {
+        assert_eq!(err.code(), tonic::Code::PermissionDenied, "{what}: {err:?}");
+        assert!(err.message().contains(needle), "{what}: {}", err.message());
+        assert!(
+            !err.message().contains("s3cret"),
+            "{what}: {}",
+            err.message()
+        );
+    };
+
+    // A plain job's alloc, which mounts nothing, asks for the payroll
+    // volume with a write claim.
+    s.register_job(job("plain", JobType::Service, 1))
+        .await
+        .unwrap();
+    let plain = live_allocs(&s, "plain").pop().unwrap();
+    let err = csi
+        .claim(claim_as("payroll-db", &plain, "write", writer))
+        .await
+        .unwrap_err();
+    refused(
+        "an alloc that mounts nothing",
+        err,
+        "asks for no CSI volume",
+    );
+    assert!(s.volume("payroll-db").unwrap().write_claims.is_empty());
+    // The volume's own job still gets it.
+    let payroll = place_on_data_like(&s, volume_job("payroll", "payroll-db", writer)).await;
+    csi.claim(claim_request("payroll-db", &payroll, writer))
+        .await
+        .expect("the payroll job claims its volume");
+
+    // A group that mounts "shared" read-only asks for a write claim, then
+    // for the read claim it is placed for.
+    let mut reader = volume_job("reader", "shared", shared);
+    reader.task_groups[0]
+        .volumes
+        .get_mut("data")
+        .unwrap()
+        .read_only = true;
+    reader.task_groups[0].tasks[0].volume_mounts[0].read_only = true;
+    let reader = place_on_data_like(&s, reader).await;
+    let err = csi
+        .claim(claim_as("shared", &reader, "write", shared))
+        .await
+        .unwrap_err();
+    refused(
+        "a write claim of a read-only group",
+        err,
+        "not a write claim",
+    );
+    assert!(s.volume("shared").unwrap().write_claims.is_empty());
+    // ...or with another access mode than its group's.
+    let err = csi
+        .claim(claim_as(
+            "shared",
+            &reader,
+            "read",
+            AccessMode::MultiNodeReader,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    csi.claim(claim_as("shared", &reader, "read", shared))
+        .await
+        .expect("the read claim the group asks for");
+
+    // Two groups of one job: only the group that asks for "shared" claims
+    // it.
+    let mut two = volume_job("two", "shared", shared);
+    let mut other = two.task_groups[0].clone();
+    other.name = "other".into();
+    other.volumes = [(
+        "scratch".to_string(),
+        VolumeRequest {
+            name: "scratch".into(),
+            volume_type: "csi".into(),
+            source: "payroll-db".into(),
+            access_mode: Some(writer),
+            attachment_mode: Some(berth_structs::AttachmentMode::FileSystem),
+            read_only: true,
+            ..Default::default()
+        },
+    )]
+    .into();
+    other.tasks[0].volume_mounts[0].volume = "scratch".into();
+    other.tasks[0].volume_mounts[0].read_only = true;
+    two.task_groups.push(other);
+    s.register_job(two).await.unwrap();
+    let other_alloc = live_allocs(&s, "two")
+        .into_iter()
+        .find(|a| a.task_group == "other")
+        .unwrap();
+    let err = csi
+        .claim(claim_as("shared", &other_alloc, "write", shared))
+        .await
+        .unwrap_err();
+    refused(
+        "a volume of another group",
+        err,
+        "asks for no CSI volume \"shared\"",
+    );
+}
+
+/// Registers `job` and returns its one live alloc.
+async fn place_on_data_like(s: &Server, job: berth_structs::Job) -> berth_structs::Allocation {
+    let id = job.id.clone();
+    s.register_job(job).await.unwrap();
+    live_allocs(s, &id).pop().unwrap()
+}
+
 /// A bare call stream of `node_id` presenting `secret`, answering nothing.
 async fn connect_with(
     ts: &TestServer,

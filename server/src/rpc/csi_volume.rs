@@ -57,7 +57,11 @@ impl CsiVolume for CsiVolumeService {
             .authenticate_node("Claim", &req.node_id, &presented)?;
         self.server
             .authorize_claim_call("Claim", &req.node_id, &req.volume_id, &req.alloc_id)?;
-        let (vid, aid) = (req.volume_id.clone(), req.alloc_id.clone());
+        let (vid, aid, nid) = (
+            req.volume_id.clone(),
+            req.alloc_id.clone(),
+            req.node_id.clone(),
+        );
         let mode = req.mode.as_str();
         let started = std::time::Instant::now();
         let grant = self.server.claim_volume(req).await;
@@ -68,9 +72,12 @@ impl CsiVolume for CsiVolumeService {
                 outcome: berth_metrics::Outcome::of(&grant),
             })
             .observe(started.elapsed().as_secs_f64());
-        let grant = grant.inspect_err(
-            |e| tracing::info!(volume_id = %vid, alloc_id = %aid, error = %e, "claim refused"),
-        )?;
+        let grant = grant.inspect_err(|e| match e {
+            // A node asking for what was not placed on it: audited.
+            ServerError::Forbidden(_) => tracing::warn!(target: "berth::audit",
+                node_id = %nid, volume_id = %vid, alloc_id = %aid, error = %e, "claim refused"),
+            _ => tracing::info!(volume_id = %vid, alloc_id = %aid, error = %e, "claim refused"),
+        })?;
         Ok(Response::new(pb::ClaimResponse {
             volume_id: grant.volume_id,
             external_id: grant.external_id,

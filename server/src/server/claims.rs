@@ -8,8 +8,8 @@ use crate::plugins::requires_controller_publish;
 use crate::state::{Change, Tables};
 use berth_proto::berth::v1 as pb;
 use berth_structs::{
-    ClaimMode, ClaimState, CsiInfo, CsiMountOptions, CsiVolume, CsiVolumeClaim, NodeEvent,
-    NodeStatus,
+    Allocation, ClaimMode, ClaimState, CsiInfo, CsiMountOptions, CsiVolume, CsiVolumeClaim,
+    NodeEvent, NodeStatus, VolumeRequest,
 };
 use std::collections::BTreeMap;
 
@@ -59,7 +59,8 @@ impl Server {
 
     /// The checks of a claim before anything is reserved: the volume exists
     /// with the capability (and allows the claim's mode), the alloc exists,
-    /// is live and is on the claiming node, the node runs the volume's node
+    /// is live, is on the claiming node and its group asks for the volume
+    /// in the claim's modes, the node runs the volume's node
     /// plugin and, for a new claim, the volume is reachable from it. The
     /// volume and the node's plugin.
     fn check_claim<'t>(
@@ -99,6 +100,7 @@ impl Server {
                 "alloc {alloc_id} is terminal and cannot claim volume {vid:?}"
             )));
         }
+        check_declared(alloc, req)?;
         let node = t
             .nodes
             .get(&req.node_id)
@@ -580,4 +582,61 @@ impl Server {
             })?;
         Ok(())
     }
+}
+
+/// Whether the group of `alloc` (as it was placed) asks for the volume
+/// `req` claims, in the claim's modes: a `csi` volume block whose `source`
+/// (with `per_alloc`, the alloc's own index) is the volume, with the
+/// claim's access and attachment modes, and that is not read-only for a
+/// write claim. A node acts only on what the servers placed on it: any
+/// other claim is refused, whatever the alloc or its node.
+fn check_declared(alloc: &Allocation, req: &VolumeClaimRequest) -> Result<(), ServerError> {
+    let vid = req.volume_id.as_str();
+    let refused = |why: String| {
+        ServerError::Forbidden(format!(
+            "alloc {} (group {:?} of job {:?}) {why}; a node claims only the volumes its allocs' groups ask for, as they ask",
+            alloc.id, alloc.task_group, alloc.job_id
+        ))
+    };
+    let asked: Vec<&VolumeRequest> = alloc
+        .group()
+        .map(|g| {
+            g.volumes
+                .values()
+                .filter(|r| r.volume_type == "csi" && r.source_for(alloc.index) == vid)
+                .collect()
+        })
+        .unwrap_or_default();
+    if asked.is_empty() {
+        return Err(refused(format!("asks for no CSI volume {vid:?}")));
+    }
+    let fits = |r: &&VolumeRequest| {
+        let read_only = r.read_only || r.access_mode.is_some_and(|m| m.is_reader_only());
+        r.access_mode == Some(req.access_mode)
+            && r.attachment_mode == Some(req.attachment_mode)
+            && (req.mode == ClaimMode::Read || !read_only)
+    };
+    if asked.iter().any(fits) {
+        return Ok(());
+    }
+    let shown: Vec<String> = asked
+        .iter()
+        .map(|r| {
+            let mode = |m: Option<String>| m.unwrap_or_else(|| "-".into());
+            format!(
+                "{:?}: {}{}/{}",
+                r.name,
+                if r.read_only { "read-only " } else { "" },
+                mode(r.access_mode.map(|m| m.to_string())),
+                mode(r.attachment_mode.map(|m| m.to_string())),
+            )
+        })
+        .collect();
+    Err(refused(format!(
+        "asks for volume {vid:?} as {}, not a {} claim {}/{}",
+        shown.join(", "),
+        req.mode.as_str(),
+        req.access_mode,
+        req.attachment_mode
+    )))
 }
