@@ -233,6 +233,7 @@ pub fn router(server: Arc<Server>) -> Router {
         &routes::all_routes(),
         acl::UnknownPaths::Deny,
         server.clone(),
+        acl::Enforce::Always,
     );
     let router = Router::new()
         .fallback_service(api)

@@ -23,12 +23,30 @@ impl berth_cli::Host for AgentHost {
         agent::run_from_args(args)
     }
 
-    fn config_roles(&self, paths: &[PathBuf]) -> anyhow::Result<&'static str> {
+    fn validate_config(&self, paths: &[PathBuf]) -> anyhow::Result<berth_cli::ValidConfig> {
         let config = config::load(paths)?;
-        Ok(match (config.server_enabled(), config.client_enabled()) {
+        let roles = match (config.server_enabled(), config.client_enabled()) {
             (true, true) => "server and client",
             (true, false) => "server",
             _ => "client",
-        })
+        };
+        let mut notes = Vec::new();
+        if !config.server_enabled() {
+            match config.security.acl.enabled {
+                Some(true) => {}
+                Some(false) => notes.push(
+                    "acl { enabled = false } on a client: once its servers enforce ACL tokens, \
+                     this client checks tokens on its own routes anyway and refuses to start \
+                     with this file; leave the acl block out to follow the servers"
+                        .to_string(),
+                ),
+                None => notes.push(
+                    "no acl block: this client checks ACL tokens on its own routes whenever \
+                     its servers enforce them"
+                        .to_string(),
+                ),
+            }
+        }
+        Ok(berth_cli::ValidConfig { roles, notes })
     }
 }

@@ -44,8 +44,18 @@ pub trait Host {
     fn agent(&self, args: agent_args::AgentArgs) -> Result<i32>;
     /// `berth config validate PATH...`: the merged configuration of the
     /// paths, checked; `Ok` with the roles it enables ("server", "client"
-    /// or "server and client").
-    fn config_roles(&self, paths: &[PathBuf]) -> Result<&'static str>;
+    /// or "server and client") and what an operator should know of it.
+    fn validate_config(&self, paths: &[PathBuf]) -> Result<ValidConfig>;
+}
+
+/// A configuration that `berth config validate` passed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ValidConfig {
+    /// "server", "client" or "server and client".
+    pub roles: &'static str,
+    /// What the configuration does that its files do not say, one line
+    /// each.
+    pub notes: Vec<String>,
 }
 
 /// `berth version` and `berth -version`.
@@ -463,8 +473,11 @@ pub fn run(args: Vec<String>, host: &dyn Host) -> Result<i32> {
     match cli.command {
         Command::Agent(a) => host.agent(*a),
         Command::Config(ConfigCommand::Validate { paths }) => {
-            let roles = host.config_roles(&paths)?;
-            println!("Configuration is valid ({roles})");
+            let valid = host.validate_config(&paths)?;
+            println!("Configuration is valid ({})", valid.roles);
+            for note in &valid.notes {
+                println!("Note: {note}");
+            }
             Ok(0)
         }
         Command::Job(cmd) => job::run(cmd, &ctx()?),

@@ -188,6 +188,9 @@ struct Inner {
     /// Sent with each registration, for servers that do not know the node
     /// yet.
     intro_token: Mutex<Option<berth_structs::secret::ConfigSecret>>,
+    /// Whether the servers enforce ACL tokens, as they last said (with a
+    /// registration or a heartbeat); `None` until one says.
+    cluster_acl: watch::Sender<Option<bool>>,
 }
 
 fn status_retryable(code: Code) -> bool {
@@ -208,12 +211,34 @@ impl ServerConn {
                 event_linger: EVENT_LINGER,
                 alloc_changes: watch::Sender::new(1),
                 intro_token: Mutex::new(None),
+                cluster_acl: watch::Sender::new(None),
             }),
         }
     }
 
     pub fn node_id(&self) -> String {
         self.node().id
+    }
+
+    /// Whether the servers enforce ACL tokens, as they last said; `None`
+    /// until they have.
+    pub fn cluster_acl(&self) -> Option<bool> {
+        *self.inner.cluster_acl.borrow()
+    }
+
+    /// What the servers said (or, at start, what they last said before a
+    /// restart) of enforcing ACL tokens.
+    pub fn note_cluster_acl(&self, enabled: bool) {
+        self.inner.cluster_acl.send_if_modified(|v| {
+            let changed = *v != Some(enabled);
+            *v = Some(enabled);
+            changed
+        });
+    }
+
+    /// Changes of [`Self::cluster_acl`].
+    pub fn cluster_acl_changes(&self) -> watch::Receiver<Option<bool>> {
+        self.inner.cluster_acl.subscribe()
     }
 
     /// The introduction token sent with registrations from now on.
@@ -269,6 +294,7 @@ impl ServerConn {
             req.metadata_mut().insert(pb::INTRO_TOKEN_METADATA, value);
         }
         let resp = self.node_client().register(req).await?.into_inner();
+        self.note_cluster_acl(resp.acl_enabled);
         Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
     }
 
@@ -625,7 +651,11 @@ impl HeartbeatRpc for ServerConn {
         });
         r.set_timeout(HEARTBEAT_DEADLINE);
         match self.node_client().heartbeat(r).await {
-            Ok(resp) => Ok(Duration::from_millis(resp.into_inner().heartbeat_ttl_ms)),
+            Ok(resp) => {
+                let resp = resp.into_inner();
+                self.note_cluster_acl(resp.acl_enabled);
+                Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
+            }
             Err(s) if s.code() == Code::NotFound => Err(HeartbeatError::NodeUnknown),
             Err(s) => Err(HeartbeatError::Transient(s.to_string())),
         }

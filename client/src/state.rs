@@ -262,6 +262,20 @@ impl ClientState {
         })
     }
 
+    /// Whether the servers enforced ACL tokens when they last said (see
+    /// [`crate::rpc::ServerConn::cluster_acl`]); `None` before they ever
+    /// did, or for a record that is not a boolean.
+    pub fn cluster_acl(&self) -> Result<Option<bool>, StateError> {
+        Ok(self
+            .meta(META_CLUSTER_ACL)?
+            .and_then(|v| v.parse::<bool>().ok()))
+    }
+
+    /// Records what the servers said of enforcing ACL tokens.
+    pub fn set_cluster_acl(&self, enabled: bool) -> Result<(), StateError> {
+        self.set_meta(META_CLUSTER_ACL, if enabled { "true" } else { "false" })
+    }
+
     /// The node ID and secret, created (and stored) at the first start. A
     /// database from before node secrets keeps its node ID and gets a
     /// secret; a stored secret that is not one is replaced, and the
@@ -571,6 +585,8 @@ impl AllocStateStore for ClientState {
 }
 
 const LAST_HEARTBEAT: &str = "last_heartbeat_ms";
+/// Whether the servers enforce ACL tokens, as they last said.
+const META_CLUSTER_ACL: &str = "cluster_acl";
 
 impl berth_heartbeat::LastHeartbeatStore for ClientState {
     fn save(&self, unix_ms: i64) {

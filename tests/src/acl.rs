@@ -25,3 +25,14 @@ pub fn writes_refused_to_readers(job_body: &str) -> Vec<(&'static str, &'static 
         ),
     ]
 }
+
+/// An HTTP/1.1 request of `method` on `path` with a JSON `body` and, when
+/// given, an ACL token; the connection closes after the answer.
+pub fn token_request(method: &str, path: &str, token: Option<&str>, body: &str) -> String {
+    let auth = token.map_or(String::new(), |t| format!("X-Berth-Token: {t}\r\n"));
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}

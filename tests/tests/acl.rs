@@ -7,19 +7,10 @@
 
 use anyhow::{Context, Result};
 use berth_tests::{
-    forward_http, free_port, sleeping_service_job, writes_refused_to_readers, DevAgent,
-    READONLY_POLICY,
+    forward_http, free_port, sleeping_service_job, token_request as request,
+    writes_refused_to_readers, DevAgent, READONLY_POLICY,
 };
 use serde_json::Value;
-
-fn request(method: &str, path: &str, token: Option<&str>, body: &str) -> String {
-    let auth = token.map_or(String::new(), |t| format!("X-Berth-Token: {t}\r\n"));
-    format!(
-        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-}
 
 fn json_of(agent: &DevAgent, args: &[&str]) -> Result<Value> {
     let out = agent.cli_ok(args)?;

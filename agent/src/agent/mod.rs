@@ -283,10 +283,39 @@ async fn start_client_role(
     let client = Client::start(client_config, stop.clone())
         .await
         .context("starting the client")?;
+    let acl_off_in_files = config.security.acl.enabled == Some(false) && !config.server;
+    if acl_off_in_files && client.cluster_acl() == Some(true) {
+        bail!(
+            "berth agent: acl {{ enabled = false }} is set, but this client's servers enforce ACL \
+             tokens (as they said before this start); a client of an ACL cluster checks tokens \
+             on its own routes: remove the acl block or set enabled = true"
+        );
+    }
+    if acl_off_in_files {
+        tokio::spawn(warn_acl_overridden(client.cluster_acl_changes()));
+    }
     crate::systemd::status("restoring allocs, then registering with the servers");
     components.client = Some(client.clone());
     let _ = agent_info.client_role.set(client.clone());
     Ok(tokio::spawn(client.run(stop)))
+}
+
+/// Says, each time the servers say they enforce ACL tokens, that this
+/// client's `acl { enabled = false }` is overridden: it checks tokens
+/// anyway.
+async fn warn_acl_overridden(mut changes: watch::Receiver<Option<bool>>) {
+    loop {
+        if *changes.borrow_and_update() == Some(true) {
+            tracing::error!(
+                "acl {{ enabled = false }} is set, but the servers enforce ACL tokens: this client \
+                 checks tokens on its routes anyway, and refuses to start with this config; \
+                 remove the acl block or set enabled = true"
+            );
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
 }
 
 /// Says READY=1 once every role serves: the server's listeners are up

@@ -115,11 +115,21 @@ pub enum UnknownPaths {
     Deny,
 }
 
+/// When a gate checks tokens.
+#[derive(Clone)]
+pub enum Enforce {
+    /// Always (the agent's own config turns ACLs on).
+    Always,
+    /// While this says so (a client agent whose servers enforce ACLs).
+    When(Arc<dyn Fn() -> bool + Send + Sync>),
+}
+
 /// The ACL check of one router.
 pub struct AclGate {
     needs: NeedTable,
     unknown_paths: UnknownPaths,
     resolver: Arc<dyn TokenResolver>,
+    enforce: Enforce,
 }
 
 impl AclGate {
@@ -127,12 +137,21 @@ impl AclGate {
         routes: &[Route],
         unknown_paths: UnknownPaths,
         resolver: Arc<dyn TokenResolver>,
+        enforce: Enforce,
     ) -> Arc<AclGate> {
         Arc::new(AclGate {
             needs: NeedTable::new(routes),
             unknown_paths,
             resolver,
+            enforce,
         })
+    }
+
+    fn enforced(&self) -> bool {
+        match &self.enforce {
+            Enforce::Always => true,
+            Enforce::When(now) => now(),
+        }
     }
 
     /// What a request needs to pass; `None`: it is another router's to
@@ -185,6 +204,9 @@ pub fn token_of(headers: &HeaderMap) -> Result<Option<String>, ApiError> {
 pub async fn check(State(gate): State<Arc<AclGate>>, mut req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
+    if !gate.enforced() {
+        return next.run(req).await;
+    }
     let Some(need) = gate.need_of(&method, &path) else {
         // Not this gate's route: the router behind checks it.
         return next.run(req).await;

@@ -34,9 +34,12 @@ pub struct AgentInfo {
     pub client_role: OnceLock<Arc<Client>>,
     /// This agent's server role, when it runs one (for its metrics).
     pub server_role: OnceLock<Arc<Server>>,
-    /// `Some(token_ttl)` when ACLs are on: how long a client-only agent
-    /// keeps a token the servers resolved.
+    /// `Some(token_ttl)` when this agent's own config turns ACLs on: how
+    /// long a client-only agent keeps a token the servers resolved.
     pub acl: Option<std::time::Duration>,
+    /// How long a client-only agent keeps a resolved token when it checks
+    /// tokens because its servers do (`acl { token_ttl }`).
+    pub acl_token_ttl: std::time::Duration,
     /// The `Host` values its HTTP API answers (see [`super::host_check`]).
     pub allowed_hosts: super::host_check::AllowedHosts,
     /// How many waiting requests it holds at once (see [`super::limits`]).
@@ -55,6 +58,7 @@ impl AgentInfo {
             client_role: OnceLock::new(),
             server_role: OnceLock::new(),
             acl: None,
+            acl_token_ttl: crate::config::security::AclSection::DEFAULT_TOKEN_TTL,
             allowed_hosts: super::host_check::AllowedHosts::default(),
             limits: super::limits::ApiLimits::default(),
         }
@@ -68,6 +72,7 @@ impl AgentInfo {
                 security.http_allowed_hosts.clone(),
             ),
             limits: super::limits::ApiLimits::new(&security.limits.effective()),
+            acl_token_ttl: security.acl.effective_token_ttl(),
             ..self
         }
     }
@@ -146,7 +151,22 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         info: info.clone(),
         rest: rest.clone(),
     };
-    let gate = info.acl.map(|ttl| {
+    // A client-only agent checks tokens when its own config says so, and
+    // also whenever its servers enforce them (see
+    // `Client::checks_tokens`; until the client role has started, it
+    // checks): an `acl` block missing from a client's files never opens
+    // its routes.
+    let follows_servers = info.acl.is_none() && info.client && info.server_role.get().is_none();
+    let enforce = if follows_servers {
+        let info = info.clone();
+        super::acl::Enforce::When(Arc::new(move || {
+            info.client_role.get().is_none_or(|c| c.checks_tokens())
+        }))
+    } else {
+        super::acl::Enforce::Always
+    };
+    let acl_ttl = info.acl.or(follows_servers.then_some(info.acl_token_ttl));
+    let gate = acl_ttl.map(|ttl| {
         let resolver: Arc<dyn super::acl::TokenResolver> = match info.server_role.get() {
             Some(s) => s.clone(),
             None => {
@@ -165,6 +185,7 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
             agent_routes().table(),
             super::acl::UnknownPaths::PassOn,
             resolver,
+            enforce,
         )
     });
     let router = agent_routes()

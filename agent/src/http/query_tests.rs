@@ -268,7 +268,30 @@ async fn api_with_one_of_everything() -> (TestApi, BTreeMap<&'static str, String
         })
         .await
         .expect("register volume");
-    register_job(&api, "web").await;
+    // The job's group mounts the volume, so its alloc may claim it.
+    let mut web = job("web");
+    web.task_groups[0].volumes.insert(
+        "data".into(),
+        berth_structs::VolumeRequest {
+            name: "data".into(),
+            volume_type: "csi".into(),
+            source: "data".into(),
+            access_mode: Some(AccessMode::SingleNodeWriter),
+            attachment_mode: Some(AttachmentMode::FileSystem),
+            ..Default::default()
+        },
+    );
+    web.task_groups[0].tasks[0]
+        .volume_mounts
+        .push(berth_structs::VolumeMount {
+            volume: "data".into(),
+            destination: "data".into(),
+            ..Default::default()
+        });
+    api.server
+        .register_job(web)
+        .await
+        .expect("register job web");
     let alloc = wait_for_alloc(&api, "web").await;
     let ids = BTreeMap::from([
         ("job", "web".to_string()),

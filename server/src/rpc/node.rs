@@ -194,6 +194,7 @@ impl Node for NodeService {
             .await?;
         Ok(Response::new(pb::RegisterResponse {
             heartbeat_ttl_ms: reg.heartbeat_ttl.as_millis() as u64,
+            acl_enabled: self.server.acl_enabled(),
             index: reg.index,
         }))
     }
@@ -209,6 +210,7 @@ impl Node for NodeService {
         berth_metrics::metrics().server_heartbeats.inc();
         Ok(Response::new(pb::HeartbeatResponse {
             heartbeat_ttl_ms: ttl.as_millis() as u64,
+            acl_enabled: self.server.acl_enabled(),
         }))
     }
 

@@ -1,0 +1,187 @@
+//! A client agent follows its servers' ACLs: in a cluster whose servers
+//! enforce tokens, a client agent whose files have no `acl` block refuses
+//! its node-local routes (task logs, signals) to a caller without a token,
+//! as the servers do; one whose files say `acl { enabled = false }` refuses
+//! to start once it knows, and `berth config validate` says both.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use berth_tests::{
+    cli_ok_at, free_port, http_at, sleeping_service_job, token_request as request, wait_for, Agent,
+};
+use serde_json::Value;
+
+fn path_str(p: &Path) -> Result<&str> {
+    p.to_str().context("a path that is not UTF-8")
+}
+
+/// `method path` on the agent at `port` with `token`; the status, and the
+/// JSON of a 200 (`null` for any other answer).
+fn call(
+    port: u16,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> Result<(u16, Value)> {
+    let a = http_at(port, &request(method, path, token, body))?;
+    // A log read answers bytes, not JSON.
+    let json = if a.status == 200 {
+        a.json().unwrap_or(Value::Null)
+    } else {
+        Value::Null
+    };
+    Ok((a.status, json))
+}
+
+#[test]
+fn a_client_without_an_acl_block_checks_tokens_when_its_servers_do() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let server_file = dir.path().join("server.hcl");
+    std::fs::write(
+        &server_file,
+        "server {\n  enabled = true\n}\nacl {\n  enabled = true\n}\n",
+    )?;
+    let http_port = free_port();
+    let rpc = format!("127.0.0.1:{}", free_port());
+    let mut server = Agent::start(&[
+        "-config",
+        path_str(&server_file)?,
+        "-http-addr",
+        &format!("127.0.0.1:{http_port}"),
+        "-rpc-addr",
+        &rpc,
+    ])?;
+    let boot = wait_for("the ACL bootstrap", Duration::from_secs(30), || {
+        server.check_running()?;
+        Ok(
+            match call(http_port, "POST", "/v1/acl/bootstrap", None, "{}") {
+                Ok((200, v)) => v["secret_id"].as_str().map(str::to_string),
+                _ => None,
+            },
+        )
+    })?;
+    let (status, intro) = call(
+        http_port,
+        "PUT",
+        "/v1/node/intro",
+        Some(&boot),
+        r#"{"ttl": "10m", "uses": 1}"#,
+    )?;
+    assert_eq!(status, 200, "{intro}");
+    let intro = intro["secret_id"].as_str().context("intro secret")?;
+
+    // The client's files: no acl block, as the README's example had it
+    // (the agent's -data-dir overrides data_dir).
+    let client_file = dir.path().join("client.hcl");
+    let data_dir = dir.path().join("unused");
+    std::fs::write(
+        &client_file,
+        format!(
+            "data_dir = \"{}\"\nclient {{\n  enabled = true\n  servers = [\"{rpc}\"]\n  intro_token = \"{intro}\"\n}}\n",
+            data_dir.display()
+        ),
+    )?;
+    let validated = cli_ok_at("", &["config", "validate", path_str(&client_file)?])?;
+    assert!(
+        validated.contains("checks ACL tokens on its own routes whenever its servers enforce them"),
+        "{validated}"
+    );
+    let client_port = free_port();
+    let mut client = Agent::start(&[
+        "-config",
+        path_str(&client_file)?,
+        "-node",
+        "c1",
+        "-http-addr",
+        &format!("127.0.0.1:{client_port}"),
+    ])?;
+
+    // A job on the client, running.
+    let job_file = dir.path().join("sleeper.hcl");
+    std::fs::write(&job_file, sleeping_service_job("sleeper", 1, 0))?;
+    let server_addr = format!("http://127.0.0.1:{http_port}");
+    let body = cli_ok_at(
+        &server_addr,
+        &["job", "run", "-output", path_str(&job_file)?],
+    )?;
+    let alloc_id = wait_for("the alloc running", Duration::from_secs(60), || {
+        server.check_running()?;
+        client.check_running()?;
+        let (status, _) = call(http_port, "PUT", "/v1/jobs", Some(&boot), body.trim())?;
+        anyhow::ensure!(status == 200, "job submit: {status}");
+        let (_, allocs) = call(
+            http_port,
+            "GET",
+            "/v1/job/sleeper/allocations",
+            Some(&boot),
+            "",
+        )?;
+        Ok(allocs.as_array().into_iter().flatten().find_map(|a| {
+            (a["client_status"] == "running")
+                .then(|| a["id"].as_str().map(str::to_string))
+                .flatten()
+        }))
+    })?;
+
+    // Without a token the client agent refuses its own routes, as the
+    // server does; with one it answers.
+    let logs = format!("/v1/client/fs/logs/{alloc_id}?task=sleep&type=stdout");
+    let signal = format!("/v1/client/allocation/{alloc_id}/signal");
+    assert_eq!(call(client_port, "GET", &logs, None, "")?.0, 403);
+    assert_eq!(call(client_port, "HEAD", &logs, None, "")?.0, 403);
+    assert_eq!(
+        call(
+            client_port,
+            "POST",
+            &signal,
+            None,
+            r#"{"signal": "SIGTERM"}"#
+        )?
+        .0,
+        403
+    );
+    assert_eq!(call(http_port, "GET", &logs, None, "")?.0, 403);
+    assert_eq!(call(client_port, "GET", &logs, Some(&boot), "")?.0, 200);
+    let (_, alloc) = call(
+        http_port,
+        "GET",
+        &format!("/v1/allocation/{alloc_id}"),
+        Some(&boot),
+        "",
+    )?;
+    assert_eq!(
+        alloc["task_states"]["sleep"]["restarts"]
+            .as_u64()
+            .unwrap_or(0),
+        0,
+        "a refused signal restarted the task: {alloc}"
+    );
+
+    // The client remembers what its servers said: with acl { enabled =
+    // false } in its files it refuses to start, saying why.
+    client.stop()?;
+    let mut text = std::fs::read_to_string(&client_file)?;
+    text.push_str("acl {\n  enabled = false\n}\n");
+    std::fs::write(&client_file, text)?;
+    let validated = cli_ok_at("", &["config", "validate", path_str(&client_file)?])?;
+    assert!(
+        validated.contains("refuses to start with this file"),
+        "{validated}"
+    );
+    client.start_again()?;
+    wait_for(
+        "the client to refuse to start",
+        Duration::from_secs(30),
+        || Ok(client.check_running().err().map(|_| ())),
+    )?;
+    let log = client.log();
+    assert!(
+        log.contains("this client's servers enforce ACL tokens"),
+        "the refusal does not say why:\n{log}"
+    );
+    assert!(!log.contains(&boot), "the token reached the client's log");
+    Ok(())
+}
