@@ -9,6 +9,7 @@
 //! servers' forwarded requests ([`calls::LocalApi`]).
 
 pub mod calls;
+mod cluster_acl;
 mod fingerprint;
 pub mod gc;
 mod heap;
@@ -413,31 +414,6 @@ impl Client {
         Err(ids)
     }
 
-    /// Whether the servers enforce ACL tokens, as they last said (kept
-    /// across restarts); `None` before they ever said. A client agent
-    /// checks tokens on its own routes when they do.
-    pub fn cluster_acl(&self) -> Option<bool> {
-        self.conn.cluster_acl()
-    }
-
-    /// Whether this client checks ACL tokens on its own routes: when its
-    /// servers enforce them; before they ever said, while it runs any
-    /// alloc (a client upgraded from a version that did not record their
-    /// answer, restarted while they are unreachable). A client that never
-    /// heard from its servers runs nothing they placed, so nothing of its
-    /// routes is theirs to protect yet.
-    pub fn checks_tokens(&self) -> bool {
-        match self.cluster_acl() {
-            Some(enforced) => enforced,
-            None => self.runners.try_lock().map_or(true, |r| !r.is_empty()),
-        }
-    }
-
-    /// Changes of [`Self::cluster_acl`].
-    pub fn cluster_acl_changes(&self) -> watch::Receiver<Option<bool>> {
-        self.conn.cluster_acl_changes()
-    }
-
     /// Whether the node has registered with the servers since the client
     /// started.
     pub fn registered(&self) -> bool {
@@ -562,7 +538,7 @@ impl Client {
             let changes = self.conn.cluster_acl_changes();
             let state = self.state.clone();
             let rx = shutdown.clone();
-            tasks.spawn(async move { record_cluster_acl(changes, state, rx).await });
+            tasks.spawn(async move { cluster_acl::record(changes, state, rx).await });
         }
         {
             let csi = self.csi.clone();
@@ -918,27 +894,6 @@ fn allocs_to_collect<'a>(
         return Vec::new();
     }
     running.filter(|id| !seen.contains(*id)).cloned().collect()
-}
-
-/// Records every change of what the servers say of enforcing ACL tokens,
-/// so that a restarted client knows it before it reaches them.
-async fn record_cluster_acl(
-    mut changes: watch::Receiver<Option<bool>>,
-    state: ClientState,
-    mut shutdown: Shutdown,
-) {
-    loop {
-        tokio::select! {
-            _ = shutdown.wait() => return,
-            changed = changes.changed() => if changed.is_err() { return },
-        }
-        let Some(enabled) = *changes.borrow_and_update() else {
-            continue;
-        };
-        if let Err(e) = state.set_cluster_acl(enabled) {
-            tracing::warn!(error = %e, "recording whether the servers enforce ACLs failed");
-        }
-    }
 }
 
 #[cfg(test)]
