@@ -29,6 +29,13 @@ impl Client {
         }
     }
 
+    /// The servers' index of their last change to ACL tokens and
+    /// policies: a client agent drops the tokens it resolved when it
+    /// moves.
+    pub fn acl_index(&self) -> u64 {
+        self.conn.acl_index()
+    }
+
     /// Changes of [`Self::cluster_acl`].
     pub fn cluster_acl_changes(&self) -> watch::Receiver<Option<bool>> {
         self.conn.cluster_acl_changes()

@@ -191,6 +191,9 @@ struct Inner {
     /// Whether the servers enforce ACL tokens, as they last said (with a
     /// registration or a heartbeat); `None` until one says.
     cluster_acl: watch::Sender<Option<bool>>,
+    /// The servers' index of their last change to ACL tokens and
+    /// policies, as they last said (0 before they did).
+    acl_index: std::sync::atomic::AtomicU64,
 }
 
 fn status_retryable(code: Code) -> bool {
@@ -212,6 +215,7 @@ impl ServerConn {
                 alloc_changes: watch::Sender::new(1),
                 intro_token: Mutex::new(None),
                 cluster_acl: watch::Sender::new(None),
+                acl_index: std::sync::atomic::AtomicU64::new(0),
             }),
         }
     }
@@ -234,6 +238,20 @@ impl ServerConn {
             *v = Some(enabled);
             changed
         });
+    }
+
+    /// The servers' index of their last change to ACL tokens and
+    /// policies, as they last said with a registration or a heartbeat.
+    pub fn acl_index(&self) -> u64 {
+        self.inner
+            .acl_index
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn note_acl_index(&self, index: u64) {
+        self.inner
+            .acl_index
+            .store(index, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Changes of [`Self::cluster_acl`].
@@ -295,6 +313,7 @@ impl ServerConn {
         }
         let resp = self.node_client().register(req).await?.into_inner();
         self.note_cluster_acl(resp.acl_enabled);
+        self.note_acl_index(resp.acl_index);
         Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
     }
 
@@ -654,6 +673,7 @@ impl HeartbeatRpc for ServerConn {
             Ok(resp) => {
                 let resp = resp.into_inner();
                 self.note_cluster_acl(resp.acl_enabled);
+                self.note_acl_index(resp.acl_index);
                 Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
             }
             Err(s) if s.code() == Code::NotFound => Err(HeartbeatError::NodeUnknown),

@@ -5,7 +5,7 @@
 //! to start once it knows, and `berth config validate` says both.
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use berth_tests::{
@@ -36,96 +36,144 @@ fn call(
     Ok((a.status, json))
 }
 
+/// An ACL server and a client agent enrolled with an introduction token
+/// whose files have no `acl` block, running one alloc of a sleeping job.
+struct AclCluster {
+    dir: tempfile::TempDir,
+    server: Agent,
+    client: Agent,
+    client_file: std::path::PathBuf,
+    http_port: u16,
+    client_port: u16,
+    /// The bootstrap (management) token.
+    boot: String,
+    alloc_id: String,
+}
+
+impl AclCluster {
+    fn start() -> Result<AclCluster> {
+        let dir = tempfile::tempdir()?;
+        let server_file = dir.path().join("server.hcl");
+        std::fs::write(
+            &server_file,
+            "server {\n  enabled = true\n  min_heartbeat_ttl = \"2s\"\n}\nacl {\n  enabled = true\n}\n",
+        )?;
+        let http_port = free_port();
+        let rpc = format!("127.0.0.1:{}", free_port());
+        let mut server = Agent::start(&[
+            "-config",
+            path_str(&server_file)?,
+            "-http-addr",
+            &format!("127.0.0.1:{http_port}"),
+            "-rpc-addr",
+            &rpc,
+        ])?;
+        let boot = wait_for("the ACL bootstrap", Duration::from_secs(30), || {
+            server.check_running()?;
+            Ok(
+                match call(http_port, "POST", "/v1/acl/bootstrap", None, "{}") {
+                    Ok((200, v)) => v["secret_id"].as_str().map(str::to_string),
+                    _ => None,
+                },
+            )
+        })?;
+        let (status, intro) = call(
+            http_port,
+            "PUT",
+            "/v1/node/intro",
+            Some(&boot),
+            r#"{"ttl": "10m", "uses": 1}"#,
+        )?;
+        assert_eq!(status, 200, "{intro}");
+        let intro = intro["secret_id"].as_str().context("intro secret")?;
+
+        // The client's files: no acl block, as the README's example had it
+        // (the agent's -data-dir overrides data_dir).
+        let client_file = dir.path().join("client.hcl");
+        let data_dir = dir.path().join("unused");
+        std::fs::write(
+            &client_file,
+            format!(
+                "data_dir = \"{}\"\nclient {{\n  enabled = true\n  servers = [\"{rpc}\"]\n  intro_token = \"{intro}\"\n}}\n",
+                data_dir.display()
+            ),
+        )?;
+        let validated = cli_ok_at("", &["config", "validate", path_str(&client_file)?])?;
+        assert!(
+            validated
+                .contains("checks ACL tokens on its own routes whenever its servers enforce them"),
+            "{validated}"
+        );
+        let client_port = free_port();
+        let mut client = Agent::start(&[
+            "-config",
+            path_str(&client_file)?,
+            "-node",
+            "c1",
+            "-http-addr",
+            &format!("127.0.0.1:{client_port}"),
+        ])?;
+
+        // A job on the client, running.
+        let job_file = dir.path().join("sleeper.hcl");
+        std::fs::write(&job_file, sleeping_service_job("sleeper", 1, 0))?;
+        let server_addr = format!("http://127.0.0.1:{http_port}");
+        let body = cli_ok_at(
+            &server_addr,
+            &["job", "run", "-output", path_str(&job_file)?],
+        )?;
+        let alloc_id = wait_for("the alloc running", Duration::from_secs(60), || {
+            server.check_running()?;
+            client.check_running()?;
+            let (status, _) = call(http_port, "PUT", "/v1/jobs", Some(&boot), body.trim())?;
+            anyhow::ensure!(status == 200, "job submit: {status}");
+            let (_, allocs) = call(
+                http_port,
+                "GET",
+                "/v1/job/sleeper/allocations",
+                Some(&boot),
+                "",
+            )?;
+            Ok(allocs.as_array().into_iter().flatten().find_map(|a| {
+                (a["client_status"] == "running")
+                    .then(|| a["id"].as_str().map(str::to_string))
+                    .flatten()
+            }))
+        })?;
+
+        Ok(AclCluster {
+            dir,
+            server,
+            client,
+            client_file,
+            http_port,
+            client_port,
+            boot,
+            alloc_id,
+        })
+    }
+
+    /// The alloc's task log, read through the client agent.
+    fn logs_path(&self) -> String {
+        format!(
+            "/v1/client/fs/logs/{}?task=sleep&type=stdout",
+            self.alloc_id
+        )
+    }
+}
+
 #[test]
 fn a_client_without_an_acl_block_checks_tokens_when_its_servers_do() -> Result<()> {
-    let dir = tempfile::tempdir()?;
-    let server_file = dir.path().join("server.hcl");
-    std::fs::write(
-        &server_file,
-        "server {\n  enabled = true\n}\nacl {\n  enabled = true\n}\n",
-    )?;
-    let http_port = free_port();
-    let rpc = format!("127.0.0.1:{}", free_port());
-    let mut server = Agent::start(&[
-        "-config",
-        path_str(&server_file)?,
-        "-http-addr",
-        &format!("127.0.0.1:{http_port}"),
-        "-rpc-addr",
-        &rpc,
-    ])?;
-    let boot = wait_for("the ACL bootstrap", Duration::from_secs(30), || {
-        server.check_running()?;
-        Ok(
-            match call(http_port, "POST", "/v1/acl/bootstrap", None, "{}") {
-                Ok((200, v)) => v["secret_id"].as_str().map(str::to_string),
-                _ => None,
-            },
-        )
-    })?;
-    let (status, intro) = call(
+    let AclCluster {
+        dir: _dir,
+        server: _server,
+        mut client,
+        client_file,
         http_port,
-        "PUT",
-        "/v1/node/intro",
-        Some(&boot),
-        r#"{"ttl": "10m", "uses": 1}"#,
-    )?;
-    assert_eq!(status, 200, "{intro}");
-    let intro = intro["secret_id"].as_str().context("intro secret")?;
-
-    // The client's files: no acl block, as the README's example had it
-    // (the agent's -data-dir overrides data_dir).
-    let client_file = dir.path().join("client.hcl");
-    let data_dir = dir.path().join("unused");
-    std::fs::write(
-        &client_file,
-        format!(
-            "data_dir = \"{}\"\nclient {{\n  enabled = true\n  servers = [\"{rpc}\"]\n  intro_token = \"{intro}\"\n}}\n",
-            data_dir.display()
-        ),
-    )?;
-    let validated = cli_ok_at("", &["config", "validate", path_str(&client_file)?])?;
-    assert!(
-        validated.contains("checks ACL tokens on its own routes whenever its servers enforce them"),
-        "{validated}"
-    );
-    let client_port = free_port();
-    let mut client = Agent::start(&[
-        "-config",
-        path_str(&client_file)?,
-        "-node",
-        "c1",
-        "-http-addr",
-        &format!("127.0.0.1:{client_port}"),
-    ])?;
-
-    // A job on the client, running.
-    let job_file = dir.path().join("sleeper.hcl");
-    std::fs::write(&job_file, sleeping_service_job("sleeper", 1, 0))?;
-    let server_addr = format!("http://127.0.0.1:{http_port}");
-    let body = cli_ok_at(
-        &server_addr,
-        &["job", "run", "-output", path_str(&job_file)?],
-    )?;
-    let alloc_id = wait_for("the alloc running", Duration::from_secs(60), || {
-        server.check_running()?;
-        client.check_running()?;
-        let (status, _) = call(http_port, "PUT", "/v1/jobs", Some(&boot), body.trim())?;
-        anyhow::ensure!(status == 200, "job submit: {status}");
-        let (_, allocs) = call(
-            http_port,
-            "GET",
-            "/v1/job/sleeper/allocations",
-            Some(&boot),
-            "",
-        )?;
-        Ok(allocs.as_array().into_iter().flatten().find_map(|a| {
-            (a["client_status"] == "running")
-                .then(|| a["id"].as_str().map(str::to_string))
-                .flatten()
-        }))
-    })?;
-
+        client_port,
+        boot,
+        alloc_id,
+    } = AclCluster::start()?;
     // Without a token the client agent refuses its own routes, as the
     // server does; with one it answers.
     let logs = format!("/v1/client/fs/logs/{alloc_id}?task=sleep&type=stdout");
@@ -183,5 +231,57 @@ fn a_client_without_an_acl_block_checks_tokens_when_its_servers_do() -> Result<(
         "the refusal does not say why:\n{log}"
     );
     assert!(!log.contains(&boot), "the token reached the client's log");
+    Ok(())
+}
+
+/// A token the client agent resolved is kept no longer than it lives, and
+/// a deleted one is refused within a heartbeat, not after the client's
+/// `token_ttl` (30 s).
+#[test]
+fn a_client_refuses_expired_and_deleted_tokens_before_its_cache_would_let_go() -> Result<()> {
+    let c = AclCluster::start()?;
+    let logs = c.logs_path();
+    let token = |body: &str| -> Result<(String, String)> {
+        let (status, t) = call(c.http_port, "PUT", "/v1/acl/token", Some(&c.boot), body)?;
+        anyhow::ensure!(status == 200, "token create: {status}");
+        let secret = t["secret_id"].as_str().context("secret")?.to_string();
+        let accessor = t["accessor_id"].as_str().context("accessor")?.to_string();
+        Ok((secret, accessor))
+    };
+
+    // A token of 3 s: read (and kept) at once, refused once it expires.
+    let made = Instant::now();
+    let (short, _) = token(r#"{"name": "short", "type": "management", "ttl": "3s"}"#)?;
+    assert_eq!(call(c.client_port, "GET", &logs, Some(&short), "")?.0, 200);
+    wait_for("the expired token refused", Duration::from_secs(10), || {
+        Ok((call(c.client_port, "GET", &logs, Some(&short), "")?.0 == 403).then_some(()))
+    })?;
+    let refused_after = made.elapsed();
+    assert!(
+        refused_after >= Duration::from_secs(3),
+        "refused before it expired: {refused_after:?}"
+    );
+
+    // A token deleted on the servers: refused within a heartbeat (the
+    // servers' TTL here is 2 s).
+    let (kept, accessor) = token(r#"{"name": "kept", "type": "management"}"#)?;
+    assert_eq!(call(c.client_port, "GET", &logs, Some(&kept), "")?.0, 200);
+    let (status, _) = call(
+        c.http_port,
+        "DELETE",
+        &format!("/v1/acl/token/{accessor}"),
+        Some(&c.boot),
+        "",
+    )?;
+    assert_eq!(status, 200);
+    let deleted = Instant::now();
+    wait_for("the deleted token refused", Duration::from_secs(15), || {
+        Ok((call(c.client_port, "GET", &logs, Some(&kept), "")?.0 == 403).then_some(()))
+    })?;
+    eprintln!(
+        "refused {:?} after expiry was due, {:?} after deletion",
+        refused_after.saturating_sub(Duration::from_secs(3)),
+        deleted.elapsed()
+    );
     Ok(())
 }

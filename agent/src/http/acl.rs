@@ -250,24 +250,59 @@ pub fn require(acl: Option<&Acl>, need: Need, why: &str) -> Result<(), ApiError>
     }
 }
 
+/// What the servers answered for a token: what it may do, and when it
+/// expires (unix ms), if it does.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub acl: Acl,
+    pub expires_ms: Option<i64>,
+}
+
 /// A client-only agent's resolver: asks the servers through `ask` and
-/// keeps each answer for `ttl`, by the hash of the secret.
+/// keeps each answer, by the hash of the secret, for `ttl` at most: never
+/// past the token's own expiry, and never once `generation` (the servers'
+/// index of their last change to tokens and policies, which the client
+/// hears with every heartbeat) has moved, so a deleted token is refused
+/// within a heartbeat.
 pub struct RemoteResolver<F> {
     ask: F,
     ttl: Duration,
-    cache: Mutex<HashMap<String, (Instant, Acl)>>,
+    generation: Box<dyn Fn() -> u64 + Send + Sync>,
+    cache: Mutex<HashMap<String, Cached>>,
+}
+
+struct Cached {
+    until: Instant,
+    generation: u64,
+    acl: Acl,
 }
 
 /// The most resolved tokens a client-only agent keeps.
 const MAX_CACHED_TOKENS: usize = 4096;
 
 impl<F> RemoteResolver<F> {
-    pub fn new(ask: F, ttl: Duration) -> RemoteResolver<F> {
+    pub fn new(
+        ask: F,
+        ttl: Duration,
+        generation: Box<dyn Fn() -> u64 + Send + Sync>,
+    ) -> RemoteResolver<F> {
         RemoteResolver {
             ask,
             ttl,
+            generation,
             cache: Mutex::new(HashMap::new()),
         }
+    }
+}
+
+/// How long an answer got at `now` (`now_ms` on the wall clock) is kept:
+/// `ttl`, or less when the token expires sooner; `None` when it has
+/// expired already.
+fn keep_for(ttl: Duration, expires_ms: Option<i64>, now_ms: i64) -> Option<Duration> {
+    match expires_ms {
+        None => Some(ttl),
+        Some(at) if at <= now_ms => None,
+        Some(at) => Some(ttl.min(Duration::from_millis((at - now_ms) as u64))),
     }
 }
 
@@ -275,33 +310,43 @@ impl<F> RemoteResolver<F> {
 impl<F, Fut> TokenResolver for RemoteResolver<F>
 where
     F: Fn(String) -> Fut + Send + Sync,
-    Fut: std::future::Future<Output = Result<Acl, ApiError>> + Send,
+    Fut: std::future::Future<Output = Result<Resolved, ApiError>> + Send,
 {
     async fn resolve(&self, secret: Option<&str>) -> Result<Acl, ApiError> {
         let Some(secret) = secret else {
             return Ok(Acl::anonymous());
         };
         let key = secret_hash(secret);
+        let generation = (self.generation)();
         let now = Instant::now();
         {
             let cache = self.cache.locked();
-            if let Some((at, acl)) = cache.get(&key) {
-                if now.duration_since(*at) < self.ttl {
-                    return Ok(acl.clone());
+            if let Some(c) = cache.get(&key) {
+                if now < c.until && c.generation == generation {
+                    return Ok(c.acl.clone());
                 }
             }
         }
-        let acl = (self.ask)(secret.to_string()).await?;
+        let resolved = (self.ask)(secret.to_string()).await?;
+        let Some(keep) = keep_for(self.ttl, resolved.expires_ms, berth_structs::now_ms()) else {
+            return Ok(resolved.acl);
+        };
         let mut cache = self.cache.locked();
         if cache.len() >= MAX_CACHED_TOKENS {
-            let ttl = self.ttl;
-            cache.retain(|_, (at, _)| now.duration_since(*at) < ttl);
+            cache.retain(|_, c| now < c.until && c.generation == generation);
             if cache.len() >= MAX_CACHED_TOKENS {
                 cache.clear();
             }
         }
-        cache.insert(key, (now, acl.clone()));
-        Ok(acl)
+        cache.insert(
+            key,
+            Cached {
+                until: now + keep,
+                generation,
+                acl: resolved.acl.clone(),
+            },
+        );
+        Ok(resolved.acl)
     }
 }
 
@@ -374,24 +419,71 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn a_remote_resolution_is_kept_for_its_ttl() {
+    /// A resolver whose servers answer `expires_ms` and count the asks,
+    /// with the generation `generation` holds.
+    fn counting_resolver(
+        expires_ms: Option<i64>,
+        generation: Arc<std::sync::atomic::AtomicU64>,
+    ) -> (Arc<std::sync::atomic::AtomicUsize>, impl TokenResolver) {
+        use std::sync::atomic::Ordering;
         let asked = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counter = asked.clone();
         let r = RemoteResolver::new(
             move |_secret: String| {
                 let counter = counter.clone();
                 async move {
-                    counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    Ok(Acl::management(Some("a".into())))
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    Ok(Resolved {
+                        acl: Acl::management(Some("a".into())),
+                        expires_ms,
+                    })
                 }
             },
             Duration::from_secs(60),
+            Box::new(move || generation.load(Ordering::SeqCst)),
         );
+        (asked, r)
+    }
+
+    #[tokio::test]
+    async fn a_remote_resolution_is_kept_for_its_ttl_until_the_servers_acls_change() {
+        use std::sync::atomic::Ordering;
+        let generation = Arc::new(std::sync::atomic::AtomicU64::new(7));
+        let (asked, r) = counting_resolver(None, generation.clone());
         assert!(r.resolve(None).await.unwrap().accessor_id.is_none());
         r.resolve(Some("s")).await.unwrap();
         r.resolve(Some("s")).await.unwrap();
-        assert_eq!(asked.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(asked.load(Ordering::SeqCst), 1);
+        // A token deleted (or any change to tokens and policies): asked
+        // again.
+        generation.store(8, Ordering::SeqCst);
+        r.resolve(Some("s")).await.unwrap();
+        assert_eq!(asked.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn a_token_is_kept_no_longer_than_it_lives() {
+        use std::sync::atomic::Ordering;
+        let generation = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        // Expired already: never kept.
+        let past = berth_structs::now_ms() - 1;
+        let (asked, r) = counting_resolver(Some(past), generation.clone());
+        r.resolve(Some("s")).await.unwrap();
+        r.resolve(Some("s")).await.unwrap();
+        assert_eq!(asked.load(Ordering::SeqCst), 2);
+        assert_eq!(
+            keep_for(Duration::from_secs(30), Some(10_000), 6_000),
+            Some(Duration::from_secs(4))
+        );
+        assert_eq!(
+            keep_for(Duration::from_secs(3), Some(10_000), 6_000),
+            Some(Duration::from_secs(3))
+        );
+        assert_eq!(keep_for(Duration::from_secs(3), Some(6_000), 6_000), None);
+        assert_eq!(
+            keep_for(Duration::from_secs(3), None, 6_000),
+            Some(Duration::from_secs(3))
+        );
     }
 
     /// Every method a client can send, on every route's path: each one the

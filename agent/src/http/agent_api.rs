@@ -170,13 +170,15 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         let resolver: Arc<dyn super::acl::TokenResolver> = match info.server_role.get() {
             Some(s) => s.clone(),
             None => {
-                let info = info.clone();
+                let ask_info = info.clone();
+                let index_info = info.clone();
                 Arc::new(super::acl::RemoteResolver::new(
                     move |secret: String| {
-                        let info = info.clone();
+                        let info = ask_info.clone();
                         async move { super::forward::resolve_remotely(&info, secret).await }
                     },
                     ttl,
+                    Box::new(move || index_info.client_role.get().map_or(0, |c| c.acl_index())),
                 ))
             }
         };

@@ -115,7 +115,7 @@ async fn forward(State(info): State<Arc<AgentInfo>>, req: Request) -> Response {
 pub(crate) async fn resolve_remotely(
     info: &AgentInfo,
     secret: String,
-) -> Result<berth_structs::acl::Acl, ApiError> {
+) -> Result<super::acl::Resolved, ApiError> {
     let req = Request::builder()
         .method(Method::GET)
         .uri("/v1/acl/token/self")
@@ -133,8 +133,12 @@ pub(crate) async fn resolve_remotely(
         let message = value["error"].as_str().unwrap_or("the token was refused");
         return Err(ApiError::new(status, message.to_string()));
     }
-    serde_json::from_value(value["acl"].clone())
-        .map_err(|e| unreachable(format!("the servers' answer to a token has no ACL: {e}")))
+    let acl = serde_json::from_value(value["acl"].clone())
+        .map_err(|e| unreachable(format!("the servers' answer to a token has no ACL: {e}")))?;
+    Ok(super::acl::Resolved {
+        acl,
+        expires_ms: value["expiration_time_ms"].as_i64(),
+    })
 }
 
 async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, ApiError> {

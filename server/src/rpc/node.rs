@@ -195,6 +195,7 @@ impl Node for NodeService {
         Ok(Response::new(pb::RegisterResponse {
             heartbeat_ttl_ms: reg.heartbeat_ttl.as_millis() as u64,
             acl_enabled: self.server.acl_enabled(),
+            acl_index: self.server.acl_index(),
             index: reg.index,
         }))
     }
@@ -211,6 +212,7 @@ impl Node for NodeService {
         Ok(Response::new(pb::HeartbeatResponse {
             heartbeat_ttl_ms: ttl.as_millis() as u64,
             acl_enabled: self.server.acl_enabled(),
+            acl_index: self.server.acl_index(),
         }))
     }
 

@@ -207,6 +207,17 @@ impl Server {
         self.store.index()
     }
 
+    /// The index of the last change to ACL tokens and policies; 0 with
+    /// ACLs off. Client agents drop the tokens they resolved when it
+    /// moves, so a deleted token is refused within a heartbeat.
+    pub fn acl_index(&self) -> u64 {
+        if self.acl_enabled() {
+            self.store.table_index(Table::Acl)
+        } else {
+            0
+        }
+    }
+
     /// The index of the last write to `table` (for blocking-query headers).
     pub fn table_index(&self, table: Table) -> u64 {
         self.store.table_index(table)
