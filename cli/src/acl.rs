@@ -34,6 +34,11 @@ pub struct JsonArgs {
 #[derive(Subcommand, Debug)]
 pub enum PolicyCommand {
     /// Make or replace policy NAME from the HCL rules in FILE
+    ///
+    /// Root-equivalent capabilities: until tasks run isolated, submit-job
+    /// (and namespace policy "write"), csi-register-plugin and
+    /// alloc-lifecycle run or restart tasks as root on every node with
+    /// raw_exec; give them only to whom you would give root there.
     Apply(PolicyApplyArgs),
     /// List the policies
     List(JsonArgs),

@@ -159,6 +159,11 @@ fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()>
             && l.contains(&boot_accessor)),
         "no audit line in:\n{log}"
     );
+    // A server with a client on its host says what tasks can read there.
+    assert!(
+        log.contains("runs the server and the client role on one host"),
+        "no warning that tasks can read the server's keyring:\n{log}"
+    );
     // The token secrets never reach the log.
     assert!(
         !log.contains(&ro) && !log.contains(&boot),

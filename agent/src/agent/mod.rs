@@ -117,6 +117,16 @@ pub async fn run(
         tracing::info!(rpc = t.rpc, http = t.http, "TLS on");
     }
 
+    if config.server && config.client {
+        tracing::warn!(
+            server_state = %data_dir.join("server").display(),
+            "this agent runs the server and the client role on one host: tasks run with \
+             raw_exec as root and can read the server's keyring and state; in production run \
+             servers on hosts of their own (submit-job is root on the nodes until tasks run \
+             isolated)"
+        );
+    }
+
     let mut components = crate::systemd::Components::default();
     let mut tasks = tokio::task::JoinSet::new();
     let agent_info = agent_info(&config, &data_dir);
