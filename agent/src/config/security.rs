@@ -20,6 +20,7 @@
 //!   max_blocking_queries      = 4096
 //!   max_log_follows           = 256
 //!   http_header_read_timeout  = "15s"
+//!   http_max_concurrent_streams = 100
 //!   node_register_rate_per_client  = 10
 //!   node_register_burst_per_client = 100
 //! }
@@ -148,6 +149,9 @@ pub struct LimitsSection {
     pub max_log_follows: Option<u32>,
     /// How long a connection may take to send a request's headers.
     pub http_header_read_timeout: Option<Duration>,
+    /// How many requests one HTTP/2 connection of the HTTPS API carries
+    /// at once.
+    pub http_max_concurrent_streams: Option<u32>,
     /// `Node.Register` calls per second one peer address may make once
     /// its burst is spent (servers only).
     pub node_register_rate_per_client: Option<u32>,
@@ -163,6 +167,7 @@ pub struct Limits {
     pub max_blocking_queries: u32,
     pub max_log_follows: u32,
     pub http_header_read_timeout: Duration,
+    pub http_max_concurrent_streams: u32,
     pub node_register_rate_per_client: u32,
     pub node_register_burst_per_client: u32,
 }
@@ -177,6 +182,7 @@ impl Default for Limits {
             max_blocking_queries: 4096,
             max_log_follows: 256,
             http_header_read_timeout: Duration::from_secs(15),
+            http_max_concurrent_streams: 100,
             node_register_rate_per_client: 10,
             node_register_burst_per_client: 100,
         }
@@ -198,6 +204,9 @@ impl LimitsSection {
             http_header_read_timeout: self
                 .http_header_read_timeout
                 .unwrap_or(d.http_header_read_timeout),
+            http_max_concurrent_streams: self
+                .http_max_concurrent_streams
+                .unwrap_or(d.http_max_concurrent_streams),
             node_register_rate_per_client: self
                 .node_register_rate_per_client
                 .unwrap_or(d.node_register_rate_per_client),
@@ -220,6 +229,9 @@ impl LimitsSection {
             http_header_read_timeout: later
                 .http_header_read_timeout
                 .or(self.http_header_read_timeout),
+            http_max_concurrent_streams: later
+                .http_max_concurrent_streams
+                .or(self.http_max_concurrent_streams),
             node_register_rate_per_client: later
                 .node_register_rate_per_client
                 .or(self.node_register_rate_per_client),
@@ -378,6 +390,7 @@ impl SecuritySections {
                         "max_blocking_queries",
                         "max_log_follows",
                         "http_header_read_timeout",
+                        "http_max_concurrent_streams",
                         "node_register_rate_per_client",
                         "node_register_burst_per_client",
                     ],
@@ -399,6 +412,7 @@ impl SecuritySections {
                     max_blocking_queries: count("max_blocking_queries")?,
                     max_log_follows: count("max_log_follows")?,
                     http_header_read_timeout: timeout,
+                    http_max_concurrent_streams: count("http_max_concurrent_streams")?,
                     node_register_rate_per_client: count("node_register_rate_per_client")?,
                     node_register_burst_per_client: count("node_register_burst_per_client")?,
                 }
@@ -471,6 +485,7 @@ limits {
   max_blocking_queries      = 30
   max_log_follows           = 40
   http_header_read_timeout  = "5s"
+  http_max_concurrent_streams = 50
   node_register_rate_per_client  = 2
   node_register_burst_per_client = 7
 }
@@ -497,6 +512,7 @@ limits {
                 max_blocking_queries: 30,
                 max_log_follows: 40,
                 http_header_read_timeout: Duration::from_secs(5),
+                http_max_concurrent_streams: 50,
                 node_register_rate_per_client: 2,
                 node_register_burst_per_client: 7,
             }

@@ -1,5 +1,7 @@
-//! The HTTP API's listener: an accept loop on hyper (HTTP/1.1) that
-//! holds each client to its limits.
+//! The HTTP API's listener: an accept loop on hyper that holds each client
+//! to its limits. Plain connections speak HTTP/1.1; TLS connections speak
+//! HTTP/2 when the client negotiates `h2` by ALPN (as curl, browsers and
+//! most HTTP libraries do), else HTTP/1.1.
 //!
 //! - A connection must send a request's headers within
 //!   `limits.http_header_read_timeout` (also the first request, and the
@@ -10,11 +12,19 @@
 //!   and closed.
 //! - With TLS (`tls.http`) every connection is TLS; with
 //!   `verify_https_client` its client presents a certificate of the CA.
+//! - An HTTP/2 connection carries at most
+//!   `limits.http_max_concurrent_streams` requests at once, a header list
+//!   of at most [`MAX_HEADER_LIST_BYTES`], is pinged every
+//!   [`H2_KEEPALIVE_INTERVAL`] and dropped when a ping goes unanswered,
+//!   and is closed when it sends no request within
+//!   `limits.http_header_read_timeout`; a client that resets streams
+//!   faster than they are served is sent GOAWAY (h2's bound on reset
+//!   streams, [`MAX_PENDING_RESET_STREAMS`]). Body limits and the ACL
+//!   check are the router's, the same for both protocols.
 //! - When `shutdown` flips the loop stops accepting and waits for the
 //!   connections to finish the requests they are serving.
 
 use berth_sync::Shutdown;
-use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,13 +32,24 @@ use std::time::Duration;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::IntoResponse;
 use axum::Router;
-use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::ApiError;
 use crate::config::security::Limits;
 use crate::listener::PerClientLimit;
 use crate::tls::AgentTls;
+
+/// The largest header list a request may send over HTTP/2 (HTTP/1.1's
+/// is hyper's own limit of 100 headers and about 400 KiB).
+pub const MAX_HEADER_LIST_BYTES: u32 = 64 * 1024;
+/// How often an idle HTTP/2 connection is pinged.
+pub const H2_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(30);
+/// How long a ping may go unanswered before the connection is dropped.
+pub const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// Streams a client may reset before the agent accepted them; past this
+/// the connection is sent GOAWAY (the rapid-reset bound).
+pub const MAX_PENDING_RESET_STREAMS: usize = 20;
 
 /// How the HTTP API is served.
 #[derive(Clone)]
@@ -116,6 +137,37 @@ fn too_many_connections(limit: u32) -> axum::response::Response {
     resp
 }
 
+/// A connection's service that says when its first request comes.
+#[derive(Clone)]
+struct FirstRequest<S> {
+    inner: S,
+    seen: Arc<tokio::sync::Notify>,
+}
+
+impl<S, B> hyper::service::Service<hyper::Request<B>> for FirstRequest<S>
+where
+    S: hyper::service::Service<hyper::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn call(&self, req: hyper::Request<B>) -> Self::Future {
+        self.seen.notify_one();
+        self.inner.call(req)
+    }
+}
+
+/// Ends after `timeout` unless a request came first (then never).
+async fn silent_for(requested: Arc<tokio::sync::Notify>, timeout: Duration) {
+    if tokio::time::timeout(timeout, requested.notified())
+        .await
+        .is_ok()
+    {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// Serves `router` on `listener` as `how` says until `shutdown` flips.
 pub async fn serve(
     listener: TcpListener,
@@ -130,6 +182,13 @@ pub async fn serve(
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(Some(header_timeout));
+    let mut h2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    h2.timer(TokioTimer::new())
+        .max_concurrent_streams(how.limits.http_max_concurrent_streams)
+        .max_header_list_size(MAX_HEADER_LIST_BYTES)
+        .keep_alive_interval(H2_KEEPALIVE_INTERVAL)
+        .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
+        .max_pending_accept_reset_streams(MAX_PENDING_RESET_STREAMS);
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let stop = async move {
         let _ = shutdown.wait().await;
@@ -155,6 +214,7 @@ pub async fn serve(
         let router = router.clone();
         let watcher = graceful.watcher();
         let max = limit.max();
+        let h2 = h2.clone();
         tokio::spawn(async move {
             let conn = match tls {
                 None => Conn::Plain(stream),
@@ -173,26 +233,40 @@ pub async fn serve(
                     }
                 }
             };
+            let speaks_h2 =
+                matches!(&conn, Conn::Tls(s) if s.get_ref().1.alpn_protocol() == Some(b"h2"));
             let io = TokioIo::new(conn);
-            let result = match slot {
-                Some(slot) => {
-                    let service = hyper_util::service::TowerToHyperService::new(router);
-                    let r = watcher.watch(http.serve_connection(io, service)).await;
-                    drop(slot);
-                    r
-                }
+            let router = match slot {
+                Some(_) => router,
                 None => {
                     tracing::warn!(
                         peer = %peer,
                         limit = max,
                         "HTTP API: connection answered 429; the client address holds http_max_conns_per_client connections"
                     );
-                    let service = hyper::service::service_fn(move |_req| async move {
-                        Ok::<_, Infallible>(too_many_connections(max))
-                    });
-                    http.serve_connection(io, service).await
+                    Router::new().fallback(move || async move { too_many_connections(max) })
                 }
             };
+            let result = if speaks_h2 {
+                let requested = Arc::new(tokio::sync::Notify::new());
+                let service = FirstRequest {
+                    inner: hyper_util::service::TowerToHyperService::new(router),
+                    seen: requested.clone(),
+                };
+                let served = watcher.watch(h2.serve_connection(io, service));
+                tokio::select! {
+                    r = served => r,
+                    () = silent_for(requested, header_timeout) => {
+                        tracing::info!(peer = %peer, timeout = ?header_timeout,
+                            "HTTP API: HTTP/2 connection closed; it sent no request");
+                        Ok(())
+                    }
+                }
+            } else {
+                let service = hyper_util::service::TowerToHyperService::new(router);
+                watcher.watch(http.serve_connection(io, service)).await
+            };
+            drop(slot);
             if let Err(e) = result {
                 tracing::debug!(peer = %peer, error = %e, "HTTP API: connection closed");
             }
