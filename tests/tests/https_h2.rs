@@ -248,3 +248,71 @@ fn https_answers_http2_and_http1_alike() -> Result<()> {
     assert!(!log.contains(&boot), "the token reached the log");
     Ok(())
 }
+
+/// CPU time (user and system) the process `pid` has used so far.
+fn cpu_time(pid: u32) -> Result<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The fields after the command (which may hold spaces), from `state`.
+    let after = stat.rsplit_once(") ").context("a /proc stat line")?.1;
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
+    // USER_HZ is 100 on Linux.
+    Ok(Duration::from_millis(ticks * 10))
+}
+
+/// The rapid-reset pattern: a client that opens streams and resets them
+/// at once, in a loop, is disconnected long before 10,000, and costs the
+/// agent bounded CPU time and memory.
+#[test]
+fn a_client_that_opens_and_resets_streams_in_a_loop_is_disconnected() -> Result<()> {
+    let s = Secured::start()?;
+    let cli = s.pki.client_config(Some(CLI_CERT))?;
+    wait_for("the HTTPS API", Duration::from_secs(30), || {
+        Ok(tls_connect(&cli, s.port).ok().map(|_| ()))
+    })?;
+    let pid = s.agent.pid().context("the agent runs")?;
+    let cpu_before = cpu_time(pid)?;
+    let rss_before = berth_tests::rss_kib(pid).context("VmRSS")?;
+    let rt = tokio::runtime::Runtime::new()?;
+    let (opened, reason) = rt.block_on(async {
+        let tls = s.h2_tls().await?;
+        let (mut client, conn) = h2::client::handshake(tls).await?;
+        let driving = tokio::spawn(conn);
+        let mut opened = 0u32;
+        let reason = loop {
+            if opened == 10_000 {
+                break "all 10,000 were taken".to_string();
+            }
+            client = match client.ready().await {
+                Ok(c) => c,
+                Err(e) => break e.to_string(),
+            };
+            let req = hyper::Request::get("https://127.0.0.1/v1/jobs?index=1&wait=60s").body(())?;
+            match client.send_request(req, false) {
+                Ok((_, mut stream)) => {
+                    stream.send_reset(h2::Reason::CANCEL);
+                    opened += 1;
+                }
+                Err(e) => break e.to_string(),
+            }
+        };
+        let ended = tokio::time::timeout(Duration::from_secs(10), driving).await;
+        anyhow::ensure!(ended.is_ok(), "the connection still runs: {reason}");
+        anyhow::Ok((opened, reason))
+    })?;
+    let cpu = cpu_time(pid)?.saturating_sub(cpu_before);
+    let rss = berth_tests::rss_kib(pid).context("VmRSS")?;
+    eprintln!(
+        "disconnected after {opened} streams ({reason}); agent CPU {cpu:?}, RSS {rss_before} -> {rss} KiB"
+    );
+    assert!(opened < 10_000, "a client reset 10,000 streams: {reason}");
+    assert!(
+        cpu < Duration::from_secs(5),
+        "the resets cost {cpu:?} of CPU"
+    );
+    assert!(
+        rss < rss_before + 50 * 1024,
+        "RSS {rss_before} -> {rss} KiB"
+    );
+    Ok(())
+}
