@@ -25,15 +25,22 @@ struct Secured {
 }
 
 impl Secured {
+    /// A server with ACLs and mutual TLS on both ports.
     fn start() -> Result<Secured> {
         let pki = Pki::new()?;
+        let tls = pki.tls_block(SERVER_CERT, true);
+        Secured::start_with(pki, &format!("acl {{\n  enabled = true\n}}\n{tls}"))
+    }
+
+    /// A server whose config adds `security` (its `acl` and `tls`
+    /// blocks) to the short header timeout and the many streams.
+    fn start_with(pki: Pki, security: &str) -> Result<Secured> {
         let config = pki.config(
             "server.hcl",
             &format!(
-                "server {{\n  enabled = true\n}}\nacl {{\n  enabled = true\n}}\n\
+                "server {{\n  enabled = true\n}}\n\
                  limits {{\n  http_header_read_timeout = \"2s\"\n  \
-                 http_max_concurrent_streams = 256\n}}\n{}",
-                pki.tls_block(SERVER_CERT, true)
+                 http_max_concurrent_streams = 256\n}}\n{security}"
             ),
         )?;
         let port = free_port();
@@ -314,5 +321,80 @@ fn a_client_that_opens_and_resets_streams_in_a_loop_is_disconnected() -> Result<
         rss < rss_before + 50 * 1024,
         "RSS {rss_before} -> {rss} KiB"
     );
+    Ok(())
+}
+
+/// A browser gets the JSON: headless Chromium (Debian's `chromium`), with
+/// the agents' CA in its trust store (`certutil`, Debian's
+/// `libnss3-tools`), loads an API URL of an agent whose HTTPS API asks no
+/// client certificate, over the HTTP/2 it negotiates.
+#[test]
+fn headless_chromium_trusting_the_ca_loads_an_api_url() -> Result<()> {
+    for (tool, package) in [("chromium", "chromium"), ("certutil", "libnss3-tools")] {
+        let found = std::process::Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()?
+            .status
+            .success();
+        anyhow::ensure!(
+            found,
+            "{tool} is not installed: apt-get install {package} (.ci/run does)"
+        );
+    }
+    let pki = Pki::new()?;
+    let (cert, key) = pki.cert_and_key(SERVER_CERT);
+    let tls = format!(
+        "tls {{\n  rpc = true\n  http = true\n  ca_file = {:?}\n  cert_file = {cert:?}\n  \
+         key_file = {key:?}\n  verify_https_client = false\n}}\n",
+        pki.ca()
+    );
+    let s = Secured::start_with(pki, &tls)?;
+    // The browser's own home, with an NSS store that trusts the CA.
+    let home = tempfile::tempdir()?;
+    let nssdb = home.path().join(".pki/nssdb");
+    std::fs::create_dir_all(&nssdb)?;
+    let db = format!("sql:{}", nssdb.display());
+    let certutil = |args: &[&str]| -> Result<()> {
+        let out = std::process::Command::new("certutil").args(args).output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "certutil {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    };
+    certutil(&["-d", &db, "-N", "--empty-password"])?;
+    let ca = s.pki.ca();
+    certutil(&[
+        "-d",
+        &db,
+        "-A",
+        "-t",
+        "C,,",
+        "-n",
+        "berth-ca",
+        "-i",
+        ca.to_str().context("UTF-8")?,
+    ])?;
+    let url = format!("https://127.0.0.1:{}/v1/agent/health", s.port);
+    let page = wait_for("Chromium to load the API", Duration::from_secs(60), || {
+        let out = std::process::Command::new("timeout")
+            .args([
+                "60",
+                "chromium",
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--dump-dom",
+                &url,
+            ])
+            .env("HOME", home.path())
+            .stdin(std::process::Stdio::null())
+            .output()?;
+        let dom = String::from_utf8_lossy(&out.stdout).into_owned();
+        Ok(dom.contains(r#"{"ok":true}"#).then_some(dom))
+    })?;
+    assert!(page.contains("<pre>"), "{page}");
     Ok(())
 }
