@@ -25,6 +25,10 @@ impl berth_cli::Host for AgentHost {
 
     fn validate_config(&self, paths: &[PathBuf]) -> anyhow::Result<berth_cli::ValidConfig> {
         let config = config::load(paths)?;
+        let tls = &config.security.tls;
+        if tls.rpc_enabled() || tls.http_enabled() {
+            tls::check_files(&tls::TlsFiles::of(tls)?)?;
+        }
         let roles = match (config.server_enabled(), config.client_enabled()) {
             (true, true) => "server and client",
             (true, false) => "server",

@@ -64,6 +64,28 @@ pub enum TlsError {
     Incomplete(String),
     #[error("tls: {0:?} does not make a server name to verify")]
     BadServerName(String),
+    #[error("tls: the key file {} is not the key of the certificate file {}", key.display(), cert.display())]
+    KeyMismatch { cert: PathBuf, key: PathBuf },
+    #[error("tls: the certificate file {} is not signed by the CA in {}", cert.display(), ca.display())]
+    NotSignedByCa { cert: PathBuf, ca: PathBuf },
+    #[error("tls: the certificate file {} has expired{}; make a new one (berth tls cert create)", cert.display(), describe_time(*not_after))]
+    Expired {
+        cert: PathBuf,
+        not_after: Option<UnixTime>,
+    },
+    #[error("tls: the certificate file {} is not valid yet (is this machine's clock right?)", cert.display())]
+    NotValidYet { cert: PathBuf },
+    #[error("tls: the certificate file {} is refused: {message}", cert.display())]
+    BadCert { cert: PathBuf, message: String },
+}
+
+/// `" on <date>"` for a certificate's end of validity, when known.
+fn describe_time(t: Option<UnixTime>) -> String {
+    t.map(|t| {
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_secs(t.as_secs());
+        format!(" on {}", humantime::format_rfc3339_seconds(at))
+    })
+    .unwrap_or_default()
 }
 
 /// The certificate, key and CA of a `tls` block.
@@ -146,7 +168,80 @@ pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
     })
 }
 
+/// What an agent would refuse of `files` at start: a file that does not
+/// read, a key that is not the certificate's, a certificate that the CA
+/// did not sign, or that has expired or is not valid yet. Each refusal
+/// names the file.
+pub fn check_files(files: &TlsFiles) -> Result<(), TlsError> {
+    Material::load(files)?.check(files)
+}
+
 impl Material {
+    /// Whether the key is the certificate's, and the certificate chains
+    /// to the CA and is valid now.
+    fn check(&self, files: &TlsFiles) -> Result<(), TlsError> {
+        let p = provider();
+        let mismatch = || TlsError::KeyMismatch {
+            cert: files.cert_file.clone(),
+            key: files.key_file.clone(),
+        };
+        match rustls::sign::CertifiedKey::from_der(self.chain.clone(), self.key.clone_key(), &p) {
+            Ok(_) => {}
+            Err(rustls::Error::InconsistentKeys(_)) => return Err(mismatch()),
+            Err(e) => {
+                return Err(TlsError::BadCert {
+                    cert: files.key_file.clone(),
+                    message: e.to_string(),
+                })
+            }
+        }
+        let verifier = WebPkiClientVerifier::builder_with_provider(self.roots.clone(), p)
+            .build()
+            .map_err(|e| TlsError::Config(rustls::Error::General(e.to_string())))?;
+        let Some((end, intermediates)) = self.chain.split_first() else {
+            return Err(TlsError::NoPem {
+                what: "the certificate file",
+                path: files.cert_file.clone(),
+                expected: "CERTIFICATE",
+            });
+        };
+        let cert = || files.cert_file.clone();
+        match verifier.verify_client_cert(end, intermediates, UnixTime::now()) {
+            Ok(_) => Ok(()),
+            Err(rustls::Error::InvalidCertificate(e)) => match e {
+                // A certificate for another use (a server's only): its
+                // chain and dates were checked before its purpose.
+                CertificateError::InvalidPurpose
+                | CertificateError::InvalidPurposeContext { .. } => Ok(()),
+                CertificateError::UnknownIssuer | CertificateError::BadSignature => {
+                    Err(TlsError::NotSignedByCa {
+                        cert: cert(),
+                        ca: files.ca_file.clone(),
+                    })
+                }
+                CertificateError::Expired => Err(TlsError::Expired {
+                    cert: cert(),
+                    not_after: None,
+                }),
+                CertificateError::ExpiredContext { not_after, .. } => Err(TlsError::Expired {
+                    cert: cert(),
+                    not_after: Some(not_after),
+                }),
+                CertificateError::NotValidYet | CertificateError::NotValidYetContext { .. } => {
+                    Err(TlsError::NotValidYet { cert: cert() })
+                }
+                other => Err(TlsError::BadCert {
+                    cert: cert(),
+                    message: format!("{other:?}"),
+                }),
+            },
+            Err(e) => Err(TlsError::BadCert {
+                cert: cert(),
+                message: e.to_string(),
+            }),
+        }
+    }
+
     fn load(files: &TlsFiles) -> Result<Material, TlsError> {
         let mut roots = RootCertStore::empty();
         for ca in read_certs("the CA file", &files.ca_file)? {
@@ -388,6 +483,7 @@ impl Configs {
         verify_https_client: bool,
     ) -> Result<Configs, TlsError> {
         let m = Material::load(files)?;
+        m.check(files)?;
         Ok(Configs {
             rpc_server: server_config(&m, true, &[ALPN_H2])?,
             http_server: server_config(&m, verify_https_client, &[ALPN_H2, ALPN_HTTP1])?,

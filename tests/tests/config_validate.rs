@@ -34,7 +34,22 @@ fn every_example_agent_config_passes_validate() -> Result<()> {
             && examples.iter().any(|p| p.ends_with("client.hcl")),
         "{examples:?}"
     );
+    // The certificates they name, made by `berth tls` where they expect
+    // them (a temp dir standing for /etc/berth.d/tls).
+    let tls = tempfile::tempdir()?;
+    for args in [
+        &["tls", "ca", "create"][..],
+        &["tls", "cert", "create", "-server"],
+        &["tls", "cert", "create", "-client"],
+    ] {
+        berth_tests::pki::berth_in(tls.path(), args)?;
+    }
+    let copies = tempfile::tempdir()?;
     for path in &examples {
+        let body = std::fs::read_to_string(path)?
+            .replace("/etc/berth.d/tls", tls.path().to_str().context("UTF-8")?);
+        let path = &copies.path().join(path.file_name().context("a file name")?);
+        std::fs::write(path, body)?;
         let out = validate(&[path])?;
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
         assert_eq!(
@@ -115,5 +130,71 @@ fn a_server_on_a_public_address_without_tls_is_refused_unless_insecure_bind() ->
     std::fs::write(&insecure, "insecure_bind = true\n")?;
     let out = validate(&[&open, &insecure])?;
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    Ok(())
+}
+
+/// A `tls` block whose files are missing, or hold a certificate of
+/// another CA, is refused by `config validate` naming the file (the
+/// mismatched key and the expired certificate: `tls::tests`).
+#[test]
+fn tls_files_that_do_not_check_out_are_refused_naming_the_file() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let d = dir.path();
+    let rogue = d.join("rogue");
+    std::fs::create_dir(&rogue)?;
+    for (at, args) in [
+        (d, &["tls", "ca", "create"][..]),
+        (d, &["tls", "cert", "create", "-server"]),
+        (&rogue, &["tls", "ca", "create"]),
+        (&rogue, &["tls", "cert", "create", "-server"]),
+    ] {
+        berth_tests::pki::berth_in(at, args)?;
+    }
+    let config = |name: &str, cert_dir: &Path, key_dir: &Path| -> Result<std::path::PathBuf> {
+        let file = d.join(name);
+        std::fs::write(
+            &file,
+            format!(
+                "data_dir = \"/var/lib/berth\"\nserver {{\n  enabled = true\n}}\n\
+                 tls {{\n  rpc = true\n  http = true\n  ca_file = {:?}\n  \
+                 cert_file = {:?}\n  key_file = {:?}\n}}\n",
+                d.join("berth-agent-ca.pem"),
+                cert_dir.join("global-server-berth.pem"),
+                key_dir.join("global-server-berth-key.pem"),
+            ),
+        )?;
+        Ok(file)
+    };
+    let good = config("good.hcl", d, d)?;
+    let out = validate(&[&good])?;
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+
+    let missing = d.join("nowhere");
+    for (name, cert_dir, key_dir, needle) in [
+        (
+            "missing.hcl",
+            missing.as_path(),
+            d,
+            "nowhere/global-server-berth.pem",
+        ),
+        (
+            "stranger.hcl",
+            rogue.as_path(),
+            rogue.as_path(),
+            "is not signed by the CA in",
+        ),
+        (
+            "mismatch.hcl",
+            d,
+            rogue.as_path(),
+            "is not the key of the certificate file",
+        ),
+    ] {
+        let file = config(name, cert_dir, key_dir)?;
+        let out = validate(&[&file])?;
+        let stderr = text(&out.stderr);
+        assert_ne!(out.status.code(), Some(0), "{name} passed");
+        assert!(stderr.contains(needle), "{name}: {stderr}");
+    }
     Ok(())
 }

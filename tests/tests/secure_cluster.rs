@@ -165,11 +165,24 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
     let (mut c2, _) = cluster
         .pki
         .start_client("c2", &cluster.rpc, &client_config)?;
-    // Trusts the agents' CA but presents a certificate of another; and
-    // one that speaks plaintext.
+    // Trusts the agents' CA but presents a certificate of another (its
+    // CA file holds both CAs, so that its own certificate checks out at
+    // its start); and one that speaks plaintext.
+    let both = cluster.pki.path("rogue/both-ca.pem");
+    std::fs::write(
+        &both,
+        [
+            std::fs::read_to_string(cluster.pki.ca())?,
+            std::fs::read_to_string(cluster.pki.path("rogue/berth-agent-ca.pem"))?,
+        ]
+        .concat(),
+    )?;
     let rogue_config = format!(
         "acl {{\n  enabled = true\n}}\n{}",
-        cluster.pki.tls_block("rogue/global-client-berth", true)
+        cluster
+            .pki
+            .tls_block("rogue/global-client-berth", true)
+            .replace(&format!("{:?}", cluster.pki.ca()), &format!("{both:?}"))
     );
     let (_rogue, _) = cluster
         .pki

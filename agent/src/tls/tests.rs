@@ -126,9 +126,16 @@ async fn the_agent_protocol_refuses_a_certificate_of_another_ca() {
     ca.cert(d, "server", Role::Server, "global");
     rogue.cert(d, "rogue-client", Role::Client, "global");
     let server = agent_tls(&security(d, "agents", "server", true));
-    // The rogue client trusts the agents' CA, so only the server's check
-    // of its certificate can fail.
-    let client = agent_tls(&security(d, "agents", "rogue-client", false));
+    // The rogue client trusts the agents' CA (and its own, so that its
+    // certificate checks out), so only the server's check of its
+    // certificate can fail.
+    let both = [
+        std::fs::read_to_string(d.join("agents-ca.pem")).unwrap(),
+        std::fs::read_to_string(d.join("rogue-ca.pem")).unwrap(),
+    ]
+    .concat();
+    std::fs::write(d.join("both-ca.pem"), both).unwrap();
+    let client = agent_tls(&security(d, "both", "rogue-client", false));
     let e = handshake(&client, &server).await.expect_err("another CA");
     assert!(
         e.contains("UnknownIssuer") || e.contains("unknown issuer") || e.contains("certificate"),
@@ -157,4 +164,68 @@ fn missing_files_are_named() {
     let e = AgentTls::from_config(&security(dir.path(), "agents", "server", true))
         .expect_err("no files");
     assert!(e.to_string().contains("agents-ca.pem"), "{e}");
+}
+
+/// Writes `<base>.pem` and `<base>-key.pem`: a client certificate of `ca`
+/// valid from 10 days ago until yesterday.
+fn expired_cert(ca: &Ca, dir: &Path, base: &str) {
+    let ca_key = rcgen::KeyPair::from_pem(&ca.pems.key).unwrap();
+    let issuer = rcgen::Issuer::from_ca_cert_pem(&ca.pems.cert, ca_key).unwrap();
+    let mut p = rcgen::CertificateParams::new(vec!["client.global.berth".to_string()]).unwrap();
+    let now = time::OffsetDateTime::now_utc();
+    p.not_before = now - time::Duration::days(10);
+    p.not_after = now - time::Duration::days(1);
+    p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = p.signed_by(&key, &issuer).unwrap();
+    let pems = Pems {
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+    };
+    write_pair(dir, base, &pems).unwrap();
+}
+
+/// What `config validate` and the agent's start refuse, each naming the
+/// file: a key that is not the certificate's, a certificate of another
+/// CA, an expired one.
+#[test]
+fn files_that_do_not_make_an_identity_are_refused_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let ca = Ca::new(d, "agents");
+    let other = Ca::new(d, "other");
+    ca.cert(d, "server", Role::Server, "global");
+    ca.cert(d, "client", Role::Client, "global");
+    other.cert(d, "stranger", Role::Server, "global");
+    expired_cert(&ca, d, "old");
+    let files = |cert: &str, key: &str| TlsFiles {
+        ca_file: d.join("agents-ca.pem"),
+        cert_file: d.join(format!("{cert}.pem")),
+        key_file: d.join(format!("{key}-key.pem")),
+    };
+    check_files(&files("server", "server")).expect("a good pair");
+    check_files(&files("client", "client")).expect("a good client pair");
+
+    let e = check_files(&files("server", "client")).expect_err("another key");
+    assert!(matches!(e, TlsError::KeyMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("client-key.pem"), "{e}");
+    assert!(e.to_string().contains("server.pem"), "{e}");
+
+    let e = check_files(&files("stranger", "stranger")).expect_err("another CA");
+    assert!(matches!(e, TlsError::NotSignedByCa { .. }), "{e}");
+    assert!(e.to_string().contains("stranger.pem"), "{e}");
+    assert!(e.to_string().contains("agents-ca.pem"), "{e}");
+
+    let e = check_files(&files("old", "old")).expect_err("expired");
+    assert!(matches!(e, TlsError::Expired { .. }), "{e}");
+    assert!(e.to_string().contains("old.pem"), "{e}");
+    assert!(e.to_string().contains("expired on 20"), "{e}");
+
+    let e = check_files(&files("missing", "missing")).expect_err("no such file");
+    assert!(e.to_string().contains("missing.pem"), "{e}");
+    // The agent refuses them at start too.
+    let mut s = security(d, "agents", "stranger", true);
+    s.tls.ca_file = Some(d.join("agents-ca.pem"));
+    let e = AgentTls::from_config(&s).expect_err("another CA at start");
+    assert!(e.to_string().contains("not signed by the CA"), "{e}");
 }
