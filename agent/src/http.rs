@@ -188,6 +188,16 @@ pub fn server_routes() -> Routes<Arc<Server>> {
             Need::Node(Level::Write),
             acl_api::create_intro,
         )
+        .get(
+            "/v1/node/intros",
+            Need::Node(Level::Write),
+            acl_api::list_intros,
+        )
+        .delete(
+            "/v1/node/intro/{accessor}",
+            Need::Node(Level::Write),
+            acl_api::revoke_intro,
+        )
         .post("/v1/acl/bootstrap", Need::Public, acl_api::bootstrap)
         .get("/v1/acl/policies", Need::Management, acl_api::list_policies)
         .get(

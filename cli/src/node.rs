@@ -34,6 +34,24 @@ pub enum IntroCommand {
     /// Make a token that lets new nodes register (set it as client {
     /// intro_token }); its secret is printed this once
     Create(IntroCreateArgs),
+    /// List the introduction tokens (never their secrets)
+    List(IntroListArgs),
+    /// Revoke an introduction token: it enrolls no node from now on
+    Revoke(IntroRevokeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct IntroListArgs {
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct IntroRevokeArgs {
+    /// The token's accessor ID (or a unique prefix of it)
+    #[arg(value_name = "ACCESSOR")]
+    pub accessor: String,
 }
 
 #[derive(Args, Debug)]
@@ -168,7 +186,43 @@ pub fn run(cmd: NodeCommand, ctx: &Ctx) -> Result<i32> {
         NodeCommand::Eligibility(a) => node_eligibility(a, api),
         NodeCommand::Purge(a) => node_purge(a, api),
         NodeCommand::Intro(IntroCommand::Create(a)) => node_intro_create(a, api),
+        NodeCommand::Intro(IntroCommand::List(a)) => node_intro_list(&a, api),
+        NodeCommand::Intro(IntroCommand::Revoke(a)) => {
+            let v = api.delete(&format!("/v1/node/intro/{}", enc(&a.accessor)))?;
+            println!(
+                "Introduction token {} revoked ({} uses were left)",
+                text(&v["accessor_id"]),
+                text(&v["uses_left"])
+            );
+            Ok(0)
+        }
     }
+}
+
+/// `berth node intro list [-json]`.
+fn node_intro_list(a: &IntroListArgs, api: &ApiClient) -> Result<i32> {
+    let v = api.get("/v1/node/intros")?;
+    if a.json {
+        return print_json(&v);
+    }
+    let mut t = Table::new(["Accessor ID", "Uses Left", "Created", "Expires"]);
+    for tok in v.as_array().into_iter().flatten() {
+        t.push([
+            text(&tok["accessor_id"]),
+            text(&tok["uses_left"]),
+            time_of(&tok["create_time_ms"]),
+            time_of(&tok["expiration_time_ms"]),
+        ]);
+    }
+    print_lines(t.lines());
+    Ok(0)
+}
+
+/// A time in unix ms as RFC 3339, to the second.
+fn time_of(ms: &Value) -> String {
+    let ms = u64::try_from(ms.as_i64().unwrap_or(0)).unwrap_or(0);
+    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
+        .to_string()
 }
 
 /// `berth node intro create [-ttl D] [-uses N]`.
@@ -181,16 +235,7 @@ fn node_intro_create(a: IntroCreateArgs, api: &ApiClient) -> Result<i32> {
         ("Accessor ID", super::output::text(&v["accessor_id"])),
         ("Secret ID", super::output::text(&v["secret_id"])),
         ("Uses", super::output::text(&v["uses_left"])),
-        (
-            "Expires",
-            humantime::format_rfc3339_seconds(
-                std::time::UNIX_EPOCH
-                    + std::time::Duration::from_millis(
-                        u64::try_from(v["expiration_time_ms"].as_i64().unwrap_or(0)).unwrap_or(0),
-                    ),
-            )
-            .to_string(),
-        ),
+        ("Expires", time_of(&v["expiration_time_ms"])),
     ]));
     Ok(0)
 }

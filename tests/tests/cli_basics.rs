@@ -45,6 +45,8 @@ const COMMANDS: &[&str] = &[
     "node eligibility",
     "node intro",
     "node intro create",
+    "node intro list",
+    "node intro revoke",
     "node purge",
     "node status",
     "operator",

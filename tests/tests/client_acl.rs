@@ -45,6 +45,8 @@ struct AclCluster {
     client_file: std::path::PathBuf,
     http_port: u16,
     client_port: u16,
+    /// `127.0.0.1:PORT` of the server's agent protocol.
+    rpc: String,
     /// The bootstrap (management) token.
     boot: String,
     alloc_id: String,
@@ -148,6 +150,7 @@ impl AclCluster {
             client_file,
             http_port,
             client_port,
+            rpc,
             boot,
             alloc_id,
         })
@@ -173,6 +176,7 @@ fn a_client_without_an_acl_block_checks_tokens_when_its_servers_do() -> Result<(
         client_port,
         boot,
         alloc_id,
+        ..
     } = AclCluster::start()?;
     // Without a token the client agent refuses its own routes, as the
     // server does; with one it answers.
@@ -286,6 +290,116 @@ fn a_client_refuses_expired_and_deleted_tokens_before_its_cache_would_let_go() -
         "refused {:?} after expiry was due, {:?} after deletion",
         refused_after.saturating_sub(Duration::from_secs(3)),
         deleted.elapsed()
+    );
+    Ok(())
+}
+
+/// `berth node intro list` and `revoke`, over the API and the CLI: they
+/// need a token that may write nodes, never show a secret, and a revoked
+/// token enrolls no node.
+#[test]
+fn introduction_tokens_are_listed_and_revoked_and_a_revoked_one_enrolls_nothing() -> Result<()> {
+    let c = AclCluster::start()?;
+    let server_addr = format!("http://127.0.0.1:{}", c.http_port);
+    let cli = |token: Option<&str>, args: &[&str]| -> Result<std::process::Output> {
+        let mut cmd = std::process::Command::new(berth_tests::binary("berth"));
+        cmd.args(args)
+            .env("BERTH_ADDR", &server_addr)
+            .env_remove("BERTH_TOKEN")
+            .stdin(std::process::Stdio::null());
+        if let Some(t) = token {
+            cmd.env("BERTH_TOKEN", t);
+        }
+        Ok(cmd.output()?)
+    };
+    let made = cli(
+        Some(&c.boot),
+        &["node", "intro", "create", "-json", "-uses", "3"],
+    )?;
+    anyhow::ensure!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let made: Value = serde_json::from_slice(&made.stdout)?;
+    let secret = made["secret_id"].as_str().context("secret")?.to_string();
+    let accessor = made["accessor_id"]
+        .as_str()
+        .context("accessor")?
+        .to_string();
+
+    // Listed (the spent one of c1 too), without secrets; refused without a
+    // token.
+    let list = cli(Some(&c.boot), &["node", "intro", "list"])?;
+    let shown = String::from_utf8_lossy(&list.stdout).into_owned();
+    assert!(list.status.success(), "{shown}");
+    assert!(
+        shown.contains(&accessor) && !shown.contains(&secret),
+        "{shown}"
+    );
+    let (status, listed) = call(c.http_port, "GET", "/v1/node/intros", Some(&c.boot), "")?;
+    assert_eq!(status, 200);
+    assert!(!listed.to_string().contains(&secret), "{listed}");
+    assert!(!listed.to_string().contains("secret_hash"), "{listed}");
+    assert_eq!(
+        call(c.http_port, "GET", "/v1/node/intros", None, "")?.0,
+        403
+    );
+    let denied = cli(None, &["node", "intro", "revoke", &accessor])?;
+    assert!(!denied.status.success());
+    assert!(
+        String::from_utf8_lossy(&denied.stderr).contains("permission denied"),
+        "{}",
+        String::from_utf8_lossy(&denied.stderr)
+    );
+
+    // Revoked by a prefix of its accessor.
+    let revoked = cli(Some(&c.boot), &["node", "intro", "revoke", &accessor[..8]])?;
+    let said = String::from_utf8_lossy(&revoked.stdout).into_owned();
+    assert!(
+        revoked.status.success(),
+        "{}",
+        String::from_utf8_lossy(&revoked.stderr)
+    );
+    assert!(
+        said.contains(&accessor) && said.contains("revoked"),
+        "{said}"
+    );
+    let (_, listed) = call(c.http_port, "GET", "/v1/node/intros", Some(&c.boot), "")?;
+    assert!(!listed.to_string().contains(&accessor), "{listed}");
+    assert!(
+        c.server.log().contains("node introduction token revoked"),
+        "the revocation is not in the audit log"
+    );
+
+    // A client that brings the revoked token is not let in.
+    let file = c.dir.path().join("late.hcl");
+    std::fs::write(
+        &file,
+        format!(
+            "client {{\n  enabled = true\n  servers = [\"{}\"]\n  intro_token = \"{secret}\"\n}}\n",
+            c.rpc
+        ),
+    )?;
+    let mut late = Agent::start(&[
+        "-config",
+        path_str(&file)?,
+        "-node",
+        "late",
+        "-http-addr",
+        &format!("127.0.0.1:{}", free_port()),
+    ])?;
+    wait_for("the late client refused", Duration::from_secs(30), || {
+        late.check_running()?;
+        Ok(late
+            .log()
+            .contains("the introduction token is not known to the servers")
+            .then_some(()))
+    })?;
+    let (_, nodes) = call(c.http_port, "GET", "/v1/nodes", Some(&c.boot), "")?;
+    assert!(
+        !nodes.to_string().contains("\"late\""),
+        "a revoked token enrolled a node: {nodes}"
     );
     Ok(())
 }

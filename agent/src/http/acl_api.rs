@@ -107,6 +107,17 @@ pub struct IntroBody {
     uses: Option<u32>,
 }
 
+pub async fn list_intros(State(s): State<Arc<Server>>) -> ApiResult {
+    to_json(&s.intro_tokens())
+}
+
+pub async fn revoke_intro(
+    State(s): State<Arc<Server>>,
+    ApiPath(accessor): ApiPath<String>,
+) -> ApiResult {
+    to_json(&s.revoke_intro_token(&accessor).await?)
+}
+
 pub async fn create_intro(
     State(s): State<Arc<Server>>,
     ApiJson(body): ApiJson<IntroBody>,

@@ -389,6 +389,14 @@ fn operations() -> Vec<Op> {
             &[],
         ))
         .answers(schema_ref("NewIntroToken")),
+        op("get", "/v1/node/intros", "The introduction tokens, never their secrets")
+            .list_of("IntroToken"),
+        op(
+            "delete",
+            "/v1/node/intro/{accessor}",
+            "Revoke an introduction token (by accessor or unique prefix): it enrolls no node from then on",
+        )
+        .answers(schema_ref("IntroToken")),
         op(
             "post",
             "/v1/acl/bootstrap",
@@ -675,6 +683,12 @@ fn components() -> Value {
                 "uses_left": { "type": "integer" },
                 "expiration_time_ms": { "type": "integer" },
             }), &["accessor_id", "secret_id"]),
+            "IntroToken": object(json!({
+                "accessor_id": { "type": "string" },
+                "uses_left": { "type": "integer", "description": "Registrations it still allows" },
+                "create_time_ms": { "type": "integer" },
+                "expiration_time_ms": { "type": "integer" },
+            }), &["accessor_id", "uses_left"]),
             "AclPolicy": object(json!({
                 "name": { "type": "string" },
                 "description": { "type": "string" },

@@ -343,6 +343,60 @@ impl Server {
         Ok(())
     }
 
+    /// `node intro list`: the introduction tokens, never their secrets,
+    /// oldest first.
+    pub fn intro_tokens(&self) -> Vec<IntroToken> {
+        let mut list: Vec<IntroToken> = self
+            .store
+            .read(|t| t.acl.intros.values().map(IntroToken::public).collect());
+        list.sort_by(|a, b| {
+            (a.create_time_ms, &a.accessor_id).cmp(&(b.create_time_ms, &b.accessor_id))
+        });
+        list
+    }
+
+    /// `node intro revoke`: the introduction token `accessor` (or the one
+    /// whose accessor starts so) enrolls no node from now on. The token
+    /// as it was.
+    pub async fn revoke_intro_token(&self, accessor: &str) -> Result<IntroToken, ServerError> {
+        if accessor.is_empty() {
+            return Err(ServerError::BadRequest(
+                "the accessor of the introduction token to revoke is empty".into(),
+            ));
+        }
+        let (token, _) = self.store.write(|t, changes| {
+            let matches: Vec<&IntroToken> = t
+                .acl
+                .intros
+                .values()
+                .filter(|i| i.accessor_id.starts_with(accessor))
+                .collect();
+            let token = match matches.as_slice() {
+                [one] => (*one).clone(),
+                [] => {
+                    return Err(ServerError::not_found(format!(
+                        "no introduction token {accessor:?} (berth node intro list shows them)"
+                    )))
+                }
+                many => {
+                    let ids: Vec<&str> = many.iter().map(|i| i.accessor_id.as_str()).collect();
+                    return Err(ServerError::BadRequest(format!(
+                        "{accessor:?} names {} introduction tokens ({}); give more of the accessor",
+                        ids.len(),
+                        ids.join(", ")
+                    )));
+                }
+            };
+            changes.push(Change::DeleteAcl(crate::state::acl_intro_key(
+                &token.accessor_id,
+            )));
+            Ok::<_, ServerError>(token.public())
+        })?;
+        tracing::info!(target: "berth::audit", accessor_id = %token.accessor_id,
+            uses_left = token.uses_left, "node introduction token revoked");
+        Ok(token)
+    }
+
     /// `node intro create`: a token that lets `uses` new nodes register
     /// within `ttl`.
     pub async fn create_intro_token(
