@@ -135,7 +135,7 @@ pub fn run(cmd: TlsCommand) -> Result<i32> {
             let extra = Extra::parse(&a.additional_dnsname, &a.additional_ipaddress)?;
             let pems = create_cert(role, &a.region, &extra, &ca, &ca_key, a.days)?;
             let base = format!("{}-{}-{DEFAULT_DOMAIN}", a.region, role.name());
-            let (cert, key) = write_pair(dir, &base, &pems)?;
+            let (cert, key) = write_pair(dir, &free_base(dir, &base), &pems)?;
             println!(
                 "==> Using CA file {} and CA key {}",
                 a.ca.display(),
@@ -303,6 +303,22 @@ pub fn create_ca_files(dir: &Path, domain: &str, days: u32) -> Result<(PathBuf, 
 
 /// Writes `<base>.pem` (0644) and `<base>-key.pem` (0600) in `dir`,
 /// neither of which may exist yet.
+/// `base`, or the first of `base-1`, `base-2`, ... whose files are not in
+/// `dir` yet: each machine's certificate has a file of its own (as
+/// Nomad's `tls cert create` numbers them).
+pub fn free_base(dir: &Path, base: &str) -> String {
+    let taken = |b: &str| {
+        dir.join(format!("{b}.pem")).exists() || dir.join(format!("{b}-key.pem")).exists()
+    };
+    if !taken(base) {
+        return base.to_string();
+    }
+    (1u32..)
+        .map(|n| format!("{base}-{n}"))
+        .find(|b| !taken(b))
+        .unwrap_or_else(|| base.to_string())
+}
+
 pub fn write_pair(dir: &Path, base: &str, pems: &Pems) -> Result<(PathBuf, PathBuf)> {
     let cert = dir.join(format!("{base}.pem"));
     let key = dir.join(format!("{base}-key.pem"));
@@ -422,5 +438,17 @@ mod tests {
         let e = create_ca_files(dir.path(), "berth", 10).unwrap_err();
         assert!(e.to_string().contains("already exists"), "{e}");
         assert_eq!(std::fs::read(&key).unwrap(), before);
+    }
+
+    #[test]
+    fn each_further_certificate_of_a_role_gets_a_file_of_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let base = "global-client-berth";
+        assert_eq!(free_base(d, base), base);
+        std::fs::write(d.join("global-client-berth.pem"), "").unwrap();
+        assert_eq!(free_base(d, base), "global-client-berth-1");
+        std::fs::write(d.join("global-client-berth-1-key.pem"), "").unwrap();
+        assert_eq!(free_base(d, base), "global-client-berth-2");
     }
 }
