@@ -205,6 +205,25 @@ pub async fn accept_plain(
     })
 }
 
+/// What a refused TLS handshake's error says of the peer, for the log: a
+/// peer that spoke plaintext to a TLS port, or presented a certificate of
+/// another CA, is told apart from other failures.
+pub fn handshake_hint(e: &std::io::Error) -> &'static str {
+    match e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+        Some(rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType)) => {
+            "the peer spoke plaintext to a TLS port: it needs TLS on (an https:// address \
+             and -ca-cert for the CLI, tls { rpc = true } for an agent)"
+        }
+        Some(rustls::Error::InvalidCertificate(
+            rustls::CertificateError::UnknownIssuer | rustls::CertificateError::BadSignature,
+        )) => "the peer's certificate is not signed by this agent's CA (tls { ca_file })",
+        Some(rustls::Error::NoCertificatesPresented) => {
+            "the peer presented no certificate; this port asks for one of the agents' CA"
+        }
+        _ => "",
+    }
+}
+
 /// A TLS connection whose peer presented a certificate of the CA that
 /// names an agent of the region (a client or a server), or `None`
 /// (logged) when the handshake fails or takes too long, or the
@@ -241,7 +260,7 @@ pub async fn accept_tls(
             })
         }
         Ok(Err(e)) => {
-            tracing::warn!(peer = %addr, error = %e, "agent protocol: TLS handshake refused");
+            tracing::warn!(peer = %addr, error = %e, hint = handshake_hint(&e), "agent protocol: TLS handshake refused");
             None
         }
         Err(_) => {

@@ -290,6 +290,23 @@ impl ApiClient {
             .map_err(|e| self.transport_error(e, method, path))
     }
 
+    /// What a TLS failure with the agent means, and what to set.
+    fn tls_failure(&self, e: &rustls::Error) -> Error {
+        match e {
+            rustls::Error::InvalidCertificate(
+                rustls::CertificateError::UnknownIssuer | rustls::CertificateError::BadSignature,
+            ) => Error::Transport(format!(
+                "TLS with the berth API at {} failed: its certificate is not signed by the CA \
+                 given in -ca-cert (BERTH_CACERT); give the CA that signed the agents' certificates",
+                self.base
+            )),
+            e => Error::Transport(format!(
+                "TLS with the berth API at {} failed: {e} (check -ca-cert, -client-cert and -client-key, or BERTH_CACERT, BERTH_CLIENT_CERT and BERTH_CLIENT_KEY)",
+                self.base
+            )),
+        }
+    }
+
     fn transport_error(&self, e: ureq::Error, method: &str, path: &str) -> Error {
         let refused = |why: String| Error::Unreachable {
             base: self.base.clone(),
@@ -301,26 +318,30 @@ impl ApiClient {
                 std::io::ErrorKind::AddrNotAvailable
                 | std::io::ErrorKind::NetworkUnreachable
                 | std::io::ErrorKind::HostUnreachable => refused(io.to_string()),
-                _ if io
-                    .get_ref()
-                    .is_some_and(|inner| inner.is::<rustls::Error>()) =>
-                {
-                    Error::Transport(format!(
-                        "TLS with the berth API at {} failed: {io} (check -ca-cert, -client-cert and -client-key, or BERTH_CACERT, BERTH_CLIENT_CERT and BERTH_CLIENT_KEY)",
+                _ => match io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+                    Some(tls) => self.tls_failure(tls),
+                    None => Error::Transport(format!(
+                        "{method} {path} at the berth API {}: {io}",
                         self.base
-                    ))
-                }
-                _ => Error::Transport(format!("{method} {path} at the berth API {}: {io}", self.base)),
+                    )),
+                },
             },
             ureq::Error::HostNotFound => refused("host not found".into()),
             ureq::Error::ConnectionFailed => refused("connection failed".into()),
             ureq::Error::Timeout(ureq::Timeout::Connect) => {
                 refused(format!("no connection in {}s", CONNECT_TIMEOUT.as_secs()))
             }
-            ureq::Error::Rustls(e) => Error::Transport(format!(
-                "TLS with the berth API at {} failed: {e} (check -ca-cert, -client-cert and -client-key, or BERTH_CACERT, BERTH_CLIENT_CERT and BERTH_CLIENT_KEY)",
-                self.base
-            )),
+            ureq::Error::Rustls(e) => self.tls_failure(&e),
+            // Plain HTTP sent to an agent that speaks TLS: its answer (a TLS
+            // alert) does not parse as HTTP.
+            ureq::Error::Protocol(_) | ureq::Error::Http(_) if self.base.starts_with("http://") => {
+                Error::Transport(format!(
+                    "{method} {path}: the agent at {} did not answer in HTTP ({e}); if it serves \
+                     HTTPS (tls {{ http = true }}), use an https:// address (-address or \
+                     BERTH_ADDR) with -ca-cert (BERTH_CACERT)",
+                    self.base
+                ))
+            }
             ureq::Error::Tls(e) => Error::Transport(format!(
                 "TLS with the berth API at {} failed: {e}",
                 self.base

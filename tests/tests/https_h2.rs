@@ -2,7 +2,8 @@
 //! with mutual TLS and ACLs, a client that negotiates `h2` gets the same
 //! answers and refusals as one that speaks HTTP/1.1, many blocking
 //! queries share one HTTP/2 connection, and a connection that never sends
-//! a request is closed after the header timeout.
+//! a request is closed after the header timeout. Reaching it wrongly (plain
+//! HTTP, another CA, no token) says what to set.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -396,5 +397,64 @@ fn headless_chromium_trusting_the_ca_loads_an_api_url() -> Result<()> {
         Ok(dom.contains(r#"{"ok":true}"#).then_some(dom))
     })?;
     assert!(page.contains("<pre>"), "{page}");
+    Ok(())
+}
+
+/// Each way of reaching a secured agent wrongly says what to set: plain
+/// HTTP to HTTPS (the CLI and the agent's log), a CA that did not sign the
+/// agent's certificate, a request without a token.
+#[test]
+fn protocol_mismatches_say_what_to_set() -> Result<()> {
+    let s = Secured::start()?;
+    let cli = s.pki.client_config(Some(CLI_CERT))?;
+    wait_for("the HTTPS API", Duration::from_secs(30), || {
+        Ok(tls_connect(&cli, s.port).ok().map(|_| ()))
+    })?;
+    let run = |args: &[String]| -> Result<String> {
+        let out = std::process::Command::new(binary("berth"))
+            .args(args)
+            .env_remove("BERTH_TOKEN")
+            .env_remove("BERTH_ADDR")
+            .stdin(std::process::Stdio::null())
+            .output()?;
+        anyhow::ensure!(!out.status.success(), "{args:?} succeeded");
+        Ok(String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let flags = s.pki.cli_flags(s.port);
+    let with = |address: Option<String>, ca: Option<String>| -> Vec<String> {
+        let mut f = flags.clone();
+        if let Some(a) = address {
+            f[1] = a;
+        }
+        if let Some(c) = ca {
+            f[3] = c;
+        }
+        f.extend(["job".to_string(), "status".to_string()]);
+        f
+    };
+
+    // http:// to HTTPS.
+    let said = run(&with(Some(format!("http://127.0.0.1:{}", s.port)), None))?;
+    assert!(said.contains("use an https:// address"), "{said}");
+    // The agent says what the peer did.
+    wait_for("the agent's hint", Duration::from_secs(10), || {
+        Ok(s.agent
+            .log()
+            .contains("the peer spoke plaintext to a TLS port")
+            .then_some(()))
+    })?;
+    // A CA that did not sign the agent's certificate.
+    let rogue_ca = s.pki.path("rogue/berth-agent-ca.pem").display().to_string();
+    let said = run(&with(None, Some(rogue_ca)))?;
+    assert!(
+        said.contains("not signed by the CA given in -ca-cert"),
+        "{said}"
+    );
+    // No token.
+    let said = run(&with(None, None))?;
+    assert!(
+        said.contains("pass one with -token or BERTH_TOKEN"),
+        "{said}"
+    );
     Ok(())
 }

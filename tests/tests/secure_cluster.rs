@@ -218,6 +218,17 @@ fn a_cluster_with_tls_and_acls_serves_only_its_agents_and_tokens() -> Result<()>
         Ok((names(&ready) == ["c1", "c2"]).then_some(nodes))
     })?;
     wait_for(
+        "the plaintext client told to turn TLS on",
+        Duration::from_secs(60),
+        || {
+            Ok(
+                logged(&cluster.server, "the peer spoke plaintext to a TLS port")
+                    .gt(&0)
+                    .then_some(()),
+            )
+        },
+    )?;
+    wait_for(
         "the rogue, plaintext and bare peers refused",
         Duration::from_secs(60),
         || {

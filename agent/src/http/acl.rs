@@ -211,9 +211,9 @@ pub async fn check(State(gate): State<Arc<AclGate>>, mut req: Request, next: Nex
         // Not this gate's route: the router behind checks it.
         return next.run(req).await;
     };
-    let acl = match token_of(req.headers()) {
+    let (acl, anonymous) = match token_of(req.headers()) {
         Ok(secret) => match gate.resolver.resolve(secret.as_deref()).await {
-            Ok(acl) => acl,
+            Ok(acl) => (acl, secret.is_none()),
             Err(e) => return e.into_response(),
         },
         Err(e) => return e.into_response(),
@@ -221,6 +221,11 @@ pub async fn check(State(gate): State<Arc<AclGate>>, mut req: Request, next: Nex
     if let Err(why) = acl.check(need) {
         tracing::info!(acl_accessor = acl.accessor_id.as_deref().unwrap_or("anonymous"),
             method = %method, path = %path, "API request refused by ACL");
+        let why = if anonymous {
+            format!("{why}; no token was given: pass one with -token or BERTH_TOKEN (header {TOKEN_HEADER})")
+        } else {
+            why
+        };
         return ApiError::new(StatusCode::FORBIDDEN, why).into_response();
     }
     let accessor = acl.accessor_id.clone();

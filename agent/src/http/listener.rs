@@ -223,7 +223,9 @@ pub async fn serve(
                     match tokio::time::timeout(header_timeout, accept).await {
                         Ok(Ok(s)) => Conn::Tls(Box::new(s)),
                         Ok(Err(e)) => {
-                            tracing::info!(peer = %peer, error = %e, "HTTP API: TLS handshake refused");
+                            tracing::info!(peer = %peer, error = %e,
+                                hint = crate::listener::handshake_hint(&e),
+                                "HTTP API: TLS handshake refused");
                             return;
                         }
                         Err(_) => {
