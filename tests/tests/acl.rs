@@ -37,9 +37,51 @@ fn every_route_checks_its_token_over_http_and_the_agent_protocol() -> Result<()>
     let agent = DevAgent::start_with_args(&["-acl-enabled", "-rpc-addr", &rpc])?;
     let boot = agent.token.clone().context("the bootstrap token")?;
 
-    // A second bootstrap is refused.
+    // A second bootstrap is refused, naming the way back for an operator
+    // who lost the token: the reset file on the server.
     let again = agent.http(&request("POST", "/v1/acl/bootstrap", None, "{}"))?;
     assert_eq!(again.status, 409, "{}", again.text());
+    let said = again.json()?["error"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let (id, path) = said
+        .split_once("write ")
+        .and_then(|(_, rest)| rest.split_once(" into "))
+        .and_then(|(id, rest)| rest.split_once(" and bootstrap").map(|(p, _)| (id, p)))
+        .with_context(|| format!("no reset path in {said:?}"))?;
+    // A file that does not name the bootstrap in force changes nothing.
+    std::fs::write(path, "not-the-accessor\n")?;
+    let stale = agent.http(&request("POST", "/v1/acl/bootstrap", None, "{}"))?;
+    assert_eq!(stale.status, 409, "{}", stale.text());
+    // With the accessor in it: one more bootstrap, whose token works.
+    std::fs::write(path, format!("{id}\n"))?;
+    let reset = agent.http(&request("POST", "/v1/acl/bootstrap", None, "{}"))?;
+    assert_eq!(reset.status, 200, "{}", reset.text());
+    let new_boot = reset.json()?["secret_id"]
+        .as_str()
+        .context("the new secret")?
+        .to_string();
+    assert_eq!(
+        agent
+            .http(&request("GET", "/v1/acl/tokens", Some(&new_boot), ""))?
+            .status,
+        200
+    );
+    assert!(!std::path::Path::new(path).exists(), "the reset file stays");
+    let once = agent.http(&request("POST", "/v1/acl/bootstrap", None, "{}"))?;
+    assert_eq!(
+        once.status,
+        409,
+        "a reset file is good once: {}",
+        once.text()
+    );
+    assert!(
+        agent
+            .log()
+            .contains("ACL bootstrap reset from the reset file"),
+        "the reset is not in the audit log"
+    );
 
     let job = agent.write_file("sleeper.hcl", &sleeping_service_job("sleeper", 1, 0))?;
     let job_json = agent.cli_ok(&["job", "run", "-output", &job])?;

@@ -33,6 +33,9 @@ pub struct NewToken {
     pub secret_id: String,
 }
 
+/// The file in the server's data dir that allows one more bootstrap.
+const BOOTSTRAP_RESET_FILE: &str = "acl-bootstrap-reset";
+
 /// An introduction token just made, with its secret shown this once.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NewIntroToken {
@@ -125,9 +128,24 @@ impl Server {
         })
     }
 
-    /// `acl bootstrap`: the first management token. Refused once done.
+    /// Where an operator who lost the bootstrap token writes the current
+    /// bootstrap's accessor ID to bootstrap once more (Nomad's reset file).
+    pub fn acl_bootstrap_reset_path(&self) -> std::path::PathBuf {
+        self.config
+            .data_dir
+            .join("server")
+            .join(BOOTSTRAP_RESET_FILE)
+    }
+
+    /// `acl bootstrap`: the first management token. Refused once done,
+    /// unless the reset file holds the accessor ID of the bootstrap in
+    /// force: then once more (the file is removed, and the reset logged).
     pub async fn acl_bootstrap(&self) -> Result<NewToken, ServerError> {
         self.acl_must_be_on()?;
+        let reset_path = self.acl_bootstrap_reset_path();
+        let reset = std::fs::read_to_string(&reset_path)
+            .ok()
+            .map(|s| s.trim().to_string());
         let secret = generate_secret();
         let now = berth_structs::now_ms();
         let token = AclToken {
@@ -139,20 +157,34 @@ impl Server {
             create_time_ms: now,
             ..AclToken::default()
         };
-        let (written, _) = self.store.write(|t, changes| {
+        let ((written, reset_from), _) = self.store.write(|t, changes| {
+            let mut reset_from = None;
             if let Some(b) = &t.acl.bootstrap {
-                return Err(ServerError::Conflict(format!(
-                    "ACL bootstrap already done (token {} made it); make more tokens with a management token",
-                    b.accessor_id
-                )));
+                if reset.as_deref() != Some(b.accessor_id.as_str()) {
+                    return Err(ServerError::Conflict(format!(
+                        "ACL bootstrap already done (token {id} made it); make more tokens with a \
+                         management token. Lost it? On the server, write {id} into {path} and \
+                         bootstrap again (once; the reset is logged)",
+                        id = b.accessor_id,
+                        path = reset_path.display()
+                    )));
+                }
+                reset_from = Some(b.accessor_id.clone());
             }
             changes.push(Change::put_acl(AclRecord::Bootstrap(AclBootstrap {
                 accessor_id: token.accessor_id.clone(),
                 time_ms: now,
             })));
             changes.push(Change::put_acl(AclRecord::Token(token.clone())));
-            Ok::<_, ServerError>(token.accessor_id.clone())
+            Ok::<_, ServerError>((token.accessor_id.clone(), reset_from))
         })?;
+        if let Some(old) = reset_from {
+            if let Err(e) = std::fs::remove_file(&reset_path) {
+                tracing::warn!(path = %reset_path.display(), error = %e, "removing the used ACL bootstrap reset file failed");
+            }
+            tracing::warn!(target: "berth::audit", acl_accessor = %written, replaced = %old,
+                "ACL bootstrap reset from the reset file: a new management token was made");
+        }
         tracing::warn!(acl_accessor = %written, "ACL bootstrap done: a management token was made");
         Ok(NewToken {
             token: self.acl_token(&written)?,
