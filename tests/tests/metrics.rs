@@ -401,3 +401,63 @@ fn each_agent_answers_with_its_own_metrics() -> Result<()> {
     );
     Ok(())
 }
+
+/// With ACLs on, `/v1/metrics` needs a token with `agent:read` (sent as
+/// `Authorization: Bearer`, as Prometheus sends one), unless the operator
+/// opts in to a token-less scraper with `acl { public_metrics = true }`;
+/// nothing else opens with it.
+#[test]
+fn metrics_need_a_token_unless_the_operator_makes_them_public() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let get = |port: u16, path: &str, bearer: Option<&str>| -> Result<u16> {
+        let auth = bearer.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        let a = http_at(
+            port,
+            &format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Connection: close\r\n\r\n"),
+        )?;
+        Ok(a.status)
+    };
+    for public in [false, true] {
+        let file = dir.path().join(format!("server-{public}.hcl"));
+        std::fs::write(
+            &file,
+            format!(
+                "server {{\n  enabled = true\n}}\nacl {{\n  enabled = true\n  public_metrics = {public}\n}}\n"
+            ),
+        )?;
+        let port = free_port();
+        let mut agent = Agent::start(&[
+            "-config",
+            file.to_str().context("UTF-8")?,
+            "-http-addr",
+            &format!("127.0.0.1:{port}"),
+            "-rpc-addr",
+            &format!("127.0.0.1:{}", free_port()),
+        ])?;
+        let boot = wait_for("the ACL bootstrap", Duration::from_secs(30), || {
+            agent.check_running()?;
+            let Ok(a) = http_at(
+                port,
+                "POST /v1/acl/bootstrap HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            ) else {
+                return Ok(None);
+            };
+            Ok(a.json()
+                .ok()
+                .and_then(|v| v["secret_id"].as_str().map(str::to_string)))
+        })?;
+        let anonymous = get(port, "/v1/metrics", None)?;
+        assert_eq!(
+            anonymous,
+            if public { 200 } else { 403 },
+            "public_metrics = {public}"
+        );
+        assert_eq!(get(port, "/v1/metrics", Some(&boot))?, 200);
+        assert_eq!(
+            get(port, "/v1/agent/self", None)?,
+            403,
+            "public_metrics = {public}"
+        );
+    }
+    Ok(())
+}

@@ -4,7 +4,7 @@
 //! ```hcl
 //! region = "global"
 //! http_allowed_hosts = ["berth.example.com"]
-//! acl    { enabled = true, token_ttl = "30s" }
+//! acl    { enabled = true, token_ttl = "30s", public_metrics = false }
 //! tls {
 //!   http = true
 //!   rpc  = true
@@ -45,6 +45,9 @@ pub struct AclSection {
     /// How long a client agent keeps a token it resolved through the
     /// servers before it asks again.
     pub token_ttl: Option<Duration>,
+    /// Serve `/v1/metrics` without a token (for a scraper that sends
+    /// none); off unless set.
+    pub public_metrics: Option<bool>,
 }
 
 impl AclSection {
@@ -56,6 +59,10 @@ impl AclSection {
         self.enabled == Some(true)
     }
 
+    pub fn public_metrics(&self) -> bool {
+        self.public_metrics == Some(true)
+    }
+
     pub fn effective_token_ttl(&self) -> Duration {
         self.token_ttl.unwrap_or(Self::DEFAULT_TOKEN_TTL)
     }
@@ -64,6 +71,7 @@ impl AclSection {
         AclSection {
             enabled: later.enabled.or(self.enabled),
             token_ttl: later.token_ttl.or(self.token_ttl),
+            public_metrics: later.public_metrics.or(self.public_metrics),
         }
     }
 }
@@ -332,10 +340,17 @@ impl SecuritySections {
         let acl = match r.optional_block("acl")? {
             None => AclSection::default(),
             Some(b) => {
-                let a = BodyReader::unlabeled(src, b, r.ctx(), &["enabled", "token_ttl"], &[])?;
+                let a = BodyReader::unlabeled(
+                    src,
+                    b,
+                    r.ctx(),
+                    &["enabled", "token_ttl", "public_metrics"],
+                    &[],
+                )?;
                 AclSection {
                     enabled: a.bool("enabled")?,
                     token_ttl: a.duration("token_ttl", MAX_DURATION)?,
+                    public_metrics: a.bool("public_metrics")?,
                 }
             }
         };

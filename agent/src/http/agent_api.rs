@@ -40,6 +40,9 @@ pub struct AgentInfo {
     /// How long a client-only agent keeps a resolved token when it checks
     /// tokens because its servers do (`acl { token_ttl }`).
     pub acl_token_ttl: std::time::Duration,
+    /// `acl { public_metrics = true }`: `/v1/metrics` answers without a
+    /// token.
+    pub public_metrics: bool,
     /// The `Host` values its HTTP API answers (see [`super::host_check`]).
     pub allowed_hosts: super::host_check::AllowedHosts,
     /// How many waiting requests it holds at once (see [`super::limits`]).
@@ -59,6 +62,7 @@ impl AgentInfo {
             server_role: OnceLock::new(),
             acl: None,
             acl_token_ttl: crate::config::security::AclSection::DEFAULT_TOKEN_TTL,
+            public_metrics: false,
             allowed_hosts: super::host_check::AllowedHosts::default(),
             limits: super::limits::ApiLimits::default(),
         }
@@ -73,6 +77,7 @@ impl AgentInfo {
             ),
             limits: super::limits::ApiLimits::new(&security.limits.effective()),
             acl_token_ttl: security.acl.effective_token_ttl(),
+            public_metrics: security.acl.public_metrics(),
             ..self
         }
     }
@@ -106,7 +111,7 @@ pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
             Need::Public,
             super::openapi::openapi_json,
         )
-        .get("/v1/metrics", Need::Agent(Level::Read), metrics)
+        .get(METRICS_PATH, Need::Agent(Level::Read), metrics)
         .get(
             "/v1/client/allocations",
             Need::Node(Level::Read),
@@ -133,6 +138,9 @@ pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
             super::alloc_ops::signal_alloc,
         )
 }
+
+/// The Prometheus scrape path.
+const METRICS_PATH: &str = "/v1/metrics";
 
 /// The whole API of an agent: the node-local routes, then `server`'s API
 /// when this agent runs the server role, else forwarding to the servers
@@ -183,12 +191,14 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
             }
         };
         // The agent's own routes; the rest is checked where it is answered.
-        super::acl::AclGate::new(
-            agent_routes().table(),
-            super::acl::UnknownPaths::PassOn,
-            resolver,
-            enforce,
-        )
+        // With `public_metrics`, the metrics route is public on purpose.
+        let mut routes = agent_routes().table().to_vec();
+        if info.public_metrics {
+            for r in routes.iter_mut().filter(|r| r.path == METRICS_PATH) {
+                r.need = Need::Public;
+            }
+        }
+        super::acl::AclGate::new(&routes, super::acl::UnknownPaths::PassOn, resolver, enforce)
     });
     let router = agent_routes()
         .into_router()
