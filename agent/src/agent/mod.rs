@@ -273,7 +273,13 @@ async fn start_client_role(
     agent_info: &crate::http::agent_api::AgentInfo,
     stop: Shutdown,
 ) -> Result<tokio::task::JoinHandle<()>> {
-    tracing::info!(servers = ?servers, "client starting");
+    // The dial addresses carry http:// for tonic; TLS is the connector's.
+    let shown: Vec<&str> = servers
+        .iter()
+        .map(|s| s.strip_prefix("http://").unwrap_or(s))
+        .collect();
+    let rpc_tls = tls.is_some_and(|t| t.rpc);
+    tracing::info!(servers = ?shown, tls = rpc_tls, "client starting");
     let mut client_config = config.client_config(data_dir.to_path_buf(), servers);
     client_config.tls = tls
         .cloned()

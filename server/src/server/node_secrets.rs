@@ -44,13 +44,16 @@ pub struct Enrollment {
 /// - Otherwise, with enrollment required, the caller needs an
 ///   introduction token (which loses a use), or a certificate for a node
 ///   ID never seen; without, it takes the secret it brings.
+///
+/// The accessor of the introduction token it spent, if it spent one (the
+/// caller logs the enrollment once it is written).
 pub(crate) fn admit_registration(
     t: &Tables,
     node_id: &str,
     secret: &NodeSecret,
     enrollment: &Enrollment,
     changes: &mut Vec<Change>,
-) -> Result<(), ServerError> {
+) -> Result<Option<String>, ServerError> {
     let known = t.node_secrets.get(node_id);
     if t.nodes.contains_key(node_id) && known.is_some_and(|k| k != secret) {
         return Err(refused(
@@ -59,12 +62,13 @@ pub(crate) fn admit_registration(
         ));
     }
     let proven = known == Some(secret);
+    let mut spent = None;
     if !proven && enrollment.required {
         match &enrollment.intro_token {
             Some(token) => {
                 let accessor = super::acl::spend_intro_token(t, token, changes)
                     .map_err(|why| refused(node_id, &why))?;
-                tracing::info!(node_id, intro_token = %accessor, "node enrolled with an introduction token");
+                spent = Some(accessor);
             }
             None if enrollment.certificate && known.is_none() => {}
             None if known.is_some() => {
@@ -87,7 +91,7 @@ pub(crate) fn admit_registration(
             secret: secret.clone(),
         });
     }
-    Ok(())
+    Ok(spent)
 }
 
 /// Whether `presented` proves the caller is the registered node `node_id`.
@@ -157,7 +161,7 @@ impl Server {
         self.store
             .read(|t| {
                 let mut scratch = Vec::new();
-                admit_registration(t, node_id, secret, enrollment, &mut scratch)
+                admit_registration(t, node_id, secret, enrollment, &mut scratch).map(drop)
             })
             .inspect_err(|e| {
                 tracing::warn!(node_id, rpc = "Register", error = %e, "node RPC refused");

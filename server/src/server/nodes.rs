@@ -66,10 +66,13 @@ impl Server {
         if !bad_names.is_empty() {
             return Err(ValidationError(bad_names).into());
         }
-        let ((), index) = self.store.write(|t, changes| {
+        let (enrolled_with, index) = self.store.write(|t, changes| {
             let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
+            let mut enrolled_with = None;
             if let Some((secret, enrollment)) = &secret {
-                super::node_secrets::admit_registration(t, &node.id, secret, enrollment, changes)?;
+                enrolled_with = super::node_secrets::admit_registration(
+                    t, &node.id, secret, enrollment, changes,
+                )?;
             }
             // The registration's events join the stored ones as any
             // others do: folded and capped.
@@ -96,8 +99,11 @@ impl Server {
             node.status = NodeStatus::Ready;
             node.last_heartbeat_ms = berth_structs::now_ms();
             changes.push(Change::PutNode(node.clone()));
-            Ok::<_, ServerError>(())
+            Ok::<_, ServerError>(enrolled_with)
         })?;
+        if let Some(accessor) = enrolled_with {
+            tracing::info!(node_id = %node.id, intro_token = %accessor, "node enrolled with an introduction token");
+        }
         self.liveness
             .record_heartbeat(&node.id, node.last_heartbeat_ms);
         let ttl = self.heartbeat_ttl();
