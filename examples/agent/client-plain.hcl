@@ -1,0 +1,18 @@
+# A berth client agent for a first cluster on one machine, beside
+# server-plain.hcl: loopback only, no TLS, no ACLs (client.hcl is the one
+# for real machines).
+#
+#   berth agent -config examples/agent/client-plain.hcl -data-dir /tmp/berth/c1 -node worker-1
+
+data_dir = "/var/lib/berth/client"
+name     = "worker-1"
+
+# Its own HTTP API: a second agent on this machine needs another port.
+ports {
+  http = 4748
+}
+
+client {
+  enabled = true
+  servers = ["127.0.0.1:4647"]
+}
