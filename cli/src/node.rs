@@ -210,19 +210,12 @@ fn node_intro_list(a: &IntroListArgs, api: &ApiClient) -> Result<i32> {
         t.push([
             text(&tok["accessor_id"]),
             text(&tok["uses_left"]),
-            time_of(&tok["create_time_ms"]),
-            time_of(&tok["expiration_time_ms"]),
+            format_time(tok["create_time_ms"].as_i64().unwrap_or(0)),
+            format_time(tok["expiration_time_ms"].as_i64().unwrap_or(0)),
         ]);
     }
     print_lines(t.lines());
     Ok(0)
-}
-
-/// A time in unix ms as RFC 3339, to the second.
-fn time_of(ms: &Value) -> String {
-    let ms = u64::try_from(ms.as_i64().unwrap_or(0)).unwrap_or(0);
-    humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms))
-        .to_string()
 }
 
 /// `berth node intro create [-ttl D] [-uses N]`.
@@ -235,7 +228,10 @@ fn node_intro_create(a: IntroCreateArgs, api: &ApiClient) -> Result<i32> {
         ("Accessor ID", super::output::text(&v["accessor_id"])),
         ("Secret ID", super::output::text(&v["secret_id"])),
         ("Uses", super::output::text(&v["uses_left"])),
-        ("Expires", time_of(&v["expiration_time_ms"])),
+        (
+            "Expires",
+            format_time(v["expiration_time_ms"].as_i64().unwrap_or(0)),
+        ),
     ]));
     Ok(0)
 }
