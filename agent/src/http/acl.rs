@@ -93,14 +93,6 @@ impl NeedTable {
             Lookup::UnknownPath
         }
     }
-
-    /// What `method` on `path` needs; `None` when no route serves it.
-    pub fn need(&self, method: &Method, path: &str) -> Option<Need> {
-        match self.lookup(method, path) {
-            Lookup::Route(need) => Some(need),
-            Lookup::UnlistedMethod | Lookup::UnknownPath => None,
-        }
-    }
 }
 
 /// What a gate does with a path its table does not list.
@@ -364,22 +356,21 @@ mod tests {
     fn needs_are_found_by_method_and_path() {
         let t = NeedTable::new(&super::super::routes::all_routes());
         assert_eq!(
-            t.need(&Method::PUT, "/v1/jobs"),
-            Some(Need::Namespace(Capability::SubmitJob))
+            t.lookup(&Method::PUT, "/v1/jobs"),
+            Lookup::Route(Need::Namespace(Capability::SubmitJob))
         );
         assert_eq!(
-            t.need(&Method::GET, "/v1/job/web"),
-            Some(Need::Namespace(Capability::ReadJob))
+            t.lookup(&Method::GET, "/v1/job/web"),
+            Lookup::Route(Need::Namespace(Capability::ReadJob))
         );
         assert_eq!(
-            t.need(&Method::PUT, "/v1/node/n1/purge"),
-            Some(Need::Node(Level::Write))
+            t.lookup(&Method::PUT, "/v1/node/n1/purge"),
+            Lookup::Route(Need::Node(Level::Write))
         );
         assert_eq!(
-            t.need(&Method::GET, "/v1/acl/token/self"),
-            Some(Need::AnyToken)
+            t.lookup(&Method::GET, "/v1/acl/token/self"),
+            Lookup::Route(Need::AnyToken)
         );
-        assert_eq!(t.need(&Method::GET, "/v1/nowhere"), None);
         // HEAD runs the GET handler: it needs what GET needs.
         assert_eq!(
             t.lookup(&Method::HEAD, "/v1/acl/tokens"),
