@@ -1,4 +1,5 @@
-//! The read-only ACL policy and the writes it refuses.
+//! The read-only ACL policy and the writes it refuses, a request with a
+//! token, and the bootstrap token of an agent.
 
 /// An ACL policy that reads jobs, nodes and plugins and writes nothing.
 pub const READONLY_POLICY: &str = r#"
@@ -34,5 +35,28 @@ pub fn token_request(method: &str, path: &str, token: Option<&str>, body: &str) 
         "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
+    )
+}
+
+/// The management token of the one ACL bootstrap of the agent whose HTTP
+/// API is on `port` (plain HTTP), asked for until it answers (at most
+/// 30 s, failing early should `agent` exit).
+pub fn bootstrap_token(agent: &mut crate::Agent, port: u16) -> anyhow::Result<String> {
+    crate::wait_for(
+        "the ACL bootstrap",
+        std::time::Duration::from_secs(30),
+        || {
+            agent.check_running()?;
+            let Ok(a) = crate::http_at(
+                port,
+                &token_request("POST", "/v1/acl/bootstrap", None, "{}"),
+            ) else {
+                return Ok(None);
+            };
+            Ok((a.status == 200)
+                .then(|| a.json().ok())
+                .flatten()
+                .and_then(|v| v["secret_id"].as_str().map(str::to_string)))
+        },
     )
 }

@@ -347,12 +347,12 @@ pub fn marker_pids(job: &str) -> BTreeSet<i32> {
         .collect()
 }
 
-/// The parent of `pid`, from `/proc/<pid>/stat` (after the command name,
-/// which may hold spaces and parentheses: the fields follow its last `)`).
+/// The parent of `pid`, from `/proc/<pid>/stat`.
 fn parent_pid(pid: i32) -> Option<i32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(1)?.parse().ok()
+    crate::stat_fields(u32::try_from(pid).ok()?)?
+        .get(1)?
+        .parse()
+        .ok()
 }
 
 /// The node an alloc (as the API shows it) is placed on.

@@ -36,6 +36,22 @@ pub fn free_port() -> u16 {
     l.local_addr().expect("local addr").port()
 }
 
+/// The fields of `/proc/<pid>/stat` after the command name (which may hold
+/// spaces and parentheses: they follow its last `)`), from the state on.
+pub fn stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_string).collect())
+}
+
+/// CPU time (user and system) the process `pid` has used so far.
+pub fn cpu_time(pid: u32) -> Option<Duration> {
+    let f = stat_fields(pid)?;
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // USER_HZ is 100 on Linux.
+    Some(Duration::from_millis(ticks * 10))
+}
+
 /// Resident memory of a process in KiB (`VmRSS`), if it runs.
 pub fn rss_kib(pid: u32) -> Option<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -58,10 +74,10 @@ pub fn processes_with_cmdline(needle: &str) -> Vec<i32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| *pid != me)
         .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rfind(')')
-                .is_some_and(|i| stat[i + 1..].trim_start().starts_with('Z'));
+            let zombie = u32::try_from(*pid)
+                .ok()
+                .and_then(stat_fields)
+                .is_some_and(|f| f.first().is_some_and(|state| state.starts_with('Z')));
             // Arguments are NUL-separated; match them as a command line.
             let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
             let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");

@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use berth_tests::{
-    cli_ok_at, free_port, http_at, sleeping_service_job, token_request as request, wait_for, Agent,
+    bootstrap_token, cli_ok_at, free_port, http_at, sleeping_service_job, token_request as request,
+    wait_for, Agent,
 };
 use serde_json::Value;
 
@@ -70,15 +71,7 @@ impl AclCluster {
             "-rpc-addr",
             &rpc,
         ])?;
-        let boot = wait_for("the ACL bootstrap", Duration::from_secs(30), || {
-            server.check_running()?;
-            Ok(
-                match call(http_port, "POST", "/v1/acl/bootstrap", None, "{}") {
-                    Ok((200, v)) => v["secret_id"].as_str().map(str::to_string),
-                    _ => None,
-                },
-            )
-        })?;
+        let boot = bootstrap_token(&mut server, http_port)?;
         let (status, intro) = call(
             http_port,
             "PUT",

@@ -257,17 +257,6 @@ fn https_answers_http2_and_http1_alike() -> Result<()> {
     Ok(())
 }
 
-/// CPU time (user and system) the process `pid` has used so far.
-fn cpu_time(pid: u32) -> Result<Duration> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The fields after the command (which may hold spaces), from `state`.
-    let after = stat.rsplit_once(") ").context("a /proc stat line")?.1;
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-    // USER_HZ is 100 on Linux.
-    Ok(Duration::from_millis(ticks * 10))
-}
-
 /// The rapid-reset pattern: a client that opens streams and resets them
 /// at once, in a loop, is disconnected long before 10,000, and costs the
 /// agent bounded CPU time and memory.
@@ -279,7 +268,7 @@ fn a_client_that_opens_and_resets_streams_in_a_loop_is_disconnected() -> Result<
         Ok(tls_connect(&cli, s.port).ok().map(|_| ()))
     })?;
     let pid = s.agent.pid().context("the agent runs")?;
-    let cpu_before = cpu_time(pid)?;
+    let cpu_before = berth_tests::cpu_time(pid).context("CPU time")?;
     let rss_before = berth_tests::rss_kib(pid).context("VmRSS")?;
     let rt = tokio::runtime::Runtime::new()?;
     let (opened, reason) = rt.block_on(async {
@@ -308,7 +297,9 @@ fn a_client_that_opens_and_resets_streams_in_a_loop_is_disconnected() -> Result<
         anyhow::ensure!(ended.is_ok(), "the connection still runs: {reason}");
         anyhow::Ok((opened, reason))
     })?;
-    let cpu = cpu_time(pid)?.saturating_sub(cpu_before);
+    let cpu = berth_tests::cpu_time(pid)
+        .context("CPU time")?
+        .saturating_sub(cpu_before);
     let rss = berth_tests::rss_kib(pid).context("VmRSS")?;
     eprintln!(
         "disconnected after {opened} streams ({reason}); agent CPU {cpu:?}, RSS {rss_before} -> {rss} KiB"

@@ -434,18 +434,7 @@ fn metrics_need_a_token_unless_the_operator_makes_them_public() -> Result<()> {
             "-rpc-addr",
             &format!("127.0.0.1:{}", free_port()),
         ])?;
-        let boot = wait_for("the ACL bootstrap", Duration::from_secs(30), || {
-            agent.check_running()?;
-            let Ok(a) = http_at(
-                port,
-                "POST /v1/acl/bootstrap HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
-            ) else {
-                return Ok(None);
-            };
-            Ok(a.json()
-                .ok()
-                .and_then(|v| v["secret_id"].as_str().map(str::to_string)))
-        })?;
+        let boot = berth_tests::bootstrap_token(&mut agent, port)?;
         let anonymous = get(port, "/v1/metrics", None)?;
         assert_eq!(
             anonymous,
