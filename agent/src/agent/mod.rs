@@ -230,14 +230,7 @@ fn agent_info(
             data_dir.to_path_buf(),
             config.servers.clone(),
         )
-        .with_security(&config.security)
-        .with_acl(
-            config
-                .security
-                .acl
-                .enabled()
-                .then(|| config.security.acl.effective_token_ttl()),
-        ),
+        .with_security(&config.security),
     )
 }
 

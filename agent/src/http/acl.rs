@@ -498,8 +498,8 @@ mod tests {
         config.acl_enabled = true;
         let server = berth_server::Server::open(config).expect("open server");
         let boot = server.acl_bootstrap().await.expect("bootstrap").secret_id;
-        let info = AgentInfo::new(true, false, dir.path().to_path_buf(), Vec::new())
-            .with_acl(Some(Duration::from_secs(30)));
+        let mut info = AgentInfo::new(true, false, dir.path().to_path_buf(), Vec::new());
+        info.acl_enabled = true;
         let router = agent_router(Some(server.clone()), Arc::new(info));
         let table = NeedTable::new(&super::super::routes::all_routes());
 

@@ -34,11 +34,10 @@ pub struct AgentInfo {
     pub client_role: OnceLock<Arc<Client>>,
     /// This agent's server role, when it runs one (for its metrics).
     pub server_role: OnceLock<Arc<Server>>,
-    /// `Some(token_ttl)` when this agent's own config turns ACLs on: how
-    /// long a client-only agent keeps a token the servers resolved.
-    pub acl: Option<std::time::Duration>,
-    /// How long a client-only agent keeps a resolved token when it checks
-    /// tokens because its servers do (`acl { token_ttl }`).
+    /// Whether this agent's own config turns ACLs on.
+    pub acl_enabled: bool,
+    /// How long a client-only agent keeps a token the servers resolved
+    /// (`acl { token_ttl }`).
     pub acl_token_ttl: std::time::Duration,
     /// `acl { public_metrics = true }`: `/v1/metrics` answers without a
     /// token.
@@ -60,7 +59,7 @@ impl AgentInfo {
             rpc_addr: OnceLock::new(),
             client_role: OnceLock::new(),
             server_role: OnceLock::new(),
-            acl: None,
+            acl_enabled: false,
             acl_token_ttl: crate::config::security::AclSection::DEFAULT_TOKEN_TTL,
             public_metrics: false,
             allowed_hosts: super::host_check::AllowedHosts::default(),
@@ -69,23 +68,18 @@ impl AgentInfo {
     }
 
     /// This agent as its security config has it: the `Host` names it
-    /// answers and its `limits`.
+    /// answers, its `limits` and its `acl` block.
     pub fn with_security(self, security: &crate::config::SecuritySections) -> AgentInfo {
         AgentInfo {
             allowed_hosts: super::host_check::AllowedHosts::new(
                 security.http_allowed_hosts.clone(),
             ),
             limits: super::limits::ApiLimits::new(&security.limits.effective()),
+            acl_enabled: security.acl.enabled(),
             acl_token_ttl: security.acl.effective_token_ttl(),
             public_metrics: security.acl.public_metrics(),
             ..self
         }
-    }
-
-    /// With ACLs on, tokens resolved remotely kept for `token_ttl`.
-    pub fn with_acl(mut self, token_ttl: Option<std::time::Duration>) -> AgentInfo {
-        self.acl = token_ttl;
-        self
     }
 
     /// The client role, or a 404 that says this agent does not run one
@@ -164,7 +158,7 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
     // `Client::checks_tokens`; until the client role has started, it
     // checks): an `acl` block missing from a client's files never opens
     // its routes.
-    let follows_servers = info.acl.is_none() && info.client && info.server_role.get().is_none();
+    let follows_servers = !info.acl_enabled && info.client && info.server_role.get().is_none();
     let enforce = if follows_servers {
         let info = info.clone();
         super::acl::Enforce::When(Arc::new(move || {
@@ -173,8 +167,8 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
     } else {
         super::acl::Enforce::Always
     };
-    let acl_ttl = info.acl.or(follows_servers.then_some(info.acl_token_ttl));
-    let gate = acl_ttl.map(|ttl| {
+    let gate = (info.acl_enabled || follows_servers).then(|| {
+        let ttl = info.acl_token_ttl;
         let resolver: Arc<dyn super::acl::TokenResolver> = match info.server_role.get() {
             Some(s) => s.clone(),
             None => {
