@@ -1,7 +1,7 @@
 //! The agent's configuration files: HCL in Nomad's shape.
 //!
 //! ```hcl
-//! data_dir  = "/var/lib/berth/client"
+//! data_dir  = "/var/lib/berth"
 //! name      = "worker-1"
 //! log_level = "info"
 //! log_json  = false
@@ -895,10 +895,7 @@ client {
         let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/agent");
         let server = load(&[examples.join("server.hcl")]).expect("server.hcl");
         assert!(server.server_enabled() && !server.client_enabled());
-        assert_eq!(
-            server.data_dir,
-            Some(PathBuf::from("/var/lib/berth/server"))
-        );
+        assert_eq!(server.data_dir, Some(PathBuf::from("/var/lib/berth")));
         let client = load(&[examples.join("client.hcl")]).expect("client.hcl");
         assert!(client.client_enabled() && !client.server_enabled());
         assert_eq!(

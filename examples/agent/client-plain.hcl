@@ -4,7 +4,7 @@
 #
 #   berth agent -config examples/agent/client-plain.hcl -data-dir /tmp/berth/c1 -node worker-1
 
-data_dir = "/var/lib/berth/client"
+data_dir = "/var/lib/berth"
 name     = "worker-1"
 
 # Its own HTTP API: a second agent on this machine needs another port.

@@ -3,7 +3,7 @@
 #
 #   berth config validate examples/agent/client.hcl
 
-data_dir  = "/var/lib/berth/client"
+data_dir  = "/var/lib/berth"
 name      = "worker-1"
 log_level = "info"
 

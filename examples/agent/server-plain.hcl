@@ -1,9 +1,9 @@
 # A berth server agent for a first cluster on one machine: loopback only,
 # no TLS, no ACLs (server.hcl is the one for real machines).
 #
-#   berth agent -config examples/agent/server-plain.hcl -data-dir /tmp/berth/server
+#   berth agent -config examples/agent/server-plain.hcl -data-dir /tmp/berth/s1
 
-data_dir = "/var/lib/berth/server"
+data_dir = "/var/lib/berth"
 name     = "server-1"
 
 ports {

@@ -10,7 +10,7 @@
 #   berth tls cert create -client    # for each client agent
 #   berth tls cert create -cli       # for the CLI
 
-data_dir  = "/var/lib/berth/server"
+data_dir  = "/var/lib/berth"
 name      = "server-1"
 log_level = "info"
 bind_addr = "0.0.0.0"

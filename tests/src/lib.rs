@@ -16,6 +16,8 @@ mod inspect;
 mod jobs;
 pub mod pki;
 mod process;
+pub mod readme;
+pub mod sandbox;
 pub mod snapshot;
 
 pub use acl::*;

@@ -6,23 +6,9 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
+use berth_tests::readme::{block_after, readme};
 use berth_tests::{binary, repo_root, wait_for, Agent};
-
-/// The commands of the code block after `intro` in the README.
-fn block_after(readme: &str, intro: &str) -> Result<Vec<String>> {
-    let at = readme
-        .find(intro)
-        .with_context(|| format!("the README no longer says {intro:?}"))?;
-    let commands: Vec<String> = readme[at..]
-        .lines()
-        .skip_while(|l| !l.starts_with("    "))
-        .take_while(|l| l.starts_with("    "))
-        .map(|l| l.trim().to_string())
-        .collect();
-    anyhow::ensure!(!commands.is_empty(), "no code block after {intro:?}");
-    Ok(commands)
-}
 
 fn port_free(port: u16) -> bool {
     std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
@@ -30,8 +16,7 @@ fn port_free(port: u16) -> bool {
 
 #[test]
 fn the_readme_cluster_runs_as_written() -> Result<()> {
-    let readme = std::fs::read_to_string(repo_root().join("README.md"))?;
-    let commands = block_after(&readme, "One server and two clients on one machine")?;
+    let commands = block_after(&readme()?, "One server and two clients on one machine")?;
     wait_for("the README's ports free", Duration::from_secs(60), || {
         Ok([4747, 4647, 4748, 4749]
             .into_iter()
