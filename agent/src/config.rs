@@ -8,7 +8,7 @@
 //! bind_addr = "0.0.0.0"
 //! ports { http = 4746, rpc = 4747 }
 //! server { enabled = true, heartbeat_grace = "10s", min_heartbeat_ttl = "10s",
-//!          max_heartbeats_per_second = 50 }
+//!          max_heartbeats_per_second = 50, default_lost_after = "1h" }
 //! client { enabled = true, servers = ["10.0.0.1:4747"], node_class = "storage",
 //!          meta { rack = "r1" }, reserved { cpu = 500, memory = 512, disk = 1024 },
 //!          disconnect_startup_grace = "30s", csi_volume_stats_interval = "60s" }
@@ -102,6 +102,9 @@ pub struct ServerSection {
     pub heartbeat_grace: Option<Duration>,
     pub min_heartbeat_ttl: Option<Duration>,
     pub max_heartbeats_per_second: Option<u32>,
+    /// How long a system job's allocs on a down node are held `unknown`
+    /// (zero: lost at once).
+    pub default_lost_after: Option<Duration>,
 }
 
 /// `client { reserved { ... } }`: what the node keeps for itself.
@@ -178,6 +181,10 @@ impl AgentFileConfig {
                     .server
                     .max_heartbeats_per_second
                     .or(self.server.max_heartbeats_per_second),
+                default_lost_after: later
+                    .server
+                    .default_lost_after
+                    .or(self.server.default_lost_after),
             },
             client: ClientSection {
                 enabled: later.client.enabled.or(self.client.enabled),
@@ -416,6 +423,7 @@ fn server_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ServerSect
                     "heartbeat_grace",
                     "min_heartbeat_ttl",
                     "max_heartbeats_per_second",
+                    "default_lost_after",
                 ],
                 &[],
             )?;
@@ -433,6 +441,7 @@ fn server_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ServerSect
                 heartbeat_grace: s.duration("heartbeat_grace", MAX_DURATION)?,
                 min_heartbeat_ttl,
                 max_heartbeats_per_second,
+                default_lost_after: s.duration("default_lost_after", MAX_DURATION)?,
             }
         }
     };
@@ -591,6 +600,7 @@ server {
   heartbeat_grace           = "15s"
   min_heartbeat_ttl         = "5s"
   max_heartbeats_per_second = 50
+  default_lost_after        = "30m"
 }
 client {
   enabled                  = true
@@ -627,6 +637,7 @@ client {
                 heartbeat_grace: Some(Duration::from_secs(15)),
                 min_heartbeat_ttl: Some(Duration::from_secs(5)),
                 max_heartbeats_per_second: Some(50),
+                default_lost_after: Some(Duration::from_secs(30 * 60)),
             }
         );
         assert_eq!(c.client.servers.as_ref().map(Vec::len), Some(3));

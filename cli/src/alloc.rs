@@ -175,6 +175,12 @@ pub fn alloc_detail(
     if let Some(ms) = v["node_last_heartbeat_ms"].as_i64().filter(|ms| *ms > 0) {
         header.push(("Node Last Heartbeat", format_time(ms)));
     }
+    let disconnected = &v["disconnected"];
+    if let Some(since) = disconnected["since_ms"].as_i64() {
+        header.push(("Unknown Since", ago_at(since, now_ms)));
+        let lost_at = disconnected["lost_at_ms"].as_i64().unwrap_or(0);
+        header.push(("Lost At", format_time(lost_at)));
+    }
     let mut out = joined(key_values(&header));
 
     // The group's tasks in their order, then any state of a task the group

@@ -185,7 +185,7 @@ impl berth_heartbeat::DisconnectTarget for Client {
             .filter(|r| !r.client_status().is_terminal())
             .filter_map(|r| {
                 let alloc = r.alloc();
-                let window = alloc.group()?.stop_after_client_disconnect?;
+                let window = alloc.group()?.stop_on_client_after()?;
                 Some((alloc.id.clone(), window))
             })
             .collect()

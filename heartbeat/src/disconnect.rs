@@ -1,5 +1,5 @@
 //! The disconnect tracker: stops the allocs whose group sets
-//! `stop_after_client_disconnect` once the client has gone that long
+//! `disconnect { stop_on_client_after }` once the client has gone that long
 //! without a successful heartbeat, so that a workload the servers replace
 //! elsewhere never runs twice.
 //!
@@ -98,14 +98,14 @@ impl DisconnectTracker {
                     warn!(
                         allocs = due.len(),
                         silent_ms = silent.as_millis() as u64,
-                        "no successful heartbeat for longer than the allocs' stop_after_client_disconnect; stopping them"
+                        "no successful heartbeat for longer than the allocs' disconnect stop_on_client_after; stopping them"
                     );
                 }
                 // All due allocs stop together, not one after another.
                 let mut stops = tokio::task::JoinSet::new();
                 for (alloc_id, window) in &due {
                     let reason = format!(
-                        "the client has had no successful heartbeat for {:?} (stop_after_client_disconnect = {:?})",
+                        "the client has had no successful heartbeat for {:?} (disconnect stop_on_client_after = {:?})",
                         now.saturating_duration_since(last),
                         window
                     );

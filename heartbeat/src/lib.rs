@@ -1,5 +1,5 @@
 //! berth-heartbeat: the client's heartbeat loop, and the disconnect tracker
-//! that stops `stop_after_client_disconnect` allocs.
+//! that stops `disconnect { stop_on_client_after }` allocs.
 //!
 //! The [`Heartbeater`] heartbeats at a fraction of the TTL the servers
 //! return, backs off when a heartbeat fails, re-registers the node when the

@@ -37,6 +37,10 @@ pub struct ServerConfig {
     pub node_gc_threshold: Duration,
     /// How often the garbage collector runs.
     pub gc_interval: Duration,
+    /// How long the allocs of a system job whose group has no
+    /// `disconnect { lost_after }` are held `unknown` while their node is
+    /// down, before they are lost (zero: lost at once).
+    pub default_lost_after: Duration,
     /// Every API request needs an ACL token (see `crate::acl`).
     pub acl_enabled: bool,
     /// A node the servers do not know registers only with an
@@ -83,6 +87,7 @@ impl ServerConfig {
             job_gc_threshold: Duration::from_secs(4 * 60 * 60),
             node_gc_threshold: Duration::from_secs(24 * 60 * 60),
             gc_interval: Duration::from_secs(5 * 60),
+            default_lost_after: Duration::from_secs(60 * 60),
             acl_enabled: false,
             node_enrollment: false,
             region: "global".into(),

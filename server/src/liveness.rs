@@ -20,12 +20,12 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use berth_structs::{AllocClientStatus, AllocDesiredStatus, NodeEvent, NodeStatus};
+use berth_structs::{AllocClientStatus, Allocation, NodeEvent, NodeStatus};
 use tokio::time::Instant;
 
 use crate::config::ServerConfig;
 use crate::error::ServerError;
-use crate::state::{Change, StateStore};
+use crate::state::{Change, StateStore, Tables};
 
 /// What node liveness needs from the rest of the server: evaluating the
 /// jobs whose allocs a down node lost.
@@ -41,6 +41,7 @@ pub(crate) struct LivenessConfig {
     pub(crate) min_heartbeat_ttl: Duration,
     pub(crate) max_heartbeats_per_second: f64,
     pub(crate) heartbeat_grace: Duration,
+    pub(crate) default_lost_after: Duration,
 }
 
 impl LivenessConfig {
@@ -49,6 +50,7 @@ impl LivenessConfig {
             min_heartbeat_ttl: config.min_heartbeat_ttl,
             max_heartbeats_per_second: config.max_heartbeats_per_second,
             heartbeat_grace: config.heartbeat_grace,
+            default_lost_after: config.default_lost_after,
         }
     }
 }
@@ -357,17 +359,31 @@ impl Liveness {
                 .with_detail("status", NodeStatus::Down.as_str())]);
             changes.push(Change::PutNode(node));
             let mut jobs = BTreeSet::new();
+            let now_ms = berth_structs::now_ms();
             for a in t.allocs_on_node(node_id) {
-                if a.client_status.is_terminal() {
+                if a.client_status.is_terminal() || a.client_status == AllocClientStatus::Unknown {
                     continue;
                 }
                 let mut a = a.clone();
-                a.client_status = AllocClientStatus::Lost;
-                a.client_description = "alloc is lost since its node is down".into();
-                a.desired_status = AllocDesiredStatus::Stop;
-                a.desired_description = "alloc is lost since its node is down".into();
                 a.node_last_heartbeat_ms = last_heartbeat_ms;
-                tracing::info!(alloc_id = %a.id, node_id, job_id = %a.job_id, "alloc lost");
+                let held = a
+                    .group()
+                    .and_then(|g| {
+                        g.on_disconnect(a.job.job_type, self.config.default_lost_after)
+                            .lost_after
+                    })
+                    .filter(|_| !a.server_terminal());
+                match held {
+                    Some(lost_after) => {
+                        a.hold_unknown(now_ms, lost_after);
+                        tracing::info!(alloc_id = %a.id, node_id, job_id = %a.job_id,
+                            lost_after = ?lost_after, "alloc unknown");
+                    }
+                    None => {
+                        a.mark_lost("alloc is lost since its node is down");
+                        tracing::info!(alloc_id = %a.id, node_id, job_id = %a.job_id, "alloc lost");
+                    }
+                }
                 jobs.insert(a.job_id.clone());
                 changes.push(Change::PutAlloc(a));
             }
@@ -388,6 +404,15 @@ impl Liveness {
         }
         Ok(())
     }
+}
+
+/// The allocs of `node_id` held `unknown`, as they are once the node is
+/// back (see [`Allocation::resumed`]).
+pub(crate) fn resume_unknown(t: &Tables, node_id: &str) -> Vec<Allocation> {
+    t.allocs_on_node(node_id)
+        .filter(|a| a.client_status == AllocClientStatus::Unknown)
+        .map(Allocation::resumed)
+        .collect()
 }
 
 const ONE_YEAR: Duration = Duration::from_secs(365 * 24 * 60 * 60);

@@ -26,6 +26,9 @@ pub enum AllocClientStatus {
     Complete,
     Failed,
     Lost,
+    /// The alloc's node is disconnected (down) and its group holds it
+    /// for a while (`disconnect { lost_after }`): it may still run.
+    Unknown,
 }
 
 impl AllocClientStatus {
@@ -36,6 +39,7 @@ impl AllocClientStatus {
             AllocClientStatus::Complete => "complete",
             AllocClientStatus::Failed => "failed",
             AllocClientStatus::Lost => "lost",
+            AllocClientStatus::Unknown => "unknown",
         }
     }
 
@@ -56,6 +60,7 @@ impl std::str::FromStr for AllocClientStatus {
             "complete" => AllocClientStatus::Complete,
             "failed" => AllocClientStatus::Failed,
             "lost" => AllocClientStatus::Lost,
+            "unknown" => AllocClientStatus::Unknown,
             other => return Err(format!("unknown client status {other:?}")),
         })
     }
@@ -98,6 +103,9 @@ pub struct Allocation {
     /// (`modify_time_ms` is used then, which is later).
     #[serde(default)]
     pub node_last_heartbeat_ms: i64,
+    /// While the alloc is `unknown`: see [`crate::Disconnected`].
+    #[serde(default)]
+    pub disconnected: Option<crate::disconnect::Disconnected>,
     /// Stats of the alloc's CSI volumes as its node last reported them,
     /// by the group's volume name.
     #[serde(default)]
@@ -145,6 +153,7 @@ impl Allocation {
             create_time_ms,
             modify_time_ms: _,
             node_last_heartbeat_ms,
+            disconnected,
             csi_volume_stats: _,
         } = self;
         *id == other.id
@@ -160,6 +169,7 @@ impl Allocation {
             && *create_index == other.create_index
             && *create_time_ms == other.create_time_ms
             && *node_last_heartbeat_ms == other.node_last_heartbeat_ms
+            && *disconnected == other.disconnected
             && *task_states == other.task_states
             && *job == other.job
     }

@@ -101,9 +101,17 @@ pub struct TaskGroup {
     #[serde(default)]
     pub restart: RestartPolicy,
     /// Stop the group's allocs once the client has been without a successful
-    /// heartbeat for this long.
+    /// heartbeat for this long: the alias of `disconnect {
+    /// stop_on_client_after }` (read both through
+    /// [`TaskGroup::stop_on_client_after`]).
     #[serde(default, with = "opt_duration")]
     pub stop_after_client_disconnect: Option<Duration>,
+    /// The alias of `disconnect { lost_after }`.
+    #[serde(default, with = "opt_duration")]
+    pub max_client_disconnect: Option<Duration>,
+    /// The `disconnect` block; see [`TaskGroup::on_disconnect`].
+    #[serde(default)]
+    pub disconnect: Option<crate::disconnect::DisconnectPolicy>,
     #[serde(default)]
     pub meta: BTreeMap<String, String>,
 }
@@ -468,9 +476,7 @@ impl TaskGroup {
             ));
         }
         self.restart.validate(&at, errs);
-        if let Some(d) = self.stop_after_client_disconnect {
-            check_duration(&at, "stop_after_client_disconnect", d, errs);
-        }
+        self.validate_disconnect(&at, errs);
         if self.tasks.is_empty() {
             errs.push(format!("{at}: at least one task is required"));
         }
@@ -483,6 +489,44 @@ impl TaskGroup {
                 errs.push(format!("{at}: task {} defined twice", quoted(&t.name)));
             }
             t.validate(self, errs);
+        }
+    }
+}
+
+impl TaskGroup {
+    /// The `disconnect` block and its aliases: durations within bounds,
+    /// and an alias never beside the block.
+    fn validate_disconnect(&self, at: &str, errs: &mut Vec<String>) {
+        let aliases = [
+            (
+                "stop_after_client_disconnect",
+                self.stop_after_client_disconnect,
+                "stop_on_client_after",
+            ),
+            (
+                "max_client_disconnect",
+                self.max_client_disconnect,
+                "lost_after",
+            ),
+        ];
+        for (name, value, in_block) in aliases {
+            let Some(d) = value else { continue };
+            check_duration(at, name, d, errs);
+            if self.disconnect.is_some() {
+                errs.push(format!(
+                    "{at}: {name} is the old name of disconnect {{ {in_block} }}; set it in the disconnect block, not beside it"
+                ));
+            }
+        }
+        if let Some(d) = &self.disconnect {
+            for (name, value) in [
+                ("disconnect lost_after", d.lost_after),
+                ("disconnect stop_on_client_after", d.stop_on_client_after),
+            ] {
+                if let Some(v) = value {
+                    check_duration(at, name, v, errs);
+                }
+            }
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod acl;
 pub mod alloc;
 pub mod api;
 pub mod csi;
+pub mod disconnect;
 pub mod job;
 pub mod limits;
 pub mod names;
@@ -21,6 +22,7 @@ pub mod spec;
 
 pub use alloc::*;
 pub use csi::*;
+pub use disconnect::*;
 pub use job::*;
 pub use names::{check_name, is_valid_name, NameError, NameProblem};
 pub use node::*;

@@ -839,3 +839,81 @@ fn block_volume_examples_parse_and_validate() {
     );
     job.validate().expect("valid job");
 }
+
+/// A one-group job with `group_body` before its task.
+fn job_with_group(group_body: &str) -> String {
+    format!(
+        "job \"j\" {{\n  group \"g\" {{\n{group_body}\n    task \"t\" {{\n      driver = \"raw_exec\"\n      config {{\n        command = \"/bin/true\"\n      }}\n    }}\n  }}\n}}\n"
+    )
+}
+
+#[test]
+fn the_disconnect_block_is_parsed_with_nomad_s_defaults() {
+    let job = parse_job(&job_with_group(
+        "    disconnect {\n      lost_after = \"1m\"\n      replace = false\n      reconcile = \"keep_original\"\n      stop_on_client_after = \"30s\"\n    }",
+    ))
+    .expect("parse");
+    let g = &job.task_groups[0];
+    let d = g.disconnect.clone().expect("the block");
+    assert_eq!(d.lost_after, Some(Duration::from_secs(60)));
+    assert!(!d.replace);
+    assert_eq!(d.reconcile, berth_structs::ReconcileStrategy::KeepOriginal);
+    assert_eq!(g.stop_on_client_after(), Some(Duration::from_secs(30)));
+    job.validate().expect("valid");
+
+    let job = parse_job(&job_with_group(
+        "    disconnect {\n      lost_after = \"5m\"\n    }",
+    ))
+    .expect("parse");
+    let rule = job.task_groups[0].on_disconnect(JobType::Service, Duration::ZERO);
+    assert_eq!(rule.lost_after, Some(Duration::from_secs(300)));
+    assert!(rule.replace, "replace defaults to true");
+    assert_eq!(rule.reconcile, berth_structs::ReconcileStrategy::BestScore);
+}
+
+#[test]
+fn the_old_names_work_alone_and_are_refused_beside_the_block() {
+    let job = parse_job(&job_with_group(
+        "    max_client_disconnect = \"2m\"\n    stop_after_client_disconnect = \"1m\"",
+    ))
+    .expect("parse");
+    let g = &job.task_groups[0];
+    assert_eq!(g.stop_on_client_after(), Some(Duration::from_secs(60)));
+    assert_eq!(
+        g.on_disconnect(JobType::Service, Duration::ZERO).lost_after,
+        Some(Duration::from_secs(120))
+    );
+
+    let e = job_err(&job_with_group(
+        "    stop_after_client_disconnect = \"1m\"\n    disconnect {\n      lost_after = \"1m\"\n    }",
+    ));
+    assert_eq!(e.line, 3, "{e}");
+    assert!(
+        e.message.contains(
+            "stop_after_client_disconnect is the old name of disconnect { stop_on_client_after }"
+        ),
+        "{e}"
+    );
+    let e = job_err(&job_with_group(
+        "    disconnect {\n      reconcile = \"newest\"\n    }",
+    ));
+    assert!(
+        e.message.contains("reconcile \"newest\" is not one of best_score, keep_original, keep_replacement, longest_running"),
+        "{e}"
+    );
+}
+
+#[test]
+fn system_groups_are_never_replaced_and_held_by_the_servers_default() {
+    let job = parse_job(&job_with_group("")).expect("parse");
+    let g = &job.task_groups[0];
+    let hour = Duration::from_secs(3600);
+    let rule = g.on_disconnect(JobType::System, hour);
+    assert_eq!(rule.lost_after, Some(hour));
+    assert!(!rule.replace);
+    assert_eq!(
+        g.on_disconnect(JobType::System, Duration::ZERO).lost_after,
+        None
+    );
+    assert_eq!(g.on_disconnect(JobType::Service, hour).lost_after, None);
+}

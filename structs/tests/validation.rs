@@ -448,3 +448,17 @@ fn plugin_dirs_must_be_absolute_and_not_climb() {
         "{msgs:?}"
     );
 }
+
+#[test]
+fn a_disconnect_block_beside_an_old_name_is_refused() {
+    let mut job = parsed(&[]);
+    job.task_groups[0].max_client_disconnect = Some(Duration::from_secs(60));
+    job.task_groups[0].disconnect = Some(berth_structs::DisconnectPolicy::default());
+    let msgs = validation_messages(&job);
+    assert!(
+        msgs.iter().any(|m| m.contains(
+            "max_client_disconnect is the old name of disconnect { lost_after }; set it in the disconnect block, not beside it"
+        )),
+        "{msgs:?}"
+    );
+}

@@ -33,6 +33,8 @@ pub struct AgentConfig {
     /// server's defaults.
     pub heartbeat_grace: Option<Duration>,
     pub max_heartbeats_per_second: Option<u32>,
+    /// `server { default_lost_after }`; `None` keeps the server's default.
+    pub default_lost_after: Option<Duration>,
     /// Terminal allocs the client keeps (`-gc-max-allocs`).
     pub gc_max_allocs: usize,
     /// The client's duration settings, the flags over the files; what is
@@ -83,6 +85,7 @@ impl Default for AgentConfig {
             min_heartbeat_ttl: Duration::from_secs(10),
             heartbeat_grace: None,
             max_heartbeats_per_second: None,
+            default_lost_after: None,
             gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
             client_durations: crate::config::ClientDurations::default(),
             node_class: None,
@@ -390,6 +393,7 @@ impl AgentConfig {
         }
         self.heartbeat_grace = file.server.heartbeat_grace;
         self.max_heartbeats_per_second = file.server.max_heartbeats_per_second;
+        self.default_lost_after = file.server.default_lost_after;
         self.log_level = file.log_level.clone();
         self.log_level_flag = f.log_level;
         self.log_json = file.log_json.unwrap_or(false);
@@ -444,7 +448,8 @@ fn not_applied_yet(file: &crate::config::AgentFileConfig) -> Vec<&'static str> {
     let no_client = !file.client_enabled();
     let server_knobs = s.heartbeat_grace.is_some()
         || s.min_heartbeat_ttl.is_some()
-        || s.max_heartbeats_per_second.is_some();
+        || s.max_heartbeats_per_second.is_some()
+        || s.default_lost_after.is_some();
     [
         (
             no_server && file.ports.rpc.is_some(),

@@ -83,6 +83,9 @@ fn server_config(config: &AgentConfig, data_dir: &std::path::Path) -> ServerConf
     if let Some(n) = config.max_heartbeats_per_second {
         server_config.max_heartbeats_per_second = f64::from(n);
     }
+    if let Some(d) = config.default_lost_after {
+        server_config.default_lost_after = d;
+    }
     server_config
 }
 

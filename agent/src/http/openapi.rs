@@ -571,7 +571,23 @@ fn components() -> Value {
                         "driver": { "type": "string" },
                         "config": { "type": "object" },
                     }), &["name", "driver"]) },
-                    "stop_after_client_disconnect": { "type": ["string", "null"] },
+                    "stop_after_client_disconnect": {
+                        "type": ["string", "null"],
+                        "description": "the old name of disconnect.stop_on_client_after",
+                    },
+                    "max_client_disconnect": {
+                        "type": ["string", "null"],
+                        "description": "the old name of disconnect.lost_after",
+                    },
+                    "disconnect": {
+                        "type": ["object", "null"],
+                        "properties": {
+                            "lost_after": { "type": ["string", "null"] },
+                            "replace": { "type": "boolean" },
+                            "reconcile": { "enum": ["best_score", "keep_original", "keep_replacement", "longest_running"] },
+                            "stop_on_client_after": { "type": ["string", "null"] },
+                        },
+                    },
                 }), &["name", "count", "tasks"]) },
                 "meta": string_map,
                 "stop": { "type": "boolean" },
@@ -594,8 +610,12 @@ fn components() -> Value {
                 "node_id": { "type": "string" },
                 "desired_status": { "enum": ["run", "stop", "evict"] },
                 "desired_description": { "type": "string" },
-                "client_status": { "enum": ["pending", "running", "complete", "failed", "lost"] },
+                "client_status": { "enum": ["pending", "running", "complete", "failed", "lost", "unknown"] },
                 "client_description": { "type": "string" },
+                "disconnected": {
+                    "type": ["object", "null"],
+                    "description": "while unknown: since_ms, lost_at_ms, previous_status, previous_description",
+                },
                 "task_states": { "type": "object", "additionalProperties": { "type": "object" } },
                 "csi_volume_stats": { "type": "object", "additionalProperties": { "type": "object" } },
                 "create_index": { "type": "integer" },

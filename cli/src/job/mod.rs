@@ -805,13 +805,14 @@ pub fn job_text(
         "Failed",
         "Complete",
         "Lost",
+        "Unknown",
     ]
     .map(String::from)
     .to_vec()];
     for (group, c) in v["summary"].as_object().into_iter().flatten() {
         let mut row = vec![group.clone()];
         for k in [
-            "queued", "starting", "running", "failed", "complete", "lost",
+            "queued", "starting", "running", "failed", "complete", "lost", "unknown",
         ] {
             row.push(n(c, k).to_string());
         }

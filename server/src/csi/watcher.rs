@@ -8,8 +8,10 @@
 //! - its alloc is gone (garbage collected);
 //! - its alloc is lost (its node went down): by the rule in [`lost_claim`]
 //!   ("never two writers": a write claim is kept while the node may still
-//!   write, unless the group's `stop_after_client_disconnect` window has
-//!   passed);
+//!   write, unless the group's `disconnect { stop_on_client_after }` window has
+//!   passed); so is a claim of an alloc held `unknown` (its node is down)
+//!   that the servers stopped meanwhile (a claim of one still desired
+//!   `run` is kept);
 //! - its alloc is terminal otherwise and its node is down or gone;
 //! - its alloc is terminal on the client for longer than `claim_reap_grace`
 //!   (the client had its chance to unpublish itself).
@@ -78,11 +80,30 @@ fn reapable(
                 due.push(key);
                 continue;
             };
+            if a.client_status == AllocClientStatus::Unknown && !a.server_terminal() {
+                // Held for its node's return, which may still run it: kept,
+                // unless its group's stop_on_client_after window has passed
+                // (its client has stopped it by then).
+                match a
+                    .group()
+                    .and_then(|g| disconnect_window_end_ms(a, g, heartbeat_grace))
+                {
+                    Some(end) if now_ms >= end => due.push(key),
+                    Some(end) => wake_at(end),
+                    None => {}
+                }
+                continue;
+            }
             if !a.is_terminal() {
                 continue;
             }
             let node = t.nodes.get(&a.node_id);
-            if a.client_status == AllocClientStatus::Lost {
+            // Lost, or held unknown and stopped by the servers meanwhile:
+            // its node may still run it.
+            if matches!(
+                a.client_status,
+                AllocClientStatus::Lost | AllocClientStatus::Unknown
+            ) {
                 match lost_claim(a, c.mode, node, now_ms, heartbeat_grace) {
                     LostClaim::Release => due.push(key),
                     LostClaim::At(end) => wake_at(end),

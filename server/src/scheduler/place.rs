@@ -4,7 +4,9 @@
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use berth_structs::{AllocDesiredStatus, Allocation, Job, JobType, Node, NodeStatus, TaskGroup};
+use berth_structs::{
+    AllocClientStatus, AllocDesiredStatus, Allocation, Job, JobType, Node, NodeStatus, TaskGroup,
+};
 
 use crate::config::ServerConfig;
 use crate::state::{Change, Tables};
@@ -13,7 +15,7 @@ use super::explain::{
     per_node_reasons, service_failure_lines, system_failure_lines, NodeName, Tally,
 };
 use super::feasible::PlanContext;
-use super::reconcile::{job_status, occupancy, Occupancy, PlanOutcome};
+use super::reconcile::{job_status, keeper, occupancy, Occupancy, PlanOutcome};
 
 pub(super) fn new_alloc(job: &Job, group: &TaskGroup, index: u32, node_id: &str) -> Allocation {
     Allocation {
@@ -48,7 +50,7 @@ pub(crate) fn place(
     now_ms: i64,
     changes: &mut Vec<Change>,
 ) -> PlanOutcome {
-    let allocs: Vec<&Allocation> = t.allocs_of_job(&job.id).collect();
+    let stored: Vec<&Allocation> = t.allocs_of_job(&job.id).collect();
     let mut placer = Placer {
         job,
         cfg,
@@ -56,13 +58,16 @@ pub(crate) fn place(
         nodes: Vec::new(),
         ctx: PlanContext::new(t, job),
         // The allocs of the job as they will be after this plan.
-        after: allocs
+        after: stored
             .iter()
             .map(|a| (a.id.clone(), (*a).clone()))
             .collect(),
         changes,
         outcome: PlanOutcome::default(),
     };
+    placer.expire_unknown(&stored);
+    let allocs: Vec<Allocation> = placer.after.values().cloned().collect();
+    let allocs: Vec<&Allocation> = allocs.iter().collect();
     if job.stop {
         placer.stop_all(&allocs);
     } else {
@@ -115,6 +120,64 @@ impl Placer<'_, '_> {
     fn put(&mut self, a: Allocation) {
         self.after.insert(a.id.clone(), a.clone());
         self.changes.push(Change::PutAlloc(a));
+    }
+
+    /// The `unknown` allocs whose `lost_after` has passed are lost.
+    fn expire_unknown(&mut self, allocs: &[&Allocation]) {
+        for a in allocs {
+            let due = a.disconnected.as_ref().map_or(0, |d| d.lost_at_ms);
+            if a.client_status == AllocClientStatus::Unknown && due <= self.now_ms {
+                let mut a = (*a).clone();
+                a.mark_lost("alloc is lost: its node was down longer than disconnect lost_after");
+                self.put(a);
+            }
+        }
+    }
+
+    /// Allocs of one index of `group` that run at once (an original whose
+    /// node came back beside its replacement): the group's `disconnect {
+    /// reconcile }` keeps one and the others are stopped. The stopped
+    /// allocs' IDs.
+    fn reconcile_reconnected(
+        &mut self,
+        group: &TaskGroup,
+        current: &[Allocation],
+    ) -> BTreeSet<String> {
+        let mut by_index: BTreeMap<u32, Vec<&Allocation>> = BTreeMap::new();
+        for a in current {
+            if !a.is_terminal() && a.client_status != AllocClientStatus::Unknown {
+                by_index.entry(a.index).or_default().push(a);
+            }
+        }
+        let strategy = group
+            .on_disconnect(self.job.job_type, self.cfg.default_lost_after)
+            .reconcile;
+        let mut stopped = BTreeSet::new();
+        for live in by_index.values().filter(|l| l.len() > 1) {
+            let keep = keeper(live, strategy, |a| self.node_rank(&a.node_id));
+            for a in live.iter().filter(|a| a.id != keep.id) {
+                let why = format!(
+                    "alloc {} of the same index runs (disconnect reconcile = {})",
+                    keep.id.get(..8).unwrap_or(&keep.id),
+                    strategy.as_str()
+                );
+                tracing::info!(alloc_id = %a.id, kept = %keep.id, "stopping a duplicate after a reconnect");
+                self.ctx.remove(a);
+                self.put(stop(a, &why));
+                stopped.insert(a.id.clone());
+            }
+        }
+        stopped
+    }
+
+    /// How the scheduler ranks a node for a group now (smaller is better):
+    /// a node not ready last.
+    fn node_rank(&self, node_id: &str) -> (usize, Reverse<u64>, usize) {
+        let job_on_node = HashMap::new();
+        match self.nodes.iter().position(|n| n.id == node_id) {
+            Some(pos) => preference(&self.ctx, &job_on_node, self.nodes[pos], pos),
+            None => (usize::MAX, Reverse(0), usize::MAX),
+        }
     }
 
     /// A stopped job: every alloc not stopped yet is stopped.
@@ -200,13 +263,14 @@ impl Placer<'_, '_> {
     fn held_on_node(&mut self, here: &[&Allocation], group: &TaskGroup) -> bool {
         let mut held = false;
         for a in here {
-            match occupancy(a, false, group, self.cfg, self.now_ms) {
+            match occupancy(a, JobType::System, group, self.cfg, self.now_ms) {
                 Occupancy::Free => {}
                 Occupancy::Held => held = true,
                 Occupancy::Delayed(until) => {
                     self.outcome.delay_until(until);
                     held = true;
                 }
+                Occupancy::FreeUntil(until) => self.outcome.delay_until(until),
             }
         }
         held
@@ -214,13 +278,19 @@ impl Placer<'_, '_> {
 
     /// A service or batch group: `count` allocs, one per index.
     fn place_indexed_group(&mut self, group: &TaskGroup, current: &[Allocation]) {
-        let batch = self.job.job_type == JobType::Batch;
         self.outcome.counts.desired = self
             .outcome
             .counts
             .desired
             .saturating_add(u64::from(group.count));
-        let occupied = self.occupied_indices(group, current, batch);
+        let stopped = self.reconcile_reconnected(group, current);
+        let current: Vec<Allocation> = current
+            .iter()
+            .filter(|a| !stopped.contains(&a.id))
+            .cloned()
+            .collect();
+        let current = current.as_slice();
+        let occupied = self.occupied_indices(group, current);
         // Count lowered: stop the live allocs above it.
         for a in current
             .iter()
@@ -243,20 +313,19 @@ impl Placer<'_, '_> {
 
     /// The indices of a service or batch group that its `current` allocs
     /// hold, noting the delays some of them wait for.
-    fn occupied_indices(
-        &mut self,
-        group: &TaskGroup,
-        current: &[Allocation],
-        batch: bool,
-    ) -> BTreeSet<u32> {
+    fn occupied_indices(&mut self, group: &TaskGroup, current: &[Allocation]) -> BTreeSet<u32> {
         let mut occupied = BTreeSet::new();
         for a in current {
-            let occupies = match occupancy(a, batch, group, self.cfg, self.now_ms) {
+            let occupies = match occupancy(a, self.job.job_type, group, self.cfg, self.now_ms) {
                 Occupancy::Free => false,
                 Occupancy::Held => true,
                 Occupancy::Delayed(until) => {
                     self.outcome.delay_until(until);
                     true
+                }
+                Occupancy::FreeUntil(until) => {
+                    self.outcome.delay_until(until);
+                    false
                 }
             };
             if occupies {

@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use berth_structs::{AllocClientStatus, Allocation, Job, JobStatus, JobType, TaskGroup};
+use berth_structs::{
+    AllocClientStatus, Allocation, Job, JobStatus, JobType, ReconcileStrategy, TaskGroup,
+};
 
 use crate::config::ServerConfig;
 use crate::state::{Change, Table, Tables};
@@ -113,19 +115,35 @@ pub(super) enum Occupancy {
     Held,
     /// The alloc holds its index until a delay passes, at this unix ms.
     Delayed(i64),
+    /// The index needs a new alloc, and the job is evaluated again at this
+    /// unix ms (an `unknown` alloc whose group replaces it becomes lost).
+    FreeUntil(i64),
 }
 
 /// Whether an alloc of the current version holds its index in the group.
 pub(super) fn occupancy(
     a: &Allocation,
-    batch: bool,
+    job_type: JobType,
     group: &TaskGroup,
     cfg: &ServerConfig,
     now_ms: i64,
 ) -> Occupancy {
+    if a.client_status == AllocClientStatus::Unknown && !a.server_terminal() {
+        // Its node is down and may still run it.
+        let lost_at = a.disconnected.as_ref().map_or(now_ms, |d| d.lost_at_ms);
+        return if group
+            .on_disconnect(job_type, cfg.default_lost_after)
+            .replace
+        {
+            Occupancy::FreeUntil(lost_at)
+        } else {
+            Occupancy::Delayed(lost_at)
+        };
+    }
     if !a.is_terminal() {
         return Occupancy::Held;
     }
+    let batch = job_type == JobType::Batch;
     match a.client_status {
         AllocClientStatus::Complete | AllocClientStatus::Failed if batch => Occupancy::Held,
         AllocClientStatus::Lost => match disconnect_window_end_ms(a, group, cfg.heartbeat_grace) {
@@ -146,7 +164,7 @@ pub(super) fn occupancy(
     }
 }
 
-/// For a lost alloc whose group sets `stop_after_client_disconnect`: when
+/// For a lost alloc whose group sets `disconnect { stop_on_client_after }`: when
 /// (unix ms) the window ends: the node's last heartbeat before it was
 /// marked down (when the alloc was marked lost, later, if that is not
 /// known) + the window + `heartbeat_grace`, as the client counts from its
@@ -158,10 +176,13 @@ pub(crate) fn disconnect_window_end_ms(
     group: &TaskGroup,
     grace: Duration,
 ) -> Option<i64> {
-    if a.client_status != AllocClientStatus::Lost {
+    if !matches!(
+        a.client_status,
+        AllocClientStatus::Lost | AllocClientStatus::Unknown
+    ) {
         return None;
     }
-    let window = group.stop_after_client_disconnect?;
+    let window = group.stop_on_client_after()?;
     let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
     let from = if a.node_last_heartbeat_ms > 0 {
         a.node_last_heartbeat_ms
@@ -169,6 +190,36 @@ pub(crate) fn disconnect_window_end_ms(
         a.modify_time_ms
     };
     Some(from.saturating_add(ms(window)).saturating_add(ms(grace)))
+}
+
+/// Of the allocs of one index that run at once after a reconnect, the one
+/// `strategy` keeps: `keep_original` the oldest (first created),
+/// `keep_replacement` the newest, `longest_running` the one whose tasks
+/// last (re)started the earliest, `best_score` the one on the node `rank`
+/// puts first (smaller is better); a tie goes to the original.
+pub(super) fn keeper<'a, R: Ord>(
+    live: &[&'a Allocation],
+    strategy: ReconcileStrategy,
+    rank: impl Fn(&Allocation) -> R,
+) -> &'a Allocation {
+    let mut by_age: Vec<&'a Allocation> = live.to_vec();
+    by_age.sort_by_key(|a| (a.create_index, a.create_time_ms));
+    let original = by_age[0];
+    let last_start = |a: &Allocation| a.task_states.values().filter_map(|s| s.started_at_ms).max();
+    match strategy {
+        ReconcileStrategy::KeepOriginal => original,
+        ReconcileStrategy::KeepReplacement => by_age[by_age.len() - 1],
+        ReconcileStrategy::LongestRunning => by_age
+            .iter()
+            .copied()
+            .min_by_key(|a| last_start(a).unwrap_or(i64::MAX))
+            .unwrap_or(original),
+        ReconcileStrategy::BestScore => by_age
+            .iter()
+            .copied()
+            .min_by_key(|a| rank(a))
+            .unwrap_or(original),
+    }
 }
 
 /// An alloc that counts as running for the job's status: not terminal on

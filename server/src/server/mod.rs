@@ -313,7 +313,14 @@ impl Server {
     /// metrics scrape reports it.
     pub fn alloc_status_counts(&self) -> Vec<(&'static str, i64)> {
         use berth_structs::AllocClientStatus as S;
-        let all = [S::Pending, S::Running, S::Complete, S::Failed, S::Lost];
+        let all = [
+            S::Pending,
+            S::Running,
+            S::Complete,
+            S::Failed,
+            S::Lost,
+            S::Unknown,
+        ];
         self.store
             .read(|t| status_counts(&all, S::as_str, t.allocs.values().map(|a| a.client_status)))
     }

@@ -92,6 +92,7 @@ impl Server {
                 }
                 if old.status == NodeStatus::Down {
                     event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node re-registered");
+                    event = resume_allocs(t, &node.id, event, changes);
                 }
             }
             node.push_events(carried);
@@ -147,11 +148,12 @@ impl Server {
                         }
                         let mut node = node.clone();
                         node.status = NodeStatus::Ready;
-                        node.push_events([NodeEvent::new(
+                        let event = NodeEvent::new(
                             NodeEvent::SUBSYSTEM_CLUSTER,
                             "Node heartbeat received; node ready",
                         )
-                        .with_detail("status", NodeStatus::Ready.as_str())]);
+                        .with_detail("status", NodeStatus::Ready.as_str());
+                        node.push_events([resume_allocs(t, node_id, event, changes)]);
                         node.last_heartbeat_ms = now_ms;
                         changes.push(Change::PutNode(node));
                         Ok(true)
@@ -448,6 +450,29 @@ fn apply_alloc_reports(
     (evaluate, jobs)
 }
 
+/// A node back from down: its allocs held `unknown` are what their client
+/// last reported again (it keeps running them: no stop, no replacement),
+/// noted in `event`.
+fn resume_allocs(
+    t: &crate::state::Tables,
+    node_id: &str,
+    event: NodeEvent,
+    changes: &mut Vec<Change>,
+) -> NodeEvent {
+    let resumed = crate::liveness::resume_unknown(t, node_id);
+    if resumed.is_empty() {
+        return event;
+    }
+    tracing::info!(
+        node_id,
+        allocs = resumed.len(),
+        "node back; its unknown allocs resume"
+    );
+    let event = event.with_detail("allocs_resumed", resumed.len().to_string());
+    changes.extend(resumed.into_iter().map(Change::PutAlloc));
+    event
+}
+
 /// What one status update of `node_id` makes of `old`: the changed alloc,
 /// or None when it changes nothing or is ignored. `evaluate` is given the
 /// job to evaluate when the change calls for it.
@@ -482,6 +507,8 @@ fn apply_alloc_update(
         return (a != *old).then_some(a);
     }
     let was_terminal = a.client_status.is_terminal();
+    // The client speaks for an alloc held unknown: it is what it says.
+    a.disconnected = None;
     if was_terminal && !u.client_status.is_terminal() {
         tracing::debug!(alloc_id = %a.id, from = a.client_status.as_str(),
             to = u.client_status.as_str(), "refusing to make a terminal alloc live again");
@@ -502,7 +529,9 @@ fn apply_alloc_update(
     // large job for each of its allocs starting would cost the whole
     // job's placement once per alloc.
     if old.client_status != a.client_status
-        && (old.client_status.is_terminal() || a.client_status.is_terminal())
+        && (old.client_status.is_terminal()
+            || a.client_status.is_terminal()
+            || old.client_status == AllocClientStatus::Unknown)
     {
         evaluate(&a.job_id);
     }
@@ -559,10 +588,7 @@ impl Server {
                     continue;
                 }
                 let mut a = a.clone();
-                a.client_status = AllocClientStatus::Lost;
-                a.client_description = "alloc is lost since its node was purged".into();
-                a.desired_status = berth_structs::AllocDesiredStatus::Stop;
-                a.desired_description = "alloc is lost since its node was purged".into();
+                a.mark_lost("alloc is lost since its node was purged");
                 a.node_last_heartbeat_ms = last_heartbeat_ms;
                 report.lost_allocs.push(a.id.clone());
                 jobs.insert(a.job_id.clone());

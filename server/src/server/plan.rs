@@ -145,6 +145,8 @@ pub struct GroupSummary {
     pub failed: u64,
     pub complete: u64,
     pub lost: u64,
+    /// Allocs on a disconnected node, held for its return.
+    pub unknown: u64,
 }
 
 impl Server {
@@ -211,6 +213,7 @@ impl Server {
                     AllocClientStatus::Failed => g.failed += 1,
                     AllocClientStatus::Complete => g.complete += 1,
                     AllocClientStatus::Lost => g.lost += 1,
+                    AllocClientStatus::Unknown => g.unknown += 1,
                 }
             }
             // What the scheduler cannot place now (computed, not written).

@@ -6,6 +6,7 @@ use hcl_edit::structure::{Block, Body};
 
 use super::hcl::{BodyReader, Source};
 use super::SpecError;
+use crate::disconnect::{DisconnectPolicy, ReconcileStrategy};
 use crate::job::{
     CsiMountOptions, CsiPluginType, Job, JobType, LogConfig, Resources, RestartPolicy, Task,
     TaskConfig, TaskCsiPluginConfig, TaskGroup, VolumeMount, VolumeRequest,
@@ -94,9 +95,31 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
         block,
         parent,
         "the group name",
-        &["count", "stop_after_client_disconnect", "meta"],
-        &["restart", "volume", "task", "meta"],
+        &[
+            "count",
+            "stop_after_client_disconnect",
+            "max_client_disconnect",
+            "meta",
+        ],
+        &["restart", "volume", "task", "meta", "disconnect"],
     )?;
+    let disconnect = match r.optional_block("disconnect")? {
+        None => None,
+        Some(b) => Some(decode_disconnect(src, b, r.ctx())?),
+    };
+    for (alias, in_block) in [
+        ("stop_after_client_disconnect", "stop_on_client_after"),
+        ("max_client_disconnect", "lost_after"),
+    ] {
+        if disconnect.is_some() && r.duration(alias, MAX_DURATION)?.is_some() {
+            return Err(r.invalid(
+                alias,
+                format!(
+                    "{alias} is the old name of disconnect {{ {in_block} }}; set it in the disconnect block, not beside it"
+                ),
+            ));
+        }
+    }
 
     let restart = match r.optional_block("restart")? {
         None => RestartPolicy::default(),
@@ -136,7 +159,36 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
         tasks,
         restart,
         stop_after_client_disconnect: r.duration("stop_after_client_disconnect", MAX_DURATION)?,
+        max_client_disconnect: r.duration("max_client_disconnect", MAX_DURATION)?,
+        disconnect,
         meta: r.map("meta")?,
+    })
+}
+
+fn decode_disconnect(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+) -> Result<DisconnectPolicy, SpecError> {
+    let r = BodyReader::unlabeled(
+        src,
+        block,
+        parent,
+        &["lost_after", "replace", "reconcile", "stop_on_client_after"],
+        &[],
+    )?;
+    let default = DisconnectPolicy::default();
+    let reconcile = match r.string("reconcile")? {
+        None => default.reconcile,
+        Some(s) => s
+            .parse::<ReconcileStrategy>()
+            .map_err(|e| r.invalid("reconcile", e))?,
+    };
+    Ok(DisconnectPolicy {
+        lost_after: r.duration("lost_after", MAX_DURATION)?,
+        replace: r.bool("replace")?.unwrap_or(default.replace),
+        reconcile,
+        stop_on_client_after: r.duration("stop_on_client_after", MAX_DURATION)?,
     })
 }
 
