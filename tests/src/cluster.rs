@@ -277,6 +277,18 @@ pub fn marked_service_job(
     let window = window.map_or(String::new(), |w| {
         format!("stop_after_client_disconnect = \"{w}\"")
     });
+    marked_job(job, "service", count, &window, volume)
+}
+
+/// A job of `job_type` like [`marked_service_job`], with `group_extra`
+/// (HCL: a `disconnect` block, say) in its group.
+pub fn marked_job(
+    job: &str,
+    job_type: &str,
+    count: u32,
+    group_extra: &str,
+    volume: Option<&str>,
+) -> String {
     let (volume_block, mount) = match volume {
         Some(v) => (
             format!(
@@ -299,10 +311,10 @@ pub fn marked_service_job(
     format!(
         r#"
 job "{job}" {{
-  type = "service"
+  type = "{job_type}"
   group "g" {{
     count = {count}
-    {window}
+    {group_extra}
     {volume_block}
     restart {{
       attempts = 0
@@ -353,6 +365,15 @@ fn parent_pid(pid: i32) -> Option<i32> {
         .get(1)?
         .parse()
         .ok()
+}
+
+/// The logs of a server and its clients, for an error's context.
+pub fn logs(server: &Server, clients: &[&Client]) -> String {
+    let mut s = format!("server log:\n{}\n", server.agent.log());
+    for c in clients {
+        s.push_str(&format!("{} log:\n{}\n", c.name, c.agent.log()));
+    }
+    s
 }
 
 /// The node an alloc (as the API shows it) is placed on.

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use berth_tests::cluster::{
-    marked_service_job, marker_pids, node_of, shared_plugin_job, with_status, writer_volume,
+    logs, marked_service_job, marker_pids, node_of, shared_plugin_job, with_status, writer_volume,
     Client, Server,
 };
 use berth_tests::wait_for;
@@ -125,14 +125,6 @@ fn pid_alive(pid: i32) -> bool {
             .rsplit(')')
             .next()
             .is_some_and(|rest| rest.trim_start().starts_with('Z'))
-}
-
-fn logs(server: &Server, clients: &[&Client]) -> String {
-    let mut s = format!("server log:\n{}\n", server.agent.log());
-    for c in clients {
-        s.push_str(&format!("{} log:\n{}\n", c.name, c.agent.log()));
-    }
-    s
 }
 
 /// Done-when 2, 3 and 4: a silent partition of one client, its window

@@ -1,0 +1,241 @@
+//! A short partition restarts nothing: one `berth agent -server`, two
+//! clients, the first behind a relay the test partitions silently (bytes
+//! dropped, no connection closed) for 20 s, well past TTL + grace.
+//!
+//! - A system job and a service job with `disconnect { lost_after = "1m",
+//!   replace = false }` on the partitioned node: the servers show their
+//!   allocs `unknown` while it is down; after the heal the same tasks run
+//!   (same PIDs), and no alloc was stopped or created.
+//! - With `replace = true`: the replacement runs on the other node during
+//!   the partition; after the heal `reconcile = "keep_original"` stops the
+//!   replacement and `keep_replacement` the original.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use berth_tests::cluster::{logs, marked_job, marker_pids, node_of, Client, Server};
+use berth_tests::wait_for;
+use serde_json::Value;
+
+/// A node is down 4–5 s after its last heartbeat.
+const SERVER_BLOCK: &str = r#"min_heartbeat_ttl = "2s"
+  heartbeat_grace = "2s""#;
+const PARTITION: Duration = Duration::from_secs(20);
+
+fn disconnect(replace: bool, reconcile: &str) -> String {
+    format!(
+        r#"disconnect {{
+      lost_after = "1m"
+      replace    = {replace}
+      reconcile  = "{reconcile}"
+    }}"#
+    )
+}
+
+/// The IDs and desired statuses of `job`'s allocs.
+fn allocs_of(server: &Server, job: &str) -> Result<BTreeSet<(String, String)>> {
+    Ok(server
+        .allocs(job)?
+        .iter()
+        .map(|a| {
+            (
+                a["id"].as_str().unwrap_or_default().to_string(),
+                a["desired_status"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect())
+}
+
+fn pid_alive(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+}
+
+/// One server and p1 (behind the relay), `jobs` (name, type, group HCL)
+/// running there, then p2; the cluster and p1's node ID.
+fn cluster_with(jobs: &[(&str, &str, String)]) -> Result<(Server, Client, Client, String)> {
+    let mut server = Server::start(SERVER_BLOCK)?;
+    let c1 = Client::start(&server, "p1", true, r#"disconnect_startup_grace = "1s""#)?;
+    let p1 = server.wait_nodes_ready(&["p1"])?.remove(0);
+    for (job, job_type, extra) in jobs {
+        server.run_job(job, &marked_job(job, job_type, 1, extra, None))?;
+    }
+    wait_for("every task running on p1", Duration::from_secs(60), || {
+        for (job, _, _) in jobs {
+            let running = server
+                .allocs(job)?
+                .iter()
+                .filter(|a| a["client_status"] == "running")
+                .count();
+            if running != 1 || marker_pids(job).len() != 1 {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .with_context(|| server.agent.log())?;
+    let c2 = Client::start(&server, "p2", false, "")?;
+    server.wait_nodes_ready(&["p2"])?;
+    Ok((server, c1, c2, p1))
+}
+
+/// Partitions p1 until `PARTITION` has passed, calling `during` each
+/// half second once p1 is down, then heals and waits for p1 to be ready.
+fn partition_p1(
+    server: &mut Server,
+    c1: &Client,
+    c2: &Client,
+    mut during: impl FnMut(&Server) -> Result<()>,
+) -> Result<()> {
+    let t0 = Instant::now();
+    c1.relay()?.partition();
+    wait_for("p1 marked down", Duration::from_secs(30), || {
+        Ok((server.node("p1")?["status"] == "down").then_some(()))
+    })
+    .with_context(|| logs(server, &[c1, c2]))?;
+    while t0.elapsed() < PARTITION {
+        during(server).with_context(|| logs(server, &[c1, c2]))?;
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    c1.relay()?.heal();
+    server
+        .wait_nodes_ready(&["p1"])
+        .with_context(|| logs(server, &[c1, c2]))?;
+    Ok(())
+}
+
+#[test]
+fn a_partition_shorter_than_lost_after_restarts_nothing() -> Result<()> {
+    let jobs = [
+        ("sys", "system", String::new()),
+        ("kept", "service", disconnect(false, "best_score")),
+    ];
+    let (mut server, c1, c2, p1) = cluster_with(&jobs)?;
+    // The system job runs on p2 too now; p1's task is the one from before.
+    wait_for("sys on both nodes", Duration::from_secs(30), || {
+        Ok((marker_pids("sys").len() == 2).then_some(()))
+    })?;
+    let sys_on_p1: Vec<Value> = server
+        .allocs("sys")?
+        .into_iter()
+        .filter(|a| node_of(a) == p1)
+        .collect();
+    ensure!(sys_on_p1.len() == 1, "{sys_on_p1:?}");
+    let pids_before: BTreeSet<i32> = marker_pids("sys")
+        .into_iter()
+        .chain(marker_pids("kept"))
+        .collect();
+    let allocs_before = (allocs_of(&server, "sys")?, allocs_of(&server, "kept")?);
+
+    let mut seen_unknown = BTreeSet::new();
+    partition_p1(&mut server, &c1, &c2, |server| {
+        for job in ["sys", "kept"] {
+            for a in server.allocs(job)? {
+                if node_of(&a) == p1 && a["client_status"] == "unknown" {
+                    seen_unknown.insert(job);
+                }
+            }
+            ensure!(
+                marker_pids(job).len() == if job == "sys" { 2 } else { 1 },
+                "{job}: no task stopped or started during the partition"
+            );
+        }
+        Ok(())
+    })?;
+    ensure!(
+        seen_unknown == BTreeSet::from(["sys", "kept"]),
+        "the servers showed p1's allocs unknown during the partition: {seen_unknown:?}"
+    );
+
+    wait_for(
+        "p1's allocs running again on the servers",
+        Duration::from_secs(20),
+        || {
+            let all: Vec<Value> = ["sys", "kept"]
+                .iter()
+                .map(|j| server.allocs(j))
+                .collect::<Result<Vec<_>>>()?
+                .concat();
+            Ok(all
+                .iter()
+                .all(|a| a["client_status"] == "running")
+                .then_some(()))
+        },
+    )
+    .with_context(|| logs(&server, &[&c1, &c2]))?;
+    // A few seconds for anything that would restart a task to do so.
+    let settle = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < settle {
+        for pid in &pids_before {
+            ensure!(pid_alive(*pid), "task {pid} was stopped after the heal");
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let pids_after: BTreeSet<i32> = marker_pids("sys")
+        .into_iter()
+        .chain(marker_pids("kept"))
+        .collect();
+    ensure!(
+        pids_after == pids_before,
+        "the same tasks run: {pids_before:?} then {pids_after:?}"
+    );
+    let allocs_after = (allocs_of(&server, "sys")?, allocs_of(&server, "kept")?);
+    ensure!(
+        allocs_after == allocs_before,
+        "no alloc stopped or created: {allocs_before:?} then {allocs_after:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn reconcile_keeps_the_original_or_the_replacement_after_the_heal() -> Result<()> {
+    let jobs = [
+        ("orig", "service", disconnect(true, "keep_original")),
+        ("repl", "service", disconnect(true, "keep_replacement")),
+    ];
+    let (mut server, c1, c2, _p1) = cluster_with(&jobs)?;
+    let original = |job: &str| -> Result<i32> {
+        marker_pids(job)
+            .into_iter()
+            .next()
+            .with_context(|| format!("{job} runs"))
+    };
+    let (orig_old, repl_old) = (original("orig")?, original("repl")?);
+
+    // Both replacements run on p2 during the partition.
+    let new_pid =
+        |job: &str, old: i32| -> Option<i32> { marker_pids(job).into_iter().find(|p| *p != old) };
+    let (mut orig_new, mut repl_new) = (None, None);
+    partition_p1(&mut server, &c1, &c2, |_| {
+        orig_new = orig_new.or(new_pid("orig", orig_old));
+        repl_new = repl_new.or(new_pid("repl", repl_old));
+        Ok(())
+    })?;
+    let (orig_new, repl_new) = orig_new.zip(repl_new).with_context(|| {
+        format!(
+            "both replacements ran during the partition\n{}",
+            logs(&server, &[&c1, &c2])
+        )
+    })?;
+
+    wait_for(
+        "keep_original stops the replacement, keep_replacement the original",
+        Duration::from_secs(30),
+        || Ok((!pid_alive(orig_new) && !pid_alive(repl_old)).then_some(())),
+    )
+    .with_context(|| logs(&server, &[&c1, &c2]))?;
+    ensure!(pid_alive(orig_old), "keep_original: the original runs on");
+    ensure!(
+        pid_alive(repl_new),
+        "keep_replacement: the replacement runs on"
+    );
+    for job in ["orig", "repl"] {
+        let live = server
+            .allocs(job)?
+            .into_iter()
+            .filter(|a| a["desired_status"] == "run")
+            .count();
+        ensure!(live == 1, "{job}: one alloc left desired run, not {live}");
+    }
+    Ok(())
+}
