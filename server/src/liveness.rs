@@ -20,7 +20,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use berth_structs::{AllocClientStatus, Allocation, NodeEvent, NodeStatus};
+use berth_structs::{AllocClientStatus, AllocDesiredStatus, Allocation, NodeEvent, NodeStatus};
 use tokio::time::Instant;
 
 use crate::config::ServerConfig;
@@ -407,11 +407,28 @@ impl Liveness {
 }
 
 /// The allocs of `node_id` held `unknown`, as they are once the node is
-/// back (see [`Allocation::resumed`]).
-pub(crate) fn resume_unknown(t: &Tables, node_id: &str) -> Vec<Allocation> {
+/// back at `now_ms` (see [`Allocation::resumed`]). One whose group's
+/// `stop_on_client_after` window passed while the node was away has been
+/// stopped by its client (which reports so next): the servers stop it
+/// too, so that it is not taken for a running alloc beside its
+/// replacement.
+pub(crate) fn resume_unknown(t: &Tables, node_id: &str, now_ms: i64) -> Vec<Allocation> {
     t.allocs_on_node(node_id)
         .filter(|a| a.client_status == AllocClientStatus::Unknown)
-        .map(Allocation::resumed)
+        .map(|a| {
+            let mut back = a.resumed();
+            let window = a.group().and_then(|g| g.stop_on_client_after());
+            let from = a.node_last_heartbeat_ms;
+            if let Some(w) = window.filter(|_| from > 0) {
+                let end = from.saturating_add(i64::try_from(w.as_millis()).unwrap_or(i64::MAX));
+                if now_ms >= end && !back.server_terminal() {
+                    back.desired_status = AllocDesiredStatus::Stop;
+                    back.desired_description =
+                        "stopped on its node after disconnect stop_on_client_after".into();
+                }
+            }
+            back
+        })
         .collect()
 }
 

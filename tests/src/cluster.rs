@@ -392,3 +392,29 @@ pub fn with_status<'a>(allocs: &'a [Value], status: &str) -> Vec<&'a Value> {
 fn path_str(p: &Path) -> Result<&str> {
     p.to_str().context("a UTF-8 temp path")
 }
+
+/// The IDs of `allocs` (as the API shows them).
+pub fn ids(allocs: &[&Value]) -> BTreeSet<String> {
+    allocs
+        .iter()
+        .map(|a| a["id"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+/// The alloc IDs that hold write claims of `volume` (as the API shows it).
+pub fn write_claims(volume: &Value) -> BTreeSet<String> {
+    volume["write_claims"]
+        .as_object()
+        .map(|m| m.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+/// Whether `pid` runs (and is not a zombie).
+pub fn pid_alive(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z'))
+}

@@ -17,6 +17,7 @@ mod jobs;
 pub mod pki;
 mod process;
 pub mod readme;
+pub mod sampler;
 pub mod sandbox;
 pub mod snapshot;
 

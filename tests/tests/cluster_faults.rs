@@ -13,17 +13,15 @@
 //! node is ready again and stops what was replaced, and only the
 //! replacement holds the write claim.
 
-use berth_sync::MutexExt;
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use berth_tests::cluster::{
-    logs, marked_service_job, marker_pids, node_of, shared_plugin_job, with_status, writer_volume,
-    Client, Server,
+    ids, logs, marked_service_job, marker_pids, node_of, pid_alive, shared_plugin_job, with_status,
+    write_claims, writer_volume, Client, Server,
 };
+use berth_tests::sampler::Sampler;
 use berth_tests::wait_for;
 use serde_json::Value;
 
@@ -34,98 +32,6 @@ const SERVER_BLOCK: &str = r#"min_heartbeat_ttl = "2s"
 const GRACE_MS: i64 = 2_000;
 const MIN_TTL_MS: i64 = 2_000;
 const WINDOW_MS: i64 = 5_000;
-
-/// What a background sampler saw of the task processes of some jobs.
-#[derive(Default)]
-struct Seen {
-    /// Per job, the most task processes alive at one sample.
-    most_alive: BTreeMap<String, usize>,
-    /// Per pid, when it was first seen gone.
-    gone_at: BTreeMap<i32, Instant>,
-    /// Every pid seen alive.
-    alive: BTreeSet<i32>,
-}
-
-/// Samples the task processes of `jobs` every 20 ms until dropped.
-struct Sampler {
-    stop: Arc<AtomicBool>,
-    seen: Arc<Mutex<Seen>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Sampler {
-    fn start(jobs: &[&str]) -> Sampler {
-        let jobs: Vec<String> = jobs.iter().map(|j| j.to_string()).collect();
-        let stop = Arc::new(AtomicBool::new(false));
-        let seen = Arc::new(Mutex::new(Seen::default()));
-        let (s, st) = (seen.clone(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            while !st.load(Ordering::SeqCst) {
-                let now = Instant::now();
-                let mut alive_now = BTreeSet::new();
-                let mut counts = Vec::new();
-                for j in &jobs {
-                    let pids = marker_pids(j);
-                    counts.push((j.clone(), pids.len()));
-                    alive_now.extend(pids);
-                }
-                let mut seen = s.locked();
-                for (j, n) in counts {
-                    let m = seen.most_alive.entry(j).or_default();
-                    *m = (*m).max(n);
-                }
-                let gone: Vec<i32> = seen.alive.difference(&alive_now).copied().collect();
-                for pid in gone {
-                    seen.gone_at.entry(pid).or_insert(now);
-                }
-                seen.alive.extend(alive_now);
-                drop(seen);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        });
-        Sampler {
-            stop,
-            seen,
-            thread: Some(thread),
-        }
-    }
-
-    fn with<T>(&self, f: impl FnOnce(&Seen) -> T) -> T {
-        f(&self.seen.locked())
-    }
-}
-
-impl Drop for Sampler {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn ids(allocs: &[&Value]) -> BTreeSet<String> {
-    allocs
-        .iter()
-        .map(|a| a["id"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
-fn write_claims(volume: &Value) -> BTreeSet<String> {
-    volume["write_claims"]
-        .as_object()
-        .map(|m| m.keys().cloned().collect())
-        .unwrap_or_default()
-}
-
-fn pid_alive(pid: i32) -> bool {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .unwrap_or_default()
-            .rsplit(')')
-            .next()
-            .is_some_and(|rest| rest.trim_start().starts_with('Z'))
-}
 
 /// Done-when 2, 3 and 4: a silent partition of one client, its window
 /// allocs stopped by the client itself, the node marked down, the window

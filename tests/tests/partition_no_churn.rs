@@ -9,12 +9,21 @@
 //! - With `replace = true`: the replacement runs on the other node during
 //!   the partition; after the heal `reconcile = "keep_original"` stops the
 //!   replacement and `keep_replacement` the original.
+//! - Writers of single-node-writer volumes with `replace = true`: without
+//!   `stop_on_client_after` the unknown writer keeps its claim and no
+//!   replacement runs; with `stop_on_client_after = "5s"` the replacement
+//!   runs only after the window (+ grace), and a sampler never sees two
+//!   writers of one volume.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use berth_tests::cluster::{logs, marked_job, marker_pids, node_of, Client, Server};
+use berth_tests::cluster::{
+    ids, logs, marked_job, marker_pids, node_of, pid_alive, shared_plugin_job, with_status,
+    write_claims, writer_volume, Client, Server,
+};
+use berth_tests::sampler::Sampler;
 use berth_tests::wait_for;
 use serde_json::Value;
 
@@ -45,10 +54,6 @@ fn allocs_of(server: &Server, job: &str) -> Result<BTreeSet<(String, String)>> {
             )
         })
         .collect())
-}
-
-fn pid_alive(pid: i32) -> bool {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
 }
 
 /// One server and p1 (behind the relay), `jobs` (name, type, group HCL)
@@ -236,6 +241,143 @@ fn reconcile_keeps_the_original_or_the_replacement_after_the_heal() -> Result<()
             .filter(|a| a["desired_status"] == "run")
             .count();
         ensure!(live == 1, "{job}: one alloc left desired run, not {live}");
+    }
+    Ok(())
+}
+
+#[test]
+fn an_unknown_writer_and_its_replacement_never_run_at_once() -> Result<()> {
+    let shared_state = tempfile::tempdir()?;
+    let mut server = Server::start(SERVER_BLOCK)?;
+    let c1 = Client::start(&server, "p1", true, r#"disconnect_startup_grace = "1s""#)?;
+    server.wait_nodes_ready(&["p1"])?;
+    server.run_job("plugin", &shared_plugin_job(shared_state.path())?)?;
+    server
+        .wait_plugin_nodes(1)
+        .with_context(|| server.agent.log())?;
+    server.create_volume("vol-w", &writer_volume("vol-w"))?;
+    server.create_volume("vol-n", &writer_volume("vol-n"))?;
+    let windowed = r#"disconnect {
+      lost_after           = "1m"
+      replace              = true
+      stop_on_client_after = "5s"
+    }"#;
+    server.run_job(
+        "win",
+        &marked_job("win", "service", 1, windowed, Some("vol-w")),
+    )?;
+    let plain = disconnect(true, "best_score");
+    server.run_job(
+        "nowin",
+        &marked_job("nowin", "service", 1, &plain, Some("vol-n")),
+    )?;
+    wait_for(
+        "both writers running on p1",
+        Duration::from_secs(60),
+        || {
+            for job in ["win", "nowin"] {
+                let running = with_status(&server.allocs(job)?, "running").len();
+                if running != 1 || marker_pids(job).len() != 1 {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(()))
+        },
+    )
+    .with_context(|| server.agent.log())?;
+    let c2 = Client::start(&server, "p2", false, "")?;
+    let p2 = server.wait_nodes_ready(&["p2"])?.remove(0);
+    server
+        .wait_plugin_nodes(2)
+        .with_context(|| logs(&server, &[&c1, &c2]))?;
+    let nowin_alloc = ids(&with_status(&server.allocs("nowin")?, "running"));
+    let nowin_pid = *marker_pids("nowin").first().context("nowin runs")?;
+    let win_pid = *marker_pids("win").first().context("win runs")?;
+    let win_alloc = ids(&with_status(&server.allocs("win")?, "running"));
+
+    let sampler = Sampler::start(&["win", "nowin"]);
+    let mut last_heartbeat_ms = 0;
+    let mut replacement: Option<Value> = None;
+    partition_p1(&mut server, &c1, &c2, |server| {
+        if last_heartbeat_ms == 0 {
+            last_heartbeat_ms = server.node("p1")?["last_heartbeat_ms"]
+                .as_i64()
+                .unwrap_or_default();
+        }
+        // Without a window: the unknown writer keeps its claim and runs
+        // on; no replacement runs.
+        ensure!(
+            write_claims(&server.volume("vol-n")?) == nowin_alloc,
+            "vol-n's write claim stays with the unknown writer"
+        );
+        ensure!(
+            marker_pids("nowin") == BTreeSet::from([nowin_pid]),
+            "only the unknown nowin writer runs"
+        );
+        if replacement.is_none() {
+            replacement = server
+                .allocs("win")?
+                .into_iter()
+                .find(|a| node_of(a) == p2 && a["client_status"] == "running");
+        }
+        Ok(())
+    })?;
+    let replacement = replacement.with_context(|| {
+        format!(
+            "win's replacement ran on p2 during the partition\n{}",
+            logs(&server, &[&c1, &c2])
+        )
+    })?;
+    let placed_at = replacement["create_time_ms"].as_i64().unwrap_or_default();
+    ensure!(
+        placed_at >= last_heartbeat_ms + 5_000 + 2_000,
+        "win's replacement was placed {} ms after p1's last heartbeat, before window + grace",
+        placed_at - last_heartbeat_ms
+    );
+    ensure!(!pid_alive(win_pid), "p1 stopped win's writer by itself");
+
+    // After the heal: the nowin writer runs on, the stopped win alloc is
+    // stopped on the servers too, its replacement runs on.
+    let replacement_id = replacement["id"].as_str().unwrap_or_default().to_string();
+    wait_for(
+        "win's original stopped on the servers, and its client says so",
+        Duration::from_secs(30),
+        || {
+            let allocs = server.allocs("win")?;
+            let original_done = allocs
+                .iter()
+                .filter(|a| win_alloc.contains(a["id"].as_str().unwrap_or_default()))
+                .all(|a| {
+                    a["desired_status"] == "stop"
+                        && matches!(a["client_status"].as_str(), Some("complete" | "failed"))
+                });
+            Ok(original_done.then_some(()))
+        },
+    )
+    .with_context(|| logs(&server, &[&c1, &c2]))?;
+    let settle = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < settle {
+        ensure!(
+            pid_alive(nowin_pid),
+            "the nowin writer was stopped after the heal"
+        );
+        let running = ids(&with_status(&server.allocs("win")?, "running"));
+        ensure!(
+            running == BTreeSet::from([replacement_id.clone()]) && marker_pids("win").len() == 1,
+            "only win's replacement runs after the heal: {running:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    ensure!(
+        write_claims(&server.volume("vol-w")?) == BTreeSet::from([replacement_id]),
+        "only win's replacement holds vol-w"
+    );
+    let most = sampler.with(|s| s.most_alive.clone());
+    for job in ["win", "nowin"] {
+        ensure!(
+            most.get(job).copied().unwrap_or_default() <= 1,
+            "two {job} writers ran at once: {most:?}"
+        );
     }
     Ok(())
 }

@@ -5,7 +5,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use berth_structs::{
-    Allocation, ClaimMode, ClaimState, CsiVolume, CsiVolumeClaim, Job, Node, NodeStatus, TaskGroup,
+    AllocClientStatus, Allocation, ClaimMode, ClaimState, CsiVolume, CsiVolumeClaim, Job, Node,
+    NodeStatus, TaskGroup,
 };
 
 use crate::state::{Change, Tables};
@@ -119,9 +120,15 @@ impl<'a> PlanContext<'a> {
             volumes,
         };
         // Only a job that asks for volumes needs the expected claims of
-        // the allocs that ask for them too.
+        // the allocs that ask for them too. An alloc held unknown claims
+        // nothing while its node is down: what it holds it holds as a real
+        // claim, which the volume watcher keeps or frees.
         if !ctx.volumes.is_empty() {
-            for a in tables.allocs.values().filter(|a| !a.is_terminal()) {
+            for a in tables
+                .allocs
+                .values()
+                .filter(|a| !a.is_terminal() && a.client_status != AllocClientStatus::Unknown)
+            {
                 ctx.expect_claims(a);
             }
         }

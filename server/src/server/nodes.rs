@@ -459,7 +459,7 @@ fn resume_allocs(
     event: NodeEvent,
     changes: &mut Vec<Change>,
 ) -> NodeEvent {
-    let resumed = crate::liveness::resume_unknown(t, node_id);
+    let resumed = crate::liveness::resume_unknown(t, node_id, berth_structs::now_ms());
     if resumed.is_empty() {
         return event;
     }
