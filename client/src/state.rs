@@ -650,6 +650,8 @@ mod tests {
             read_only: false,
             staging_path: "/tmp/staging".into(),
             staged: true,
+            staging_mounted: None,
+            unstaging: false,
             allocs: [("a1".to_string(), "/tmp/target".into())].into(),
             mounted_with: Default::default(),
         }
@@ -964,6 +966,8 @@ mod properties {
                     read_only: false,
                     staging_path: "/tmp/staging".into(),
                     staged: true,
+                    staging_mounted: None,
+                    unstaging: false,
                     allocs: [("a1".to_string(), "/tmp/target".into())].into(),
                     mounted_with: Default::default(),
                 };

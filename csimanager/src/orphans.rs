@@ -439,6 +439,8 @@ mod tests {
             read_only: true,
             staging_path: root.join("csi/hostpath/staging/data/u"),
             staged: true,
+            staging_mounted: None,
+            unstaging: false,
             allocs: [
                 (
                     "gone".to_string(),

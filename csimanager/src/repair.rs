@@ -516,7 +516,12 @@ async fn lost_mounts(
     watched: &HashSet<String>,
     mounts: &HashSet<PathBuf>,
 ) -> Option<Lost> {
-    let staging = if supports_stage && stub.staged {
+    // A stage that mounted nothing has no mount to lose.
+    let staging = if supports_stage
+        && stub.staged
+        && !stub.unstaging
+        && stub.staging_mounted != Some(false)
+    {
         !staging_is_live(&stub.staging_path, stub.attachment_mode, mounts).await
     } else {
         false
@@ -747,6 +752,8 @@ mod tests {
             read_only: false,
             staging_path: "/csi/staging".into(),
             staged: true,
+            staging_mounted: None,
+            unstaging: false,
             allocs: [
                 ("a".to_string(), "/csi/a".into()),
                 ("b".to_string(), "/csi/b".into()),

@@ -73,6 +73,18 @@ pub struct VolumeStub {
     /// Whether NodeStageVolume has succeeded (or may have: it is set before
     /// the call, so a restart still unstages).
     pub staged: bool,
+    /// What NodeStageVolume left at the staging path, recorded when it
+    /// returned: `Some(false)` nothing mounted (the CSI spec allows a stage
+    /// that mounts nothing), so the record alone says staged; `Some(true)`
+    /// or `None` (a record from before) a mount (for a block volume, one
+    /// below it), so a record whose mount is gone is a lost staging.
+    #[serde(default)]
+    pub staging_mounted: Option<bool>,
+    /// Set (durably) before NodeUnstageVolume of the last user: a restart
+    /// that finds it does not take the usage for staged (the unstage may
+    /// have finished), and finishes the unstage.
+    #[serde(default)]
+    pub unstaging: bool,
     /// Allocs using the volume with this usage, with their publish targets.
     pub allocs: BTreeMap<String, PathBuf>,
     /// What the usage was staged with (for a plugin that does not stage:

@@ -551,11 +551,10 @@ impl VolumeManager {
             .await?;
             remove_empty_dirs(&target, &self.root_dir);
             stub.allocs.remove(alloc_id);
-            // The last user of a staged usage: its record goes with the
-            // unstage, in one durable write instead of two. A restart in
-            // between finds the alloc still recorded, and its unpublish
-            // again is a no-op; a failed unstage records it below.
-            if !(stub.allocs.is_empty() && stub.staged) {
+            // The last user of a staged usage: the usage is marked as
+            // being unstaged in the same durable write (below); one that
+            // was not staged goes with the record's removal.
+            if !stub.allocs.is_empty() {
                 self.put_stub(&stub)?;
             }
         }
@@ -563,6 +562,14 @@ impl VolumeManager {
             return Ok(());
         }
         if stub.staged {
+            // Marked before the call: a crash after the plugin unstaged
+            // and before the record goes leaves a mark, not a record that
+            // says staged (which, for a plugin whose stage mounts nothing,
+            // nothing could disprove).
+            if !stub.unstaging || uses {
+                stub.unstaging = true;
+                self.put_stub(&stub)?;
+            }
             let unstage_req = csi::NodeUnstageVolumeRequest {
                 volume_id: stub.external_id.clone(),
                 staging_target_path: path_string(&stub.staging_path)?,
@@ -572,13 +579,9 @@ impl VolumeManager {
                     done_if_not_found(client.node_unstage_volume(unstage_req.clone()).await)
                 })
                 .await;
-            if let Err(e) = unstaged {
-                // What remains to undo: the unstage, with no alloc using it.
-                if uses {
-                    self.put_stub(&stub)?;
-                }
-                return Err(e);
-            }
+            // What remains to undo on failure, the unstage with no alloc
+            // using it, is recorded already.
+            unstaged?;
         }
         self.delete_stub(key)?;
         remove_empty_dirs(&stub.staging_path, &self.root_dir);

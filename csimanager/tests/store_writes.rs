@@ -52,7 +52,7 @@ impl VolumeStateStore for CountingStore {
 }
 
 #[tokio::test]
-async fn a_mount_writes_its_record_once_and_the_last_unmount_once() {
+async fn a_mount_writes_its_record_once_and_the_last_unmount_marks_then_removes_it() {
     let h = Harness::start(&[]).await;
     let store = Arc::new(CountingStore::default());
     let registry = PluginRegistry::new();
@@ -86,12 +86,14 @@ async fn a_mount_writes_its_record_once_and_the_last_unmount_once() {
         .await
         .expect("unmount one");
     assert_eq!(store.writes(), 3);
-    // The last user: unpublish, unstage, and the record goes in one write.
+    // The last user: unpublish, the usage marked as being unstaged (one
+    // write, so that a crash after the plugin's unstage leaves no record
+    // that says staged), unstage, and the record goes.
     manager
         .unmount_volume(unmount_req(&two))
         .await
         .expect("unmount two");
-    assert_eq!(store.writes(), 4);
+    assert_eq!(store.writes(), 5);
     assert!(store.inner.volumes().is_empty());
     assert_eq!(mount_count_at(&manager.staging_path(&one)), 0);
 }

@@ -547,7 +547,9 @@ async fn a_failed_stage_on_remount_keeps_the_alloc_and_its_published_target() {
     let staging = h.manager.staging_path(&m);
     std::fs::write(target.join("data"), "kept").unwrap();
 
-    // The agent restarts and re-runs the alloc's hooks; staging fails now.
+    // The staging mount goes (the target, a bind of it, stays), the agent
+    // restarts and re-runs the alloc's hooks; staging again fails now.
+    nix::mount::umount2(&staging, nix::mount::MntFlags::MNT_DETACH).unwrap();
     h.restart();
     h.restart_plugin(&["--fail", "NodeStageVolume=failedprecondition"])
         .await;
@@ -563,8 +565,7 @@ async fn a_failed_stage_on_remount_keeps_the_alloc_and_its_published_target() {
     let stub = h.store.volumes().into_values().next().expect("stub kept");
     assert!(stub.staged);
     assert_eq!(stub.allocs.get("alloc-1"), Some(&target));
-    assert_eq!(mount_count_at(&target), 1);
-    assert_eq!(mount_count_at(&staging), 1, "not unstaged under the target");
+    assert_eq!(mount_count_at(&target), 1, "not unpublished");
     assert_eq!(
         std::fs::read_to_string(target.join("data")).unwrap(),
         "kept"
@@ -729,4 +730,28 @@ async fn a_new_user_after_a_crash_after_the_last_unstage_stages_again() {
     h.manager.unmount_volume(unmount_req(&new)).await.unwrap();
     assert!(mounts_under(&h.root).is_empty(), "no mount left behind");
     assert!(h.store.volumes().is_empty());
+}
+
+#[tokio::test]
+async fn a_restore_with_its_staging_in_place_does_not_stage_again() {
+    let mut h = Harness::start(&[]).await;
+    let ext = h.create_volume("v").await;
+    let m = mount_req("v", &ext, "alloc-1");
+    let target = h.manager.mount_volume(m.clone()).await.unwrap().source;
+    let staging = h.manager.staging_path(&m);
+
+    // The agent restarts; a NodeStageVolume now would fail, so a restore
+    // that succeeds made none: the staging was there.
+    h.restart();
+    h.restart_plugin(&["--fail", "NodeStageVolume=failedprecondition"])
+        .await;
+    let again = h.manager.mount_volume(m.clone()).await.expect("restored");
+    assert_eq!(again.source, target);
+    assert_eq!(mount_count_at(&staging), 1);
+    assert_eq!(mount_count_at(&target), 1);
+    h.manager
+        .unmount_volume(unmount_req(&m))
+        .await
+        .expect("unmount");
+    assert!(mounts_under(&h.root).is_empty());
 }

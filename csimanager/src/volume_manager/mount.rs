@@ -17,8 +17,8 @@ use crate::volume::{MountContext, MountRequest, VolumeStub};
 
 impl VolumeManager {
     /// Works out what mounting `req` does: its paths and capability, and
-    /// whether it stages (first user, a remount, or a staging recorded for
-    /// others that is not really there).
+    /// whether it stages (the first user, or a staging recorded that is not
+    /// really there).
     pub(super) async fn plan_mount(&self, supports_stage: bool, req: &MountRequest) -> MountPlan {
         let (access, attach) = (req.access_mode, req.attachment_mode);
         let key = req.stub_key();
@@ -41,38 +41,41 @@ impl VolumeManager {
         let capability = volume_capability(access, attach, &req.mount_options);
 
         let prior = self.lock_stubs().get(&key).cloned();
-        // A mount again for an alloc that already uses the volume (restore
-        // after a restart) stages again: what vanished is made again, and
-        // NodeStageVolume is idempotent.
+        // A mount again for an alloc that already uses the volume: a
+        // restore after a restart.
         let remount = prior
             .as_ref()
             .is_some_and(|s| s.allocs.contains_key(&req.alloc_id));
-        let staged_for_others = prior
+        // The record says staged for some alloc (another, or this one on a
+        // restore). A usage being unstaged (marked before
+        // NodeUnstageVolume) is not staged for anyone: the unstage may
+        // have finished.
+        let recorded_staged = prior
             .as_ref()
-            .is_some_and(|s| s.staged && s.allocs.keys().any(|a| a != &req.alloc_id));
-        // The record says staged for another alloc; trusted only when the
-        // staging is really there. A crash between a finished
-        // NodeUnstageVolume and the removal of the record, or anyone
-        // unmounting the staging path, leaves a record that says staged
-        // while nothing is: publishing from the bare directory would hand
-        // the task a directory that is not the volume. Staging again is
-        // safe: NodeStageVolume is idempotent. A plugin whose staging
-        // leaves no mount at (or, for a block volume, below) the staging
-        // path gets one more idempotent NodeStageVolume per new user.
+            .is_some_and(|s| s.staged && !s.unstaging && !s.allocs.is_empty());
+        // When the stage left a mount at (or, for a block volume, below)
+        // the staging path, the record is trusted only while that mount is
+        // there: anyone unmounting the staging path, or a stage cut off by
+        // a crash, leaves a record that says staged while nothing is, and
+        // publishing from the bare directory would hand the task a
+        // directory that is not the volume. Staging again is safe:
+        // NodeStageVolume is idempotent. When the stage mounted nothing
+        // (as the CSI spec allows), the record alone says staged.
         let stage_missing = supports_stage
-            && staged_for_others
-            && !remount
+            && recorded_staged
+            && prior.as_ref().and_then(|s| s.staging_mounted) != Some(false)
             && !staging_is_live(&staging, attach, &mount_points().await).await;
         if stage_missing {
-            tracing::info!(staging = %staging.display(), "the volume is recorded as staged for other allocs but nothing is staged at its staging path; staging it again");
+            tracing::info!(staging = %staging.display(), "the volume is recorded as staged but nothing is staged at its staging path; staging it again");
         }
-        let need_stage = supports_stage && (remount || !staged_for_others || stage_missing);
+        let need_stage = supports_stage && (!recorded_staged || stage_missing);
         MountPlan {
             key,
             staging,
             target,
             read_only,
             capability,
+            attach,
             supports_stage,
             prior,
             remount,
@@ -92,6 +95,8 @@ impl VolumeManager {
             read_only: req.read_only,
             staging_path: plan.staging.clone(),
             staged: false,
+            staging_mounted: None,
+            unstaging: false,
             allocs: BTreeMap::new(),
             mounted_with: MountContext::default(),
         });
@@ -103,7 +108,12 @@ impl VolumeManager {
         }
         stub.allocs
             .insert(req.alloc_id.clone(), plan.target.clone());
-        stub.staged |= plan.need_stage;
+        if plan.need_stage {
+            // What the stage leaves is recorded once it returns.
+            stub.staged = true;
+            stub.unstaging = false;
+            stub.staging_mounted = None;
+        }
         self.put_stub(&stub)
     }
 
@@ -159,7 +169,22 @@ impl VolumeManager {
             .await;
             return Err(e);
         }
-        Ok(())
+        self.record_staging(plan).await
+    }
+
+    /// Records what the stage left at the staging path: nothing mounted is
+    /// written down (one more durable write, for such plugins only), so
+    /// that the next user trusts the record instead of staging again.
+    async fn record_staging(&self, plan: &MountPlan) -> Result<(), CsiError> {
+        if staging_is_live(&plan.staging, plan.attach, &mount_points().await).await {
+            return Ok(());
+        }
+        let Some(mut stub) = self.lock_stubs().get(&plan.key).cloned() else {
+            return Ok(());
+        };
+        tracing::debug!(staging = %plan.staging.display(), "the plugin's stage mounted nothing; the record says staged");
+        stub.staging_mounted = Some(false);
+        self.put_stub(&stub)
     }
 
     /// Publishes the volume at the alloc's target (NodePublishVolume); on
@@ -223,12 +248,13 @@ pub(super) struct MountPlan {
     pub(super) target: PathBuf,
     pub(super) read_only: bool,
     pub(super) capability: csi::VolumeCapability,
+    pub(super) attach: AttachmentMode,
     pub(super) supports_stage: bool,
     /// The volume's stub before this mount.
     pub(super) prior: Option<VolumeStub>,
     /// The alloc already uses the volume (a restore after a restart).
     pub(super) remount: bool,
-    /// Recorded as staged for other allocs, but nothing is staged.
+    /// Recorded as staged, but nothing is staged.
     pub(super) stage_missing: bool,
     pub(super) need_stage: bool,
 }

@@ -26,6 +26,10 @@ OPTIONS:
     --node-id ID             Node ID reported by NodeGetInfo (default: the hostname)
     --enable-attach          Serve ControllerPublishVolume/ControllerUnpublishVolume
                              and require them before NodeStageVolume
+    --stage-noop             NodeStageVolume of a directory volume mounts nothing
+                             at the staging path (the CSI spec allows it; the
+                             public hostpath driver does so), and
+                             NodePublishVolume binds the volume's directory
     --topology KEY=VALUE[,KEY=VALUE...]
                              The topology segments this instance serves, e.g.
                              topology.hostpath.csi/node=node-a. Repeatable.
@@ -82,6 +86,9 @@ pub struct Config {
     pub node_id: String,
     /// Whether the controller publish/unpublish RPCs are served.
     pub enable_attach: bool,
+    /// NodeStageVolume of a directory volume mounts nothing
+    /// (`--stage-noop`).
+    pub stage_noop: bool,
     /// The topology segments this instance serves (`--topology`); empty
     /// when it reports no topology.
     pub topology: BTreeMap<String, String>,
@@ -158,6 +165,7 @@ where
     let mut state_dir: Option<String> = None;
     let mut node_id: Option<String> = None;
     let mut enable_attach = false;
+    let mut stage_noop = false;
     let mut faults = FaultPlan::default();
     let mut topology = BTreeMap::new();
 
@@ -186,6 +194,13 @@ where
                     return Err(ConfigError::UnexpectedValue("enable-attach"));
                 }
                 enable_attach = true;
+                continue;
+            }
+            "stage-noop" => {
+                if inline.is_some() {
+                    return Err(ConfigError::UnexpectedValue("stage-noop"));
+                }
+                stage_noop = true;
                 continue;
             }
             _ => {}
@@ -255,6 +270,7 @@ where
         state_dir: PathBuf::from(state_dir),
         node_id,
         enable_attach,
+        stage_noop,
         topology,
         faults,
     }))

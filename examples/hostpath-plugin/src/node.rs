@@ -117,6 +117,10 @@ impl Plugin {
                 .await?;
         }
         let backend = self.backend(&record);
+        if self.stage_noop() && matches!(backend, Backend::Directory(_)) && !cap.block {
+            tracing::info!(%volume_id, staging = %staging.display(), "staged volume (nothing mounted: --stage-noop)");
+            return Ok(NodeStageVolumeResponse {});
+        }
         let (id, target) = (volume_id.clone(), staging.clone());
         let fresh = blocking(move || match backend {
             Backend::Directory(source) => {
@@ -171,6 +175,7 @@ impl Plugin {
         let backend = self.backend(&record);
         let read_only = req.readonly || cap.is_reader_only() || cap.ro_flag;
         let (id, tgt) = (volume_id.clone(), target.clone());
+        let noop = self.stage_noop();
         let fresh = blocking(move || {
             let not_staged = || {
                 Error::FailedPrecondition(format!(
@@ -201,6 +206,9 @@ impl Plugin {
                         }
                     }
                     bound
+                }
+                Backend::Directory(source) if noop => {
+                    mount_volume(&id, source, &tgt, read_only, "published")
                 }
                 _ => {
                     let staged =

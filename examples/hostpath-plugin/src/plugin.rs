@@ -34,6 +34,8 @@ struct Inner {
     state_dir: PathBuf,
     node_id: String,
     enable_attach: bool,
+    /// `--stage-noop`.
+    stage_noop: bool,
     /// The topology segments this instance serves; empty for none.
     topology: BTreeMap<String, String>,
     store: Store,
@@ -87,6 +89,7 @@ impl Plugin {
                 state_dir,
                 node_id: config.node_id.clone(),
                 enable_attach: config.enable_attach,
+                stage_noop: config.stage_noop,
                 topology: config.topology.clone(),
                 store,
                 locks: VolumeLocks::default(),
@@ -102,6 +105,12 @@ impl Plugin {
 
     pub fn enable_attach(&self) -> bool {
         self.inner.enable_attach
+    }
+
+    /// Whether NodeStageVolume of a directory volume mounts nothing
+    /// (`--stage-noop`).
+    pub fn stage_noop(&self) -> bool {
+        self.inner.stage_noop
     }
 
     /// The topology segments this instance serves (`--topology`); empty
@@ -142,6 +151,7 @@ impl Plugin {
     /// `ABORTED`), then applies any injected delay or failure while holding it.
     pub async fn begin(&self, rpc: &'static str, volume_id: &str) -> Result<VolumeGuard, Error> {
         let guard = self.inner.locks.try_lock(volume_id)?;
+        tracing::info!(rpc = %rpc, volume_id, "call");
         self.inject(rpc).await?;
         Ok(guard)
     }
