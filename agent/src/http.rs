@@ -634,9 +634,31 @@ async fn delete_volume(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String
     Ok(Json(json!({})))
 }
 
-/// `node purge`: the operator says the node is gone.
-async fn purge_node(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
-    to_json(&s.purge_node(&id).await?)
+#[derive(Deserialize, Default)]
+struct PurgeBody {
+    /// The node's tasks are gone too: its write claims are freed.
+    #[serde(default)]
+    force: bool,
+}
+
+/// `node purge`: the operator says the node is gone (with `force`: its
+/// tasks too).
+async fn purge_node(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    body: axum::body::Bytes,
+) -> ApiResult {
+    // An empty body is a purge without force, as before the body existed.
+    let body: PurgeBody = if body.iter().all(u8::is_ascii_whitespace) {
+        PurgeBody::default()
+    } else {
+        serde_json::from_slice(&body).map_err(|e| {
+            berth_server::ServerError::BadRequest(format!(
+                "node purge: the body is not valid JSON: {e}"
+            ))
+        })?
+    };
+    to_json(&s.purge_node(&id, body.force).await?)
 }
 
 #[derive(Deserialize)]

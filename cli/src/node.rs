@@ -23,6 +23,7 @@ pub enum NodeCommand {
     /// Allow or forbid new allocs on a node
     Eligibility(EligibilityArgs),
     /// Forget a node that is gone; its allocs are lost, its claims freed
+    #[command(long_about = PURGE_ABOUT)]
     Purge(PurgeArgs),
     /// Introduction tokens new nodes register with
     #[command(subcommand)]
@@ -93,11 +94,28 @@ node: its drivers and their health, its resources (total, what the node
 reserves for itself, what its allocs ask for), its CSI plugins and the CSI
 volumes its allocs claim, its allocs and its recent events.";
 
+/// The long help of `berth node purge`.
+const PURGE_ABOUT: &str = "\
+Forgets a node that is gone: it is removed, its allocs that were not done
+are lost and replaced, and the volume claims made on it are freed. Its
+write claims are freed only with -force: a node may be gone from the
+servers while its tasks still run (a client restarted with a new data dir
+comes back as a new node, and the old tasks keep running and writing).
+Without -force they are kept and listed; once the node's tasks are
+stopped, `berth volume detach VOLUME NODE-ID` frees each. -force asks
+first whether the node's tasks are stopped; -y answers yes.";
+
 #[derive(Args, Debug)]
 pub struct PurgeArgs {
     /// Print the API's JSON
     #[arg(long)]
     pub json: bool,
+    /// The node's tasks are gone too: free its write claims
+    #[arg(long)]
+    pub force: bool,
+    /// With -force: do not ask
+    #[arg(short = 'y', long = "yes")]
+    pub yes: bool,
     /// The node's ID, ID prefix or name
     #[arg(value_name = "NODE")]
     pub node: String,
@@ -627,7 +645,20 @@ fn event_rows(events: &Value, verbose: bool) -> Vec<Vec<String>> {
 
 fn node_purge(a: PurgeArgs, api: &ApiClient) -> Result<i32> {
     let node = &a.node;
-    let resp = api.put(&format!("/v1/node/{}/purge", enc(node)), &json!({}))?;
+    if a.force && !a.yes {
+        let question = format!(
+            "Purging node {node:?} with -force frees the write claims of its allocs. Are its tasks \
+             stopped (or its host gone)? A task still running would write beside its replacement."
+        );
+        if !crate::output::confirm(&question)? {
+            eprintln!("Not purged.");
+            return Ok(1);
+        }
+    }
+    let resp = api.put(
+        &format!("/v1/node/{}/purge", enc(node)),
+        &json!({ "force": a.force }),
+    )?;
     if a.json {
         return print_json(&resp);
     }
@@ -636,10 +667,25 @@ fn node_purge(a: PurgeArgs, api: &ApiClient) -> Result<i32> {
     let id = resp["node_id"].as_str().unwrap_or_default();
     let lost = strs(&resp["lost_allocs"]);
     let released = resp["released"].as_array().map_or(0, Vec::len);
+    let kept = resp["kept"].as_array().cloned().unwrap_or_default();
     println!(
         "Purged node {name:?} ({id}): {} lost, {released} volume claim(s) freed",
         allocs_phrase(lost.len())
     );
+    if !kept.is_empty() {
+        println!(
+            "Kept {} write claim(s): the node's tasks may still write. Once they are stopped, free each:",
+            kept.len()
+        );
+        for k in &kept {
+            let volume = k["volume_id"].as_str().unwrap_or_default();
+            let alloc = k["alloc_id"].as_str().unwrap_or_default();
+            println!(
+                "  volume {volume} (alloc {}): berth volume detach {volume} {id}",
+                crate::output::short_id(alloc)
+            );
+        }
+    }
     Ok(0)
 }
 

@@ -49,6 +49,23 @@ impl OutputArgs {
     }
 }
 
+/// Asks `question` on the terminal and answers whether the person said
+/// yes. Without a terminal on standard input there is no one to ask: an
+/// error that says to pass `-y`.
+pub fn confirm(question: &str) -> Result<bool> {
+    use std::io::{BufRead, IsTerminal, Write};
+    if !std::io::stdin().is_terminal() {
+        return Err(anyhow!(
+            "{question}\nNo terminal to ask on: pass -y to confirm."
+        ));
+    }
+    eprint!("{question} [y/N] ");
+    std::io::stderr().flush()?;
+    let mut answer = String::new();
+    std::io::stdin().lock().read_line(&mut answer)?;
+    Ok(matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes"))
+}
+
 /// Renders `template` with `v` as its context (see the module's doc).
 pub fn render_template(template: &str, v: &Value) -> Result<String> {
     let mut env = minijinja::Environment::new();

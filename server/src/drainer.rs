@@ -518,6 +518,7 @@ mod tests {
                 publish_context: Default::default(),
                 releasing: false,
                 controller_published: false,
+                kept_after_purge: false,
             },
         );
         let mut t = tables(
@@ -592,6 +593,7 @@ mod tests {
             publish_context: Default::default(),
             releasing: false,
             controller_published: false,
+            kept_after_purge: false,
         };
         if orphan_claim {
             volume.read_claims.insert("gone".into(), claim("gone"));

@@ -404,6 +404,7 @@ mod tests {
             publish_context: Default::default(),
             releasing: false,
             controller_published: false,
+            kept_after_purge: false,
         };
         CsiVolume {
             id: "data".into(),

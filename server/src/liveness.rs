@@ -493,7 +493,7 @@ mod tests {
         let gc = server.garbage_collect(true).await.unwrap();
         assert_eq!(gc.nodes, vec!["n1".to_string()]);
         assert_eq!(server.liveness().last_heartbeat_ms("n1"), None);
-        server.purge_node("n2").await.unwrap();
+        server.purge_node("n2", true).await.unwrap();
         assert_eq!(server.liveness().last_heartbeat_ms("n2"), None);
         assert_eq!(server.liveness().heartbeat_map().deadlines.len(), 0);
     }

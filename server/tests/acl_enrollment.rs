@@ -178,7 +178,7 @@ async fn a_purged_node_id_stays_with_its_old_secret() {
     register(&ts, A, Some(&intro.secret_id), &node("n1"))
         .await
         .unwrap();
-    s.purge_node("n1").await.expect("purge");
+    s.purge_node("n1", true).await.expect("purge");
     // A stranger with another secret does not get the ID...
     let err = register(&ts, B, None, &node("n1")).await.unwrap_err();
     assert_eq!(

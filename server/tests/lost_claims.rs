@@ -106,7 +106,7 @@ async fn write_claim_of_a_lost_alloc_is_kept_while_down_and_freed_when_the_node_
     let client = TestClient::connect(&ts, "n1", ok_handler()).await;
     down_keeps_the_write_claim(&s, &db, &reader).await;
 
-    let purge = s.purge_node("n1").await.unwrap();
+    let purge = s.purge_node("n1", true).await.unwrap();
     assert_eq!(purge.node_id, "n1");
     assert_eq!(purge.released.len(), 1, "{purge:?}");
     assert_eq!(purge.released[0].volume_id, "data");
@@ -210,7 +210,7 @@ async fn purge_removes_the_node_loses_its_allocs_and_a_later_heartbeat_is_not_fo
     let s = ts.server.clone();
     let (db, reader) = two_claims_on_n1(&ts).await;
     // Purged while ready: the operator says it is gone.
-    let by_prefix = s.purge_node("n1").await.unwrap();
+    let by_prefix = s.purge_node("n1", true).await.unwrap();
     assert_eq!(by_prefix.node_name, "n1");
     let mut lost = by_prefix.lost_allocs.clone();
     lost.sort();
@@ -231,12 +231,12 @@ async fn purge_removes_the_node_loses_its_allocs_and_a_later_heartbeat_is_not_fo
         Err(ServerError::NotFound(_))
     ));
     assert!(matches!(
-        s.purge_node("n1").await,
+        s.purge_node("n1", true).await,
         Err(ServerError::NotFound(_))
     ));
     // A node that was never heard of is NotFound as well.
     assert!(matches!(
-        s.purge_node("ghost").await,
+        s.purge_node("ghost", true).await,
         Err(ServerError::NotFound(_))
     ));
 }
@@ -316,4 +316,67 @@ async fn write_claim_of_a_windowed_lost_alloc_is_kept_past_the_window_once_its_n
     .await;
     let next = wait_for_live(&s, "db").await;
     replacement_claims_data(&ts, &next).await;
+}
+
+#[tokio::test]
+async fn a_purge_without_force_keeps_the_write_claim_until_an_operator_detaches_it() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let (db, reader) = two_claims_on_n1(&ts).await;
+    // The node is gone from the servers' view while its tasks may run on
+    // (a client that came back under another data dir).
+    let purge = s.purge_node("n1", false).await.unwrap();
+    assert_eq!(purge.kept.len(), 1, "{purge:?}");
+    assert_eq!(purge.kept[0].volume_id, "data");
+    assert_eq!(purge.kept[0].alloc_id, db.id);
+    assert_eq!(
+        purge.released.len(),
+        1,
+        "the read claim is freed: {purge:?}"
+    );
+    assert_eq!(purge.released[0].alloc_id, reader.id);
+    assert_eq!(claim_of(&s, "logs", &reader.id), None);
+
+    // The volume watcher leaves it: the replacement of db stays blocked.
+    wait_until(
+        "db's replacement blocked by the kept claim",
+        Duration::from_secs(10),
+        || {
+            s.job_placement_failures("db")
+                .iter()
+                .any(|f| f.contains("already has a writer"))
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        claim_of(&s, "data", &db.id),
+        Some((ClaimState::Taken, false)),
+        "the kept write claim outlives the node"
+    );
+    assert!(live_allocs(&s, "db").is_empty(), "no second writer");
+
+    // The operator, the old tasks stopped, frees it by the node's ID.
+    let r = s.detach_volume("data", "n1").await.unwrap();
+    assert_eq!(r.released, vec![db.id.clone()]);
+    let next = wait_for_live_on(&s, "db", "n2").await;
+    replacement_claims_data(&ts, &next).await;
+}
+
+#[tokio::test]
+async fn a_forced_purge_frees_the_write_claim_and_reports_what_it_held() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let (db, reader) = two_claims_on_n1(&ts).await;
+    s.mark_node_down("n1", "test").await.unwrap();
+    // The watcher frees the lost reader's read claim by itself.
+    wait_until("the read claim freed", Duration::from_secs(10), || {
+        claim_of(&s, "logs", &reader.id).is_none()
+    })
+    .await;
+    let purge = s.purge_node("n1", true).await.unwrap();
+    assert!(purge.kept.is_empty(), "{purge:?}");
+    let freed: Vec<&str> = purge.released.iter().map(|c| c.alloc_id.as_str()).collect();
+    assert_eq!(freed, vec![db.id.as_str()], "{purge:?}");
+    assert_eq!(claim_of(&s, "data", &db.id), None);
 }

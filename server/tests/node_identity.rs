@@ -512,7 +512,7 @@ async fn a_purged_node_registers_again_with_the_secret_it_brings() {
     let ts = TestServer::start(|_| {}).await;
     let s = ts.server.clone();
     register_with(&ts, Some(GOOD), &node("n1")).await.unwrap();
-    s.purge_node("n1").await.expect("purge");
+    s.purge_node("n1", true).await.expect("purge");
     // Unknown again: whoever registers it first sets its secret.
     register_with(&ts, Some(FORGED), &node("n1"))
         .await
@@ -559,7 +559,7 @@ async fn the_alloc_watch_of_a_purged_node_ends() {
         .await
         .expect("the first update")
         .expect("open");
-    s.purge_node("n1").await.expect("purge");
+    s.purge_node("n1", true).await.expect("purge");
     let end = tokio::time::timeout(std::time::Duration::from_secs(5), async {
         loop {
             match watch.message().await {

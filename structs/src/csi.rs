@@ -205,6 +205,11 @@ pub struct CsiVolumeClaim {
     /// ControllerUnpublishVolume is done, however the plugin's health looks.
     #[serde(default)]
     pub controller_published: bool,
+    /// A write claim whose node was purged without `-force`: its tasks
+    /// may still write, so the claim is kept (the volume watcher leaves
+    /// it) until an operator frees it (`volume detach VOLUME NODE-ID`).
+    #[serde(default)]
+    pub kept_after_purge: bool,
 }
 
 /// A CSI volume. Its `Debug` shows how many secrets it has, never them.
@@ -707,6 +712,7 @@ mod tests {
             publish_context: BTreeMap::new(),
             releasing: false,
             controller_published: false,
+            kept_after_purge: false,
         }
     }
 

@@ -59,6 +59,28 @@ fn limit_malloc_arenas() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn limit_malloc_arenas() {}
 
+/// Logs a warning naming the executors on this host that belong to another
+/// data dir: tasks of a node this one may have replaced (a lost data dir),
+/// still running and maybe writing to their volumes.
+fn warn_of_foreign_executors(data_dir: &Path) {
+    let foreign = berth_allocrunner::driver::executors_outside(data_dir);
+    if foreign.is_empty() {
+        return;
+    }
+    let shown: Vec<String> = foreign
+        .iter()
+        .take(10)
+        .map(|e| format!("pid {} ({})", e.pid, e.dir.display()))
+        .collect();
+    tracing::warn!(
+        executors = foreign.len(),
+        shown = %shown.join(", "),
+        data_dir = %data_dir.display(),
+        "task executors of another data dir run on this host: if they are a lost data dir's, \
+         their tasks still run; stop them before `berth node purge -force` of the old node"
+    );
+}
+
 /// The data dir and its `server/` and `client/` dirs hold the state
 /// databases and the keyring: they are their owner's only (0700). A looser
 /// mode is narrowed, with a warning naming the path and both modes.
@@ -273,6 +295,7 @@ async fn start_client_role(
         .collect();
     let rpc_tls = tls.is_some_and(|t| t.rpc);
     tracing::info!(servers = ?shown, tls = rpc_tls, "client starting");
+    warn_of_foreign_executors(data_dir);
     let mut client_config = config.client_config(data_dir.to_path_buf(), servers);
     client_config.tls = tls
         .cloned()

@@ -314,12 +314,20 @@ fn operations() -> Vec<Op> {
             .body(object(json!({ "eligible": { "type": "boolean" } }), &["eligible"]))
             .answers(schema_ref("Node")),
         op("put", "/v1/node/{id}/purge", "Remove a node the operator says is gone; its allocs are lost")
+            .body(object(
+                json!({ "force": {
+                    "type": "boolean",
+                    "description": "the node's tasks are gone too: free its write claims (kept otherwise)",
+                } }),
+                &[],
+            ))
             .answers(object(
                 json!({
                     "node_id": { "type": "string" },
                     "node_name": { "type": "string" },
                     "lost_allocs": id_list.clone(),
                     "released": { "type": "array", "items": { "type": "object" } },
+                    "kept": { "type": "array", "items": { "type": "object" } },
                 }),
                 &["node_id", "lost_allocs", "released"],
             )),

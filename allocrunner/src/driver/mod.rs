@@ -15,7 +15,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::DriverError;
 
+mod host_executors;
 mod raw_exec;
+
+pub use host_executors::{executors_outside, HostExecutor};
 
 pub use raw_exec::{
     executor_version_line, ExecutorCommand, RawExecDriver, EXECUTOR_PROGRAM, EXECUTOR_START_TIMEOUT,

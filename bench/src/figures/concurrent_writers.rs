@@ -244,6 +244,7 @@ fn seed(data_dir: &std::path::Path, nodes: usize, claims: usize) -> Result<()> {
             publish_context: BTreeMap::new(),
             releasing: false,
             controller_published: false,
+            kept_after_purge: false,
         };
         Change::PutVolume(CsiVolume {
             id: volume_id(i),

@@ -14,7 +14,10 @@
 //!   `run` is kept);
 //! - its alloc is terminal otherwise and its node is down or gone;
 //! - its alloc is terminal on the client for longer than `claim_reap_grace`
-//!   (the client had its chance to unpublish itself).
+//!   (the client had its chance to unpublish itself);
+//!
+//! never a write claim kept by a purge without `-force` (its node's tasks
+//! may still write; an operator frees it), unless already being released.
 //!
 //! Failed releases are retried with exponential backoff. No task is held per
 //! volume: the watcher sleeps until the state changes, a grace period ends
@@ -74,6 +77,10 @@ fn reapable(
             let key = (v.id.clone(), c.alloc_id.clone());
             if c.releasing {
                 due.push(key);
+                continue;
+            }
+            if c.kept_after_purge {
+                // Its node was purged without -force: an operator frees it.
                 continue;
             }
             let Some(a) = t.allocs.get(&c.alloc_id) else {

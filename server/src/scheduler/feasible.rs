@@ -94,6 +94,7 @@ fn expected_claim(a: &Allocation, req: &berth_structs::VolumeRequest) -> Option<
         publish_context: BTreeMap::new(),
         releasing: false,
         controller_published: false,
+        kept_after_purge: false,
     })
 }
 

@@ -192,6 +192,7 @@ impl Server {
                     // ControllerPublish below whose outcome may be
                     // uncertain.
                     controller_published: needs_publish,
+                    kept_after_purge: false,
                 };
                 let mut v = vol.clone();
                 match req.mode {

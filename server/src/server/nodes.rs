@@ -552,8 +552,12 @@ pub struct NodePurge {
     pub node_name: String,
     /// The node's allocs that were not terminal and are now lost.
     pub lost_allocs: Vec<String>,
-    /// The volume claims of the node's allocs that were freed.
+    /// The volume claims of the node's allocs that were freed (by the
+    /// purge, or by the volume watcher meanwhile).
     pub released: Vec<ReleasedClaim>,
+    /// Without `force`: the write claims kept, since the node's tasks may
+    /// still write (see [`Server::purge_node`]).
+    pub kept: Vec<ReleasedClaim>,
     /// Detach steps that could not be done on the way (the node is gone and
     /// was not told to unmount); the claims were freed anyway.
     pub warnings: Vec<String>,
@@ -562,10 +566,16 @@ pub struct NodePurge {
 impl Server {
     /// Purge a node (`berth node purge`): the operator says it is gone. It
     /// is removed from the state, its allocs that are not terminal become
-    /// lost (desired stop) and their jobs are evaluated, and every volume
-    /// claim made on it is freed, write claims too, with no node detach.
-    /// Should it heartbeat again it gets NotFound and registers anew.
-    pub async fn purge_node(&self, given: &str) -> Result<NodePurge, ServerError> {
+    /// lost (desired stop) and their jobs are evaluated, and the volume
+    /// claims made on it are freed, with no node detach. Its write claims
+    /// are freed only with `force` (the operator says its tasks are gone
+    /// too): a node whose client came back under another data dir still
+    /// runs its old tasks, and freeing their write claims would let a
+    /// replacement write beside them. Without it they are kept (marked in
+    /// the same write that removes the node, so the volume watcher leaves
+    /// them) and listed; `volume detach VOLUME NODE-ID` frees one.
+    /// Should the node heartbeat again it gets NotFound and registers anew.
+    pub async fn purge_node(&self, given: &str, force: bool) -> Result<NodePurge, ServerError> {
         let last_heartbeat = {
             let id = self
                 .store
@@ -594,6 +604,9 @@ impl Server {
                 jobs.insert(a.job_id.clone());
                 changes.push(Change::PutAlloc(a));
             }
+            if !force {
+                report.kept = keep_write_claims(t, &node.id, changes);
+            }
             changes.push(Change::DeleteNode(node.id.clone()));
             Ok::<_, ServerError>((report, jobs))
         })?;
@@ -604,7 +617,7 @@ impl Server {
             t.volumes_claimed_on_node(&report.node_id)
                 .flat_map(|v| {
                     v.claims()
-                        .filter(|c| c.node_id == report.node_id)
+                        .filter(|c| c.node_id == report.node_id && !c.kept_after_purge)
                         .map(|c| ReleasedClaim {
                             volume_id: v.id.clone(),
                             alloc_id: c.alloc_id.clone(),
@@ -613,19 +626,31 @@ impl Server {
                 })
                 .collect()
         });
-        for claim in claims {
+        for claim in &claims {
             let _lock = self.volume_locks.lock(&claim.volume_id).await;
-            let freed = self
-                .release_claim_locked(
-                    &claim.volume_id,
-                    &claim.alloc_id,
-                    &ReleaseOrigin::Operator,
-                    Some(&mut report.warnings),
-                )
-                .await?;
-            if freed {
-                report.released.push(claim);
-            }
+            self.release_claim_locked(
+                &claim.volume_id,
+                &claim.alloc_id,
+                &ReleaseOrigin::Operator,
+                Some(&mut report.warnings),
+            )
+            .await?;
+        }
+        // Freed by this purge or by the volume watcher meanwhile: gone.
+        report.released = self.store.read(|t| {
+            claims
+                .into_iter()
+                .filter(|c| {
+                    t.volumes
+                        .get(&c.volume_id)
+                        .and_then(|v| v.claim_for(&c.alloc_id))
+                        .is_none()
+                })
+                .collect()
+        });
+        if !report.kept.is_empty() {
+            tracing::warn!(node_id = %report.node_id, kept = report.kept.len(),
+                "node purged without -force: its write claims are kept, since its tasks may still write");
         }
         for job_id in &jobs {
             self.evaluate_job(job_id).await;
@@ -633,6 +658,32 @@ impl Server {
         self.evaluate_after_cluster_change().await;
         Ok(report)
     }
+}
+
+/// Marks the write claims held on `node_id` as kept after its purge; the
+/// claims marked.
+fn keep_write_claims(
+    t: &crate::state::Tables,
+    node_id: &str,
+    changes: &mut Vec<Change>,
+) -> Vec<ReleasedClaim> {
+    let mut kept = Vec::new();
+    for v in t.volumes_claimed_on_node(node_id) {
+        let mut v = v.clone();
+        let mut changed = false;
+        for c in v.write_claims.values_mut().filter(|c| c.node_id == node_id) {
+            changed |= !c.kept_after_purge;
+            c.kept_after_purge = true;
+            kept.push(ReleasedClaim {
+                volume_id: v.id.clone(),
+                alloc_id: c.alloc_id.clone(),
+            });
+        }
+        if changed {
+            changes.push(Change::PutVolume(v));
+        }
+    }
+    kept
 }
 
 /// What the API shows of a node beside the node itself: what its allocs

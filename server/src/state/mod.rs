@@ -821,6 +821,7 @@ mod tests {
                 publish_context: BTreeMap::new(),
                 releasing: false,
                 controller_published: false,
+                kept_after_purge: false,
             }
         }
 
