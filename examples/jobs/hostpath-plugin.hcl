@@ -13,11 +13,16 @@ job "hostpath-plugin" {
         # Found on PATH. Volumes live in the task's node data dir, which
         # every alloc of this task on the node shares: a new version of the
         # plugin job (or a stop, then a run) finds the volumes of the old one.
+        # They are on this node only, so the plugin says so with a topology
+        # per node: the servers place a volume's allocs only on the node
+        # that holds it. (Storage every node reaches, a --state-dir they all
+        # share, needs no --topology.)
         command = "hostpath-plugin"
         args = [
           "--endpoint=${CSI_ENDPOINT}",
           "--node-id=${BERTH_NODE_ID}",
           "--state-dir=${BERTH_NODE_DATA_DIR}",
+          "--topology=topology.hostpath.csi/node=${BERTH_NODE_ID}",
         ]
       }
 

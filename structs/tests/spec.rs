@@ -64,6 +64,7 @@ fn hostpath_plugin_example_parses_and_validates() {
             "--endpoint=${CSI_ENDPOINT}",
             "--node-id=${BERTH_NODE_ID}",
             "--state-dir=${BERTH_NODE_DATA_DIR}",
+            "--topology=topology.hostpath.csi/node=${BERTH_NODE_ID}",
         ]
     );
     assert_eq!(

@@ -214,13 +214,20 @@ impl Client {
 }
 
 /// The plugin system job with its volume data kept in `state_dir`, which
-/// every instance shares: the hostpath plugin as network storage.
+/// every instance shares: the hostpath plugin as network storage, which
+/// every node reaches (so without the shipped job's per-node topology).
 pub fn shared_plugin_job(state_dir: &Path) -> Result<String> {
-    example_with(
+    let job = example_with(
         "jobs/hostpath-plugin.hcl",
         "--state-dir=${BERTH_NODE_DATA_DIR}",
         &format!("--state-dir={}", path_str(state_dir)?),
-    )
+    )?;
+    let per_node = "\"--topology=topology.hostpath.csi/node=${BERTH_NODE_ID}\",";
+    anyhow::ensure!(
+        job.contains(per_node),
+        "the plugin job has no {per_node:?} to take out"
+    );
+    Ok(job.replacen(per_node, "", 1))
 }
 
 /// [`shared_plugin_job`] with `extra_args` added to the plugin's command

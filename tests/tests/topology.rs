@@ -7,12 +7,14 @@
 //! in it, and its allocs are only ever placed on the node in it; a group
 //! whose volumes are reachable from different nodes is placed nowhere, and
 //! the reason names the topology; a create the plugin cannot satisfy says
-//! so; `volume status` and `node status` show the topologies.
+//! so; `volume status` and `node status` show the topologies. With the
+//! plugin job as shipped (each node's volumes in its own data dir, a
+//! topology per node), a volume is placed only on the node that holds it.
 
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use berth_tests::cluster::{node_of, shared_plugin_job_with_args, Client, Server};
+use berth_tests::cluster::{logs, node_of, shared_plugin_job_with_args, Client, Server};
 use berth_tests::{cli_at, cli_json_at, wait_for};
 use serde_json::Value;
 
@@ -100,14 +102,6 @@ job "{job}" {{
 }}
 "#
     )
-}
-
-fn logs(server: &Server, clients: &[&Client]) -> String {
-    let mut s = format!("server log:\n{}\n", server.agent.log());
-    for c in clients {
-        s.push_str(&format!("{} log:\n{}\n", c.name, c.agent.log()));
-    }
-    s
 }
 
 /// The `hostpath` node plugin's topology segment on a node as the API (or
@@ -289,4 +283,82 @@ fn walk_has(dir: &std::path::Path, name: &str) -> bool {
         }
         p.is_dir() && !p.is_symlink() && walk_has(&p, name)
     })
+}
+
+#[test]
+fn a_volume_of_the_shipped_plugin_job_is_placed_only_on_the_node_that_holds_it() -> Result<()> {
+    let mut server = Server::start("")?;
+    let a = Client::start(&server, "ship-a", false, "")?;
+    let b = Client::start(&server, "ship-b", false, "")?;
+    let ids = server.wait_nodes_ready(&["ship-a", "ship-b"])?;
+    let shipped = std::fs::read_to_string(berth_tests::example("jobs/hostpath-plugin.hcl"))?;
+    server.run_job("plugin", &shipped)?;
+    wait_for(
+        "the shipped plugin job healthy on both nodes",
+        Duration::from_secs(60),
+        || {
+            let p = server.get("/v1/plugin/csi/hostpath")?;
+            Ok((p["nodes_healthy"].as_u64() == Some(2)).then_some(()))
+        },
+    )
+    .with_context(|| logs(&server, &[&a, &b]))?;
+    // A volume without a topology request: created through one node's
+    // plugin, in that node's data dir, and reachable from it alone.
+    let local = r#"
+id        = "local"
+type      = "csi"
+plugin_id = "hostpath"
+capacity_min = "1MiB"
+capability {
+  access_mode     = "multi-node-multi-writer"
+  attachment_mode = "file-system"
+}
+"#;
+    server.create_volume("local", local)?;
+    let holder = segments(&server.volume("local")?["accessible_topology"]);
+    let [holder] = holder.as_slice() else {
+        bail!("the volume names one node: {holder:?}");
+    };
+    anyhow::ensure!(ids.contains(holder), "{holder} is one of {ids:?}");
+    let other = ids
+        .iter()
+        .find(|id| *id != holder)
+        .context("the other node")?;
+
+    // Twenty allocs, which the scheduler would otherwise spread: each on
+    // the holder.
+    server.run_job("use-local", &batch_job_using("use-local", 20, &["local"]))?;
+    let allocs = wait_for("the 20 allocs done", Duration::from_secs(120), || {
+        let allocs = server.allocs("use-local")?;
+        if let Some(f) = allocs.iter().find(|a| a["client_status"] == "failed") {
+            bail!("an alloc failed: {f}");
+        }
+        let done = allocs
+            .iter()
+            .filter(|a| a["client_status"] == "complete")
+            .count();
+        Ok((done == 20).then_some(allocs))
+    })
+    .with_context(|| logs(&server, &[&a, &b]))?;
+    for alloc in &allocs {
+        anyhow::ensure!(node_of(alloc) == holder, "placed off its node: {alloc}");
+    }
+
+    // With the holder ineligible, the volume's alloc waits rather than go
+    // to the other node, and the reason names the topology.
+    server.cli(&["node", "eligibility", "-disable", holder])?;
+    server.run_job("later", &batch_job_using("later", 1, &["local"]))?;
+    let job = cli_json_at(&server.addr(), &["job", "status", "-json", "later"])?;
+    let failures = job["placement_failures"].to_string();
+    anyhow::ensure!(
+        failures.contains(&format!(
+            "is reachable only from topology {{{KEY}={holder}}}"
+        )),
+        "{failures}"
+    );
+    anyhow::ensure!(
+        server.allocs("later")?.iter().all(|a| node_of(a) != other),
+        "nothing placed on the other node"
+    );
+    Ok(())
 }

@@ -189,18 +189,16 @@ where
         match name {
             "help" => return Ok(Command::Help),
             "version" => return Ok(Command::Version),
-            "enable-attach" => {
+            "enable-attach" | "stage-noop" => {
+                let (flag, on) = if name == "enable-attach" {
+                    ("enable-attach", &mut enable_attach)
+                } else {
+                    ("stage-noop", &mut stage_noop)
+                };
                 if inline.is_some() {
-                    return Err(ConfigError::UnexpectedValue("enable-attach"));
+                    return Err(ConfigError::UnexpectedValue(flag));
                 }
-                enable_attach = true;
-                continue;
-            }
-            "stage-noop" => {
-                if inline.is_some() {
-                    return Err(ConfigError::UnexpectedValue("stage-noop"));
-                }
-                stage_noop = true;
+                *on = true;
                 continue;
             }
             _ => {}
