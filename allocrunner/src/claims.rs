@@ -36,6 +36,9 @@ pub struct ClaimRequest {
 pub struct ClaimError {
     pub retryable: bool,
     pub message: String,
+    /// The servers refused the claim because they hold the alloc terminal
+    /// (see [`berth_structs::CLAIM_REFUSED_ALLOC_TERMINAL`]).
+    pub alloc_terminal: bool,
 }
 
 impl ClaimError {
@@ -43,6 +46,7 @@ impl ClaimError {
         ClaimError {
             retryable: true,
             message: message.into(),
+            alloc_terminal: false,
         }
     }
 
@@ -50,6 +54,7 @@ impl ClaimError {
         ClaimError {
             retryable: false,
             message: message.into(),
+            alloc_terminal: false,
         }
     }
 }

@@ -1121,3 +1121,99 @@ async fn a_plugin_and_its_volume_user_stopped_together_unmount_before_the_plugin
     assert!(mounts_under(&h.data_dir().join("client/csi")).is_empty());
     assert!(h.csi.registry().get(PLUGIN_ID).is_none(), "deregistered");
 }
+
+#[tokio::test]
+async fn a_claim_refused_because_the_alloc_is_terminal_ends_it_not_started_not_failed() {
+    let h = Harness::new();
+    h.claimer.script(
+        "vol",
+        vec![Err(ClaimError {
+            alloc_terminal: true,
+            ..ClaimError::fatal(format!(
+                "claiming volume \"vol\": alloc x {} \"vol\"",
+                berth_structs::CLAIM_REFUSED_ALLOC_TERMINAL
+            ))
+        })],
+    );
+    let a = consumer(&["vol"], sh_task("web", "exit 0"));
+    let runner = h.runner(a);
+    runner.run();
+    wait_done(&runner, WITHIN).await;
+    let last = h.updater.last().unwrap();
+    assert_ne!(last.status, AllocClientStatus::Failed, "{last:?}");
+    let events = h.updater.events("web");
+    assert!(!events.contains(&"Setup Failure".to_string()), "{events:?}");
+    assert!(!events.contains(&"Started".to_string()), "{events:?}");
+}
+
+#[tokio::test]
+async fn a_mount_waits_for_its_plugin_to_register_instead_of_failing() {
+    let h = Harness::new();
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().display().to_string();
+    // The volume exists in the plugin's state; then the plugin goes.
+    let first = h.runner(alloc(
+        JobType::Service,
+        vec![hostpath_plugin_task(&state_dir)],
+    ));
+    first.run();
+    wait_for("the first plugin registered", WITHIN, || {
+        h.csi.registry().get(PLUGIN_ID).is_some()
+    })
+    .await;
+    let ext = create_volume(&h, "vol", AccessMode::MultiNodeMultiWriter).await;
+    let mut stopped = (*first.alloc()).clone();
+    stopped.desired_status = AllocDesiredStatus::Stop;
+    first.update(stopped);
+    wait_done(&first, WITHIN).await;
+    wait_for("the plugin deregistered", WITHIN, || {
+        h.csi.registry().get(PLUGIN_ID).is_none()
+    })
+    .await;
+
+    // A user of the volume arrives before the next instance registers: it
+    // waits for it, and runs.
+    h.claimer.grant(grant("vol", &ext));
+    let user = consumer(
+        &["vol"],
+        sh_task(
+            "web",
+            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
+        ),
+    );
+    let killer = PidFileKiller(
+        h.data_dir()
+            .join("alloc")
+            .join(&user.id)
+            .join("web/local/pid"),
+    );
+    let runner = h.runner(user);
+    runner.run();
+    wait_for("the user waiting for its plugin", WITHIN, || {
+        task_events(&runner, "web")
+            .iter()
+            .any(|(kind, _)| kind == "Waiting for plugin")
+    })
+    .await;
+    let second = h.runner(alloc(
+        JobType::Service,
+        vec![hostpath_plugin_task(&state_dir)],
+    ));
+    second.run();
+    wait_running(&runner, "web", WITHIN).await;
+    assert!(
+        !h.updater
+            .events("web")
+            .contains(&"Setup Failure".to_string()),
+        "the user did not fail"
+    );
+    let mut done = (*runner.alloc()).clone();
+    done.desired_status = AllocDesiredStatus::Stop;
+    runner.update(done);
+    wait_done(&runner, WITHIN).await;
+    drop(killer);
+    let mut plugin_done = (*second.alloc()).clone();
+    plugin_done.desired_status = AllocDesiredStatus::Stop;
+    second.update(plugin_done);
+    wait_done(&second, WITHIN).await;
+}

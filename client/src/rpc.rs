@@ -625,6 +625,9 @@ impl VolumeClaimer for ServerConn {
             .map_err(|s| ClaimError {
                 retryable: status_retryable(s.code()),
                 message: format!("claiming volume {:?}: {}", req.volume_id, s.message()),
+                alloc_terminal: s
+                    .message()
+                    .contains(berth_structs::CLAIM_REFUSED_ALLOC_TERMINAL),
             })?
             .into_inner();
         Ok(ClaimGrant {
@@ -657,6 +660,7 @@ impl VolumeClaimer for ServerConn {
                     "releasing the claim on volume {volume_id:?}: {}",
                     s.message()
                 ),
+                alloc_terminal: false,
             })?;
         Ok(())
     }

@@ -6,6 +6,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::job::{Job, TaskGroup};
 
+/// The words of a claim the servers refuse because they hold the alloc
+/// terminal (lost, say, while its node was away): its client ends such an
+/// alloc as not started rather than failed.
+pub const CLAIM_REFUSED_ALLOC_TERMINAL: &str = "is terminal and cannot claim volume";
+
 /// What the servers want of an alloc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]

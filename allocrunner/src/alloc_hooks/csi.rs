@@ -72,6 +72,59 @@ pub(crate) fn node_plugins(group: &TaskGroup) -> Vec<(String, String)> {
         .collect()
 }
 
+/// How long a mount waits for its node plugin to register on this node.
+pub const PLUGIN_REGISTER_WAIT: Duration = Duration::from_secs(120);
+
+/// The task event of an alloc whose mount waits for its node plugin.
+pub const EVENT_WAITING_FOR_PLUGIN: &str = "Waiting for plugin";
+
+/// Waits (at most [`PLUGIN_REGISTER_WAIT`]) until node plugin
+/// `plugin_id` is registered on this node. The servers granted a claim
+/// through it, so an instance is on its way: a plugin alloc placed with
+/// this one (a node back from a partition gets both at once), or a plugin
+/// restarting. Each task of the alloc gets an event when the wait starts.
+/// Past the wait the mount goes ahead and fails as it would have.
+async fn wait_for_plugin(ctx: &AllocHookContext, plugin_id: &str) -> Result<(), HookError> {
+    let registry = ctx.config.csi.registry();
+    if registry.get(plugin_id).is_some() {
+        return Ok(());
+    }
+    let mut changes = registry.subscribe();
+    info!(
+        plugin_id,
+        "waiting for the node plugin to register on this node"
+    );
+    if let Some(group) = ctx.alloc.group() {
+        let message = format!(
+            "Waiting up to {} for plugin {plugin_id:?} to register on this node",
+            berth_structs::limits::duration_text(PLUGIN_REGISTER_WAIT)
+        );
+        for task in &group.tasks {
+            ctx.task_event(
+                &task.name,
+                TaskEvent::new(EVENT_WAITING_FOR_PLUGIN, message.clone()),
+            );
+        }
+    }
+    let mut stop = ctx.stop.clone();
+    let deadline = tokio::time::Instant::now() + PLUGIN_REGISTER_WAIT;
+    while registry.get(plugin_id).is_none() {
+        tokio::select! {
+            changed = changes.changed() => {
+                if changed.is_err() {
+                    break;
+                }
+            }
+            _ = stop.wait() => return Err(HookError::Stopped),
+            _ = tokio::time::sleep_until(deadline) => {
+                warn!(plugin_id, "the node plugin did not register in time");
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Unmounts with `req`, retrying every error until the release retry
 /// timeout; `notify` hears of each retry.
 async fn unmount(
@@ -117,7 +170,17 @@ impl CsiHook {
         let mut stop = ctx.stop.clone();
         let started = std::time::Instant::now();
         let granted = tokio::select! {
-            r = retried => r.map_err(|error| HookError::Claim { volume_id, error }),
+            r = retried => r.map_err(|error| {
+                if error.alloc_terminal {
+                    // The servers hold the alloc terminal (lost while its
+                    // node was away, say): it is stopped, not failed, and
+                    // its client hears so next.
+                    info!(volume_id = %volume_id, "the servers hold the alloc terminal; not starting it");
+                    HookError::Stopped
+                } else {
+                    HookError::Claim { volume_id, error }
+                }
+            }),
             _ = stop.wait() => Err(HookError::Stopped),
         };
         // The plugin is known from the grant only.
@@ -346,6 +409,9 @@ impl AllocHook for CsiHook {
                 v.plugin_id = mount.plugin_id.clone();
                 v.unmount = Some(UnmountRequest::from(&mount));
             }
+            wait_for_plugin(ctx, &mount.plugin_id)
+                .instrument(span.clone())
+                .await?;
             let info = ctx
                 .config
                 .csi

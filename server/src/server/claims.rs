@@ -97,7 +97,8 @@ impl Server {
         }
         if alloc.is_terminal() {
             return Err(ServerError::Conflict(format!(
-                "alloc {alloc_id} is terminal and cannot claim volume {vid:?}"
+                "alloc {alloc_id} {} {vid:?}",
+                berth_structs::CLAIM_REFUSED_ALLOC_TERMINAL
             )));
         }
         check_declared(alloc, req)?;
