@@ -182,3 +182,67 @@ fn stopping_the_plugin_job_waits_until_its_volume_is_unmounted() -> Result<()> {
     assert!(left.is_empty(), "mounts left: {left:?}");
     Ok(())
 }
+
+/// `berth job stop` of the plugin job while two services hold its volume:
+/// within 2 s it says which allocs it waits for, keeps that current as
+/// they stop, and returns once the plugin has stopped.
+#[test]
+fn job_stop_of_the_plugin_says_what_it_waits_for_and_ends_when_the_users_stop() -> Result<()> {
+    let agent = DevAgent::start()?;
+    agent.run_plugin_and_create_volume()?;
+    wait_alloc_running(&agent, "hostpath-plugin")?;
+    agent.run_job("user", &user_job())?;
+    let user = wait_alloc_running(&agent, "user")?;
+    let user_id = user["id"].as_str().context("user alloc id")?.to_string();
+
+    let out_path = agent.data_dir.path().join("job-stop.out");
+    let out = std::fs::File::create(&out_path)?;
+    let mut stop = std::process::Command::new(berth_tests::binary("berth"))
+        .args(["job", "stop", "hostpath-plugin"])
+        .env("BERTH_ADDR", &agent.http_addr)
+        .stdin(std::process::Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()?;
+    let started = Instant::now();
+    let said = wait_for(
+        "job stop to say what it waits for",
+        Duration::from_secs(10),
+        || {
+            let text = std::fs::read_to_string(&out_path)?;
+            Ok(text
+                .lines()
+                .find(|l| l.contains("waits for 1 volume user(s) to unmount"))
+                .map(str::to_string))
+        },
+    );
+    let said = match said {
+        Ok(said) => said,
+        Err(e) => {
+            let _ = stop.kill();
+            return Err(e.context(std::fs::read_to_string(&out_path).unwrap_or_default()));
+        }
+    };
+    let after = started.elapsed();
+    assert!(
+        after <= Duration::from_secs(2),
+        "said after {after:?}: {said}"
+    );
+    assert!(
+        said.contains(&format!("alloc {}", &user_id[..8])) && said.contains("(user.user[0])"),
+        "{said}"
+    );
+    assert!(stop.try_wait()?.is_none(), "job stop still waits");
+
+    agent.cli_ok(&["job", "stop", "-detach", "user"])?;
+    let status = wait_for("job stop to return", Duration::from_secs(60), || {
+        Ok(stop.try_wait()?)
+    })?;
+    let text = std::fs::read_to_string(&out_path)?;
+    assert!(status.success(), "{text}");
+    assert!(
+        text.contains("hostpath-plugin.plugin[0] on") && text.contains("running -> complete"),
+        "it followed the plugin to its stop: {text}"
+    );
+    Ok(())
+}

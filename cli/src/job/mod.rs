@@ -20,6 +20,7 @@ use berth_api::types::JobRegisterResponse;
 use berth_api::ApiClient;
 
 mod plan;
+mod stop_waits;
 
 use plan::job_plan;
 pub use plan::plan_text;
@@ -513,6 +514,7 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
         .map(|al| (s(al, "id").to_string(), s(al, "client_status").to_string()))
         .collect();
     let mut at = 0;
+    let mut waits = BTreeMap::new();
     let mut last: Vec<Value> = Vec::new();
     // Whether `last` shows every alloc stopped (a purge may take the job
     // away before an answer says so).
@@ -538,6 +540,7 @@ fn job_stop(a: StopArgs, api: &ApiClient) -> Result<i32> {
             .cloned()
             .collect();
         print_transitions(&allocs, &mut seen, &names);
+        stop_waits::print_volume_waits(api, &allocs, &names, &mut waits)?;
         let dead = match api.get(&format!("/v1/job/{}", enc(&id))) {
             Ok(job) if job["stop"].as_bool() == Some(false) => {
                 println!("==> Job {id:?} was submitted again: not waiting for its old allocs");
