@@ -9,6 +9,10 @@
 //! - With `replace = true`: the replacement runs on the other node during
 //!   the partition; after the heal `reconcile = "keep_original"` stops the
 //!   replacement and `keep_replacement` the original.
+//! - After a heal, a reader submitted during the partition and the
+//!   replacement of a lost writer run on the healed node, whether its
+//!   plugin alloc was held (the default) or replaced with them
+//!   (`default_lost_after = "0s"`): none fails for a plugin gap.
 //! - Writers of single-node-writer volumes with `replace = true`: without
 //!   `stop_on_client_after` the unknown writer keeps its claim and no
 //!   replacement runs; with `stop_on_client_after = "5s"` the replacement
@@ -380,4 +384,125 @@ fn an_unknown_writer_and_its_replacement_never_run_at_once() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A reader of `volume` (read-only, beside its writer on one node) that
+/// stays running.
+fn reader_job(job: &str, volume: &str) -> String {
+    format!(
+        r#"
+job "{job}" {{
+  type = "service"
+  group "g" {{
+    volume "data" {{
+      type            = "csi"
+      source          = "{volume}"
+      read_only       = true
+      access_mode     = "single-node-writer"
+      attachment_mode = "file-system"
+    }}
+    restart {{
+      attempts = 0
+      mode     = "fail"
+    }}
+    task "t" {{
+      driver = "raw_exec"
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "exec sleep 3600"]
+      }}
+      volume_mount {{
+        volume      = "data"
+        destination = "data"
+        read_only   = true
+      }}
+      resources {{
+        cpu    = 10
+        memory = 8
+      }}
+    }}
+  }}
+}}
+"#
+    )
+}
+
+/// The plugin-gap case: p1 runs the shipped plugin job and a volume's
+/// writer; it is partitioned past TTL + grace, a reader of the volume is
+/// submitted meanwhile, and it heals. The reader and the writer's
+/// replacement run on p1 and nothing fails with the plugin "not
+/// registered" — whether the plugin alloc is held unknown and resumes
+/// (the default) or, with `default_lost_after = "0s"`, is lost and
+/// replaced together with the volume's users.
+fn heal_with_volume_users(server_extra: &str) -> Result<()> {
+    let block = format!("{SERVER_BLOCK}\n  {server_extra}");
+    let mut server = Server::start(&block)?;
+    let c1 = Client::start(&server, "p1", true, r#"disconnect_startup_grace = "1s""#)?;
+    server.wait_nodes_ready(&["p1"])?;
+    let shipped = std::fs::read_to_string(berth_tests::example("jobs/hostpath-plugin.hcl"))?;
+    server.run_job("plugin", &shipped)?;
+    server
+        .wait_plugin_nodes(1)
+        .with_context(|| server.agent.log())?;
+    server.create_volume("v1", &writer_volume("v1"))?;
+    server.run_job(
+        "writer",
+        &marked_job("writer", "service", 1, "", Some("v1")),
+    )?;
+    wait_for("the writer running", Duration::from_secs(60), || {
+        Ok((with_status(&server.allocs("writer")?, "running").len() == 1).then_some(()))
+    })
+    .with_context(|| logs(&server, &[&c1]))?;
+
+    c1.relay()?.partition();
+    wait_for("p1 marked down", Duration::from_secs(30), || {
+        Ok((server.node("p1")?["status"] == "down").then_some(()))
+    })
+    .with_context(|| logs(&server, &[&c1]))?;
+    server.run_job("reader", &reader_job("reader", "v1"))?;
+    wait_for("the reader waiting for p1", Duration::from_secs(10), || {
+        let job = server.get("/v1/job/reader")?;
+        Ok(job["placement_failures"]
+            .as_array()
+            .is_some_and(|f| !f.is_empty())
+            .then_some(()))
+    })?;
+    c1.relay()?.heal();
+    server
+        .wait_nodes_ready(&["p1"])
+        .with_context(|| logs(&server, &[&c1]))?;
+
+    wait_for(
+        "the reader and the writer running on p1",
+        Duration::from_secs(90),
+        || {
+            for job in ["reader", "writer"] {
+                let allocs = server.allocs(job)?;
+                if let Some(f) = allocs.iter().find(|a| a["client_status"] == "failed") {
+                    anyhow::bail!("{job} failed: {f}");
+                }
+                if with_status(&allocs, "running").is_empty() {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(()))
+        },
+    )
+    .with_context(|| logs(&server, &[&c1]))?;
+    let client_log = c1.agent.log();
+    ensure!(
+        !client_log.contains("is not registered on this node"),
+        "a mount found no plugin:\n{client_log}"
+    );
+    Ok(())
+}
+
+#[test]
+fn after_a_heal_the_volume_users_run_with_the_plugin_held() -> Result<()> {
+    heal_with_volume_users("")
+}
+
+#[test]
+fn after_a_heal_the_volume_users_wait_for_a_replaced_plugin() -> Result<()> {
+    heal_with_volume_users(r#"default_lost_after = "0s""#)
 }
