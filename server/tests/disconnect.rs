@@ -266,16 +266,7 @@ async fn an_unknown_writer_keeps_its_write_claim_and_blocks_its_replacement() {
         s.allocation(&original.id).unwrap().client_status,
         AllocClientStatus::Unknown
     );
-    wait_until(
-        "db's replacement blocked by the claim",
-        Duration::from_secs(10),
-        || {
-            s.job_placement_failures("db")
-                .iter()
-                .any(|f| f.contains("data"))
-        },
-    )
-    .await;
+    wait_placement_failure(s, "db", "data").await;
     assert_eq!(
         claim_of(s, "data", &original.id),
         Some((ClaimState::Taken, false)),

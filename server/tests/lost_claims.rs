@@ -77,16 +77,7 @@ async fn down_keeps_the_write_claim(s: &Server, db: &Allocation, reader: &Alloca
         "the write claim of the lost alloc is kept while its node is down"
     );
     // db's replacement is refused by the claim, with a reason naming it.
-    wait_until(
-        "db's replacement blocked by the claim",
-        Duration::from_secs(10),
-        || {
-            s.job_placement_failures("db")
-                .iter()
-                .any(|f| f.contains("data"))
-        },
-    )
-    .await;
+    wait_placement_failure(s, "db", "data").await;
     assert!(live_allocs(s, "db").is_empty(), "no second writer placed");
     let failures = s.job_placement_failures("db");
     assert!(
@@ -338,16 +329,7 @@ async fn a_purge_without_force_keeps_the_write_claim_until_an_operator_detaches_
     assert_eq!(claim_of(&s, "logs", &reader.id), None);
 
     // The volume watcher leaves it: the replacement of db stays blocked.
-    wait_until(
-        "db's replacement blocked by the kept claim",
-        Duration::from_secs(10),
-        || {
-            s.job_placement_failures("db")
-                .iter()
-                .any(|f| f.contains("already has a writer"))
-        },
-    )
-    .await;
+    wait_placement_failure(&s, "db", "already has a writer").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         claim_of(&s, "data", &db.id),

@@ -296,21 +296,47 @@ pub fn marked_job(
     group_extra: &str,
     volume: Option<&str>,
 ) -> String {
+    marked(
+        job,
+        job_type,
+        count,
+        group_extra,
+        volume.map(|v| (v, false)),
+    )
+}
+
+/// A service job of one alloc like [`marked_service_job`] that mounts
+/// `volume` read-only (beside its writer on a node).
+pub fn marked_reader_job(job: &str, volume: &str) -> String {
+    marked(job, "service", 1, "", Some((volume, true)))
+}
+
+/// [`marked_job`] with the volume (its ID, and whether read-only).
+fn marked(
+    job: &str,
+    job_type: &str,
+    count: u32,
+    group_extra: &str,
+    volume: Option<(&str, bool)>,
+) -> String {
     let (volume_block, mount) = match volume {
-        Some(v) => (
+        Some((v, read_only)) => (
             format!(
                 r#"volume "data" {{
       type            = "csi"
       source          = "{v}"
+      read_only       = {read_only}
       access_mode     = "single-node-writer"
       attachment_mode = "file-system"
     }}"#
             ),
-            r#"volume_mount {
+            format!(
+                r#"volume_mount {{
         volume      = "data"
         destination = "data"
-      }"#
-            .to_string(),
+        read_only   = {read_only}
+      }}"#
+            ),
         ),
         None => (String::new(), String::new()),
     };

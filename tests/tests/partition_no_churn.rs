@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use berth_tests::cluster::{
-    ids, logs, marked_job, marker_pids, node_of, pid_alive, shared_plugin_job, with_status,
-    write_claims, writer_volume, Client, Server,
+    ids, logs, marked_job, marked_reader_job, marker_pids, node_of, pid_alive, shared_plugin_job,
+    with_status, write_claims, writer_volume, Client, Server,
 };
 use berth_tests::sampler::Sampler;
 use berth_tests::wait_for;
@@ -386,47 +386,6 @@ fn an_unknown_writer_and_its_replacement_never_run_at_once() -> Result<()> {
     Ok(())
 }
 
-/// A reader of `volume` (read-only, beside its writer on one node) that
-/// stays running.
-fn reader_job(job: &str, volume: &str) -> String {
-    format!(
-        r#"
-job "{job}" {{
-  type = "service"
-  group "g" {{
-    volume "data" {{
-      type            = "csi"
-      source          = "{volume}"
-      read_only       = true
-      access_mode     = "single-node-writer"
-      attachment_mode = "file-system"
-    }}
-    restart {{
-      attempts = 0
-      mode     = "fail"
-    }}
-    task "t" {{
-      driver = "raw_exec"
-      config {{
-        command = "/bin/sh"
-        args    = ["-c", "exec sleep 3600"]
-      }}
-      volume_mount {{
-        volume      = "data"
-        destination = "data"
-        read_only   = true
-      }}
-      resources {{
-        cpu    = 10
-        memory = 8
-      }}
-    }}
-  }}
-}}
-"#
-    )
-}
-
 /// The plugin-gap case: p1 runs the shipped plugin job and a volume's
 /// writer; it is partitioned past TTL + grace, a reader of the volume is
 /// submitted meanwhile, and it heals. The reader and the writer's
@@ -459,7 +418,7 @@ fn heal_with_volume_users(server_extra: &str) -> Result<()> {
         Ok((server.node("p1")?["status"] == "down").then_some(()))
     })
     .with_context(|| logs(&server, &[&c1]))?;
-    server.run_job("reader", &reader_job("reader", "v1"))?;
+    server.run_job("reader", &marked_reader_job("reader", "v1"))?;
     wait_for("the reader waiting for p1", Duration::from_secs(10), || {
         let job = server.get("/v1/job/reader")?;
         Ok(job["placement_failures"]

@@ -104,6 +104,26 @@ job "{job}" {{
     )
 }
 
+/// Waits until the `count` allocs of batch job `job` are complete (an
+/// error if one fails); the allocs.
+fn wait_batch_done(server: &Server, job: &str, count: usize) -> Result<Vec<Value>> {
+    wait_for(
+        &format!("the {count} allocs of {job} done"),
+        Duration::from_secs(120),
+        || {
+            let allocs = server.allocs(job)?;
+            if let Some(f) = allocs.iter().find(|a| a["client_status"] == "failed") {
+                bail!("an alloc of {job} failed: {f}");
+            }
+            let done = allocs
+                .iter()
+                .filter(|a| a["client_status"] == "complete")
+                .count();
+            Ok((done == count).then_some(allocs))
+        },
+    )
+}
+
 /// The `hostpath` node plugin's topology segment on a node as the API (or
 /// `node status -json`) shows it.
 fn node_segment(node: &Value) -> Option<&str> {
@@ -188,22 +208,7 @@ fn a_volume_with_a_topology_is_used_only_where_it_is_reachable() -> Result<()> {
     // 1. Twenty allocs of a batch job using on-a, which the scheduler
     // would otherwise spread over both nodes: every one runs on topo-a.
     server.run_job("use-a", &batch_job_using("use-a", 20, &["on-a"]))?;
-    let allocs = wait_for(
-        "the 20 allocs of use-a done",
-        Duration::from_secs(120),
-        || {
-            let allocs = server.allocs("use-a")?;
-            if let Some(f) = allocs.iter().find(|a| a["client_status"] == "failed") {
-                bail!("an alloc of use-a failed: {f}");
-            }
-            let done = allocs
-                .iter()
-                .filter(|a| a["client_status"] == "complete")
-                .count();
-            Ok((done == 20).then_some(allocs))
-        },
-    )
-    .with_context(|| logs(&server, &[&a, &b]))?;
+    let allocs = wait_batch_done(&server, "use-a", 20).with_context(|| logs(&server, &[&a, &b]))?;
     assert_eq!(allocs.len(), 20);
     for alloc in &allocs {
         assert_eq!(node_of(alloc), id_a, "alloc placed off topology: {alloc}");
@@ -328,18 +333,8 @@ capability {
     // Twenty allocs, which the scheduler would otherwise spread: each on
     // the holder.
     server.run_job("use-local", &batch_job_using("use-local", 20, &["local"]))?;
-    let allocs = wait_for("the 20 allocs done", Duration::from_secs(120), || {
-        let allocs = server.allocs("use-local")?;
-        if let Some(f) = allocs.iter().find(|a| a["client_status"] == "failed") {
-            bail!("an alloc failed: {f}");
-        }
-        let done = allocs
-            .iter()
-            .filter(|a| a["client_status"] == "complete")
-            .count();
-        Ok((done == 20).then_some(allocs))
-    })
-    .with_context(|| logs(&server, &[&a, &b]))?;
+    let allocs =
+        wait_batch_done(&server, "use-local", 20).with_context(|| logs(&server, &[&a, &b]))?;
     for alloc in &allocs {
         anyhow::ensure!(node_of(alloc) == holder, "placed off its node: {alloc}");
     }

@@ -63,6 +63,21 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// Polls until a placement failure of `job_id` mentions `needle`.
+pub async fn wait_placement_failure(server: &Server, job_id: &str, needle: &str) {
+    wait_until(
+        &format!("a placement failure of {job_id} naming {needle:?}"),
+        Duration::from_secs(10),
+        || {
+            server
+                .job_placement_failures(job_id)
+                .iter()
+                .any(|f| f.contains(needle))
+        },
+    )
+    .await;
+}
+
 /// Poll `cond` until it holds or `timeout` passes.
 pub async fn wait_until(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + timeout;
