@@ -261,6 +261,7 @@ impl Client {
         let node = node_fingerprint(&config, node_id.clone());
         tracing::info!(node_id = %node.id, name = %node.name, "client starting");
         let channels = servers::ServerChannels::with_tls(&config.servers, config.tls.clone())?;
+        channels.pin_cluster_of(&state)?;
         let conn = ServerConn::new(channels, node, identity.secret);
         // Until the servers say again, what they said before a restart.
         if let Some(enabled) = state.cluster_acl()? {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use berth_proto::berth::v1::CLUSTER_ID_HEADER;
 use tonic::body::Body;
 use tonic::codegen::http;
 use tonic::transport::{Channel, Endpoint};
@@ -66,6 +67,47 @@ struct Inner {
     addrs: Vec<String>,
     channels: Vec<Channel>,
     current: AtomicUsize,
+    /// The cluster the node registered with (see [`ClusterPin`]).
+    cluster: ClusterPin,
+}
+
+/// Called with the cluster ID the first time a server names one, to keep
+/// it (the client state).
+pub type RecordCluster = Box<dyn Fn(&str) + Send + Sync>;
+
+/// The cluster the node belongs to: the ID its client state recorded, or
+/// the first a server named (then recorded). A server that names another
+/// is not this node's: its answers are refused, and the client moves on to
+/// the next server. Every request names the cluster, so that a server of
+/// another cluster refuses it before acting on it.
+#[derive(Default)]
+struct ClusterPin {
+    id: std::sync::RwLock<Option<http::HeaderValue>>,
+    record: std::sync::Mutex<Option<RecordCluster>>,
+}
+
+impl ClusterPin {
+    fn get(&self) -> Option<http::HeaderValue> {
+        berth_sync::RwLockExt::read_locked(&self.id).clone()
+    }
+
+    /// Whether `named` (the header of an answer) is this node's cluster;
+    /// the first ID named is taken (and recorded) when none is known.
+    fn accepts(&self, named: &http::HeaderValue) -> bool {
+        let mut id = berth_sync::RwLockExt::write_locked(&self.id);
+        match &*id {
+            Some(own) => own == named,
+            None => {
+                *id = Some(named.clone());
+                let text = named.to_str().unwrap_or_default();
+                tracing::info!(cluster_id = %text, "the servers are of cluster {text}; this node stays in it");
+                if let Some(record) = &*berth_sync::MutexExt::locked(&self.record) {
+                    record(text);
+                }
+                true
+            }
+        }
+    }
 }
 
 /// The endpoint of `addr` as the client dials it.
@@ -189,8 +231,45 @@ impl ServerChannels {
                 addrs,
                 channels,
                 current: AtomicUsize::new(0),
+                cluster: ClusterPin::default(),
             }),
         })
+    }
+
+    /// The cluster the node registered with: `known` (its client state's
+    /// record), else the first a server names, which `record` then keeps.
+    /// From then on the client takes no answer from a server of another
+    /// cluster and moves on from it.
+    pub fn pin_cluster(&self, known: Option<&str>, record: RecordCluster) {
+        let known = known.and_then(|k| http::HeaderValue::from_str(k).ok());
+        *berth_sync::RwLockExt::write_locked(&self.inner.cluster.id) = known;
+        *berth_sync::MutexExt::locked(&self.inner.cluster.record) = Some(record);
+    }
+
+    /// [`ServerChannels::pin_cluster`] to the cluster `state` recorded,
+    /// recording there the first one a server names.
+    pub fn pin_cluster_of(
+        &self,
+        state: &crate::state::ClientState,
+    ) -> Result<(), crate::state::StateError> {
+        let recorder = state.clone();
+        self.pin_cluster(
+            state.cluster_id()?.as_deref(),
+            Box::new(move |id| {
+                if let Err(e) = recorder.set_cluster_id(id) {
+                    tracing::error!(error = %e, cluster_id = %id, "recording the node's cluster failed; it is taken again at the next start");
+                }
+            }),
+        );
+        Ok(())
+    }
+
+    /// The cluster the node belongs to, once known.
+    pub fn cluster_id(&self) -> Option<String> {
+        self.inner
+            .cluster
+            .get()
+            .and_then(|v| v.to_str().ok().map(str::to_string))
     }
 
     /// The address of the server in use.
@@ -250,10 +329,13 @@ impl Service<http::Request<Body>> for ServerChannels {
         Poll::Ready(Ok(()))
     }
 
-    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+    fn call(&mut self, mut req: http::Request<Body>) -> Self::Future {
         let this = self.clone();
         let i = this.inner.current.load(Ordering::Relaxed) % this.inner.channels.len();
         let channel = this.inner.channels[i].clone();
+        if let Some(own) = this.inner.cluster.get() {
+            req.headers_mut().insert(CLUSTER_ID_HEADER, own);
+        }
         Box::pin(async move {
             let result = channel.oneshot(req).await;
             match &result {
@@ -270,11 +352,37 @@ impl Service<http::Request<Body>> for ServerChannels {
                     );
                     this.failover_from(i);
                 }
-                Ok(_) => {}
+                Ok(resp) => {
+                    if let Some(named) = resp.headers().get(CLUSTER_ID_HEADER) {
+                        if !this.inner.cluster.accepts(named) {
+                            let own = this.inner.cluster.get();
+                            let message = format!(
+                                "server {} is of cluster {}, not of cluster {} that this node \
+                                 registered with; the node stays with its own cluster's servers \
+                                 (to move a node to another cluster, drain it and start its \
+                                 client on a fresh data dir)",
+                                this.inner.addrs[i],
+                                named.to_str().unwrap_or("(not text)"),
+                                own.as_ref().and_then(|v| v.to_str().ok()).unwrap_or("?"),
+                            );
+                            tracing::error!("{message}");
+                            this.failover_from(i);
+                            return Ok(other_cluster(&message));
+                        }
+                    }
+                }
             }
             result
         })
     }
+}
+
+/// The answer the client makes of a server of another cluster's: gRPC
+/// `UNAVAILABLE` (the client retries, on its next server), without the
+/// server's body.
+fn other_cluster(message: &str) -> http::Response<Body> {
+    let status = tonic::Status::unavailable(message.to_string());
+    status.into_http()
 }
 
 /// Whether `resp` is a gRPC answer (HTTP 200, `application/grpc`), as

@@ -77,6 +77,9 @@ pub struct NodeIdentity {
 
 const META_NODE_ID: &str = "node_id";
 const META_NODE_SECRET: &str = "node_secret";
+/// The cluster the node registered with (see
+/// `servers::ServerChannels::pin_cluster`).
+const META_CLUSTER_ID: &str = "cluster_id";
 
 /// The database file holds the node secret: readable by its owner only.
 /// Created with mode 0600 when missing; a looser mode on an existing file
@@ -260,6 +263,16 @@ impl ClientState {
             t.insert(key, value).map_err(rdb)?;
             Ok(())
         })
+    }
+
+    /// The cluster the node registered with, once it has.
+    pub fn cluster_id(&self) -> Result<Option<String>, StateError> {
+        self.meta(META_CLUSTER_ID)
+    }
+
+    /// Records the cluster the node registered with.
+    pub fn set_cluster_id(&self, id: &str) -> Result<(), StateError> {
+        self.set_meta(META_CLUSTER_ID, id)
     }
 
     /// Whether the servers enforced ACL tokens when they last said (see

@@ -23,6 +23,12 @@ pub mod berth {
         /// secret is not the one the node registered with.
         pub const NODE_SECRET_METADATA: &str = "x-berth-node-secret";
 
+        /// The header that names the cluster on every answer of the agent
+        /// protocol, and on a client's requests the cluster it registered
+        /// with: a server refuses a request that names another cluster,
+        /// and a client takes no answer from a server of another one.
+        pub const CLUSTER_ID_HEADER: &str = "x-berth-cluster-id";
+
         /// The gRPC metadata key that carries an introduction token on
         /// `Node.Register`: what a node the servers do not know registers
         /// with when it has no client certificate.

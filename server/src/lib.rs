@@ -12,6 +12,7 @@
 //! over the client-opened call stream (`calls`).
 
 mod calls;
+pub mod cluster_id;
 mod coalesced;
 mod config;
 mod csi;
@@ -30,6 +31,7 @@ mod scheduler;
 mod server;
 pub mod state;
 
+pub use cluster_id::ClusterIdLayer;
 pub use config::ServerConfig;
 pub use csi::{
     ClaimGrant, ReleaseOrigin, SnapshotRequest, VolumeClaimRequest, VolumeRelease,

@@ -167,6 +167,15 @@ impl Client {
         let servers = relay
             .as_ref()
             .map_or(server.rpc.clone(), |r| r.addr().to_string());
+        let mut client = Client::start_with_servers(&servers, name, client_block)?;
+        client.relay = relay;
+        Ok(client)
+    }
+
+    /// Starts client `name` whose `-servers` are `servers` (`HOST:PORT`,
+    /// comma separated), with `client_block` added to its `client { ... }`
+    /// block.
+    pub fn start_with_servers(servers: &str, name: &str, client_block: &str) -> Result<Client> {
         let config = tempfile::tempdir()?;
         let file = config.path().join("client.hcl");
         std::fs::write(
@@ -180,7 +189,7 @@ impl Client {
             path_str(&file)?,
             "-client",
             "-servers",
-            &servers,
+            servers,
             "-node",
             name,
             "-http-addr",
@@ -190,7 +199,7 @@ impl Client {
             agent,
             name: name.to_string(),
             http_port,
-            relay,
+            relay: None,
             _config: config,
         })
     }

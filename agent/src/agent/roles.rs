@@ -107,6 +107,9 @@ fn serve_agent_protocol(
         .http2_keepalive_interval(Some(berth_client::servers::KEEPALIVE_INTERVAL))
         .http2_keepalive_timeout(Some(berth_client::servers::KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(Some(MAX_RPC_STREAMS_PER_CONNECTION))
+        // Every answer names the cluster; a request of another cluster's
+        // node is refused before any service sees it.
+        .layer(server.cluster_id_layer())
         .add_service(berth_server::node_service(server))
         .add_service(berth_server::csi_volume_service(server))
         // Requests that client agents forward count against this

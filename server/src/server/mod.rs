@@ -77,6 +77,10 @@ pub struct Server {
     partial_budget: Arc<crate::partial_budget::PartialBudget>,
     /// Set when `run` is told to shut down; streams end on it.
     shutdown: ShutdownSender,
+    /// The cluster this server belongs to ([`crate::cluster_id`]), and
+    /// the layer that names it on the agent protocol.
+    cluster_id: String,
+    cluster_layer: crate::ClusterIdLayer,
 }
 
 impl Server {
@@ -90,6 +94,10 @@ impl Server {
         }
         let path = RedbBackend::path_in(&config.data_dir);
         let backend = RedbBackend::open(&path)?;
+        // Beside the state it names (`<data_dir>/server/cluster-id`).
+        let cluster_id =
+            crate::cluster_id::load_or_create(path.parent().unwrap_or(&config.data_dir))?;
+        let cluster_layer = crate::ClusterIdLayer::new(&cluster_id)?;
         let store = Arc::new(StateStore::open(Box::new(backend))?);
         // With enrollment on, nodes are not trusted to say which plugins
         // they run: only plugin allocs placed on them count.
@@ -122,6 +130,8 @@ impl Server {
             volume_locks: VolumeLocks::default(),
             alloc_reports: Default::default(),
             shutdown,
+            cluster_id,
+            cluster_layer,
         });
         server.liveness.arm_heartbeats_after_restore();
         Ok(server)
@@ -184,6 +194,17 @@ impl Server {
     /// stream) are routed.
     pub(crate) fn calls(&self) -> &CallRegistry {
         &self.calls
+    }
+
+    /// The cluster this server belongs to, made at its first start.
+    pub fn cluster_id(&self) -> &str {
+        &self.cluster_id
+    }
+
+    /// The layer that names this server's cluster on every answer of the
+    /// agent protocol and refuses requests of another cluster's nodes.
+    pub fn cluster_id_layer(&self) -> crate::ClusterIdLayer {
+        self.cluster_layer.clone()
     }
 
     /// Node liveness, for the tests of its loop.

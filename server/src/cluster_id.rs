@@ -1,0 +1,203 @@
+//! The cluster ID: made at a server's first start and kept in its data
+//! dir, it names the cluster every answer of the agent protocol comes from
+//! (the [`CLUSTER_ID_HEADER`] of each response). A client records the ID
+//! it registered with and never takes answers from a server of another
+//! one, and a server refuses a request that names another cluster, so that
+//! two unrelated servers listed in one client's `servers` never share a
+//! node (one would tell it its allocs are gone while the other marks it
+//! down).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::task::{Context, Poll};
+
+use berth_proto::berth::v1::CLUSTER_ID_HEADER;
+use tonic::codegen::http::{self, HeaderValue, Request, Response};
+
+use crate::error::ServerError;
+
+/// The file under the server's data dir that holds the cluster ID.
+const FILE: &str = "cluster-id";
+
+fn path_in(data_dir: &Path) -> PathBuf {
+    data_dir.join(FILE)
+}
+
+/// The cluster ID kept in `data_dir`, made (a UUID, written durably) when
+/// there is none. A file that holds anything but a UUID is an error that
+/// names it: making a new ID would split the cluster silently.
+pub(crate) fn load_or_create(data_dir: &Path) -> Result<String, ServerError> {
+    let path = path_in(data_dir);
+    let io = |what: &str, e: std::io::Error| {
+        ServerError::Internal(format!("{what} the cluster ID {}: {e}", path.display()))
+    };
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            let id = text.trim();
+            uuid::Uuid::parse_str(id).map_err(|e| {
+                ServerError::Internal(format!(
+                    "the cluster ID file {} does not hold a cluster ID ({e}); restore it from a \
+                     backup of this server's data dir (a new ID would make this server a new \
+                     cluster, which no client of the old one would follow)",
+                    path.display()
+                ))
+            })?;
+            Ok(id.to_string())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let id = uuid::Uuid::new_v4().to_string();
+            let tmp = data_dir.join(format!("{FILE}.tmp"));
+            let mut f =
+                crate::file_modes::create_private_file(&tmp).map_err(|e| io("writing", e))?;
+            f.write_all(format!("{id}\n").as_bytes())
+                .and_then(|()| f.sync_all())
+                .map_err(|e| io("writing", e))?;
+            std::fs::rename(&tmp, &path).map_err(|e| io("writing", e))?;
+            std::fs::File::open(data_dir)
+                .and_then(|d| d.sync_all())
+                .map_err(|e| io("writing", e))?;
+            tracing::info!(cluster_id = %id, path = %path.display(), "made the cluster ID");
+            Ok(id)
+        }
+        Err(e) => Err(io("reading", e)),
+    }
+}
+
+/// A layer for the agent protocol's server: it names the cluster on every
+/// response, and answers a request that names another cluster with
+/// `FAILED_PRECONDITION` before any service sees it.
+#[derive(Debug, Clone)]
+pub struct ClusterIdLayer {
+    id: HeaderValue,
+}
+
+impl ClusterIdLayer {
+    pub fn new(cluster_id: &str) -> Result<ClusterIdLayer, ServerError> {
+        let id = HeaderValue::from_str(cluster_id)
+            .map_err(|e| ServerError::Internal(format!("cluster ID {cluster_id:?}: {e}")))?;
+        Ok(ClusterIdLayer { id })
+    }
+}
+
+impl<S> tower::Layer<S> for ClusterIdLayer {
+    type Service = ClusterIdService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ClusterIdService {
+            inner,
+            id: self.id.clone(),
+        }
+    }
+}
+
+/// See [`ClusterIdLayer`].
+#[derive(Debug, Clone)]
+pub struct ClusterIdService<S> {
+    inner: S,
+    id: HeaderValue,
+}
+
+impl<S, B, RB> tower::Service<Request<B>> for ClusterIdService<S>
+where
+    S: tower::Service<Request<B>, Response = Response<RB>>,
+    S::Future: Send + 'static,
+    RB: Default,
+{
+    type Response = Response<RB>;
+    type Error = S::Error;
+    type Future = std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
+    >;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let id = self.id.clone();
+        if let Some(theirs) = req.headers().get(CLUSTER_ID_HEADER) {
+            if theirs != id {
+                let message = format!(
+                    "this server is of cluster {}, not of cluster {} that the node registered with",
+                    id.to_str().unwrap_or_default(),
+                    theirs.to_str().unwrap_or("(not text)")
+                );
+                return Box::pin(async move { Ok(refusal(&id, &message)) });
+            }
+        }
+        let answer = self.inner.call(req);
+        Box::pin(async move {
+            let mut resp = answer.await?;
+            resp.headers_mut().insert(CLUSTER_ID_HEADER, id);
+            Ok(resp)
+        })
+    }
+}
+
+/// A gRPC answer of only headers: `FAILED_PRECONDITION` with `message`.
+fn refusal<RB: Default>(id: &HeaderValue, message: &str) -> Response<RB> {
+    let mut resp = Response::new(RB::default());
+    let h = resp.headers_mut();
+    h.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    h.insert(CLUSTER_ID_HEADER, id.clone());
+    h.insert(
+        "grpc-status",
+        HeaderValue::from(tonic::Code::FailedPrecondition as i32),
+    );
+    if let Ok(v) = HeaderValue::from_str(&percent_encode(message)) {
+        h.insert("grpc-message", v);
+    }
+    resp
+}
+
+/// `grpc-message` is percent-encoded (the gRPC spec: anything outside
+/// printable ASCII, and `%`).
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if (0x20..0x7f).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cluster_id_is_made_once_and_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let first = load_or_create(dir.path()).unwrap();
+        assert!(uuid::Uuid::parse_str(&first).is_ok());
+        assert_eq!(load_or_create(dir.path()).unwrap(), first);
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(path_in(dir.path()))
+                .unwrap()
+                .permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn a_damaged_cluster_id_file_is_an_error_naming_it_not_a_new_cluster() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(path_in(dir.path()), "garbage\n").unwrap();
+        let e = load_or_create(dir.path()).unwrap_err().to_string();
+        assert!(
+            e.contains("cluster-id") && e.contains("does not hold"),
+            "{e}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(path_in(dir.path())).unwrap(),
+            "garbage\n",
+            "the file is left for the operator"
+        );
+    }
+}
