@@ -39,9 +39,7 @@ impl Plugin {
 
     /// Asks the plugin alloc to stop, as the servers do.
     fn ask_to_stop(&self) {
-        let mut a = (*self.runner.alloc()).clone();
-        a.desired_status = AllocDesiredStatus::Stop;
-        self.runner.update(a);
+        ask_to_stop(&self.runner);
     }
 
     async fn stop(&self) {
@@ -122,12 +120,9 @@ fn consumer(volumes: &[&str], task: Task) -> berth_structs::Allocation {
     a
 }
 
-/// Creates the volume "vol", grants its claim, and runs an alloc whose task
-/// "web" uses it until the task runs. The killer ends the task's process
-/// when the test ends, also when it fails.
-async fn run_volume_user(h: &Harness) -> (berth_structs::Allocation, AllocRunner, PidFileKiller) {
-    let ext = create_volume(h, "vol", AccessMode::MultiNodeMultiWriter).await;
-    h.claimer.grant(grant("vol", &ext));
+/// An alloc whose task "web" uses volume "vol" and sleeps, and the killer
+/// that ends its process when the test ends, also when it fails.
+fn sleeping_user(h: &Harness) -> (berth_structs::Allocation, PidFileKiller) {
     let a = consumer(
         &["vol"],
         sh_task(
@@ -136,6 +131,16 @@ async fn run_volume_user(h: &Harness) -> (berth_structs::Allocation, AllocRunner
         ),
     );
     let killer = PidFileKiller(h.data_dir().join("alloc").join(&a.id).join("web/local/pid"));
+    (a, killer)
+}
+
+/// Creates the volume "vol", grants its claim, and runs an alloc whose task
+/// "web" uses it until the task runs. The killer ends the task's process
+/// when the test ends, also when it fails.
+async fn run_volume_user(h: &Harness) -> (berth_structs::Allocation, AllocRunner, PidFileKiller) {
+    let ext = create_volume(h, "vol", AccessMode::MultiNodeMultiWriter).await;
+    h.claimer.grant(grant("vol", &ext));
+    let (a, killer) = sleeping_user(h);
     let runner = h.runner(a.clone());
     runner.run();
     wait_running(&runner, "web", WITHIN).await;
@@ -225,9 +230,7 @@ sleep 1000"#,
     })
     .await;
 
-    let mut stopped = a.clone();
-    stopped.desired_status = AllocDesiredStatus::Stop;
-    runner.update(stopped);
+    ask_to_stop(&runner);
     wait_done(&runner, WITHIN).await;
     assert_eq!(runner.client_status(), AllocClientStatus::Complete);
     assert_eq!(
@@ -1103,9 +1106,7 @@ async fn a_plugin_and_its_volume_user_stopped_together_unmount_before_the_plugin
     let (a, runner, _killer) = run_volume_user(&h).await;
 
     plugin.ask_to_stop();
-    let mut stopped = a.clone();
-    stopped.desired_status = AllocDesiredStatus::Stop;
-    runner.update(stopped);
+    ask_to_stop(&runner);
     wait_done(&runner, WITHIN).await;
     wait_done(&plugin.runner, WITHIN).await;
 
@@ -1162,9 +1163,7 @@ async fn a_mount_waits_for_its_plugin_to_register_instead_of_failing() {
     })
     .await;
     let ext = create_volume(&h, "vol", AccessMode::MultiNodeMultiWriter).await;
-    let mut stopped = (*first.alloc()).clone();
-    stopped.desired_status = AllocDesiredStatus::Stop;
-    first.update(stopped);
+    ask_to_stop(&first);
     wait_done(&first, WITHIN).await;
     wait_for("the plugin deregistered", WITHIN, || {
         h.csi.registry().get(PLUGIN_ID).is_none()
@@ -1174,19 +1173,7 @@ async fn a_mount_waits_for_its_plugin_to_register_instead_of_failing() {
     // A user of the volume arrives before the next instance registers: it
     // waits for it, and runs.
     h.claimer.grant(grant("vol", &ext));
-    let user = consumer(
-        &["vol"],
-        sh_task(
-            "web",
-            r#"echo $$ > "$BERTH_TASK_DIR/local/pid"; exec sleep 1000"#,
-        ),
-    );
-    let killer = PidFileKiller(
-        h.data_dir()
-            .join("alloc")
-            .join(&user.id)
-            .join("web/local/pid"),
-    );
+    let (user, killer) = sleeping_user(&h);
     let runner = h.runner(user);
     runner.run();
     wait_for("the user waiting for its plugin", WITHIN, || {
@@ -1207,13 +1194,9 @@ async fn a_mount_waits_for_its_plugin_to_register_instead_of_failing() {
             .contains(&"Setup Failure".to_string()),
         "the user did not fail"
     );
-    let mut done = (*runner.alloc()).clone();
-    done.desired_status = AllocDesiredStatus::Stop;
-    runner.update(done);
+    ask_to_stop(&runner);
     wait_done(&runner, WITHIN).await;
     drop(killer);
-    let mut plugin_done = (*second.alloc()).clone();
-    plugin_done.desired_status = AllocDesiredStatus::Stop;
-    second.update(plugin_done);
+    ask_to_stop(&second);
     wait_done(&second, WITHIN).await;
 }

@@ -255,9 +255,7 @@ async fn stop_kills_the_process_group_and_runs_postrun() {
     })
     .await;
 
-    let mut stopped = alloc.clone();
-    stopped.desired_status = AllocDesiredStatus::Stop;
-    runner.update(stopped);
+    ask_to_stop(&runner);
     wait_done(&runner, DONE_WITHIN).await;
 
     assert!(

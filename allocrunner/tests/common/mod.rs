@@ -432,6 +432,13 @@ pub async fn wait_reattached(runner: &AllocRunner, task: &str, within: Duration)
 }
 
 /// Waits for the runner to finish, within `within`.
+/// Asks the runner's alloc to stop, as the servers do (desired `stop`).
+pub fn ask_to_stop(runner: &AllocRunner) {
+    let mut a = (*runner.alloc()).clone();
+    a.desired_status = berth_structs::AllocDesiredStatus::Stop;
+    runner.update(a);
+}
+
 pub async fn wait_done(runner: &AllocRunner, within: Duration) {
     tokio::time::timeout(within, runner.wait())
         .await
