@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::task::{Context, Poll};
 
 use berth_proto::berth::v1::CLUSTER_ID_HEADER;
-use tonic::codegen::http::{self, HeaderValue, Request, Response};
+use tonic::codegen::http::{HeaderValue, Request, Response};
 
 use crate::error::ServerError;
 
@@ -134,37 +134,12 @@ where
     }
 }
 
-/// A gRPC answer of only headers: `FAILED_PRECONDITION` with `message`.
+/// A gRPC answer of only headers: `FAILED_PRECONDITION` with `message`,
+/// naming this server's cluster.
 fn refusal<RB: Default>(id: &HeaderValue, message: &str) -> Response<RB> {
-    let mut resp = Response::new(RB::default());
-    let h = resp.headers_mut();
-    h.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/grpc"),
-    );
-    h.insert(CLUSTER_ID_HEADER, id.clone());
-    h.insert(
-        "grpc-status",
-        HeaderValue::from(tonic::Code::FailedPrecondition as i32),
-    );
-    if let Ok(v) = HeaderValue::from_str(&percent_encode(message)) {
-        h.insert("grpc-message", v);
-    }
+    let mut resp = tonic::Status::failed_precondition(message).into_http::<RB>();
+    resp.headers_mut().insert(CLUSTER_ID_HEADER, id.clone());
     resp
-}
-
-/// `grpc-message` is percent-encoded (the gRPC spec: anything outside
-/// printable ASCII, and `%`).
-fn percent_encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if (0x20..0x7f).contains(&b) && b != b'%' {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
-    }
-    out
 }
 
 #[cfg(test)]
