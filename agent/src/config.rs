@@ -33,6 +33,7 @@ use berth_structs::spec::SpecError;
 
 pub mod client_settings;
 pub mod security;
+pub mod store;
 
 pub use client_settings::ClientDurations;
 pub use security::{ConfigSecret, SecuritySections};
@@ -105,6 +106,8 @@ pub struct ServerSection {
     /// How long a system job's allocs on a down node are held `unknown`
     /// (zero: lost at once).
     pub default_lost_after: Option<Duration>,
+    /// One of [`store::STORES`].
+    pub store: Option<String>,
 }
 
 /// `client { reserved { ... } }`: what the node keeps for itself.
@@ -152,6 +155,8 @@ pub struct AgentFileConfig {
     pub client: ClientSection,
     /// `region`, `insecure_bind`, `acl`, `tls`, `limits`.
     pub security: SecuritySections,
+    /// `etcd { ... }`: the etcd members of `server { store = "etcd" }`.
+    pub etcd: store::EtcdSection,
 }
 
 impl AgentFileConfig {
@@ -185,6 +190,7 @@ impl AgentFileConfig {
                     .server
                     .default_lost_after
                     .or(self.server.default_lost_after),
+                store: later.server.store.or(self.server.store),
             },
             client: ClientSection {
                 enabled: later.client.enabled.or(self.client.enabled),
@@ -200,6 +206,7 @@ impl AgentFileConfig {
                 intro_token: later.client.intro_token.or(self.client.intro_token),
             },
             security: self.security.merge(later.security),
+            etcd: self.etcd.merge(later.etcd),
         }
     }
 
@@ -232,6 +239,11 @@ impl AgentFileConfig {
         }
         if let Some(problem) = self.security.tls.incomplete() {
             return Some(problem);
+        }
+        if self.server_enabled() {
+            if let Err(problem) = store::store_config(self.server.store.as_deref(), &self.etcd) {
+                return Some(problem);
+            }
         }
         let bind = self.bind_addr.into_iter().collect::<Vec<_>>();
         self.security
@@ -337,7 +349,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
         .into_iter()
         .chain(SecuritySections::ATTRIBUTES)
         .collect();
-    let blocks: Vec<&str> = ["ports", "server", "client"]
+    let blocks: Vec<&str> = ["ports", "server", "client", store::EtcdSection::BLOCK]
         .into_iter()
         .chain(SecuritySections::BLOCKS)
         .collect();
@@ -395,6 +407,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
     let server = server_section(&src, &r)?;
     let client = client_section(&src, &r)?;
     let security = SecuritySections::parse(&src, &r)?;
+    let etcd = store::EtcdSection::parse(&src, &r)?;
 
     Ok(AgentFileConfig {
         data_dir,
@@ -406,6 +419,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
         server,
         client,
         security,
+        etcd,
     })
 }
 
@@ -424,9 +438,14 @@ fn server_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ServerSect
                     "min_heartbeat_ttl",
                     "max_heartbeats_per_second",
                     "default_lost_after",
+                    "store",
                 ],
                 &[],
             )?;
+            let store = s.string("store")?;
+            if let Some(kind) = &store {
+                store::check_store(kind).map_err(|problem| s.invalid("store", problem))?;
+            }
             let min_heartbeat_ttl = s.duration("min_heartbeat_ttl", MAX_DURATION)?;
             if min_heartbeat_ttl.is_some_and(|d| d.is_zero()) {
                 return Err(s.invalid("min_heartbeat_ttl", "must be longer than 0s"));
@@ -442,6 +461,7 @@ fn server_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ServerSect
                 min_heartbeat_ttl,
                 max_heartbeats_per_second,
                 default_lost_after: s.duration("default_lost_after", MAX_DURATION)?,
+                store,
             }
         }
     };
@@ -601,6 +621,10 @@ server {
   min_heartbeat_ttl         = "5s"
   max_heartbeats_per_second = 50
   default_lost_after        = "30m"
+  store                     = "etcd"
+}
+etcd {
+  endpoints = ["http://10.0.0.1:2379"]
 }
 client {
   enabled                  = true
@@ -638,8 +662,10 @@ client {
                 min_heartbeat_ttl: Some(Duration::from_secs(5)),
                 max_heartbeats_per_second: Some(50),
                 default_lost_after: Some(Duration::from_secs(30 * 60)),
+                store: Some("etcd".into()),
             }
         );
+        assert_eq!(c.etcd.endpoints, Some(vec!["http://10.0.0.1:2379".into()]));
         assert_eq!(c.client.servers.as_ref().map(Vec::len), Some(3));
         assert_eq!(c.client.node_class.as_deref(), Some("storage"));
         assert_eq!(c.client.meta.get("rack").map(String::as_str), Some("r1"));

@@ -1,7 +1,8 @@
 //! Wire protocols of berth.
 //!
 //! `csi::v1` is the Container Storage Interface, spec v1.12, wire-identical to
-//! the upstream definition. `berth::v1` is the protocol between a client agent
+//! the upstream definition; `etcd` the part of etcd's v3 API the servers
+//! use. `berth::v1` is the protocol between a client agent
 //! and the servers. This crate holds generated code and the protocol's
 //! constants only; it knows nothing of the data model, the client or the
 //! servers.
@@ -10,6 +11,19 @@ pub mod csi {
     pub mod v1 {
         #![allow(clippy::all, missing_docs)]
         tonic::include_proto!("csi.v1");
+    }
+}
+
+/// The part of etcd's v3 API the servers speak when they keep their state
+/// in etcd (a client only; see `etcd/rpc.proto`).
+pub mod etcd {
+    pub mod etcdserverpb {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("etcdserverpb");
+    }
+    pub mod mvccpb {
+        #![allow(clippy::all, missing_docs)]
+        tonic::include_proto!("mvccpb");
     }
 }
 

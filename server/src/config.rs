@@ -61,6 +61,18 @@ pub struct ServerConfig {
     /// waits for (`scripts/bench concurrent-writers` measures both). It
     /// becomes the default once the plan reads a copy-on-write snapshot.
     pub scheduler_plans_in_writer: bool,
+    /// Where the state is kept.
+    pub store: StoreConfig,
+}
+
+/// Where the servers keep their state.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum StoreConfig {
+    /// In `<data_dir>/server/state.redb`: one server.
+    #[default]
+    Embedded,
+    /// In etcd, under a key prefix.
+    Etcd(crate::etcd::EtcdConfig),
 }
 
 /// Production defaults with an empty `data_dir`, which `Server::open`
@@ -93,6 +105,7 @@ impl ServerConfig {
             region: "global".into(),
             register_rate: Some(crate::RegisterRate::default()),
             scheduler_plans_in_writer: true,
+            store: StoreConfig::Embedded,
         }
     }
 }

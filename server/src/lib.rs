@@ -18,6 +18,7 @@ mod config;
 mod csi;
 mod drainer;
 mod error;
+pub mod etcd;
 pub mod file_modes;
 mod gc;
 pub mod keyring;
@@ -32,7 +33,7 @@ mod server;
 pub mod state;
 
 pub use cluster_id::ClusterIdLayer;
-pub use config::ServerConfig;
+pub use config::{ServerConfig, StoreConfig};
 pub use csi::{
     ClaimGrant, ReleaseOrigin, SnapshotRequest, VolumeClaimRequest, VolumeRelease,
     FORCED_RELEASE_EVENT,

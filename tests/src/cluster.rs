@@ -25,11 +25,17 @@ impl Server {
     /// Starts a server whose `server { ... }` block holds `server_block`
     /// (e.g. `min_heartbeat_ttl = "2s"`), and waits for its API.
     pub fn start(server_block: &str) -> Result<Server> {
+        Server::start_with(server_block, "")
+    }
+
+    /// [`Server::start`] with `more` (blocks such as `etcd { ... }`) at
+    /// the top level of its config file.
+    pub fn start_with(server_block: &str, more: &str) -> Result<Server> {
         let config = tempfile::tempdir()?;
         let file = config.path().join("server.hcl");
         std::fs::write(
             &file,
-            format!("server {{\n  enabled = true\n  {server_block}\n}}\n"),
+            format!("server {{\n  enabled = true\n  {server_block}\n}}\n{more}\n"),
         )?;
         let http_port = free_port();
         let rpc = format!("127.0.0.1:{}", free_port());

@@ -4,6 +4,7 @@
 //! JSON for property tests ([`json`]). It knows no berth type, so that
 //! every crate's tests can use it.
 
+pub mod etcd;
 pub mod json;
 pub mod loops;
 pub mod relay;

@@ -69,6 +69,8 @@ pub struct AgentConfig {
     pub security: crate::config::SecuritySections,
     /// `client { intro_token }`: what a new node registers with.
     pub intro_token: Option<crate::config::ConfigSecret>,
+    /// Where the server keeps its state (`server { store }`, `etcd`).
+    pub store: berth_server::StoreConfig,
 }
 
 impl Default for AgentConfig {
@@ -101,6 +103,7 @@ impl Default for AgentConfig {
             not_applied: Vec::new(),
             security: crate::config::SecuritySections::default(),
             intro_token: None,
+            store: berth_server::StoreConfig::Embedded,
         }
     }
 }
@@ -394,6 +397,11 @@ impl AgentConfig {
         self.heartbeat_grace = file.server.heartbeat_grace;
         self.max_heartbeats_per_second = file.server.max_heartbeats_per_second;
         self.default_lost_after = file.server.default_lost_after;
+        if self.server {
+            self.store =
+                crate::config::store::store_config(file.server.store.as_deref(), &file.etcd)
+                    .map_err(|problem| usage_error(format!("berth agent: {problem}")))?;
+        }
         self.log_level = file.log_level.clone();
         self.log_level_flag = f.log_level;
         self.log_json = file.log_json.unwrap_or(false);

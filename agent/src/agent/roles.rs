@@ -75,6 +75,7 @@ fn server_config(config: &AgentConfig, data_dir: &std::path::Path) -> ServerConf
                 burst: l.node_register_burst_per_client,
             }
         }),
+        store: config.store.clone(),
         ..ServerConfig::default()
     };
     if let Some(g) = config.heartbeat_grace {

@@ -32,6 +32,7 @@ mod volumes;
 use berth_sync::MutexExt;
 use berth_sync::{Shutdown, ShutdownSender};
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -44,7 +45,7 @@ use crate::drainer::Drainer;
 use crate::error::ServerError;
 use crate::gc::{Gc, GcConfig, GcReport};
 use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
-use crate::state::{QuarantinedRecord, RedbBackend, StateStore, Table};
+use crate::state::{EtcdBackend, QuarantinedRecord, RedbBackend, StateStore, Table};
 
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
 pub struct Server {
@@ -83,6 +84,29 @@ pub struct Server {
     cluster_layer: crate::ClusterIdLayer,
 }
 
+/// The state store `config.store` names, loaded, and the cluster ID.
+fn open_store(config: &ServerConfig) -> Result<(StateStore, String), ServerError> {
+    let state_dir = RedbBackend::path_in(&config.data_dir)
+        .parent()
+        .map_or_else(|| config.data_dir.clone(), Path::to_path_buf);
+    match &config.store {
+        crate::StoreConfig::Embedded => {
+            let backend = RedbBackend::open(&RedbBackend::path_in(&config.data_dir))?;
+            // Beside the state it names (`<data_dir>/server/cluster-id`).
+            let cluster_id = crate::cluster_id::load_or_create(&state_dir)?;
+            Ok((StateStore::open(Box::new(backend))?, cluster_id))
+        }
+        crate::StoreConfig::Etcd(etcd) => {
+            let client = crate::etcd::EtcdClient::new(etcd.clone())
+                .map_err(|e| ServerError::BadRequest(format!("etcd: {e}")))?;
+            let keyring_dir = state_dir.join(crate::keyring::KEYRING_DIR);
+            let backend = EtcdBackend::open(client, &keyring_dir)?;
+            let cluster_id = backend.cluster_id()?;
+            Ok((StateStore::open(Box::new(backend))?, cluster_id))
+        }
+    }
+}
+
 impl Server {
     /// Open the state under `config.data_dir` (created if missing) and load
     /// it. Nothing runs until [`Server::run`].
@@ -92,13 +116,9 @@ impl Server {
                 "server config: data_dir is required".into(),
             ));
         }
-        let path = RedbBackend::path_in(&config.data_dir);
-        let backend = RedbBackend::open(&path)?;
-        // Beside the state it names (`<data_dir>/server/cluster-id`).
-        let cluster_id =
-            crate::cluster_id::load_or_create(path.parent().unwrap_or(&config.data_dir))?;
+        let (store, cluster_id) = open_store(&config)?;
         let cluster_layer = crate::ClusterIdLayer::new(&cluster_id)?;
-        let store = Arc::new(StateStore::open(Box::new(backend))?);
+        let store = Arc::new(store);
         // With enrollment on, nodes are not trusted to say which plugins
         // they run: only plugin allocs placed on them count.
         store.set_plugin_instances_need_allocs(config.node_enrollment);

@@ -40,10 +40,28 @@ pub enum StoreError {
     },
     #[error("this state store keeps no keyring")]
     NoKeyring,
+    /// etcd (the store of `server { store = "etcd" }`) failed or did not
+    /// answer.
+    #[error("{0}")]
+    Etcd(#[from] crate::etcd::EtcdError),
+    /// A conditional write found the store moved under it.
+    #[error("{0}")]
+    Conflict(String),
+    /// What the store holds cannot be right.
+    #[error("{0}")]
+    Corrupt(String),
     #[error("creating the state directory {path}: {source}")]
     Io {
         path: String,
         #[source]
         source: std::io::Error,
     },
+}
+
+impl StoreError {
+    /// Whether the store could not be reached (etcd down or without
+    /// quorum): a write may succeed when tried again later.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Etcd(e) if e.is_unavailable())
+    }
 }

@@ -21,6 +21,7 @@
 
 mod acl_tables;
 mod error;
+mod etcd_backend;
 mod indexes;
 mod record;
 mod redb_backend;
@@ -41,6 +42,7 @@ pub use acl_tables::{
     intro_key as acl_intro_key, policy_key as acl_policy_key, token_key as acl_token_key,
     AclBootstrap, AclRecord, AclTables,
 };
+pub use etcd_backend::EtcdBackend;
 pub use indexes::{Indexes, NodeUse};
 pub use record::{Record, RecordError, RecordStore, TableVisitor, WriteEffects};
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};

@@ -11,7 +11,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use berth_structs::{Allocation, CsiVolume, Job, Node};
+use berth_structs::{Allocation, CsiVolume, Job, Node, NodeSecret};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -362,6 +362,71 @@ pub(crate) fn decode_volume(
         None => {
             let clear = !volume.secrets.is_empty();
             Ok((volume, clear))
+        }
+    }
+}
+
+/// The name node secrets are sealed under (and the redb table they are
+/// kept in).
+pub(crate) const NODE_SECRETS_SEALED_NAME: &str = "node_secrets_sealed";
+
+/// No real store reaches this index: 2^53 writes take centuries at a
+/// million writes a second. A record or meta entry beyond it is corrupt,
+/// and trusting it would leave no room for the index of the next write.
+pub(crate) const MAX_SANE_INDEX: u64 = 1 << 53;
+
+/// A node secret's stored bytes.
+pub(crate) fn seal_node_secret(
+    node_id: &str,
+    secret: &NodeSecret,
+    keyring: &Keyring,
+) -> Result<Vec<u8>, StoreError> {
+    let record = record_aad(NODE_SECRETS_SEALED_NAME, node_id);
+    let sealed = keyring
+        .seal(secret.expose().as_bytes(), &record)
+        .map_err(|source| StoreError::Seal {
+            record: record.clone(),
+            source,
+        })?;
+    serde_json::to_vec(&sealed).map_err(|source| StoreError::Encode {
+        table: NODE_SECRETS_SEALED_NAME,
+        key: node_id.to_string(),
+        source,
+    })
+}
+
+pub(crate) fn open_node_secret(
+    node_id: &str,
+    bytes: &[u8],
+    keyring: &Keyring,
+) -> Result<NodeSecret, RecordError> {
+    let sealed: Sealed = serde_json::from_slice(bytes)?;
+    let plain = keyring.open_sealed(&sealed, &record_aad(NODE_SECRETS_SEALED_NAME, node_id))?;
+    let text =
+        String::from_utf8(plain).map_err(|_| berth_structs::NodeSecretError::NotPrintable)?;
+    Ok(NodeSecret::parse(&text)?)
+}
+
+/// Decodes a stored record of `R`'s table under `key`, opening its sealed
+/// parts; with whether it held secrets in the clear (schema 1). A record
+/// that does not decode, whose ID is not its key or whose index is beyond
+/// [`MAX_SANE_INDEX`] is reported and `None`: the backend quarantines it.
+pub(crate) fn decode_checked<R: Record>(
+    key: &str,
+    bytes: &[u8],
+    keyring: &Keyring,
+) -> Option<(R, bool)> {
+    match R::decode(key, bytes, keyring) {
+        Ok((r, clear)) if r.key() == key && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX) => {
+            Some((r, clear))
+        }
+        Ok((r, _)) => {
+            R::report_bad(key, Some(&r), None);
+            None
+        }
+        Err(e) => {
+            R::report_bad(key, None, Some(&e));
+            None
         }
     }
 }

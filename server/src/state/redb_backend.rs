@@ -21,10 +21,13 @@ use berth_structs::NodeSecret;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 
 use super::error::StoreError;
-use super::record::{decode_volume, encode_volume, record_aad, Record, RecordError};
+use super::record::{
+    decode_checked, decode_volume, encode_volume, open_node_secret, record_aad, seal_node_secret,
+    Record, MAX_SANE_INDEX, NODE_SECRETS_SEALED_NAME,
+};
 use super::{Backend, Change, RecordStore, Table, TableVisitor, Tables};
 use crate::file_modes;
-use crate::keyring::{KeyRotation, Keyring, Sealed, KEYRING_DIR};
+use crate::keyring::{KeyRotation, Keyring, KEYRING_DIR};
 
 /// The schema version this build writes. Bump it with a migration in
 /// [`RedbBackend::migrate`] when a stored shape changes incompatibly.
@@ -39,7 +42,6 @@ const NODE_SECRETS: TableDefinition<&str, &str> = TableDefinition::new("node_sec
 /// A JSON [`Sealed`] node secret by node ID.
 const NODE_SECRETS_SEALED: TableDefinition<&str, &[u8]> =
     TableDefinition::new(NODE_SECRETS_SEALED_NAME);
-const NODE_SECRETS_SEALED_NAME: &str = "node_secrets_sealed";
 const META_SCHEMA: &str = "schema_version";
 const META_INDEX: &str = "index";
 
@@ -193,47 +195,9 @@ impl RedbBackend {
     }
 }
 
-/// No real store reaches this index: 2^53 writes take centuries at a
-/// million writes a second. A record or meta entry beyond it is corrupt,
-/// and trusting it would leave no room for the index of the next write.
-pub(crate) const MAX_SANE_INDEX: u64 = 1 << 53;
-
-/// A node secret's stored bytes.
-fn seal_node_secret(
-    node_id: &str,
-    secret: &NodeSecret,
-    keyring: &Keyring,
-) -> Result<Vec<u8>, StoreError> {
-    let record = record_aad(NODE_SECRETS_SEALED_NAME, node_id);
-    let sealed = keyring
-        .seal(secret.expose().as_bytes(), &record)
-        .map_err(|source| StoreError::Seal {
-            record: record.clone(),
-            source,
-        })?;
-    serde_json::to_vec(&sealed).map_err(|source| StoreError::Encode {
-        table: NODE_SECRETS_SEALED_NAME,
-        key: node_id.to_string(),
-        source,
-    })
-}
-
-fn open_node_secret(
-    node_id: &str,
-    bytes: &[u8],
-    keyring: &Keyring,
-) -> Result<NodeSecret, RecordError> {
-    let sealed: Sealed = serde_json::from_slice(bytes)?;
-    let plain = keyring.open_sealed(&sealed, &record_aad(NODE_SECRETS_SEALED_NAME, node_id))?;
-    let text =
-        String::from_utf8(plain).map_err(|_| berth_structs::NodeSecretError::NotPrintable)?;
-    Ok(NodeSecret::parse(&text)?)
-}
-
-/// Decode every record of `table`; undecodable ones, ones whose key does
-/// not match their own and ones with an index beyond [`MAX_SANE_INDEX`]
-/// are reported and returned as bad. Each good record comes with whether
-/// it held secrets in the clear.
+/// Decode every record of `table`; bad ones (see [`decode_checked`]) are
+/// returned as bad. Each good record comes with whether it held secrets in
+/// the clear.
 fn decode_table<R: Record>(
     table: &redb::Table<&str, &[u8]>,
     keyring: &Keyring,
@@ -243,20 +207,9 @@ fn decode_table<R: Record>(
     for row in table.iter()? {
         let (k, v) = row?;
         let key = k.value().to_string();
-        match R::decode(&key, v.value(), keyring) {
-            Ok((r, clear))
-                if r.key() == key.as_str() && r.indexes().iter().all(|&i| i <= MAX_SANE_INDEX) =>
-            {
-                out.push((key, r, clear));
-            }
-            Ok((r, _)) => {
-                R::report_bad(&key, Some(&r), None);
-                bad.push((R::TABLE, key, v.value().to_vec()));
-            }
-            Err(e) => {
-                R::report_bad(&key, None, Some(&e));
-                bad.push((R::TABLE, key, v.value().to_vec()));
-            }
+        match decode_checked::<R>(&key, v.value(), keyring) {
+            Some((r, clear)) => out.push((key, r, clear)),
+            None => bad.push((R::TABLE, key, v.value().to_vec())),
         }
     }
     Ok(out)

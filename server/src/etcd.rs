@@ -1,0 +1,391 @@
+//! A client of etcd's v3 API, for the servers that keep their state there
+//! (`server { store = "etcd" }`): the calls the etcd store makes (ranges
+//! over a prefix, transactions), on the generated stubs of
+//! `berth_proto::etcd` over the same tonic as the agent protocol.
+//!
+//! The store calls it from a blocking write ([`crate::state::StateStore::write`]
+//! blocks its thread), so the client runs on a small runtime of its own and
+//! [`EtcdClient::block_on`] hands it a call and waits: that works from a
+//! runtime's worker (inside `block_in_place`), from a current-thread
+//! runtime's test and from a plain thread alike.
+
+use std::future::Future;
+use std::time::Duration;
+
+use berth_proto::etcd::etcdserverpb::{
+    compare, kv_client::KvClient, maintenance_client::MaintenanceClient, request_op, Compare,
+    DeleteRangeRequest, PutRequest, RangeRequest, StatusRequest, TxnResponse,
+};
+pub use berth_proto::etcd::etcdserverpb::{RequestOp, TxnRequest};
+use berth_proto::etcd::mvccpb::KeyValue;
+use tonic::transport::{Channel, Endpoint};
+
+/// How the servers reach etcd (`etcd { ... }` of the agent config).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// `http://HOST:PORT` of each member; calls go to any that answers.
+    pub endpoints: Vec<String>,
+    /// The key prefix all of berth's keys live under (`/berth`): one etcd
+    /// can hold several berth clusters under different prefixes.
+    pub prefix: String,
+    /// How long connecting to a member may take.
+    pub dial_timeout: Duration,
+    /// How long one call may take before it counts as etcd unavailable.
+    pub request_timeout: Duration,
+    /// The TTL of the leadership lease.
+    pub lease_ttl: Duration,
+}
+
+impl EtcdConfig {
+    pub const DEFAULT_PREFIX: &'static str = "/berth";
+
+    /// The defaults with these endpoints.
+    pub fn new(endpoints: Vec<String>) -> EtcdConfig {
+        EtcdConfig {
+            endpoints,
+            prefix: Self::DEFAULT_PREFIX.into(),
+            dial_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(10),
+            lease_ttl: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What went wrong talking to etcd.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum EtcdError {
+    /// No member answered in time, or the cluster has no quorum: the call
+    /// may be tried again later.
+    #[error("etcd is unavailable ({endpoints}): {detail}")]
+    Unavailable { endpoints: String, detail: String },
+    /// etcd answered and refused the call.
+    #[error("etcd refused the call: {0}")]
+    Refused(String),
+    /// An endpoint that is no URL etcd could be reached at.
+    #[error("etcd endpoint {endpoint:?}: {detail}")]
+    BadEndpoint { endpoint: String, detail: String },
+}
+
+impl EtcdError {
+    /// Whether trying again later may succeed.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, EtcdError::Unavailable { .. })
+    }
+}
+
+/// What the etcd servers say when a transaction exceeds their limits, and
+/// the flag that raises each.
+const LIMITS: [(&str, &str); 2] = [
+    ("too many operations in txn request", "--max-txn-ops"),
+    ("request is too large", "--max-request-bytes"),
+];
+
+/// The largest answer taken from etcd (a page of a range).
+const MAX_ANSWER_BYTES: usize = 256 * 1024 * 1024;
+
+/// Keys a range answers at most at once.
+const RANGE_PAGE: i64 = 500;
+
+/// A client of one etcd cluster.
+#[derive(Clone)]
+pub struct EtcdClient {
+    kv: KvClient<Channel>,
+    maintenance: MaintenanceClient<Channel>,
+    config: EtcdConfig,
+    /// The runtime the calls run on (see the module's doc).
+    rt: std::sync::Arc<ClientRuntime>,
+}
+
+/// A runtime that is shut down in the background when dropped, so that the
+/// client may be dropped inside another runtime.
+struct ClientRuntime(Option<tokio::runtime::Runtime>);
+
+impl Drop for ClientRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl EtcdClient {
+    /// A client of the members in `config.endpoints`. Connects lazily:
+    /// nothing is dialed until the first call.
+    pub fn new(config: EtcdConfig) -> Result<EtcdClient, EtcdError> {
+        if config.endpoints.is_empty() {
+            return Err(EtcdError::BadEndpoint {
+                endpoint: String::new(),
+                detail: "no endpoints: set etcd { endpoints = [\"http://HOST:2379\"] }".into(),
+            });
+        }
+        let endpoints = config
+            .endpoints
+            .iter()
+            .map(|e| endpoint(e, &config))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("berth-etcd")
+            .enable_all()
+            .build()
+            .map_err(|e| EtcdError::Refused(format!("starting the etcd client: {e}")))?;
+        let channel = {
+            let _in = rt.enter();
+            Channel::balance_list(endpoints.into_iter())
+        };
+        Ok(EtcdClient {
+            kv: KvClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
+            maintenance: MaintenanceClient::new(channel),
+            config,
+            rt: std::sync::Arc::new(ClientRuntime(Some(rt))),
+        })
+    }
+
+    pub fn config(&self) -> &EtcdConfig {
+        &self.config
+    }
+
+    /// `key` under the configured prefix.
+    pub fn key(&self, key: &str) -> Vec<u8> {
+        format!("{}/{key}", self.config.prefix.trim_end_matches('/')).into_bytes()
+    }
+
+    /// The prefix every key of berth's starts with (`<prefix>/`).
+    pub fn prefix(&self) -> Vec<u8> {
+        self.key("")
+    }
+
+    /// Run `call` on the client's runtime and wait for it, from any
+    /// thread (see the module's doc). A call that takes longer than the
+    /// request timeout is etcd unavailable.
+    pub fn block_on<T: Send + 'static>(
+        &self,
+        call: impl Future<Output = Result<T, EtcdError>> + Send + 'static,
+    ) -> Result<T, EtcdError> {
+        let timeout = self.config.request_timeout;
+        let unavailable = self.unavailable(format!(
+            "no answer within the request timeout of {}",
+            humantime::format_duration(timeout)
+        ));
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let Some(rt) = self.rt.0.as_ref() else {
+            return Err(unavailable);
+        };
+        rt.spawn(async move {
+            let answer = tokio::time::timeout(timeout, call).await;
+            let _ = tx.send(answer);
+        });
+        match rx.recv() {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) | Err(_) => Err(unavailable),
+        }
+    }
+
+    fn unavailable(&self, detail: String) -> EtcdError {
+        EtcdError::Unavailable {
+            endpoints: self.config.endpoints.join(", "),
+            detail,
+        }
+    }
+
+    /// The error a failed call stands for.
+    fn status_error(&self, status: tonic::Status) -> EtcdError {
+        use tonic::Code;
+        let message = status.message().to_string();
+        if let Some((_, flag)) = LIMITS.iter().find(|(m, _)| message.contains(m)) {
+            return EtcdError::Refused(format!(
+                "{message}: berth writes a change of many records in one transaction; \
+                 start the etcd members with a larger {flag}"
+            ));
+        }
+        match status.code() {
+            Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unknown => {
+                let detail = if message.is_empty() {
+                    format!("{:?}", status.code())
+                } else {
+                    message
+                };
+                self.unavailable(detail)
+            }
+            _ => EtcdError::Refused(message),
+        }
+    }
+
+    /// Every key under `prefix` (a byte prefix), read at one revision, in
+    /// key order; and that revision. Read in pages, so that a large store
+    /// is no single huge answer.
+    pub async fn range_prefix(&self, prefix: &[u8]) -> Result<(Vec<KeyValue>, i64), EtcdError> {
+        let end = prefix_end(prefix);
+        let mut kv = self.kv.clone();
+        let mut out = Vec::new();
+        let mut from = prefix.to_vec();
+        let mut revision = 0;
+        loop {
+            let answer = kv
+                .range(RangeRequest {
+                    key: from.clone(),
+                    range_end: end.clone(),
+                    limit: RANGE_PAGE,
+                    revision,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|s| self.status_error(s))?
+                .into_inner();
+            if revision == 0 {
+                revision = answer.header.map_or(0, |h| h.revision);
+            }
+            let more = answer.more;
+            let Some(last) = answer.kvs.last().map(|kv| kv.key.clone()) else {
+                break;
+            };
+            out.extend(answer.kvs);
+            if !more {
+                break;
+            }
+            // The next page starts just after the last key.
+            from = last;
+            from.push(0);
+        }
+        Ok((out, revision))
+    }
+
+    /// The value of one key and its modify revision, if it is there.
+    pub async fn get(&self, key: Vec<u8>) -> Result<Option<KeyValue>, EtcdError> {
+        let answer = self
+            .kv
+            .clone()
+            .range(RangeRequest {
+                key,
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| self.status_error(s))?
+            .into_inner();
+        Ok(answer.kvs.into_iter().next())
+    }
+
+    /// One transaction.
+    pub async fn txn(&self, txn: TxnRequest) -> Result<TxnResponse, EtcdError> {
+        Ok(self
+            .kv
+            .clone()
+            .txn(txn)
+            .await
+            .map_err(|s| self.status_error(s))?
+            .into_inner())
+    }
+
+    /// The version of the member that answers (a check that etcd is
+    /// there).
+    pub async fn version(&self) -> Result<String, EtcdError> {
+        let answer = self
+            .maintenance
+            .clone()
+            .status(StatusRequest {})
+            .await
+            .map_err(|s| self.status_error(s))?
+            .into_inner();
+        Ok(answer.version)
+    }
+}
+
+fn endpoint(url: &str, config: &EtcdConfig) -> Result<Endpoint, EtcdError> {
+    let bad = |detail: String| EtcdError::BadEndpoint {
+        endpoint: url.to_string(),
+        detail,
+    };
+    if !url.starts_with("http://") {
+        return Err(bad(
+            "want http://HOST:PORT (TLS to etcd is not supported yet)".into(),
+        ));
+    }
+    Ok(Endpoint::from_shared(url.to_string())
+        .map_err(|e| bad(e.to_string()))?
+        .connect_timeout(config.dial_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(5))
+        .keep_alive_timeout(config.dial_timeout)
+        .keep_alive_while_idle(true))
+}
+
+/// The end of the range of keys that start with `prefix` (etcd's
+/// `range_end`): the prefix with its last byte that is not 0xff bumped.
+pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // All 0xff (or empty): every key from the prefix on.
+    vec![0]
+}
+
+/// A put of `value` under `key`.
+pub fn put(key: Vec<u8>, value: Vec<u8>) -> RequestOp {
+    RequestOp {
+        request: Some(request_op::Request::RequestPut(PutRequest {
+            key,
+            value,
+            ..Default::default()
+        })),
+    }
+}
+
+/// A delete of `key`.
+pub fn delete(key: Vec<u8>) -> RequestOp {
+    RequestOp {
+        request: Some(request_op::Request::RequestDeleteRange(
+            DeleteRangeRequest {
+                key,
+                ..Default::default()
+            },
+        )),
+    }
+}
+
+/// The compare that holds while `key` was last modified at `revision` (0:
+/// while it is not there).
+pub fn mod_revision_is(key: Vec<u8>, revision: i64) -> Compare {
+    Compare {
+        result: compare::CompareResult::Equal as i32,
+        target: compare::CompareTarget::Mod as i32,
+        key,
+        target_union: Some(compare::TargetUnion::ModRevision(revision)),
+        range_end: Vec::new(),
+    }
+}
+
+/// The compare that holds while `key` is not there.
+pub fn absent(key: Vec<u8>) -> Compare {
+    Compare {
+        result: compare::CompareResult::Equal as i32,
+        target: compare::CompareTarget::Create as i32,
+        key,
+        target_union: Some(compare::TargetUnion::CreateRevision(0)),
+        range_end: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefix_ends_at_its_last_byte_bumped() {
+        assert_eq!(prefix_end(b"/berth/"), b"/berth0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+    }
+
+    #[test]
+    fn an_endpoint_that_is_no_http_url_is_refused_by_name() {
+        let e = EtcdClient::new(EtcdConfig::new(vec!["10.0.0.1:2379".into()]))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("\"10.0.0.1:2379\""), "{e}");
+        assert!(EtcdClient::new(EtcdConfig::new(vec![])).is_err());
+    }
+}

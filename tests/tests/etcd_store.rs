@@ -1,0 +1,104 @@
+//! A server with `server { store = "etcd" }` against a real etcd member:
+//! its state lives in etcd, not in its data dir, and survives the server's
+//! restart; while etcd is down its writes fail with a retryable 503 that
+//! names etcd, its reads still answer, and it goes on when etcd is back.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use berth_tests::cluster::{Client, Server};
+use berth_tests::{cli_at, http_at, sleeping_service_job, wait_for};
+use berth_testutil::etcd::Etcd;
+
+fn etcd_block(etcd: &Etcd) -> String {
+    format!(
+        "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/it\"\n  request_timeout = \"2s\"\n}}",
+        etcd.endpoint()
+    )
+}
+
+fn running_alloc(server: &Server, job: &str) -> Result<Option<String>> {
+    Ok(server
+        .allocs(job)?
+        .into_iter()
+        .find(|a| a["client_status"] == "running")
+        .and_then(|a| a["id"].as_str().map(String::from)))
+}
+
+#[test]
+fn a_server_on_etcd_keeps_its_state_there_across_a_restart() -> Result<()> {
+    let etcd = Etcd::start();
+    let mut server = Server::start_with("store = \"etcd\"", &etcd_block(&etcd))?;
+    let client = Client::start(&server, "n1", false, "")?;
+    server
+        .wait_nodes_ready(&["n1"])
+        .with_context(|| client.agent.log())?;
+    server.run_job("sleepy-etcd", &sleeping_service_job("sleepy-etcd", 1, 1))?;
+    let alloc = wait_for("the alloc running", Duration::from_secs(30), || {
+        running_alloc(&server, "sleepy-etcd")
+    })
+    .with_context(|| server.agent.log())?;
+
+    // Nothing of the state is in the server's data dir.
+    let redb = server.agent.data_path().join("server").join("state.redb");
+    assert!(!redb.exists(), "{} was made", redb.display());
+
+    server.agent.kill()?;
+    server.agent.start_again()?;
+    server.wait_serving()?;
+    assert!(server.agent.log().contains("loaded server state from etcd"));
+    // The job, its alloc and the node are as they were: the alloc runs
+    // on, reported by its client.
+    server
+        .wait_nodes_ready(&["n1"])
+        .with_context(|| client.agent.log())?;
+    let after = wait_for("the alloc running again", Duration::from_secs(30), || {
+        running_alloc(&server, "sleepy-etcd")
+    })?;
+    assert_eq!(after, alloc, "the alloc was replaced");
+    Ok(())
+}
+
+#[test]
+fn with_etcd_down_writes_answer_503_and_reads_go_on() -> Result<()> {
+    let mut etcd = Etcd::start();
+    let server = Server::start_with("store = \"etcd\"", &etcd_block(&etcd))?;
+    server.run_job("first-etcd", &sleeping_service_job("first-etcd", 0, 1))?;
+
+    etcd.kill();
+    let stop = http_at(
+        server.http_port,
+        "DELETE /v1/job/first-etcd HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    )?;
+    assert_eq!(stop.status, 503, "{}", stop.text());
+    assert!(
+        stop.text().contains("etcd is unavailable"),
+        "{}",
+        stop.text()
+    );
+    let dir = tempfile::tempdir()?;
+    let spec = dir.path().join("second.hcl");
+    std::fs::write(&spec, sleeping_service_job("second-etcd", 0, 1))?;
+    let run = cli_at(
+        &server.addr(),
+        &["job", "run", "-detach", spec.to_str().context("path")?],
+    )?;
+    assert!(!run.status.success(), "job run succeeded with etcd down");
+    let said = String::from_utf8_lossy(&run.stderr);
+    assert!(said.contains("etcd is unavailable"), "{said}");
+    // Reads answer from the server's tables.
+    let job = server.get("/v1/job/first-etcd")?;
+    assert_eq!(job["id"], "first-etcd");
+
+    etcd.restart();
+    wait_for("writes to go on", Duration::from_secs(30), || {
+        let run = cli_at(
+            &server.addr(),
+            &["job", "run", "-detach", spec.to_str().context("path")?],
+        )?;
+        Ok(run.status.success().then_some(()))
+    })
+    .with_context(|| server.agent.log())?;
+    assert_eq!(server.get("/v1/job/second-etcd")?["id"], "second-etcd");
+    Ok(())
+}

@@ -1,0 +1,147 @@
+//! Real etcd members for the tests of the etcd store: the `etcd` binary
+//! (Debian's `etcd-server`, which CI installs) started on free loopback
+//! ports with its data in a temp dir, and killed when dropped.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// One etcd member, a cluster of its own.
+pub struct Etcd {
+    child: Option<Child>,
+    dir: tempfile::TempDir,
+    client_port: u16,
+    peer_port: u16,
+}
+
+/// The etcd binary: `$BERTH_TEST_ETCD`, or `etcd` on the `PATH`.
+pub fn etcd_binary() -> PathBuf {
+    std::env::var_os("BERTH_TEST_ETCD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("etcd"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+impl Etcd {
+    /// Starts a one-member cluster and waits until it answers.
+    pub fn start() -> Etcd {
+        let mut etcd = Etcd {
+            child: None,
+            dir: tempfile::tempdir().expect("etcd temp dir"),
+            client_port: free_port(),
+            peer_port: free_port(),
+        };
+        etcd.run();
+        etcd
+    }
+
+    /// `http://127.0.0.1:PORT`, what the servers are given.
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.client_port)
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn run(&mut self) {
+        let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let log = std::fs::File::create(self.dir.path().join("etcd.log")).expect("etcd log");
+        let child = Command::new(etcd_binary())
+            .arg("--name=m0")
+            .arg(format!(
+                "--data-dir={}",
+                self.dir.path().join("data").display()
+            ))
+            .arg(format!("--listen-client-urls={}", self.endpoint()))
+            .arg(format!("--advertise-client-urls={}", self.endpoint()))
+            .arg(format!("--listen-peer-urls={peer}"))
+            .arg(format!("--initial-advertise-peer-urls={peer}"))
+            .arg(format!("--initial-cluster=m0={peer}"))
+            .arg("--max-txn-ops=10000")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "starting {} (install Debian's etcd-server): {e}",
+                    etcd_binary().display()
+                )
+            });
+        self.child = Some(child);
+        self.wait_until_ready();
+    }
+
+    /// Waits until the member serves its health endpoint.
+    fn wait_until_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = format!("127.0.0.1:{}", self.client_port);
+        loop {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("etcd exited with {status}: {}", self.log());
+            }
+            if health_ok(&addr) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not become healthy in 30s: {}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// What the member logged.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
+    }
+
+    /// Kills the member (SIGKILL); its data stays for [`Etcd::restart`].
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the member again on its data and ports.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.run();
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Whether `GET /health` on `addr` answers `"health":"true"`.
+fn health_ok(addr: &str) -> bool {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(addr) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let request = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).is_err() {
+        return false;
+    }
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    answer.contains("\"health\":\"true\"")
+}
