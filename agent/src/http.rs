@@ -93,6 +93,11 @@ pub fn server_routes() -> Routes<Arc<Server>> {
         .get("/v1/agent/health", Need::Public, || async {
             Json(json!({"ok": true}))
         })
+        .get(
+            "/v1/status/leader",
+            Need::Public,
+            leader_gate::status_leader,
+        )
         .get("/v1/jobs", ns(Capability::ListJobs), list_jobs)
         .put("/v1/jobs", ns(Capability::SubmitJob), register_job)
         .get("/v1/job/{id}", ns(Capability::ReadJob), get_job)
@@ -239,6 +244,7 @@ pub fn router(server: Arc<Server>) -> Router {
     // answer as it leaves, with the `Allow` header of a 405 already set.
     // The node-local routes of an alloc go to the alloc's node.
     let acl_enabled = server.acl_enabled();
+    let leader_gate_server = server.clone();
     let gate = acl::AclGate::new(
         &routes::all_routes(),
         acl::UnknownPaths::Deny,
@@ -257,7 +263,13 @@ pub fn router(server: Arc<Server>) -> Router {
     } else {
         router
     };
+    // A server that does not lead answers nothing but its health and who
+    // leads, before any token is looked at.
     router
+        .layer(axum::middleware::from_fn_with_state(
+            leader_gate_server,
+            leader_gate::only_the_leader,
+        ))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
         .layer(axum::middleware::from_fn(one_error_shape))
 }
@@ -765,6 +777,7 @@ pub mod client_forward;
 pub mod errors;
 pub mod forward;
 pub mod host_check;
+mod leader_gate;
 pub mod limits;
 pub mod listener;
 pub mod openapi;

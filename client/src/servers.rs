@@ -352,6 +352,12 @@ impl Service<http::Request<Body>> for ServerChannels {
                     );
                     this.failover_from(i);
                 }
+                Ok(resp) if refused_as_unavailable(resp) => {
+                    // A server that does not lead (or cannot reach the
+                    // store) sends the node on to the next.
+                    tracing::debug!(server = %this.inner.addrs[i], "the server answered UNAVAILABLE at once; trying the next");
+                    this.failover_from(i);
+                }
                 Ok(resp) => {
                     if let Some(named) = resp.headers().get(CLUSTER_ID_HEADER) {
                         if !this.inner.cluster.accepts(named) {
@@ -375,6 +381,14 @@ impl Service<http::Request<Body>> for ServerChannels {
             result
         })
     }
+}
+
+/// Whether `resp` is a gRPC answer of only headers with the status
+/// `UNAVAILABLE`: a server refusing at the door, before any service ran.
+fn refused_as_unavailable(resp: &http::Response<Body>) -> bool {
+    resp.headers()
+        .get("grpc-status")
+        .is_some_and(|s| s.as_bytes() == b"14")
 }
 
 /// The answer the client makes of a server of another cluster's: gRPC

@@ -15,6 +15,7 @@ use berth_proto::berth::v1::CLUSTER_ID_HEADER;
 use tonic::codegen::http::{HeaderValue, Request, Response};
 
 use crate::error::ServerError;
+use crate::leader::{Role, ServerIdentity};
 
 /// The file under the server's data dir that holds the cluster ID.
 const FILE: &str = "cluster-id";
@@ -64,18 +65,27 @@ pub(crate) fn load_or_create(data_dir: &Path) -> Result<String, ServerError> {
 }
 
 /// A layer for the agent protocol's server: it names the cluster on every
-/// response, and answers a request that names another cluster with
-/// `FAILED_PRECONDITION` before any service sees it.
+/// response, answers a request that names another cluster with
+/// `FAILED_PRECONDITION` before any service sees it, and sends clients on
+/// with `UNAVAILABLE` from a server that does not lead (only the leader
+/// takes heartbeats and writes; see `crate::leader`).
 #[derive(Debug, Clone)]
 pub struct ClusterIdLayer {
     id: HeaderValue,
+    role: Option<tokio::sync::watch::Receiver<Role>>,
 }
 
 impl ClusterIdLayer {
     pub fn new(cluster_id: &str) -> Result<ClusterIdLayer, ServerError> {
         let id = HeaderValue::from_str(cluster_id)
             .map_err(|e| ServerError::Internal(format!("cluster ID {cluster_id:?}: {e}")))?;
-        Ok(ClusterIdLayer { id })
+        Ok(ClusterIdLayer { id, role: None })
+    }
+
+    /// Refuses every request while `role` is not the leader's.
+    pub fn leader_only(mut self, role: tokio::sync::watch::Receiver<Role>) -> ClusterIdLayer {
+        self.role = Some(role);
+        self
     }
 }
 
@@ -86,6 +96,7 @@ impl<S> tower::Layer<S> for ClusterIdLayer {
         ClusterIdService {
             inner,
             id: self.id.clone(),
+            role: self.role.clone(),
         }
     }
 }
@@ -95,6 +106,7 @@ impl<S> tower::Layer<S> for ClusterIdLayer {
 pub struct ClusterIdService<S> {
     inner: S,
     id: HeaderValue,
+    role: Option<tokio::sync::watch::Receiver<Role>>,
 }
 
 impl<S, B, RB> tower::Service<Request<B>> for ClusterIdService<S>
@@ -122,8 +134,13 @@ where
                     id.to_str().unwrap_or_default(),
                     theirs.to_str().unwrap_or("(not text)")
                 );
-                return Box::pin(async move { Ok(refusal(&id, &message)) });
+                let refused = tonic::Status::failed_precondition(message);
+                return Box::pin(async move { Ok(refusal(&id, refused)) });
             }
+        }
+        if let Some(Role::Standby { leader }) = self.role.as_ref().map(|r| r.borrow().clone()) {
+            let refused = tonic::Status::unavailable(not_the_leader(leader.as_ref()));
+            return Box::pin(async move { Ok(refusal(&id, refused)) });
         }
         let answer = self.inner.call(req);
         Box::pin(async move {
@@ -134,10 +151,23 @@ where
     }
 }
 
-/// A gRPC answer of only headers: `FAILED_PRECONDITION` with `message`,
-/// naming this server's cluster.
-fn refusal<RB: Default>(id: &HeaderValue, message: &str) -> Response<RB> {
-    let mut resp = tonic::Status::failed_precondition(message).into_http::<RB>();
+/// Why a server that does not lead refuses a request, naming the leader
+/// when it knows it.
+pub fn not_the_leader(leader: Option<&ServerIdentity>) -> String {
+    match leader {
+        Some(l) => format!(
+            "this server does not lead: the leader is {} (agent protocol {}, HTTP API {})",
+            l.name, l.rpc_addr, l.http_addr
+        ),
+        None => "no server leads right now: the servers are electing one, or cannot reach \
+                 etcd; try again"
+            .into(),
+    }
+}
+
+/// A gRPC answer of only headers: `status`, naming this server's cluster.
+fn refusal<RB: Default>(id: &HeaderValue, status: tonic::Status) -> Response<RB> {
+    let mut resp = status.into_http::<RB>();
     resp.headers_mut().insert(CLUSTER_ID_HEADER, id.clone());
     resp
 }

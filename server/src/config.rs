@@ -63,6 +63,9 @@ pub struct ServerConfig {
     pub scheduler_plans_in_writer: bool,
     /// Where the state is kept.
     pub store: StoreConfig,
+    /// How this server names itself to the others (in the leader key) and
+    /// to clients sent to the leader.
+    pub identity: crate::leader::ServerIdentity,
 }
 
 /// Where the servers keep their state.
@@ -106,6 +109,7 @@ impl ServerConfig {
             register_rate: Some(crate::RegisterRate::default()),
             scheduler_plans_in_writer: true,
             store: StoreConfig::Embedded,
+            identity: Default::default(),
         }
     }
 }

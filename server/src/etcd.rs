@@ -13,8 +13,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use berth_proto::etcd::etcdserverpb::{
-    compare, kv_client::KvClient, maintenance_client::MaintenanceClient, request_op, Compare,
-    DeleteRangeRequest, PutRequest, RangeRequest, StatusRequest, TxnResponse,
+    compare, kv_client::KvClient, lease_client::LeaseClient, maintenance_client::MaintenanceClient,
+    request_op, response_op, Compare, DeleteRangeRequest, LeaseGrantRequest, LeaseKeepAliveRequest,
+    LeaseRevokeRequest, PutRequest, RangeRequest, StatusRequest, TxnResponse,
 };
 pub use berth_proto::etcd::etcdserverpb::{RequestOp, TxnRequest};
 use berth_proto::etcd::mvccpb::KeyValue;
@@ -90,6 +91,7 @@ const RANGE_PAGE: i64 = 500;
 #[derive(Clone)]
 pub struct EtcdClient {
     kv: KvClient<Channel>,
+    lease: LeaseClient<Channel>,
     maintenance: MaintenanceClient<Channel>,
     config: EtcdConfig,
     /// The runtime the calls run on (see the module's doc).
@@ -135,6 +137,7 @@ impl EtcdClient {
         };
         Ok(EtcdClient {
             kv: KvClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
+            lease: LeaseClient::new(channel.clone()),
             maintenance: MaintenanceClient::new(channel),
             config,
             rt: std::sync::Arc::new(ClientRuntime(Some(rt))),
@@ -178,6 +181,14 @@ impl EtcdClient {
         match rx.recv() {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) | Err(_) => Err(unavailable),
+        }
+    }
+
+    /// Runs `task` on the client's runtime, which no blocking write of
+    /// the store can hold up (the leadership lease is kept alive there).
+    pub fn spawn(&self, task: impl Future<Output = ()> + Send + 'static) {
+        if let Some(rt) = self.rt.0.as_ref() {
+            rt.spawn(task);
         }
     }
 
@@ -276,6 +287,52 @@ impl EtcdClient {
             .into_inner())
     }
 
+    /// A lease of `ttl` (whole seconds, at least one).
+    pub async fn lease_grant(&self, ttl: Duration) -> Result<i64, EtcdError> {
+        let seconds = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
+        let answer = self
+            .lease
+            .clone()
+            .lease_grant(LeaseGrantRequest {
+                ttl: seconds,
+                id: 0,
+            })
+            .await
+            .map_err(|s| self.status_error(s))?
+            .into_inner();
+        if !answer.error.is_empty() {
+            return Err(EtcdError::Refused(answer.error));
+        }
+        Ok(answer.id)
+    }
+
+    /// Keeps lease `id` alive once; the TTL it has left (0: it expired).
+    pub async fn lease_keep_alive(&self, id: i64) -> Result<i64, EtcdError> {
+        let request = tokio_stream::once(LeaseKeepAliveRequest { id });
+        let mut answers = self
+            .lease
+            .clone()
+            .lease_keep_alive(request)
+            .await
+            .map_err(|s| self.status_error(s))?
+            .into_inner();
+        match answers.message().await {
+            Ok(Some(answer)) => Ok(answer.ttl),
+            Ok(None) => Err(self.unavailable("the keep-alive stream ended".into())),
+            Err(s) => Err(self.status_error(s)),
+        }
+    }
+
+    /// Revokes lease `id`: the keys bound to it go at once.
+    pub async fn lease_revoke(&self, id: i64) -> Result<(), EtcdError> {
+        self.lease
+            .clone()
+            .lease_revoke(LeaseRevokeRequest { id })
+            .await
+            .map_err(|s| self.status_error(s))?;
+        Ok(())
+    }
+
     /// The version of the member that answers (a check that etcd is
     /// there).
     pub async fn version(&self) -> Result<String, EtcdError> {
@@ -334,6 +391,36 @@ pub fn put(key: Vec<u8>, value: Vec<u8>) -> RequestOp {
     }
 }
 
+/// A put of `value` under `key`, bound to lease `lease`.
+pub fn put_leased(key: Vec<u8>, value: Vec<u8>, lease: i64) -> RequestOp {
+    RequestOp {
+        request: Some(request_op::Request::RequestPut(PutRequest {
+            key,
+            value,
+            lease,
+            ..Default::default()
+        })),
+    }
+}
+
+/// A read of `key`.
+pub fn get(key: Vec<u8>) -> RequestOp {
+    RequestOp {
+        request: Some(request_op::Request::RequestRange(RangeRequest {
+            key,
+            ..Default::default()
+        })),
+    }
+}
+
+/// The key a transaction's `get` op read, from its answer.
+pub fn got(answer: &TxnResponse) -> Option<&KeyValue> {
+    answer.responses.iter().find_map(|r| match &r.response {
+        Some(response_op::Response::ResponseRange(range)) => range.kvs.first(),
+        _ => None,
+    })
+}
+
 /// A delete of `key`.
 pub fn delete(key: Vec<u8>) -> RequestOp {
     RequestOp {
@@ -354,6 +441,17 @@ pub fn mod_revision_is(key: Vec<u8>, revision: i64) -> Compare {
         target: compare::CompareTarget::Mod as i32,
         key,
         target_union: Some(compare::TargetUnion::ModRevision(revision)),
+        range_end: Vec::new(),
+    }
+}
+
+/// The compare that holds while `key` is the one created at `revision`.
+pub fn created_at(key: Vec<u8>, revision: i64) -> Compare {
+    Compare {
+        result: compare::CompareResult::Equal as i32,
+        target: compare::CompareTarget::Create as i32,
+        key,
+        target_union: Some(compare::TargetUnion::CreateRevision(revision)),
         range_end: Vec::new(),
     }
 }

@@ -22,6 +22,7 @@ pub mod etcd;
 pub mod file_modes;
 mod gc;
 pub mod keyring;
+pub mod leader;
 mod liveness;
 mod partial_budget;
 mod plugins;

@@ -68,7 +68,10 @@ impl Server {
     pub fn wait_serving(&mut self) -> Result<()> {
         wait_for("the server's HTTP API", Duration::from_secs(30), || {
             self.agent.check_running()?;
-            Ok(api_get_at(self.http_port, "/v1/nodes").ok().map(|_| ()))
+            // Health, which a server that does not lead answers too.
+            Ok(api_get_at(self.http_port, "/v1/agent/health")
+                .ok()
+                .map(|_| ()))
         })
     }
 

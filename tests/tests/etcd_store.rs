@@ -1,7 +1,8 @@
 //! A server with `server { store = "etcd" }` against a real etcd member:
 //! its state lives in etcd, not in its data dir, and survives the server's
-//! restart; while etcd is down its writes fail with a retryable 503 that
-//! names etcd, its reads still answer, and it goes on when etcd is back.
+//! restart; while etcd is down it gives up leading, its writes fail with a
+//! retryable 503, its reads still answer, and it leads again and goes on
+//! when etcd is back.
 
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use berth_testutil::etcd::Etcd;
 
 fn etcd_block(etcd: &Etcd) -> String {
     format!(
-        "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/it\"\n  request_timeout = \"2s\"\n}}",
+        "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/it\"\n  request_timeout = \"2s\"\n  lease_ttl = \"3s\"\n}}",
         etcd.endpoint()
     )
 }
@@ -60,22 +61,25 @@ fn a_server_on_etcd_keeps_its_state_there_across_a_restart() -> Result<()> {
 }
 
 #[test]
-fn with_etcd_down_writes_answer_503_and_reads_go_on() -> Result<()> {
+fn with_etcd_down_the_server_stops_leading_refuses_writes_and_answers_reads() -> Result<()> {
     let mut etcd = Etcd::start();
     let server = Server::start_with("store = \"etcd\"", &etcd_block(&etcd))?;
     server.run_job("first-etcd", &sleeping_service_job("first-etcd", 0, 1))?;
 
     etcd.kill();
+    // The server cannot keep its leadership without etcd: it gives it up,
+    // and no server leads.
+    wait_for(
+        "the server to give up leading",
+        Duration::from_secs(10),
+        || Ok((server.get("/v1/status/leader")? == "").then_some(())),
+    )?;
     let stop = http_at(
         server.http_port,
         "DELETE /v1/job/first-etcd HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
     )?;
     assert_eq!(stop.status, 503, "{}", stop.text());
-    assert!(
-        stop.text().contains("etcd is unavailable"),
-        "{}",
-        stop.text()
-    );
+    assert!(stop.text().contains("no server leads"), "{}", stop.text());
     let dir = tempfile::tempdir()?;
     let spec = dir.path().join("second.hcl");
     std::fs::write(&spec, sleeping_service_job("second-etcd", 0, 1))?;
@@ -85,8 +89,9 @@ fn with_etcd_down_writes_answer_503_and_reads_go_on() -> Result<()> {
     )?;
     assert!(!run.status.success(), "job run succeeded with etcd down");
     let said = String::from_utf8_lossy(&run.stderr);
-    assert!(said.contains("etcd is unavailable"), "{said}");
-    // Reads answer from the server's tables.
+    assert!(said.contains("cannot reach etcd"), "{said}");
+    // Reads answer from the server's tables: nothing moves them while no
+    // server leads.
     let job = server.get("/v1/job/first-etcd")?;
     assert_eq!(job["id"], "first-etcd");
 

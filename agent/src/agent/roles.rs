@@ -21,9 +21,6 @@ pub(super) async fn start_server(
     tasks: &mut tokio::task::JoinSet<Result<()>>,
     info: &std::sync::Arc<crate::http::agent_api::AgentInfo>,
 ) -> Result<(SocketAddr, std::sync::Arc<Server>)> {
-    let server =
-        Server::open(server_config(config, data_dir)).context("opening the server state")?;
-
     let rpc_listener = tokio::net::TcpListener::bind(config.rpc_addr)
         .await
         .with_context(|| format!("binding the agent protocol to {}", config.rpc_addr))?;
@@ -31,9 +28,18 @@ pub(super) async fn start_server(
     let http_listener = tokio::net::TcpListener::bind(config.http_addr)
         .await
         .with_context(|| format!("binding the HTTP API to {}", config.http_addr))?;
-    tracing::info!(rpc_addr = %rpc_addr, http_addr = %http_listener.local_addr()?, "agent starting");
+    let http_addr = http_listener.local_addr()?;
+    tracing::info!(rpc_addr = %rpc_addr, http_addr = %http_addr, "agent starting");
     let _ = info.rpc_addr.set(rpc_addr);
-    let _ = info.http_addr.set(http_listener.local_addr()?);
+    let _ = info.http_addr.set(http_addr);
+    let mut server_config = server_config(config, data_dir);
+    server_config.identity = berth_server::leader::ServerIdentity {
+        name: config.node_name.clone().unwrap_or_else(host_name),
+        rpc_addr: rpc_addr.to_string(),
+        http_addr: http_addr.to_string(),
+    };
+    // Opening waits for etcd when the state is kept there.
+    let server = Server::open(server_config).context("opening the server state")?;
 
     {
         let server = server.clone();
@@ -55,6 +61,14 @@ pub(super) async fn start_server(
         });
     }
     Ok((loopback_dial(rpc_addr), server))
+}
+
+/// This machine's host name, which names a server without `name`.
+fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "berth-server".to_string())
 }
 
 /// The server role's configuration from the agent's.

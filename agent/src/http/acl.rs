@@ -410,6 +410,7 @@ mod tests {
             [
                 "GET /v1/openapi.json",
                 "GET /v1/agent/health",
+                "GET /v1/status/leader",
                 "POST /v1/acl/bootstrap",
             ]
         );

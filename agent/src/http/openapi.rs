@@ -226,6 +226,12 @@ fn operations() -> Vec<Op> {
         // The server API.
         op("get", "/v1/agent/health", "Whether the server answers")
             .answers(object(json!({ "ok": { "type": "boolean" } }), &["ok"])),
+        op(
+            "get",
+            "/v1/status/leader",
+            "The leader's agent protocol address (HOST:PORT), empty while none is elected",
+        )
+        .answers(json!({ "type": "string" })),
         op("get", "/v1/jobs", "The jobs").list_of("Job"),
         op("put", "/v1/jobs", "Register (submit or update) a job and place its allocs")
             .body(object(

@@ -315,7 +315,10 @@ async fn every_read_of_the_server_api_answers_its_index_and_blocks() {
             r.method == Method::GET
                 && !matches!(
                     r.path,
-                    "/v1/agent/health" | "/v1/volumes/snapshot" | "/v1/node/intros"
+                    "/v1/agent/health"
+                        | "/v1/status/leader"
+                        | "/v1/volumes/snapshot"
+                        | "/v1/node/intros"
                 )
                 && !r.path.starts_with("/v1/acl/")
         })

@@ -36,6 +36,9 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
 use berth_structs::{Allocation, Job, Node};
 
 use crate::calls::CallRegistry;
@@ -44,6 +47,7 @@ use crate::csi::{ReleaseClaim, ReleaseOrigin, VolumeLocks, VolumeWatcher};
 use crate::drainer::Drainer;
 use crate::error::ServerError;
 use crate::gc::{Gc, GcConfig, GcReport};
+use crate::leader::{Election, Fence, Role};
 use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
 use crate::state::{EtcdBackend, QuarantinedRecord, RedbBackend, StateStore, Table};
 
@@ -82,10 +86,20 @@ pub struct Server {
     /// the layer that names it on the agent protocol.
     cluster_id: String,
     cluster_layer: crate::ClusterIdLayer,
+    /// The election among the servers that share etcd; `None` for the
+    /// embedded store's one server, which always leads.
+    election: Option<Arc<Election>>,
+    /// What this server is now (see [`crate::leader`]).
+    role: watch::Receiver<Role>,
+    /// Keeps `role` open for the embedded store's server.
+    _embedded_role: Option<watch::Sender<Role>>,
 }
 
-/// The state store `config.store` names, loaded, and the cluster ID.
-fn open_store(config: &ServerConfig) -> Result<(StateStore, String), ServerError> {
+/// The state store `config.store` names, loaded; the cluster ID; and the
+/// election, for servers that share etcd.
+fn open_store(
+    config: &ServerConfig,
+) -> Result<(StateStore, String, Option<Arc<Election>>), ServerError> {
     let state_dir = RedbBackend::path_in(&config.data_dir)
         .parent()
         .map_or_else(|| config.data_dir.clone(), Path::to_path_buf);
@@ -94,15 +108,21 @@ fn open_store(config: &ServerConfig) -> Result<(StateStore, String), ServerError
             let backend = RedbBackend::open(&RedbBackend::path_in(&config.data_dir))?;
             // Beside the state it names (`<data_dir>/server/cluster-id`).
             let cluster_id = crate::cluster_id::load_or_create(&state_dir)?;
-            Ok((StateStore::open(Box::new(backend))?, cluster_id))
+            Ok((StateStore::open(Box::new(backend))?, cluster_id, None))
         }
         crate::StoreConfig::Etcd(etcd) => {
             let client = crate::etcd::EtcdClient::new(etcd.clone())
                 .map_err(|e| ServerError::BadRequest(format!("etcd: {e}")))?;
             let keyring_dir = state_dir.join(crate::keyring::KEYRING_DIR);
-            let backend = EtcdBackend::open(client, &keyring_dir)?;
+            let fence = Arc::new(Fence::default());
+            let backend = EtcdBackend::open(client.clone(), &keyring_dir)?.fenced(fence.clone());
             let cluster_id = backend.cluster_id()?;
-            Ok((StateStore::open(Box::new(backend))?, cluster_id))
+            let election = Election::new(client, config.identity.clone(), fence);
+            Ok((
+                StateStore::open(Box::new(backend))?,
+                cluster_id,
+                Some(Arc::new(election)),
+            ))
         }
     }
 }
@@ -116,8 +136,19 @@ impl Server {
                 "server config: data_dir is required".into(),
             ));
         }
-        let (store, cluster_id) = open_store(&config)?;
-        let cluster_layer = crate::ClusterIdLayer::new(&cluster_id)?;
+        let (store, cluster_id, election) = open_store(&config)?;
+        let mut cluster_layer = crate::ClusterIdLayer::new(&cluster_id)?;
+        // The one server of an embedded store always leads.
+        let (embedded_role, role) = match &election {
+            Some(e) => {
+                cluster_layer = cluster_layer.leader_only(e.subscribe());
+                (None, e.subscribe())
+            }
+            None => {
+                let (tx, rx) = watch::channel(Role::Leader { term: 0 });
+                (Some(tx), rx)
+            }
+        };
         let store = Arc::new(store);
         // With enrollment on, nodes are not trusted to say which plugins
         // they run: only plugin allocs placed on them count.
@@ -152,54 +183,115 @@ impl Server {
             shutdown,
             cluster_id,
             cluster_layer,
+            election,
+            role,
+            _embedded_role: embedded_role,
         });
         server.liveness.arm_heartbeats_after_restore();
         Ok(server)
     }
 
     /// Run the background loops (node liveness, the volume watcher, the
-    /// drainer, scheduler retries, garbage collection) until `shutdown` turns true.
+    /// drainer, scheduler retries, garbage collection) while this server
+    /// leads, and the election that says whether it does, until
+    /// `shutdown` turns true.
     pub async fn run(self: Arc<Self>, mut shutdown: Shutdown) {
         tracing::info!(index = self.store.index(), "server running");
-        // Evaluate everything once: a restart may have left work undone.
-        self.evaluate_all().await;
-        let tasks = vec![
-            tokio::spawn({
-                let server = self.clone();
-                async move {
-                    let shutdown = server.shutdown_rx();
-                    server.liveness.run(&*server, shutdown).await
-                }
-            }),
-            tokio::spawn({
-                let server = self.clone();
-                async move {
-                    let shutdown = server.shutdown_rx();
-                    server.volume_watcher.run(&*server, shutdown).await
-                }
-            }),
-            tokio::spawn({
-                let server = self.clone();
-                async move {
-                    let shutdown = server.shutdown_rx();
-                    server.drainer.run(&*server, shutdown).await
-                }
-            }),
-            tokio::spawn(self.clone().scheduler_retry_loop()),
-            tokio::spawn({
-                let server = self.clone();
-                async move {
-                    let shutdown = server.shutdown_rx();
-                    server.gc.run(shutdown).await
-                }
-            }),
-        ];
-        let _ = shutdown.wait().await;
+        let (stop_election, election_stopped) = watch::channel(false);
+        let election_done = self.election.as_ref().map(|election| {
+            let (done, done_rx) = tokio::sync::oneshot::channel();
+            let election = election.clone();
+            election.clone().spawn(async move {
+                election.run(election_stopped).await;
+                let _ = done.send(());
+            });
+            done_rx
+        });
+        let mut role = self.role.clone();
+        loop {
+            let term = tokio::select! {
+                term = role.wait_for(Role::is_leader) => match *term.as_deref().unwrap_or(&Role::Standby { leader: None }) {
+                    Role::Leader { term } => term,
+                    Role::Standby { .. } => break,
+                },
+                _ = shutdown.wait() => break,
+            };
+            if !self.take_up_leadership(term) {
+                continue;
+            }
+            let (term_end, term_shutdown) = Shutdown::channel();
+            let tasks = self.clone().start_leader_work(term_shutdown).await;
+            let stopping = tokio::select! {
+                _ = role.wait_for(|r| *r != Role::Leader { term }) => false,
+                _ = shutdown.wait() => true,
+            };
+            term_end.shutdown();
+            for t in tasks {
+                let _ = t.await;
+            }
+            if stopping {
+                break;
+            }
+            tracing::warn!(term, "leader work stopped: this server no longer leads");
+        }
         tracing::info!("server shutting down");
         self.shutdown.shutdown();
-        for t in tasks {
-            let _ = t.await;
+        let _ = stop_election.send(true);
+        if let Some(done) = election_done {
+            let _ = tokio::time::timeout(Duration::from_secs(5), done).await;
         }
+    }
+
+    /// Takes up the leadership of `term`: the state the previous leader
+    /// left is loaded, every node gets a fresh TTL (none is marked down
+    /// for the change of leader) and the fence is armed. False when the
+    /// term ended meanwhile, or the state did not load (the term is given
+    /// up, and the election campaigns again).
+    fn take_up_leadership(&self, term: i64) -> bool {
+        let Some(election) = &self.election else {
+            return true;
+        };
+        match self.store.reload() {
+            Ok(index) => tracing::info!(term, index, "took up the state as the leader"),
+            Err(e) => {
+                tracing::error!(term, error = %e, "loading the state as the new leader failed; giving leadership up");
+                election.give_up(term);
+                return false;
+            }
+        }
+        self.liveness.arm_heartbeats_after_restore();
+        election.confirm(term)
+    }
+
+    /// Starts the leader work, after one evaluation of everything (a
+    /// restart or a change of leader may have left work undone); it runs
+    /// until `shutdown`.
+    async fn start_leader_work(self: Arc<Self>, shutdown: Shutdown) -> Vec<JoinHandle<()>> {
+        self.evaluate_all().await;
+        vec![
+            tokio::spawn({
+                let (server, shutdown) = (self.clone(), shutdown.clone());
+                async move { server.liveness.run(&*server, shutdown).await }
+            }),
+            tokio::spawn({
+                let (server, shutdown) = (self.clone(), shutdown.clone());
+                async move { server.volume_watcher.run(&*server, shutdown).await }
+            }),
+            tokio::spawn({
+                let (server, shutdown) = (self.clone(), shutdown.clone());
+                async move { server.drainer.run(&*server, shutdown).await }
+            }),
+            tokio::spawn(self.clone().scheduler_retry_loop(shutdown.clone())),
+            tokio::spawn({
+                let server = self.clone();
+                async move { server.gc.run(shutdown).await }
+            }),
+        ]
+    }
+
+    /// What this server is now: the leader, or a standby.
+    pub fn role(&self) -> Role {
+        self.role.borrow().clone()
     }
 
     pub(crate) fn shutdown_rx(&self) -> Shutdown {

@@ -1,7 +1,7 @@
 //! The retry timer: blocked jobs are evaluated again every
 //! `scheduler_retry_interval`, and when a delayed replacement becomes due.
 
-use berth_sync::MutexExt;
+use berth_sync::{MutexExt, Shutdown};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,8 +12,7 @@ impl Server {
     /// when a delayed replacement becomes due (a lost alloc's disconnect
     /// window, a reschedule delay), so that it does not wait for an
     /// unrelated event.
-    pub(crate) async fn scheduler_retry_loop(self: Arc<Self>) {
-        let mut shutdown = self.shutdown_rx();
+    pub(crate) async fn scheduler_retry_loop(self: Arc<Self>, mut shutdown: Shutdown) {
         loop {
             let changed = self.retry_due.changed.notified();
             let interval = self.config.scheduler_retry_interval;

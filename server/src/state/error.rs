@@ -44,6 +44,9 @@ pub enum StoreError {
     /// answer.
     #[error("{0}")]
     Etcd(#[from] crate::etcd::EtcdError),
+    /// A write on a server that does not lead (see `crate::leader`).
+    #[error("{0}")]
+    NotLeader(String),
     /// A conditional write found the store moved under it.
     #[error("{0}")]
     Conflict(String),
@@ -60,8 +63,13 @@ pub enum StoreError {
 
 impl StoreError {
     /// Whether the store could not be reached (etcd down or without
-    /// quorum): a write may succeed when tried again later.
+    /// quorum), or this server does not lead: a write may succeed when
+    /// tried again later, or at another server.
     pub fn is_unavailable(&self) -> bool {
-        matches!(self, StoreError::Etcd(e) if e.is_unavailable())
+        match self {
+            StoreError::Etcd(e) => e.is_unavailable(),
+            StoreError::NotLeader(_) => true,
+            _ => false,
+        }
     }
 }

@@ -29,6 +29,7 @@ use super::record::{decode_checked, open_node_secret, seal_node_secret, Record};
 use super::{Backend, Change, Table, TableVisitor, Tables, SCHEMA_VERSION};
 use crate::etcd::{self, EtcdClient};
 use crate::keyring::Keyring;
+use crate::leader::{Fence, LEADER_KEY};
 
 const META_INDEX: &str = "meta/index";
 const META_SCHEMA: &str = "meta/schema";
@@ -50,6 +51,9 @@ pub struct EtcdBackend {
     /// The revision `meta/index` was last written or read at (0: not
     /// there): the condition of the next write.
     meta_revision: std::sync::Mutex<i64>,
+    /// The leader's term every write is fenced with, when servers elect
+    /// a leader (see `crate::leader`).
+    fence: Option<std::sync::Arc<Fence>>,
 }
 
 impl EtcdBackend {
@@ -67,7 +71,15 @@ impl EtcdBackend {
             client,
             keyring,
             meta_revision: std::sync::Mutex::new(0),
+            fence: None,
         })
+    }
+
+    /// Every write is made only while the leader key is the one `fence`
+    /// holds the term of, and refused while it holds none.
+    pub fn fenced(mut self, fence: std::sync::Arc<Fence>) -> EtcdBackend {
+        self.fence = Some(fence);
+        self
     }
 
     pub fn client(&self) -> &EtcdClient {
@@ -150,6 +162,10 @@ impl EtcdBackend {
             }
         })
     }
+}
+
+fn not_leader() -> StoreError {
+    StoreError::NotLeader("this server does not lead: only the leader writes".into())
 }
 
 /// The stored keys of one load, by what they are.
@@ -378,14 +394,23 @@ impl EtcdBackend {
     }
 
     fn commit_once(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
+        let term = match &self.fence {
+            None => None,
+            Some(fence) => Some((fence, fence.term().ok_or_else(not_leader)?)),
+        };
         let ops = self.ops(index, changes)?;
         let mut meta_revision = self.meta_revision.locked();
         let client = self.client.clone();
         let meta_key = client.key(META_INDEX);
+        let leader_key = client.key(LEADER_KEY);
+        let mut compare = vec![etcd::mod_revision_is(meta_key.clone(), *meta_revision)];
+        if let Some((_, term)) = term {
+            compare.push(etcd::created_at(leader_key.clone(), term));
+        }
         let txn = etcd::TxnRequest {
-            compare: vec![etcd::mod_revision_is(meta_key.clone(), *meta_revision)],
+            compare,
             success: ops,
-            failure: vec![],
+            failure: vec![etcd::get(leader_key)],
         };
         let answer = self.client.block_on(async move { client.txn(txn).await });
         match answer {
@@ -393,11 +418,19 @@ impl EtcdBackend {
                 *meta_revision = done.header.map_or(*meta_revision, |h| h.revision);
                 Ok(())
             }
-            Ok(_) => Err(StoreError::Conflict(format!(
-                "the state in etcd was written by someone else since index {}; this server's \
-                 write at index {index} is refused",
-                index - 1
-            ))),
+            Ok(refused) => {
+                if let Some((fence, term)) = term {
+                    if etcd::got(&refused).map(|kv| kv.create_revision) != Some(term) {
+                        fence.lost(term);
+                        return Err(not_leader());
+                    }
+                }
+                Err(StoreError::Conflict(format!(
+                    "the state in etcd was written by someone else since index {}; this \
+                     server's write at index {index} is refused",
+                    index - 1
+                )))
+            }
             Err(e) if e.is_unavailable() => {
                 // The transaction may have been applied without its answer
                 // arriving: it was if `meta/index` holds this index now.

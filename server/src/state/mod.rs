@@ -430,6 +430,54 @@ impl StateStore {
         }
     }
 
+    /// Load the tables from the backend again, replacing those in memory,
+    /// and wake every watcher: what a server does when it becomes the
+    /// leader, to take up the state the previous leader left. The index
+    /// never goes back; every table counts as written at the new index.
+    /// Blocks its thread as [`Self::write`] does.
+    pub fn reload(&self) -> Result<u64, StoreError> {
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        match Handle::try_current() {
+            Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => {
+                tokio::task::block_in_place(|| self.reload_blocking())
+            }
+            _ => self.reload_blocking(),
+        }
+    }
+
+    fn reload_blocking(&self) -> Result<u64, StoreError> {
+        let _writer = self.writer();
+        let mut loaded = self.backend.load()?;
+        loaded.indexes = Indexes::build(&loaded);
+        let (index, nodes) = {
+            let mut guard = self.tables.write_locked();
+            let index = loaded.index.max(guard.index);
+            loaded.index = index;
+            loaded.plugin_instances_need_allocs = guard.plugin_instances_need_allocs;
+            for table in Table::ALL {
+                loaded.table_index.insert(table, index);
+            }
+            let nodes: Vec<String> = loaded
+                .nodes
+                .keys()
+                .chain(guard.nodes.keys())
+                .chain(loaded.allocs.values().map(|a| &a.node_id))
+                .chain(guard.allocs.values().map(|a| &a.node_id))
+                .cloned()
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect();
+            for node_id in &nodes {
+                loaded.node_allocs_index.insert(node_id.clone(), index);
+            }
+            loaded.allocs_state_index = index;
+            *guard = loaded;
+            (index, nodes)
+        };
+        self.notify(index, &Table::ALL, true, nodes);
+        Ok(index)
+    }
+
     /// Run `f` against the current tables and commit the changes it asks
     /// for. Returns what `f` returned and the index of the write (the
     /// current index when `f` asked for no change).

@@ -1,0 +1,49 @@
+//! The server API of a server that does not lead (see
+//! `berth_server::leader`), before any token is looked at. While another
+//! server leads, it answers `503` naming the leader for every route but its
+//! health and `/v1/status/leader`: its tables are not the cluster's
+//! current state. While no server leads (etcd is out of reach, or an
+//! election is on), nothing moves the state, so it answers reads from its
+//! tables and refuses writes.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::Json;
+use berth_server::leader::Role;
+use berth_server::Server;
+
+use super::errors::error_response;
+
+/// The routes a server answers whether it leads or not.
+const ANSWERED_BY_ANY_SERVER: [&str; 2] = ["/v1/agent/health", "/v1/status/leader"];
+
+pub(crate) async fn only_the_leader(
+    State(server): State<Arc<Server>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    if let Role::Standby { leader } = server.role() {
+        let read = matches!(*req.method(), Method::GET | Method::HEAD);
+        let answered =
+            ANSWERED_BY_ANY_SERVER.contains(&req.uri().path()) || (leader.is_none() && read);
+        if !answered {
+            let message = berth_server::cluster_id::not_the_leader(leader.as_ref());
+            return error_response(StatusCode::SERVICE_UNAVAILABLE, &message);
+        }
+    }
+    next.run(req).await
+}
+
+/// `GET /v1/status/leader`: the leader's agent protocol address
+/// (`HOST:PORT`, as Nomad answers it), `""` while none is elected.
+pub(crate) async fn status_leader(State(server): State<Arc<Server>>) -> Json<String> {
+    let leader = match server.role() {
+        Role::Leader { .. } => Some(server.config().identity.clone()),
+        Role::Standby { leader } => leader,
+    };
+    Json(leader.map(|l| l.rpc_addr).unwrap_or_default())
+}

@@ -1,0 +1,121 @@
+//! Two servers on one etcd (`store = "etcd"`) and a client that lists
+//! both: one server leads, the other stands by and sends callers to it;
+//! when the leader is killed the other takes over within the lease TTL,
+//! with the state the leader left, and the node's alloc runs on without a
+//! node marked down or an alloc replaced.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use berth_tests::cluster::{Client, Server};
+use berth_tests::{http_at, sleeping_service_job, wait_for};
+use berth_testutil::etcd::Etcd;
+
+const LEASE_TTL: Duration = Duration::from_secs(3);
+
+fn server(etcd: &Etcd) -> Result<Server> {
+    Server::start_with(
+        "store = \"etcd\"\n  min_heartbeat_ttl = \"2s\"\n  heartbeat_grace = \"2s\"",
+        &format!(
+            "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/ha\"\n  lease_ttl = \"3s\"\n}}",
+            etcd.endpoint()
+        ),
+    )
+}
+
+/// The leader's agent protocol address as `server` tells it.
+fn leader_of(server: &Server) -> Result<String> {
+    Ok(server
+        .get("/v1/status/leader")?
+        .as_str()
+        .unwrap_or_default()
+        .to_string())
+}
+
+#[test]
+fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
+    let etcd = Etcd::start();
+    let mut servers = [server(&etcd)?, server(&etcd)?];
+    let leader = wait_for("one leader both agree on", Duration::from_secs(15), || {
+        let (a, b) = (leader_of(&servers[0])?, leader_of(&servers[1])?);
+        Ok((!a.is_empty() && a == b).then_some(a))
+    })?;
+    let (l, s) = if servers[0].rpc == leader {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert_eq!(servers[l].rpc, leader);
+
+    // The standby sends API callers to the leader.
+    let refused = http_at(
+        servers[s].http_port,
+        "GET /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    )?;
+    assert_eq!(refused.status, 503, "{}", refused.text());
+    assert!(
+        refused.text().contains(&servers[l].rpc),
+        "{}",
+        refused.text()
+    );
+
+    // A client that lists the standby first still registers, with the
+    // leader.
+    let both = format!("{},{}", servers[s].rpc, servers[l].rpc);
+    let client = Client::start_with_servers(&both, "n1", "")?;
+    servers[l]
+        .wait_nodes_ready(&["n1"])
+        .with_context(|| client.agent.log())?;
+    servers[l].run_job("ha-sleepy", &sleeping_service_job("ha-sleepy", 1, 1))?;
+    let running = |server: &Server| -> Result<Option<String>> {
+        Ok(server
+            .allocs("ha-sleepy")?
+            .into_iter()
+            .find(|a| a["client_status"] == "running")
+            .and_then(|a| a["id"].as_str().map(String::from)))
+    };
+    let alloc = wait_for("the alloc running", Duration::from_secs(30), || {
+        running(&servers[l])
+    })?;
+
+    let killed = Instant::now();
+    servers[l].agent.kill()?;
+    let standby_rpc = servers[s].rpc.clone();
+    wait_for("the standby to lead", Duration::from_secs(10), || {
+        Ok((leader_of(&servers[s])? == standby_rpc).then_some(()))
+    })
+    .with_context(|| servers[s].agent.log())?;
+    let took = killed.elapsed();
+    assert!(
+        took < LEASE_TTL + Duration::from_secs(2),
+        "a new leader after {took:?}"
+    );
+
+    // The new leader has the state: the node stays ready (it reaches the
+    // new leader before its fresh TTL runs out) and the alloc runs on.
+    let node = servers[s].node("n1")?;
+    assert_eq!(node["status"], "ready", "{node}");
+    let after = wait_for(
+        "the alloc reported running",
+        Duration::from_secs(30),
+        || running(&servers[s]),
+    )?;
+    assert_eq!(after, alloc, "the alloc was replaced");
+    let watch_until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < watch_until {
+        let node = servers[s].node("n1")?;
+        assert_eq!(node["status"], "ready", "marked down: {node}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(servers[s].allocs("ha-sleepy")?.len(), 1);
+
+    // The old leader comes back as the standby.
+    servers[l].agent.start_again()?;
+    servers[l].wait_serving()?;
+    wait_for(
+        "the old leader to stand by",
+        Duration::from_secs(10),
+        || Ok((leader_of(&servers[l])? == standby_rpc).then_some(())),
+    )?;
+    Ok(())
+}
