@@ -300,12 +300,7 @@ impl Backend for EtcdBackend {
                 }
             }
         }
-        // The index never goes backwards, even if meta was lost.
-        let max_seen = std::iter::once(tables.max_modify_index())
-            .chain(tables.table_index.values().copied())
-            .max()
-            .unwrap_or(0);
-        tables.index = tables.index.max(max_seen);
+        tables.raise_index_to_records();
         self.fix_up(tables.index, &bad, &resealed)?;
         tracing::info!(
             prefix = %String::from_utf8_lossy(&self.client.prefix()),

@@ -81,6 +81,17 @@ impl Tables {
             .unwrap_or(0)
     }
 
+    /// Raises the index of tables just loaded to the highest index a
+    /// record or a table holds: the index never goes backwards, even if
+    /// the backend lost what it kept of it.
+    pub(crate) fn raise_index_to_records(&mut self) {
+        let max_seen = std::iter::once(self.max_modify_index())
+            .chain(self.table_index.values().copied())
+            .max()
+            .unwrap_or(0);
+        self.index = self.index.max(max_seen);
+    }
+
     /// These tables with their indexes built from them (for tables put
     /// together by hand; the store keeps its own).
     pub fn with_indexes(mut self) -> Tables {

@@ -328,12 +328,7 @@ impl Backend for RedbBackend {
                 "sealed secrets that an older berth stored in the clear"
             );
         }
-        // The index never goes backwards, even if meta was lost.
-        let max_seen = std::iter::once(tables.max_modify_index())
-            .chain(tables.table_index.values().copied())
-            .max()
-            .unwrap_or(0);
-        tables.index = tables.index.max(max_seen);
+        tables.raise_index_to_records();
         if !bad.is_empty() {
             let mut q = txn.open_table(QUARANTINE)?;
             for (kind, key, value) in &bad {
