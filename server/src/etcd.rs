@@ -12,13 +12,17 @@
 use std::future::Future;
 use std::time::Duration;
 
+pub use berth_proto::etcd::etcdserverpb::WatchResponse;
 use berth_proto::etcd::etcdserverpb::{
     compare, kv_client::KvClient, lease_client::LeaseClient, maintenance_client::MaintenanceClient,
-    request_op, response_op, Compare, DeleteRangeRequest, LeaseGrantRequest, LeaseKeepAliveRequest,
-    LeaseRevokeRequest, PutRequest, RangeRequest, StatusRequest, TxnResponse,
+    request_op, response_op, watch_client::WatchClient, watch_request, Compare, DeleteRangeRequest,
+    LeaseGrantRequest, LeaseKeepAliveRequest, LeaseRevokeRequest, PutRequest, RangeRequest,
+    StatusRequest, TxnResponse, WatchCreateRequest, WatchRequest,
 };
 pub use berth_proto::etcd::etcdserverpb::{RequestOp, TxnRequest};
 use berth_proto::etcd::mvccpb::KeyValue;
+pub use berth_proto::etcd::mvccpb::{event::EventType, Event};
+use tokio_stream::StreamExt;
 use tonic::transport::{Channel, Endpoint};
 
 /// How the servers reach etcd (`etcd { ... }` of the agent config).
@@ -92,6 +96,7 @@ const RANGE_PAGE: i64 = 500;
 pub struct EtcdClient {
     kv: KvClient<Channel>,
     lease: LeaseClient<Channel>,
+    watch: WatchClient<Channel>,
     maintenance: MaintenanceClient<Channel>,
     config: EtcdConfig,
     /// The runtime the calls run on (see the module's doc).
@@ -138,6 +143,7 @@ impl EtcdClient {
         Ok(EtcdClient {
             kv: KvClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
             lease: LeaseClient::new(channel.clone()),
+            watch: WatchClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
             maintenance: MaintenanceClient::new(channel),
             config,
             rt: std::sync::Arc::new(ClientRuntime(Some(rt))),
@@ -287,6 +293,44 @@ impl EtcdClient {
             .into_inner())
     }
 
+    /// Watches every key under `prefix` from `start_revision` on: the
+    /// answers as etcd sends them (the first says the watch was created;
+    /// one with `compact_revision` set says the revisions from
+    /// `start_revision` are gone). With progress notices, so that a quiet
+    /// watch still answers now and then.
+    pub async fn watch_prefix(
+        &self,
+        prefix: &[u8],
+        start_revision: i64,
+    ) -> Result<tonic::Streaming<WatchResponse>, EtcdError> {
+        let create = WatchRequest {
+            request_union: Some(watch_request::RequestUnion::CreateRequest(
+                WatchCreateRequest {
+                    key: prefix.to_vec(),
+                    range_end: prefix_end(prefix),
+                    start_revision,
+                    progress_notify: true,
+                    ..Default::default()
+                },
+            )),
+        };
+        // The request stream stays open (the watch lives as long as it);
+        // nothing more is sent on it.
+        let requests = tokio_stream::once(create).chain(tokio_stream::pending());
+        Ok(self
+            .watch
+            .clone()
+            .watch(requests)
+            .await
+            .map_err(|s| self.status_error(s))?
+            .into_inner())
+    }
+
+    /// The error a failed watch answer stands for.
+    pub fn watch_error(&self, status: tonic::Status) -> EtcdError {
+        self.status_error(status)
+    }
+
     /// A lease of `ttl` (whole seconds, at least one).
     pub async fn lease_grant(&self, ttl: Duration) -> Result<i64, EtcdError> {
         let seconds = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
@@ -328,6 +372,20 @@ impl EtcdClient {
         self.lease
             .clone()
             .lease_revoke(LeaseRevokeRequest { id })
+            .await
+            .map_err(|s| self.status_error(s))?;
+        Ok(())
+    }
+
+    /// Compacts away every revision before `revision` (what an operator,
+    /// or etcd's auto-compaction, does to keep its history small).
+    pub async fn compact(&self, revision: i64) -> Result<(), EtcdError> {
+        self.kv
+            .clone()
+            .compact(berth_proto::etcd::etcdserverpb::CompactionRequest {
+                revision,
+                physical: true,
+            })
             .await
             .map_err(|s| self.status_error(s))?;
         Ok(())

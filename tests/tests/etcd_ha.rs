@@ -1,5 +1,6 @@
 //! Two servers on one etcd (`store = "etcd"`) and a client that lists
-//! both: one server leads, the other stands by and sends callers to it;
+//! both: one server leads, the other follows its writes through etcd's
+//! watch, answers reads and sends writers to the leader;
 //! when the leader is killed the other takes over within the lease TTL,
 //! with the state the leader left, and the node's alloc runs on without a
 //! node marked down or an alloc replaced.
@@ -47,10 +48,10 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
     };
     assert_eq!(servers[l].rpc, leader);
 
-    // The standby sends API callers to the leader.
+    // The standby sends writers to the leader.
     let refused = http_at(
         servers[s].http_port,
-        "GET /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        "DELETE /v1/job/any HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
     )?;
     assert_eq!(refused.status, 503, "{}", refused.text());
     assert!(
@@ -77,6 +78,17 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
     let alloc = wait_for("the alloc running", Duration::from_secs(30), || {
         running(&servers[l])
     })?;
+    // The standby follows the leader's writes through etcd's watch and
+    // answers reads with them.
+    wait_for(
+        "the standby to see the alloc running",
+        Duration::from_secs(10),
+        || Ok((running(&servers[s])? == Some(alloc.clone())).then_some(())),
+    )?;
+    assert_eq!(
+        servers[s].get("/v1/job/ha-sleepy")?["modify_index"],
+        servers[l].get("/v1/job/ha-sleepy")?["modify_index"]
+    );
 
     let killed = Instant::now();
     servers[l].agent.kill()?;

@@ -1,10 +1,8 @@
 //! The server API of a server that does not lead (see
-//! `berth_server::leader`), before any token is looked at. While another
-//! server leads, it answers `503` naming the leader for every route but its
-//! health and `/v1/status/leader`: its tables are not the cluster's
-//! current state. While no server leads (etcd is out of reach, or an
-//! election is on), nothing moves the state, so it answers reads from its
-//! tables and refuses writes.
+//! `berth_server::leader`), before any token is looked at. It answers
+//! reads from its tables, which the etcd watch keeps current with the
+//! leader's writes (blocking queries included), and refuses writes with
+//! `503` naming the leader.
 
 use std::sync::Arc;
 
@@ -18,19 +16,13 @@ use berth_server::Server;
 
 use super::errors::error_response;
 
-/// The routes a server answers whether it leads or not.
-const ANSWERED_BY_ANY_SERVER: [&str; 2] = ["/v1/agent/health", "/v1/status/leader"];
-
 pub(crate) async fn only_the_leader(
     State(server): State<Arc<Server>>,
     req: Request,
     next: Next,
 ) -> Response {
     if let Role::Standby { leader } = server.role() {
-        let read = matches!(*req.method(), Method::GET | Method::HEAD);
-        let answered =
-            ANSWERED_BY_ANY_SERVER.contains(&req.uri().path()) || (leader.is_none() && read);
-        if !answered {
+        if !matches!(*req.method(), Method::GET | Method::HEAD) {
             let message = berth_server::cluster_id::not_the_leader(leader.as_ref());
             return error_response(StatusCode::SERVICE_UNAVAILABLE, &message);
         }

@@ -49,7 +49,7 @@ use crate::error::ServerError;
 use crate::gc::{Gc, GcConfig, GcReport};
 use crate::leader::{Election, Fence, Role};
 use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
-use crate::state::{EtcdBackend, QuarantinedRecord, RedbBackend, StateStore, Table};
+use crate::state::{EtcdBackend, Follower, QuarantinedRecord, RedbBackend, StateStore, Table};
 
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
 pub struct Server {
@@ -93,13 +93,21 @@ pub struct Server {
     role: watch::Receiver<Role>,
     /// Keeps `role` open for the embedded store's server.
     _embedded_role: Option<watch::Sender<Role>>,
+    /// What keeps the tables current with the leader's writes in etcd,
+    /// until `run` starts it.
+    follower: Mutex<Option<Follower>>,
 }
 
-/// The state store `config.store` names, loaded; the cluster ID; and the
-/// election, for servers that share etcd.
-fn open_store(
-    config: &ServerConfig,
-) -> Result<(StateStore, String, Option<Arc<Election>>), ServerError> {
+/// The state store `config.store` names, loaded, and what comes with it.
+struct OpenedStore {
+    store: StateStore,
+    cluster_id: String,
+    /// The election and what follows the leader's writes, for servers
+    /// that share etcd.
+    etcd: Option<(Arc<Election>, Follower)>,
+}
+
+fn open_store(config: &ServerConfig) -> Result<OpenedStore, ServerError> {
     let state_dir = RedbBackend::path_in(&config.data_dir)
         .parent()
         .map_or_else(|| config.data_dir.clone(), Path::to_path_buf);
@@ -108,7 +116,11 @@ fn open_store(
             let backend = RedbBackend::open(&RedbBackend::path_in(&config.data_dir))?;
             // Beside the state it names (`<data_dir>/server/cluster-id`).
             let cluster_id = crate::cluster_id::load_or_create(&state_dir)?;
-            Ok((StateStore::open(Box::new(backend))?, cluster_id, None))
+            Ok(OpenedStore {
+                store: StateStore::open(Box::new(backend))?,
+                cluster_id,
+                etcd: None,
+            })
         }
         crate::StoreConfig::Etcd(etcd) => {
             let client = crate::etcd::EtcdClient::new(etcd.clone())
@@ -117,12 +129,13 @@ fn open_store(
             let fence = Arc::new(Fence::default());
             let backend = EtcdBackend::open(client.clone(), &keyring_dir)?.fenced(fence.clone());
             let cluster_id = backend.cluster_id()?;
+            let follower = backend.follower();
             let election = Election::new(client, config.identity.clone(), fence);
-            Ok((
-                StateStore::open(Box::new(backend))?,
+            Ok(OpenedStore {
+                store: StateStore::open(Box::new(backend))?,
                 cluster_id,
-                Some(Arc::new(election)),
-            ))
+                etcd: Some((Arc::new(election), follower)),
+            })
         }
     }
 }
@@ -136,7 +149,12 @@ impl Server {
                 "server config: data_dir is required".into(),
             ));
         }
-        let (store, cluster_id, election) = open_store(&config)?;
+        let OpenedStore {
+            store,
+            cluster_id,
+            etcd,
+        } = open_store(&config)?;
+        let (election, follower) = etcd.unzip();
         let mut cluster_layer = crate::ClusterIdLayer::new(&cluster_id)?;
         // The one server of an embedded store always leads.
         let (embedded_role, role) = match &election {
@@ -186,6 +204,7 @@ impl Server {
             election,
             role,
             _embedded_role: embedded_role,
+            follower: Mutex::new(follower),
         });
         server.liveness.arm_heartbeats_after_restore();
         Ok(server)
@@ -198,6 +217,9 @@ impl Server {
     pub async fn run(self: Arc<Self>, mut shutdown: Shutdown) {
         tracing::info!(index = self.store.index(), "server running");
         let (stop_election, election_stopped) = watch::channel(false);
+        if let Some(follower) = self.follower.locked().take() {
+            follower.start(self.store.clone(), election_stopped.clone());
+        }
         let election_done = self.election.as_ref().map(|election| {
             let (done, done_rx) = tokio::sync::oneshot::channel();
             let election = election.clone();

@@ -31,10 +31,10 @@ use crate::etcd::{self, EtcdClient};
 use crate::keyring::Keyring;
 use crate::leader::{Fence, LEADER_KEY};
 
-const META_INDEX: &str = "meta/index";
+pub(super) const META_INDEX: &str = "meta/index";
 const META_SCHEMA: &str = "meta/schema";
 const META_CLUSTER_ID: &str = "meta/cluster-id";
-const NODE_SECRETS: &str = "node_secrets";
+pub(super) const NODE_SECRETS: &str = "node_secrets";
 const QUARANTINE: &str = "quarantine";
 
 fn table_index_key(table: Table) -> String {
@@ -47,7 +47,10 @@ fn record_key(table: Table, key: &str) -> String {
 
 pub struct EtcdBackend {
     client: EtcdClient,
-    keyring: Keyring,
+    keyring: std::sync::Arc<Keyring>,
+    /// The etcd revision of the last load: where following the writes of
+    /// the leader starts (see `super::etcd_follow`).
+    loaded_revision: std::sync::Arc<std::sync::atomic::AtomicI64>,
     /// The revision `meta/index` was last written or read at (0: not
     /// there): the condition of the next write.
     meta_revision: std::sync::Mutex<i64>,
@@ -66,10 +69,11 @@ impl EtcdBackend {
                 source,
             })?;
         }
-        let keyring = Keyring::open(keyring_dir)?;
+        let keyring = std::sync::Arc::new(Keyring::open(keyring_dir)?);
         Ok(EtcdBackend {
             client,
             keyring,
+            loaded_revision: Default::default(),
             meta_revision: std::sync::Mutex::new(0),
             fence: None,
         })
@@ -84,6 +88,15 @@ impl EtcdBackend {
 
     pub fn client(&self) -> &EtcdClient {
         &self.client
+    }
+
+    /// What follows the leader's writes into a store on this backend.
+    pub fn follower(&self) -> super::etcd_follow::Follower {
+        super::etcd_follow::Follower::new(
+            self.client.clone(),
+            self.keyring.clone(),
+            self.loaded_revision.clone(),
+        )
     }
 
     /// The cluster ID kept in etcd, made (a UUID) by the first server that
@@ -259,7 +272,7 @@ impl TableVisitor for Loader<'_> {
 
 impl Backend for EtcdBackend {
     fn load(&self) -> Result<Tables, StoreError> {
-        let (kvs, _revision) = self.read_all()?;
+        let (kvs, revision) = self.read_all()?;
         let mut stored = Stored::sort(&self.client, kvs);
         if let Some((found, _)) = stored.meta.get(META_SCHEMA) {
             let found = found.parse::<u64>().unwrap_or(u64::MAX);
@@ -302,6 +315,8 @@ impl Backend for EtcdBackend {
         }
         tables.raise_index_to_records();
         self.fix_up(tables.index, &bad, &resealed)?;
+        self.loaded_revision
+            .store(revision, std::sync::atomic::Ordering::SeqCst);
         tracing::info!(
             prefix = %String::from_utf8_lossy(&self.client.prefix()),
             index = tables.index,

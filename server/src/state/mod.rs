@@ -22,6 +22,7 @@
 mod acl_tables;
 mod error;
 mod etcd_backend;
+mod etcd_follow;
 mod indexes;
 mod record;
 mod redb_backend;
@@ -43,6 +44,7 @@ pub use acl_tables::{
     AclBootstrap, AclRecord, AclTables,
 };
 pub use etcd_backend::EtcdBackend;
+pub use etcd_follow::Follower;
 pub use indexes::{Indexes, NodeUse};
 pub use record::{Record, RecordError, RecordStore, TableVisitor, WriteEffects};
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
@@ -487,6 +489,23 @@ impl StateStore {
         };
         self.notify(index, &Table::ALL, true, nodes);
         Ok(index)
+    }
+
+    /// Applies a write another server made durable at `index` (the
+    /// leader's, as etcd's watch brings it) and wakes its watchers; one at
+    /// or below the current index is already here (this server made it,
+    /// or loaded it) and is left. Whether it applied.
+    pub fn apply_replicated(&self, index: u64, changes: Vec<Change>) -> bool {
+        let _writer = self.writer();
+        if index <= self.index() || changes.is_empty() {
+            return false;
+        }
+        let mut written: Vec<Table> = changes.iter().map(Change::table).collect();
+        written.sort();
+        written.dedup();
+        let (allocs_or_nodes, touched) = self.apply(index, changes);
+        self.notify(index, &written, allocs_or_nodes, touched);
+        true
     }
 
     /// Run `f` against the current tables and commit the changes it asks

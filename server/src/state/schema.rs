@@ -75,6 +75,28 @@ macro_rules! schema {
                 }
             }
 
+            /// The put of the record stored as `bytes` under `key` in
+            /// `table`, decoded as a load decodes it (`None`, reported,
+            /// when it does not).
+            pub(crate) fn decoded(
+                table: Table,
+                key: &str,
+                bytes: &[u8],
+                keyring: &Keyring,
+            ) -> Option<Change> {
+                match table {
+                    $(Table::$table => super::record::decode_checked::<$ty>(key, bytes, keyring)
+                        .map(|(r, _)| Change::$put(r)),)*
+                }
+            }
+
+            /// The delete of the record under `key` in `table`.
+            pub(crate) fn deletion(table: Table, key: String) -> Change {
+                match table {
+                    $(Table::$table => Change::$del(key),)*
+                }
+            }
+
             /// The bytes a put stores in its table (`None` for a delete,
             /// and for a node secret, which is kept apart).
             pub(crate) fn encode(
