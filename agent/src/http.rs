@@ -236,6 +236,15 @@ pub fn server_routes() -> Routes<Arc<Server>> {
 }
 
 pub fn router(server: Arc<Server>) -> Router {
+    router_with(server, None)
+}
+
+/// [`router`], with how the agent dials other servers over TLS (for the
+/// writes a server that does not lead sends on to the leader).
+pub fn router_with(
+    server: Arc<Server>,
+    tls: Option<Arc<dyn berth_client::servers::ServerTls>>,
+) -> Router {
     let api = server_routes()
         .into_router()
         .fallback(unknown_api_path)
@@ -244,7 +253,7 @@ pub fn router(server: Arc<Server>) -> Router {
     // answer as it leaves, with the `Allow` header of a 405 already set.
     // The node-local routes of an alloc go to the alloc's node.
     let acl_enabled = server.acl_enabled();
-    let leader_gate_server = server.clone();
+    let leader_gate = leader_gate::LeaderGate::new(server.clone(), tls);
     let gate = acl::AclGate::new(
         &routes::all_routes(),
         acl::UnknownPaths::Deny,
@@ -267,7 +276,7 @@ pub fn router(server: Arc<Server>) -> Router {
     // leads, before any token is looked at.
     router
         .layer(axum::middleware::from_fn_with_state(
-            leader_gate_server,
+            leader_gate,
             leader_gate::only_the_leader,
         ))
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BODY))
@@ -777,7 +786,7 @@ pub mod client_forward;
 pub mod errors;
 pub mod forward;
 pub mod host_check;
-mod leader_gate;
+pub mod leader_gate;
 pub mod limits;
 pub mod listener;
 pub mod openapi;

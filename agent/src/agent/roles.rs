@@ -32,6 +32,11 @@ pub(super) async fn start_server(
     tracing::info!(rpc_addr = %rpc_addr, http_addr = %http_addr, "agent starting");
     let _ = info.rpc_addr.set(rpc_addr);
     let _ = info.http_addr.set(http_addr);
+    if let Some(t) = tls.filter(|t| t.rpc) {
+        let _ = info
+            .server_tls
+            .set(t.clone() as std::sync::Arc<dyn berth_client::servers::ServerTls>);
+    }
     let mut server_config = server_config(config, data_dir);
     server_config.identity = berth_server::leader::ServerIdentity {
         name: config.node_name.clone().unwrap_or_else(host_name),
@@ -130,7 +135,10 @@ fn serve_agent_protocol(
         // Requests that client agents forward count against this
         // agent's limits too.
         .add_service(crate::http::forward::forward_service(
-            info.limits.apply(crate::http::router(server.clone())),
+            info.limits.apply(crate::http::router_with(
+                server.clone(),
+                info.server_tls.get().cloned(),
+            )),
             server,
         ));
     // The accept loop sets TCP_NODELAY on every accepted connection

@@ -34,6 +34,9 @@ pub struct AgentInfo {
     pub client_role: OnceLock<Arc<Client>>,
     /// This agent's server role, when it runs one (for its metrics).
     pub server_role: OnceLock<Arc<Server>>,
+    /// How this agent dials servers over TLS (`tls.rpc`): a server that
+    /// does not lead sends writes on to the leader with it.
+    pub server_tls: OnceLock<Arc<dyn berth_client::servers::ServerTls>>,
     /// Whether this agent's own config turns ACLs on.
     pub acl_enabled: bool,
     /// How long a client-only agent keeps a token the servers resolved
@@ -59,6 +62,7 @@ impl AgentInfo {
             rpc_addr: OnceLock::new(),
             client_role: OnceLock::new(),
             server_role: OnceLock::new(),
+            server_tls: OnceLock::new(),
             acl_enabled: false,
             acl_token_ttl: crate::config::security::AclSection::DEFAULT_TOKEN_TTL,
             public_metrics: false,
@@ -144,7 +148,7 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         let _ = info.server_role.set(s.clone());
     }
     let rest = match server {
-        Some(s) => super::router(s),
+        Some(s) => super::router_with(s, info.server_tls.get().cloned()),
         None => super::forward::forwarding_router(info.clone()),
     };
     // An alloc-scoped client request for an alloc this agent does not run

@@ -33,11 +33,14 @@ const ENVELOPE: usize = 64 * 1024;
 /// Request headers that reach the servers; the rest concern only the hop
 /// to this agent.
 /// The ACL token travels too: the servers check it.
-const REQUEST_HEADERS: [HeaderName; 4] = [
+/// So does the mark of a write a server that does not lead sent on to the
+/// leader, which is never sent on again.
+const REQUEST_HEADERS: [HeaderName; 5] = [
     header::CONTENT_TYPE,
     header::ACCEPT,
     HeaderName::from_static(super::acl::TOKEN_HEADER),
     header::AUTHORIZATION,
+    HeaderName::from_static(super::leader_gate::FORWARDED_HEADER),
 ];
 
 /// Whether a response header travels back: hop-by-hop headers and the
@@ -141,7 +144,9 @@ pub(crate) async fn resolve_remotely(
     })
 }
 
-async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, ApiError> {
+/// `req` as the message that carries it over the agent protocol, and how
+/// long the servers may take for it.
+pub(crate) async fn to_message(req: Request) -> Result<(pb::HttpRequest, Duration), ApiError> {
     let path_and_query = req
         .uri()
         .path_and_query()
@@ -153,9 +158,6 @@ async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, Api
             format!("unknown API path {}", req.uri().path()),
         ));
     }
-    let Some(client) = info.client_role.get() else {
-        return Err(unreachable("the client role has not started yet"));
-    };
     let (parts, body) = req.into_parts();
     let body = axum::body::to_bytes(body, MAX_REQUEST_BODY)
         .await
@@ -169,17 +171,39 @@ async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, Api
             })
         })
         .collect();
+    let deadline = deadline_of(&path_and_query);
     let message = pb::HttpRequest {
         method: parts.method.as_str().to_string(),
-        path_and_query: path_and_query.clone(),
+        path_and_query,
         headers,
         body: body.to_vec(),
     };
-    let deadline = deadline_of(&path_and_query);
+    Ok((message, deadline))
+}
+
+/// The largest forwarded answer a client of the `Agent` service decodes,
+/// and the largest request it encodes.
+pub(crate) const AGENT_CLIENT_LIMITS: (usize, usize) = (
+    MAX_FORWARDED_ANSWER.saturating_add(ENVELOPE),
+    MAX_REQUEST_BODY.saturating_add(ENVELOPE),
+);
+
+async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, ApiError> {
+    let Some(client) = info.client_role.get() else {
+        if !req.uri().path().starts_with("/v1/") {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("unknown API path {}", req.uri().path()),
+            ));
+        }
+        return Err(unreachable("the client role has not started yet"));
+    };
+    let path = req.uri().path().to_string();
+    let (message, deadline) = to_message(req).await?;
     let started = tokio::time::Instant::now();
     let mut grpc = AgentClient::new(client.node_channel())
-        .max_decoding_message_size(MAX_FORWARDED_ANSWER.saturating_add(ENVELOPE))
-        .max_encoding_message_size(MAX_REQUEST_BODY.saturating_add(ENVELOPE));
+        .max_decoding_message_size(AGENT_CLIENT_LIMITS.0)
+        .max_encoding_message_size(AGENT_CLIENT_LIMITS.1);
     // Each server is tried once at most, within the one deadline: a
     // failed attempt has already moved the client on to the next.
     let mut last_error = String::from("no server answered");
@@ -212,7 +236,7 @@ async fn forward_request(info: &AgentInfo, req: Request) -> Result<Response, Api
             }
         }
     }
-    tracing::warn!(path = %parts.uri.path(), error = %last_error, "forwarding an API request failed");
+    tracing::warn!(path = %path, error = %last_error, "forwarding an API request failed");
     Err(unreachable(last_error))
 }
 
@@ -226,7 +250,7 @@ fn transport_failure(code: Code) -> bool {
 }
 
 /// The servers' answer as this agent's.
-fn answer_of(a: pb::HttpResponse) -> Result<Response, ApiError> {
+pub(crate) fn answer_of(a: pb::HttpResponse) -> Result<Response, ApiError> {
     relayed_answer("the server", a.status, a.headers, a.body)
 }
 

@@ -1,41 +1,128 @@
 //! The server API of a server that does not lead (see
 //! `berth_server::leader`), before any token is looked at. It answers
 //! reads from its tables, which the etcd watch keeps current with the
-//! leader's writes (blocking queries included), and refuses writes with
-//! `503` naming the leader.
+//! leader's writes (blocking queries included), and sends writes on to
+//! the leader over the agent protocol (`Agent.ForwardHttp`, as client
+//! agents forward), whose answer it gives as its own. A write that a
+//! server already sent on is not sent on again: while no server leads, or
+//! the leader does not answer, a write is answered `503` naming why.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
-use axum::response::Response;
-use axum::Json;
-use berth_server::leader::Role;
+use axum::response::{IntoResponse, Response};
+use berth_client::servers::{ServerChannels, ServerTls};
+use berth_proto::berth::v1 as pb;
+use berth_server::leader::{Role, ServerIdentity};
 use berth_server::Server;
+use berth_sync::MutexExt;
 
 use super::errors::error_response;
+use super::forward::{answer_of, to_message, AGENT_CLIENT_LIMITS};
+use super::ApiError;
+
+/// The header that marks a write a server sent on to the leader.
+pub const FORWARDED_HEADER: &str = "x-berth-sent-to-leader";
+
+/// The gate's state: the server, and a channel to the leader it knows.
+pub struct LeaderGate {
+    server: Arc<Server>,
+    /// How the agent dials servers over TLS (`tls.rpc`), if it does.
+    tls: Option<Arc<dyn ServerTls>>,
+    /// The leader's agent protocol address and a channel to it.
+    channel: Mutex<Option<(String, ServerChannels)>>,
+}
+
+impl LeaderGate {
+    pub fn new(server: Arc<Server>, tls: Option<Arc<dyn ServerTls>>) -> Arc<LeaderGate> {
+        Arc::new(LeaderGate {
+            server,
+            tls,
+            channel: Mutex::new(None),
+        })
+    }
+
+    /// A channel to the leader at `addr`, kept while it leads.
+    fn channel_to(&self, addr: &str) -> Result<ServerChannels, ApiError> {
+        let mut slot = self.channel.locked();
+        if let Some((at, channel)) = slot.as_ref() {
+            if at == addr {
+                return Ok(channel.clone());
+            }
+        }
+        let channel = ServerChannels::with_tls(&[format!("http://{addr}")], self.tls.clone())
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the leader's address {addr}: {e}"),
+                )
+            })?;
+        *slot = Some((addr.to_string(), channel.clone()));
+        Ok(channel)
+    }
+
+    /// Sends the write `req` on to `leader`; its answer.
+    async fn send_on(&self, leader: &ServerIdentity, req: Request) -> Result<Response, ApiError> {
+        let (mut message, deadline) = to_message(req).await?;
+        message.headers.push(pb::HttpHeader {
+            name: FORWARDED_HEADER.into(),
+            value: b"1".to_vec(),
+        });
+        let channel = self.channel_to(&leader.rpc_addr)?;
+        let mut grpc = pb::agent_client::AgentClient::new(channel)
+            .max_decoding_message_size(AGENT_CLIENT_LIMITS.0)
+            .max_encoding_message_size(AGENT_CLIENT_LIMITS.1);
+        let mut request = tonic::Request::new(message);
+        request.set_timeout(deadline);
+        let failed = |why: String| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!(
+                    "this server does not lead, and sending the write on to the leader {} ({}) \
+                     failed: {why}",
+                    leader.name, leader.rpc_addr
+                ),
+            )
+        };
+        match tokio::time::timeout(deadline, grpc.forward_http(request)).await {
+            Ok(Ok(answer)) => answer_of(answer.into_inner()),
+            Ok(Err(status)) => Err(failed(status.message().to_string())),
+            Err(_) => Err(failed(format!("no answer within {deadline:?}"))),
+        }
+    }
+}
 
 pub(crate) async fn only_the_leader(
-    State(server): State<Arc<Server>>,
+    State(gate): State<Arc<LeaderGate>>,
     req: Request,
     next: Next,
 ) -> Response {
-    if let Role::Standby { leader } = server.role() {
-        if !matches!(*req.method(), Method::GET | Method::HEAD) {
+    let Role::Standby { leader } = gate.server.role() else {
+        return next.run(req).await;
+    };
+    if matches!(*req.method(), Method::GET | Method::HEAD) {
+        return next.run(req).await;
+    }
+    match leader {
+        Some(l) if !req.headers().contains_key(FORWARDED_HEADER) => gate
+            .send_on(&l, req)
+            .await
+            .unwrap_or_else(IntoResponse::into_response),
+        leader => {
             let message = berth_server::cluster_id::not_the_leader(leader.as_ref());
-            return error_response(StatusCode::SERVICE_UNAVAILABLE, &message);
+            error_response(StatusCode::SERVICE_UNAVAILABLE, &message)
         }
     }
-    next.run(req).await
 }
 
 /// `GET /v1/status/leader`: the leader's agent protocol address
 /// (`HOST:PORT`, as Nomad answers it), `""` while none is elected.
-pub(crate) async fn status_leader(State(server): State<Arc<Server>>) -> Json<String> {
+pub(crate) async fn status_leader(State(server): State<Arc<Server>>) -> axum::Json<String> {
     let leader = match server.role() {
         Role::Leader { .. } => Some(server.config().identity.clone()),
         Role::Standby { leader } => leader,
     };
-    Json(leader.map(|l| l.rpc_addr).unwrap_or_default())
+    axum::Json(leader.map(|l| l.rpc_addr).unwrap_or_default())
 }
