@@ -98,6 +98,16 @@ pub fn server_routes() -> Routes<Arc<Server>> {
             Need::Public,
             leader_gate::status_leader,
         )
+        .get(
+            "/v1/status/peers",
+            Need::Operator(Level::Read),
+            leader_gate::status_peers,
+        )
+        .get(
+            "/v1/operator/servers",
+            Need::Operator(Level::Read),
+            leader_gate::servers,
+        )
         .get("/v1/jobs", ns(Capability::ListJobs), list_jobs)
         .put("/v1/jobs", ns(Capability::SubmitJob), register_job)
         .get("/v1/job/{id}", ns(Capability::ReadJob), get_job)

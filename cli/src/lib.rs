@@ -22,6 +22,7 @@ pub mod node;
 pub mod operator;
 pub mod output;
 pub mod plugin;
+pub mod server;
 pub mod snapshot;
 pub mod system;
 pub mod tls;
@@ -157,6 +158,9 @@ pub enum Command {
     /// Operate the servers themselves (the root keyring)
     #[command(subcommand)]
     Operator(operator::OperatorCommand),
+    /// The servers of the cluster
+    #[command(subcommand)]
+    Server(server::ServerCommand),
     /// Create the agents' CA and certificates for mutual TLS
     #[command(subcommand)]
     Tls(tls::TlsCommand),
@@ -488,6 +492,7 @@ pub fn run(args: Vec<String>, host: &dyn Host) -> Result<i32> {
         Command::System(cmd) => system::run(cmd, &ctx()?),
         Command::Acl(cmd) => acl::run(cmd, &ctx()?),
         Command::Operator(cmd) => operator::run(cmd, &ctx()?),
+        Command::Server(cmd) => server::run(cmd, &ctx()?),
         Command::Tls(cmd) => tls::run(cmd),
         Command::Version => {
             println!("berth {VERSION}");

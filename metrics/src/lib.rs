@@ -54,6 +54,8 @@ impl Outcome {
 pub enum Db {
     Server,
     Client,
+    /// The servers' state in etcd (one transaction).
+    Etcd,
 }
 
 impl Db {
@@ -61,6 +63,7 @@ impl Db {
         match self {
             Db::Server => "server",
             Db::Client => "client",
+            Db::Etcd => "etcd",
         }
     }
 }
@@ -149,6 +152,11 @@ pub struct DbLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabels {
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SubsystemLabels {
     pub subsystem: LabelText,
 }
@@ -201,6 +209,15 @@ pub struct Metrics {
     pub state_commit_duration: Histograms<DbLabels>,
     /// Node events recorded, by subsystem.
     pub node_events: Family<SubsystemLabels, Counter>,
+    /// 1 while this server leads, 0 while it does not.
+    pub server_leader: Gauge,
+    /// Times this server became the leader or stopped being it.
+    pub leadership_changes: Counter,
+    /// Writes etcd refused on their condition, by reason (`moved`: the
+    /// state moved under the write; `not_leader`: the term was over).
+    pub store_write_conflicts: Family<ReasonLabels, Counter>,
+    /// etcd revisions this server's watch has not applied yet.
+    pub etcd_watch_lag: Gauge,
     build_info: Family<VersionLabels, Gauge>,
 }
 
@@ -235,6 +252,10 @@ impl Metrics {
             task_exits: Family::default(),
             state_commit_duration: histograms(),
             node_events: Family::default(),
+            server_leader: Gauge::default(),
+            leadership_changes: Counter::default(),
+            store_write_conflicts: Family::default(),
+            etcd_watch_lag: Gauge::default(),
             build_info: Family::default(),
         };
         let r = m.registry.sub_registry_with_prefix("berth");
@@ -333,6 +354,26 @@ impl Metrics {
             "node_events",
             "Node events recorded, by subsystem",
             m.node_events.clone(),
+        );
+        r.register(
+            "server_leader",
+            "1 while this server leads, 0 while it does not",
+            m.server_leader.clone(),
+        );
+        r.register(
+            "leadership_changes",
+            "Times this server became the leader or stopped being it",
+            m.leadership_changes.clone(),
+        );
+        r.register(
+            "store_write_conflicts",
+            "Writes etcd refused on their condition, by reason",
+            m.store_write_conflicts.clone(),
+        );
+        r.register(
+            "etcd_watch_lag_revisions",
+            "etcd revisions this server's watch has not applied yet",
+            m.etcd_watch_lag.clone(),
         );
         r.register("build_info", "berth's version", m.build_info.clone());
         // The process metrics keep their standard names, without the prefix.
@@ -439,6 +480,24 @@ pub fn observe_plugin_op(
             outcome,
         })
         .observe(elapsed.as_secs_f64());
+}
+
+/// Counts one write etcd refused on its condition (`moved` or
+/// `not_leader`).
+pub fn record_store_write_conflict(reason: &'static str) {
+    metrics()
+        .store_write_conflicts
+        .get_or_create(&ReasonLabels { reason })
+        .inc();
+}
+
+/// Records whether this server leads now, counting a change.
+pub fn set_leader(leads: bool) {
+    let m = metrics();
+    let now = i64::from(leads);
+    if m.server_leader.set(now) != now {
+        m.leadership_changes.inc();
+    }
 }
 
 /// Records one state database commit.

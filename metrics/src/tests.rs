@@ -41,6 +41,8 @@ fn encode_has_every_family_with_help_type_and_unit() {
     set_nodes(&[("ready", 1), ("down", 0)]);
     set_client_allocs(&[("running", 1)]);
     record_state_commit(Db::Client, Duration::from_micros(700));
+    record_store_write_conflict("moved");
+    set_leader(true);
     set_allocs(&[("running", 2), ("complete", 0)]);
     let text = encode();
     for family in [
@@ -62,6 +64,10 @@ fn encode_has_every_family_with_help_type_and_unit() {
         "# TYPE berth_task_exits_total counter",
         "# TYPE berth_state_commit_duration_seconds histogram",
         "# TYPE berth_node_events_total counter",
+        "# TYPE berth_server_leader gauge",
+        "# TYPE berth_leadership_changes_total counter",
+        "# TYPE berth_store_write_conflicts_total counter",
+        "# TYPE berth_etcd_watch_lag_revisions gauge",
         "# TYPE berth_build_info gauge",
         "# TYPE process_resident_memory_bytes gauge",
         "# TYPE process_cpu_seconds_total counter",
@@ -85,6 +91,8 @@ fn encode_has_every_family_with_help_type_and_unit() {
         r#"berth_csi_mount_duration_seconds_count{plugin="hostpath",outcome="ok"} 1"#,
         r#"berth_server_claim_duration_seconds_count{mode="write",outcome="error"} 1"#,
         r#"berth_node_events_total{subsystem="Storage"} 1"#,
+        r#"berth_store_write_conflicts_total{reason="moved"} 1"#,
+        "berth_server_leader 1",
         r#"berth_nodes{status="ready"} 1"#,
         r#"berth_task_exits_total{outcome="success"} 1"#,
         "berth_build_info{version=\"",

@@ -26,6 +26,23 @@ use crate::etcd::{self, EtcdClient, EtcdError};
 /// The key the leader holds, under the prefix.
 pub const LEADER_KEY: &str = "leader";
 
+/// Where each running server says it is there, under the prefix: a key
+/// per agent protocol address (names may repeat), bound to a lease of its
+/// own.
+const MEMBERS: &str = "members";
+
+/// A server as `berth server members` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    #[serde(flatten)]
+    pub identity: ServerIdentity,
+    /// Whether it leads now.
+    #[serde(default)]
+    pub leader: bool,
+    /// When it last said it was there (unix ms).
+    pub last_contact_ms: i64,
+}
+
 /// How a server names itself to the others and to clients.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ServerIdentity {
@@ -130,6 +147,73 @@ impl Election {
         let margin = (ttl / 5).max(Duration::from_millis(1000));
         let keep_alive_every = ttl / 4;
         (ttl, ttl.saturating_sub(margin), keep_alive_every)
+    }
+
+    /// The servers that said they are there within their lease, by
+    /// name, the leader marked.
+    pub async fn members(&self) -> Result<Vec<Member>, EtcdError> {
+        let (kvs, _) = self
+            .client
+            .range_prefix(&self.client.key(&format!("{MEMBERS}/")))
+            .await?;
+        let leader: Option<ServerIdentity> = self
+            .client
+            .get(self.client.key(LEADER_KEY))
+            .await?
+            .and_then(|kv| serde_json::from_slice(&kv.value).ok());
+        Ok(kvs
+            .iter()
+            .filter_map(|kv| serde_json::from_slice::<Member>(&kv.value).ok())
+            .map(|mut m| {
+                m.leader = leader.as_ref() == Some(&m.identity);
+                m
+            })
+            .collect())
+    }
+
+    /// Says this server is there (`<prefix>/members/<rpc addr>`, bound to a
+    /// lease of its own, its last contact written every third of the
+    /// lease) until `stop` turns true; then takes the key away.
+    pub async fn announce(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
+        let (ttl, _, _) = self.timing();
+        let key = self
+            .client
+            .key(&format!("{MEMBERS}/{}", self.identity.rpc_addr));
+        let mut lease = None;
+        while !*stop.borrow() {
+            let announced = async {
+                let id = match lease {
+                    Some(id) if self.client.lease_keep_alive(id).await? > 0 => id,
+                    _ => self.client.lease_grant(ttl).await?,
+                };
+                lease = Some(id);
+                let me = Member {
+                    identity: self.identity.clone(),
+                    leader: false,
+                    last_contact_ms: berth_structs::now_ms(),
+                };
+                let value = serde_json::to_vec(&me).unwrap_or_default();
+                self.client
+                    .txn(etcd::TxnRequest {
+                        compare: vec![],
+                        success: vec![etcd::put_leased(key.clone(), value, id)],
+                        failure: vec![],
+                    })
+                    .await
+            };
+            if let Err(e) = announced.await {
+                lease = None;
+                tracing::debug!(error = %e, "announcing this server in etcd failed");
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(ttl / 3) => {}
+                _ = stop.wait_for(|s| *s) => break,
+            }
+        }
+        if let Some(id) = lease {
+            let _ =
+                tokio::time::timeout(Duration::from_secs(2), self.client.lease_revoke(id)).await;
+        }
     }
 
     /// Campaigns, leads and stands by until `stop` turns true; then gives

@@ -55,6 +55,8 @@ const COMMANDS: &[&str] = &[
     "operator root keyring rotate",
     "plugin",
     "plugin status",
+    "server",
+    "server members",
     "system",
     "system gc",
     "tls",

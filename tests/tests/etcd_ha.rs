@@ -48,6 +48,28 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
     };
     assert_eq!(servers[l].rpc, leader);
 
+    // Both list both servers, the leader marked as the election says.
+    for server in &servers {
+        let members = wait_for("both servers listed", Duration::from_secs(10), || {
+            let v = server.get("/v1/operator/servers")?;
+            let list = v.as_array().cloned().unwrap_or_default();
+            Ok((list.len() == 2).then_some(list))
+        })?;
+        let leaders: Vec<&str> = members
+            .iter()
+            .filter(|m| m["leader"] == true)
+            .filter_map(|m| m["rpc_addr"].as_str())
+            .collect();
+        assert_eq!(leaders, [leader.as_str()], "{members:?}");
+        let peers = server.get("/v1/status/peers")?;
+        assert_eq!(peers.as_array().map(Vec::len), Some(2), "{peers}");
+    }
+    let table = servers[s].cli(&["server", "members"])?;
+    assert!(
+        table.contains("Leader") && table.contains(&leader),
+        "{table}"
+    );
+
     // The standby sends writes on to the leader and gives its answer.
     let unknown = http_at(
         servers[s].http_port,

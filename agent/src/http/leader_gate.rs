@@ -126,3 +126,22 @@ pub(crate) async fn status_leader(State(server): State<Arc<Server>>) -> axum::Js
     };
     axum::Json(leader.map(|l| l.rpc_addr).unwrap_or_default())
 }
+
+/// `GET /v1/status/peers`: the agent protocol address of every server
+/// that is there (`HOST:PORT`, as Nomad answers it).
+pub(crate) async fn status_peers(
+    State(server): State<Arc<Server>>,
+) -> Result<axum::Json<Vec<String>>, ApiError> {
+    let members = server.members().await?;
+    Ok(axum::Json(
+        members.into_iter().map(|m| m.identity.rpc_addr).collect(),
+    ))
+}
+
+/// `GET /v1/operator/servers`: the servers, the leader marked, with when
+/// each last said it was there (`berth server members`).
+pub(crate) async fn servers(
+    State(server): State<Arc<Server>>,
+) -> Result<axum::Json<Vec<berth_server::leader::Member>>, ApiError> {
+    Ok(axum::Json(server.members().await?))
+}

@@ -232,6 +232,24 @@ fn operations() -> Vec<Op> {
             "The leader's agent protocol address (HOST:PORT), empty while none is elected",
         )
         .answers(json!({ "type": "string" })),
+        op(
+            "get",
+            "/v1/status/peers",
+            "The agent protocol address (HOST:PORT) of every server that is there",
+        )
+        .answers(json!({ "type": "array", "items": { "type": "string" } })),
+        op(
+            "get",
+            "/v1/operator/servers",
+            "The servers: name, addresses, whether each leads, its last contact",
+        )
+        .answers(json!({ "type": "array", "items": object(json!({
+            "name": { "type": "string" },
+            "rpc_addr": { "type": "string" },
+            "http_addr": { "type": "string" },
+            "leader": { "type": "boolean" },
+            "last_contact_ms": { "type": "integer" },
+        }), &["name", "rpc_addr", "http_addr", "leader", "last_contact_ms"]) })),
         op("get", "/v1/jobs", "The jobs").list_of("Job"),
         op("put", "/v1/jobs", "Register (submit or update) a job and place its allocs")
             .body(object(

@@ -317,6 +317,8 @@ async fn every_read_of_the_server_api_answers_its_index_and_blocks() {
                     r.path,
                     "/v1/agent/health"
                         | "/v1/status/leader"
+                        | "/v1/status/peers"
+                        | "/v1/operator/servers"
                         | "/v1/volumes/snapshot"
                         | "/v1/node/intros"
                 )

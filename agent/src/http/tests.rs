@@ -698,3 +698,26 @@ async fn snapshot_routes_answer_in_the_one_shape_and_never_echo_secrets() {
         a.error_message()
     );
 }
+
+#[tokio::test]
+async fn the_one_server_of_an_embedded_store_leads_and_is_its_only_member() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut config = ServerConfig::new(dir.path());
+    config.identity = berth_server::leader::ServerIdentity {
+        name: "only".into(),
+        rpc_addr: "127.0.0.1:4647".into(),
+        http_addr: "127.0.0.1:4646".into(),
+    };
+    let server = Server::open(config).expect("open server");
+    let router = router(server);
+    let leader = get(&router, "/v1/status/leader").await;
+    assert_eq!(leader.status, StatusCode::OK);
+    assert_eq!(leader.body, br#""127.0.0.1:4647""#);
+    let members = get(&router, "/v1/operator/servers").await;
+    let v: Value = serde_json::from_slice(&members.body).unwrap();
+    assert_eq!(v.as_array().map(Vec::len), Some(1), "{v}");
+    assert_eq!(v[0]["name"], "only");
+    assert_eq!(v[0]["leader"], true);
+    let peers = get(&router, "/v1/status/peers").await;
+    assert_eq!(peers.body, br#"["127.0.0.1:4647"]"#);
+}

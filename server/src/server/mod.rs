@@ -222,9 +222,11 @@ impl Server {
         }
         let election_done = self.election.as_ref().map(|election| {
             let (done, done_rx) = tokio::sync::oneshot::channel();
-            let election = election.clone();
+            let (running, announcing) = (election.clone(), election.clone());
+            let stopped = election_stopped.clone();
             election.clone().spawn(async move {
-                election.run(election_stopped).await;
+                let members = announcing.announce(stopped);
+                tokio::join!(running.run(election_stopped), members);
                 let _ = done.send(());
             });
             done_rx
@@ -241,6 +243,7 @@ impl Server {
             if !self.take_up_leadership(term) {
                 continue;
             }
+            berth_metrics::set_leader(true);
             let (term_end, term_shutdown) = Shutdown::channel();
             let tasks = self.clone().start_leader_work(term_shutdown).await;
             let stopping = tokio::select! {
@@ -251,6 +254,7 @@ impl Server {
             for t in tasks {
                 let _ = t.await;
             }
+            berth_metrics::set_leader(false);
             if stopping {
                 break;
             }
@@ -309,6 +313,22 @@ impl Server {
                 async move { server.gc.run(shutdown).await }
             }),
         ]
+    }
+
+    /// The servers of the cluster, the leader marked: those that said
+    /// they are there in etcd, or this one alone on the embedded store.
+    pub async fn members(&self) -> Result<Vec<crate::leader::Member>, ServerError> {
+        match &self.election {
+            Some(election) => election
+                .members()
+                .await
+                .map_err(|e| ServerError::Unavailable(format!("listing the servers in etcd: {e}"))),
+            None => Ok(vec![crate::leader::Member {
+                identity: self.config.identity.clone(),
+                leader: true,
+                last_contact_ms: berth_structs::now_ms(),
+            }]),
+        }
     }
 
     /// What this server is now: the leader, or a standby.

@@ -333,7 +333,7 @@ impl Backend for EtcdBackend {
     fn commit(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
         let started = std::time::Instant::now();
         let committed = self.commit_once(index, changes);
-        berth_metrics::record_state_commit(berth_metrics::Db::Server, started.elapsed());
+        berth_metrics::record_state_commit(berth_metrics::Db::Etcd, started.elapsed());
         committed
     }
 }
@@ -431,10 +431,12 @@ impl EtcdBackend {
             Ok(refused) => {
                 if let Some((fence, term)) = term {
                     if etcd::got(&refused).map(|kv| kv.create_revision) != Some(term) {
+                        berth_metrics::record_store_write_conflict("not_leader");
                         fence.lost(term);
                         return Err(not_leader());
                     }
                 }
+                berth_metrics::record_store_write_conflict("moved");
                 Err(StoreError::Conflict(format!(
                     "the state in etcd was written by someone else since index {}; this \
                      server's write at index {index} is refused",

@@ -157,6 +157,10 @@ impl Follower {
                 // delivered.
                 next = next.max(h.revision + 1);
             }
+            if let Some(h) = &answer.header {
+                let behind = h.revision.saturating_sub(next - 1).max(0);
+                berth_metrics::metrics().etcd_watch_lag.set(behind);
+            }
         }
     }
 
