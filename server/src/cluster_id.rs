@@ -160,7 +160,7 @@ pub fn not_the_leader(leader: Option<&ServerIdentity>) -> String {
             l.name, l.rpc_addr, l.http_addr
         ),
         None => "no server leads right now: the servers are electing one, or cannot reach \
-                 etcd; try again"
+                 etcd (out of reach, or no quorum); try again"
             .into(),
     }
 }

@@ -10,6 +10,7 @@
 //! runtime's test and from a plain thread alike.
 
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 pub use berth_proto::etcd::etcdserverpb::WatchResponse;
@@ -39,6 +40,10 @@ pub struct EtcdConfig {
     pub request_timeout: Duration,
     /// The TTL of the leadership lease.
     pub lease_ttl: Duration,
+    /// Where the keyring that seals the secrets stored in etcd is (`None`:
+    /// `<data_dir>/server/keyring`). Every server on one prefix must hold
+    /// the same keys.
+    pub keyring_dir: Option<std::path::PathBuf>,
 }
 
 impl EtcdConfig {
@@ -52,6 +57,7 @@ impl EtcdConfig {
             dial_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(10),
             lease_ttl: Duration::from_secs(10),
+            keyring_dir: None,
         }
     }
 }
@@ -94,10 +100,11 @@ const RANGE_PAGE: i64 = 500;
 /// A client of one etcd cluster.
 #[derive(Clone)]
 pub struct EtcdClient {
-    kv: KvClient<Channel>,
-    lease: LeaseClient<Channel>,
-    watch: WatchClient<Channel>,
-    maintenance: MaintenanceClient<Channel>,
+    /// A channel to each member, in the order of the endpoints.
+    channels: std::sync::Arc<[Channel]>,
+    /// The member calls go to; a member that fails a call is left for the
+    /// next.
+    current: std::sync::Arc<AtomicUsize>,
     config: EtcdConfig,
     /// The runtime the calls run on (see the module's doc).
     rt: std::sync::Arc<ClientRuntime>,
@@ -136,15 +143,13 @@ impl EtcdClient {
             .enable_all()
             .build()
             .map_err(|e| EtcdError::Refused(format!("starting the etcd client: {e}")))?;
-        let channel = {
+        let channels: Vec<Channel> = {
             let _in = rt.enter();
-            Channel::balance_list(endpoints.into_iter())
+            endpoints.iter().map(Endpoint::connect_lazy).collect()
         };
         Ok(EtcdClient {
-            kv: KvClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
-            lease: LeaseClient::new(channel.clone()),
-            watch: WatchClient::new(channel.clone()).max_decoding_message_size(MAX_ANSWER_BYTES),
-            maintenance: MaintenanceClient::new(channel),
+            channels: channels.into(),
+            current: Default::default(),
             config,
             rt: std::sync::Arc::new(ClientRuntime(Some(rt))),
         })
@@ -228,27 +233,76 @@ impl EtcdClient {
         }
     }
 
+    /// Runs `call` on the member in use. A member that does not answer in
+    /// time, or answers that it cannot serve, is left for the next one;
+    /// a call that may be repeated (`again`) is then tried there, once per
+    /// member within the request timeout, and one that may not (a
+    /// transaction, which may have been applied) fails.
+    async fn on_member<T, F, Fut>(&self, again: bool, call: F) -> Result<T, EtcdError>
+    where
+        F: Fn(Channel) -> Fut,
+        Fut: Future<Output = Result<T, tonic::Status>>,
+    {
+        let members = self.channels.len();
+        let tries = if again { members } else { 1 };
+        let per_try = self.config.request_timeout / u32::try_from(tries).unwrap_or(1);
+        let mut last = self.unavailable("no member was tried".into());
+        for _ in 0..tries {
+            let i = self.current.load(Ordering::Relaxed) % members;
+            match tokio::time::timeout(per_try, call(self.channels[i].clone())).await {
+                Ok(Ok(answer)) => return Ok(answer),
+                Ok(Err(status)) => {
+                    let e = self.status_error(status);
+                    if !e.is_unavailable() {
+                        return Err(e);
+                    }
+                    last = e;
+                }
+                Err(_) => {
+                    last = self.unavailable(format!(
+                        "{} did not answer within {}",
+                        self.config.endpoints[i],
+                        humantime::format_duration(per_try)
+                    ));
+                }
+            }
+            // The next member, unless another call moved on already.
+            let _ = self.current.compare_exchange(
+                i,
+                (i + 1) % members,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+        Err(last)
+    }
+
     /// Every key under `prefix` (a byte prefix), read at one revision, in
     /// key order; and that revision. Read in pages, so that a large store
     /// is no single huge answer.
     pub async fn range_prefix(&self, prefix: &[u8]) -> Result<(Vec<KeyValue>, i64), EtcdError> {
         let end = prefix_end(prefix);
-        let mut kv = self.kv.clone();
         let mut out = Vec::new();
         let mut from = prefix.to_vec();
         let mut revision = 0;
         loop {
-            let answer = kv
-                .range(RangeRequest {
-                    key: from.clone(),
-                    range_end: end.clone(),
-                    limit: RANGE_PAGE,
-                    revision,
-                    ..Default::default()
+            let request = RangeRequest {
+                key: from.clone(),
+                range_end: end.clone(),
+                limit: RANGE_PAGE,
+                revision,
+                ..Default::default()
+            };
+            let answer = self
+                .on_member(true, |channel| {
+                    let request = request.clone();
+                    async move {
+                        let mut kv =
+                            KvClient::new(channel).max_decoding_message_size(MAX_ANSWER_BYTES);
+                        Ok(kv.range(request).await?.into_inner())
+                    }
                 })
-                .await
-                .map_err(|s| self.status_error(s))?
-                .into_inner();
+                .await?;
             if revision == 0 {
                 revision = answer.header.map_or(0, |h| h.revision);
             }
@@ -269,28 +323,30 @@ impl EtcdClient {
 
     /// The value of one key and its modify revision, if it is there.
     pub async fn get(&self, key: Vec<u8>) -> Result<Option<KeyValue>, EtcdError> {
+        let request = RangeRequest {
+            key,
+            ..Default::default()
+        };
         let answer = self
-            .kv
-            .clone()
-            .range(RangeRequest {
-                key,
-                ..Default::default()
+            .on_member(true, |channel| {
+                let request = request.clone();
+                async move { Ok(KvClient::new(channel).range(request).await?.into_inner()) }
             })
-            .await
-            .map_err(|s| self.status_error(s))?
-            .into_inner();
+            .await?;
         Ok(answer.kvs.into_iter().next())
     }
 
-    /// One transaction.
+    /// One transaction (tried on one member: it may have been applied
+    /// when its answer is lost).
     pub async fn txn(&self, txn: TxnRequest) -> Result<TxnResponse, EtcdError> {
-        Ok(self
-            .kv
-            .clone()
-            .txn(txn)
-            .await
-            .map_err(|s| self.status_error(s))?
-            .into_inner())
+        self.on_member(false, |channel| {
+            let txn = txn.clone();
+            async move {
+                let mut kv = KvClient::new(channel).max_decoding_message_size(MAX_ANSWER_BYTES);
+                Ok(kv.txn(txn).await?.into_inner())
+            }
+        })
+        .await
     }
 
     /// Watches every key under `prefix` from `start_revision` on: the
@@ -314,36 +370,53 @@ impl EtcdClient {
                 },
             )),
         };
-        // The request stream stays open (the watch lives as long as it);
-        // nothing more is sent on it.
-        let requests = tokio_stream::once(create).chain(tokio_stream::pending());
-        Ok(self
-            .watch
-            .clone()
-            .watch(requests)
-            .await
-            .map_err(|s| self.status_error(s))?
-            .into_inner())
+        self.on_member(true, |channel| {
+            let create = create.clone();
+            async move {
+                // The request stream stays open (the watch lives as long
+                // as it); nothing more is sent on it.
+                let requests = tokio_stream::once(create).chain(tokio_stream::pending());
+                let mut watch =
+                    WatchClient::new(channel).max_decoding_message_size(MAX_ANSWER_BYTES);
+                Ok(watch.watch(requests).await?.into_inner())
+            }
+        })
+        .await
     }
 
-    /// The error a failed watch answer stands for.
+    /// The error a failed watch answer stands for; the watch is started
+    /// again on the next member.
     pub fn watch_error(&self, status: tonic::Status) -> EtcdError {
+        self.leave_member();
         self.status_error(status)
+    }
+
+    /// Moves calls on to the next member (one that holds a watch stream
+    /// open without answering, say).
+    pub fn leave_member(&self) {
+        let members = self.channels.len();
+        let _ = self
+            .current
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |i| {
+                Some((i + 1) % members)
+            });
     }
 
     /// A lease of `ttl` (whole seconds, at least one).
     pub async fn lease_grant(&self, ttl: Duration) -> Result<i64, EtcdError> {
         let seconds = i64::try_from(ttl.as_secs().max(1)).unwrap_or(i64::MAX);
         let answer = self
-            .lease
-            .clone()
-            .lease_grant(LeaseGrantRequest {
-                ttl: seconds,
-                id: 0,
+            .on_member(true, |channel| async move {
+                let request = LeaseGrantRequest {
+                    ttl: seconds,
+                    id: 0,
+                };
+                Ok(LeaseClient::new(channel)
+                    .lease_grant(request)
+                    .await?
+                    .into_inner())
             })
-            .await
-            .map_err(|s| self.status_error(s))?
-            .into_inner();
+            .await?;
         if !answer.error.is_empty() {
             return Err(EtcdError::Refused(answer.error));
         }
@@ -352,56 +425,56 @@ impl EtcdClient {
 
     /// Keeps lease `id` alive once; the TTL it has left (0: it expired).
     pub async fn lease_keep_alive(&self, id: i64) -> Result<i64, EtcdError> {
-        let request = tokio_stream::once(LeaseKeepAliveRequest { id });
-        let mut answers = self
-            .lease
-            .clone()
-            .lease_keep_alive(request)
-            .await
-            .map_err(|s| self.status_error(s))?
-            .into_inner();
-        match answers.message().await {
-            Ok(Some(answer)) => Ok(answer.ttl),
-            Ok(None) => Err(self.unavailable("the keep-alive stream ended".into())),
-            Err(s) => Err(self.status_error(s)),
-        }
+        self.on_member(true, |channel| async move {
+            let request = tokio_stream::once(LeaseKeepAliveRequest { id });
+            let mut answers = LeaseClient::new(channel)
+                .lease_keep_alive(request)
+                .await?
+                .into_inner();
+            match answers.message().await? {
+                Some(answer) => Ok(answer.ttl),
+                None => Err(tonic::Status::unavailable("the keep-alive stream ended")),
+            }
+        })
+        .await
     }
 
     /// Revokes lease `id`: the keys bound to it go at once.
     pub async fn lease_revoke(&self, id: i64) -> Result<(), EtcdError> {
-        self.lease
-            .clone()
-            .lease_revoke(LeaseRevokeRequest { id })
-            .await
-            .map_err(|s| self.status_error(s))?;
-        Ok(())
+        self.on_member(true, |channel| async move {
+            LeaseClient::new(channel)
+                .lease_revoke(LeaseRevokeRequest { id })
+                .await?;
+            Ok(())
+        })
+        .await
     }
 
     /// Compacts away every revision before `revision` (what an operator,
     /// or etcd's auto-compaction, does to keep its history small).
     pub async fn compact(&self, revision: i64) -> Result<(), EtcdError> {
-        self.kv
-            .clone()
-            .compact(berth_proto::etcd::etcdserverpb::CompactionRequest {
+        self.on_member(true, |channel| async move {
+            let request = berth_proto::etcd::etcdserverpb::CompactionRequest {
                 revision,
                 physical: true,
-            })
-            .await
-            .map_err(|s| self.status_error(s))?;
-        Ok(())
+            };
+            KvClient::new(channel).compact(request).await?;
+            Ok(())
+        })
+        .await
     }
 
     /// The version of the member that answers (a check that etcd is
     /// there).
     pub async fn version(&self) -> Result<String, EtcdError> {
-        let answer = self
-            .maintenance
-            .clone()
-            .status(StatusRequest {})
-            .await
-            .map_err(|s| self.status_error(s))?
-            .into_inner();
-        Ok(answer.version)
+        self.on_member(true, |channel| async move {
+            Ok(MaintenanceClient::new(channel)
+                .status(StatusRequest {})
+                .await?
+                .into_inner()
+                .version)
+        })
+        .await
     }
 }
 
@@ -543,5 +616,47 @@ mod tests {
             .unwrap();
         assert!(e.to_string().contains("\"10.0.0.1:2379\""), "{e}");
         assert!(EtcdClient::new(EtcdConfig::new(vec![])).is_err());
+    }
+
+    #[test]
+    fn calls_go_on_to_the_next_member_when_one_is_down_or_stopped() {
+        let mut cluster = berth_testutil::etcd::EtcdCluster::start(3);
+        let client = EtcdClient::new(EtcdConfig {
+            request_timeout: Duration::from_secs(3),
+            ..EtcdConfig::new(cluster.endpoints())
+        })
+        .unwrap();
+        let write = |value: &'static str| {
+            let c = client.clone();
+            client.block_on(async move {
+                c.txn(TxnRequest {
+                    compare: vec![],
+                    success: vec![put(c.key("k"), value.as_bytes().to_vec())],
+                    failure: vec![],
+                })
+                .await
+            })
+        };
+        let read = || {
+            let c = client.clone();
+            client.block_on(async move { c.get(c.key("k")).await })
+        };
+        write("one").expect("all members up");
+        // The member in use dies: a read goes on to the next at once; a
+        // transaction fails once (it is not repeated) and goes on after.
+        cluster.members[0].kill();
+        let value = read().expect("a read with the first member down");
+        assert_eq!(value.map(|kv| kv.value), Some(b"one".to_vec()));
+        let _ = write("two");
+        write("two").expect("a write with the first member down");
+        // The first comes back, and the one in use now stops answering
+        // (SIGSTOP): reads still answer, from another.
+        cluster.members[0].restart();
+        cluster.members[1].pause();
+        let started = std::time::Instant::now();
+        let value = read().expect("a read with a member stopped");
+        assert_eq!(value.map(|kv| kv.value), Some(b"two".to_vec()));
+        assert!(started.elapsed() < Duration::from_secs(3));
+        cluster.members[1].resume();
     }
 }

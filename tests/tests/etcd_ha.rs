@@ -14,12 +14,16 @@ use berth_testutil::etcd::Etcd;
 
 const LEASE_TTL: Duration = Duration::from_secs(3);
 
-fn server(etcd: &Etcd) -> Result<Server> {
+/// A server on `etcd`, with the keyring in `keys` (the same for every
+/// server of the cluster).
+fn server(etcd: &Etcd, keys: &std::path::Path) -> Result<Server> {
     Server::start_with(
         "store = \"etcd\"\n  min_heartbeat_ttl = \"2s\"\n  heartbeat_grace = \"2s\"",
         &format!(
-            "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/ha\"\n  lease_ttl = \"3s\"\n}}",
-            etcd.endpoint()
+            "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/ha\"\n  lease_ttl = \"3s\"\n  \
+             keyring_dir = \"{}\"\n}}",
+            etcd.endpoint(),
+            keys.display()
         ),
     )
 }
@@ -36,7 +40,8 @@ fn leader_of(server: &Server) -> Result<String> {
 #[test]
 fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
     let etcd = Etcd::start();
-    let mut servers = [server(&etcd)?, server(&etcd)?];
+    let keys = tempfile::tempdir()?;
+    let mut servers = [server(&etcd, keys.path())?, server(&etcd, keys.path())?];
     let leader = wait_for("one leader both agree on", Duration::from_secs(15), || {
         let (a, b) = (leader_of(&servers[0])?, leader_of(&servers[1])?);
         Ok((!a.is_empty() && a == b).then_some(a))

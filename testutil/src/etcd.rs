@@ -7,12 +7,59 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// One etcd member, a cluster of its own.
+/// One etcd member: a cluster of its own ([`Etcd::start`]), or one of an
+/// [`EtcdCluster`].
 pub struct Etcd {
     child: Option<Child>,
     dir: tempfile::TempDir,
+    name: String,
     client_port: u16,
     peer_port: u16,
+    /// `--initial-cluster`: every member's name and peer URL.
+    initial_cluster: String,
+}
+
+/// Several etcd members that form one cluster.
+pub struct EtcdCluster {
+    pub members: Vec<Etcd>,
+}
+
+impl EtcdCluster {
+    /// Starts `n` members and waits until each answers healthy.
+    pub fn start(n: usize) -> EtcdCluster {
+        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+        let initial_cluster = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut members: Vec<Etcd> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, &(client_port, peer_port))| Etcd {
+                child: None,
+                dir: tempfile::tempdir().expect("etcd temp dir"),
+                name: format!("m{i}"),
+                client_port,
+                peer_port,
+                initial_cluster: initial_cluster.clone(),
+            })
+            .collect();
+        // All at once: a member waits for the others to elect a leader.
+        for m in &mut members {
+            m.spawn();
+        }
+        for m in &mut members {
+            m.wait_until_ready();
+        }
+        EtcdCluster { members }
+    }
+
+    /// Every member's endpoint.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(Etcd::endpoint).collect()
+    }
 }
 
 /// The etcd binary: `$BERTH_TEST_ETCD`, or `etcd` on the `PATH`.
@@ -32,11 +79,14 @@ fn free_port() -> u16 {
 impl Etcd {
     /// Starts a one-member cluster and waits until it answers.
     pub fn start() -> Etcd {
+        let peer_port = free_port();
         let mut etcd = Etcd {
             child: None,
             dir: tempfile::tempdir().expect("etcd temp dir"),
+            name: "m0".into(),
             client_port: free_port(),
-            peer_port: free_port(),
+            peer_port,
+            initial_cluster: format!("m0=http://127.0.0.1:{peer_port}"),
         };
         etcd.run();
         etcd
@@ -52,10 +102,19 @@ impl Etcd {
     }
 
     fn run(&mut self) {
+        self.spawn();
+        self.wait_until_ready();
+    }
+
+    fn spawn(&mut self) {
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
-        let log = std::fs::File::create(self.dir.path().join("etcd.log")).expect("etcd log");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("etcd.log"))
+            .expect("etcd log");
         let child = Command::new(etcd_binary())
-            .arg("--name=m0")
+            .arg(format!("--name={}", self.name))
             .arg(format!(
                 "--data-dir={}",
                 self.dir.path().join("data").display()
@@ -64,7 +123,7 @@ impl Etcd {
             .arg(format!("--advertise-client-urls={}", self.endpoint()))
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
-            .arg(format!("--initial-cluster=m0={peer}"))
+            .arg(format!("--initial-cluster={}", self.initial_cluster))
             .arg("--max-txn-ops=10000")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -77,7 +136,6 @@ impl Etcd {
                 )
             });
         self.child = Some(child);
-        self.wait_until_ready();
     }
 
     /// Waits until the member serves its health endpoint.
@@ -117,15 +175,43 @@ impl Etcd {
         }
     }
 
-    /// Starts the member again on its data and ports.
+    /// Starts the member again on its data and ports, and waits until it
+    /// answers healthy (in a cluster: until it has a leader).
     pub fn restart(&mut self) {
         self.kill();
         self.run();
+    }
+
+    /// Starts a killed member again without waiting (a member of a
+    /// cluster without quorum waits for the others).
+    pub fn restart_in_background(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// Stops the member (SIGSTOP): it holds its connections and answers
+    /// nothing, as a machine cut off from the network.
+    pub fn pause(&self) {
+        self.signal(nix::sys::signal::Signal::SIGSTOP);
+    }
+
+    /// Lets a paused member go on (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(nix::sys::signal::Signal::SIGCONT);
+    }
+
+    fn signal(&self, signal: nix::sys::signal::Signal) {
+        if let Some(child) = &self.child {
+            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+            nix::sys::signal::kill(pid, signal).expect("signal etcd");
+        }
     }
 }
 
 impl Drop for Etcd {
     fn drop(&mut self) {
+        // A paused member does not die of SIGKILL until it runs again.
+        self.resume();
         self.kill();
     }
 }

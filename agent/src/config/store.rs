@@ -9,6 +9,7 @@
 //!   dial_timeout    = "5s"
 //!   request_timeout = "10s"
 //!   lease_ttl       = "10s"
+//!   keyring_dir     = "/etc/berth.d/keyring"   # the same keys on every server
 //! }
 //! ```
 //!
@@ -36,6 +37,7 @@ pub struct EtcdSection {
     pub dial_timeout: Option<Duration>,
     pub request_timeout: Option<Duration>,
     pub lease_ttl: Option<Duration>,
+    pub keyring_dir: Option<std::path::PathBuf>,
 }
 
 impl EtcdSection {
@@ -48,6 +50,7 @@ impl EtcdSection {
             dial_timeout: later.dial_timeout.or(self.dial_timeout),
             request_timeout: later.request_timeout.or(self.request_timeout),
             lease_ttl: later.lease_ttl.or(self.lease_ttl),
+            keyring_dir: later.keyring_dir.or(self.keyring_dir),
         }
     }
 
@@ -66,6 +69,7 @@ impl EtcdSection {
                 "dial_timeout",
                 "request_timeout",
                 "lease_ttl",
+                "keyring_dir",
             ],
             &[],
         )?;
@@ -90,9 +94,16 @@ impl EtcdSection {
             // alive well before it runs out.
             return Err(e.invalid("lease_ttl", "must be at least 2s"));
         }
+        let keyring_dir = match e.string("keyring_dir")? {
+            Some(d) if !std::path::Path::new(&d).is_absolute() => {
+                return Err(e.invalid("keyring_dir", format!("{d:?} must be an absolute path")))
+            }
+            d => d.map(std::path::PathBuf::from),
+        };
         Ok(EtcdSection {
             endpoints,
             prefix,
+            keyring_dir,
             dial_timeout: positive("dial_timeout")?,
             request_timeout: positive("request_timeout")?,
             lease_ttl,
@@ -114,6 +125,7 @@ impl EtcdSection {
         if let Some(d) = self.lease_ttl {
             c.lease_ttl = d;
         }
+        c.keyring_dir = self.keyring_dir.clone();
         c
     }
 }
@@ -213,6 +225,10 @@ mod tests {
             ("etcd {\n prefix = \"berth\"\n}", "not a key prefix"),
             ("etcd {\n lease_ttl = \"1s\"\n}", "at least 2s"),
             ("etcd {\n dial_timeout = \"1ms\"\n}", "at least 100ms"),
+            (
+                "etcd {\n keyring_dir = \"keys\"\n}",
+                "must be an absolute path",
+            ),
             ("etcd {\n endpoint = []\n}", "\"endpoint\" in etcd"),
         ] {
             let e = parse(text).expect_err(text);

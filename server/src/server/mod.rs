@@ -125,9 +125,13 @@ fn open_store(config: &ServerConfig) -> Result<OpenedStore, ServerError> {
         crate::StoreConfig::Etcd(etcd) => {
             let client = crate::etcd::EtcdClient::new(etcd.clone())
                 .map_err(|e| ServerError::BadRequest(format!("etcd: {e}")))?;
-            let keyring_dir = state_dir.join(crate::keyring::KEYRING_DIR);
+            let keyring_dir = etcd
+                .keyring_dir
+                .clone()
+                .unwrap_or_else(|| state_dir.join(crate::keyring::KEYRING_DIR));
             let fence = Arc::new(Fence::default());
             let backend = EtcdBackend::open(client.clone(), &keyring_dir)?.fenced(fence.clone());
+            backend.check_keyring()?;
             let cluster_id = backend.cluster_id()?;
             let follower = backend.follower();
             let election = Election::new(client, config.identity.clone(), fence);

@@ -34,6 +34,9 @@ use crate::leader::{Fence, LEADER_KEY};
 pub(super) const META_INDEX: &str = "meta/index";
 const META_SCHEMA: &str = "meta/schema";
 const META_CLUSTER_ID: &str = "meta/cluster-id";
+/// The IDs of the keys the cluster's secrets are sealed with, the active
+/// one last: every server must hold them all.
+const META_KEYRING: &str = "meta/keyring";
 pub(super) const NODE_SECRETS: &str = "node_secrets";
 const QUARANTINE: &str = "quarantine";
 
@@ -97,6 +100,54 @@ impl EtcdBackend {
             self.keyring.clone(),
             self.loaded_revision.clone(),
         )
+    }
+
+    /// Checks that this server's keyring is the cluster's: the first
+    /// server records the IDs of its keys in etcd; every other must hold
+    /// them all, and seal with the same active key, or it could neither
+    /// open the secrets the others sealed nor seal any they could open.
+    pub fn check_keyring(&self) -> Result<(), StoreError> {
+        let ours = self.keyring.key_ids();
+        let active = self.keyring.active_id();
+        let recorded = serde_json::to_vec(&ours).unwrap_or_default();
+        let theirs = self.patiently("check the keyring", || {
+            let client = self.client.clone();
+            let key = client.key(META_KEYRING);
+            let recorded = recorded.clone();
+            async move {
+                let made = client
+                    .txn(etcd::TxnRequest {
+                        compare: vec![etcd::absent(key.clone())],
+                        success: vec![etcd::put(key.clone(), recorded.clone())],
+                        failure: vec![etcd::get(key)],
+                    })
+                    .await?;
+                Ok(if made.succeeded {
+                    recorded
+                } else {
+                    etcd::got(&made)
+                        .map(|kv| kv.value.clone())
+                        .unwrap_or_default()
+                })
+            }
+        })?;
+        let theirs: Vec<String> = serde_json::from_slice(&theirs).map_err(|e| {
+            StoreError::Corrupt(format!("the keyring IDs in etcd do not read: {e}"))
+        })?;
+        let missing: Vec<&String> = theirs.iter().filter(|id| !ours.contains(id)).collect();
+        if missing.is_empty() && theirs.last() == Some(&active) {
+            return Ok(());
+        }
+        Err(StoreError::Corrupt(format!(
+            "this server's keyring ({}) is not the cluster's: the servers on etcd seal secrets \
+             with key {} (keys {}), this one holds {}; copy the keyring directory of a server of \
+             the cluster to every server (or point server {{ keyring_dir }} at a copy) before \
+             starting it",
+            self.keyring.dir().display(),
+            theirs.last().map_or("?", String::as_str),
+            theirs.join(", "),
+            ours.join(", "),
+        )))
     }
 
     /// The cluster ID kept in etcd, made (a UUID) by the first server that
@@ -699,6 +750,36 @@ mod tests {
         );
         assert!(!keys.contains(&"/q/jobs/bad".to_string()), "{keys:?}");
         put(&opened.store, vec![job("next")]).expect("writes go on");
+    }
+
+    #[test]
+    fn a_server_whose_keyring_is_not_the_clusters_is_refused_naming_both() {
+        let etcd = Etcd::start();
+        let (first, second) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        backend(&etcd, "/k", first.path())
+            .check_keyring()
+            .expect("the first server's keyring becomes the cluster's");
+        backend(&etcd, "/k", first.path())
+            .check_keyring()
+            .expect("the same keys again");
+        let other = backend(&etcd, "/k", second.path());
+        let refused = other.check_keyring().unwrap_err().to_string();
+        assert!(refused.contains("is not the cluster's"), "{refused}");
+        assert!(refused.contains(&other.keyring.active_id()), "{refused}");
+        // A copy of the first keyring is the cluster's.
+        let copy = tempfile::tempdir().unwrap();
+        std::fs::create_dir(copy.path().join("keyring")).unwrap();
+        for entry in std::fs::read_dir(first.path().join("keyring")).unwrap() {
+            let path = entry.unwrap().path();
+            std::fs::copy(
+                &path,
+                copy.path().join("keyring").join(path.file_name().unwrap()),
+            )
+            .unwrap();
+        }
+        backend(&etcd, "/k", copy.path())
+            .check_keyring()
+            .expect("a copy of the cluster's keyring");
     }
 
     #[test]
