@@ -108,6 +108,11 @@ pub fn server_routes() -> Routes<Arc<Server>> {
             Need::Operator(Level::Read),
             leader_gate::servers,
         )
+        .get(
+            "/v1/operator/store",
+            Need::Operator(Level::Read),
+            leader_gate::store_health,
+        )
         .get("/v1/jobs", ns(Capability::ListJobs), list_jobs)
         .put("/v1/jobs", ns(Capability::SubmitJob), register_job)
         .get("/v1/job/{id}", ns(Capability::ReadJob), get_job)

@@ -60,6 +60,9 @@ enum Figure {
     /// Job submissions while N volume claims are released at once, with
     /// the scheduler planning on a snapshot and inside the store's writer.
     ConcurrentWriters(concurrent_writers::Args),
+    /// Job submit latency and placement throughput of a server on the
+    /// embedded store against one on etcd, in one run.
+    Stores(stores::Args),
     /// Every figure at a tiny size, so that none can rot (CI runs this).
     Smoke,
 }
@@ -77,6 +80,7 @@ fn main() -> ExitCode {
         Figure::ClaimsRelease(a) => claims_release::run(&a),
         Figure::Scheduler(a) => scheduler::run(&a),
         Figure::ConcurrentWriters(a) => concurrent_writers::run(&a),
+        Figure::Stores(a) => stores::run(&a),
         Figure::Smoke => smoke(),
     };
     match result {
@@ -92,7 +96,7 @@ fn main() -> ExitCode {
 /// ends the run.
 fn smoke() -> anyhow::Result<()> {
     type SmokeRun = fn() -> anyhow::Result<()>;
-    let figures: [(&str, SmokeRun); 10] = [
+    let figures: [(&str, SmokeRun); 11] = [
         ("job-run", job_run::smoke),
         ("job-run-csi", job_run_csi::smoke),
         ("stop-claim-free", stop_claim_free::smoke),
@@ -103,6 +107,7 @@ fn smoke() -> anyhow::Result<()> {
         ("claims-release", claims_release::smoke),
         ("scheduler", scheduler::smoke),
         ("concurrent-writers", concurrent_writers::smoke),
+        ("stores", stores::smoke),
     ];
     for (name, run) in figures {
         println!("== smoke: {name}");

@@ -1,4 +1,4 @@
-//! `berth operator root keyring rotate`.
+//! `berth operator root keyring rotate` and `berth operator store`.
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
@@ -13,6 +13,16 @@ pub enum OperatorCommand {
     /// state database
     #[command(subcommand)]
     Root(RootCommand),
+    /// Where the servers keep their state and, on etcd, each member's
+    /// health
+    Store(StoreArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct StoreArgs {
+    /// Print the API's JSON
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Subcommand, Debug)]
@@ -41,7 +51,47 @@ pub fn run(cmd: OperatorCommand, ctx: &Ctx) -> Result<i32> {
         OperatorCommand::Root(RootCommand::Keyring(KeyringCommand::Rotate(a))) => {
             keyring_rotate(a, ctx.api())
         }
+        OperatorCommand::Store(a) => store(a, ctx.api()),
     }
+}
+
+fn store(a: StoreArgs, api: &ApiClient) -> Result<i32> {
+    let v = api.get("/v1/operator/store")?;
+    if a.json {
+        return print_json(&v);
+    }
+    let kind = v["store"].as_str().unwrap_or_default();
+    match v["prefix"].as_str() {
+        Some(prefix) => println!("Store: {kind} (prefix {prefix})"),
+        None => println!("Store: {kind}"),
+    }
+    let members = v["members"].as_array().cloned().unwrap_or_default();
+    if members.is_empty() {
+        return Ok(0);
+    }
+    let mut table =
+        super::output::Table::new(["Endpoint", "Health", "Leader", "Version", "Problem"]);
+    let mut unhealthy = 0;
+    for m in &members {
+        let healthy = m["healthy"].as_bool().unwrap_or(false);
+        unhealthy += usize::from(!healthy);
+        let problems: Vec<&str> = m["errors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.as_str())
+            .collect();
+        table.push([
+            m["endpoint"].as_str().unwrap_or_default().to_string(),
+            if healthy { "healthy" } else { "unhealthy" }.to_string(),
+            m["is_leader"].as_bool().unwrap_or(false).to_string(),
+            m["version"].as_str().unwrap_or_default().to_string(),
+            problems.join("; "),
+        ]);
+    }
+    super::output::print_lines(table.lines());
+    // A member down is worth a nonzero exit for scripts.
+    Ok(i32::from(unhealthy > 0))
 }
 
 fn keyring_rotate(a: RotateArgs, api: &ApiClient) -> Result<i32> {

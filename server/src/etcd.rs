@@ -84,6 +84,21 @@ impl EtcdError {
     }
 }
 
+/// One etcd member as `berth operator store` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MemberHealth {
+    pub endpoint: String,
+    /// It answered, has a leader and reports no error.
+    pub healthy: bool,
+    pub version: String,
+    /// It is etcd's own leader.
+    pub is_leader: bool,
+    pub db_size_bytes: i64,
+    pub raft_index: u64,
+    /// What it reported wrong, or why it did not answer.
+    pub errors: Vec<String>,
+}
+
 /// What the etcd servers say when a transaction exceeds their limits, and
 /// the flag that raises each.
 const LIMITS: [(&str, &str); 2] = [
@@ -93,6 +108,9 @@ const LIMITS: [(&str, &str); 2] = [
 
 /// The largest answer taken from etcd (a page of a range).
 const MAX_ANSWER_BYTES: usize = 256 * 1024 * 1024;
+
+/// The pause after a round of the members that all failed a call.
+const RETRY_PAUSE: Duration = Duration::from_millis(200);
 
 /// Keys a range answers at most at once.
 const RANGE_PAGE: i64 = 500;
@@ -235,37 +253,44 @@ impl EtcdClient {
 
     /// Runs `call` on the member in use. A member that does not answer in
     /// time, or answers that it cannot serve, is left for the next one;
-    /// a call that may be repeated (`again`) is then tried there, once per
-    /// member within the request timeout, and one that may not (a
-    /// transaction, which may have been applied) fails.
+    /// a call that may be repeated (`again`) is then tried there, and on
+    /// round the members (a pause after each round: an election among
+    /// them takes a moment) until the request timeout, and one that may
+    /// not (a transaction, which may have been applied) fails.
     async fn on_member<T, F, Fut>(&self, again: bool, call: F) -> Result<T, EtcdError>
     where
         F: Fn(Channel) -> Fut,
         Fut: Future<Output = Result<T, tonic::Status>>,
     {
         let members = self.channels.len();
-        let tries = if again { members } else { 1 };
-        let per_try = self.config.request_timeout / u32::try_from(tries).unwrap_or(1);
-        let mut last = self.unavailable("no member was tried".into());
-        for _ in 0..tries {
+        let timeout = self.config.request_timeout;
+        let per_try = if again {
+            timeout / u32::try_from(members).unwrap_or(1)
+        } else {
+            timeout
+        };
+        let started = tokio::time::Instant::now();
+        let mut tries = 0usize;
+        loop {
             let i = self.current.load(Ordering::Relaxed) % members;
-            match tokio::time::timeout(per_try, call(self.channels[i].clone())).await {
+            let left = timeout.saturating_sub(started.elapsed());
+            let last = match tokio::time::timeout(per_try.min(left), call(self.channels[i].clone()))
+                .await
+            {
                 Ok(Ok(answer)) => return Ok(answer),
                 Ok(Err(status)) => {
                     let e = self.status_error(status);
                     if !e.is_unavailable() {
                         return Err(e);
                     }
-                    last = e;
+                    e
                 }
-                Err(_) => {
-                    last = self.unavailable(format!(
-                        "{} did not answer within {}",
-                        self.config.endpoints[i],
-                        humantime::format_duration(per_try)
-                    ));
-                }
-            }
+                Err(_) => self.unavailable(format!(
+                    "{} did not answer within {}",
+                    self.config.endpoints[i],
+                    humantime::format_duration(per_try.min(left))
+                )),
+            };
             // The next member, unless another call moved on already.
             let _ = self.current.compare_exchange(
                 i,
@@ -273,8 +298,14 @@ impl EtcdClient {
                 Ordering::Relaxed,
                 Ordering::Relaxed,
             );
+            tries += 1;
+            if !again || started.elapsed() + RETRY_PAUSE >= timeout {
+                return Err(last);
+            }
+            if tries.is_multiple_of(members) {
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
         }
-        Err(last)
     }
 
     /// Every key under `prefix` (a byte prefix), read at one revision, in
@@ -462,6 +493,51 @@ impl EtcdClient {
             Ok(())
         })
         .await
+    }
+
+    /// Each member's health, asked of each at once (within the dial
+    /// timeout).
+    pub async fn member_health(&self) -> Vec<MemberHealth> {
+        let asks = self
+            .channels
+            .iter()
+            .zip(&self.config.endpoints)
+            .map(|(channel, endpoint)| {
+                let channel = channel.clone();
+                let wait = self.config.dial_timeout;
+                async move {
+                    let mut client = MaintenanceClient::new(channel);
+                    let answer = tokio::time::timeout(wait, client.status(StatusRequest {})).await;
+                    let mut health = MemberHealth {
+                        endpoint: endpoint.clone(),
+                        ..MemberHealth::default()
+                    };
+                    match answer {
+                        Ok(Ok(status)) => {
+                            let status = status.into_inner();
+                            let member = status.header.as_ref().map_or(0, |h| h.member_id);
+                            health.healthy = status.errors.is_empty() && status.leader != 0;
+                            health.version = status.version;
+                            health.is_leader = member != 0 && member == status.leader;
+                            health.db_size_bytes = status.db_size;
+                            health.raft_index = status.raft_index;
+                            health.errors = status.errors;
+                            if status.leader == 0 {
+                                health
+                                    .errors
+                                    .push("no leader: the member has no quorum".into());
+                            }
+                        }
+                        Ok(Err(e)) => health.errors.push(e.message().to_string()),
+                        Err(_) => health.errors.push(format!(
+                            "no answer within {}",
+                            humantime::format_duration(wait)
+                        )),
+                    }
+                    health
+                }
+            });
+        futures_util::future::join_all(asks).await
     }
 
     /// The version of the member that answers (a check that etcd is

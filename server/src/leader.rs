@@ -149,6 +149,11 @@ impl Election {
         (ttl, ttl.saturating_sub(margin), keep_alive_every)
     }
 
+    /// Each etcd member's health.
+    pub async fn member_health(&self) -> Vec<crate::etcd::MemberHealth> {
+        self.client.member_health().await
+    }
+
     /// The servers that said they are there within their lease, by
     /// name, the leader marked.
     pub async fn members(&self) -> Result<Vec<Member>, EtcdError> {

@@ -59,5 +59,5 @@ pub use server::plan::{
     DiffKind, DiffOp, FieldDiff, GroupPlan, GroupSummary, JobDiff, JobPlan, JobSummary,
     PlannedAlloc, StoppedAlloc,
 };
-pub use server::Server;
+pub use server::{Server, StoreHealth};
 pub use state::Table;

@@ -53,6 +53,7 @@ const COMMANDS: &[&str] = &[
     "operator root",
     "operator root keyring",
     "operator root keyring rotate",
+    "operator store",
     "plugin",
     "plugin status",
     "server",

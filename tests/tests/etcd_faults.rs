@@ -266,8 +266,17 @@ fn one_etcd_member_lost_changes_nothing_and_two_stop_writes_but_mark_no_node_dow
         running_alloc(lead, "before")
     })?;
 
-    // One member lost: writes go on.
+    // One member lost: writes go on, and the operator sees which.
     etcd.members[0].kill();
+    let store = follower.get("/v1/operator/store")?;
+    assert_eq!(store["store"], "etcd", "{store}");
+    let healthy: Vec<bool> = store["members"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| m["healthy"] == true)
+        .collect();
+    assert_eq!(healthy, [false, true, true], "{store}");
     wait_for(
         "a write with one member lost",
         Duration::from_secs(10),

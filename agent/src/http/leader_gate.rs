@@ -145,3 +145,11 @@ pub(crate) async fn servers(
 ) -> Result<axum::Json<Vec<berth_server::leader::Member>>, ApiError> {
     Ok(axum::Json(server.members().await?))
 }
+
+/// `GET /v1/operator/store`: where the state is kept and, on etcd, each
+/// member's health (`berth operator store`).
+pub(crate) async fn store_health(
+    State(server): State<Arc<Server>>,
+) -> axum::Json<berth_server::StoreHealth> {
+    axum::Json(server.store_health().await)
+}

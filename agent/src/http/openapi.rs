@@ -250,6 +250,27 @@ fn operations() -> Vec<Op> {
             "leader": { "type": "boolean" },
             "last_contact_ms": { "type": "integer" },
         }), &["name", "rpc_addr", "http_addr", "leader", "last_contact_ms"]) })),
+        op(
+            "get",
+            "/v1/operator/store",
+            "Where the state is kept and, on etcd, each member's health",
+        )
+        .answers(object(
+            json!({
+                "store": { "enum": ["embedded", "etcd"] },
+                "prefix": { "type": ["string", "null"] },
+                "members": { "type": "array", "items": object(json!({
+                    "endpoint": { "type": "string" },
+                    "healthy": { "type": "boolean" },
+                    "version": { "type": "string" },
+                    "is_leader": { "type": "boolean" },
+                    "db_size_bytes": { "type": "integer" },
+                    "raft_index": { "type": "integer" },
+                    "errors": { "type": "array", "items": { "type": "string" } },
+                }), &["endpoint", "healthy", "errors"]) },
+            }),
+            &["store", "members"],
+        )),
         op("get", "/v1/jobs", "The jobs").list_of("Job"),
         op("put", "/v1/jobs", "Register (submit or update) a job and place its allocs")
             .body(object(

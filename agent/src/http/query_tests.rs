@@ -319,6 +319,7 @@ async fn every_read_of_the_server_api_answers_its_index_and_blocks() {
                         | "/v1/status/leader"
                         | "/v1/status/peers"
                         | "/v1/operator/servers"
+                        | "/v1/operator/store"
                         | "/v1/volumes/snapshot"
                         | "/v1/node/intros"
                 )

@@ -11,3 +11,4 @@ pub mod reattach;
 pub mod scheduler;
 pub mod server_scale;
 pub mod stop_claim_free;
+pub mod stores;

@@ -98,6 +98,17 @@ pub struct Server {
     follower: Mutex<Option<Follower>>,
 }
 
+/// Where the state is kept, as `berth operator store` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct StoreHealth {
+    /// `embedded` or `etcd`.
+    pub store: &'static str,
+    /// The key prefix on etcd.
+    pub prefix: Option<String>,
+    /// Each etcd member's health.
+    pub members: Vec<crate::etcd::MemberHealth>,
+}
+
 /// The state store `config.store` names, loaded, and what comes with it.
 struct OpenedStore {
     store: StateStore,
@@ -332,6 +343,22 @@ impl Server {
                 leader: true,
                 last_contact_ms: berth_structs::now_ms(),
             }]),
+        }
+    }
+
+    /// Where the state is kept and, on etcd, each member's health.
+    pub async fn store_health(&self) -> StoreHealth {
+        match (&self.config.store, &self.election) {
+            (crate::StoreConfig::Etcd(etcd), Some(election)) => StoreHealth {
+                store: "etcd",
+                prefix: Some(etcd.prefix.clone()),
+                members: election.member_health().await,
+            },
+            _ => StoreHealth {
+                store: "embedded",
+                prefix: None,
+                members: Vec::new(),
+            },
         }
     }
 
