@@ -157,5 +157,127 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
         Duration::from_secs(10),
         || Ok((leader_of(&servers[l])? == standby_rpc).then_some(())),
     )?;
+    // It caught up through the watch: a write of the new leader's shows
+    // on it, and both answer alike.
+    servers[s].run_job(
+        "after-restart",
+        &sleeping_service_job("after-restart", 0, 1),
+    )?;
+    let index = servers[s].get("/v1/job/after-restart")?["modify_index"].clone();
+    wait_for(
+        "the restarted server to catch up",
+        Duration::from_secs(10),
+        || {
+            Ok(servers[l]
+                .get("/v1/job/after-restart")
+                .ok()
+                .filter(|j| j["modify_index"] == index)
+                .map(|_| ()))
+        },
+    )?;
+    for path in ["/v1/jobs", "/v1/job/ha-sleepy/allocations"] {
+        assert_eq!(servers[l].get(path)?, servers[s].get(path)?, "{path}");
+    }
+    // A node's last heartbeat is the leader's to know (heartbeats are not
+    // written); the rest is the same.
+    let node_of = |server: &Server| -> Result<(serde_json::Value, serde_json::Value)> {
+        let n = server.node("n1")?;
+        Ok((n["status"].clone(), n["modify_index"].clone()))
+    };
+    assert_eq!(node_of(&servers[l])?, node_of(&servers[s])?);
     Ok(())
+}
+
+#[test]
+fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_behind(
+) -> Result<()> {
+    use berth_tests::cluster::{
+        marked_service_job, marker_pids, shared_plugin_job, write_claims, writer_volume,
+    };
+    let etcd = Etcd::start();
+    let keys = tempfile::tempdir()?;
+    let mut servers = [server(&etcd, keys.path())?, server(&etcd, keys.path())?];
+    let leader = wait_for("one leader both agree on", Duration::from_secs(15), || {
+        let (a, b) = (leader_of(&servers[0])?, leader_of(&servers[1])?);
+        Ok((!a.is_empty() && a == b).then_some(a))
+    })?;
+    let (mut l, mut s) = if servers[0].rpc == leader {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    let both = format!("{},{}", servers[0].rpc, servers[1].rpc);
+    let client = Client::start_with_servers(&both, "n1", "")?;
+    servers[l]
+        .wait_nodes_ready(&["n1"])
+        .with_context(|| client.agent.log())?;
+    let shared = tempfile::tempdir()?;
+    servers[s].run_job("plugin", &shared_plugin_job(shared.path())?)?;
+    servers[l]
+        .wait_plugin_nodes(1)
+        .with_context(|| client.agent.log())?;
+    servers[s].create_volume("vol-ha", &writer_volume("vol-ha"))?;
+
+    // A sampler of the writers: never two tasks of the job at once.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut most = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                most = most.max(marker_pids("claimer").len());
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            most
+        })
+    };
+    for round in 0..5 {
+        let via = &servers[s];
+        via.run_job(
+            "claimer",
+            &marked_service_job("claimer", 1, None, Some("vol-ha")),
+        )?;
+        let alloc = wait_for("the claimer running", Duration::from_secs(60), || {
+            running_of(via, "claimer")
+        })
+        .with_context(|| client.agent.log())?;
+        if round == 2 {
+            // The leader dies while the claim is held; the other leads.
+            servers[l].agent.kill()?;
+            std::mem::swap(&mut l, &mut s);
+            let rpc = servers[l].rpc.clone();
+            wait_for("the other server to lead", Duration::from_secs(10), || {
+                Ok((leader_of(&servers[l])? == rpc).then_some(()))
+            })?;
+        }
+        let via = if round == 2 { &servers[l] } else { &servers[s] };
+        via.cli(&["job", "stop", "claimer"])?;
+        wait_for("the claim freed", Duration::from_secs(60), || {
+            let volume = via.get("/v1/volume/csi/vol-ha")?;
+            Ok(write_claims(&volume).is_empty().then_some(()))
+        })
+        .with_context(|| client.agent.log())?;
+        anyhow::ensure!(
+            client.mounts_with(&alloc).is_empty(),
+            "the stopped alloc's volume is still mounted"
+        );
+        if round == 2 {
+            // From here on the survivor takes it all, as leader.
+            s = l;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let most = sampler.join().expect("sampler");
+    assert!(most <= 1, "{most} writers of the volume at once");
+    let volume = servers[l].get("/v1/volume/csi/vol-ha")?;
+    assert!(write_claims(&volume).is_empty(), "{volume}");
+    Ok(())
+}
+
+fn running_of(server: &Server, job: &str) -> Result<Option<String>> {
+    Ok(server
+        .allocs(job)?
+        .into_iter()
+        .find(|a| a["client_status"] == "running")
+        .and_then(|a| a["id"].as_str().map(String::from)))
 }
