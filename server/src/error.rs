@@ -86,6 +86,7 @@ impl ServerError {
             ServerError::Conflict(_) | ServerError::InUse(_) => 409,
             ServerError::Unavailable(_) => 503,
             ServerError::Store(e) if e.is_unavailable() => 503,
+            ServerError::Store(StoreError::Unsupported(_)) => 400,
             ServerError::Forbidden(_) => 403,
             ServerError::TooManyRequests(_) => 429,
             ServerError::Remote { code, .. } => match code {
@@ -111,6 +112,7 @@ impl ServerError {
             ServerError::InUse(_) => tonic::Code::ResourceExhausted,
             ServerError::Unavailable(_) => tonic::Code::Unavailable,
             ServerError::Store(e) if e.is_unavailable() => tonic::Code::Unavailable,
+            ServerError::Store(StoreError::Unsupported(_)) => tonic::Code::FailedPrecondition,
             ServerError::Forbidden(_) => tonic::Code::PermissionDenied,
             ServerError::TooManyRequests(_) => tonic::Code::ResourceExhausted,
             ServerError::Remote { code, .. } => *code,

@@ -50,6 +50,9 @@ pub enum StoreError {
     /// A conditional write found the store moved under it.
     #[error("{0}")]
     Conflict(String),
+    /// What this store cannot do.
+    #[error("{0}")]
+    Unsupported(String),
     /// What the store holds cannot be right.
     #[error("{0}")]
     Corrupt(String),

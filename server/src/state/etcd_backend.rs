@@ -381,6 +381,14 @@ impl Backend for EtcdBackend {
         Ok(tables)
     }
 
+    fn rotate_keyring(&self) -> Result<crate::keyring::KeyRotation, StoreError> {
+        Err(StoreError::Unsupported(
+            "rotating the keyring of servers on etcd is not supported yet: every server holds \
+             the keys, and a new one would have to reach them all before it seals"
+                .into(),
+        ))
+    }
+
     fn commit(&self, index: u64, changes: &[Change]) -> Result<(), StoreError> {
         let started = std::time::Instant::now();
         let committed = self.commit_once(index, changes);
@@ -780,6 +788,18 @@ mod tests {
         backend(&etcd, "/k", copy.path())
             .check_keyring()
             .expect("a copy of the cluster's keyring");
+    }
+
+    #[test]
+    fn rotating_the_keyring_on_etcd_is_refused_saying_why() {
+        let etcd = Etcd::start();
+        let opened = open(&etcd, "/r", None);
+        let refused = opened.store.rotate_keyring().unwrap_err();
+        assert!(matches!(refused, StoreError::Unsupported(_)), "{refused}");
+        assert!(
+            refused.to_string().contains("not supported yet"),
+            "{refused}"
+        );
     }
 
     #[test]
