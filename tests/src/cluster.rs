@@ -59,6 +59,46 @@ impl Server {
         Ok(s)
     }
 
+    /// A server that keeps its state in etcd (members at `endpoints`,
+    /// keys under `prefix`), with the keyring in `keys` (the same for
+    /// every server of one cluster), a lease of 3 s and heartbeat TTLs
+    /// short enough that a node wrongly missed is marked down within a
+    /// test.
+    pub fn start_on_etcd(endpoints: &[String], prefix: &str, keys: &Path) -> Result<Server> {
+        let list = endpoints
+            .iter()
+            .map(|e| format!("\"{e}\""))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Server::start_with(
+            "store = \"etcd\"\n  min_heartbeat_ttl = \"2s\"\n  heartbeat_grace = \"2s\"",
+            &format!(
+                "etcd {{\n  endpoints = [{list}]\n  prefix = \"{prefix}\"\n  lease_ttl = \"3s\"\n  \
+                 request_timeout = \"2s\"\n  keyring_dir = \"{}\"\n}}",
+                path_str(keys)?
+            ),
+        )
+    }
+
+    /// The leader's agent protocol address as this server tells it (`""`
+    /// while none is elected).
+    pub fn leader(&self) -> Result<String> {
+        Ok(self
+            .get("/v1/status/leader")?
+            .as_str()
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// The ID of an alloc of `job` its client reports running, if any.
+    pub fn running_alloc(&self, job: &str) -> Result<Option<String>> {
+        Ok(self
+            .allocs(job)?
+            .into_iter()
+            .find(|a| a["client_status"] == "running")
+            .and_then(|a| a["id"].as_str().map(String::from)))
+    }
+
     /// `http://127.0.0.1:PORT`, for the CLI.
     pub fn addr(&self) -> String {
         format!("http://127.0.0.1:{}", self.http_port)

@@ -14,41 +14,15 @@ use berth_tests::cluster::{Client, Server};
 use berth_tests::{cli_at, http_at, sleeping_service_job, wait_for};
 use berth_testutil::etcd::EtcdCluster;
 
+/// The lease `Server::start_on_etcd` gives its servers.
 const LEASE_TTL: Duration = Duration::from_secs(3);
-
-/// A server on the etcd members at `endpoints`, with short heartbeat TTLs
-/// so that a node wrongly missed would be marked down within the test, and
-/// the keyring in `keys` (the same for every server of the cluster).
-fn server(endpoints: &[String], keys: &std::path::Path) -> Result<Server> {
-    let list = endpoints
-        .iter()
-        .map(|e| format!("\"{e}\""))
-        .collect::<Vec<_>>()
-        .join(", ");
-    Server::start_with(
-        "store = \"etcd\"\n  min_heartbeat_ttl = \"2s\"\n  heartbeat_grace = \"2s\"",
-        &format!(
-            "etcd {{\n  endpoints = [{list}]\n  prefix = \"/faults\"\n  lease_ttl = \"3s\"\n  \
-             request_timeout = \"2s\"\n  keyring_dir = \"{}\"\n}}",
-            keys.display()
-        ),
-    )
-}
-
-fn leader_of(server: &Server) -> Result<String> {
-    Ok(server
-        .get("/v1/status/leader")?
-        .as_str()
-        .unwrap_or_default()
-        .to_string())
-}
 
 /// The index of the server that leads, once every live server agrees.
 fn wait_leader(servers: &[Server], live: &[usize], within: Duration) -> Result<usize> {
     wait_for("one leader the servers agree on", within, || {
         let mut seen = Vec::new();
         for &i in live {
-            seen.push(leader_of(&servers[i]).unwrap_or_default());
+            seen.push(servers[i].leader().unwrap_or_default());
         }
         if seen.iter().any(String::is_empty) || seen.windows(2).any(|w| w[0] != w[1]) {
             return Ok(None);
@@ -66,14 +40,6 @@ fn submit(server: &Server, dir: &std::path::Path, job: &str) -> Result<bool> {
         .success())
 }
 
-fn running_alloc(server: &Server, job: &str) -> Result<Option<String>> {
-    Ok(server
-        .allocs(job)?
-        .into_iter()
-        .find(|a| a["client_status"] == "running")
-        .and_then(|a| a["id"].as_str().map(String::from)))
-}
-
 fn assert_node_ready(server: &Server) -> Result<()> {
     let node = server.node("n1")?;
     anyhow::ensure!(node["status"] == "ready", "node not ready: {node}");
@@ -86,9 +52,9 @@ fn the_leader_killed_during_a_stream_of_submits_loses_none_and_places_none_twice
     let endpoints = etcd.endpoints();
     let keys = tempfile::tempdir()?;
     let mut servers = vec![
-        server(&endpoints, keys.path())?,
-        server(&endpoints, keys.path())?,
-        server(&endpoints, keys.path())?,
+        Server::start_on_etcd(&endpoints, "/faults", keys.path())?,
+        Server::start_on_etcd(&endpoints, "/faults", keys.path())?,
+        Server::start_on_etcd(&endpoints, "/faults", keys.path())?,
     ];
     let all: Vec<String> = servers.iter().map(|s| s.rpc.clone()).collect();
     let client = Client::start_with_servers(&all.join(","), "n1", "")?;
@@ -126,7 +92,7 @@ fn the_leader_killed_during_a_stream_of_submits_loses_none_and_places_none_twice
     // Every accepted submit is there, placed once, and runs.
     for job in &accepted {
         wait_for(&format!("{job} running"), Duration::from_secs(30), || {
-            running_alloc(&servers[next], job)
+            servers[next].running_alloc(job)
         })
         .with_context(|| servers[next].agent.log())?;
         let allocs = servers[next].allocs(job)?;
@@ -152,11 +118,11 @@ fn a_leader_cut_off_from_etcd_stops_before_another_leads() -> Result<()> {
     let endpoints = etcd.endpoints();
     // The first server reaches etcd through the first member alone.
     let keys = tempfile::tempdir()?;
-    let first = server(&endpoints[..1], keys.path())?;
+    let first = Server::start_on_etcd(&endpoints[..1], "/faults", keys.path())?;
     wait_for("the first server to lead", Duration::from_secs(15), || {
-        Ok((leader_of(&first)? == first.rpc).then_some(()))
+        Ok((first.leader()? == first.rpc).then_some(()))
     })?;
-    let second = server(&endpoints[1..], keys.path())?;
+    let second = Server::start_on_etcd(&endpoints[1..], "/faults", keys.path())?;
     let mut servers = [first, second];
     let client =
         Client::start_with_servers(&format!("{},{}", servers[0].rpc, servers[1].rpc), "n1", "")?;
@@ -165,7 +131,7 @@ fn a_leader_cut_off_from_etcd_stops_before_another_leads() -> Result<()> {
         .with_context(|| client.agent.log())?;
     servers[0].run_job("cut-off", &sleeping_service_job("cut-off", 1, 1))?;
     let alloc = wait_for("the alloc running", Duration::from_secs(30), || {
-        running_alloc(&servers[0], "cut-off")
+        servers[0].running_alloc("cut-off")
     })?;
 
     // A sampler of who leads: never both at once.
@@ -199,7 +165,7 @@ fn a_leader_cut_off_from_etcd_stops_before_another_leads() -> Result<()> {
     etcd.members[0].pause();
     let second_rpc = servers[1].rpc.clone();
     wait_for("the second server to lead", Duration::from_secs(10), || {
-        Ok((leader_of(&servers[1])? == second_rpc).then_some(()))
+        Ok((servers[1].leader()? == second_rpc).then_some(()))
     })
     .with_context(|| servers[1].agent.log())?;
     // The lease runs out `lease_ttl` after the last keep-alive; when the
@@ -219,7 +185,7 @@ fn a_leader_cut_off_from_etcd_stops_before_another_leads() -> Result<()> {
     let after = wait_for(
         "the alloc reported running",
         Duration::from_secs(30),
-        || running_alloc(&servers[1], "cut-off"),
+        || servers[1].running_alloc("cut-off"),
     )?;
     assert_eq!(after, alloc);
     assert_node_ready(&servers[1])?;
@@ -237,7 +203,7 @@ fn a_leader_cut_off_from_etcd_stops_before_another_leads() -> Result<()> {
     wait_for(
         "the first server to follow",
         Duration::from_secs(15),
-        || Ok((leader_of(&servers[0])? == second_rpc).then_some(())),
+        || Ok((servers[0].leader()? == second_rpc).then_some(())),
     )?;
     Ok(())
 }
@@ -248,8 +214,8 @@ fn one_etcd_member_lost_changes_nothing_and_two_stop_writes_but_mark_no_node_dow
     let endpoints = etcd.endpoints();
     let keys = tempfile::tempdir()?;
     let servers = [
-        server(&endpoints, keys.path())?,
-        server(&endpoints, keys.path())?,
+        Server::start_on_etcd(&endpoints, "/faults", keys.path())?,
+        Server::start_on_etcd(&endpoints, "/faults", keys.path())?,
     ];
     let client =
         Client::start_with_servers(&format!("{},{}", servers[0].rpc, servers[1].rpc), "n1", "")?;
@@ -263,7 +229,7 @@ fn one_etcd_member_lost_changes_nothing_and_two_stop_writes_but_mark_no_node_dow
     let dir = tempfile::tempdir()?;
     assert!(submit(follower, dir.path(), "before")?);
     let alloc = wait_for("the alloc running", Duration::from_secs(30), || {
-        running_alloc(lead, "before")
+        lead.running_alloc("before")
     })?;
 
     // One member lost: writes go on, and the operator sees which.
@@ -287,10 +253,7 @@ fn one_etcd_member_lost_changes_nothing_and_two_stop_writes_but_mark_no_node_dow
     // why, reads answer, and no node is marked down.
     etcd.members[1].kill();
     wait_for("no server to lead", Duration::from_secs(10), || {
-        Ok(
-            (leader_of(&servers[0])?.is_empty() && leader_of(&servers[1])?.is_empty())
-                .then_some(()),
-        )
+        Ok((servers[0].leader()?.is_empty() && servers[1].leader()?.is_empty()).then_some(()))
     })?;
     let refused = http_at(
         servers[0].http_port,
@@ -303,7 +266,7 @@ fn one_etcd_member_lost_changes_nothing_and_two_stop_writes_but_mark_no_node_dow
     while Instant::now() < until {
         for s in &servers {
             assert_node_ready(s)?;
-            assert_eq!(running_alloc(s, "before")?, Some(alloc.clone()));
+            assert_eq!(s.running_alloc("before")?, Some(alloc.clone()));
         }
         std::thread::sleep(Duration::from_millis(250));
     }
@@ -321,6 +284,6 @@ fn one_etcd_member_lost_changes_nothing_and_two_stop_writes_but_mark_no_node_dow
         || Ok(submit(follower, dir.path(), "after")?.then_some(())),
     )?;
     assert_node_ready(lead)?;
-    assert_eq!(running_alloc(lead, "before")?, Some(alloc));
+    assert_eq!(lead.running_alloc("before")?, Some(alloc));
     Ok(())
 }

@@ -12,38 +12,19 @@ use berth_tests::cluster::{Client, Server};
 use berth_tests::{http_at, sleeping_service_job, wait_for};
 use berth_testutil::etcd::Etcd;
 
+/// The lease `Server::start_on_etcd` gives its servers.
 const LEASE_TTL: Duration = Duration::from_secs(3);
-
-/// A server on `etcd`, with the keyring in `keys` (the same for every
-/// server of the cluster).
-fn server(etcd: &Etcd, keys: &std::path::Path) -> Result<Server> {
-    Server::start_with(
-        "store = \"etcd\"\n  min_heartbeat_ttl = \"2s\"\n  heartbeat_grace = \"2s\"",
-        &format!(
-            "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/ha\"\n  lease_ttl = \"3s\"\n  \
-             keyring_dir = \"{}\"\n}}",
-            etcd.endpoint(),
-            keys.display()
-        ),
-    )
-}
-
-/// The leader's agent protocol address as `server` tells it.
-fn leader_of(server: &Server) -> Result<String> {
-    Ok(server
-        .get("/v1/status/leader")?
-        .as_str()
-        .unwrap_or_default()
-        .to_string())
-}
 
 #[test]
 fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
     let etcd = Etcd::start();
     let keys = tempfile::tempdir()?;
-    let mut servers = [server(&etcd, keys.path())?, server(&etcd, keys.path())?];
+    let mut servers = [
+        Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
+        Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
+    ];
     let leader = wait_for("one leader both agree on", Duration::from_secs(15), || {
-        let (a, b) = (leader_of(&servers[0])?, leader_of(&servers[1])?);
+        let (a, b) = (servers[0].leader()?, servers[1].leader()?);
         Ok((!a.is_empty() && a == b).then_some(a))
     })?;
     let (l, s) = if servers[0].rpc == leader {
@@ -122,7 +103,7 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
     servers[l].agent.kill()?;
     let standby_rpc = servers[s].rpc.clone();
     wait_for("the standby to lead", Duration::from_secs(10), || {
-        Ok((leader_of(&servers[s])? == standby_rpc).then_some(()))
+        Ok((servers[s].leader()? == standby_rpc).then_some(()))
     })
     .with_context(|| servers[s].agent.log())?;
     let took = killed.elapsed();
@@ -155,7 +136,7 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
     wait_for(
         "the old leader to stand by",
         Duration::from_secs(10),
-        || Ok((leader_of(&servers[l])? == standby_rpc).then_some(())),
+        || Ok((servers[l].leader()? == standby_rpc).then_some(())),
     )?;
     // It caught up through the watch: a write of the new leader's shows
     // on it, and both answer alike.
@@ -196,9 +177,12 @@ fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_
     };
     let etcd = Etcd::start();
     let keys = tempfile::tempdir()?;
-    let mut servers = [server(&etcd, keys.path())?, server(&etcd, keys.path())?];
+    let mut servers = [
+        Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
+        Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
+    ];
     let leader = wait_for("one leader both agree on", Duration::from_secs(15), || {
-        let (a, b) = (leader_of(&servers[0])?, leader_of(&servers[1])?);
+        let (a, b) = (servers[0].leader()?, servers[1].leader()?);
         Ok((!a.is_empty() && a == b).then_some(a))
     })?;
     let (mut l, mut s) = if servers[0].rpc == leader {
@@ -238,7 +222,7 @@ fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_
             &marked_service_job("claimer", 1, None, Some("vol-ha")),
         )?;
         let alloc = wait_for("the claimer running", Duration::from_secs(60), || {
-            running_of(via, "claimer")
+            via.running_alloc("claimer")
         })
         .with_context(|| client.agent.log())?;
         if round == 2 {
@@ -247,7 +231,7 @@ fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_
             std::mem::swap(&mut l, &mut s);
             let rpc = servers[l].rpc.clone();
             wait_for("the other server to lead", Duration::from_secs(10), || {
-                Ok((leader_of(&servers[l])? == rpc).then_some(()))
+                Ok((servers[l].leader()? == rpc).then_some(()))
             })?;
         }
         let via = if round == 2 { &servers[l] } else { &servers[s] };
@@ -272,12 +256,4 @@ fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_
     let volume = servers[l].get("/v1/volume/csi/vol-ha")?;
     assert!(write_claims(&volume).is_empty(), "{volume}");
     Ok(())
-}
-
-fn running_of(server: &Server, job: &str) -> Result<Option<String>> {
-    Ok(server
-        .allocs(job)?
-        .into_iter()
-        .find(|a| a["client_status"] == "running")
-        .and_then(|a| a["id"].as_str().map(String::from)))
 }

@@ -11,32 +11,18 @@ use berth_tests::cluster::{Client, Server};
 use berth_tests::{cli_at, http_at, sleeping_service_job, wait_for};
 use berth_testutil::etcd::Etcd;
 
-fn etcd_block(etcd: &Etcd) -> String {
-    format!(
-        "etcd {{\n  endpoints = [\"{}\"]\n  prefix = \"/it\"\n  request_timeout = \"2s\"\n  lease_ttl = \"3s\"\n}}",
-        etcd.endpoint()
-    )
-}
-
-fn running_alloc(server: &Server, job: &str) -> Result<Option<String>> {
-    Ok(server
-        .allocs(job)?
-        .into_iter()
-        .find(|a| a["client_status"] == "running")
-        .and_then(|a| a["id"].as_str().map(String::from)))
-}
-
 #[test]
 fn a_server_on_etcd_keeps_its_state_there_across_a_restart() -> Result<()> {
     let etcd = Etcd::start();
-    let mut server = Server::start_with("store = \"etcd\"", &etcd_block(&etcd))?;
+    let keys = tempfile::tempdir()?;
+    let mut server = Server::start_on_etcd(&[etcd.endpoint()], "/it", keys.path())?;
     let client = Client::start(&server, "n1", false, "")?;
     server
         .wait_nodes_ready(&["n1"])
         .with_context(|| client.agent.log())?;
     server.run_job("sleepy-etcd", &sleeping_service_job("sleepy-etcd", 1, 1))?;
     let alloc = wait_for("the alloc running", Duration::from_secs(30), || {
-        running_alloc(&server, "sleepy-etcd")
+        server.running_alloc("sleepy-etcd")
     })
     .with_context(|| server.agent.log())?;
 
@@ -54,7 +40,7 @@ fn a_server_on_etcd_keeps_its_state_there_across_a_restart() -> Result<()> {
         .wait_nodes_ready(&["n1"])
         .with_context(|| client.agent.log())?;
     let after = wait_for("the alloc running again", Duration::from_secs(30), || {
-        running_alloc(&server, "sleepy-etcd")
+        server.running_alloc("sleepy-etcd")
     })?;
     assert_eq!(after, alloc, "the alloc was replaced");
     Ok(())
@@ -63,7 +49,8 @@ fn a_server_on_etcd_keeps_its_state_there_across_a_restart() -> Result<()> {
 #[test]
 fn with_etcd_down_the_server_stops_leading_refuses_writes_and_answers_reads() -> Result<()> {
     let mut etcd = Etcd::start();
-    let server = Server::start_with("store = \"etcd\"", &etcd_block(&etcd))?;
+    let keys = tempfile::tempdir()?;
+    let server = Server::start_on_etcd(&[etcd.endpoint()], "/it", keys.path())?;
     server.run_job("first-etcd", &sleeping_service_job("first-etcd", 0, 1))?;
 
     etcd.kill();
