@@ -665,13 +665,7 @@ pub fn created_at(key: Vec<u8>, revision: i64) -> Compare {
 
 /// The compare that holds while `key` is not there.
 pub fn absent(key: Vec<u8>) -> Compare {
-    Compare {
-        result: compare::CompareResult::Equal as i32,
-        target: compare::CompareTarget::Create as i32,
-        key,
-        target_union: Some(compare::TargetUnion::CreateRevision(0)),
-        range_end: Vec::new(),
-    }
+    created_at(key, 0)
 }
 
 #[cfg(test)]

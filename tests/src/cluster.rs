@@ -191,6 +191,21 @@ impl Server {
     }
 }
 
+/// The index (in `servers`) of the server that leads, once every one of
+/// the `live` servers names the same leader.
+pub fn wait_leader(servers: &[Server], live: &[usize], within: Duration) -> Result<usize> {
+    wait_for("one leader the servers agree on", within, || {
+        let mut seen = Vec::new();
+        for &i in live {
+            seen.push(servers[i].leader().unwrap_or_default());
+        }
+        if seen.iter().any(String::is_empty) || seen.windows(2).any(|w| w[0] != w[1]) {
+            return Ok(None);
+        }
+        Ok(live.iter().copied().find(|&i| servers[i].rpc == seen[0]))
+    })
+}
+
 /// A client agent, dialling the server directly or through a relay.
 pub struct Client {
     pub agent: Agent,

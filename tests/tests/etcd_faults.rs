@@ -10,26 +10,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use berth_tests::cluster::{Client, Server};
+use berth_tests::cluster::{wait_leader, Client, Server};
 use berth_tests::{cli_at, http_at, sleeping_service_job, wait_for};
 use berth_testutil::etcd::EtcdCluster;
 
 /// The lease `Server::start_on_etcd` gives its servers.
 const LEASE_TTL: Duration = Duration::from_secs(3);
-
-/// The index of the server that leads, once every live server agrees.
-fn wait_leader(servers: &[Server], live: &[usize], within: Duration) -> Result<usize> {
-    wait_for("one leader the servers agree on", within, || {
-        let mut seen = Vec::new();
-        for &i in live {
-            seen.push(servers[i].leader().unwrap_or_default());
-        }
-        if seen.iter().any(String::is_empty) || seen.windows(2).any(|w| w[0] != w[1]) {
-            return Ok(None);
-        }
-        Ok(live.iter().copied().find(|&i| servers[i].rpc == seen[0]))
-    })
-}
 
 fn submit(server: &Server, dir: &std::path::Path, job: &str) -> Result<bool> {
     let spec = dir.join(format!("{job}.hcl"));

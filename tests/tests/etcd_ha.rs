@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use berth_tests::cluster::{Client, Server};
+use berth_tests::cluster::{wait_leader, Client, Server};
 use berth_tests::{http_at, sleeping_service_job, wait_for};
 use berth_testutil::etcd::Etcd;
 
@@ -23,16 +23,9 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
         Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
         Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
     ];
-    let leader = wait_for("one leader both agree on", Duration::from_secs(15), || {
-        let (a, b) = (servers[0].leader()?, servers[1].leader()?);
-        Ok((!a.is_empty() && a == b).then_some(a))
-    })?;
-    let (l, s) = if servers[0].rpc == leader {
-        (0, 1)
-    } else {
-        (1, 0)
-    };
-    assert_eq!(servers[l].rpc, leader);
+    let l = wait_leader(&servers, &[0, 1], Duration::from_secs(15))?;
+    let s = 1 - l;
+    let leader = servers[l].rpc.clone();
 
     // Both list both servers, the leader marked as the election says.
     for server in &servers {
@@ -181,15 +174,8 @@ fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_
         Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
         Server::start_on_etcd(&[etcd.endpoint()], "/ha", keys.path())?,
     ];
-    let leader = wait_for("one leader both agree on", Duration::from_secs(15), || {
-        let (a, b) = (servers[0].leader()?, servers[1].leader()?);
-        Ok((!a.is_empty() && a == b).then_some(a))
-    })?;
-    let (mut l, mut s) = if servers[0].rpc == leader {
-        (0, 1)
-    } else {
-        (1, 0)
-    };
+    let mut l = wait_leader(&servers, &[0, 1], Duration::from_secs(15))?;
+    let mut s = 1 - l;
     let both = format!("{},{}", servers[0].rpc, servers[1].rpc);
     let client = Client::start_with_servers(&both, "n1", "")?;
     servers[l]

@@ -420,7 +420,11 @@ fn alloc(job: &Job, index: usize, node_id: &str) -> Allocation {
 /// write.
 fn seed_nodes(data_dir: &Path, n: usize) -> Result<()> {
     std::fs::create_dir_all(data_dir)?;
-    let store = open_store(data_dir)?;
+    seed_into(&open_store(data_dir)?, n)
+}
+
+/// `n` ready nodes written into `store` in one write.
+pub(super) fn seed_into(store: &StateStore, n: usize) -> Result<()> {
     let nodes: Vec<Change> = (0..n).map(|i| Change::PutNode(node(i))).collect();
     store.write(|_, c| {
         c.extend(nodes);

@@ -23,12 +23,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use berth_server::etcd::EtcdConfig;
-use berth_server::state::{Change, EtcdBackend, StateStore};
-use berth_server::{Server, ServerConfig, StoreConfig, StoreError};
+use berth_server::state::{EtcdBackend, StateStore};
+use berth_server::{Server, ServerConfig, StoreConfig};
 use berth_sync::Shutdown;
 use berth_testutil::etcd::Etcd;
 
-use super::scheduler::{job, node, open_store};
+use super::scheduler::{job, open_store, seed_into};
 use crate::report::{self, Samples};
 
 #[derive(clap::Args, Debug)]
@@ -82,7 +82,7 @@ pub fn run(args: &Args) -> Result<()> {
     let redb = {
         let data = dir.path().join("redb");
         let store = open_store(&data)?;
-        seed(&store, args.nodes)?;
+        seed_into(&store, args.nodes)?;
         drop(store);
         measure(&rt, ServerConfig::new(&data), args)?
     };
@@ -94,7 +94,7 @@ pub fn run(args: &Args) -> Result<()> {
             let client = berth_server::etcd::EtcdClient::new(etcd_config.clone())?;
             let backend = EtcdBackend::open(client, &data.join("server").join("keyring"))?;
             let store = StateStore::open(Box::new(backend))?;
-            seed(&store, args.nodes)?;
+            seed_into(&store, args.nodes)?;
         }
         let mut config = ServerConfig::new(&data);
         config.store = StoreConfig::Etcd(etcd_config);
@@ -113,15 +113,6 @@ pub fn run(args: &Args) -> Result<()> {
             format!("{:.0}", rates[rates.len() / 2]),
         );
     }
-    Ok(())
-}
-
-fn seed(store: &StateStore, n: usize) -> Result<()> {
-    let nodes: Vec<Change> = (0..n).map(|i| Change::PutNode(node(i))).collect();
-    store.write(|_, c| {
-        c.extend(nodes);
-        Ok::<_, StoreError>(())
-    })?;
     Ok(())
 }
 

@@ -25,7 +25,7 @@ use berth_proto::etcd::mvccpb::KeyValue;
 use berth_sync::MutexExt;
 
 use super::error::StoreError;
-use super::record::{decode_checked, open_node_secret, seal_node_secret, Record};
+use super::record::{decode_checked, seal_node_secret, usable_node_secret, Record};
 use super::{Backend, Change, Table, TableVisitor, Tables, SCHEMA_VERSION};
 use crate::etcd::{self, EtcdClient};
 use crate::keyring::Keyring;
@@ -37,7 +37,7 @@ const META_CLUSTER_ID: &str = "meta/cluster-id";
 /// The IDs of the keys the cluster's secrets are sealed with, the active
 /// one last: every server must hold them all.
 const META_KEYRING: &str = "meta/keyring";
-pub(super) const NODE_SECRETS: &str = "node_secrets";
+const NODE_SECRETS: &str = "node_secrets";
 const QUARANTINE: &str = "quarantine";
 
 fn table_index_key(table: Table) -> String {
@@ -232,6 +232,40 @@ fn not_leader() -> StoreError {
     StoreError::NotLeader("this server does not lead: only the leader writes".into())
 }
 
+/// What a key under the prefix is (see the module's layout).
+pub(super) enum StoredKey {
+    /// `meta/...`: its path under the prefix.
+    Meta(String),
+    /// A sealed node secret, by node ID.
+    NodeSecret(String),
+    /// A record of a table, by its key.
+    Record(Table, String),
+    /// The leader key, the members, the quarantine, another prefix's.
+    Other,
+}
+
+impl StoredKey {
+    pub(super) fn of(prefix: &[u8], key: &[u8]) -> StoredKey {
+        let Some(rest) = key.strip_prefix(prefix) else {
+            return StoredKey::Other;
+        };
+        let rest = String::from_utf8_lossy(rest);
+        let Some((kind, key)) = rest.split_once('/') else {
+            return StoredKey::Other;
+        };
+        if kind == "meta" {
+            return StoredKey::Meta(rest.into_owned());
+        }
+        if kind == NODE_SECRETS {
+            return StoredKey::NodeSecret(key.to_string());
+        }
+        match Table::ALL.into_iter().find(|t| t.name() == kind) {
+            Some(table) => StoredKey::Record(table, key.to_string()),
+            None => StoredKey::Other,
+        }
+    }
+}
+
 /// The stored keys of one load, by what they are.
 #[derive(Default)]
 struct Stored {
@@ -245,24 +279,18 @@ impl Stored {
         let prefix = client.prefix();
         let mut stored = Stored::default();
         for kv in kvs {
-            let Some(rest) = kv.key.strip_prefix(prefix.as_slice()) else {
-                continue;
-            };
-            let rest = String::from_utf8_lossy(rest).into_owned();
-            let Some((kind, key)) = rest.split_once('/') else {
-                continue;
-            };
-            if kind == "meta" {
-                let value = String::from_utf8_lossy(&kv.value).into_owned();
-                stored.meta.insert(rest, (value, kv.mod_revision));
-            } else if kind == NODE_SECRETS {
-                stored.node_secrets.push((key.to_string(), kv.value));
-            } else if let Some(table) = Table::ALL.into_iter().find(|t| t.name() == kind) {
-                stored
+            match StoredKey::of(&prefix, &kv.key) {
+                StoredKey::Meta(path) => {
+                    let value = String::from_utf8_lossy(&kv.value).into_owned();
+                    stored.meta.insert(path, (value, kv.mod_revision));
+                }
+                StoredKey::NodeSecret(node_id) => stored.node_secrets.push((node_id, kv.value)),
+                StoredKey::Record(table, key) => stored
                     .tables
                     .entry(table.name())
                     .or_default()
-                    .push((key.to_string(), kv.value));
+                    .push((key, kv.value)),
+                StoredKey::Other => {}
             }
         }
         stored
@@ -355,13 +383,8 @@ impl Backend for EtcdBackend {
         tables.visit_mut(&mut loader)?;
         let Loader { bad, resealed, .. } = loader;
         for (node_id, bytes) in secrets {
-            match open_node_secret(&node_id, &bytes, &self.keyring) {
-                Ok(secret) => {
-                    tables.node_secrets.insert(node_id, secret);
-                }
-                Err(e) => {
-                    tracing::error!(node_id, error = %e, "stored node secret is unusable; the node's next registration sets a new one");
-                }
+            if let Some(secret) = usable_node_secret(&node_id, &bytes, &self.keyring) {
+                tables.node_secrets.insert(node_id, secret);
             }
         }
         tables.raise_index_to_records();

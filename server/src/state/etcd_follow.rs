@@ -17,9 +17,9 @@ use std::time::Duration;
 
 use tokio::sync::{oneshot, watch};
 
-use super::etcd_backend::{META_INDEX, NODE_SECRETS};
-use super::record::open_node_secret;
-use super::{Change, StateStore, Table};
+use super::etcd_backend::{StoredKey, META_INDEX};
+use super::record::usable_node_secret;
+use super::{Change, StateStore};
 use crate::etcd::{EtcdClient, Event, EventType, WatchResponse};
 use crate::keyring::Keyring;
 
@@ -172,40 +172,22 @@ impl Follower {
         let mut changes = Vec::new();
         for event in events {
             let kv = event.kv.as_ref()?;
-            let Some(rest) = kv.key.strip_prefix(prefix.as_slice()) else {
-                continue;
-            };
-            let rest = String::from_utf8_lossy(rest);
             let put = event.r#type == EventType::Put as i32;
-            if rest == META_INDEX {
-                index = String::from_utf8_lossy(&kv.value).parse::<u64>().ok();
-                continue;
-            }
-            let Some((kind, key)) = rest.split_once('/') else {
-                continue;
-            };
-            if kind == NODE_SECRETS {
-                if put {
-                    match open_node_secret(key, &kv.value, &self.keyring) {
-                        Ok(secret) => changes.push(Change::PutNodeSecret {
-                            node_id: key.to_string(),
-                            secret,
-                        }),
-                        Err(e) => {
-                            tracing::error!(node_id = key, error = %e, "a node secret from etcd is unusable; the node's next registration sets a new one");
-                        }
+            match StoredKey::of(&prefix, &kv.key) {
+                StoredKey::Meta(path) if path == META_INDEX => {
+                    index = String::from_utf8_lossy(&kv.value).parse::<u64>().ok();
+                }
+                StoredKey::NodeSecret(node_id) if put => {
+                    if let Some(secret) = usable_node_secret(&node_id, &kv.value, &self.keyring) {
+                        changes.push(Change::PutNodeSecret { node_id, secret });
                     }
                 }
-                continue;
-            }
-            let Some(table) = Table::ALL.into_iter().find(|t| t.name() == kind) else {
-                continue;
-            };
-            if put {
                 // One that does not decode is reported, and left out.
-                changes.extend(Change::decoded(table, key, &kv.value, &self.keyring));
-            } else {
-                changes.push(Change::deletion(table, key.to_string()));
+                StoredKey::Record(table, key) if put => {
+                    changes.extend(Change::decoded(table, &key, &kv.value, &self.keyring));
+                }
+                StoredKey::Record(table, key) => changes.push(Change::deletion(table, key)),
+                _ => {}
             }
         }
         Some(Feed::Write {
@@ -275,7 +257,7 @@ mod tests {
 
     use super::*;
     use crate::etcd::EtcdConfig;
-    use crate::state::{EtcdBackend, StoreError};
+    use crate::state::{EtcdBackend, StoreError, Table};
 
     fn store(etcd: &Etcd, keyring: &std::path::Path) -> (Arc<StateStore>, Follower, EtcdClient) {
         let client = EtcdClient::new(EtcdConfig {

@@ -500,12 +500,18 @@ impl StateStore {
         if index <= self.index() || changes.is_empty() {
             return false;
         }
+        self.apply_and_notify(index, changes);
+        true
+    }
+
+    /// Applies the changes of a durable write at `index` in memory and
+    /// wakes the watchers of the tables it wrote.
+    fn apply_and_notify(&self, index: u64, changes: Vec<Change>) {
         let mut written: Vec<Table> = changes.iter().map(Change::table).collect();
         written.sort();
         written.dedup();
         let (allocs_or_nodes, touched) = self.apply(index, changes);
         self.notify(index, &written, allocs_or_nodes, touched);
-        true
     }
 
     /// Run `f` against the current tables and commit the changes it asks
@@ -554,11 +560,7 @@ impl StateStore {
             (result, index)
         };
         self.backend.commit(index, &changes)?;
-        let mut written: Vec<Table> = changes.iter().map(Change::table).collect();
-        written.sort();
-        written.dedup();
-        let (allocs_or_nodes, touched) = self.apply(index, changes);
-        self.notify(index, &written, allocs_or_nodes, touched);
+        self.apply_and_notify(index, changes);
         Ok((result, index))
     }
 

@@ -407,6 +407,22 @@ pub(crate) fn open_node_secret(
     Ok(NodeSecret::parse(&text)?)
 }
 
+/// The sealed node secret of `node_id`, opened; one that is unusable (not
+/// a secret, not opening) is reported by node ID only and `None`: its node
+/// is then treated as one without a secret, which takes the secret of its
+/// next registration.
+pub(crate) fn usable_node_secret(
+    node_id: &str,
+    bytes: &[u8],
+    keyring: &Keyring,
+) -> Option<NodeSecret> {
+    open_node_secret(node_id, bytes, keyring)
+        .map_err(|e| {
+            tracing::error!(node_id, error = %e, "stored node secret is unusable; the node's next registration sets a new one");
+        })
+        .ok()
+}
+
 /// Decodes a stored record of `R`'s table under `key`, opening its sealed
 /// parts; with whether it held secrets in the clear (schema 1). A record
 /// that does not decode, whose ID is not its key or whose index is beyond

@@ -23,7 +23,7 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use super::error::StoreError;
 use super::record::{
     decode_checked, decode_volume, encode_volume, open_node_secret, record_aad, seal_node_secret,
-    Record, MAX_SANE_INDEX, NODE_SECRETS_SEALED_NAME,
+    usable_node_secret, Record, MAX_SANE_INDEX, NODE_SECRETS_SEALED_NAME,
 };
 use super::{Backend, Change, RecordStore, Table, TableVisitor, Tables};
 use crate::file_modes;
@@ -294,13 +294,8 @@ fn load_node_secrets(
     let mut out = BTreeMap::new();
     for row in sealed_table.iter()? {
         let (k, v) = row?;
-        match open_node_secret(k.value(), v.value(), keyring) {
-            Ok(secret) => {
-                out.insert(k.value().to_string(), secret);
-            }
-            Err(e) => {
-                tracing::error!(node_id = k.value(), error = %e, "stored node secret is unusable; the node's next registration sets a new one");
-            }
+        if let Some(secret) = usable_node_secret(k.value(), v.value(), keyring) {
+            out.insert(k.value().to_string(), secret);
         }
     }
     Ok((out, moved))
