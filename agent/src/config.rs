@@ -545,6 +545,20 @@ fn port(r: &BodyReader<'_, '_>, name: &str) -> Result<Option<u16>, SpecError> {
 }
 
 /// A server address: `HOST:PORT` (or `[IPv6]:PORT`), a port 1 to 65535.
+/// The path `key` of `r` names: absolute, or an error naming the key.
+pub(crate) fn absolute_path(
+    r: &BodyReader<'_, '_>,
+    key: &str,
+) -> Result<Option<PathBuf>, SpecError> {
+    match r.string(key)? {
+        None => Ok(None),
+        Some(p) if !Path::new(&p).is_absolute() => {
+            Err(r.invalid(key, format!("{p:?} must be an absolute path")))
+        }
+        Some(p) => Ok(Some(PathBuf::from(p))),
+    }
+}
+
 pub fn check_server_addr(addr: &str) -> Result<(), String> {
     let bad = |why: &str| format!("{addr:?} is not HOST:PORT ({why})");
     let Some((host, port)) = addr.rsplit_once(':') else {

@@ -181,20 +181,7 @@ impl Material {
     /// to the CA and is valid now.
     fn check(&self, files: &TlsFiles) -> Result<(), TlsError> {
         let p = provider();
-        let mismatch = || TlsError::KeyMismatch {
-            cert: files.cert_file.clone(),
-            key: files.key_file.clone(),
-        };
-        match rustls::sign::CertifiedKey::from_der(self.chain.clone(), self.key.clone_key(), &p) {
-            Ok(_) => {}
-            Err(rustls::Error::InconsistentKeys(_)) => return Err(mismatch()),
-            Err(e) => {
-                return Err(TlsError::BadCert {
-                    cert: files.key_file.clone(),
-                    message: e.to_string(),
-                })
-            }
-        }
+        check_key_pair(&self.chain, &self.key, &files.cert_file, &files.key_file)?;
         let verifier = WebPkiClientVerifier::builder_with_provider(self.roots.clone(), p)
             .build()
             .map_err(|e| TlsError::Config(rustls::Error::General(e.to_string())))?;
@@ -243,19 +230,74 @@ impl Material {
     }
 
     fn load(files: &TlsFiles) -> Result<Material, TlsError> {
-        let mut roots = RootCertStore::empty();
-        for ca in read_certs("the CA file", &files.ca_file)? {
-            roots.add(ca).map_err(|e| TlsError::BadCa {
-                path: files.ca_file.clone(),
-                message: e.to_string(),
-            })?;
-        }
         Ok(Material {
-            roots: Arc::new(roots),
+            roots: read_roots(&files.ca_file)?,
             chain: read_certs("the certificate file", &files.cert_file)?,
             key: read_key(&files.key_file)?,
         })
     }
+}
+
+/// The CAs of the PEM file `ca_file`.
+fn read_roots(ca_file: &Path) -> Result<Arc<RootCertStore>, TlsError> {
+    let mut roots = RootCertStore::empty();
+    for ca in read_certs("the CA file", ca_file)? {
+        roots.add(ca).map_err(|e| TlsError::BadCa {
+            path: ca_file.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    }
+    Ok(Arc::new(roots))
+}
+
+/// Whether `key` (of `key_file`) is the key of `chain`'s certificate (of
+/// `cert_file`).
+fn check_key_pair(
+    chain: &[CertificateDer<'static>],
+    key: &PrivateKeyDer<'static>,
+    cert_file: &Path,
+    key_file: &Path,
+) -> Result<(), TlsError> {
+    match rustls::sign::CertifiedKey::from_der(chain.to_vec(), key.clone_key(), &provider()) {
+        Ok(_) => Ok(()),
+        Err(rustls::Error::InconsistentKeys(_)) => Err(TlsError::KeyMismatch {
+            cert: cert_file.to_path_buf(),
+            key: key_file.to_path_buf(),
+        }),
+        Err(e) => Err(TlsError::BadCert {
+            cert: key_file.to_path_buf(),
+            message: e.to_string(),
+        }),
+    }
+}
+
+/// The TLS the servers dial etcd with (`etcd { tls { ... } }`): it trusts
+/// only the CA of `ca_file`, checks that each member's certificate names
+/// the host of its endpoint, and presents the certificate and key of
+/// `client` (`(cert_file, key_file)`) when given, for members that check
+/// their clients (`--client-cert-auth`).
+pub fn etcd_client_config(
+    ca_file: &Path,
+    client: Option<(&Path, &Path)>,
+) -> Result<Arc<ClientConfig>, TlsError> {
+    let p = provider();
+    let verifier = WebPkiServerVerifier::builder_with_provider(read_roots(ca_file)?, p.clone())
+        .build()
+        .map_err(|e| TlsError::Config(rustls::Error::General(e.to_string())))?;
+    let builder = ClientConfig::builder_with_provider(p)
+        .with_safe_default_protocol_versions()?
+        .with_webpki_verifier(verifier);
+    let mut c = match client {
+        None => builder.with_no_client_auth(),
+        Some((cert_file, key_file)) => {
+            let chain = read_certs("the certificate file", cert_file)?;
+            let key = read_key(key_file)?;
+            check_key_pair(&chain, &key, cert_file, key_file)?;
+            builder.with_client_auth_cert(chain, key)?
+        }
+    };
+    c.alpn_protocols = vec![ALPN_H2.to_vec()];
+    Ok(Arc::new(c))
 }
 
 fn provider() -> Arc<CryptoProvider> {

@@ -29,7 +29,8 @@ use tonic::transport::{Channel, Endpoint};
 /// How the servers reach etcd (`etcd { ... }` of the agent config).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdConfig {
-    /// `http://HOST:PORT` of each member; calls go to any that answers.
+    /// `http://HOST:PORT` (`https://` with `tls`) of each member; calls go
+    /// to any that answers.
     pub endpoints: Vec<String>,
     /// The key prefix all of berth's keys live under (`/berth`): one etcd
     /// can hold several berth clusters under different prefixes.
@@ -44,6 +45,8 @@ pub struct EtcdConfig {
     /// `<data_dir>/server/keyring`). Every server on one prefix must hold
     /// the same keys.
     pub keyring_dir: Option<std::path::PathBuf>,
+    /// TLS to the members (`https://` endpoints); `None`: plain HTTP/2.
+    pub tls: Option<crate::etcd_tls::EtcdTls>,
 }
 
 impl EtcdConfig {
@@ -58,6 +61,7 @@ impl EtcdConfig {
             request_timeout: Duration::from_secs(10),
             lease_ttl: Duration::from_secs(10),
             keyring_dir: None,
+            tls: None,
         }
     }
 }
@@ -150,11 +154,6 @@ impl EtcdClient {
                 detail: "no endpoints: set etcd { endpoints = [\"http://HOST:2379\"] }".into(),
             });
         }
-        let endpoints = config
-            .endpoints
-            .iter()
-            .map(|e| endpoint(e, &config))
-            .collect::<Result<Vec<_>, _>>()?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("berth-etcd")
@@ -163,7 +162,11 @@ impl EtcdClient {
             .map_err(|e| EtcdError::Refused(format!("starting the etcd client: {e}")))?;
         let channels: Vec<Channel> = {
             let _in = rt.enter();
-            endpoints.iter().map(Endpoint::connect_lazy).collect()
+            config
+                .endpoints
+                .iter()
+                .map(|e| channel(e, &config))
+                .collect::<Result<_, _>>()?
         };
         Ok(EtcdClient {
             channels: channels.into(),
@@ -554,23 +557,39 @@ impl EtcdClient {
     }
 }
 
-fn endpoint(url: &str, config: &EtcdConfig) -> Result<Endpoint, EtcdError> {
+/// A channel to the member at `url`, not dialled yet: `http://HOST:PORT`,
+/// or `https://HOST:PORT` with `config.tls`. Must run inside a runtime.
+fn channel(url: &str, config: &EtcdConfig) -> Result<Channel, EtcdError> {
     let bad = |detail: String| EtcdError::BadEndpoint {
         endpoint: url.to_string(),
         detail,
     };
-    if !url.starts_with("http://") {
-        return Err(bad(
-            "want http://HOST:PORT (TLS to etcd is not supported yet)".into(),
-        ));
-    }
-    Ok(Endpoint::from_shared(url.to_string())
+    let endpoint = Endpoint::from_shared(url.to_string())
         .map_err(|e| bad(e.to_string()))?
         .connect_timeout(config.dial_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(5))
         .keep_alive_timeout(config.dial_timeout)
-        .keep_alive_while_idle(true))
+        .keep_alive_while_idle(true);
+    match (url.split_once("://").map(|(s, _)| s), &config.tls) {
+        (Some("http"), None) => Ok(endpoint.connect_lazy()),
+        (Some("https"), Some(tls)) => {
+            let dialer = tls.dialer(endpoint.uri()).map_err(bad)?;
+            Ok(endpoint.connect_with_connector_lazy(dialer))
+        }
+        (Some("http"), Some(_)) => Err(bad(
+            "etcd { tls } is set, so the members are dialled over TLS: want https://HOST:PORT"
+                .into(),
+        )),
+        (Some("https"), None) => Err(bad(
+            "an https:// endpoint needs etcd { tls { ca_file = ... } }, the CA that signed \
+             the members' certificates"
+                .into(),
+        )),
+        _ => Err(bad(
+            "want http://HOST:PORT, or https://HOST:PORT with etcd { tls }".into(),
+        )),
+    }
 }
 
 /// The end of the range of keys that start with `prefix` (etcd's

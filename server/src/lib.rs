@@ -19,6 +19,7 @@ mod csi;
 mod drainer;
 mod error;
 pub mod etcd;
+pub mod etcd_tls;
 pub mod file_modes;
 mod gc;
 pub mod keyring;

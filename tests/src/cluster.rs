@@ -65,6 +65,16 @@ impl Server {
     /// short enough that a node wrongly missed is marked down within a
     /// test.
     pub fn start_on_etcd(endpoints: &[String], prefix: &str, keys: &Path) -> Result<Server> {
+        Server::start_on_etcd_with(endpoints, prefix, keys, "")
+    }
+
+    /// [`Server::start_on_etcd`] with `more` in its `etcd` block.
+    pub fn start_on_etcd_with(
+        endpoints: &[String],
+        prefix: &str,
+        keys: &Path,
+        more: &str,
+    ) -> Result<Server> {
         let list = endpoints
             .iter()
             .map(|e| format!("\"{e}\""))
@@ -74,7 +84,7 @@ impl Server {
             "store = \"etcd\"\n  min_heartbeat_ttl = \"2s\"\n  heartbeat_grace = \"2s\"",
             &format!(
                 "etcd {{\n  endpoints = [{list}]\n  prefix = \"{prefix}\"\n  lease_ttl = \"3s\"\n  \
-                 request_timeout = \"2s\"\n  keyring_dir = \"{}\"\n}}",
+                 request_timeout = \"2s\"\n  keyring_dir = \"{}\"\n{more}\n}}",
                 path_str(keys)?
             ),
         )

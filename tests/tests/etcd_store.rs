@@ -2,14 +2,15 @@
 //! its state lives in etcd, not in its data dir, and survives the server's
 //! restart; while etcd is down it gives up leading, its writes fail with a
 //! retryable 503, its reads still answer, and it leads again and goes on
-//! when etcd is back.
+//! when etcd is back. It reaches etcd over mutual TLS when told to.
 
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use berth_tests::cluster::{Client, Server};
+use berth_tests::pki::{Pki, SERVER_CERT};
 use berth_tests::{cli_at, http_at, sleeping_service_job, wait_for};
-use berth_testutil::etcd::Etcd;
+use berth_testutil::etcd::{Etcd, EtcdTlsFiles};
 
 #[test]
 fn a_server_on_etcd_keeps_its_state_there_across_a_restart() -> Result<()> {
@@ -92,5 +93,43 @@ fn with_etcd_down_the_server_stops_leading_refuses_writes_and_answers_reads() ->
     })
     .with_context(|| server.agent.log())?;
     assert_eq!(server.get("/v1/job/second-etcd")?["id"], "second-etcd");
+    Ok(())
+}
+
+#[test]
+fn a_server_reaches_etcd_over_mutual_tls() -> Result<()> {
+    let pki = Pki::new()?;
+    let (cert, key) = pki.cert_and_key(SERVER_CERT);
+    // A member that serves TLS only and wants a client certificate of the
+    // agents' CA.
+    let etcd = Etcd::start_tls(EtcdTlsFiles {
+        cert_file: cert.clone(),
+        key_file: key.clone(),
+        client_ca_file: pki.ca(),
+    });
+    assert!(etcd.endpoint().starts_with("https://"));
+    let keys = tempfile::tempdir()?;
+    let tls = format!(
+        "tls {{\n  ca_file = {:?}\n  cert_file = {cert:?}\n  key_file = {key:?}\n}}",
+        pki.ca()
+    );
+    let mut server = Server::start_on_etcd_with(&[etcd.endpoint()], "/tls", keys.path(), &tls)?;
+    wait_for("the server to lead", Duration::from_secs(20), || {
+        Ok((!server.leader()?.is_empty()).then_some(()))
+    })
+    .with_context(|| server.agent.log())?;
+    server.run_job("tls-etcd", &sleeping_service_job("tls-etcd", 0, 1))?;
+
+    // The job was written to etcd over TLS: a restarted server loads it.
+    server.agent.kill()?;
+    server.agent.start_again()?;
+    server.wait_serving()?;
+    let job = server.get("/v1/job/tls-etcd")?;
+    assert_eq!(job["id"], "tls-etcd", "{job}");
+    assert!(
+        server.agent.log().contains("loaded server state from etcd"),
+        "{}",
+        server.agent.log()
+    );
     Ok(())
 }

@@ -17,6 +17,19 @@ pub struct Etcd {
     peer_port: u16,
     /// `--initial-cluster`: every member's name and peer URL.
     initial_cluster: String,
+    /// Serves its clients over TLS with these files.
+    tls: Option<EtcdTlsFiles>,
+    /// Where it serves `/health` in plain HTTP (`--listen-metrics-urls`).
+    metrics_port: u16,
+}
+
+/// The files a member serves TLS with: its certificate and key, and the
+/// CA its clients' certificates must chain to (`--client-cert-auth`).
+#[derive(Debug, Clone)]
+pub struct EtcdTlsFiles {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    pub client_ca_file: PathBuf,
 }
 
 /// Several etcd members that form one cluster.
@@ -44,6 +57,8 @@ impl EtcdCluster {
                 client_port,
                 peer_port,
                 initial_cluster: initial_cluster.clone(),
+                tls: None,
+                metrics_port: free_port(),
             })
             .collect();
         // All at once: a member waits for the others to elect a leader.
@@ -79,6 +94,16 @@ fn free_port() -> u16 {
 impl Etcd {
     /// Starts a one-member cluster and waits until it answers.
     pub fn start() -> Etcd {
+        Etcd::start_with(None)
+    }
+
+    /// Starts a one-member cluster that serves its clients over TLS only
+    /// and wants their certificates, and waits until it answers.
+    pub fn start_tls(tls: EtcdTlsFiles) -> Etcd {
+        Etcd::start_with(Some(tls))
+    }
+
+    fn start_with(tls: Option<EtcdTlsFiles>) -> Etcd {
         let peer_port = free_port();
         let mut etcd = Etcd {
             child: None,
@@ -87,14 +112,18 @@ impl Etcd {
             client_port: free_port(),
             peer_port,
             initial_cluster: format!("m0=http://127.0.0.1:{peer_port}"),
+            tls,
+            metrics_port: free_port(),
         };
         etcd.run();
         etcd
     }
 
-    /// `http://127.0.0.1:PORT`, what the servers are given.
+    /// `http://127.0.0.1:PORT` (`https://` with TLS), what the servers
+    /// are given.
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
     }
 
     pub fn data_dir(&self) -> &Path {
@@ -113,7 +142,18 @@ impl Etcd {
             .append(true)
             .open(self.dir.path().join("etcd.log"))
             .expect("etcd log");
-        let child = Command::new(etcd_binary())
+        let mut command = Command::new(etcd_binary());
+        if let Some(tls) = &self.tls {
+            command
+                .arg(format!("--cert-file={}", tls.cert_file.display()))
+                .arg(format!("--key-file={}", tls.key_file.display()))
+                .arg(format!(
+                    "--trusted-ca-file={}",
+                    tls.client_ca_file.display()
+                ))
+                .arg("--client-cert-auth");
+        }
+        let child = command
             .arg(format!("--name={}", self.name))
             .arg(format!(
                 "--data-dir={}",
@@ -124,6 +164,10 @@ impl Etcd {
             .arg(format!("--listen-peer-urls={peer}"))
             .arg(format!("--initial-advertise-peer-urls={peer}"))
             .arg(format!("--initial-cluster={}", self.initial_cluster))
+            .arg(format!(
+                "--listen-metrics-urls=http://127.0.0.1:{}",
+                self.metrics_port
+            ))
             .arg("--max-txn-ops=10000")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -141,7 +185,7 @@ impl Etcd {
     /// Waits until the member serves its health endpoint.
     fn wait_until_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        let addr = format!("127.0.0.1:{}", self.client_port);
+        let addr = format!("127.0.0.1:{}", self.metrics_port);
         loop {
             if let Some(status) = self
                 .child

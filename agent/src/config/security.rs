@@ -29,7 +29,7 @@
 //! Every field is an `Option`, so that merging files can tell a value
 //! from its absence; the `effective_*` helpers give the value in force.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use berth_structs::limits::MAX_DURATION;
@@ -372,15 +372,7 @@ impl SecuritySections {
                     ],
                     &[],
                 )?;
-                let path = |key: &str| -> Result<Option<PathBuf>, SpecError> {
-                    match t.string(key)? {
-                        None => Ok(None),
-                        Some(p) if !Path::new(&p).is_absolute() => {
-                            Err(t.invalid(key, format!("{p:?} must be an absolute path")))
-                        }
-                        Some(p) => Ok(Some(PathBuf::from(p))),
-                    }
-                };
+                let path = |key: &str| crate::config::absolute_path(&t, key);
                 TlsSection {
                     http: t.bool("http")?,
                     rpc: t.bool("rpc")?,

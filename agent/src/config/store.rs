@@ -13,15 +13,35 @@
 //! }
 //! ```
 //!
+//! With TLS to etcd the endpoints are `https://` and a `tls` block names
+//! the CA that signed the members' certificates and, for members that
+//! check their clients (`--client-cert-auth`), the certificate and key the
+//! servers present:
+//!
+//! ```hcl
+//! etcd {
+//!   endpoints = ["https://etcd-1.example:2379", "https://etcd-2.example:2379"]
+//!   tls {
+//!     ca_file   = "/etc/berth.d/etcd-ca.pem"
+//!     cert_file = "/etc/berth.d/etcd-client.pem"
+//!     key_file  = "/etc/berth.d/etcd-client-key.pem"
+//!   }
+//! }
+//! ```
+//!
 //! The embedded store (a redb file in the data dir) is the default: one
 //! server, and `-dev`.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use berth_server::etcd::EtcdConfig;
+use berth_server::etcd_tls::EtcdTls;
 use berth_server::StoreConfig;
 use berth_structs::spec::hcl::{BodyReader, Source};
 use berth_structs::spec::SpecError;
+
+use crate::config::absolute_path;
 
 /// The stores `server { store }` names.
 pub const STORES: [&str; 2] = ["embedded", "etcd"];
@@ -38,6 +58,43 @@ pub struct EtcdSection {
     pub request_timeout: Option<Duration>,
     pub lease_ttl: Option<Duration>,
     pub keyring_dir: Option<std::path::PathBuf>,
+    pub tls: Option<EtcdTlsSection>,
+}
+
+/// `etcd { tls { ... } }`: the members' CA, and the servers' certificate
+/// and key for members that check their clients.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdTlsSection {
+    pub ca_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+}
+
+impl EtcdTlsSection {
+    /// The client configuration these files make, or why they make none
+    /// (naming the key or the file).
+    fn client_config(&self) -> Result<EtcdTls, String> {
+        let Some(ca) = &self.ca_file else {
+            return Err(
+                "etcd { tls } needs ca_file: the CA that signed the etcd members' \
+                 certificates"
+                    .into(),
+            );
+        };
+        let client = match (&self.cert_file, &self.key_file) {
+            (Some(cert), Some(key)) => Some((cert.as_path(), key.as_path())),
+            (None, None) => None,
+            _ => {
+                return Err(
+                    "etcd { tls } sets one of cert_file and key_file: set both (the \
+                     certificate the servers present to etcd, and its key) or neither"
+                        .into(),
+                )
+            }
+        };
+        let config = crate::tls::etcd_client_config(ca, client).map_err(|e| format!("etcd {e}"))?;
+        Ok(EtcdTls::new(config, format!("CA {}", ca.display())))
+    }
 }
 
 impl EtcdSection {
@@ -51,6 +108,7 @@ impl EtcdSection {
             request_timeout: later.request_timeout.or(self.request_timeout),
             lease_ttl: later.lease_ttl.or(self.lease_ttl),
             keyring_dir: later.keyring_dir.or(self.keyring_dir),
+            tls: later.tls.or(self.tls),
         }
     }
 
@@ -71,7 +129,7 @@ impl EtcdSection {
                 "lease_ttl",
                 "keyring_dir",
             ],
-            &[],
+            &["tls"],
         )?;
         let endpoints = e.strings("endpoints")?;
         for url in endpoints.iter().flatten() {
@@ -94,24 +152,39 @@ impl EtcdSection {
             // alive well before it runs out.
             return Err(e.invalid("lease_ttl", "must be at least 2s"));
         }
-        let keyring_dir = match e.string("keyring_dir")? {
-            Some(d) if !std::path::Path::new(&d).is_absolute() => {
-                return Err(e.invalid("keyring_dir", format!("{d:?} must be an absolute path")))
+        let keyring_dir = absolute_path(&e, "keyring_dir")?;
+        let tls = match e.optional_block("tls")? {
+            None => None,
+            Some(b) => {
+                let t = BodyReader::unlabeled(
+                    src,
+                    b,
+                    e.ctx(),
+                    &["ca_file", "cert_file", "key_file"],
+                    &[],
+                )?;
+                Some(EtcdTlsSection {
+                    ca_file: absolute_path(&t, "ca_file")?,
+                    cert_file: absolute_path(&t, "cert_file")?,
+                    key_file: absolute_path(&t, "key_file")?,
+                })
             }
-            d => d.map(std::path::PathBuf::from),
         };
         Ok(EtcdSection {
             endpoints,
             prefix,
             keyring_dir,
+            tls,
             dial_timeout: positive("dial_timeout")?,
             request_timeout: positive("request_timeout")?,
             lease_ttl,
         })
     }
 
-    /// The etcd settings in force, defaults filled in.
-    pub fn effective(&self) -> EtcdConfig {
+    /// The etcd settings in force, defaults filled in, or why they do not
+    /// make any (a TLS file that does not read, endpoints of the wrong
+    /// scheme).
+    pub fn effective(&self) -> Result<EtcdConfig, String> {
         let mut c = EtcdConfig::new(self.endpoints.clone().unwrap_or_default());
         if let Some(p) = &self.prefix {
             c.prefix = p.trim_end_matches('/').to_string();
@@ -126,7 +199,27 @@ impl EtcdSection {
             c.lease_ttl = d;
         }
         c.keyring_dir = self.keyring_dir.clone();
-        c
+        let scheme = if self.tls.is_some() {
+            "https://"
+        } else {
+            "http://"
+        };
+        if let Some(url) = c.endpoints.iter().find(|u| !u.starts_with(scheme)) {
+            return Err(match &self.tls {
+                Some(_) => format!(
+                    "etcd endpoint {url:?}: etcd {{ tls }} is set, so the members are dialled \
+                     over TLS: want https://HOST:PORT"
+                ),
+                None => format!(
+                    "etcd endpoint {url:?}: an https:// endpoint needs etcd {{ tls {{ ca_file \
+                     = ... }} }}, the CA that signed the members' certificates"
+                ),
+            });
+        }
+        if let Some(t) = &self.tls {
+            c.tls = Some(t.client_config()?);
+        }
+        Ok(c)
     }
 }
 
@@ -153,18 +246,22 @@ pub fn store_config(store: Option<&str>, etcd: &EtcdSection) -> Result<StoreConf
                      etcd { endpoints = [\"http://HOST:2379\"] }"
                     .into());
             }
-            Ok(StoreConfig::Etcd(etcd.effective()))
+            Ok(StoreConfig::Etcd(etcd.effective()?))
         }
         Some(other) => Err(check_store(other).err().unwrap_or_default()),
     }
 }
 
-/// An etcd endpoint: `http://HOST:PORT`.
+/// An etcd endpoint: `http://HOST:PORT`, or `https://HOST:PORT` (with
+/// `etcd { tls }`).
 fn check_endpoint(url: &str) -> Result<(), String> {
-    let Some(rest) = url.strip_prefix("http://") else {
+    let Some(rest) = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+    else {
         return Err(format!(
-            "{url:?} is not an etcd endpoint: want http://HOST:PORT (TLS to etcd is not \
-             supported yet)"
+            "{url:?} is not an etcd endpoint: want http://HOST:PORT, or https://HOST:PORT \
+             with etcd {{ tls }}"
         ));
     };
     let addr = rest.trim_end_matches('/');
@@ -236,5 +333,51 @@ mod tests {
         }
         let none = store_config(Some("etcd"), &EtcdSection::default()).unwrap_err();
         assert!(none.contains("etcd { endpoints"), "{none}");
+    }
+
+    #[test]
+    fn tls_to_etcd_wants_https_endpoints_a_ca_and_both_or_neither_of_cert_and_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("no-ca.pem");
+        for (body, want) in [
+            (
+                "endpoints = [\"https://10.0.0.1:2379\"]".to_string(),
+                "needs etcd { tls { ca_file".to_string(),
+            ),
+            (
+                format!(
+                    "endpoints = [\"http://10.0.0.1:2379\"]\n tls {{\n ca_file = {missing:?}\n }}"
+                ),
+                "want https://HOST:PORT".to_string(),
+            ),
+            (
+                "endpoints = [\"https://10.0.0.1:2379\"]\n tls {\n cert_file = \"/c.pem\"\n }"
+                    .into(),
+                "needs ca_file".into(),
+            ),
+            (
+                format!(
+                    "endpoints = [\"https://10.0.0.1:2379\"]\n tls {{\n ca_file = {missing:?}\n \
+                     key_file = \"/k.pem\"\n }}"
+                ),
+                "set both".into(),
+            ),
+            (
+                format!(
+                    "endpoints = [\"https://10.0.0.1:2379\"]\n tls {{\n ca_file = {missing:?}\n }}"
+                ),
+                format!("reading the CA file {}", missing.display()),
+            ),
+        ] {
+            let text = format!("server {{\n store = \"etcd\"\n}}\netcd {{\n {body}\n}}\n");
+            let c = parse(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            let e = store_config(c.server.store.as_deref(), &c.etcd).expect_err(&text);
+            assert!(e.contains(&want), "{text}: {e}");
+        }
+        let relative = parse("etcd {\n tls {\n ca_file = \"ca.pem\"\n }\n}").unwrap_err();
+        assert!(
+            relative.to_string().contains("must be an absolute path"),
+            "{relative}"
+        );
     }
 }
