@@ -27,7 +27,7 @@ impl berth_cli::Host for AgentHost {
         let config = config::load(paths)?;
         let tls = &config.security.tls;
         if tls.rpc_enabled() || tls.http_enabled() {
-            tls::check_files(&tls::TlsFiles::of(tls)?)?;
+            tls::check_files(&tls.files()?)?;
         }
         let roles = match (config.server_enabled(), config.client_enabled()) {
             (true, true) => "server and client",

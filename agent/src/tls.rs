@@ -26,9 +26,6 @@ use rustls::{CertificateError, ClientConfig, DigitallySignedStruct, RootCertStor
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 
-use crate::config::security::TlsSection;
-use crate::config::SecuritySections;
-
 /// ALPN of the agent protocol (gRPC speaks HTTP/2 only).
 const ALPN_H2: &[u8] = b"h2";
 /// ALPN of the HTTP API: the CLI speaks HTTP/1.1, other clients may
@@ -94,22 +91,6 @@ pub struct TlsFiles {
     pub ca_file: PathBuf,
     pub cert_file: PathBuf,
     pub key_file: PathBuf,
-}
-
-impl TlsFiles {
-    /// The files `tls` names, or what it lacks.
-    pub fn of(tls: &TlsSection) -> Result<TlsFiles, TlsError> {
-        match (&tls.ca_file, &tls.cert_file, &tls.key_file) {
-            (Some(ca), Some(cert), Some(key)) => Ok(TlsFiles {
-                ca_file: ca.clone(),
-                cert_file: cert.clone(),
-                key_file: key.clone(),
-            }),
-            _ => Err(TlsError::Incomplete(tls.incomplete().unwrap_or_else(
-                || "ca_file, cert_file and key_file must be set".to_string(),
-            ))),
-        }
-    }
 }
 
 /// What the three files hold.
@@ -437,37 +418,43 @@ impl std::fmt::Debug for AgentTls {
 }
 
 /// The name a server certificate of `region` carries.
+/// What the agent's TLS is made of: the `tls` block's switches and
+/// files, and the region whose names the certificates carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsSettings {
+    pub rpc: bool,
+    pub http: bool,
+    pub verify_server_hostname: bool,
+    pub verify_https_client: bool,
+    pub region: String,
+    pub files: TlsFiles,
+}
+
 pub fn server_name_of(region: &str) -> String {
     format!("server.{region}.berth")
 }
 
 impl AgentTls {
-    /// The agent's TLS as `security` configures it: `None` when neither
-    /// `tls.rpc` nor `tls.http` is on.
-    pub fn from_config(security: &SecuritySections) -> Result<Option<Arc<AgentTls>>, TlsError> {
-        let tls = &security.tls;
-        if !tls.rpc_enabled() && !tls.http_enabled() {
-            return Ok(None);
-        }
-        let files = TlsFiles::of(tls)?;
-        let name = server_name_of(security.effective_region());
+    /// The agent's TLS as `settings` make it.
+    pub fn new(settings: TlsSettings) -> Result<Arc<AgentTls>, TlsError> {
+        let name = server_name_of(&settings.region);
         let server_name =
             ServerName::try_from(name.clone()).map_err(|_| TlsError::BadServerName(name))?;
-        let t = AgentTls {
-            rpc: tls.rpc_enabled(),
-            http: tls.http_enabled(),
-            verify_server_hostname: tls.effective_verify_server_hostname(),
-            verify_https_client: tls.effective_verify_https_client(),
+        let current = Configs::build(
+            &settings.files,
+            settings.verify_server_hostname,
+            settings.verify_https_client,
+        )?;
+        Ok(Arc::new(AgentTls {
+            rpc: settings.rpc,
+            http: settings.http,
+            verify_server_hostname: settings.verify_server_hostname,
+            verify_https_client: settings.verify_https_client,
             server_name,
-            region: security.effective_region().to_string(),
-            current: RwLock::new(Arc::new(Configs::build(
-                &files,
-                tls.effective_verify_server_hostname(),
-                tls.effective_verify_https_client(),
-            )?)),
-            files,
-        };
-        Ok(Some(Arc::new(t)))
+            region: settings.region,
+            current: RwLock::new(Arc::new(current)),
+            files: settings.files,
+        }))
     }
 
     /// Reads the files again; on success new connections use them, on

@@ -134,10 +134,7 @@ pub async fn run(
         tracing::warn!(key, "this config key is not applied by this version yet");
     }
 
-    let tls = crate::tls::AgentTls::from_config(&config.security).context("berth agent")?;
-    if let Some(t) = &tls {
-        tracing::info!(rpc = t.rpc, http = t.http, "TLS on");
-    }
+    let tls = agent_tls(&config)?;
 
     if config.server && config.client {
         tracing::warn!(
@@ -237,6 +234,19 @@ pub async fn run(
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// The agent's TLS as `config` sets it up, `None` when it is off.
+fn agent_tls(config: &AgentConfig) -> Result<Option<std::sync::Arc<crate::tls::AgentTls>>> {
+    let tls = config
+        .security
+        .tls_settings()
+        .and_then(|s| s.map(crate::tls::AgentTls::new).transpose())
+        .context("berth agent")?;
+    if let Some(t) = &tls {
+        tracing::info!(rpc = t.rpc, http = t.http, "TLS on");
+    }
+    Ok(tls)
 }
 
 /// What the HTTP API says of this agent (`/v1/agent/self`, its roles and

@@ -33,6 +33,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use berth_structs::limits::MAX_DURATION;
+
+use crate::tls::{TlsError, TlsFiles, TlsSettings};
 use berth_structs::spec::hcl::{BodyReader, Source};
 use berth_structs::spec::SpecError;
 
@@ -95,6 +97,20 @@ pub struct TlsSection {
 }
 
 impl TlsSection {
+    /// The files this block names, or what it lacks.
+    pub fn files(&self) -> Result<TlsFiles, TlsError> {
+        match (&self.ca_file, &self.cert_file, &self.key_file) {
+            (Some(ca), Some(cert), Some(key)) => Ok(TlsFiles {
+                ca_file: ca.clone(),
+                cert_file: cert.clone(),
+                key_file: key.clone(),
+            }),
+            _ => Err(TlsError::Incomplete(self.incomplete().unwrap_or_else(
+                || "ca_file, cert_file and key_file must be set".to_string(),
+            ))),
+        }
+    }
+
     pub fn http_enabled(&self) -> bool {
         self.http == Some(true)
     }
@@ -276,6 +292,23 @@ impl SecuritySections {
 
     pub fn effective_region(&self) -> &str {
         self.region.as_deref().unwrap_or(DEFAULT_REGION)
+    }
+
+    /// What the agent's TLS is made of: `None` when neither `tls.rpc` nor
+    /// `tls.http` is on.
+    pub fn tls_settings(&self) -> Result<Option<TlsSettings>, TlsError> {
+        let tls = &self.tls;
+        if !tls.rpc_enabled() && !tls.http_enabled() {
+            return Ok(None);
+        }
+        Ok(Some(TlsSettings {
+            rpc: tls.rpc_enabled(),
+            http: tls.http_enabled(),
+            verify_server_hostname: tls.effective_verify_server_hostname(),
+            verify_https_client: tls.effective_verify_https_client(),
+            region: self.effective_region().to_string(),
+            files: tls.files()?,
+        }))
     }
 
     /// Why a server listening on `binds` must not start: an address that

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use super::*;
 use crate::config::security::TlsSection;
+use crate::config::SecuritySections;
 use berth_cli::tls::{create_ca, create_cert, write_pair, Extra, Pems, Role};
 
 /// A CA in `dir` (`<name>-ca.pem`) and certificates signed by it.
@@ -49,8 +50,12 @@ fn security(dir: &Path, ca: &str, base: &str, verify_server_hostname: bool) -> S
     }
 }
 
+fn from_config(s: &SecuritySections) -> Result<Arc<AgentTls>, TlsError> {
+    AgentTls::new(s.tls_settings()?.expect("tls is on"))
+}
+
 fn agent_tls(s: &SecuritySections) -> Arc<AgentTls> {
-    AgentTls::from_config(s).unwrap().expect("tls is on")
+    from_config(s).unwrap()
 }
 
 /// A handshake of `client` (dialling) with `server` (accepting on the
@@ -161,8 +166,7 @@ fn a_reload_that_fails_keeps_the_configuration_in_force() {
 #[test]
 fn missing_files_are_named() {
     let dir = tempfile::tempdir().unwrap();
-    let e = AgentTls::from_config(&security(dir.path(), "agents", "server", true))
-        .expect_err("no files");
+    let e = from_config(&security(dir.path(), "agents", "server", true)).expect_err("no files");
     assert!(e.to_string().contains("agents-ca.pem"), "{e}");
 }
 
@@ -226,6 +230,6 @@ fn files_that_do_not_make_an_identity_are_refused_naming_the_file() {
     // The agent refuses them at start too.
     let mut s = security(d, "agents", "stranger", true);
     s.tls.ca_file = Some(d.join("agents-ca.pem"));
-    let e = AgentTls::from_config(&s).expect_err("another CA at start");
+    let e = from_config(&s).expect_err("another CA at start");
     assert!(e.to_string().contains("not signed by the CA"), "{e}");
 }
