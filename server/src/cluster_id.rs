@@ -9,13 +9,16 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use berth_proto::berth::v1::CLUSTER_ID_HEADER;
+use tonic::body::Body;
 use tonic::codegen::http::{HeaderValue, Request, Response};
 
 use crate::error::ServerError;
 use crate::leader::{Role, ServerIdentity};
+use crate::leader_link::LeaderLink;
 
 /// The file under the server's data dir that holds the cluster ID.
 const FILE: &str = "cluster-id";
@@ -66,25 +69,51 @@ pub(crate) fn load_or_create(data_dir: &Path) -> Result<String, ServerError> {
 
 /// A layer for the agent protocol's server: it names the cluster on every
 /// response, answers a request that names another cluster with
-/// `FAILED_PRECONDITION` before any service sees it, and sends clients on
-/// with `UNAVAILABLE` from a server that does not lead (only the leader
-/// takes heartbeats and writes; see `crate::leader`).
-#[derive(Debug, Clone)]
+/// `FAILED_PRECONDITION` before any service sees it, and, on a server
+/// that does not lead (only the leader takes heartbeats and writes; see
+/// `crate::leader`), sends each request on to the leader when it has a
+/// way there ([`ClusterIdLayer::sending_on`], see `crate::leader_link`),
+/// or else sends the node on with `UNAVAILABLE`.
+#[derive(Clone)]
 pub struct ClusterIdLayer {
     id: HeaderValue,
     role: Option<tokio::sync::watch::Receiver<Role>>,
+    /// The way to the leader, and this server's name for it.
+    link: Option<(Arc<dyn LeaderLink>, HeaderValue)>,
+}
+
+impl std::fmt::Debug for ClusterIdLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterIdLayer")
+            .field("id", &self.id)
+            .field("sends_on", &self.link.is_some())
+            .finish()
+    }
 }
 
 impl ClusterIdLayer {
     pub fn new(cluster_id: &str) -> Result<ClusterIdLayer, ServerError> {
         let id = HeaderValue::from_str(cluster_id)
             .map_err(|e| ServerError::Internal(format!("cluster ID {cluster_id:?}: {e}")))?;
-        Ok(ClusterIdLayer { id, role: None })
+        Ok(ClusterIdLayer {
+            id,
+            role: None,
+            link: None,
+        })
     }
 
     /// Refuses every request while `role` is not the leader's.
     pub fn leader_only(mut self, role: tokio::sync::watch::Receiver<Role>) -> ClusterIdLayer {
         self.role = Some(role);
+        self
+    }
+
+    /// While this server does not lead, sends requests on to the leader
+    /// over `link`, naming itself `name`; without it they are refused.
+    pub fn sending_on(mut self, link: Arc<dyn LeaderLink>, name: &str) -> ClusterIdLayer {
+        let name = HeaderValue::from_str(name)
+            .unwrap_or_else(|_| HeaderValue::from_static("a-berth-server"));
+        self.link = Some((link, name));
         self
     }
 }
@@ -97,25 +126,26 @@ impl<S> tower::Layer<S> for ClusterIdLayer {
             inner,
             id: self.id.clone(),
             role: self.role.clone(),
+            link: self.link.clone(),
         }
     }
 }
 
 /// See [`ClusterIdLayer`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClusterIdService<S> {
     inner: S,
     id: HeaderValue,
     role: Option<tokio::sync::watch::Receiver<Role>>,
+    link: Option<(Arc<dyn LeaderLink>, HeaderValue)>,
 }
 
-impl<S, B, RB> tower::Service<Request<B>> for ClusterIdService<S>
+impl<S> tower::Service<Request<Body>> for ClusterIdService<S>
 where
-    S: tower::Service<Request<B>, Response = Response<RB>>,
+    S: tower::Service<Request<Body>, Response = Response<Body>>,
     S::Future: Send + 'static,
-    RB: Default,
 {
-    type Response = Response<RB>;
+    type Response = Response<Body>;
     type Error = S::Error;
     type Future = std::pin::Pin<
         Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>,
@@ -125,7 +155,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<B>) -> Self::Future {
+    fn call(&mut self, req: Request<Body>) -> Self::Future {
         let id = self.id.clone();
         if let Some(theirs) = req.headers().get(CLUSTER_ID_HEADER) {
             if theirs != id {
@@ -139,8 +169,20 @@ where
             }
         }
         if let Some(Role::Standby { leader }) = self.role.as_ref().map(|r| r.borrow().clone()) {
-            let refused = tonic::Status::unavailable(not_the_leader(leader.as_ref()));
-            return Box::pin(async move { Ok(refusal(&id, refused)) });
+            return match (leader, &self.link) {
+                (Some(leader), Some((link, by))) if !crate::leader_link::was_sent_on(&req) => {
+                    let (link, by) = (link.clone(), by.clone());
+                    Box::pin(async move {
+                        let mut resp = crate::leader_link::send_on(&*link, &by, &leader, req).await;
+                        resp.headers_mut().insert(CLUSTER_ID_HEADER, id);
+                        Ok(resp)
+                    })
+                }
+                (leader, _) => {
+                    let refused = tonic::Status::unavailable(not_the_leader(leader.as_ref()));
+                    Box::pin(async move { Ok(refusal(&id, refused)) })
+                }
+            };
         }
         let answer = self.inner.call(req);
         Box::pin(async move {
@@ -166,8 +208,8 @@ pub fn not_the_leader(leader: Option<&ServerIdentity>) -> String {
 }
 
 /// A gRPC answer of only headers: `status`, naming this server's cluster.
-fn refusal<RB: Default>(id: &HeaderValue, status: tonic::Status) -> Response<RB> {
-    let mut resp = status.into_http::<RB>();
+fn refusal(id: &HeaderValue, status: tonic::Status) -> Response<Body> {
+    let mut resp = status.into_http::<Body>();
     resp.headers_mut().insert(CLUSTER_ID_HEADER, id.clone());
     resp
 }

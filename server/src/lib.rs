@@ -24,8 +24,10 @@ pub mod file_modes;
 mod gc;
 pub mod keyring;
 pub mod leader;
+pub mod leader_link;
 mod liveness;
 mod partial_budget;
+mod peer;
 mod plugins;
 mod prefix;
 mod register_rate;
@@ -43,11 +45,11 @@ pub use csi::{
 pub use drainer::{DRAIN_COMPLETE_EVENT, DRAIN_STOP_DESCRIPTION};
 pub use error::{ServerError, StoreError};
 pub use gc::GcReport;
+pub use peer::PeerIdentity;
 pub use plugins::{InstanceNode, PluginAlloc, PluginStatus};
 pub use register_rate::RegisterRate;
 pub use rpc::{
     csi_volume_service, limits, node_service, CsiVolumeService, Limited, MethodLimit, NodeService,
-    PeerIdentity,
 };
 pub use server::acl::{NewIntroToken, NewToken, TokenRequest, TokenWithPolicies};
 pub use server::alloc_stop::{AllocStopResponse, ALLOC_STOP_DESCRIPTION};

@@ -3,7 +3,9 @@
 //! watch, answers reads and sends writes on to the leader;
 //! when the leader is killed the other takes over within the lease TTL,
 //! with the state the leader left, and the node's alloc runs on without a
-//! node marked down or an alloc replaced.
+//! node marked down or an alloc replaced. A client that reaches only the
+//! follower is served through it: the follower sends its requests on to
+//! the leader.
 
 use std::time::{Duration, Instant};
 
@@ -159,6 +161,54 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
         Ok((n["status"].clone(), n["modify_index"].clone()))
     };
     assert_eq!(node_of(&servers[l])?, node_of(&servers[s])?);
+    Ok(())
+}
+
+#[test]
+fn a_client_that_reaches_only_the_follower_runs_its_allocs_through_it() -> Result<()> {
+    let etcd = Etcd::start();
+    let keys = tempfile::tempdir()?;
+    let mut servers = [
+        Server::start_on_etcd(&[etcd.endpoint()], "/fw", keys.path())?,
+        Server::start_on_etcd(&[etcd.endpoint()], "/fw", keys.path())?,
+    ];
+    let l = wait_leader(&servers, &[0, 1], Duration::from_secs(15))?;
+    let f = 1 - l;
+    // The client knows the follower alone: it registers, watches its
+    // allocs, reports them and heartbeats through it.
+    let client = Client::start_with_servers(&servers[f].rpc, "n-fw", "")?;
+    servers[l]
+        .wait_nodes_ready(&["n-fw"])
+        .with_context(|| format!("{}\n{}", client.agent.log(), servers[f].agent.log()))?;
+    servers[f].run_job("fw-sleepy", &sleeping_service_job("fw-sleepy", 1, 1))?;
+    let alloc = wait_for("the alloc running", Duration::from_secs(30), || {
+        servers[l].running_alloc("fw-sleepy")
+    })
+    .with_context(|| client.agent.log())?;
+    // Its heartbeats reach the leader's TTL timers: the node stays ready
+    // well past its TTL and grace (2 s each).
+    let watch_until = Instant::now() + Duration::from_secs(6);
+    while Instant::now() < watch_until {
+        let node = servers[l].node("n-fw")?;
+        assert_eq!(node["status"], "ready", "marked down: {node}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    // A stop reaches the task through the follower, and the client's
+    // report of it reaches the leader.
+    servers[f].cli(&["job", "stop", "fw-sleepy"])?;
+    wait_for("the alloc to stop", Duration::from_secs(30), || {
+        let allocs = servers[l].allocs("fw-sleepy")?;
+        Ok(allocs
+            .iter()
+            .any(|a| a["id"] == alloc.as_str() && a["client_status"] == "complete")
+            .then_some(()))
+    })
+    .with_context(|| client.agent.log())?;
+    assert!(
+        !client.agent.log().contains("does not lead"),
+        "the follower refused the client: {}",
+        client.agent.log()
+    );
     Ok(())
 }
 

@@ -128,8 +128,15 @@ fn serve_agent_protocol(
         .http2_keepalive_timeout(Some(berth_client::servers::KEEPALIVE_TIMEOUT))
         .max_concurrent_streams(Some(MAX_RPC_STREAMS_PER_CONNECTION))
         // Every answer names the cluster; a request of another cluster's
-        // node is refused before any service sees it.
-        .layer(server.cluster_id_layer())
+        // node is refused before any service sees it; a server that does
+        // not lead sends the nodes' requests on to the leader.
+        .layer(server.cluster_id_layer().sending_on(
+            crate::http::leader_gate::LeaderGate::new(
+                server.clone(),
+                info.server_tls.get().cloned(),
+            ),
+            &server.config().identity.name,
+        ))
         .add_service(berth_server::node_service(server))
         .add_service(berth_server::csi_volume_service(server))
         // Requests that client agents forward count against this

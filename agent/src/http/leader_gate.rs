@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use berth_client::servers::{ServerChannels, ServerTls};
 use berth_proto::berth::v1 as pb;
 use berth_server::leader::{Role, ServerIdentity};
+use berth_server::leader_link::{LeaderLink, SentOn, SENT_ON_BY_HEADER};
 use berth_server::Server;
 use berth_sync::MutexExt;
 
@@ -46,6 +47,15 @@ impl LeaderGate {
 
     /// A channel to the leader at `addr`, kept while it leads.
     fn channel_to(&self, addr: &str) -> Result<ServerChannels, ApiError> {
+        self.leader_channel(addr).map_err(|e| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the leader's address {addr}: {e}"),
+            )
+        })
+    }
+
+    fn leader_channel(&self, addr: &str) -> Result<ServerChannels, String> {
         let mut slot = self.channel.locked();
         if let Some((at, channel)) = slot.as_ref() {
             if at == addr {
@@ -53,12 +63,7 @@ impl LeaderGate {
             }
         }
         let channel = ServerChannels::with_tls(&[format!("http://{addr}")], self.tls.clone())
-            .map_err(|e| {
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("the leader's address {addr}: {e}"),
-                )
-            })?;
+            .map_err(|e| e.to_string())?;
         *slot = Some((addr.to_string(), channel.clone()));
         Ok(channel)
     }
@@ -76,6 +81,10 @@ impl LeaderGate {
             .max_encoding_message_size(AGENT_CLIENT_LIMITS.1);
         let mut request = tonic::Request::new(message);
         request.set_timeout(deadline);
+        // Sent on once: the leader, should it no longer lead, refuses it.
+        if let Ok(name) = self.server.config().identity.name.parse() {
+            request.metadata_mut().insert(SENT_ON_BY_HEADER, name);
+        }
         let failed = |why: String| {
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -92,6 +101,34 @@ impl LeaderGate {
             Err(_) => Err(failed(format!("no answer within {deadline:?}"))),
         }
     }
+}
+
+/// The agent protocol of a server that does not lead sends the nodes'
+/// requests on to the leader over this agent's channel to it (see
+/// `berth_server::leader_link`).
+impl LeaderLink for LeaderGate {
+    fn send(&self, rpc_addr: &str, req: axum::http::Request<tonic::body::Body>) -> SentOn {
+        let channel = self.leader_channel(rpc_addr);
+        Box::pin(async move {
+            let channel = channel?;
+            tower::ServiceExt::oneshot(channel, req)
+                .await
+                .map_err(|e| with_sources(&e))
+        })
+    }
+}
+
+/// `e` and what caused it, `: `-separated (a transport error alone says
+/// little).
+fn with_sources(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 pub(crate) async fn only_the_leader(

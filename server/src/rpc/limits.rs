@@ -32,10 +32,8 @@ use tonic::body::Body;
 use tonic::codegen::http::{Request, Response};
 use tonic::codegen::{BoxFuture, Bytes, Service};
 use tonic::server::NamedService;
-use tonic::transport::server::TcpConnectInfo;
 use tonic::Status;
 
-use super::PeerIdentity;
 use crate::partial_budget::{Charge, PartialBudget};
 use crate::server::Server;
 
@@ -153,36 +151,31 @@ impl<S> Limited<S> {
             .unwrap_or(UNKNOWN_METHOD)
     }
 
+    /// The address of the node that made `req` (see
+    /// [`crate::peer::node_addr_of`]).
+    fn node_addr<B>(&self, req: &Request<B>) -> Option<SocketAddr> {
+        crate::peer::node_addr_of(req, &self.server.config().region)
+    }
+
     /// Why a call is refused from its headers alone, if it is.
     fn refusal<B>(&self, method: &MethodLimit, req: &Request<B>) -> Option<Status> {
         if method.node_secret {
             let header = req.headers().get(NODE_SECRET_METADATA);
             let why = super::secret_of(header.map(|v| v.to_str().map_err(drop))).err();
             if let Some(why) = why {
-                tracing::warn!(peer = ?peer_of(req), rpc = method.path, "node RPC refused: {why}");
+                tracing::warn!(peer = ?self.node_addr(req), rpc = method.path, "node RPC refused: {why}");
                 return Some(Status::permission_denied(format!("{}: {why}", method.path)));
             }
         }
         if method.register_rate {
-            if let Err(e) = super::check_register_rate(self.server.register_limiter(), peer_of(req))
+            if let Err(e) =
+                super::check_register_rate(self.server.register_limiter(), self.node_addr(req))
             {
                 return Some(e.into());
             }
         }
         None
     }
-}
-
-/// The peer's address, as the listener recorded it.
-fn peer_of<B>(req: &Request<B>) -> Option<SocketAddr> {
-    req.extensions()
-        .get::<PeerIdentity>()
-        .and_then(|p| p.remote_addr)
-        .or_else(|| {
-            req.extensions()
-                .get::<TcpConnectInfo>()
-                .and_then(TcpConnectInfo::remote_addr)
-        })
 }
 
 impl<S: NamedService> NamedService for Limited<S> {
@@ -210,7 +203,7 @@ where
         if let Some(status) = self.refusal(&method, &req) {
             return Box::pin(async move { Ok(status.into_http()) });
         }
-        let peer = peer_of(&req).map(|a| a.ip());
+        let peer = self.node_addr(&req).map(|a| a.ip());
         let budget = self.budget.clone();
         let req = req.map(|body| {
             Body::new(LimitedBody {

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use berth_proto::berth::v1::csi_volume_server::CsiVolumeServer;
 use berth_proto::berth::v1::node_server::NodeServer;
 
+use crate::peer::PeerIdentity;
 use crate::register_rate::RegisterLimiter;
 use crate::server::Server;
 
@@ -18,29 +19,6 @@ pub use limits::{Limited, MethodLimit};
 
 pub use csi_volume::CsiVolumeService;
 pub use node::NodeService;
-
-/// Who the peer of an agent-protocol connection proved to be when the
-/// connection was set up. The agent's listener puts it into every
-/// request's extensions (tonic's `Connected::connect_info`); a request
-/// without one came over a listener that checks nothing (no TLS).
-#[derive(Debug, Clone, Default)]
-pub struct PeerIdentity {
-    /// The peer's address, when the listener knows it.
-    pub remote_addr: Option<std::net::SocketAddr>,
-    /// The DNS names of the certificate the peer presented, which chained
-    /// to the agents' CA; empty when the peer presented none.
-    pub cert_names: Vec<String>,
-}
-
-impl PeerIdentity {
-    /// Whether the peer's verified certificate names an agent of `region`
-    /// (`client.<region>.berth` or `server.<region>.berth`).
-    pub fn is_agent_of(&self, region: &str) -> bool {
-        let client = format!("client.{region}.berth");
-        let server = format!("server.{region}.berth");
-        self.cert_names.iter().any(|n| *n == client || *n == server)
-    }
-}
 
 /// Whether the peer of `req` presented an agent certificate of `region`
 /// at the TLS handshake.
