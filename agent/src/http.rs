@@ -801,6 +801,7 @@ pub mod client_forward;
 pub mod errors;
 pub mod forward;
 pub mod host_check;
+pub mod leader_conns;
 pub mod leader_gate;
 pub mod limits;
 pub mod listener;

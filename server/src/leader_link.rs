@@ -18,6 +18,12 @@ use tonic::codegen::http::{HeaderValue, Request, Response};
 use crate::leader::ServerIdentity;
 use crate::peer::peer_of;
 
+/// How many calls one agent protocol connection carries at once (a
+/// client holds a few streams and short calls; a forwarded blocking query
+/// holds one while it waits). A server that sends the nodes' streams on
+/// to the leader spreads them over as many connections as they need.
+pub const MAX_RPC_STREAMS_PER_CONNECTION: u32 = 256;
+
 /// Names the server that sent a request on to the leader.
 pub const SENT_ON_BY_HEADER: &str = "x-berth-sent-on-by";
 

@@ -108,11 +108,6 @@ impl Default for AgentConfig {
     }
 }
 
-/// How many calls one agent protocol connection carries at once (a
-/// client holds a few streams and short calls; a forwarded blocking query
-/// holds one while it waits).
-pub const MAX_RPC_STREAMS_PER_CONNECTION: u32 = 256;
-
 /// The HTTP API's port when neither a flag nor a file sets one (the
 /// CLI's default address).
 pub const DEFAULT_HTTP_PORT: u16 = 4747;

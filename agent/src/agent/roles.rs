@@ -5,9 +5,10 @@ use berth_sync::Shutdown;
 use std::net::SocketAddr;
 
 use anyhow::{Context, Result};
+use berth_server::leader_link::MAX_RPC_STREAMS_PER_CONNECTION;
 use berth_server::{Server, ServerConfig};
 
-use super::flags::{AgentConfig, MAX_RPC_STREAMS_PER_CONNECTION};
+use super::flags::AgentConfig;
 
 /// Opens the server state and starts the server role, its agent protocol
 /// listener and the HTTP API on `tasks`; returns the address the agent

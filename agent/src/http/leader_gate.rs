@@ -7,65 +7,39 @@
 //! server already sent on is not sent on again: while no server leads, or
 //! the leader does not answer, a write is answered `503` naming why.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use berth_client::servers::{ServerChannels, ServerTls};
+use berth_client::servers::ServerTls;
 use berth_proto::berth::v1 as pb;
 use berth_server::leader::{Role, ServerIdentity};
 use berth_server::leader_link::{LeaderLink, SentOn, SENT_ON_BY_HEADER};
 use berth_server::Server;
-use berth_sync::MutexExt;
 
 use super::errors::error_response;
 use super::forward::{answer_of, to_message, AGENT_CLIENT_LIMITS};
+use super::leader_conns::LeaderConns;
 use super::ApiError;
 
 /// The header that marks a write a server sent on to the leader.
 pub const FORWARDED_HEADER: &str = "x-berth-sent-to-leader";
 
-/// The gate's state: the server, and a channel to the leader it knows.
+/// The gate's state: the server, and the connections to the leader it
+/// knows.
 pub struct LeaderGate {
     server: Arc<Server>,
-    /// How the agent dials servers over TLS (`tls.rpc`), if it does.
-    tls: Option<Arc<dyn ServerTls>>,
-    /// The leader's agent protocol address and a channel to it.
-    channel: Mutex<Option<(String, ServerChannels)>>,
+    conns: LeaderConns,
 }
 
 impl LeaderGate {
     pub fn new(server: Arc<Server>, tls: Option<Arc<dyn ServerTls>>) -> Arc<LeaderGate> {
         Arc::new(LeaderGate {
             server,
-            tls,
-            channel: Mutex::new(None),
+            conns: LeaderConns::new(tls),
         })
-    }
-
-    /// A channel to the leader at `addr`, kept while it leads.
-    fn channel_to(&self, addr: &str) -> Result<ServerChannels, ApiError> {
-        self.leader_channel(addr).map_err(|e| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                format!("the leader's address {addr}: {e}"),
-            )
-        })
-    }
-
-    fn leader_channel(&self, addr: &str) -> Result<ServerChannels, String> {
-        let mut slot = self.channel.locked();
-        if let Some((at, channel)) = slot.as_ref() {
-            if at == addr {
-                return Ok(channel.clone());
-            }
-        }
-        let channel = ServerChannels::with_tls(&[format!("http://{addr}")], self.tls.clone())
-            .map_err(|e| e.to_string())?;
-        *slot = Some((addr.to_string(), channel.clone()));
-        Ok(channel)
     }
 
     /// Sends the write `req` on to `leader`; its answer.
@@ -75,7 +49,12 @@ impl LeaderGate {
             name: FORWARDED_HEADER.into(),
             value: b"1".to_vec(),
         });
-        let channel = self.channel_to(&leader.rpc_addr)?;
+        let (channel, _slot) = self.conns.slot(&leader.rpc_addr).map_err(|e| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the leader's address {}: {e}", leader.rpc_addr),
+            )
+        })?;
         let mut grpc = pb::agent_client::AgentClient::new(channel)
             .max_decoding_message_size(AGENT_CLIENT_LIMITS.0)
             .max_encoding_message_size(AGENT_CLIENT_LIMITS.1);
@@ -108,27 +87,8 @@ impl LeaderGate {
 /// `berth_server::leader_link`).
 impl LeaderLink for LeaderGate {
     fn send(&self, rpc_addr: &str, req: axum::http::Request<tonic::body::Body>) -> SentOn {
-        let channel = self.leader_channel(rpc_addr);
-        Box::pin(async move {
-            let channel = channel?;
-            tower::ServiceExt::oneshot(channel, req)
-                .await
-                .map_err(|e| with_sources(&e))
-        })
+        Box::pin(self.conns.send(rpc_addr, req))
     }
-}
-
-/// `e` and what caused it, `: `-separated (a transport error alone says
-/// little).
-fn with_sources(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 pub(crate) async fn only_the_leader(
