@@ -20,6 +20,9 @@ use crate::error::ServerError;
 use crate::leader::{Role, ServerIdentity};
 use crate::leader_link::LeaderLink;
 
+/// The alloc watch's gRPC path.
+const WATCH_ALLOCATIONS: &str = "/berth.v1.Node/WatchAllocations";
+
 /// The file under the server's data dir that holds the cluster ID.
 const FILE: &str = "cluster-id";
 
@@ -80,6 +83,9 @@ pub struct ClusterIdLayer {
     role: Option<tokio::sync::watch::Receiver<Role>>,
     /// The way to the leader, and this server's name for it.
     link: Option<(Arc<dyn LeaderLink>, HeaderValue)>,
+    /// While true, a standby's tables are current and it serves alloc
+    /// watches itself.
+    tables_current: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl std::fmt::Debug for ClusterIdLayer {
@@ -99,12 +105,25 @@ impl ClusterIdLayer {
             id,
             role: None,
             link: None,
+            tables_current: None,
         })
     }
 
     /// Refuses every request while `role` is not the leader's.
     pub fn leader_only(mut self, role: tokio::sync::watch::Receiver<Role>) -> ClusterIdLayer {
         self.role = Some(role);
+        self
+    }
+
+    /// While this server does not lead but `current` says its tables are
+    /// current, it serves the nodes' alloc watches from them (as Nomad's
+    /// followers answer a client's allocs) rather than send them on: the
+    /// leader then carries one stream a node, its call stream.
+    pub fn watching_locally_while(
+        mut self,
+        current: tokio::sync::watch::Receiver<bool>,
+    ) -> ClusterIdLayer {
+        self.tables_current = Some(current);
         self
     }
 
@@ -127,6 +146,7 @@ impl<S> tower::Layer<S> for ClusterIdLayer {
             id: self.id.clone(),
             role: self.role.clone(),
             link: self.link.clone(),
+            tables_current: self.tables_current.clone(),
         }
     }
 }
@@ -138,6 +158,16 @@ pub struct ClusterIdService<S> {
     id: HeaderValue,
     role: Option<tokio::sync::watch::Receiver<Role>>,
     link: Option<(Arc<dyn LeaderLink>, HeaderValue)>,
+    tables_current: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+impl<S> ClusterIdService<S> {
+    /// Whether a standby answers `req` itself: an alloc watch, while its
+    /// tables are current.
+    fn served_here<B>(&self, req: &Request<B>) -> bool {
+        req.uri().path() == WATCH_ALLOCATIONS
+            && self.tables_current.as_ref().is_some_and(|c| *c.borrow())
+    }
 }
 
 impl<S> tower::Service<Request<Body>> for ClusterIdService<S>
@@ -168,7 +198,11 @@ where
                 return Box::pin(async move { Ok(refusal(&id, refused)) });
             }
         }
-        if let Some(Role::Standby { leader }) = self.role.as_ref().map(|r| r.borrow().clone()) {
+        let standby = match self.role.as_ref().map(|r| r.borrow().clone()) {
+            Some(Role::Standby { leader }) if !self.served_here(&req) => Some(leader),
+            _ => None,
+        };
+        if let Some(leader) = standby {
             return match (leader, &self.link) {
                 (Some(leader), Some((link, by))) if !crate::leader_link::was_sent_on(&req) => {
                     let (link, by) = (link.clone(), by.clone());

@@ -167,4 +167,46 @@ mod tests {
         assert_eq!(grpc_status(&resp), "14");
         assert_eq!(link.0.lock().unwrap().len(), 1);
     }
+
+    #[tokio::test]
+    async fn a_standby_serves_alloc_watches_itself_only_while_its_tables_are_current() {
+        let (_tx, role) = tokio::sync::watch::channel(Role::Standby {
+            leader: Some(ServerIdentity {
+                name: "s1".into(),
+                rpc_addr: "10.0.0.1:4647".into(),
+                http_addr: "10.0.0.1:4646".into(),
+            }),
+        });
+        let (current, tables_current) = tokio::sync::watch::channel(true);
+        let link = Arc::new(Recorded::default());
+        let layer = crate::ClusterIdLayer::new("c1")
+            .unwrap()
+            .leader_only(role)
+            .sending_on(link.clone(), "s2")
+            .watching_locally_while(tables_current);
+        let served = tower::service_fn(|_req: Request<Body>| async {
+            let mut here = tonic::Status::ok("").into_http();
+            here.headers_mut()
+                .insert("x-served-here", HeaderValue::from_static("1"));
+            Ok::<_, std::convert::Infallible>(here)
+        });
+        let svc = layer.layer(served);
+        let watch = || {
+            let mut req = request(&[]);
+            *req.uri_mut() = "/berth.v1.Node/WatchAllocations".parse().unwrap();
+            req
+        };
+
+        let resp = svc.clone().oneshot(watch()).await.unwrap();
+        assert!(resp.headers().contains_key("x-served-here"));
+        // Anything else goes to the leader.
+        let resp = svc.clone().oneshot(request(&[])).await.unwrap();
+        assert!(!resp.headers().contains_key("x-served-here"));
+        assert_eq!(link.0.lock().unwrap().len(), 1);
+
+        current.send_replace(false);
+        let resp = svc.oneshot(watch()).await.unwrap();
+        assert!(!resp.headers().contains_key("x-served-here"));
+        assert_eq!(link.0.lock().unwrap().len(), 2);
+    }
 }

@@ -1,7 +1,8 @@
 //! The connections a server that does not lead keeps to the leader's
 //! agent protocol. A follower sends on the streams of every node that
-//! reached it (each node's alloc watch and call stream stay open as long
-//! as the node does), and the leader takes at most
+//! reached it (each node's call stream stays open as long as the node
+//! does, and so does its alloc watch while the follower's tables are not
+//! current), and the leader takes at most
 //! `MAX_RPC_STREAMS_PER_CONNECTION` streams on one connection: past that,
 //! HTTP/2 would hold every further stream back until one ends, which a
 //! node's stream does not. So a stream goes over the first connection

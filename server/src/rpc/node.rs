@@ -128,6 +128,18 @@ async fn stream_allocations(
             _ = shutdown.wait() => return,
             _ = tx.closed() => return,
             r = index_rx.changed() => if r.is_err() { return },
+            _ = server.tables_stale() => {
+                // The node opens it again: on a server that is current,
+                // or through this one to the leader.
+                tracing::info!(node_id, "this server's state is no longer current; ending the alloc watch it served");
+                let _ = tx
+                    .send(Err(Status::unavailable(
+                        "this server does not lead and its copy of the state is no longer \
+                         current (it cannot confirm it with etcd)",
+                    )))
+                    .await;
+                return;
+            }
         }
     }
 }
@@ -224,6 +236,10 @@ impl Node for NodeService {
     ) -> Result<Response<Self::WatchAllocationsStream>, Status> {
         let presented = presented_secret(&req);
         let node_id = req.into_inner().node_id;
+        // A server that does not lead serves the watch from its tables
+        // once they hold what the node's register (sent on to the
+        // leader) wrote.
+        self.server.read_barrier("WatchAllocations").await?;
         // Unknown node: NotFound, so the client registers first.
         self.server
             .authenticate_node("WatchAllocations", &node_id, &presented)?;

@@ -49,7 +49,9 @@ use crate::error::ServerError;
 use crate::gc::{Gc, GcConfig, GcReport};
 use crate::leader::{Election, Fence, Role};
 use crate::liveness::{EvaluateJob, Liveness, LivenessConfig};
-use crate::state::{EtcdBackend, Follower, QuarantinedRecord, RedbBackend, StateStore, Table};
+use crate::state::{
+    EtcdBackend, Follower, Freshness, QuarantinedRecord, RedbBackend, StateStore, Table,
+};
 
 /// The server role: cluster state, scheduling, node liveness, CSI claims.
 pub struct Server {
@@ -96,6 +98,9 @@ pub struct Server {
     /// What keeps the tables current with the leader's writes in etcd,
     /// until `run` starts it.
     follower: Mutex<Option<Follower>>,
+    /// Whether the tables are known to be current, on etcd; `None` for
+    /// the embedded store, whose one server writes them.
+    freshness: Option<Arc<Freshness>>,
 }
 
 /// Where the state is kept, as `berth operator store` shows it.
@@ -117,6 +122,10 @@ struct OpenedStore {
     /// that share etcd.
     etcd: Option<(Arc<Election>, Follower)>,
 }
+
+/// How long a server that does not lead waits for its tables to catch
+/// up with etcd before a request that needs them current is refused.
+const READ_BARRIER_WITHIN: Duration = Duration::from_secs(5);
 
 fn open_store(config: &ServerConfig) -> Result<OpenedStore, ServerError> {
     let state_dir = RedbBackend::path_in(&config.data_dir)
@@ -170,7 +179,11 @@ impl Server {
             etcd,
         } = open_store(&config)?;
         let (election, follower) = etcd.unzip();
+        let freshness = follower.as_ref().map(Follower::freshness);
         let mut cluster_layer = crate::ClusterIdLayer::new(&cluster_id)?;
+        if let Some(f) = &freshness {
+            cluster_layer = cluster_layer.watching_locally_while(f.subscribe());
+        }
         // The one server of an embedded store always leads.
         let (embedded_role, role) = match &election {
             Some(e) => {
@@ -220,6 +233,7 @@ impl Server {
             role,
             _embedded_role: embedded_role,
             follower: Mutex::new(follower),
+            freshness,
         });
         server.liveness.arm_heartbeats_after_restore();
         Ok(server)
@@ -365,6 +379,43 @@ impl Server {
     /// What this server is now: the leader, or a standby.
     pub fn role(&self) -> Role {
         self.role.borrow().clone()
+    }
+
+    /// Waits, on a server that does not lead, until its tables hold every
+    /// write the leader made before this call (`what` names the request
+    /// that needs it); at once on the leader.
+    pub(crate) async fn read_barrier(&self, what: &str) -> Result<(), ServerError> {
+        match &self.freshness {
+            Some(f) if !self.role().is_leader() => f
+                .confirm(&self.store, READ_BARRIER_WITHIN)
+                .await
+                .map_err(|why| {
+                    ServerError::Unavailable(format!(
+                        "{what}: this server does not lead, and its copy of the state is \
+                             not current: {why}"
+                    ))
+                }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Resolves once this server's tables may no longer be current: it
+    /// does not lead, and it has not confirmed them against etcd within
+    /// [`crate::state::FRESH_FOR`]. Never on the embedded store's server.
+    pub(crate) async fn tables_stale(&self) {
+        let Some(f) = &self.freshness else {
+            return std::future::pending().await;
+        };
+        let (mut fresh, mut role) = (f.subscribe(), self.role.clone());
+        loop {
+            if !*fresh.borrow_and_update() && !role.borrow_and_update().is_leader() {
+                return;
+            }
+            tokio::select! {
+                r = fresh.changed() => if r.is_err() { return std::future::pending().await },
+                r = role.changed() => if r.is_err() { return std::future::pending().await },
+            }
+        }
     }
 
     pub(crate) fn shutdown_rx(&self) -> Shutdown {

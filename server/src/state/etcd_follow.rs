@@ -10,10 +10,16 @@
 //! The watch runs on the etcd client's runtime and hands the writes to a
 //! thread of its own, since applying one waits for the store's writer,
 //! which may be waiting on etcd.
+//!
+//! A server that does not lead answers from these tables only while they
+//! are known to be current ([`Freshness`]): every second it reads the
+//! index of the leader's last write from etcd (a linearizable read) and
+//! waits until it has applied it. A server cut off from etcd stops being
+//! current within [`FRESH_FOR`], and what it served from its tables ends.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{oneshot, watch};
 
@@ -32,12 +38,125 @@ enum Feed {
     Reload(oneshot::Sender<Option<i64>>),
 }
 
+/// How long a confirmation that a server's tables hold every write
+/// etcd had keeps them current.
+pub const FRESH_FOR: Duration = Duration::from_secs(5);
+
+/// How often a server confirms that its tables are current.
+const CONFIRM_EVERY: Duration = Duration::from_secs(1);
+
+/// Whether a server's tables hold every write the leader made: confirmed
+/// against etcd (see the module).
+pub struct Freshness {
+    client: EtcdClient,
+    /// When the tables last held every write etcd had, if ever.
+    confirmed: std::sync::Mutex<Option<Instant>>,
+    /// Whether that was within [`FRESH_FOR`].
+    current: watch::Sender<bool>,
+}
+
+impl Freshness {
+    fn new(client: EtcdClient) -> Freshness {
+        Freshness {
+            client,
+            confirmed: std::sync::Mutex::new(None),
+            current: watch::channel(false).0,
+        }
+    }
+
+    /// Whether the tables are current: they held every write etcd had
+    /// within [`FRESH_FOR`]. Changes as confirmations come and lapse.
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.current.subscribe()
+    }
+
+    pub fn is_current(&self) -> bool {
+        *self.current.borrow()
+    }
+
+    /// Waits until `store` holds every write etcd had when this was
+    /// called, at most `within`; why not, if it does not.
+    pub async fn confirm(&self, store: &StateStore, within: Duration) -> Result<(), String> {
+        let asked = Instant::now();
+        let (tx, rx) = oneshot::channel();
+        let client = self.client.clone();
+        self.client.spawn(async move {
+            let read = tokio::time::timeout(within, client.get(client.key(META_INDEX))).await;
+            let _ = tx.send(read);
+        });
+        let index = match rx.await {
+            Ok(Ok(Ok(kv))) => kv.map_or(Some(0), |kv| {
+                String::from_utf8_lossy(&kv.value).parse::<u64>().ok()
+            }),
+            Ok(Ok(Err(e))) => return Err(format!("reading the leader's last index: {e}")),
+            Ok(Err(_)) | Err(_) => {
+                return Err(format!(
+                    "etcd gave no answer within {}",
+                    humantime::format_duration(within)
+                ))
+            }
+        }
+        .ok_or_else(|| format!("etcd's {META_INDEX} is not a number"))?;
+        let left = within.saturating_sub(asked.elapsed());
+        let applied = match store.index() {
+            i if i >= index => i,
+            _ => store.wait_for_index(index - 1, left).await,
+        };
+        if applied < index {
+            return Err(format!(
+                "this server has applied the leader's writes up to index {applied}, not yet \
+                 {index}"
+            ));
+        }
+        let mut confirmed = self.confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        if confirmed.is_none_or(|c| c < asked) {
+            *confirmed = Some(asked);
+        }
+        drop(confirmed);
+        self.current
+            .send_if_modified(|c| !std::mem::replace(c, true));
+        Ok(())
+    }
+
+    /// Marks the tables not current once the last confirmation is older
+    /// than [`FRESH_FOR`].
+    fn lapse(&self) {
+        let confirmed = *self.confirmed.lock().unwrap_or_else(|e| e.into_inner());
+        if confirmed.is_none_or(|c| c.elapsed() > FRESH_FOR) {
+            self.current
+                .send_if_modified(|c| std::mem::replace(c, false));
+        }
+    }
+
+    /// Confirms every [`CONFIRM_EVERY`] until `stop` turns true.
+    async fn keep(self: Arc<Self>, store: Arc<StateStore>, mut stop: watch::Receiver<bool>) {
+        let mut failures = 0u32;
+        loop {
+            match self.confirm(&store, FRESH_FOR).await {
+                Ok(()) => failures = 0,
+                Err(why) => {
+                    failures += 1;
+                    if failures == 1 || failures.is_multiple_of(60) {
+                        tracing::warn!(error = %why, "this server could not confirm that its state is current");
+                    }
+                }
+            }
+            self.lapse();
+            tokio::select! {
+                _ = tokio::time::sleep(CONFIRM_EVERY) => {}
+                _ = stop.wait_for(|s| *s) => return,
+            }
+        }
+    }
+}
+
 /// Keeps a store current with the writes the leader makes in etcd.
 pub struct Follower {
     client: EtcdClient,
     keyring: Arc<Keyring>,
     /// The revision of the backend's last load.
     loaded_revision: Arc<AtomicI64>,
+    freshness: Arc<Freshness>,
 }
 
 impl Follower {
@@ -47,24 +166,32 @@ impl Follower {
         loaded_revision: Arc<AtomicI64>,
     ) -> Follower {
         Follower {
+            freshness: Arc::new(Freshness::new(client.clone())),
             client,
             keyring,
             loaded_revision,
         }
     }
 
+    /// Whether the store this follows into is current (see the module).
+    pub fn freshness(&self) -> Arc<Freshness> {
+        self.freshness.clone()
+    }
+
     /// Follows the leader's writes into `store` until `stop` turns true.
     pub fn start(self, store: Arc<StateStore>, stop: watch::Receiver<bool>) {
         let (feed, fed) = std::sync::mpsc::channel::<Feed>();
         let loaded = self.loaded_revision.clone();
+        let applying = store.clone();
         let applier = std::thread::Builder::new()
             .name("berth-etcd-apply".into())
-            .spawn(move || apply_all(&store, &loaded, &fed));
+            .spawn(move || apply_all(&applying, &loaded, &fed));
         if let Err(e) = applier {
             tracing::error!(error = %e, "starting the thread that follows etcd failed");
             return;
         }
         let client = self.client.clone();
+        client.spawn(self.freshness.clone().keep(store, stop.clone()));
         client.spawn(async move { self.watch(feed, stop).await });
     }
 
@@ -391,6 +518,57 @@ mod tests {
         let next = tokio::task::block_in_place(|| put(&leader, vec![job("after")]));
         tokio::task::block_in_place(|| wait_index(&follower, next));
         follower.read(|t| assert!(t.jobs.contains_key("after")));
+        let _ = stop.send(true);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_follower_is_current_only_while_it_confirms_with_etcd() {
+        let etcd = Etcd::start();
+        let keyring = tempfile::tempdir().unwrap();
+        let (leader, _, _) = store(&etcd, keyring.path());
+        let (follower, following, _) = store(&etcd, keyring.path());
+        let freshness = following.freshness();
+        assert!(!freshness.is_current());
+
+        // Not following yet: the leader's write is not applied, and the
+        // barrier says so.
+        let written = tokio::task::block_in_place(|| put(&leader, vec![job("web")]));
+        let e = freshness
+            .confirm(&follower, Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(e.contains(&format!("not yet {written}")), "{e}");
+
+        let (stop, stopped) = watch::channel(false);
+        following.start(follower.clone(), stopped);
+        freshness
+            .confirm(&follower, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert!(follower.index() >= written);
+        follower.read(|t| assert!(t.jobs.contains_key("web")));
+        let mut current = freshness.subscribe();
+        tokio::time::timeout(Duration::from_secs(10), current.wait_for(|c| *c))
+            .await
+            .expect("current while etcd answers")
+            .unwrap();
+
+        // Cut off from etcd: no longer current once the last confirmation
+        // is FRESH_FOR old, and current again once etcd answers.
+        etcd.pause();
+        let cut = Instant::now();
+        let lapsed = tokio::time::timeout(FRESH_FOR * 3, current.wait_for(|c| !*c)).await;
+        let after = cut.elapsed();
+        etcd.resume();
+        lapsed.expect("no longer current without etcd").unwrap();
+        assert!(
+            after + CONFIRM_EVERY * 2 >= FRESH_FOR,
+            "lapsed after {after:?}"
+        );
+        tokio::time::timeout(Duration::from_secs(20), current.wait_for(|c| *c))
+            .await
+            .expect("current again")
+            .unwrap();
         let _ = stop.send(true);
     }
 }

@@ -44,7 +44,7 @@ pub use acl_tables::{
     AclBootstrap, AclRecord, AclTables,
 };
 pub use etcd_backend::EtcdBackend;
-pub use etcd_follow::Follower;
+pub use etcd_follow::{Follower, Freshness, FRESH_FOR};
 pub use indexes::{Indexes, NodeUse};
 pub use record::{Record, RecordError, RecordStore, TableVisitor, WriteEffects};
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
