@@ -36,10 +36,8 @@ pub struct LeaderGate {
 
 impl LeaderGate {
     pub fn new(server: Arc<Server>, tls: Option<Arc<dyn ServerTls>>) -> Arc<LeaderGate> {
-        Arc::new(LeaderGate {
-            server,
-            conns: LeaderConns::new(tls),
-        })
+        let conns = LeaderConns::new(tls, server.cluster_id());
+        Arc::new(LeaderGate { server, conns })
     }
 
     /// Sends the write `req` on to `leader`; its answer.
@@ -49,7 +47,7 @@ impl LeaderGate {
             name: FORWARDED_HEADER.into(),
             value: b"1".to_vec(),
         });
-        let (channel, _slot) = self.conns.slot(&leader.rpc_addr).map_err(|e| {
+        let (channel, _slot) = self.conns.slot(&leader.rpc_addr, false).map_err(|e| {
             ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("the leader's address {}: {e}", leader.rpc_addr),

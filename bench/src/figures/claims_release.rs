@@ -29,9 +29,15 @@
 //! Printed too: the rate (claims/s), each Unpublish's round trip, growth
 //! over `--sizes`, and the watcher's time at the largest size.
 //!
+//! With `--on-etcd`, each size runs again against a server that keeps
+//! its state in etcd (one member on loopback, its own fsync; every step
+//! of a claim's release one fenced transaction): the first run, on the
+//! embedded store, is the baseline.
+//!
 //! ```text
 //! scripts/bench claims-release                  # --sizes 10,100,1000
 //! scripts/bench claims-release --sizes 1000 --no-watcher
+//! scripts/bench claims-release --sizes 1000 --on-etcd --no-watcher
 //! ```
 
 use std::sync::atomic::Ordering;
@@ -41,7 +47,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::report::{self, Ms, Samples};
-use crate::sim::{self, Fleet, FleetConfig, FleetStats, ServerAgent, TASK_CPU};
+use crate::sim::{self, Fleet, FleetConfig, FleetStats, How, ServerAgent, Servers, TASK_CPU};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -52,6 +58,10 @@ pub struct Args {
     /// Unpublish and the volume watcher frees the claims.
     #[arg(long)]
     pub no_watcher: bool,
+    /// Run each size again with the server on etcd, and print what that
+    /// costs.
+    #[arg(long)]
+    pub on_etcd: bool,
 }
 
 const ALLOCS_PER_NODE: usize = 5;
@@ -79,8 +89,22 @@ pub fn run(args: &Args) -> Result<()> {
     );
     let mut points = Vec::new();
     for &n in &args.sizes {
-        let p = measure(n, true)?;
+        let p = measure(n, true, How::Plain)?;
         print_point(&p, true);
+        if args.on_etcd {
+            let e = measure(n, true, How::OnEtcd)?;
+            println!("  -- the same, the server on etcd");
+            print_point(&e, true);
+            report::ratio_line(
+                "etcd / embedded: Unpublish round trip (claim to free)",
+                &e.unpublishes,
+                &p.unpublishes,
+            );
+            report::value(
+                "etcd / embedded: stop to every claim free",
+                format!("{} / {}", Ms(e.free), Ms(p.free)),
+            );
+        }
         points.push(p);
     }
     let last = points.last().context("no size ran")?;
@@ -101,7 +125,7 @@ pub fn run(args: &Args) -> Result<()> {
     }
     if !args.no_watcher {
         let n = *args.sizes.iter().max().unwrap_or(&1000);
-        let p = measure(n, false)?;
+        let p = measure(n, false, How::Plain)?;
         print_point(&p, false);
     }
     Ok(())
@@ -143,12 +167,13 @@ fn print_point(p: &Point, unpublish: bool) {
     }
 }
 
-fn measure(claims: usize, unpublish: bool) -> Result<Point> {
+fn measure(claims: usize, unpublish: bool, how: How) -> Result<Point> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("the bench's tokio runtime")?;
-    let server = ServerAgent::start()?;
+    let servers = Servers::start(how)?;
+    let server = &servers.dialed;
     let nodes = claims.div_ceil(ALLOCS_PER_NODE);
     let cfg = FleetConfig {
         nodes,
@@ -157,7 +182,7 @@ fn measure(claims: usize, unpublish: bool) -> Result<Point> {
         unpublish,
         channels: super::server_scale::channels_for(nodes),
     };
-    let fleet = rt.block_on(Fleet::start(&server, &cfg))?;
+    let fleet = rt.block_on(Fleet::start(server, &cfg))?;
     let source = format!("cr-{claims}");
     server.parallel(claims, 4, |s, i| {
         s.register_volume(&format!("{source}[{i}]"))
@@ -182,7 +207,7 @@ fn measure(claims: usize, unpublish: bool) -> Result<Point> {
         },
     ))?;
     fleet.stats.check()?;
-    if claimed_volumes(&server, &source)? != claims {
+    if claimed_volumes(server, &source)? != claims {
         bail!("the servers do not show {claims} claimed volumes after the claims");
     }
 
@@ -205,9 +230,9 @@ fn measure(claims: usize, unpublish: bool) -> Result<Point> {
             .last_unpublish()
             .context("no Unpublish was answered")?
     } else {
-        wait_free(&server, &source, Duration::from_secs(600))?
+        wait_free(server, &source, Duration::from_secs(600))?
     };
-    let left = claimed_volumes(&server, &source)?;
+    let left = claimed_volumes(server, &source)?;
     if left != 0 {
         bail!("{left} volumes still claimed after every Unpublish was answered");
     }
@@ -275,11 +300,14 @@ fn wait_free(server: &ServerAgent, source: &str, timeout: Duration) -> Result<In
     }
 }
 
-/// 10 claims released by Unpublish, then 5 by the volume watcher.
+/// 10 claims released by Unpublish (on each store), then 5 by the volume
+/// watcher.
 pub fn smoke() -> Result<()> {
-    let p = measure(10, true)?;
+    let p = measure(10, true, How::Plain)?;
     print_point(&p, true);
-    let p = measure(5, false)?;
+    let e = measure(10, true, How::OnEtcd)?;
+    print_point(&e, true);
+    let p = measure(5, false, How::Plain)?;
     print_point(&p, false);
     if p.free < REAP_GRACE {
         bail!(

@@ -37,7 +37,15 @@
 //! scripts/bench server-scale                       # --sizes 100,1000,10000
 //! scripts/bench server-scale --sizes 10000 --duration 60
 //! scripts/bench server-scale --sizes 10000 --tls   # and again with mutual TLS
+//! scripts/bench server-scale --sizes 10000 --through-follower
 //! ```
+//!
+//! With `--through-follower`, each size runs again against two servers
+//! on one etcd member (loopback, its own fsync), the fleet dialing the
+//! one that does not lead: its heartbeats, registrations and call
+//! streams go on to the leader, its alloc watches are served by the
+//! follower; the first run (one server on the embedded store) is the
+//! baseline.
 
 use std::time::{Duration, Instant};
 
@@ -46,7 +54,7 @@ use berth_proto::berth::v1 as pb;
 use berth_proto::berth::v1::node_client::NodeClient;
 
 use crate::report::{self, Mib, Ms, Samples};
-use crate::sim::{self, Fleet, FleetConfig, ServerAgent, TASK_CPU};
+use crate::sim::{self, Fleet, FleetConfig, How, ServerAgent, Servers, TASK_CPU};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -65,6 +73,10 @@ pub struct Args {
     /// TLS costs.
     #[arg(long)]
     pub tls: bool,
+    /// Run each size again with two servers on etcd, the nodes dialing
+    /// the follower, and print what that costs.
+    #[arg(long)]
+    pub through_follower: bool,
 }
 
 /// The largest job registered: `count` is at most 10,000, and smaller
@@ -105,10 +117,40 @@ pub fn run(args: &Args) -> Result<()> {
     );
     let mut points = Vec::new();
     for &n in &args.sizes {
-        let p = measure(n, args, false)?;
+        let p = measure(n, args, How::Plain)?;
         print_point(&p, "");
+        if args.through_follower {
+            let f = measure(n, args, How::ThroughFollower)?;
+            print_point(&f, ", through a follower on etcd");
+            report::ratio_line(
+                "follower on etcd / one server: steady heartbeat",
+                &f.steady_heartbeats,
+                &p.steady_heartbeats,
+            );
+            report::value(
+                "follower on etcd / one server: steady heartbeat p99",
+                format!(
+                    "{} / {}",
+                    Ms(f.steady_heartbeats.p99()),
+                    Ms(p.steady_heartbeats.p99())
+                ),
+            );
+            report::target(
+                &format!(
+                    "through a follower: steady heartbeat p99 <= 20 ms at {n} nodes (p99 {})",
+                    Ms(f.steady_heartbeats.p99())
+                ),
+                f.steady_heartbeats.p99() <= Duration::from_millis(20),
+            );
+            if f.down > 0.0 {
+                bail!(
+                    "through a follower, {} of {n} nodes were marked down",
+                    f.down
+                );
+            }
+        }
         if args.tls {
-            let t = measure(n, args, true)?;
+            let t = measure(n, args, How::Tls)?;
             print_point(&t, ", mutual TLS on the agent protocol");
             report::ratio_line(
                 "TLS / plain: steady heartbeat",
@@ -233,9 +275,10 @@ pub(crate) fn channels_for(nodes: usize) -> usize {
     nodes.div_ceil(100).max(4)
 }
 
-fn measure(nodes: usize, args: &Args, tls: bool) -> Result<Point> {
+fn measure(nodes: usize, args: &Args, how: How) -> Result<Point> {
     let rt = runtime()?;
-    let server = ServerAgent::start_with_tls(tls)?;
+    let servers = Servers::start(how)?;
+    let server = &servers.dialed;
     let total_allocs = nodes * args.allocs_per_node;
     let cfg = FleetConfig {
         nodes,
@@ -245,7 +288,7 @@ fn measure(nodes: usize, args: &Args, tls: bool) -> Result<Point> {
         channels: channels_for(nodes),
     };
     let setup_started = Instant::now();
-    let fleet = rt.block_on(Fleet::start(&server, &cfg))?;
+    let fleet = rt.block_on(Fleet::start(server, &cfg))?;
     let register = fleet.registration;
 
     // The allocs, through the API, one job after another.
@@ -261,7 +304,11 @@ fn measure(nodes: usize, args: &Args, tls: bool) -> Result<Point> {
     rt.block_on(sim::wait_until(
         "every alloc reported running",
         Duration::from_secs(1800),
-        || stats.running.load(std::sync::atomic::Ordering::Relaxed) >= total_allocs,
+        // A failed RPC leaves its allocs pending: it fails the run at once.
+        || {
+            stats.running.load(std::sync::atomic::Ordering::Relaxed) >= total_allocs
+                || stats.failures(0).1 > 0
+        },
         || {
             format!(
                 "{} of {total_allocs} running",
@@ -285,7 +332,7 @@ fn measure(nodes: usize, args: &Args, tls: bool) -> Result<Point> {
     let cpu_before = server.cpu_time()?;
     let steady_started = Instant::now();
     let window = Duration::from_secs(args.duration);
-    let baseline = rt.block_on(probe(&server, window))?;
+    let baseline = rt.block_on(probe(server, window))?;
     let steady_ended = Instant::now();
     let cpu = server.cpu_time()?.saturating_sub(cpu_before);
     let cpu_share = cpu.as_secs_f64() / steady_ended.duration_since(steady_started).as_secs_f64();
@@ -298,7 +345,7 @@ fn measure(nodes: usize, args: &Args, tls: bool) -> Result<Point> {
     let reopened = fleet.stats.reopens();
     fleet.stats.check()?;
     drop(fleet);
-    drop(server);
+    drop(servers);
     Ok(Point {
         nodes,
         setup_heartbeats,
@@ -349,8 +396,9 @@ pub fn smoke() -> Result<()> {
         duration: 3,
         allocs_per_node: 2,
         tls: true,
+        through_follower: true,
     };
-    let t = measure(20, &args, true)?;
+    let t = measure(20, &args, How::Tls)?;
     print_point(&t, ", mutual TLS on the agent protocol");
     if t.down > 0.0 || t.steady_heartbeats.is_empty() {
         bail!(
@@ -359,8 +407,17 @@ pub fn smoke() -> Result<()> {
             t.steady_heartbeats.len()
         );
     }
-    let p = measure(20, &args, false)?;
+    let p = measure(20, &args, How::Plain)?;
     print_point(&p, "");
+    let f = measure(20, &args, How::ThroughFollower)?;
+    print_point(&f, ", through a follower on etcd");
+    if f.down > 0.0 || f.steady_heartbeats.is_empty() {
+        bail!(
+            "through a follower: {} nodes down, {} steady heartbeats",
+            f.down,
+            f.steady_heartbeats.len()
+        );
+    }
     if p.down > 0.0 {
         bail!("{} simulated nodes were marked down", p.down);
     }

@@ -38,7 +38,7 @@ use berth_structs::NodeSecret;
 use tokio::task::JoinHandle;
 use tonic::transport::Channel;
 
-pub use server::ServerAgent;
+pub use server::{How, ServerAgent, Servers};
 
 /// The CSI plugin the simulated nodes report.
 pub const PLUGIN: &str = "sim";

@@ -12,6 +12,64 @@ use super::PLUGIN;
 /// ten thousand nodes placing a job is slow.
 const SETUP_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// The servers a figure is measured against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum How {
+    /// One server on the embedded store.
+    Plain,
+    /// The same, with mutual TLS on the agent protocol.
+    Tls,
+    /// One server on etcd (one member on loopback, its own fsync).
+    OnEtcd,
+    /// Two servers on etcd; the nodes dial the follower.
+    ThroughFollower,
+}
+
+/// The server the fleet dials, and what stays up beside it (dropped
+/// after it).
+pub struct Servers {
+    pub dialed: ServerAgent,
+    _leader: Option<ServerAgent>,
+    _etcd: Option<(berth_testutil::etcd::Etcd, tempfile::TempDir)>,
+}
+
+impl Servers {
+    pub fn start(how: How) -> Result<Servers> {
+        if matches!(how, How::Plain | How::Tls) {
+            return Ok(Servers {
+                dialed: ServerAgent::start_with_tls(how == How::Tls)?,
+                _leader: None,
+                _etcd: None,
+            });
+        }
+        let etcd = berth_testutil::etcd::Etcd::start();
+        let keys = tempfile::tempdir()?;
+        let knows = |s: &ServerAgent, leader: &str| -> Result<()> {
+            berth_tests::wait_for(
+                "the server to know the leader",
+                Duration::from_secs(60),
+                || Ok((s.leader()? == leader).then_some(())),
+            )
+        };
+        let leader = ServerAgent::start_on_etcd(&etcd.endpoint(), "/bench", keys.path())?;
+        knows(&leader, &leader.rpc.clone())?;
+        if how == How::OnEtcd {
+            return Ok(Servers {
+                dialed: leader,
+                _leader: None,
+                _etcd: Some((etcd, keys)),
+            });
+        }
+        let follower = ServerAgent::start_on_etcd(&etcd.endpoint(), "/bench", keys.path())?;
+        knows(&follower, &leader.rpc)?;
+        Ok(Servers {
+            dialed: follower,
+            _leader: Some(leader),
+            _etcd: Some((etcd, keys)),
+        })
+    }
+}
+
 /// A real server agent (`berth agent -server`, its own process, the
 /// default log level) on free loopback ports; killed on drop. The whole
 /// simulated fleet registers from one loopback address, so its limit of
@@ -31,20 +89,45 @@ const FLEET_LIMITS: &str = "limits {\n  node_register_rate_per_client = 1000000\
                             rpc_max_conns_per_client = 10000\n}\n";
 
 impl ServerAgent {
-    pub fn start() -> Result<ServerAgent> {
-        Self::start_with_tls(false)
-    }
-
     /// With `tls`, mutual TLS on the agent protocol (certificates made by
     /// `berth tls` in a temp dir); the HTTP API stays plain.
     pub fn start_with_tls(tls: bool) -> Result<ServerAgent> {
+        Self::start_with(tls, "")
+    }
+
+    /// A server that keeps its state in the etcd at `endpoint`, under
+    /// `prefix`, sealing with the keyring in `keys` (the same for every
+    /// server of the prefix).
+    pub fn start_on_etcd(
+        endpoint: &str,
+        prefix: &str,
+        keys: &std::path::Path,
+    ) -> Result<ServerAgent> {
+        let keys = keys.to_str().context("the keyring dir is not UTF-8")?;
+        Self::start_with(
+            false,
+            &format!(
+                "server {{\n  store = \"etcd\"\n}}\netcd {{\n  endpoints = [\"{endpoint}\"]\n  \
+                 prefix = \"{prefix}\"\n  keyring_dir = \"{keys}\"\n}}\n"
+            ),
+        )
+    }
+
+    /// The agent protocol address of the leader this server knows, `""`
+    /// while it knows none.
+    pub fn leader(&self) -> Result<String> {
+        let (leader, _) = self.get_indexed("/v1/status/leader")?;
+        Ok(leader.as_str().unwrap_or_default().to_string())
+    }
+
+    fn start_with(tls: bool, more: &str) -> Result<ServerAgent> {
         let config = tempfile::tempdir()?;
         let file = config.path().join("server.hcl");
         let pki = tls.then(berth_tests::pki::Pki::new).transpose()?;
         let tls_block = pki.as_ref().map_or(String::new(), |p| {
             p.tls_block(berth_tests::pki::SERVER_CERT, false)
         });
-        std::fs::write(&file, format!("{FLEET_LIMITS}{tls_block}"))?;
+        std::fs::write(&file, format!("{FLEET_LIMITS}{tls_block}{more}"))?;
         let file = file.to_str().context("the temp dir is not UTF-8")?;
         let http_port = berth_tests::free_port();
         let rpc = format!("127.0.0.1:{}", berth_tests::free_port());

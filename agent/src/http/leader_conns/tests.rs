@@ -55,23 +55,28 @@ async fn leader(streams: u32) -> (String, Arc<AtomicUsize>) {
     (addr, taken)
 }
 
-fn request() -> axum::http::Request<Body> {
+fn request(path: &str) -> axum::http::Request<Body> {
     axum::http::Request::builder()
         .method("POST")
-        .uri("/berth.v1.Node/WatchAllocations")
+        .uri(path)
         .header("content-type", "application/grpc")
         .body(Body::empty())
         .unwrap()
 }
 
+const WATCH: &str = "/berth.v1.Node/WatchAllocations";
+const HEARTBEAT: &str = "/berth.v1.Node/Heartbeat";
+
 #[tokio::test]
-async fn streams_past_one_connections_limit_go_over_new_connections() {
-    let (addr, taken) = leader(2).await;
-    let conns = LeaderConns::with_limits(None, 2, 3);
+async fn long_lived_streams_past_a_connections_share_go_over_new_connections() {
+    // The leader takes three streams a connection; two of them may be
+    // long-lived.
+    let (addr, taken) = leader(3).await;
+    let conns = LeaderConns::with_limits(None, "c1", 2, 3);
     let mut open = Vec::new();
     for n in 1..=6 {
         // Each answer comes: none waits for another stream to end.
-        let resp = tokio::time::timeout(Duration::from_secs(10), conns.send(&addr, request()))
+        let resp = tokio::time::timeout(Duration::from_secs(10), conns.send(&addr, request(WATCH)))
             .await
             .unwrap_or_else(|_| panic!("stream {n} was held back"))
             .unwrap();
@@ -79,31 +84,45 @@ async fn streams_past_one_connections_limit_go_over_new_connections() {
         open.push(resp);
     }
     assert_eq!(taken.load(Ordering::SeqCst), 6);
-    assert_eq!(conns.open(), vec![2, 2, 2]);
+    assert_eq!(conns.open(), vec![(2, 2), (2, 2), (2, 2)]);
 
-    // Past its connections a follower refuses, naming why, rather than
-    // holding the stream.
-    let e = conns.send(&addr, request()).await.unwrap_err();
-    assert!(e.contains("6 streams to the leader already"), "{e}");
+    // Past its connections a follower refuses a long-lived stream, naming
+    // why, rather than holding it...
+    let e = conns.send(&addr, request(WATCH)).await.unwrap_err();
+    assert!(
+        e.contains("6 long-lived streams to the leader already"),
+        "{e}"
+    );
     assert_eq!(taken.load(Ordering::SeqCst), 6);
+    // ...while a short call still goes, in the room kept for them.
+    let short = tokio::time::timeout(
+        Duration::from_secs(10),
+        conns.send(&addr, request(HEARTBEAT)),
+    )
+    .await
+    .expect("a short call was held back")
+    .unwrap();
+    assert_eq!(taken.load(Ordering::SeqCst), 7);
+    assert_eq!(conns.open()[0], (3, 2));
+    drop(short);
 
     // Streams that end give their places back; an idle connection past
     // the first closes.
     open.truncate(1);
-    let (_, slot) = conns.slot(&addr).unwrap();
-    assert_eq!(conns.open(), vec![2]);
+    let (_, slot) = conns.slot(&addr, true).unwrap();
+    assert_eq!(conns.open(), vec![(2, 2)]);
     drop(slot);
     drop(open);
-    assert_eq!(conns.open(), vec![0]);
+    assert_eq!(conns.open(), vec![(0, 0)]);
 }
 
 #[tokio::test]
 async fn a_new_leader_gets_new_connections() {
     let (first, _) = leader(8).await;
     let (second, taken) = leader(8).await;
-    let conns = LeaderConns::with_limits(None, 8, 2);
-    let _at_first = conns.send(&first, request()).await.unwrap();
-    let _at_second = conns.send(&second, request()).await.unwrap();
+    let conns = LeaderConns::with_limits(None, "c1", 8, 2);
+    let _at_first = conns.send(&first, request(WATCH)).await.unwrap();
+    let _at_second = conns.send(&second, request(WATCH)).await.unwrap();
     assert_eq!(taken.load(Ordering::SeqCst), 1);
-    assert_eq!(conns.open(), vec![1]);
+    assert_eq!(conns.open(), vec![(1, 1)]);
 }
