@@ -1,11 +1,13 @@
 //! The server API of a server that does not lead (see
 //! `berth_server::leader`), before any token is looked at. It answers
 //! reads from its tables, which the etcd watch keeps current with the
-//! leader's writes (blocking queries included), and sends writes on to
-//! the leader over the agent protocol (`Agent.ForwardHttp`, as client
-//! agents forward), whose answer it gives as its own. A write that a
-//! server already sent on is not sent on again: while no server leads, or
-//! the leader does not answer, a write is answered `503` naming why.
+//! leader's writes (blocking queries included). It sends on to the leader
+//! over the agent protocol (`Agent.ForwardHttp`, as client agents
+//! forward) the writes, and the reads of an alloc's node-local routes (its
+//! logs, files, stats) whose node keeps its call stream at the leader;
+//! the leader's answer is its own. A request that a server already sent
+//! on is not sent on again: while no server leads, or the leader does not
+//! answer, it is answered `503` naming why.
 
 use std::sync::Arc;
 
@@ -97,7 +99,7 @@ pub(crate) async fn only_the_leader(
     let Role::Standby { leader } = gate.server.role() else {
         return next.run(req).await;
     };
-    if matches!(*req.method(), Method::GET | Method::HEAD) {
+    if matches!(*req.method(), Method::GET | Method::HEAD) && !node_elsewhere(&gate.server, &req) {
         return next.run(req).await;
     }
     match leader {
@@ -110,6 +112,15 @@ pub(crate) async fn only_the_leader(
             error_response(StatusCode::SERVICE_UNAVAILABLE, &message)
         }
     }
+}
+
+/// Whether `req` is a node-local route of an alloc whose node has no call
+/// stream open to this server: a node that reached this server sends its
+/// call stream on to the leader, which reaches the node for it.
+fn node_elsewhere(server: &Server, req: &Request) -> bool {
+    super::client_forward::alloc_of_path(req.uri().path())
+        .and_then(|id| server.allocation(id).ok())
+        .is_some_and(|a| !a.node_id.is_empty() && !server.node_connected(&a.node_id))
 }
 
 /// `GET /v1/status/leader`: the leader's agent protocol address

@@ -120,34 +120,7 @@ pub fn run(args: &Args) -> Result<()> {
         let p = measure(n, args, How::Plain)?;
         print_point(&p, "");
         if args.through_follower {
-            let f = measure(n, args, How::ThroughFollower)?;
-            print_point(&f, ", through a follower on etcd");
-            report::ratio_line(
-                "follower on etcd / one server: steady heartbeat",
-                &f.steady_heartbeats,
-                &p.steady_heartbeats,
-            );
-            report::value(
-                "follower on etcd / one server: steady heartbeat p99",
-                format!(
-                    "{} / {}",
-                    Ms(f.steady_heartbeats.p99()),
-                    Ms(p.steady_heartbeats.p99())
-                ),
-            );
-            report::target(
-                &format!(
-                    "through a follower: steady heartbeat p99 <= 20 ms at {n} nodes (p99 {})",
-                    Ms(f.steady_heartbeats.p99())
-                ),
-                f.steady_heartbeats.p99() <= Duration::from_millis(20),
-            );
-            if f.down > 0.0 {
-                bail!(
-                    "through a follower, {} of {n} nodes were marked down",
-                    f.down
-                );
-            }
+            compare_follower(&measure(n, args, How::ThroughFollower)?, &p)?;
         }
         if args.tls {
             let t = measure(n, args, How::Tls)?;
@@ -219,6 +192,40 @@ pub fn run(args: &Args) -> Result<()> {
         bail!(
             "nodes were marked down (heartbeats not answered within TTL + grace): {}",
             down.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// Prints the run through a follower `f` against the one server's `p`;
+/// an error if a node was marked down.
+fn compare_follower(f: &Point, p: &Point) -> Result<()> {
+    let n = f.nodes;
+    print_point(f, ", through a follower on etcd");
+    report::ratio_line(
+        "follower on etcd / one server: steady heartbeat",
+        &f.steady_heartbeats,
+        &p.steady_heartbeats,
+    );
+    report::value(
+        "follower on etcd / one server: steady heartbeat p99",
+        format!(
+            "{} / {}",
+            Ms(f.steady_heartbeats.p99()),
+            Ms(p.steady_heartbeats.p99())
+        ),
+    );
+    report::target(
+        &format!(
+            "through a follower: steady heartbeat p99 <= 20 ms at {n} nodes (p99 {})",
+            Ms(f.steady_heartbeats.p99())
+        ),
+        f.steady_heartbeats.p99() <= Duration::from_millis(20),
+    );
+    if f.down > 0.0 {
+        bail!(
+            "through a follower, {} of {n} nodes were marked down",
+            f.down
         );
     }
     Ok(())
