@@ -216,7 +216,7 @@ fn a_client_that_reaches_only_the_follower_runs_its_allocs_through_it() -> Resul
 fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_behind(
 ) -> Result<()> {
     use berth_tests::cluster::{
-        marked_service_job, marker_pids, shared_plugin_job, write_claims, writer_volume,
+        marked_service_job, marker_pids, shared_plugin_job_with_args, write_claims, writer_volume,
     };
     let etcd = Etcd::start();
     let keys = tempfile::tempdir()?;
@@ -232,7 +232,12 @@ fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_
         .wait_nodes_ready(&["n1"])
         .with_context(|| client.agent.log())?;
     let shared = tempfile::tempdir()?;
-    servers[s].run_job("plugin", &shared_plugin_job(shared.path())?)?;
+    // With controller attach: every claim is published to the node and
+    // unpublished from it by the leader.
+    servers[s].run_job(
+        "plugin",
+        &shared_plugin_job_with_args(shared.path(), &["--enable-attach"])?,
+    )?;
     servers[l]
         .wait_plugin_nodes(1)
         .with_context(|| client.agent.log())?;
@@ -291,5 +296,19 @@ fn a_volume_job_run_and_stopped_in_a_loop_through_a_leader_kill_leaves_no_claim_
     assert!(most <= 1, "{most} writers of the volume at once");
     let volume = servers[l].get("/v1/volume/csi/vol-ha")?;
     assert!(write_claims(&volume).is_empty(), "{volume}");
+    // Each of the five claims was unpublished from the node by the
+    // controller; the one held at the kill at most once more (the new
+    // leader resumes it from its checkpoint).
+    let plugin = servers[l].allocs("hostpath-plugin")?;
+    let plugin_alloc = plugin
+        .first()
+        .and_then(|a| a["id"].as_str())
+        .context("no plugin alloc")?;
+    let log = berth_tests::plugin_stderr(&client.agent.data_path(), plugin_alloc);
+    let unpublished = log.matches("unpublished volume").count();
+    assert!(
+        (5..=6).contains(&unpublished),
+        "ControllerUnpublish ran {unpublished} times for 5 claims:\n{log}"
+    );
     Ok(())
 }
