@@ -35,6 +35,12 @@ impl berth_cli::Host for AgentHost {
             _ => "client",
         };
         let mut notes = Vec::new();
+        if config.server_enabled() {
+            notes.extend(config::store::etcd_block_unused(
+                config.server.store.as_deref(),
+                &config.etcd,
+            ));
+        }
         if !config.server_enabled() {
             match config.security.acl.enabled {
                 Some(true) => {}

@@ -198,3 +198,22 @@ fn tls_files_that_do_not_check_out_are_refused_naming_the_file() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn an_etcd_block_an_embedded_store_server_ignores_is_named() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("server.hcl");
+    std::fs::write(
+        &file,
+        "data_dir = \"/var/lib/berth\"\nserver {\n  enabled = true\n}\netcd {\n  endpoints = \
+         [\"http://10.0.0.1:2379\"]\n}\n",
+    )?;
+    let out = validate(&[&file])?;
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout.contains("an etcd block is set, but server { store } is \"embedded\""),
+        "{stdout}"
+    );
+    Ok(())
+}

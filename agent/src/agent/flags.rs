@@ -64,6 +64,9 @@ pub struct AgentConfig {
     /// Config keys that were set but that this version does not apply
     /// yet; logged at start.
     pub not_applied: Vec<&'static str>,
+    /// What in the files is likely a mistake, though the agent can start
+    /// with it; logged at start.
+    pub config_warnings: Vec<String>,
     /// `region`, `insecure_bind`, `acl`, `tls` and `limits` (`-dev`: ACLs
     /// only with `-acl-enabled`, no TLS).
     pub security: crate::config::SecuritySections,
@@ -101,6 +104,7 @@ impl Default for AgentConfig {
             config_paths: Vec::new(),
             files_at_start: None,
             not_applied: Vec::new(),
+            config_warnings: Vec::new(),
             security: crate::config::SecuritySections::default(),
             intro_token: None,
             store: berth_server::StoreConfig::Embedded,
@@ -396,6 +400,11 @@ impl AgentConfig {
             self.store =
                 crate::config::store::store_config(file.server.store.as_deref(), &file.etcd)
                     .map_err(|problem| usage_error(format!("berth agent: {problem}")))?;
+            self.config_warnings
+                .extend(crate::config::store::etcd_block_unused(
+                    file.server.store.as_deref(),
+                    &file.etcd,
+                ));
         }
         self.log_level = file.log_level.clone();
         self.log_level_flag = f.log_level;

@@ -133,6 +133,9 @@ pub async fn run(
     for key in &config.not_applied {
         tracing::warn!(key, "this config key is not applied by this version yet");
     }
+    for warning in &config.config_warnings {
+        tracing::warn!("{warning}");
+    }
 
     let tls = agent_tls(&config)?;
 

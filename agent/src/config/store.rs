@@ -252,6 +252,20 @@ pub fn store_config(store: Option<&str>, etcd: &EtcdSection) -> Result<StoreConf
     }
 }
 
+/// Why an `etcd` block that a server with `store` (from `server { store
+/// }`) does not use is likely a mistake: a server meant to join the
+/// servers on etcd would instead keep a state of its own, a cluster that
+/// knows nothing of theirs. `None` when the block is used or absent.
+pub fn etcd_block_unused(store: Option<&str>, etcd: &EtcdSection) -> Option<String> {
+    let embedded = matches!(store, None | Some("embedded"));
+    (embedded && *etcd != EtcdSection::default()).then(|| {
+        "an etcd block is set, but server { store } is \"embedded\" (the default): this \
+         server keeps its state in its own data dir, a cluster of its own that shares nothing \
+         with servers on that etcd; set server { store = \"etcd\" } to keep it there"
+            .to_string()
+    })
+}
+
 /// An etcd endpoint: `http://HOST:PORT`, or `https://HOST:PORT` (with
 /// `etcd { tls }`).
 fn check_endpoint(url: &str) -> Result<(), String> {
@@ -288,6 +302,27 @@ fn check_prefix(prefix: &str) -> Result<(), String> {
 mod tests {
     use super::*;
     use crate::config::parse;
+
+    #[test]
+    fn an_etcd_block_a_server_does_not_use_is_named() {
+        let etcd = "etcd {\n endpoints = [\"http://10.0.0.1:2379\"]\n}\n";
+        for server in ["", "server {\n store = \"embedded\"\n}\n"] {
+            let c = parse(&format!("{server}{etcd}")).expect("parses");
+            let why = etcd_block_unused(c.server.store.as_deref(), &c.etcd)
+                .expect("an unused etcd block is named");
+            assert!(why.contains("store = \"etcd\""), "{why}");
+        }
+        let used = parse(&format!("server {{\n store = \"etcd\"\n}}\n{etcd}")).expect("parses");
+        assert_eq!(
+            etcd_block_unused(used.server.store.as_deref(), &used.etcd),
+            None
+        );
+        let none = parse("server {\n store = \"embedded\"\n}\n").expect("parses");
+        assert_eq!(
+            etcd_block_unused(none.server.store.as_deref(), &none.etcd),
+            None
+        );
+    }
 
     #[test]
     fn an_etcd_block_is_read_and_filled_with_defaults() {
