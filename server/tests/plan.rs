@@ -83,21 +83,40 @@ async fn a_plan_writes_nothing_and_its_placements_are_what_registration_does() {
         (f.old.clone(), f.new.clone()),
         (Some(3.into()), Some(4.into()))
     );
-    // Any change is a destructive update: the allocs of the old version
-    // stop and the new version's are placed.
+    // A count change: the three allocs take the new version in place
+    // (same IDs), and one more is placed.
     let g = &more.groups[0];
-    assert_eq!((g.place, g.stop, g.update, g.keep), (4, 3, 3, 0));
+    assert_eq!(
+        (g.place, g.stop, g.update, g.in_place, g.keep),
+        (1, 0, 0, 3, 0)
+    );
+    let kept: Vec<String> = live_allocs(s, "web").into_iter().map(|a| a.id).collect();
     s.register_job(job("web", JobType::Service, 4))
         .await
         .unwrap();
-    assert_eq!(placed(s, "web"), planned(&more));
+    let new: BTreeSet<(String, String)> = live_allocs(s, "web")
+        .into_iter()
+        .filter(|a| !kept.contains(&a.id))
+        .map(|a| (a.name, a.node_id))
+        .collect();
+    assert_eq!(new, planned(&more));
+    let now: Vec<String> = live_allocs(s, "web").into_iter().map(|a| a.id).collect();
+    assert_eq!(now.len(), 4);
+    assert!(kept.iter().all(|id| now.contains(id)), "{kept:?} {now:?}");
+    let version = s.job("web").unwrap().version;
+    assert!(live_allocs(s, "web")
+        .iter()
+        .all(|a| a.job.version == version));
 
     // A changed task: every alloc is stopped and placed anew.
     let mut changed = job("web", JobType::Service, 4);
     changed.task_groups[0].tasks[0].config.args = vec!["2000".into()];
     let update = s.plan_job(changed).unwrap();
     let g = &update.groups[0];
-    assert_eq!((g.place, g.stop, g.update, g.keep), (4, 4, 4, 0));
+    assert_eq!(
+        (g.place, g.stop, g.update, g.in_place, g.keep),
+        (4, 4, 4, 0, 0)
+    );
     assert!(g.stops.iter().all(|st| st.reason == "job updated"));
     assert_eq!(
         update.diff.fields[0].path,

@@ -251,7 +251,9 @@ fn plan_shows_the_diff_and_the_placements_and_places_nothing() -> Result<()> {
     let out = agent.cli(&["job", "plan", "-json", "-var", "count=3", &file])?;
     assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
     let json: Value = serde_json::from_str(&stdout(&out))?;
-    assert_eq!(json["groups"][0]["place"], 3, "{json}");
+    // One more placed; the two that run take the new count in place.
+    assert_eq!(json["groups"][0]["place"], 1, "{json}");
+    assert_eq!(json["groups"][0]["in_place"], 2, "{json}");
     assert_eq!(json["diff"]["kind"], "edited");
 
     let after = agent.job_allocs("web")?;

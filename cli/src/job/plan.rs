@@ -90,6 +90,9 @@ pub fn plan_text(plan: &Value, args: &str, verbose: bool) -> String {
         if n(g, "update") > 0 {
             parts.push(format!("{} create/destroy update", n(g, "update")));
         }
+        if n(g, "in_place") > 0 {
+            parts.push(format!("{} in-place update", n(g, "in_place")));
+        }
         if n(g, "keep") > 0 {
             parts.push(format!("{} ignore", n(g, "keep")));
         }

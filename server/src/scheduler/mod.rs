@@ -21,8 +21,12 @@
 //!   allocs; what runs there is left alone by the scheduler (the drainer
 //!   moves it).
 //! - A changed job (anything but server-managed fields differs) gets a new
-//!   version; allocs of older versions are stopped and new ones placed
-//!   (a destructive update; no rolling or in-place updates).
+//!   version. The allocs of an older version take it in place when the
+//!   change leaves their tasks as they are (a count, meta, a restart or
+//!   disconnect policy, a kill timeout: see [`update`]): they keep their
+//!   ID, name and tasks, and a count change places or stops only the
+//!   difference. Otherwise they are stopped and new ones placed at their
+//!   index (a destructive update, all at once: no rolling updates yet).
 //!
 //! Feasibility on a node: status ready, eligible, the job's datacenter,
 //! every task's driver, cpu and memory left after the allocs that are not
@@ -42,7 +46,8 @@
 //! every `scheduler_retry_interval`.//!
 //! The parts: [`register`] (the job endpoints), [`evaluate`] (an
 //! evaluation's store write and the passes over blocked jobs),
-//! [`reconcile`] (what a job keeps, stops and replaces), [`place`] (the
+//! [`reconcile`] (what a job keeps, stops and replaces), [`update`]
+//! (which changes allocs take in place), [`place`] (the
 //! placements per job type), [`feasible`] (what fits on a node),
 //! [`explain`] (the failure lines) and [`retry`] (the retry timer).
 
@@ -50,6 +55,7 @@ mod explain;
 mod feasible;
 mod place;
 mod reconcile;
+mod update;
 
 pub(crate) use crate::coalesced::Coalesced;
 pub(crate) use feasible::plan_still_fits;

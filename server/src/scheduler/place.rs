@@ -16,6 +16,7 @@ use super::explain::{
 };
 use super::feasible::PlanContext;
 use super::reconcile::{job_status, keeper, occupancy, Occupancy, PlanOutcome};
+use super::update::updatable_in_place;
 
 pub(super) fn new_alloc(job: &Job, group: &TaskGroup, index: u32, node_id: &str) -> Allocation {
     Allocation {
@@ -189,8 +190,10 @@ impl Placer<'_, '_> {
         }
     }
 
-    /// Stop the allocs of an older version of the job, or of a group it
-    /// no longer has.
+    /// Move the allocs of an older version of the job to this one: in
+    /// place where the change leaves their tasks as they are (see
+    /// `update`), else stop them (a destructive update: their index is
+    /// placed anew); and stop those of a group the job no longer has.
     fn stop_outdated(&mut self, allocs: &[&Allocation]) {
         for a in allocs {
             if a.server_terminal() {
@@ -198,6 +201,12 @@ impl Placer<'_, '_> {
             }
             let outdated = a.job.version != self.job.version;
             let gone = self.job.lookup_group(&a.task_group).is_none();
+            if outdated && !gone && updatable_in_place(&a.job, self.job, &a.task_group) {
+                let mut updated = (*a).clone();
+                updated.job = self.job.clone();
+                self.put(updated);
+                continue;
+            }
             if outdated || gone {
                 let why = if gone {
                     "group removed from the job"

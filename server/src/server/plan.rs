@@ -41,7 +41,7 @@ pub struct JobPlan {
     pub desired_allocs: u64,
     /// How many of them could not be placed now.
     pub unplaced_allocs: u64,
-    /// Whether a registration would create or stop any alloc.
+    /// Whether a registration would create, stop or update any alloc.
     pub allocs_change: bool,
 }
 
@@ -99,6 +99,9 @@ pub struct GroupPlan {
     /// placed anew: a destructive update).
     pub stop: u64,
     pub update: u64,
+    /// Live allocs that take the changed job in place: same ID, same
+    /// tasks.
+    pub in_place: u64,
     /// Live allocs of the current version left as they are.
     pub keep: u64,
     /// Allocs that could not be placed.
@@ -176,7 +179,9 @@ impl Server {
                 }
             };
             let groups = group_plans(t, &candidate, &changes, &outcome);
-            let allocs_change = groups.iter().any(|g| g.place > 0 || g.stop > 0);
+            let allocs_change = groups
+                .iter()
+                .any(|g| g.place > 0 || g.stop > 0 || g.in_place > 0);
             JobPlan {
                 job_id: job.id.clone(),
                 job_modify_index: spec_index(old),
@@ -409,9 +414,14 @@ fn group_plans(t: &Tables, job: &Job, changes: &[Change], outcome: &PlanOutcome)
                     reason: a.desired_description.clone(),
                 });
             }
+            Some(before) if !a.server_terminal() && before.job.version != a.job.version => {
+                stopped.insert(a.id.as_str());
+                g.in_place += 1;
+            }
             Some(_) => {}
         }
     }
+    // Allocs stopped or updated in place are counted already.
     let live = |a: &Allocation| !a.is_terminal() && !stopped.contains(a.id.as_str());
     for a in t.allocs_of_job(&job.id).filter(|a| live(a)) {
         if a.job.version == job.version {

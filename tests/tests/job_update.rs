@@ -1,0 +1,139 @@
+//! Changing a running job, on one server and two clients: a count change
+//! places or stops only the difference and leaves the other allocs (their
+//! IDs, their task processes) alone; a change the tasks do not see (group
+//! `meta`) moves the allocs to the new version in place, restarting
+//! nothing; `job plan` says which kind of update a change is.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use berth_tests::cluster::{logs, marked_job, marked_service_job, marker_pids, Client, Server};
+use berth_tests::{cli_at, wait_for};
+use serde_json::Value;
+
+/// The IDs of the job's allocs that run and should, and its task PIDs,
+/// once there are `n` of each.
+fn running(server: &Server, job: &str, n: usize) -> Result<(BTreeSet<String>, BTreeSet<i32>)> {
+    wait_for(
+        &format!("{n} allocs of {job} running"),
+        Duration::from_secs(30),
+        || {
+            let ids: BTreeSet<String> = server
+                .allocs(job)?
+                .iter()
+                .filter(|a| a["desired_status"] == "run" && a["client_status"] == "running")
+                .filter_map(|a| a["id"].as_str().map(String::from))
+                .collect();
+            let pids = marker_pids(job);
+            Ok((ids.len() == n && pids.len() == n).then_some((ids, pids)))
+        },
+    )
+}
+
+fn cluster() -> Result<(Server, Client, Client)> {
+    let mut server = Server::start("")?;
+    let c1 = Client::start(&server, "u1", false, "")?;
+    let c2 = Client::start(&server, "u2", false, "")?;
+    server
+        .wait_nodes_ready(&["u1", "u2"])
+        .with_context(|| logs(&server, &[&c1, &c2]))?;
+    Ok((server, c1, c2))
+}
+
+#[test]
+fn count_changes_keep_the_running_allocs_and_stop_exactly_the_difference() -> Result<()> {
+    let (server, c1, c2) = cluster()?;
+    let job = "upd-count";
+    server.run_job(job, &marked_service_job(job, 3, None, None))?;
+    let (ids3, pids3) = running(&server, job, 3).with_context(|| logs(&server, &[&c1, &c2]))?;
+
+    server.run_job(job, &marked_service_job(job, 5, None, None))?;
+    let (ids5, pids5) = running(&server, job, 5).with_context(|| logs(&server, &[&c1, &c2]))?;
+    assert!(ids3.is_subset(&ids5), "{ids3:?} not kept in {ids5:?}");
+    assert!(pids3.is_subset(&pids5), "{pids3:?} not kept in {pids5:?}");
+
+    server.run_job(job, &marked_service_job(job, 2, None, None))?;
+    let (ids2, pids2) = running(&server, job, 2).with_context(|| logs(&server, &[&c1, &c2]))?;
+    assert!(ids2.is_subset(&ids5), "{ids2:?} not kept from {ids5:?}");
+    assert!(pids2.is_subset(&pids5), "{pids2:?} not kept from {pids5:?}");
+    // Exactly three stopped, the highest indexes, for the count.
+    let allocs = server.allocs(job)?;
+    assert_eq!(allocs.len(), 5, "no alloc placed anew: {allocs:?}");
+    let stopped: Vec<&Value> = allocs
+        .iter()
+        .filter(|a| a["desired_status"] == "stop")
+        .collect();
+    assert_eq!(stopped.len(), 3, "{allocs:?}");
+    assert!(stopped
+        .iter()
+        .all(|a| a["desired_description"] == "count reduced" && a["index"].as_u64() >= Some(2)));
+    // Every alloc left carries the job's last version.
+    let version = server.get(&format!("/v1/job/{job}"))?["version"].clone();
+    assert!(allocs
+        .iter()
+        .filter(|a| a["desired_status"] == "run")
+        .all(|a| a["job"]["version"] == version));
+    server.cli(&["job", "stop", job])?;
+    wait_for("the tasks to end", Duration::from_secs(30), || {
+        Ok(marker_pids(job).is_empty().then_some(()))
+    })?;
+    Ok(())
+}
+
+#[test]
+fn a_group_meta_change_moves_the_allocs_version_and_restarts_nothing() -> Result<()> {
+    let (server, c1, c2) = cluster()?;
+    let job = "upd-meta";
+    let with_meta = |tier: &str| {
+        marked_job(
+            job,
+            "service",
+            2,
+            &format!("meta {{\n tier = \"{tier}\"\n }}"),
+            None,
+        )
+    };
+    server.run_job(job, &with_meta("bronze"))?;
+    let (ids, pids) = running(&server, job, 2).with_context(|| logs(&server, &[&c1, &c2]))?;
+
+    // The plan says so before anything changes.
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("meta.hcl");
+    std::fs::write(&file, with_meta("gold"))?;
+    let plan = cli_at(
+        &server.addr(),
+        &["job", "plan", file.to_str().context("UTF-8")?],
+    )?;
+    let text = String::from_utf8_lossy(&plan.stdout);
+    assert_eq!(plan.status.code(), Some(1), "{text}");
+    assert!(text.contains("2 in-place update"), "{text}");
+    assert!(!text.contains("destroy"), "{text}");
+
+    server.run_job(job, &with_meta("gold"))?;
+    let version = server.get(&format!("/v1/job/{job}"))?["version"].clone();
+    assert_eq!(version, 1);
+    wait_for(
+        "the allocs on the new version",
+        Duration::from_secs(30),
+        || {
+            let allocs = server.allocs(job)?;
+            Ok(allocs
+                .iter()
+                .all(|a| {
+                    a["job"]["version"] == version
+                        && a["job"]["task_groups"][0]["meta"]["tier"] == "gold"
+                })
+                .then_some(allocs))
+        },
+    )?;
+    let (after, pids_after) = running(&server, job, 2)?;
+    assert_eq!(after, ids, "the allocs were replaced");
+    assert_eq!(pids_after, pids, "the tasks restarted");
+    assert_eq!(server.allocs(job)?.len(), 2, "an alloc was placed anew");
+    server.cli(&["job", "stop", job])?;
+    wait_for("the tasks to end", Duration::from_secs(30), || {
+        Ok(marker_pids(job).is_empty().then_some(()))
+    })?;
+    Ok(())
+}
