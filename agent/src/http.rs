@@ -123,6 +123,7 @@ pub fn server_routes() -> Routes<Arc<Server>> {
             job_allocations,
         )
         .put("/v1/job/{id}/plan", ns(Capability::SubmitJob), plan_job)
+        .post("/v1/job/{id}/scale", ns(Capability::SubmitJob), scale_job)
         .get("/v1/job/{id}/summary", ns(Capability::ReadJob), job_summary)
         .get("/v1/allocations", ns(Capability::ReadJob), list_allocations)
         .get(
@@ -367,6 +368,18 @@ async fn plan_job(
         )));
     }
     to_json(&s.plan_job(body.job)?)
+}
+
+/// `job scale`: a group's new count, taken in place by the running
+/// allocs. The job's own capabilities are checked as its registration's.
+async fn scale_job(
+    State(s): State<Arc<Server>>,
+    acl: Option<axum::Extension<berth_structs::acl::Acl>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<berth_structs::api::JobScaleRequest>,
+) -> ApiResult {
+    check_job_capabilities(acl.as_deref(), &s.job(&id)?)?;
+    to_json(&s.scale_job(&id, body.group.as_deref(), body.count).await?)
 }
 
 /// A job's allocs per group by state (by job ID or unique prefix).

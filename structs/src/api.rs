@@ -25,6 +25,15 @@ pub struct JobPlanRequest {
     pub job: Job,
 }
 
+/// The body of `POST /v1/job/{id}/scale`: the group's new count.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobScaleRequest {
+    pub count: u32,
+    /// The group to scale; none: the job's only group.
+    #[serde(default)]
+    pub group: Option<String>,
+}
+
 /// The answer to a job registration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobRegisterResponse {

@@ -38,6 +38,7 @@ const COMMANDS: &[&str] = &[
     "job inspect",
     "job plan",
     "job run",
+    "job scale",
     "job status",
     "job stop",
     "node",

@@ -2,7 +2,8 @@
 //! places or stops only the difference and leaves the other allocs (their
 //! IDs, their task processes) alone; a change the tasks do not see (group
 //! `meta`) moves the allocs to the new version in place, restarting
-//! nothing; `job plan` says which kind of update a change is.
+//! nothing; `job plan` says which kind of update a change is; `job scale`
+//! changes a count the same way.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -74,10 +75,29 @@ fn count_changes_keep_the_running_allocs_and_stop_exactly_the_difference() -> Re
         .iter()
         .filter(|a| a["desired_status"] == "run")
         .all(|a| a["job"]["version"] == version));
+    // `job scale` is the same count change: back to 3 through it.
+    let out = server.cli(&["job", "scale", job, "g", "3"])?;
+    assert!(out.contains("scaled to 3"), "{out}");
+    let (ids3b, pids3b) = running(&server, job, 3)?;
+    assert!(ids2.is_subset(&ids3b) && pids2.is_subset(&pids3b));
+    // A group the job does not have, and a stopped job, are refused.
+    let bad = cli_at(&server.addr(), &["job", "scale", job, "nope", "1"])?;
+    assert_ne!(bad.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("has no group \"nope\" (its groups: g)"),
+        "{}",
+        String::from_utf8_lossy(&bad.stderr)
+    );
     server.cli(&["job", "stop", job])?;
     wait_for("the tasks to end", Duration::from_secs(30), || {
         Ok(marker_pids(job).is_empty().then_some(()))
     })?;
+    let stopped = cli_at(&server.addr(), &["job", "scale", job, "4"])?;
+    assert!(
+        String::from_utf8_lossy(&stopped.stderr).contains("is stopped: run it to scale it"),
+        "{}",
+        String::from_utf8_lossy(&stopped.stderr)
+    );
     Ok(())
 }
 

@@ -312,6 +312,27 @@ fn operations() -> Vec<Op> {
             }),
             &["job_id", "job_modify_index", "diff"],
         )),
+        op(
+            "post",
+            "/v1/job/{id}/scale",
+            "Set a group's count (the job's only group when none is named): a new version the running allocs take in place",
+        )
+        .body(object(
+            json!({
+                "count": { "type": "integer", "minimum": 0 },
+                "group": { "type": "string" },
+            }),
+            &["count"],
+        ))
+        .answers(object(
+            json!({
+                "index": { "type": "integer" },
+                "job_modify_index": { "type": "integer" },
+                "version": { "type": "integer" },
+                "changed": { "type": "boolean" },
+            }),
+            &["index", "job_modify_index", "version", "changed"],
+        )),
         op("get", "/v1/job/{id}/summary", "A job's allocs per group, counted by state").one(object(
             json!({
                 "job_id": { "type": "string" },

@@ -20,6 +20,7 @@ use berth_api::types::JobRegisterResponse;
 use berth_api::ApiClient;
 
 mod plan;
+mod scale;
 mod stop_waits;
 
 use plan::job_plan;
@@ -38,6 +39,8 @@ pub enum JobCommand {
     Stop(StopArgs),
     /// Show jobs, or one job: its summary and its allocs
     Status(StatusArgs),
+    /// Set a group's count; the running allocs stay as they are
+    Scale(scale::ScaleArgs),
 }
 
 #[derive(Args, Debug)]
@@ -122,6 +125,7 @@ pub fn run(cmd: JobCommand, ctx: &Ctx) -> Result<i32> {
         JobCommand::Inspect(a) => job_inspect(a, ctx.api()),
         JobCommand::Stop(a) => job_stop(a, ctx.api()),
         JobCommand::Status(a) => job_status(a, ctx.api()),
+        JobCommand::Scale(a) => scale::job_scale(a, ctx.api()),
     }
 }
 
@@ -215,6 +219,16 @@ fn job_run(a: RunArgs, api: &ApiClient) -> Result<i32> {
     let names = node_names(api)?;
     let (allocs, index) = api.get_indexed(&format!("/v1/job/{}/allocations", enc(&job.id)))?;
     let mine = allocs_of_version(&allocs, version);
+    // Allocs made before this submission took it in place.
+    let (mine, kept): (Vec<Value>, Vec<Value>) = mine
+        .into_iter()
+        .partition(|al| n(al, "create_index") >= resp.job_modify_index);
+    if changed && !kept.is_empty() {
+        println!(
+            "==> Updated in place: {}, running on",
+            plural(kept.len() as u64, "alloc", "allocs")
+        );
+    }
     if !mine.is_empty() {
         /// At most this many placements are named.
         const SHOWN: usize = 8;

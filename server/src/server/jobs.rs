@@ -131,6 +131,54 @@ impl Server {
         })
     }
 
+    /// Set the count of group `group` (the job's only group when `None`)
+    /// of job `id` to `count`: a new version, which the running allocs
+    /// take in place while the difference is placed or stopped. Refused
+    /// for a stopped job (a scale would run it again) and a system job
+    /// (one alloc a node), and made only on top of the job as read.
+    pub async fn scale_job(
+        &self,
+        id: &str,
+        group: Option<&str>,
+        count: u32,
+    ) -> Result<JobRegisterResponse, ServerError> {
+        let mut job = self.store.read(|t| crate::server::job_in(t, id).cloned())?;
+        if job.stop {
+            return Err(ServerError::Conflict(format!(
+                "job {:?} is stopped: run it to scale it",
+                job.id
+            )));
+        }
+        if job.job_type == berth_structs::JobType::System {
+            return Err(ServerError::BadRequest(format!(
+                "job {:?} is a system job (one alloc on each node): it has no count to scale",
+                job.id
+            )));
+        }
+        let names: Vec<String> = job.task_groups.iter().map(|g| g.name.clone()).collect();
+        let i = match group {
+            Some(name) => names.iter().position(|n| n == name).ok_or_else(|| {
+                ServerError::not_found(format!(
+                    "job {:?} has no group {name:?} (its groups: {})",
+                    job.id,
+                    names.join(", ")
+                ))
+            })?,
+            None if names.len() == 1 => 0,
+            None => {
+                return Err(ServerError::BadRequest(format!(
+                    "job {:?} has {} groups ({}): name the one to scale",
+                    job.id,
+                    names.len(),
+                    names.join(", ")
+                )))
+            }
+        };
+        job.task_groups[i].count = count;
+        let index = spec_index(Some(&job));
+        self.register_job_checked(job, Some(index)).await
+    }
+
     /// Stop a job: every alloc of it is asked to stop. Returns the index.
     pub async fn stop_job(&self, id: &str) -> Result<u64, ServerError> {
         self.stop_job_with(id, false).await
