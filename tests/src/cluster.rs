@@ -201,6 +201,30 @@ impl Server {
     }
 }
 
+/// Waits until `server` lists `n` servers, and checks that it marks
+/// `leader` (an agent protocol address) alone as leading; the list.
+pub fn members_agree(server: &Server, n: usize, leader: &str) -> Result<Vec<Value>> {
+    let members = wait_for(
+        &format!("{n} servers listed"),
+        Duration::from_secs(10),
+        || {
+            let v = server.get("/v1/operator/servers")?;
+            let list = v.as_array().cloned().unwrap_or_default();
+            Ok((list.len() == n).then_some(list))
+        },
+    )?;
+    let leaders: Vec<&str> = members
+        .iter()
+        .filter(|m| m["leader"] == true)
+        .filter_map(|m| m["rpc_addr"].as_str())
+        .collect();
+    anyhow::ensure!(
+        leaders == [leader],
+        "leaders {leaders:?}, not {leader}: {members:?}"
+    );
+    Ok(members)
+}
+
 /// The index (in `servers`) of the server that leads, once every one of
 /// the `live` servers names the same leader.
 pub fn wait_leader(servers: &[Server], live: &[usize], within: Duration) -> Result<usize> {

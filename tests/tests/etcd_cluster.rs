@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use berth_tests::cluster::{
-    logs, marked_service_job, marker_pids, shared_plugin_job, wait_leader, write_claims,
-    writer_volume, Client, Server,
+    logs, marked_service_job, marker_pids, members_agree, shared_plugin_job, wait_leader,
+    write_claims, writer_volume, Client, Server,
 };
 use berth_tests::wait_for;
 use berth_testutil::etcd::EtcdCluster;
@@ -45,17 +45,7 @@ fn three_servers_serve_jobs_volumes_and_claims_through_any_of_them() -> Result<(
         wait_for("the leader known", Duration::from_secs(10), || {
             Ok((server.leader()? == leader).then_some(()))
         })?;
-        let members = wait_for("three servers listed", Duration::from_secs(10), || {
-            let list = server.get("/v1/operator/servers")?;
-            let list = list.as_array().cloned().unwrap_or_default();
-            Ok((list.len() == 3).then_some(list))
-        })?;
-        let leaders: Vec<&str> = members
-            .iter()
-            .filter(|m| m["leader"] == true)
-            .filter_map(|m| m["rpc_addr"].as_str())
-            .collect();
-        assert_eq!(leaders, [leader.as_str()], "{members:?}");
+        members_agree(server, 3, &leader)?;
     }
 
     // One client reaches a follower alone; the other lists the second

@@ -10,7 +10,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use berth_tests::cluster::{wait_leader, Client, Server};
+use berth_tests::cluster::{members_agree, wait_leader, Client, Server};
 use berth_tests::{http_at, sleeping_service_job, wait_for};
 use berth_testutil::etcd::Etcd;
 
@@ -31,17 +31,7 @@ fn the_standby_takes_over_a_killed_leader_with_its_state() -> Result<()> {
 
     // Both list both servers, the leader marked as the election says.
     for server in &servers {
-        let members = wait_for("both servers listed", Duration::from_secs(10), || {
-            let v = server.get("/v1/operator/servers")?;
-            let list = v.as_array().cloned().unwrap_or_default();
-            Ok((list.len() == 2).then_some(list))
-        })?;
-        let leaders: Vec<&str> = members
-            .iter()
-            .filter(|m| m["leader"] == true)
-            .filter_map(|m| m["rpc_addr"].as_str())
-            .collect();
-        assert_eq!(leaders, [leader.as_str()], "{members:?}");
+        members_agree(server, 2, &leader)?;
         let peers = server.get("/v1/status/peers")?;
         assert_eq!(peers.as_array().map(Vec::len), Some(2), "{peers}");
     }

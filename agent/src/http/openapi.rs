@@ -115,6 +115,19 @@ fn object(properties: Value, required: &[&str]) -> Value {
     json!({ "type": "object", "properties": properties, "required": required })
 }
 
+/// The answer to a job registration (a run, a scale).
+fn registered() -> Value {
+    object(
+        json!({
+            "index": { "type": "integer" },
+            "job_modify_index": { "type": "integer" },
+            "version": { "type": "integer" },
+            "changed": { "type": "boolean" },
+        }),
+        &["index", "job_modify_index", "version", "changed"],
+    )
+}
+
 /// Every operation of the API: the agent's own routes, then the server
 /// API's.
 fn operations() -> Vec<Op> {
@@ -284,15 +297,7 @@ fn operations() -> Vec<Op> {
                 }),
                 &["job"],
             ))
-            .answers(object(
-                json!({
-                    "index": { "type": "integer" },
-                    "job_modify_index": { "type": "integer" },
-                    "version": { "type": "integer" },
-                    "changed": { "type": "boolean" },
-                }),
-                &["index", "job_modify_index", "version", "changed"],
-            )),
+            .answers(registered()),
         op("get", "/v1/job/{id}", "A job (by ID or unique ID prefix), with its placement failures")
             .one(schema_ref("Job")),
         op("delete", "/v1/job/{id}", "Stop a job (by ID or unique ID prefix)")
@@ -324,15 +329,7 @@ fn operations() -> Vec<Op> {
             }),
             &["count"],
         ))
-        .answers(object(
-            json!({
-                "index": { "type": "integer" },
-                "job_modify_index": { "type": "integer" },
-                "version": { "type": "integer" },
-                "changed": { "type": "boolean" },
-            }),
-            &["index", "job_modify_index", "version", "changed"],
-        )),
+        .answers(registered()),
         op("get", "/v1/job/{id}/summary", "A job's allocs per group, counted by state").one(object(
             json!({
                 "job_id": { "type": "string" },
