@@ -124,6 +124,12 @@ pub fn server_routes() -> Routes<Arc<Server>> {
         )
         .put("/v1/job/{id}/plan", ns(Capability::SubmitJob), plan_job)
         .post("/v1/job/{id}/scale", ns(Capability::SubmitJob), scale_job)
+        .get(
+            "/v1/job/{id}/versions",
+            ns(Capability::ReadJob),
+            job_versions,
+        )
+        .post("/v1/job/{id}/revert", ns(Capability::SubmitJob), revert_job)
         .get("/v1/job/{id}/summary", ns(Capability::ReadJob), job_summary)
         .get("/v1/allocations", ns(Capability::ReadJob), list_allocations)
         .get(
@@ -380,6 +386,38 @@ async fn scale_job(
 ) -> ApiResult {
     check_job_capabilities(acl.as_deref(), &s.job(&id)?)?;
     to_json(&s.scale_job(&id, body.group.as_deref(), body.count).await?)
+}
+
+/// `job history`: the job's kept versions, newest first, each with what
+/// it changed.
+async fn job_versions(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+    ApiQuery(q): ApiQuery<BlockingQuery>,
+) -> Result<Response, ApiError> {
+    let index = q.block(&s, query::JOBS).await?;
+    Ok(indexed(index, encode(&s.job_versions(&id)?)?, None))
+}
+
+/// `job revert`: a kept version submitted again. The version's own
+/// capabilities are checked as its registration's.
+async fn revert_job(
+    State(s): State<Arc<Server>>,
+    acl: Option<axum::Extension<berth_structs::acl::Acl>>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(body): ApiJson<berth_structs::api::JobRevertRequest>,
+) -> ApiResult {
+    if let Some(v) = s
+        .job_versions(&id)?
+        .into_iter()
+        .find(|v| v.version == body.version)
+    {
+        check_job_capabilities(acl.as_deref(), &v.job)?;
+    }
+    to_json(
+        &s.revert_job(&id, body.version, body.enforce_prior_version)
+            .await?,
+    )
 }
 
 /// A job's allocs per group by state (by job ID or unique prefix).
@@ -819,6 +857,7 @@ pub mod leader_gate;
 pub mod limits;
 pub mod listener;
 pub mod openapi;
+mod openapi_jobs;
 pub mod query;
 pub mod routes;
 

@@ -166,6 +166,7 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
                 gone.insert(&a.id);
             }
             report.jobs.push(j.id.clone());
+            crate::state::job_versions::forget_versions(t, &j.id, changes);
             changes.push(Change::DeleteJob(j.id.clone()));
         }
     }
@@ -225,6 +226,7 @@ fn plan_purge(t: &Tables, job_id: &str, changes: &mut Vec<Change>) -> bool {
     for a in allocs {
         changes.push(Change::DeleteAlloc(a.id.clone()));
     }
+    crate::state::job_versions::forget_versions(t, &job.id, changes);
     changes.push(Change::DeleteJob(job.id.clone()));
     true
 }

@@ -62,5 +62,6 @@ pub use server::plan::{
     DiffKind, DiffOp, FieldDiff, GroupPlan, GroupSummary, JobDiff, JobPlan, JobSummary,
     PlannedAlloc, StoppedAlloc,
 };
+pub use server::versions::JobVersionView;
 pub use server::{Server, StoreHealth};
 pub use state::Table;

@@ -336,3 +336,59 @@ async fn a_purged_job_stays_while_a_volume_claim_holds_one_of_its_allocs() {
     assert!(s.allocation(&alloc.id).is_err());
     assert!(s.volume("data").unwrap().write_claims.is_empty());
 }
+
+#[tokio::test]
+async fn a_job_keeps_its_last_six_versions_and_they_leave_with_it() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    for count in 1..=8 {
+        s.register_job(job("web", JobType::Service, count))
+            .await
+            .unwrap();
+    }
+    let versions = s.job_versions("web").unwrap();
+    let numbers: Vec<u64> = versions.iter().map(|v| v.version).collect();
+    assert_eq!(numbers, [7, 6, 5, 4, 3, 2], "newest first, six kept");
+    assert_eq!(versions[0].job.task_groups[0].count, 8);
+    assert_eq!(versions[0].diff.len(), 1, "{:?}", versions[0].diff);
+    assert_eq!(versions[0].diff[0].path, "task_groups[g].count");
+    assert!(versions[5].diff.is_empty(), "the oldest kept has no diff");
+
+    // A revert submits a kept version's spec as a new version.
+    let reverted = s.revert_job("web", 3, Some(7)).await.unwrap();
+    assert_eq!(reverted.version, 8);
+    assert_eq!(s.job("web").unwrap().task_groups[0].count, 4);
+    let stale = s.revert_job("web", 3, Some(7)).await.unwrap_err();
+    assert!(matches!(stale, ServerError::Conflict(_)), "{stale}");
+    let gone = s.revert_job("web", 1, None).await.unwrap_err();
+    assert!(
+        gone.to_string().contains("kept: 3, 4, 5, 6, 7, 8"),
+        "{gone}"
+    );
+
+    // Purged, the job takes its versions with it.
+    let allocs = s.job_allocations("web").unwrap();
+    s.stop_job_with("web", true).await.unwrap();
+    for a in &allocs {
+        report(s, a, AllocClientStatus::Complete).await;
+    }
+    wait_until("the purged job is gone", Duration::from_secs(10), || {
+        s.job("web").is_err()
+    })
+    .await;
+    s.register_job(job("web", JobType::Service, 1))
+        .await
+        .unwrap();
+    let fresh: Vec<u64> = s
+        .job_versions("web")
+        .unwrap()
+        .iter()
+        .map(|v| v.version)
+        .collect();
+    assert_eq!(
+        fresh,
+        [0],
+        "a new job of the same ID starts its history anew"
+    );
+}

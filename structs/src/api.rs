@@ -34,6 +34,16 @@ pub struct JobScaleRequest {
     pub group: Option<String>,
 }
 
+/// The body of `POST /v1/job/{id}/revert`: the kept version to submit
+/// again, and with `enforce_prior_version`, only while the job is at
+/// that version.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobRevertRequest {
+    pub version: u64,
+    #[serde(default)]
+    pub enforce_prior_version: Option<u64>,
+}
+
 /// The answer to a job registration.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobRegisterResponse {

@@ -50,6 +50,31 @@ pub enum JobStatus {
     Dead,
 }
 
+/// One version of a job as it was submitted: the servers keep the last
+/// few of each job (`job history`, `job revert`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct JobVersion {
+    pub job_id: String,
+    pub version: u64,
+    /// The job as that version stored it.
+    pub job: Job,
+    /// Unix milliseconds of the submission.
+    #[serde(default)]
+    pub submit_time_ms: i64,
+    #[serde(default)]
+    pub create_index: u64,
+    #[serde(default)]
+    pub modify_index: u64,
+}
+
+impl JobVersion {
+    /// The key a version is stored under: the job's versions sort
+    /// together, oldest first.
+    pub fn key_of(job_id: &str, version: u64) -> String {
+        format!("{job_id}/{version:020}")
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct Job {
     pub id: String,

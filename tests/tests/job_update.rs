@@ -157,3 +157,65 @@ fn a_group_meta_change_moves_the_allocs_version_and_restarts_nothing() -> Result
     })?;
     Ok(())
 }
+
+#[test]
+fn history_lists_the_versions_with_their_diffs_and_revert_runs_an_old_one() -> Result<()> {
+    let (server, c1, c2) = cluster()?;
+    let job = "upd-hist";
+    let spec = |count: u32, tier: &str| {
+        marked_job(
+            job,
+            "service",
+            count,
+            &format!("meta {{\n tier = \"{tier}\"\n }}"),
+            None,
+        )
+    };
+    server.run_job(job, &spec(2, "bronze"))?;
+    let (ids, pids) = running(&server, job, 2).with_context(|| logs(&server, &[&c1, &c2]))?;
+    server.run_job(job, &spec(2, "gold"))?;
+    server.run_job(job, &spec(3, "gold"))?;
+    running(&server, job, 3)?;
+
+    let history = server.cli(&["job", "history", "-p", job])?;
+    let at = |v: &str| history.find(&format!("Version     = {v}\n"));
+    let (v2, v1, v0) = (at("2"), at("1"), at("0"));
+    assert!(
+        v2 < v1 && v1 < v0 && v0.is_some(),
+        "newest first:\n{history}"
+    );
+    assert!(
+        history.contains("~ task_groups[g].count: 2 => 3"),
+        "{history}"
+    );
+    assert!(
+        history.contains("~ task_groups[g].meta.tier: \"bronze\" => \"gold\""),
+        "{history}"
+    );
+    let old = server.cli(&["job", "inspect", "-version", "0", job])?;
+    let old: Value = serde_json::from_str(&old)?;
+    assert_eq!(old["task_groups"][0]["meta"]["tier"], "bronze", "{old}");
+
+    // Back to version 0: a new version (3) with its spec, which the
+    // allocs take in place; the one the count added stops.
+    let out = server.cli(&["job", "revert", job, "0"])?;
+    assert!(out.contains("now version 3"), "{out}");
+    let (after, pids_after) = running(&server, job, 2)?;
+    assert_eq!(after, ids, "the first two allocs were kept");
+    assert_eq!(pids_after, pids, "their tasks were kept");
+    let stored = server.get(&format!("/v1/job/{job}"))?;
+    assert_eq!(stored["version"], 3);
+    assert_eq!(stored["task_groups"][0]["meta"]["tier"], "bronze");
+    // A version not kept is named as such.
+    let none = cli_at(&server.addr(), &["job", "revert", job, "9"])?;
+    assert!(
+        String::from_utf8_lossy(&none.stderr).contains("has no version 9 kept (kept: 0, 1, 2, 3)"),
+        "{}",
+        String::from_utf8_lossy(&none.stderr)
+    );
+    server.cli(&["job", "stop", job])?;
+    wait_for("the tasks to end", Duration::from_secs(30), || {
+        Ok(marker_pids(job).is_empty().then_some(()))
+    })?;
+    Ok(())
+}

@@ -19,7 +19,7 @@ enum Read {
 }
 
 /// One operation: a method on a path.
-struct Op {
+pub(super) struct Op {
     method: &'static str,
     path: &'static str,
     summary: &'static str,
@@ -37,7 +37,7 @@ struct Op {
     headers: Vec<(&'static str, &'static str)>,
 }
 
-fn op(method: &'static str, path: &'static str, summary: &'static str) -> Op {
+pub(super) fn op(method: &'static str, path: &'static str, summary: &'static str) -> Op {
     Op {
         method,
         path,
@@ -54,37 +54,37 @@ fn op(method: &'static str, path: &'static str, summary: &'static str) -> Op {
 
 impl Op {
     /// A list of `schema`s: blocking, paged.
-    fn list_of(mut self, schema: &str) -> Op {
+    pub(super) fn list_of(mut self, schema: &str) -> Op {
         self.read = Read::List;
         self.answer = json!({ "type": "array", "items": schema_ref(schema) });
         self
     }
 
     /// One object: blocking.
-    fn one(mut self, answer: Value) -> Op {
+    pub(super) fn one(mut self, answer: Value) -> Op {
         self.read = Read::One;
         self.answer = answer;
         self
     }
 
-    fn answers(mut self, answer: Value) -> Op {
+    pub(super) fn answers(mut self, answer: Value) -> Op {
         self.answer = answer;
         self
     }
 
     /// An answer that is not JSON.
-    fn answers_raw(mut self, media: &'static str) -> Op {
+    pub(super) fn answers_raw(mut self, media: &'static str) -> Op {
         self.media = media;
         self.answer = json!({ "type": "string" });
         self
     }
 
-    fn header(mut self, name: &'static str, description: &'static str) -> Op {
+    pub(super) fn header(mut self, name: &'static str, description: &'static str) -> Op {
         self.headers.push((name, description));
         self
     }
 
-    fn query(
+    pub(super) fn query(
         mut self,
         name: &'static str,
         kind: &'static str,
@@ -95,37 +95,24 @@ impl Op {
         self
     }
 
-    fn body(mut self, schema: Value) -> Op {
+    pub(super) fn body(mut self, schema: Value) -> Op {
         self.body = Some(schema);
         self
     }
 
-    fn optional_body(mut self, schema: Value) -> Op {
+    pub(super) fn optional_body(mut self, schema: Value) -> Op {
         self.body_optional = true;
         self.body(schema)
     }
 }
 
-fn schema_ref(name: &str) -> Value {
+pub(super) fn schema_ref(name: &str) -> Value {
     json!({ "$ref": format!("#/components/schemas/{name}") })
 }
 
 /// An object schema: its properties, the required ones named.
-fn object(properties: Value, required: &[&str]) -> Value {
+pub(super) fn object(properties: Value, required: &[&str]) -> Value {
     json!({ "type": "object", "properties": properties, "required": required })
-}
-
-/// The answer to a job registration (a run, a scale).
-fn registered() -> Value {
-    object(
-        json!({
-            "index": { "type": "integer" },
-            "job_modify_index": { "type": "integer" },
-            "version": { "type": "integer" },
-            "changed": { "type": "boolean" },
-        }),
-        &["index", "job_modify_index", "version", "changed"],
-    )
 }
 
 /// Every operation of the API: the agent's own routes, then the server
@@ -143,7 +130,7 @@ fn operations() -> Vec<Op> {
         object(props, &["alloc_id", "tasks"])
     };
     let volume_body = object(json!({ "volume": schema_ref("CsiVolume") }), &["volume"]);
-    vec![
+    let mut ops = vec![
         // The agent's own routes.
         op(
             "get",
@@ -283,60 +270,6 @@ fn operations() -> Vec<Op> {
                 }), &["endpoint", "healthy", "errors"]) },
             }),
             &["store", "members"],
-        )),
-        op("get", "/v1/jobs", "The jobs").list_of("Job"),
-        op("put", "/v1/jobs", "Register (submit or update) a job and place its allocs")
-            .body(object(
-                json!({
-                    "job": schema_ref("Job"),
-                    "enforce_index": {
-                        "type": "boolean",
-                        "description": "register only while the stored job's job_modify_index is job_modify_index (0: only a new job)",
-                    },
-                    "job_modify_index": { "type": "integer", "minimum": 0 },
-                }),
-                &["job"],
-            ))
-            .answers(registered()),
-        op("get", "/v1/job/{id}", "A job (by ID or unique ID prefix), with its placement failures")
-            .one(schema_ref("Job")),
-        op("delete", "/v1/job/{id}", "Stop a job (by ID or unique ID prefix)")
-            .query("purge", "boolean", false, "also remove the job once its allocs are done"),
-        op("get", "/v1/job/{id}/allocations", "A job's allocs").list_of("Allocation"),
-        op(
-            "put",
-            "/v1/job/{id}/plan",
-            "What registering the job would change, place and stop; writes nothing",
-        )
-        .body(object(json!({ "job": schema_ref("Job") }), &["job"]))
-        .answers(object(
-            json!({
-                "job_id": { "type": "string" },
-                "job_modify_index": { "type": "integer" },
-                "diff": { "type": "object" },
-            }),
-            &["job_id", "job_modify_index", "diff"],
-        )),
-        op(
-            "post",
-            "/v1/job/{id}/scale",
-            "Set a group's count (the job's only group when none is named): a new version the running allocs take in place",
-        )
-        .body(object(
-            json!({
-                "count": { "type": "integer", "minimum": 0 },
-                "group": { "type": "string" },
-            }),
-            &["count"],
-        ))
-        .answers(registered()),
-        op("get", "/v1/job/{id}/summary", "A job's allocs per group, counted by state").one(object(
-            json!({
-                "job_id": { "type": "string" },
-                "index": { "type": "integer" },
-                "groups": { "type": "object", "additionalProperties": { "type": "object" } },
-            }),
-            &["job_id", "groups"],
         )),
         op("get", "/v1/allocations", "The allocs").list_of("Allocation"),
         op("get", "/v1/allocation/{id}", "An alloc (by ID or unique ID prefix)")
@@ -521,7 +454,9 @@ fn operations() -> Vec<Op> {
             }),
             &["key_id", "retired", "volumes", "node_secrets"],
         )),
-    ]
+    ];
+    ops.extend(super::openapi_jobs::job_operations());
+    ops
 }
 
 /// The `{name}`s of a path, in order.

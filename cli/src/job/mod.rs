@@ -19,6 +19,7 @@ use super::{enc, print_json, read_spec, strs, usage_error, Ctx};
 use berth_api::types::JobRegisterResponse;
 use berth_api::ApiClient;
 
+mod history;
 mod plan;
 mod scale;
 mod stop_waits;
@@ -41,6 +42,10 @@ pub enum JobCommand {
     Status(StatusArgs),
     /// Set a group's count; the running allocs stay as they are
     Scale(scale::ScaleArgs),
+    /// List a job's kept versions (`-p`: what each changed)
+    History(history::HistoryArgs),
+    /// Run a kept version of a job again, as a new version
+    Revert(history::RevertArgs),
 }
 
 #[derive(Args, Debug)]
@@ -85,6 +90,9 @@ pub struct InspectArgs {
     // formats it with a template.
     #[command(flatten)]
     pub output: OutputArgs,
+    /// The job as a kept version stored it (`job history` lists them)
+    #[arg(long, value_name = "N")]
+    pub version: Option<u64>,
     /// The job's ID, or a unique prefix of it
     #[arg(value_name = "JOB")]
     pub job: String,
@@ -126,6 +134,8 @@ pub fn run(cmd: JobCommand, ctx: &Ctx) -> Result<i32> {
         JobCommand::Stop(a) => job_stop(a, ctx.api()),
         JobCommand::Status(a) => job_status(a, ctx.api()),
         JobCommand::Scale(a) => scale::job_scale(a, ctx.api()),
+        JobCommand::History(a) => history::job_history(a, ctx.api()),
+        JobCommand::Revert(a) => history::job_revert(a, ctx.api()),
     }
 }
 
@@ -466,7 +476,14 @@ fn stored_job(api: &ApiClient, id: &str) -> Result<Value> {
 }
 
 fn job_inspect(a: InspectArgs, api: &ApiClient) -> Result<i32> {
-    let job = stored_job(api, &a.job)?;
+    let job = match a.version {
+        None => stored_job(api, &a.job)?,
+        Some(n) => history::versions(api, &a.job)?
+            .into_iter()
+            .find(|v| v["version"].as_u64() == Some(n))
+            .map(|v| v["job"].clone())
+            .ok_or_else(|| anyhow::anyhow!("job {:?} has no version {n} kept", a.job))?,
+    };
     let output = OutputArgs {
         json: a.output.template.is_none(),
         template: a.output.template,

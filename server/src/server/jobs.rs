@@ -111,6 +111,7 @@ impl Server {
             let (next, changed) = registration(old, job, t.index.saturating_add(1));
             let version = next.version;
             if changed {
+                crate::state::job_versions::record_version(t, &next, changes);
                 changes.push(Change::PutJob(next));
             }
             Ok::<_, ServerError>((changed, version))

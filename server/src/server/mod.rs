@@ -27,6 +27,7 @@ pub(crate) mod page;
 pub(crate) mod plan;
 mod retry;
 mod snapshots;
+pub(crate) mod versions;
 mod volumes;
 
 use berth_sync::MutexExt;

@@ -243,7 +243,7 @@ impl Server {
 }
 
 /// The job as JSON without the fields the servers manage.
-fn spec_value(job: &Job) -> Value {
+pub(crate) fn spec_value(job: &Job) -> Value {
     let mut v = serde_json::to_value(job).unwrap_or(Value::Null);
     if let Value::Object(m) = &mut v {
         for k in [

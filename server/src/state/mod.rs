@@ -24,6 +24,7 @@ mod error;
 mod etcd_backend;
 mod etcd_follow;
 mod indexes;
+pub mod job_versions;
 mod record;
 mod redb_backend;
 mod schema;

@@ -191,6 +191,30 @@ impl Record for Job {
     }
 }
 
+impl Record for berth_structs::JobVersion {
+    const TABLE: Table = Table::JobVersions;
+    type Store = BTreeMap<String, berth_structs::JobVersion>;
+
+    fn key(&self) -> Cow<'_, str> {
+        Cow::Owned(berth_structs::JobVersion::key_of(
+            &self.job_id,
+            self.version,
+        ))
+    }
+
+    fn indexes(&self) -> [u64; 2] {
+        [self.create_index, self.modify_index]
+    }
+
+    fn stamp(&mut self, old: Option<&Self>, index: u64, now_ms: i64) {
+        self.create_index = old.map_or(index, |o| o.create_index);
+        self.modify_index = index;
+        if self.submit_time_ms == 0 {
+            self.submit_time_ms = now_ms;
+        }
+    }
+}
+
 impl Record for Allocation {
     const TABLE: Table = Table::Allocs;
     type Store = BTreeMap<String, Allocation>;

@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use berth_structs::{Allocation, CsiVolume, Job, Node, NodeSecret};
+use berth_structs::{Allocation, CsiVolume, Job, JobVersion, Node, NodeSecret};
 
 use super::error::StoreError;
 use super::record::{Record, RecordStore, TableVisitor, WriteEffects};
@@ -189,6 +189,8 @@ schema! {
     Allocs("allocs") allocs: Allocation => PutAlloc, DeleteAlloc;
     Nodes("nodes") nodes: Node => PutNode, DeleteNode;
     Volumes("volumes") volumes: CsiVolume => PutVolume, DeleteVolume;
+    /// The last versions of each job, as submitted.
+    JobVersions("job_versions") job_versions: JobVersion => PutJobVersion, DeleteJobVersion;
     /// ACL policies, tokens and introduction tokens.
     Acl("acl") acl: AclRecord => PutAcl, DeleteAcl;
 }

@@ -1,0 +1,107 @@
+//! The job operations of the OpenAPI document (see `openapi.rs`): the
+//! registration, reads, plan, scale, versions, revert and summary of a
+//! job.
+
+use serde_json::{json, Value};
+
+use super::openapi::{object, op, schema_ref, Op};
+
+/// The answer to a job registration (a run, a scale).
+fn registered() -> Value {
+    object(
+        json!({
+            "index": { "type": "integer" },
+            "job_modify_index": { "type": "integer" },
+            "version": { "type": "integer" },
+            "changed": { "type": "boolean" },
+        }),
+        &["index", "job_modify_index", "version", "changed"],
+    )
+}
+
+/// The job routes' operations.
+pub(super) fn job_operations() -> Vec<Op> {
+    vec![
+        op("get", "/v1/jobs", "The jobs").list_of("Job"),
+        op("put", "/v1/jobs", "Register (submit or update) a job and place its allocs")
+            .body(object(
+                json!({
+                    "job": schema_ref("Job"),
+                    "enforce_index": {
+                        "type": "boolean",
+                        "description": "register only while the stored job's job_modify_index is job_modify_index (0: only a new job)",
+                    },
+                    "job_modify_index": { "type": "integer", "minimum": 0 },
+                }),
+                &["job"],
+            ))
+            .answers(registered()),
+        op("get", "/v1/job/{id}", "A job (by ID or unique ID prefix), with its placement failures")
+            .one(schema_ref("Job")),
+        op("delete", "/v1/job/{id}", "Stop a job (by ID or unique ID prefix)")
+            .query("purge", "boolean", false, "also remove the job once its allocs are done"),
+        op("get", "/v1/job/{id}/allocations", "A job's allocs").list_of("Allocation"),
+        op(
+            "put",
+            "/v1/job/{id}/plan",
+            "What registering the job would change, place and stop; writes nothing",
+        )
+        .body(object(json!({ "job": schema_ref("Job") }), &["job"]))
+        .answers(object(
+            json!({
+                "job_id": { "type": "string" },
+                "job_modify_index": { "type": "integer" },
+                "diff": { "type": "object" },
+            }),
+            &["job_id", "job_modify_index", "diff"],
+        )),
+        op(
+            "post",
+            "/v1/job/{id}/scale",
+            "Set a group's count (the job's only group when none is named): a new version the running allocs take in place",
+        )
+        .body(object(
+            json!({
+                "count": { "type": "integer", "minimum": 0 },
+                "group": { "type": "string" },
+            }),
+            &["count"],
+        ))
+        .answers(registered()),
+        op(
+            "get",
+            "/v1/job/{id}/versions",
+            "A job's kept versions, newest first, each with the field diff against the one before",
+        )
+        .one(json!({ "type": "array", "items": object(
+            json!({
+                "version": { "type": "integer" },
+                "submit_time_ms": { "type": "integer" },
+                "job": schema_ref("Job"),
+                "diff": { "type": "array", "items": { "type": "object" } },
+            }),
+            &["version", "job", "diff"],
+        ) })),
+        op(
+            "post",
+            "/v1/job/{id}/revert",
+            "Submit a kept version of the job again, as a new version",
+        )
+        .body(object(
+            json!({
+                "version": { "type": "integer", "minimum": 0 },
+                "enforce_prior_version": { "type": "integer", "minimum": 0 },
+            }),
+            &["version"],
+        ))
+        .answers(registered()),
+        op("get", "/v1/job/{id}/summary", "A job's allocs per group, counted by state").one(object(
+            json!({
+                "job_id": { "type": "string" },
+                "index": { "type": "integer" },
+                "groups": { "type": "object", "additionalProperties": { "type": "object" } },
+            }),
+            &["job_id", "groups"],
+        )),
+    ]
+}
