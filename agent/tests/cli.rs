@@ -35,6 +35,36 @@ fn job_run_names_the_unknown_attribute_and_its_line() {
 }
 
 #[test]
+fn job_validate_checks_a_file_without_a_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.hcl");
+    std::fs::write(
+        &good,
+        "variable \"n\" {\n  default = 1\n}\njob \"v\" {\n  group \"g\" {\n    count = var.n\n    task \"t\" {\n      driver = \"raw_exec\"\n      config {\n        command = \"/bin/true\"\n      }\n    }\n  }\n}\n",
+    )
+    .unwrap();
+    // No agent listens there: validate asks none.
+    let (code, out, err) = berth(&["job", "validate", "-var", "n=3", good.to_str().unwrap()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("Job validation successful: job \"v\", 1 group, 1 task"),
+        "{out}"
+    );
+    let bad = dir.path().join("bad.hcl");
+    std::fs::write(
+        &bad,
+        "job \"v\" {\n  group \"g\" {\n    count = -1\n  }\n}\n",
+    )
+    .unwrap();
+    let (code, _, err) = berth(&["job", "validate", bad.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("line 3") && err.contains("must not be negative"),
+        "{err}"
+    );
+}
+
+#[test]
 fn job_run_rejects_a_mount_that_escapes_the_task_dir() {
     let dir = tempfile::tempdir().unwrap();
     let f = dir.path().join("escape.hcl");

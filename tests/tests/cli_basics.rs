@@ -43,6 +43,7 @@ const COMMANDS: &[&str] = &[
     "job scale",
     "job status",
     "job stop",
+    "job validate",
     "node",
     "node drain",
     "node eligibility",

@@ -23,6 +23,7 @@ mod history;
 mod plan;
 mod scale;
 mod stop_waits;
+mod validate;
 
 use plan::job_plan;
 pub use plan::plan_text;
@@ -46,6 +47,8 @@ pub enum JobCommand {
     History(history::HistoryArgs),
     /// Run a kept version of a job again, as a new version
     Revert(history::RevertArgs),
+    /// Check a job file as `job run` would, without a server
+    Validate(validate::ValidateArgs),
 }
 
 #[derive(Args, Debug)]
@@ -136,6 +139,7 @@ pub fn run(cmd: JobCommand, ctx: &Ctx) -> Result<i32> {
         JobCommand::Scale(a) => scale::job_scale(a, ctx.api()),
         JobCommand::History(a) => history::job_history(a, ctx.api()),
         JobCommand::Revert(a) => history::job_revert(a, ctx.api()),
+        JobCommand::Validate(a) => validate::job_validate(a),
     }
 }
 
