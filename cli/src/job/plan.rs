@@ -33,6 +33,42 @@ fn plan(a: &PlanArgs, api: &ApiClient) -> Result<i32> {
     Ok(i32::from(changes))
 }
 
+/// The width a line of the diff is wrapped at.
+const DIFF_WIDTH: usize = 100;
+
+/// `line` wrapped at `width` characters (at the last space or comma
+/// before it when there is one), each further line starting with
+/// `indent`: nothing is cut off.
+fn wrapped(line: &str, width: usize, indent: &str) -> String {
+    let mut out = String::new();
+    let mut rest: Vec<char> = line.chars().collect();
+    let mut first = true;
+    loop {
+        let room = if first {
+            width
+        } else {
+            width.saturating_sub(indent.len()).max(20)
+        };
+        if !first {
+            out.push('\n');
+            out.push_str(indent);
+        }
+        if rest.len() <= room {
+            out.extend(rest);
+            return out;
+        }
+        let at = rest[..room]
+            .iter()
+            .rposition(|c| *c == ' ' || *c == ',')
+            .filter(|&i| i > room / 2)
+            .map_or(room, |i| i + 1);
+        let tail = rest.split_off(at);
+        out.push_str(rest.iter().collect::<String>().trim_end());
+        rest = tail;
+        first = false;
+    }
+}
+
 /// A value of a diff, on one line.
 fn shown(v: &Value) -> String {
     match v {
@@ -68,34 +104,28 @@ pub fn plan_text(plan: &Value, args: &str, verbose: bool) -> String {
             "-" => format!("  - {path}: {}", shown(&f["old"])),
             _ => format!("  ~ {path}: {} => {}", shown(&f["old"]), shown(&f["new"])),
         };
-        if verbose || line.chars().count() <= 160 {
-            out.push_str(&line);
-        } else {
-            let cut: String = line.chars().take(157).collect();
-            out.push_str(&cut);
-            out.push_str("...");
-        }
+        out.push_str(&wrapped(&line, DIFF_WIDTH, "      "));
         out.push('\n');
     }
 
     out.push_str("\nScheduler dry-run:\n");
     let groups = plan["groups"].as_array().map(Vec::as_slice).unwrap_or(&[]);
     for g in groups {
-        let mut parts = Vec::new();
-        for (key, word) in [("place", "create"), ("stop", "destroy")] {
-            if n(g, key) > 0 {
-                parts.push(format!("{} {word}", n(g, key)));
-            }
-        }
-        if n(g, "update") > 0 {
-            parts.push(format!("{} create/destroy update", n(g, "update")));
-        }
-        if n(g, "in_place") > 0 {
-            parts.push(format!("{} in-place update", n(g, "in_place")));
-        }
-        if n(g, "keep") > 0 {
-            parts.push(format!("{} ignore", n(g, "keep")));
-        }
+        // Counts that add up: an alloc replaced by a destructive update is
+        // one "create/destroy update", not also a create and a destroy.
+        let update = n(g, "update");
+        let counts = [
+            (n(g, "place").saturating_sub(update), "create"),
+            (n(g, "stop").saturating_sub(update), "destroy"),
+            (update, "create/destroy update"),
+            (n(g, "in_place"), "in-place update"),
+            (n(g, "keep"), "ignore"),
+        ];
+        let mut parts: Vec<String> = counts
+            .iter()
+            .filter(|(count, _)| *count > 0)
+            .map(|(count, word)| format!("{count} {word}"))
+            .collect();
         if n(g, "unplaced") > 0 {
             parts.push(format!("{} not placed", n(g, "unplaced")));
         }
@@ -146,4 +176,48 @@ pub fn plan_text(plan: &Value, args: &str, verbose: bool) -> String {
          potentially invalid.\n"
     ));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn a_long_diff_line_is_wrapped_not_cut() {
+        let args: Vec<String> = (0..40).map(|i| format!("\"argument-{i}\"")).collect();
+        let line = format!(
+            "  ~ task_groups[g].tasks[t].config.args: [{}]",
+            args.join(",")
+        );
+        let text = wrapped(&line, 100, "      ");
+        assert!(text.lines().all(|l| l.chars().count() <= 100), "{text}");
+        assert!(
+            text.lines().skip(1).all(|l| l.starts_with("      ")),
+            "{text}"
+        );
+        let squeezed = |s: &str| s.chars().filter(|c| !c.is_whitespace()).collect::<String>();
+        assert_eq!(squeezed(&text), squeezed(&line), "nothing lost");
+        assert!(text.contains("argument-39"), "{text}");
+    }
+
+    #[test]
+    fn the_counts_of_a_group_add_up() {
+        let plan = json!({
+            "job_id": "web",
+            "diff": { "kind": "edited", "fields": [] },
+            "groups": [{
+                "name": "g", "place": 3, "stop": 2, "update": 2, "in_place": 0, "keep": 1,
+                "unplaced": 0, "placements": [], "stops": []
+            }],
+            "placement_failures": [],
+            "job_modify_index": 7
+        });
+        let text = plan_text(&plan, "web.hcl", false);
+        assert!(
+            text.contains("- Task group \"g\": 1 create, 2 create/destroy update, 1 ignore\n"),
+            "{text}"
+        );
+    }
 }
