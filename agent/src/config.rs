@@ -146,6 +146,8 @@ pub struct AgentFileConfig {
     pub data_dir: Option<PathBuf>,
     /// The node's name.
     pub name: Option<String>,
+    /// The datacenter the node is in (`dc1` when none is set).
+    pub datacenter: Option<String>,
     /// One of [`LOG_LEVELS`].
     pub log_level: Option<String>,
     pub log_json: Option<bool>,
@@ -168,6 +170,7 @@ impl AgentFileConfig {
         AgentFileConfig {
             data_dir: later.data_dir.or(self.data_dir),
             name: later.name.or(self.name),
+            datacenter: later.datacenter.or(self.datacenter),
             log_level: later.log_level.or(self.log_level),
             log_json: later.log_json.or(self.log_json),
             bind_addr: later.bind_addr.or(self.bind_addr),
@@ -345,10 +348,17 @@ pub fn read_file(path: &Path) -> Result<AgentFileConfig, ConfigError> {
 pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
     let src = Source::new(text);
     let body = src.parse_body()?;
-    let attributes: Vec<&str> = ["data_dir", "name", "log_level", "log_json", "bind_addr"]
-        .into_iter()
-        .chain(SecuritySections::ATTRIBUTES)
-        .collect();
+    let attributes: Vec<&str> = [
+        "data_dir",
+        "name",
+        "datacenter",
+        "log_level",
+        "log_json",
+        "bind_addr",
+    ]
+    .into_iter()
+    .chain(SecuritySections::ATTRIBUTES)
+    .collect();
     let blocks: Vec<&str> = ["ports", "server", "client", store::EtcdSection::BLOCK]
         .into_iter()
         .chain(SecuritySections::BLOCKS)
@@ -372,6 +382,10 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
     let name = r.string("name")?;
     if let Some(n) = &name {
         berth_structs::check_name("node name", n).map_err(|e| r.invalid("name", e))?;
+    }
+    let datacenter = r.string("datacenter")?;
+    if let Some(d) = &datacenter {
+        berth_structs::check_name("datacenter", d).map_err(|e| r.invalid("datacenter", e))?;
     }
     let log_level = r.string("log_level")?.map(|l| l.to_ascii_lowercase());
     if let Some(l) = &log_level {
@@ -412,6 +426,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
     Ok(AgentFileConfig {
         data_dir,
         name,
+        datacenter,
         log_level,
         log_json: r.bool("log_json")?,
         bind_addr,
@@ -961,6 +976,7 @@ client {
         let key = prop::sample::select(vec![
             "data_dir",
             "name",
+            "datacenter",
             "log_level",
             "log_json",
             "bind_addr",

@@ -96,7 +96,7 @@ pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
     let mut node = Node {
         id: node_id,
         name: config.node_name.clone().unwrap_or_else(host_name),
-        datacenter: "dc1".into(),
+        datacenter: config.datacenter.clone(),
         status: NodeStatus::Initializing,
         resources: NodeResources {
             cpu: found.cpu.saturating_sub(config.reserved_cpu),

@@ -274,11 +274,22 @@ impl Client {
     /// comma separated), with `client_block` added to its `client { ... }`
     /// block.
     pub fn start_with_servers(servers: &str, name: &str, client_block: &str) -> Result<Client> {
+        Client::start_with_config(servers, name, client_block, "")
+    }
+
+    /// [`Client::start_with_servers`] with `top_level` (HCL) at the top
+    /// of the client's config file (`datacenter = "east"`, say).
+    pub fn start_with_config(
+        servers: &str,
+        name: &str,
+        client_block: &str,
+        top_level: &str,
+    ) -> Result<Client> {
         let config = tempfile::tempdir()?;
         let file = config.path().join("client.hcl");
         std::fs::write(
             &file,
-            format!("client {{\n  enabled = true\n  {client_block}\n}}\n"),
+            format!("{top_level}\nclient {{\n  enabled = true\n  {client_block}\n}}\n"),
         )?;
         let http_port = free_port();
         let http = format!("127.0.0.1:{http_port}");

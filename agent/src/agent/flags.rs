@@ -43,6 +43,8 @@ pub struct AgentConfig {
     pub client_durations: crate::config::ClientDurations,
     /// The client's node class and meta, registered with the node.
     pub node_class: Option<String>,
+    /// The node's datacenter (the config's `datacenter`).
+    pub datacenter: Option<String>,
     pub meta: BTreeMap<String, String>,
     /// `client { reserved }`: CPU (MHz) and memory (MiB) the node keeps
     /// for itself.
@@ -94,6 +96,7 @@ impl Default for AgentConfig {
             gc_max_allocs: ClientConfig::DEFAULT_GC_MAX_ALLOCS,
             client_durations: crate::config::ClientDurations::default(),
             node_class: None,
+            datacenter: None,
             meta: BTreeMap::new(),
             reserved_cpu: 0,
             reserved_memory_mb: 0,
@@ -412,6 +415,7 @@ impl AgentConfig {
         self.config_paths = f.configs;
         self.security = file.security.clone();
         self.intro_token = file.client.intro_token.clone();
+        self.datacenter = file.datacenter.clone();
         if file.client_enabled() {
             let c = &file.client;
             self.node_class = c.node_class.clone();
@@ -436,6 +440,10 @@ impl AgentConfig {
         let mut config = ClientConfig {
             node_name: self.node_name.clone(),
             gc_max_allocs: self.gc_max_allocs,
+            datacenter: self
+                .datacenter
+                .clone()
+                .unwrap_or_else(|| defaults.datacenter.clone()),
             node_class: self.node_class.clone().unwrap_or_default(),
             meta: self.meta.clone(),
             reserved_cpu: self.reserved_cpu,

@@ -237,7 +237,7 @@ impl<'a> PlanContext<'a> {
             && !job
                 .datacenters
                 .iter()
-                .any(|d| d == "*" || d == &node.datacenter)
+                .any(|d| berth_structs::datacenter_matches(d, &node.datacenter))
         {
             return Some(format!(
                 "datacenter {:?} not in the job's datacenters",
