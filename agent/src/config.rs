@@ -344,21 +344,24 @@ pub fn read_file(path: &Path) -> Result<AgentFileConfig, ConfigError> {
     })
 }
 
+/// The attributes of a file's top level but the security ones.
+const TOP_LEVEL_ATTRIBUTES: [&str; 6] = [
+    "data_dir",
+    "name",
+    "datacenter",
+    "log_level",
+    "log_json",
+    "bind_addr",
+];
+
 /// Parses the text of one configuration file.
 pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
     let src = Source::new(text);
     let body = src.parse_body()?;
-    let attributes: Vec<&str> = [
-        "data_dir",
-        "name",
-        "datacenter",
-        "log_level",
-        "log_json",
-        "bind_addr",
-    ]
-    .into_iter()
-    .chain(SecuritySections::ATTRIBUTES)
-    .collect();
+    let attributes: Vec<&str> = TOP_LEVEL_ATTRIBUTES
+        .into_iter()
+        .chain(SecuritySections::ATTRIBUTES)
+        .collect();
     let blocks: Vec<&str> = ["ports", "server", "client", store::EtcdSection::BLOCK]
         .into_iter()
         .chain(SecuritySections::BLOCKS)
@@ -973,13 +976,8 @@ client {
     /// Lines of a config: valid ones, near misses and garbage.
     fn config_line() -> impl proptest::strategy::Strategy<Value = String> {
         use proptest::prelude::*;
-        let key = prop::sample::select(vec![
-            "data_dir",
-            "name",
-            "datacenter",
-            "log_level",
-            "log_json",
-            "bind_addr",
+        let mut keys = TOP_LEVEL_ATTRIBUTES.to_vec();
+        keys.extend([
             "http",
             "rpc",
             "enabled",
@@ -995,6 +993,7 @@ client {
             "rack",
             "bogus",
         ]);
+        let key = prop::sample::select(keys);
         let value = prop_oneof![
             Just("\"/var/lib/berth\"".to_string()),
             Just("\"10s\"".to_string()),
