@@ -407,13 +407,7 @@ async fn revert_job(
     ApiPath(id): ApiPath<String>,
     ApiJson(body): ApiJson<berth_structs::api::JobRevertRequest>,
 ) -> ApiResult {
-    if let Some(v) = s
-        .job_versions(&id)?
-        .into_iter()
-        .find(|v| v.version == body.version)
-    {
-        check_job_capabilities(acl.as_deref(), &v.job)?;
-    }
+    check_job_capabilities(acl.as_deref(), &s.job_version(&id, body.version)?)?;
     to_json(
         &s.revert_job(&id, body.version, body.enforce_prior_version)
             .await?,

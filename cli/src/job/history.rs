@@ -68,7 +68,7 @@ pub(super) fn job_history(a: HistoryArgs, api: &ApiClient) -> Result<i32> {
         if a.diffs && !diff.is_empty() {
             out.push_str("Diff        =\n");
             for f in diff {
-                out.push_str(&format!("  {}\n", field_line(f)));
+                out.push_str(&format!("  {}\n", super::plan::diff_line(f)));
             }
         }
         out.push('\n');
@@ -76,16 +76,6 @@ pub(super) fn job_history(a: HistoryArgs, api: &ApiClient) -> Result<i32> {
     print!("{}", out.trim_end_matches('\n'));
     println!();
     Ok(0)
-}
-
-/// One field of a diff, as `job plan` shows it.
-fn field_line(f: &Value) -> String {
-    let path = f["path"].as_str().unwrap_or_default();
-    match f["op"].as_str().unwrap_or_default() {
-        "+" => format!("+ {path}: {}", f["new"]),
-        "-" => format!("- {path}: {}", f["old"]),
-        _ => format!("~ {path}: {} => {}", f["old"], f["new"]),
-    }
 }
 
 pub(super) fn job_revert(a: RevertArgs, api: &ApiClient) -> Result<i32> {

@@ -69,6 +69,17 @@ fn wrapped(line: &str, width: usize, indent: &str) -> String {
     }
 }
 
+/// One field of a diff (`+ path: new`, `- path: old`, `~ path: old =>
+/// new`), as `job plan` and `job history -p` show it.
+pub(super) fn diff_line(f: &Value) -> String {
+    let path = s(f, "path");
+    match s(f, "op") {
+        "+" => format!("+ {path}: {}", shown(&f["new"])),
+        "-" => format!("- {path}: {}", shown(&f["old"])),
+        _ => format!("~ {path}: {} => {}", shown(&f["old"]), shown(&f["new"])),
+    }
+}
+
 /// A value of a diff, on one line.
 fn shown(v: &Value) -> String {
     match v {
@@ -98,12 +109,7 @@ pub fn plan_text(plan: &Value, args: &str, verbose: bool) -> String {
         }
     ));
     for f in plan["diff"]["fields"].as_array().into_iter().flatten() {
-        let path = s(f, "path");
-        let line = match s(f, "op") {
-            "+" => format!("  + {path}: {}", shown(&f["new"])),
-            "-" => format!("  - {path}: {}", shown(&f["old"])),
-            _ => format!("  ~ {path}: {} => {}", shown(&f["old"]), shown(&f["new"])),
-        };
+        let line = format!("  {}", diff_line(f));
         out.push_str(&wrapped(&line, DIFF_WIDTH, "      "));
         out.push('\n');
     }

@@ -9,6 +9,7 @@ use serde::Serialize;
 use crate::error::ServerError;
 use crate::server::Server;
 use crate::state::job_versions::versions_of;
+use crate::state::Tables;
 
 use super::jobs::spec_index;
 use super::plan::{diff_values, spec_value, FieldDiff};
@@ -49,6 +50,13 @@ impl Server {
         })
     }
 
+    /// The spec version `version` of the job `id` names stored (a
+    /// version not kept is an error naming those that are).
+    pub fn job_version(&self, id: &str, version: u64) -> Result<Job, ServerError> {
+        self.store
+            .read(|t| kept_version(t, crate::server::job_in(t, id)?, version))
+    }
+
     /// Submit version `version` of job `id` again, as a new version; with
     /// `enforce_prior`, only while the job's version is that one.
     pub async fn revert_job(
@@ -67,26 +75,28 @@ impl Server {
                     )));
                 }
             }
-            let kept: Vec<u64> = versions_of(t, &job.id).map(|v| v.version).collect();
-            let spec = versions_of(t, &job.id)
-                .find(|v| v.version == version)
-                .map(|v| v.job.clone())
-                .ok_or_else(|| {
-                    ServerError::not_found(format!(
-                        "job {:?} has no version {version} kept (kept: {})",
-                        job.id,
-                        if kept.is_empty() {
-                            "none".to_string()
-                        } else {
-                            kept.iter()
-                                .map(u64::to_string)
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        }
-                    ))
-                })?;
-            Ok((spec, spec_index(Some(job))))
+            Ok((kept_version(t, job, version)?, spec_index(Some(job))))
         })?;
         self.register_job_checked(spec, Some(index)).await
     }
+}
+
+/// The spec of `job` as its version `version` stored it, or an error
+/// naming the versions kept.
+fn kept_version(t: &Tables, job: &Job, version: u64) -> Result<Job, ServerError> {
+    if let Some(v) = versions_of(t, &job.id).find(|v| v.version == version) {
+        return Ok(v.job.clone());
+    }
+    let kept: Vec<String> = versions_of(t, &job.id)
+        .map(|v| v.version.to_string())
+        .collect();
+    Err(ServerError::not_found(format!(
+        "job {:?} has no version {version} kept (kept: {})",
+        job.id,
+        if kept.is_empty() {
+            "none".to_string()
+        } else {
+            kept.join(", ")
+        }
+    )))
 }
