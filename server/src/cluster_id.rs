@@ -143,10 +143,7 @@ impl<S> tower::Layer<S> for ClusterIdLayer {
     fn layer(&self, inner: S) -> Self::Service {
         ClusterIdService {
             inner,
-            id: self.id.clone(),
-            role: self.role.clone(),
-            link: self.link.clone(),
-            tables_current: self.tables_current.clone(),
+            layer: self.clone(),
         }
     }
 }
@@ -155,10 +152,8 @@ impl<S> tower::Layer<S> for ClusterIdLayer {
 #[derive(Clone)]
 pub struct ClusterIdService<S> {
     inner: S,
-    id: HeaderValue,
-    role: Option<tokio::sync::watch::Receiver<Role>>,
-    link: Option<(Arc<dyn LeaderLink>, HeaderValue)>,
-    tables_current: Option<tokio::sync::watch::Receiver<bool>>,
+    /// What the service does, as the layer was set up.
+    layer: ClusterIdLayer,
 }
 
 impl<S> ClusterIdService<S> {
@@ -166,7 +161,11 @@ impl<S> ClusterIdService<S> {
     /// tables are current.
     fn served_here<B>(&self, req: &Request<B>) -> bool {
         req.uri().path() == WATCH_ALLOCATIONS
-            && self.tables_current.as_ref().is_some_and(|c| *c.borrow())
+            && self
+                .layer
+                .tables_current
+                .as_ref()
+                .is_some_and(|c| *c.borrow())
     }
 }
 
@@ -186,7 +185,7 @@ where
     }
 
     fn call(&mut self, req: Request<Body>) -> Self::Future {
-        let id = self.id.clone();
+        let id = self.layer.id.clone();
         if let Some(theirs) = req.headers().get(CLUSTER_ID_HEADER) {
             if theirs != id {
                 let message = format!(
@@ -198,12 +197,12 @@ where
                 return Box::pin(async move { Ok(refusal(&id, refused)) });
             }
         }
-        let standby = match self.role.as_ref().map(|r| r.borrow().clone()) {
+        let standby = match self.layer.role.as_ref().map(|r| r.borrow().clone()) {
             Some(Role::Standby { leader }) if !self.served_here(&req) => Some(leader),
             _ => None,
         };
         if let Some(leader) = standby {
-            return match (leader, &self.link) {
+            return match (leader, &self.layer.link) {
                 (Some(leader), Some((link, by))) if !crate::leader_link::was_sent_on(&req) => {
                     let (link, by) = (link.clone(), by.clone());
                     Box::pin(async move {
