@@ -48,6 +48,64 @@ fn fingerprint_resources(data_dir: &std::path::Path) -> NodeResources {
     }
 }
 
+/// The first line of `/proc/sys/kernel/osrelease` and the like.
+fn read_line(path: &str) -> Option<String> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let line = text.lines().next()?.trim();
+    (!line.is_empty()).then(|| line.to_string())
+}
+
+/// A `KEY=value` of `/etc/os-release`, unquoted.
+fn os_release(text: &str, key: &str) -> Option<String> {
+    text.lines().find_map(|l| {
+        let v = l.strip_prefix(key)?.strip_prefix('=')?;
+        let v = v.trim().trim_matches('"').trim_matches('\'');
+        (!v.is_empty()).then(|| v.to_string())
+    })
+}
+
+/// The node's attributes, with Nomad's names (what `${attr.NAME}` reads
+/// in a constraint): the kernel, the OS, the CPU and memory, the host
+/// name and this berth's version. `driver.NAME` is added by
+/// `Node::set_driver_info`.
+fn host_attributes(found: &NodeResources) -> BTreeMap<String, String> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let kernel = std::env::consts::OS.to_string();
+    let mut attrs = BTreeMap::from([
+        ("kernel.name".to_string(), kernel.clone()),
+        ("cpu.arch".to_string(), std::env::consts::ARCH.to_string()),
+        ("cpu.numcores".to_string(), cpus.to_string()),
+        ("cpu.totalcompute".to_string(), found.cpu.to_string()),
+        (
+            "memory.totalbytes".to_string(),
+            found.memory_mb.saturating_mul(1 << 20).to_string(),
+        ),
+        ("unique.hostname".to_string(), host_name()),
+        (
+            "berth.version".to_string(),
+            env!("CARGO_PKG_VERSION").to_string(),
+        ),
+    ]);
+    if let Some(release) = read_line("/proc/sys/kernel/osrelease") {
+        // `6.1.0-18-amd64`: the version is the numbers, the release all.
+        let version: String = release
+            .chars()
+            .take_while(|c| c.is_ascii_digit() || *c == '.')
+            .collect();
+        attrs.insert(
+            "kernel.version".into(),
+            version.trim_end_matches('.').into(),
+        );
+        attrs.insert("kernel.release".into(), release);
+    }
+    let os = std::fs::read_to_string("/etc/os-release").unwrap_or_default();
+    attrs.insert("os.name".into(), os_release(&os, "ID").unwrap_or(kernel));
+    if let Some(v) = os_release(&os, "VERSION_ID") {
+        attrs.insert("os.version".into(), v);
+    }
+    attrs
+}
+
 /// How often the drivers are fingerprinted again after the start.
 pub const DRIVER_FINGERPRINT_INTERVAL: Duration = Duration::from_secs(30);
 
@@ -108,15 +166,7 @@ pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
             memory_mb: config.reserved_memory_mb.min(found.memory_mb),
             disk_mb: config.reserved_disk_mb.min(found.disk_mb),
         },
-        attributes: [
-            ("os.name".to_string(), std::env::consts::OS.to_string()),
-            ("cpu.arch".to_string(), std::env::consts::ARCH.to_string()),
-            (
-                "berth.version".to_string(),
-                env!("CARGO_PKG_VERSION").to_string(),
-            ),
-        ]
-        .into(),
+        attributes: host_attributes(&found),
         node_class: config.node_class.clone(),
         meta: config.meta.clone(),
         ..Node::default()

@@ -115,6 +115,9 @@ pub struct Job {
     pub job_type: JobType,
     #[serde(default)]
     pub datacenters: Vec<String>,
+    /// Placement rules (`constraint` blocks): the nodes this may run on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<crate::constraint::Constraint>,
     #[serde(default)]
     pub priority: u32,
     pub task_groups: Vec<TaskGroup>,
@@ -171,6 +174,9 @@ pub struct TaskGroup {
     pub disconnect: Option<crate::disconnect::DisconnectPolicy>,
     #[serde(default)]
     pub meta: BTreeMap<String, String>,
+    /// Placement rules (`constraint` blocks): the nodes this may run on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<crate::constraint::Constraint>,
 }
 
 /// A group's request for a volume.
@@ -276,6 +282,9 @@ pub struct Task {
     /// How the task's stdout and stderr files rotate.
     #[serde(default)]
     pub logs: LogConfig,
+    /// Placement rules (`constraint` blocks): the nodes this may run on.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub constraints: Vec<crate::constraint::Constraint>,
 }
 
 /// The `logs` block: the task's stdout and stderr each go to numbered
@@ -487,6 +496,9 @@ impl Job {
         if self.task_groups.is_empty() {
             errs.push(format!("job {job}: at least one group is required"));
         }
+        for c in &self.constraints {
+            c.validate(&format!("job {job}"), &mut errs);
+        }
         let mut group_names = std::collections::BTreeSet::new();
         for tg in &self.task_groups {
             if !group_names.insert(&tg.name) {
@@ -534,6 +546,9 @@ impl TaskGroup {
         }
         self.restart.validate(&at, errs);
         self.validate_disconnect(&at, errs);
+        for c in &self.constraints {
+            c.validate(&at, errs);
+        }
         if self.tasks.is_empty() {
             errs.push(format!("{at}: at least one task is required"));
         }
@@ -685,6 +700,16 @@ impl Task {
         }
         if self.config.command.is_empty() {
             errs.push(format!("{at}: config.command is required"));
+        }
+        for c in &self.constraints {
+            if c.operator.is_distinct() {
+                errs.push(format!(
+                    "{at}: constraint {c}: {} applies to a job or a group, not a task",
+                    c.operator.as_str()
+                ));
+            } else {
+                c.validate(&at, errs);
+            }
         }
         if self.resources.cpu > MAX_CPU_MHZ {
             errs.push(format!(

@@ -10,6 +10,7 @@
 pub mod acl;
 pub mod alloc;
 pub mod api;
+pub mod constraint;
 pub mod csi;
 pub mod disconnect;
 pub mod job;
@@ -21,6 +22,7 @@ pub mod secret;
 pub mod spec;
 
 pub use alloc::*;
+pub use constraint::{Constraint, Operator};
 pub use csi::*;
 pub use disconnect::*;
 pub use job::*;

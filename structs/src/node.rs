@@ -247,6 +247,11 @@ impl Node {
             .map(|(name, _)| name.clone())
             .collect();
         self.driver_info = info;
+        // `${attr.driver.NAME}` is "1" for each driver the node can run.
+        self.attributes.retain(|k, _| !k.starts_with("driver."));
+        for d in &self.drivers {
+            self.attributes.insert(format!("driver.{d}"), "1".into());
+        }
     }
 
     /// New allocs may be placed here: eligible and not draining.

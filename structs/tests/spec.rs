@@ -918,3 +918,75 @@ fn system_groups_are_never_replaced_and_held_by_the_servers_default() {
     );
     assert_eq!(g.on_disconnect(JobType::Service, hour).lost_after, None);
 }
+
+#[test]
+fn constraints_are_read_at_every_level_and_checked() {
+    let job = parse_job(
+        r#"
+job "j" {
+  constraint {
+    attribute = "${attr.kernel.name}"
+    value     = "linux"
+  }
+  group "g" {
+    constraint {
+      operator = "distinct_hosts"
+      value    = "true"
+    }
+    constraint {
+      attribute = "${meta.rack}"
+      operator  = "distinct_property"
+    }
+    task "web" {
+      driver = "raw_exec"
+      config { command = "/bin/true" }
+      constraint {
+        attribute = "${attr.kernel.version}"
+        operator  = "version"
+        value     = ">= 5.4, < 99"
+      }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    job.validate().unwrap();
+    assert_eq!(job.constraints[0].attribute, "${attr.kernel.name}");
+    assert_eq!(job.constraints[0].operator, berth_structs::Operator::Equal);
+    let g = &job.task_groups[0];
+    assert_eq!(
+        g.constraints[0].operator,
+        berth_structs::Operator::DistinctHosts
+    );
+    assert_eq!(
+        g.constraints[1].operator,
+        berth_structs::Operator::DistinctProperty
+    );
+    assert_eq!(g.tasks[0].constraints[0].value, ">= 5.4, < 99");
+
+    let e = job_err(&job_with_task(
+        "      constraint {\n        attribute = \"${meta.a}\"\n        operator = \"~=\"\n      }",
+    ));
+    assert_eq!(e.line, 8, "{e}");
+    assert!(e.to_string().contains("unknown operator \"~=\""), "{e}");
+
+    let mut bad = job.clone();
+    bad.task_groups[0].tasks[0].constraints[0].value = ">= five".into();
+    bad.task_groups[0].tasks[0]
+        .constraints
+        .push(berth_structs::Constraint {
+            operator: berth_structs::Operator::DistinctHosts,
+            ..Default::default()
+        });
+    let errs = validation_messages(&bad);
+    assert!(
+        errs[0].contains("group \"g\" task \"web\": constraint")
+            && errs[0].contains("not a version"),
+        "{errs:?}"
+    );
+    assert!(
+        errs[1].contains("applies to a job or a group, not a task"),
+        "{errs:?}"
+    );
+}

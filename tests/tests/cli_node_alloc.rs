@@ -284,7 +284,7 @@ fn node_status_shows_drivers_resources_plugins_volumes_allocs_and_timed_events()
     assert!(
         attributes
             .iter()
-            .any(|l| columns_of_pair(l) == Some(("os.name", "linux"))),
+            .any(|l| columns_of_pair(l) == Some(("kernel.name", "linux"))),
         "{verbose}"
     );
     assert!(

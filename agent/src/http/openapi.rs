@@ -559,6 +559,7 @@ fn operation_id(o: &Op) -> String {
 
 fn components() -> Value {
     let string_map = json!({ "type": "object", "additionalProperties": { "type": "string" } });
+    let constraints = json!({ "type": "array", "items": schema_ref("Constraint") });
     json!({
         "schemas": {
             "Error": object(json!({ "error": { "type": "string", "minLength": 1 } }), &["error"]),
@@ -567,6 +568,7 @@ fn components() -> Value {
                 "name": { "type": "string" },
                 "type": { "enum": ["service", "batch", "system"] },
                 "datacenters": { "type": "array", "items": { "type": "string" } },
+                "constraints": constraints,
                 "priority": { "type": "integer" },
                 "task_groups": { "type": "array", "items": object(json!({
                     "name": { "type": "string" },
@@ -576,7 +578,9 @@ fn components() -> Value {
                         "name": { "type": "string" },
                         "driver": { "type": "string" },
                         "config": { "type": "object" },
+                        "constraints": constraints,
                     }), &["name", "driver"]) },
+                    "constraints": constraints,
                     "stop_after_client_disconnect": {
                         "type": ["string", "null"],
                         "description": "the old name of disconnect.stop_on_client_after",
@@ -607,6 +611,11 @@ fn components() -> Value {
                     "description": "answers only: why allocs could not be placed",
                 },
             }), &["id", "name", "type", "task_groups"]),
+            "Constraint": object(json!({
+                "attribute": { "type": "string", "description": "a literal, ${node.unique.id}, ${node.unique.name}, ${node.datacenter}, ${node.class}, ${attr.NAME} or ${meta.NAME}" },
+                "operator": { "enum": ["=", "!=", ">", ">=", "<", "<=", "regexp", "set_contains", "set_contains_any", "is_set", "is_not_set", "version", "semver", "distinct_hosts", "distinct_property"] },
+                "value": { "type": "string" },
+            }), &[]),
             "Allocation": object(json!({
                 "id": { "type": "string" },
                 "name": { "type": "string" },

@@ -69,21 +69,44 @@ fn plural(n: usize, one: &str, many: &str) -> String {
     format!("{n} {}", if n == 1 { one } else { many })
 }
 
-/// Why an alloc fits no node: each node's reason, the first few only.
-pub(super) fn per_node_reasons(reasons: &[String], ready_nodes: usize) -> String {
+/// Why an alloc fits no node: each reason with the nodes it held back
+/// (`node a: why`, `3 nodes (a, b, c): why`, names sorted), the first
+/// few only.
+pub(super) fn per_node_reasons(reasons: &[(&str, String)], ready_nodes: usize) -> String {
     if ready_nodes == 0 {
         return "no ready nodes".into();
     }
-    let mut out = reasons
-        .iter()
-        .take(MAX_NODES_SHOWN)
-        .cloned()
-        .collect::<Vec<_>>()
-        .join("; ");
-    if reasons.len() > MAX_NODES_SHOWN {
+    let mut tally: Tally<&str> = Tally::new();
+    for (node, why) in reasons {
+        tally.add(why, node);
+    }
+    let mut shown = 0usize;
+    let mut parts = Vec::new();
+    for (why, nodes) in tally.reasons.iter().take(MAX_NODES_SHOWN) {
+        shown += nodes.len();
+        parts.push(match nodes.as_slice() {
+            [one] => format!("node {one}: {why}"),
+            _ => {
+                let mut sorted = nodes.clone();
+                sorted.sort_unstable();
+                let mut names = sorted
+                    .iter()
+                    .take(MAX_ITEMS_SHOWN)
+                    .copied()
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                if nodes.len() > MAX_ITEMS_SHOWN {
+                    names.push_str(", ...");
+                }
+                format!("{} nodes ({names}): {why}", nodes.len())
+            }
+        });
+    }
+    let mut out = parts.join("; ");
+    if reasons.len() > shown {
         out.push_str(&format!(
             "; and {} more",
-            plural(reasons.len() - MAX_NODES_SHOWN, "node", "nodes")
+            plural(reasons.len() - shown, "node", "nodes")
         ));
     }
     out
@@ -154,6 +177,21 @@ impl NodeName for Node {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nodes_held_back_for_one_reason_are_counted_on_one_line() {
+        let why = "constraint \"${node.unique.name} = c2\" not met";
+        let reasons = [
+            ("c3", why.to_string()),
+            ("c2", "memory exhausted".to_string()),
+            ("c1", why.to_string()),
+        ];
+        assert_eq!(
+            per_node_reasons(&reasons, 3),
+            format!("2 nodes (c1, c3): {why}; node c2: memory exhausted")
+        );
+        assert_eq!(per_node_reasons(&[], 0), "no ready nodes");
+    }
 
     #[test]
     fn index_ranges_are_compact() {

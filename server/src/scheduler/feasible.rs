@@ -3,12 +3,14 @@
 //! cannot run on a node.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
 use berth_structs::{
     AllocClientStatus, Allocation, ClaimMode, ClaimState, CsiVolume, CsiVolumeClaim, Job, Node,
     NodeStatus, TaskGroup,
 };
 
+use super::rules::GroupRules;
 use crate::state::{Change, Tables};
 
 /// Resources in use on a node or asked for by a group. Sums of the u64
@@ -74,6 +76,8 @@ pub(super) struct PlanContext<'a> {
     /// The volumes the job being planned asks for, with expected claims
     /// added (no other volume is looked at, so no other is copied).
     volumes: BTreeMap<String, CsiVolume>,
+    /// Each group's placement rules, compiled once.
+    rules: HashMap<String, Arc<GroupRules>>,
 }
 
 fn expected_claim(a: &Allocation, req: &berth_structs::VolumeRequest) -> Option<CsiVolumeClaim> {
@@ -115,10 +119,16 @@ impl<'a> PlanContext<'a> {
                 }
             }
         }
+        let rules = job
+            .task_groups
+            .iter()
+            .map(|g| (g.name.clone(), Arc::new(GroupRules::compile(job, g))))
+            .collect();
         let mut ctx = PlanContext {
             tables,
             used: HashMap::new(),
             volumes,
+            rules,
         };
         // Only a job that asks for volumes needs the expected claims of
         // the allocs that ask for them too. An alloc held unknown claims
@@ -134,6 +144,15 @@ impl<'a> PlanContext<'a> {
             }
         }
         ctx
+    }
+
+    pub(super) fn tables(&self) -> &'a Tables {
+        self.tables
+    }
+
+    /// The compiled placement rules of `group`.
+    pub(super) fn rules(&self, group: &str) -> Arc<GroupRules> {
+        self.rules.get(group).cloned().unwrap_or_default()
     }
 
     /// The resources in use on `node_id`.
@@ -214,7 +233,8 @@ impl<'a> PlanContext<'a> {
     }
 
     /// The checks of [`Self::infeasible`] that do not depend on the alloc's
-    /// index: the node's status, eligibility, datacenter and drivers, and
+    /// index: the node's status, eligibility, datacenter, constraints and
+    /// drivers, and
     /// the cpu and memory left on it. Within one group's placements these
     /// only ever turn from fit to no fit (placements only add usage).
     pub(super) fn node_infeasible(
@@ -233,16 +253,8 @@ impl<'a> PlanContext<'a> {
                 "node ineligible".to_string()
             });
         }
-        if !job.datacenters.is_empty()
-            && !job
-                .datacenters
-                .iter()
-                .any(|d| berth_structs::datacenter_matches(d, &node.datacenter))
-        {
-            return Some(format!(
-                "datacenter {:?} not in the job's datacenters",
-                node.datacenter
-            ));
+        if let Some(why) = self.rules_unmet(job, group, node) {
+            return Some(why);
         }
         for t in &group.tasks {
             if !node.drivers.contains(&t.driver) {
@@ -264,6 +276,23 @@ impl<'a> PlanContext<'a> {
             return Some(why);
         }
         None
+    }
+
+    /// The placement rules `node` fails for `group`, if it fails one: the
+    /// job's datacenters, then the constraints on the node.
+    pub(super) fn rules_unmet(&self, job: &Job, group: &TaskGroup, node: &Node) -> Option<String> {
+        if !job.datacenters.is_empty()
+            && !job
+                .datacenters
+                .iter()
+                .any(|d| berth_structs::datacenter_matches(d, &node.datacenter))
+        {
+            return Some(format!(
+                "datacenter {:?} not in the job's datacenters",
+                node.datacenter
+            ));
+        }
+        self.rules.get(&group.name)?.unmet_on(node)
     }
 
     /// The volume checks of [`Self::infeasible`]: a per_alloc volume's

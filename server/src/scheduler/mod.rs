@@ -29,7 +29,9 @@
 //!   index (a destructive update, all at once: no rolling updates yet).
 //!
 //! Feasibility on a node: status ready, eligible, the job's datacenter,
-//! every task's driver, cpu and memory left after the allocs that are not
+//! the constraints of the job, the group and its tasks (see [`rules`];
+//! `distinct_hosts` and `distinct_property` also count where the job's
+//! allocs are), every task's driver, cpu and memory left after the allocs that are not
 //! terminal there, and for each CSI volume of the group: the volume exists
 //! and has the requested capability, a healthy node plugin for it runs on
 //! the node, and `CsiVolume::claim_conflict` finds no conflict. Claims
@@ -49,12 +51,14 @@
 //! [`reconcile`] (what a job keeps, stops and replaces), [`update`]
 //! (which changes allocs take in place), [`place`] (the
 //! placements per job type), [`feasible`] (what fits on a node),
+//! [`rules`] (the constraints, compiled),
 //! [`explain`] (the failure lines) and [`retry`] (the retry timer).
 
 mod explain;
 mod feasible;
 mod place;
 mod reconcile;
+mod rules;
 mod update;
 
 pub(crate) use crate::coalesced::Coalesced;

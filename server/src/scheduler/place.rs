@@ -16,7 +16,8 @@ use super::explain::{
 };
 use super::feasible::PlanContext;
 use super::reconcile::{job_status, keeper, occupancy, Occupancy, PlanOutcome};
-use super::update::updatable_in_place;
+use super::rules::Distinct;
+use super::update::{update_kind, UpdateKind};
 
 pub(super) fn new_alloc(job: &Job, group: &TaskGroup, index: u32, node_id: &str) -> Allocation {
     Allocation {
@@ -200,12 +201,24 @@ impl Placer<'_, '_> {
                 continue;
             }
             let outdated = a.job.version != self.job.version;
-            let gone = self.job.lookup_group(&a.task_group).is_none();
-            if outdated && !gone && updatable_in_place(&a.job, self.job, &a.task_group) {
-                let mut updated = (*a).clone();
-                updated.job = self.job.clone();
-                self.put(updated);
-                continue;
+            let group = self.job.lookup_group(&a.task_group);
+            let gone = group.is_none();
+            if let (true, Some(group)) = (outdated, group) {
+                let in_place = match update_kind(&a.job, self.job, &a.task_group) {
+                    UpdateKind::InPlace => true,
+                    UpdateKind::InPlaceIfNodeFits => {
+                        self.ctx.tables().nodes.get(&a.node_id).is_some_and(|node| {
+                            self.ctx.rules_unmet(self.job, group, node).is_none()
+                        })
+                    }
+                    UpdateKind::Destructive => false,
+                };
+                if in_place {
+                    let mut updated = (*a).clone();
+                    updated.job = self.job.clone();
+                    self.put(updated);
+                    continue;
+                }
             }
             if outdated || gone {
                 let why = if gone {
@@ -357,7 +370,9 @@ impl Placer<'_, '_> {
         let mut gone = Vec::new();
         for &key in &indexed.candidates {
             let node = self.nodes[key.2];
-            if self.ctx.node_infeasible(job, group, node).is_some() {
+            if self.ctx.node_infeasible(job, group, node).is_some()
+                || indexed.distinct.refuses(node).is_some()
+            {
                 gone.push(key);
             } else if self
                 .ctx
@@ -383,6 +398,7 @@ impl Placer<'_, '_> {
                 indexed.candidates.remove(&key);
                 alloc.node_id = node.id.clone();
                 self.ctx.add(&alloc);
+                indexed.distinct.add(true, node);
                 let n = indexed.job_on_node.entry(node.id.clone()).or_default();
                 *n = n.saturating_add(1);
                 indexed
@@ -393,12 +409,15 @@ impl Placer<'_, '_> {
             None => {
                 // Nothing fits: every node's reason, as the failure shows
                 // them.
-                let reasons: Vec<String> = self
+                let reasons: Vec<(&str, String)> = self
                     .nodes
                     .iter()
                     .filter_map(|node| {
-                        let why = self.ctx.infeasible(job, group, index, &alloc.id, node)?;
-                        Some(format!("node {}: {why}", node.name_or_id()))
+                        let why = self
+                            .ctx
+                            .infeasible(job, group, index, &alloc.id, node)
+                            .or_else(|| indexed.distinct.refuses(node))?;
+                        Some((node.name_or_id(), why))
                     })
                     .collect();
                 let reason = per_node_reasons(&reasons, self.nodes.len());
@@ -415,6 +434,8 @@ impl Placer<'_, '_> {
 struct IndexedPlacement {
     /// The job's live allocs per node, for spreading.
     job_on_node: HashMap<String, usize>,
+    /// The same for the group's `distinct_hosts` and `distinct_property`.
+    distinct: Distinct,
     /// Without per_alloc volumes every index of the group asks the same:
     /// once one fits no node (and nothing was placed since), the rest fit
     /// none, for the same reason.
@@ -442,8 +463,15 @@ impl IndexedPlacement {
             .enumerate()
             .map(|(pos, node)| preference(&placer.ctx, &job_on_node, node, pos))
             .collect();
+        let distinct = Distinct::new(
+            placer.ctx.rules(&group.name),
+            &group.name,
+            placer.after.values().filter(|a| !a.is_terminal()),
+            |id| placer.ctx.tables().nodes.get(id),
+        );
         IndexedPlacement {
             job_on_node,
+            distinct,
             same_for_every_index: !group.volumes.values().any(|r| r.per_alloc),
             group_blocked: None,
             tally: Tally::new(),
@@ -920,6 +948,108 @@ mod tests {
         assert_eq!(placed[0].node_id, "n2");
         assert_eq!(placed[0].index, 0);
         assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+    }
+
+    fn in_rack(id: &str, rack: &str) -> Node {
+        let mut n = node(id, 4000, 4096);
+        n.meta.insert("rack".into(), rack.into());
+        n
+    }
+
+    fn constrained(count: u32, attribute: &str, operator: &str, value: &str) -> Job {
+        let mut j = job("web", count, vec![task("t", 100, 64)]);
+        j.task_groups[0]
+            .constraints
+            .push(berth_structs::Constraint {
+                attribute: attribute.into(),
+                operator: operator.parse().unwrap(),
+                value: value.into(),
+            });
+        j
+    }
+
+    fn racks() -> Vec<Node> {
+        vec![
+            in_rack("n1", "r1"),
+            in_rack("n2", "r1"),
+            in_rack("n3", "r2"),
+        ]
+    }
+
+    #[test]
+    fn a_constraint_pins_placements_and_a_failure_counts_the_nodes_it_filtered() {
+        let web = constrained(2, "${node.unique.name}", "=", "n2");
+        let t = tables(racks(), vec![web], vec![]);
+        let (outcome, placed) = plan(&t, "web");
+        assert_eq!(placed.len(), 2, "{:?}", outcome.failures);
+        assert!(placed.iter().all(|a| a.node_id == "n2"), "{placed:?}");
+
+        let web = constrained(2, "${meta.rack}", "=", "r9");
+        let t = tables(racks(), vec![web], vec![]);
+        let (outcome, placed) = plan(&t, "web");
+        assert!(placed.is_empty(), "{placed:?}");
+        assert_eq!(
+            outcome.failures,
+            vec![
+                "group \"g\": 2 of 2 allocs not placed: 3 nodes (n1, n2, n3): \
+                  constraint \"${meta.rack} = r9\" not met (2 allocs: index 0-1)"
+                    .to_string()
+            ]
+        );
+    }
+
+    #[test]
+    fn distinct_hosts_and_distinct_property_hold_with_what_runs() {
+        // One alloc runs on n1 already: distinct_hosts leaves two nodes.
+        let web = constrained(3, "", "distinct_hosts", "");
+        let t = tables(racks(), vec![web.clone()], vec![running(&web, 0, "n1")]);
+        let (outcome, placed) = plan(&t, "web");
+        let mut nodes: Vec<&str> = placed.iter().map(|a| a.node_id.as_str()).collect();
+        nodes.sort_unstable();
+        assert_eq!(nodes, ["n2", "n3"], "{:?}", outcome.failures);
+
+        let web = constrained(3, "${meta.rack}", "distinct_property", "");
+        let t = tables(racks(), vec![web], vec![]);
+        let (outcome, placed) = plan(&t, "web");
+        let mut racks: Vec<&str> = placed
+            .iter()
+            .map(|a| if a.node_id == "n3" { "r2" } else { "r1" })
+            .collect();
+        racks.sort_unstable();
+        assert_eq!(racks, ["r1", "r2"]);
+        assert_eq!(outcome.failures.len(), 1, "{:?}", outcome.failures);
+        assert!(
+            outcome.failures[0].contains("value \"r1\" is taken")
+                && outcome.failures[0].contains("value \"r2\" is taken"),
+            "{}",
+            outcome.failures[0]
+        );
+    }
+
+    #[test]
+    fn a_new_constraint_keeps_allocs_whose_node_meets_it_and_moves_the_rest() {
+        let old = job("web", 2, vec![task("t", 100, 64)]);
+        let on_n1 = running(&old, 0, "n1");
+        let on_n3 = running(&old, 1, "n3");
+        let mut new = constrained(2, "${meta.rack}", "=", "r1");
+        new.version = old.version + 1;
+        let t = tables(racks(), vec![new], vec![on_n1.clone(), on_n3.clone()]);
+        let cfg = ServerConfig::new("/nonexistent");
+        let mut changes = Vec::new();
+        plan_job(&t, "web", &cfg, berth_structs::now_ms(), &mut changes);
+        let puts: Vec<&Allocation> = changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) => Some(a),
+                _ => None,
+            })
+            .collect();
+        let kept = puts.iter().find(|a| a.id == on_n1.id).unwrap();
+        assert!(!kept.server_terminal() && kept.job.version == old.version + 1);
+        let moved = puts.iter().find(|a| a.id == on_n3.id).unwrap();
+        assert!(moved.server_terminal(), "{moved:?}");
+        let placed = puts.iter().find(|a| !t.allocs.contains_key(&a.id)).unwrap();
+        assert_eq!((placed.index, placed.node_id.as_str()), (1, "n2"));
     }
 
     /// Resource amounts that hit the edges: zero, small, near and at u64::MAX.

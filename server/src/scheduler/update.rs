@@ -6,31 +6,73 @@
 //! In place: the group's `count` (the difference is placed or stopped,
 //! the rest kept), its `meta`, its `restart` policy and its disconnect
 //! settings, the tasks' `kill_timeout`, the job's `meta` and `priority`,
-//! and what the servers manage (version, status, indexes). Anything else
-//! (a task's driver, config, env, resources, mounts, logs or meta, the
-//! group's volumes, the job's type or datacenters) needs new tasks. The
-//! fields are named one by one below, so that a field added to a job is
-//! a decision here, not a silent in-place change.
+//! and what the servers manage (version, status, indexes). In place if
+//! the alloc's node still meets them: the job's datacenters and the
+//! constraints on the node (of the job, the group and its tasks), as
+//! Nomad does. Anything else (a task's driver, config, env, resources,
+//! mounts, logs or meta, the group's volumes, the job's type, a
+//! `distinct_hosts` or `distinct_property` rule) needs new tasks. The
+//! fields are named one by one below, so that a field added to a job is a
+//! decision here, not a silent in-place change.
 
-use berth_structs::{Job, Task, TaskGroup};
+use berth_structs::{Constraint, Job, Task, TaskGroup};
 
-/// Whether allocs of group `group` running `old` take `new` in place.
-/// False when either job has no such group.
-pub(super) fn updatable_in_place(old: &Job, new: &Job, group: &str) -> bool {
-    match (what_tasks_run(old, group), what_tasks_run(new, group)) {
-        (Some(a), Some(b)) => a == b,
-        _ => false,
+/// How the allocs of a group running an older version take a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum UpdateKind {
+    InPlace,
+    /// In place where the alloc's node meets the new placement rules.
+    InPlaceIfNodeFits,
+    Destructive,
+}
+
+/// How allocs of group `group` running `old` take `new`: destructive
+/// when either job has no such group.
+pub(super) fn update_kind(old: &Job, new: &Job, group: &str) -> UpdateKind {
+    let (Some((tasks_a, rules_a)), Some((tasks_b, rules_b))) =
+        (what_tasks_run(old, group), what_tasks_run(new, group))
+    else {
+        return UpdateKind::Destructive;
+    };
+    if tasks_a != tasks_b || rules_a.distinct != rules_b.distinct {
+        UpdateKind::Destructive
+    } else if rules_a != rules_b {
+        UpdateKind::InPlaceIfNodeFits
+    } else {
+        UpdateKind::InPlace
     }
 }
 
-/// What of `job` shapes the tasks of `group`: every field but those an
-/// alloc takes in place (see the module).
-fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<impl PartialEq + 'a> {
+/// A group's placement rules: what the node must be, and how the allocs
+/// must spread.
+#[derive(PartialEq)]
+struct Rules<'a> {
+    datacenters: &'a [String],
+    on_node: Vec<&'a Constraint>,
+    distinct: Vec<&'a Constraint>,
+}
+
+impl<'a> Rules<'a> {
+    fn new(datacenters: &'a [String], all: impl Iterator<Item = &'a Constraint>) -> Rules<'a> {
+        let (distinct, on_node) = all.partition(|c| c.operator.is_distinct());
+        Rules {
+            datacenters,
+            on_node,
+            distinct,
+        }
+    }
+}
+
+/// What of `job` shapes the tasks of `group` (every field but those an
+/// alloc takes in place, see the module), and the group's placement
+/// rules.
+fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a, Rules<'a>)> {
     let Job {
         id,
         name,
         job_type,
         datacenters,
+        constraints: job_constraints,
         priority: _,
         task_groups,
         meta: _,
@@ -53,16 +95,21 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<impl PartialEq + 'a> 
         max_client_disconnect: _,
         disconnect: _,
         meta: _,
+        constraints: group_constraints,
     } = task_groups.iter().find(|g| g.name == group)?;
+    let rules = Rules::new(
+        datacenters,
+        job_constraints
+            .iter()
+            .chain(group_constraints)
+            .chain(tasks.iter().flat_map(|t| &t.constraints)),
+    );
     let tasks: Vec<_> = tasks.iter().map(task_shape).collect();
-    Some((
-        (id, name, job_type, datacenters),
-        (group_name, volumes),
-        tasks,
-    ))
+    Some((((id, name, job_type), (group_name, volumes), tasks), rules))
 }
 
-/// What of a task a change of needs a new task.
+/// What of a task a change of needs a new task (its constraints are the
+/// group's placement rules).
 fn task_shape(task: &Task) -> impl PartialEq + '_ {
     let Task {
         name,
@@ -75,6 +122,7 @@ fn task_shape(task: &Task) -> impl PartialEq + '_ {
         kill_timeout: _,
         meta,
         logs,
+        constraints: _,
     } = task;
     (
         name,
@@ -129,14 +177,36 @@ mod tests {
         g.restart.attempts = 9;
         g.stop_after_client_disconnect = Some(Duration::from_secs(60));
         g.tasks[0].kill_timeout = Some(Duration::from_secs(30));
-        assert!(updatable_in_place(&old, &new, "g"));
+        assert_eq!(update_kind(&old, &new, "g"), UpdateKind::InPlace);
     }
 
     #[test]
-    fn task_groups_volume_and_placement_changes_need_new_allocs() {
+    fn placement_rules_are_taken_in_place_where_the_node_still_fits() {
+        let old = job();
+        let mut new = job();
+        new.datacenters = vec!["east".into()];
+        assert_eq!(update_kind(&old, &new, "g"), UpdateKind::InPlaceIfNodeFits);
+        let mut new = job();
+        new.task_groups[0].tasks[0].constraints.push(Constraint {
+            attribute: "${meta.rack}".into(),
+            value: "r1".into(),
+            ..Constraint::default()
+        });
+        assert_eq!(update_kind(&old, &new, "g"), UpdateKind::InPlaceIfNodeFits);
+        // A rule over the other allocs is not a node's to meet.
+        let mut new = job();
+        new.task_groups[0].constraints.push(Constraint {
+            operator: berth_structs::Operator::DistinctHosts,
+            ..Constraint::default()
+        });
+        assert_eq!(update_kind(&old, &new, "g"), UpdateKind::Destructive);
+    }
+
+    #[test]
+    fn task_and_volume_changes_need_new_allocs() {
         let old = job();
         type Change = (&'static str, fn(&mut Job));
-        let changes: [Change; 6] = [
+        let changes: [Change; 5] = [
             ("env", |j| {
                 j.task_groups[0].tasks[0].env.insert("A".into(), "1".into());
             }),
@@ -153,7 +223,6 @@ mod tests {
                     ..t
                 });
             }),
-            ("datacenters", |j| j.datacenters = vec!["east".into()]),
             ("a volume", |j| {
                 j.task_groups[0]
                     .volumes
@@ -163,9 +232,13 @@ mod tests {
         for (what, change) in changes {
             let mut new = job();
             change(&mut new);
-            assert!(!updatable_in_place(&old, &new, "g"), "{what}");
+            assert_eq!(
+                update_kind(&old, &new, "g"),
+                UpdateKind::Destructive,
+                "{what}"
+            );
         }
         // A group the job no longer has, or one it did not have.
-        assert!(!updatable_in_place(&old, &job(), "other"));
+        assert_eq!(update_kind(&old, &job(), "other"), UpdateKind::Destructive);
     }
 }

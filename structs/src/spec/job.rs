@@ -6,6 +6,7 @@ use hcl_edit::structure::{Block, Body};
 
 use super::hcl::{BodyReader, Source};
 use super::SpecError;
+use crate::constraint::Constraint;
 use crate::disconnect::{DisconnectPolicy, ReconcileStrategy};
 use crate::job::{
     CsiMountOptions, CsiPluginType, Job, JobType, LogConfig, Resources, RestartPolicy, Task,
@@ -45,7 +46,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         "the job file",
         "the job ID",
         &["name", "type", "datacenters", "priority", "meta"],
-        &["group", "meta"],
+        &["group", "meta", "constraint"],
     )?;
 
     let job_type = match r.string("type")?.as_deref() {
@@ -85,6 +86,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         priority,
         task_groups,
         meta: r.map("meta")?,
+        constraints: decode_constraints(&r)?,
         ..Job::default()
     })
 }
@@ -101,7 +103,14 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
             "max_client_disconnect",
             "meta",
         ],
-        &["restart", "volume", "task", "meta", "disconnect"],
+        &[
+            "restart",
+            "volume",
+            "task",
+            "meta",
+            "disconnect",
+            "constraint",
+        ],
     )?;
     let disconnect = match r.optional_block("disconnect")? {
         None => None,
@@ -162,7 +171,31 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
         max_client_disconnect: r.duration("max_client_disconnect", MAX_DURATION)?,
         disconnect,
         meta: r.map("meta")?,
+        constraints: decode_constraints(&r)?,
     })
+}
+
+/// The `constraint { attribute operator value }` blocks of a job, a group
+/// or a task.
+fn decode_constraints(parent: &BodyReader<'_, '_>) -> Result<Vec<Constraint>, SpecError> {
+    parent
+        .blocks("constraint")
+        .into_iter()
+        .map(|b| {
+            let r = BodyReader::unlabeled(
+                parent.src(),
+                b,
+                parent.ctx(),
+                &["attribute", "operator", "value"],
+                &[],
+            )?;
+            Ok(Constraint {
+                attribute: r.string("attribute")?.unwrap_or_default(),
+                operator: r.parsed("operator")?.unwrap_or_default(),
+                value: r.string("value")?.unwrap_or_default(),
+            })
+        })
+        .collect()
 }
 
 fn decode_disconnect(
@@ -288,6 +321,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
             "csi_plugin",
             "meta",
             "logs",
+            "constraint",
         ],
     )?;
 
@@ -354,6 +388,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         kill_timeout: r.duration("kill_timeout", MAX_DURATION)?,
         meta: r.map("meta")?,
         logs,
+        constraints: decode_constraints(&r)?,
     })
 }
 
