@@ -1,6 +1,6 @@
 //! Placement rules: `constraint { attribute operator value }` blocks of a
-//! job, a group or a task (Nomad's names and operators), the node values
-//! they read (`${node.unique.name}`, `${attr.kernel.name}`,
+//! job, a group or a task (Nomad's names and operators), the `affinity`
+//! and `spread` preferences, the node values they read (`${node.unique.name}`, `${attr.kernel.name}`,
 //! `${meta.rack}`) and the versions the `version` operator compares. The
 //! scheduler matches them against nodes; this module holds their shape
 //! and the checks a job's rules pass before it is accepted.
@@ -208,6 +208,122 @@ impl Constraint {
                 }
             }
             _ => {}
+        }
+    }
+}
+
+/// One `affinity` block: nodes that meet it are preferred (a positive
+/// weight) or avoided (a negative one), by its weight among the group's
+/// affinities. The operators are a constraint's but the distinct ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Affinity {
+    #[serde(default)]
+    pub attribute: String,
+    #[serde(default)]
+    pub operator: Operator,
+    #[serde(default)]
+    pub value: String,
+    /// -100 to 100, not 0.
+    #[serde(default = "Affinity::default_weight")]
+    pub weight: i8,
+}
+
+impl Affinity {
+    pub const DEFAULT_WEIGHT: i8 = 50;
+
+    fn default_weight() -> i8 {
+        Affinity::DEFAULT_WEIGHT
+    }
+
+    /// The affinity as the constraint it matches like.
+    pub fn as_constraint(&self) -> Constraint {
+        Constraint {
+            attribute: self.attribute.clone(),
+            operator: self.operator,
+            value: self.value.clone(),
+        }
+    }
+
+    pub fn validate(&self, at: &str, errs: &mut Vec<String>) {
+        let c = self.as_constraint();
+        if self.operator.is_distinct() {
+            errs.push(format!(
+                "{at}: affinity {c}: {} is a constraint, not an affinity",
+                self.operator.as_str()
+            ));
+            return;
+        }
+        let mut found = Vec::new();
+        c.validate(at, &mut found);
+        errs.extend(
+            found
+                .into_iter()
+                .map(|e| e.replacen(": constraint ", ": affinity ", 1)),
+        );
+        if self.weight == 0 || !(-100..=100).contains(&self.weight) {
+            errs.push(format!(
+                "{at}: affinity {c}: weight must be between -100 and 100 and not 0, not {}",
+                self.weight
+            ));
+        }
+    }
+}
+
+/// One `spread` block: the group's allocs spread over the values of
+/// `attribute`, evenly or by the targets' percentages (values not named
+/// share what the targets leave of 100).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Spread {
+    pub attribute: String,
+    /// 1 to 100: this spread's part among the group's spreads.
+    #[serde(default = "Spread::default_weight")]
+    pub weight: u8,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub targets: Vec<SpreadTarget>,
+}
+
+/// A `target "VALUE" { percent }` of a spread.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct SpreadTarget {
+    pub value: String,
+    pub percent: u8,
+}
+
+impl Spread {
+    pub const DEFAULT_WEIGHT: u8 = 50;
+
+    fn default_weight() -> u8 {
+        Spread::DEFAULT_WEIGHT
+    }
+
+    pub fn validate(&self, at: &str, errs: &mut Vec<String>) {
+        let mut problem =
+            |why: String| errs.push(format!("{at}: spread {}: {why}", self.attribute));
+        match Target::parse(&self.attribute) {
+            Ok(Target::Literal(_)) => {
+                problem("attribute must name a node value, such as ${meta.rack}".into())
+            }
+            Ok(_) => {}
+            Err(e) => problem(e),
+        }
+        if !(1..=100).contains(&self.weight) {
+            problem(format!(
+                "weight must be between 1 and 100, not {}",
+                self.weight
+            ));
+        }
+        let mut sum = 0u32;
+        let mut seen = std::collections::BTreeSet::new();
+        for t in &self.targets {
+            if !seen.insert(t.value.as_str()) {
+                problem(format!("target {:?} is named twice", t.value));
+            }
+            sum += u32::from(t.percent);
+        }
+        if sum > 100 {
+            problem(format!(
+                "the targets' percents add up to {sum}, more than 100"
+            ));
         }
     }
 }

@@ -118,6 +118,12 @@ pub struct Job {
     /// Placement rules (`constraint` blocks): the nodes this may run on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<crate::constraint::Constraint>,
+    /// Placement preferences (`affinity` blocks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub affinities: Vec<crate::constraint::Affinity>,
+    /// How the allocs spread over a node value (`spread` blocks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spreads: Vec<crate::constraint::Spread>,
     #[serde(default)]
     pub priority: u32,
     pub task_groups: Vec<TaskGroup>,
@@ -177,6 +183,12 @@ pub struct TaskGroup {
     /// Placement rules (`constraint` blocks): the nodes this may run on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<crate::constraint::Constraint>,
+    /// Placement preferences (`affinity` blocks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub affinities: Vec<crate::constraint::Affinity>,
+    /// How the allocs spread over a node value (`spread` blocks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub spreads: Vec<crate::constraint::Spread>,
 }
 
 /// A group's request for a volume.
@@ -285,6 +297,9 @@ pub struct Task {
     /// Placement rules (`constraint` blocks): the nodes this may run on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<crate::constraint::Constraint>,
+    /// Placement preferences (`affinity` blocks).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub affinities: Vec<crate::constraint::Affinity>,
 }
 
 /// The `logs` block: the task's stdout and stderr each go to numbered
@@ -499,6 +514,12 @@ impl Job {
         for c in &self.constraints {
             c.validate(&format!("job {job}"), &mut errs);
         }
+        for a in &self.affinities {
+            a.validate(&format!("job {job}"), &mut errs);
+        }
+        for s in &self.spreads {
+            s.validate(&format!("job {job}"), &mut errs);
+        }
         let mut group_names = std::collections::BTreeSet::new();
         for tg in &self.task_groups {
             if !group_names.insert(&tg.name) {
@@ -548,6 +569,12 @@ impl TaskGroup {
         self.validate_disconnect(&at, errs);
         for c in &self.constraints {
             c.validate(&at, errs);
+        }
+        for a in &self.affinities {
+            a.validate(&at, errs);
+        }
+        for s in &self.spreads {
+            s.validate(&at, errs);
         }
         if self.tasks.is_empty() {
             errs.push(format!("{at}: at least one task is required"));
@@ -710,6 +737,9 @@ impl Task {
             } else {
                 c.validate(&at, errs);
             }
+        }
+        for a in &self.affinities {
+            a.validate(&at, errs);
         }
         if self.resources.cpu > MAX_CPU_MHZ {
             errs.push(format!(

@@ -22,7 +22,7 @@ pub mod secret;
 pub mod spec;
 
 pub use alloc::*;
-pub use constraint::{Constraint, Operator};
+pub use constraint::{Affinity, Constraint, Operator, Spread, SpreadTarget};
 pub use csi::*;
 pub use disconnect::*;
 pub use job::*;

@@ -990,3 +990,72 @@ job "j" {
         "{errs:?}"
     );
 }
+
+#[test]
+fn affinities_and_spreads_are_read_and_checked() {
+    let job = parse_job(
+        r#"
+job "j" {
+  spread {
+    attribute = "${meta.rack}"
+    weight    = 80
+    target "r1" {
+      percent = 60
+    }
+    target "r2" {
+      percent = 40
+    }
+  }
+  group "g" {
+    affinity {
+      attribute = "${node.class}"
+      value     = "fast"
+      weight    = -30
+    }
+    task "web" {
+      driver = "raw_exec"
+      config { command = "/bin/true" }
+      affinity {
+        attribute = "${attr.cpu.numcores}"
+        operator  = ">="
+        value     = "8"
+      }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    job.validate().unwrap();
+    let spread = &job.spreads[0];
+    assert_eq!(
+        (spread.attribute.as_str(), spread.weight),
+        ("${meta.rack}", 80)
+    );
+    assert_eq!(spread.targets.len(), 2);
+    assert_eq!(
+        (spread.targets[1].value.as_str(), spread.targets[1].percent),
+        ("r2", 40)
+    );
+    assert_eq!(job.task_groups[0].affinities[0].weight, -30);
+    assert_eq!(job.task_groups[0].tasks[0].affinities[0].weight, 50);
+
+    let e = job_err(&job_with_task(
+        "      affinity {\n        attribute = \"${meta.a}\"\n        value = \"x\"\n        weight = 0\n      }",
+    ));
+    assert!(
+        e.to_string()
+            .contains("not between -100 and 100 (and not 0)"),
+        "{e}"
+    );
+
+    let mut bad = job.clone();
+    bad.spreads[0].targets[0].percent = 70;
+    bad.spreads[0].attribute = "rack".into();
+    let errs = validation_messages(&bad);
+    assert!(errs.iter().any(|e| e.contains("add up to 110")), "{errs:?}");
+    assert!(
+        errs.iter().any(|e| e.contains("must name a node value")),
+        "{errs:?}"
+    );
+}

@@ -2,7 +2,8 @@
 //! a node by name runs only there; `distinct_hosts` spreads two allocs
 //! over both nodes; a constraint no node meets is a placement failure
 //! naming it and the nodes it filtered; the node's fingerprinted
-//! attributes and meta are what the constraints read.
+//! attributes and meta are what the constraints read. A spread over
+//! racks splits allocs by rack, not by node (three clients, two racks).
 
 use std::time::Duration;
 
@@ -102,4 +103,29 @@ fn constraints_pin_spread_and_explain_placements() -> Result<()> {
         stop(&server, job)?;
     }
     Ok(())
+}
+
+#[test]
+fn a_spread_splits_allocs_by_rack_not_by_node() -> Result<()> {
+    let mut server = Server::start("")?;
+    let a = Client::start_with_config(&server.rpc, "spread-a", "meta { rack = \"r1\" }", "")?;
+    let b = Client::start_with_config(&server.rpc, "spread-b", "meta { rack = \"r1\" }", "")?;
+    let c = Client::start_with_config(&server.rpc, "spread-c", "meta { rack = \"r2\" }", "")?;
+    let ids = server
+        .wait_nodes_ready(&["spread-a", "spread-b", "spread-c"])
+        .with_context(|| logs(&server, &[&a, &b, &c]))?;
+    let job = "spread-racks";
+    let spec = marked_job(
+        job,
+        "service",
+        4,
+        "spread {\nattribute = \"${meta.rack}\"\n}",
+        None,
+    );
+    server.run_job(job, &spec)?;
+    let on = running_on(&server, job, 4).with_context(|| logs(&server, &[&a, &b, &c]))?;
+    // By node it would be 2/1/1, three in r1; by rack it is 2/2.
+    let in_r2 = on.iter().filter(|n| **n == ids[2]).count();
+    assert_eq!(in_r2, 2, "{on:?} (nodes {ids:?})");
+    stop(&server, job)
 }

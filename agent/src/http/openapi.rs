@@ -560,6 +560,8 @@ fn operation_id(o: &Op) -> String {
 fn components() -> Value {
     let string_map = json!({ "type": "object", "additionalProperties": { "type": "string" } });
     let constraints = json!({ "type": "array", "items": schema_ref("Constraint") });
+    let affinities = json!({ "type": "array", "items": schema_ref("Affinity") });
+    let spreads = json!({ "type": "array", "items": schema_ref("Spread") });
     json!({
         "schemas": {
             "Error": object(json!({ "error": { "type": "string", "minLength": 1 } }), &["error"]),
@@ -569,6 +571,8 @@ fn components() -> Value {
                 "type": { "enum": ["service", "batch", "system"] },
                 "datacenters": { "type": "array", "items": { "type": "string" } },
                 "constraints": constraints,
+                "affinities": affinities,
+                "spreads": spreads,
                 "priority": { "type": "integer" },
                 "task_groups": { "type": "array", "items": object(json!({
                     "name": { "type": "string" },
@@ -579,8 +583,11 @@ fn components() -> Value {
                         "driver": { "type": "string" },
                         "config": { "type": "object" },
                         "constraints": constraints,
+                        "affinities": affinities,
                     }), &["name", "driver"]) },
                     "constraints": constraints,
+                    "affinities": affinities,
+                    "spreads": spreads,
                     "stop_after_client_disconnect": {
                         "type": ["string", "null"],
                         "description": "the old name of disconnect.stop_on_client_after",
@@ -616,6 +623,20 @@ fn components() -> Value {
                 "operator": { "enum": ["=", "!=", ">", ">=", "<", "<=", "regexp", "set_contains", "set_contains_any", "is_set", "is_not_set", "version", "semver", "distinct_hosts", "distinct_property"] },
                 "value": { "type": "string" },
             }), &[]),
+            "Affinity": object(json!({
+                "attribute": { "type": "string" },
+                "operator": { "type": "string", "description": "a constraint's operator but distinct_hosts and distinct_property" },
+                "value": { "type": "string" },
+                "weight": { "type": "integer", "minimum": -100, "maximum": 100 },
+            }), &[]),
+            "Spread": object(json!({
+                "attribute": { "type": "string" },
+                "weight": { "type": "integer", "minimum": 1, "maximum": 100 },
+                "targets": { "type": "array", "items": object(json!({
+                    "value": { "type": "string" },
+                    "percent": { "type": "integer", "minimum": 0, "maximum": 100 },
+                }), &["value", "percent"]) },
+            }), &["attribute"]),
             "Allocation": object(json!({
                 "id": { "type": "string" },
                 "name": { "type": "string" },

@@ -51,7 +51,8 @@
 //! [`reconcile`] (what a job keeps, stops and replaces), [`update`]
 //! (which changes allocs take in place), [`place`] (the
 //! placements per job type), [`feasible`] (what fits on a node),
-//! [`rules`] (the constraints, compiled),
+//! [`rules`] (the constraints, compiled), [`score`] (the affinities and
+//! spreads),
 //! [`explain`] (the failure lines) and [`retry`] (the retry timer).
 
 mod explain;
@@ -59,6 +60,7 @@ mod feasible;
 mod place;
 mod reconcile;
 mod rules;
+mod score;
 mod update;
 
 pub(crate) use crate::coalesced::Coalesced;

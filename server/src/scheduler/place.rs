@@ -2,7 +2,7 @@
 //! for each job type, with nodes tried in the order a group prefers them.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 
 use berth_structs::{
     AllocClientStatus, AllocDesiredStatus, Allocation, Job, JobType, Node, NodeStatus, TaskGroup,
@@ -17,6 +17,7 @@ use super::explain::{
 use super::feasible::PlanContext;
 use super::reconcile::{job_status, keeper, occupancy, Occupancy, PlanOutcome};
 use super::rules::Distinct;
+use super::score::{Score, Scoring};
 use super::update::{update_kind, UpdateKind};
 
 pub(super) fn new_alloc(job: &Job, group: &TaskGroup, index: u32, node_id: &str) -> Allocation {
@@ -368,12 +369,12 @@ impl Placer<'_, '_> {
         let mut alloc = new_alloc(job, group, index, "");
         let mut best = None;
         let mut gone = Vec::new();
-        for &key in &indexed.candidates {
-            let node = self.nodes[key.2];
+        for pos in indexed.in_order() {
+            let node = self.nodes[pos];
             if self.ctx.node_infeasible(job, group, node).is_some()
                 || indexed.distinct.refuses(node).is_some()
             {
-                gone.push(key);
+                gone.push(pos);
             } else if self
                 .ctx
                 .volumes_infeasible(group, index, &alloc.id, node)
@@ -382,28 +383,26 @@ impl Placer<'_, '_> {
                 // A per_alloc volume's check is this index's: the node
                 // may fit the next one.
                 if indexed.same_for_every_index {
-                    gone.push(key);
+                    gone.push(pos);
                 }
             } else {
-                best = Some(key);
+                best = Some(pos);
                 break;
             }
         }
-        for key in gone {
-            indexed.candidates.remove(&key);
+        for pos in gone {
+            indexed.remove(pos);
         }
         match best {
-            Some(key) => {
-                let node = self.nodes[key.2];
-                indexed.candidates.remove(&key);
+            Some(pos) => {
+                let node = self.nodes[pos];
                 alloc.node_id = node.id.clone();
                 self.ctx.add(&alloc);
                 indexed.distinct.add(true, node);
                 let n = indexed.job_on_node.entry(node.id.clone()).or_default();
                 *n = n.saturating_add(1);
-                indexed
-                    .candidates
-                    .insert(preference(&self.ctx, &indexed.job_on_node, node, key.2));
+                indexed.scoring.placed(pos);
+                indexed.rekey(&self.ctx, &self.nodes, pos);
                 self.put(alloc);
             }
             None => {
@@ -442,13 +441,22 @@ struct IndexedPlacement {
     same_for_every_index: bool,
     group_blocked: Option<String>,
     tally: Tally<u32>,
-    /// The nodes in the order the group prefers them (the job's allocs
-    /// spread, then free memory, then the nodes' order): the first that
-    /// fits is the best, and one that fails a check no later placement of
-    /// the group can undo leaves the set, so that a placement costs what
-    /// it looks at, not every node.
-    candidates: BTreeSet<(usize, Reverse<u64>, usize)>,
+    /// The candidate nodes of each bucket of `scoring`, in the order the
+    /// group prefers them (its affinities, then the job's allocs spread,
+    /// then free memory, then the nodes' order); the buckets merged by
+    /// their spread score are the group's order of all nodes
+    /// ([`IndexedPlacement::in_order`]). The first node that fits is the
+    /// best, and one that fails a check no later placement of the group
+    /// can undo leaves, so that a placement costs what it looks at, not
+    /// every node.
+    buckets: Vec<BTreeSet<Key>>,
+    /// Each node's key in its bucket, by position; None once it left.
+    keys: Vec<Option<Key>>,
+    scoring: Scoring,
 }
+
+/// A node's place among the candidates: smaller is better.
+type Key = (Reverse<Score>, (usize, Reverse<u64>, usize));
 
 impl IndexedPlacement {
     fn new(placer: &Placer<'_, '_>, group: &TaskGroup) -> IndexedPlacement {
@@ -457,26 +465,99 @@ impl IndexedPlacement {
             let n = job_on_node.entry(a.node_id.clone()).or_default();
             *n = n.saturating_add(1);
         }
-        let candidates = placer
+        let live = || placer.after.values().filter(|a| !a.is_terminal());
+        let node_of = |id: &str| placer.ctx.tables().nodes.get(id);
+        let scoring = Scoring::new(
+            placer.job,
+            group,
+            &placer.nodes,
+            live().filter(|a| a.task_group == group.name),
+            node_of,
+        );
+        let mut buckets = vec![BTreeSet::new(); scoring.bucket_count()];
+        let keys: Vec<Option<Key>> = placer
             .nodes
             .iter()
             .enumerate()
-            .map(|(pos, node)| preference(&placer.ctx, &job_on_node, node, pos))
+            .map(|(pos, node)| {
+                let key = (
+                    Reverse(scoring.affinity(pos)),
+                    preference(&placer.ctx, &job_on_node, node, pos),
+                );
+                buckets[scoring.bucket_of(pos)].insert(key);
+                Some(key)
+            })
             .collect();
-        let distinct = Distinct::new(
-            placer.ctx.rules(&group.name),
-            &group.name,
-            placer.after.values().filter(|a| !a.is_terminal()),
-            |id| placer.ctx.tables().nodes.get(id),
-        );
+        let distinct = Distinct::new(placer.ctx.rules(&group.name), &group.name, live(), node_of);
         IndexedPlacement {
             job_on_node,
             distinct,
             same_for_every_index: !group.volumes.values().any(|r| r.per_alloc),
             group_blocked: None,
             tally: Tally::new(),
-            candidates,
+            buckets,
+            keys,
+            scoring,
         }
+    }
+
+    /// The candidate nodes' positions, best first.
+    fn in_order(&self) -> InOrder<'_> {
+        let mut iters: Vec<_> = self.buckets.iter().map(BTreeSet::iter).collect();
+        let bonus: Vec<Score> = (0..iters.len())
+            .map(|b| self.scoring.bucket_score(b))
+            .collect();
+        let heap = iters
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(b, it)| Some(Reverse((shifted(*it.next()?, bonus[b]), b))))
+            .collect();
+        InOrder { heap, iters, bonus }
+    }
+
+    /// The node at `pos` is no candidate any more.
+    fn remove(&mut self, pos: usize) {
+        if let Some(old) = self.keys[pos].take() {
+            self.buckets[self.scoring.bucket_of(pos)].remove(&old);
+        }
+    }
+
+    /// Move the node at `pos` to its place now, if it is a candidate.
+    fn rekey(&mut self, ctx: &PlanContext<'_>, nodes: &[&Node], pos: usize) {
+        let Some(old) = self.keys[pos] else { return };
+        let bucket = &mut self.buckets[self.scoring.bucket_of(pos)];
+        bucket.remove(&old);
+        let new = (
+            Reverse(self.scoring.affinity(pos)),
+            preference(ctx, &self.job_on_node, nodes[pos], pos),
+        );
+        bucket.insert(new);
+        self.keys[pos] = Some(new);
+    }
+}
+
+/// `key` with a bucket's spread score added to its score.
+fn shifted(key: Key, bonus: Score) -> Key {
+    (Reverse(key.0 .0.saturating_add(bonus)), key.1)
+}
+
+/// The buckets' candidates merged by their keys with the buckets' spread
+/// scores added: positions, best first.
+struct InOrder<'a> {
+    heap: BinaryHeap<Reverse<(Key, usize)>>,
+    iters: Vec<std::collections::btree_set::Iter<'a, Key>>,
+    bonus: Vec<Score>,
+}
+
+impl Iterator for InOrder<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        let Reverse((key, b)) = self.heap.pop()?;
+        if let Some(next) = self.iters[b].next() {
+            self.heap.push(Reverse((shifted(*next, self.bonus[b]), b)));
+        }
+        Some(key.1 .2)
     }
 }
 
@@ -1050,6 +1131,84 @@ mod tests {
         assert!(moved.server_terminal(), "{moved:?}");
         let placed = puts.iter().find(|a| !t.allocs.contains_key(&a.id)).unwrap();
         assert_eq!((placed.index, placed.node_id.as_str()), (1, "n2"));
+    }
+
+    fn per_rack(placed: &[Allocation], nodes: &[Node]) -> BTreeMap<String, usize> {
+        let mut out = BTreeMap::new();
+        for a in placed {
+            let n = nodes.iter().find(|n| n.id == a.node_id).unwrap();
+            *out.entry(n.meta["rack"].clone()).or_default() += 1;
+        }
+        out
+    }
+
+    #[test]
+    fn a_spread_splits_allocs_over_the_values_not_the_nodes() {
+        // Three nodes in r1, one in r2: by nodes 3/1, by racks 2/2.
+        let mut nodes = racks();
+        nodes.push(in_rack("n0", "r1"));
+        let mut web = job("web", 4, vec![task("t", 100, 64)]);
+        web.task_groups[0].spreads.push(berth_structs::Spread {
+            attribute: "${meta.rack}".into(),
+            weight: 50,
+            targets: vec![],
+        });
+        let t = tables(nodes.clone(), vec![web.clone()], vec![]);
+        let (_, placed) = plan(&t, "web");
+        assert_eq!(
+            per_rack(&placed, &nodes),
+            BTreeMap::from([("r1".into(), 2), ("r2".into(), 2)])
+        );
+
+        // Targets: 75% in r1.
+        web.task_groups[0].spreads[0].targets = vec![berth_structs::SpreadTarget {
+            value: "r1".into(),
+            percent: 75,
+        }];
+        let t = tables(nodes.clone(), vec![web.clone()], vec![]);
+        let (_, placed) = plan(&t, "web");
+        assert_eq!(
+            per_rack(&placed, &nodes),
+            BTreeMap::from([("r1".into(), 3), ("r2".into(), 1)])
+        );
+
+        // What runs counts: two already in r2, so the next two go to r1.
+        web.task_groups[0].spreads[0].targets.clear();
+        let t = tables(
+            nodes.clone(),
+            vec![web.clone()],
+            vec![running(&web, 0, "n3"), running(&web, 1, "n3")],
+        );
+        let (_, placed) = plan(&t, "web");
+        assert_eq!(
+            per_rack(&placed, &nodes),
+            BTreeMap::from([("r1".into(), 2)])
+        );
+    }
+
+    #[test]
+    fn an_affinity_prefers_the_nodes_it_names_and_a_negative_one_avoids_them() {
+        let nodes = racks();
+        let mut web = job("web", 2, vec![task("t", 100, 64)]);
+        web.task_groups[0].affinities.push(berth_structs::Affinity {
+            attribute: "${meta.rack}".into(),
+            value: "r2".into(),
+            weight: 100,
+            ..Default::default()
+        });
+        let t = tables(nodes.clone(), vec![web.clone()], vec![]);
+        let (_, placed) = plan(&t, "web");
+        assert_eq!(
+            per_rack(&placed, &nodes),
+            BTreeMap::from([("r2".into(), 2)])
+        );
+        web.task_groups[0].affinities[0].weight = -100;
+        let t = tables(nodes.clone(), vec![web], vec![]);
+        let (_, placed) = plan(&t, "web");
+        assert_eq!(
+            per_rack(&placed, &nodes),
+            BTreeMap::from([("r1".into(), 2)])
+        );
     }
 
     /// Resource amounts that hit the edges: zero, small, near and at u64::MAX.

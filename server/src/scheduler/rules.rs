@@ -11,8 +11,8 @@ use std::sync::Arc;
 use berth_structs::constraint::{compile_regex, Target, Version, VersionReq};
 use berth_structs::{Allocation, Constraint, Job, Node, Operator, TaskGroup};
 
-/// One constraint on the node alone, ready to match.
-struct OnNode {
+/// One constraint on the node alone (or an affinity), ready to match.
+pub(super) struct OnNode {
     shown: String,
     left: Target,
     right: Target,
@@ -28,7 +28,7 @@ enum Check {
 }
 
 impl OnNode {
-    fn compile(c: &Constraint) -> OnNode {
+    pub(super) fn compile(c: &Constraint) -> OnNode {
         let right = Target::parse(&c.value).unwrap_or(Target::Literal(c.value.clone()));
         let literal = matches!(right, Target::Literal(_));
         // Registration refused what does not compile; a rule stored
@@ -52,7 +52,7 @@ impl OnNode {
 
     /// Nomad's rules: a comparison needs both sides; `!=` holds when the
     /// attribute is missing.
-    fn met_by(&self, node: &Node) -> bool {
+    pub(super) fn met_by(&self, node: &Node) -> bool {
         let l = self.left.value_on(node);
         let r = self.right.value_on(node);
         match &self.check {

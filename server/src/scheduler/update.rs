@@ -6,7 +6,9 @@
 //! In place: the group's `count` (the difference is placed or stopped,
 //! the rest kept), its `meta`, its `restart` policy and its disconnect
 //! settings, the tasks' `kill_timeout`, the job's `meta` and `priority`,
-//! and what the servers manage (version, status, indexes). In place if
+//! the `affinity` and `spread` preferences (they steer new placements and
+//! move nothing that runs), and what the servers manage (version, status,
+//! indexes). In place if
 //! the alloc's node still meets them: the job's datacenters and the
 //! constraints on the node (of the job, the group and its tasks), as
 //! Nomad does. Anything else (a task's driver, config, env, resources,
@@ -73,6 +75,8 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
         job_type,
         datacenters,
         constraints: job_constraints,
+        affinities: _,
+        spreads: _,
         priority: _,
         task_groups,
         meta: _,
@@ -96,6 +100,8 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
         disconnect: _,
         meta: _,
         constraints: group_constraints,
+        affinities: _,
+        spreads: _,
     } = task_groups.iter().find(|g| g.name == group)?;
     let rules = Rules::new(
         datacenters,
@@ -123,6 +129,7 @@ fn task_shape(task: &Task) -> impl PartialEq + '_ {
         meta,
         logs,
         constraints: _,
+        affinities: _,
     } = task;
     (
         name,

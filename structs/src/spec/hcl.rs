@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use std::str::FromStr;
 use std::time::Duration;
 
-use hcl_edit::expr::{Expression, ObjectKey, TraversalOperator};
+use hcl_edit::expr::{Expression, ObjectKey, TraversalOperator, UnaryOperator};
 use hcl_edit::structure::{Attribute, Block, Body, Structure};
 use hcl_edit::template::{Element, Strip, Template};
 use hcl_edit::Span;
@@ -318,6 +318,34 @@ impl<'s, 'b> BodyReader<'s, 'b> {
             return Err(self.invalid(name, limits::too_large(&written, limit)));
         }
         Ok(Some(value))
+    }
+
+    /// A whole number that may be negative (`-50`), within `i64`.
+    pub fn i64(&self, name: &str) -> Result<Option<i64>, SpecError> {
+        let Some(a) = self.attr(name) else {
+            return Ok(None);
+        };
+        let value = self.src.resolve(&a.value, &self.what(name))?;
+        let (negative, number) = match value {
+            Expression::UnaryOp(op) if *op.operator.value() == UnaryOperator::Neg => {
+                (true, &op.expr)
+            }
+            other => (false, other),
+        };
+        check_literal(self.src, number, &self.what(name))?;
+        let Expression::Number(n) = number else {
+            return Err(self.type_error(number, name, "a whole number"));
+        };
+        let n = n.value();
+        let whole = n
+            .as_i64()
+            .or_else(|| n.as_u64().and_then(|u| i64::try_from(u).ok()))
+            .ok_or_else(|| self.invalid(name, format!("must be a whole number, not {n}")))?;
+        Ok(Some(if negative {
+            whole.saturating_neg()
+        } else {
+            whole
+        }))
     }
 
     /// A whole number of at most `max`, as [`BodyReader::u64`].

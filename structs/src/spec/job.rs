@@ -6,7 +6,7 @@ use hcl_edit::structure::{Block, Body};
 
 use super::hcl::{BodyReader, Source};
 use super::SpecError;
-use crate::constraint::Constraint;
+use crate::constraint::{Affinity, Constraint, Spread, SpreadTarget};
 use crate::disconnect::{DisconnectPolicy, ReconcileStrategy};
 use crate::job::{
     CsiMountOptions, CsiPluginType, Job, JobType, LogConfig, Resources, RestartPolicy, Task,
@@ -46,7 +46,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         "the job file",
         "the job ID",
         &["name", "type", "datacenters", "priority", "meta"],
-        &["group", "meta", "constraint"],
+        &["group", "meta", "constraint", "affinity", "spread"],
     )?;
 
     let job_type = match r.string("type")?.as_deref() {
@@ -87,6 +87,8 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         task_groups,
         meta: r.map("meta")?,
         constraints: decode_constraints(&r)?,
+        affinities: decode_affinities(&r)?,
+        spreads: decode_spreads(&r)?,
         ..Job::default()
     })
 }
@@ -110,6 +112,8 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
             "meta",
             "disconnect",
             "constraint",
+            "affinity",
+            "spread",
         ],
     )?;
     let disconnect = match r.optional_block("disconnect")? {
@@ -172,6 +176,8 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
         disconnect,
         meta: r.map("meta")?,
         constraints: decode_constraints(&r)?,
+        affinities: decode_affinities(&r)?,
+        spreads: decode_spreads(&r)?,
     })
 }
 
@@ -193,6 +199,89 @@ fn decode_constraints(parent: &BodyReader<'_, '_>) -> Result<Vec<Constraint>, Sp
                 attribute: r.string("attribute")?.unwrap_or_default(),
                 operator: r.parsed("operator")?.unwrap_or_default(),
                 value: r.string("value")?.unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+/// The `affinity { attribute operator value weight }` blocks of a job, a
+/// group or a task.
+fn decode_affinities(parent: &BodyReader<'_, '_>) -> Result<Vec<Affinity>, SpecError> {
+    parent
+        .blocks("affinity")
+        .into_iter()
+        .map(|b| {
+            let r = BodyReader::unlabeled(
+                parent.src(),
+                b,
+                parent.ctx(),
+                &["attribute", "operator", "value", "weight"],
+                &[],
+            )?;
+            let weight = match r.i64("weight")? {
+                None => Affinity::DEFAULT_WEIGHT,
+                Some(w) => i8::try_from(w)
+                    .ok()
+                    .filter(|w| *w != 0 && (-100..=100).contains(w))
+                    .ok_or_else(|| {
+                        r.invalid(
+                            "weight",
+                            format!("{w} is not between -100 and 100 (and not 0)"),
+                        )
+                    })?,
+            };
+            Ok(Affinity {
+                attribute: r.string("attribute")?.unwrap_or_default(),
+                operator: r.parsed("operator")?.unwrap_or_default(),
+                value: r.string("value")?.unwrap_or_default(),
+                weight,
+            })
+        })
+        .collect()
+}
+
+/// The `spread { attribute weight target "VALUE" { percent } }` blocks of
+/// a job or a group.
+fn decode_spreads(parent: &BodyReader<'_, '_>) -> Result<Vec<Spread>, SpecError> {
+    parent
+        .blocks("spread")
+        .into_iter()
+        .map(|b| {
+            let r = BodyReader::unlabeled(
+                parent.src(),
+                b,
+                parent.ctx(),
+                &["attribute", "weight"],
+                &["target"],
+            )?;
+            let targets = r
+                .blocks("target")
+                .into_iter()
+                .map(|t| {
+                    let (value, t) = BodyReader::labeled(
+                        parent.src(),
+                        t,
+                        r.ctx(),
+                        "the attribute's value",
+                        &["percent"],
+                        &[],
+                    )?;
+                    Ok(SpreadTarget {
+                        value,
+                        percent: t
+                            .u32("percent", 100)?
+                            .and_then(|p| u8::try_from(p).ok())
+                            .ok_or_else(|| t.missing("percent"))?,
+                    })
+                })
+                .collect::<Result<Vec<_>, SpecError>>()?;
+            Ok(Spread {
+                attribute: r.required_string("attribute")?,
+                weight: r
+                    .u32("weight", 100)?
+                    .and_then(|w| u8::try_from(w).ok())
+                    .unwrap_or(Spread::DEFAULT_WEIGHT),
+                targets,
             })
         })
         .collect()
@@ -322,6 +411,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
             "meta",
             "logs",
             "constraint",
+            "affinity",
         ],
     )?;
 
@@ -389,6 +479,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         meta: r.map("meta")?,
         logs,
         constraints: decode_constraints(&r)?,
+        affinities: decode_affinities(&r)?,
     })
 }
 
