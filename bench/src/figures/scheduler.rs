@@ -16,6 +16,13 @@
 //!   the evaluation that places the N allocs and commits them in one
 //!   write, and the answer's reads.
 //!
+//! - **with placement rules** (unless `--no-rules`): place and register
+//!   again on another copy, of the same job with constraints
+//!   (`${attr.kernel.name} = linux`, a `regexp` and a `version` over node
+//!   values, `distinct_hosts`), an affinity and a `spread` over the
+//!   nodes' ten racks, against the plain job's (the baseline). Target:
+//!   at most twice the plain job's register.
+//!
 //! Printed per size: the samples of each, register's ratio to the write
 //! alone, and the per-alloc cost; then how the register time grows over
 //! the sizes. Target: it grows no worse than n log n (fitted exponent
@@ -36,7 +43,7 @@
 //! table outgrows the caches), while the scan grows with the table.
 //!
 //! ```text
-//! scripts/bench scheduler [--sizes 100,1000,10000] [--rounds 5] [--http 1000] [--lookup-allocs 1000,50000]
+//! scripts/bench scheduler [--sizes 100,1000,10000] [--rounds 5] [--http 1000] [--lookup-allocs 1000,50000] [--no-rules]
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -69,6 +76,9 @@ pub struct Args {
     /// Lookups per sample in the lookup section.
     #[arg(long, default_value_t = 1_000)]
     pub lookups: usize,
+    /// Leave out the job with placement rules.
+    #[arg(long)]
+    pub no_rules: bool,
 }
 
 pub fn run(args: &Args) -> Result<()> {
@@ -92,7 +102,7 @@ pub fn run(args: &Args) -> Result<()> {
     let mut place_growth = Vec::new();
     let mut in_process = std::collections::BTreeMap::new();
     for &n in &args.sizes {
-        let m = measure_size(&rt, n, args.rounds)?;
+        let m = measure_size(&rt, n, args.rounds, !args.no_rules)?;
         in_process.insert(n, m.register.clone());
         println!("  N = {n}");
         report::samples("write alone (baseline)", &m.write_alone);
@@ -110,6 +120,15 @@ pub fn run(args: &Args) -> Result<()> {
             "place per alloc",
             format!("{:.1} us", m.place.median().as_secs_f64() * 1e6 / n as f64),
         );
+        if let Some((place, register)) = &m.rules {
+            report::samples("place with rules", place);
+            report::samples("register with rules", register);
+            report::ratio_line("with rules / without (register)", register, &m.register);
+            report::target(
+                "with rules at most twice without",
+                register.median() <= m.register.median() * 2,
+            );
+        }
         growth.push((n as f64, m.register.median().as_secs_f64() * 1000.0));
         place_growth.push((n as f64, m.place.median().as_secs_f64() * 1000.0));
     }
@@ -125,7 +144,7 @@ pub fn run(args: &Args) -> Result<()> {
         );
         let baseline = match in_process.get(&args.http) {
             Some(s) => s.clone(),
-            None => measure_size(&rt, args.http, args.rounds)?.register,
+            None => measure_size(&rt, args.http, args.rounds, false)?.register,
         };
         let http = register_over_http(args.http, args.rounds)?;
         println!("  N = {} through a server's HTTP API", args.http);
@@ -144,6 +163,7 @@ pub fn smoke() -> Result<()> {
         http: 20,
         lookup_allocs: vec![100, 400],
         lookups: 10,
+        no_rules: false,
     })
 }
 
@@ -151,10 +171,17 @@ struct SizeSamples {
     write_alone: Samples,
     place: Samples,
     register: Samples,
+    /// Place and register of the job with placement rules.
+    rules: Option<(Samples, Samples)>,
 }
 
 /// The rounds of one size, each on its own copy of the seeded state.
-fn measure_size(rt: &tokio::runtime::Runtime, n: usize, rounds: usize) -> Result<SizeSamples> {
+fn measure_size(
+    rt: &tokio::runtime::Runtime,
+    n: usize,
+    rounds: usize,
+    rules: bool,
+) -> Result<SizeSamples> {
     let dir = tempfile::tempdir()?;
     let seed = dir.path().join("seed");
     seed_nodes(&seed, n)?;
@@ -163,6 +190,7 @@ fn measure_size(rt: &tokio::runtime::Runtime, n: usize, rounds: usize) -> Result
         write_alone: Samples::new(),
         place: Samples::new(),
         register: Samples::new(),
+        rules: rules.then(|| (Samples::new(), Samples::new())),
     };
     for round in 0..rounds {
         // The baseline: the same allocs, written in one write.
@@ -218,8 +246,84 @@ fn measure_size(rt: &tokio::runtime::Runtime, n: usize, rounds: usize) -> Result
         drop(server);
         std::fs::remove_dir_all(&base).ok();
         std::fs::remove_dir_all(&data).ok();
+        if let Some((place, register)) = &mut out.rules {
+            let data = copy_state(&seed, &dir.path().join(format!("rules-{round}")))?;
+            let (p, r) = place_with_rules(rt, &data, n)?;
+            place.push(p);
+            register.push(r);
+            std::fs::remove_dir_all(&data).ok();
+        }
     }
     Ok(out)
+}
+
+/// Place and register of an `n`-alloc job with placement rules on a
+/// server over `data`: the time of each.
+fn place_with_rules(
+    rt: &tokio::runtime::Runtime,
+    data: &Path,
+    n: usize,
+) -> Result<(std::time::Duration, std::time::Duration)> {
+    use berth_structs::{Affinity, Constraint, Operator, Spread};
+    let mut job = job(&format!("rules-{n}"), n);
+    let rule = |attribute: &str, operator: Operator, value: &str| Constraint {
+        attribute: attribute.into(),
+        operator,
+        value: value.into(),
+    };
+    job.constraints
+        .push(rule("${attr.kernel.name}", Operator::Equal, "linux"));
+    let group = &mut job.task_groups[0];
+    group.constraints.extend([
+        rule("${meta.rack}", Operator::Regexp, "^r[0-9]+$"),
+        rule("${attr.kernel.version}", Operator::Version, ">= 5.0, < 99"),
+        rule("", Operator::DistinctHosts, ""),
+    ]);
+    group.affinities.push(Affinity {
+        attribute: "${meta.rack}".into(),
+        value: "r1".into(),
+        weight: 20,
+        ..Affinity::default()
+    });
+    group.spreads.push(Spread {
+        attribute: "${meta.rack}".into(),
+        weight: 50,
+        targets: Vec::new(),
+    });
+    job.validate()?;
+    let server = Server::open(ServerConfig::new(data))?;
+    let start = Instant::now();
+    let plan = server.plan_job(job.clone())?;
+    let place = start.elapsed();
+    ensure!(
+        plan.unplaced_allocs == 0,
+        "with rules: {:?}",
+        plan.placement_failures
+    );
+    let start = Instant::now();
+    let resp = rt.block_on(server.register_job(job.clone()))?;
+    let register = start.elapsed();
+    ensure!(
+        resp.unplaced_allocs == 0,
+        "with rules: {:?}",
+        resp.placement_failures
+    );
+    let allocs = server.job_allocations(&job.id)?;
+    let mut per_rack = std::collections::BTreeMap::new();
+    for a in &allocs {
+        let i: usize = a.node_id.trim_start_matches("node-").parse()?;
+        *per_rack.entry(i % RACKS).or_insert(0usize) += 1;
+    }
+    let (least, most) = (
+        per_rack.values().min().copied().unwrap_or(0),
+        per_rack.values().max().copied().unwrap_or(0),
+    );
+    ensure!(
+        allocs.len() == n && most - least <= 1,
+        "with rules: {} allocs, per rack {per_rack:?}",
+        allocs.len()
+    );
+    Ok((place, register))
 }
 
 /// `PUT /v1/jobs` of an N-alloc job, `rounds` times (a new job each
@@ -356,11 +460,20 @@ pub(super) fn node_id(i: usize) -> String {
     format!("node-{i:05}")
 }
 
+/// The racks the nodes are in (`meta.rack`, node i in rack i % RACKS).
+const RACKS: usize = 10;
+
 pub(super) fn node(i: usize) -> Node {
     Node {
         id: node_id(i),
         name: format!("bench-{i:05}"),
         datacenter: "dc1".into(),
+        meta: [("rack".to_string(), format!("r{}", i % RACKS))].into(),
+        attributes: [
+            ("kernel.name".to_string(), "linux".to_string()),
+            ("kernel.version".to_string(), "6.1.0".to_string()),
+        ]
+        .into(),
         status: NodeStatus::Ready,
         drivers: vec!["raw_exec".into()],
         resources: NodeResources {
