@@ -27,6 +27,9 @@ pub struct ClientConfig {
     /// The datacenter the node is in, as registered (`dc1` by default):
     /// a job runs only in the datacenters it lists.
     pub datacenter: String,
+    /// The region the node is in (the agent's `region`, `global` by
+    /// default): the servers take only nodes of their own.
+    pub region: String,
     /// The node's class and key/value pairs, as registered.
     pub node_class: String,
     pub meta: BTreeMap<String, String>,
@@ -59,6 +62,7 @@ impl ClientConfig {
     pub const DEFAULT_GC_ALLOC_THRESHOLD: Duration = Duration::from_secs(60 * 60);
     pub const DEFAULT_CSI_FINGERPRINT_INTERVAL: Duration = Duration::from_secs(30);
     pub const DEFAULT_DATACENTER: &'static str = "dc1";
+    pub const DEFAULT_REGION: &'static str = "global";
 
     /// The defaults for a client of `servers` (`http://HOST:PORT` each).
     pub fn new(data_dir: PathBuf, servers: Vec<String>) -> ClientConfig {
@@ -71,6 +75,7 @@ impl ClientConfig {
             gc_max_allocs: Self::DEFAULT_GC_MAX_ALLOCS,
             gc_alloc_threshold: Self::DEFAULT_GC_ALLOC_THRESHOLD,
             datacenter: Self::DEFAULT_DATACENTER.into(),
+            region: Self::DEFAULT_REGION.into(),
             node_class: String::new(),
             meta: BTreeMap::new(),
             reserved_cpu: 0,

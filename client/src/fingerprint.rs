@@ -155,6 +155,7 @@ pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
         id: node_id,
         name: config.node_name.clone().unwrap_or_else(host_name),
         datacenter: config.datacenter.clone(),
+        region: config.region.clone(),
         status: NodeStatus::Initializing,
         resources: NodeResources {
             cpu: found.cpu.saturating_sub(config.reserved_cpu),

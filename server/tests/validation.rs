@@ -196,3 +196,42 @@ async fn node_registration_refuses_ids_and_names_that_escape() {
     register(&s, node("n1")).await;
     assert_eq!(s.nodes().len(), 1);
 }
+
+#[tokio::test]
+async fn a_job_or_a_node_of_another_region_is_refused_with_both_regions() {
+    let ts = TestServer::start(|c| c.region = "eu-west".into()).await;
+    let s = ts.server.clone();
+    let mut n1 = node("n1");
+    n1.region = "eu-west".into();
+    register(&s, n1).await;
+
+    let mut other = node("n2");
+    other.region = "us-east".into();
+    let msg = validation_message(s.register_node(other).await.unwrap_err());
+    assert!(
+        msg.contains("node \"n2\" is in region \"us-east\", these servers in \"eu-west\""),
+        "{msg}"
+    );
+    // A node that names no region is in `global`.
+    let msg = validation_message(s.register_node(node("n3")).await.unwrap_err());
+    assert!(msg.contains("region \"global\""), "{msg}");
+
+    let mut far = job("far", JobType::Service, 1);
+    far.region = "us-east".into();
+    let msg = validation_message(s.plan_job(far.clone()).unwrap_err());
+    assert!(
+        msg.contains("region \"us-east\" is not this cluster's region \"eu-west\""),
+        "{msg}"
+    );
+    let msg = validation_message(s.register_job(far).await.unwrap_err());
+    assert!(msg.contains("is not this cluster's region"), "{msg}");
+    assert!(s.job("far").is_err());
+
+    // This region's name, or none, is taken.
+    let mut here = job("here", JobType::Service, 1);
+    here.region = "eu-west".into();
+    s.register_job(here).await.unwrap();
+    s.register_job(job("unnamed", JobType::Service, 1))
+        .await
+        .unwrap();
+}

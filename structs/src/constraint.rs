@@ -347,6 +347,8 @@ pub enum Target {
     NodeName,
     /// `${node.datacenter}`
     Datacenter,
+    /// `${node.region}`
+    Region,
     /// `${node.class}`
     NodeClass,
     /// `${attr.NAME}`: a fingerprinted attribute.
@@ -378,6 +380,7 @@ impl Target {
             "node.unique.id" => Target::NodeId,
             "node.unique.name" => Target::NodeName,
             "node.datacenter" => Target::Datacenter,
+            "node.region" => Target::Region,
             "node.class" => Target::NodeClass,
             _ => {
                 if let Some(n) = named("attr.") {
@@ -387,7 +390,8 @@ impl Target {
                 } else {
                     return Err(format!(
                         "unknown target {t}: use ${{node.unique.id}}, ${{node.unique.name}}, \
-                         ${{node.datacenter}}, ${{node.class}}, ${{attr.NAME}} or ${{meta.NAME}}"
+                         ${{node.datacenter}}, ${{node.region}}, ${{node.class}}, ${{attr.NAME}} \
+                         or ${{meta.NAME}}"
                     ));
                 }
             }
@@ -401,6 +405,7 @@ impl Target {
             Target::NodeId => Some(&node.id),
             Target::NodeName => Some(&node.name),
             Target::Datacenter => Some(&node.datacenter),
+            Target::Region => Some(node.region()),
             Target::NodeClass => Some(&node.node_class),
             Target::Attr(n) => node.attributes.get(n).map(String::as_str),
             Target::Meta(n) => node.meta.get(n).map(String::as_str),

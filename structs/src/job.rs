@@ -115,6 +115,10 @@ pub struct Job {
     pub job_type: JobType,
     #[serde(default)]
     pub datacenters: Vec<String>,
+    /// The region the job is for; empty: the region of the servers it is
+    /// submitted to. The servers refuse a job for another region.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub region: String,
     /// Placement rules (`constraint` blocks): the nodes this may run on.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub constraints: Vec<crate::constraint::Constraint>,
@@ -489,6 +493,9 @@ impl std::str::FromStr for CsiPluginType {
     }
 }
 
+/// The region of an agent, a node or a job that names none.
+pub const DEFAULT_REGION: &str = "global";
+
 /// Drivers this build of berth runs.
 pub const SUPPORTED_DRIVERS: &[&str] = &["raw_exec"];
 
@@ -510,6 +517,11 @@ impl Job {
         }
         if self.task_groups.is_empty() {
             errs.push(format!("job {job}: at least one group is required"));
+        }
+        if !self.region.is_empty() {
+            if let Err(e) = check_name("region", &self.region) {
+                errs.push(format!("job {job}: {e}"));
+            }
         }
         for c in &self.constraints {
             c.validate(&format!("job {job}"), &mut errs);

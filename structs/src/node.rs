@@ -162,6 +162,10 @@ pub struct Node {
     pub name: String,
     #[serde(default)]
     pub datacenter: String,
+    /// The node's region (`global` when empty: a node of a berth that
+    /// did not send one).
+    #[serde(default)]
+    pub region: String,
     #[serde(default)]
     pub status: NodeStatus,
     #[serde(default)]
@@ -251,6 +255,15 @@ impl Node {
         self.attributes.retain(|k, _| !k.starts_with("driver."));
         for d in &self.drivers {
             self.attributes.insert(format!("driver.{d}"), "1".into());
+        }
+    }
+
+    /// The node's region: `global` when it sent none.
+    pub fn region(&self) -> &str {
+        if self.region.is_empty() {
+            crate::job::DEFAULT_REGION
+        } else {
+            &self.region
         }
     }
 

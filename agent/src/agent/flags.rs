@@ -444,6 +444,7 @@ impl AgentConfig {
                 .datacenter
                 .clone()
                 .unwrap_or_else(|| defaults.datacenter.clone()),
+            region: self.security.effective_region().to_string(),
             node_class: self.node_class.clone().unwrap_or_default(),
             meta: self.meta.clone(),
             reserved_cpu: self.reserved_cpu,

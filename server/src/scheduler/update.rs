@@ -73,6 +73,7 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
         id,
         name,
         job_type,
+        region,
         datacenters,
         constraints: job_constraints,
         affinities: _,
@@ -111,7 +112,10 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
             .chain(tasks.iter().flat_map(|t| &t.constraints)),
     );
     let tasks: Vec<_> = tasks.iter().map(task_shape).collect();
-    Some((((id, name, job_type), (group_name, volumes), tasks), rules))
+    Some((
+        ((id, name, job_type, region), (group_name, volumes), tasks),
+        rules,
+    ))
 }
 
 /// What of a task a change of needs a new task (its constraints are the

@@ -92,6 +92,22 @@ impl Server {
         self.register_job_checked(job, None).await
     }
 
+    /// The checks a submitted job passes: its own (`Job::validate`), and
+    /// a region, when it names one, that is this cluster's.
+    pub(crate) fn check_job(&self, job: &Job) -> Result<(), ServerError> {
+        job.validate()?;
+        let mine = &self.config.region;
+        if !job.region.is_empty() && job.region != *mine {
+            return Err(berth_structs::ValidationError(vec![format!(
+                "job {:?}: region {:?} is not this cluster's region {mine:?}; submit it to \
+                 the servers of {:?}",
+                job.id, job.region, job.region
+            )])
+            .into());
+        }
+        Ok(())
+    }
+
     /// Register a job; with `enforce_index`, only while the stored job's
     /// job modify index is that (0: only while no such job exists), so
     /// that a submission planned against one version does not overwrite a
@@ -101,7 +117,7 @@ impl Server {
         job: Job,
         enforce_index: Option<u64>,
     ) -> Result<JobRegisterResponse, ServerError> {
-        job.validate()?;
+        self.check_job(&job)?;
         let job_id = job.id.clone();
         let ((changed, version), _) = self.store.write(|t, changes| {
             let old = t.jobs.get(&job.id);

@@ -66,6 +66,16 @@ impl Server {
         if !bad_names.is_empty() {
             return Err(ValidationError(bad_names).into());
         }
+        if node.region() != self.config.region {
+            return Err(ValidationError(vec![format!(
+                "node {:?} is in region {:?}, these servers in {:?}: point it at the servers \
+                 of its region, or set its agent's `region`",
+                node.name,
+                node.region(),
+                self.config.region
+            )])
+            .into());
+        }
         let (enrolled_with, index) = self.store.write(|t, changes| {
             let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
             let mut enrolled_with = None;

@@ -156,7 +156,7 @@ impl Server {
     /// Plan a registration of `job`: what it would change, place and stop,
     /// without writing anything.
     pub fn plan_job(&self, job: Job) -> Result<JobPlan, ServerError> {
-        job.validate()?;
+        self.check_job(&job)?;
         let now = berth_structs::now_ms();
         Ok(self.store.read(|t| {
             let old = t.jobs.get(&job.id);

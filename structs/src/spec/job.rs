@@ -45,7 +45,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         block,
         "the job file",
         "the job ID",
-        &["name", "type", "datacenters", "priority", "meta"],
+        &["name", "type", "region", "datacenters", "priority", "meta"],
         &["group", "meta", "constraint", "affinity", "spread"],
     )?;
 
@@ -83,6 +83,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         id,
         job_type,
         datacenters: r.strings("datacenters")?.unwrap_or_default(),
+        region: r.string("region")?.unwrap_or_default(),
         priority,
         task_groups,
         meta: r.map("meta")?,
