@@ -256,6 +256,34 @@ fn plan_shows_the_diff_and_the_placements_and_places_nothing() -> Result<()> {
     assert_eq!(json["groups"][0]["in_place"], 2, "{json}");
     assert_eq!(json["diff"]["kind"], "edited");
 
+    // In place (a group meta), destructive (the task's args) and both
+    // with a count change.
+    let with_meta = agent.write_file(
+        "web-meta.hcl",
+        &WEB.replacen(
+            "  group \"g\" {\n",
+            "  group \"g\" {\n    meta {\n      tier = \"gold\"\n    }\n",
+            1,
+        ),
+    )?;
+    for (name, file, vars) in [
+        ("job_plan_in_place", &with_meta, vec![]),
+        ("job_plan_destructive", &file, vec!["-var", "seconds=400"]),
+        (
+            "job_plan_mixed",
+            &file,
+            vec!["-var", "seconds=400", "-var", "count=3"],
+        ),
+    ] {
+        let mut args = vec!["job", "plan"];
+        args.extend(vars);
+        args.push(file);
+        let out = agent.cli(&args)?;
+        let text = stdout(&out);
+        assert_eq!(out.status.code(), Some(1), "{text}{}", stderr(&out));
+        settings().bind(|| insta::assert_snapshot!(name, text));
+    }
+
     let after = agent.job_allocs("web")?;
     assert_eq!(after, before, "plans change no alloc");
 
