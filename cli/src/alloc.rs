@@ -181,7 +181,16 @@ pub fn alloc_detail(
         let lost_at = disconnected["lost_at_ms"].as_i64().unwrap_or(0);
         header.push(("Lost At", format_time(lost_at)));
     }
+    header.extend(crate::reschedule::header_lines(v, verbose, now_ms));
     let mut out = joined(key_values(&header));
+    let attempts = crate::reschedule::attempts_rows(v, verbose);
+    if !attempts.is_empty() {
+        out += &titled_table(
+            "Reschedule Attempts",
+            &["Time", "From Alloc", "From Node", "Delay"],
+            attempts,
+        );
+    }
 
     // The group's tasks in their order, then any state of a task the group
     // no longer names.

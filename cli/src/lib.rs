@@ -22,6 +22,7 @@ pub mod node;
 pub mod operator;
 pub mod output;
 pub mod plugin;
+pub mod reschedule;
 pub mod server;
 pub mod snapshot;
 pub mod system;

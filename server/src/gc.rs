@@ -7,8 +7,12 @@
 //!   still names it: the claim is released through its normal path first
 //!   (an alloc that disappeared would make the volume watcher free a claim
 //!   that must be kept, such as the write claim of a lost alloc); and
-//!   unless it is a finished alloc of a batch job that still runs, which
-//!   goes with its job (without it the scheduler would run its index again);
+//!   unless it stands for its index in a job that still runs (a complete
+//!   batch alloc, a failed alloc not replaced yet), which goes with its
+//!   job (without it the scheduler would run its index again);
+//! - of the failed allocs that were replaced, a job keeps the newest
+//!   [`REPLACED_FAILED_KEPT`]; older ones go at the next pass, whatever
+//!   their age (unless a claim still names them);
 //! - a job that is stopped, or dead (a batch job whose allocs all finished),
 //!   goes with all its allocs once it and every alloc have been unchanged
 //!   for `job_gc_threshold` and none is held by a claim;
@@ -20,7 +24,7 @@
 //! collected, forced or not.
 
 use berth_sync::Shutdown;
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -127,20 +131,50 @@ fn alloc_done(t: &Tables, a: &Allocation) -> bool {
             && !t.nodes.contains_key(&a.node_id))
 }
 
-/// A finished alloc of the current version of a batch job that still
-/// runs: it stands for its index being done, so it goes only with its job
-/// (collected alone, the scheduler would run that index again).
-fn holds_batch_index(t: &Tables, a: &Allocation) -> bool {
+/// A finished alloc of the current version of a job that still runs and
+/// that stands for its index: a complete batch alloc (the index is done),
+/// or a failed alloc not replaced yet (it waits for its reschedule, or
+/// its policy allows no more and the index stays failed). It goes only
+/// with its job: collected alone, the scheduler would run that index
+/// again, with no count of the attempts before.
+fn holds_index(t: &Tables, a: &Allocation) -> bool {
     t.jobs.get(&a.job_id).is_some_and(|j| {
-        j.job_type == JobType::Batch
-            && !j.stop
-            && a.job.version == j.version
-            && !a.server_terminal()
-            && matches!(
-                a.client_status,
-                AllocClientStatus::Complete | AllocClientStatus::Failed
-            )
+        let stands = match a.client_status {
+            AllocClientStatus::Complete => j.job_type == JobType::Batch,
+            AllocClientStatus::Failed => {
+                j.job_type != JobType::System && a.next_allocation.is_empty()
+            }
+            _ => false,
+        };
+        stands && !j.stop && a.job.version == j.version && !a.server_terminal()
     })
+}
+
+/// Failed allocs that were replaced, kept per job (the newest) whatever
+/// their age: a job that fails over and over leaves no more than these
+/// beside its live allocs (each replacement carries the history of the
+/// attempts before it).
+pub(crate) const REPLACED_FAILED_KEPT: usize = 5;
+
+/// The replaced failed allocs of each job beyond the newest
+/// [`REPLACED_FAILED_KEPT`].
+fn replaced_beyond_bound(t: &Tables) -> Vec<&Allocation> {
+    let mut by_job: BTreeMap<&str, Vec<&Allocation>> = BTreeMap::new();
+    for a in t
+        .allocs
+        .values()
+        .filter(|a| a.client_status == AllocClientStatus::Failed && !a.next_allocation.is_empty())
+    {
+        by_job.entry(a.job_id.as_str()).or_default().push(a);
+    }
+    let mut out = Vec::new();
+    for mut replaced in by_job.into_values() {
+        if replaced.len() > REPLACED_FAILED_KEPT {
+            replaced.sort_by_key(|a| std::cmp::Reverse((a.create_index, a.modify_index)));
+            out.extend(replaced.split_off(REPLACED_FAILED_KEPT));
+        }
+    }
+    out
 }
 
 /// Plan one pass over the tables: the changes and what they remove.
@@ -172,8 +206,12 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
     }
     // Allocs done for long enough, of jobs that stay.
     for a in t.allocs.values() {
-        if !gone.contains(a.id.as_str()) && collectable(a, th.alloc_ms) && !holds_batch_index(t, a)
-        {
+        if !gone.contains(a.id.as_str()) && collectable(a, th.alloc_ms) && !holds_index(t, a) {
+            gone.insert(&a.id);
+        }
+    }
+    for a in replaced_beyond_bound(t) {
+        if !t.alloc_has_claims(&a.id) {
             gone.insert(&a.id);
         }
     }
@@ -437,7 +475,11 @@ mod tests {
                     AllocClientStatus::Complete,
                     now - 2 * HOUR_MS,
                 ),
-                alloc("new", "web", "n1", AllocClientStatus::Failed, now - 60_000),
+                // Failed, and replaced by "live".
+                Allocation {
+                    next_allocation: "live".into(),
+                    ..alloc("new", "web", "n1", AllocClientStatus::Failed, now - 60_000)
+                },
                 alloc("live", "web", "n1", AllocClientStatus::Running, 0),
             ],
             vec![node("n1", NodeStatus::Ready, now)],
@@ -506,6 +548,39 @@ mod tests {
         // "recent" stays (job threshold), but its alloc is past the alloc one.
         assert_eq!(report.allocs, vec!["b1", "s1", "x1"]);
         assert_eq!(changes.len(), 6);
+    }
+
+    #[test]
+    fn replaced_failed_allocs_beyond_the_bound_go_at_once_and_the_last_stays() {
+        let now = 10 * HOUR_MS;
+        let web = Job {
+            job_type: JobType::Service,
+            ..job("web", false, JobStatus::Pending, now)
+        };
+        // Eight failures in a row, each replaced by the next; the last
+        // waits for its reschedule.
+        let mut allocs: Vec<Allocation> = (0..8u64)
+            .map(|i| Allocation {
+                create_index: i + 1,
+                next_allocation: format!("f{}", i + 1),
+                ..alloc(
+                    &format!("f{i}"),
+                    "web",
+                    "n1",
+                    AllocClientStatus::Failed,
+                    now,
+                )
+            })
+            .collect();
+        allocs.push(Allocation {
+            create_index: 9,
+            ..alloc("f8", "web", "n1", AllocClientStatus::Failed, 0)
+        });
+        let t = tables(vec![web], allocs, vec![node("n1", NodeStatus::Ready, now)]);
+        let (report, _) = run(&t, now, TH);
+        // Of the eight replaced, the newest five stay; the unreplaced one
+        // stands for its index although it is past the threshold.
+        assert_eq!(report.allocs, vec!["f0", "f1", "f2"]);
     }
 
     #[test]

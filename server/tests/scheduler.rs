@@ -179,7 +179,15 @@ async fn failed_service_alloc_is_replaced_and_batch_completes() {
     let now = live_allocs(s, "svc");
     assert_eq!(now.len(), 2);
     assert!(now.iter().all(|a| a.id != allocs[0].id));
-    assert!(now.iter().any(|a| a.index == allocs[0].index));
+    // The replacement is a reschedule: linked both ways, with the attempt.
+    let next = now.iter().find(|a| a.index == allocs[0].index).unwrap();
+    assert_eq!(next.previous_allocation, allocs[0].id);
+    assert_eq!(next.reschedule_events.len(), 1);
+    assert_eq!(next.reschedule_events[0].prev_alloc_id, allocs[0].id);
+    assert_eq!(
+        s.allocation(&allocs[0].id).unwrap().next_allocation,
+        next.id
+    );
 
     // A terminal alloc never becomes live again.
     report(s, &allocs[0], AllocClientStatus::Running).await;
@@ -198,6 +206,41 @@ async fn failed_service_alloc_is_replaced_and_batch_completes() {
         "completed batch alloc replaced"
     );
     assert_eq!(s.job("once").unwrap().status, JobStatus::Dead);
+}
+
+#[tokio::test]
+async fn a_limited_reschedule_policy_gives_up_and_the_job_is_dead() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = &ts.server;
+    register(s, node("n1")).await;
+    let mut svc = job("limited", JobType::Service, 1);
+    svc.reschedule = Some(berth_structs::ReschedulePolicy {
+        attempts: 2,
+        interval: std::time::Duration::from_secs(3600),
+        unlimited: false,
+        ..svc.reschedule.clone().unwrap()
+    });
+    s.register_job(svc).await.unwrap();
+    let mut failed = Vec::new();
+    for attempt in 0..3 {
+        let live = live_allocs(s, "limited");
+        assert_eq!(live.len(), 1, "attempt {attempt}: {live:?}");
+        assert_eq!(live[0].reschedule_events.len(), attempt);
+        report(s, &live[0], AllocClientStatus::Failed).await;
+        failed.push(live[0].id.clone());
+    }
+    // Two reschedules, then none: the index stays failed.
+    assert!(live_allocs(s, "limited").is_empty());
+    let last = s.allocation(&failed[2]).unwrap();
+    assert!(last.next_allocation.is_empty());
+    assert_eq!(
+        last.reschedule_events
+            .iter()
+            .map(|e| e.prev_alloc_id.as_str())
+            .collect::<Vec<_>>(),
+        [failed[0].as_str(), failed[1].as_str()]
+    );
+    assert_eq!(s.job("limited").unwrap().status, JobStatus::Dead);
 }
 
 #[tokio::test]

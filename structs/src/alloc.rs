@@ -115,11 +115,30 @@ pub struct Allocation {
     /// by the group's volume name.
     #[serde(default)]
     pub csi_volume_stats: BTreeMap<String, crate::csi::CsiVolumeStats>,
+    /// The failed alloc this one replaced, if it is a reschedule.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub previous_allocation: String,
+    /// The alloc that replaced this failed one.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub next_allocation: String,
+    /// The reschedules of its index up to this alloc, oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub reschedule_events: Vec<crate::reschedule::RescheduleEvent>,
 }
 
 impl Allocation {
     pub fn group(&self) -> Option<&TaskGroup> {
         self.job.lookup_group(&self.task_group)
+    }
+
+    /// When (unix ms) the alloc's tasks last finished: its failure, for a
+    /// failed alloc; the last change when no task says.
+    pub fn failed_at_ms(&self) -> i64 {
+        self.task_states
+            .values()
+            .filter_map(|s| s.finished_at_ms)
+            .max()
+            .unwrap_or(self.modify_time_ms)
     }
 
     /// Terminal on the servers' side or on the client's.
@@ -160,6 +179,9 @@ impl Allocation {
             node_last_heartbeat_ms,
             disconnected,
             csi_volume_stats: _,
+            previous_allocation,
+            next_allocation,
+            reschedule_events,
         } = self;
         *id == other.id
             && *name == other.name
@@ -177,6 +199,9 @@ impl Allocation {
             && *disconnected == other.disconnected
             && *task_states == other.task_states
             && *job == other.job
+            && *previous_allocation == other.previous_allocation
+            && *next_allocation == other.next_allocation
+            && *reschedule_events == other.reschedule_events
     }
 }
 

@@ -328,6 +328,38 @@ impl Spread {
     }
 }
 
+/// Whether the datacenter `dc` is one `pattern` (an entry of a job's
+/// `datacenters`) names: the name itself, or a glob where `*` stands for
+/// any run of characters and `?` for one (`"us-*"`, `"*"`).
+pub fn datacenter_matches(pattern: &str, dc: &str) -> bool {
+    let (p, d): (Vec<char>, Vec<char>) = (pattern.chars().collect(), dc.chars().collect());
+    // The classic two-pointer glob match, with backtracking to the last
+    // `*`.
+    let (mut i, mut j) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while j < d.len() {
+        match p.get(i) {
+            Some('*') => {
+                star = Some((i, j));
+                i += 1;
+            }
+            Some(c) if *c == '?' || *c == d[j] => {
+                i += 1;
+                j += 1;
+            }
+            _ => match star {
+                Some((si, sj)) => {
+                    i = si + 1;
+                    j = sj + 1;
+                    star = Some((si, sj + 1));
+                }
+                None => return false,
+            },
+        }
+    }
+    p[i..].iter().all(|c| *c == '*')
+}
+
 /// A regular expression of a `regexp` constraint, bounded in size.
 pub fn compile_regex(pattern: &str) -> Result<regex::Regex, String> {
     regex::RegexBuilder::new(pattern)
@@ -556,6 +588,29 @@ mod tests {
 
     fn v(s: &str) -> Version {
         Version::parse(s).unwrap()
+    }
+
+    #[test]
+    fn datacenters_match_by_name_or_glob() {
+        for (pattern, dc, want) in [
+            ("dc1", "dc1", true),
+            ("dc1", "dc2", false),
+            ("*", "anything", true),
+            ("us-*", "us-east-1", true),
+            ("us-*", "eu-west-1", false),
+            ("us-?ast-*", "us-east-1", true),
+            ("*-1", "us-east-1", true),
+            ("*east*", "us-east-1", true),
+            ("us-*-2", "us-east-1", false),
+            ("", "dc1", false),
+            ("dc1*", "dc1", true),
+        ] {
+            assert_eq!(
+                datacenter_matches(pattern, dc),
+                want,
+                "{pattern:?} ~ {dc:?}"
+            );
+        }
     }
 
     #[test]

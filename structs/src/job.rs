@@ -50,38 +50,6 @@ pub enum JobStatus {
     Dead,
 }
 
-/// Whether the datacenter `dc` is one `pattern` (an entry of a job's
-/// `datacenters`) names: the name itself, or a glob where `*` stands for
-/// any run of characters and `?` for one (`"us-*"`, `"*"`).
-pub fn datacenter_matches(pattern: &str, dc: &str) -> bool {
-    let (p, d): (Vec<char>, Vec<char>) = (pattern.chars().collect(), dc.chars().collect());
-    // The classic two-pointer glob match, with backtracking to the last
-    // `*`.
-    let (mut i, mut j) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while j < d.len() {
-        match p.get(i) {
-            Some('*') => {
-                star = Some((i, j));
-                i += 1;
-            }
-            Some(c) if *c == '?' || *c == d[j] => {
-                i += 1;
-                j += 1;
-            }
-            _ => match star {
-                Some((si, sj)) => {
-                    i = si + 1;
-                    j = sj + 1;
-                    star = Some((si, sj + 1));
-                }
-                None => return false,
-            },
-        }
-    }
-    p[i..].iter().all(|c| *c == '*')
-}
-
 /// One version of a job as it was submitted: the servers keep the last
 /// few of each job (`job history`, `job revert`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
@@ -130,6 +98,9 @@ pub struct Job {
     pub spreads: Vec<crate::constraint::Spread>,
     #[serde(default)]
     pub priority: u32,
+    /// The job's `reschedule` block, for the groups without their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reschedule: Option<crate::reschedule::ReschedulePolicy>,
     pub task_groups: Vec<TaskGroup>,
     #[serde(default)]
     pub meta: BTreeMap<String, String>,
@@ -170,6 +141,10 @@ pub struct TaskGroup {
     pub tasks: Vec<Task>,
     #[serde(default)]
     pub restart: RestartPolicy,
+    /// The `reschedule` block: None takes the job's, or the job type's
+    /// defaults (see [`Job::reschedule_policy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reschedule: Option<crate::reschedule::ReschedulePolicy>,
     /// Stop the group's allocs once the client has been without a successful
     /// heartbeat for this long: the alias of `disconnect {
     /// stop_on_client_after }` (read both through
@@ -526,6 +501,9 @@ impl Job {
         for c in &self.constraints {
             c.validate(&format!("job {job}"), &mut errs);
         }
+        if let Some(r) = &self.reschedule {
+            r.validate(&format!("job {job}"), &mut errs);
+        }
         for a in &self.affinities {
             a.validate(&format!("job {job}"), &mut errs);
         }
@@ -548,6 +526,16 @@ impl Job {
 
     pub fn lookup_group(&self, name: &str) -> Option<&TaskGroup> {
         self.task_groups.iter().find(|g| g.name == name)
+    }
+
+    /// The reschedule policy of `group`: its own block, else the job's,
+    /// else the job type's defaults.
+    pub fn reschedule_policy(&self, group: &TaskGroup) -> crate::reschedule::ReschedulePolicy {
+        group
+            .reschedule
+            .clone()
+            .or_else(|| self.reschedule.clone())
+            .unwrap_or_else(|| crate::reschedule::ReschedulePolicy::default_for(self.job_type))
     }
 }
 
@@ -578,6 +566,9 @@ impl TaskGroup {
             ));
         }
         self.restart.validate(&at, errs);
+        if let Some(r) = &self.reschedule {
+            r.validate(&at, errs);
+        }
         self.validate_disconnect(&at, errs);
         for c in &self.constraints {
             c.validate(&at, errs);
@@ -908,29 +899,6 @@ pub mod opt_duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn datacenters_match_by_name_or_glob() {
-        for (pattern, dc, want) in [
-            ("dc1", "dc1", true),
-            ("dc1", "dc2", false),
-            ("*", "anything", true),
-            ("us-*", "us-east-1", true),
-            ("us-*", "eu-west-1", false),
-            ("us-?ast-*", "us-east-1", true),
-            ("*-1", "us-east-1", true),
-            ("*east*", "us-east-1", true),
-            ("us-*-2", "us-east-1", false),
-            ("", "dc1", false),
-            ("dc1*", "dc1", true),
-        ] {
-            assert_eq!(
-                datacenter_matches(pattern, dc),
-                want,
-                "{pattern:?} ~ {dc:?}"
-            );
-        }
-    }
 
     #[test]
     fn destination_must_stay_inside_task_dir() {

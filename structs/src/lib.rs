@@ -18,17 +18,19 @@ pub mod limits;
 pub mod names;
 pub mod node;
 pub mod node_secret;
+pub mod reschedule;
 pub mod secret;
 pub mod spec;
 
 pub use alloc::*;
-pub use constraint::{Affinity, Constraint, Operator, Spread, SpreadTarget};
+pub use constraint::{datacenter_matches, Affinity, Constraint, Operator, Spread, SpreadTarget};
 pub use csi::*;
 pub use disconnect::*;
 pub use job::*;
 pub use names::{check_name, is_valid_name, NameError, NameProblem};
 pub use node::*;
 pub use node_secret::{NodeSecret, NodeSecretError};
+pub use reschedule::{DelayFunction, RescheduleEvent, ReschedulePolicy};
 
 /// A job or volume that fails its checks. Each entry names what is wrong and
 /// where.

@@ -1059,3 +1059,56 @@ job "j" {
         "{errs:?}"
     );
 }
+
+#[test]
+fn reschedule_blocks_take_the_job_types_defaults_and_the_jobs_block() {
+    let job = parse_job(
+        r#"
+job "j" {
+  type = "batch"
+  reschedule {
+    delay = "10s"
+  }
+  group "g" {
+    reschedule {
+      attempts       = 3
+      interval       = "1h"
+      delay_function = "exponential"
+      max_delay      = "2m"
+    }
+    task "web" {
+      driver = "raw_exec"
+      config { command = "/bin/true" }
+    }
+  }
+  group "h" {
+    task "web" {
+      driver = "raw_exec"
+      config { command = "/bin/true" }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    job.validate().unwrap();
+    let g = job.reschedule_policy(&job.task_groups[0]);
+    assert_eq!(g.attempts, 3);
+    assert_eq!(g.delay, Duration::from_secs(10), "the job's block");
+    assert_eq!(g.max_delay, Duration::from_secs(120));
+    assert_eq!(g.delay_function, berth_structs::DelayFunction::Exponential);
+    assert!(!g.unlimited);
+    // No block of its own: the job's, over the batch defaults.
+    let h = job.reschedule_policy(&job.task_groups[1]);
+    assert_eq!((h.attempts, h.delay), (1, Duration::from_secs(10)));
+    assert_eq!(h.interval, Duration::from_secs(24 * 3600));
+
+    let e = job_err(&job_with_task(
+        "    }\n    reschedule {\n      delay_function = \"linear\"\n",
+    ));
+    assert!(
+        e.to_string()
+            .contains("delay function \"linear\" is not supported"),
+        "{e}"
+    );
+}

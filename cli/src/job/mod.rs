@@ -712,6 +712,12 @@ fn job_view(api: &ApiClient, job: &Value, all_allocs: bool) -> Result<Value> {
                 "create_index": a["create_index"],
                 "create_time_ms": a["create_time_ms"],
                 "modify_time_ms": a["modify_time_ms"],
+                "reschedule_attempts": a["reschedule_events"].as_array().map_or(0, Vec::len),
+                "next_reschedule_ms": match crate::reschedule::next_reschedule(a) {
+                    Some(crate::reschedule::Next::At(at)) => json!(at),
+                    Some(crate::reschedule::Next::NoMore) => json!("none"),
+                    None => Value::Null,
+                },
             })
         })
         .collect();
@@ -865,6 +871,7 @@ pub fn job_text(
             out.push_str(&format!("  {f}\n"));
         }
     }
+    out.push_str(&crate::reschedule::job_section(v, now));
     out.push_str(&format!(
         "\nAllocations{}\n",
         if all_allocs {

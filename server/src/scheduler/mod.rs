@@ -7,12 +7,19 @@
 //! another write. Rules:
 //!
 //! - `service`: keep `count` allocs per group that are not terminal. Failed,
-//!   complete and lost allocs are replaced (a failed one after
-//!   `reschedule_delay`, a lost one whose group sets
-//!   `stop_after_client_disconnect` only after that window, so two copies of
-//!   a single-writer workload never run at once).
-//! - `batch`: like service, but an alloc that completed or failed is done
-//!   and not replaced; lost ones are. The job is dead once every alloc is.
+//!   complete and lost allocs are replaced (a failed one as the group's
+//!   reschedule policy says: after its delay, which grows from attempt to
+//!   attempt, and not once the policy allows no more, when the index stays
+//!   failed; a lost one whose group sets `stop_after_client_disconnect`
+//!   only after that window, so two copies of a single-writer workload
+//!   never run at once). A replacement of a failed alloc records it and the
+//!   attempts before (`reschedule_events`), and the failed alloc its
+//!   replacement (`next_allocation`).
+//! - `batch`: like service, but an alloc that completed is done and not
+//!   replaced; a failed one is rescheduled by the policy (Nomad's batch
+//!   default: once a day), lost ones are replaced. The job is dead once
+//!   nothing runs or waits to be placed or rescheduled (so is a service
+//!   job whose policy gave up on every alloc).
 //! - `system`: one alloc per ready, eligible node that passes feasibility
 //!   (a failed one is replaced after `reschedule_delay` too).
 //! - Allocs the servers stopped (desired stop: job stopped, updated, or a

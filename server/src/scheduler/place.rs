@@ -286,7 +286,7 @@ impl Placer<'_, '_> {
     fn held_on_node(&mut self, here: &[&Allocation], group: &TaskGroup) -> bool {
         let mut held = false;
         for a in here {
-            match occupancy(a, JobType::System, group, self.cfg, self.now_ms) {
+            match occupancy(a, self.job, group, self.cfg, self.now_ms) {
                 Occupancy::Free => {}
                 Occupancy::Held => held = true,
                 Occupancy::Delayed(until) => {
@@ -323,9 +323,10 @@ impl Placer<'_, '_> {
             self.put(stop(a, "count reduced"));
         }
         let mut indexed = IndexedPlacement::new(self, group);
+        let failed = last_failed_by_index(current);
         for index in 0..group.count {
             if !occupied.contains(&index) {
-                self.place_index(&mut indexed, group, index);
+                self.place_index(&mut indexed, group, index, failed.get(&index).copied());
             }
         }
         self.outcome.note_unplaced(group, indexed.tally.total);
@@ -339,7 +340,7 @@ impl Placer<'_, '_> {
     fn occupied_indices(&mut self, group: &TaskGroup, current: &[Allocation]) -> BTreeSet<u32> {
         let mut occupied = BTreeSet::new();
         for a in current {
-            let occupies = match occupancy(a, self.job.job_type, group, self.cfg, self.now_ms) {
+            let occupies = match occupancy(a, self.job, group, self.cfg, self.now_ms) {
                 Occupancy::Free => false,
                 Occupancy::Held => true,
                 Occupancy::Delayed(until) => {
@@ -359,8 +360,16 @@ impl Placer<'_, '_> {
     }
 
     /// Place alloc `index` of a service or batch group on the best node
-    /// that fits, or tally why none does.
-    fn place_index(&mut self, indexed: &mut IndexedPlacement, group: &TaskGroup, index: u32) {
+    /// that fits, or tally why none does. A placement that replaces the
+    /// failed alloc `failed` is a reschedule: it carries the attempts
+    /// before it and one more, and `failed` records its successor.
+    fn place_index(
+        &mut self,
+        indexed: &mut IndexedPlacement,
+        group: &TaskGroup,
+        index: u32,
+        failed: Option<&Allocation>,
+    ) {
         let job = self.job;
         if let Some(reason) = &indexed.group_blocked {
             indexed.tally.add(reason, index);
@@ -403,6 +412,23 @@ impl Placer<'_, '_> {
                 *n = n.saturating_add(1);
                 indexed.scoring.placed(pos);
                 indexed.rekey(&self.ctx, &self.nodes, pos);
+                if let Some(prev) = failed {
+                    let policy = job.reschedule_policy(group);
+                    let delay = policy.next_delay(&prev.reschedule_events, prev.failed_at_ms());
+                    alloc.previous_allocation = prev.id.clone();
+                    alloc.reschedule_events = prev.reschedule_events.clone();
+                    alloc
+                        .reschedule_events
+                        .push(berth_structs::RescheduleEvent {
+                            time_ms: self.now_ms,
+                            prev_alloc_id: prev.id.clone(),
+                            prev_node_id: prev.node_id.clone(),
+                            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                        });
+                    let mut replaced = prev.clone();
+                    replaced.next_allocation = alloc.id.clone();
+                    self.put(replaced);
+                }
                 self.put(alloc);
             }
             None => {
@@ -427,6 +453,25 @@ impl Placer<'_, '_> {
             }
         }
     }
+}
+
+/// Per index, the newest failed alloc not replaced yet (the one a new
+/// alloc at that index reschedules).
+fn last_failed_by_index(current: &[Allocation]) -> BTreeMap<u32, &Allocation> {
+    let mut out: BTreeMap<u32, &Allocation> = BTreeMap::new();
+    for a in current.iter().filter(|a| {
+        a.client_status == AllocClientStatus::Failed
+            && a.next_allocation.is_empty()
+            && !a.server_terminal()
+    }) {
+        let newer = out
+            .get(&a.index)
+            .is_none_or(|b| (a.create_index, &a.id) > (b.create_index, &b.id));
+        if newer {
+            out.insert(a.index, a);
+        }
+    }
+    out
 }
 
 /// The placements of one service or batch group under way.
@@ -1208,6 +1253,97 @@ mod tests {
         assert_eq!(
             per_rack(&placed, &nodes),
             BTreeMap::from([("r1".into(), 2)])
+        );
+    }
+
+    /// A failed alloc of `job` at `index` on n1, failed at `failed_at`
+    /// after the reschedule delays `history` (seconds).
+    fn failed(job: &Job, index: u32, failed_at: i64, history: &[u64]) -> Allocation {
+        Allocation {
+            client_status: AllocClientStatus::Failed,
+            modify_time_ms: failed_at,
+            reschedule_events: history
+                .iter()
+                .map(|d| berth_structs::RescheduleEvent {
+                    time_ms: failed_at - 1,
+                    delay_ms: d * 1000,
+                    ..Default::default()
+                })
+                .collect(),
+            ..running(job, index, "n1")
+        }
+    }
+
+    fn plan_at(t: &Tables, job_id: &str, now: i64) -> (PlanOutcome, Vec<Change>) {
+        let cfg = ServerConfig::new("/nonexistent");
+        let mut changes = Vec::new();
+        let outcome = plan_job(t, job_id, &cfg, now, &mut changes);
+        (outcome, changes)
+    }
+
+    #[test]
+    fn a_failed_alloc_is_rescheduled_after_its_growing_delay() {
+        // Nomad's service default: 30 s, then twice as long each time.
+        let web = job("web", 1, vec![task("t", 100, 64)]);
+        let gone = failed(&web, 0, 1_000_000, &[30, 60]);
+        let t = tables(vec![node("n1", 4000, 4096)], vec![web], vec![gone.clone()]);
+        let (outcome, changes) = plan_at(&t, "web", 1_000_000 + 119_000);
+        assert!(
+            changes.iter().all(|c| !matches!(c, Change::PutAlloc(_))),
+            "{changes:?}"
+        );
+        assert_eq!(outcome.due_ms, Some(1_000_000 + 120_000));
+        let (_, changes) = plan_at(&t, "web", 1_000_000 + 120_000);
+        let placed: Vec<&Allocation> = changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) if a.id != gone.id => Some(a),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(placed.len(), 1);
+        assert_eq!(placed[0].previous_allocation, gone.id);
+        let delays: Vec<u64> = placed[0]
+            .reschedule_events
+            .iter()
+            .map(|e| e.delay_ms / 1000)
+            .collect();
+        assert_eq!(delays, [30, 60, 120]);
+    }
+
+    #[test]
+    fn a_batch_alloc_is_rescheduled_once_a_day_by_default() {
+        let mut once = job("once", 1, vec![task("t", 100, 64)]);
+        once.job_type = JobType::Batch;
+        let first = failed(&once, 0, 1_000_000, &[]);
+        let t = tables(
+            vec![node("n1", 4000, 4096)],
+            vec![once.clone()],
+            vec![first],
+        );
+        let (_, changes) = plan_at(&t, "once", 1_000_000 + 5_000);
+        assert_eq!(
+            changes
+                .iter()
+                .filter(|c| matches!(c, Change::PutAlloc(a) if !a.previous_allocation.is_empty()))
+                .count(),
+            1,
+            "{changes:?}"
+        );
+        // The replacement failed too: no second attempt within the day.
+        let second = failed(&once, 0, 2_000_000, &[5]);
+        let t = tables(vec![node("n1", 4000, 4096)], vec![once], vec![second]);
+        let (outcome, changes) = plan_at(&t, "once", 3_000_000);
+        assert!(
+            changes.iter().all(|c| !matches!(c, Change::PutAlloc(_))),
+            "{changes:?}"
+        );
+        assert!(!outcome.delayed);
+        assert!(
+            changes.iter().any(
+                |c| matches!(c, Change::PutJob(j) if j.status == berth_structs::JobStatus::Dead)
+            ),
+            "{changes:?}"
         );
     }
 

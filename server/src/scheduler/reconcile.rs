@@ -120,14 +120,20 @@ pub(super) enum Occupancy {
     FreeUntil(i64),
 }
 
-/// Whether an alloc of the current version holds its index in the group.
+/// Whether an alloc of the current version of `job` holds its index in
+/// the group. A failed alloc of a service or batch job is replaced as the
+/// group's reschedule policy says: once (an alloc that was replaced holds
+/// nothing), after the policy's delay, and not at all once the policy
+/// allows no more attempts (it holds its index, failed). A failed alloc
+/// of a system job is replaced after `reschedule_delay`.
 pub(super) fn occupancy(
     a: &Allocation,
-    job_type: JobType,
+    job: &Job,
     group: &TaskGroup,
     cfg: &ServerConfig,
     now_ms: i64,
 ) -> Occupancy {
+    let job_type = job.job_type;
     if a.client_status == AllocClientStatus::Unknown && !a.server_terminal() {
         // Its node is down and may still run it.
         let lost_at = a.disconnected.as_ref().map_or(now_ms, |d| d.lost_at_ms);
@@ -145,7 +151,17 @@ pub(super) fn occupancy(
     }
     let batch = job_type == JobType::Batch;
     match a.client_status {
-        AllocClientStatus::Complete | AllocClientStatus::Failed if batch => Occupancy::Held,
+        AllocClientStatus::Complete if batch => Occupancy::Held,
+        AllocClientStatus::Failed if job_type != JobType::System => {
+            if !a.next_allocation.is_empty() || a.server_terminal() {
+                return Occupancy::Free;
+            }
+            match job.reschedule_policy(group).next_attempt_ms(a) {
+                None => Occupancy::Held,
+                Some(at) if now_ms < at => Occupancy::Delayed(at),
+                Some(_) => Occupancy::Free,
+            }
+        }
         AllocClientStatus::Lost => match disconnect_window_end_ms(a, group, cfg.heartbeat_grace) {
             Some(end) if now_ms < end => Occupancy::Delayed(end),
             _ => Occupancy::Free,
@@ -240,7 +256,10 @@ pub(super) fn job_status(
     if job.stop {
         return JobStatus::Dead;
     }
-    if job.job_type == JobType::Batch
+    // Nothing runs, nothing waits to be placed or replaced: done (a
+    // batch job), or given up on (every alloc failed past its reschedule
+    // policy).
+    if job.job_type != JobType::System
         && !allocs.is_empty()
         && outcome.failures.is_empty()
         && !outcome.delayed

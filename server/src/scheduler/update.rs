@@ -4,7 +4,8 @@
 //! one placed at its index).
 //!
 //! In place: the group's `count` (the difference is placed or stopped,
-//! the rest kept), its `meta`, its `restart` policy and its disconnect
+//! the rest kept), its `meta`, its `restart` and `reschedule` policies
+//! (the job's too) and its disconnect
 //! settings, the tasks' `kill_timeout`, the job's `meta` and `priority`,
 //! the `affinity` and `spread` preferences (they steer new placements and
 //! move nothing that runs), and what the servers manage (version, status,
@@ -79,6 +80,7 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
         affinities: _,
         spreads: _,
         priority: _,
+        reschedule: _,
         task_groups,
         meta: _,
         stop: _,
@@ -96,6 +98,7 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
         volumes,
         tasks,
         restart: _,
+        reschedule: _,
         stop_after_client_disconnect: _,
         max_client_disconnect: _,
         disconnect: _,

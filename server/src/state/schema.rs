@@ -37,8 +37,11 @@ macro_rules! schema {
             }
         }
 
-        /// One change of a write.
+        /// One change of a write. The records are held inline: a change
+        /// lives only as long as its write, and an alloc, the largest,
+        /// is the most common one.
         #[derive(Debug, Clone)]
+        #[allow(clippy::large_enum_variant)]
         pub enum Change {
             $(
                 #[doc = concat!("Put a record of the `", $name, "` table.")]

@@ -399,6 +399,9 @@ pub fn task(name: &str) -> Task {
     }
 }
 
+/// A job of one group "g" of `count` allocs of task "t". A failed alloc
+/// of it is replaced at once, without end (the tests of rescheduling set
+/// their own policy).
 pub fn job(id: &str, job_type: JobType, count: u32) -> Job {
     Job {
         id: id.into(),
@@ -410,6 +413,12 @@ pub fn job(id: &str, job_type: JobType, count: u32) -> Job {
             tasks: vec![task("t")],
             ..Default::default()
         }],
+        reschedule: Some(berth_structs::ReschedulePolicy {
+            delay: Duration::ZERO,
+            delay_function: berth_structs::DelayFunction::Constant,
+            unlimited: true,
+            ..berth_structs::ReschedulePolicy::default_for(job_type)
+        }),
         ..Default::default()
     }
 }

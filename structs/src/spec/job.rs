@@ -16,6 +16,7 @@ use crate::limits::{
     MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_LOG_FILES, MAX_LOG_FILE_SIZE_MB, MAX_MEMORY_MB,
     MAX_PRIORITY, MAX_RESTART_ATTEMPTS,
 };
+use crate::reschedule::ReschedulePolicy;
 
 /// Nomad's default job priority.
 const DEFAULT_PRIORITY: u32 = 50;
@@ -46,7 +47,14 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         "the job file",
         "the job ID",
         &["name", "type", "region", "datacenters", "priority", "meta"],
-        &["group", "meta", "constraint", "affinity", "spread"],
+        &[
+            "group",
+            "meta",
+            "constraint",
+            "affinity",
+            "spread",
+            "reschedule",
+        ],
     )?;
 
     let job_type = match r.string("type")?.as_deref() {
@@ -65,10 +73,18 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         return Err(r.invalid("priority", "must be between 1 and 100"));
     }
 
+    let reschedule = r
+        .optional_block("reschedule")?
+        .map(|b| decode_reschedule(src, b, r.ctx(), &ReschedulePolicy::default_for(job_type)))
+        .transpose()?;
+    let group_base = reschedule
+        .clone()
+        .unwrap_or_else(|| ReschedulePolicy::default_for(job_type));
+
     let mut task_groups: Vec<TaskGroup> = Vec::new();
     for g in r.blocks("group") {
         let line = src.line_of(g);
-        let group = decode_group(src, g, r.ctx())?;
+        let group = decode_group(src, g, r.ctx(), &group_base)?;
         if task_groups.iter().any(|other| other.name == group.name) {
             return Err(SpecError::at(
                 line,
@@ -90,11 +106,19 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         constraints: decode_constraints(&r)?,
         affinities: decode_affinities(&r)?,
         spreads: decode_spreads(&r)?,
+        reschedule,
         ..Job::default()
     })
 }
 
-fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGroup, SpecError> {
+/// A group; its `reschedule` block's unset fields take `reschedule_base`
+/// (the job's block, or the job type's defaults).
+fn decode_group(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+    reschedule_base: &ReschedulePolicy,
+) -> Result<TaskGroup, SpecError> {
     let (name, r) = BodyReader::labeled(
         src,
         block,
@@ -115,8 +139,13 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
             "constraint",
             "affinity",
             "spread",
+            "reschedule",
         ],
     )?;
+    let reschedule = r
+        .optional_block("reschedule")?
+        .map(|b| decode_reschedule(src, b, r.ctx(), reschedule_base))
+        .transpose()?;
     let disconnect = match r.optional_block("disconnect")? {
         None => None,
         Some(b) => Some(decode_disconnect(src, b, r.ctx())?),
@@ -179,6 +208,46 @@ fn decode_group(src: &Source<'_>, block: &Block, parent: &str) -> Result<TaskGro
         constraints: decode_constraints(&r)?,
         affinities: decode_affinities(&r)?,
         spreads: decode_spreads(&r)?,
+        reschedule,
+    })
+}
+
+/// A `reschedule` block; what it leaves unset is `base`'s.
+fn decode_reschedule(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+    base: &ReschedulePolicy,
+) -> Result<ReschedulePolicy, SpecError> {
+    let r = BodyReader::unlabeled(
+        src,
+        block,
+        parent,
+        &[
+            "attempts",
+            "interval",
+            "delay",
+            "delay_function",
+            "max_delay",
+            "unlimited",
+        ],
+        &[],
+    )?;
+    let attempts = r.u32("attempts", MAX_RESTART_ATTEMPTS)?;
+    Ok(ReschedulePolicy {
+        // Attempts without `unlimited` mean a limit (Nomad's rule).
+        unlimited: r
+            .bool("unlimited")?
+            .unwrap_or(base.unlimited && attempts.is_none()),
+        attempts: attempts.unwrap_or(base.attempts),
+        interval: r
+            .duration("interval", MAX_DURATION)?
+            .unwrap_or(base.interval),
+        delay: r.duration("delay", MAX_DURATION)?.unwrap_or(base.delay),
+        delay_function: r.parsed("delay_function")?.unwrap_or(base.delay_function),
+        max_delay: r
+            .duration("max_delay", MAX_DURATION)?
+            .unwrap_or(base.max_delay),
     })
 }
 
