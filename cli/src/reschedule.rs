@@ -1,6 +1,7 @@
-//! What `alloc status` and `job status` say of rescheduling: the
-//! replacement a failed alloc is due (and when), or that its policy
-//! allows no more attempts; the attempts a replacement carries.
+//! What `alloc status`, `job status` and `job run` say of replacements:
+//! the replacement a failed alloc is due (and when), or that its policy
+//! allows no more attempts; the attempts a replacement carries; and the
+//! allocs placed that wait for the volume claims of those they replace.
 
 use berth_structs::{AllocClientStatus, Allocation, JobType};
 use serde_json::Value;
@@ -71,6 +72,16 @@ pub fn header_lines(alloc: &Value, verbose: bool, now_ms: i64) -> Vec<(&'static 
     if let Some(next) = next_reschedule(alloc) {
         out.push(("Reschedule Eligibility", next.describe(now_ms)));
     }
+    let waits: Vec<String> = alloc["waiting_for_claims_of"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .map(|id| if verbose { id } else { short_id(id) }.to_string())
+        .collect();
+    if !waits.is_empty() && alloc["desired_status"] == "run" {
+        out.push(("Waiting For Claims Of", waits.join(", ")));
+    }
     out
 }
 
@@ -122,6 +133,44 @@ pub fn job_section(v: &Value, now_ms: i64) -> String {
         return String::new();
     }
     format!("\nRescheduling\n{}", lines.concat())
+}
+
+/// One line per alloc of `allocs` placed that waits for the volume
+/// claims of the allocs it replaces.
+pub fn waiting_lines(allocs: &[Value]) -> Vec<String> {
+    allocs
+        .iter()
+        .filter(|a| a["desired_status"] == "run")
+        .filter_map(|a| {
+            let waits: Vec<&str> = a["waiting_for_claims_of"]
+                .as_array()?
+                .iter()
+                .filter_map(Value::as_str)
+                .map(short_id)
+                .collect();
+            (!waits.is_empty()).then(|| {
+                format!(
+                    "{} waits for the claims of alloc {} to be released",
+                    a["name"].as_str().unwrap_or_default(),
+                    waits.join(", ")
+                )
+            })
+        })
+        .collect()
+}
+
+/// The `Waiting` section of `job status` (see [`waiting_lines`]).
+pub fn waiting_section(v: &Value) -> String {
+    let allocs = v["allocations"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[]);
+    let lines = waiting_lines(allocs);
+    if lines.is_empty() {
+        return String::new();
+    }
+    let body: String = lines.iter().map(|l| format!("  {l}\n")).collect();
+    format!("\nWaiting\n{body}")
 }
 
 #[cfg(test)]

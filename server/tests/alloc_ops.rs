@@ -84,7 +84,7 @@ async fn stopping_a_finished_alloc_changes_nothing() {
 /// The replacement of a stopped single-node writer waits for the stopped
 /// alloc's write claim to be freed: the two never hold the volume at once.
 #[tokio::test]
-async fn a_stopped_writer_is_replaced_only_once_its_claim_is_freed() {
+async fn a_stopped_writers_replacement_waits_for_its_claim_to_be_freed() {
     let ts = TestServer::start(|_| {}).await;
     let s = &ts.server;
     register(s, node("n1")).await;
@@ -100,21 +100,29 @@ async fn a_stopped_writer_is_replaced_only_once_its_claim_is_freed() {
         .expect("claim");
     report(s, &first, AllocClientStatus::Running).await;
 
+    // The replacement is placed at once, but held back from its node
+    // while the stopped alloc's claim holds.
     let answer = s.stop_alloc(&first.id).await.expect("alloc stop");
-    assert_eq!(answer.replacement, None, "placed while the claim is held");
-    assert!(live_allocs(s, "db").is_empty());
-    let failures = s.job_placement_failures("db");
+    let next_id = answer.replacement.expect("a replacement placed");
+    let waiting = |s: &berth_server::Server| {
+        s.allocation(&next_id)
+            .expect("replacement")
+            .waits_for_claims()
+    };
+    assert!(waiting(s));
+    assert_eq!(
+        s.allocation(&next_id).unwrap().waiting_for_claims_of,
+        vec![first.id.clone()]
+    );
+    assert!(s.job_placement_failures("db").is_empty());
     assert!(
-        failures.iter().any(|f| f.contains("already has a writer")),
-        "{failures:?}"
+        s.allocations_on_node("n1").iter().any(|a| a.id == next_id),
+        "placed on n1"
     );
 
     // The client stops it; the claim still holds until it is freed.
     report(s, &first, AllocClientStatus::Complete).await;
-    assert!(
-        live_allocs(s, "db").is_empty(),
-        "placed before the claim was freed"
-    );
+    assert!(waiting(s), "sent to its node before the claim was freed");
 
     csi.unpublish(pb::UnpublishRequest {
         volume_id: "data".into(),
@@ -124,10 +132,13 @@ async fn a_stopped_writer_is_replaced_only_once_its_claim_is_freed() {
     .await
     .expect("unpublish");
     assert!(s.volume("data").expect("volume").write_claims.is_empty());
+    assert!(!waiting(s), "released once the claim is freed");
     let next = live_allocs(s, "db");
-    assert_eq!(next.len(), 1, "replaced once the claim is freed");
-    assert_ne!(next[0].id, first.id);
-    assert_eq!(next[0].index, first.index);
+    assert_eq!(next.len(), 1);
+    assert_eq!(
+        (next[0].id.as_str(), next[0].index),
+        (next_id.as_str(), first.index)
+    );
 }
 
 #[tokio::test]

@@ -124,6 +124,11 @@ pub struct Allocation {
     /// The reschedules of its index up to this alloc, oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub reschedule_events: Vec<crate::reschedule::RescheduleEvent>,
+    /// The allocs whose volume claims this one waits for (the allocs it
+    /// replaces, stopping): placed, it goes to its node once they are
+    /// released.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub waiting_for_claims_of: Vec<String>,
 }
 
 impl Allocation {
@@ -139,6 +144,12 @@ impl Allocation {
             .filter_map(|s| s.finished_at_ms)
             .max()
             .unwrap_or(self.modify_time_ms)
+    }
+
+    /// Placed, but held back from its node until the volume claims of
+    /// the allocs it replaces are released.
+    pub fn waits_for_claims(&self) -> bool {
+        !self.waiting_for_claims_of.is_empty() && !self.server_terminal()
     }
 
     /// Terminal on the servers' side or on the client's.
@@ -182,6 +193,7 @@ impl Allocation {
             previous_allocation,
             next_allocation,
             reschedule_events,
+            waiting_for_claims_of,
         } = self;
         *id == other.id
             && *name == other.name
@@ -202,6 +214,7 @@ impl Allocation {
             && *previous_allocation == other.previous_allocation
             && *next_allocation == other.next_allocation
             && *reschedule_events == other.reschedule_events
+            && *waiting_for_claims_of == other.waiting_for_claims_of
     }
 }
 

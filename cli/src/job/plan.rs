@@ -160,6 +160,9 @@ pub fn plan_text(plan: &Value, args: &str, verbose: bool) -> String {
             ));
         }
     }
+    for w in strs(&plan["waiting"]) {
+        out.push_str(&format!("- {w}\n"));
+    }
     let failures = strs(&plan["placement_failures"]);
     if failures.is_empty() {
         out.push_str("- All tasks successfully allocated.\n");

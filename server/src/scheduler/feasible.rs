@@ -2,7 +2,7 @@
 //! resources in use per node, the expected volume claims), and why a group
 //! cannot run on a node.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use berth_structs::{
@@ -78,6 +78,8 @@ pub(super) struct PlanContext<'a> {
     volumes: BTreeMap<String, CsiVolume>,
     /// Each group's placement rules, compiled once.
     rules: HashMap<String, Arc<GroupRules>>,
+    /// The allocs this plan stops: their claims are on their way out.
+    stopped: HashSet<String>,
 }
 
 fn expected_claim(a: &Allocation, req: &berth_structs::VolumeRequest) -> Option<CsiVolumeClaim> {
@@ -129,6 +131,7 @@ impl<'a> PlanContext<'a> {
             used: HashMap::new(),
             volumes,
             rules,
+            stopped: HashSet::new(),
         };
         // Only a job that asks for volumes needs the expected claims of
         // the allocs that ask for them too. An alloc held unknown claims
@@ -200,6 +203,7 @@ impl<'a> PlanContext<'a> {
     }
 
     pub(super) fn remove(&mut self, a: &Allocation) {
+        self.stopped.insert(a.id.clone());
         let Some(g) = a.group() else { return };
         let u = self.used_mut(&a.node_id);
         *u = u.minus(Usage::of_group(g));
@@ -276,6 +280,74 @@ impl<'a> PlanContext<'a> {
             return Some(why);
         }
         None
+    }
+
+    /// For a placement of `job`'s `group` that the volume checks refuse
+    /// only because allocs it replaces still hold claims it conflicts
+    /// with: those allocs, whose release it can wait for. An alloc it
+    /// replaces is one of the same job and group that this plan or an
+    /// earlier one stopped, on a ready node whose client still reports it
+    /// (it stops the task and frees the claim soon); a lost one holds its
+    /// claim until an operator or its node frees it, and another job's
+    /// writer is not this one's to wait for. None when anything else
+    /// refuses the placement, or nothing does.
+    pub(super) fn volumes_wait(
+        &self,
+        job: &Job,
+        group: &TaskGroup,
+        index: u32,
+        alloc_id: &str,
+        node: &Node,
+    ) -> Option<Vec<String>> {
+        let outgoing = |id: &str| {
+            self.tables.allocs.get(id).is_some_and(|a| {
+                a.job_id == job.id
+                    && a.task_group == group.name
+                    && (self.stopped.contains(id) || a.server_terminal())
+                    && !matches!(
+                        a.client_status,
+                        AllocClientStatus::Lost | AllocClientStatus::Unknown
+                    )
+                    && self
+                        .tables
+                        .nodes
+                        .get(&a.node_id)
+                        .is_some_and(|n| n.status == NodeStatus::Ready)
+            })
+        };
+        let mut waits: Vec<String> = Vec::new();
+        let mut patched = BTreeMap::new();
+        for req in group.volumes.values() {
+            let vid = req.source_for(index);
+            let Some(v) = self.volumes.get(&vid) else {
+                continue;
+            };
+            let mut freed = v.clone();
+            for claims in [&mut freed.read_claims, &mut freed.write_claims] {
+                claims.retain(|id, _| {
+                    let out = id != alloc_id && outgoing(id);
+                    if out && !waits.contains(id) {
+                        waits.push(id.clone());
+                    }
+                    !out
+                });
+            }
+            patched.insert(vid, freed);
+        }
+        if waits.is_empty() {
+            return None;
+        }
+        let freed = PlanContext {
+            tables: self.tables,
+            used: HashMap::new(),
+            volumes: patched,
+            rules: HashMap::new(),
+            stopped: HashSet::new(),
+        };
+        freed
+            .volumes_infeasible(group, index, alloc_id, node)
+            .is_none()
+            .then_some(waits)
     }
 
     /// The placement rules `node` fails for `group`, if it fails one: the

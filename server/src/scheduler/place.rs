@@ -313,6 +313,7 @@ impl Placer<'_, '_> {
             .cloned()
             .collect();
         let current = current.as_slice();
+        self.release_waiting(group, current);
         let occupied = self.occupied_indices(group, current);
         // Count lowered: stop the live allocs above it.
         for a in current
@@ -333,6 +334,31 @@ impl Placer<'_, '_> {
         self.outcome
             .failures
             .extend(service_failure_lines(group, &indexed.tally));
+    }
+
+    /// The allocs of `current` that wait for the claims of the allocs
+    /// they replace go to their nodes once those claims are released;
+    /// until then the job is evaluated again whenever claims are freed.
+    fn release_waiting(&mut self, group: &TaskGroup, current: &[Allocation]) {
+        for a in current.iter().filter(|a| a.waits_for_claims()) {
+            let Some(node) = self.ctx.tables().nodes.get(&a.node_id) else {
+                continue;
+            };
+            if self
+                .ctx
+                .volumes_infeasible(group, a.index, &a.id, node)
+                .is_none()
+            {
+                let mut ready = a.clone();
+                ready.waiting_for_claims_of.clear();
+                self.put(ready);
+            } else {
+                self.outcome
+                    .waiting
+                    .push(waiting_line(group, &a.name, &a.waiting_for_claims_of));
+                self.outcome.delayed = true;
+            }
+        }
     }
 
     /// The indices of a service or batch group that its `current` allocs
@@ -360,9 +386,9 @@ impl Placer<'_, '_> {
     }
 
     /// Place alloc `index` of a service or batch group on the best node
-    /// that fits, or tally why none does. A placement that replaces the
-    /// failed alloc `failed` is a reschedule: it carries the attempts
-    /// before it and one more, and `failed` records its successor.
+    /// that fits (or that fits once the allocs it replaces release their
+    /// claims), or tally why none does. `failed` is the failed alloc it
+    /// replaces, if any.
     fn place_index(
         &mut self,
         indexed: &mut IndexedPlacement,
@@ -402,57 +428,120 @@ impl Placer<'_, '_> {
         for pos in gone {
             indexed.remove(pos);
         }
-        match best {
-            Some(pos) => {
-                let node = self.nodes[pos];
-                alloc.node_id = node.id.clone();
-                self.ctx.add(&alloc);
-                indexed.distinct.add(true, node);
-                let n = indexed.job_on_node.entry(node.id.clone()).or_default();
-                *n = n.saturating_add(1);
-                indexed.scoring.placed(pos);
-                indexed.rekey(&self.ctx, &self.nodes, pos);
-                if let Some(prev) = failed {
-                    let policy = job.reschedule_policy(group);
-                    let delay = policy.next_delay(&prev.reschedule_events, prev.failed_at_ms());
-                    alloc.previous_allocation = prev.id.clone();
-                    alloc.reschedule_events = prev.reschedule_events.clone();
-                    alloc
-                        .reschedule_events
-                        .push(berth_structs::RescheduleEvent {
-                            time_ms: self.now_ms,
-                            prev_alloc_id: prev.id.clone(),
-                            prev_node_id: prev.node_id.clone(),
-                            delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
-                        });
-                    let mut replaced = prev.clone();
-                    replaced.next_allocation = alloc.id.clone();
-                    self.put(replaced);
-                }
-                self.put(alloc);
-            }
-            None => {
-                // Nothing fits: every node's reason, as the failure shows
-                // them.
-                let reasons: Vec<(&str, String)> = self
-                    .nodes
-                    .iter()
-                    .filter_map(|node| {
-                        let why = self
-                            .ctx
-                            .infeasible(job, group, index, &alloc.id, node)
-                            .or_else(|| indexed.distinct.refuses(node))?;
-                        Some((node.name_or_id(), why))
-                    })
-                    .collect();
-                let reason = per_node_reasons(&reasons, self.nodes.len());
-                indexed.tally.add(&reason, index);
-                if indexed.same_for_every_index {
-                    indexed.group_blocked = Some(reason);
-                }
-            }
+        if let Some(pos) = best {
+            self.commit(indexed, group, pos, alloc, failed);
+            return;
+        }
+        // A node that fits but for the claims of allocs on their way out
+        // (the allocs this one replaces): placed, it waits for them.
+        if let Some((pos, waits)) = self.waiting_placement(indexed, group, index, &alloc.id) {
+            self.outcome
+                .waiting
+                .push(waiting_line(group, &alloc.name, &waits));
+            self.outcome.delayed = true;
+            alloc.waiting_for_claims_of = waits;
+            self.commit(indexed, group, pos, alloc, failed);
+            return;
+        }
+        // Nothing fits: every node's reason, as the failure shows them.
+        let reasons: Vec<(&str, String)> = self
+            .nodes
+            .iter()
+            .filter_map(|node| {
+                let why = self
+                    .ctx
+                    .infeasible(job, group, index, &alloc.id, node)
+                    .or_else(|| indexed.distinct.refuses(node))?;
+                Some((node.name_or_id(), why))
+            })
+            .collect();
+        let reason = per_node_reasons(&reasons, self.nodes.len());
+        indexed.tally.add(&reason, index);
+        if indexed.same_for_every_index {
+            indexed.group_blocked = Some(reason);
         }
     }
+
+    /// The best node for alloc `index` of `group` that fits but for the
+    /// volume claims of allocs on their way out, and those allocs.
+    fn waiting_placement(
+        &self,
+        indexed: &IndexedPlacement,
+        group: &TaskGroup,
+        index: u32,
+        alloc_id: &str,
+    ) -> Option<(usize, Vec<String>)> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, node)| {
+                self.ctx.node_infeasible(self.job, group, node).is_none()
+                    && indexed.distinct.refuses(node).is_none()
+            })
+            .filter_map(|(pos, node)| {
+                let waits = self
+                    .ctx
+                    .volumes_wait(self.job, group, index, alloc_id, node)?;
+                Some((
+                    preference(&self.ctx, &indexed.job_on_node, node, pos),
+                    pos,
+                    waits,
+                ))
+            })
+            .min_by_key(|(key, _, _)| *key)
+            .map(|(_, pos, waits)| (pos, waits))
+    }
+
+    /// Place `alloc` on the node at `pos`: count it where the group's
+    /// placements are counted; a placement that replaces the failed alloc
+    /// `failed` is a reschedule (it carries the attempts before it and
+    /// one more, and `failed` records its successor).
+    fn commit(
+        &mut self,
+        indexed: &mut IndexedPlacement,
+        group: &TaskGroup,
+        pos: usize,
+        mut alloc: Allocation,
+        failed: Option<&Allocation>,
+    ) {
+        let node = self.nodes[pos];
+        alloc.node_id = node.id.clone();
+        self.ctx.add(&alloc);
+        indexed.distinct.add(true, node);
+        let n = indexed.job_on_node.entry(node.id.clone()).or_default();
+        *n = n.saturating_add(1);
+        indexed.scoring.placed(pos);
+        indexed.rekey(&self.ctx, &self.nodes, pos);
+        if let Some(prev) = failed {
+            let policy = self.job.reschedule_policy(group);
+            let delay = policy.next_delay(&prev.reschedule_events, prev.failed_at_ms());
+            alloc.previous_allocation = prev.id.clone();
+            alloc.reschedule_events = prev.reschedule_events.clone();
+            alloc
+                .reschedule_events
+                .push(berth_structs::RescheduleEvent {
+                    time_ms: self.now_ms,
+                    prev_alloc_id: prev.id.clone(),
+                    prev_node_id: prev.node_id.clone(),
+                    delay_ms: u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                });
+            let mut replaced = prev.clone();
+            replaced.next_allocation = alloc.id.clone();
+            self.put(replaced);
+        }
+        self.put(alloc);
+    }
+}
+
+/// What a plan says of alloc `name` placed to wait for the claims of
+/// `waits`.
+fn waiting_line(group: &TaskGroup, name: &str, waits: &[String]) -> String {
+    let shown: Vec<&str> = waits.iter().map(|id| id.get(..8).unwrap_or(id)).collect();
+    format!(
+        "group {:?}: {name} waits for the claims of alloc {} to be released",
+        group.name,
+        shown.join(", ")
+    )
 }
 
 /// Per index, the newest failed alloc not replaced yet (the one a new
@@ -870,6 +959,85 @@ mod tests {
     fn with_volumes(mut t: Tables, volumes: Vec<CsiVolume>) -> Tables {
         t.volumes = volumes.into_iter().map(|v| (v.id.clone(), v)).collect();
         t.with_indexes()
+    }
+
+    #[test]
+    fn a_replacement_waits_for_the_claim_of_the_alloc_it_replaces() {
+        let mut old = job_using("db", 1, &[]);
+        old.task_groups[0]
+            .volumes
+            .insert("data".into(), single_writer_request());
+        let running_old = running(&old, 0, "a");
+        let mut new = old.clone();
+        new.version = 1;
+        new.task_groups[0].tasks[0]
+            .env
+            .insert("A".into(), "1".into());
+        let mut volume = volume_in("data", vec![]);
+        volume.capabilities[0].access_mode = berth_structs::AccessMode::SingleNodeWriter;
+        let mut claimed = volume.clone();
+        claimed.write_claims.insert(
+            running_old.id.clone(),
+            berth_structs::CsiVolumeClaim {
+                alloc_id: running_old.id.clone(),
+                node_id: "a".into(),
+                external_node_id: String::new(),
+                mode: berth_structs::ClaimMode::Write,
+                access_mode: berth_structs::AccessMode::SingleNodeWriter,
+                attachment_mode: berth_structs::AttachmentMode::FileSystem,
+                state: berth_structs::ClaimState::Taken,
+                publish_context: Default::default(),
+                releasing: false,
+                controller_published: false,
+                kept_after_purge: false,
+            },
+        );
+        let nodes = vec![node_at("a", None)];
+        let t = with_volumes(
+            tables(nodes.clone(), vec![new.clone()], vec![running_old.clone()]),
+            vec![claimed.clone()],
+        );
+        // The destructive update: the old alloc stops, the new one is
+        // placed and waits for its claim; no failure.
+        let (outcome, changes) = plan_at(&t, "db", 1);
+        assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
+        assert_eq!(
+            outcome.waiting,
+            vec![format!(
+                "group \"g\": db.g[0] waits for the claims of alloc {} to be released",
+                &running_old.id[..8]
+            )]
+        );
+        let puts: Vec<&Allocation> = changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) => Some(a),
+                _ => None,
+            })
+            .collect();
+        let stopped = puts.iter().find(|a| a.id == running_old.id).unwrap();
+        assert!(stopped.server_terminal());
+        let waiting = puts.iter().find(|a| a.id != running_old.id).unwrap();
+        assert_eq!(waiting.waiting_for_claims_of, vec![running_old.id.clone()]);
+        assert!(waiting.waits_for_claims());
+
+        // Still claimed: it keeps waiting. Freed: it goes to its node.
+        let after: Vec<Allocation> = puts.iter().map(|a| (*a).clone()).collect();
+        let t = with_volumes(
+            tables(nodes.clone(), vec![new.clone()], after.clone()),
+            vec![claimed],
+        );
+        let (outcome, changes) = plan_at(&t, "db", 2);
+        assert!(outcome.delayed && changes.iter().all(|c| !matches!(c, Change::PutAlloc(_))));
+        let t = with_volumes(tables(nodes, vec![new], after), vec![volume]);
+        let (outcome, changes) = plan_at(&t, "db", 3);
+        assert!(outcome.waiting.is_empty() && !outcome.delayed);
+        assert!(
+            changes.iter().any(
+                |c| matches!(c, Change::PutAlloc(a) if a.id == waiting.id && !a.waits_for_claims())
+            ),
+            "{changes:?}"
+        );
     }
 
     #[test]

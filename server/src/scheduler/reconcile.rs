@@ -26,6 +26,9 @@ pub(crate) struct PlacementCounts {
 pub(crate) struct PlanOutcome {
     /// One line per group and distinct reason.
     pub failures: Vec<String>,
+    /// One line per alloc placed that waits for the claims of the allocs
+    /// it replaces.
+    pub waiting: Vec<String>,
     /// How many allocs of each group could not be placed (groups with
     /// none are left out).
     pub unplaced_by_group: BTreeMap<String, u64>,

@@ -33,7 +33,8 @@ impl Server {
     }
 
     /// The allocs of `node_id`, unless none of them was written since
-    /// `scanned_at` (a scan is of all its allocs).
+    /// `scanned_at` (a scan is of all its allocs). An alloc that waits
+    /// for the claims of the allocs it replaces is not the node's yet.
     pub(crate) fn node_allocs_since(
         &self,
         node_id: &str,
@@ -47,7 +48,11 @@ impl Server {
             Some(NodeAllocs {
                 at,
                 index: t.index,
-                allocs: t.allocs_on_node(node_id).cloned().collect(),
+                allocs: t
+                    .allocs_on_node(node_id)
+                    .filter(|a| !a.waits_for_claims())
+                    .cloned()
+                    .collect(),
             })
         })
     }

@@ -37,6 +37,9 @@ pub struct JobPlan {
     /// Placements that could not be made, one line per group and reason,
     /// each naming every node's reason.
     pub placement_failures: Vec<String>,
+    /// Allocs placed that would wait for the claims of the allocs they
+    /// replace, one line each.
+    pub waiting: Vec<String>,
     /// The allocs the job would want.
     pub desired_allocs: u64,
     /// How many of them could not be placed now.
@@ -188,6 +191,7 @@ impl Server {
                 diff,
                 groups,
                 placement_failures: outcome.failures,
+                waiting: outcome.waiting,
                 desired_allocs: outcome.counts.desired,
                 unplaced_allocs: outcome.counts.unplaced,
                 allocs_change,
