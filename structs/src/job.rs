@@ -101,6 +101,9 @@ pub struct Job {
     /// The job's `reschedule` block, for the groups without their own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reschedule: Option<crate::reschedule::ReschedulePolicy>,
+    /// The job's `update` block, for the groups without their own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update: Option<crate::update::UpdateStrategy>,
     pub task_groups: Vec<TaskGroup>,
     #[serde(default)]
     pub meta: BTreeMap<String, String>,
@@ -145,6 +148,10 @@ pub struct TaskGroup {
     /// defaults (see [`Job::reschedule_policy`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reschedule: Option<crate::reschedule::ReschedulePolicy>,
+    /// The `update` block: None takes the job's; neither replaces the
+    /// allocs of a destructive change all at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub update: Option<crate::update::UpdateStrategy>,
     /// Stop the group's allocs once the client has been without a successful
     /// heartbeat for this long: the alias of `disconnect {
     /// stop_on_client_after }` (read both through
@@ -504,6 +511,9 @@ impl Job {
         if let Some(r) = &self.reschedule {
             r.validate(&format!("job {job}"), &mut errs);
         }
+        if let Some(u) = &self.update {
+            u.validate(&format!("job {job}"), &mut errs);
+        }
         for a in &self.affinities {
             a.validate(&format!("job {job}"), &mut errs);
         }
@@ -526,6 +536,14 @@ impl Job {
 
     pub fn lookup_group(&self, name: &str) -> Option<&TaskGroup> {
         self.task_groups.iter().find(|g| g.name == name)
+    }
+
+    /// The update strategy of `group`: its own block, else the job's.
+    pub fn update_strategy<'a>(
+        &'a self,
+        group: &'a TaskGroup,
+    ) -> Option<&'a crate::update::UpdateStrategy> {
+        group.update.as_ref().or(self.update.as_ref())
     }
 
     /// The reschedule policy of `group`: its own block, else the job's,
@@ -568,6 +586,9 @@ impl TaskGroup {
         self.restart.validate(&at, errs);
         if let Some(r) = &self.reschedule {
             r.validate(&at, errs);
+        }
+        if let Some(u) = &self.update {
+            u.validate(&at, errs);
         }
         self.validate_disconnect(&at, errs);
         for c in &self.constraints {

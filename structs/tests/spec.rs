@@ -1112,3 +1112,52 @@ job "j" {
         "{e}"
     );
 }
+
+#[test]
+fn update_blocks_take_the_jobs_block_and_nomads_defaults() {
+    let job = parse_job(
+        r#"
+job "j" {
+  update {
+    max_parallel = 2
+  }
+  group "g" {
+    update {
+      min_healthy_time = "3s"
+    }
+    task "web" {
+      driver = "raw_exec"
+      config { command = "/bin/true" }
+    }
+  }
+  group "h" {
+    task "web" {
+      driver = "raw_exec"
+      config { command = "/bin/true" }
+    }
+  }
+}
+"#,
+    )
+    .unwrap();
+    job.validate().unwrap();
+    let g = job.update_strategy(&job.task_groups[0]).unwrap();
+    assert_eq!(
+        (g.max_parallel, g.min_healthy_time),
+        (2, Duration::from_secs(3))
+    );
+    assert_eq!(g.healthy_deadline, Duration::from_secs(300));
+    let h = job.update_strategy(&job.task_groups[1]).unwrap();
+    assert_eq!(
+        (h.max_parallel, h.min_healthy_time),
+        (2, Duration::from_secs(10))
+    );
+
+    let mut canary = job.clone();
+    canary.task_groups[0].update.as_mut().unwrap().canary = 1;
+    let errs = validation_messages(&canary);
+    assert!(
+        errs[0].contains("canary updates are not supported yet"),
+        "{errs:?}"
+    );
+}

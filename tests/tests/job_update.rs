@@ -219,3 +219,48 @@ fn history_lists_the_versions_with_their_diffs_and_revert_runs_an_old_one() -> R
     })?;
     Ok(())
 }
+
+#[test]
+fn a_rolling_update_keeps_all_but_max_parallel_running() -> Result<()> {
+    let (server, c1, c2) = cluster()?;
+    let job = "upd-rolling";
+    let update = "update {\n max_parallel = 1\n min_healthy_time = \"2s\"\n }";
+    let v1 = marked_job(job, "service", 4, update, None);
+    server.run_job(job, &v1)?;
+    running(&server, job, 4).with_context(|| logs(&server, &[&c1, &c2]))?;
+
+    // A destructive change (the task's args): one alloc at a time, the
+    // next once the new one ran for 2 s.
+    server.run_job(job, &v1.replace("sleep 0.2", "sleep 0.3"))?;
+    let mut least = usize::MAX;
+    let mut samples = 0;
+    wait_for(
+        "four allocs of version 1 running",
+        Duration::from_secs(90),
+        || {
+            let allocs = server.allocs(job)?;
+            let serving =
+                |a: &&Value| a["desired_status"] == "run" && a["client_status"] == "running";
+            least = least.min(allocs.iter().filter(serving).count());
+            samples += 1;
+            let new = allocs
+                .iter()
+                .filter(serving)
+                .filter(|a| a["job"]["version"] == 1)
+                .count();
+            std::thread::sleep(Duration::from_millis(100));
+            Ok((new == 4).then_some(()))
+        },
+    )
+    .with_context(|| logs(&server, &[&c1, &c2]))?;
+    assert!(least >= 3, "{least} allocs running at one sample");
+    assert!(samples > 20, "only {samples} samples");
+    // The old ones were replaced one by one: four stopped, four placed.
+    let allocs = server.allocs(job)?;
+    assert_eq!(allocs.len(), 8, "{allocs:?}");
+    server.cli(&["job", "stop", job])?;
+    wait_for("the tasks to end", Duration::from_secs(30), || {
+        Ok(marker_pids(job).is_empty().then_some(()))
+    })?;
+    Ok(())
+}

@@ -81,10 +81,14 @@ pub(crate) fn place(
             .filter(|n| n.status == NodeStatus::Ready)
             .collect();
         for group in &job.task_groups {
+            // This version's allocs, and the live ones of older versions a
+            // rolling update has not replaced yet (they hold their index).
             let current: Vec<Allocation> = placer
                 .after
                 .values()
-                .filter(|a| a.task_group == group.name && a.job.version == job.version)
+                .filter(|a| {
+                    a.task_group == group.name && (a.job.version == job.version || !a.is_terminal())
+                })
                 .cloned()
                 .collect();
             match job.job_type {
@@ -197,6 +201,7 @@ impl Placer<'_, '_> {
     /// `update`), else stop them (a destructive update: their index is
     /// placed anew); and stop those of a group the job no longer has.
     fn stop_outdated(&mut self, allocs: &[&Allocation]) {
+        let mut destructive: BTreeMap<&str, Vec<&Allocation>> = BTreeMap::new();
         for a in allocs {
             if a.server_terminal() {
                 continue;
@@ -220,8 +225,10 @@ impl Placer<'_, '_> {
                     self.put(updated);
                     continue;
                 }
+                destructive.entry(&group.name).or_default().push(a);
+                continue;
             }
-            if outdated || gone {
+            if gone {
                 let why = if gone {
                     "group removed from the job"
                 } else {
@@ -231,6 +238,61 @@ impl Placer<'_, '_> {
                 self.put(stop(a, why));
             }
         }
+        for (group, mut olds) in destructive {
+            let Some(group) = self.job.lookup_group(group) else {
+                continue;
+            };
+            olds.sort_by_key(|a| a.index);
+            let mut replace_now = self.rolling_budget(group, &olds);
+            for a in olds {
+                // A finished alloc is replaced without counting.
+                let now = a.is_terminal() || replace_now > 0;
+                if !a.is_terminal() && now {
+                    replace_now -= 1;
+                }
+                if now {
+                    self.ctx.remove(a);
+                    self.put(stop(a, "job updated"));
+                }
+            }
+        }
+    }
+
+    /// How many of a group's live allocs of older versions (`olds`, by
+    /// index) a destructive update replaces now: all of them without a
+    /// rolling `update` block (or for a batch or system job); else
+    /// `max_parallel` less the allocs of this version not healthy yet,
+    /// noting when the next of those turns healthy (the job is evaluated
+    /// again then, and whenever allocs change).
+    fn rolling_budget(&mut self, group: &TaskGroup, olds: &[&Allocation]) -> usize {
+        let strategy = match self.job.update_strategy(group) {
+            Some(s) if s.rolls() && self.job.job_type == JobType::Service => s,
+            _ => return olds.len(),
+        };
+        let mut unhealthy = 0usize;
+        let mut next_healthy: Option<i64> = None;
+        for a in self.after.values().filter(|a| {
+            a.task_group == group.name && a.job.version == self.job.version && !a.is_terminal()
+        }) {
+            match strategy.healthy_at_ms(a) {
+                Some(at) if at <= self.now_ms => {}
+                at => {
+                    unhealthy += 1;
+                    if let Some(at) = at {
+                        next_healthy = Some(next_healthy.map_or(at, |n| n.min(at)));
+                    }
+                }
+            }
+        }
+        let live = olds.iter().filter(|a| !a.is_terminal()).count();
+        let budget = (strategy.max_parallel as usize).saturating_sub(unhealthy);
+        if live > budget {
+            self.outcome.delayed = true;
+            if let Some(at) = next_healthy {
+                self.outcome.delay_until(at);
+            }
+        }
+        budget
     }
 
     /// A system group: one alloc per eligible ready node that fits.
@@ -1513,6 +1575,72 @@ mod tests {
             ),
             "{changes:?}"
         );
+    }
+
+    /// `a` running since `started` (its one task "t").
+    fn running_since(mut a: Allocation, started: i64) -> Allocation {
+        a.client_status = AllocClientStatus::Running;
+        a.task_states.insert(
+            "t".into(),
+            berth_structs::TaskState {
+                state: berth_structs::TaskStateKind::Running,
+                failed: false,
+                restarts: 0,
+                started_at_ms: Some(started),
+                finished_at_ms: None,
+                events: Vec::new(),
+            },
+        );
+        a
+    }
+
+    #[test]
+    fn a_rolling_update_replaces_max_parallel_at_a_time_once_healthy() {
+        let old = job("web", 3, vec![task("t", 100, 64)]);
+        let olds: Vec<Allocation> = (0..3).map(|i| running(&old, i, "n1")).collect();
+        let mut new = old.clone();
+        new.version = 1;
+        new.task_groups[0].tasks[0]
+            .env
+            .insert("A".into(), "1".into());
+        new.task_groups[0].update = Some(berth_structs::UpdateStrategy {
+            max_parallel: 1,
+            min_healthy_time: std::time::Duration::from_secs(2),
+            ..Default::default()
+        });
+        let stops_and_places = |changes: &[Change], t: &Tables| {
+            let mut stopped = Vec::new();
+            let mut placed = Vec::new();
+            for c in changes {
+                if let Change::PutAlloc(a) = c {
+                    if !t.allocs.contains_key(&a.id) {
+                        placed.push(a.index);
+                    } else if a.server_terminal() {
+                        stopped.push(a.index);
+                    }
+                }
+            }
+            (stopped, placed)
+        };
+        let nodes = vec![node("n1", 8000, 8192)];
+        let t = tables(nodes.clone(), vec![new.clone()], olds.clone());
+        let (outcome, changes) = plan_at(&t, "web", 10_000);
+        assert_eq!(stops_and_places(&changes, &t), (vec![0], vec![0]));
+        assert!(outcome.delayed);
+
+        // The new index 0 runs, not yet for 2 s: nothing more, and the
+        // job is evaluated again when it turns healthy.
+        let mut stopped_0 = stop(&olds[0], "job updated");
+        stopped_0.client_status = AllocClientStatus::Complete;
+        let new_0 = running_since(new_alloc(&new, &new.task_groups[0], 0, "n1"), 9_000);
+        let allocs = vec![stopped_0, new_0, olds[1].clone(), olds[2].clone()];
+        let t = tables(nodes.clone(), vec![new.clone()], allocs.clone());
+        let (outcome, changes) = plan_at(&t, "web", 10_000);
+        assert_eq!(stops_and_places(&changes, &t), (vec![], vec![]));
+        assert_eq!(outcome.due_ms, Some(11_000));
+        // Healthy: the next one goes.
+        let (_, changes) = plan_at(&t, "web", 11_000);
+        assert_eq!(stops_and_places(&changes, &t), (vec![1], vec![1]));
     }
 
     /// Resource amounts that hit the edges: zero, small, near and at u64::MAX.

@@ -4,8 +4,8 @@
 //! one placed at its index).
 //!
 //! In place: the group's `count` (the difference is placed or stopped,
-//! the rest kept), its `meta`, its `restart` and `reschedule` policies
-//! (the job's too) and its disconnect
+//! the rest kept), its `meta`, its `restart`, `reschedule` and `update`
+//! blocks (the job's too) and its disconnect
 //! settings, the tasks' `kill_timeout`, the job's `meta` and `priority`,
 //! the `affinity` and `spread` preferences (they steer new placements and
 //! move nothing that runs), and what the servers manage (version, status,
@@ -81,6 +81,7 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
         spreads: _,
         priority: _,
         reschedule: _,
+        update: _,
         task_groups,
         meta: _,
         stop: _,
@@ -99,6 +100,7 @@ fn what_tasks_run<'a>(job: &'a Job, group: &str) -> Option<(impl PartialEq + 'a,
         tasks,
         restart: _,
         reschedule: _,
+        update: _,
         stop_after_client_disconnect: _,
         max_client_disconnect: _,
         disconnect: _,

@@ -17,6 +17,7 @@ use crate::limits::{
     MAX_PRIORITY, MAX_RESTART_ATTEMPTS,
 };
 use crate::reschedule::ReschedulePolicy;
+use crate::update::UpdateStrategy;
 
 /// Nomad's default job priority.
 const DEFAULT_PRIORITY: u32 = 50;
@@ -54,6 +55,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
             "affinity",
             "spread",
             "reschedule",
+            "update",
         ],
     )?;
 
@@ -80,11 +82,16 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
     let group_base = reschedule
         .clone()
         .unwrap_or_else(|| ReschedulePolicy::default_for(job_type));
+    let update = r
+        .optional_block("update")?
+        .map(|b| decode_update(src, b, r.ctx(), &UpdateStrategy::default()))
+        .transpose()?;
+    let update_base = update.clone().unwrap_or_default();
 
     let mut task_groups: Vec<TaskGroup> = Vec::new();
     for g in r.blocks("group") {
         let line = src.line_of(g);
-        let group = decode_group(src, g, r.ctx(), &group_base)?;
+        let group = decode_group(src, g, r.ctx(), &group_base, &update_base)?;
         if task_groups.iter().any(|other| other.name == group.name) {
             return Err(SpecError::at(
                 line,
@@ -107,6 +114,7 @@ pub(super) fn decode_job(src: &Source<'_>, body: &Body) -> Result<Job, SpecError
         affinities: decode_affinities(&r)?,
         spreads: decode_spreads(&r)?,
         reschedule,
+        update,
         ..Job::default()
     })
 }
@@ -118,6 +126,7 @@ fn decode_group(
     block: &Block,
     parent: &str,
     reschedule_base: &ReschedulePolicy,
+    update_base: &UpdateStrategy,
 ) -> Result<TaskGroup, SpecError> {
     let (name, r) = BodyReader::labeled(
         src,
@@ -140,8 +149,13 @@ fn decode_group(
             "affinity",
             "spread",
             "reschedule",
+            "update",
         ],
     )?;
+    let update = r
+        .optional_block("update")?
+        .map(|b| decode_update(src, b, r.ctx(), update_base))
+        .transpose()?;
     let reschedule = r
         .optional_block("reschedule")?
         .map(|b| decode_reschedule(src, b, r.ctx(), reschedule_base))
@@ -209,6 +223,51 @@ fn decode_group(
         affinities: decode_affinities(&r)?,
         spreads: decode_spreads(&r)?,
         reschedule,
+        update,
+    })
+}
+
+/// An `update` block; what it leaves unset is `base`'s.
+fn decode_update(
+    src: &Source<'_>,
+    block: &Block,
+    parent: &str,
+    base: &UpdateStrategy,
+) -> Result<UpdateStrategy, SpecError> {
+    let r = BodyReader::unlabeled(
+        src,
+        block,
+        parent,
+        &[
+            "max_parallel",
+            "min_healthy_time",
+            "healthy_deadline",
+            "progress_deadline",
+            "auto_revert",
+            "auto_promote",
+            "canary",
+            "stagger",
+            "health_check",
+        ],
+        &[],
+    )?;
+    let duration = |name: &str, base: std::time::Duration| {
+        r.duration(name, MAX_DURATION).map(|d| d.unwrap_or(base))
+    };
+    Ok(UpdateStrategy {
+        max_parallel: r
+            .u32("max_parallel", MAX_COUNT)?
+            .unwrap_or(base.max_parallel),
+        min_healthy_time: duration("min_healthy_time", base.min_healthy_time)?,
+        healthy_deadline: duration("healthy_deadline", base.healthy_deadline)?,
+        progress_deadline: duration("progress_deadline", base.progress_deadline)?,
+        auto_revert: r.bool("auto_revert")?.unwrap_or(base.auto_revert),
+        auto_promote: r.bool("auto_promote")?.unwrap_or(base.auto_promote),
+        canary: r.u32("canary", MAX_COUNT)?.unwrap_or(base.canary),
+        stagger: duration("stagger", base.stagger)?,
+        health_check: r
+            .string("health_check")?
+            .unwrap_or_else(|| base.health_check.clone()),
     })
 }
 
