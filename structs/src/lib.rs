@@ -13,6 +13,7 @@ pub mod api;
 pub mod constraint;
 pub mod csi;
 pub mod disconnect;
+pub mod durations;
 pub mod job;
 pub mod limits;
 pub mod names;
