@@ -1070,13 +1070,7 @@ mod tests {
                 &running_old.id[..8]
             )]
         );
-        let puts: Vec<&Allocation> = changes
-            .iter()
-            .filter_map(|c| match c {
-                Change::PutAlloc(a) => Some(a),
-                _ => None,
-            })
-            .collect();
+        let puts = puts(&changes);
         let stopped = puts.iter().find(|a| a.id == running_old.id).unwrap();
         assert!(stopped.server_terminal());
         let waiting = puts.iter().find(|a| a.id != running_old.id).unwrap();
@@ -1306,6 +1300,17 @@ mod tests {
         assert!(outcome.failures.is_empty(), "{:?}", outcome.failures);
     }
 
+    /// The allocs a plan's changes write.
+    fn puts(changes: &[Change]) -> Vec<&Allocation> {
+        changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) => Some(a),
+                _ => None,
+            })
+            .collect()
+    }
+
     fn in_rack(id: &str, rack: &str) -> Node {
         let mut n = node(id, 4000, 4096);
         n.meta.insert("rack".into(), rack.into());
@@ -1393,13 +1398,7 @@ mod tests {
         let cfg = ServerConfig::new("/nonexistent");
         let mut changes = Vec::new();
         plan_job(&t, "web", &cfg, berth_structs::now_ms(), &mut changes);
-        let puts: Vec<&Allocation> = changes
-            .iter()
-            .filter_map(|c| match c {
-                Change::PutAlloc(a) => Some(a),
-                _ => None,
-            })
-            .collect();
+        let puts = puts(&changes);
         let kept = puts.iter().find(|a| a.id == on_n1.id).unwrap();
         assert!(!kept.server_terminal() && kept.job.version == old.version + 1);
         let moved = puts.iter().find(|a| a.id == on_n3.id).unwrap();
