@@ -230,29 +230,40 @@ fn a_rolling_update_keeps_all_but_max_parallel_running() -> Result<()> {
     running(&server, job, 4).with_context(|| logs(&server, &[&c1, &c2]))?;
 
     // A destructive change (the task's args): one alloc at a time, the
-    // next once the new one ran for 2 s.
-    server.run_job(job, &v1.replace("sleep 0.2", "sleep 0.3"))?;
+    // next once the new one ran for 2 s; `job run` follows it to the end.
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("v2.hcl");
+    std::fs::write(&file, v1.replace("sleep 0.2", "sleep 0.3"))?;
+    let file = file.to_str().context("UTF-8")?;
     let mut least = usize::MAX;
     let mut samples = 0;
-    wait_for(
-        "four allocs of version 1 running",
-        Duration::from_secs(90),
-        || {
-            let allocs = server.allocs(job)?;
-            let serving =
-                |a: &&Value| a["desired_status"] == "run" && a["client_status"] == "running";
-            least = least.min(allocs.iter().filter(serving).count());
-            samples += 1;
-            let new = allocs
-                .iter()
-                .filter(serving)
-                .filter(|a| a["job"]["version"] == 1)
-                .count();
-            std::thread::sleep(Duration::from_millis(100));
-            Ok((new == 4).then_some(()))
-        },
-    )
-    .with_context(|| logs(&server, &[&c1, &c2]))?;
+    let (run, rolled) = std::thread::scope(|s| {
+        let run = s.spawn(|| cli_at(&server.addr(), &["job", "run", file]));
+        let rolled = wait_for(
+            "four allocs of version 1 running",
+            Duration::from_secs(90),
+            || {
+                let allocs = server.allocs(job)?;
+                let serving =
+                    |a: &&Value| a["desired_status"] == "run" && a["client_status"] == "running";
+                least = least.min(allocs.iter().filter(serving).count());
+                samples += 1;
+                let new = allocs
+                    .iter()
+                    .filter(serving)
+                    .filter(|a| a["job"]["version"] == 1)
+                    .count();
+                std::thread::sleep(Duration::from_millis(100));
+                Ok((new == 4).then_some(()))
+            },
+        );
+        (run.join(), rolled)
+    });
+    rolled.with_context(|| logs(&server, &[&c1, &c2]))?;
+    let run = run.map_err(|_| anyhow::anyhow!("job run panicked"))??;
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert_eq!(run.status.code(), Some(0), "{text}");
+    assert!(text.contains("is done: 4 allocs running"), "{text}");
     assert!(least >= 3, "{least} allocs running at one sample");
     assert!(samples > 20, "only {samples} samples");
     // The old ones were replaced one by one: four stopped, four placed.

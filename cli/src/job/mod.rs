@@ -444,7 +444,10 @@ fn follow_run(
             JobType::Batch => pending + running == 0,
             JobType::Service | JobType::System => pending == 0,
         };
-        if !done {
+        // A rolling update is done once no alloc of an older version is
+        // left to replace (a failure ends it sooner).
+        let to_replace = older_serving(&allocs, version);
+        if !done || (to_replace > 0 && count("failed") + count("lost") == 0) {
             continue;
         }
         let total = mine.len() as u64;
@@ -471,6 +474,22 @@ fn follow_run(
         println!("==> Job {job_id:?} is done: {state}");
         return Ok(0);
     }
+}
+
+/// The allocs of versions before `version` that still serve (the
+/// servers want them running): those a rolling update has yet to
+/// replace.
+fn older_serving(allocs: &Value, version: u64) -> usize {
+    allocs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|al| {
+            al["job"]["version"].as_u64().unwrap_or(0) < version
+                && s(al, "desired_status") == "run"
+                && matches!(s(al, "client_status"), "pending" | "running")
+        })
+        .count()
 }
 
 // ---- job inspect ------------------------------------------------------
