@@ -139,6 +139,15 @@ impl Server {
         run_job_at(&self.addr(), self._config.path(), name, spec)
     }
 
+    /// `berth job stop` of a [`marked_job`], then waits until its task
+    /// processes are gone.
+    pub fn stop_marked_job(&self, job: &str) -> Result<()> {
+        self.cli(&["job", "stop", job])?;
+        wait_for("the tasks to end", Duration::from_secs(30), || {
+            Ok(marker_pids(job).is_empty().then_some(()))
+        })
+    }
+
     /// Writes `spec` to a file and runs `berth volume create` on it.
     pub fn create_volume(&self, name: &str, spec: &str) -> Result<()> {
         let file = self._config.path().join(format!("volume-{name}.hcl"));

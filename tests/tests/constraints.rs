@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use berth_tests::cluster::{logs, marked_job, marker_pids, node_of, Client, Server};
+use berth_tests::cluster::{logs, marked_job, node_of, Client, Server};
 use berth_tests::wait_for;
 
 fn constrained(job: &str, count: u32, constraint: &str) -> String {
@@ -37,13 +37,6 @@ fn running_on(server: &Server, job: &str, count: usize) -> Result<Vec<String>> {
             Ok((running.len() == count).then_some(running))
         },
     )
-}
-
-fn stop(server: &Server, job: &str) -> Result<()> {
-    server.cli(&["job", "stop", job])?;
-    wait_for("the tasks to end", Duration::from_secs(30), || {
-        Ok(marker_pids(job).is_empty().then_some(()))
-    })
 }
 
 #[test]
@@ -100,7 +93,7 @@ fn constraints_pin_spread_and_explain_placements() -> Result<()> {
     assert!(server.allocs(nowhere)?.is_empty());
 
     for job in [pinned, spread] {
-        stop(&server, job)?;
+        server.stop_marked_job(job)?;
     }
     Ok(())
 }
@@ -127,5 +120,5 @@ fn a_spread_splits_allocs_by_rack_not_by_node() -> Result<()> {
     // By node it would be 2/1/1, three in r1; by rack it is 2/2.
     let in_r2 = on.iter().filter(|n| **n == ids[2]).count();
     assert_eq!(in_r2, 2, "{on:?} (nodes {ids:?})");
-    stop(&server, job)
+    server.stop_marked_job(job)
 }

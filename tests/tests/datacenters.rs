@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use berth_tests::cluster::{logs, marked_service_job, marker_pids, node_of, Client, Server};
+use berth_tests::cluster::{logs, marked_service_job, node_of, Client, Server};
 use berth_tests::wait_for;
 
 fn in_datacenters(job: &str, datacenters: &[&str], count: u32) -> String {
@@ -63,9 +63,6 @@ fn a_job_runs_only_in_the_datacenters_it_lists() -> Result<()> {
         "{failures}"
     );
     assert!(server.allocs(lost)?.is_empty());
-    server.cli(&["job", "stop", job])?;
-    wait_for("the tasks to end", Duration::from_secs(30), || {
-        Ok(marker_pids(job).is_empty().then_some(()))
-    })?;
+    server.stop_marked_job(job)?;
     Ok(())
 }

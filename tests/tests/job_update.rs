@@ -88,10 +88,7 @@ fn count_changes_keep_the_running_allocs_and_stop_exactly_the_difference() -> Re
         "{}",
         String::from_utf8_lossy(&bad.stderr)
     );
-    server.cli(&["job", "stop", job])?;
-    wait_for("the tasks to end", Duration::from_secs(30), || {
-        Ok(marker_pids(job).is_empty().then_some(()))
-    })?;
+    server.stop_marked_job(job)?;
     let stopped = cli_at(&server.addr(), &["job", "scale", job, "4"])?;
     assert!(
         String::from_utf8_lossy(&stopped.stderr).contains("is stopped: run it to scale it"),
@@ -151,10 +148,7 @@ fn a_group_meta_change_moves_the_allocs_version_and_restarts_nothing() -> Result
     assert_eq!(after, ids, "the allocs were replaced");
     assert_eq!(pids_after, pids, "the tasks restarted");
     assert_eq!(server.allocs(job)?.len(), 2, "an alloc was placed anew");
-    server.cli(&["job", "stop", job])?;
-    wait_for("the tasks to end", Duration::from_secs(30), || {
-        Ok(marker_pids(job).is_empty().then_some(()))
-    })?;
+    server.stop_marked_job(job)?;
     Ok(())
 }
 
@@ -213,10 +207,7 @@ fn history_lists_the_versions_with_their_diffs_and_revert_runs_an_old_one() -> R
         "{}",
         String::from_utf8_lossy(&none.stderr)
     );
-    server.cli(&["job", "stop", job])?;
-    wait_for("the tasks to end", Duration::from_secs(30), || {
-        Ok(marker_pids(job).is_empty().then_some(()))
-    })?;
+    server.stop_marked_job(job)?;
     Ok(())
 }
 
@@ -269,9 +260,6 @@ fn a_rolling_update_keeps_all_but_max_parallel_running() -> Result<()> {
     // The old ones were replaced one by one: four stopped, four placed.
     let allocs = server.allocs(job)?;
     assert_eq!(allocs.len(), 8, "{allocs:?}");
-    server.cli(&["job", "stop", job])?;
-    wait_for("the tasks to end", Duration::from_secs(30), || {
-        Ok(marker_pids(job).is_empty().then_some(()))
-    })?;
+    server.stop_marked_job(job)?;
     Ok(())
 }
