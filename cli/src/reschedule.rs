@@ -34,6 +34,14 @@ impl Next {
 /// For a failed alloc of a service or batch job that was not replaced:
 /// when its replacement is due, or that none is; None for any other.
 pub fn next_reschedule(alloc: &Value) -> Option<Next> {
+    // Only a failed alloc not replaced is worth reading whole (`job
+    // status` asks this of every alloc of the job).
+    let replaced = alloc["next_allocation"]
+        .as_str()
+        .is_some_and(|s| !s.is_empty());
+    if alloc["client_status"] != "failed" || replaced {
+        return None;
+    }
     let a: Allocation = serde_json::from_value(alloc.clone()).ok()?;
     if a.client_status != AllocClientStatus::Failed
         || !a.next_allocation.is_empty()

@@ -533,6 +533,9 @@ impl Placer<'_, '_> {
         index: u32,
         alloc_id: &str,
     ) -> Option<(usize, Vec<String>)> {
+        if group.volumes.is_empty() {
+            return None;
+        }
         self.nodes
             .iter()
             .enumerate()
