@@ -38,8 +38,21 @@ pub struct EtcdCluster {
 }
 
 impl EtcdCluster {
-    /// Starts `n` members and waits until each answers healthy.
+    /// Starts `n` members and waits until each answers healthy. Ports
+    /// taken meanwhile by another test (they are picked free, then bound
+    /// by etcd) are picked again.
     pub fn start(n: usize) -> EtcdCluster {
+        for _ in 1..PORT_ATTEMPTS {
+            match EtcdCluster::try_start(n) {
+                Ok(cluster) => return cluster,
+                Err(log) if lost_a_port(&log) => continue,
+                Err(log) => panic!("etcd exited: {log}"),
+            }
+        }
+        EtcdCluster::try_start(n).unwrap_or_else(|log| panic!("etcd exited: {log}"))
+    }
+
+    fn try_start(n: usize) -> Result<EtcdCluster, String> {
         let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
         let initial_cluster = ports
             .iter()
@@ -66,9 +79,9 @@ impl EtcdCluster {
             m.spawn();
         }
         for m in &mut members {
-            m.wait_until_ready();
+            m.ready_or_exited()?;
         }
-        EtcdCluster { members }
+        Ok(EtcdCluster { members })
     }
 
     /// Every member's endpoint.
@@ -82,6 +95,14 @@ pub fn etcd_binary() -> PathBuf {
     std::env::var_os("BERTH_TEST_ETCD")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("etcd"))
+}
+
+/// How many times a member is started on freshly picked ports.
+const PORT_ATTEMPTS: usize = 3;
+
+/// Whether a member's log says another process took one of its ports.
+fn lost_a_port(log: &str) -> bool {
+    log.contains("address already in use")
 }
 
 fn free_port() -> u16 {
@@ -103,9 +124,27 @@ impl Etcd {
         Etcd::start_with(Some(tls))
     }
 
+    /// A one-member cluster on free ports, picked again when another
+    /// test took one meanwhile.
     fn start_with(tls: Option<EtcdTlsFiles>) -> Etcd {
+        let attempt = || {
+            let mut etcd = Etcd::on_free_ports(tls.clone());
+            etcd.spawn();
+            etcd.ready_or_exited().map(|()| etcd)
+        };
+        for _ in 1..PORT_ATTEMPTS {
+            match attempt() {
+                Ok(etcd) => return etcd,
+                Err(log) if lost_a_port(&log) => continue,
+                Err(log) => panic!("etcd exited: {log}"),
+            }
+        }
+        attempt().unwrap_or_else(|log| panic!("etcd exited: {log}"))
+    }
+
+    fn on_free_ports(tls: Option<EtcdTlsFiles>) -> Etcd {
         let peer_port = free_port();
-        let mut etcd = Etcd {
+        Etcd {
             child: None,
             dir: tempfile::tempdir().expect("etcd temp dir"),
             name: "m0".into(),
@@ -114,9 +153,7 @@ impl Etcd {
             initial_cluster: format!("m0=http://127.0.0.1:{peer_port}"),
             tls,
             metrics_port: free_port(),
-        };
-        etcd.run();
-        etcd
+        }
     }
 
     /// `http://127.0.0.1:PORT` (`https://` with TLS), what the servers
@@ -184,6 +221,14 @@ impl Etcd {
 
     /// Waits until the member serves its health endpoint.
     fn wait_until_ready(&mut self) {
+        if let Err(log) = self.ready_or_exited() {
+            panic!("etcd exited: {log}");
+        }
+    }
+
+    /// Waits until the member serves its health endpoint; Err with its
+    /// exit status and log if it exits first.
+    fn ready_or_exited(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(30);
         let addr = format!("127.0.0.1:{}", self.metrics_port);
         loop {
@@ -192,10 +237,11 @@ impl Etcd {
                 .as_mut()
                 .and_then(|c| c.try_wait().ok().flatten())
             {
-                panic!("etcd exited with {status}: {}", self.log());
+                self.child = None;
+                return Err(format!("{status}: {}", self.log()));
             }
             if health_ok(&addr) {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < deadline,
