@@ -131,6 +131,7 @@ pub fn server_routes() -> Routes<Arc<Server>> {
         )
         .post("/v1/job/{id}/revert", ns(Capability::SubmitJob), revert_job)
         .get("/v1/job/{id}/summary", ns(Capability::ReadJob), job_summary)
+        .with(deployments::deployment_routes)
         .get("/v1/allocations", ns(Capability::ReadJob), list_allocations)
         .get(
             "/v1/allocation/{id}",
@@ -843,6 +844,7 @@ mod acl_api;
 pub mod agent_api;
 pub mod alloc_ops;
 pub mod client_forward;
+mod deployments;
 pub mod errors;
 pub mod forward;
 pub mod host_check;

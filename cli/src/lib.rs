@@ -16,6 +16,7 @@ pub mod agent_args;
 pub mod alloc;
 pub mod alloc_logs;
 pub mod alloc_ops;
+pub mod deployment;
 pub mod errors;
 pub mod job;
 pub mod node;
@@ -141,6 +142,9 @@ pub enum Command {
     /// Inspect and operate allocations
     #[command(subcommand)]
     Alloc(alloc::AllocCommand),
+    /// Inspect and fail the rollouts of job versions
+    #[command(subcommand)]
+    Deployment(deployment::DeploymentCommand),
     /// Inspect nodes, drain them, change their eligibility
     #[command(subcommand)]
     Node(node::NodeCommand),
@@ -487,6 +491,7 @@ pub fn run(args: Vec<String>, host: &dyn Host) -> Result<i32> {
         }
         Command::Job(cmd) => job::run(cmd, &ctx()?),
         Command::Alloc(cmd) => alloc::run(cmd, &ctx()?),
+        Command::Deployment(cmd) => deployment::run(cmd, &ctx()?),
         Command::Node(cmd) => node::run(cmd, &ctx()?),
         Command::Volume(cmd) => volume::run(cmd, &ctx()?),
         Command::Plugin(cmd) => plugin::run(cmd, &ctx()?),

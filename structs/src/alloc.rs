@@ -129,6 +129,10 @@ pub struct Allocation {
     /// released.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub waiting_for_claims_of: Vec<String>,
+    /// The deployment that placed the alloc (or moved it in place), and
+    /// its health in it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deployment: Option<crate::deployment::AllocDeployment>,
 }
 
 impl Allocation {
@@ -194,6 +198,7 @@ impl Allocation {
             next_allocation,
             reschedule_events,
             waiting_for_claims_of,
+            deployment,
         } = self;
         *id == other.id
             && *name == other.name
@@ -215,6 +220,7 @@ impl Allocation {
             && *next_allocation == other.next_allocation
             && *reschedule_events == other.reschedule_events
             && *waiting_for_claims_of == other.waiting_for_claims_of
+            && *deployment == other.deployment
     }
 }
 

@@ -63,6 +63,10 @@ pub struct JobVersion {
     /// Unix milliseconds of the submission.
     #[serde(default)]
     pub submit_time_ms: i64,
+    /// A deployment of this version succeeded: `auto_revert` goes back to
+    /// the newest stable version.
+    #[serde(default)]
+    pub stable: bool,
     #[serde(default)]
     pub create_index: u64,
     #[serde(default)]

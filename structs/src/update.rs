@@ -86,9 +86,6 @@ impl UpdateStrategy {
         if self.canary > 0 || self.auto_promote {
             problem("canary updates are not supported yet");
         }
-        if self.auto_revert {
-            problem("auto_revert is not supported yet");
-        }
         if self.rolls() && self.healthy_deadline <= self.min_healthy_time {
             problem("healthy_deadline must be longer than min_healthy_time");
         }

@@ -260,6 +260,137 @@ fn a_rolling_update_keeps_all_but_max_parallel_running() -> Result<()> {
     // The old ones were replaced one by one: four stopped, four placed.
     let allocs = server.allocs(job)?;
     assert_eq!(allocs.len(), 8, "{allocs:?}");
+    // Each version was a deployment; the last one succeeded once its
+    // four allocs were healthy, and `job status` shows it.
+    let latest = deployment_of(&server, job, 1, "successful")?;
+    assert_eq!(latest["groups"]["g"]["healthy_allocs"], 4, "{latest}");
+    let status = server.cli(&["job", "status", job])?;
+    assert!(
+        status.contains("Latest Deployment") && status.contains("successful"),
+        "{status}"
+    );
+    let list = server.cli(&["deployment", "list"])?;
+    assert!(
+        list.lines()
+            .any(|l| l.contains(job) && l.contains("successful")),
+        "{list}"
+    );
+    server.stop_marked_job(job)?;
+    Ok(())
+}
+
+/// The newest deployment of `job`, once it is of `version` and `status`.
+fn deployment_of(server: &Server, job: &str, version: u64, status: &str) -> Result<Value> {
+    wait_for(
+        &format!("the deployment of {job} version {version} {status}"),
+        Duration::from_secs(60),
+        || {
+            let d = server.get(&format!("/v1/job/{job}/deployment"))?;
+            Ok((d["job_version"] == version && d["status"] == status).then_some(d))
+        },
+    )
+}
+
+#[test]
+fn a_failing_update_with_auto_revert_goes_back_to_the_stable_version() -> Result<()> {
+    let (server, c1, c2) = cluster()?;
+    let job = "upd-revert";
+    let update = "update {\n max_parallel = 1\n min_healthy_time = \"1s\"\n auto_revert = true\n }";
+    let v0 = marked_job(job, "service", 2, update, None);
+    server.run_job(job, &v0)?;
+    deployment_of(&server, job, 0, "successful").with_context(|| logs(&server, &[&c1, &c2]))?;
+    let history = server.cli(&["job", "history", job])?;
+    assert!(
+        history.contains("Version     = 0\nStable      = true"),
+        "{history}"
+    );
+
+    // Version 1's task exits at once: its first alloc fails, the
+    // deployment fails, and the job goes back to version 0's spec as
+    // version 2, which deploys.
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("v1.hcl");
+    std::fs::write(&file, v0.replace("while :; do sleep 0.2; done", "exit 3"))?;
+    let run = cli_at(
+        &server.addr(),
+        &["job", "run", file.to_str().context("UTF-8")?],
+    )?;
+    assert_eq!(
+        run.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&run.stdout)
+    );
+    deployment_of(&server, job, 2, "successful").with_context(|| {
+        let all = server.get(&format!("/v1/job/{job}/deployments"));
+        let allocs = server.allocs(job);
+        format!("{all:#?}\n{allocs:#?}\n{}", logs(&server, &[&c1, &c2]))
+    })?;
+    let stored = server.get(&format!("/v1/job/{job}"))?;
+    assert_eq!(stored["version"], 2);
+    assert_eq!(
+        stored["task_groups"][0]["tasks"][0]["config"]["args"][1],
+        "while :; do sleep 0.2; done"
+    );
+    running(&server, job, 2)?;
+    let failed = server.get(&format!("/v1/job/{job}/deployments"))?;
+    let failed = failed
+        .as_array()
+        .and_then(|all| all.iter().find(|d| d["job_version"] == 1))
+        .cloned()
+        .context("the deployment of version 1")?;
+    assert_eq!(failed["status"], "failed", "{failed}");
+    assert_eq!(failed["reverted_to"], 0, "{failed}");
+    let id = failed["id"].as_str().context("an ID")?;
+    let shown = server.cli(&["deployment", "status", &id[..8]])?;
+    assert!(
+        shown.contains("Failed due to unhealthy allocations; rolling back to job version 0"),
+        "{shown}"
+    );
+    // Only a running deployment can be failed.
+    let again = cli_at(&server.addr(), &["deployment", "fail", id])?;
+    assert_ne!(again.status.code(), Some(0));
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("only a running deployment can be failed"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    server.stop_marked_job(job)?;
+    Ok(())
+}
+
+#[test]
+fn deployment_fail_halts_a_rolling_update() -> Result<()> {
+    let (server, c1, c2) = cluster()?;
+    let job = "upd-fail";
+    // Each new alloc must run 5 minutes to be healthy: the roll waits
+    // after the first one.
+    let update = "update {\n max_parallel = 1\n min_healthy_time = \"5m\"\n healthy_deadline = \"10m\"\n progress_deadline = \"15m\"\n }";
+    let v0 = marked_job(job, "service", 3, "", None);
+    server.run_job(job, &v0)?;
+    running(&server, job, 3).with_context(|| logs(&server, &[&c1, &c2]))?;
+    let v1 = marked_job(job, "service", 3, update, None).replace("sleep 0.2", "sleep 0.3");
+    server.run_job(job, &v1)?;
+    let d = deployment_of(&server, job, 1, "running")?;
+    let id = d["id"].as_str().context("an ID")?;
+    let out = server.cli(&["deployment", "fail", id])?;
+    assert!(out.contains("Deployment marked as failed"), "{out}");
+    deployment_of(&server, job, 1, "failed")?;
+    // The roll stopped where it was: one alloc of version 1, two of
+    // version 0, all running, and nothing replaces them.
+    let (ids, _) = running(&server, job, 3)?;
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(200));
+        let allocs = server.allocs(job)?;
+        let live = |v: u64| {
+            allocs
+                .iter()
+                .filter(|a| a["desired_status"] == "run" && a["job"]["version"] == v)
+                .count()
+        };
+        assert_eq!((live(0), live(1)), (2, 1), "{allocs:?}");
+    }
+    assert_eq!(running(&server, job, 3)?.0, ids);
     server.stop_marked_job(job)?;
     Ok(())
 }

@@ -54,9 +54,14 @@ pub(super) fn op(method: &'static str, path: &'static str, summary: &'static str
 
 impl Op {
     /// A list of `schema`s: blocking, paged.
-    pub(super) fn list_of(mut self, schema: &str) -> Op {
+    pub(super) fn list_of(self, schema: &str) -> Op {
+        self.list_items(schema_ref(schema))
+    }
+
+    /// A paged list of `items`.
+    pub(super) fn list_items(mut self, items: Value) -> Op {
         self.read = Read::List;
-        self.answer = json!({ "type": "array", "items": schema_ref(schema) });
+        self.answer = json!({ "type": "array", "items": items });
         self
     }
 
@@ -456,6 +461,7 @@ fn operations() -> Vec<Op> {
         )),
     ];
     ops.extend(super::openapi_jobs::job_operations());
+    ops.extend(super::openapi_jobs::deployment_operations());
     ops
 }
 
@@ -654,6 +660,7 @@ fn components() -> Value {
                 },
                 "task_states": { "type": "object", "additionalProperties": { "type": "object" } },
                 "csi_volume_stats": { "type": "object", "additionalProperties": { "type": "object" } },
+                "deployment": { "type": "object", "description": "the deployment that placed it: id, canary, healthy, health_at_ms" },
                 "create_index": { "type": "integer" },
                 "modify_index": { "type": "integer" },
                 "create_time_ms": { "type": "integer" },

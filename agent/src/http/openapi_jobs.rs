@@ -19,6 +19,56 @@ fn registered() -> Value {
     )
 }
 
+/// A deployment (one rollout of a job version).
+fn deployment() -> Value {
+    object(
+        json!({
+            "id": { "type": "string" },
+            "job_id": { "type": "string" },
+            "job_version": { "type": "integer" },
+            "status": { "enum": ["running", "successful", "failed", "cancelled"] },
+            "status_description": { "type": "string" },
+            "groups": { "type": "object", "additionalProperties": object(json!({
+                "desired_total": { "type": "integer" },
+                "desired_canaries": { "type": "integer" },
+                "placed_canaries": { "type": "array", "items": { "type": "string" } },
+                "promoted": { "type": "boolean" },
+                "auto_revert": { "type": "boolean" },
+                "auto_promote": { "type": "boolean" },
+                "placed_allocs": { "type": "integer" },
+                "healthy_allocs": { "type": "integer" },
+                "unhealthy_allocs": { "type": "integer" },
+                "require_progress_by_ms": { "type": "integer" },
+            }), &["desired_total", "placed_allocs", "healthy_allocs", "unhealthy_allocs"]) },
+            "reverted_to": { "type": "integer", "description": "the version a failed deployment reverted the job to" },
+            "create_index": { "type": "integer" },
+            "modify_index": { "type": "integer" },
+            "create_time_ms": { "type": "integer" },
+            "modify_time_ms": { "type": "integer" },
+        }),
+        &["id", "job_id", "job_version", "status", "groups"],
+    )
+}
+
+/// The deployment routes' operations.
+pub(super) fn deployment_operations() -> Vec<Op> {
+    vec![
+        op("get", "/v1/deployments", "The deployments, by ID").list_items(deployment()),
+        op("get", "/v1/deployment/{id}", "A deployment (by ID or unique ID prefix)")
+            .one(deployment()),
+        op(
+            "post",
+            "/v1/deployment/fail/{id}",
+            "Fail a running deployment; a group with auto_revert reverts the job to its last stable version",
+        )
+        .answers(deployment()),
+        op("get", "/v1/job/{id}/deployments", "A job's deployments, newest first")
+            .one(json!({ "type": "array", "items": deployment() })),
+        op("get", "/v1/job/{id}/deployment", "A job's newest deployment (null when none)")
+            .one(json!({ "oneOf": [deployment(), { "type": "null" }] })),
+    ]
+}
+
 /// The job routes' operations.
 pub(super) fn job_operations() -> Vec<Op> {
     vec![
@@ -77,6 +127,7 @@ pub(super) fn job_operations() -> Vec<Op> {
             json!({
                 "version": { "type": "integer" },
                 "submit_time_ms": { "type": "integer" },
+                "stable": { "type": "boolean" },
                 "job": schema_ref("Job"),
                 "diff": { "type": "array", "items": { "type": "object" } },
             }),

@@ -31,6 +31,9 @@ pub const JOBS: &[Table] = &[Table::Jobs];
 /// A job's allocs (the job must exist).
 pub const JOB_ALLOCS: &[Table] = &[Table::Jobs, Table::Allocs];
 pub const ALLOCS: &[Table] = &[Table::Allocs];
+pub const DEPLOYMENTS: &[Table] = &[Table::Deployments];
+/// A job's deployments (the job must exist).
+pub const JOB_DEPLOYMENTS: &[Table] = &[Table::Jobs, Table::Deployments];
 /// The node list (its `allocs_running` counts are read as it answers;
 /// an alloc write does not wake it).
 pub const NODES: &[Table] = &[Table::Nodes];

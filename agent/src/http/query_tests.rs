@@ -270,6 +270,8 @@ async fn api_with_one_of_everything() -> (TestApi, BTreeMap<&'static str, String
         .expect("register volume");
     // The job's group mounts the volume, so its alloc may claim it.
     let mut web = job("web");
+    // A rolling update block: the version is a deployment.
+    web.update = Some(berth_structs::UpdateStrategy::default());
     web.task_groups[0].volumes.insert(
         "data".into(),
         berth_structs::VolumeRequest {
@@ -293,8 +295,12 @@ async fn api_with_one_of_everything() -> (TestApi, BTreeMap<&'static str, String
         .await
         .expect("register job web");
     let alloc = wait_for_alloc(&api, "web").await;
+    let deployment = api.server.job_deployments("web").expect("deployments")[0]
+        .id
+        .clone();
     let ids = BTreeMap::from([
         ("job", "web".to_string()),
+        ("deployment", deployment),
         ("node", "n1".to_string()),
         ("alloc", alloc.id),
         ("volume", "data".to_string()),
@@ -335,6 +341,7 @@ async fn every_read_of_the_server_api_answers_its_index_and_blocks() {
             Some("node") => &ids["node"],
             Some("volume") => &ids["volume"],
             Some("plugin") => &ids["plugin"],
+            Some("deployment") => &ids["deployment"],
             _ => "",
         };
         let uri = path.replace("{id}", id);

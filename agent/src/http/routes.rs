@@ -78,6 +78,12 @@ impl<S: Clone + Send + Sync + 'static> Routes<S> {
         self.add(Method::DELETE, path, need, routing::delete(handler))
     }
 
+    /// Adds the routes `add` adds (a part of the API kept in its own
+    /// module).
+    pub fn with(self, add: impl FnOnce(Routes<S>) -> Routes<S>) -> Routes<S> {
+        add(self)
+    }
+
     /// Adds one (method, path); several methods of one path merge into one
     /// axum route.
     fn add(

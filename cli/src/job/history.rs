@@ -60,8 +60,9 @@ pub(super) fn job_history(a: HistoryArgs, api: &ApiClient) -> Result<i32> {
     let mut out = String::new();
     for v in &list {
         out.push_str(&format!(
-            "Version     = {}\nSubmit Date = {}\n",
+            "Version     = {}\nStable      = {}\nSubmit Date = {}\n",
             v["version"].as_u64().unwrap_or_default(),
+            v["stable"].as_bool().unwrap_or(false),
             format_time(v["submit_time_ms"].as_i64().unwrap_or_default())
         ));
         let diff = v["diff"].as_array().map(Vec::as_slice).unwrap_or(&[]);

@@ -426,6 +426,10 @@ fn follow_run(
             names = node_names(api)?;
         }
         print_transitions(&mine, &mut seen, &names);
+        if let Some(why) = crate::deployment::failed_of_version(api, job_id, version)? {
+            println!("==> Job {job_id:?}: {why}");
+            return Ok(1);
+        }
         if mine.is_empty() {
             if blocked {
                 return Ok(2);

@@ -116,6 +116,7 @@ fn job_view(api: &ApiClient, job: &Value, all_allocs: bool) -> Result<Value> {
     let mut v = job.clone();
     v["allocations"] = Value::Array(stubs);
     v["summary"] = api.get(&format!("/v1/job/{}/summary", enc(id)))?["groups"].clone();
+    v["latest_deployment"] = api.get(&format!("/v1/job/{}/deployment", enc(id)))?;
     Ok(v)
 }
 
@@ -263,6 +264,7 @@ pub fn job_text(
             out.push_str(&format!("  {f}\n"));
         }
     }
+    out.push_str(&crate::deployment::latest_section(&v["latest_deployment"]));
     out.push_str(&crate::reschedule::job_section(v, now));
     out.push_str(&crate::reschedule::waiting_section(v));
     let older = v["allocations"]

@@ -62,6 +62,7 @@
 //! spreads),
 //! [`explain`] (the failure lines) and [`retry`] (the retry timer).
 
+mod deploy;
 mod explain;
 mod feasible;
 mod place;

@@ -11,6 +11,7 @@ use berth_structs::{
 use crate::config::ServerConfig;
 use crate::state::{Change, Tables};
 
+use super::deploy::Rollout;
 use super::explain::{
     per_node_reasons, service_failure_lines, system_failure_lines, NodeName, Tally,
 };
@@ -54,6 +55,7 @@ pub(crate) fn place(
     changes: &mut Vec<Change>,
 ) -> PlanOutcome {
     let stored: Vec<&Allocation> = t.allocs_of_job(&job.id).collect();
+    let rollout = Rollout::open(t, job, changes);
     let mut placer = Placer {
         job,
         cfg,
@@ -67,6 +69,7 @@ pub(crate) fn place(
             .collect(),
         changes,
         outcome: PlanOutcome::default(),
+        rollout,
     };
     placer.expire_unknown(&stored);
     let allocs: Vec<Allocation> = placer.after.values().cloned().collect();
@@ -97,7 +100,14 @@ pub(crate) fn place(
             }
         }
     }
-    let Placer { after, outcome, .. } = placer;
+    let Placer {
+        after,
+        mut outcome,
+        rollout,
+        changes,
+        ..
+    } = placer;
+    rollout.finish(t, job, now_ms, &after, changes, &mut outcome);
     let status = job_status(job, &after, &outcome);
     if status != job.status {
         let mut j = job.clone();
@@ -120,6 +130,8 @@ struct Placer<'a, 'c> {
     after: BTreeMap<String, Allocation>,
     changes: &'c mut Vec<Change>,
     outcome: PlanOutcome,
+    /// The deployment of the job's version.
+    rollout: Rollout,
 }
 
 impl Placer<'_, '_> {
@@ -269,10 +281,22 @@ impl Placer<'_, '_> {
             Some(s) if s.rolls() && self.job.job_type == JobType::Service => s,
             _ => return olds.len(),
         };
+        if self.rollout.halted() {
+            // The version's deployment failed: the rest keep running.
+            return 0;
+        }
         let mut unhealthy = 0usize;
         let mut next_healthy: Option<i64> = None;
+        // A failed alloc of this version counts until it is replaced: a
+        // roll does not go on past it.
+        let counts = |a: &Allocation| {
+            !a.is_terminal()
+                || (a.client_status == AllocClientStatus::Failed
+                    && !a.server_terminal()
+                    && a.next_allocation.is_empty())
+        };
         for a in self.after.values().filter(|a| {
-            a.task_group == group.name && a.job.version == self.job.version && !a.is_terminal()
+            a.task_group == group.name && a.job.version == self.job.version && counts(a)
         }) {
             match strategy.healthy_at_ms(a) {
                 Some(at) if at <= self.now_ms => {}

@@ -38,6 +38,9 @@ pub(crate) struct PlanOutcome {
     /// then.
     pub due_ms: Option<i64>,
     pub counts: PlacementCounts,
+    /// The job's deployment failed and asks for `auto_revert`: the spec
+    /// of the stable version the job goes back to.
+    pub revert_to: Option<Job>,
 }
 
 impl PlanOutcome {
@@ -48,7 +51,7 @@ impl PlanOutcome {
         }
     }
 
-    pub(super) fn delay_until(&mut self, until_ms: i64) {
+    pub(crate) fn delay_until(&mut self, until_ms: i64) {
         self.delayed = true;
         self.due_ms = Some(self.due_ms.map_or(until_ms, |d| d.min(until_ms)));
     }
@@ -84,13 +87,18 @@ pub(crate) fn plan_stored_job(
 
 /// The tables a plan of `job` reads beside the job itself (of the jobs
 /// table it reads no other job): the allocs (the job's, and every node's
-/// usage and plugin allocs), the nodes, and the volumes only when a group
-/// of the job asks for one (a plan looks at no other volume). A plan made
+/// usage and plugin allocs), the nodes, the deployments, the volumes only
+/// when a group of the job asks for one (a plan looks at no other volume)
+/// and the job versions when a group of it rolls. A plan made
 /// on a snapshot is valid while none of them moved and the job did not.
 pub(crate) fn tables_read(job: Option<&Job>) -> Vec<Table> {
-    let mut read = vec![Table::Allocs, Table::Nodes];
+    let mut read = vec![Table::Allocs, Table::Nodes, Table::Deployments];
     if job.is_some_and(|j| j.task_groups.iter().any(|g| !g.volumes.is_empty())) {
         read.push(Table::Volumes);
+    }
+    if job.is_some_and(|j| j.task_groups.iter().any(|g| j.update_strategy(g).is_some())) {
+        // A deployment that ends marks its version stable.
+        read.push(Table::JobVersions);
     }
     read
 }

@@ -36,6 +36,8 @@ struct SnapshotPlan {
     job_allocs: Vec<(String, u64)>,
     outcome: PlanOutcome,
     changes: Vec<Change>,
+    /// The last write of the deployments when the plan read them.
+    deployments_seen: u64,
 }
 
 impl SnapshotPlan {
@@ -60,6 +62,8 @@ impl SnapshotPlan {
             && self.outcome.failures.is_empty()
             && !self.outcome.delayed
             && self.outcome.counts.unplaced == 0
+            && self.outcome.revert_to.is_none()
+            && t.last_write_to(&[Table::Deployments]) == self.deployments_seen
             && job_allocs(t, job_id) == self.job_allocs
             && plan_still_fits(t, job, &self.changes)
     }
@@ -68,6 +72,7 @@ impl SnapshotPlan {
         let job = t.jobs.get(job_id);
         let read = tables_read(job);
         let seen = t.last_write_to(&read);
+        let deployments_seen = t.last_write_to(&[Table::Deployments]);
         let job_index = job.map(|j| j.modify_index);
         let job_allocs = job_allocs(t, job_id);
         let mut changes = Vec::new();
@@ -79,7 +84,46 @@ impl SnapshotPlan {
             job_allocs,
             outcome,
             changes,
+            deployments_seen,
         }
+    }
+}
+
+/// In the write of a plan whose deployment failed with `auto_revert`:
+/// the job goes back to `spec` (its stable version) as a new version,
+/// evaluated again right after.
+fn revert_in(
+    t: &Tables,
+    job_id: &str,
+    spec: berth_structs::Job,
+    changes: &mut Vec<Change>,
+    outcome: &mut PlanOutcome,
+) {
+    let base = changes
+        .iter()
+        .rev()
+        .find_map(|c| match c {
+            Change::PutJob(j) if j.id == job_id => Some(j.clone()),
+            _ => None,
+        })
+        .or_else(|| t.jobs.get(job_id).cloned());
+    let Some(base) = base else {
+        return;
+    };
+    let from = base.version;
+    let to = spec.version;
+    let (next, changed) = super::jobs::registration(Some(&base), spec, t.index.saturating_add(1));
+    if changed {
+        tracing::warn!(
+            job_id,
+            from,
+            to,
+            version = next.version,
+            "deployment failed: reverting the job to its last stable version"
+        );
+        crate::state::job_versions::record_version(t, &next, changes);
+        changes.push(Change::PutJob(next));
+        outcome.delay_until(berth_structs::now_ms());
     }
 }
 
@@ -211,6 +255,10 @@ impl Server {
         outcome: PlanOutcome,
         changes: &mut Vec<Change>,
     ) -> PlanOutcome {
+        let mut outcome = outcome;
+        if let Some(spec) = outcome.revert_to.take() {
+            revert_in(t, job_id, spec, changes, &mut outcome);
+        }
         let shown_before = self.set_blocked(job_id, &outcome);
         if shown_before != outcome.failures
             && !changes

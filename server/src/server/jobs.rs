@@ -5,26 +5,10 @@ use berth_structs::{Job, JobStatus};
 
 use crate::error::ServerError;
 use crate::server::Server;
+use crate::state::job_versions::same_spec;
 use crate::state::Change;
 
 pub use berth_structs::api::JobRegisterResponse;
-
-/// Whether two submissions of a job are the same, ignoring fields the
-/// servers manage.
-fn same_spec(a: &Job, b: &Job) -> bool {
-    let norm = |j: &Job| Job {
-        stop: false,
-        status: JobStatus::Pending,
-        version: 0,
-        create_index: 0,
-        modify_index: 0,
-        modify_time_ms: 0,
-        job_modify_index: 0,
-        purge: false,
-        ..j.clone()
-    };
-    norm(a) == norm(b)
-}
 
 /// The index a submission with `enforce_index` must name: the stored job's
 /// `job_modify_index` (its `modify_index` for a job stored before that

@@ -18,6 +18,7 @@ pub(crate) mod alloc_stop;
 pub(crate) mod alloc_watch;
 mod claims;
 pub(crate) mod client_routes;
+pub(crate) mod deployments;
 mod evaluate;
 mod expand;
 pub(crate) mod jobs;

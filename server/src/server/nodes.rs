@@ -537,11 +537,15 @@ fn apply_alloc_update(
     // evaluation does (what the alloc holds, a replacement, the job's
     // status). Pending to running changes none of it, and evaluating a
     // large job for each of its allocs starting would cost the whole
-    // job's placement once per alloc.
+    // job's placement once per alloc. But for an alloc of a running
+    // deployment whose health is not known yet: from its start, the
+    // deployment counts the time to its health.
+    let health_pending = a.deployment.as_ref().is_some_and(|d| d.healthy.is_none());
     if old.client_status != a.client_status
         && (old.client_status.is_terminal()
             || a.client_status.is_terminal()
-            || old.client_status == AllocClientStatus::Unknown)
+            || old.client_status == AllocClientStatus::Unknown
+            || health_pending)
     {
         evaluate(&a.job_id);
     }

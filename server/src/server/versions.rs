@@ -21,6 +21,8 @@ pub struct JobVersionView {
     pub version: u64,
     /// Unix milliseconds of its submission.
     pub submit_time_ms: i64,
+    /// A deployment of the version succeeded.
+    pub stable: bool,
     pub job: Job,
     pub diff: Vec<FieldDiff>,
 }
@@ -38,6 +40,7 @@ impl Server {
                 .map(|(i, v)| JobVersionView {
                     version: v.version,
                     submit_time_ms: v.submit_time_ms,
+                    stable: v.stable,
                     job: v.job.clone(),
                     diff: match i.checked_sub(1).and_then(|p| kept.get(p)) {
                         Some(before) => diff_values(&spec_value(&before.job), &spec_value(&v.job)),

@@ -20,7 +20,7 @@ use super::Tables;
 /// IDs by a key: a key with no ID left is removed.
 type Multi = BTreeMap<String, BTreeSet<String>>;
 
-fn link(map: &mut Multi, key: &str, id: &str) {
+pub(super) fn link(map: &mut Multi, key: &str, id: &str) {
     match map.get_mut(key) {
         Some(ids) => {
             ids.insert(id.to_string());
@@ -31,7 +31,7 @@ fn link(map: &mut Multi, key: &str, id: &str) {
     }
 }
 
-fn unlink(map: &mut Multi, key: &str, id: &str) {
+pub(super) fn unlink(map: &mut Multi, key: &str, id: &str) {
     if let Some(ids) = map.get_mut(key) {
         ids.remove(id);
         if ids.is_empty() {
@@ -67,6 +67,8 @@ pub struct Indexes {
     /// Node IDs of nodes that report a node or a controller instance of a
     /// plugin, by plugin ID.
     pub(crate) nodes_by_plugin: Multi,
+    /// Deployment IDs by job ID.
+    pub(crate) deployments_by_job: Multi,
     /// Node IDs of nodes with a drain strategy.
     pub(crate) draining_nodes: BTreeSet<String>,
     /// What the allocs that are not terminal on each node ask for, by

@@ -1,9 +1,9 @@
 //! The versions of each job the store keeps: each change of a job's spec
 //! records the new version beside the job, and the oldest beyond
 //! [`KEPT_VERSIONS`] go in the same write; a job's versions leave with
-//! the job.
+//! the job, and so do its deployments (of which as many are kept).
 
-use berth_structs::{Job, JobVersion};
+use berth_structs::{Job, JobStatus, JobVersion};
 
 use super::{Change, Tables};
 
@@ -17,6 +17,23 @@ pub fn versions_of<'a>(t: &'a Tables, job_id: &'a str) -> impl Iterator<Item = &
         .range(from..)
         .map(|(_, v)| v)
         .take_while(move |v| v.job_id == job_id)
+}
+
+/// Whether two submissions of a job are the same, ignoring fields the
+/// servers manage.
+pub fn same_spec(a: &Job, b: &Job) -> bool {
+    let norm = |j: &Job| Job {
+        stop: false,
+        status: JobStatus::Pending,
+        version: 0,
+        create_index: 0,
+        modify_index: 0,
+        modify_time_ms: 0,
+        job_modify_index: 0,
+        purge: false,
+        ..j.clone()
+    };
+    norm(a) == norm(b)
 }
 
 /// Records `job`, a new version of it, and drops the versions that fall
@@ -36,10 +53,23 @@ pub fn record_version(t: &Tables, job: &Job, changes: &mut Vec<Change>) {
     }));
 }
 
-/// Deletes every kept version of job `job_id` (the job leaves the state).
+/// Deletes every kept version of job `job_id`, and its deployments (the
+/// job leaves the state).
 pub fn forget_versions(t: &Tables, job_id: &str, changes: &mut Vec<Change>) {
     changes.extend(
         versions_of(t, job_id)
             .map(|v| Change::DeleteJobVersion(JobVersion::key_of(&v.job_id, v.version))),
     );
+    changes.extend(
+        t.deployments_of_job(job_id)
+            .map(|d| Change::DeleteDeployment(d.id.clone())),
+    );
+}
+
+/// The oldest deployments of job `job_id` to delete when a new one is
+/// opened, so that [`KEPT_VERSIONS`] are left with it.
+pub fn old_deployments(t: &Tables, job_id: &str) -> Vec<String> {
+    let all: Vec<&berth_structs::Deployment> = t.deployments_of_job(job_id).collect();
+    let drop = (all.len() + 1).saturating_sub(KEPT_VERSIONS);
+    all.into_iter().take(drop).map(|d| d.id.clone()).collect()
 }

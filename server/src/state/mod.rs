@@ -118,6 +118,23 @@ impl Tables {
         self.by_ids(&self.allocs, &self.indexes.allocs_by_node, node_id)
     }
 
+    /// The deployments of `job_id`, oldest first.
+    pub fn deployments_of_job<'a>(
+        &'a self,
+        job_id: &str,
+    ) -> impl Iterator<Item = &'a berth_structs::Deployment> {
+        let mut all: Vec<&berth_structs::Deployment> = self
+            .by_ids(&self.deployments, &self.indexes.deployments_by_job, job_id)
+            .collect();
+        all.sort_by_key(|d| (d.create_index, d.job_version));
+        all.into_iter()
+    }
+
+    /// The newest deployment of `job_id`.
+    pub fn latest_deployment(&self, job_id: &str) -> Option<&berth_structs::Deployment> {
+        self.deployments_of_job(job_id).last()
+    }
+
     /// The allocs of `job_id`, in ID order.
     pub fn allocs_of_job<'a>(&'a self, job_id: &str) -> impl Iterator<Item = &'a Allocation> {
         self.by_ids(&self.allocs, &self.indexes.allocs_by_job, job_id)

@@ -215,6 +215,42 @@ impl Record for berth_structs::JobVersion {
     }
 }
 
+impl Record for berth_structs::Deployment {
+    const TABLE: Table = Table::Deployments;
+    type Store = BTreeMap<String, berth_structs::Deployment>;
+
+    fn key(&self) -> Cow<'_, str> {
+        Cow::Borrowed(&self.id)
+    }
+
+    fn indexes(&self) -> [u64; 2] {
+        [self.create_index, self.modify_index]
+    }
+
+    fn stamp(&mut self, old: Option<&Self>, index: u64, now_ms: i64) {
+        match old {
+            Some(o) => {
+                self.create_index = o.create_index;
+                self.create_time_ms = o.create_time_ms;
+            }
+            None => {
+                self.create_index = index;
+                self.create_time_ms = now_ms;
+            }
+        }
+        self.modify_index = index;
+        self.modify_time_ms = now_ms;
+    }
+
+    fn index(&self, idx: &mut Indexes) {
+        super::indexes::link(&mut idx.deployments_by_job, &self.job_id, &self.id);
+    }
+
+    fn unindex(&self, idx: &mut Indexes) {
+        super::indexes::unlink(&mut idx.deployments_by_job, &self.job_id, &self.id);
+    }
+}
+
 impl Record for Allocation {
     const TABLE: Table = Table::Allocs;
     type Store = BTreeMap<String, Allocation>;

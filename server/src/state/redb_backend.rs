@@ -530,7 +530,7 @@ mod tests {
                 modify_index: 6,
                 ..Default::default()
             }),
-            Table::JobVersions | Table::Acl => {
+            Table::JobVersions | Table::Acl | Table::Deployments => {
                 unreachable!("the generated records are of the first four tables")
             }
         };
@@ -595,7 +595,7 @@ mod tests {
             Table::Allocs => good::<Allocation>(key, bytes),
             Table::Nodes => good::<Node>(key, bytes),
             Table::Volumes => good::<CsiVolume>(key, bytes),
-            Table::JobVersions | Table::Acl => {
+            Table::JobVersions | Table::Acl | Table::Deployments => {
                 unreachable!("the generated records are of the first four tables")
             }
         }

@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 
-use berth_structs::{Allocation, CsiVolume, Job, JobVersion, Node, NodeSecret};
+use berth_structs::{Allocation, CsiVolume, Deployment, Job, JobVersion, Node, NodeSecret};
 
 use super::error::StoreError;
 use super::record::{Record, RecordStore, TableVisitor, WriteEffects};
@@ -196,6 +196,8 @@ schema! {
     JobVersions("job_versions") job_versions: JobVersion => PutJobVersion, DeleteJobVersion;
     /// ACL policies, tokens and introduction tokens.
     Acl("acl") acl: AclRecord => PutAcl, DeleteAcl;
+    /// The deployments of the jobs' versions.
+    Deployments("deployments") deployments: Deployment => PutDeployment, DeleteDeployment;
 }
 
 impl Change {
