@@ -1,5 +1,5 @@
-//! `berth deployment list|status|fail`: the rollouts of job versions, and
-//! the "Latest Deployment" section of `job status`.
+//! `berth deployment list|status|fail|promote`: the rollouts of job
+//! versions, and the "Latest Deployment" section of `job status`.
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
@@ -17,6 +17,8 @@ pub enum DeploymentCommand {
     Status(StatusArgs),
     /// Fail a running deployment (a group with auto_revert reverts the job)
     Fail(FailArgs),
+    /// Promote a deployment whose canaries are healthy: the roll goes on
+    Promote(FailArgs),
 }
 
 #[derive(Args, Debug)]
@@ -55,6 +57,7 @@ pub fn run(cmd: DeploymentCommand, ctx: &Ctx) -> Result<i32> {
         DeploymentCommand::List(a) => list(a, api),
         DeploymentCommand::Status(a) => status(a, api),
         DeploymentCommand::Fail(a) => fail(a, api),
+        DeploymentCommand::Promote(a) => promote(a, api),
     }
 }
 
@@ -99,6 +102,21 @@ fn fail(a: FailArgs, api: &ApiClient) -> Result<i32> {
     let d = api.post(&format!("/v1/deployment/fail/{}", enc(&a.id)), &json!({}))?;
     println!(
         "==> Deployment {} of job {:?} version {} failed: {}",
+        short_id(d["id"].as_str().unwrap_or("")),
+        d["job_id"].as_str().unwrap_or(""),
+        text(&d["job_version"]),
+        text(&d["status_description"])
+    );
+    Ok(0)
+}
+
+fn promote(a: FailArgs, api: &ApiClient) -> Result<i32> {
+    let d = api.post(
+        &format!("/v1/deployment/promote/{}", enc(&a.id)),
+        &json!({}),
+    )?;
+    println!(
+        "==> Deployment {} of job {:?} version {} promoted: {}",
         short_id(d["id"].as_str().unwrap_or("")),
         d["job_id"].as_str().unwrap_or(""),
         text(&d["job_version"]),
@@ -181,20 +199,39 @@ pub fn latest_section(d: &Value) -> String {
     out
 }
 
-/// When the deployment of `job`'s version `version` failed: what to say
-/// of it (`deployment abcd1234 of version 1 failed: why`).
-pub fn failed_of_version(api: &ApiClient, job: &str, version: u64) -> Result<Option<String>> {
+/// Where the deployment of `job`'s version `version` stopped short of
+/// its end, for `job run`, which follows it.
+pub enum Halt {
+    /// It failed: what to say of it.
+    Failed(String),
+    /// Its canaries are healthy and wait for `deployment promote`.
+    NeedsPromotion(String),
+}
+
+/// Whether the deployment of `job`'s version `version` failed or waits
+/// for a promotion.
+pub fn halt_of_version(api: &ApiClient, job: &str, version: u64) -> Result<Option<Halt>> {
     let all = api.get(&format!("/v1/job/{}/deployments", enc(job)))?;
-    let failed = all
+    let Some(d) = all
         .as_array()
         .into_iter()
         .flatten()
-        .find(|d| d["job_version"] == version && d["status"] == "failed");
-    Ok(failed.map(|d| {
-        format!(
-            "deployment {} of version {version} failed: {}",
-            short_id(d["id"].as_str().unwrap_or("")),
-            text(&d["status_description"])
-        )
-    }))
+        .find(|d| d["job_version"] == version)
+    else {
+        return Ok(None);
+    };
+    let id = short_id(d["id"].as_str().unwrap_or(""));
+    let why = text(&d["status_description"]);
+    Ok(match d["status"].as_str() {
+        Some("failed") => Some(Halt::Failed(format!(
+            "deployment {id} of version {version} failed: {why}"
+        ))),
+        Some("running") if why == berth_structs::deployment::DESC_NEEDS_PROMOTION => {
+            Some(Halt::NeedsPromotion(format!(
+                "the canaries of deployment {id} are healthy; `berth deployment promote {id}` \
+                 rolls the rest"
+            )))
+        }
+        _ => None,
+    })
 }

@@ -83,8 +83,11 @@ impl UpdateStrategy {
         if self.health_check != HEALTH_CHECK_TASK_STATES {
             problem("health_check must be \"task_states\" (berth runs no service checks)");
         }
-        if self.canary > 0 || self.auto_promote {
-            problem("canary updates are not supported yet");
+        if self.auto_promote && self.canary == 0 {
+            problem("auto_promote needs canary > 0 (it promotes the canaries)");
+        }
+        if self.canary > 0 && !self.rolls() {
+            problem("canary needs max_parallel > 0");
         }
         if self.rolls() && self.healthy_deadline <= self.min_healthy_time {
             problem("healthy_deadline must be longer than min_healthy_time");
@@ -125,7 +128,7 @@ mod tests {
         assert_eq!(u.healthy_at_ms(&a), None);
         let mut errs = Vec::new();
         UpdateStrategy {
-            canary: 1,
+            auto_promote: true,
             health_check: "checks".into(),
             ..u
         }

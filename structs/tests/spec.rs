@@ -1155,9 +1155,18 @@ job "j" {
 
     let mut canary = job.clone();
     canary.task_groups[0].update.as_mut().unwrap().canary = 1;
+    canary.validate().expect("a canary is accepted");
+    canary.task_groups[0].update.as_mut().unwrap().max_parallel = 0;
     let errs = validation_messages(&canary);
     assert!(
-        errs[0].contains("canary updates are not supported yet"),
+        errs[0].contains("canary needs max_parallel > 0"),
+        "{errs:?}"
+    );
+    let mut promote = job.clone();
+    promote.task_groups[0].update.as_mut().unwrap().auto_promote = true;
+    let errs = validation_messages(&promote);
+    assert!(
+        errs[0].contains("auto_promote needs canary > 0"),
         "{errs:?}"
     );
 }

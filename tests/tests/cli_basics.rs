@@ -37,6 +37,7 @@ const COMMANDS: &[&str] = &[
     "deployment",
     "deployment fail",
     "deployment list",
+    "deployment promote",
     "deployment status",
     "job",
     "job history",

@@ -394,3 +394,55 @@ fn deployment_fail_halts_a_rolling_update() -> Result<()> {
     server.stop_marked_job(job)?;
     Ok(())
 }
+
+#[test]
+fn a_canary_update_waits_for_deployment_promote() -> Result<()> {
+    let (server, c1, c2) = cluster()?;
+    let job = "upd-canary";
+    let update = "update {\n max_parallel = 1\n canary = 1\n min_healthy_time = \"1s\"\n }";
+    let v0 = marked_job(job, "service", 3, update, None);
+    server.run_job(job, &v0)?;
+    deployment_of(&server, job, 0, "successful").with_context(|| logs(&server, &[&c1, &c2]))?;
+
+    // A destructive change: one canary of version 1 beside the three
+    // allocs of version 0; `job run` says it waits for a promotion.
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("v1.hcl");
+    std::fs::write(&file, v0.replace("sleep 0.2", "sleep 0.3"))?;
+    let run = cli_at(
+        &server.addr(),
+        &["job", "run", file.to_str().context("UTF-8")?],
+    )?;
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert_eq!(run.status.code(), Some(0), "{text}");
+    assert!(text.contains("berth deployment promote"), "{text}");
+    let (ids, _) = running(&server, job, 4).with_context(|| logs(&server, &[&c1, &c2]))?;
+    let d = deployment_of(&server, job, 1, "running")?;
+    assert_eq!(
+        d["groups"]["g"]["placed_canaries"].as_array().map(Vec::len),
+        Some(1)
+    );
+    let status = server.cli(&["deployment", "status", d["id"].as_str().context("an ID")?])?;
+    assert!(
+        status.contains("requires manual promotion") && status.contains("Promoted"),
+        "{status}"
+    );
+    // Nothing moves until the promotion.
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(running(&server, job, 4)?.0, ids);
+
+    let out = server.cli(&["deployment", "promote", d["id"].as_str().context("an ID")?])?;
+    assert!(out.contains("promoted"), "{out}");
+    deployment_of(&server, job, 1, "successful").with_context(|| logs(&server, &[&c1, &c2]))?;
+    let allocs = server.allocs(job)?;
+    let live: Vec<&Value> = allocs
+        .iter()
+        .filter(|a| a["desired_status"] == "run")
+        .collect();
+    assert_eq!(live.len(), 3, "{allocs:?}");
+    assert!(live.iter().all(|a| a["job"]["version"] == 1), "{live:?}");
+    // The canary was kept: three placed for version 1 in all.
+    assert_eq!(allocs.len(), 6, "{allocs:?}");
+    server.stop_marked_job(job)?;
+    Ok(())
+}

@@ -1,5 +1,5 @@
-//! The deployment routes: the list, one deployment, a job's, and
-//! `deployment fail`.
+//! The deployment routes: the list, one deployment, a job's,
+//! `deployment fail` and `deployment promote`.
 
 use std::sync::Arc;
 
@@ -25,6 +25,11 @@ pub(super) fn deployment_routes(r: Routes<Arc<Server>>) -> Routes<Arc<Server>> {
             "/v1/deployment/fail/{id}",
             ns(Capability::SubmitJob),
             fail_deployment,
+        )
+        .post(
+            "/v1/deployment/promote/{id}",
+            ns(Capability::SubmitJob),
+            promote_deployment,
         )
         .get(
             "/v1/job/{id}/deployments",
@@ -86,4 +91,13 @@ async fn latest_deployment(
 /// (reverted, when a group asks for `auto_revert`).
 async fn fail_deployment(State(s): State<Arc<Server>>, ApiPath(id): ApiPath<String>) -> ApiResult {
     to_json(&s.fail_deployment(&id).await?)
+}
+
+/// `deployment promote`: the deployment as it is after the job's
+/// evaluation.
+async fn promote_deployment(
+    State(s): State<Arc<Server>>,
+    ApiPath(id): ApiPath<String>,
+) -> ApiResult {
+    to_json(&s.promote_deployment(&id).await?)
 }

@@ -62,6 +62,12 @@ pub(super) fn deployment_operations() -> Vec<Op> {
             "Fail a running deployment; a group with auto_revert reverts the job to its last stable version",
         )
         .answers(deployment()),
+        op(
+            "post",
+            "/v1/deployment/promote/{id}",
+            "Promote a deployment whose canaries are all healthy: the rest of the roll goes on",
+        )
+        .answers(deployment()),
         op("get", "/v1/job/{id}/deployments", "A job's deployments, newest first")
             .one(json!({ "type": "array", "items": deployment() })),
         op("get", "/v1/job/{id}/deployment", "A job's newest deployment (null when none)")

@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::deployment::Halt;
 use anyhow::{anyhow, Result};
 use berth_structs::JobType;
 use clap::{Args, Subcommand};
@@ -426,9 +427,16 @@ fn follow_run(
             names = node_names(api)?;
         }
         print_transitions(&mine, &mut seen, &names);
-        if let Some(why) = crate::deployment::failed_of_version(api, job_id, version)? {
-            println!("==> Job {job_id:?}: {why}");
-            return Ok(1);
+        match crate::deployment::halt_of_version(api, job_id, version)? {
+            Some(Halt::Failed(why)) => {
+                println!("==> Job {job_id:?}: {why}");
+                return Ok(1);
+            }
+            Some(Halt::NeedsPromotion(what)) => {
+                println!("==> Job {job_id:?}: {what}");
+                return Ok(0);
+            }
+            None => {}
         }
         if mine.is_empty() {
             if blocked {

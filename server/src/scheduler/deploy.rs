@@ -6,7 +6,7 @@
 //! allocs, so a plan made for `job plan` shows nothing of them and an
 //! evaluation commits them with its allocs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use berth_structs::deployment::{
     DESC_NEEDS_PROMOTION, DESC_NEWER_JOB, DESC_PROGRESS, DESC_STOPPED_JOB, DESC_SUCCESSFUL,
@@ -14,7 +14,7 @@ use berth_structs::deployment::{
 };
 use berth_structs::{
     AllocClientStatus, AllocDeployment, Allocation, Deployment, DeploymentGroup, DeploymentStatus,
-    Job, JobType, JobVersion, UpdateStrategy,
+    Job, JobType, JobVersion, TaskGroup, UpdateStrategy,
 };
 
 use crate::state::job_versions::{old_deployments, same_spec, versions_of};
@@ -74,6 +74,77 @@ impl Rollout {
         })
     }
 
+    /// The deployment's ID (it may be opened by this plan).
+    pub fn id(&self) -> Option<String> {
+        self.deployment.as_ref().map(|d| d.id.clone())
+    }
+
+    /// A deployment this plan opens asks for canaries in a group only
+    /// when the group has `live` old allocs to replace: at most that many.
+    pub fn settle_canaries(&mut self, group: &str, live: usize) {
+        if self.stored.is_some() {
+            return;
+        }
+        if let Some(g) = self
+            .deployment
+            .as_mut()
+            .and_then(|d| d.groups.get_mut(group))
+        {
+            g.desired_canaries = g
+                .desired_canaries
+                .min(u32::try_from(live).unwrap_or(u32::MAX));
+            g.promoted = g.desired_canaries == 0;
+        }
+    }
+
+    /// How many canaries `group` runs before its deployment is promoted;
+    /// None once promoted (or without canaries).
+    pub fn canary_phase(&self, group: &str) -> Option<u32> {
+        let d = self.deployment.as_ref().filter(|d| d.status.is_active())?;
+        let g = d.groups.get(group)?;
+        (g.desired_canaries > 0 && !g.promoted).then_some(g.desired_canaries)
+    }
+
+    /// The indexes of `group` that still need a canary: those of the
+    /// first old allocs (`olds`, by index) without a live one, up to
+    /// `want` canaries in all.
+    pub fn canary_indexes(
+        &self,
+        group: &TaskGroup,
+        olds: &[&Allocation],
+        after: &BTreeMap<String, Allocation>,
+        want: u32,
+    ) -> Vec<u32> {
+        let held = self.canaries_held(&group.name, after);
+        let missing = (want as usize).saturating_sub(held.len());
+        olds.iter()
+            .filter(|a| !a.is_terminal() && a.index < group.count && !held.contains(&a.index))
+            .map(|a| a.index)
+            .take(missing)
+            .collect()
+    }
+
+    /// The indexes of `group` a live canary of the deployment holds.
+    pub fn canaries_held(
+        &self,
+        group: &str,
+        after: &BTreeMap<String, Allocation>,
+    ) -> BTreeSet<u32> {
+        let Some(d) = &self.deployment else {
+            return BTreeSet::new();
+        };
+        after
+            .values()
+            .filter(|a| a.task_group == group && !a.is_terminal())
+            .filter(|a| {
+                a.deployment
+                    .as_ref()
+                    .is_some_and(|x| x.id == d.id && x.canary)
+            })
+            .map(|a| a.index)
+            .collect()
+    }
+
     /// After the placements: tag the allocs of this version that the plan
     /// wrote, note the health of the tagged ones, and end the deployment
     /// when it is done or failed. A failed deployment with `auto_revert`
@@ -91,6 +162,7 @@ impl Rollout {
             return;
         };
         let mut tagged: Vec<Allocation> = Vec::new();
+        let mut touched = false;
         if d.status.is_active() {
             let written: std::collections::BTreeSet<&str> = changes
                 .iter()
@@ -100,12 +172,15 @@ impl Rollout {
                 })
                 .collect();
             for a in after.values() {
-                if a.job.version == job.version
-                    && a.deployment.as_ref().is_none_or(|x| x.id != d.id)
-                    && !a.server_terminal()
-                    && written.contains(a.id.as_str())
-                    && d.groups.contains_key(&a.task_group)
+                if a.job.version != job.version
+                    || a.server_terminal()
+                    || !written.contains(a.id.as_str())
+                    || !d.groups.contains_key(&a.task_group)
                 {
+                    continue;
+                }
+                touched = true;
+                if a.deployment.as_ref().is_none_or(|x| x.id != d.id) {
                     let mut a = a.clone();
                     a.deployment = Some(AllocDeployment {
                         id: d.id.clone(),
@@ -115,7 +190,7 @@ impl Rollout {
                 }
             }
         }
-        if self.stored.is_none() && tagged.is_empty() {
+        if self.stored.is_none() && !touched {
             return;
         }
         let mut after = after.clone();
@@ -263,10 +338,14 @@ fn count(job: &Job, d: &mut Deployment, after: &BTreeMap<String, Allocation>, no
     let id = d.id.clone();
     for (name, g) in d.groups.iter_mut() {
         let (mut placed, mut good, mut bad) = (0u32, 0u32, 0u32);
+        g.placed_canaries.clear();
         for a in after.values().filter(|a| a.task_group == *name) {
             let Some(tag) = a.deployment.as_ref().filter(|x| x.id == id) else {
                 continue;
             };
+            if tag.canary {
+                g.placed_canaries.push(a.id.clone());
+            }
             placed = placed.saturating_add(1);
             match tag.healthy {
                 Some(true) => good = good.saturating_add(1),
@@ -329,12 +408,59 @@ fn end_if_done(
         }
         return;
     }
-    if d.needs_promotion() {
+    if promote_healthy_canaries(d, after) {
+        // The rest of the roll goes on in the next evaluation.
+        outcome.delay_until(now_ms);
+    }
+    if d.needs_promotion() && canaries_healthy(d, after).iter().all(|(_, ok)| *ok) {
         d.status_description = DESC_NEEDS_PROMOTION.into();
     }
     for g in d.groups.values().filter(|g| g.require_progress_by_ms > 0) {
         outcome.delay_until(g.require_progress_by_ms);
     }
+}
+
+/// Per group that waits for promotion: whether every one of its
+/// canaries is placed and healthy.
+pub(crate) fn canaries_healthy(
+    d: &Deployment,
+    after: &BTreeMap<String, Allocation>,
+) -> Vec<(String, bool)> {
+    d.groups
+        .iter()
+        .filter(|(_, g)| g.desired_canaries > 0 && !g.promoted)
+        .map(|(name, g)| {
+            let healthy = g
+                .placed_canaries
+                .iter()
+                .filter(|id| {
+                    after
+                        .get(*id)
+                        .and_then(|a| a.deployment.as_ref())
+                        .and_then(|x| x.healthy)
+                        == Some(true)
+                })
+                .count();
+            (name.clone(), healthy >= g.desired_canaries as usize)
+        })
+        .collect()
+}
+
+/// Promotes the groups with `auto_promote` whose canaries are all
+/// healthy; whether any was.
+fn promote_healthy_canaries(d: &mut Deployment, after: &BTreeMap<String, Allocation>) -> bool {
+    let ready: Vec<String> = canaries_healthy(d, after)
+        .into_iter()
+        .filter(|(name, ok)| *ok && d.groups[name].auto_promote)
+        .map(|(name, _)| name)
+        .collect();
+    for name in &ready {
+        if let Some(g) = d.groups.get_mut(name) {
+            g.promoted = true;
+        }
+        d.status_description = "Deployment is running".into();
+    }
+    !ready.is_empty()
 }
 
 /// Whether no live alloc of an older version is left in `group`.
@@ -633,6 +759,80 @@ mod tests {
         let d = only_deployment(&t, 1);
         assert_eq!(d.status, DeploymentStatus::Failed);
         assert_eq!(d.status_description, DESC_UNHEALTHY);
+    }
+
+    #[test]
+    fn canaries_run_beside_the_old_allocs_until_promoted() {
+        let (mut t, now) = deployed_v0(3, false);
+        let mut v1 = web(1, 3, "2", false);
+        if let Some(u) = v1.update.as_mut() {
+            u.canary = 1;
+        }
+        t.jobs.insert("web".into(), v1.clone());
+        put_version(&mut t, &v1);
+        step(&mut t, now);
+        let live = |t: &Tables, v: u64| {
+            t.allocs
+                .values()
+                .filter(|a| a.job.version == v && !a.is_terminal())
+                .count()
+        };
+        assert_eq!(
+            (live(&t, 0), live(&t, 1)),
+            (3, 1),
+            "one canary beside the three"
+        );
+        let d = only_deployment(&t, 1);
+        assert_eq!(d.groups["g"].placed_canaries.len(), 1);
+        assert!(d.needs_promotion());
+        // Healthy, it waits: nothing more is placed or stopped.
+        clients_run(&mut t, now, None);
+        step(&mut t, now + 5_000);
+        step(&mut t, now + 10_000);
+        assert_eq!((live(&t, 0), live(&t, 1)), (3, 1));
+        let d = only_deployment(&t, 1);
+        assert_eq!(d.status_description, DESC_NEEDS_PROMOTION);
+        assert!(canaries_healthy(&d, &t.allocs).iter().all(|(_, ok)| *ok));
+        // Promoted: the old alloc of the canary's index goes with no
+        // budget spent, then the others one at a time.
+        let mut d = d;
+        d.groups.get_mut("g").expect("g").promoted = true;
+        t.deployments.insert(d.id.clone(), d);
+        step(&mut t, now + 10_000);
+        assert_eq!((live(&t, 0), live(&t, 1)), (1, 2));
+        let mut at = now + 10_000;
+        while only_deployment(&t, 1).status == DeploymentStatus::Running {
+            clients_run(&mut t, at, None);
+            at += 2_000;
+            step(&mut t, at);
+            assert!(at < now + 60_000, "{:?}", only_deployment(&t, 1));
+        }
+        assert_eq!(only_deployment(&t, 1).status, DeploymentStatus::Successful);
+        assert_eq!((live(&t, 0), live(&t, 1)), (0, 3));
+    }
+
+    #[test]
+    fn auto_promote_promotes_healthy_canaries() {
+        let (mut t, now) = deployed_v0(2, false);
+        let mut v1 = web(1, 2, "2", false);
+        if let Some(u) = v1.update.as_mut() {
+            u.canary = 1;
+            u.auto_promote = true;
+        }
+        t.jobs.insert("web".into(), v1.clone());
+        put_version(&mut t, &v1);
+        step(&mut t, now);
+        clients_run(&mut t, now, None);
+        let outcome = step(&mut t, now + 2_000);
+        assert!(!only_deployment(&t, 1).needs_promotion());
+        assert_eq!(outcome.due_ms, Some(now + 2_000), "evaluated again at once");
+        step(&mut t, now + 2_000);
+        let old_live = t
+            .allocs
+            .values()
+            .filter(|a| a.job.version == 0 && !a.is_terminal())
+            .count();
+        assert_eq!(old_live, 0, "the canary's and one more replaced");
     }
 
     #[test]

@@ -72,6 +72,7 @@ mod score;
 mod update;
 
 pub(crate) use crate::coalesced::Coalesced;
+pub(crate) use deploy::canaries_healthy;
 pub(crate) use feasible::plan_still_fits;
 pub(crate) use place::place;
 pub(crate) use reconcile::{

@@ -70,6 +70,8 @@ pub(crate) fn place(
         changes,
         outcome: PlanOutcome::default(),
         rollout,
+        canary_indexes: BTreeMap::new(),
+        placing_canary: None,
     };
     placer.expire_unknown(&stored);
     let allocs: Vec<Allocation> = placer.after.values().cloned().collect();
@@ -132,6 +134,10 @@ struct Placer<'a, 'c> {
     outcome: PlanOutcome,
     /// The deployment of the job's version.
     rollout: Rollout,
+    /// The indexes each group places canaries at.
+    canary_indexes: BTreeMap<String, Vec<u32>>,
+    /// The deployment the allocs being placed are canaries of.
+    placing_canary: Option<String>,
 }
 
 impl Placer<'_, '_> {
@@ -164,7 +170,9 @@ impl Placer<'_, '_> {
     ) -> BTreeSet<String> {
         let mut by_index: BTreeMap<u32, Vec<&Allocation>> = BTreeMap::new();
         for a in current {
-            if !a.is_terminal() && a.client_status != AllocClientStatus::Unknown {
+            // A canary runs beside the old alloc of its index on purpose.
+            let canary = a.deployment.as_ref().is_some_and(|d| d.canary);
+            if !a.is_terminal() && a.client_status != AllocClientStatus::Unknown && !canary {
                 by_index.entry(a.index).or_default().push(a);
             }
         }
@@ -250,11 +258,33 @@ impl Placer<'_, '_> {
                 self.put(stop(a, why));
             }
         }
+        for g in &self.job.task_groups {
+            let live = destructive
+                .get(g.name.as_str())
+                .map_or(0, |olds| olds.iter().filter(|a| !a.is_terminal()).count());
+            self.rollout.settle_canaries(&g.name, live);
+        }
         for (group, mut olds) in destructive {
             let Some(group) = self.job.lookup_group(group) else {
                 continue;
             };
             olds.sort_by_key(|a| a.index);
+            if let Some(want) = self.rollout.canary_phase(&group.name) {
+                // Canaries first, beside the old allocs, which all stay
+                // until the deployment is promoted.
+                let indexes = self.rollout.canary_indexes(group, &olds, &self.after, want);
+                self.canary_indexes.insert(group.name.clone(), indexes);
+                continue;
+            }
+            // Promoted: an old alloc whose index a canary holds is
+            // replaced by it.
+            let held = self.rollout.canaries_held(&group.name, &self.after);
+            let (replaced, olds): (Vec<&Allocation>, Vec<&Allocation>) =
+                olds.into_iter().partition(|a| held.contains(&a.index));
+            for a in replaced {
+                self.ctx.remove(a);
+                self.put(stop(a, "replaced by a promoted canary"));
+            }
             let mut replace_now = self.rolling_budget(group, &olds);
             for a in olds {
                 // A finished alloc is replaced without counting.
@@ -416,6 +446,12 @@ impl Placer<'_, '_> {
                 self.place_index(&mut indexed, group, index, failed.get(&index).copied());
             }
         }
+        // The canaries of a deployment, at the indexes of old allocs.
+        self.placing_canary = self.rollout.id();
+        for index in self.canary_indexes.remove(&group.name).unwrap_or_default() {
+            self.place_index(&mut indexed, group, index, None);
+        }
+        self.placing_canary = None;
         self.outcome.note_unplaced(group, indexed.tally.total);
         self.outcome
             .failures
@@ -488,6 +524,13 @@ impl Placer<'_, '_> {
             return;
         }
         let mut alloc = new_alloc(job, group, index, "");
+        if let Some(id) = &self.placing_canary {
+            alloc.deployment = Some(berth_structs::AllocDeployment {
+                id: id.clone(),
+                canary: true,
+                ..Default::default()
+            });
+        }
         let mut best = None;
         let mut gone = Vec::new();
         for pos in indexed.in_order() {

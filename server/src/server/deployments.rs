@@ -1,6 +1,7 @@
-//! The deployment endpoints: the list, one deployment, a job's, and an
+//! The deployment endpoints: the list, one deployment, a job's, an
 //! operator's `deployment fail` (the job's evaluation then reverts it
-//! when a group asks for `auto_revert`).
+//! when a group asks for `auto_revert`) and `deployment promote` (the
+//! canaries, once healthy, let the rest of the roll go on).
 
 use berth_structs::deployment::DESC_FAILED_BY_USER;
 use berth_structs::{Deployment, DeploymentStatus};
@@ -69,6 +70,45 @@ impl Server {
             Ok::<_, ServerError>(job_id)
         })?;
         tracing::info!(job_id = %job_id, deployment = id, "deployment failed by an operator");
+        self.evaluate_job(&job_id).await;
+        self.deployment(id)
+    }
+
+    /// `deployment promote`: the groups that wait with healthy canaries
+    /// go on with the roll (refused while a canary is not healthy yet).
+    /// Returns the deployment as it is after the job's evaluation.
+    pub async fn promote_deployment(&self, id: &str) -> Result<Deployment, ServerError> {
+        let (job_id, _) = self.store.write(|t, changes| {
+            let d = deployment_in(t, id)?;
+            if !d.needs_promotion() {
+                return Err(ServerError::Conflict(format!(
+                    "deployment {:?} ({}: {}) has no canaries waiting for promotion",
+                    d.id,
+                    d.status.as_str(),
+                    d.status_description
+                )));
+            }
+            let waiting = crate::scheduler::canaries_healthy(d, &t.allocs);
+            if let Some((group, _)) = waiting.iter().find(|(_, ok)| !ok) {
+                let g = &d.groups[group];
+                return Err(ServerError::Conflict(format!(
+                    "deployment {:?}: group {group:?} has {} of {} canaries placed and not all \
+                     healthy yet; promote once they are",
+                    d.id,
+                    g.placed_canaries.len(),
+                    g.desired_canaries
+                )));
+            }
+            let mut d = d.clone();
+            for g in d.groups.values_mut() {
+                g.promoted = true;
+            }
+            d.status_description = "Deployment is running".into();
+            let job_id = d.job_id.clone();
+            changes.push(Change::PutDeployment(d));
+            Ok::<_, ServerError>(job_id)
+        })?;
+        tracing::info!(job_id = %job_id, deployment = id, "deployment promoted");
         self.evaluate_job(&job_id).await;
         self.deployment(id)
     }
