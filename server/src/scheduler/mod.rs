@@ -33,7 +33,11 @@
 //!   disconnect policy, a kill timeout: see [`update`]): they keep their
 //!   ID, name and tasks, and a count change places or stops only the
 //!   difference. Otherwise they are stopped and new ones placed at their
-//!   index (a destructive update, all at once: no rolling updates yet).
+//!   index (a destructive update): all at once, or with an `update`
+//!   block `max_parallel` at a time: a service group's once the new
+//!   allocs are healthy, as the version's deployment tracks it (see
+//!   [`deploy`]: canaries, promotion, failure and `auto_revert`); a
+//!   system group's `stagger` apart.
 //!
 //! Feasibility on a node: status ready, eligible, the job's datacenter,
 //! the constraints of the job, the group and its tasks (see [`rules`];
@@ -56,7 +60,8 @@
 //! The parts: [`register`] (the job endpoints), [`evaluate`] (an
 //! evaluation's store write and the passes over blocked jobs),
 //! [`reconcile`] (what a job keeps, stops and replaces), [`update`]
-//! (which changes allocs take in place), [`place`] (the
+//! (which changes allocs take in place), [`deploy`] (the deployment of
+//! the job's version), [`place`] (the
 //! placements per job type), [`feasible`] (what fits on a node),
 //! [`rules`] (the constraints, compiled), [`score`] (the affinities and
 //! spreads),

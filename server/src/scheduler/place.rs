@@ -308,9 +308,12 @@ impl Placer<'_, '_> {
     /// again then, and whenever allocs change).
     fn rolling_budget(&mut self, group: &TaskGroup, olds: &[&Allocation]) -> usize {
         let strategy = match self.job.update_strategy(group) {
-            Some(s) if s.rolls() && self.job.job_type == JobType::Service => s,
+            Some(s) if s.rolls() && self.job.job_type != JobType::Batch => s,
             _ => return olds.len(),
         };
+        if self.job.job_type == JobType::System {
+            return self.staggered_budget(group, strategy, olds);
+        }
         if self.rollout.halted() {
             // The version's deployment failed: the rest keep running.
             return 0;
@@ -345,6 +348,46 @@ impl Placer<'_, '_> {
             if let Some(at) = next_healthy {
                 self.outcome.delay_until(at);
             }
+        }
+        budget
+    }
+
+    /// How many old allocs of a system group (`olds`) a destructive
+    /// update replaces now: `max_parallel`, and the next ones `stagger`
+    /// after the last of those were stopped (system jobs have no
+    /// deployments: a roll waits on the clock, as Nomad's does).
+    fn staggered_budget(
+        &mut self,
+        group: &TaskGroup,
+        strategy: &berth_structs::UpdateStrategy,
+        olds: &[&Allocation],
+    ) -> usize {
+        let stagger = i64::try_from(strategy.stagger.as_millis()).unwrap_or(i64::MAX);
+        let live = olds.iter().filter(|a| !a.is_terminal()).count();
+        let last_stop = self
+            .after
+            .values()
+            .filter(|a| {
+                a.task_group == group.name
+                    && a.job.version < self.job.version
+                    && a.server_terminal()
+                    && a.desired_description == "job updated"
+            })
+            .map(|a| a.modify_time_ms)
+            .max();
+        if let Some(next) = last_stop
+            .map(|at| at.saturating_add(stagger))
+            .filter(|next| *next > self.now_ms)
+        {
+            if live > 0 {
+                self.outcome.delay_until(next);
+            }
+            return 0;
+        }
+        let budget = strategy.max_parallel as usize;
+        if live > budget {
+            self.outcome
+                .delay_until(self.now_ms.saturating_add(stagger));
         }
         budget
     }
@@ -1710,6 +1753,60 @@ mod tests {
         // Healthy: the next one goes.
         let (_, changes) = plan_at(&t, "web", 11_000);
         assert_eq!(stops_and_places(&changes, &t), (vec![1], vec![1]));
+    }
+
+    #[test]
+    fn a_system_job_rolls_max_parallel_nodes_at_a_time_stagger_apart() {
+        let mut old = job("agent", 1, vec![task("t", 100, 64)]);
+        old.job_type = JobType::System;
+        let nodes: Vec<Node> = ["n1", "n2", "n3"]
+            .iter()
+            .map(|n| node(n, 4000, 4096))
+            .collect();
+        let mut allocs: Vec<Allocation> = nodes.iter().map(|n| running(&old, 0, &n.id)).collect();
+        let mut new = old.clone();
+        new.version = 1;
+        new.task_groups[0].tasks[0]
+            .env
+            .insert("A".into(), "1".into());
+        new.update = Some(berth_structs::UpdateStrategy {
+            max_parallel: 1,
+            stagger: std::time::Duration::from_secs(10),
+            ..Default::default()
+        });
+        let mut now = 100_000;
+        for round in 0..3 {
+            let t = tables(nodes.clone(), vec![new.clone()], allocs.clone());
+            let (outcome, changes) = plan_at(&t, "agent", now);
+            let (mut stopped, mut placed) = (0, 0);
+            for c in changes {
+                if let Change::PutAlloc(mut a) = c {
+                    if a.server_terminal() {
+                        stopped += 1;
+                        a.modify_time_ms = now;
+                    } else {
+                        placed += 1;
+                    }
+                    allocs.retain(|o| o.id != a.id);
+                    allocs.push(a);
+                }
+            }
+            assert_eq!((stopped, placed), (1, 1), "round {round}");
+            // Nothing more until the stagger has passed.
+            let t = tables(nodes.clone(), vec![new.clone()], allocs.clone());
+            let (outcome_then, changes) = plan_at(&t, "agent", now + 9_000);
+            assert!(changes.iter().all(|c| !matches!(c, Change::PutAlloc(_))));
+            if round < 2 {
+                assert_eq!(outcome.due_ms, Some(now + 10_000), "round {round}");
+                assert_eq!(outcome_then.due_ms, Some(now + 10_000), "round {round}");
+            }
+            now += 10_000;
+        }
+        let live_new = allocs
+            .iter()
+            .filter(|a| a.job.version == 1 && !a.server_terminal())
+            .count();
+        assert_eq!(live_new, 3);
     }
 
     /// Resource amounts that hit the edges: zero, small, near and at u64::MAX.
