@@ -87,18 +87,15 @@ pub(crate) fn plan_stored_job(
 
 /// The tables a plan of `job` reads beside the job itself (of the jobs
 /// table it reads no other job): the allocs (the job's, and every node's
-/// usage and plugin allocs), the nodes, the deployments, the volumes only
-/// when a group of the job asks for one (a plan looks at no other volume)
-/// and the job versions when a group of it rolls. A plan made
+/// usage and plugin allocs), the nodes, and the volumes only when a
+/// group of the job asks for one (a plan looks at no other volume). Of
+/// the deployments and the job versions it reads only the job's own,
+/// which the evaluation checks apart. A plan made
 /// on a snapshot is valid while none of them moved and the job did not.
 pub(crate) fn tables_read(job: Option<&Job>) -> Vec<Table> {
-    let mut read = vec![Table::Allocs, Table::Nodes, Table::Deployments];
+    let mut read = vec![Table::Allocs, Table::Nodes];
     if job.is_some_and(|j| j.task_groups.iter().any(|g| !g.volumes.is_empty())) {
         read.push(Table::Volumes);
-    }
-    if job.is_some_and(|j| j.task_groups.iter().any(|g| j.update_strategy(g).is_some())) {
-        // A deployment that ends marks its version stable.
-        read.push(Table::JobVersions);
     }
     read
 }

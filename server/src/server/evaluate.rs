@@ -36,8 +36,8 @@ struct SnapshotPlan {
     job_allocs: Vec<(String, u64)>,
     outcome: PlanOutcome,
     changes: Vec<Change>,
-    /// The last write of the deployments when the plan read them.
-    deployments_seen: u64,
+    /// The job's deployments and versions when the plan read them.
+    deployments_seen: (usize, u64),
 }
 
 impl SnapshotPlan {
@@ -45,6 +45,7 @@ impl SnapshotPlan {
     fn holds_in(&self, t: &Tables, job_id: &str) -> bool {
         t.last_write_to(&self.read) == self.seen
             && t.jobs.get(job_id).map(|j| j.modify_index) == self.job_index
+            && deployments_mark(t, job_id) == self.deployments_seen
     }
 
     /// Whether the plan can be committed on `t` though a table it read
@@ -63,7 +64,7 @@ impl SnapshotPlan {
             && !self.outcome.delayed
             && self.outcome.counts.unplaced == 0
             && self.outcome.revert_to.is_none()
-            && t.last_write_to(&[Table::Deployments]) == self.deployments_seen
+            && deployments_mark(t, job_id) == self.deployments_seen
             && job_allocs(t, job_id) == self.job_allocs
             && plan_still_fits(t, job, &self.changes)
     }
@@ -72,7 +73,7 @@ impl SnapshotPlan {
         let job = t.jobs.get(job_id);
         let read = tables_read(job);
         let seen = t.last_write_to(&read);
-        let deployments_seen = t.last_write_to(&[Table::Deployments]);
+        let deployments_seen = deployments_mark(t, job_id);
         let job_index = job.map(|j| j.modify_index);
         let job_allocs = job_allocs(t, job_id);
         let mut changes = Vec::new();
@@ -125,6 +126,18 @@ fn revert_in(
         changes.push(Change::PutJob(next));
         outcome.delay_until(berth_structs::now_ms());
     }
+}
+
+/// How many deployments and kept versions job `job_id` has in `t`, and
+/// the last write of one: a plan that read them is valid while they stay
+/// (a `deployment fail` or `promote` moves them; other jobs' do not
+/// count).
+fn deployments_mark(t: &Tables, job_id: &str) -> (usize, u64) {
+    let deployments = t.deployments_of_job(job_id).map(|d| d.modify_index);
+    let versions = crate::state::job_versions::versions_of(t, job_id).map(|v| v.modify_index);
+    deployments
+        .chain(versions)
+        .fold((0, 0), |(n, at), i| (n + 1, at.max(i)))
 }
 
 /// The allocs of job `job_id` in `t`, by ID, with their modify indexes.
@@ -634,6 +647,76 @@ mod tests {
         assert_eq!(live_allocs(&old, "a"), 0);
         assert!(!failures(&old, "a").is_empty());
         assert_eq!(failures(&server, "a"), failures(&old, "a"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_deployment_failed_between_the_snapshot_and_the_commit_stays_failed() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = ServerConfig::new(dir.path());
+        config.scheduler_plans_in_writer = false;
+        let server = Server::open(config).unwrap();
+        let mut job = web_job(2);
+        job.update = Some(berth_structs::UpdateStrategy::default());
+        // The job's deployment runs (its allocs are not healthy yet);
+        // an operator fails it while a plan is being made.
+        server
+            .register_node(Node {
+                id: "n1".into(),
+                name: "n1".into(),
+                status: NodeStatus::Ready,
+                resources: NodeResources {
+                    cpu: 100_000,
+                    memory_mb: 100_000,
+                    disk_mb: 0,
+                },
+                drivers: vec!["raw_exec".into()],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        server.register_job(job).await.unwrap();
+        let id = server.job_deployments("web").unwrap()[0].id.clone();
+        // Its allocs have run long enough: the plan would end it
+        // successful.
+        server
+            .store
+            .write(|t, changes| {
+                for a in t.allocs_of_job("web") {
+                    let mut a = a.clone();
+                    a.client_status = berth_structs::AllocClientStatus::Running;
+                    a.task_states.insert(
+                        "t".into(),
+                        berth_structs::TaskState {
+                            state: berth_structs::TaskStateKind::Running,
+                            started_at_ms: Some(1),
+                            ..Default::default()
+                        },
+                    );
+                    changes.push(Change::PutAlloc(a));
+                }
+                Ok::<_, ServerError>(())
+            })
+            .unwrap();
+        let mut plans = 0;
+        server.evaluate_job_between("web", &mut || {
+            plans += 1;
+            if plans == 1 {
+                server
+                    .store
+                    .write(|t, changes| {
+                        let mut d = t.deployments[&id].clone();
+                        d.status = berth_structs::DeploymentStatus::Failed;
+                        changes.push(Change::PutDeployment(d));
+                        Ok::<_, ServerError>(())
+                    })
+                    .unwrap();
+            }
+        });
+        assert_eq!(plans, 2, "the plan the fail moved was made again");
+        assert_eq!(
+            server.deployment(&id).unwrap().status,
+            berth_structs::DeploymentStatus::Failed
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
