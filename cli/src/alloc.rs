@@ -182,6 +182,19 @@ pub fn alloc_detail(
         header.push(("Lost At", format_time(lost_at)));
     }
     header.extend(crate::reschedule::header_lines(v, verbose, now_ms));
+    let deployment = &v["deployment"];
+    if let Some(d) = deployment["id"].as_str() {
+        header.push(("Deployment ID", shown_id(d, verbose).to_string()));
+        let health = match deployment["healthy"].as_bool() {
+            Some(true) => "healthy",
+            Some(false) => "unhealthy",
+            None => "unset",
+        };
+        header.push(("Deployment Health", health.to_string()));
+        if deployment["canary"].as_bool() == Some(true) {
+            header.push(("Canary", "true".to_string()));
+        }
+    }
     let mut out = joined(key_values(&header));
     let attempts = crate::reschedule::attempts_rows(v, verbose);
     if !attempts.is_empty() {

@@ -443,6 +443,14 @@ fn a_canary_update_waits_for_deployment_promote() -> Result<()> {
     assert!(live.iter().all(|a| a["job"]["version"] == 1), "{live:?}");
     // The canary was kept: three placed for version 1 in all.
     assert_eq!(allocs.len(), 6, "{allocs:?}");
+    let canary = d["groups"]["g"]["placed_canaries"][0]
+        .as_str()
+        .context("the canary")?;
+    let shown = server.cli(&["alloc", "status", canary])?;
+    assert!(
+        shown.contains("Canary") && shown.contains("Deployment Health   = healthy"),
+        "{shown}"
+    );
     server.stop_marked_job(job)?;
     Ok(())
 }
