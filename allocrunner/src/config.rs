@@ -8,7 +8,7 @@ use std::time::Duration;
 use berth_csimanager::CsiManager;
 
 use crate::claims::VolumeClaimer;
-use crate::driver::{Driver, ExecutorCommand, RawExecDriver};
+use crate::driver::{Driver, ExecDriver, ExecutorCommand, RawExecDriver};
 use crate::state::{AllocStateStore, AllocStateUpdater, NoopStateStore};
 
 /// Shared by all alloc runners of a client. Build it with
@@ -74,20 +74,28 @@ impl AllocRunnerConfig {
         }
     }
 
-    /// The drivers a client has unless told otherwise: `raw_exec` under
-    /// this binary's executor.
+    /// The drivers a client has unless told otherwise: `raw_exec` and
+    /// `exec` under this binary's executor.
     pub fn default_drivers() -> BTreeMap<String, Arc<dyn Driver>> {
         let mut drivers: BTreeMap<String, Arc<dyn Driver>> = BTreeMap::new();
         drivers.insert("raw_exec".into(), Arc::new(RawExecDriver::new()));
+        drivers.insert(
+            "exec".into(),
+            Arc::new(ExecDriver::new(RawExecDriver::new())),
+        );
         drivers
     }
 
-    /// Runs `raw_exec` tasks under `executor` instead of
+    /// Runs `raw_exec` and `exec` tasks under `executor` instead of
     /// `<this binary> executor` (tests point it at a built binary).
     pub fn set_executor(&mut self, executor: ExecutorCommand) {
         self.drivers.insert(
             "raw_exec".into(),
-            Arc::new(RawExecDriver::with_executor(executor)),
+            Arc::new(RawExecDriver::with_executor(executor.clone())),
+        );
+        self.drivers.insert(
+            "exec".into(),
+            Arc::new(ExecDriver::new(RawExecDriver::with_executor(executor))),
         );
     }
 }

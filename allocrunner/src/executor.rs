@@ -49,7 +49,8 @@ pub const LOG_FILE: &str = "executor.log";
 ///
 /// 2: the executor writes [`STATE_WRITTEN`] on its stdout once `state.json`
 /// is written (1 wrote nothing there; its agent looked for the file).
-pub const PROTOCOL: u32 = 2;
+/// 3: [`ExecutorSpec::cgroup_procs`], which the task joins.
+pub const PROTOCOL: u32 = 3;
 /// What the executor writes on its stdout once `state.json` is written.
 pub const STATE_WRITTEN: u8 = b'\n';
 
@@ -74,6 +75,11 @@ pub struct ExecutorSpec {
     pub stderr_path: PathBuf,
     #[serde(default)]
     pub logs: LogRotation,
+    /// The `cgroup.procs` files of the task's cgroup (an `exec` task): the
+    /// task joins them before it execs, so every process it starts is in
+    /// them too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cgroup_procs: Vec<PathBuf>,
 }
 
 /// Why a task could not be started.
@@ -100,6 +106,9 @@ pub enum ExecutorState {
         /// (`/proc/<pid>/stat` field 22): tells a reused pid apart.
         task_start_ticks: u64,
         started_at_ms: i64,
+        /// The directories of the cgroup the task joined (an `exec` task).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        cgroup: Vec<PathBuf>,
     },
     StartFailed {
         kind: StartFailure,
@@ -382,7 +391,7 @@ pub fn run_executor(args: &[String]) -> i32 {
         drained,
     } = started;
     let task_pid = child.id();
-    if let Err(code) = record_running(&state_dir, &mut child) {
+    if let Err(code) = record_running(&state_dir, &mut child, &spec.cgroup_procs) {
         return code;
     }
     report_state_written();
@@ -478,6 +487,15 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32>
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
+    let cgroup = match join_cgroup_before_exec(&mut cmd, &spec.cgroup_procs) {
+        Ok(fds) => fds,
+        Err(e) => {
+            return Err(failed(
+                StartFailure::Other,
+                format!("opening the task's cgroup: {e}"),
+            ))
+        }
+    };
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
@@ -492,6 +510,7 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32>
             ));
         }
     };
+    drop(cgroup);
     // The read ends are close-on-exec: only the task holds the write ends.
     let (drained_tx, drained) = std::sync::mpsc::channel();
     let (started_tx, started) = std::sync::mpsc::channel();
@@ -519,10 +538,52 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32>
     })
 }
 
+/// Has the task join the cgroup whose `cgroup.procs` files are `procs`
+/// between its fork and its exec: each file is opened here, and the child
+/// writes `0` (itself) into each. The files, which the caller keeps open
+/// until the task is spawned.
+fn join_cgroup_before_exec(
+    cmd: &mut std::process::Command,
+    procs: &[PathBuf],
+) -> std::io::Result<Vec<std::fs::File>> {
+    let files = procs
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", p.display())))
+        })
+        .collect::<std::io::Result<Vec<_>>>()?;
+    if files.is_empty() {
+        return Ok(files);
+    }
+    let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+    // SAFETY: the closure runs in the forked child before exec; it only
+    // calls write(2), which is async-signal-safe, on descriptors opened
+    // above (still open: the caller keeps `files` until the spawn), and
+    // allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            for fd in &fds {
+                if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    Ok(files)
+}
+
 /// Records the running task in the state dir. A task nobody could find
 /// again is not left running: it is killed, and the exit code is the
 /// error.
-fn record_running(state_dir: &Path, child: &mut std::process::Child) -> Result<(), i32> {
+fn record_running(
+    state_dir: &Path,
+    child: &mut std::process::Child,
+    cgroup_procs: &[PathBuf],
+) -> Result<(), i32> {
     let task_pid = child.id();
     let state = ExecutorState::Running {
         executor_pid: std::process::id(),
@@ -531,6 +592,10 @@ fn record_running(state_dir: &Path, child: &mut std::process::Child) -> Result<(
         pgid: task_pid as i32,
         task_start_ticks: process_start_ticks(task_pid).unwrap_or_default(),
         started_at_ms: berth_structs::now_ms(),
+        cgroup: cgroup_procs
+            .iter()
+            .filter_map(|p| p.parent().map(Path::to_path_buf))
+            .collect(),
     };
     if let Err(e) = write_state_record(state_dir, STATE_FILE, &state) {
         eprintln!("berth executor: recording the task's state: {e}; killing the task");

@@ -17,6 +17,7 @@
 pub mod alloc_dir;
 pub mod alloc_hooks;
 pub mod alloc_runner;
+pub mod cgroups;
 pub mod claims;
 pub mod config;
 pub mod driver;

@@ -256,6 +256,13 @@ impl Running {
             logs: crate::logs::LogRotation::from(&self.task.logs),
             executor_dir: self.alloc_dir.executor_dir(name),
             env,
+            limits: crate::driver::TaskLimits {
+                cpu_mhz: self.task.resources.cpu,
+                memory_mb: self.task.resources.memory_mb,
+                memory_max_mb: 0,
+                pids: None,
+            },
+            cgroup_procs: Vec::new(),
         }
     }
 
@@ -381,6 +388,15 @@ impl Running {
             .task_exits
             .get_or_create(&berth_metrics::OutcomeLabels { outcome })
             .inc();
+        if let Some(limit) = exit.oom_killed {
+            self.events.emit(
+                "OOM Killed",
+                format!(
+                    "the task reached its memory limit of {} MiB and the kernel killed it",
+                    limit >> 20
+                ),
+            );
+        }
         let mut terminated = TaskEvent::new("Terminated", exit.to_string());
         terminated.exit_code = exit.exit_code;
         terminated.signal = exit.signal;

@@ -305,6 +305,8 @@ async fn the_executor_records_the_exit_code_of_its_task() {
         stderr_path: dir.path().join("stderr"),
         logs: Default::default(),
         executor_dir: dir.path().join("executor"),
+        limits: Default::default(),
+        cgroup_procs: Vec::new(),
     };
     let handle = driver.start(&spec).await.unwrap();
     let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();
@@ -361,6 +363,7 @@ async fn a_handle_whose_executor_start_time_differs_is_treated_as_dead() {
         pgid: 0,
         task_start_ticks: 0,
         started_at_ms: 0,
+        cgroup: Vec::new(),
     };
     let live = driver.reattach(&record).await.unwrap();
     assert!(

@@ -880,7 +880,10 @@ mod tests {
         let raw_exec = &node.driver_info["raw_exec"];
         assert!(raw_exec.detected && raw_exec.healthy, "{raw_exec:?}");
         assert!(raw_exec.update_time_ms > 0);
-        assert_eq!(node.drivers, ["raw_exec"]);
+        // This host has cgroups: exec is healthy too.
+        let exec = &node.driver_info["exec"];
+        assert!(exec.detected && exec.healthy, "{exec:?}");
+        assert_eq!(node.drivers, ["exec", "raw_exec"]);
         assert_eq!(node.reserved.cpu, 100);
         assert_eq!(node.reserved.memory_mb, 64);
         assert_eq!(node.reserved.disk_mb, 0);

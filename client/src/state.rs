@@ -760,6 +760,7 @@ mod tests {
             pgid: (pid + 1) as i32,
             task_start_ticks: 2,
             started_at_ms: 3,
+            cgroup: Vec::new(),
         }
     }
 
@@ -948,6 +949,7 @@ mod properties {
                             pgid: 11,
                             task_start_ticks: 2,
                             started_at_ms: 3,
+                            cgroup: Vec::new(),
                         },
                     })
                     .expect("encode"),

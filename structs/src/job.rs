@@ -485,7 +485,7 @@ impl std::str::FromStr for CsiPluginType {
 pub const DEFAULT_REGION: &str = "global";
 
 /// Drivers this build of berth runs.
-pub const SUPPORTED_DRIVERS: &[&str] = &["raw_exec"];
+pub const SUPPORTED_DRIVERS: &[&str] = &["exec", "raw_exec"];
 
 impl Job {
     /// The checks a job passes before the servers accept it: every name

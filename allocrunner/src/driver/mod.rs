@@ -15,9 +15,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::DriverError;
 
+mod exec;
 mod host_executors;
 mod raw_exec;
 
+pub use exec::ExecDriver;
 pub use host_executors::{executors_outside, HostExecutor};
 
 pub use raw_exec::{
@@ -46,6 +48,22 @@ pub struct TaskSpec {
     /// Where the task's executor keeps its state and exit records; not
     /// below `task_dir`, so the task and its volume mounts never see it.
     pub executor_dir: PathBuf,
+    /// What an `exec` task is held to (`raw_exec` ignores it).
+    pub limits: TaskLimits,
+    /// The `cgroup.procs` files the task joins before it execs (the `exec`
+    /// driver sets them).
+    pub cgroup_procs: Vec<PathBuf>,
+}
+
+/// The resources an `exec` task's cgroup holds it to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TaskLimits {
+    pub cpu_mhz: u64,
+    pub memory_mb: u64,
+    /// Above `memory_mb`: the hard limit, `memory_mb` the soft one.
+    pub memory_max_mb: u64,
+    /// None: [`crate::cgroups::DEFAULT_PIDS_LIMIT`].
+    pub pids: Option<u64>,
 }
 
 /// What the agent persists of a started task to find it again after a
@@ -63,6 +81,9 @@ pub struct TaskHandleRecord {
     pub pgid: i32,
     pub task_start_ticks: u64,
     pub started_at_ms: i64,
+    /// The task's cgroup directories (an `exec` task).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cgroup: Vec<PathBuf>,
 }
 
 /// How a task's process ended.
@@ -72,6 +93,9 @@ pub struct ExitResult {
     pub signal: Option<i32>,
     /// The process could not be waited for.
     pub error: Option<String>,
+    /// The kernel's OOM killer killed a process of the task, which was
+    /// held to this many bytes.
+    pub oom_killed: Option<u64>,
 }
 
 impl ExitResult {
@@ -117,7 +141,7 @@ impl TaskHandleRecord {
         executor_dir: &Path,
         state: &crate::executor::ExecutorState,
     ) -> Option<TaskHandleRecord> {
-        match *state {
+        match state {
             crate::executor::ExecutorState::Running {
                 executor_pid,
                 executor_start_ticks,
@@ -125,15 +149,17 @@ impl TaskHandleRecord {
                 pgid,
                 task_start_ticks,
                 started_at_ms,
+                cgroup,
             } => Some(TaskHandleRecord {
                 driver: driver.to_string(),
                 executor_dir: executor_dir.to_path_buf(),
-                executor_pid,
-                executor_start_ticks,
-                task_pid,
-                pgid,
-                task_start_ticks,
-                started_at_ms,
+                executor_pid: *executor_pid,
+                executor_start_ticks: *executor_start_ticks,
+                task_pid: *task_pid,
+                pgid: *pgid,
+                task_start_ticks: *task_start_ticks,
+                started_at_ms: *started_at_ms,
+                cgroup: cgroup.clone(),
             }),
             crate::executor::ExecutorState::StartFailed { .. } => None,
         }

@@ -220,6 +220,7 @@ impl RawExecDriver {
             stdout_path: spec.stdout_path.clone(),
             stderr_path: spec.stderr_path.clone(),
             logs: spec.logs,
+            cgroup_procs: spec.cgroup_procs.clone(),
         };
         let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
             command: spec.command.clone(),
@@ -693,6 +694,7 @@ fn exit_of(record: &TaskHandleRecord) -> ExitResult {
             exit_code: e.exit_code,
             signal: e.signal,
             error: None,
+            oom_killed: None,
         },
         Ok(None) => {
             if task_alive(record) {
@@ -964,6 +966,7 @@ mod tests {
             pgid: task_pid as i32,
             task_start_ticks: live_process_start_ticks(task_pid).unwrap(),
             started_at_ms: 0,
+            cgroup: Vec::new(),
         };
         executor::write_record(dir.path(), executor::STATE_FILE, &state).unwrap();
 

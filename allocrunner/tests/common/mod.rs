@@ -395,6 +395,8 @@ pub fn sh_task_spec(dir: &std::path::Path, script: &str) -> berth_allocrunner::T
         stderr_path: dir.join("t.stderr"),
         logs: Default::default(),
         executor_dir: dir.join("executor"),
+        limits: Default::default(),
+        cgroup_procs: Vec::new(),
     }
 }
 

@@ -1,0 +1,192 @@
+//! The `exec` driver on a client agent (not `-dev`): a task is held to
+//! its memory by a cgroup of its own, so a task that allocates past it
+//! is OOM killed (and says so) while the node and its other allocs run
+//! on, and the same task with room completes.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use berth_tests::cluster::{logs, marked_service_job, marker_pids, Client, Server};
+use berth_tests::wait_for;
+use serde_json::Value;
+
+/// A batch job of one exec task that holds `mib` MiB (tail keeps a line
+/// it has not seen the end of) with `memory` MiB asked for.
+fn hungry_job(job: &str, memory: u32, mib: u32) -> String {
+    format!(
+        r#"
+job "{job}" {{
+  type = "batch"
+  group "g" {{
+    restart {{
+      attempts = 0
+      mode     = "fail"
+    }}
+    reschedule {{
+      attempts  = 0
+      unlimited = false
+    }}
+    task "t" {{
+      driver = "exec"
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", "head -c {bytes} /dev/zero | tail > /dev/null"]
+      }}
+      resources {{
+        cpu    = 100
+        memory = {memory}
+      }}
+    }}
+  }}
+}}
+"#,
+        bytes = u64::from(mib) << 20
+    )
+}
+
+/// The job's only alloc once it is terminal.
+fn finished(server: &Server, job: &str) -> Result<Value> {
+    wait_for(
+        &format!("the alloc of {job} to finish"),
+        Duration::from_secs(60),
+        || {
+            let allocs = server.allocs(job)?;
+            Ok(allocs
+                .into_iter()
+                .find(|a| matches!(a["client_status"].as_str(), Some("complete" | "failed"))))
+        },
+    )
+}
+
+#[test]
+fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<()> {
+    let mut server = Server::start("")?;
+    let client = Client::start(&server, "x1", false, "")?;
+    server
+        .wait_nodes_ready(&["x1"])
+        .with_context(|| logs(&server, &[&client]))?;
+    let node = server.get("/v1/nodes")?;
+    let exec = &node[0];
+    let info = server.get(&format!(
+        "/v1/node/{}",
+        exec["id"].as_str().context("node ID")?
+    ))?;
+    assert_eq!(
+        info["driver_info"]["exec"]["healthy"], true,
+        "{}",
+        info["driver_info"]
+    );
+
+    // A neighbour that must not notice.
+    let steady = "exec-steady";
+    server.run_job(steady, &marked_service_job(steady, 1, None, None))?;
+    let pids = wait_for("the neighbour running", Duration::from_secs(30), || {
+        let pids = marker_pids(steady);
+        Ok((pids.len() == 1).then_some(pids))
+    })
+    .with_context(|| logs(&server, &[&client]))?;
+
+    server.run_job("exec-oom", &hungry_job("exec-oom", 32, 200))?;
+    let alloc = finished(&server, "exec-oom").with_context(|| logs(&server, &[&client]))?;
+    assert_eq!(alloc["client_status"], "failed", "{alloc}");
+    let events = alloc["task_states"]["t"]["events"]
+        .as_array()
+        .context("events")?;
+    let oom = events
+        .iter()
+        .find(|e| e["type"] == "OOM Killed")
+        .with_context(|| format!("no OOM Killed event: {events:?}"))?;
+    assert!(
+        oom["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("memory limit of 32 MiB")),
+        "{oom}"
+    );
+    let shown = server.cli(&["alloc", "status", alloc["id"].as_str().context("alloc ID")?])?;
+    assert!(shown.contains("OOM Killed"), "{shown}");
+
+    // The same with room completes.
+    server.run_job("exec-roomy", &hungry_job("exec-roomy", 256, 200))?;
+    let alloc = finished(&server, "exec-roomy").with_context(|| logs(&server, &[&client]))?;
+    assert_eq!(alloc["client_status"], "complete", "{alloc}");
+
+    // The neighbour ran throughout, and no cgroup of either is left.
+    assert_eq!(marker_pids(steady), pids);
+    for job in ["exec-oom", "exec-roomy"] {
+        for a in server.allocs(job)? {
+            let id = a["id"].as_str().context("alloc ID")?;
+            let cgroup = std::path::Path::new("/sys/fs/cgroup/memory/berth").join(id);
+            assert!(!cgroup.exists(), "{} is left", cgroup.display());
+        }
+    }
+    server.stop_marked_job(steady)?;
+    Ok(())
+}
+
+/// The memory cgroup `pid` is in (v1 or v2 path), as `/proc` says.
+fn memory_cgroup_of(pid: i32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.contains(":memory:") || l.starts_with("0::"))
+        .map(|l| l.rsplit(':').next().unwrap_or_default().to_string())
+        .unwrap_or_default()
+}
+
+#[test]
+fn exec_tasks_keep_their_cgroups_across_an_agent_kill_and_lose_them_when_stopped() -> Result<()> {
+    let mut server = Server::start("")?;
+    let mut client = Client::start(&server, "x2", false, "")?;
+    server
+        .wait_nodes_ready(&["x2"])
+        .with_context(|| logs(&server, &[&client]))?;
+    let job = "exec-reattach";
+    let spec = marked_service_job(job, 3, None, None).replace("\"raw_exec\"", "\"exec\"");
+    assert!(spec.contains("driver = \"exec\""), "{spec}");
+    server.run_job(job, &spec)?;
+    let pids = wait_for("three exec tasks", Duration::from_secs(30), || {
+        let pids = marker_pids(job);
+        Ok((pids.len() == 3).then_some(pids))
+    })
+    .with_context(|| logs(&server, &[&client]))?;
+    let cgroups: Vec<String> = pids.iter().map(|p| memory_cgroup_of(*p)).collect();
+    assert!(
+        cgroups.iter().all(|c| c.starts_with("/berth/")),
+        "{cgroups:?}"
+    );
+
+    // SIGKILL the agent: the tasks run on in their cgroups; the agent
+    // started again reattaches to them.
+    client.agent.kill()?;
+    client.agent.start_again()?;
+    server
+        .wait_nodes_ready(&["x2"])
+        .with_context(|| logs(&server, &[&client]))?;
+    wait_for("the allocs running again", Duration::from_secs(30), || {
+        let allocs = server.allocs(job)?;
+        Ok(allocs
+            .iter()
+            .all(|a| a["client_status"] == "running")
+            .then_some(()))
+    })?;
+    assert_eq!(marker_pids(job), pids, "the tasks were started again");
+    let after: Vec<String> = pids.iter().map(|p| memory_cgroup_of(*p)).collect();
+    assert_eq!(after, cgroups);
+
+    // Stopped, their cgroups go.
+    server.stop_marked_job(job)?;
+    for c in &cgroups {
+        let alloc = c
+            .trim_start_matches("/berth/")
+            .split('/')
+            .next()
+            .unwrap_or_default();
+        let dir = std::path::Path::new("/sys/fs/cgroup/memory/berth").join(alloc);
+        wait_for(
+            &format!("{} removed", dir.display()),
+            Duration::from_secs(30),
+            || Ok((!dir.exists()).then_some(())),
+        )?;
+    }
+    Ok(())
+}
