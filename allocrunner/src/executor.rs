@@ -49,7 +49,8 @@ pub const LOG_FILE: &str = "executor.log";
 ///
 /// 2: the executor writes [`STATE_WRITTEN`] on its stdout once `state.json`
 /// is written (1 wrote nothing there; its agent looked for the file).
-/// 3: [`ExecutorSpec::cgroup_procs`], which the task joins.
+/// 3: [`ExecutorSpec::cgroup_procs`], which the task joins, and
+/// [`ExecutorSpec::isolation`], the init of an isolated task.
 pub const PROTOCOL: u32 = 3;
 /// What the executor writes on its stdout once `state.json` is written.
 pub const STATE_WRITTEN: u8 = b'\n';
@@ -80,6 +81,11 @@ pub struct ExecutorSpec {
     /// them too.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cgroup_procs: Vec<PathBuf>,
+    /// The task's namespaces, root and user (an `exec` task): the
+    /// executor starts an init in them (see [`crate::isolation`]), which
+    /// starts the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<crate::isolation::Isolation>,
 }
 
 /// Why a task could not be started.
@@ -368,6 +374,11 @@ fn release_program_pages() {
 /// task's exit is recorded, 1 when the task could not be started or its
 /// exit not recorded, 2 on bad usage.
 pub fn run_executor(args: &[String]) -> i32 {
+    if let [flag] = args {
+        if flag == crate::isolation::INIT_FLAG {
+            return crate::isolation::run_task_init();
+        }
+    }
     let [state_dir] = args else {
         eprintln!("usage: berth executor STATE_DIR  (internal; the spec is read from stdin)");
         return 2;
@@ -379,7 +390,7 @@ pub fn run_executor(args: &[String]) -> i32 {
         Err(code) => return code,
     };
     become_session_leader();
-    let started = match start_task(&state_dir, &spec) {
+    let started = match start_task(&state_dir, &spec, args) {
         Ok(started) => started,
         Err(code) => return code,
     };
@@ -453,7 +464,7 @@ struct StartedTask {
 /// Opens the task's logs and starts it with copy threads on its output.
 /// A start that fails is recorded in the state dir; its exit code is the
 /// error.
-fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32> {
+fn start_task(state_dir: &Path, spec: &ExecutorSpec, args: &[String]) -> Result<StartedTask, i32> {
     let failed = |kind, message: String| {
         eprintln!("berth executor: {message}");
         match write_state_record(
@@ -478,13 +489,16 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32>
             ))
         }
     };
-    let mut cmd = std::process::Command::new(&spec.command);
-    cmd.args(&spec.args)
-        .env_clear()
-        .envs(&spec.env)
-        .current_dir(&spec.cwd)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
+    let (mut cmd, init_spec) = match task_command(spec, args) {
+        Ok(made) => made,
+        Err(e) => {
+            return Err(failed(
+                StartFailure::Other,
+                format!("isolating the task: {e}"),
+            ))
+        }
+    };
+    cmd.stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
     let cgroup = match join_cgroup_before_exec(&mut cmd, &spec.cgroup_procs) {
@@ -496,7 +510,21 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32>
             ))
         }
     };
-    let mut child = match cmd.spawn() {
+    let spawned = cmd.spawn();
+    let init_spec = match init_spec {
+        Some((bytes, pid_ns)) => {
+            // Threads can be started again (the copy threads below).
+            if let Err(e) = pid_ns.restore() {
+                return Err(failed(
+                    StartFailure::Other,
+                    format!("leaving the task's PID namespace: {e}"),
+                ));
+            }
+            Some(bytes)
+        }
+        None => None,
+    };
+    let mut child = match spawned {
         Ok(c) => c,
         Err(e) => {
             let kind = match e.kind() {
@@ -511,6 +539,12 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32>
         }
     };
     drop(cgroup);
+    if let (Some(init), Some(mut stdin)) = (init_spec, child.stdin.take()) {
+        // The init reads it to its end, then starts the task.
+        if let Err(e) = stdin.write_all(&init) {
+            eprintln!("berth executor: sending the task's init its spec: {e}");
+        }
+    }
     // The read ends are close-on-exec: only the task holds the write ends.
     let (drained_tx, drained) = std::sync::mpsc::channel();
     let (started_tx, started) = std::sync::mpsc::channel();
@@ -537,6 +571,45 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec) -> Result<StartedTask, i32>
         drained,
     })
 }
+
+/// The command the executor starts: the task itself, or (an isolated
+/// task) its init in a new PID namespace, with the init's spec to send
+/// it on its stdin.
+fn task_command(spec: &ExecutorSpec, args: &[String]) -> std::io::Result<TaskCommand> {
+    let Some(iso) = &spec.isolation else {
+        let mut cmd = std::process::Command::new(&spec.command);
+        cmd.args(&spec.args)
+            .env_clear()
+            .envs(&spec.env)
+            .current_dir(&spec.cwd)
+            .stdin(Stdio::null());
+        return Ok((cmd, None));
+    };
+    // The command and the working dir as the task sees them, from its
+    // root.
+    let seen = |p: &Path| match p.strip_prefix(&iso.root) {
+        Ok(rel) => Path::new("/").join(rel),
+        Err(_) => p.to_path_buf(),
+    };
+    let init = crate::isolation::InitSpec {
+        isolation: iso.clone(),
+        command: seen(&spec.command),
+        args: spec.args.clone(),
+        env: spec.env.clone(),
+        cwd: seen(&spec.cwd),
+    };
+    let bytes = serde_json::to_vec(&init).map_err(std::io::Error::other)?;
+    let (mut cmd, pid_ns) = crate::isolation::init_command(args)?;
+    cmd.env_clear().stdin(Stdio::piped());
+    Ok((cmd, Some((bytes, pid_ns))))
+}
+
+/// The command the executor starts, and for an isolated task the init's
+/// spec and the PID namespace to put back once it is spawned.
+type TaskCommand = (
+    std::process::Command,
+    Option<(Vec<u8>, crate::isolation::NewPidNamespace)>,
+);
 
 /// Has the task join the cgroup whose `cgroup.procs` files are `procs`
 /// between its fork and its exec: each file is opened here, and the child

@@ -24,6 +24,7 @@ pub mod driver;
 pub mod env;
 pub mod error;
 pub mod executor;
+pub mod isolation;
 pub mod logs;
 pub mod restart;
 pub mod state;

@@ -237,7 +237,13 @@ impl Running {
 
     /// What the driver starts: the task's command in its environment.
     fn spec(&self) -> TaskSpec {
-        let env = env::with_task_env(self.ctx.env.clone(), &self.task.env);
+        let base = if self.task.driver == "exec" {
+            // The task sees its dirs from inside its root.
+            crate::isolation::env_inside(self.ctx.env.clone())
+        } else {
+            self.ctx.env.clone()
+        };
+        let env = env::with_task_env(base, &self.task.env);
         let name = &self.name;
         TaskSpec {
             alloc_id: self.alloc.id.clone(),
@@ -263,6 +269,7 @@ impl Running {
                 pids: None,
             },
             cgroup_procs: Vec::new(),
+            isolation: None,
         }
     }
 

@@ -307,6 +307,7 @@ async fn the_executor_records_the_exit_code_of_its_task() {
         executor_dir: dir.path().join("executor"),
         limits: Default::default(),
         cgroup_procs: Vec::new(),
+        isolation: None,
     };
     let handle = driver.start(&spec).await.unwrap();
     let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();

@@ -92,10 +92,21 @@ fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<(
     let events = alloc["task_states"]["t"]["events"]
         .as_array()
         .context("events")?;
+    let stderr = client
+        .agent
+        .data_path()
+        .join("alloc")
+        .join(alloc["id"].as_str().context("alloc ID")?)
+        .join("alloc/logs/t.stderr.0");
     let oom = events
         .iter()
         .find(|e| e["type"] == "OOM Killed")
-        .with_context(|| format!("no OOM Killed event: {events:?}"))?;
+        .with_context(|| {
+            format!(
+                "no OOM Killed event: {events:?}; stderr: {}",
+                std::fs::read_to_string(&stderr).unwrap_or_default()
+            )
+        })?;
     assert!(
         oom["message"]
             .as_str()
@@ -188,5 +199,76 @@ fn exec_tasks_keep_their_cgroups_across_an_agent_kill_and_lose_them_when_stopped
             || Ok((!dir.exists()).then_some(())),
         )?;
     }
+    Ok(())
+}
+
+#[test]
+fn an_exec_task_sees_its_own_root_and_processes_and_runs_as_nobody() -> Result<()> {
+    let mut server = Server::start("")?;
+    let client = Client::start(&server, "x3", false, "")?;
+    server
+        .wait_nodes_ready(&["x3"])
+        .with_context(|| logs(&server, &[&client]))?;
+    let data_dir = client.agent.data_path();
+    let alloc_root = data_dir.join("alloc");
+    // What the task finds out about where it runs, one `key=value` a line.
+    let script = format!(
+        "echo pid=$$; echo uid=$(id -u); \
+         echo procs=$(ls /proc | grep -c '^[0-9]'); \
+         echo init=$(tr '\\0' ' ' < /proc/1/cmdline | cut -d' ' -f2-); \
+         ls {data} >/dev/null 2>&1 && echo data_dir=seen || echo data_dir=hidden; \
+         ls {allocs} >/dev/null 2>&1 && echo allocs=seen || echo allocs=hidden; \
+         echo x > /alloc/data/out && echo alloc_data=written; \
+         echo x > /local/out && echo local=written; \
+         touch /usr/out 2>/dev/null && echo usr=written || echo usr=read-only; \
+         echo dir=$BERTH_ALLOC_DIR",
+        data = data_dir.display(),
+        allocs = alloc_root.display()
+    );
+    let spec = format!(
+        r#"
+job "exec-iso" {{
+  type = "batch"
+  group "g" {{
+    task "t" {{
+      driver = "exec"
+      config {{
+        command = "/bin/sh"
+        args    = ["-c", {script:?}]
+      }}
+    }}
+  }}
+}}
+"#
+    );
+    server.run_job("exec-iso", &spec)?;
+    let alloc = finished(&server, "exec-iso").with_context(|| logs(&server, &[&client]))?;
+    let dir = alloc_root.join(alloc["id"].as_str().context("alloc ID")?);
+    let out = std::fs::read_to_string(dir.join("alloc/logs/t.stdout.0"))?;
+    let err = std::fs::read_to_string(dir.join("alloc/logs/t.stderr.0")).unwrap_or_default();
+    assert_eq!(alloc["client_status"], "complete", "{out}\n{err}");
+    let fact = |k: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_default()
+            .to_string()
+    };
+    // PID 2 under its init, PID 1 of its own namespace, with no host
+    // process in sight.
+    assert_eq!(fact("pid"), "2", "{out}");
+    assert!(fact("init").trim_end().ends_with("--task-init"), "{out}");
+    let procs: usize = fact("procs").parse().context("procs")?;
+    assert!(procs <= 5, "{procs} processes seen: {out}");
+    assert_eq!(fact("uid"), "65534", "{out}");
+    assert_eq!(fact("data_dir"), "hidden", "{out}");
+    assert_eq!(fact("allocs"), "hidden", "{out}");
+    assert_eq!(fact("alloc_data"), "written", "{out}\n{err}");
+    assert_eq!(fact("local"), "written", "{out}\n{err}");
+    assert_eq!(fact("usr"), "read-only", "{out}");
+    assert_eq!(fact("dir"), "/alloc", "{out}");
+    // What it wrote is in its alloc dir on the host; nothing it mounted
+    // is left on the host.
+    assert!(dir.join("alloc/data/out").is_file());
+    assert!(berth_testutil::mounts_under(&dir).is_empty());
     Ok(())
 }

@@ -26,6 +26,10 @@ fn main() {
         [flag] if flag == "--version" || flag == "-V" => {
             println!("{}", executor_version_line(env!("CARGO_PKG_VERSION")));
         }
+        // The init of an isolated task, which its executor starts.
+        [flag] if flag == berth_allocrunner::isolation::INIT_FLAG => {
+            exit(berth_allocrunner::executor::run_executor(&args))
+        }
         [flag] if flag.starts_with('-') => usage(&format!("unknown flag {flag:?}")),
         [_state_dir] => exit(berth_allocrunner::executor::run_executor(&args)),
         [] => usage("no state dir given"),

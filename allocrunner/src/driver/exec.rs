@@ -1,12 +1,15 @@
 //! `exec`: a task run as `raw_exec` runs it (under a per-task executor
 //! that outlives the agent), held to its `resources` by a cgroup of its
 //! own (see [`crate::cgroups`]): the executor joins the task to it before
-//! it execs, so every process the task starts is held too. A task the
+//! it execs, so every process the task starts is held too; and kept from
+//! the host by namespaces, a root of its own and a user that is not root
+//! (see [`crate::isolation`]). A task the
 //! kernel's OOM killer ended says so in its exit; whatever the task left
 //! in its cgroup is killed when it stops or exits, and the cgroup goes
 //! with it. After an agent restart the task's cgroup is found again from
 //! its executor's record.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +19,7 @@ use tracing::{debug, warn};
 use super::{Driver, ExitResult, RawExecDriver, TaskHandle, TaskHandleRecord, TaskSpec};
 use crate::cgroups::{Cgroups, Limits, TaskCgroup, DEFAULT_PIDS_LIMIT};
 use crate::error::DriverError;
+use crate::isolation::{resolve_user, Isolation, DEFAULT_USER, SYSTEM_DIRS};
 
 /// How many passes a kill of what is left in a task's cgroup makes.
 const KILL_PASSES: usize = 200;
@@ -25,16 +29,41 @@ pub struct ExecDriver {
     inner: RawExecDriver,
     /// The host's cgroups, or why they cannot be used.
     cgroups: Result<Cgroups, String>,
+    /// Who the tasks run as.
+    user: String,
 }
 
 impl ExecDriver {
-    /// Tasks run as `inner` runs them, in cgroups of the host's kind.
+    /// Tasks run as `inner` runs them, in cgroups of the host's kind, as
+    /// [`DEFAULT_USER`].
     pub fn new(inner: RawExecDriver) -> ExecDriver {
         ExecDriver::with_cgroups(inner, Cgroups::detect())
     }
 
     pub fn with_cgroups(inner: RawExecDriver, cgroups: Result<Cgroups, String>) -> ExecDriver {
-        ExecDriver { inner, cgroups }
+        ExecDriver {
+            inner,
+            cgroups,
+            user: DEFAULT_USER.into(),
+        }
+    }
+}
+
+/// The namespaces, root and user of `spec`'s task: its task dir as its
+/// root, its alloc's shared dir at `/alloc`, the host's system dirs
+/// read-only.
+fn isolation_of(spec: &TaskSpec, user: &str) -> Isolation {
+    let alloc_dir = spec
+        .task_dir
+        .parent()
+        .map(|p| p.join("alloc"))
+        .unwrap_or_default();
+    Isolation {
+        root: spec.task_dir.clone(),
+        alloc_dir,
+        system_dirs: SYSTEM_DIRS.iter().map(PathBuf::from).collect(),
+        user: user.to_string(),
+        hostname: spec.alloc_id.chars().take(8).collect(),
     }
 }
 
@@ -76,6 +105,10 @@ impl Driver for ExecDriver {
             command: spec.command.clone(),
             error: std::io::Error::other(format!("the exec driver needs cgroups: {why}")),
         })?;
+        resolve_user(&self.user).map_err(|why| DriverError::Spawn {
+            command: spec.command.clone(),
+            error: std::io::Error::other(why),
+        })?;
         let cgroup = cgroups
             .create(&spec.alloc_id, &spec.task, &limits_of(spec))
             .map_err(|error| DriverError::Spawn {
@@ -87,6 +120,7 @@ impl Driver for ExecDriver {
             })?;
         let mut spec = spec.clone();
         spec.cgroup_procs = cgroup.procs_files();
+        spec.isolation = Some(isolation_of(&spec, &self.user));
         match self.inner.start(&spec).await {
             Ok(inner) => Ok(Arc::new(ExecHandle::new(inner, cgroup))),
             Err(e) => {

@@ -53,6 +53,8 @@ pub struct TaskSpec {
     /// The `cgroup.procs` files the task joins before it execs (the `exec`
     /// driver sets them).
     pub cgroup_procs: Vec<PathBuf>,
+    /// The task's namespaces, root and user (the `exec` driver sets them).
+    pub isolation: Option<crate::isolation::Isolation>,
 }
 
 /// The resources an `exec` task's cgroup holds it to.

@@ -221,6 +221,7 @@ impl RawExecDriver {
             stderr_path: spec.stderr_path.clone(),
             logs: spec.logs,
             cgroup_procs: spec.cgroup_procs.clone(),
+            isolation: spec.isolation.clone(),
         };
         let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
             command: spec.command.clone(),

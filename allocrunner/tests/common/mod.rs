@@ -397,6 +397,7 @@ pub fn sh_task_spec(dir: &std::path::Path, script: &str) -> berth_allocrunner::T
         executor_dir: dir.join("executor"),
         limits: Default::default(),
         cgroup_procs: Vec::new(),
+        isolation: None,
     }
 }
 
