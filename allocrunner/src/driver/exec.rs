@@ -37,7 +37,12 @@ impl ExecDriver {
     /// Tasks run as `inner` runs them, in cgroups of the host's kind, as
     /// [`DEFAULT_USER`].
     pub fn new(inner: RawExecDriver) -> ExecDriver {
-        ExecDriver::with_cgroups(inner, Cgroups::detect())
+        let cgroups = Cgroups::detect();
+        match &cgroups {
+            Ok(c) => debug!(cgroup = c.version(), "exec tasks run in cgroups"),
+            Err(why) => warn!("the exec driver cannot run tasks: {why}"),
+        }
+        ExecDriver::with_cgroups(inner, cgroups)
     }
 
     pub fn with_cgroups(inner: RawExecDriver, cgroups: Result<Cgroups, String>) -> ExecDriver {
@@ -83,20 +88,12 @@ impl Driver for ExecDriver {
     }
 
     /// Healthy when raw_exec's executor is and the host has usable
-    /// cgroups.
+    /// cgroups (of either version: the snapshot of a node is the same on
+    /// both).
     fn fingerprint(&self) -> berth_structs::DriverInfo {
         match &self.cgroups {
             Err(why) => berth_structs::DriverInfo::unhealthy(why.clone()),
-            Ok(cgroups) => {
-                let inner = self.inner.fingerprint();
-                if !inner.healthy {
-                    return inner;
-                }
-                berth_structs::DriverInfo::healthy(format!(
-                    "Healthy (cgroup {})",
-                    cgroups.version()
-                ))
-            }
+            Ok(_) => self.inner.fingerprint(),
         }
     }
 
