@@ -32,6 +32,7 @@ use berth_structs::spec::hcl::{BodyReader, Source};
 use berth_structs::spec::SpecError;
 
 pub mod client_settings;
+pub mod plugins;
 pub mod security;
 pub mod store;
 
@@ -159,6 +160,8 @@ pub struct AgentFileConfig {
     pub security: SecuritySections,
     /// `etcd { ... }`: the etcd members of `server { store = "etcd" }`.
     pub etcd: store::EtcdSection,
+    /// `plugin "raw_exec" { config { enabled = true } }`.
+    pub plugins: plugins::PluginSettings,
 }
 
 impl AgentFileConfig {
@@ -210,6 +213,7 @@ impl AgentFileConfig {
             },
             security: self.security.merge(later.security),
             etcd: self.etcd.merge(later.etcd),
+            plugins: self.plugins.merge(later.plugins),
         }
     }
 
@@ -362,10 +366,16 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
         .into_iter()
         .chain(SecuritySections::ATTRIBUTES)
         .collect();
-    let blocks: Vec<&str> = ["ports", "server", "client", store::EtcdSection::BLOCK]
-        .into_iter()
-        .chain(SecuritySections::BLOCKS)
-        .collect();
+    let blocks: Vec<&str> = [
+        "ports",
+        "server",
+        "client",
+        store::EtcdSection::BLOCK,
+        plugins::PluginSettings::BLOCK,
+    ]
+    .into_iter()
+    .chain(SecuritySections::BLOCKS)
+    .collect();
     let r = BodyReader::new(
         &src,
         &body,
@@ -425,6 +435,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
     let client = client_section(&src, &r)?;
     let security = SecuritySections::parse(&src, &r)?;
     let etcd = store::EtcdSection::parse(&src, &r)?;
+    let plugins = plugins::PluginSettings::parse(&src, &r)?;
 
     Ok(AgentFileConfig {
         data_dir,
@@ -438,6 +449,7 @@ pub fn parse(text: &str) -> Result<AgentFileConfig, SpecError> {
         client,
         security,
         etcd,
+        plugins,
     })
 }
 

@@ -86,6 +86,17 @@ impl AllocRunnerConfig {
         drivers
     }
 
+    /// [`Self::default_drivers`], with `raw_exec` refusing new tasks
+    /// unless `raw_exec_enabled` (it still finds and stops the tasks it
+    /// started before).
+    pub fn drivers_for(raw_exec_enabled: bool) -> BTreeMap<String, Arc<dyn Driver>> {
+        let mut drivers = Self::default_drivers();
+        if !raw_exec_enabled {
+            drivers.insert("raw_exec".into(), Arc::new(RawExecDriver::new().disabled()));
+        }
+        drivers
+    }
+
     /// Runs `raw_exec` and `exec` tasks under `executor` instead of
     /// `<this binary> executor` (tests point it at a built binary).
     pub fn set_executor(&mut self, executor: ExecutorCommand) {

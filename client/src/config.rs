@@ -54,6 +54,11 @@ pub struct ClientConfig {
     /// What answers the HTTP requests the servers forward to this node
     /// (the agent's node-local API); without one they are refused.
     pub local_api: Option<crate::calls::LocalApiFactory>,
+    /// Whether the node runs `raw_exec` tasks (a task as root, held to
+    /// nothing): the agent turns it on only when its config says
+    /// `plugin "raw_exec" { config { enabled = true } }`, or with `-dev`.
+    /// On here, for clients made in code (tests).
+    pub raw_exec_enabled: bool,
 }
 
 impl ClientConfig {
@@ -86,6 +91,7 @@ impl ClientConfig {
             csi_fingerprint_interval: Self::DEFAULT_CSI_FINGERPRINT_INTERVAL,
             intro_token: None,
             local_api: None,
+            raw_exec_enabled: true,
         }
     }
 }

@@ -172,6 +172,8 @@ pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
         meta: config.meta.clone(),
         ..Node::default()
     };
-    node.set_driver_info(fingerprint_drivers(&AllocRunnerConfig::default_drivers()));
+    node.set_driver_info(fingerprint_drivers(&AllocRunnerConfig::drivers_for(
+        config.raw_exec_enabled,
+    )));
     node
 }

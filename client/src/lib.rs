@@ -220,6 +220,7 @@ impl Client {
             Arc::new(conn.clone()),
         );
         runner_config.store = Arc::new(state.clone());
+        runner_config.drivers = AllocRunnerConfig::drivers_for(config.raw_exec_enabled);
         let runner_config = Arc::new(runner_config);
         Ok(Arc::new(Client {
             conn,

@@ -16,3 +16,13 @@ client {
   enabled = true
   servers = ["127.0.0.1:4647"]
 }
+
+# raw_exec runs a task as root, held to nothing: on only where it is
+# needed, as here for the CSI node plugin (examples/jobs/hostpath-plugin.hcl
+# mounts volumes on the host, which takes root). Jobs that need no
+# privileges use the exec driver, on everywhere.
+plugin "raw_exec" {
+  config {
+    enabled = true
+  }
+}

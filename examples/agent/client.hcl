@@ -46,3 +46,13 @@ tls {
   verify_server_hostname = true
   verify_https_client    = true
 }
+
+# raw_exec runs a task as root, held to nothing: on only where it is
+# needed, as here for the CSI node plugin (examples/jobs/hostpath-plugin.hcl
+# mounts volumes on the host, which takes root). Jobs that need no
+# privileges use the exec driver, on everywhere.
+plugin "raw_exec" {
+  config {
+    enabled = true
+  }
+}

@@ -23,6 +23,9 @@ pub struct Agent {
     env: Vec<(String, Option<String>)>,
 }
 
+/// The agent config that turns raw_exec on.
+pub const RAW_EXEC_ON: &str = "plugin \"raw_exec\" {\n  config {\n    enabled = true\n  }\n}\n";
+
 impl Agent {
     /// Starts `berth agent -data-dir <temp dir> ARGS...`; does not wait
     /// for anything.
@@ -33,9 +36,27 @@ impl Agent {
     /// [`Agent::start`] with environment changes: `(NAME, Some(value))`
     /// sets NAME, `(NAME, None)` removes it; kept on restarts.
     pub fn start_with_env(args: &[&str], env: &[(&str, Option<&str>)]) -> Result<Agent> {
+        Self::start_as(args, env, true)
+    }
+
+    /// [`Agent::start`] of a client that keeps raw_exec off, as a client
+    /// agent has it unless its config turns it on.
+    pub fn start_without_raw_exec(args: &[&str]) -> Result<Agent> {
+        Self::start_as(args, &[], false)
+    }
+
+    /// Starts the agent; its client role, if it has one, runs raw_exec
+    /// tasks, as the tests' jobs are, when `raw_exec` (one more config
+    /// file turns it on; `-dev`, which takes no file, has it on).
+    fn start_as(args: &[&str], env: &[(&str, Option<&str>)], raw_exec: bool) -> Result<Agent> {
         let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
         let log_path = data_dir.path().join("agent.log");
         let mut argv: Vec<OsString> = vec!["-data-dir".into(), data_dir.path().join("data").into()];
+        if raw_exec && !args.contains(&"-dev") {
+            let file = data_dir.path().join("raw_exec.hcl");
+            std::fs::write(&file, RAW_EXEC_ON)?;
+            argv.extend(["-config".into(), file.into_os_string()]);
+        }
         argv.extend(args.iter().map(OsString::from));
         let env: Vec<(String, Option<String>)> = env
             .iter()
@@ -113,6 +134,18 @@ impl Agent {
             &self.env,
         )?);
         Ok(())
+    }
+
+    /// Starts the agent again as [`Agent::start_again`] does, with
+    /// `config` (HCL) added as one more `-config` file.
+    pub fn start_again_with_config(&mut self, config: &str) -> Result<()> {
+        let file = self
+            .data_dir
+            .path()
+            .join(format!("extra-{}.hcl", self.argv.len()));
+        std::fs::write(&file, config)?;
+        self.argv.extend(["-config".into(), file.into_os_string()]);
+        self.start_again()
     }
 
     /// The agent's log so far.

@@ -272,3 +272,56 @@ job "exec-iso" {{
     assert!(berth_testutil::mounts_under(&dir).is_empty());
     Ok(())
 }
+
+#[test]
+fn a_raw_exec_job_waits_for_a_client_that_enables_raw_exec() -> Result<()> {
+    let mut server = Server::start("")?;
+    let http = format!("127.0.0.1:{}", berth_tests::free_port());
+    let mut agent = berth_tests::Agent::start_without_raw_exec(&[
+        "-client",
+        "-servers",
+        &server.rpc,
+        "-node",
+        "r1",
+        "-http-addr",
+        &http,
+    ])?;
+    server.wait_nodes_ready(&["r1"])?;
+    let nodes = server.get("/v1/nodes")?;
+    let id = nodes[0]["id"].as_str().context("node ID")?.to_string();
+    let node = server.get(&format!("/v1/node/{id}"))?;
+    assert_eq!(node["drivers"], serde_json::json!(["exec"]), "{node}");
+    let raw = &node["driver_info"]["raw_exec"];
+    assert_eq!(
+        (raw["detected"].as_bool(), raw["healthy"].as_bool()),
+        (Some(false), Some(false))
+    );
+
+    // Not placed, and `job run` says why.
+    let job = "raw-off";
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("job.hcl");
+    std::fs::write(&file, marked_service_job(job, 1, None, None))?;
+    let run = berth_tests::cli_at(
+        &server.addr(),
+        &["job", "run", file.to_str().context("UTF-8")?],
+    )?;
+    let text = String::from_utf8_lossy(&run.stdout);
+    assert_ne!(run.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("driver \"raw_exec\"")
+            && text.contains("raw_exec is not enabled on this node"),
+        "{text}"
+    );
+    assert!(marker_pids(job).is_empty());
+
+    // Turned on and restarted, the client runs it.
+    agent.stop()?;
+    agent.start_again_with_config(berth_tests::RAW_EXEC_ON)?;
+    wait_for("the job running on r1", Duration::from_secs(60), || {
+        Ok((marker_pids(job).len() == 1).then_some(()))
+    })
+    .with_context(|| agent.log())?;
+    server.stop_marked_job(job)?;
+    Ok(())
+}

@@ -76,6 +76,9 @@ pub struct AgentConfig {
     pub intro_token: Option<crate::config::ConfigSecret>,
     /// Where the server keeps its state (`server { store }`, `etcd`).
     pub store: berth_server::StoreConfig,
+    /// The client runs raw_exec tasks: `plugin "raw_exec" { config {
+    /// enabled = true } }`, or `-dev`.
+    pub raw_exec_enabled: bool,
 }
 
 impl Default for AgentConfig {
@@ -111,6 +114,7 @@ impl Default for AgentConfig {
             security: crate::config::SecuritySections::default(),
             intro_token: None,
             store: berth_server::StoreConfig::Embedded,
+            raw_exec_enabled: false,
         }
     }
 }
@@ -307,6 +311,8 @@ impl AgentConfig {
         self.dev = true;
         self.server = true;
         self.client = true;
+        // A first try runs the examples as they are.
+        self.raw_exec_enabled = true;
         self.data_dir = f.data_dir;
         if let Some(a) = f.http_addr {
             self.http_addr = a;
@@ -416,6 +422,7 @@ impl AgentConfig {
         self.security = file.security.clone();
         self.intro_token = file.client.intro_token.clone();
         self.datacenter = file.datacenter.clone();
+        self.raw_exec_enabled = file.plugins.raw_exec_enabled.unwrap_or(false);
         if file.client_enabled() {
             let c = &file.client;
             self.node_class = c.node_class.clone();
@@ -452,6 +459,7 @@ impl AgentConfig {
             reserved_disk_mb: self.reserved_disk_mb,
             intro_token: self.intro_token.clone(),
             local_api: Some(crate::http::client_forward::local_api_factory()),
+            raw_exec_enabled: self.raw_exec_enabled,
             ..defaults
         };
         self.client_durations.apply(&mut config);

@@ -167,7 +167,16 @@ fn executor_version(program: &Path) -> std::io::Result<String> {
 pub struct RawExecDriver {
     executor: ExecutorCommand,
     start_timeout: Duration,
+    /// Off: new tasks are refused, the ones already started are still
+    /// reattached to and stopped.
+    enabled: bool,
 }
+
+/// Why a node without `raw_exec` turned on runs no raw_exec task, and how
+/// to turn it on.
+pub const RAW_EXEC_DISABLED: &str = "raw_exec is not enabled on this node (a task runs as root, \
+     held to nothing; enable it with plugin \"raw_exec\" { config { enabled = true } } in the \
+     agent config, or use the exec driver)";
 
 impl Default for RawExecDriver {
     fn default() -> Self {
@@ -185,7 +194,16 @@ impl RawExecDriver {
         RawExecDriver {
             executor,
             start_timeout: EXECUTOR_START_TIMEOUT,
+            enabled: true,
         }
+    }
+
+    /// The driver of a node that has not turned raw_exec on: it starts no
+    /// task (see [`RAW_EXEC_DISABLED`]) but finds and stops those an
+    /// earlier agent started.
+    pub fn disabled(mut self) -> RawExecDriver {
+        self.enabled = false;
+        self
     }
 
     /// How long an executor may take to report its task's start before it
@@ -458,6 +476,12 @@ impl Driver for RawExecDriver {
     /// task runs under it.
     fn fingerprint(&self) -> berth_structs::DriverInfo {
         use std::os::unix::fs::PermissionsExt;
+        if !self.enabled {
+            return berth_structs::DriverInfo {
+                detected: false,
+                ..berth_structs::DriverInfo::unhealthy(RAW_EXEC_DISABLED)
+            };
+        }
         let program = &self.executor.program;
         match std::fs::metadata(program) {
             Ok(m) if m.is_file() && m.permissions().mode() & 0o111 != 0 => {
@@ -475,6 +499,12 @@ impl Driver for RawExecDriver {
     }
 
     async fn start(&self, spec: &TaskSpec) -> Result<Arc<dyn TaskHandle>, DriverError> {
+        if !self.enabled {
+            return Err(DriverError::Spawn {
+                command: spec.command.clone(),
+                error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, RAW_EXEC_DISABLED),
+            });
+        }
         if !spec.task_dir.is_dir() {
             return Err(DriverError::Spawn {
                 command: spec.command.clone(),

@@ -262,7 +262,15 @@ impl<'a> PlanContext<'a> {
         }
         for t in &group.tasks {
             if !node.drivers.contains(&t.driver) {
-                return Some(format!("missing driver {:?} (task {:?})", t.driver, t.name));
+                // What the node says of it (raw_exec not enabled, exec
+                // without cgroups), when it says something.
+                return Some(match node.driver_info.get(&t.driver) {
+                    Some(info) if !info.health_description.is_empty() => format!(
+                        "driver {:?} (task {:?}): {}",
+                        t.driver, t.name, info.health_description
+                    ),
+                    _ => format!("missing driver {:?} (task {:?})", t.driver, t.name),
+                });
             }
         }
         let asked = Usage::of_group(group);
