@@ -42,6 +42,8 @@ pub struct AllocRunnerConfig {
     /// How long the CSI hook keeps retrying an unmount or an unpublish when
     /// the alloc stops.
     pub release_retry_timeout: Duration,
+    /// How often a running task's usage is sampled (`exec` tasks).
+    pub stats_interval: Duration,
 }
 
 impl AllocRunnerConfig {
@@ -71,6 +73,7 @@ impl AllocRunnerConfig {
             plugin_call_timeout: Duration::from_secs(10),
             claim_retry_timeout: Duration::from_secs(5 * 60),
             release_retry_timeout: Duration::from_secs(2 * 60),
+            stats_interval: Duration::from_secs(1),
         }
     }
 

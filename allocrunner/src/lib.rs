@@ -31,6 +31,7 @@ pub mod state;
 pub mod task_hooks;
 pub mod task_ops;
 mod task_runner;
+mod usage;
 
 pub use alloc_dir::{AllocDir, TaskDir};
 pub use alloc_runner::AllocRunner;

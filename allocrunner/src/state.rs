@@ -324,6 +324,14 @@ impl AllocState {
         });
     }
 
+    /// What the running task uses now (reported, not synced: a sample
+    /// lost to a crash is taken again).
+    pub(crate) fn task_usage(&self, task: &str, usage: berth_structs::TaskUsage) {
+        self.update(Persist::Unsynced, |i| {
+            i.task_states.entry(task.to_string()).or_default().usage = Some(usage);
+        });
+    }
+
     pub(crate) fn task_restarting(&self, task: &str) {
         self.update(Persist::Unsynced, |i| {
             let s = i.task_states.entry(task.to_string()).or_default();

@@ -356,9 +356,19 @@ impl Running {
         kill_rx: &mut mpsc::UnboundedReceiver<KillRequest>,
     ) -> (ExitResult, Ending) {
         let kill_timeout = self.kill_timeout;
+        let mut sampler = crate::usage::Sampler::default();
+        let mut samples = tokio::time::interval(self.ctx.config.stats_interval);
+        samples.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 exit = handle.wait() => return (exit, Ending::Exited),
+                _ = samples.tick(), if handle.usage().is_some() => {
+                    if let Some((now, limit)) = handle.usage() {
+                        if let Some(usage) = sampler.sample(now, limit, berth_structs::now_ms()) {
+                            self.state.task_usage(&self.name, usage);
+                        }
+                    }
+                }
                 reason = killed(&mut self.kill) => {
                     self.events.emit("Killing", reason);
                     return (handle.stop(kill_timeout).await, Ending::Killed);

@@ -257,14 +257,30 @@ fn task_section(alloc: &Value, task: &str, verbose: bool) -> String {
         .find(|t| t["name"] == task);
     if let Some(t) = spec {
         let r = &t["resources"];
-        out += &titled_table(
-            "Task Resources",
-            &["CPU", "Memory"],
-            vec![vec![
-                format!("{} MHz", r["cpu"].as_u64().unwrap_or(0)),
-                format!("{} MiB", r["memory_mb"].as_u64().unwrap_or(0)),
-            ]],
-        )[1..];
+        let (cpu, memory) = (
+            r["cpu"].as_u64().unwrap_or(0),
+            r["memory_mb"].as_u64().unwrap_or(0),
+        );
+        // Used of asked, where the task's cgroup says what it uses.
+        let u = &st["usage"];
+        let row = match (u["cpu_millicores"].as_u64(), u["memory_bytes"].as_u64()) {
+            (Some(millicores), Some(bytes)) => vec![
+                format!(
+                    "{}.{:02} cores used of {cpu} MHz",
+                    millicores / 1000,
+                    millicores % 1000 / 10
+                ),
+                format!(
+                    "{} used of {}",
+                    crate::output::format_bytes(bytes),
+                    crate::output::format_bytes(
+                        u["memory_limit_bytes"].as_u64().unwrap_or(memory << 20)
+                    )
+                ),
+            ],
+            _ => vec![format!("{cpu} MHz"), format!("{memory} MiB")],
+        };
+        out += &titled_table("Task Resources", &["CPU", "Memory"], vec![row])[1..];
     }
 
     let events: Vec<&Value> = st["events"]

@@ -169,9 +169,9 @@ impl Allocation {
         )
     }
 
-    /// Whether `other` is this alloc but for the volume stats its node
-    /// reported and the modify stamps: what its client is sent of it is
-    /// the same.
+    /// Whether `other` is this alloc but for the volume stats and task
+    /// usage its node reported and the modify stamps: what its client is
+    /// sent of it is the same.
     pub fn same_but_volume_stats(&self, other: &Allocation) -> bool {
         // Destructured so that a new field must say whether it counts.
         let Allocation {
@@ -214,7 +214,7 @@ impl Allocation {
             && *create_time_ms == other.create_time_ms
             && *node_last_heartbeat_ms == other.node_last_heartbeat_ms
             && *disconnected == other.disconnected
-            && *task_states == other.task_states
+            && same_but_usage(task_states, &other.task_states)
             && *job == other.job
             && *previous_allocation == other.previous_allocation
             && *next_allocation == other.next_allocation
@@ -222,6 +222,22 @@ impl Allocation {
             && *waiting_for_claims_of == other.waiting_for_claims_of
             && *deployment == other.deployment
     }
+}
+
+/// Whether two sets of task states differ in nothing but the tasks'
+/// usage.
+fn same_but_usage(a: &BTreeMap<String, TaskState>, b: &BTreeMap<String, TaskState>) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|((na, sa), (nb, sb))| {
+            na == nb
+                && TaskState {
+                    usage: None,
+                    ..sa.clone()
+                } == TaskState {
+                    usage: None,
+                    ..sb.clone()
+                }
+        })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -245,6 +261,28 @@ pub struct TaskState {
     pub finished_at_ms: Option<i64>,
     #[serde(default)]
     pub events: Vec<TaskEvent>,
+    /// What the running task uses, as its cgroup last said (an `exec`
+    /// task), reported when it moves materially.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<TaskUsage>,
+}
+
+/// What a task uses, sampled from its cgroup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct TaskUsage {
+    pub memory_bytes: u64,
+    /// The most it held at once (0 where the kernel does not say).
+    pub memory_peak_bytes: u64,
+    /// Its hard limit.
+    pub memory_limit_bytes: u64,
+    /// CPU time since the task started, in nanoseconds.
+    pub cpu_total_ns: u64,
+    /// CPU it used over the last sample, in thousandths of a core.
+    pub cpu_millicores: u64,
+    /// Periods the kernel held it back for its CPU share.
+    pub throttled_periods: u64,
+    /// Unix ms of the sample.
+    pub at_ms: i64,
 }
 
 /// Task events keep at most this many entries; older ones are dropped.

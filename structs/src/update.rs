@@ -113,6 +113,7 @@ mod tests {
             started_at_ms: started,
             finished_at_ms: None,
             events: Vec::new(),
+            usage: None,
         };
         let mut a = Allocation {
             client_status: AllocClientStatus::Running,

@@ -325,3 +325,61 @@ fn a_raw_exec_job_waits_for_a_client_that_enables_raw_exec() -> Result<()> {
     server.stop_marked_job(job)?;
     Ok(())
 }
+
+#[test]
+fn the_usage_of_an_exec_task_is_sampled_and_shown_in_alloc_status() -> Result<()> {
+    let mut server = Server::start("")?;
+    let client = Client::start(&server, "x4", false, "")?;
+    server
+        .wait_nodes_ready(&["x4"])
+        .with_context(|| logs(&server, &[&client]))?;
+    // 100 MB held in a shell variable, and a core spun.
+    let spec = r#"
+job "exec-usage" {
+  type = "service"
+  group "g" {
+    task "t" {
+      driver = "exec"
+      config {
+        command = "/bin/sh"
+        args    = ["-c", "x=$(head -c 100000000 /dev/zero | tr '\\0' a); while :; do :; done"]
+      }
+      resources {
+        cpu    = 500
+        memory = 400
+      }
+    }
+  }
+}
+"#;
+    server.run_job("exec-usage", spec)?;
+    let usage = wait_for("the task's usage", Duration::from_secs(60), || {
+        let allocs = server.allocs("exec-usage")?;
+        let u = &allocs[0]["task_states"]["t"]["usage"];
+        let memory = u["memory_bytes"].as_u64().unwrap_or(0);
+        let cpu = u["cpu_millicores"].as_u64().unwrap_or(0);
+        Ok((memory >= 95_000_000 && cpu >= 400).then(|| (memory, cpu, allocs[0].clone())))
+    })
+    .with_context(|| logs(&server, &[&client]))?;
+    let (memory, cpu, alloc) = usage;
+    assert!(memory < 300 << 20, "{memory} bytes");
+    assert!(cpu <= 1100, "{cpu} millicores for one spinning core");
+    assert_eq!(
+        alloc["task_states"]["t"]["usage"]["memory_limit_bytes"],
+        400u64 << 20
+    );
+    let shown = server.cli(&["alloc", "status", alloc["id"].as_str().context("ID")?])?;
+    assert!(
+        shown.contains("cores used of 500 MHz") && shown.contains("used of 400.0 MiB"),
+        "{shown}"
+    );
+    server.cli(&["job", "stop", "exec-usage"])?;
+    wait_for("the spinning task stopped", Duration::from_secs(30), || {
+        let allocs = server.allocs("exec-usage")?;
+        Ok(allocs
+            .iter()
+            .all(|a| a["client_status"] == "complete" || a["client_status"] == "failed")
+            .then_some(()))
+    })?;
+    Ok(())
+}

@@ -207,6 +207,13 @@ impl TaskHandle for ExecHandle {
         self.inner.signal(signal)
     }
 
+    fn usage(&self) -> Option<(crate::cgroups::Usage, u64)> {
+        if self.ended.get().is_some() {
+            return None;
+        }
+        Some((self.cgroup.usage(), self.cgroup.memory_limit().unwrap_or(0)))
+    }
+
     /// raw_exec's stop of the task's group, then whatever the task left
     /// in its cgroup (a process that left the group) is killed.
     async fn stop(&self, kill_timeout: Duration) -> ExitResult {

@@ -208,6 +208,11 @@ pub trait TaskHandle: Send + Sync {
     fn try_exit(&self) -> Option<ExitResult>;
     /// Signals the task's process group.
     fn signal(&self, signal: Signal) -> Result<(), DriverError>;
+    /// What the task uses now, with its memory limit, where the driver
+    /// measures it (an `exec` task's cgroup).
+    fn usage(&self) -> Option<(crate::cgroups::Usage, u64)> {
+        None
+    }
     /// SIGTERM to the process group, SIGKILL after `kill_timeout`; returns
     /// once the process has exited and its group is gone.
     async fn stop(&self, kill_timeout: Duration) -> ExitResult;

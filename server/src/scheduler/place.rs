@@ -1701,6 +1701,7 @@ mod tests {
                 started_at_ms: Some(started),
                 finished_at_ms: None,
                 events: Vec::new(),
+                usage: None,
             },
         );
         a
