@@ -56,6 +56,9 @@ pub struct DevAgent {
     pub token: Option<String>,
 }
 
+/// How many ports a dev agent is started on before its start fails.
+const PORT_ATTEMPTS: usize = 3;
+
 impl DevAgent {
     /// Starts `berth agent -dev` on a fresh data dir and waits until its
     /// node is ready.
@@ -88,9 +91,32 @@ impl DevAgent {
             program: program.to_path_buf(),
             token: None,
         };
-        agent.spawn(port)?;
-        agent.wait_ready()?;
-        Ok(agent)
+        // Another test may take the free port before the agent binds it:
+        // then the agent exits saying so, and starts again on another.
+        let mut attempts = 0;
+        loop {
+            agent.spawn(agent.port)?;
+            match agent.wait_ready() {
+                Ok(()) => return Ok(agent),
+                Err(e) if attempts + 1 < PORT_ATTEMPTS && agent.lost_its_port() => {
+                    attempts += 1;
+                    agent.child = None;
+                    agent.port = free_port();
+                    agent.http_addr = format!("http://127.0.0.1:{}", agent.port);
+                    eprintln!("the dev agent's port was taken ({e:#}); starting it on another");
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Whether the agent has exited because its HTTP port was taken.
+    fn lost_its_port(&mut self) -> bool {
+        let exited = self
+            .child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_some());
+        exited && self.log().contains("Address already in use")
     }
 
     fn spawn(&mut self, port: u16) -> Result<()> {

@@ -396,6 +396,14 @@ mod tests {
         let mut config = ServerConfig::new(dir.path());
         config.scheduler_plans_in_writer = false;
         let server = Server::open(config).unwrap();
+        register_big_node(&server).await;
+        let placed = server.register_job(web_job(count)).await.unwrap();
+        assert_eq!(placed.unplaced_allocs, 0);
+        (dir, server)
+    }
+
+    /// Node n1, ready, with room for anything the tests place.
+    async fn register_big_node(server: &Server) {
         server
             .register_node(Node {
                 id: "n1".into(),
@@ -411,9 +419,6 @@ mod tests {
             })
             .await
             .unwrap();
-        let placed = server.register_job(web_job(count)).await.unwrap();
-        assert_eq!(placed.unplaced_allocs, 0);
-        (dir, server)
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -659,21 +664,7 @@ mod tests {
         job.update = Some(berth_structs::UpdateStrategy::default());
         // The job's deployment runs (its allocs are not healthy yet);
         // an operator fails it while a plan is being made.
-        server
-            .register_node(Node {
-                id: "n1".into(),
-                name: "n1".into(),
-                status: NodeStatus::Ready,
-                resources: NodeResources {
-                    cpu: 100_000,
-                    memory_mb: 100_000,
-                    disk_mb: 0,
-                },
-                drivers: vec!["raw_exec".into()],
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+        register_big_node(&server).await;
         server.register_job(job).await.unwrap();
         let id = server.job_deployments("web").unwrap()[0].id.clone();
         // Its allocs have run long enough: the plan would end it

@@ -172,6 +172,27 @@ impl<R: Record> RecordStore<R> for BTreeMap<String, R> {
     }
 }
 
+/// The create and modify index and time of a record that keeps both
+/// times (an alloc, a deployment).
+struct Stamps<'a> {
+    create_index: &'a mut u64,
+    create_time_ms: &'a mut i64,
+    modify_index: &'a mut u64,
+    modify_time_ms: &'a mut i64,
+}
+
+impl Stamps<'_> {
+    /// Stamped for a write at `index`, `now_ms`, over a record created at
+    /// `old` (index, time) when there was one.
+    fn set(self, old: Option<(u64, i64)>, index: u64, now_ms: i64) {
+        let (created_index, created_ms) = old.unwrap_or((index, now_ms));
+        *self.create_index = created_index;
+        *self.create_time_ms = created_ms;
+        *self.modify_index = index;
+        *self.modify_time_ms = now_ms;
+    }
+}
+
 impl Record for Job {
     const TABLE: Table = Table::Jobs;
     type Store = BTreeMap<String, Job>;
@@ -228,18 +249,14 @@ impl Record for berth_structs::Deployment {
     }
 
     fn stamp(&mut self, old: Option<&Self>, index: u64, now_ms: i64) {
-        match old {
-            Some(o) => {
-                self.create_index = o.create_index;
-                self.create_time_ms = o.create_time_ms;
-            }
-            None => {
-                self.create_index = index;
-                self.create_time_ms = now_ms;
-            }
-        }
-        self.modify_index = index;
-        self.modify_time_ms = now_ms;
+        let old = old.map(|o| (o.create_index, o.create_time_ms));
+        let stamps = Stamps {
+            create_index: &mut self.create_index,
+            create_time_ms: &mut self.create_time_ms,
+            modify_index: &mut self.modify_index,
+            modify_time_ms: &mut self.modify_time_ms,
+        };
+        stamps.set(old, index, now_ms);
     }
 
     fn index(&self, idx: &mut Indexes) {
@@ -264,18 +281,14 @@ impl Record for Allocation {
     }
 
     fn stamp(&mut self, old: Option<&Self>, index: u64, now_ms: i64) {
-        match old {
-            Some(o) => {
-                self.create_index = o.create_index;
-                self.create_time_ms = o.create_time_ms;
-            }
-            None => {
-                self.create_index = index;
-                self.create_time_ms = now_ms;
-            }
-        }
-        self.modify_index = index;
-        self.modify_time_ms = now_ms;
+        let old = old.map(|o| (o.create_index, o.create_time_ms));
+        let stamps = Stamps {
+            create_index: &mut self.create_index,
+            create_time_ms: &mut self.create_time_ms,
+            modify_index: &mut self.modify_index,
+            modify_time_ms: &mut self.modify_time_ms,
+        };
+        stamps.set(old, index, now_ms);
     }
 
     fn index(&self, idx: &mut Indexes) {
