@@ -359,10 +359,13 @@ impl Running {
         let mut sampler = crate::usage::Sampler::default();
         let mut samples = tokio::time::interval(self.ctx.config.stats_interval);
         samples.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Whether the driver measures the task at all (read once: a
+        // sample reads the task's cgroup files).
+        let measured = handle.usage().is_some();
         loop {
             tokio::select! {
                 exit = handle.wait() => return (exit, Ending::Exited),
-                _ = samples.tick(), if handle.usage().is_some() => {
+                _ = samples.tick(), if measured => {
                     if let Some((now, limit)) = handle.usage() {
                         if let Some(usage) = sampler.sample(now, limit, berth_structs::now_ms()) {
                             self.state.task_usage(&self.name, usage);

@@ -229,14 +229,23 @@ impl Allocation {
 fn same_but_usage(a: &BTreeMap<String, TaskState>, b: &BTreeMap<String, TaskState>) -> bool {
     a.len() == b.len()
         && a.iter().zip(b).all(|((na, sa), (nb, sb))| {
+            // Destructured so that a new field must say whether it counts.
+            let TaskState {
+                state,
+                failed,
+                restarts,
+                started_at_ms,
+                finished_at_ms,
+                events,
+                usage: _,
+            } = sa;
             na == nb
-                && TaskState {
-                    usage: None,
-                    ..sa.clone()
-                } == TaskState {
-                    usage: None,
-                    ..sb.clone()
-                }
+                && *state == sb.state
+                && *failed == sb.failed
+                && *restarts == sb.restarts
+                && *started_at_ms == sb.started_at_ms
+                && *finished_at_ms == sb.finished_at_ms
+                && *events == sb.events
         })
 }
 

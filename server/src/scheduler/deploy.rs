@@ -161,33 +161,42 @@ impl Rollout {
         let Some(mut d) = self.deployment.take() else {
             return;
         };
+        if !d.status.is_active() {
+            // Ended: no alloc to tag or time (and no copy of the allocs
+            // made for it); a failed one may still revert the job.
+            if d.status == DeploymentStatus::Failed && d.job_version == job.version {
+                revert_if_asked(t, job, &mut d, outcome);
+            }
+            if self.stored.as_ref() != Some(&d) {
+                changes.push(Change::PutDeployment(d));
+            }
+            return;
+        }
+        let written: BTreeSet<&str> = changes
+            .iter()
+            .filter_map(|c| match c {
+                Change::PutAlloc(a) => Some(a.id.as_str()),
+                _ => None,
+            })
+            .collect();
         let mut tagged: Vec<Allocation> = Vec::new();
         let mut touched = false;
-        if d.status.is_active() {
-            let written: std::collections::BTreeSet<&str> = changes
-                .iter()
-                .filter_map(|c| match c {
-                    Change::PutAlloc(a) => Some(a.id.as_str()),
-                    _ => None,
-                })
-                .collect();
-            for a in after.values() {
-                if a.job.version != job.version
-                    || a.server_terminal()
-                    || !written.contains(a.id.as_str())
-                    || !d.groups.contains_key(&a.task_group)
-                {
-                    continue;
-                }
-                touched = true;
-                if a.deployment.as_ref().is_none_or(|x| x.id != d.id) {
-                    let mut a = a.clone();
-                    a.deployment = Some(AllocDeployment {
-                        id: d.id.clone(),
-                        ..AllocDeployment::default()
-                    });
-                    tagged.push(a);
-                }
+        for a in after.values() {
+            if a.job.version != job.version
+                || a.server_terminal()
+                || !written.contains(a.id.as_str())
+                || !d.groups.contains_key(&a.task_group)
+            {
+                continue;
+            }
+            touched = true;
+            if a.deployment.as_ref().is_none_or(|x| x.id != d.id) {
+                let mut a = a.clone();
+                a.deployment = Some(AllocDeployment {
+                    id: d.id.clone(),
+                    ..AllocDeployment::default()
+                });
+                tagged.push(a);
             }
         }
         if self.stored.is_none() && !touched {
@@ -197,19 +206,15 @@ impl Rollout {
         for a in tagged {
             after.insert(a.id.clone(), a);
         }
-        let mut moved: Vec<Allocation> = Vec::new();
-        if d.status.is_active() {
-            for a in after.values() {
-                if let Some(a) = note_health(job, &d, a, now_ms, outcome) {
-                    moved.push(a);
-                }
-            }
-            for a in moved.iter().cloned() {
-                after.insert(a.id.clone(), a);
-            }
-            count(job, &mut d, &after, now_ms);
-            end_if_done(t, job, &mut d, &after, now_ms, changes, outcome);
+        let moved: Vec<Allocation> = after
+            .values()
+            .filter_map(|a| note_health(job, &d, a, now_ms, outcome))
+            .collect();
+        for a in moved {
+            after.insert(a.id.clone(), a);
         }
+        count(job, &mut d, &after, now_ms);
+        end_if_done(t, job, &mut d, &after, now_ms, changes, outcome);
         // The allocs tagged or given a health: the plan's own write of one
         // takes it, else it is written.
         for a in after.values().filter(|a| {
@@ -226,7 +231,7 @@ impl Rollout {
                 _ => changes.push(Change::PutAlloc(a.clone())),
             }
         }
-        if d.status == DeploymentStatus::Failed && d.job_version == job.version {
+        if d.status == DeploymentStatus::Failed {
             revert_if_asked(t, job, &mut d, outcome);
         }
         if d.status.is_active() {

@@ -130,11 +130,6 @@ impl Tables {
         all.into_iter()
     }
 
-    /// The newest deployment of `job_id`.
-    pub fn latest_deployment(&self, job_id: &str) -> Option<&berth_structs::Deployment> {
-        self.deployments_of_job(job_id).last()
-    }
-
     /// The allocs of `job_id`, in ID order.
     pub fn allocs_of_job<'a>(&'a self, job_id: &str) -> impl Iterator<Item = &'a Allocation> {
         self.by_ids(&self.allocs, &self.indexes.allocs_by_job, job_id)
