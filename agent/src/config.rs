@@ -11,7 +11,8 @@
 //!          max_heartbeats_per_second = 50, default_lost_after = "1h" }
 //! client { enabled = true, servers = ["10.0.0.1:4747"], node_class = "storage",
 //!          meta { rack = "r1" }, reserved { cpu = 500, memory = 512, disk = 1024 },
-//!          disconnect_startup_grace = "30s", csi_volume_stats_interval = "60s" }
+//!          disconnect_startup_grace = "30s", csi_volume_stats_interval = "60s",
+//!          cgroup_parent = "berth" }
 //! ```
 //!
 //! [`load`] reads a list of paths (a directory gives its `*.hcl` files in
@@ -137,6 +138,8 @@ pub struct ClientSection {
     /// The introduction token a new node registers with (minted by
     /// `berth node intro create`).
     pub intro_token: Option<ConfigSecret>,
+    /// The cgroup `exec` tasks' cgroups are made under.
+    pub cgroup_parent: Option<String>,
 }
 
 /// One agent's configuration: a file's, or several merged. What a file
@@ -210,6 +213,7 @@ impl AgentFileConfig {
                 },
                 durations: self.client.durations.merge(later.client.durations),
                 intro_token: later.client.intro_token.or(self.client.intro_token),
+                cgroup_parent: later.client.cgroup_parent.or(self.client.cgroup_parent),
             },
             security: self.security.merge(later.security),
             etcd: self.etcd.merge(later.etcd),
@@ -503,10 +507,17 @@ fn client_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ClientSect
     let section = match r.optional_block("client")? {
         None => ClientSection::default(),
         Some(b) => {
-            let keys: Vec<&str> = ["enabled", "servers", "node_class", "meta", "intro_token"]
-                .into_iter()
-                .chain(client_settings::file_keys())
-                .collect();
+            let keys: Vec<&str> = [
+                "enabled",
+                "servers",
+                "node_class",
+                "meta",
+                "intro_token",
+                "cgroup_parent",
+            ]
+            .into_iter()
+            .chain(client_settings::file_keys())
+            .collect();
             let c = BodyReader::unlabeled(src, b, r.ctx(), &keys, &["meta", "reserved"])?;
             let servers = c.strings("servers")?;
             for s in servers.iter().flatten() {
@@ -529,8 +540,14 @@ fn client_section(src: &Source<'_>, r: &BodyReader<'_, '_>) -> Result<ClientSect
                     }
                 }
             };
+            let cgroup_parent = c.string("cgroup_parent")?;
+            if let Some(p) = &cgroup_parent {
+                berth_allocrunner::cgroups::check_parent(p)
+                    .map_err(|e| c.invalid("cgroup_parent", e))?;
+            }
             ClientSection {
                 enabled: c.bool("enabled")?,
+                cgroup_parent,
                 servers,
                 node_class,
                 meta: c.map("meta")?,

@@ -1,4 +1,5 @@
-//! The cgroups of `exec` tasks: one per task, under a `berth` root, on
+//! The cgroups of `exec` tasks: one per task, under a parent of the
+//! agent's (`client { cgroup_parent }`, `berth` unless set), on
 //! whichever cgroup version the host runs. cgroup v1 keeps a hierarchy per
 //! controller (`/sys/fs/cgroup/memory/berth/<alloc>/<task>`, the same under
 //! `cpu`, `cpuacct` and `pids`); v2 one unified hierarchy
@@ -16,8 +17,9 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-/// The directory every berth cgroup is under, in each hierarchy.
-pub const ROOT_NAME: &str = "berth";
+/// The directory every berth cgroup is under, in each hierarchy, unless
+/// the agent's config names another.
+pub const DEFAULT_PARENT: &str = "berth";
 
 /// The v1 controllers a task's cgroup is made in.
 const V1_CONTROLLERS: [&str; 4] = ["memory", "cpu", "cpuacct", "pids"];
@@ -28,13 +30,16 @@ const V2_CONTROLLERS: &str = "+memory +cpu +pids";
 /// The pids limit of a task that sets none.
 pub const DEFAULT_PIDS_LIMIT: u64 = 2048;
 
-/// Which cgroup version the host runs, and where it is mounted.
+/// Which cgroup version the host runs, where it is mounted, and the
+/// parent the agent's cgroups are under.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Cgroups {
-    /// One hierarchy per controller, at `<mount>/<controller>`.
-    V1 { mount: PathBuf },
-    /// The unified hierarchy at `mount`.
-    V2 { mount: PathBuf },
+pub struct Cgroups {
+    /// The unified hierarchy at `mount` (v2); else one hierarchy per
+    /// controller, at `<mount>/<controller>` (v1).
+    v2: bool,
+    mount: PathBuf,
+    /// Relative to each hierarchy's root.
+    parent: PathBuf,
 }
 
 /// What a task's cgroup holds it to.
@@ -86,8 +91,10 @@ impl Cgroups {
                 .filter(|c| !have.contains(c))
                 .collect();
             if missing.is_empty() {
-                return Ok(Cgroups::V2 {
+                return Ok(Cgroups {
+                    v2: true,
                     mount: mount.to_path_buf(),
+                    parent: PathBuf::from(DEFAULT_PARENT),
                 });
             }
             if !mount.join("memory").is_dir() {
@@ -103,8 +110,10 @@ impl Cgroups {
             .filter(|c| !mount.join(c).join("cgroup.procs").is_file())
             .collect();
         if missing.is_empty() {
-            return Ok(Cgroups::V1 {
+            return Ok(Cgroups {
+                v2: false,
                 mount: mount.to_path_buf(),
+                parent: PathBuf::from(DEFAULT_PARENT),
             });
         }
         Err(format!(
@@ -115,29 +124,40 @@ impl Cgroups {
         ))
     }
 
+    /// These cgroups under `parent` (see [`check_parent`]) instead.
+    pub fn with_parent(self, parent: &str) -> Result<Cgroups, String> {
+        check_parent(parent)?;
+        Ok(Cgroups {
+            parent: PathBuf::from(parent),
+            ..self
+        })
+    }
+
     /// `v1` or `v2`, for logs and fingerprints.
     pub fn version(&self) -> &'static str {
-        match self {
-            Cgroups::V1 { .. } => "v1",
-            Cgroups::V2 { .. } => "v2",
+        if self.v2 {
+            "v2"
+        } else {
+            "v1"
         }
     }
 
-    /// The berth root of each hierarchy.
+    /// The parent's directory in each hierarchy.
     fn roots(&self) -> Vec<PathBuf> {
-        match self {
-            Cgroups::V1 { mount } => V1_CONTROLLERS
+        if self.v2 {
+            vec![self.mount.join(&self.parent)]
+        } else {
+            V1_CONTROLLERS
                 .iter()
-                .map(|c| mount.join(c).join(ROOT_NAME))
-                .collect(),
-            Cgroups::V2 { mount } => vec![mount.join(ROOT_NAME)],
+                .map(|c| self.mount.join(c).join(&self.parent))
+                .collect()
         }
     }
 
     /// The cgroup of task `task` of alloc `alloc` (made or not).
     pub fn task(&self, alloc: &str, task: &str) -> TaskCgroup {
         TaskCgroup {
-            v2: matches!(self, Cgroups::V2 { .. }),
+            v2: self.v2,
             dirs: self
                 .roots()
                 .into_iter()
@@ -149,10 +169,15 @@ impl Cgroups {
     /// Makes the cgroup of task `task` of alloc `alloc` with `limits`
     /// (again, when one is left from an earlier run).
     pub fn create(&self, alloc: &str, task: &str, limits: &Limits) -> io::Result<TaskCgroup> {
-        if let Cgroups::V2 { mount } = self {
+        if self.v2 {
             // Each parent hands the controllers down to its children.
-            let root = mount.join(ROOT_NAME);
-            for dir in [mount.clone(), root.clone(), root.join(alloc)] {
+            let mut dirs = vec![self.mount.clone()];
+            for part in self.parent.components() {
+                let below = dirs[dirs.len() - 1].join(part);
+                dirs.push(below);
+            }
+            dirs.push(self.mount.join(&self.parent).join(alloc));
+            for dir in dirs {
                 std::fs::create_dir_all(&dir)?;
                 let control = dir.join("cgroup.subtree_control");
                 let have = std::fs::read_to_string(&control).unwrap_or_default();
@@ -183,7 +208,7 @@ impl Cgroups {
         Ok(cgroup)
     }
 
-    /// The allocs with a cgroup under the berth root.
+    /// The allocs with a cgroup under the parent.
     pub fn allocs(&self) -> Vec<String> {
         let mut ids: Vec<String> = self
             .roots()
@@ -216,6 +241,46 @@ impl Cgroups {
         }
         Ok(())
     }
+
+    /// Removes the cgroups of allocs not in `known` (left by an agent that
+    /// crashed, or whose state was lost), killing what runs in them: a
+    /// task no alloc of this node wants must not run on beside the one
+    /// the servers place again. Returns the allocs removed, and those that
+    /// could not be, with why.
+    pub fn remove_orphans(
+        &self,
+        known: &std::collections::BTreeSet<String>,
+    ) -> (Vec<String>, Vec<(String, io::Error)>) {
+        let mut removed = Vec::new();
+        let mut failed = Vec::new();
+        for alloc in self.allocs() {
+            if known.contains(&alloc) {
+                continue;
+            }
+            match self.remove_alloc(&alloc) {
+                Ok(()) => removed.push(alloc),
+                Err(e) => failed.push((alloc, e)),
+            }
+        }
+        (removed, failed)
+    }
+}
+
+/// Why `parent` cannot be the cgroup parent: it must be a relative path of
+/// plain names (`berth`, `services/berth`), so that berth's cgroups stay
+/// inside it.
+pub fn check_parent(parent: &str) -> Result<(), String> {
+    let path = Path::new(parent);
+    if parent.is_empty()
+        || !path
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(format!(
+            "cgroup parent {parent:?} must be a relative path of plain names, like \"berth\""
+        ));
+    }
+    Ok(())
 }
 
 /// The cgroup of one task: a directory in each hierarchy.
@@ -246,15 +311,12 @@ impl TaskCgroup {
         if self.v2 {
             return &self.dirs[0];
         }
-        self.dirs
+        // The dirs are in the order of the controllers (as
+        // [`Cgroups::task`] makes them and a handle records them).
+        V1_CONTROLLERS
             .iter()
-            .find(|d| {
-                d.parent()
-                    .and_then(Path::parent)
-                    .and_then(Path::parent)
-                    .and_then(Path::file_name)
-                    .is_some_and(|n| n == controller)
-            })
+            .position(|c| *c == controller)
+            .and_then(|i| self.dirs.get(i))
             .unwrap_or(&self.dirs[0])
     }
 
@@ -536,6 +598,18 @@ mod tests {
             (1 << 20, 2_500_000, 4, 30_000)
         );
         assert_eq!(cgroups.allocs(), ["a1"]);
+
+        // A nested parent: each of its levels hands them on too.
+        let nested = cgroups.with_parent("system/berth").expect("parent");
+        let cg = nested.create("a2", "web", &limits).expect("create");
+        assert_eq!(cg.dirs(), [dir.path().join("system/berth/a2/web")]);
+        for parent in ["system", "system/berth", "system/berth/a2"] {
+            let control =
+                std::fs::read_to_string(dir.path().join(parent).join("cgroup.subtree_control"))
+                    .expect("subtree_control");
+            assert_eq!(control, "+memory +cpu +pids", "{parent}");
+        }
+        assert_eq!(nested.allocs(), ["a2"]);
     }
 
     /// The host's cgroups (v1 on the machines berth's CI runs on), and a
@@ -546,17 +620,61 @@ mod tests {
     }
 
     impl HostCgroup {
+        /// Under a parent of the test's own, which no agent started
+        /// beside the tests cleans up.
         fn new(test: &str) -> HostCgroup {
+            let parent = format!("berth-test-{test}-{}", std::process::id());
             HostCgroup {
-                cgroups: Cgroups::detect().expect("the host's cgroups"),
-                alloc: format!("test-{test}-{}", std::process::id()),
+                cgroups: Cgroups::detect()
+                    .expect("the host's cgroups")
+                    .with_parent(&parent)
+                    .expect("parent"),
+                alloc: "a1".to_string(),
             }
         }
     }
 
     impl Drop for HostCgroup {
         fn drop(&mut self) {
-            let _ = self.cgroups.remove_alloc(&self.alloc);
+            for alloc in self.cgroups.allocs() {
+                let _ = self.cgroups.remove_alloc(&alloc);
+            }
+            for root in self.cgroups.roots() {
+                let _ = std::fs::remove_dir(root);
+            }
+        }
+    }
+
+    #[test]
+    fn the_cgroups_of_unknown_allocs_are_removed_with_what_runs_in_them() {
+        let host = HostCgroup::new("orphans");
+        let limits = Limits {
+            memory: 64 << 20,
+            memory_max: 0,
+            cpu_mhz: 100,
+            pids: 16,
+        };
+        let kept = host.cgroups.create("kept", "t", &limits).expect("create");
+        let orphan = host.cgroups.create("orphan", "t", &limits).expect("create");
+        run_in(&orphan, "{ sleep 60 > /dev/null & }");
+        assert_eq!(orphan.pids().len(), 1, "the orphan's sleeper");
+        let known = std::collections::BTreeSet::from(["kept".to_string()]);
+        let (removed, failed) = host.cgroups.remove_orphans(&known);
+        assert_eq!(removed, ["orphan"]);
+        assert!(failed.is_empty(), "{failed:?}");
+        assert!(orphan.dirs().iter().all(|d| !d.exists()));
+        assert!(kept.dirs().iter().all(|d| d.exists()));
+        assert_eq!(host.cgroups.allocs(), ["kept"]);
+    }
+
+    #[test]
+    fn a_cgroup_parent_is_a_relative_path_of_plain_names() {
+        for good in ["berth", "services/berth", "berth-test"] {
+            assert_eq!(check_parent(good), Ok(()), "{good}");
+        }
+        for bad in ["", "/berth", "../berth", "berth/../..", "./berth"] {
+            let err = check_parent(bad).expect_err(bad);
+            assert!(err.contains("relative path of plain names"), "{err}");
         }
     }
 

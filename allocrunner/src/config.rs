@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use berth_csimanager::CsiManager;
 
+use crate::cgroups::Cgroups;
 use crate::claims::VolumeClaimer;
 use crate::driver::{Driver, ExecDriver, ExecutorCommand, RawExecDriver};
 use crate::state::{AllocStateStore, AllocStateUpdater, NoopStateStore};
@@ -89,11 +90,19 @@ impl AllocRunnerConfig {
         drivers
     }
 
-    /// [`Self::default_drivers`], with `raw_exec` refusing new tasks
-    /// unless `raw_exec_enabled` (it still finds and stops the tasks it
-    /// started before).
-    pub fn drivers_for(raw_exec_enabled: bool) -> BTreeMap<String, Arc<dyn Driver>> {
+    /// [`Self::default_drivers`], with `exec` tasks in `cgroups` (or
+    /// refused, saying why there are none), and `raw_exec` refusing new
+    /// tasks unless `raw_exec_enabled` (it still finds and stops the tasks
+    /// it started before).
+    pub fn drivers_for(
+        raw_exec_enabled: bool,
+        cgroups: Result<Cgroups, String>,
+    ) -> BTreeMap<String, Arc<dyn Driver>> {
         let mut drivers = Self::default_drivers();
+        drivers.insert(
+            "exec".into(),
+            Arc::new(ExecDriver::with_cgroups(RawExecDriver::new(), cgroups)),
+        );
         if !raw_exec_enabled {
             drivers.insert("raw_exec".into(), Arc::new(RawExecDriver::new().disabled()));
         }

@@ -67,6 +67,10 @@ pub struct AgentArgs {
     /// mounts of running allocs (default 30s)
     #[arg(long, value_name = "DUR")]
     pub csi_fingerprint_interval: Option<String>,
+    /// The cgroup exec tasks' cgroups are made under (default: berth; two
+    /// agents on one host need two)
+    #[arg(long, value_name = "PATH")]
+    pub cgroup_parent: Option<String>,
     /// How often the node collects the stats (usage, condition) of the CSI
     /// volumes its allocs use (default 1m)
     #[arg(long, value_name = "DUR")]

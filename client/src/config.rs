@@ -59,6 +59,11 @@ pub struct ClientConfig {
     /// `plugin "raw_exec" { config { enabled = true } }`, or with `-dev`.
     /// On here, for clients made in code (tests).
     pub raw_exec_enabled: bool,
+    /// The cgroup `exec` tasks' cgroups are made under, in each hierarchy
+    /// (`client { cgroup_parent }`, `-cgroup-parent`). The client removes
+    /// the cgroups there of allocs it does not know, so two agents on one
+    /// host need two parents.
+    pub cgroup_parent: String,
 }
 
 impl ClientConfig {
@@ -92,6 +97,13 @@ impl ClientConfig {
             intro_token: None,
             local_api: None,
             raw_exec_enabled: true,
+            cgroup_parent: berth_allocrunner::cgroups::DEFAULT_PARENT.into(),
         }
+    }
+
+    /// The host's cgroups under [`Self::cgroup_parent`], or why `exec`
+    /// tasks cannot run.
+    pub fn cgroups(&self) -> Result<berth_allocrunner::cgroups::Cgroups, String> {
+        berth_allocrunner::cgroups::Cgroups::detect()?.with_parent(&self.cgroup_parent)
     }
 }

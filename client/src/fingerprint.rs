@@ -174,6 +174,7 @@ pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
     };
     node.set_driver_info(fingerprint_drivers(&AllocRunnerConfig::drivers_for(
         config.raw_exec_enabled,
+        config.cgroups(),
     )));
     node
 }

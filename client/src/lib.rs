@@ -83,6 +83,9 @@ pub struct Client {
     state: ClientState,
     runner_config: Arc<AllocRunnerConfig>,
     runners: Mutex<HashMap<String, AllocRunner>>,
+    /// Where the `exec` tasks' cgroups are (None: the host has none to
+    /// use).
+    cgroups: Option<berth_allocrunner::cgroups::Cgroups>,
     gc_policy: gc::GcPolicy,
     gc_interval: Duration,
     /// See [`ClientConfig::disconnect_startup_grace`].
@@ -220,7 +223,9 @@ impl Client {
             Arc::new(conn.clone()),
         );
         runner_config.store = Arc::new(state.clone());
-        runner_config.drivers = AllocRunnerConfig::drivers_for(config.raw_exec_enabled);
+        let cgroups = config.cgroups();
+        runner_config.drivers =
+            AllocRunnerConfig::drivers_for(config.raw_exec_enabled, cgroups.clone());
         let runner_config = Arc::new(runner_config);
         Ok(Arc::new(Client {
             conn,
@@ -228,6 +233,7 @@ impl Client {
             state,
             runner_config,
             runners: Mutex::new(HashMap::new()),
+            cgroups: cgroups.ok(),
             gc_policy: gc::GcPolicy {
                 max_allocs: config.gc_max_allocs,
                 alloc_threshold: config.gc_alloc_threshold,
@@ -533,8 +539,9 @@ impl Client {
         true
     }
 
-    /// Removes, in a task of its own, the mounts below the CSI root and the
-    /// alloc root that none of the allocs restored at start owns (see
+    /// Removes the cgroups of allocs none of the allocs restored at start
+    /// is (with what runs in them), then, in a task of its own, the mounts
+    /// below the CSI root and the alloc root that none of them owns (see
     /// `berth_csimanager::orphans`), waiting at most
     /// [`ORPHAN_PLUGIN_WAIT`] for the plugins it needs.
     async fn spawn_orphan_cleanup(&self) -> tokio::task::JoinHandle<()> {
@@ -542,6 +549,17 @@ impl Client {
             self.runners.lock().await.keys().cloned().collect();
         let csi = self.csi.clone();
         let alloc_root = self.runner_config.alloc_root.clone();
+        if let Some(cgroups) = self.cgroups.clone() {
+            let known = known.clone();
+            let swept = tokio::task::spawn_blocking(move || cgroups.remove_orphans(&known)).await;
+            let (removed, failed) = swept.unwrap_or_default();
+            for alloc in removed {
+                tracing::info!(alloc_id = %alloc, "removed the cgroups of an alloc this node does not know");
+            }
+            for (alloc, error) in failed {
+                tracing::warn!(alloc_id = %alloc, %error, "removing the cgroups of an alloc this node does not know failed");
+            }
+        }
         tokio::spawn(async move {
             let removed = csi
                 .remove_orphaned_mounts(&alloc_root, &known, ORPHAN_PLUGIN_WAIT)

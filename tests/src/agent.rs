@@ -58,6 +58,12 @@ impl Agent {
             argv.extend(["-config".into(), file.into_os_string()]);
         }
         argv.extend(args.iter().map(OsString::from));
+        if args.contains(&"-client") || args.contains(&"-dev") {
+            argv.extend([
+                "-cgroup-parent".into(),
+                crate::process::cgroup_parent_of(data_dir.path()).into(),
+            ]);
+        }
         let env: Vec<(String, Option<String>)> = env
             .iter()
             .map(|(k, v)| (k.to_string(), v.map(str::to_string)))
@@ -70,6 +76,12 @@ impl Agent {
             argv,
             env,
         })
+    }
+
+    /// The cgroup the agent's `exec` tasks' cgroups are under (one of its
+    /// own when it has a client role).
+    pub fn cgroup_parent(&self) -> String {
+        crate::process::cgroup_parent_of(self.data_dir.path())
     }
 
     /// The agent's data dir (below the temp dir that also holds its log).

@@ -125,6 +125,8 @@ impl DevAgent {
         args.push("-http-addr".into());
         args.push(format!("127.0.0.1:{port}").into());
         args.extend(self.extra_args.iter().map(OsString::from));
+        args.push("-cgroup-parent".into());
+        args.push(crate::process::cgroup_parent_of(self.data_dir.path()).into());
         self.child = Some(spawn_agent(
             &self.program,
             &args,

@@ -39,6 +39,35 @@ pub(crate) fn kill_and_unmount(child: &mut Option<Child>, dir: &Path) {
     for dev in loops_backed_under(dir) {
         let _ = Command::new("losetup").arg("-d").arg(&dev).status();
     }
+    remove_cgroups(&cgroup_parent_of(dir));
+}
+
+/// The cgroup parent of the agent whose temp dir is `dir`: one of its own
+/// under `berth-e2e`, so that no other agent's start, which removes the
+/// cgroups of allocs it does not know under its parent, touches its tasks.
+pub fn cgroup_parent_of(dir: &Path) -> String {
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    format!("berth-e2e/{name}")
+}
+
+/// Removes the (emptied) cgroups under `parent` in every hierarchy, and
+/// the parent.
+fn remove_cgroups(parent: &str) {
+    fn remove_tree(dir: &Path) {
+        for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+            if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_tree(&entry.path());
+            }
+        }
+        let _ = std::fs::remove_dir(dir);
+    }
+    let mount = Path::new("/sys/fs/cgroup");
+    for base in ["", "memory", "cpu", "cpuacct", "pids"] {
+        remove_tree(&mount.join(base).join(parent));
+    }
 }
 
 /// PATH for agents and the CLI: the workspace's binaries (the example

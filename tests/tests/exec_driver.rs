@@ -126,12 +126,43 @@ fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<(
     for job in ["exec-oom", "exec-roomy"] {
         for a in server.allocs(job)? {
             let id = a["id"].as_str().context("alloc ID")?;
-            let cgroup = std::path::Path::new("/sys/fs/cgroup/memory/berth").join(id);
+            let cgroup = memory_hierarchy()
+                .join(client.agent.cgroup_parent())
+                .join(id);
             assert!(!cgroup.exists(), "{} is left", cgroup.display());
         }
     }
     server.stop_marked_job(steady)?;
     Ok(())
+}
+
+/// Where the memory controller's cgroups are: the unified hierarchy (v2)
+/// or the memory one (v1).
+fn memory_hierarchy() -> std::path::PathBuf {
+    let mount = std::path::Path::new("/sys/fs/cgroup");
+    if mount.join("cgroup.controllers").exists() {
+        mount.to_path_buf()
+    } else {
+        mount.join("memory")
+    }
+}
+
+/// A process in a cgroup the test made, killed (and the cgroup removed)
+/// when the test ends, failed or not.
+struct Stray {
+    cgroup: std::path::PathBuf,
+    child: std::process::Child,
+}
+
+impl Drop for Stray {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir(&self.cgroup);
+        if let Some(alloc) = self.cgroup.parent() {
+            let _ = std::fs::remove_dir(alloc);
+        }
+    }
 }
 
 /// The memory cgroup `pid` is in (v1 or v2 path), as `/proc` says.
@@ -152,23 +183,62 @@ fn exec_tasks_keep_their_cgroups_across_an_agent_kill_and_lose_them_when_stopped
         .wait_nodes_ready(&["x2"])
         .with_context(|| logs(&server, &[&client]))?;
     let job = "exec-reattach";
-    let spec = marked_service_job(job, 3, None, None).replace("\"raw_exec\"", "\"exec\"");
+    let spec = marked_service_job(job, 20, None, None).replace("\"raw_exec\"", "\"exec\"");
     assert!(spec.contains("driver = \"exec\""), "{spec}");
     server.run_job(job, &spec)?;
-    let pids = wait_for("three exec tasks", Duration::from_secs(30), || {
+    let pids = wait_for("twenty exec tasks", Duration::from_secs(60), || {
         let pids = marker_pids(job);
-        Ok((pids.len() == 3).then_some(pids))
+        Ok((pids.len() == 20).then_some(pids))
     })
     .with_context(|| logs(&server, &[&client]))?;
+    let parent = format!("/{}/", client.agent.cgroup_parent());
     let cgroups: Vec<String> = pids.iter().map(|p| memory_cgroup_of(*p)).collect();
     assert!(
-        cgroups.iter().all(|c| c.starts_with("/berth/")),
+        cgroups.iter().all(|c| c.starts_with(&parent)),
         "{cgroups:?}"
     );
+    let memory = memory_hierarchy();
+    let limit_file = if memory.ends_with("memory") {
+        "memory.limit_in_bytes"
+    } else {
+        "memory.max"
+    };
+    let limit_of = |cgroup: &str| {
+        std::fs::read_to_string(memory.join(&cgroup[1..]).join(limit_file)).unwrap_or_default()
+    };
+    let limits: Vec<String> = cgroups.iter().map(|c| limit_of(c)).collect();
+    assert!(
+        limits.iter().all(|l| l.trim() == (8u64 << 20).to_string()),
+        "{limits:?}"
+    );
 
-    // SIGKILL the agent: the tasks run on in their cgroups; the agent
-    // started again reattaches to them.
+    // SIGKILL the agent: the tasks run on in their cgroups. A berth cgroup
+    // of an alloc the node does not know, left as by a crashed agent
+    // whose state was lost, has a process in it.
     client.agent.kill()?;
+    let orphan = memory.join(&parent[1..]).join("0rphan-alloc").join("t");
+    std::fs::create_dir_all(&orphan)?;
+    let mut stray = Stray {
+        cgroup: orphan.clone(),
+        child: std::process::Command::new("/bin/sh")
+            .arg("-c")
+            .arg(format!(
+                "echo $$ > {}/cgroup.procs && exec sleep 300",
+                orphan.display()
+            ))
+            .spawn()?,
+    };
+    wait_for(
+        "the stray in the orphan cgroup",
+        Duration::from_secs(10),
+        || {
+            let procs = std::fs::read_to_string(orphan.join("cgroup.procs"))?;
+            Ok((!procs.trim().is_empty()).then_some(()))
+        },
+    )?;
+
+    // Started again, the agent reattaches to its tasks and removes the
+    // orphan, with what ran in it.
     client.agent.start_again()?;
     server
         .wait_nodes_ready(&["x2"])
@@ -183,16 +253,28 @@ fn exec_tasks_keep_their_cgroups_across_an_agent_kill_and_lose_them_when_stopped
     assert_eq!(marker_pids(job), pids, "the tasks were started again");
     let after: Vec<String> = pids.iter().map(|p| memory_cgroup_of(*p)).collect();
     assert_eq!(after, cgroups);
+    assert_eq!(
+        cgroups.iter().map(|c| limit_of(c)).collect::<Vec<_>>(),
+        limits
+    );
+    wait_for("the orphan cgroup removed", Duration::from_secs(30), || {
+        Ok((!orphan.exists()).then_some(()))
+    })
+    .with_context(|| client.agent.log())?;
+    let status = wait_for("the stray killed", Duration::from_secs(10), || {
+        Ok(stray.child.try_wait()?)
+    })?;
+    assert!(!status.success(), "{status:?}");
 
     // Stopped, their cgroups go.
     server.stop_marked_job(job)?;
     for c in &cgroups {
         let alloc = c
-            .trim_start_matches("/berth/")
+            .trim_start_matches(&parent)
             .split('/')
             .next()
             .unwrap_or_default();
-        let dir = std::path::Path::new("/sys/fs/cgroup/memory/berth").join(alloc);
+        let dir = memory.join(&parent[1..]).join(alloc);
         wait_for(
             &format!("{} removed", dir.display()),
             Duration::from_secs(30),

@@ -79,6 +79,9 @@ pub struct AgentConfig {
     /// The client runs raw_exec tasks: `plugin "raw_exec" { config {
     /// enabled = true } }`, or `-dev`.
     pub raw_exec_enabled: bool,
+    /// `-cgroup-parent`, else `client { cgroup_parent }`; None: the
+    /// client's default.
+    pub cgroup_parent: Option<String>,
 }
 
 impl Default for AgentConfig {
@@ -115,6 +118,7 @@ impl Default for AgentConfig {
             intro_token: None,
             store: berth_server::StoreConfig::Embedded,
             raw_exec_enabled: false,
+            cgroup_parent: None,
         }
     }
 }
@@ -234,9 +238,13 @@ impl AgentConfig {
             ("csi-fingerprint-interval", &a.csi_fingerprint_interval),
             ("csi-volume-stats-interval", &a.csi_volume_stats_interval),
         ];
-        f.client_flag = std::iter::once(("gc-max-allocs", &a.gc_max_allocs))
-            .chain(duration_flags)
-            .find_map(|(name, v)| v.is_some().then_some(name));
+        f.client_flag = [
+            ("gc-max-allocs", &a.gc_max_allocs),
+            ("cgroup-parent", &a.cgroup_parent),
+        ]
+        .into_iter()
+        .chain(duration_flags)
+        .find_map(|(name, v)| v.is_some().then_some(name));
         if let Some(v) = &a.servers {
             let mut list = Vec::new();
             for s in v.split(',') {
@@ -275,6 +283,11 @@ impl AgentConfig {
             c.gc_max_allocs = v.parse().with_context(|| {
                 format!("berth agent: -gc-max-allocs {v:?} is not a whole number")
             })?;
+        }
+        if let Some(v) = &a.cgroup_parent {
+            berth_allocrunner::cgroups::check_parent(v)
+                .map_err(|e| usage_error(format!("berth agent: -cgroup-parent: {e}")))?;
+            c.cgroup_parent = Some(v.clone());
         }
         for (flag, v) in duration_flags {
             let Some(v) = v else { continue };
@@ -430,6 +443,9 @@ impl AgentConfig {
             self.reserved_cpu = c.reserved.cpu.unwrap_or(0);
             self.reserved_memory_mb = c.reserved.memory.unwrap_or(0);
             self.reserved_disk_mb = c.reserved.disk.unwrap_or(0);
+            if self.cgroup_parent.is_none() {
+                self.cgroup_parent = c.cgroup_parent.clone();
+            }
             // The flags win over the files.
             self.client_durations = c
                 .durations
@@ -460,6 +476,10 @@ impl AgentConfig {
             intro_token: self.intro_token.clone(),
             local_api: Some(crate::http::client_forward::local_api_factory()),
             raw_exec_enabled: self.raw_exec_enabled,
+            cgroup_parent: self
+                .cgroup_parent
+                .clone()
+                .unwrap_or_else(|| defaults.cgroup_parent.clone()),
             ..defaults
         };
         self.client_durations.apply(&mut config);
@@ -823,6 +843,29 @@ client {
             client_config(&run(&["-dev"])).disconnect_startup_grace,
             berth_heartbeat::DisconnectConfig::default().startup_grace
         );
+    }
+
+    #[test]
+    fn the_cgroup_parent_of_the_flag_wins_over_the_config_and_must_be_relative() {
+        let hcl = CLIENT_HCL.replacen("client {", "client {\n  cgroup_parent = \"ops/berth\"", 1);
+        let (dir, c) = client_file(&hcl);
+        assert_eq!(client_config(&c).cgroup_parent, "ops/berth");
+        let file = dir.path().join("client.hcl");
+        let flagged = run(&["-config", file.to_str().unwrap(), "-cgroup-parent", "b2"]);
+        assert_eq!(client_config(&flagged).cgroup_parent, "b2");
+        assert_eq!(client_config(&run(&["-dev"])).cgroup_parent, "berth");
+        let e = AgentConfig::from_args(&args(&["-dev", "-cgroup-parent", "../x"]))
+            .expect_err("not relative");
+        assert!(
+            format!("{e:#}").contains("-cgroup-parent: cgroup parent \"../x\" must be a relative"),
+            "{e:#}"
+        );
+        let bad = CLIENT_HCL.replacen("client {", "client {\n  cgroup_parent = \"/abs\"", 1);
+        let path = dir.path().join("bad.hcl");
+        std::fs::write(&path, bad).unwrap();
+        let e = AgentConfig::from_args(&args(&["-config", path.to_str().unwrap()]))
+            .expect_err("absolute");
+        assert!(format!("{e:#}").contains("cgroup_parent"), "{e:#}");
     }
 
     #[test]
