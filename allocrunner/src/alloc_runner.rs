@@ -156,6 +156,12 @@ impl AllocRunner {
         self.inner.state.task_states()
     }
 
+    /// The latest usage sample of each running task its driver measures
+    /// (`exec`), taken every [`AllocRunnerConfig::stats_interval`].
+    pub fn task_samples(&self) -> BTreeMap<String, berth_structs::TaskUsage> {
+        self.inner.state.samples()
+    }
+
     /// Whether `task` is pending, running or dead; `None` for a task the
     /// alloc has no state of. Cheap: for a caller that polls.
     pub fn task_state_kind(&self, task: &str) -> Option<TaskStateKind> {

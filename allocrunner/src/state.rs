@@ -161,6 +161,9 @@ pub(crate) struct AllocState {
     updater: Arc<dyn AllocStateUpdater>,
     store: Arc<dyn AllocStateStore>,
     inner: Mutex<Inner>,
+    /// The latest usage sample of each running task that is measured
+    /// (reported or not): what the stats API and the metrics answer.
+    samples: Mutex<BTreeMap<String, berth_structs::TaskUsage>>,
 }
 
 impl AllocState {
@@ -192,6 +195,7 @@ impl AllocState {
                     description: r.description,
                     task_states: r.task_states,
                 }),
+                samples: Mutex::default(),
             };
         }
         let task_states = tasks
@@ -212,7 +216,26 @@ impl AllocState {
                 task_states,
                 terminal_at_ms: None,
             }),
+            samples: Mutex::default(),
         }
+    }
+
+    /// Keeps `sample` as `task`'s latest; None: the task no longer runs.
+    pub(crate) fn note_sample(&self, task: &str, sample: Option<berth_structs::TaskUsage>) {
+        let mut samples = self.samples.locked();
+        match sample {
+            Some(s) => {
+                samples.insert(task.to_string(), s);
+            }
+            None => {
+                samples.remove(task);
+            }
+        }
+    }
+
+    /// The latest usage sample of each running, measured task.
+    pub(crate) fn samples(&self) -> BTreeMap<String, berth_structs::TaskUsage> {
+        self.samples.locked().clone()
     }
 
     /// Changes the state under the lock, persists it (synced as `persist`

@@ -204,6 +204,7 @@ impl Running {
             Err(next) => return next,
         };
         let (exit, ending) = self.supervise(&handle).await;
+        self.state.note_sample(&self.name, None);
         for hook in self.hooks.iter_mut() {
             hook.exited(&self.ctx).await;
         }
@@ -367,7 +368,9 @@ impl Running {
                 exit = handle.wait() => return (exit, Ending::Exited),
                 _ = samples.tick(), if measured => {
                     if let Some((now, limit)) = handle.usage() {
-                        if let Some(usage) = sampler.sample(now, limit, berth_structs::now_ms()) {
+                        let (usage, report) = sampler.sample(now, limit, berth_structs::now_ms());
+                        self.state.note_sample(&self.name, Some(usage));
+                        if report {
                             self.state.task_usage(&self.name, usage);
                         }
                     }

@@ -23,9 +23,9 @@ pub(crate) struct Sampler {
 }
 
 impl Sampler {
-    /// A new sample `now` taken at `now_ms`; `Some` when it is to be
+    /// A new sample `now` taken at `now_ms`, and whether it is to be
     /// reported.
-    pub(crate) fn sample(&mut self, now: Usage, limit: u64, now_ms: i64) -> Option<TaskUsage> {
+    pub(crate) fn sample(&mut self, now: Usage, limit: u64, now_ms: i64) -> (TaskUsage, bool) {
         let cpu_millicores = match self.last {
             Some((before, at)) if now_ms > at => {
                 let used = now.cpu_ns.saturating_sub(before.cpu_ns);
@@ -54,9 +54,8 @@ impl Sampler {
         };
         if report {
             self.reported = Some(usage);
-            return Some(usage);
         }
-        None
+        (usage, report)
     }
 }
 
@@ -88,27 +87,26 @@ mod tests {
     #[test]
     fn samples_are_reported_when_they_move_materially_or_a_minute_passed() {
         let mut s = Sampler::default();
-        let first = s
-            .sample(usage(10, 0), 64 << 20, 1_000)
-            .expect("the first is reported");
+        let (first, reported) = s.sample(usage(10, 0), 64 << 20, 1_000);
+        assert!(reported, "the first is reported");
         assert_eq!(
             (first.memory_bytes, first.memory_limit_bytes),
             (10 << 20, 64 << 20)
         );
         // Half a core over a second: 500 millicores, a material change.
-        let busy = s
-            .sample(usage(10, 500), 64 << 20, 2_000)
-            .expect("cpu moved");
+        let (busy, reported) = s.sample(usage(10, 500), 64 << 20, 2_000);
+        assert!(reported, "cpu moved");
         assert_eq!(busy.cpu_millicores, 500);
         // The same again, and a little more memory: nothing to say.
-        assert!(s.sample(usage(11, 1_000), 64 << 20, 3_000).is_none());
+        let (quiet, reported) = s.sample(usage(11, 1_000), 64 << 20, 3_000);
+        assert!(!reported);
+        assert_eq!(quiet.memory_bytes, 11 << 20, "kept, though not reported");
         // 100 MiB more: said.
-        let grown = s
-            .sample(usage(111, 1_500), 64 << 20, 4_000)
-            .expect("memory moved");
+        let (grown, reported) = s.sample(usage(111, 1_500), 64 << 20, 4_000);
+        assert!(reported, "memory moved");
         assert_eq!(grown.memory_bytes, 111 << 20);
         // Still, a minute on: said again.
-        assert!(s.sample(usage(111, 2_000), 64 << 20, 5_000).is_none());
-        assert!(s.sample(usage(111, 61_500), 64 << 20, 64_000).is_some());
+        assert!(!s.sample(usage(111, 2_000), 64 << 20, 5_000).1);
+        assert!(s.sample(usage(111, 61_500), 64 << 20, 64_000).1);
     }
 }

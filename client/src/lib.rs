@@ -330,6 +330,20 @@ impl Client {
         self.runners.lock().await.get(id).map(ClientAllocView::of)
     }
 
+    /// The latest usage sample of every running task its driver measures:
+    /// `(alloc ID, job ID, task, sample)`.
+    pub async fn task_samples(&self) -> Vec<(String, String, String, berth_structs::TaskUsage)> {
+        let runners = self.runners.lock().await;
+        let mut rows = Vec::new();
+        for r in runners.values() {
+            let alloc = r.alloc();
+            for (task, usage) in r.task_samples() {
+                rows.push((alloc.id.clone(), alloc.job_id.clone(), task, usage));
+            }
+        }
+        rows
+    }
+
     /// The runner of an alloc this client runs, by ID or unique ID prefix;
     /// else the IDs that match (none, or several).
     pub async fn alloc_runner(&self, id: &str) -> Result<AllocRunner, Vec<String>> {

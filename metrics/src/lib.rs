@@ -199,6 +199,8 @@ pub struct Metrics {
     pub allocs: Family<ClientStatusLabels, Gauge>,
     /// Allocs this client runs, by client status (set at scrape time).
     pub client_allocs: Family<ClientStatusLabels, Gauge>,
+    /// What each running task of this client uses (set at scrape time).
+    pub client_tasks: tasks::TaskFamilies,
     /// Task processes started (restarts included).
     pub task_starts: Counter,
     /// Task restarts after an exit.
@@ -247,6 +249,7 @@ impl Metrics {
             nodes: Family::default(),
             allocs: Family::default(),
             client_allocs: Family::default(),
+            client_tasks: tasks::TaskFamilies::default(),
             task_starts: Counter::default(),
             task_restarts: Counter::default(),
             task_exits: Family::default(),
@@ -376,6 +379,7 @@ impl Metrics {
             m.etcd_watch_lag.clone(),
         );
         r.register("build_info", "berth's version", m.build_info.clone());
+        m.client_tasks.register(r);
         // The process metrics keep their standard names, without the prefix.
         m.registry
             .register_collector(Box::new(process::ProcessCollector));
@@ -563,5 +567,6 @@ pub fn set_client_allocs(counts: &[(&'static str, i64)]) {
 
 mod process;
 mod runtime;
+pub mod tasks;
 #[cfg(test)]
 mod tests;

@@ -23,6 +23,7 @@ pub mod node_secret;
 pub mod reschedule;
 pub mod secret;
 pub mod spec;
+pub mod stats;
 pub mod update;
 
 pub use alloc::*;
@@ -35,6 +36,7 @@ pub use names::{check_name, is_valid_name, NameError, NameProblem};
 pub use node::*;
 pub use node_secret::{NodeSecret, NodeSecretError};
 pub use reschedule::{DelayFunction, RescheduleEvent, ReschedulePolicy};
+pub use stats::AllocStats;
 pub use update::UpdateStrategy;
 
 /// A job or volume that fails its checks. Each entry names what is wrong and

@@ -450,11 +450,47 @@ job "exec-usage" {
         alloc["task_states"]["t"]["usage"]["memory_limit_bytes"],
         400u64 << 20
     );
-    let shown = server.cli(&["alloc", "status", alloc["id"].as_str().context("ID")?])?;
+    let id = alloc["id"].as_str().context("ID")?;
+    let shown = server.cli(&["alloc", "status", id])?;
     assert!(
         shown.contains("cores used of 500 MHz") && shown.contains("used of 400.0 MiB"),
         "{shown}"
     );
+
+    // The stats route answers the latest sample, on the client and
+    // through the server; both track the task within a tenth.
+    let within_a_tenth = |v: u64, of: u64| v.abs_diff(of) <= of / 10;
+    for stats in [
+        client.get(&format!("/v1/client/allocation/{id}/stats"))?,
+        server.get(&format!("/v1/client/allocation/{}/stats", &id[..8]))?,
+    ] {
+        let task = &stats["tasks"]["t"]["resource_usage"];
+        let memory = task["memory_stats"]["usage"].as_u64().unwrap_or(0);
+        let cpu = task["cpu_stats"]["millicores"].as_u64().unwrap_or(0);
+        assert!(within_a_tenth(memory, 100_000_000), "{stats}");
+        assert!(within_a_tenth(cpu, 1000), "{stats}");
+        assert_eq!(task["memory_stats"]["limit"], 400u64 << 20, "{stats}");
+        assert_eq!(
+            stats["resource_usage"]["memory_stats"]["usage"], memory,
+            "{stats}"
+        );
+    }
+    // And the client's metrics carry the task's gauges.
+    let metrics = berth_tests::http_at(
+        client.http_port,
+        "GET /v1/metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+    )?
+    .text();
+    let labels = format!("alloc_id=\"{id}\",job=\"exec-usage\",task=\"t\"");
+    for family in [
+        "berth_client_task_memory_bytes",
+        "berth_client_task_cpu_millicores",
+    ] {
+        assert!(
+            metrics.contains(&format!("{family}{{{labels}}}")),
+            "{family} of the task:\n{metrics}"
+        );
+    }
     server.cli(&["job", "stop", "exec-usage"])?;
     wait_for("the spinning task stopped", Duration::from_secs(30), || {
         let allocs = server.allocs("exec-usage")?;

@@ -121,6 +121,11 @@ pub fn agent_routes() -> Routes<Arc<AgentInfo>> {
             client_allocation,
         )
         .get(
+            "/v1/client/allocation/{id}/stats",
+            Need::Namespace(Capability::ReadJob),
+            client_allocation_stats,
+        )
+        .get(
             "/v1/client/fs/logs/{id}",
             Need::Namespace(Capability::ReadLogs),
             client_fs_logs,
@@ -237,6 +242,26 @@ async fn metrics(State(info): State<Arc<AgentInfo>>) -> Response {
     }
     if let Some(client) = info.client_role.get() {
         berth_metrics::set_client_allocs(&client.alloc_status_counts().await);
+        let rows: Vec<berth_metrics::tasks::TaskUsageRow> = client
+            .task_samples()
+            .await
+            .into_iter()
+            .map(
+                |(alloc_id, job, task, u)| berth_metrics::tasks::TaskUsageRow {
+                    labels: berth_metrics::tasks::TaskLabels {
+                        alloc_id,
+                        job,
+                        task,
+                    },
+                    memory_bytes: u.memory_bytes,
+                    memory_limit_bytes: u.memory_limit_bytes,
+                    cpu_millicores: u.cpu_millicores,
+                    cpu_seconds: u.cpu_total_ns as f64 / 1e9,
+                    throttled_periods: u.throttled_periods,
+                },
+            )
+            .collect();
+        berth_metrics::metrics().client_tasks.set(&rows);
     }
     (
         [(
@@ -307,6 +332,17 @@ async fn client_allocation(
             format!("alloc {id:?} does not run on this client"),
         )),
     }
+}
+
+/// What the running tasks of an alloc this client runs use now (their
+/// latest samples, every `stats_interval`): Nomad's shape, see
+/// [`berth_structs::AllocStats`].
+async fn client_allocation_stats(
+    State(info): State<Arc<AgentInfo>>,
+    ApiPath(id): ApiPath<String>,
+) -> Result<Response, ApiError> {
+    let runner = super::alloc_ops::runner_of(&info, &id).await?;
+    Ok(Json(berth_structs::AllocStats::of(&runner.task_samples())).into_response())
 }
 
 /// A task's stdout or stderr as raw bytes, with the cursor after them in

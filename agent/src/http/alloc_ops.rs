@@ -41,7 +41,7 @@ impl From<TaskOpError> for ApiError {
 }
 
 /// The runner of alloc `id` (or unique prefix) on this agent's client.
-async fn runner_of(info: &AgentInfo, id: &str) -> Result<AllocRunner, ApiError> {
+pub(super) async fn runner_of(info: &AgentInfo, id: &str) -> Result<AllocRunner, ApiError> {
     let client = info.client_role.get().ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_FOUND,

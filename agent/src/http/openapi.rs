@@ -209,6 +209,19 @@ fn operations() -> Vec<Op> {
         )
         .one(schema_ref("ClientAllocation")),
         op(
+            "get",
+            "/v1/client/allocation/{id}/stats",
+            "What the alloc's running tasks use now (memory, CPU), each and summed, from their latest samples; tasks their driver does not measure (raw_exec) are absent",
+        )
+        .one(object(
+            json!({
+                "resource_usage": { "type": "object" },
+                "tasks": { "type": "object", "additionalProperties": { "type": "object" } },
+                "timestamp_ms": { "type": "integer" },
+            }),
+            &["resource_usage", "tasks", "timestamp_ms"],
+        )),
+        op(
             "post",
             "/v1/client/allocation/{id}/restart",
             "Restart a task of the alloc (or every running task) in place; not counted by the restart policy",
