@@ -24,6 +24,7 @@ pub mod reschedule;
 pub mod secret;
 pub mod spec;
 pub mod stats;
+pub mod task;
 pub mod update;
 
 pub use alloc::*;
