@@ -11,6 +11,21 @@ use crate::cgroups::Cgroups;
 use crate::claims::VolumeClaimer;
 use crate::driver::{Driver, ExecDriver, ExecutorCommand, RawExecDriver};
 use crate::state::{AllocStateStore, AllocStateUpdater, NoopStateStore};
+use crate::users::DeniedIds;
+
+/// How a client's drivers are set up (see
+/// [`AllocRunnerConfig::drivers_for`]).
+#[derive(Debug, Clone)]
+pub struct DriverSettings {
+    /// Whether `raw_exec` starts tasks.
+    pub raw_exec_enabled: bool,
+    /// The host's cgroups `exec` tasks run in, or why there are none.
+    pub cgroups: Result<Cgroups, String>,
+    /// The uids and gids `exec` tasks may not run as.
+    pub exec_denied: DeniedIds,
+    /// The uids and gids `raw_exec` tasks may not run as.
+    pub raw_exec_denied: DeniedIds,
+}
 
 /// Shared by all alloc runners of a client. Build it with
 /// [`AllocRunnerConfig::new`] and adjust the public fields.
@@ -90,22 +105,20 @@ impl AllocRunnerConfig {
         drivers
     }
 
-    /// [`Self::default_drivers`], with `exec` tasks in `cgroups` (or
-    /// refused, saying why there are none), and `raw_exec` refusing new
-    /// tasks unless `raw_exec_enabled` (it still finds and stops the tasks
-    /// it started before).
-    pub fn drivers_for(
-        raw_exec_enabled: bool,
-        cgroups: Result<Cgroups, String>,
-    ) -> BTreeMap<String, Arc<dyn Driver>> {
-        let mut drivers = Self::default_drivers();
-        drivers.insert(
-            "exec".into(),
-            Arc::new(ExecDriver::with_cgroups(RawExecDriver::new(), cgroups)),
-        );
-        if !raw_exec_enabled {
-            drivers.insert("raw_exec".into(), Arc::new(RawExecDriver::new().disabled()));
+    /// The drivers of a client set up as `settings` say: `exec` tasks in
+    /// its cgroups (or refused, saying why there are none), `raw_exec`
+    /// refusing new tasks unless enabled (it still finds and stops the
+    /// tasks it started before), each refusing the users it denies.
+    pub fn drivers_for(settings: &DriverSettings) -> BTreeMap<String, Arc<dyn Driver>> {
+        let mut drivers: BTreeMap<String, Arc<dyn Driver>> = BTreeMap::new();
+        let exec = ExecDriver::with_cgroups(RawExecDriver::new(), settings.cgroups.clone())
+            .denying(settings.exec_denied.clone());
+        drivers.insert("exec".into(), Arc::new(exec));
+        let mut raw_exec = RawExecDriver::new().denying(settings.raw_exec_denied.clone());
+        if !settings.raw_exec_enabled {
+            raw_exec = raw_exec.disabled();
         }
+        drivers.insert("raw_exec".into(), Arc::new(raw_exec));
         drivers
     }
 

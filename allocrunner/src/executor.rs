@@ -86,6 +86,10 @@ pub struct ExecutorSpec {
     /// starts the task.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation: Option<crate::isolation::Isolation>,
+    /// The uid and gid a task without isolation runs as (its `user`);
+    /// None: the executor's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_as: Option<(u32, u32)>,
 }
 
 /// Why a task could not be started.
@@ -510,6 +514,9 @@ fn start_task(state_dir: &Path, spec: &ExecutorSpec, args: &[String]) -> Result<
             ))
         }
     };
+    if let (Some((uid, gid)), None) = (spec.run_as, &spec.isolation) {
+        run_as_before_exec(&mut cmd, uid, gid);
+    }
     let spawned = cmd.spawn();
     let init_spec = match init_spec {
         Some((bytes, pid_ns)) => {
@@ -647,6 +654,27 @@ fn join_cgroup_before_exec(
         });
     }
     Ok(files)
+}
+
+/// Has the task drop to `uid` and `gid` (and no supplementary groups)
+/// between fork and exec, after it joined its cgroup and went to its
+/// working directory: the task dir's parents (the agent's data dir) need
+/// not be open to the task's user.
+fn run_as_before_exec(cmd: &mut std::process::Command, uid: u32, gid: u32) {
+    // SAFETY: the closure runs in the forked child before exec; it only
+    // calls setgroups(2), setgid(2) and setuid(2), which are
+    // async-signal-safe, and allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setgroups(0, std::ptr::null()) != 0
+                || libc::setgid(gid) != 0
+                || libc::setuid(uid) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 /// Records the running task in the state dir. A task nobody could find

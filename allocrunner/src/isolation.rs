@@ -228,17 +228,7 @@ fn enter_root(iso: &Isolation, uid: u32, gid: u32) -> Result<(), String> {
     // The task's user goes through its root and its alloc dir (the
     // agent's data dir above them stays closed to other users of the
     // host), and its own dirs are its user's.
-    use std::os::unix::fs::PermissionsExt;
-    for dir in [root, &iso.alloc_dir] {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
-            .map_err(|e| format!("{}: {e}", dir.display()))?;
-    }
-    for dir in ["local", "secrets", "tmp"] {
-        let _ = chown(&root.join(dir), uid, gid);
-    }
-    for dir in ["data", "tmp"] {
-        let _ = chown(&iso.alloc_dir.join(dir), uid, gid);
-    }
+    open_task_dirs_to(root, &iso.alloc_dir, uid, gid)?;
     for dir in &iso.system_dirs {
         if !dir.is_dir() {
             continue;
@@ -266,6 +256,31 @@ fn enter_root(iso: &Isolation, uid: u32, gid: u32) -> Result<(), String> {
 /// `dir` (absolute) below `root`.
 fn inside(root: &Path, dir: &Path) -> PathBuf {
     root.join(dir.strip_prefix("/").unwrap_or(dir))
+}
+
+/// Opens the task dir `task_dir` and its alloc dir `alloc_dir` for the
+/// task's user (`uid`, `gid`) to go through (the agent's data dir above
+/// them stays closed to other users of the host), and makes the task's
+/// own dirs (`local`, `secrets`, `tmp`, the alloc's `data` and `tmp`)
+/// its user's.
+pub fn open_task_dirs_to(
+    task_dir: &Path,
+    alloc_dir: &Path,
+    uid: u32,
+    gid: u32,
+) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    for dir in [task_dir, alloc_dir] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    for dir in ["local", "secrets", "tmp"] {
+        let _ = chown(&task_dir.join(dir), uid, gid);
+    }
+    for dir in ["data", "tmp"] {
+        let _ = chown(&alloc_dir.join(dir), uid, gid);
+    }
+    Ok(())
 }
 
 fn chown(path: &Path, uid: u32, gid: u32) -> nix::Result<()> {

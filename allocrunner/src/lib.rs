@@ -32,6 +32,7 @@ pub mod task_hooks;
 pub mod task_ops;
 mod task_runner;
 mod usage;
+pub mod users;
 
 pub use alloc_dir::{AllocDir, TaskDir};
 pub use alloc_runner::AllocRunner;

@@ -266,11 +266,12 @@ impl Running {
             limits: crate::driver::TaskLimits {
                 cpu_mhz: self.task.resources.cpu,
                 memory_mb: self.task.resources.memory_mb,
-                memory_max_mb: 0,
-                pids: None,
+                memory_max_mb: self.task.resources.memory_max_mb,
+                pids: self.task.config.pids_limit,
             },
             cgroup_procs: Vec::new(),
             isolation: None,
+            user: (!self.task.user.is_empty()).then(|| self.task.user.clone()),
         }
     }
 

@@ -308,6 +308,7 @@ async fn the_executor_records_the_exit_code_of_its_task() {
         limits: Default::default(),
         cgroup_procs: Vec::new(),
         isolation: None,
+        user: None,
     };
     let handle = driver.start(&spec).await.unwrap();
     let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();

@@ -64,6 +64,12 @@ pub struct ClientConfig {
     /// the cgroups there of allocs it does not know, so two agents on one
     /// host need two parents.
     pub cgroup_parent: String,
+    /// The uids and gids `exec` tasks may not run as (`plugin "exec" {
+    /// config { denied_host_uids, denied_host_gids } }`; uid 0 unless
+    /// set).
+    pub exec_denied: berth_allocrunner::users::DeniedIds,
+    /// The same of `raw_exec` tasks (none unless set).
+    pub raw_exec_denied: berth_allocrunner::users::DeniedIds,
 }
 
 impl ClientConfig {
@@ -98,6 +104,18 @@ impl ClientConfig {
             local_api: None,
             raw_exec_enabled: true,
             cgroup_parent: berth_allocrunner::cgroups::DEFAULT_PARENT.into(),
+            exec_denied: berth_allocrunner::users::DeniedIds::not_root(),
+            raw_exec_denied: berth_allocrunner::users::DeniedIds::default(),
+        }
+    }
+
+    /// How the client's drivers are set up.
+    pub fn driver_settings(&self) -> berth_allocrunner::config::DriverSettings {
+        berth_allocrunner::config::DriverSettings {
+            raw_exec_enabled: self.raw_exec_enabled,
+            cgroups: self.cgroups(),
+            exec_denied: self.exec_denied.clone(),
+            raw_exec_denied: self.raw_exec_denied.clone(),
         }
     }
 

@@ -173,8 +173,7 @@ pub fn node_fingerprint(config: &ClientConfig, node_id: String) -> Node {
         ..Node::default()
     };
     node.set_driver_info(fingerprint_drivers(&AllocRunnerConfig::drivers_for(
-        config.raw_exec_enabled,
-        config.cgroups(),
+        &config.driver_settings(),
     )));
     node
 }

@@ -223,9 +223,8 @@ impl Client {
             Arc::new(conn.clone()),
         );
         runner_config.store = Arc::new(state.clone());
-        let cgroups = config.cgroups();
-        runner_config.drivers =
-            AllocRunnerConfig::drivers_for(config.raw_exec_enabled, cgroups.clone());
+        let settings = config.driver_settings();
+        runner_config.drivers = AllocRunnerConfig::drivers_for(&settings);
         let runner_config = Arc::new(runner_config);
         Ok(Arc::new(Client {
             conn,
@@ -233,7 +232,7 @@ impl Client {
             state,
             runner_config,
             runners: Mutex::new(HashMap::new()),
-            cgroups: cgroups.ok(),
+            cgroups: settings.cgroups.ok(),
             gc_policy: gc::GcPolicy {
                 max_allocs: config.gc_max_allocs,
                 alloc_threshold: config.gc_alloc_threshold,
@@ -1433,6 +1432,7 @@ mod tests {
         job.task_groups[0].tasks[0].config = berth_structs::TaskConfig {
             command: "/bin/true".into(),
             args: Vec::new(),
+            ..berth_structs::TaskConfig::default()
         };
         job
     }

@@ -882,11 +882,13 @@ mod tests {
                     config: TaskConfig {
                         command: "/bin/true".into(),
                         args: Vec::new(),
+                        ..berth_structs::TaskConfig::default()
                     },
                     env,
                     resources: Resources {
                         cpu: 1,
                         memory_mb: 1,
+                        ..berth_structs::Resources::default()
                     },
                     ..Task::default()
                 }],

@@ -286,6 +286,7 @@ async fn the_largest_asks_a_job_may_make_place_what_fits_and_summarize_the_rest(
     j.task_groups[0].tasks[0].resources = Resources {
         cpu: MAX_CPU_MHZ,
         memory_mb: MAX_MEMORY_MB,
+        ..berth_structs::Resources::default()
     };
     let resp = s.register_job(j).await.unwrap();
 

@@ -44,6 +44,10 @@ pub struct Task {
     /// Placement preferences (`affinity` blocks).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub affinities: Vec<crate::constraint::Affinity>,
+    /// The user the task runs as (empty: the driver's default, `nobody`
+    /// for `exec`, the agent's user for `raw_exec`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub user: String,
 }
 
 /// The `logs` block: the task's stdout and stderr each go to numbered
@@ -100,14 +104,27 @@ pub struct TaskConfig {
     pub command: String,
     #[serde(default)]
     pub args: Vec<String>,
+    /// The most processes an `exec` task may have at once (None: the
+    /// client's default).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pids_limit: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resources {
     /// MHz.
     pub cpu: u64,
-    /// MiB.
+    /// MiB: what placement counts, and the task's limit.
     pub memory_mb: u64,
+    /// MiB above `memory_mb` an `exec` task may use while the node has
+    /// it (Nomad's oversubscription): its hard limit, `memory_mb` the
+    /// soft one. 0: none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub memory_max_mb: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 impl Default for Resources {
@@ -115,9 +132,13 @@ impl Default for Resources {
         Resources {
             cpu: 100,
             memory_mb: 300,
+            memory_max_mb: 0,
         }
     }
 }
+
+/// The most a task's `pids_limit` may be (the kernel's own ceiling).
+pub const MAX_PIDS_LIMIT: u64 = 4_194_304;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct VolumeMount {
@@ -238,6 +259,42 @@ impl std::str::FromStr for CsiPluginType {
 pub const RESERVED_TASK_NAMES: &[&str] = &["alloc"];
 
 impl Task {
+    /// The checks of what holds the task: `memory_max` above `memory`, a
+    /// `pids_limit` only where the driver enforces it, a user name.
+    fn check_limits(&self, at: &str, errs: &mut Vec<String>) {
+        let r = &self.resources;
+        if r.memory_max_mb != 0 && r.memory_max_mb < r.memory_mb {
+            errs.push(format!(
+                "{at}: resources.memory_max ({} MiB) must be at least resources.memory ({} MiB)",
+                r.memory_max_mb, r.memory_mb
+            ));
+        }
+        if r.memory_max_mb > MAX_MEMORY_MB {
+            errs.push(format!(
+                "{at}: resources.memory_max {}",
+                too_large(r.memory_max_mb, format!("{MAX_MEMORY_MB} MiB"))
+            ));
+        }
+        match self.config.pids_limit {
+            Some(_) if self.driver != "exec" => errs.push(format!(
+                "{at}: config.pids_limit applies to the exec driver only, not {}",
+                quoted(&self.driver)
+            )),
+            Some(0) => errs.push(format!("{at}: config.pids_limit must be at least 1")),
+            Some(n) if n > MAX_PIDS_LIMIT => errs.push(format!(
+                "{at}: config.pids_limit {}",
+                too_large(n, MAX_PIDS_LIMIT.to_string())
+            )),
+            _ => {}
+        }
+        if !self.user.is_empty() && !is_user_name(&self.user) {
+            errs.push(format!(
+                "{at}: user {} is not a user name or a numeric uid",
+                quoted(&self.user)
+            ));
+        }
+    }
+
     pub(crate) fn validate(&self, group: &TaskGroup, errs: &mut Vec<String>) {
         let at = format!("group {} task {}", quoted(&group.name), quoted(&self.name));
         if let Err(e) = check_name("task name", &self.name) {
@@ -283,6 +340,7 @@ impl Task {
                 too_large(self.resources.memory_mb, format!("{MAX_MEMORY_MB} MiB"))
             ));
         }
+        self.check_limits(&at, errs);
         if let Some(d) = self.kill_timeout {
             check_duration(&at, "kill_timeout", d, errs);
         }
@@ -387,4 +445,15 @@ pub fn check_destination(dest: &str) -> Result<(), &'static str> {
         return Err("must name a directory inside the task directory");
     }
     Ok(())
+}
+
+/// Whether `user` can name a user: a numeric uid, or a name of letters,
+/// digits, `_`, `-` and `.` (not starting with `-`), at most 32 long.
+pub fn is_user_name(user: &str) -> bool {
+    !user.is_empty()
+        && user.len() <= 32
+        && !user.starts_with('-')
+        && user
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }

@@ -462,3 +462,75 @@ fn a_disconnect_block_beside_an_old_name_is_refused() {
         "{msgs:?}"
     );
 }
+
+/// An exec task with `resources_extra` in its resources, `config_extra`
+/// in its config and `task_extra` in its body.
+fn exec_task(resources_extra: &str, config_extra: &str, task_extra: &str) -> String {
+    format!(
+        r#"job "j" {{
+  group "g" {{
+    task "t" {{
+      driver = "exec"
+      {task_extra}
+      config {{
+        command = "/bin/true"
+        {config_extra}
+      }}
+      resources {{
+        memory = 64
+        {resources_extra}
+      }}
+    }}
+  }}
+}}
+"#
+    )
+}
+
+#[test]
+fn a_tasks_memory_max_pids_limit_and_user_are_read_and_checked() {
+    let job = parse_job(&exec_task(
+        "memory_max = 256",
+        "pids_limit = 64",
+        "user = \"web\"",
+    ))
+    .unwrap();
+    let t = &job.task_groups[0].tasks[0];
+    assert_eq!(t.resources.memory_max_mb, 256);
+    assert_eq!(t.config.pids_limit, Some(64));
+    assert_eq!(t.user, "web");
+    job.validate().unwrap();
+
+    let below = parse_job(&exec_task("memory_max = 32", "", "")).unwrap();
+    let err = below.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("resources.memory_max (32 MiB) must be at least resources.memory (64 MiB)"),
+        "{err}"
+    );
+    let raw = parse_job(&exec_task("", "pids_limit = 64", "").replace("\"exec\"", "\"raw_exec\""))
+        .unwrap();
+    let err = raw.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("config.pids_limit applies to the exec driver only, not \"raw_exec\""),
+        "{err}"
+    );
+    let zero = parse_job(&exec_task("", "pids_limit = 0", "")).unwrap();
+    let err = zero.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("config.pids_limit must be at least 1"),
+        "{err}"
+    );
+    let odd = parse_job(&exec_task("", "", "user = \"a b\"")).unwrap();
+    let err = odd.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("user \"a b\" is not a user name or a numeric uid"),
+        "{err}"
+    );
+    // Unset, nothing is added to the job's JSON.
+    let plain = parse_job(&exec_task("", "", "")).unwrap();
+    let json = serde_json::to_string(&plain).unwrap();
+    assert!(
+        !json.contains("memory_max") && !json.contains("pids_limit") && !json.contains("\"user\""),
+        "{json}"
+    );
+}

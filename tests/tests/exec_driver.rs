@@ -121,9 +121,20 @@ fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<(
     let alloc = finished(&server, "exec-roomy").with_context(|| logs(&server, &[&client]))?;
     assert_eq!(alloc["client_status"], "complete", "{alloc}");
 
+    // So does one that asks for 32 MiB with room up to 256 (memory_max).
+    let oversubscribed = hungry_job("exec-over", 32, 200)
+        .replace("memory = 32", "memory = 32\n        memory_max = 256");
+    assert!(
+        oversubscribed.contains("memory_max = 256"),
+        "{oversubscribed}"
+    );
+    server.run_job("exec-over", &oversubscribed)?;
+    let alloc = finished(&server, "exec-over").with_context(|| logs(&server, &[&client]))?;
+    assert_eq!(alloc["client_status"], "complete", "{alloc}");
+
     // The neighbour ran throughout, and no cgroup of either is left.
     assert_eq!(marker_pids(steady), pids);
-    for job in ["exec-oom", "exec-roomy"] {
+    for job in ["exec-oom", "exec-roomy", "exec-over"] {
         for a in server.allocs(job)? {
             let id = a["id"].as_str().context("alloc ID")?;
             let cgroup = memory_hierarchy()

@@ -82,6 +82,11 @@ pub struct AgentConfig {
     /// `-cgroup-parent`, else `client { cgroup_parent }`; None: the
     /// client's default.
     pub cgroup_parent: Option<String>,
+    /// `plugin "exec" { config { denied_host_uids, denied_host_gids } }`;
+    /// None: the client's default.
+    pub exec_denied: Option<berth_allocrunner::users::DeniedIds>,
+    /// The same of `raw_exec`.
+    pub raw_exec_denied: Option<berth_allocrunner::users::DeniedIds>,
 }
 
 impl Default for AgentConfig {
@@ -119,6 +124,8 @@ impl Default for AgentConfig {
             store: berth_server::StoreConfig::Embedded,
             raw_exec_enabled: false,
             cgroup_parent: None,
+            exec_denied: None,
+            raw_exec_denied: None,
         }
     }
 }
@@ -436,6 +443,8 @@ impl AgentConfig {
         self.intro_token = file.client.intro_token.clone();
         self.datacenter = file.datacenter.clone();
         self.raw_exec_enabled = file.plugins.raw_exec_enabled.unwrap_or(false);
+        self.exec_denied = file.plugins.exec_denied.clone();
+        self.raw_exec_denied = file.plugins.raw_exec_denied.clone();
         if file.client_enabled() {
             let c = &file.client;
             self.node_class = c.node_class.clone();
@@ -480,6 +489,14 @@ impl AgentConfig {
                 .cgroup_parent
                 .clone()
                 .unwrap_or_else(|| defaults.cgroup_parent.clone()),
+            exec_denied: self
+                .exec_denied
+                .clone()
+                .unwrap_or_else(|| defaults.exec_denied.clone()),
+            raw_exec_denied: self
+                .raw_exec_denied
+                .clone()
+                .unwrap_or_else(|| defaults.raw_exec_denied.clone()),
             ..defaults
         };
         self.client_durations.apply(&mut config);

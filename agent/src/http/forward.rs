@@ -495,6 +495,7 @@ mod tests {
                     config: berth_structs::TaskConfig {
                         command: "/bin/true".into(),
                         args: Vec::new(),
+                        ..berth_structs::TaskConfig::default()
                     },
                     ..berth_structs::Task::default()
                 }],

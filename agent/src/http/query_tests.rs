@@ -66,10 +66,12 @@ fn job(id: &str) -> Job {
                 config: TaskConfig {
                     command: "/bin/sleep".into(),
                     args: vec!["1000".into()],
+                    ..berth_structs::TaskConfig::default()
                 },
                 resources: Resources {
                     cpu: 100,
                     memory_mb: 64,
+                    ..berth_structs::Resources::default()
                 },
                 ..Default::default()
             }],

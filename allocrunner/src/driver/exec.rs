@@ -29,8 +29,10 @@ pub struct ExecDriver {
     inner: RawExecDriver,
     /// The host's cgroups, or why they cannot be used.
     cgroups: Result<Cgroups, String>,
-    /// Who the tasks run as.
+    /// Who the tasks that name no user run as.
     user: String,
+    /// The uids and gids its tasks may not run as.
+    denied: crate::users::DeniedIds,
 }
 
 impl ExecDriver {
@@ -50,7 +52,15 @@ impl ExecDriver {
             inner,
             cgroups,
             user: DEFAULT_USER.into(),
+            denied: crate::users::DeniedIds::not_root(),
         }
+    }
+
+    /// Its tasks may not run as the uids and gids of `denied` (uid 0
+    /// unless set).
+    pub fn denying(mut self, denied: crate::users::DeniedIds) -> ExecDriver {
+        self.denied = denied;
+        self
     }
 }
 
@@ -102,10 +112,15 @@ impl Driver for ExecDriver {
             command: spec.command.clone(),
             error: std::io::Error::other(format!("the exec driver needs cgroups: {why}")),
         })?;
-        resolve_user(&self.user).map_err(|why| DriverError::Spawn {
+        let user = spec.user.clone().unwrap_or_else(|| self.user.clone());
+        let refused = |why: String| DriverError::Spawn {
             command: spec.command.clone(),
-            error: std::io::Error::other(why),
-        })?;
+            error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, why),
+        };
+        let (uid, gid) = resolve_user(&user).map_err(refused)?;
+        self.denied
+            .check("exec", &user, uid, gid)
+            .map_err(refused)?;
         let cgroup = cgroups
             .create(&spec.alloc_id, &spec.task, &limits_of(spec))
             .map_err(|error| DriverError::Spawn {
@@ -117,7 +132,7 @@ impl Driver for ExecDriver {
             })?;
         let mut spec = spec.clone();
         spec.cgroup_procs = cgroup.procs_files();
-        spec.isolation = Some(isolation_of(&spec, &self.user));
+        spec.isolation = Some(isolation_of(&spec, &user));
         match self.inner.start(&spec).await {
             Ok(inner) => Ok(Arc::new(ExecHandle::new(inner, cgroup))),
             Err(e) => {

@@ -55,6 +55,9 @@ pub struct TaskSpec {
     pub cgroup_procs: Vec<PathBuf>,
     /// The task's namespaces, root and user (the `exec` driver sets them).
     pub isolation: Option<crate::isolation::Isolation>,
+    /// The user the task asked to run as (its `user`); None: the
+    /// driver's default.
+    pub user: Option<String>,
 }
 
 /// The resources an `exec` task's cgroup holds it to.

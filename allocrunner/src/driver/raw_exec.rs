@@ -170,6 +170,9 @@ pub struct RawExecDriver {
     /// Off: new tasks are refused, the ones already started are still
     /// reattached to and stopped.
     enabled: bool,
+    /// The uids and gids its tasks may not run as (the agent's own
+    /// included, for a task that names no user).
+    denied: crate::users::DeniedIds,
 }
 
 /// Why a node without `raw_exec` turned on runs no raw_exec task, and how
@@ -195,7 +198,53 @@ impl RawExecDriver {
             executor,
             start_timeout: EXECUTOR_START_TIMEOUT,
             enabled: true,
+            denied: crate::users::DeniedIds::default(),
         }
+    }
+
+    /// Its tasks may not run as the uids and gids of `denied`.
+    pub fn denying(mut self, denied: crate::users::DeniedIds) -> RawExecDriver {
+        self.denied = denied;
+        self
+    }
+
+    /// The uid and gid the task runs as: its `user`'s (whose own dirs
+    /// become its), or None for the agent's; refused when the node denies
+    /// them. A task the `exec` driver isolates was checked there.
+    fn run_as(&self, spec: &TaskSpec) -> Result<Option<(u32, u32)>, DriverError> {
+        if spec.isolation.is_some() {
+            return Ok(None);
+        }
+        let refused = |why: String| DriverError::Spawn {
+            command: spec.command.clone(),
+            error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, why),
+        };
+        let Some(user) = &spec.user else {
+            let (uid, gid) = (
+                nix::unistd::geteuid().as_raw(),
+                nix::unistd::getegid().as_raw(),
+            );
+            let name = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+                .ok()
+                .flatten()
+                .map_or_else(|| uid.to_string(), |u| u.name);
+            self.denied
+                .check("raw_exec", &name, uid, gid)
+                .map_err(|why| refused(format!("{why}; set the task's user")))?;
+            return Ok(None);
+        };
+        let (uid, gid) = crate::isolation::resolve_user(user).map_err(refused)?;
+        self.denied
+            .check("raw_exec", user, uid, gid)
+            .map_err(refused)?;
+        let alloc_dir = spec
+            .task_dir
+            .parent()
+            .map(|p| p.join("alloc"))
+            .unwrap_or_default();
+        crate::isolation::open_task_dirs_to(&spec.task_dir, &alloc_dir, uid, gid)
+            .map_err(refused)?;
+        Ok(Some((uid, gid)))
     }
 
     /// The driver of a node that has not turned raw_exec on: it starts no
@@ -215,7 +264,11 @@ impl RawExecDriver {
 
     /// Starts the executor for `spec` in a session of its own, its log in
     /// the executor dir, and hands it the spec on its stdin.
-    fn spawn_executor(&self, spec: &TaskSpec) -> Result<ExecutorStart, DriverError> {
+    fn spawn_executor(
+        &self,
+        spec: &TaskSpec,
+        run_as: Option<(u32, u32)>,
+    ) -> Result<ExecutorStart, DriverError> {
         let dir = &spec.executor_dir;
         prepare_executor_dir(dir).map_err(|error| DriverError::Spawn {
             command: spec.command.clone(),
@@ -240,6 +293,7 @@ impl RawExecDriver {
             logs: spec.logs,
             cgroup_procs: spec.cgroup_procs.clone(),
             isolation: spec.isolation.clone(),
+            run_as,
         };
         let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
             command: spec.command.clone(),
@@ -530,7 +584,8 @@ impl Driver for RawExecDriver {
                 return self.reattach(&record).await;
             }
         }
-        let mut start = self.spawn_executor(spec)?;
+        let run_as = self.run_as(spec)?;
+        let mut start = self.spawn_executor(spec, run_as)?;
         let state = self.await_started(&mut start, spec).await?;
         self.handle_of(start, spec, state).await
     }

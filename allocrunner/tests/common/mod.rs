@@ -398,6 +398,7 @@ pub fn sh_task_spec(dir: &std::path::Path, script: &str) -> berth_allocrunner::T
         limits: Default::default(),
         cgroup_procs: Vec::new(),
         isolation: None,
+        user: None,
     }
 }
 
@@ -457,6 +458,7 @@ pub fn sh_task(name: &str, script: &str) -> Task {
         config: TaskConfig {
             command: "/bin/sh".into(),
             args: vec!["-c".into(), script.into()],
+            ..berth_structs::TaskConfig::default()
         },
         ..Task::default()
     }

@@ -500,10 +500,12 @@ pub(super) fn job(id: &str, count: usize) -> Job {
                 config: TaskConfig {
                     command: "/bin/sleep".into(),
                     args: vec!["3600".into()],
+                    ..berth_structs::TaskConfig::default()
                 },
                 resources: Resources {
                     cpu: 100,
                     memory_mb: 64,
+                    ..berth_structs::Resources::default()
                 },
                 ..Task::default()
             }],

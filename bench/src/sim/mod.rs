@@ -296,10 +296,12 @@ pub fn job(id: &str, count: u32, volume: Option<&str>) -> berth_structs::Job {
             config: TaskConfig {
                 command: "/bin/sleep".into(),
                 args: vec!["1000".into()],
+                ..berth_structs::TaskConfig::default()
             },
             resources: Resources {
                 cpu: TASK_CPU,
                 memory_mb: 64,
+                ..berth_structs::Resources::default()
             },
             ..Default::default()
         }],

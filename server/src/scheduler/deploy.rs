@@ -560,10 +560,12 @@ mod tests {
                     config: berth_structs::TaskConfig {
                         command: "/bin/sleep".into(),
                         args: vec![arg.into()],
+                        ..berth_structs::TaskConfig::default()
                     },
                     resources: Resources {
                         cpu: 10,
                         memory_mb: 10,
+                        ..berth_structs::Resources::default()
                     },
                     ..Default::default()
                 }],

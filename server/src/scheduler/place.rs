@@ -919,7 +919,11 @@ mod tests {
         Task {
             name: name.into(),
             driver: "raw_exec".into(),
-            resources: Resources { cpu, memory_mb },
+            resources: Resources {
+                cpu,
+                memory_mb,
+                ..Resources::default()
+            },
             ..Default::default()
         }
     }

@@ -139,6 +139,7 @@ fn task_shape(task: &Task) -> impl PartialEq + '_ {
         logs,
         constraints: _,
         affinities: _,
+        user,
     } = task;
     (
         name,
@@ -150,6 +151,7 @@ fn task_shape(task: &Task) -> impl PartialEq + '_ {
         csi_plugin,
         meta,
         logs,
+        user,
     )
 }
 

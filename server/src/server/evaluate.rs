@@ -376,10 +376,12 @@ mod tests {
                     config: berth_structs::TaskConfig {
                         command: "/bin/true".into(),
                         args: vec![],
+                        ..berth_structs::TaskConfig::default()
                     },
                     resources: Resources {
                         cpu: 10,
                         memory_mb: 10,
+                        ..berth_structs::Resources::default()
                     },
                     ..Default::default()
                 }],

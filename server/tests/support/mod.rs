@@ -390,10 +390,12 @@ pub fn task(name: &str) -> Task {
         config: TaskConfig {
             command: "/bin/sleep".into(),
             args: vec!["1000".into()],
+            ..berth_structs::TaskConfig::default()
         },
         resources: Resources {
             cpu: 100,
             memory_mb: 128,
+            ..berth_structs::Resources::default()
         },
         ..Default::default()
     }

@@ -10,7 +10,7 @@ use crate::constraint::{Affinity, Constraint, Spread, SpreadTarget};
 use crate::disconnect::{DisconnectPolicy, ReconcileStrategy};
 use crate::job::{
     CsiMountOptions, CsiPluginType, Job, JobType, LogConfig, Resources, RestartPolicy, Task,
-    TaskConfig, TaskCsiPluginConfig, TaskGroup, VolumeMount, VolumeRequest,
+    TaskConfig, TaskCsiPluginConfig, TaskGroup, VolumeMount, VolumeRequest, MAX_PIDS_LIMIT,
 };
 use crate::limits::{
     MAX_COUNT, MAX_CPU_MHZ, MAX_DURATION, MAX_LOG_FILES, MAX_LOG_FILE_SIZE_MB, MAX_MEMORY_MB,
@@ -530,7 +530,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         block,
         parent,
         "the task name",
-        &["driver", "kill_timeout", "env", "meta"],
+        &["driver", "kill_timeout", "env", "meta", "user"],
         &[
             "config",
             "env",
@@ -547,10 +547,12 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
     let config = match r.optional_block("config")? {
         None => TaskConfig::default(),
         Some(b) => {
-            let c = BodyReader::unlabeled(src, b, r.ctx(), &["command", "args"], &[])?;
+            let c =
+                BodyReader::unlabeled(src, b, r.ctx(), &["command", "args", "pids_limit"], &[])?;
             TaskConfig {
                 command: c.string("command")?.unwrap_or_default(),
                 args: c.strings("args")?.unwrap_or_default(),
+                pids_limit: c.u64("pids_limit", MAX_PIDS_LIMIT)?,
             }
         }
     };
@@ -558,13 +560,15 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
     let resources = match r.optional_block("resources")? {
         None => Resources::default(),
         Some(b) => {
-            let res = BodyReader::unlabeled(src, b, r.ctx(), &["cpu", "memory"], &[])?;
+            let res =
+                BodyReader::unlabeled(src, b, r.ctx(), &["cpu", "memory", "memory_max"], &[])?;
             let default = Resources::default();
             Resources {
                 cpu: res.u64("cpu", MAX_CPU_MHZ)?.unwrap_or(default.cpu),
                 memory_mb: res
                     .u64("memory", MAX_MEMORY_MB)?
                     .unwrap_or(default.memory_mb),
+                memory_max_mb: res.u64("memory_max", MAX_MEMORY_MB)?.unwrap_or(0),
             }
         }
     };
@@ -609,6 +613,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         logs,
         constraints: decode_constraints(&r)?,
         affinities: decode_affinities(&r)?,
+        user: r.string("user")?.unwrap_or_default(),
     })
 }
 
