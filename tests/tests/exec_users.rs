@@ -200,3 +200,66 @@ job "bomb" {
     .with_context(|| logs(&server, &[&client]))?;
     Ok(())
 }
+
+#[test]
+fn an_exec_task_as_nobody_reads_and_writes_its_csi_volume_at_its_destination() -> Result<()> {
+    let shared_state = tempfile::tempdir()?;
+    let mut server = Server::start("")?;
+    let client = Client::start(&server, "u3", false, "")?;
+    server
+        .wait_nodes_ready(&["u3"])
+        .with_context(|| logs(&server, &[&client]))?;
+    server.run_job(
+        "plugin",
+        &berth_tests::cluster::shared_plugin_job(shared_state.path())?,
+    )?;
+    server
+        .wait_plugin_nodes(1)
+        .with_context(|| logs(&server, &[&client]))?;
+    server.create_volume("vol-x", &berth_tests::cluster::writer_volume("vol-x"))?;
+    let script = "echo uid=$(id -u); echo hello > /data/f && echo wrote=$(cat /data/f)";
+    let spec = batch_job("exec-vol", "exec", "", script)
+        .replace("      user   = \"\"\n", "")
+        .replace(
+            "  group \"g\" {\n",
+            "  group \"g\" {\n    volume \"data\" {\n      type            = \"csi\"\n      \
+             source          = \"vol-x\"\n      access_mode     = \"single-node-writer\"\n      \
+             attachment_mode = \"file-system\"\n    }\n",
+        )
+        .replace(
+            "      config {",
+            "      volume_mount {\n        volume      = \"data\"\n        \
+             destination = \"data\"\n      }\n      config {",
+        );
+    assert!(
+        spec.contains("volume_mount") && !spec.contains("user"),
+        "{spec}"
+    );
+    server.run_job("exec-vol", &spec)?;
+    let alloc = finished(&server, "exec-vol").with_context(|| logs(&server, &[&client]))?;
+    let dir = alloc_dir(&client, &alloc)?;
+    let out = std::fs::read_to_string(dir.join("alloc/logs/t.stdout.0")).unwrap_or_default();
+    let err = std::fs::read_to_string(dir.join("alloc/logs/t.stderr.0")).unwrap_or_default();
+    assert_eq!(
+        alloc["client_status"],
+        "complete",
+        "{out}\n{err}\n{}",
+        logs(&server, &[&client])
+    );
+    assert!(
+        out.contains("uid=65534") && out.contains("wrote=hello"),
+        "{out}\n{err}\n{}",
+        logs(&server, &[&client])
+    );
+    // What it wrote is in the volume, on the host, and no mount of the
+    // task's is left once its claim is freed.
+    wait_for("the claim freed", Duration::from_secs(30), || {
+        let v = server.volume("vol-x")?;
+        let claims = v["write_claims"].as_object().map_or(0, |c| c.len());
+        Ok((claims == 0).then_some(()))
+    })?;
+    wait_for("the task's mounts gone", Duration::from_secs(30), || {
+        Ok(berth_testutil::mounts_under(&dir).is_empty().then_some(()))
+    })?;
+    Ok(())
+}

@@ -377,7 +377,9 @@ impl TaskHook for VolumeMountsHook {
         if ctx.restoring {
             self.adopt_existing(&ctx.task_dir.dir, &ctx.task.volume_mounts)?;
         }
-        self.mount_all(&ctx.task_dir.dir, &ctx.task.volume_mounts, &ctx.mounts)
+        self.mount_all(&ctx.task_dir.dir, &ctx.task.volume_mounts, &ctx.mounts)?;
+        give_writable_volumes_to(&ctx.task, &ctx.mounts);
+        Ok(())
     }
 
     async fn poststart(
@@ -498,6 +500,47 @@ fn rebind(b: &Bound) -> Result<(), HookError> {
     bind_into(&b.info.source, &b.target, b.read_only, b.propagation).map_err(|(e, _)| e)?;
     info!(volume = %b.volume, target = %b.target.display(), "bound the repaired volume into the task dir");
     Ok(())
+}
+
+/// Makes the root of each volume `task` mounts writable its user's, when
+/// the task does not run as root and the root is root's (as a plugin
+/// makes a new volume): an `exec` task (`nobody` unless it names a user)
+/// can then write the volume it claimed for writing. Only the root dir
+/// changes hands, and only from root: what a user already owns stays as
+/// it is.
+fn give_writable_volumes_to(task: &berth_structs::Task, mounts: &BTreeMap<String, MountInfo>) {
+    use std::os::unix::fs::MetadataExt;
+    let user = match (task.user.as_str(), task.driver.as_str()) {
+        ("", "exec") => crate::isolation::DEFAULT_USER,
+        ("", _) => return,
+        (user, _) => user,
+    };
+    let Ok((uid, gid)) = crate::isolation::resolve_user(user) else {
+        return; // The driver refuses the task, naming the user.
+    };
+    if uid == 0 {
+        return;
+    }
+    for m in task.volume_mounts.iter().filter(|m| !m.read_only) {
+        let Some(info) = mounts.get(&m.volume).filter(|i| !i.read_only) else {
+            continue;
+        };
+        let root_owned =
+            std::fs::metadata(&info.source).is_ok_and(|md| md.is_dir() && md.uid() == 0);
+        if !root_owned {
+            continue;
+        }
+        match nix::unistd::chown(
+            &info.source,
+            Some(nix::unistd::Uid::from_raw(uid)),
+            Some(nix::unistd::Gid::from_raw(gid)),
+        ) {
+            Ok(()) => info!(volume = %m.volume, user, uid, "the volume's root is the task user's"),
+            Err(e) => {
+                warn!(volume = %m.volume, user, error = %e, "giving the volume's root to the task's user failed")
+            }
+        }
+    }
 }
 
 #[cfg(test)]
