@@ -27,8 +27,16 @@
 //! dir, with no `berth-executor` beside it. The figure prints the program
 //! the executors run and fails unless it is the one the mode expects.
 //!
+//! With `--driver exec` the tasks run under the `exec` driver: each in
+//! its cgroup and namespaces, under a small init (the executor program
+//! with `--task-init`, PID 1 of the task's PID namespace) that the
+//! executor starts and that starts `sleep`. The figure then reads the
+//! init in the task's place: the executor and the init are what an exec
+//! task costs beyond its own process.
+//!
 //! ```text
 //! scripts/bench executor-rss [--tasks 20] [--rounds 5] [--mappings] [--agent-binary]
+//!                            [--driver exec]
 //! ```
 
 use std::path::{Path, PathBuf};
@@ -58,6 +66,10 @@ pub struct Args {
     /// `berth-executor`.
     #[arg(long)]
     pub agent_binary: bool,
+    /// The tasks' driver: raw_exec, or exec (the init is read in the
+    /// task's place).
+    #[arg(long, default_value = "raw_exec", value_parser = ["raw_exec", "exec"])]
+    pub driver: String,
 }
 
 pub fn run(args: &Args) -> Result<()> {
@@ -70,7 +82,7 @@ pub fn run(args: &Args) -> Result<()> {
         .prefix("berth-bench-agent-")
         .tempdir()?;
     let (agent, expected) = start_agent(args, copy_dir.path())?;
-    let pairs = run_sleepers(&agent, args.tasks)?;
+    let pairs = run_sleepers(&agent, args.tasks, &args.driver)?;
     let program = checked_program(&pairs, &expected)?;
     let (exec, task) = measure_rounds(&pairs, args.rounds)?;
     report_memory(args, &program, &pairs, &exec, &task);
@@ -103,8 +115,8 @@ fn start_agent(args: &Args, copy_dir: &Path) -> Result<(DevAgent, String)> {
 
 /// Run the sleepers job of `tasks` allocs on `agent`, wait until all run,
 /// and find one executor and task per alloc.
-fn run_sleepers(agent: &DevAgent, tasks: u32) -> Result<Vec<Pair>> {
-    let job = agent.write_file("sleepers.hcl", &sleepers_job(tasks))?;
+fn run_sleepers(agent: &DevAgent, tasks: u32, driver: &str) -> Result<Vec<Pair>> {
+    let job = agent.write_file("sleepers.hcl", &sleepers_job(tasks, driver))?;
     agent.cli_ok(&["job", "run", "-detach", &job])?;
     let n = tasks as usize;
     wait_for(
@@ -172,23 +184,29 @@ fn report_memory(args: &Args, program: &str, pairs: &[Pair], exec: &Measured, ta
     report::heading(
         "executor-rss",
         &format!(
-            "memory of each task's executor, {n} raw_exec `sleep 3600` tasks running, read {} times each",
-            args.rounds
+            "memory of each task's executor, {n} {} `sleep 3600` tasks running, read {} times each",
+            args.driver, args.rounds
         ),
     );
+    // An exec task's executor runs an init, which runs `sleep`.
+    let task_name = if args.driver == "exec" {
+        "init"
+    } else {
+        "sleep"
+    };
     report::value("executor program", program);
     report::sizes("executor VmRSS", &exec.rss);
     report::sizes("executor Pss", &exec.pss);
     report::sizes("executor RssAnon", &exec.anon);
     report::sizes("executor RssFile", &exec.file);
-    report::sizes("sleep VmRSS (baseline)", &task.rss);
-    report::sizes("sleep Pss (baseline)", &task.pss);
+    report::sizes(&format!("{task_name} VmRSS (baseline)"), &task.rss);
+    report::sizes(&format!("{task_name} Pss (baseline)"), &task.pss);
     report::value(
         "executor threads",
         threads(pairs[0].executor).map_or("?".to_string(), |t| t.to_string()),
     );
     report::value(
-        "executor over sleep, VmRSS",
+        &format!("executor over {task_name}, VmRSS"),
         format!(
             "{} ({:.2}x)",
             Mib(exec.rss.median().saturating_sub(task.rss.median())),
@@ -196,7 +214,7 @@ fn report_memory(args: &Args, program: &str, pairs: &[Pair], exec: &Measured, ta
         ),
     );
     report::value(
-        "executor over sleep, Pss",
+        &format!("executor over {task_name}, Pss"),
         format!(
             "{} ({:.2}x)",
             Mib(exec.pss.median().saturating_sub(task.pss.median())),
@@ -231,6 +249,7 @@ pub fn smoke() -> Result<()> {
         rounds: 2,
         mappings: false,
         agent_binary: false,
+        driver: "raw_exec".into(),
     })
 }
 
@@ -257,8 +276,8 @@ fn executor_program(pid: u32) -> Result<String> {
     Ok(program)
 }
 
-/// A service job of `count` allocs of one raw_exec task, `sleep 3600`.
-fn sleepers_job(count: u32) -> String {
+/// A service job of `count` allocs of one `driver` task, `sleep 3600`.
+fn sleepers_job(count: u32, driver: &str) -> String {
     format!(
         r#"
 job "sleepers" {{
@@ -266,7 +285,7 @@ job "sleepers" {{
   group "g" {{
     count = {count}
     task "sleep" {{
-      driver = "raw_exec"
+      driver = "{driver}"
       config {{
         command = "/bin/sleep"
         args    = ["3600"]

@@ -18,8 +18,14 @@
 //!
 //! Target: median ≤ 25 ms, or ≤ 5x the baseline's median.
 //!
+//! With `--exec` the rounds are timed again on the same agent, a raw_exec
+//! job and an exec job in turn (the exec task writes `local/file`: its
+//! task dir is its root, its user `nobody`), and the figure prints what
+//! the cgroup, the namespaces and the root of an exec task cost. Target:
+//! exec's median at most raw_exec's + 10 ms.
+//!
 //! ```text
-//! scripts/bench job-run [--rounds 50] [--warmup 5] [--tls]
+//! scripts/bench job-run [--rounds 50] [--warmup 5] [--tls] [--exec]
 //! ```
 //!
 //! With `--tls` the rounds are timed again on two clusters of one server
@@ -53,6 +59,10 @@ pub struct Args {
     /// costs.
     #[arg(long)]
     pub tls: bool,
+    /// Also time raw_exec and exec jobs in turn and print what an exec
+    /// task's isolation costs.
+    #[arg(long)]
+    pub exec: bool,
 }
 
 /// The task's command: what the figure runs as a task and as the
@@ -68,6 +78,7 @@ pub struct JobShape {
     pub group_extra: String,
     pub task_extra: String,
     pub write_to: String,
+    pub driver: &'static str,
 }
 
 impl Default for JobShape {
@@ -76,6 +87,7 @@ impl Default for JobShape {
             group_extra: String::new(),
             task_extra: String::new(),
             write_to: "file".to_string(),
+            driver: "raw_exec",
         }
     }
 }
@@ -90,7 +102,7 @@ job "{id}" {{
   group "g" {{
 {group_extra}
     task "t" {{
-      driver = "raw_exec"
+      driver = "{driver}"
       config {{
         command = "/bin/sh"
         args    = ["-c", "echo hi > {write_to}"]
@@ -107,6 +119,7 @@ job "{id}" {{
         group_extra = shape.group_extra,
         task_extra = shape.task_extra,
         write_to = shape.write_to,
+        driver = shape.driver,
     )
 }
 
@@ -282,6 +295,47 @@ pub fn run(args: &Args) -> Result<()> {
         let (plain, tls) = tls_pair(args.rounds, args.warmup)?;
         print_tls(&plain, &tls);
     }
+    if args.exec {
+        exec_against_raw_exec(&agent, args.rounds, args.warmup)?;
+    }
+    Ok(())
+}
+
+/// Times a raw_exec job and an exec job in turn on `agent`, `rounds`
+/// times after `warmup`, and prints both and the difference of their
+/// medians against the target (exec ≤ raw_exec + 10 ms).
+fn exec_against_raw_exec(agent: &DevAgent, rounds: usize, warmup: usize) -> Result<()> {
+    let raw = JobShape::default();
+    let exec = JobShape {
+        driver: "exec",
+        write_to: "local/file".to_string(),
+        ..JobShape::default()
+    };
+    let (mut raw_times, mut exec_times) = (Samples::new(), Samples::new());
+    let mut last_exec = String::new();
+    for round in 0..warmup + rounds {
+        let context = || format!("round {round}; agent log:\n{}", agent.log());
+        let (_, r) = timed_job_run(agent, "raw", round, &raw).with_context(context)?;
+        let (id, e) = timed_job_run(agent, "exec", round, &exec).with_context(context)?;
+        last_exec = id;
+        if round >= warmup {
+            raw_times.push(r);
+            exec_times.push(e);
+        }
+    }
+    check_task_wrote(agent, &last_exec, "local/file")?;
+    report::heading(
+        "job-run --exec",
+        &format!("raw_exec and exec jobs in turn, {rounds} rounds after {warmup} warm-up"),
+    );
+    report::samples("job run, raw_exec", &raw_times);
+    report::samples("job run, exec", &exec_times);
+    let extra = exec_times.median().saturating_sub(raw_times.median());
+    report::value("exec over raw_exec (medians)", format!("{extra:.1?}"));
+    report::target(
+        "exec median <= raw_exec median + 10 ms",
+        exec_times.median() <= raw_times.median() + Duration::from_millis(10),
+    );
     Ok(())
 }
 
@@ -413,5 +467,5 @@ pub fn smoke() -> Result<()> {
     print(&rounds);
     let (plain, tls) = tls_pair(2, 1)?;
     print_tls(&plain, &tls);
-    Ok(())
+    exec_against_raw_exec(&agent, 2, 1)
 }

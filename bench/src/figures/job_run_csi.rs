@@ -68,6 +68,7 @@ fn volume_shape(round: usize) -> JobShape {
         group_extra: VOLUME_BLOCK.to_string(),
         task_extra: VOLUME_MOUNT.to_string(),
         write_to: format!("data/r{round}"),
+        ..JobShape::default()
     }
 }
 
