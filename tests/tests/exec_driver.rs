@@ -268,6 +268,23 @@ fn exec_tasks_keep_their_cgroups_across_an_agent_kill_and_lose_them_when_stopped
         cgroups.iter().map(|c| limit_of(c)).collect::<Vec<_>>(),
         limits
     );
+    // And their usage is sampled again: every alloc's stats carry a
+    // sample taken after the restart.
+    let restarted_ms = berth_structs::now_ms();
+    for a in server.allocs(job)? {
+        let id = a["id"].as_str().context("alloc ID")?.to_string();
+        wait_for(
+            "a sample after the restart",
+            Duration::from_secs(15),
+            || {
+                let stats = client.get(&format!("/v1/client/allocation/{id}/stats"))?;
+                let task = &stats["tasks"]["t"];
+                let at = task["timestamp_ms"].as_i64().unwrap_or(0);
+                let limit = task["resource_usage"]["memory_stats"]["limit"].as_u64();
+                Ok((at >= restarted_ms && limit == Some(8 << 20)).then_some(()))
+            },
+        )?;
+    }
     wait_for("the orphan cgroup removed", Duration::from_secs(30), || {
         Ok((!orphan.exists()).then_some(()))
     })
