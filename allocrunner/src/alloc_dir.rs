@@ -127,19 +127,24 @@ impl AllocDir {
     }
 
     /// Makes the alloc dir and the shared directories, mode 0750 (the
-    /// agent's and its group's only). Idempotent.
+    /// agent's and its group's only). Idempotent: a directory that was
+    /// there keeps its mode, which a driver may have opened to a task's
+    /// user (a task that runs on across an agent restart must not lose
+    /// its way in).
     pub fn build_shared(&self) -> Result<(), HookError> {
-        for d in [self.data_dir(), self.logs_dir(), self.tmp_dir()] {
-            create_dir(&d)?;
-        }
-        for d in [
+        let dirs = [
             self.path.clone(),
             self.shared_dir(),
             self.data_dir(),
             self.logs_dir(),
             self.tmp_dir(),
-        ] {
-            restrict(&d, ALLOC_DIR_MODE)?;
+        ];
+        let new: Vec<bool> = dirs.iter().map(|d| !d.exists()).collect();
+        for d in [self.data_dir(), self.logs_dir(), self.tmp_dir()] {
+            create_dir(&d)?;
+        }
+        for (d, _) in dirs.iter().zip(new).filter(|(_, new)| *new) {
+            restrict(d, ALLOC_DIR_MODE)?;
         }
         Ok(())
     }
@@ -149,13 +154,21 @@ impl AllocDir {
     pub fn build_task(&self, task: &str) -> Result<TaskDir, HookError> {
         check_task_name(task)?;
         let td = self.task_dir(task);
+        let modes = [
+            (&td.dir, ALLOC_DIR_MODE),
+            (&td.local, ALLOC_DIR_MODE),
+            (&td.tmp, ALLOC_DIR_MODE),
+            (&td.secrets, 0o700),
+        ];
+        // Only the directories made now get their mode (see
+        // [`Self::build_shared`]).
+        let new: Vec<bool> = modes.iter().map(|(d, _)| !d.exists()).collect();
         for d in [&td.local, &td.secrets, &td.tmp] {
             create_dir(d)?;
         }
-        for d in [&td.dir, &td.local, &td.tmp] {
-            restrict(d, ALLOC_DIR_MODE)?;
+        for ((d, mode), _) in modes.iter().zip(new).filter(|(_, new)| *new) {
+            restrict(d, *mode)?;
         }
-        restrict(&td.secrets, 0o700)?;
         Ok(td)
     }
 
@@ -269,6 +282,17 @@ mod tests {
             assert_eq!(mode(&d), 0o750, "{}", d.display());
         }
         assert_eq!(mode(&td.secrets), 0o700);
+
+        // A driver opened the task dir and the alloc dir to the task's
+        // user; building again (an agent restart) keeps them open.
+        for d in [dir.path(), td.dir.as_path()] {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        dir.build_shared().unwrap();
+        let again = dir.build_task("web").unwrap();
+        assert_eq!(mode(dir.path()), 0o755);
+        assert_eq!(mode(&again.dir), 0o755);
+        assert_eq!(mode(&again.local), 0o750);
     }
 
     #[test]
