@@ -382,3 +382,41 @@ async fn an_executor_that_hangs_fails_the_start_at_the_deadline() {
     let pid = read_pid(&pid_file).expect("the executor ran");
     assert!(!process_alive(pid), "the hung executor was left running");
 }
+
+/// An executor killed while its task runs: the task is killed too, and
+/// its exit is known only once it is gone, so nothing it held (a volume's
+/// claim, its mounts) is let go while it still runs.
+#[tokio::test]
+async fn a_task_whose_executor_dies_is_gone_when_its_exit_is_known() {
+    let dir = tempfile::tempdir().unwrap();
+    let driver = RawExecDriver::with_executor(test_executor());
+    // Many processes in the task's group, so its death takes a moment.
+    let spec = spec(
+        dir.path(),
+        "for i in $(seq 50); do sleep 1000 & done; exec sleep 1000",
+    );
+    let handle = driver.start(&spec).await.unwrap();
+    let record = handle.record().unwrap();
+    let task = record.task_pid as i32;
+    let _killer = PidKiller(Some(task));
+    wait_for("the task's children", WITHIN, || {
+        std::fs::read_to_string(format!("/proc/{task}/stat")).is_ok()
+    })
+    .await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(record.executor_pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();
+    assert!(
+        !process_alive(task),
+        "the task still runs once its exit is known"
+    );
+    assert!(
+        exit.error
+            .as_deref()
+            .is_some_and(|e| e.contains("died without recording the task's exit")),
+        "{exit:?}"
+    );
+}

@@ -19,7 +19,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use super::{Driver, ExitResult, TaskHandle, TaskHandleRecord, TaskSpec};
 use crate::error::DriverError;
@@ -461,7 +461,7 @@ impl RawExecDriver {
             if let Err(e) = child.wait().await {
                 warn!(executor_pid = waited.executor_pid, error = %e, "waiting for the executor");
             }
-            tx.send_replace(Some(exit_of(&waited)));
+            tx.send_replace(Some(exit_of(&waited).await));
         });
         Ok(Arc::new(ExecutorHandle { record, exit }))
     }
@@ -607,7 +607,7 @@ impl Driver for RawExecDriver {
                     while executor_alive(&waited) {
                         tokio::time::sleep(EXECUTOR_POLL).await;
                     }
-                    tx.send_replace(Some(exit_of(&waited)));
+                    tx.send_replace(Some(exit_of(&waited).await));
                 });
             }
             ExecutorWatch::Pidfd(pidfd) => {
@@ -635,7 +635,7 @@ impl Driver for RawExecDriver {
                             }
                         }
                     }
-                    tx.send_replace(Some(exit_of(&waited)));
+                    tx.send_replace(Some(exit_of(&waited).await));
                 });
             }
             ExecutorWatch::Gone => {
@@ -644,7 +644,7 @@ impl Driver for RawExecDriver {
                     executor_pid = record.executor_pid,
                     "the task's executor is gone"
                 );
-                tx.send_replace(Some(exit_of(record)));
+                tx.send_replace(Some(exit_of(record).await));
             }
         }
         Ok(Arc::new(ExecutorHandle {
@@ -772,9 +772,15 @@ fn task_alive(record: &TaskHandleRecord) -> bool {
         && live_process_start_ticks(record.task_pid) == Some(record.task_start_ticks)
 }
 
+/// How long a task its executor left running may take to die of the
+/// SIGKILL it is sent.
+const ORPHAN_KILL_WAIT: Duration = Duration::from_secs(10);
+
 /// The exit the executor recorded, once it is gone. An executor that died
-/// without recording one leaves its task unwatched: the task is killed.
-fn exit_of(record: &TaskHandleRecord) -> ExitResult {
+/// without recording one leaves its task unwatched: the task is killed,
+/// and the exit is known only once it is gone, so that nothing the task
+/// held (a volume's claim, its mounts) is let go while it still runs.
+async fn exit_of(record: &TaskHandleRecord) -> ExitResult {
     match executor::read_record::<ExecutorExit>(&record.executor_dir, executor::EXIT_FILE) {
         Ok(Some(e)) => ExitResult {
             exit_code: e.exit_code,
@@ -789,6 +795,16 @@ fn exit_of(record: &TaskHandleRecord) -> ExitResult {
                     "the executor died and left its task running; killing the task"
                 );
                 let _ = signal_group(record.pgid, Signal::SIGKILL);
+                let deadline = tokio::time::Instant::now() + ORPHAN_KILL_WAIT;
+                while task_alive(record) && tokio::time::Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                if task_alive(record) {
+                    error!(
+                        pid = record.task_pid,
+                        "the task its executor left is still running {ORPHAN_KILL_WAIT:?} after SIGKILL"
+                    );
+                }
             }
             ExitResult {
                 error: Some(format!(
