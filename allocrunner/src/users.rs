@@ -97,6 +97,45 @@ impl DeniedIds {
     }
 }
 
+/// The uid and gid the task runs as: its `user`'s (whose own dirs
+/// become its), or None for the agent's; refused when the node denies
+/// them. A task the `exec` driver isolates was checked there.
+pub(crate) fn run_as(
+    spec: &crate::driver::TaskSpec,
+    denied: &DeniedIds,
+) -> Result<Option<(u32, u32)>, crate::error::DriverError> {
+    if spec.isolation.is_some() {
+        return Ok(None);
+    }
+    let refused = |why: String| crate::error::DriverError::Spawn {
+        command: spec.command.clone(),
+        error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, why),
+    };
+    let Some(user) = &spec.user else {
+        let (uid, gid) = (
+            nix::unistd::geteuid().as_raw(),
+            nix::unistd::getegid().as_raw(),
+        );
+        let name = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
+            .ok()
+            .flatten()
+            .map_or_else(|| uid.to_string(), |u| u.name);
+        denied
+            .check("raw_exec", &name, uid, gid)
+            .map_err(|why| refused(format!("{why}; set the task's user")))?;
+        return Ok(None);
+    };
+    let (uid, gid) = crate::isolation::resolve_user(user).map_err(refused)?;
+    denied.check("raw_exec", user, uid, gid).map_err(refused)?;
+    let alloc_dir = spec
+        .task_dir
+        .parent()
+        .map(|p| p.join("alloc"))
+        .unwrap_or_default();
+    crate::isolation::open_task_dirs_to(&spec.task_dir, &alloc_dir, uid, gid).map_err(refused)?;
+    Ok(Some((uid, gid)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -501,7 +501,7 @@ job "{job}" {{
 /// What the tasks of a [`marked_service_job`] carry on their command line:
 /// the job's name and this test process's PID, so that test binaries
 /// running side by side never count each other's tasks.
-fn marker(job: &str) -> String {
+pub fn marker(job: &str) -> String {
     format!("marker-{job}-{}", std::process::id())
 }
 
@@ -515,7 +515,8 @@ pub fn marker_pids(job: &str) -> BTreeSet<i32> {
         .collect();
     pids.iter()
         .copied()
-        .filter(|pid| parent_pid(*pid).is_none_or(|parent| !pids.contains(&parent)))
+        // A process gone before its parent is read is no task.
+        .filter(|pid| parent_pid(*pid).is_some_and(|parent| !pids.contains(&parent)))
         .collect()
 }
 

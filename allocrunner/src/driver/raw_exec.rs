@@ -208,45 +208,6 @@ impl RawExecDriver {
         self
     }
 
-    /// The uid and gid the task runs as: its `user`'s (whose own dirs
-    /// become its), or None for the agent's; refused when the node denies
-    /// them. A task the `exec` driver isolates was checked there.
-    fn run_as(&self, spec: &TaskSpec) -> Result<Option<(u32, u32)>, DriverError> {
-        if spec.isolation.is_some() {
-            return Ok(None);
-        }
-        let refused = |why: String| DriverError::Spawn {
-            command: spec.command.clone(),
-            error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, why),
-        };
-        let Some(user) = &spec.user else {
-            let (uid, gid) = (
-                nix::unistd::geteuid().as_raw(),
-                nix::unistd::getegid().as_raw(),
-            );
-            let name = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid))
-                .ok()
-                .flatten()
-                .map_or_else(|| uid.to_string(), |u| u.name);
-            self.denied
-                .check("raw_exec", &name, uid, gid)
-                .map_err(|why| refused(format!("{why}; set the task's user")))?;
-            return Ok(None);
-        };
-        let (uid, gid) = crate::isolation::resolve_user(user).map_err(refused)?;
-        self.denied
-            .check("raw_exec", user, uid, gid)
-            .map_err(refused)?;
-        let alloc_dir = spec
-            .task_dir
-            .parent()
-            .map(|p| p.join("alloc"))
-            .unwrap_or_default();
-        crate::isolation::open_task_dirs_to(&spec.task_dir, &alloc_dir, uid, gid)
-            .map_err(refused)?;
-        Ok(Some((uid, gid)))
-    }
-
     /// The driver of a node that has not turned raw_exec on: it starts no
     /// task (see [`RAW_EXEC_DISABLED`]) but finds and stops those an
     /// earlier agent started.
@@ -584,7 +545,7 @@ impl Driver for RawExecDriver {
                 return self.reattach(&record).await;
             }
         }
-        let run_as = self.run_as(spec)?;
+        let run_as = crate::users::run_as(spec, &self.denied)?;
         let mut start = self.spawn_executor(spec, run_as)?;
         let state = self.await_started(&mut start, spec).await?;
         self.handle_of(start, spec, state).await

@@ -1,0 +1,197 @@
+//! berth's promises, checked after every fault once the cluster settled,
+//! and (the writers) sampled all along:
+//!
+//! 1. a single-writer volume is never written by two running tasks at
+//!    once (the sampler: a writer job never has two task processes);
+//! 3. no claim whose alloc is terminal or gone;
+//! 4. no task process without an alloc that wants it, never more than
+//!    the allocs the servers run;
+//! 5. every alloc the servers want running runs (or the run names why
+//!    not, when it did not settle);
+//! 6. every agent runs, and no log has a panic;
+//! 7. every job the CLI accepted exists, and no two live allocs of a job
+//!    have one name (index).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use berth_tests::cluster::marker_pids;
+use serde_json::Value;
+
+use crate::world::World;
+
+/// What a check found wrong.
+pub type Violations = Vec<String>;
+
+/// Waits (at most `within`) until every node is ready, the plugin is
+/// healthy on each, every job runs the allocs it wants, each with one
+/// task process, and the volumes' claims are all of live allocs. How long it took, or what was still
+/// not so at the deadline.
+pub fn settle(world: &mut World, within: Duration) -> Result<Duration, String> {
+    let start = Instant::now();
+    let mut last = String::new();
+    while start.elapsed() < within {
+        match unsettled(world) {
+            Ok(None) => return Ok(start.elapsed()),
+            Ok(Some(why)) => last = why,
+            Err(e) => last = format!("{e:#}"),
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Err(last)
+}
+
+/// What is not settled yet, if anything.
+fn unsettled(world: &mut World) -> Result<Option<String>> {
+    for c in &world.clients {
+        let n = world.server.node(&c.name)?;
+        if n["status"] != "ready" {
+            return Ok(Some(format!("node {} is {}", c.name, n["status"])));
+        }
+    }
+    for (job, want) in &world.wanted {
+        let allocs = world.allocs(job)?;
+        let running = allocs
+            .iter()
+            .filter(|a| a["desired_status"] == "run" && a["client_status"] == "running")
+            .count();
+        if running != *want {
+            return Ok(Some(format!("{job} runs {running} allocs of {want}")));
+        }
+        let procs = marker_pids(job).len();
+        if procs != *want {
+            return Ok(Some(format!(
+                "{job} has {procs} task processes for {want} allocs"
+            )));
+        }
+    }
+    let plugin = world.server.get("/v1/plugin/csi/hostpath")?;
+    let healthy = plugin["nodes_healthy"].as_u64().unwrap_or(0);
+    if healthy != world.clients.len() as u64 {
+        return Ok(Some(format!("the plugin is healthy on {healthy} nodes")));
+    }
+    let stale = stale_claims(world)?;
+    if !stale.is_empty() {
+        return Ok(Some(stale.join("; ")));
+    }
+    Ok(None)
+}
+
+/// The claims whose alloc is terminal or gone (promise 3).
+fn stale_claims(world: &World) -> Result<Vec<String>> {
+    let mut live = BTreeSet::new();
+    for job in world.wanted.keys() {
+        for a in world.allocs(job)? {
+            let terminal = matches!(
+                a["client_status"].as_str(),
+                Some("complete" | "failed" | "lost")
+            );
+            if !terminal {
+                live.insert(a["id"].as_str().unwrap_or_default().to_string());
+            }
+        }
+    }
+    let mut stale = Vec::new();
+    for volume in world.writers.values() {
+        let v = world.server.volume(volume)?;
+        for kind in ["write_claims", "read_claims"] {
+            for alloc in v[kind].as_object().into_iter().flat_map(|m| m.keys()) {
+                if !live.contains(alloc) {
+                    stale.push(format!(
+                        "{volume} has a claim of alloc {alloc}, which is terminal or gone"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(stale)
+}
+
+/// The checks after a fault settled (or did not: `settled` says why not).
+pub fn after_fault(world: &mut World, settled: &Result<Duration, String>) -> Violations {
+    let mut found = Violations::new();
+    if let Err(why) = settled {
+        found.push(format!("did not settle (promises 3, 4, 5): {why}"));
+    }
+    found.extend(writers_alone(world));
+    found.extend(agents_well(world));
+    match jobs_whole(world) {
+        Ok(v) => found.extend(v),
+        Err(e) => found.push(format!("reading the jobs: {e:#}")),
+    }
+    found
+}
+
+/// Promise 1: a writer job never had two task processes at once.
+fn writers_alone(world: &World) -> Violations {
+    world
+        .sampler
+        .overlaps()
+        .iter()
+        .take(3)
+        .map(|o| {
+            let volume = world.writers.get(&o.job).map_or("?", String::as_str);
+            let procs: Vec<String> = o
+                .processes
+                .iter()
+                .map(|(p, c)| format!("{p}: {c}"))
+                .collect();
+            format!(
+                "{} task processes of {} ran at once at {:.1?}, writers of {volume}: {}",
+                o.processes.len(),
+                o.job,
+                o.at,
+                procs.join(" | ")
+            )
+        })
+        .collect()
+}
+
+/// Promise 6: every agent runs, and no log has a panic.
+fn agents_well(world: &mut World) -> Violations {
+    let mut found = Violations::new();
+    if let Err(e) = world.server.agent.check_running() {
+        found.push(format!("the server exited: {e:#}"));
+    }
+    for c in &mut world.clients {
+        if let Err(e) = c.agent.check_running() {
+            found.push(format!("client {} exited: {e:#}", c.name));
+        }
+    }
+    for (name, log) in world.agent_logs() {
+        if let Some(line) = log.lines().find(|l| l.contains("panicked")) {
+            found.push(format!("{name} panicked: {line}"));
+        }
+    }
+    found
+}
+
+/// Promise 7: every accepted job exists; no two live allocs of a job
+/// share a name.
+fn jobs_whole(world: &World) -> Result<Violations> {
+    let mut found = Violations::new();
+    for job in &world.accepted {
+        if world.server.get(&format!("/v1/job/{job}")).is_err() {
+            found.push(format!("job {job}, which the CLI accepted, is gone"));
+            continue;
+        }
+        let allocs: Vec<Value> = world.allocs(job)?;
+        let mut names: BTreeMap<String, usize> = BTreeMap::new();
+        for a in allocs.iter().filter(|a| {
+            a["desired_status"] == "run"
+                && !matches!(
+                    a["client_status"].as_str(),
+                    Some("complete" | "failed" | "lost")
+                )
+        }) {
+            *names
+                .entry(a["name"].as_str().unwrap_or_default().to_string())
+                .or_default() += 1;
+        }
+        for (name, n) in names.into_iter().filter(|(_, n)| *n > 1) {
+            found.push(format!("{n} live allocs of {job} are named {name}"));
+        }
+    }
+    Ok(found)
+}

@@ -1,0 +1,165 @@
+//! The cluster a run works on: one server agent, three client agents each
+//! behind a relay the run can partition, the example CSI plugin as a
+//! system job over storage every node reaches, a single-writer volume per
+//! writer job, and a fleet job without volumes. Every job's task carries
+//! a marker on its command line, so the run counts the task processes of
+//! each job on the host (see `berth_tests::cluster::marker_pids`).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use crate::sampler::WriterSampler;
+use anyhow::{Context, Result};
+use berth_tests::cluster::{marked_service_job, shared_plugin_job, writer_volume, Client, Server};
+use serde_json::Value;
+
+use crate::rng::Rng;
+
+/// Server timings short enough for faults to play out in seconds: a node
+/// is down 4-5 s after its last heartbeat.
+const SERVER_BLOCK: &str = r#"min_heartbeat_ttl = "2s"
+  heartbeat_grace = "2s""#;
+
+/// A writer job's alloc stops itself this long into a lost connection,
+/// and the servers replace it no sooner.
+pub const WINDOW: &str = "5s";
+
+pub const NODES: [&str; 3] = ["chaos-0", "chaos-1", "chaos-2"];
+
+pub struct World {
+    pub server: Server,
+    pub clients: Vec<Client>,
+    _plugin_state: tempfile::TempDir,
+    /// Writer job name → its volume.
+    pub writers: BTreeMap<String, String>,
+    /// Job name → the allocs it wants running now.
+    pub wanted: BTreeMap<String, usize>,
+    /// Every job the CLI accepted and that was not stopped since.
+    pub accepted: BTreeSet<String>,
+    /// Samples the writers' task processes every 20 ms.
+    pub sampler: WriterSampler,
+}
+
+impl World {
+    pub fn start() -> Result<World> {
+        let mut server = Server::start(SERVER_BLOCK).context("starting the server")?;
+        let mut clients = Vec::new();
+        for name in NODES {
+            let client = Client::start(&server, name, true, r#"disconnect_startup_grace = "1s""#)
+                .with_context(|| format!("starting client {name}"))?;
+            clients.push(client);
+        }
+        server.wait_nodes_ready(&NODES)?;
+        let plugin_state = tempfile::Builder::new().prefix("berth-chaos-").tempdir()?;
+        server.run_job("plugin", &shared_plugin_job(plugin_state.path())?)?;
+        server.wait_plugin_nodes(NODES.len() as u64)?;
+        let mut writers = BTreeMap::new();
+        let mut wanted = BTreeMap::new();
+        for i in 0..3 {
+            let (job, volume) = (format!("writer-{i}"), format!("vol-{i}"));
+            server.create_volume(&volume, &writer_volume(&volume))?;
+            writers.insert(job.clone(), volume);
+            wanted.insert(job, 1);
+        }
+        wanted.insert("fleet".to_string(), 3);
+        let sampler = WriterSampler::start(writers.keys().cloned().collect());
+        let mut world = World {
+            server,
+            clients,
+            _plugin_state: plugin_state,
+            writers,
+            wanted,
+            accepted: BTreeSet::new(),
+            sampler,
+        };
+        for job in world.wanted.clone().keys() {
+            world.run(job, 0)?;
+        }
+        Ok(world)
+    }
+
+    /// The spec of `job` at `version` (a change of version is a change of
+    /// the task's command line, so the job rolls to new allocs).
+    fn spec(&self, job: &str, version: u64) -> String {
+        let count = self.wanted.get(job).copied().unwrap_or(1) as u32;
+        let spec = match self.writers.get(job) {
+            Some(volume) => marked_service_job(job, count, Some(WINDOW), Some(volume)),
+            None => marked_service_job(job, count, None, None),
+        };
+        // A failed alloc (its executor killed, say) is replaced within a
+        // second, not after the default 30 s, so that a run's faults
+        // follow each other quickly.
+        let reschedule = "    reschedule {\n      delay          = \"1s\"\n      \
+                          delay_function = \"constant\"\n      unlimited      = true\n    }\n";
+        spec.replace(
+            "sleep 0.2",
+            &format!("sleep 0.2{}", ".0".repeat(version as usize % 4)),
+        )
+        .replacen("    restart {", &format!("{reschedule}    restart {{"), 1)
+    }
+
+    /// `berth job run` of `job` at `version`.
+    pub fn run(&mut self, job: &str, version: u64) -> Result<()> {
+        let spec = self.spec(job, version);
+        self.server.run_job(job, &spec)?;
+        self.accepted.insert(job.to_string());
+        Ok(())
+    }
+
+    /// One operation of the workload, chosen by `rng`; what it did.
+    pub fn churn(&mut self, rng: &mut Rng) -> Result<String> {
+        let jobs: Vec<String> = self.wanted.keys().cloned().collect();
+        let job = rng.pick(&jobs).clone();
+        Ok(match rng.below(3) {
+            0 => {
+                let version = rng.between(1, 3);
+                self.run(&job, version)?;
+                format!("update {job} to version {version}")
+            }
+            1 => {
+                self.server.cli(&["job", "stop", &job])?;
+                self.accepted.remove(&job);
+                self.run(&job, 0)?;
+                format!("stop and run {job}")
+            }
+            _ => {
+                let running: Vec<String> = self
+                    .allocs(&job)?
+                    .iter()
+                    .filter(|a| a["client_status"] == "running")
+                    .filter_map(|a| a["id"].as_str().map(String::from))
+                    .collect();
+                if running.is_empty() {
+                    return Ok(format!("restart an alloc of {job}: none runs"));
+                }
+                let id = rng.pick(&running).clone();
+                // A node that is cut off answers no restart: not a fault of
+                // berth's.
+                let _ = self.server.cli(&["alloc", "restart", &id]);
+                format!("restart alloc {id} of {job}")
+            }
+        })
+    }
+
+    pub fn allocs(&self, job: &str) -> Result<Vec<Value>> {
+        self.server.allocs(job)
+    }
+
+    /// The logs of every agent, for a failed run.
+    pub fn logs(&self) -> String {
+        let clients: Vec<&Client> = self.clients.iter().collect();
+        berth_tests::cluster::logs(&self.server, &clients)
+    }
+
+    /// Every agent's log, by name.
+    pub fn agent_logs(&self) -> Vec<(String, String)> {
+        let mut logs = vec![("server".to_string(), self.server.agent.log())];
+        for c in &self.clients {
+            logs.push((c.name.clone(), c.agent.log()));
+        }
+        logs
+    }
+}
+
+/// How long to wait for a node to settle before it counts as a violation.
+pub const SETTLE_WITHIN: Duration = Duration::from_secs(90);
