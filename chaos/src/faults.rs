@@ -26,17 +26,35 @@ pub enum Fault {
     KillPlugin { node: usize },
     /// SIGKILL of one task executor on client `node`.
     KillExecutor { node: usize },
+    /// The plugin job rolled to a version whose instances fail or delay a
+    /// CSI call (`--fail RPC=unavailable:COUNT` or `--delay RPC=MS`ms), a
+    /// writer job stopped and run again under it, then the plugin rolled
+    /// back.
+    PluginRpc {
+        rpc: &'static str,
+        fail_count: Option<u64>,
+        delay_ms: u64,
+    },
 }
+
+/// The CSI calls a volume's claim and release go through.
+const RPCS: [&str; 4] = [
+    "NodeStageVolume",
+    "NodePublishVolume",
+    "NodeUnpublishVolume",
+    "NodeUnstageVolume",
+];
 
 impl Fault {
     /// Every kind, for the report's counts.
-    pub const KINDS: [&'static str; 6] = [
+    pub const KINDS: [&'static str; 7] = [
         "kill_client",
         "kill_server",
         "pause_server",
         "partition",
         "kill_plugin",
         "kill_executor",
+        "plugin_rpc",
     ];
 
     pub fn kind(&self) -> &'static str {
@@ -47,13 +65,14 @@ impl Fault {
             Fault::Partition { .. } => "partition",
             Fault::KillPlugin { .. } => "kill_plugin",
             Fault::KillExecutor { .. } => "kill_executor",
+            Fault::PluginRpc { .. } => "plugin_rpc",
         }
     }
 
     /// The next fault of a run.
     pub fn pick(rng: &mut Rng, nodes: usize) -> Fault {
         let node = rng.below(nodes as u64) as usize;
-        match rng.below(6) {
+        match rng.below(7) {
             0 => Fault::KillClient {
                 node,
                 down_ms: rng.between(0, 3_000),
@@ -70,7 +89,12 @@ impl Fault {
                 cut_ms: rng.between(1_000, 9_000),
             },
             4 => Fault::KillPlugin { node },
-            _ => Fault::KillExecutor { node },
+            5 => Fault::KillExecutor { node },
+            _ => Fault::PluginRpc {
+                rpc: RPCS[rng.below(RPCS.len() as u64) as usize],
+                fail_count: (rng.below(2) == 0).then(|| rng.between(1, 3)),
+                delay_ms: rng.between(0, 2_000),
+            },
         }
     }
 
@@ -114,6 +138,28 @@ impl Fault {
                 let needle = format!("--node-id={}", node_id(world, node)?);
                 let pids = berth_tests::processes_with_cmdline(&needle);
                 kill_one(rng, &pids, "plugin", &client.name)
+            }
+            Fault::PluginRpc {
+                rpc,
+                fail_count,
+                delay_ms,
+            } => {
+                let mut args = vec![format!("--delay={rpc}={delay_ms}ms")];
+                if let Some(n) = fail_count {
+                    args.push(format!("--fail={rpc}=unavailable:{n}"));
+                }
+                world.roll_plugin(&args)?;
+                let writers: Vec<String> = world.writers.keys().cloned().collect();
+                let job = rng.pick(&writers).clone();
+                world.server.cli(&["job", "stop", &job])?;
+                world.accepted.remove(&job);
+                world.run(&job, 0)?;
+                sleep(rng.between(500, 3_000));
+                world.roll_plugin(&[])?;
+                format!(
+                    "plugin rolled with {}, {job} stopped and run, rolled back",
+                    args.join(" ")
+                )
             }
             Fault::KillExecutor { node } => {
                 let client = &world.clients[node];

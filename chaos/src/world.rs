@@ -8,12 +8,15 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use crate::sampler::WriterSampler;
 use anyhow::{Context, Result};
-use berth_tests::cluster::{marked_service_job, shared_plugin_job, writer_volume, Client, Server};
+use berth_tests::cluster::{
+    marked_service_job, shared_plugin_job, shared_plugin_job_with_args, writer_volume, Client,
+    Server,
+};
 use serde_json::Value;
 
 use crate::rng::Rng;
+use crate::sampler::WriterSampler;
 
 /// Server timings short enough for faults to play out in seconds: a node
 /// is down 4-5 s after its last heartbeat.
@@ -29,7 +32,7 @@ pub const NODES: [&str; 3] = ["chaos-0", "chaos-1", "chaos-2"];
 pub struct World {
     pub server: Server,
     pub clients: Vec<Client>,
-    _plugin_state: tempfile::TempDir,
+    plugin_state: tempfile::TempDir,
     /// Writer job name → its volume.
     pub writers: BTreeMap<String, String>,
     /// Job name → the allocs it wants running now.
@@ -66,7 +69,7 @@ impl World {
         let mut world = World {
             server,
             clients,
-            _plugin_state: plugin_state,
+            plugin_state,
             writers,
             wanted,
             accepted: BTreeSet::new(),
@@ -96,6 +99,14 @@ impl World {
             &format!("sleep 0.2{}", ".0".repeat(version as usize % 4)),
         )
         .replacen("    restart {", &format!("{reschedule}    restart {{"), 1)
+    }
+
+    /// A new version of the plugin job, its instances started with
+    /// `args` more (none: the plain plugin).
+    pub fn roll_plugin(&self, args: &[String]) -> Result<()> {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let spec = shared_plugin_job_with_args(self.plugin_state.path(), &args)?;
+        self.server.run_job("plugin", &spec)
     }
 
     /// `berth job run` of `job` at `version`.

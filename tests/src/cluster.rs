@@ -175,6 +175,21 @@ impl Server {
     }
 
     /// The volume `id` as the server shows it.
+    /// The first of `job`'s allocs to be terminal (complete or failed),
+    /// waited for (a minute at most).
+    pub fn finished_alloc(&self, job: &str) -> Result<Value> {
+        wait_for(
+            &format!("the alloc of {job} to finish"),
+            Duration::from_secs(60),
+            || {
+                let allocs = self.allocs(job)?;
+                Ok(allocs
+                    .into_iter()
+                    .find(|a| matches!(a["client_status"].as_str(), Some("complete" | "failed"))))
+            },
+        )
+    }
+
     pub fn volume(&self, id: &str) -> Result<Value> {
         self.get(&format!("/v1/volume/csi/{id}"))
     }

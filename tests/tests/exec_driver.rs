@@ -44,20 +44,6 @@ job "{job}" {{
     )
 }
 
-/// The job's only alloc once it is terminal.
-fn finished(server: &Server, job: &str) -> Result<Value> {
-    wait_for(
-        &format!("the alloc of {job} to finish"),
-        Duration::from_secs(60),
-        || {
-            let allocs = server.allocs(job)?;
-            Ok(allocs
-                .into_iter()
-                .find(|a| matches!(a["client_status"].as_str(), Some("complete" | "failed"))))
-        },
-    )
-}
-
 #[test]
 fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<()> {
     let mut server = Server::start("")?;
@@ -87,7 +73,9 @@ fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<(
     .with_context(|| logs(&server, &[&client]))?;
 
     server.run_job("exec-oom", &hungry_job("exec-oom", 32, 200))?;
-    let alloc = finished(&server, "exec-oom").with_context(|| logs(&server, &[&client]))?;
+    let alloc = server
+        .finished_alloc("exec-oom")
+        .with_context(|| logs(&server, &[&client]))?;
     assert_eq!(alloc["client_status"], "failed", "{alloc}");
     let events = alloc["task_states"]["t"]["events"]
         .as_array()
@@ -118,7 +106,9 @@ fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<(
 
     // The same with room completes.
     server.run_job("exec-roomy", &hungry_job("exec-roomy", 256, 200))?;
-    let alloc = finished(&server, "exec-roomy").with_context(|| logs(&server, &[&client]))?;
+    let alloc = server
+        .finished_alloc("exec-roomy")
+        .with_context(|| logs(&server, &[&client]))?;
     assert_eq!(alloc["client_status"], "complete", "{alloc}");
 
     // So does one that asks for 32 MiB with room up to 256 (memory_max).
@@ -129,7 +119,9 @@ fn an_exec_task_past_its_memory_is_oom_killed_and_the_node_runs_on() -> Result<(
         "{oversubscribed}"
     );
     server.run_job("exec-over", &oversubscribed)?;
-    let alloc = finished(&server, "exec-over").with_context(|| logs(&server, &[&client]))?;
+    let alloc = server
+        .finished_alloc("exec-over")
+        .with_context(|| logs(&server, &[&client]))?;
     assert_eq!(alloc["client_status"], "complete", "{alloc}");
 
     // The neighbour ran throughout, and no cgroup of either is left.
@@ -396,7 +388,9 @@ job "exec-iso" {{
 "#
     );
     server.run_job("exec-iso", &spec)?;
-    let alloc = finished(&server, "exec-iso").with_context(|| logs(&server, &[&client]))?;
+    let alloc = server
+        .finished_alloc("exec-iso")
+        .with_context(|| logs(&server, &[&client]))?;
     let dir = alloc_root.join(alloc["id"].as_str().context("alloc ID")?);
     let out = std::fs::read_to_string(dir.join("alloc/logs/t.stdout.0"))?;
     let err = std::fs::read_to_string(dir.join("alloc/logs/t.stderr.0")).unwrap_or_default();

@@ -39,20 +39,6 @@ job "{job}" {{
     )
 }
 
-/// The job's only alloc once it is terminal.
-fn finished(server: &Server, job: &str) -> Result<Value> {
-    wait_for(
-        &format!("the alloc of {job} to finish"),
-        Duration::from_secs(60),
-        || {
-            let allocs = server.allocs(job)?;
-            Ok(allocs
-                .into_iter()
-                .find(|a| matches!(a["client_status"].as_str(), Some("complete" | "failed"))))
-        },
-    )
-}
-
 fn alloc_dir(client: &Client, alloc: &Value) -> Result<PathBuf> {
     Ok(client
         .agent
@@ -75,7 +61,9 @@ fn a_tasks_user_is_switched_to_and_root_is_refused_to_an_exec_task() -> Result<(
         "raw-nobody",
         &batch_job("raw-nobody", "raw_exec", "nobody", script),
     )?;
-    let alloc = finished(&server, "raw-nobody").with_context(|| logs(&server, &[&client]))?;
+    let alloc = server
+        .finished_alloc("raw-nobody")
+        .with_context(|| logs(&server, &[&client]))?;
     let dir = alloc_dir(&client, &alloc)?;
     let out = std::fs::read_to_string(dir.join("alloc/logs/t.stdout.0")).unwrap_or_default();
     let err = std::fs::read_to_string(dir.join("alloc/logs/t.stderr.0")).unwrap_or_default();
@@ -90,7 +78,9 @@ fn a_tasks_user_is_switched_to_and_root_is_refused_to_an_exec_task() -> Result<(
         "exec-root",
         &batch_job("exec-root", "exec", "root", "id -u"),
     )?;
-    let alloc = finished(&server, "exec-root").with_context(|| logs(&server, &[&client]))?;
+    let alloc = server
+        .finished_alloc("exec-root")
+        .with_context(|| logs(&server, &[&client]))?;
     assert_eq!(alloc["client_status"], "failed", "{alloc}");
     let events = alloc["task_states"]["t"]["events"].to_string();
     assert!(
@@ -236,7 +226,9 @@ fn an_exec_task_as_nobody_reads_and_writes_its_csi_volume_at_its_destination() -
         "{spec}"
     );
     server.run_job("exec-vol", &spec)?;
-    let alloc = finished(&server, "exec-vol").with_context(|| logs(&server, &[&client]))?;
+    let alloc = server
+        .finished_alloc("exec-vol")
+        .with_context(|| logs(&server, &[&client]))?;
     let dir = alloc_dir(&client, &alloc)?;
     let out = std::fs::read_to_string(dir.join("alloc/logs/t.stdout.0")).unwrap_or_default();
     let err = std::fs::read_to_string(dir.join("alloc/logs/t.stderr.0")).unwrap_or_default();
