@@ -114,6 +114,17 @@ pub enum DriverError {
     Signal { pgid: i32, errno: nix::Error },
 }
 
+impl DriverError {
+    /// `command` may not start on this node, for `why` (a driver turned
+    /// off, a user the node denies).
+    pub(crate) fn refused(command: &str, why: impl Into<String>) -> DriverError {
+        DriverError::Spawn {
+            command: command.to_string(),
+            error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, why.into()),
+        }
+    }
+}
+
 /// What [`crate::AllocRunner::destroy`] could not do.
 #[derive(Debug, thiserror::Error)]
 pub enum AllocRunnerError {

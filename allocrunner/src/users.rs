@@ -97,6 +97,20 @@ impl DeniedIds {
     }
 }
 
+/// The uid and gid of `user`, whom a `driver` task of `command` may run
+/// as: refused when the node has no such user or denies it.
+pub(crate) fn allowed(
+    driver: &str,
+    user: &str,
+    denied: &DeniedIds,
+    command: &str,
+) -> Result<(u32, u32), crate::error::DriverError> {
+    let refused = |why: String| crate::error::DriverError::refused(command, why);
+    let (uid, gid) = crate::isolation::resolve_user(user).map_err(refused)?;
+    denied.check(driver, user, uid, gid).map_err(refused)?;
+    Ok((uid, gid))
+}
+
 /// The uid and gid the task runs as: its `user`'s (whose own dirs
 /// become its), or None for the agent's; refused when the node denies
 /// them. A task the `exec` driver isolates was checked there.
@@ -107,10 +121,7 @@ pub(crate) fn run_as(
     if spec.isolation.is_some() {
         return Ok(None);
     }
-    let refused = |why: String| crate::error::DriverError::Spawn {
-        command: spec.command.clone(),
-        error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, why),
-    };
+    let refused = |why: String| crate::error::DriverError::refused(&spec.command, why);
     let Some(user) = &spec.user else {
         let (uid, gid) = (
             nix::unistd::geteuid().as_raw(),
@@ -125,13 +136,8 @@ pub(crate) fn run_as(
             .map_err(|why| refused(format!("{why}; set the task's user")))?;
         return Ok(None);
     };
-    let (uid, gid) = crate::isolation::resolve_user(user).map_err(refused)?;
-    denied.check("raw_exec", user, uid, gid).map_err(refused)?;
-    let alloc_dir = spec
-        .task_dir
-        .parent()
-        .map(|p| p.join("alloc"))
-        .unwrap_or_default();
+    let (uid, gid) = allowed("raw_exec", user, denied, &spec.command)?;
+    let alloc_dir = spec.alloc_shared_dir();
     crate::isolation::open_task_dirs_to(&spec.task_dir, &alloc_dir, uid, gid).map_err(refused)?;
     Ok(Some((uid, gid)))
 }

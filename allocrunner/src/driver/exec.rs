@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use super::{Driver, ExitResult, RawExecDriver, TaskHandle, TaskHandleRecord, TaskSpec};
 use crate::cgroups::{Cgroups, Limits, TaskCgroup, DEFAULT_PIDS_LIMIT};
 use crate::error::DriverError;
-use crate::isolation::{resolve_user, Isolation, DEFAULT_USER, SYSTEM_DIRS};
+use crate::isolation::{Isolation, DEFAULT_USER, SYSTEM_DIRS};
 
 /// How many passes a kill of what is left in a task's cgroup makes.
 const KILL_PASSES: usize = 200;
@@ -68,11 +68,7 @@ impl ExecDriver {
 /// root, its alloc's shared dir at `/alloc`, the host's system dirs
 /// read-only.
 fn isolation_of(spec: &TaskSpec, user: &str) -> Isolation {
-    let alloc_dir = spec
-        .task_dir
-        .parent()
-        .map(|p| p.join("alloc"))
-        .unwrap_or_default();
+    let alloc_dir = spec.alloc_shared_dir();
     Isolation {
         root: spec.task_dir.clone(),
         alloc_dir,
@@ -113,14 +109,7 @@ impl Driver for ExecDriver {
             error: std::io::Error::other(format!("the exec driver needs cgroups: {why}")),
         })?;
         let user = spec.user.clone().unwrap_or_else(|| self.user.clone());
-        let refused = |why: String| DriverError::Spawn {
-            command: spec.command.clone(),
-            error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, why),
-        };
-        let (uid, gid) = resolve_user(&user).map_err(refused)?;
-        self.denied
-            .check("exec", &user, uid, gid)
-            .map_err(refused)?;
+        crate::users::allowed("exec", &user, &self.denied, &spec.command)?;
         let cgroup = cgroups
             .create(&spec.alloc_id, &spec.task, &limits_of(spec))
             .map_err(|error| DriverError::Spawn {

@@ -60,6 +60,16 @@ pub struct TaskSpec {
     pub user: Option<String>,
 }
 
+impl TaskSpec {
+    /// The alloc's shared dir (`alloc/`, beside the task dirs).
+    pub fn alloc_shared_dir(&self) -> PathBuf {
+        self.task_dir
+            .parent()
+            .map(|p| p.join("alloc"))
+            .unwrap_or_default()
+    }
+}
+
 /// The resources an `exec` task's cgroup holds it to.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TaskLimits {

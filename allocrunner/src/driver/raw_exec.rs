@@ -515,10 +515,7 @@ impl Driver for RawExecDriver {
 
     async fn start(&self, spec: &TaskSpec) -> Result<Arc<dyn TaskHandle>, DriverError> {
         if !self.enabled {
-            return Err(DriverError::Spawn {
-                command: spec.command.clone(),
-                error: std::io::Error::new(std::io::ErrorKind::PermissionDenied, RAW_EXEC_DISABLED),
-            });
+            return Err(DriverError::refused(&spec.command, RAW_EXEC_DISABLED));
         }
         if !spec.task_dir.is_dir() {
             return Err(DriverError::Spawn {
