@@ -21,6 +21,14 @@ use serde_json::Value;
 
 use crate::world::World;
 
+/// Whether alloc `a` (as the API shows it) has ended on its client.
+fn terminal(a: &Value) -> bool {
+    matches!(
+        a["client_status"].as_str(),
+        Some("complete" | "failed" | "lost")
+    )
+}
+
 /// What a check found wrong.
 pub type Violations = Vec<String>;
 
@@ -50,8 +58,15 @@ fn unsettled(world: &mut World) -> Result<Option<String>> {
             return Ok(Some(format!("node {} is {}", c.name, n["status"])));
         }
     }
+    let mut live = BTreeSet::new();
     for (job, want) in &world.wanted {
         let allocs = world.allocs(job)?;
+        live.extend(
+            allocs
+                .iter()
+                .filter(|a| !terminal(a))
+                .filter_map(|a| a["id"].as_str().map(String::from)),
+        );
         let running = allocs
             .iter()
             .filter(|a| a["desired_status"] == "run" && a["client_status"] == "running")
@@ -71,27 +86,16 @@ fn unsettled(world: &mut World) -> Result<Option<String>> {
     if healthy != world.clients.len() as u64 {
         return Ok(Some(format!("the plugin is healthy on {healthy} nodes")));
     }
-    let stale = stale_claims(world)?;
+    let stale = stale_claims(world, &live)?;
     if !stale.is_empty() {
         return Ok(Some(stale.join("; ")));
     }
     Ok(None)
 }
 
-/// The claims whose alloc is terminal or gone (promise 3).
-fn stale_claims(world: &World) -> Result<Vec<String>> {
-    let mut live = BTreeSet::new();
-    for job in world.wanted.keys() {
-        for a in world.allocs(job)? {
-            let terminal = matches!(
-                a["client_status"].as_str(),
-                Some("complete" | "failed" | "lost")
-            );
-            if !terminal {
-                live.insert(a["id"].as_str().unwrap_or_default().to_string());
-            }
-        }
-    }
+/// The claims whose alloc is not among the `live` ones: terminal or
+/// gone (promise 3).
+fn stale_claims(world: &World, live: &BTreeSet<String>) -> Result<Vec<String>> {
     let mut stale = Vec::new();
     for volume in world.writers.values() {
         let v = world.server.volume(volume)?;
@@ -178,13 +182,10 @@ fn jobs_whole(world: &World) -> Result<Violations> {
         }
         let allocs: Vec<Value> = world.allocs(job)?;
         let mut names: BTreeMap<String, usize> = BTreeMap::new();
-        for a in allocs.iter().filter(|a| {
-            a["desired_status"] == "run"
-                && !matches!(
-                    a["client_status"].as_str(),
-                    Some("complete" | "failed" | "lost")
-                )
-        }) {
+        for a in allocs
+            .iter()
+            .filter(|a| a["desired_status"] == "run" && !terminal(a))
+        {
             *names
                 .entry(a["name"].as_str().unwrap_or_default().to_string())
                 .or_default() += 1;
