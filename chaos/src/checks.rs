@@ -3,6 +3,8 @@
 //!
 //! 1. a single-writer volume is never written by two running tasks at
 //!    once (the sampler: a writer job never has two task processes);
+//! 2. no mount under a client's data dir that no live alloc there owns,
+//!    and every running writer's volume mounted on its node;
 //! 3. no claim whose alloc is terminal or gone;
 //! 4. no task process without an alloc that wants it, never more than
 //!    the allocs the servers run;
@@ -16,7 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use berth_tests::cluster::marker_pids;
+use berth_tests::cluster::{marker_pids, node_of};
 use serde_json::Value;
 
 use crate::world::World;
@@ -52,13 +54,16 @@ pub fn settle(world: &mut World, within: Duration) -> Result<Duration, String> {
 
 /// What is not settled yet, if anything.
 fn unsettled(world: &mut World) -> Result<Option<String>> {
+    let mut node_ids = Vec::new();
     for c in &world.clients {
         let n = world.server.node(&c.name)?;
         if n["status"] != "ready" {
             return Ok(Some(format!("node {} is {}", c.name, n["status"])));
         }
+        node_ids.push(n["id"].as_str().unwrap_or_default().to_string());
     }
     let mut live = BTreeSet::new();
+    let mut all = Vec::new();
     for (job, want) in &world.wanted {
         let allocs = world.allocs(job)?;
         live.extend(
@@ -67,6 +72,7 @@ fn unsettled(world: &mut World) -> Result<Option<String>> {
                 .filter(|a| !terminal(a))
                 .filter_map(|a| a["id"].as_str().map(String::from)),
         );
+        all.extend(allocs.iter().cloned());
         let running = allocs
             .iter()
             .filter(|a| a["desired_status"] == "run" && a["client_status"] == "running")
@@ -90,7 +96,81 @@ fn unsettled(world: &mut World) -> Result<Option<String>> {
     if !stale.is_empty() {
         return Ok(Some(stale.join("; ")));
     }
+    all.extend(world.allocs("hostpath-plugin")?);
+    let astray = mounts_astray(world, &node_ids, &all);
+    if !astray.is_empty() {
+        return Ok(Some(format!("(promise 2) {}", astray.join("; "))));
+    }
     Ok(None)
+}
+
+/// Promise 2, on each client: every mount under its data dir belongs to
+/// a live alloc of that node (its alloc dir, its CSI publish target) or
+/// stages a volume such an alloc claims; every running writer alloc has
+/// its volume staged, published and bound into its alloc dir.
+/// `node_ids[i]` is client `i`'s node ID; `allocs`, every alloc of the
+/// run's jobs as the servers have them.
+fn mounts_astray(world: &World, node_ids: &[String], allocs: &[Value]) -> Vec<String> {
+    let mut found = Vec::new();
+    for (client, node_id) in world.clients.iter().zip(node_ids) {
+        let here: Vec<&Value> = allocs.iter().filter(|a| node_of(a) == node_id).collect();
+        let live: BTreeSet<&str> = here
+            .iter()
+            .filter(|a| !terminal(a))
+            .filter_map(|a| a["id"].as_str())
+            .collect();
+        let volume_of = |a: &Value| world.writers.get(a["job_id"].as_str()?).map(String::as_str);
+        let claimed: BTreeSet<&str> = here
+            .iter()
+            .filter(|a| !terminal(a))
+            .filter_map(|a| volume_of(a))
+            .collect();
+        let data = client.agent.data_path();
+        let mounts: Vec<Vec<String>> = berth_tests::mounts_under(&data)
+            .iter()
+            .filter_map(|m| m.strip_prefix(&data).ok())
+            .map(|r| r.iter().map(|c| c.to_string_lossy().into_owned()).collect())
+            .collect();
+        for parts in &mounts {
+            let owned = match parts.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+                ["alloc", id, ..] | ["client", "csi", _, "per-alloc", id, ..] => live.contains(id),
+                ["client", "csi", _, "staging", volume, ..] => claimed.contains(volume),
+                _ => false,
+            };
+            if !owned {
+                found.push(format!(
+                    "{}: {} is mounted and no live alloc there owns it",
+                    client.name,
+                    parts.join("/")
+                ));
+            }
+        }
+        for a in here.iter().filter(|a| a["client_status"] == "running") {
+            let (Some(id), Some(volume)) = (a["id"].as_str(), volume_of(a)) else {
+                continue;
+            };
+            let has = |want: &[&str]| {
+                mounts
+                    .iter()
+                    .any(|p| p.len() > want.len() && want.iter().zip(p).all(|(w, p)| w == p))
+            };
+            let staged = mounts.iter().any(|p| {
+                p.len() > 4 && p[..2] == ["client", "csi"] && p[3] == "staging" && p[4] == volume
+            });
+            if !has(&["alloc", id]) || !staged {
+                found.push(format!(
+                    "{}: alloc {id} runs and its volume {volume} is not {}",
+                    client.name,
+                    if staged {
+                        "bound into its alloc dir"
+                    } else {
+                        "staged"
+                    }
+                ));
+            }
+        }
+    }
+    found
 }
 
 /// The claims whose alloc is not among the `live` ones: terminal or
@@ -116,7 +196,7 @@ fn stale_claims(world: &World, live: &BTreeSet<String>) -> Result<Vec<String>> {
 pub fn after_fault(world: &mut World, settled: &Result<Duration, String>) -> Violations {
     let mut found = Violations::new();
     if let Err(why) = settled {
-        found.push(format!("did not settle (promises 3, 4, 5): {why}"));
+        found.push(format!("did not settle (promises 2, 3, 4, 5): {why}"));
     }
     found.extend(writers_alone(world));
     found.extend(agents_well(world));
