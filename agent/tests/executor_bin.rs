@@ -75,6 +75,7 @@ fn berth_executor_reports_on_stdout_once_the_tasks_state_is_recorded() {
         cgroup_procs: Vec::new(),
         isolation: None,
         run_as: None,
+        disconnect: None,
     };
     let mut child = Command::new(env!("CARGO_BIN_EXE_berth-executor"))
         .arg(&state_dir)

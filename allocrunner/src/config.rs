@@ -60,6 +60,10 @@ pub struct AllocRunnerConfig {
     pub release_retry_timeout: Duration,
     /// How often a running task's usage is sampled (`exec` tasks).
     pub stats_interval: Duration,
+    /// The client's heartbeat lease (see [`crate::lease`]), which the
+    /// executors of tasks whose group sets a disconnect window watch;
+    /// None: no task is held to it by its executor.
+    pub heartbeat_lease: Option<PathBuf>,
 }
 
 impl AllocRunnerConfig {
@@ -90,6 +94,7 @@ impl AllocRunnerConfig {
             claim_retry_timeout: Duration::from_secs(5 * 60),
             release_retry_timeout: Duration::from_secs(2 * 60),
             stats_interval: Duration::from_secs(1),
+            heartbeat_lease: None,
         }
     }
 

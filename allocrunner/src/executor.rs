@@ -51,7 +51,9 @@ pub const LOG_FILE: &str = "executor.log";
 /// is written (1 wrote nothing there; its agent looked for the file).
 /// 3: [`ExecutorSpec::cgroup_procs`], which the task joins, and
 /// [`ExecutorSpec::isolation`], the init of an isolated task.
-pub const PROTOCOL: u32 = 3;
+/// 4: [`ExecutorSpec::disconnect`], the window the executor holds the task
+/// to, and [`ExecutorExit::disconnected`].
+pub const PROTOCOL: u32 = 4;
 /// What the executor writes on its stdout once `state.json` is written.
 pub const STATE_WRITTEN: u8 = b'\n';
 
@@ -90,6 +92,10 @@ pub struct ExecutorSpec {
     /// None: the executor's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_as: Option<(u32, u32)>,
+    /// The group's disconnect window, which the executor holds the task
+    /// to whether the agent runs or not (see [`crate::lease`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disconnect: Option<crate::lease::DisconnectWatch>,
 }
 
 /// Why a task could not be started.
@@ -132,6 +138,9 @@ pub struct ExecutorExit {
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
     pub finished_at_ms: i64,
+    /// The executor stopped the task: its disconnect window closed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub disconnected: bool,
 }
 
 /// The start time of `pid` in clock ticks since boot, `None` when there is
@@ -410,6 +419,10 @@ pub fn run_executor(args: &[String]) -> i32 {
         return code;
     }
     report_state_written();
+    let gate = std::sync::Arc::new(crate::lease::WatchGate::default());
+    if let Some(watch) = spec.disconnect.clone() {
+        crate::lease::spawn_watch(watch, task_pid as i32, gate.clone());
+    }
     // The copy threads have run their start (and touched its pages)
     // before the start's memory is given back; a thread that died instead
     // ends its channel.
@@ -420,7 +433,7 @@ pub fn run_executor(args: &[String]) -> i32 {
     }
     drop((raw, spec, cmd, started));
     release_start_memory();
-    wait_and_record_exit(&state_dir, child, task_pid, readers, drained)
+    wait_and_record_exit(&state_dir, child, task_pid, readers, drained, &gate)
 }
 
 /// The spec on stdin: its bytes and what they decode to. An exit code
@@ -719,6 +732,7 @@ fn wait_and_record_exit(
     task_pid: u32,
     readers: usize,
     drained: std::sync::mpsc::Receiver<()>,
+    gate: &crate::lease::WatchGate,
 ) -> i32 {
     // Wait for the leader without reaping it: its zombie keeps the group
     // id reserved, so the kill below reaches the task's own leftovers and
@@ -752,6 +766,7 @@ fn wait_and_record_exit(
             break;
         }
     }
+    gate.close();
     let (exit_code, signal) = match ended {
         Some(ended) => ended,
         // Not known without reaping it.
@@ -767,6 +782,7 @@ fn wait_and_record_exit(
         exit_code,
         signal,
         finished_at_ms: berth_structs::now_ms(),
+        disconnected: gate.fired(),
     };
     let recorded = write_record(state_dir, EXIT_FILE, &exit);
     // Reaped only now that its exit is recorded (see above).
@@ -866,6 +882,7 @@ mod tests {
             exit_code: Some(3),
             signal: None,
             finished_at_ms: 7,
+            disconnected: false,
         };
         write_record(dir.path(), EXIT_FILE, &exit).unwrap();
         assert_eq!(

@@ -25,6 +25,7 @@ pub mod env;
 pub mod error;
 pub mod executor;
 pub mod isolation;
+pub mod lease;
 pub mod logs;
 pub mod restart;
 pub mod state;

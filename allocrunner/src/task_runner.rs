@@ -272,7 +272,20 @@ impl Running {
             cgroup_procs: Vec::new(),
             isolation: None,
             user: (!self.task.user.is_empty()).then(|| self.task.user.clone()),
+            disconnect: self.disconnect_watch(),
         }
+    }
+
+    /// The group's disconnect window, when it sets one and the client
+    /// keeps a heartbeat lease.
+    fn disconnect_watch(&self) -> Option<crate::lease::DisconnectWatch> {
+        let window = self.alloc.group()?.stop_on_client_after()?;
+        let lease = self.ctx.config.heartbeat_lease.clone()?;
+        Some(crate::lease::DisconnectWatch {
+            lease,
+            window_ms: u64::try_from(window.as_millis()).unwrap_or(u64::MAX),
+            kill_timeout_ms: u64::try_from(self.kill_timeout.as_millis()).unwrap_or(u64::MAX),
+        })
     }
 
     /// Starts the task, or reattaches to the run in `reattaching`. A task
@@ -306,7 +319,13 @@ impl Running {
                 }
             };
         }
-        let handle = match driver.start(&self.spec()).await {
+        let spec = self.spec();
+        if let Some(watch) = spec.disconnect.as_ref().filter(|w| w.closed()) {
+            // Its executor would stop it at once: the servers may run its
+            // replacement by now.
+            return Err(Next::Done(false, Some(disconnected_event(watch))));
+        }
+        let handle = match driver.start(&spec).await {
             Ok(h) => h,
             Err(e) => {
                 self.events
@@ -429,6 +448,9 @@ impl Running {
 
     /// What the ending of a run and the restart policy make of it.
     async fn after_exit(&mut self, ending: Ending, exit: ExitResult) -> Next {
+        if let (true, Some(watch)) = (exit.disconnected, self.disconnect_watch()) {
+            return Next::Done(false, Some(disconnected_event(&watch)));
+        }
         let decision = match ending {
             Ending::Killed => {
                 return Next::Done(
@@ -532,6 +554,12 @@ fn signal_task(
             message: e.to_string(),
         });
     let _ = reply.send(sent);
+}
+
+/// The last event of a task its disconnect window ended (see
+/// [`crate::lease`]), which is not started again.
+fn disconnected_event(watch: &crate::lease::DisconnectWatch) -> TaskEvent {
+    TaskEvent::new("Killed", format!("{}; not restarting", watch.reason()))
 }
 
 fn not_restarting(message: impl Into<String>) -> TaskEvent {

@@ -420,3 +420,52 @@ async fn a_task_whose_executor_dies_is_gone_when_its_exit_is_known() {
         "{exit:?}"
     );
 }
+
+/// A task whose group sets a disconnect window is stopped by its executor
+/// once the client's heartbeat lease is that old, with no agent about:
+/// not while the lease is renewed, and with SIGKILL after the kill
+/// timeout when it ignores SIGTERM. Its exit says why.
+#[tokio::test]
+async fn the_executor_stops_its_task_once_the_heartbeat_lease_runs_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let lease_dir = dir.path().join("client");
+    std::fs::create_dir_all(&lease_dir).unwrap();
+    berth_allocrunner::lease::renew(&lease_dir).unwrap();
+    let window = Duration::from_millis(1500);
+    let kill_timeout = Duration::from_millis(500);
+    let mut spec = spec(dir.path(), "trap '' TERM; while :; do sleep 0.1; done");
+    spec.disconnect = Some(berth_allocrunner::lease::DisconnectWatch {
+        lease: lease_dir.join(berth_allocrunner::lease::LEASE_FILE),
+        window_ms: window.as_millis() as u64,
+        kill_timeout_ms: kill_timeout.as_millis() as u64,
+    });
+    let driver = RawExecDriver::with_executor(test_executor());
+    let handle = driver.start(&spec).await.unwrap();
+    let task = handle.record().unwrap().task_pid as i32;
+    let _killer = PidKiller(Some(task));
+    // Renewed for twice the window: the task runs on.
+    let renewing = Instant::now();
+    while renewing.elapsed() < window * 2 {
+        berth_allocrunner::lease::renew(&lease_dir).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            handle.try_exit().is_none(),
+            "stopped while the lease was renewed"
+        );
+    }
+    berth_allocrunner::lease::renew(&lease_dir).unwrap();
+    let last = Instant::now();
+    let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();
+    let took = last.elapsed();
+    assert!(
+        took >= window + kill_timeout - Duration::from_millis(100),
+        "stopped {took:?} after the last renewal, before the window and kill timeout"
+    );
+    assert!(
+        took < window + kill_timeout + Duration::from_secs(3),
+        "stopped only {took:?} after the last renewal"
+    );
+    assert!(exit.disconnected, "{exit:?}");
+    assert_eq!(exit.signal, Some(9), "{exit:?}");
+    assert!(!process_alive(task));
+}

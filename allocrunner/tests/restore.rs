@@ -309,6 +309,7 @@ async fn the_executor_records_the_exit_code_of_its_task() {
         cgroup_procs: Vec::new(),
         isolation: None,
         user: None,
+        disconnect: None,
     };
     let handle = driver.start(&spec).await.unwrap();
     let exit = tokio::time::timeout(WITHIN, handle.wait()).await.unwrap();

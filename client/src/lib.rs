@@ -225,6 +225,7 @@ impl Client {
         runner_config.store = Arc::new(state.clone());
         let settings = config.driver_settings();
         runner_config.drivers = AllocRunnerConfig::drivers_for(&settings);
+        runner_config.heartbeat_lease = Some(client_dir.join(berth_allocrunner::lease::LEASE_FILE));
         let runner_config = Arc::new(runner_config);
         Ok(Arc::new(Client {
             conn,

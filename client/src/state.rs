@@ -603,6 +603,13 @@ const META_CLUSTER_ACL: &str = "cluster_acl";
 
 impl berth_heartbeat::LastHeartbeatStore for ClientState {
     fn save(&self, unix_ms: i64) {
+        // The lease first: the executors of tasks with a disconnect
+        // window hold them to it (see `berth_allocrunner::lease`).
+        if let Some(dir) = self.path.parent() {
+            if let Err(e) = berth_allocrunner::lease::renew(dir) {
+                tracing::warn!(error = %e, "renewing the heartbeat lease failed");
+            }
+        }
         if let Err(e) = self.set_meta(LAST_HEARTBEAT, &unix_ms.to_string()) {
             tracing::warn!(error = %e, "recording the last heartbeat failed");
         }

@@ -58,6 +58,9 @@ pub struct TaskSpec {
     /// The user the task asked to run as (its `user`); None: the
     /// driver's default.
     pub user: Option<String>,
+    /// The group's disconnect window, which the executor holds the task
+    /// to (see [`crate::lease`]).
+    pub disconnect: Option<crate::lease::DisconnectWatch>,
 }
 
 impl TaskSpec {
@@ -111,6 +114,9 @@ pub struct ExitResult {
     /// The kernel's OOM killer killed a process of the task, which was
     /// held to this many bytes.
     pub oom_killed: Option<u64>,
+    /// The executor stopped the task: its group's disconnect window
+    /// closed (see [`crate::lease`]).
+    pub disconnected: bool,
 }
 
 impl ExitResult {

@@ -255,6 +255,7 @@ impl RawExecDriver {
             cgroup_procs: spec.cgroup_procs.clone(),
             isolation: spec.isolation.clone(),
             run_as,
+            disconnect: spec.disconnect.clone(),
         };
         let input = serde_json::to_vec(&exec_spec).map_err(|e| DriverError::Spawn {
             command: spec.command.clone(),
@@ -745,6 +746,7 @@ async fn exit_of(record: &TaskHandleRecord) -> ExitResult {
             signal: e.signal,
             error: None,
             oom_killed: None,
+            disconnected: e.disconnected,
         },
         Ok(None) => {
             if task_alive(record) {

@@ -399,6 +399,7 @@ pub fn sh_task_spec(dir: &std::path::Path, script: &str) -> berth_allocrunner::T
         cgroup_procs: Vec::new(),
         isolation: None,
         user: None,
+        disconnect: None,
     }
 }
 
