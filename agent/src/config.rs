@@ -12,7 +12,7 @@
 //! client { enabled = true, servers = ["10.0.0.1:4747"], node_class = "storage",
 //!          meta { rack = "r1" }, reserved { cpu = 500, memory = 512, disk = 1024 },
 //!          disconnect_startup_grace = "30s", csi_volume_stats_interval = "60s",
-//!          cgroup_parent = "berth" }
+//!          csi_call_timeout = "30s", cgroup_parent = "berth" }
 //! ```
 //!
 //! [`load`] reads a list of paths (a directory gives its `*.hcl` files in

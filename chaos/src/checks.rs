@@ -54,6 +54,17 @@ pub fn settle(world: &mut World, within: Duration) -> Result<Duration, String> {
 
 /// What is not settled yet, if anything.
 fn unsettled(world: &mut World) -> Result<Option<String>> {
+    for (c, mark) in world.clients.iter().zip(world.restarted.iter_mut()) {
+        if let Some(at) = *mark {
+            if !c.agent.log_since(at).contains("agent ready") {
+                return Ok(Some(format!(
+                    "client {} is not ready since its start",
+                    c.name
+                )));
+            }
+            *mark = None;
+        }
+    }
     let mut node_ids = Vec::new();
     for c in &world.clients {
         let n = world.server.node(&c.name)?;
@@ -130,6 +141,8 @@ fn mounts_astray(world: &World, node_ids: &[String], allocs: &[Value]) -> Vec<St
             .iter()
             .filter_map(|m| m.strip_prefix(&data).ok())
             .map(|r| r.iter().map(|c| c.to_string_lossy().into_owned()).collect())
+            // The data dir's own filesystem.
+            .filter(|parts: &Vec<String>| !parts.is_empty())
             .collect();
         for parts in &mounts {
             let owned = match parts.iter().map(String::as_str).collect::<Vec<_>>()[..] {

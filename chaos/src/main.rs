@@ -5,16 +5,18 @@
 //! seed replays its schedule.
 //!
 //! ```text
-//! berth-chaos [--seed S] [--faults N] [--duration D] [--report FILE]
+//! berth-chaos [--seed S] [--faults N] [--duration D] [--report FILE] [--only KINDS]
 //! ```
 //!
 //! A run ends after `--faults` faults or `--duration`, whichever comes
-//! first. It exits 0 when no promise was broken; else it prints the seed,
+//! first, or after the fault in progress on SIGINT or SIGTERM (the cluster
+//! is taken down either way). It exits 0 when no promise was broken; else it prints the seed,
 //! the schedule so far and each violation, with the agents' logs, and
 //! exits 1. `--report` writes the run as JSON: the seed, the faults by
 //! kind, the settle times, the checks made and the violations.
 
 mod checks;
+mod corrupt;
 mod faults;
 mod rng;
 mod sampler;
@@ -50,6 +52,10 @@ struct Args {
     /// Write the run's report (JSON) here
     #[arg(long, value_name = "FILE")]
     report: Option<PathBuf>,
+    /// Inject only faults of these kinds (comma separated: kill_client,
+    /// corrupt_record, ...)
+    #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(Fault::KINDS))]
+    only: Vec<String>,
 }
 
 /// One fault of the run, as the report and the schedule show it.
@@ -61,8 +67,36 @@ struct Done {
     settle: Option<Duration>,
 }
 
+/// Set by SIGINT or SIGTERM: the run ends after the fault in progress,
+/// and the cluster is taken down (its agents, tasks and mounts).
+static INTERRUPTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+extern "C" fn interrupt(_: nix::libc::c_int) {
+    INTERRUPTED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Routes SIGINT and SIGTERM to [`interrupt`]: sigaction(2), which nix
+/// leaves unsafe.
+#[allow(unsafe_code)]
+fn catch_interrupts() {
+    use nix::sys::signal::{sigaction, SaFlags, SigAction, SigHandler, SigSet, Signal};
+    let action = SigAction::new(
+        SigHandler::Handler(interrupt),
+        SaFlags::SA_RESTART,
+        SigSet::empty(),
+    );
+    for signal in [Signal::SIGINT, Signal::SIGTERM] {
+        // SAFETY: the handler only stores to an atomic, which is
+        // async-signal-safe.
+        if let Err(e) = unsafe { sigaction(signal, &action) } {
+            eprintln!("berth-chaos: catching {signal}: {e}");
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
+    catch_interrupts();
     let seed = args.seed.unwrap_or_else(rng::fresh_seed);
     println!(
         "berth-chaos: seed {seed} (replay with --seed {seed}), {} faults",
@@ -129,8 +163,17 @@ fn run(
         if args.duration.is_some_and(|d| started.elapsed() >= d) {
             break;
         }
+        if INTERRUPTED.load(std::sync::atomic::Ordering::SeqCst) {
+            println!("berth-chaos: interrupted; taking the cluster down");
+            break;
+        }
         let at = started.elapsed();
-        let fault = Fault::pick(&mut rng, world.clients.len());
+        let fault = loop {
+            let f = Fault::pick(&mut rng, world.clients.len());
+            if args.only.is_empty() || args.only.iter().any(|k| k == f.kind()) {
+                break f;
+            }
+        };
         let mut what = Vec::new();
         if rng.below(2) == 0 {
             what.push(world.churn(&mut rng).context("the workload")?);

@@ -1,5 +1,6 @@
 //! The cluster a run works on: one server agent, three client agents each
-//! behind a relay the run can partition, the example CSI plugin as a
+//! behind a relay the run can partition and each with its data dir on a
+//! small filesystem of its own, the example CSI plugin as a
 //! system job over storage every node reaches, a single-writer volume per
 //! writer job, and a fleet job without volumes. Every job's task carries
 //! a marker on its command line, so the run counts the task processes of
@@ -29,6 +30,15 @@ pub const WINDOW: &str = "5s";
 
 pub const NODES: [&str; 3] = ["chaos-0", "chaos-1", "chaos-2"];
 
+/// A client's CSI calls give up after 2 s, so that a plugin that hangs
+/// past the deadline plays out in seconds.
+const CLIENT_BLOCK: &str = r#"disconnect_startup_grace = "1s"
+  csi_call_timeout = "2s""#;
+
+/// The size of each client's data dir, a filesystem of its own that the
+/// full-disk fault fills.
+const DISK_MIB: u64 = 256;
+
 pub struct World {
     pub server: Server,
     pub clients: Vec<Client>,
@@ -41,6 +51,11 @@ pub struct World {
     pub accepted: BTreeSet<String>,
     /// Samples the writers' task processes every 20 ms.
     pub sampler: WriterSampler,
+    /// Per client, while its agent started again has not said it is
+    /// ready: where its log stood at the start.
+    pub restarted: Vec<Option<u64>>,
+    /// How many hold files were handed out.
+    holds: u64,
 }
 
 impl World {
@@ -48,7 +63,7 @@ impl World {
         let mut server = Server::start(SERVER_BLOCK).context("starting the server")?;
         let mut clients = Vec::new();
         for name in NODES {
-            let client = Client::start(&server, name, true, r#"disconnect_startup_grace = "1s""#)
+            let client = Client::start_with_disk(&server, name, true, CLIENT_BLOCK, Some(DISK_MIB))
                 .with_context(|| format!("starting client {name}"))?;
             clients.push(client);
         }
@@ -74,6 +89,8 @@ impl World {
             wanted,
             accepted: BTreeSet::new(),
             sampler,
+            restarted: vec![None; NODES.len()],
+            holds: 0,
         };
         for job in world.wanted.clone().keys() {
             world.run(job, 0)?;
@@ -99,6 +116,23 @@ impl World {
             &format!("sleep 0.2{}", ".0".repeat(version as usize % 4)),
         )
         .replacen("    restart {", &format!("{reschedule}    restart {{"), 1)
+    }
+
+    /// Starts client `node`'s agent again (it was killed); settling waits
+    /// until it says it is ready.
+    pub fn start_client_again(&mut self, node: usize) -> Result<()> {
+        let agent = &mut self.clients[node].agent;
+        self.restarted[node] = Some(agent.log_len());
+        agent.start_again()
+    }
+
+    /// A file no one made yet, for the plugin's `--hold-after`: calls are
+    /// held until it exists.
+    pub fn hold_file(&mut self) -> std::path::PathBuf {
+        self.holds += 1;
+        self.plugin_state
+            .path()
+            .join(format!("release-{}", self.holds))
     }
 
     /// A new version of the plugin job, its instances started with
@@ -128,7 +162,7 @@ impl World {
                 format!("update {job} to version {version}")
             }
             1 => {
-                self.server.cli(&["job", "stop", &job])?;
+                self.server.cli(&["job", "stop", "-detach", &job])?;
                 self.accepted.remove(&job);
                 self.run(&job, 0)?;
                 format!("stop and run {job}")

@@ -48,6 +48,10 @@ pub struct ClientConfig {
     /// How often CSI plugins are fingerprinted and lost volume mounts of
     /// running allocs are repaired (`-csi-fingerprint-interval`).
     pub csi_fingerprint_interval: Duration,
+    /// The deadline of each call to a CSI plugin (`client {
+    /// csi_call_timeout }`); a call past it is given up and retried as
+    /// its caller retries.
+    pub csi_call_timeout: Duration,
     /// The introduction token the node registers with while the servers
     /// do not know it (`client { intro_token }`).
     pub intro_token: Option<berth_structs::secret::ConfigSecret>,
@@ -77,6 +81,7 @@ impl ClientConfig {
     pub const DEFAULT_GC_MAX_ALLOCS: usize = 50;
     pub const DEFAULT_GC_ALLOC_THRESHOLD: Duration = Duration::from_secs(60 * 60);
     pub const DEFAULT_CSI_FINGERPRINT_INTERVAL: Duration = Duration::from_secs(30);
+    pub const DEFAULT_CSI_CALL_TIMEOUT: Duration = Duration::from_secs(30);
     pub const DEFAULT_DATACENTER: &'static str = "dc1";
     pub const DEFAULT_REGION: &'static str = "global";
 
@@ -100,6 +105,7 @@ impl ClientConfig {
             disconnect_startup_grace: berth_heartbeat::DisconnectConfig::default().startup_grace,
             csi_volume_stats_interval: berth_csimanager::stats::DEFAULT_VOLUME_STATS_INTERVAL,
             csi_fingerprint_interval: Self::DEFAULT_CSI_FINGERPRINT_INTERVAL,
+            csi_call_timeout: Self::DEFAULT_CSI_CALL_TIMEOUT,
             intro_token: None,
             local_api: None,
             raw_exec_enabled: true,

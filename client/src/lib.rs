@@ -205,7 +205,7 @@ impl Client {
             ManagerConfig {
                 root_dir: client_dir.join("csi"),
                 node_id: node_id.clone(),
-                call_timeout: Duration::from_secs(30),
+                call_timeout: config.csi_call_timeout,
                 fingerprint_interval: config.csi_fingerprint_interval,
             },
             PluginRegistry::new(),

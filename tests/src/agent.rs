@@ -36,20 +36,34 @@ impl Agent {
     /// [`Agent::start`] with environment changes: `(NAME, Some(value))`
     /// sets NAME, `(NAME, None)` removes it; kept on restarts.
     pub fn start_with_env(args: &[&str], env: &[(&str, Option<&str>)]) -> Result<Agent> {
-        Self::start_as(args, env, true)
+        Self::start_as(args, env, true, None)
+    }
+
+    /// [`Agent::start`] with its data dir on a filesystem of its own of
+    /// `mib` MiB (an ext4 image, loop-mounted), which a test can fill.
+    pub fn start_on_disk(args: &[&str], mib: u64) -> Result<Agent> {
+        Self::start_as(args, &[], true, Some(mib))
     }
 
     /// [`Agent::start`] of a client that keeps raw_exec off, as a client
     /// agent has it unless its config turns it on.
     pub fn start_without_raw_exec(args: &[&str]) -> Result<Agent> {
-        Self::start_as(args, &[], false)
+        Self::start_as(args, &[], false, None)
     }
 
     /// Starts the agent; its client role, if it has one, runs raw_exec
     /// tasks, as the tests' jobs are, when `raw_exec` (one more config
     /// file turns it on; `-dev`, which takes no file, has it on).
-    fn start_as(args: &[&str], env: &[(&str, Option<&str>)], raw_exec: bool) -> Result<Agent> {
+    fn start_as(
+        args: &[&str],
+        env: &[(&str, Option<&str>)],
+        raw_exec: bool,
+        disk_mib: Option<u64>,
+    ) -> Result<Agent> {
         let data_dir = tempfile::Builder::new().prefix("berth-e2e-").tempdir()?;
+        if let Some(mib) = disk_mib {
+            mount_disk(data_dir.path(), mib)?;
+        }
         let log_path = data_dir.path().join("agent.log");
         let mut argv: Vec<OsString> = vec!["-data-dir".into(), data_dir.path().join("data").into()];
         if raw_exec && !args.contains(&"-dev") {
@@ -165,6 +179,24 @@ impl Agent {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
+    /// How long the agent's log is now (bytes): a mark for
+    /// [`Agent::log_since`].
+    pub fn log_len(&self) -> u64 {
+        std::fs::metadata(&self.log_path).map_or(0, |m| m.len())
+    }
+
+    /// The agent's log from byte `mark` on.
+    pub fn log_since(&self, mark: u64) -> String {
+        use std::io::{Read, Seek};
+        let mut text = Vec::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log_path) {
+            if f.seek(std::io::SeekFrom::Start(mark)).is_ok() {
+                let _ = f.read_to_end(&mut text);
+            }
+        }
+        String::from_utf8_lossy(&text).into_owned()
+    }
+
     /// An error with the log when the agent has exited.
     pub fn check_running(&mut self) -> Result<()> {
         if let Some(c) = self.child.as_mut() {
@@ -223,6 +255,30 @@ impl Agent {
         ]);
         Agent::start(&all)
     }
+}
+
+/// An ext4 filesystem of `mib` MiB (an image in `dir`) mounted at
+/// `dir/data`; the agent's drop unmounts it, and the loop device goes with
+/// the mount.
+fn mount_disk(dir: &std::path::Path, mib: u64) -> Result<()> {
+    let image = dir.join("disk.img");
+    std::fs::File::create(&image)?.set_len(mib << 20)?;
+    let run = |cmd: &mut std::process::Command| -> Result<()> {
+        let out = cmd.output().with_context(|| format!("running {cmd:?}"))?;
+        if !out.status.success() {
+            bail!("{cmd:?}: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(())
+    };
+    run(std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-m", "0"])
+        .arg(&image))?;
+    let mount_point = dir.join("data");
+    std::fs::create_dir_all(&mount_point)?;
+    run(std::process::Command::new("mount")
+        .args(["-o", "loop,discard"])
+        .arg(&image)
+        .arg(&mount_point))
 }
 
 impl Drop for Agent {

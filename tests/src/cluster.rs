@@ -277,6 +277,18 @@ impl Client {
     /// Starts client `name` of `server`, through a relay when `relayed`,
     /// with `client_block` added to its `client { ... }` block.
     pub fn start(server: &Server, name: &str, relayed: bool, client_block: &str) -> Result<Client> {
+        Client::start_with_disk(server, name, relayed, client_block, None)
+    }
+
+    /// [`Client::start`] with the data dir on a filesystem of its own of
+    /// `disk_mib` MiB, when given (see [`Agent::start_on_disk`]).
+    pub fn start_with_disk(
+        server: &Server,
+        name: &str,
+        relayed: bool,
+        client_block: &str,
+        disk_mib: Option<u64>,
+    ) -> Result<Client> {
         let relay = if relayed {
             let upstream = server
                 .rpc
@@ -289,7 +301,7 @@ impl Client {
         let servers = relay
             .as_ref()
             .map_or(server.rpc.clone(), |r| r.addr().to_string());
-        let mut client = Client::start_with_servers(&servers, name, client_block)?;
+        let mut client = Client::start_agent(&servers, name, client_block, "", disk_mib)?;
         client.relay = relay;
         Ok(client)
     }
@@ -309,6 +321,16 @@ impl Client {
         client_block: &str,
         top_level: &str,
     ) -> Result<Client> {
+        Client::start_agent(servers, name, client_block, top_level, None)
+    }
+
+    fn start_agent(
+        servers: &str,
+        name: &str,
+        client_block: &str,
+        top_level: &str,
+        disk_mib: Option<u64>,
+    ) -> Result<Client> {
         let config = tempfile::tempdir()?;
         let file = config.path().join("client.hcl");
         std::fs::write(
@@ -317,7 +339,7 @@ impl Client {
         )?;
         let http_port = free_port();
         let http = format!("127.0.0.1:{http_port}");
-        let agent = Agent::start(&[
+        let args = [
             "-config",
             path_str(&file)?,
             "-client",
@@ -327,7 +349,11 @@ impl Client {
             name,
             "-http-addr",
             &http,
-        ])?;
+        ];
+        let agent = match disk_mib {
+            Some(mib) => Agent::start_on_disk(&args, mib)?,
+            None => Agent::start(&args)?,
+        };
         Ok(Client {
             agent,
             name: name.to_string(),

@@ -37,7 +37,13 @@ pub(crate) fn kill_and_unmount(child: &mut Option<Child>, dir: &Path) {
     // device still held by a lazily unmounted filesystem is only marked to
     // be cleared, which the kernel does on its last close.
     for dev in loops_backed_under(dir) {
-        let _ = Command::new("losetup").arg("-d").arg(&dev).status();
+        // A loop device set up by `mount -o loop` clears itself when
+        // unmounted: its detach may find it gone.
+        let _ = Command::new("losetup")
+            .arg("-d")
+            .arg(&dev)
+            .stderr(std::process::Stdio::null())
+            .status();
     }
     remove_cgroups(&cgroup_parent_of(dir));
 }

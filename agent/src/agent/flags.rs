@@ -886,6 +886,23 @@ client {
     }
 
     #[test]
+    fn csi_call_timeout_of_the_config_reaches_the_client() {
+        let hcl = CLIENT_HCL.replacen("client {", "client {\n  csi_call_timeout = \"3s\"", 1);
+        let (dir, c) = client_file(&hcl);
+        assert_eq!(client_config(&c).csi_call_timeout, Duration::from_secs(3));
+        assert_eq!(
+            client_config(&run(&["-dev"])).csi_call_timeout,
+            Duration::from_secs(30)
+        );
+        let zero = CLIENT_HCL.replacen("client {", "client {\n  csi_call_timeout = \"0s\"", 1);
+        let path = dir.path().join("zero.hcl");
+        std::fs::write(&path, zero).unwrap();
+        let e =
+            AgentConfig::from_args(&args(&["-config", path.to_str().unwrap()])).expect_err("zero");
+        assert!(format!("{e:#}").contains("csi_call_timeout"), "{e:#}");
+    }
+
+    #[test]
     fn csi_volume_stats_interval_of_the_config_reaches_the_client() {
         let hcl = CLIENT_HCL.replacen(
             "client {",

@@ -74,6 +74,13 @@ pub const CLIENT_DURATIONS: &[ClientDurationSetting] = &[
         set: |c, d| c.csi_fingerprint_interval = d,
     },
     ClientDurationSetting {
+        key: "csi_call_timeout",
+        in_file: true,
+        flag: None,
+        least: Least::NonZero,
+        set: |c, d| c.csi_call_timeout = d,
+    },
+    ClientDurationSetting {
         key: "gc_interval",
         in_file: false,
         flag: Some("gc-interval"),
