@@ -21,7 +21,7 @@ use anyhow::Result;
 use berth_tests::cluster::{marker_pids, node_of};
 use serde_json::Value;
 
-use crate::world::World;
+use crate::world::{World, BATCH_JOB};
 
 /// Whether alloc `a` (as the API shows it) has ended on its client.
 fn terminal(a: &Value) -> bool {
@@ -98,6 +98,19 @@ fn unsettled(world: &mut World) -> Result<Option<String>> {
             )));
         }
     }
+    if world.batch_runs > 0 {
+        let allocs = world.allocs(BATCH_JOB)?;
+        if let Some(a) = allocs.iter().find(|a| !terminal(a)) {
+            return Ok(Some(format!(
+                "batch alloc {} is {}",
+                a["id"], a["client_status"]
+            )));
+        }
+        if !marker_pids(BATCH_JOB).is_empty() {
+            return Ok(Some("a batch task process runs on".into()));
+        }
+        all.extend(allocs);
+    }
     let plugin = world.server.get("/v1/plugin/csi/hostpath")?;
     let healthy = plugin["nodes_healthy"].as_u64().unwrap_or(0);
     if healthy != world.clients.len() as u64 {
@@ -130,7 +143,7 @@ fn mounts_astray(world: &World, node_ids: &[String], allocs: &[Value]) -> Vec<St
             .filter(|a| !terminal(a))
             .filter_map(|a| a["id"].as_str())
             .collect();
-        let volume_of = |a: &Value| world.writers.get(a["job_id"].as_str()?).map(String::as_str);
+        let volume_of = |a: &Value| world.volume_of(a["job_id"].as_str()?);
         let claimed: BTreeSet<&str> = here
             .iter()
             .filter(|a| !terminal(a))
@@ -190,7 +203,7 @@ fn mounts_astray(world: &World, node_ids: &[String], allocs: &[Value]) -> Vec<St
 /// gone (promise 3).
 fn stale_claims(world: &World, live: &BTreeSet<String>) -> Result<Vec<String>> {
     let mut stale = Vec::new();
-    for volume in world.writers.values() {
+    for volume in world.volumes() {
         let v = world.server.volume(volume)?;
         for kind in ["write_claims", "read_claims"] {
             for alloc in v[kind].as_object().into_iter().flat_map(|m| m.keys()) {

@@ -20,6 +20,7 @@ mod corrupt;
 mod faults;
 mod rng;
 mod sampler;
+mod workload;
 mod world;
 
 use std::path::PathBuf;

@@ -16,7 +16,6 @@ use berth_tests::cluster::{
 };
 use serde_json::Value;
 
-use crate::rng::Rng;
 use crate::sampler::WriterSampler;
 
 /// Server timings short enough for faults to play out in seconds: a node
@@ -34,6 +33,11 @@ pub const NODES: [&str; 3] = ["chaos-0", "chaos-1", "chaos-2"];
 /// past the deadline plays out in seconds.
 const CLIENT_BLOCK: &str = r#"disconnect_startup_grace = "1s"
   csi_call_timeout = "2s""#;
+
+/// A batch job (see `workload`) that writes to its own volume for a
+/// second, then is done.
+pub const BATCH_JOB: &str = "batch";
+const BATCH_VOLUME: &str = "vol-b";
 
 /// The size of each client's data dir, a filesystem of its own that the
 /// full-disk fault fills.
@@ -56,6 +60,10 @@ pub struct World {
     pub restarted: Vec<Option<u64>>,
     /// How many hold files were handed out.
     holds: u64,
+    /// How many versions of the batch job were run; 0: none yet.
+    pub batch_runs: u64,
+    /// How many scratch volumes were made (see `workload`).
+    pub scratch: u64,
 }
 
 impl World {
@@ -69,7 +77,10 @@ impl World {
         }
         server.wait_nodes_ready(&NODES)?;
         let plugin_state = tempfile::Builder::new().prefix("berth-chaos-").tempdir()?;
-        server.run_job("plugin", &shared_plugin_job(plugin_state.path())?)?;
+        server.run_job(
+            "plugin",
+            &quick_restarts(shared_plugin_job(plugin_state.path())?),
+        )?;
         server.wait_plugin_nodes(NODES.len() as u64)?;
         let mut writers = BTreeMap::new();
         let mut wanted = BTreeMap::new();
@@ -80,6 +91,7 @@ impl World {
             wanted.insert(job, 1);
         }
         wanted.insert("fleet".to_string(), 3);
+        server.create_volume(BATCH_VOLUME, &writer_volume(BATCH_VOLUME))?;
         let sampler = WriterSampler::start(writers.keys().cloned().collect());
         let mut world = World {
             server,
@@ -91,6 +103,8 @@ impl World {
             sampler,
             restarted: vec![None; NODES.len()],
             holds: 0,
+            batch_runs: 0,
+            scratch: 0,
         };
         for job in world.wanted.clone().keys() {
             world.run(job, 0)?;
@@ -126,6 +140,21 @@ impl World {
         agent.start_again()
     }
 
+    /// The volume `job`'s allocs write to, if any.
+    pub fn volume_of(&self, job: &str) -> Option<&str> {
+        if job == BATCH_JOB {
+            return Some(BATCH_VOLUME);
+        }
+        self.writers.get(job).map(String::as_str)
+    }
+
+    /// Every volume the run's jobs write to.
+    pub fn volumes(&self) -> Vec<&str> {
+        let mut all: Vec<&str> = self.writers.values().map(String::as_str).collect();
+        all.push(BATCH_VOLUME);
+        all
+    }
+
     /// A file no one made yet, for the plugin's `--hold-after`: calls are
     /// held until it exists.
     pub fn hold_file(&mut self) -> std::path::PathBuf {
@@ -140,7 +169,7 @@ impl World {
     pub fn roll_plugin(&self, args: &[String]) -> Result<()> {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let spec = shared_plugin_job_with_args(self.plugin_state.path(), &args)?;
-        self.server.run_job("plugin", &spec)
+        self.server.run_job("plugin", &quick_restarts(spec))
     }
 
     /// `berth job run` of `job` at `version`.
@@ -149,41 +178,6 @@ impl World {
         self.server.run_job(job, &spec)?;
         self.accepted.insert(job.to_string());
         Ok(())
-    }
-
-    /// One operation of the workload, chosen by `rng`; what it did.
-    pub fn churn(&mut self, rng: &mut Rng) -> Result<String> {
-        let jobs: Vec<String> = self.wanted.keys().cloned().collect();
-        let job = rng.pick(&jobs).clone();
-        Ok(match rng.below(3) {
-            0 => {
-                let version = rng.between(1, 3);
-                self.run(&job, version)?;
-                format!("update {job} to version {version}")
-            }
-            1 => {
-                self.server.cli(&["job", "stop", "-detach", &job])?;
-                self.accepted.remove(&job);
-                self.run(&job, 0)?;
-                format!("stop and run {job}")
-            }
-            _ => {
-                let running: Vec<String> = self
-                    .allocs(&job)?
-                    .iter()
-                    .filter(|a| a["client_status"] == "running")
-                    .filter_map(|a| a["id"].as_str().map(String::from))
-                    .collect();
-                if running.is_empty() {
-                    return Ok(format!("restart an alloc of {job}: none runs"));
-                }
-                let id = rng.pick(&running).clone();
-                // A node that is cut off answers no restart: not a fault of
-                // berth's.
-                let _ = self.server.cli(&["alloc", "restart", &id]);
-                format!("restart alloc {id} of {job}")
-            }
-        })
     }
 
     pub fn allocs(&self, job: &str) -> Result<Vec<Value>> {
@@ -204,6 +198,17 @@ impl World {
         }
         logs
     }
+}
+
+/// The plugin job with its task started again a second after it died
+/// (not the default 15 s), so that a run's faults follow each other
+/// quickly.
+fn quick_restarts(plugin_job: String) -> String {
+    plugin_job.replacen(
+        "group \"plugin\" {",
+        "group \"plugin\" {\n    restart {\n      delay = \"1s\"\n    }",
+        1,
+    )
 }
 
 /// How long to wait for a node to settle before it counts as a violation.
