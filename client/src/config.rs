@@ -39,8 +39,11 @@ pub struct ClientConfig {
     pub reserved_cpu: u64,
     pub reserved_memory_mb: u64,
     pub reserved_disk_mb: u64,
-    /// No alloc is stopped for a lost connection sooner than this after
-    /// the client starts.
+    /// The agent's own disconnect tracker stops no alloc sooner than this
+    /// after the client starts. It is the fallback for a task whose
+    /// executor does not watch the heartbeat lease (one started by an
+    /// older agent); an executor that does stops its task at the last
+    /// heartbeat + window, whether the agent has just started or not.
     pub disconnect_startup_grace: Duration,
     /// How often the stats and condition of the CSI volumes mounted here
     /// are collected (`client { csi_volume_stats_interval }`).

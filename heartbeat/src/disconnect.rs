@@ -6,7 +6,11 @@
 //! Time is counted from the last successful heartbeat, which the
 //! [`crate::Heartbeater`] restores from disk after an agent restart; a
 //! short startup grace keeps a freshly started agent from stopping allocs
-//! before it has had a chance to reach the servers.
+//! before it has had a chance to reach the servers. The tasks' executors
+//! hold them to the same window through the heartbeat lease, grace or not
+//! (see `berth_allocrunner::lease`); this tracker also covers what they
+//! do not (an executor started by an older agent), and stops the alloc as
+//! a whole, hooks and all.
 
 use berth_sync::Shutdown;
 use std::collections::HashSet;
