@@ -94,27 +94,59 @@ impl World {
     fn scratch_volume(&mut self) -> Result<String> {
         self.scratch += 1;
         let id = format!("scratch-{}", self.scratch);
-        self.server
-            .create_volume(&id, &writer_volume_with(&id, "1MiB", ""))?;
-        self.server
-            .create_volume(&format!("{id}-grown"), &writer_volume_with(&id, "2MiB", ""))
-            .context("growing the volume")?;
-        let snap = self.server.cli(&[
-            "volume",
-            "snapshot",
-            "create",
-            "-json",
-            &id,
-            &format!("{id}-snap"),
-        ])?;
+        let server = &self.server;
+        again("creating the volume", || {
+            server.create_volume(&id, &writer_volume_with(&id, "1MiB", ""))
+        })?;
+        again("growing the volume", || {
+            server.create_volume(&format!("{id}-grown"), &writer_volume_with(&id, "2MiB", ""))
+        })?;
+        let snap = again("snapshotting the volume", || {
+            server.cli(&[
+                "volume",
+                "snapshot",
+                "create",
+                "-json",
+                &id,
+                &format!("{id}-snap"),
+            ])
+        })?;
         let snap: serde_json::Value =
             serde_json::from_str(&snap).context("the snapshot as JSON")?;
         let snap_id = snap["id"].as_str().context("the snapshot's ID")?;
-        self.server
-            .cli(&["volume", "snapshot", "delete", "hostpath", snap_id])?;
-        self.server.cli(&["volume", "delete", &id])?;
+        again("deleting the snapshot", || {
+            server.cli(&["volume", "snapshot", "delete", "hostpath", snap_id])
+        })?;
+        again("deleting the volume", || {
+            server.cli(&["volume", "delete", &id])
+        })?;
         Ok(format!(
             "volume {id} created, grown, snapshotted and deleted"
         ))
     }
+}
+
+/// Runs `op` again, for up to 30 s, while it fails for a passing reason,
+/// as an operator would: a server that has just restarted answers 503
+/// for a plugin's controller until the clients running it have reported
+/// back, and an agent that is starting answers nothing yet.
+fn again<T>(what: &str, mut op: impl FnMut() -> Result<T>) -> Result<T> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        match op() {
+            Ok(v) => return Ok(v),
+            Err(e) if std::time::Instant::now() < deadline && passing(&e) => {
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+            Err(e) => return Err(e).context(what.to_string()),
+        }
+    }
+}
+
+/// Whether an error is one a moment later may not give.
+fn passing(e: &anyhow::Error) -> bool {
+    let text = format!("{e:#}");
+    ["(HTTP 503)", "(HTTP 429)", "no berth agent answers"]
+        .iter()
+        .any(|p| text.contains(p))
 }

@@ -125,9 +125,11 @@ impl World {
         // follow each other quickly.
         let reschedule = "    reschedule {\n      delay          = \"1s\"\n      \
                           delay_function = \"constant\"\n      unlimited      = true\n    }\n";
+        // `sleep 0.2`, `0.20`, `0.200`...: the same sleep, a new command
+        // line (a loop of an invalid sleep would fork as fast as it can).
         spec.replace(
             "sleep 0.2",
-            &format!("sleep 0.2{}", ".0".repeat(version as usize % 4)),
+            &format!("sleep 0.2{}", "0".repeat(version as usize % 4)),
         )
         .replacen("    restart {", &format!("{reschedule}    restart {{"), 1)
     }
