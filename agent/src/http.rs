@@ -320,9 +320,25 @@ async fn list_jobs(
     State(s): State<Arc<Server>>,
     ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Response, ApiError> {
-    let index = q.block(&s, query::JOBS).await?;
+    // The summaries count allocs: an alloc's change wakes the list.
+    let index = q.block(&s, query::JOB_ALLOCS).await?;
     let (page, next) = s.jobs_page(q.table_page());
-    let body = Value::Array(page.iter().map(|j| job_view(&s, j)).collect());
+    let counts = s.jobs_group_counts(&page);
+    let body = Value::Array(
+        page.iter()
+            .zip(counts)
+            .map(|(j, groups)| {
+                let mut v = job_view(&s, j);
+                if let Some(o) = v.as_object_mut() {
+                    o.insert(
+                        "summary".into(),
+                        serde_json::to_value(groups).unwrap_or_default(),
+                    );
+                }
+                v
+            })
+            .collect(),
+    );
     Ok(indexed(index, body, next))
 }
 
@@ -856,6 +872,7 @@ pub mod openapi;
 mod openapi_jobs;
 pub mod query;
 pub mod routes;
+pub mod ui;
 
 #[cfg(test)]
 mod tests;

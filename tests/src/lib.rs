@@ -6,6 +6,7 @@
 
 mod acl;
 mod agent;
+pub mod browser;
 mod cli;
 pub mod cli_text;
 pub mod cluster;

@@ -203,8 +203,10 @@ pub fn agent_router(server: Option<Arc<Server>>, info: Arc<AgentInfo>) -> Router
         }
         super::acl::AclGate::new(&routes, super::acl::UnknownPaths::PassOn, resolver, enforce)
     });
+    // The web UI's files are public (the page asks for a token itself).
     let router = agent_routes()
         .into_router()
+        .merge(super::ui::routes())
         .with_state(info.clone())
         .fallback_service(rest)
         .layer(axum::middleware::from_fn_with_state(

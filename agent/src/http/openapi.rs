@@ -636,6 +636,16 @@ fn components() -> Value {
                     "type": "array", "items": { "type": "string" },
                     "description": "answers only: why allocs could not be placed",
                 },
+                "summary": {
+                    "type": "object",
+                    "additionalProperties": object(json!({
+                        "queued": { "type": "integer" }, "starting": { "type": "integer" },
+                        "running": { "type": "integer" }, "failed": { "type": "integer" },
+                        "complete": { "type": "integer" }, "lost": { "type": "integer" },
+                        "unknown": { "type": "integer" },
+                    }), &["running"]),
+                    "description": "answers of GET /v1/jobs only: each group's allocs by state (queued: see the job's summary)",
+                },
             }), &["id", "name", "type", "task_groups"]),
             "Constraint": object(json!({
                 "attribute": { "type": "string", "description": "a literal, ${node.unique.id}, ${node.unique.name}, ${node.datacenter}, ${node.class}, ${attr.NAME} or ${meta.NAME}" },

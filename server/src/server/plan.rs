@@ -199,6 +199,14 @@ impl Server {
         }))
     }
 
+    /// The allocs of each of `jobs` per group by state, in one read: a
+    /// job list's summaries. `queued` is left at 0: it takes a plan per
+    /// job, which [`Server::job_summary`] makes.
+    pub fn jobs_group_counts(&self, jobs: &[Job]) -> Vec<BTreeMap<String, GroupSummary>> {
+        self.store
+            .read(|t| jobs.iter().map(|job| group_counts(t, job)).collect())
+    }
+
     /// A job's allocs per group by state, and what waits to be placed.
     pub fn job_summary(&self, id: &str) -> Result<JobSummary, ServerError> {
         let now = berth_structs::now_ms();
@@ -207,24 +215,7 @@ impl Server {
                 .jobs
                 .get(id)
                 .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))?;
-            let mut groups: BTreeMap<String, GroupSummary> = job
-                .task_groups
-                .iter()
-                .map(|g| (g.name.clone(), GroupSummary::default()))
-                .collect();
-            for a in t.allocs_of_job(id) {
-                let g = groups.entry(a.task_group.clone()).or_default();
-                match a.client_status {
-                    // Stopped before its client started it: it never runs.
-                    AllocClientStatus::Pending if a.server_terminal() => {}
-                    AllocClientStatus::Pending => g.starting += 1,
-                    AllocClientStatus::Running => g.running += 1,
-                    AllocClientStatus::Failed => g.failed += 1,
-                    AllocClientStatus::Complete => g.complete += 1,
-                    AllocClientStatus::Lost => g.lost += 1,
-                    AllocClientStatus::Unknown => g.unknown += 1,
-                }
-            }
+            let mut groups = group_counts(t, job);
             // What the scheduler cannot place now (computed, not written).
             let outcome = place(t, job, &self.config, now, &mut Vec::new());
             for (group, n) in outcome.unplaced_by_group {
@@ -244,6 +235,29 @@ impl Server {
         self.store
             .read(|t| Ok(crate::server::job_in(t, id)?.id.clone()))
     }
+}
+
+/// The allocs of `job` per group by client state (`queued` left at 0).
+fn group_counts(t: &Tables, job: &Job) -> BTreeMap<String, GroupSummary> {
+    let mut groups: BTreeMap<String, GroupSummary> = job
+        .task_groups
+        .iter()
+        .map(|g| (g.name.clone(), GroupSummary::default()))
+        .collect();
+    for a in t.allocs_of_job(&job.id) {
+        let g = groups.entry(a.task_group.clone()).or_default();
+        match a.client_status {
+            // Stopped before its client started it: it never runs.
+            AllocClientStatus::Pending if a.server_terminal() => {}
+            AllocClientStatus::Pending => g.starting += 1,
+            AllocClientStatus::Running => g.running += 1,
+            AllocClientStatus::Failed => g.failed += 1,
+            AllocClientStatus::Complete => g.complete += 1,
+            AllocClientStatus::Lost => g.lost += 1,
+            AllocClientStatus::Unknown => g.unknown += 1,
+        }
+    }
+    groups
 }
 
 /// The job as JSON without the fields the servers manage.
