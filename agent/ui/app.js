@@ -385,7 +385,7 @@ function allocPage(page, id) {
         : null,
       live && can('alloc-lifecycle')
         ? action('Stop', `Stop alloc ${a.id.slice(0, 8)}?`, `${a.name} is stopped; the scheduler places a replacement when its job still wants one.`,
-          () => api(`/v1/allocation/${enc(a.id)}/stop`, { method: 'POST', body: {} }))
+          () => api(`/v1/allocation/${enc(a.id)}/stop`, { method: 'POST' }))
         : null),
       facts([
         ['Name', a.name], ['Job', link(`#/jobs/${enc(a.job_id)}`, a.job_id)],
@@ -551,14 +551,14 @@ function nodePage(page, id) {
       h('div', { class: 'actions' }, can('node-write') ? [
         n.drain
           ? action('Stop drain', `Stop draining ${n.name}?`, 'The drain ends; the node stays ineligible until you make it eligible.',
-            () => api(`/v1/node/${enc(n.id)}/drain`, { method: 'POST', body: { drain_spec: null, mark_eligible: false } }), false)
+            () => api(`/v1/node/${enc(n.id)}/drain`, { method: 'POST', body: { enable: false } }), false)
           : action('Drain', `Drain ${n.name}?`, 'Its allocs are moved to other nodes (deadline 1h) and it takes no new ones.',
-            () => api(`/v1/node/${enc(n.id)}/drain`, { method: 'POST', body: { drain_spec: { deadline: '1h' } } })),
+            () => api(`/v1/node/${enc(n.id)}/drain`, { method: 'POST', body: { enable: true, deadline: '1h' } })),
         n.scheduling_eligibility === 'eligible'
           ? action('Make ineligible', `Make ${n.name} ineligible?`, 'It takes no new allocs; what runs there keeps running.',
-            () => api(`/v1/node/${enc(n.id)}/eligibility`, { method: 'POST', body: { eligibility: 'ineligible' } }), false)
+            () => api(`/v1/node/${enc(n.id)}/eligibility`, { method: 'POST', body: { eligible: false } }), false)
           : action('Make eligible', `Make ${n.name} eligible?`, 'The scheduler may place allocs there again.',
-            () => api(`/v1/node/${enc(n.id)}/eligibility`, { method: 'POST', body: { eligibility: 'eligible' } }), false),
+            () => api(`/v1/node/${enc(n.id)}/eligibility`, { method: 'POST', body: { eligible: true } }), false),
       ] : null),
       h('div', { class: 'cols' },
         facts([
@@ -676,13 +676,17 @@ function pluginPage(page, id) {
 
 // ---- what the token may do ---------------------------------------------------------
 
-/** Whether the token may take an action that needs `capability`: with
- * ACLs off (no token record), yes; a management token, yes; otherwise the
- * answer of its policies as the agent reports them. */
-function can(capability) {
+/** Whether the token may take an action that needs `need` (a namespace
+ * capability such as `alloc-lifecycle`, or `node-write`), as the servers
+ * resolved its policies (`acl` of `GET /v1/acl/token/self`). With ACLs
+ * off there is no token to ask about: yes. A refused action still says
+ * why. */
+function can(need) {
   if (!self) return true;
-  if (self.type === 'management') return true;
-  return (self.capabilities || []).includes(capability);
+  const acl = self.acl || {};
+  if (acl.management) return true;
+  if (need === 'node-write') return acl.node === 'write';
+  return (acl.capabilities || []).includes(need);
 }
 
 // ---- routing -----------------------------------------------------------------------

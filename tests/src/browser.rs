@@ -228,6 +228,37 @@ impl Browser {
         Ok(())
     }
 
+    /// Makes the tab `width`×`height` CSS pixels.
+    pub fn resize(&mut self, width: u32, height: u32) -> Result<()> {
+        self.call(
+            "Emulation.setDeviceMetricsOverride",
+            json!({ "width": width, "height": height, "deviceScaleFactor": 1, "mobile": false }),
+        )
+        .map(|_| ())
+    }
+
+    /// Presses and releases `key` ("Tab", "Enter" or "Escape") as the
+    /// keyboard would, on whatever has the focus.
+    pub fn press(&mut self, key: &str) -> Result<()> {
+        let code = match key {
+            "Tab" => 9,
+            "Enter" => 13,
+            "Escape" => 27,
+            other => bail!("no key code for {other:?}"),
+        };
+        // Enter types a carriage return: that is what activates a link
+        // or a button.
+        let text = if key == "Enter" { "\r" } else { "" };
+        for kind in ["keyDown", "keyUp"] {
+            self.call(
+                "Input.dispatchKeyEvent",
+                json!({ "type": kind, "key": key, "code": key, "text": text,
+                        "windowsVirtualKeyCode": code, "nativeVirtualKeyCode": code }),
+            )?;
+        }
+        Ok(())
+    }
+
     /// A PNG of the tab, written to `path`.
     pub fn screenshot(&mut self, path: &Path) -> Result<()> {
         let shot = self.call("Page.captureScreenshot", json!({ "format": "png" }))?;

@@ -229,3 +229,165 @@ fn the_alloc_page_tails_the_log_and_stops_the_alloc() -> Result<()> {
     );
     Ok(())
 }
+
+/// A read-only policy: reads jobs, nodes, plugins and volumes; no action.
+const READ_ONLY: &str = r#"
+namespace "default" {
+  policy = "read"
+}
+node   { policy = "read" }
+plugin { policy = "read" }
+"#;
+
+/// Gives the token dialog `secret` and confirms it.
+fn give_token(browser: &mut Browser, secret: &str) -> Result<()> {
+    browser.wait_until(
+        "the token dialog",
+        LOAD,
+        "document.getElementById('token').open",
+    )?;
+    browser.eval(&format!(
+        "document.getElementById('token-secret').value = {}",
+        serde_json::to_string(secret)?
+    ))?;
+    browser.click("#token button", "Use token")
+}
+
+/// Whether the page shows a button labelled `label`.
+fn has_button(browser: &mut Browser, label: &str) -> Result<bool> {
+    Ok(browser.eval(&format!(
+        "[...document.querySelectorAll('main button')].some((b) => b.textContent === {})",
+        serde_json::to_string(label)?
+    ))? == serde_json::json!(true))
+}
+
+/// With ACLs on, a page the API refuses asks for a token and keeps it
+/// for the tab only; the actions the token cannot take are not shown: a
+/// read-only token sees the alloc without Stop or Restart, the
+/// management token with both.
+#[test]
+fn with_acls_the_page_asks_for_a_token_and_hides_what_it_cannot_do() -> Result<()> {
+    let agent = DevAgent::start_with_args(&["-acl-enabled"])?;
+    let management = agent.token.clone().context("the bootstrap token")?;
+    agent.run_plugin_and_create_volume()?;
+    agent.run_job("reader", READER)?;
+    let alloc = wait_alloc_running(&agent, "reader")?;
+    let alloc_id = alloc["id"].as_str().context("alloc ID")?.to_string();
+    let policy = agent.write_file("readonly.hcl", READ_ONLY)?;
+    agent.cli_ok(&["acl", "policy", "apply", "readonly", &policy])?;
+    let created: serde_json::Value = serde_json::from_str(&agent.cli_ok(&[
+        "acl",
+        "token",
+        "create",
+        "-json",
+        "-name",
+        "ui-reader",
+        "-policy",
+        "readonly",
+    ])?)?;
+    let reader = created["secret_id"]
+        .as_str()
+        .context("the token")?
+        .to_string();
+
+    let mut browser = Browser::start(1280, 800)?;
+    browser.navigate(&format!("{}/ui/#/allocs/{alloc_id}", agent.http_addr))?;
+    give_token(&mut browser, &reader)?;
+    browser.wait_text(LOAD, &["reader.reader[0]", "Task read"])?;
+    ensure!(
+        !has_button(&mut browser, "Stop")? && !has_button(&mut browser, "Restart")?,
+        "a read-only token is offered Stop or Restart"
+    );
+    let kept = browser.eval(&format!(
+        "sessionStorage.getItem('berth.token') === {} && localStorage.length === 0",
+        serde_json::to_string(&reader)?
+    ))?;
+    ensure!(
+        kept == serde_json::json!(true),
+        "the token is not kept in session storage alone"
+    );
+
+    browser.click("#token-button", "")?;
+    give_token(&mut browser, &management)?;
+    browser.wait_until(
+        "Stop and Restart for the management token",
+        LOAD,
+        "['Stop', 'Restart'].every((l) => [...document.querySelectorAll('main button')].some((b) => b.textContent === l))",
+    )?;
+    Ok(())
+}
+
+/// Without a mouse: Tab reaches the skip link and then the sections, and
+/// Enter follows a link. In a narrow window (390×844) no page is wider
+/// than the window (wide tables scroll in their own box). When the agent
+/// stops answering, the header says so; when it is back, the page goes on.
+#[test]
+fn the_ui_works_from_the_keyboard_in_a_narrow_window_and_says_when_the_agent_is_gone() -> Result<()>
+{
+    let (mut agent, alloc) = cluster()?;
+    let alloc_id = alloc["id"].as_str().context("alloc ID")?.to_string();
+    let mut browser = Browser::start(1280, 800)?;
+    let base = format!("{}/ui/", agent.http_addr);
+    browser.navigate(&format!("{base}#/jobs"))?;
+    browser.wait_text(LOAD, &["reader"])?;
+    browser.press("Tab")?;
+    let focused = browser.eval("document.activeElement.textContent")?;
+    ensure!(
+        focused == "Skip to content",
+        "the first Tab focuses {focused}"
+    );
+    // Past the brand to the sections: Nodes is the third link after it.
+    for _ in 0..3 {
+        browser.press("Tab")?;
+    }
+    let focused = browser.eval("document.activeElement.textContent")?;
+    ensure!(
+        focused == "Nodes",
+        "Tab reached {focused}, not the Nodes section"
+    );
+    browser.press("Enter")?;
+    browser.wait_until(
+        "Enter to open the nodes page",
+        LOAD,
+        "location.hash === '#/nodes'",
+    )?;
+    browser.wait_text(LOAD, &["eligible"])?;
+
+    browser.resize(390, 844)?;
+    for hash in [
+        "#/jobs".to_string(),
+        format!("#/allocs/{alloc_id}"),
+        "#/nodes".into(),
+        "#/volumes/data".into(),
+    ] {
+        browser.navigate("about:blank")?;
+        browser.navigate(&format!("{base}{hash}"))?;
+        browser.wait_until(
+            "the page's data",
+            LOAD,
+            "!document.body.innerText.includes('Loading')",
+        )?;
+        let fits = browser.eval("document.documentElement.scrollWidth <= window.innerWidth")?;
+        ensure!(
+            fits == serde_json::json!(true),
+            "{hash} is wider than a 390 px window"
+        );
+        let name = hash
+            .trim_start_matches("#/")
+            .split('/')
+            .next()
+            .unwrap_or("page")
+            .to_string();
+        browser.screenshot(&screenshots().join(format!("narrow-{name}.png")))?;
+    }
+
+    agent.stop_agent()?;
+    browser.wait_text(Duration::from_secs(30), &["Agent unreachable"])?;
+    agent.start_again()?;
+    browser.wait_until(
+        "the header to clear once the agent is back",
+        Duration::from_secs(60),
+        "document.getElementById('conn').textContent === ''",
+    )?;
+    Ok(())
+}
