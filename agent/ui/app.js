@@ -536,9 +536,12 @@ function nodesPage(page) {
 }
 
 function nodePage(page, id) {
+  const title = h('h1', {}, `Node ${id.length > 12 ? id.slice(0, 8) : id}`);
   const head = region('node');
   const allocs = region('allocs');
   follow(page, `/v1/node/${enc(id)}`, (n) => {
+    title.textContent = `Node ${n.name}`;
+    document.title = `${title.textContent} · berth`;
     const res = (r) => (r ? `${r.cpu} MHz, ${r.memory_mb} MiB memory, ${r.disk_mb} MiB disk` : '—');
     const plugins = [];
     for (const [kind, map] of [['controller', n.csi_controller_plugins], ['node', n.csi_node_plugins]]) {
@@ -587,7 +590,7 @@ function nodePage(page, id) {
     list.sort((a, b) => b.create_index - a.create_index);
     fill(allocs, allocTable(list, { job: true }));
   }, (e) => failure(allocs, e));
-  return [h('h1', {}, `Node ${id.length > 12 ? id.slice(0, 8) : id}`), head, h('h2', {}, 'Allocations'), allocs];
+  return [title, head, h('h2', {}, 'Allocations'), allocs];
 }
 
 function volumesPage(page) {

@@ -194,6 +194,9 @@ struct Inner {
     /// The servers' index of their last change to ACL tokens and
     /// policies, as they last said (0 before they did).
     acl_index: std::sync::atomic::AtomicU64,
+    /// Whether this connection has registered the node: until it has, a
+    /// server that does not know the node yet is the expected answer.
+    registered: std::sync::atomic::AtomicBool,
 }
 
 fn status_retryable(code: Code) -> bool {
@@ -216,6 +219,7 @@ impl ServerConn {
                 intro_token: Mutex::new(None),
                 cluster_acl: watch::Sender::new(None),
                 acl_index: std::sync::atomic::AtomicU64::new(0),
+                registered: std::sync::atomic::AtomicBool::new(false),
             }),
         }
     }
@@ -312,6 +316,9 @@ impl ServerConn {
             req.metadata_mut().insert(pb::INTRO_TOKEN_METADATA, value);
         }
         let resp = self.node_client().register(req).await?.into_inner();
+        self.inner
+            .registered
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         self.note_cluster_acl(resp.acl_enabled);
         self.note_acl_index(resp.acl_index);
         Ok(Duration::from_millis(resp.heartbeat_ttl_ms))
@@ -592,7 +599,20 @@ impl ServerConn {
                     let wait = Duration::from_millis(100)
                         .saturating_mul(1u32 << failures.min(10))
                         .min(max_wait);
-                    tracing::warn!(error = %s, failures, retry_in = ?wait, "sending plugin fingerprints failed; retrying");
+                    // Before the node's first registration (plugins
+                    // restored at a start are found first) a server that
+                    // does not know the node is no news: the set goes
+                    // once it does.
+                    let early = s.code() == Code::NotFound
+                        && !self
+                            .inner
+                            .registered
+                            .load(std::sync::atomic::Ordering::SeqCst);
+                    if early {
+                        tracing::debug!(error = %s, failures, retry_in = ?wait, "plugin fingerprints wait for the node's registration");
+                    } else {
+                        tracing::warn!(error = %s, failures, retry_in = ?wait, "sending plugin fingerprints failed; retrying");
+                    }
                     tokio::time::sleep(wait).await;
                 }
             }
