@@ -311,8 +311,7 @@ impl Task {
                 quoted(&self.driver),
                 SUPPORTED_DRIVERS.join(", ")
             ));
-        }
-        if self.config.command.is_empty() {
+        } else if self.config.command.is_empty() {
             errs.push(format!("{at}: config.command is required"));
         }
         for c in &self.constraints {

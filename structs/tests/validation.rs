@@ -534,3 +534,28 @@ fn a_tasks_memory_max_pids_limit_and_user_are_read_and_checked() {
         "{json}"
     );
 }
+
+/// A driver berth does not have is named as such, with the ones it has,
+/// whatever its config block holds: not an "unknown attribute" of it.
+#[test]
+fn a_driver_berth_does_not_have_is_refused_by_name() {
+    let src = r#"job "cache" {
+  group "cache" {
+    task "redis" {
+      driver = "docker"
+      config {
+        image = "redis:7"
+        ports = ["db"]
+      }
+    }
+  }
+}"#;
+    let job = parse_job(src).unwrap();
+    let err = job.validate().unwrap_err().to_string();
+    assert!(
+        err.contains(r#"driver "docker" is not supported (supported: exec, raw_exec)"#),
+        "{err}"
+    );
+    assert!(!err.contains("unknown attribute"), "{err}");
+    assert!(!err.contains("config.command"), "{err}");
+}

@@ -544,7 +544,13 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
         ],
     )?;
 
+    let driver = r.required_string("driver")?;
+    // The config block's attributes are the driver's: for a driver berth
+    // does not have, what to say is that (validation does), not which
+    // attribute of its config is unknown.
+    let supported = crate::task::SUPPORTED_DRIVERS.contains(&driver.as_str());
     let config = match r.optional_block("config")? {
+        Some(_) if !supported => TaskConfig::default(),
         None => TaskConfig::default(),
         Some(b) => {
             let c =
@@ -602,7 +608,7 @@ fn decode_task(src: &Source<'_>, block: &Block, parent: &str) -> Result<Task, Sp
 
     Ok(Task {
         name,
-        driver: r.required_string("driver")?,
+        driver,
         config,
         env: r.map("env")?,
         resources,
