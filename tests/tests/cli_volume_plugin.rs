@@ -363,3 +363,32 @@ fn status_commands_explain_themselves() -> Result<()> {
     }
     Ok(())
 }
+
+/// A job that asks a volume for a mode it was not created with would wait
+/// for a claim forever: `job plan` and `job run` refuse it at once, naming
+/// the volume's capabilities, and nothing is stored.
+#[test]
+fn a_job_asking_a_volume_for_a_mode_it_lacks_is_refused() -> Result<()> {
+    let agent = DevAgent::start()?;
+    agent.run_plugin_and_create_volume()?;
+    let spec = csi_volume_service_job("wants-mnmw", "w", &["-c", "sleep 60"])
+        .replace("single-node-writer", "multi-node-multi-writer");
+    let file = agent.write_file("wants-mnmw.hcl", &spec)?;
+    for cmd in ["plan", "run"] {
+        let out = agent.cli(&["job", cmd, &file])?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(!out.status.success(), "job {cmd} was accepted");
+        anyhow::ensure!(
+            err.contains(
+                r#"volume "data" was not created for multi-node-multi-writer file-system"#
+            ) && err.contains("its capabilities: single-node-writer file-system"),
+            "job {cmd}: {err}"
+        );
+    }
+    let jobs = agent.api_get("/v1/jobs")?;
+    anyhow::ensure!(
+        !jobs.to_string().contains("wants-mnmw"),
+        "the refused job was stored: {jobs}"
+    );
+    Ok(())
+}

@@ -76,8 +76,9 @@ impl Server {
         self.register_job_checked(job, None).await
     }
 
-    /// The checks a submitted job passes: its own (`Job::validate`), and
-    /// a region, when it names one, that is this cluster's.
+    /// The checks a submitted (or planned) job passes: its own
+    /// (`Job::validate`), a region, when it names one, that is this
+    /// cluster's, and modes of its volumes that they have.
     pub(crate) fn check_job(&self, job: &Job) -> Result<(), ServerError> {
         job.validate()?;
         let mine = &self.config.region;
@@ -89,7 +90,60 @@ impl Server {
             )])
             .into());
         }
-        Ok(())
+        self.check_volume_modes(job)
+    }
+
+    /// A group that asks a volume for an access or attachment mode the
+    /// volume was not created with would wait for a claim forever:
+    /// refused at the door, with the modes the volume has. A volume that
+    /// does not exist yet, or lists no capabilities, is not judged.
+    fn check_volume_modes(&self, job: &Job) -> Result<(), ServerError> {
+        let errs = self.store.read(|t| {
+            let mut errs = Vec::new();
+            for g in &job.task_groups {
+                for req in g.volumes.values().filter(|r| r.volume_type == "csi") {
+                    let (Some(access), Some(attach)) = (req.access_mode, req.attachment_mode)
+                    else {
+                        continue;
+                    };
+                    let ids: Vec<String> = if req.per_alloc {
+                        (0..g.count).map(|i| req.source_for(i)).collect()
+                    } else {
+                        vec![req.source.clone()]
+                    };
+                    for id in ids {
+                        let Some(v) = t.volumes.get(&id) else {
+                            continue;
+                        };
+                        if v.capabilities.is_empty() || v.has_capability(access, attach) {
+                            continue;
+                        }
+                        let has: Vec<String> = v
+                            .capabilities
+                            .iter()
+                            .map(|c| {
+                                format!("{} {}", c.access_mode.as_str(), c.attachment_mode.as_str())
+                            })
+                            .collect();
+                        errs.push(format!(
+                            "group {:?} volume {:?}: volume {id:?} was not created for {} {} \
+                             (its capabilities: {})",
+                            g.name,
+                            req.name,
+                            access.as_str(),
+                            attach.as_str(),
+                            has.join(", ")
+                        ));
+                    }
+                }
+            }
+            errs
+        });
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(berth_structs::ValidationError(errs).into())
+        }
     }
 
     /// Register a job; with `enforce_index`, only while the stored job's
