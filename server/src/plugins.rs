@@ -71,10 +71,12 @@ pub(crate) fn derive_plugin(t: &Tables, id: &str) -> CsiPlugin {
     p.nodes_healthy = count_u32(p.nodes.iter().filter(|(n, i)| up(i, n)).count());
     p.controllers_expected = expected_controllers.max(count_u32(p.controllers.len()));
     p.nodes_expected = expected_nodes.max(count_u32(p.nodes.len()));
+    // Nomad's meaning: a controller must publish a volume to a node
+    // (PUBLISH_UNPUBLISH_VOLUME) before the node can mount it.
     p.controller_required = p
         .controllers
         .values()
-        .any(|c| c.requires_controller_publish || c.supports_create_delete);
+        .any(|c| c.requires_controller_publish);
     p
 }
 

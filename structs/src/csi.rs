@@ -641,6 +641,9 @@ pub struct CsiPlugin {
     pub id: String,
     pub provider: String,
     pub version: String,
+    /// A controller must publish a volume to a node before the node can
+    /// mount it (a controller with PUBLISH_UNPUBLISH_VOLUME), as Nomad
+    /// means it: not merely that the plugin has a controller.
     pub controller_required: bool,
     pub controllers_healthy: u32,
     pub controllers_expected: u32,

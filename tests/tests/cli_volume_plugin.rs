@@ -236,6 +236,10 @@ fn plugin_status_lists_details_capabilities_and_allocs() -> Result<()> {
         .with_context(|| format!("a row of hostpath in {list}"))?;
     assert!(row.contains("hostpath.csi.berth.dev"), "{row}");
     assert_eq!(row.matches("1/1").count(), 2, "{row}");
+    // Nomad's meaning: the example plugin's controller creates volumes
+    // but publishes none to nodes, so no controller is required.
+    let p = agent.api_get("/v1/plugin/csi/hostpath")?;
+    assert_eq!(p["controller_required"], false, "{p}");
 
     // The detail, by a prefix of the ID.
     let detail = agent.cli_ok(&["plugin", "status", "host"])?;

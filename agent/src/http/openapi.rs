@@ -784,7 +784,10 @@ fn components() -> Value {
                 "id": { "type": "string" },
                 "provider": { "type": "string" },
                 "version": { "type": "string" },
-                "controller_required": { "type": "boolean" },
+                "controller_required": {
+                    "type": "boolean",
+                    "description": "a controller must publish a volume to a node before the node mounts it (PUBLISH_UNPUBLISH_VOLUME), as in Nomad",
+                },
                 "controllers_healthy": { "type": "integer" },
                 "controllers_expected": { "type": "integer" },
                 "nodes_healthy": { "type": "integer" },
