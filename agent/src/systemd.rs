@@ -37,6 +37,7 @@ use sd_notify::NotifyState;
 use tokio::sync::watch;
 
 use berth_client::Client;
+use berth_structs::text::count_of;
 
 /// Whether the agent runs under a service manager that listens.
 pub fn enabled() -> bool {
@@ -120,15 +121,16 @@ impl Components {
         let server = self
             .server
             .as_ref()
-            .map(|s| format!("server: {} nodes", s.node_count()));
+            .map(|s| format!("server: {}", count_of(s.node_count(), "node", "nodes")));
         let client = match &self.client {
             None => None,
             Some(c) => {
                 let allocs = c.running_allocs().await;
+                let allocs = count_of(allocs, "alloc", "allocs");
                 Some(if c.registered() {
-                    format!("client: {allocs} allocs running")
+                    format!("client: {allocs} running")
                 } else {
-                    format!("client: {allocs} allocs running; servers unreachable, retrying")
+                    format!("client: {allocs} running; servers unreachable, retrying")
                 })
             }
         };

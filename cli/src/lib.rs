@@ -542,11 +542,7 @@ fn print_release_warnings(resp: &Value) {
 }
 
 fn allocs_phrase(n: usize) -> String {
-    if n == 1 {
-        "1 alloc".into()
-    } else {
-        format!("{n} allocs")
-    }
+    berth_structs::text::count_of(n, "alloc", "allocs")
 }
 
 /// Reads a spec file (`kind` says which: "job file"). A file larger than

@@ -6,6 +6,7 @@ use serde_json::json;
 
 use super::{print_json, Ctx};
 use berth_api::ApiClient;
+use berth_structs::text::{count, count_of};
 
 #[derive(Subcommand, Debug)]
 pub enum OperatorCommand {
@@ -101,10 +102,14 @@ fn keyring_rotate(a: RotateArgs, api: &ApiClient) -> Result<i32> {
     }
     println!("Key ID: {}", v["key_id"].as_str().unwrap_or_default());
     println!(
-        "Sealed again: {} volumes, {} node secrets; retired {} keys",
-        v["volumes"].as_u64().unwrap_or(0),
-        v["node_secrets"].as_u64().unwrap_or(0),
-        v["retired"].as_array().map_or(0, Vec::len)
+        "Sealed again: {}, {}; retired {}",
+        count(v["volumes"].as_u64().unwrap_or(0), "volume", "volumes"),
+        count(
+            v["node_secrets"].as_u64().unwrap_or(0),
+            "node secret",
+            "node secrets"
+        ),
+        count_of(v["retired"].as_array().map_or(0, Vec::len), "key", "keys")
     );
     Ok(0)
 }

@@ -6,6 +6,7 @@ use serde_json::json;
 
 use super::{print_json, Ctx};
 use berth_api::ApiClient;
+use berth_structs::text::count_of;
 
 #[derive(Subcommand, Debug)]
 pub enum SystemCommand {
@@ -33,11 +34,11 @@ fn system_gc(a: GcArgs, api: &ApiClient) -> Result<i32> {
     }
     let n = |k: &str| v[k].as_array().map_or(0, Vec::len);
     println!(
-        "Garbage collected {} allocs, {} jobs, {} nodes, {} expired ACL tokens",
-        n("allocs"),
-        n("jobs"),
-        n("nodes"),
-        n("acl_tokens")
+        "Garbage collected {}, {}, {}, {}",
+        count_of(n("allocs"), "alloc", "allocs"),
+        count_of(n("jobs"), "job", "jobs"),
+        count_of(n("nodes"), "node", "nodes"),
+        count_of(n("acl_tokens"), "expired ACL token", "expired ACL tokens")
     );
     Ok(0)
 }

@@ -25,6 +25,7 @@ pub mod secret;
 pub mod spec;
 pub mod stats;
 pub mod task;
+pub mod text;
 pub mod update;
 
 pub use alloc::*;

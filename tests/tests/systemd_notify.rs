@@ -258,7 +258,7 @@ fn ready_comes_after_restore_the_watchdog_is_pinged_and_stopping_leaves_the_task
     // The status line follows the allocs.
     notify
         .until(
-            "STATUS=ready: server: 1 nodes; client: 1 allocs running",
+            "STATUS=ready: server: 1 node; client: 1 alloc running",
             Duration::from_secs(10),
             &agent,
         )
@@ -287,7 +287,7 @@ fn ready_comes_after_restore_the_watchdog_is_pinged_and_stopping_leaves_the_task
     );
     assert_eq!(
         statuses(&second).last().map(String::as_str),
-        Some("ready: server: 1 nodes; client: 1 allocs running"),
+        Some("ready: server: 1 node; client: 1 alloc running"),
         "{second:?}"
     );
     let at_ready = setup.only_alloc("sd-sleep")?;

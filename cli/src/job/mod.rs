@@ -209,7 +209,7 @@ fn table(rows: &[Vec<String>]) -> String {
 }
 
 fn plural(count: u64, one: &str, many: &str) -> String {
-    format!("{count} {}", if count == 1 { one } else { many })
+    berth_structs::text::count(count, one, many)
 }
 
 // ---- job run ----------------------------------------------------------
@@ -306,10 +306,14 @@ fn placement_outcome(resp: &JobRegisterResponse) -> Option<String> {
     let placed = desired.saturating_sub(unplaced);
     Some(if placed > 0 {
         format!(
-            "{placed} of {desired} allocs placed; the job runs with them and waits for capacity for the rest"
+            "{placed} of {} placed; the job runs with them and waits for capacity for the rest",
+            plural(desired, "alloc", "allocs")
         )
     } else {
-        format!("0 of {desired} allocs placed; the job waits until they can be placed")
+        format!(
+            "0 of {} placed; the job waits until they can be placed",
+            plural(desired, "alloc", "allocs")
+        )
     })
 }
 

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use berth_structs::text::count_of as plural;
 use berth_structs::{Node, TaskGroup};
 
 /// At most this many nodes' reasons are spelled out in one failure line.
@@ -65,10 +66,6 @@ pub(super) fn index_ranges(indices: &[u32]) -> String {
     shown.join(", ")
 }
 
-fn plural(n: usize, one: &str, many: &str) -> String {
-    format!("{n} {}", if n == 1 { one } else { many })
-}
-
 /// Why an alloc fits no node: each reason with the nodes it held back
 /// (`node a: why`, `3 nodes (a, b, c): why`, names sorted), the first
 /// few only.
@@ -98,7 +95,7 @@ pub(super) fn per_node_reasons(reasons: &[(&str, String)], ready_nodes: usize) -
                 if nodes.len() > MAX_ITEMS_SHOWN {
                     names.push_str(", ...");
                 }
-                format!("{} nodes ({names}): {why}", nodes.len())
+                format!("{} ({names}): {why}", plural(nodes.len(), "node", "nodes"))
             }
         });
     }
@@ -119,10 +116,10 @@ pub(super) fn service_failure_lines(group: &TaskGroup, tally: &Tally<u32>) -> Ve
         .iter()
         .map(|(reason, indices)| {
             format!(
-                "group {:?}: {} of {} allocs not placed: {reason} ({}: index {})",
+                "group {:?}: {} of {} not placed: {reason} ({}: index {})",
                 group.name,
                 tally.total,
-                group.count,
+                plural(group.count as usize, "alloc", "allocs"),
                 plural(indices.len(), "alloc", "allocs"),
                 index_ranges(indices)
             )

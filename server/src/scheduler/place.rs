@@ -1017,7 +1017,7 @@ mod tests {
         assert_eq!(
             outcome.failures,
             vec![
-                "group \"g\": 1 of 1 allocs not placed: node n1: the group asks for \
+                "group \"g\": 1 of 1 alloc not placed: node n1: the group asks for \
                  18446744073709551616 MHz of cpu in total, more than any node can have \
                  (1 alloc: index 0)"
                     .to_string()
@@ -1292,7 +1292,7 @@ mod tests {
         assert!(placed.is_empty(), "{placed:?}");
         assert_eq!(
             outcome.failures,
-            vec!["group \"g\": 1 of 1 allocs not placed: \
+            vec!["group \"g\": 1 of 1 alloc not placed: \
                  node a: volume \"vb\" is reachable only from topology {zone=b}; \
                  node plugin \"hp\" here is in topology {zone=a}; \
                  node b: volume \"va\" is reachable only from topology {zone=a}; \

@@ -7,6 +7,7 @@ use crate::plugins::*;
 use crate::prefix::resolve_node;
 use crate::state::Change;
 use berth_proto::berth::v1 as pb;
+use berth_structs::text::count_of;
 use berth_structs::{topologies_text, CsiPlugin, CsiTopology, CsiVolume};
 
 use super::Server;
@@ -235,8 +236,9 @@ impl Server {
                     if claimed > 0 {
                         if old.plugin_id != vol.plugin_id || old.external_id != vol.external_id {
                             return Err(ServerError::Conflict(format!(
-                                "volume {:?} has {claimed} claims; its plugin_id and external_id cannot change",
-                                vol.id
+                                "volume {:?} has {}; its plugin_id and external_id cannot change",
+                                vol.id,
+                                count_of(claimed, "claim", "claims")
                             )));
                         }
                         if let Some(c) = old
@@ -302,8 +304,8 @@ impl Server {
             let ids: Vec<&str> = claims.iter().map(|(a, _)| a.as_str()).collect();
             if !force {
                 return Err(ServerError::Conflict(format!(
-                    "volume {id:?} has {} claims (allocs {}); stop them first or deregister with force",
-                    claims.len(),
+                    "volume {id:?} has {} (allocs {}); stop them first or deregister with force",
+                    count_of(claims.len(), "claim", "claims"),
                     ids.join(", ")
                 )));
             }
@@ -355,7 +357,8 @@ impl Server {
         let claims = vol.claims().count();
         if claims > 0 {
             return Err(ServerError::Conflict(format!(
-                "volume {id:?} has {claims} claims; it cannot be deleted while in use"
+                "volume {id:?} has {}; it cannot be deleted while in use",
+                count_of(claims, "claim", "claims")
             )));
         }
         let controller = self.controller_client(&vol.plugin_id)?;
