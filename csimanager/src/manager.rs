@@ -56,6 +56,11 @@ struct FingerprintState {
     last_good: BTreeMap<String, PluginFingerprint>,
     /// What was last handed to the fingerprint sender.
     sent: Option<PluginMaps>,
+    /// Plugins restored from the store at the start and not fingerprinted
+    /// since: they were healthy when registered, so a first fingerprint
+    /// that finds them healthy is no change (an agent restart records no
+    /// health event of a plugin healthy all along).
+    restored: std::collections::BTreeSet<String>,
 }
 
 pub struct CsiManager {
@@ -91,6 +96,7 @@ impl CsiManager {
         fingerprints: Arc<dyn FingerprintSink>,
     ) -> Result<Arc<CsiManager>, CsiError> {
         let plugins = store.load_plugins().map_err(CsiError::Store)?;
+        let restored = plugins.iter().map(|r| r.plugin_id.clone()).collect();
         for reg in plugins {
             // A plugin task that registered again before us wins.
             if registry.get(&reg.plugin_id).is_none() {
@@ -116,7 +122,10 @@ impl CsiManager {
             events,
             fingerprints,
             clients: Mutex::default(),
-            state: Mutex::default(),
+            state: Mutex::new(FingerprintState {
+                restored,
+                ..FingerprintState::default()
+            }),
             saved_plugins: Mutex::default(),
             refresh_lock: tokio::sync::Mutex::new(()),
             latest_fingerprints: watch::Sender::new(None),
@@ -539,7 +548,11 @@ impl CsiManager {
             }
             let mut events = Vec::new();
             for (id, fp) in &fresh {
-                let was = state.plugins.get(id).map(PluginFingerprint::healthy);
+                let was = state
+                    .plugins
+                    .get(id)
+                    .map(PluginFingerprint::healthy)
+                    .or_else(|| state.restored.contains(id).then_some(true));
                 let now = fp.healthy();
                 if was != Some(now) {
                     if now {
@@ -549,6 +562,9 @@ impl CsiManager {
                     }
                     events.push(health_event(id, fp));
                 }
+            }
+            for id in fresh.keys() {
+                state.restored.remove(id);
             }
             state.plugins = fresh;
             (Self::fingerprints_to_send(&mut state), events)

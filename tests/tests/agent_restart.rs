@@ -39,6 +39,21 @@ fn count_events(alloc: &Value, task: &str, event_type: &str) -> usize {
         .count()
 }
 
+/// How often the node's CSI events say a plugin became healthy (an event
+/// seen again counts up its `count`).
+fn node_plugin_healthy_events(agent: &DevAgent) -> Result<u64> {
+    let nodes = agent.api_get("/v1/nodes")?;
+    let id = nodes[0]["id"].as_str().context("a node")?.to_string();
+    let node = agent.api_get(&format!("/v1/node/{id}"))?;
+    Ok(node["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|e| e["message"] == "Plugin became healthy")
+        .map(|e| e["count"].as_u64().unwrap_or(1))
+        .sum())
+}
+
 /// How often the agent's log says a reattached plugin was found healthy
 /// and registered again.
 fn supervised_again(agent: &DevAgent) -> usize {
@@ -96,6 +111,8 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
     let vol = agent.cli_json(&["volume", "status", "data"])?;
     assert_eq!(strs(&vol["write_allocs"]), vec![holder_id.clone()], "{vol}");
     let healthy_before = count_events(&plugin, "plugin", "Plugin became healthy");
+    let node_healthy_before = node_plugin_healthy_events(&agent)?;
+    assert!(node_healthy_before >= 1, "the new plugin's health event");
     let supervised_before = supervised_again(&agent);
 
     // Restart the agent.
@@ -126,6 +143,19 @@ fn an_agent_restart_reattaches_to_running_tasks_and_keeps_their_volume() -> Resu
         healthy_before,
         "a reattached healthy plugin records no health change: {plugin}"
     );
+    // Nor does the node: its CSI events say nothing new of the plugin,
+    // watched for 3 s past the plugin's first fingerprint after the start
+    // (where a new health event would come from).
+    let watched = std::time::Instant::now();
+    while watched.elapsed() < Duration::from_secs(3) {
+        assert_eq!(
+            node_plugin_healthy_events(&agent)?,
+            node_healthy_before,
+            "the node recorded the reattached healthy plugin as newly healthy\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     agent.wait_plugin_healthy("hostpath")?;
     let holder = wait_running(&agent, "holder")?;
     assert_eq!(holder["id"], holder_id.as_str());
