@@ -581,6 +581,14 @@ fn components() -> Value {
     let constraints = json!({ "type": "array", "items": schema_ref("Constraint") });
     let affinities = json!({ "type": "array", "items": schema_ref("Affinity") });
     let spreads = json!({ "type": "array", "items": schema_ref("Spread") });
+    let node_volume = object(
+        json!({
+            "volume_id": { "type": "string" }, "plugin_id": { "type": "string" },
+            "alloc_id": { "type": "string" }, "mode": { "enum": ["read", "write"] },
+            "state": { "type": "string" },
+        }),
+        &["volume_id", "alloc_id", "mode"],
+    );
     json!({
         "schemas": {
             "Error": object(json!({ "error": { "type": "string", "minLength": 1 } }), &["error"]),
@@ -716,7 +724,7 @@ fn components() -> Value {
                 "modify_index": { "type": "integer" },
                 "total_resources": { "type": "object", "description": "one node's answer only" },
                 "allocated_resources": { "type": "object", "description": "one node's answer only" },
-                "csi_volumes": { "type": "array", "description": "one node's answer only" },
+                "csi_volumes": { "type": "array", "items": node_volume, "description": "one node's answer only: the CSI volumes its allocs claim" },
                 "allocs_running": { "type": "integer", "description": "the list's answer only: allocs its client reports running" },
             }), &["id", "name", "status"]),
             "CsiVolume": object(json!({
@@ -1053,5 +1061,54 @@ mod tests {
                 "{path}"
             );
         }
+    }
+
+    /// Where an internal reference (`#/components/...`) points, if there.
+    fn resolve<'a>(doc: &'a Value, reference: &str) -> Option<&'a Value> {
+        let path = reference.strip_prefix("#/")?;
+        path.split('/').try_fold(doc, |v, part| v.get(part))
+    }
+
+    /// What a client generator needs of every schema, collected under
+    /// `at`: an array says what it holds, a reference resolves.
+    fn incomplete(doc: &Value, v: &Value, at: &str, problems: &mut Vec<String>) {
+        match v {
+            Value::Object(o) => {
+                if let Some(r) = o.get("$ref").and_then(Value::as_str) {
+                    if resolve(doc, r).is_none() {
+                        problems.push(format!("{at}: $ref {r} resolves to nothing"));
+                    }
+                }
+                let array = match o.get("type") {
+                    Some(Value::String(t)) => t == "array",
+                    Some(Value::Array(ts)) => ts.iter().any(|t| t == "array"),
+                    _ => false,
+                };
+                if array && !o.contains_key("items") {
+                    problems.push(format!("{at}: an array without items"));
+                }
+                for (k, x) in o {
+                    incomplete(doc, x, &format!("{at}/{k}"), problems);
+                }
+            }
+            Value::Array(a) => {
+                for (i, x) in a.iter().enumerate() {
+                    incomplete(doc, x, &format!("{at}/{i}"), problems);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A generated client has a typed model for every answer only if every
+    /// schema is complete: no array without its items (a generator drops
+    /// the model that holds one, and every answer that uses it), no
+    /// reference to nothing.
+    #[test]
+    fn every_schema_is_complete_enough_for_a_client_generator() {
+        let doc = document();
+        let mut problems = Vec::new();
+        incomplete(&doc, &doc, "#", &mut problems);
+        assert!(problems.is_empty(), "{problems:#?}");
     }
 }
