@@ -6,7 +6,10 @@ use std::fmt;
 
 /// Exit code of a failed command.
 pub const EXIT_FAILURE: i32 = 1;
-/// Exit code of a command line berth cannot make sense of.
+/// Exit code of a command line berth cannot make sense of. As in Nomad,
+/// `job run` and a followed `node drain` also exit 2 when what they
+/// followed ended short of its goal without an error (allocs left
+/// unplaced, a drain that did not complete); the README says both.
 pub const EXIT_USAGE: i32 = 2;
 
 /// An unknown command or flag, a flag without its value, missing or extra
