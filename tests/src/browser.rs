@@ -287,13 +287,7 @@ impl Browser {
     /// Reads whatever has arrived without waiting long.
     fn drain(&mut self) {
         while let Ok(true) = self.read_one() {}
-        let events: Vec<Value> = self.events.drain(..).collect();
-        for e in events {
-            if e["method"] != "Page.loadEventFired" {
-                continue;
-            }
-            self.events.push_back(e);
-        }
+        self.events.retain(|e| e["method"] == "Page.loadEventFired");
     }
 
     /// A call in the tab's session.

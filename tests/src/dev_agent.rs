@@ -346,6 +346,27 @@ impl DevAgent {
         processes_with_cmdline(needle)
     }
 
+    /// The node's CSI events, `(message, count)`, oldest first. Equal
+    /// events fold into the newest one, which moves to the end with its
+    /// count.
+    pub fn csi_node_events(&self) -> Result<Vec<(String, u64)>> {
+        let nodes = self.api_get("/v1/nodes")?;
+        let id = nodes[0]["id"].as_str().unwrap_or_default().to_string();
+        let node = self.api_get(&format!("/v1/node/{id}"))?;
+        Ok(node["events"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|e| e["subsystem"] == "CSI")
+            .map(|e| {
+                (
+                    e["message"].as_str().unwrap_or_default().to_string(),
+                    e["count"].as_u64().unwrap_or(1),
+                )
+            })
+            .collect())
+    }
+
     /// Waits until volume `id` has no read or write claims left.
     pub fn wait_volume_unclaimed(&self, id: &str) -> Result<()> {
         wait_for(

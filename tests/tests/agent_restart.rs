@@ -42,15 +42,11 @@ fn count_events(alloc: &Value, task: &str, event_type: &str) -> usize {
 /// How often the node's CSI events say a plugin became healthy (an event
 /// seen again counts up its `count`).
 fn node_plugin_healthy_events(agent: &DevAgent) -> Result<u64> {
-    let nodes = agent.api_get("/v1/nodes")?;
-    let id = nodes[0]["id"].as_str().context("a node")?.to_string();
-    let node = agent.api_get(&format!("/v1/node/{id}"))?;
-    Ok(node["events"]
-        .as_array()
+    Ok(agent
+        .csi_node_events()?
         .into_iter()
-        .flatten()
-        .filter(|e| e["message"] == "Plugin became healthy")
-        .map(|e| e["count"].as_u64().unwrap_or(1))
+        .filter(|(message, _)| message == "Plugin became healthy")
+        .map(|(_, count)| count)
         .sum())
 }
 

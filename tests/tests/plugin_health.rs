@@ -63,26 +63,6 @@ fn plugin_task_events(agent: &DevAgent) -> Result<Vec<(String, String)>> {
         .collect())
 }
 
-/// The node's CSI events, `(message, count)`, oldest first. Equal events
-/// fold into the newest one, which moves to the end with its count.
-fn csi_node_events(agent: &DevAgent) -> Result<Vec<(String, u64)>> {
-    let nodes = agent.api_get("/v1/nodes")?;
-    let id = nodes[0]["id"].as_str().unwrap_or_default().to_string();
-    let node = agent.api_get(&format!("/v1/node/{id}"))?;
-    Ok(node["events"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter(|e| e["subsystem"] == "CSI")
-        .map(|e| {
-            (
-                e["message"].as_str().unwrap_or_default().to_string(),
-                e["count"].as_u64().unwrap_or(1),
-            )
-        })
-        .collect())
-}
-
 /// Whether `seq` holds `want` in order (not necessarily adjacent).
 fn in_order(seq: &[String], want: &[&str]) -> bool {
     let mut it = seq.iter();
@@ -173,7 +153,7 @@ fn a_killed_plugin_is_unhealthy_then_healthy_again_and_keeps_its_provider() -> R
         "the node's CSI events to show the restart",
         Duration::from_secs(30),
         || {
-            let ev = csi_node_events(&agent)?;
+            let ev = agent.csi_node_events()?;
             let want = [
                 ("Plugin became unhealthy".to_string(), 1),
                 ("Plugin became healthy".to_string(), 2),
@@ -181,7 +161,7 @@ fn a_killed_plugin_is_unhealthy_then_healthy_again_and_keeps_its_provider() -> R
             Ok((ev == want).then_some(ev))
         },
     )
-    .with_context(|| format!("node events: {:?}", csi_node_events(&agent)))?;
+    .with_context(|| format!("node events: {:?}", agent.csi_node_events()))?;
     assert_eq!(node_events.len(), 2);
     Ok(())
 }

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use berth_tests::browser::Browser;
-use berth_tests::{repo_root, sleeping_service_job, wait_alloc_running, wait_for, DevAgent};
+use berth_tests::{
+    repo_root, sleeping_service_job, wait_alloc_running, wait_for, DevAgent, READONLY_POLICY,
+};
 
 /// A service job that reads the `data` volume and writes to its stdout
 /// whatever the test leaves in its task dir as `say`.
@@ -230,15 +232,6 @@ fn the_alloc_page_tails_the_log_and_stops_the_alloc() -> Result<()> {
     Ok(())
 }
 
-/// A read-only policy: reads jobs, nodes, plugins and volumes; no action.
-const READ_ONLY: &str = r#"
-namespace "default" {
-  policy = "read"
-}
-node   { policy = "read" }
-plugin { policy = "read" }
-"#;
-
 /// Gives the token dialog `secret` and confirms it.
 fn give_token(browser: &mut Browser, secret: &str) -> Result<()> {
     browser.wait_until(
@@ -273,7 +266,7 @@ fn with_acls_the_page_asks_for_a_token_and_hides_what_it_cannot_do() -> Result<(
     agent.run_job("reader", READER)?;
     let alloc = wait_alloc_running(&agent, "reader")?;
     let alloc_id = alloc["id"].as_str().context("alloc ID")?.to_string();
-    let policy = agent.write_file("readonly.hcl", READ_ONLY)?;
+    let policy = agent.write_file("readonly.hcl", READONLY_POLICY)?;
     agent.cli_ok(&["acl", "policy", "apply", "readonly", &policy])?;
     let created: serde_json::Value = serde_json::from_str(&agent.cli_ok(&[
         "acl",

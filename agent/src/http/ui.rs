@@ -66,11 +66,10 @@ pub fn routes<S: Clone + Send + Sync + 'static>() -> Router<S> {
 /// The asset `name` (404 for any other), or 304 when the browser holds it.
 fn serve(name: &str, headers: &HeaderMap) -> Response {
     let Some(asset) = ASSETS.iter().find(|a| a.name == name) else {
-        return (
+        return super::errors::error_response(
             StatusCode::NOT_FOUND,
-            axum::Json(serde_json::json!({ "error": format!("no UI file {name:?}") })),
-        )
-            .into_response();
+            &format!("no UI file {name:?}"),
+        );
     };
     let etag = format!("\"{:016x}\"", fnv1a(asset.body.as_bytes()));
     let held = headers

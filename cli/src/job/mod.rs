@@ -10,6 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::deployment::Halt;
 use anyhow::{anyhow, Result};
+use berth_structs::text::count as plural;
 use berth_structs::JobType;
 use clap::{Args, Subcommand};
 use serde_json::{json, Value};
@@ -206,10 +207,6 @@ fn node_name<'a>(names: &'a HashMap<String, String>, id: &'a str) -> &'a str {
 /// Rows (the first the header) in columns, one line each.
 fn table(rows: &[Vec<String>]) -> String {
     joined(output::table(rows))
-}
-
-fn plural(count: u64, one: &str, many: &str) -> String {
-    berth_structs::text::count(count, one, many)
 }
 
 // ---- job run ----------------------------------------------------------
