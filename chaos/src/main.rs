@@ -57,6 +57,11 @@ struct Args {
     /// corrupt_record, ...)
     #[arg(long, value_delimiter = ',', value_parser = clap::builder::PossibleValuesParser::new(Fault::KINDS))]
     only: Vec<String>,
+    /// Run `berth system gc` every this many faults, as the operator of a
+    /// long-lived cluster would: the batch job's versions and done allocs
+    /// are collected, not carried by every settle (0: never)
+    #[arg(long, default_value_t = 100, value_name = "FAULTS")]
+    gc_every: usize,
 }
 
 /// One fault of the run, as the report and the schedule show it.
@@ -176,6 +181,9 @@ fn run(
             }
         };
         let mut what = Vec::new();
+        if i > 0 && args.gc_every > 0 && i % args.gc_every == 0 {
+            what.push(world.collect_garbage().context("the garbage collection")?);
+        }
         if rng.below(2) == 0 {
             what.push(world.churn(&mut rng).context("the workload")?);
         }

@@ -34,6 +34,21 @@ impl World {
         }
     }
 
+    /// `berth system gc`: what is done is collected.
+    pub fn collect_garbage(&mut self) -> Result<String> {
+        let server = &self.server;
+        again("collecting garbage", || server.cli(&["system", "gc"]))?;
+        // A batch job whose allocs all finished is dead, and goes: the
+        // checks then have no batch allocs to look at until the next run.
+        match server.get(&format!("/v1/job/{BATCH_JOB}")) {
+            Err(e) if self.batch_runs > 0 && format!("{e:#}").contains(" 404 Not Found") => {
+                self.batch_runs = 0;
+                Ok("system gc (the batch job collected)".into())
+            }
+            _ => Ok("system gc".into()),
+        }
+    }
+
     /// `alloc restart` or `alloc stop` of one of `job`'s running allocs.
     fn alloc_op(&mut self, rng: &mut Rng, job: &str, op: &str) -> Result<String> {
         let running: Vec<String> = self
