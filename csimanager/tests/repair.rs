@@ -125,8 +125,23 @@ async fn an_unwatched_alloc_or_an_unhealthy_plugin_gets_no_repair() {
         &h.plugin.socket,
         berth_structs::CsiPluginType::Monolith,
     ));
-    h.manager.refresh_fingerprints().await;
-    h.manager.repair_lost_mounts().await;
+    // Its first probe may come before it answers on a loaded machine:
+    // the repair waits for a healthy fingerprint, as the manager's own
+    // rounds do.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        h.manager.refresh_fingerprints().await;
+        h.manager.repair_lost_mounts().await;
+        if mount_count_at(&info.source) > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no repair within 10 s of the plugin's return: {:?}",
+            h.events.all()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(mount_count_at(&info.source), 1);
     let r = next_repair(&mut watch).await;
     assert_eq!((r.what, r.error), (LostMount::Publish, None));
