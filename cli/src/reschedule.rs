@@ -3,6 +3,7 @@
 //! allows no more attempts; the attempts a replacement carries; and the
 //! allocs placed that wait for the volume claims of those they replace.
 
+use berth_structs::text::count;
 use berth_structs::{AllocClientStatus, Allocation, JobType};
 use serde_json::Value;
 
@@ -131,9 +132,13 @@ pub fn job_section(v: &Value, now_ms: i64) -> String {
                 Next::NoMore => next.describe(now_ms),
             };
             Some(format!(
-                "  {} failed after {} reschedules: {what}\n",
+                "  {} failed after {}: {what}\n",
                 a["name"].as_str().unwrap_or_default(),
-                a["reschedule_attempts"].as_u64().unwrap_or(0),
+                count(
+                    a["reschedule_attempts"].as_u64().unwrap_or(0),
+                    "reschedule",
+                    "reschedules"
+                ),
             ))
         })
         .collect();

@@ -13,9 +13,10 @@
 //! - of the failed allocs that were replaced, a job keeps the newest
 //!   [`REPLACED_FAILED_KEPT`]; older ones go at the next pass, whatever
 //!   their age (unless a claim still names them);
-//! - a job that is stopped, or dead (a batch job whose allocs all finished),
-//!   goes with all its allocs once it and every alloc have been unchanged
-//!   for `job_gc_threshold` and none is held by a claim;
+//! - a job that is stopped, dead (a batch job whose allocs all finished),
+//!   or failed for good (no failed alloc is to be rescheduled) goes with
+//!   all its allocs once it and every alloc have been unchanged for
+//!   `job_gc_threshold` and none is held by a claim;
 //! - a node that has been down, without a heartbeat, for
 //!   `node_gc_threshold` goes once no alloc is left on it.
 //!
@@ -190,7 +191,11 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
     // Jobs that are done go with all their allocs; a purged job as soon
     // as they are.
     for j in t.jobs.values() {
-        let done = j.stop || j.status == JobStatus::Dead;
+        let done = match j.status {
+            JobStatus::Dead => true,
+            JobStatus::Failed => crate::scheduler::given_up(j, t.allocs_of_job(&j.id)),
+            JobStatus::Pending | JobStatus::Running => j.stop,
+        };
         let threshold_ms = if j.purge { 0 } else { th.job_ms };
         if !done || !older_than(now_ms, j.modify_time_ms, threshold_ms) {
             continue;
@@ -548,6 +553,47 @@ mod tests {
         // "recent" stays (job threshold), but its alloc is past the alloc one.
         assert_eq!(report.allocs, vec!["b1", "s1", "x1"]);
         assert_eq!(changes.len(), 6);
+    }
+
+    #[test]
+    fn a_failed_job_goes_once_its_policy_allows_no_more_attempts() {
+        let now = 10 * HOUR_MS;
+        let old = now - 5 * HOUR_MS;
+        let failed = |id: &str| Job {
+            task_groups: vec![berth_structs::TaskGroup {
+                name: "g".into(),
+                ..Default::default()
+            }],
+            ..job(id, false, JobStatus::Failed, old)
+        };
+        let in_group = |a: Allocation| Allocation {
+            task_group: "g".into(),
+            ..a
+        };
+        // A batch group's default policy: one attempt a day. "waits" has
+        // its attempt to come; "given-up" was its attempt.
+        let given_up = Allocation {
+            reschedule_events: vec![berth_structs::RescheduleEvent {
+                time_ms: old - 1,
+                ..Default::default()
+            }],
+            ..in_group(alloc(
+                "g1",
+                "given-up",
+                "n1",
+                AllocClientStatus::Failed,
+                old,
+            ))
+        };
+        let waits = in_group(alloc("w1", "waits", "n1", AllocClientStatus::Failed, old));
+        let t = tables(
+            vec![failed("given-up"), failed("waits")],
+            vec![given_up, waits],
+            vec![node("n1", NodeStatus::Ready, now)],
+        );
+        let (report, _) = run(&t, now, Thresholds::ZERO);
+        assert_eq!(report.jobs, vec!["given-up"]);
+        assert_eq!(report.allocs, vec!["g1"]);
     }
 
     #[test]

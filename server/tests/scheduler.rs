@@ -209,7 +209,7 @@ async fn failed_service_alloc_is_replaced_and_batch_completes() {
 }
 
 #[tokio::test]
-async fn a_limited_reschedule_policy_gives_up_and_the_job_is_dead() {
+async fn a_limited_reschedule_policy_gives_up_and_the_job_is_failed() {
     let ts = TestServer::start(|_| {}).await;
     let s = &ts.server;
     register(s, node("n1")).await;
@@ -240,7 +240,7 @@ async fn a_limited_reschedule_policy_gives_up_and_the_job_is_dead() {
             .collect::<Vec<_>>(),
         [failed[0].as_str(), failed[1].as_str()]
     );
-    assert_eq!(s.job("limited").unwrap().status, JobStatus::Dead);
+    assert_eq!(s.job("limited").unwrap().status, JobStatus::Failed);
 }
 
 #[tokio::test]

@@ -48,7 +48,13 @@ pub enum JobStatus {
     Pending,
     /// At least one alloc is placed and not terminal.
     Running,
-    /// Stopped, or every alloc is terminal.
+    /// Nothing runs, and allocs of the current version failed or were
+    /// lost without a replacement yet: the servers replace them after
+    /// their reschedule delay, or the reschedule policy allows no more.
+    /// What `job run` calls a failed job, the job status calls the same.
+    Failed,
+    /// Stopped, or done: every alloc finished (a batch job) or was
+    /// replaced.
     Dead,
 }
 

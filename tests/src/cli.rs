@@ -58,9 +58,14 @@ pub fn exit_ok(out: Output, args: &[&str]) -> Result<Output> {
 /// Writes `spec` to `dir`/`name`.hcl and runs `berth job run -detach` on
 /// it against `addr`; an error with its output unless it exits 0.
 pub fn run_job_at(addr: &str, dir: &Path, name: &str, spec: &str) -> Result<()> {
+    let file = job_file_at(dir, name, spec)?;
+    cli_ok_at(addr, &["job", "run", "-detach", &file])?;
+    Ok(())
+}
+
+/// Writes `spec` to `{name}.hcl` in `dir`; its path.
+pub fn job_file_at(dir: &Path, name: &str, spec: &str) -> Result<String> {
     let file = dir.join(format!("{name}.hcl"));
     std::fs::write(&file, spec).with_context(|| format!("writing {}", file.display()))?;
-    let file = file.to_str().context("a UTF-8 job file path")?;
-    cli_ok_at(addr, &["job", "run", "-detach", file])?;
-    Ok(())
+    Ok(file.to_str().context("a UTF-8 job file path")?.to_string())
 }

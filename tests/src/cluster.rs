@@ -134,6 +134,11 @@ impl Server {
         cli_ok_at(&self.addr(), args)
     }
 
+    /// Writes `spec` to a file for `berth job run`; its path.
+    pub fn job_file(&self, name: &str, spec: &str) -> Result<String> {
+        crate::cli::job_file_at(self._config.path(), name, spec)
+    }
+
     /// Writes `spec` to a file and runs `berth job run -detach` on it.
     pub fn run_job(&self, name: &str, spec: &str) -> Result<()> {
         run_job_at(&self.addr(), self._config.path(), name, spec)

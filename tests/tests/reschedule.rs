@@ -42,6 +42,14 @@ job "{job}" {{
     )
 }
 
+/// The `Status = ...` line of `job status`.
+fn status_line(shown: &str) -> &str {
+    shown
+        .lines()
+        .find(|l| l.starts_with("Status "))
+        .unwrap_or_default()
+}
+
 /// When (unix ms) the alloc's task finished, its failure.
 fn failed_at(a: &Value) -> i64 {
     a["task_states"]
@@ -129,29 +137,61 @@ fn a_failing_service_job_is_rescheduled_with_growing_delays() -> Result<()> {
 }
 
 #[test]
-fn a_policy_of_one_attempt_gives_up_and_the_job_is_dead() -> Result<()> {
+fn a_failing_job_is_failed_in_job_run_and_job_status_alike() -> Result<()> {
     let mut server = Server::start("")?;
     let client = Client::start(&server, "resched-c2", false, "")?;
     server
         .wait_nodes_ready(&["resched-c2"])
         .with_context(|| logs(&server, &[&client]))?;
     let job = "resched-once";
-    server.run_job(
-        job,
-        &failing(job, "attempts = 1\ninterval = \"1h\"\ndelay = \"1s\""),
-    )?;
-    wait_for("the job to be dead", Duration::from_secs(30), || {
-        let j = server.get(&format!("/v1/job/{job}"))?;
-        Ok((j["status"] == "dead").then_some(()))
+    // A batch job: `job run` follows it until its alloc is done.
+    let spec = failing(job, "attempts = 1\ninterval = \"1h\"\ndelay = \"8s\"").replacen(
+        "{\n  group",
+        "{\n  type = \"batch\"\n  group",
+        1,
+    );
+    let file = server.job_file(job, &spec)?;
+    // `job run` follows the alloc until it fails, and says so.
+    let run = berth_tests::cli_at(&server.addr(), &["job", "run", &file])?;
+    let said = String::from_utf8_lossy(&run.stdout);
+    assert_eq!(run.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains(&format!("==> Job {job:?} failed: 1 alloc of 1 failed")),
+        "{said}"
+    );
+    // The job status says the same while its replacement waits for the
+    // reschedule delay, not "pending".
+    let j = server.get(&format!("/v1/job/{job}"))?;
+    assert_eq!(
+        server.allocs(job)?.len(),
+        1,
+        "replaced within the 8 s delay"
+    );
+    assert_eq!(j["status"], "failed", "{j}");
+    let shown = server.cli(&["job", "status", job])?;
+    assert!(status_line(&shown).ends_with("= failed"), "{shown}");
+    // The one reschedule fails too, and the policy allows no more: failed
+    // for good, and garbage collection takes it.
+    wait_for("the reschedule to fail", Duration::from_secs(30), || {
+        let allocs = server.allocs(job)?;
+        Ok(
+            (allocs.len() == 2 && allocs.iter().all(|a| a["client_status"] == "failed"))
+                .then_some(()),
+        )
     })
     .with_context(|| logs(&server, &[&client]))?;
-    let allocs = server.allocs(job)?;
-    assert_eq!(allocs.len(), 2, "the first and one reschedule: {allocs:?}");
-    assert!(allocs.iter().all(|a| a["client_status"] == "failed"));
+    wait_for("the job status to follow", Duration::from_secs(10), || {
+        let j = server.get(&format!("/v1/job/{job}"))?;
+        Ok((j["status"] == "failed").then_some(()))
+    })?;
     let status = server.cli(&["job", "status", job])?;
+    assert!(status_line(&status).ends_with("= failed"), "{status}");
     assert!(
-        status.contains("failed after 1 reschedules: no more attempts"),
+        status.contains("failed after 1 reschedule: no more attempts"),
         "{status}"
     );
+    server.cli(&["system", "gc"])?;
+    let gone = server.get(&format!("/v1/job/{job}")).unwrap_err();
+    assert!(format!("{gone:#}").contains(" 404 "), "{gone:#}");
     Ok(())
 }

@@ -635,7 +635,7 @@ fn components() -> Value {
                 }), &["name", "count", "tasks"]) },
                 "meta": string_map,
                 "stop": { "type": "boolean" },
-                "status": { "type": "string" },
+                "status": { "enum": ["pending", "running", "failed", "dead"] },
                 "version": { "type": "integer" },
                 "create_index": { "type": "integer" },
                 "modify_index": { "type": "integer" },

@@ -1687,7 +1687,7 @@ mod tests {
         assert!(!outcome.delayed);
         assert!(
             changes.iter().any(
-                |c| matches!(c, Change::PutJob(j) if j.status == berth_structs::JobStatus::Dead)
+                |c| matches!(c, Change::PutJob(j) if j.status == berth_structs::JobStatus::Failed)
             ),
             "{changes:?}"
         );

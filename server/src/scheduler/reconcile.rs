@@ -264,9 +264,13 @@ pub(super) fn job_status(
     if job.stop {
         return JobStatus::Dead;
     }
-    // Nothing runs, nothing waits to be placed or replaced: done (a
-    // batch job), or given up on (every alloc failed past its reschedule
-    // policy).
+    // Nothing runs and the current version's allocs failed: failed, as
+    // `job run` says, whether a reschedule is due or the policy allows
+    // no more (see `given_up`).
+    if allocs.values().any(|a| failed_unreplaced(job, a)) {
+        return JobStatus::Failed;
+    }
+    // Nothing runs, nothing waits to be placed or replaced: done.
     if job.job_type != JobType::System
         && !allocs.is_empty()
         && outcome.failures.is_empty()
@@ -275,4 +279,32 @@ pub(super) fn job_status(
         return JobStatus::Dead;
     }
     JobStatus::Pending
+}
+
+/// An alloc of `job`'s current version that failed or was lost and has
+/// no replacement yet.
+pub(crate) fn failed_unreplaced(job: &Job, a: &Allocation) -> bool {
+    matches!(
+        a.client_status,
+        AllocClientStatus::Failed | AllocClientStatus::Lost
+    ) && a.next_allocation.is_empty()
+        && a.job.version == job.version
+        && !a.server_terminal()
+}
+
+/// Whether a failed job is failed for good: none of its failed allocs
+/// is to be replaced (their reschedule policies allow no more; a lost
+/// alloc is replaced whenever a node fits). A system job's allocs are
+/// not rescheduled: it is never given up on.
+pub(crate) fn given_up<'a>(job: &Job, mut allocs: impl Iterator<Item = &'a Allocation>) -> bool {
+    job.job_type != JobType::System
+        && allocs.all(|a| {
+            !failed_unreplaced(job, a)
+                || (a.client_status == AllocClientStatus::Failed
+                    && job
+                        .task_groups
+                        .iter()
+                        .find(|g| g.name == a.task_group)
+                        .is_none_or(|g| job.reschedule_policy(g).next_attempt_ms(a).is_none()))
+        })
 }
