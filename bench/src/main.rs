@@ -7,11 +7,13 @@
 //! ```text
 //! scripts/bench job-run            # builds the release binaries, then runs
 //! scripts/bench smoke              # every figure at a tiny size
+//! scripts/bench ab main~3 job-run  # against main~3's binaries, in turn
 //! ```
 //!
 //! Nothing here is part of `cargo test`; CI runs `smoke` (debug build) so
 //! that no figure can rot.
 
+mod ab;
 mod cluster;
 mod figures;
 mod report;
@@ -65,6 +67,9 @@ enum Figure {
     Stores(stores::Args),
     /// Every figure at a tiny size, so that none can rot (CI runs this).
     Smoke,
+    /// One figure against an older build's binaries and this build's, in
+    /// turn, side by side (`scripts/bench ab REV FIGURE` builds REV's).
+    Ab(ab::Args),
 }
 
 fn main() -> ExitCode {
@@ -82,6 +87,7 @@ fn main() -> ExitCode {
         Figure::ConcurrentWriters(a) => concurrent_writers::run(&a),
         Figure::Stores(a) => stores::run(&a),
         Figure::Smoke => smoke(),
+        Figure::Ab(a) => ab::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,9 +1,62 @@
 //! What every figure prints: samples summed up as median, p99 and max;
 //! ratios against a baseline measured in the same run; a target and
 //! whether it was met; and how a cost grows over three sizes.
+//!
+//! With `BERTH_BENCH_RECORD=FILE` each figure printed is also appended to
+//! FILE as one JSON line (`{"key", "value", "unit"}`): what `berth-bench
+//! ab` compares between two builds.
 
 use std::fmt;
+use std::io::Write;
+use std::sync::Mutex;
 use std::time::Duration;
+
+/// The heading printed last: the figure the next lines belong to.
+static FIGURE: Mutex<String> = Mutex::new(String::new());
+
+/// Appends one printed figure to `BERTH_BENCH_RECORD`'s file, if set.
+fn record(label: &str, value: f64, unit: &str) {
+    let Some(path) = std::env::var_os("BERTH_BENCH_RECORD").filter(|p| !p.is_empty()) else {
+        return;
+    };
+    let figure = FIGURE.lock().map(|f| f.clone()).unwrap_or_default();
+    let line = serde_json::json!({
+        "key": format!("{figure}: {}", label.trim()),
+        "value": value,
+        "unit": unit,
+    });
+    let written = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .and_then(|mut f| writeln!(f, "{line}"));
+    if let Err(e) = written {
+        eprintln!("berth-bench: recording to {}: {e}", path.to_string_lossy());
+    }
+}
+
+/// The number a printed value starts with and the unit after it
+/// (`"2,345 allocs/s"`, `"12.3ms"`, `"0.87x"`); a duration's unit is
+/// made ms, so that one figure printed as `980ms` and as `1.0s` compares.
+pub fn number_of(text: &str) -> Option<(f64, String)> {
+    let text = text.trim();
+    let end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == ',' || c == '-'))
+        .unwrap_or(text.len());
+    let number: f64 = text[..end].replace(',', "").parse().ok()?;
+    let unit = text[end..].trim();
+    let scale = match unit {
+        "ns" => Some(1e-6),
+        "µs" | "us" => Some(1e-3),
+        "ms" => Some(1.0),
+        "s" => Some(1000.0),
+        _ => None,
+    };
+    Some(match scale {
+        Some(k) => (number * k, "ms".to_string()),
+        None => (number, unit.to_string()),
+    })
+}
 
 /// Durations measured for one thing, in any order.
 #[derive(Debug, Clone, Default)]
@@ -120,11 +173,15 @@ impl fmt::Display for Mib {
 
 /// Print the figure's heading: what is measured, and how often.
 pub fn heading(figure: &str, what: &str) {
+    if let Ok(mut f) = FIGURE.lock() {
+        *f = figure.to_string();
+    }
     println!("figure: {figure}: {what}");
 }
 
 /// Print one line of samples: `label  median X  p99 Y  max Z  (n=N)`.
 pub fn samples(label: &str, s: &Samples) {
+    record(label, s.median().as_secs_f64() * 1000.0, "ms");
     println!(
         "  {label:<34} median {:>10}  p99 {:>10}  max {:>10}  (n={})",
         Ms(s.median()).to_string(),
@@ -136,6 +193,7 @@ pub fn samples(label: &str, s: &Samples) {
 
 /// Print one line of sizes: `label  median X MiB  p99 Y MiB  max Z MiB  (n=N)`.
 pub fn sizes(label: &str, s: &Sizes) {
+    record(label, s.median() as f64 / 1024.0, "MiB");
     println!(
         "  {label:<34} median {:>10}  p99 {:>10}  max {:>10}  (n={})",
         Mib(s.median()).to_string(),
@@ -147,6 +205,10 @@ pub fn sizes(label: &str, s: &Sizes) {
 
 /// Print one labelled value (an RSS, a rate, a count).
 pub fn value(label: &str, value: impl fmt::Display) {
+    let value = value.to_string();
+    if let Some((number, unit)) = number_of(&value) {
+        record(label, number, &unit);
+    }
     println!("  {label:<34} {value}");
 }
 
@@ -245,6 +307,18 @@ mod tests {
         }
         assert_eq!((s.median(), s.p99(), s.max(), s.len()), (50, 99, 100, 100));
         assert_eq!(Sizes::default().median(), 0);
+    }
+
+    #[test]
+    fn printed_values_are_read_back_as_numbers_and_units() {
+        let read = |t: &str| number_of(t).map(|(n, u)| ((n * 1000.0).round() / 1000.0, u));
+        assert_eq!(read("2,345 allocs/s"), Some((2345.0, "allocs/s".into())));
+        assert_eq!(read("12.3ms"), Some((12.3, "ms".into())));
+        assert_eq!(read("1.5s"), Some((1500.0, "ms".into())));
+        assert_eq!(read("250µs"), Some((0.25, "ms".into())));
+        assert_eq!(read("0.87x"), Some((0.87, "x".into())));
+        assert_eq!(read("1.82 MiB"), Some((1.82, "MiB".into())));
+        assert_eq!(read("/usr/bin/berth"), None);
     }
 
     #[test]

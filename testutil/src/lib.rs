@@ -185,8 +185,12 @@ impl Drop for SmallDisk {
 /// built into (tests live in `<profile>/deps/`, a workspace binary such as
 /// `berth-bench` in `<profile>/` itself), which is where cargo put the
 /// binaries it built with it, whatever `CARGO_TARGET_DIR` or
-/// `build.target-dir` said.
+/// `build.target-dir` said. `BERTH_BIN_DIR` names another (`berth-bench
+/// ab` runs a figure against an older build's binaries with it).
 pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("BERTH_BIN_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(dir);
+    }
     match std::env::current_exe() {
         Ok(exe) => profile_dir_of(&exe),
         Err(_) => target_dir().join("debug"),
