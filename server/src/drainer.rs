@@ -301,24 +301,27 @@ impl Drainer {
             return Ok(None);
         }
         let now = berth_structs::now_ms();
-        let (pass, _) = self.store.write(|t, changes| {
-            let pass = plan_drains(t, now);
-            for a in &pass.stops {
-                changes.push(Change::PutAlloc(a.clone()));
-            }
-            for id in &pass.complete {
-                if let Some(n) = t.nodes.get(id) {
-                    let mut n = n.clone();
-                    n.set_drain(None);
-                    n.push_events([NodeEvent::new(
-                        NodeEvent::SUBSYSTEM_DRAIN,
-                        DRAIN_COMPLETE_EVENT,
-                    )]);
-                    changes.push(Change::PutNode(n));
+        let (pass, _) = self
+            .store
+            .write_async(|t, changes| {
+                let pass = plan_drains(t, now);
+                for a in &pass.stops {
+                    changes.push(Change::PutAlloc(a.clone()));
                 }
-            }
-            Ok::<_, ServerError>(pass)
-        })?;
+                for id in &pass.complete {
+                    if let Some(n) = t.nodes.get(id) {
+                        let mut n = n.clone();
+                        n.set_drain(None);
+                        n.push_events([NodeEvent::new(
+                            NodeEvent::SUBSYSTEM_DRAIN,
+                            DRAIN_COMPLETE_EVENT,
+                        )]);
+                        changes.push(Change::PutNode(n));
+                    }
+                }
+                Ok::<_, ServerError>(pass)
+            })
+            .await?;
         let mut stopped_jobs = BTreeSet::new();
         for a in &pass.stops {
             tracing::info!(node_id = %a.node_id, alloc_id = %a.id, job_id = %a.job_id, name = %a.name, "drain: alloc stopped");

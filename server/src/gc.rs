@@ -330,7 +330,8 @@ impl Gc {
         let now = berth_structs::now_ms();
         let (report, _) = self
             .store
-            .write(|t, changes| Ok::<_, ServerError>(plan(t, now, th, changes)))?;
+            .write_async(|t, changes| Ok::<_, ServerError>(plan(t, now, th, changes)))
+            .await?;
         for node_id in &report.nodes {
             self.nodes.node_collected(node_id);
         }

@@ -323,7 +323,7 @@ impl Liveness {
         jobs: &dyn EvaluateJob,
     ) -> Result<(), ServerError> {
         let last_heartbeat = self.last_heartbeat_ms(node_id);
-        let written = self.store.write(|t, changes| {
+        let written = self.store.write_async(|t, changes| {
             let Some(node) = t.nodes.get(node_id) else {
                 return Ok::<_, ServerError>(None);
             };
@@ -388,7 +388,7 @@ impl Liveness {
                 changes.push(Change::PutAlloc(a));
             }
             Ok(Some(jobs))
-        });
+        }).await;
         self.heartbeat_map().marking_down.remove(node_id);
         let Some(lost_jobs) = written?.0 else {
             return Ok(());

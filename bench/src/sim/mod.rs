@@ -73,6 +73,10 @@ pub struct FleetStats {
     /// reopened (as a client does), and the first reasons why.
     pub reopened: AtomicUsize,
     reopen_reasons: Mutex<Vec<String>>,
+    /// RPCs that failed as a client retries them (the connection broke
+    /// or went away) and were retried, and the first reasons why.
+    pub retried: AtomicUsize,
+    retry_reasons: Mutex<Vec<String>>,
     /// Allocs reported running, and reported complete.
     pub running: AtomicUsize,
     pub complete: AtomicUsize,
@@ -95,6 +99,20 @@ impl FleetStats {
         if r.len() < 5 {
             r.push(what);
         }
+    }
+
+    fn retry(&self, what: String) {
+        self.retried.fetch_add(1, Ordering::Relaxed);
+        let mut r = self.retry_reasons.locked();
+        if r.len() < 5 {
+            r.push(what);
+        }
+    }
+
+    /// How many RPCs were retried, and the first reasons.
+    pub fn retries(&self) -> (usize, Vec<String>) {
+        let r = self.retry_reasons.locked();
+        (self.retried.load(Ordering::Relaxed), r.clone())
     }
 
     /// How many streams were reopened, and the first reasons.
@@ -192,6 +210,17 @@ pub fn random_fraction() -> f64 {
 fn interval(ttl: Duration) -> Duration {
     ttl.mul_f64(0.5 * (1.0 - 0.1 * random_fraction()))
         .max(Duration::from_millis(500))
+}
+
+/// Whether a client retries an RPC that failed with `s`: its
+/// connection broke, went away or could not be made (the answer of a
+/// server that refused the request is not retried).
+fn retryable(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable | tonic::Code::Cancelled | tonic::Code::Unknown
+    ) || s.message().contains("h2 protocol error")
+        || s.message().contains("transport error")
 }
 
 /// How long a client waits before reopening a stream after the

@@ -34,20 +34,33 @@ impl SimNode {
     /// Register; report the node plugin when `plugin`. Returns the TTL.
     pub(super) async fn register(&self, cpu: u64, plugin: bool) -> Result<Duration> {
         let node_json = serde_json::to_vec(&self.node_struct(cpu))?;
-        let ttl = self
-            .node
-            .clone()
-            .register(with_secret(
-                pb::RegisterRequest {
-                    node_json,
-                    ..Default::default()
-                },
-                &self.secret,
-            ))
-            .await
-            .with_context(|| format!("register of node {}", self.index))?
-            .into_inner()
-            .heartbeat_ttl_ms;
+        // Retried after a broken connection, as a client does (counted).
+        let mut failures = 0;
+        let ttl = loop {
+            let r = self
+                .node
+                .clone()
+                .register(with_secret(
+                    pb::RegisterRequest {
+                        node_json: node_json.clone(),
+                        ..Default::default()
+                    },
+                    &self.secret,
+                ))
+                .await;
+            match r {
+                Ok(r) => break r.into_inner().heartbeat_ttl_ms,
+                Err(e) if super::retryable(&e) && failures < 10 => {
+                    self.stats
+                        .retry(format!("register of node {}: {e}", self.index));
+                    failures += 1;
+                    tokio::time::sleep(retry_delay(failures)).await;
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("register of node {}", self.index))
+                }
+            }
+        };
         if plugin {
             let fingerprint = pb::PluginFingerprint {
                 plugin_id: PLUGIN.into(),
@@ -103,8 +116,12 @@ impl SimNode {
                     if stop.is_shutdown() {
                         return;
                     }
-                    self.stats
-                        .fail(format!("heartbeat of node {}: {e}", self.index));
+                    let what = format!("heartbeat of node {}: {e}", self.index);
+                    if super::retryable(&e) {
+                        self.stats.retry(what);
+                    } else {
+                        self.stats.fail(what);
+                    }
                     next = Duration::from_secs(1);
                 }
             }

@@ -157,27 +157,30 @@ impl Server {
             create_time_ms: now,
             ..AclToken::default()
         };
-        let ((written, reset_from), _) = self.store.write(|t, changes| {
-            let mut reset_from = None;
-            if let Some(b) = &t.acl.bootstrap {
-                if reset.as_deref() != Some(b.accessor_id.as_str()) {
-                    return Err(ServerError::Conflict(format!(
+        let ((written, reset_from), _) = self
+            .store
+            .write_async(|t, changes| {
+                let mut reset_from = None;
+                if let Some(b) = &t.acl.bootstrap {
+                    if reset.as_deref() != Some(b.accessor_id.as_str()) {
+                        return Err(ServerError::Conflict(format!(
                         "ACL bootstrap already done (token {id} made it); make more tokens with a \
                          management token. Lost it? On the server, write {id} into {path} and \
                          bootstrap again (once; the reset is logged)",
                         id = b.accessor_id,
                         path = reset_path.display()
                     )));
+                    }
+                    reset_from = Some(b.accessor_id.clone());
                 }
-                reset_from = Some(b.accessor_id.clone());
-            }
-            changes.push(Change::put_acl(AclRecord::Bootstrap(AclBootstrap {
-                accessor_id: token.accessor_id.clone(),
-                time_ms: now,
-            })));
-            changes.push(Change::put_acl(AclRecord::Token(token.clone())));
-            Ok::<_, ServerError>((token.accessor_id.clone(), reset_from))
-        })?;
+                changes.push(Change::put_acl(AclRecord::Bootstrap(AclBootstrap {
+                    accessor_id: token.accessor_id.clone(),
+                    time_ms: now,
+                })));
+                changes.push(Change::put_acl(AclRecord::Token(token.clone())));
+                Ok::<_, ServerError>((token.accessor_id.clone(), reset_from))
+            })
+            .await?;
         if let Some(old) = reset_from {
             if let Err(e) = std::fs::remove_file(&reset_path) {
                 tracing::warn!(path = %reset_path.display(), error = %e, "removing the used ACL bootstrap reset file failed");
@@ -211,10 +214,12 @@ impl Server {
             parsed,
             ..AclPolicy::default()
         };
-        self.store.write(|_, changes| {
-            changes.push(Change::put_acl(AclRecord::Policy(policy.clone())));
-            Ok::<_, ServerError>(())
-        })?;
+        self.store
+            .write_async(|_, changes| {
+                changes.push(Change::put_acl(AclRecord::Policy(policy.clone())));
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         self.acl_policy(name)
     }
 
@@ -236,15 +241,17 @@ impl Server {
     /// Deletes policy `name`; tokens that name it lose what it granted.
     pub async fn delete_acl_policy(&self, name: &str) -> Result<(), ServerError> {
         self.acl_must_be_on()?;
-        self.store.write(|t, changes| {
-            if !t.acl.policies.contains_key(name) {
-                return Err(ServerError::not_found(format!(
-                    "ACL policy {name:?} not found"
-                )));
-            }
-            changes.push(Change::DeleteAcl(crate::state::acl_policy_key(name)));
-            Ok(())
-        })?;
+        self.store
+            .write_async(|t, changes| {
+                if !t.acl.policies.contains_key(name) {
+                    return Err(ServerError::not_found(format!(
+                        "ACL policy {name:?} not found"
+                    )));
+                }
+                changes.push(Change::DeleteAcl(crate::state::acl_policy_key(name)));
+                Ok(())
+            })
+            .await?;
         Ok(())
     }
 
@@ -290,22 +297,24 @@ impl Server {
             expiration_time_ms,
             ..AclToken::default()
         };
-        self.store.write(|t, changes| {
-            let missing: Vec<&str> = token
-                .policies
-                .iter()
-                .filter(|p| !t.acl.policies.contains_key(*p))
-                .map(String::as_str)
-                .collect();
-            if !missing.is_empty() {
-                return Err(ServerError::BadRequest(format!(
-                    "no ACL policy named {}",
-                    missing.join(", ")
-                )));
-            }
-            changes.push(Change::put_acl(AclRecord::Token(token.clone())));
-            Ok(())
-        })?;
+        self.store
+            .write_async(|t, changes| {
+                let missing: Vec<&str> = token
+                    .policies
+                    .iter()
+                    .filter(|p| !t.acl.policies.contains_key(*p))
+                    .map(String::as_str)
+                    .collect();
+                if !missing.is_empty() {
+                    return Err(ServerError::BadRequest(format!(
+                        "no ACL policy named {}",
+                        missing.join(", ")
+                    )));
+                }
+                changes.push(Change::put_acl(AclRecord::Token(token.clone())));
+                Ok(())
+            })
+            .await?;
         Ok(NewToken {
             token: self.acl_token(&token.accessor_id)?,
             secret_id: secret,
@@ -368,10 +377,12 @@ impl Server {
     pub async fn delete_acl_token(&self, accessor: &str) -> Result<(), ServerError> {
         self.acl_must_be_on()?;
         let id = self.acl_token(accessor)?.accessor_id;
-        self.store.write(|_, changes| {
-            changes.push(Change::DeleteAcl(crate::state::acl_token_key(&id)));
-            Ok::<_, ServerError>(())
-        })?;
+        self.store
+            .write_async(|_, changes| {
+                changes.push(Change::DeleteAcl(crate::state::acl_token_key(&id)));
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         Ok(())
     }
 
@@ -396,34 +407,37 @@ impl Server {
                 "the accessor of the introduction token to revoke is empty".into(),
             ));
         }
-        let (token, _) = self.store.write(|t, changes| {
-            let matches: Vec<&IntroToken> = t
-                .acl
-                .intros
-                .values()
-                .filter(|i| i.accessor_id.starts_with(accessor))
-                .collect();
-            let token = match matches.as_slice() {
-                [one] => (*one).clone(),
-                [] => {
-                    return Err(ServerError::not_found(format!(
-                        "no introduction token {accessor:?} (berth node intro list shows them)"
-                    )))
-                }
-                many => {
-                    let ids: Vec<&str> = many.iter().map(|i| i.accessor_id.as_str()).collect();
-                    return Err(ServerError::BadRequest(format!(
+        let (token, _) = self
+            .store
+            .write_async(|t, changes| {
+                let matches: Vec<&IntroToken> = t
+                    .acl
+                    .intros
+                    .values()
+                    .filter(|i| i.accessor_id.starts_with(accessor))
+                    .collect();
+                let token = match matches.as_slice() {
+                    [one] => (*one).clone(),
+                    [] => {
+                        return Err(ServerError::not_found(format!(
+                            "no introduction token {accessor:?} (berth node intro list shows them)"
+                        )))
+                    }
+                    many => {
+                        let ids: Vec<&str> = many.iter().map(|i| i.accessor_id.as_str()).collect();
+                        return Err(ServerError::BadRequest(format!(
                         "{accessor:?} names {} introduction tokens ({}); give more of the accessor",
                         ids.len(),
                         ids.join(", ")
                     )));
-                }
-            };
-            changes.push(Change::DeleteAcl(crate::state::acl_intro_key(
-                &token.accessor_id,
-            )));
-            Ok::<_, ServerError>(token.public())
-        })?;
+                    }
+                };
+                changes.push(Change::DeleteAcl(crate::state::acl_intro_key(
+                    &token.accessor_id,
+                )));
+                Ok::<_, ServerError>(token.public())
+            })
+            .await?;
         tracing::info!(target: "berth::audit", accessor_id = %token.accessor_id,
             uses_left = token.uses_left, "node introduction token revoked");
         Ok(token)
@@ -456,16 +470,18 @@ impl Server {
             expiration_time_ms: expiry(now, ttl),
             ..IntroToken::default()
         };
-        self.store.write(|t, changes| {
-            // Spent and expired introduction tokens go with each new one.
-            for old in t.acl.intros.values().filter(|i| !i.usable_at(now)) {
-                changes.push(Change::DeleteAcl(crate::state::acl_intro_key(
-                    &old.accessor_id,
-                )));
-            }
-            changes.push(Change::put_acl(AclRecord::Intro(token.clone())));
-            Ok::<_, ServerError>(())
-        })?;
+        self.store
+            .write_async(|t, changes| {
+                // Spent and expired introduction tokens go with each new one.
+                for old in t.acl.intros.values().filter(|i| !i.usable_at(now)) {
+                    changes.push(Change::DeleteAcl(crate::state::acl_intro_key(
+                        &old.accessor_id,
+                    )));
+                }
+                changes.push(Change::put_acl(AclRecord::Intro(token.clone())));
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         tracing::info!(accessor_id = %token.accessor_id, uses, "node introduction token made");
         Ok(NewIntroToken {
             token: token.public(),

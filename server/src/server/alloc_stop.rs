@@ -21,20 +21,22 @@ impl Server {
     /// batch alloc marked stopped would have its work run again.
     pub async fn stop_alloc(&self, id: &str) -> Result<AllocStopResponse, ServerError> {
         let alloc = self.allocation(id)?;
-        let (stopped, _) = self.store.write(|t, changes| {
-            let a = t
-                .allocs
-                .get(&alloc.id)
-                .ok_or_else(|| ServerError::not_found(format!("alloc {:?} not found", alloc.id)))?;
-            if a.is_terminal() {
-                return Ok::<_, ServerError>(false);
-            }
-            let mut a = a.clone();
-            a.desired_status = berth_structs::AllocDesiredStatus::Stop;
-            a.desired_description = ALLOC_STOP_DESCRIPTION.to_string();
-            changes.push(Change::PutAlloc(a));
-            Ok(true)
-        })?;
+        let (stopped, _) = self
+            .store
+            .write_async(|t, changes| {
+                let a = t.allocs.get(&alloc.id).ok_or_else(|| {
+                    ServerError::not_found(format!("alloc {:?} not found", alloc.id))
+                })?;
+                if a.is_terminal() {
+                    return Ok::<_, ServerError>(false);
+                }
+                let mut a = a.clone();
+                a.desired_status = berth_structs::AllocDesiredStatus::Stop;
+                a.desired_description = ALLOC_STOP_DESCRIPTION.to_string();
+                changes.push(Change::PutAlloc(a));
+                Ok(true)
+            })
+            .await?;
         if !stopped {
             tracing::info!(alloc_id = %alloc.id, "alloc stop: the alloc is already stopped or done");
             return Ok(AllocStopResponse {

@@ -24,15 +24,17 @@ impl Server {
         let vid = req.volume_id.as_str();
         let alloc_id = req.alloc_id.as_str();
         // Check and reserve in one write.
-        let ((vol, external_node_id, reserved_now, needs_publish), _) =
-            self.store.write(|t, changes| {
+        let ((vol, external_node_id, reserved_now, needs_publish), _) = self
+            .store
+            .write_async(|t, changes| {
                 let (vol, node_plugin) = Self::check_claim(t, &req)?;
                 let external_node_id = node_plugin.external_node_id.clone();
                 let needs_publish = requires_controller_publish(t, &vol.plugin_id);
                 let reserved_now =
                     Self::reserve_claim(vol, &req, &external_node_id, needs_publish, changes)?;
                 Ok::<_, ServerError>((vol.clone(), external_node_id, reserved_now, needs_publish))
-            })?;
+            })
+            .await?;
         if reserved_now {
             tracing::info!(volume_id = vid, alloc_id, node_id = %req.node_id, mode = req.mode.as_str(), "volume claimed");
         }
@@ -227,21 +229,23 @@ impl Server {
         {
             Ok(ctx) => {
                 let answered = ctx.clone();
-                self.store.write(|t, changes| {
-                    if let Some(mut v) = t.volumes.get(vid).cloned() {
-                        let claim = v
-                            .write_claims
-                            .get_mut(alloc_id)
-                            .or(v.read_claims.get_mut(alloc_id));
-                        if let Some(c) = claim {
-                            if c.publish_context != ctx {
-                                c.publish_context = ctx;
-                                changes.push(Change::PutVolume(v));
+                self.store
+                    .write_async(|t, changes| {
+                        if let Some(mut v) = t.volumes.get(vid).cloned() {
+                            let claim = v
+                                .write_claims
+                                .get_mut(alloc_id)
+                                .or(v.read_claims.get_mut(alloc_id));
+                            if let Some(c) = claim {
+                                if c.publish_context != ctx {
+                                    c.publish_context = ctx;
+                                    changes.push(Change::PutVolume(v));
+                                }
                             }
                         }
-                    }
-                    Ok::<_, ServerError>(())
-                })?;
+                        Ok::<_, ServerError>(())
+                    })
+                    .await?;
                 Ok(answered)
             }
             Err(e) => {

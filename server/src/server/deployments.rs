@@ -52,23 +52,26 @@ impl Server {
     /// evaluation that follows reverts the job when a group asks for
     /// `auto_revert`. Returns the deployment as it is then.
     pub async fn fail_deployment(&self, id: &str) -> Result<Deployment, ServerError> {
-        let (job_id, _) = self.store.write(|t, changes| {
-            let d = deployment_in(t, id)?;
-            if !d.status.is_active() {
-                return Err(ServerError::Conflict(format!(
-                    "deployment {:?} is {} ({}): only a running deployment can be failed",
-                    d.id,
-                    d.status.as_str(),
-                    d.status_description
-                )));
-            }
-            let mut d = d.clone();
-            d.status = DeploymentStatus::Failed;
-            d.status_description = DESC_FAILED_BY_USER.into();
-            let job_id = d.job_id.clone();
-            changes.push(Change::PutDeployment(d));
-            Ok::<_, ServerError>(job_id)
-        })?;
+        let (job_id, _) = self
+            .store
+            .write_async(|t, changes| {
+                let d = deployment_in(t, id)?;
+                if !d.status.is_active() {
+                    return Err(ServerError::Conflict(format!(
+                        "deployment {:?} is {} ({}): only a running deployment can be failed",
+                        d.id,
+                        d.status.as_str(),
+                        d.status_description
+                    )));
+                }
+                let mut d = d.clone();
+                d.status = DeploymentStatus::Failed;
+                d.status_description = DESC_FAILED_BY_USER.into();
+                let job_id = d.job_id.clone();
+                changes.push(Change::PutDeployment(d));
+                Ok::<_, ServerError>(job_id)
+            })
+            .await?;
         tracing::info!(job_id = %job_id, deployment = id, "deployment failed by an operator");
         self.evaluate_job(&job_id).await;
         self.deployment(id)
@@ -78,36 +81,39 @@ impl Server {
     /// go on with the roll (refused while a canary is not healthy yet).
     /// Returns the deployment as it is after the job's evaluation.
     pub async fn promote_deployment(&self, id: &str) -> Result<Deployment, ServerError> {
-        let (job_id, _) = self.store.write(|t, changes| {
-            let d = deployment_in(t, id)?;
-            if !d.needs_promotion() {
-                return Err(ServerError::Conflict(format!(
-                    "deployment {:?} ({}: {}) has no canaries waiting for promotion",
-                    d.id,
-                    d.status.as_str(),
-                    d.status_description
-                )));
-            }
-            let waiting = crate::scheduler::canaries_healthy(d, &t.allocs);
-            if let Some((group, _)) = waiting.iter().find(|(_, ok)| !ok) {
-                let g = &d.groups[group];
-                return Err(ServerError::Conflict(format!(
+        let (job_id, _) = self
+            .store
+            .write_async(|t, changes| {
+                let d = deployment_in(t, id)?;
+                if !d.needs_promotion() {
+                    return Err(ServerError::Conflict(format!(
+                        "deployment {:?} ({}: {}) has no canaries waiting for promotion",
+                        d.id,
+                        d.status.as_str(),
+                        d.status_description
+                    )));
+                }
+                let waiting = crate::scheduler::canaries_healthy(d, &t.allocs);
+                if let Some((group, _)) = waiting.iter().find(|(_, ok)| !ok) {
+                    let g = &d.groups[group];
+                    return Err(ServerError::Conflict(format!(
                     "deployment {:?}: group {group:?} has {} of {} canaries placed and not all \
                      healthy yet; promote once they are",
                     d.id,
                     g.placed_canaries.len(),
                     g.desired_canaries
                 )));
-            }
-            let mut d = d.clone();
-            for g in d.groups.values_mut() {
-                g.promoted = true;
-            }
-            d.status_description = "Deployment is running".into();
-            let job_id = d.job_id.clone();
-            changes.push(Change::PutDeployment(d));
-            Ok::<_, ServerError>(job_id)
-        })?;
+                }
+                let mut d = d.clone();
+                for g in d.groups.values_mut() {
+                    g.promoted = true;
+                }
+                d.status_description = "Deployment is running".into();
+                let job_id = d.job_id.clone();
+                changes.push(Change::PutDeployment(d));
+                Ok::<_, ServerError>(job_id)
+            })
+            .await?;
         tracing::info!(job_id = %job_id, deployment = id, "deployment promoted");
         self.evaluate_job(&job_id).await;
         self.deployment(id)

@@ -178,7 +178,15 @@ impl Server {
     /// while an evaluation runs share the one that follows it.
     pub(crate) async fn evaluate_job(&self, job_id: &str) -> PlacementCounts {
         self.job_evaluations
-            .run(job_id, || async { self.evaluate_job_now(job_id) })
+            .run(job_id, || async {
+                // Planned inside the writer: the pass waits for its turn
+                // at it parked, as other async writers do.
+                let _turn = match self.config.scheduler_plans_in_writer {
+                    true => Some(self.store.write_turn().await),
+                    false => None,
+                };
+                self.evaluate_job_now(job_id)
+            })
             .await
     }
 

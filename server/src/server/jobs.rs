@@ -157,19 +157,22 @@ impl Server {
     ) -> Result<JobRegisterResponse, ServerError> {
         self.check_job(&job)?;
         let job_id = job.id.clone();
-        let ((changed, version), _) = self.store.write(|t, changes| {
-            let old = t.jobs.get(&job.id);
-            if let Some(want) = enforce_index {
-                check_enforced_index(&job.id, old, want)?;
-            }
-            let (next, changed) = registration(old, job, t.index.saturating_add(1));
-            let version = next.version;
-            if changed {
-                crate::state::job_versions::record_version(t, &next, changes);
-                changes.push(Change::PutJob(next));
-            }
-            Ok::<_, ServerError>((changed, version))
-        })?;
+        let ((changed, version), _) = self
+            .store
+            .write_async(|t, changes| {
+                let old = t.jobs.get(&job.id);
+                if let Some(want) = enforce_index {
+                    check_enforced_index(&job.id, old, want)?;
+                }
+                let (next, changed) = registration(old, job, t.index.saturating_add(1));
+                let version = next.version;
+                if changed {
+                    crate::state::job_versions::record_version(t, &next, changes);
+                    changes.push(Change::PutJob(next));
+                }
+                Ok::<_, ServerError>((changed, version))
+            })
+            .await?;
         if changed {
             tracing::info!(job_id = %job_id, version, "job registered");
         }
@@ -243,22 +246,24 @@ impl Server {
     /// every alloc of it is done and holds no volume claim (garbage
     /// collection's rules, without its thresholds). Returns the index.
     pub async fn stop_job_with(&self, id: &str, purge: bool) -> Result<u64, ServerError> {
-        self.store.write(|t, changes| {
-            let job = t
-                .jobs
-                .get(id)
-                .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))?;
-            if !job.stop || (purge && !job.purge) {
-                let mut job = job.clone();
-                if !job.stop {
-                    job.job_modify_index = t.index.saturating_add(1);
+        self.store
+            .write_async(|t, changes| {
+                let job = t
+                    .jobs
+                    .get(id)
+                    .ok_or_else(|| ServerError::not_found(format!("job {id:?} not found")))?;
+                if !job.stop || (purge && !job.purge) {
+                    let mut job = job.clone();
+                    if !job.stop {
+                        job.job_modify_index = t.index.saturating_add(1);
+                    }
+                    job.stop = true;
+                    job.purge |= purge;
+                    changes.push(Change::PutJob(job));
                 }
-                job.stop = true;
-                job.purge |= purge;
-                changes.push(Change::PutJob(job));
-            }
-            Ok::<_, ServerError>(())
-        })?;
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         tracing::info!(job_id = id, purge, "job stopped");
         self.evaluate_job(id).await;
         if purge {

@@ -76,42 +76,45 @@ impl Server {
             )])
             .into());
         }
-        let (enrolled_with, index) = self.store.write(|t, changes| {
-            let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
-            let mut enrolled_with = None;
-            if let Some((secret, enrollment)) = &secret {
-                enrolled_with = super::node_secrets::admit_registration(
-                    t, &node.id, secret, enrollment, changes,
-                )?;
-            }
-            // The registration's events join the stored ones as any
-            // others do: folded and capped.
-            let carried = std::mem::take(&mut node.events);
-            // Eligibility and drain are the servers': a client's
-            // (re-)registration neither undoes an operator's drain nor sets
-            // its own (a new node is eligible).
-            let fresh = Node::default();
-            node.keep_server_fields(t.nodes.get(&node.id).unwrap_or(&fresh));
-            if let Some(old) = t.nodes.get(&node.id) {
-                node.events = old.events.clone();
-                if node.csi_node_plugins.is_empty() {
-                    node.csi_node_plugins = old.csi_node_plugins.clone();
+        let (enrolled_with, index) = self
+            .store
+            .write_async(|t, changes| {
+                let mut event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node registered");
+                let mut enrolled_with = None;
+                if let Some((secret, enrollment)) = &secret {
+                    enrolled_with = super::node_secrets::admit_registration(
+                        t, &node.id, secret, enrollment, changes,
+                    )?;
                 }
-                if node.csi_controller_plugins.is_empty() {
-                    node.csi_controller_plugins = old.csi_controller_plugins.clone();
+                // The registration's events join the stored ones as any
+                // others do: folded and capped.
+                let carried = std::mem::take(&mut node.events);
+                // Eligibility and drain are the servers': a client's
+                // (re-)registration neither undoes an operator's drain nor sets
+                // its own (a new node is eligible).
+                let fresh = Node::default();
+                node.keep_server_fields(t.nodes.get(&node.id).unwrap_or(&fresh));
+                if let Some(old) = t.nodes.get(&node.id) {
+                    node.events = old.events.clone();
+                    if node.csi_node_plugins.is_empty() {
+                        node.csi_node_plugins = old.csi_node_plugins.clone();
+                    }
+                    if node.csi_controller_plugins.is_empty() {
+                        node.csi_controller_plugins = old.csi_controller_plugins.clone();
+                    }
+                    if old.status == NodeStatus::Down {
+                        event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node re-registered");
+                        event = resume_allocs(t, &node.id, event, changes);
+                    }
                 }
-                if old.status == NodeStatus::Down {
-                    event = NodeEvent::new(NodeEvent::SUBSYSTEM_CLUSTER, "Node re-registered");
-                    event = resume_allocs(t, &node.id, event, changes);
-                }
-            }
-            node.push_events(carried);
-            node.push_events([event]);
-            node.status = NodeStatus::Ready;
-            node.last_heartbeat_ms = berth_structs::now_ms();
-            changes.push(Change::PutNode(node.clone()));
-            Ok::<_, ServerError>(enrolled_with)
-        })?;
+                node.push_events(carried);
+                node.push_events([event]);
+                node.status = NodeStatus::Ready;
+                node.last_heartbeat_ms = berth_structs::now_ms();
+                changes.push(Change::PutNode(node.clone()));
+                Ok::<_, ServerError>(enrolled_with)
+            })
+            .await?;
         if let Some(accessor) = enrolled_with {
             tracing::info!(node_id = %node.id, intro_token = %accessor, "node enrolled with an introduction token");
         }
@@ -151,7 +154,7 @@ impl Server {
             Some(true) if !marking_down => false,
             Some(_) => {
                 self.store
-                    .write(|t, changes| {
+                    .write_async(|t, changes| {
                         let node = t.nodes.get(node_id).ok_or_else(unknown)?;
                         if node.status == NodeStatus::Ready {
                             return Ok::<_, ServerError>(false);
@@ -168,6 +171,7 @@ impl Server {
                         changes.push(Change::PutNode(node));
                         Ok(true)
                     })
+                    .await
                     .inspect_err(|e| {
                         if matches!(e, ServerError::NotFound(_)) {
                             self.liveness.forget_heartbeats(node_id);
@@ -219,21 +223,24 @@ impl Server {
         node_plugins: BTreeMap<String, CsiInfo>,
         controller_plugins: BTreeMap<String, CsiInfo>,
     ) -> Result<(), ServerError> {
-        let (changed, _) = self.store.write(|t, changes| {
-            let node = t.nodes.get(node_id).ok_or_else(|| {
-                ServerError::not_found(format!("node {node_id:?} is not registered"))
-            })?;
-            if node.csi_node_plugins == node_plugins
-                && node.csi_controller_plugins == controller_plugins
-            {
-                return Ok::<_, ServerError>(false);
-            }
-            let mut node = node.clone();
-            node.csi_node_plugins = node_plugins;
-            node.csi_controller_plugins = controller_plugins;
-            changes.push(Change::PutNode(node));
-            Ok(true)
-        })?;
+        let (changed, _) = self
+            .store
+            .write_async(|t, changes| {
+                let node = t.nodes.get(node_id).ok_or_else(|| {
+                    ServerError::not_found(format!("node {node_id:?} is not registered"))
+                })?;
+                if node.csi_node_plugins == node_plugins
+                    && node.csi_controller_plugins == controller_plugins
+                {
+                    return Ok::<_, ServerError>(false);
+                }
+                let mut node = node.clone();
+                node.csi_node_plugins = node_plugins;
+                node.csi_controller_plugins = controller_plugins;
+                changes.push(Change::PutNode(node));
+                Ok(true)
+            })
+            .await?;
         if changed {
             tracing::info!(node_id, "node CSI plugins updated");
             self.evaluate_after_cluster_change().await;
@@ -262,8 +269,10 @@ impl Server {
                 biased;
                 outcome = &mut written => break outcome,
                 _writing = self.alloc_reports.writing.lock() => {
-                    // No await until `_writing` is dropped: the batch taken
-                    // is written and answered whatever becomes of this call.
+                    // The writer's turn first; then no await until
+                    // `_writing` is dropped: the batch taken is written
+                    // and answered whatever becomes of this call.
+                    let _turn = self.store.write_turn().await;
                     self.write_alloc_reports();
                 }
             }
@@ -596,34 +605,37 @@ impl Server {
                 .read(|t| resolve_node(t, given).map(|n| n.id.clone()))?;
             self.liveness.last_heartbeat_ms(&id)
         };
-        let ((mut report, jobs), _) = self.store.write(|t, changes| {
-            let node = resolve_node(t, given)?;
-            let last_heartbeat_ms = last_heartbeat
-                .unwrap_or(node.last_heartbeat_ms)
-                .max(node.last_heartbeat_ms);
-            let mut report = NodePurge {
-                node_id: node.id.clone(),
-                node_name: node.name.clone(),
-                ..NodePurge::default()
-            };
-            let mut jobs = BTreeSet::new();
-            for a in t.allocs_on_node(&node.id) {
-                if a.client_status.is_terminal() {
-                    continue;
+        let ((mut report, jobs), _) = self
+            .store
+            .write_async(|t, changes| {
+                let node = resolve_node(t, given)?;
+                let last_heartbeat_ms = last_heartbeat
+                    .unwrap_or(node.last_heartbeat_ms)
+                    .max(node.last_heartbeat_ms);
+                let mut report = NodePurge {
+                    node_id: node.id.clone(),
+                    node_name: node.name.clone(),
+                    ..NodePurge::default()
+                };
+                let mut jobs = BTreeSet::new();
+                for a in t.allocs_on_node(&node.id) {
+                    if a.client_status.is_terminal() {
+                        continue;
+                    }
+                    let mut a = a.clone();
+                    a.mark_lost("alloc is lost since its node was purged");
+                    a.node_last_heartbeat_ms = last_heartbeat_ms;
+                    report.lost_allocs.push(a.id.clone());
+                    jobs.insert(a.job_id.clone());
+                    changes.push(Change::PutAlloc(a));
                 }
-                let mut a = a.clone();
-                a.mark_lost("alloc is lost since its node was purged");
-                a.node_last_heartbeat_ms = last_heartbeat_ms;
-                report.lost_allocs.push(a.id.clone());
-                jobs.insert(a.job_id.clone());
-                changes.push(Change::PutAlloc(a));
-            }
-            if !force {
-                report.kept = keep_write_claims(t, &node.id, changes);
-            }
-            changes.push(Change::DeleteNode(node.id.clone()));
-            Ok::<_, ServerError>((report, jobs))
-        })?;
+                if !force {
+                    report.kept = keep_write_claims(t, &node.id, changes);
+                }
+                changes.push(Change::DeleteNode(node.id.clone()));
+                Ok::<_, ServerError>((report, jobs))
+            })
+            .await?;
         self.liveness.forget_heartbeats(&report.node_id);
         tracing::warn!(node_id = %report.node_id, name = %report.node_name,
             lost_allocs = report.lost_allocs.len(), "node purged");

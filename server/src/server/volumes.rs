@@ -189,10 +189,12 @@ impl Server {
             vol.provider = self.plugin_provider(&vol.plugin_id);
         }
         let stored = vol.clone();
-        self.store.write(|_, changes| {
-            changes.push(Change::PutVolume(stored));
-            Ok::<_, ServerError>(())
-        })?;
+        self.store
+            .write_async(|_, changes| {
+                changes.push(Change::PutVolume(stored));
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         tracing::info!(volume_id = %vol.id, plugin_id = %vol.plugin_id, external_id = %vol.external_id, "volume created");
         drop(_lock);
         self.evaluate_blocked().await;
@@ -229,7 +231,7 @@ impl Server {
         }
         let provider = self.plugin_provider(&vol.plugin_id);
         let _lock = self.volume_locks.lock(&vol.id).await;
-        self.store.write(|t, changes| {
+        self.store.write_async(|t, changes| {
             match t.volumes.get(&vol.id) {
                 Some(old) => {
                     let claimed = old.claims().count();
@@ -268,7 +270,7 @@ impl Server {
             vol.schedulable = false;
             changes.push(Change::PutVolume(vol.clone()));
             Ok(())
-        })?;
+        }).await?;
         tracing::info!(volume_id = %vol.id, plugin_id = %vol.plugin_id, "volume registered");
         drop(_lock);
         self.evaluate_blocked().await;
@@ -331,10 +333,12 @@ impl Server {
                 report.released.push(alloc_id.clone());
             }
         }
-        self.store.write(|_, changes| {
-            changes.push(Change::DeleteVolume(id.to_string()));
-            Ok::<_, ServerError>(())
-        })?;
+        self.store
+            .write_async(|_, changes| {
+                changes.push(Change::DeleteVolume(id.to_string()));
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         tracing::info!(
             volume_id = id,
             force,
@@ -370,10 +374,12 @@ impl Server {
         self.calls
             .call(&controller, call, self.config.client_call_timeout)
             .await?;
-        self.store.write(|_, changes| {
-            changes.push(Change::DeleteVolume(id.to_string()));
-            Ok::<_, ServerError>(())
-        })?;
+        self.store
+            .write_async(|_, changes| {
+                changes.push(Change::DeleteVolume(id.to_string()));
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         tracing::info!(volume_id = id, plugin_id = %vol.plugin_id, "volume deleted");
         drop(_lock);
         Ok(())

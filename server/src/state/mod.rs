@@ -285,6 +285,9 @@ pub struct StateStore {
     backend: Box<dyn Backend>,
     tables: RwLock<Tables>,
     writer: Mutex<()>,
+    /// The async callers' turns at the writer, first come first served
+    /// (see [`StateStore::write_async`]).
+    turns: tokio::sync::Mutex<()>,
     index_tx: watch::Sender<u64>,
     /// The index of the last write that changed a node or an alloc (but
     /// for its volume stats alone): what alloc watches wait on.
@@ -317,6 +320,7 @@ impl StateStore {
             backend,
             tables: RwLock::new(tables),
             writer: Mutex::new(()),
+            turns: tokio::sync::Mutex::new(()),
             index_tx,
             allocs_or_nodes_tx,
             node_tx: Mutex::new(HashMap::new()),
@@ -553,6 +557,31 @@ impl StateStore {
         }
     }
 
+    /// [`StateStore::write`] for async callers: each waits for its turn
+    /// as a parked future, and only the one whose turn it is blocks a
+    /// thread. A storm of writers (every node of a fleet registering at
+    /// once) then holds neither the runtime's workers nor a thread each
+    /// (which exhausts tokio's blocking pool, and leaves the runtime
+    /// without a thread for its cores: no heartbeat or HTTP/2 ping is
+    /// answered until the storm is written).
+    pub async fn write_async<R, E>(
+        &self,
+        f: impl FnOnce(&Tables, &mut Vec<Change>) -> Result<R, E>,
+    ) -> Result<(R, u64), E>
+    where
+        E: From<StoreError>,
+    {
+        let _turn = self.turns.lock().await;
+        self.write(f)
+    }
+
+    /// A turn at the writer for an async caller that writes from sync
+    /// code (a scheduling pass); held across no await that writes, or it
+    /// waits for itself.
+    pub async fn write_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.turns.lock().await
+    }
+
     fn write_blocking<R, E>(
         &self,
         f: impl FnOnce(&Tables, &mut Vec<Change>) -> Result<R, E>,
@@ -659,6 +688,68 @@ mod tests {
             })
             .unwrap()
             .1
+    }
+
+    /// Threads of this process named `name` (every thread of a runtime
+    /// built with that name: its workers and its blocking pool).
+    fn threads_named(name: &str) -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|tasks| {
+                tasks
+                    .flatten()
+                    .filter(|t| {
+                        std::fs::read_to_string(t.path().join("comm"))
+                            .is_ok_and(|comm| comm.trim() == name)
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn a_storm_of_async_writers_waits_parked_not_on_a_thread_each() {
+        const NAME: &str = "store-storm";
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name(NAME)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let backend = RedbBackend::open(&RedbBackend::path_in(dir.path())).unwrap();
+        let store = std::sync::Arc::new(StateStore::open(Box::new(backend)).unwrap());
+        let peak = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        rt.block_on(async {
+            let mut writers = tokio::task::JoinSet::new();
+            for i in 0..300 {
+                let (store, peak) = (store.clone(), peak.clone());
+                writers.spawn(async move {
+                    store
+                        .write_async(|_, changes| {
+                            peak.fetch_max(
+                                threads_named(NAME),
+                                std::sync::atomic::Ordering::SeqCst,
+                            );
+                            std::thread::sleep(Duration::from_micros(500));
+                            changes.push(Change::PutJob(Job {
+                                id: format!("job-{i}"),
+                                ..Job::default()
+                            }));
+                            Ok::<_, StoreError>(())
+                        })
+                        .await
+                        .unwrap();
+                });
+            }
+            while let Some(done) = writers.join_next().await {
+                done.unwrap();
+            }
+        });
+        assert_eq!(store.read(|t| t.jobs.len()), 300);
+        // Two workers and the thread the writer whose turn it is blocks;
+        // each writer on its own blocked thread would make 300.
+        let peak = peak.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(peak <= 6, "{peak} threads for 300 writers at once");
     }
 
     #[tokio::test]
