@@ -271,6 +271,13 @@ fn print_point(p: &Point, label: &str) {
             p.volumes.as_secs_f64()
         ),
     );
+    report::value(
+        "registration throughput",
+        format!(
+            "{:.0} nodes/s",
+            p.nodes as f64 / p.register.as_secs_f64().max(1e-9)
+        ),
+    );
     report::value("nodes marked down", p.down);
     let (n, why) = &p.reopened;
     report::value("streams reopened by the nodes", n);
