@@ -45,6 +45,10 @@ pub fn number_of(text: &str) -> Option<(f64, String)> {
         .unwrap_or(text.len());
     let number: f64 = text[..end].replace(',', "").parse().ok()?;
     let unit = text[end..].trim();
+    // Several figures on one line ("7.4 s / 19.1 s"): not one number.
+    if unit.contains(|c: char| c.is_ascii_digit()) {
+        return None;
+    }
     let scale = match unit {
         "ns" => Some(1e-6),
         "µs" | "us" => Some(1e-3),
@@ -182,6 +186,11 @@ pub fn heading(figure: &str, what: &str) {
 /// Print one line of samples: `label  median X  p99 Y  max Z  (n=N)`.
 pub fn samples(label: &str, s: &Samples) {
     record(label, s.median().as_secs_f64() * 1000.0, "ms");
+    record(
+        &format!("{label} (p99)"),
+        s.p99().as_secs_f64() * 1000.0,
+        "ms",
+    );
     println!(
         "  {label:<34} median {:>10}  p99 {:>10}  max {:>10}  (n={})",
         Ms(s.median()).to_string(),
@@ -319,6 +328,7 @@ mod tests {
         assert_eq!(read("0.87x"), Some((0.87, "x".into())));
         assert_eq!(read("1.82 MiB"), Some((1.82, "MiB".into())));
         assert_eq!(read("/usr/bin/berth"), None);
+        assert_eq!(read("7.4 s / 19.1 s / 9.5 s"), None);
     }
 
     #[test]
