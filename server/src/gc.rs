@@ -193,7 +193,7 @@ fn plan(t: &Tables, now_ms: i64, th: Thresholds, changes: &mut Vec<Change>) -> G
     for j in t.jobs.values() {
         let done = match j.status {
             JobStatus::Dead => true,
-            JobStatus::Failed => crate::scheduler::given_up(j, t.allocs_of_job(&j.id)),
+            JobStatus::Failed => j.stop || crate::scheduler::given_up(j, t.allocs_of_job(&j.id)),
             JobStatus::Pending | JobStatus::Running => j.stop,
         };
         let threshold_ms = if j.purge { 0 } else { th.job_ms };
