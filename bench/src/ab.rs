@@ -63,7 +63,7 @@ pub fn run(a: &Args) -> Result<()> {
         Some(dir) => dir.clone(),
         None => berth_testutil::bin_dir(),
     };
-    let sides = [
+    let mut sides = [
         Side {
             name: a.old_name.clone(),
             dir: a.old.clone(),
@@ -73,7 +73,6 @@ pub fn run(a: &Args) -> Result<()> {
             dir: new,
         },
     ];
-    let mut sides = sides;
     for side in &mut sides {
         // Absolute: the agents a figure starts find their binaries from
         // other working directories.

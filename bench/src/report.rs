@@ -9,6 +9,8 @@
 use std::fmt;
 use std::io::Write;
 use std::sync::Mutex;
+
+use berth_sync::MutexExt;
 use std::time::Duration;
 
 /// The heading printed last: the figure the next lines belong to.
@@ -19,7 +21,7 @@ fn record(label: &str, value: f64, unit: &str) {
     let Some(path) = std::env::var_os("BERTH_BENCH_RECORD").filter(|p| !p.is_empty()) else {
         return;
     };
-    let figure = FIGURE.lock().map(|f| f.clone()).unwrap_or_default();
+    let figure = FIGURE.locked().clone();
     let line = serde_json::json!({
         "key": format!("{figure}: {}", label.trim()),
         "value": value,
@@ -177,9 +179,7 @@ impl fmt::Display for Mib {
 
 /// Print the figure's heading: what is measured, and how often.
 pub fn heading(figure: &str, what: &str) {
-    if let Ok(mut f) = FIGURE.lock() {
-        *f = figure.to_string();
-    }
+    *FIGURE.locked() = figure.to_string();
     println!("figure: {figure}: {what}");
 }
 

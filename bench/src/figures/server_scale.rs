@@ -366,8 +366,8 @@ fn measure(nodes: usize, args: &Args, how: How) -> Result<Point> {
 
     let setup_heartbeats = fleet.stats.heartbeats_between(setup_started, setup_ended);
     let steady_heartbeats = fleet.stats.heartbeats_between(steady_started, steady_ended);
-    let reopened = fleet.stats.reopens();
-    let retried = fleet.stats.retries();
+    let reopened = fleet.stats.reopened.read();
+    let retried = fleet.stats.retried.read();
     fleet.stats.check()?;
     drop(fleet);
     drop(servers);

@@ -61,6 +61,29 @@ pub struct FleetConfig {
 /// The CPU a task of the figures' jobs asks for, in MHz.
 pub const TASK_CPU: u64 = 100;
 
+/// How often something happened, and the first few reasons why.
+#[derive(Default)]
+pub struct Tally {
+    count: AtomicUsize,
+    first: Mutex<Vec<String>>,
+}
+
+impl Tally {
+    fn note(&self, why: String) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let mut first = self.first.locked();
+        if first.len() < 5 {
+            first.push(why);
+        }
+    }
+
+    /// How many, and the first reasons.
+    pub fn read(&self) -> (usize, Vec<String>) {
+        let first = self.first.locked();
+        (self.count.load(Ordering::Relaxed), first.clone())
+    }
+}
+
 /// What the fleet saw, shared by its nodes.
 #[derive(Default)]
 pub struct FleetStats {
@@ -70,13 +93,11 @@ pub struct FleetStats {
     unpublishes: Mutex<Vec<(Instant, Duration)>>,
     failures: Mutex<Vec<String>>,
     /// Alloc watches and call streams that broke or ended and were
-    /// reopened (as a client does), and the first reasons why.
-    pub reopened: AtomicUsize,
-    reopen_reasons: Mutex<Vec<String>>,
+    /// reopened (as a client does).
+    pub reopened: Tally,
     /// RPCs that failed as a client retries them (the connection broke
-    /// or went away) and were retried, and the first reasons why.
-    pub retried: AtomicUsize,
-    retry_reasons: Mutex<Vec<String>>,
+    /// or went away) and were retried.
+    pub retried: Tally,
     /// Allocs reported running, and reported complete.
     pub running: AtomicUsize,
     pub complete: AtomicUsize,
@@ -91,34 +112,6 @@ impl FleetStats {
         if f.len() < 1000 {
             f.push(what);
         }
-    }
-
-    fn reopen(&self, what: String) {
-        self.reopened.fetch_add(1, Ordering::Relaxed);
-        let mut r = self.reopen_reasons.locked();
-        if r.len() < 5 {
-            r.push(what);
-        }
-    }
-
-    fn retry(&self, what: String) {
-        self.retried.fetch_add(1, Ordering::Relaxed);
-        let mut r = self.retry_reasons.locked();
-        if r.len() < 5 {
-            r.push(what);
-        }
-    }
-
-    /// How many RPCs were retried, and the first reasons.
-    pub fn retries(&self) -> (usize, Vec<String>) {
-        let r = self.retry_reasons.locked();
-        (self.retried.load(Ordering::Relaxed), r.clone())
-    }
-
-    /// How many streams were reopened, and the first reasons.
-    pub fn reopens(&self) -> (usize, Vec<String>) {
-        let r = self.reopen_reasons.locked();
-        (self.reopened.load(Ordering::Relaxed), r.clone())
     }
 
     /// Heartbeat round trips that started in `[from, to)`.

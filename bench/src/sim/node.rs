@@ -52,7 +52,8 @@ impl SimNode {
                 Ok(r) => break r.into_inner().heartbeat_ttl_ms,
                 Err(e) if super::retryable(&e) && failures < 10 => {
                     self.stats
-                        .retry(format!("register of node {}: {e}", self.index));
+                        .retried
+                        .note(format!("register of node {}: {e}", self.index));
                     failures += 1;
                     tokio::time::sleep(retry_delay(failures)).await;
                 }
@@ -118,7 +119,7 @@ impl SimNode {
                     }
                     let what = format!("heartbeat of node {}: {e}", self.index);
                     if super::retryable(&e) {
-                        self.stats.retry(what);
+                        self.stats.retried.note(what);
                     } else {
                         self.stats.fail(what);
                     }
@@ -154,7 +155,7 @@ impl SimNode {
         if stop.is_shutdown() {
             return false;
         }
-        self.stats.reopen(why);
+        self.stats.reopened.note(why);
         *failures += 1;
         tokio::select! {
             _ = stop.wait() => false,

@@ -302,9 +302,7 @@ pub(crate) fn given_up<'a>(job: &Job, mut allocs: impl Iterator<Item = &'a Alloc
             !failed_unreplaced(job, a)
                 || (a.client_status == AllocClientStatus::Failed
                     && job
-                        .task_groups
-                        .iter()
-                        .find(|g| g.name == a.task_group)
+                        .lookup_group(&a.task_group)
                         .is_none_or(|g| job.reschedule_policy(g).next_attempt_ms(a).is_none()))
         })
 }

@@ -181,9 +181,10 @@ impl Server {
             .run(job_id, || async {
                 // Planned inside the writer: the pass waits for its turn
                 // at it parked, as other async writers do.
-                let _turn = match self.config.scheduler_plans_in_writer {
-                    true => Some(self.store.write_turn().await),
-                    false => None,
+                let _turn = if self.config.scheduler_plans_in_writer {
+                    Some(self.store.write_turn().await)
+                } else {
+                    None
                 };
                 self.evaluate_job_now(job_id)
             })
