@@ -81,6 +81,6 @@ pub(crate) use deploy::canaries_healthy;
 pub(crate) use feasible::plan_still_fits;
 pub(crate) use place::place;
 pub(crate) use reconcile::{
-    disconnect_window_end_ms, given_up, log_plan, plan_job, plan_stored_job, tables_read,
-    PlacementCounts, PlanOutcome,
+    disconnect_window_end_ms, given_up, log_plan, plan_job, plan_stored_job, status_of_allocs,
+    tables_read, PlacementCounts, PlanOutcome,
 };

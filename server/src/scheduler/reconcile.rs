@@ -258,17 +258,8 @@ pub(super) fn job_status(
     allocs: &BTreeMap<String, Allocation>,
     outcome: &PlanOutcome,
 ) -> JobStatus {
-    if allocs.values().any(still_running) {
-        return JobStatus::Running;
-    }
-    if job.stop {
-        return JobStatus::Dead;
-    }
-    // Nothing runs and the current version's allocs failed: failed, as
-    // `job run` says, whether a reschedule is due or the policy allows
-    // no more (see `given_up`).
-    if allocs.values().any(|a| failed_unreplaced(job, a)) {
-        return JobStatus::Failed;
+    if let Some(status) = status_of_allocs(job, &allocs.values().collect::<Vec<_>>()) {
+        return status;
     }
     // Nothing runs, nothing waits to be placed or replaced: done.
     if job.job_type != JobType::System
@@ -279,6 +270,24 @@ pub(super) fn job_status(
         return JobStatus::Dead;
     }
     JobStatus::Pending
+}
+
+/// The job's status where its allocs alone decide it, without the plan's
+/// outcome: running while any runs; dead once stopped and nothing runs;
+/// failed when nothing runs and the current version's allocs failed, as
+/// `job run` says, whether a reschedule is due or the policy allows no
+/// more (see `given_up`). An alloc status report writes it with the
+/// allocs it changes, so the job's status never lags behind them.
+pub(crate) fn status_of_allocs(job: &Job, allocs: &[&Allocation]) -> Option<JobStatus> {
+    if allocs.iter().any(|a| still_running(a)) {
+        Some(JobStatus::Running)
+    } else if job.stop {
+        Some(JobStatus::Dead)
+    } else if allocs.iter().any(|a| failed_unreplaced(job, a)) {
+        Some(JobStatus::Failed)
+    } else {
+        None
+    }
 }
 
 /// An alloc of `job`'s current version that failed or was lost and has

@@ -461,6 +461,22 @@ fn apply_alloc_reports(
         }
         evaluate.push(any);
     }
+    // The job's status moves with the allocs that decide it (failed as
+    // soon as its last alloc failed), not an evaluation later.
+    for job in jobs.iter().filter_map(|id| t.jobs.get(id)) {
+        let allocs = t
+            .allocs_of_job(&job.id)
+            .map(|a| reported.get(&a.id).unwrap_or(a))
+            .collect::<Vec<_>>();
+        match crate::scheduler::status_of_allocs(job, &allocs) {
+            Some(status) if status != job.status => {
+                let mut job = job.clone();
+                job.status = status;
+                changes.push(Change::PutJob(job));
+            }
+            _ => {}
+        }
+    }
     for (id, a) in reported {
         if t.allocs.get(&id) != Some(&a) {
             changes.push(Change::PutAlloc(a));
@@ -965,6 +981,63 @@ mod tests {
         let a = server.allocation("a0-0").unwrap();
         assert_eq!(a.client_status, AllocClientStatus::Failed);
         assert_eq!(a.client_description, "failed by its client");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_report_that_fails_a_jobs_last_alloc_writes_the_job_failed() {
+        use berth_structs::{Job, JobStatus, JobType, ReschedulePolicy, TaskGroup};
+        let dir = tempfile::tempdir().unwrap();
+        let server = Server::open(crate::ServerConfig::new(dir.path())).unwrap();
+        // A batch job of two allocs whose policy replaces no failed one.
+        let job = Job {
+            id: "web".into(),
+            job_type: JobType::Batch,
+            status: JobStatus::Running,
+            task_groups: vec![TaskGroup {
+                name: "g".into(),
+                count: 2,
+                reschedule: Some(ReschedulePolicy {
+                    attempts: 0,
+                    ..ReschedulePolicy::default_for(JobType::Batch)
+                }),
+                ..TaskGroup::default()
+            }],
+            ..Job::default()
+        };
+        server
+            .store
+            .write(|_, changes| {
+                for i in 0..2 {
+                    changes.push(Change::PutAlloc(Allocation {
+                        id: format!("a0-{i}"),
+                        node_id: "n0".into(),
+                        job_id: "web".into(),
+                        task_group: "g".into(),
+                        job: job.clone(),
+                        ..Allocation::default()
+                    }));
+                }
+                changes.push(Change::PutJob(job.clone()));
+                Ok::<_, crate::ServerError>(())
+            })
+            .unwrap();
+        let job = |server: &Server| server.job("web").unwrap();
+        // One of two fails: the other still runs.
+        let running = vec![
+            status("a0-0", AllocClientStatus::Running),
+            status("a0-1", AllocClientStatus::Running),
+        ];
+        server.update_allocations("n0", running).await.unwrap();
+        let failed = vec![status("a0-0", AllocClientStatus::Failed)];
+        server.update_allocations("n0", failed).await.unwrap();
+        assert_eq!(job(&server).status, JobStatus::Running);
+        // The last one fails: the job is failed in the report's own write,
+        // whatever the evaluation after it does.
+        let last = vec![status("a0-1", AllocClientStatus::Failed)];
+        let index = server.update_allocations("n0", last).await.unwrap();
+        let j = job(&server);
+        assert_eq!(j.status, JobStatus::Failed);
+        assert_eq!(j.modify_index, index, "written with the report");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
