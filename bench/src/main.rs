@@ -65,6 +65,9 @@ enum Figure {
     /// Job submit latency and placement throughput of a server on the
     /// embedded store against one on etcd, in one run.
     Stores(stores::Args),
+    /// What one CLI process costs: `berth version` and a read round trip,
+    /// spawn to exit, CPU time and page faults, against /bin/true.
+    CliStart(cli_start::Args),
     /// Every figure at a tiny size, so that none can rot (CI runs this).
     Smoke,
     /// One figure against an older build's binaries and this build's, in
@@ -86,6 +89,7 @@ fn main() -> ExitCode {
         Figure::Scheduler(a) => scheduler::run(&a),
         Figure::ConcurrentWriters(a) => concurrent_writers::run(&a),
         Figure::Stores(a) => stores::run(&a),
+        Figure::CliStart(a) => cli_start::run(&a),
         Figure::Smoke => smoke(),
         Figure::Ab(a) => ab::run(&a),
     };
@@ -102,7 +106,7 @@ fn main() -> ExitCode {
 /// ends the run.
 fn smoke() -> anyhow::Result<()> {
     type SmokeRun = fn() -> anyhow::Result<()>;
-    let figures: [(&str, SmokeRun); 11] = [
+    let figures: [(&str, SmokeRun); 12] = [
         ("job-run", job_run::smoke),
         ("job-run-csi", job_run_csi::smoke),
         ("stop-claim-free", stop_claim_free::smoke),
@@ -114,6 +118,7 @@ fn smoke() -> anyhow::Result<()> {
         ("scheduler", scheduler::smoke),
         ("concurrent-writers", concurrent_writers::smoke),
         ("stores", stores::smoke),
+        ("cli-start", cli_start::smoke),
     ];
     for (name, run) in figures {
         println!("== smoke: {name}");

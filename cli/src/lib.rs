@@ -240,13 +240,20 @@ pub enum Parsed {
 /// Parses `args` (without the program name). A command line clap refuses
 /// is a [`UsageError`] with the failing command's usage.
 pub fn parse(args: Vec<String>) -> Result<Parsed> {
+    // Unbuilt: clap builds only the commands the words reach as it parses
+    // them. Building the whole tree (every global flag copied into every
+    // command) and cloning it cost each CLI call over a megabyte of heap
+    // and most of its start; only a refused command line's help and usage
+    // need the tree built.
     let mut cmd = command();
-    cmd.build();
     let argv = normalise(&cmd, args);
     let matches = cmd
-        .clone()
-        .try_get_matches_from(std::iter::once("berth".to_string()).chain(argv.iter().cloned()));
-    match matches.and_then(|m| Cli::from_arg_matches(&m)) {
+        .try_get_matches_from_mut(std::iter::once("berth".to_string()).chain(argv.iter().cloned()));
+    let parsed = matches.and_then(|m| Cli::from_arg_matches(&m));
+    if parsed.is_err() {
+        cmd.build();
+    }
+    match parsed {
         Ok(cli) => Ok(Parsed::Run(Box::new(cli))),
         // `berth job` with BERTH_ADDR set: clap counts the variable as an
         // argument given, so it reports a missing subcommand instead of
@@ -394,7 +401,11 @@ pub fn usage_error(path: &[&str], message: impl Into<String>) -> anyhow::Error {
 /// than its first letter. Short flags (`-t`, `-n 5`, `-n5`) and everything
 /// after `--` are kept as they are; a flag's value is never rewritten.
 pub fn normalise(root: &clap::Command, args: Vec<String>) -> Vec<String> {
-    let mut at = root;
+    let mut at = Flags {
+        cmd: root,
+        globals: Vec::new(),
+        root: true,
+    };
     let mut out = Vec::with_capacity(args.len());
     let mut value_next = false;
     let mut raw = false;
@@ -410,7 +421,7 @@ pub fn normalise(root: &clap::Command, args: Vec<String>) -> Vec<String> {
         }
         if let Some(flag) = a.strip_prefix("--") {
             if !flag.contains('=') {
-                value_next = long_flag(at, flag).is_some_and(takes_value);
+                value_next = at.long(flag).is_some_and(takes_value);
             }
             out.push(a);
             continue;
@@ -419,40 +430,70 @@ pub fn normalise(root: &clap::Command, args: Vec<String>) -> Vec<String> {
             let name = flag.split_once('=').map_or(flag, |(n, _)| n);
             let first = name.chars().next();
             if name.len() > 1 && first.is_some_and(|c| c.is_ascii_alphabetic()) {
-                let long = long_flag(at, name);
-                if long.is_some() || first.is_none_or(|c| short_flag(at, c).is_none()) {
+                let long = at.long(name);
+                let builtin = at.builtin(name);
+                if long.is_some() || builtin || first.is_none_or(|c| at.short(c).is_none()) {
                     value_next = !flag.contains('=') && long.is_some_and(takes_value);
                     out.push(format!("-{a}"));
                     continue;
                 }
             } else if let Some(c) = first.filter(|_| name.len() == 1 && !flag.contains('=')) {
-                value_next = short_flag(at, c).is_some_and(takes_value);
+                value_next = at.short(c).is_some_and(takes_value);
             }
             out.push(a);
             continue;
         }
-        if let Some(sub) = at.find_subcommand(&a) {
-            at = sub;
+        if let Some(sub) = at.cmd.find_subcommand(&a) {
+            at.descend(sub);
         }
         out.push(a);
     }
     out
 }
 
-fn long_flag<'a>(cmd: &'a clap::Command, name: &str) -> Option<&'a clap::Arg> {
-    cmd.get_arguments().find(|a| {
-        a.get_long() == Some(name)
-            || a.get_all_aliases()
-                .is_some_and(|aliases| aliases.contains(&name))
-    })
+/// The flags of the command the words reached: its own, and the global
+/// ones of the commands above it (an unbuilt tree has not copied those
+/// down yet).
+struct Flags<'a> {
+    cmd: &'a clap::Command,
+    globals: Vec<&'a clap::Arg>,
+    root: bool,
 }
 
-fn short_flag(cmd: &clap::Command, c: char) -> Option<&clap::Arg> {
-    cmd.get_arguments().find(|a| {
-        a.get_short() == Some(c)
-            || a.get_all_short_aliases()
-                .is_some_and(|aliases| aliases.contains(&c))
-    })
+impl<'a> Flags<'a> {
+    fn descend(&mut self, sub: &'a clap::Command) {
+        let globals = self.cmd.get_arguments().filter(|a| a.is_global_set());
+        self.globals.extend(globals);
+        self.cmd = sub;
+        self.root = false;
+    }
+
+    fn all(&self) -> impl Iterator<Item = &'a clap::Arg> + '_ {
+        self.cmd.get_arguments().chain(self.globals.iter().copied())
+    }
+
+    fn long(&self, name: &str) -> Option<&'a clap::Arg> {
+        self.all().find(|a| {
+            a.get_long() == Some(name)
+                || a.get_all_aliases()
+                    .is_some_and(|aliases| aliases.contains(&name))
+        })
+    }
+
+    fn short(&self, c: char) -> Option<&'a clap::Arg> {
+        self.all().find(|a| {
+            a.get_short() == Some(c)
+                || a.get_all_short_aliases()
+                    .is_some_and(|aliases| aliases.contains(&c))
+        })
+    }
+
+    /// A flag clap adds as it builds a command, which an unbuilt one does
+    /// not list yet: `help` everywhere, `version` at the root. Neither
+    /// takes a value.
+    fn builtin(&self, name: &str) -> bool {
+        name == "help" || (self.root && name == "version")
+    }
 }
 
 fn takes_value(arg: &clap::Arg) -> bool {
@@ -593,10 +634,14 @@ mod tests {
         v.iter().map(|x| x.to_string()).collect()
     }
 
+    /// `v` normalised as `parse` does it, on the unbuilt tree; the same
+    /// on the built one (every global flag copied down).
     fn normalised(v: &[&str]) -> Vec<String> {
-        let mut cmd = command();
-        cmd.build();
-        normalise(&cmd, s(v))
+        let unbuilt = normalise(&command(), s(v));
+        let mut built = command();
+        built.build();
+        assert_eq!(unbuilt, normalise(&built, s(v)), "{v:?}");
+        unbuilt
     }
 
     fn parsed(v: &[&str]) -> Cli {

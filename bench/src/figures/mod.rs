@@ -2,6 +2,7 @@
 //! (the figure at a tiny size, for CI).
 
 pub mod claims_release;
+pub mod cli_start;
 pub mod client_rss;
 pub mod concurrent_writers;
 pub mod executor_rss;
