@@ -254,7 +254,7 @@ impl Server {
                 if reserved_now && is_final(&e) {
                     // The controller certainly did not publish: give the
                     // reservation back.
-                    self.drop_claim(vid, alloc_id)?;
+                    self.drop_claim(vid, alloc_id).await?;
                 }
                 Err(e)
             }
@@ -294,17 +294,19 @@ impl Server {
     }
 
     /// Remove a claim without any detach (only when nothing was attached).
-    fn drop_claim(&self, volume_id: &str, alloc_id: &str) -> Result<(), ServerError> {
-        self.store.write(|t, changes| {
-            if let Some(mut v) = t.volumes.get(volume_id).cloned() {
-                if v.read_claims.remove(alloc_id).is_some()
-                    | v.write_claims.remove(alloc_id).is_some()
-                {
-                    changes.push(Change::PutVolume(v));
+    async fn drop_claim(&self, volume_id: &str, alloc_id: &str) -> Result<(), ServerError> {
+        self.store
+            .write_async(|t, changes| {
+                if let Some(mut v) = t.volumes.get(volume_id).cloned() {
+                    if v.read_claims.remove(alloc_id).is_some()
+                        | v.write_claims.remove(alloc_id).is_some()
+                    {
+                        changes.push(Change::PutVolume(v));
+                    }
                 }
-            }
-            Ok::<_, ServerError>(())
-        })?;
+                Ok::<_, ServerError>(())
+            })
+            .await?;
         Ok(())
     }
 
@@ -332,28 +334,31 @@ impl Server {
 
     /// Set the claim's state (and mark it releasing); returns false when
     /// the claim is gone.
-    fn checkpoint_claim(
+    async fn checkpoint_claim(
         &self,
         volume_id: &str,
         alloc_id: &str,
         state: ClaimState,
     ) -> Result<bool, ServerError> {
-        let (found, _) = self.store.write(|t, changes| {
-            let Some(mut v) = t.volumes.get(volume_id).cloned() else {
-                return Ok::<_, ServerError>(false);
-            };
-            let claim = match v.write_claims.get_mut(alloc_id) {
-                Some(c) => Some(c),
-                None => v.read_claims.get_mut(alloc_id),
-            };
-            let Some(c) = claim else { return Ok(false) };
-            if c.state != state || !c.releasing {
-                c.state = state;
-                c.releasing = true;
-                changes.push(Change::PutVolume(v));
-            }
-            Ok(true)
-        })?;
+        let (found, _) = self
+            .store
+            .write_async(|t, changes| {
+                let Some(mut v) = t.volumes.get(volume_id).cloned() else {
+                    return Ok::<_, ServerError>(false);
+                };
+                let claim = match v.write_claims.get_mut(alloc_id) {
+                    Some(c) => Some(c),
+                    None => v.read_claims.get_mut(alloc_id),
+                };
+                let Some(c) = claim else { return Ok(false) };
+                if c.state != state || !c.releasing {
+                    c.state = state;
+                    c.releasing = true;
+                    changes.push(Change::PutVolume(v));
+                }
+                Ok(true)
+            })
+            .await?;
         if found {
             tracing::debug!(
                 volume_id,
@@ -404,7 +409,8 @@ impl Server {
                         // Checkpointed before the node detach call; with no
                         // call to make, the next write is the checkpoint.
                         if node_call {
-                            self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)?;
+                            self.checkpoint_claim(volume_id, alloc_id, ClaimState::Taken)
+                                .await?;
                         }
                     }
                     if let Some(warnings) = warnings.as_deref_mut() {
@@ -425,9 +431,10 @@ impl Server {
                     if !controller_detach {
                         // Nothing is left to detach: the claim is freed in
                         // this one write.
-                        return self.free_claim(volume_id, alloc_id);
+                        return self.free_claim(volume_id, alloc_id).await;
                     }
-                    self.checkpoint_claim(volume_id, alloc_id, ClaimState::NodeDetached)?;
+                    self.checkpoint_claim(volume_id, alloc_id, ClaimState::NodeDetached)
+                        .await?;
                 }
                 ClaimState::NodeDetached => {
                     if controller_detach {
@@ -442,13 +449,13 @@ impl Server {
                     // No call follows the controller detach: the
                     // controller-detached and ready-to-free steps are the
                     // free itself, in one write.
-                    return self.free_claim(volume_id, alloc_id);
+                    return self.free_claim(volume_id, alloc_id).await;
                 }
                 // Claims checkpointed past the controller detach (stored by
                 // an earlier release that stopped there): only the free is
                 // left.
                 ClaimState::ControllerDetached | ClaimState::ReadyToFree => {
-                    return self.free_claim(volume_id, alloc_id);
+                    return self.free_claim(volume_id, alloc_id).await;
                 }
             }
         }
@@ -456,8 +463,8 @@ impl Server {
 
     /// Removes a claim whose detach steps are done; answers that a claim
     /// was freed.
-    fn free_claim(&self, volume_id: &str, alloc_id: &str) -> Result<bool, ServerError> {
-        self.drop_claim(volume_id, alloc_id)?;
+    async fn free_claim(&self, volume_id: &str, alloc_id: &str) -> Result<bool, ServerError> {
+        self.drop_claim(volume_id, alloc_id).await?;
         tracing::info!(volume_id, alloc_id, "claim freed");
         Ok(true)
     }
@@ -645,4 +652,115 @@ fn check_declared(alloc: &Allocation, req: &VolumeClaimRequest) -> Result<(), Se
         req.access_mode,
         req.attachment_mode
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use berth_structs::{AccessMode, AttachmentMode};
+
+    use super::*;
+
+    /// Threads of this process named `name`.
+    fn threads_named(name: &str) -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .map(|tasks| {
+                tasks
+                    .flatten()
+                    .filter(|t| {
+                        std::fs::read_to_string(t.path().join("comm"))
+                            .is_ok_and(|comm| comm.trim() == name)
+                    })
+                    .count()
+            })
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn many_claims_released_at_once_wait_parked_not_on_a_thread_each() {
+        const NAME: &str = "claim-storm";
+        const CLAIMS: usize = 300;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name(NAME)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let server = Arc::new(Server::open(crate::ServerConfig::new(dir.path())).unwrap());
+        // A write claim on each volume, taken on node n0 (no controller).
+        server
+            .store
+            .write(|_, changes| {
+                for i in 0..CLAIMS {
+                    let claim = CsiVolumeClaim {
+                        alloc_id: format!("a{i}"),
+                        node_id: "n0".into(),
+                        external_node_id: "n0".into(),
+                        mode: ClaimMode::Write,
+                        access_mode: AccessMode::SingleNodeWriter,
+                        attachment_mode: AttachmentMode::FileSystem,
+                        state: ClaimState::Taken,
+                        publish_context: BTreeMap::new(),
+                        releasing: false,
+                        controller_published: false,
+                        kept_after_purge: false,
+                    };
+                    changes.push(Change::PutVolume(CsiVolume {
+                        id: format!("v{i}"),
+                        plugin_id: "p".into(),
+                        write_claims: BTreeMap::from([(claim.alloc_id.clone(), claim)]),
+                        ..CsiVolume::default()
+                    }));
+                }
+                Ok::<_, ServerError>(())
+            })
+            .unwrap();
+        // The runtime's threads, sampled all through the release.
+        let peak = Arc::new(AtomicUsize::new(0));
+        let done = Arc::new(AtomicBool::new(false));
+        let sampler = {
+            let (peak, done) = (peak.clone(), done.clone());
+            std::thread::spawn(move || {
+                while !done.load(Ordering::SeqCst) {
+                    peak.fetch_max(threads_named(NAME), Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        rt.block_on(async {
+            let mut releases = tokio::task::JoinSet::new();
+            for i in 0..CLAIMS {
+                let server = server.clone();
+                releases.spawn(async move {
+                    let origin = ReleaseOrigin::Client {
+                        node_id: "n0".into(),
+                    };
+                    server
+                        .unpublish_claim(&format!("v{i}"), &format!("a{i}"), origin)
+                        .await
+                });
+            }
+            while let Some(released) = releases.join_next().await {
+                released.unwrap().unwrap();
+            }
+        });
+        done.store(true, Ordering::SeqCst);
+        sampler.join().unwrap();
+        let claimed = server.store.read(|t| {
+            t.volumes
+                .values()
+                .filter(|v| !v.write_claims.is_empty())
+                .count()
+        });
+        assert_eq!(claimed, 0, "every claim freed");
+        // The two workers, the thread the writer whose turn it is blocks
+        // and a few of the blocking pool's; a release that blocked a
+        // thread of its own for its write took one per claim.
+        let peak = peak.load(Ordering::SeqCst);
+        assert!(peak <= 8, "{peak} threads for {CLAIMS} releases at once");
+    }
 }
