@@ -307,7 +307,8 @@ fn alloc_with_volume(alloc_id: &str) -> Allocation {
             name: "bench".into(),
             task_groups: vec![group],
             ..Job::default()
-        },
+        }
+        .into(),
         task_group: "g".into(),
         node_id: "bench-node".into(),
         ..Allocation::default()

@@ -127,8 +127,9 @@ mod tests {
             task_group: "plugin".into(),
             ..Allocation::default()
         };
-        a.job.id = "hostpath-plugin".into();
-        a.job.version = version;
+        let job = std::sync::Arc::make_mut(&mut a.job);
+        job.id = "hostpath-plugin".into();
+        job.version = version;
         a
     }
 

@@ -482,6 +482,12 @@ fn mount_and_leave_running_with(volumes: &[&str]) -> LeftRunning {
                 && allocs.handle(&a.id, "web").is_some()
         })
         .await;
+        let alloc_dir = h.data_dir().join("alloc").join(&a.id);
+        assert!(
+            !mounts_under(&alloc_dir).is_empty(),
+            "the volume is bound into the running task; task states: {:?}",
+            runner.task_states()
+        );
         (plugin, a, killer)
     });
     first.shutdown_timeout(Duration::from_secs(5));

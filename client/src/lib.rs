@@ -957,7 +957,8 @@ mod tests {
                     ..TaskGroup::default()
                 }],
                 ..Job::default()
-            },
+            }
+            .into(),
             task_group: "g".into(),
             node_id: node_id.into(),
             ..Allocation::default()
@@ -1081,7 +1082,7 @@ mod tests {
         // The volume's claim never gets through to the servers: the task
         // stays pending, and has written nothing.
         let mut a = placed_alloc(&client.conn.node_id());
-        let group = &mut a.job.task_groups[0];
+        let group = &mut std::sync::Arc::make_mut(&mut a.job).task_groups[0];
         group.tasks.truncate(1);
         group.volumes = [(
             "vol".to_string(),
@@ -1425,7 +1426,7 @@ mod tests {
 
     /// A batch job `id` of one task that exits at once.
     fn quick_job(id: &str) -> Job {
-        let mut job = placed_alloc("").job;
+        let mut job = Job::clone(&placed_alloc("").job);
         job.id = id.into();
         job.name = id.into();
         job.datacenters = vec!["dc1".into()];

@@ -402,7 +402,8 @@ mod tests {
                     ..Default::default()
                 }],
                 ..Default::default()
-            },
+            }
+            .into(),
             task_group: "g".into(),
             node_id: node.into(),
             client_status: status,
@@ -412,13 +413,14 @@ mod tests {
 
     fn plugin_alloc(id: &str, node: &str) -> Allocation {
         let mut a = alloc(id, JobType::System, node, AllocClientStatus::Running);
-        a.job.task_groups[0].tasks[0].csi_plugin = Some(TaskCsiPluginConfig {
-            id: "hostpath".into(),
-            plugin_type: CsiPluginType::Monolith,
-            mount_dir: "/csi".into(),
-            stage_publish_base_dir: None,
-            health_timeout: TaskCsiPluginConfig::DEFAULT_HEALTH_TIMEOUT,
-        });
+        std::sync::Arc::make_mut(&mut a.job).task_groups[0].tasks[0].csi_plugin =
+            Some(TaskCsiPluginConfig {
+                id: "hostpath".into(),
+                plugin_type: CsiPluginType::Monolith,
+                mount_dir: "/csi".into(),
+                stage_publish_base_dir: None,
+                health_timeout: TaskCsiPluginConfig::DEFAULT_HEALTH_TIMEOUT,
+            });
         a
     }
 
@@ -494,15 +496,17 @@ mod tests {
     fn a_plugin_alloc_waits_for_the_volume_users_and_their_claims_even_past_the_deadline() {
         let now = 1_000_000;
         let mut user = alloc("db", JobType::Service, "n1", AllocClientStatus::Running);
-        user.job.task_groups[0].volumes.insert(
-            "data".into(),
-            berth_structs::VolumeRequest {
-                name: "data".into(),
-                volume_type: "csi".into(),
-                source: "vol".into(),
-                ..Default::default()
-            },
-        );
+        std::sync::Arc::make_mut(&mut user.job).task_groups[0]
+            .volumes
+            .insert(
+                "data".into(),
+                berth_structs::VolumeRequest {
+                    name: "data".into(),
+                    volume_type: "csi".into(),
+                    source: "vol".into(),
+                    ..Default::default()
+                },
+            );
         let mut volume = berth_structs::CsiVolume {
             id: "vol".into(),
             plugin_id: "hostpath".into(),
@@ -618,15 +622,17 @@ mod tests {
                 a.desired_status = AllocDesiredStatus::Stop;
             }
             if *uses && kind % 4 != 3 {
-                a.job.task_groups[0].volumes.insert(
-                    "data".into(),
-                    berth_structs::VolumeRequest {
-                        name: "data".into(),
-                        volume_type: "csi".into(),
-                        source: "vol".into(),
-                        ..Default::default()
-                    },
-                );
+                std::sync::Arc::make_mut(&mut a.job).task_groups[0]
+                    .volumes
+                    .insert(
+                        "data".into(),
+                        berth_structs::VolumeRequest {
+                            name: "data".into(),
+                            volume_type: "csi".into(),
+                            source: "vol".into(),
+                            ..Default::default()
+                        },
+                    );
                 if *claimed {
                     volume.read_claims.insert(id.clone(), claim(&id));
                 }

@@ -508,17 +508,17 @@ mod tests {
         let mut running = job("batch", false, JobStatus::Running, 0);
         running.version = 1;
         let mut done = alloc("done", "batch", "n1", AllocClientStatus::Complete, 0);
-        done.job = running.clone();
+        done.job = std::sync::Arc::new(running.clone());
         let mut failed = alloc("failed", "batch", "n1", AllocClientStatus::Failed, 0);
-        failed.job = running.clone();
+        failed.job = std::sync::Arc::new(running.clone());
         let live = {
             let mut a = alloc("live", "batch", "n1", AllocClientStatus::Running, 0);
-            a.job = running.clone();
+            a.job = std::sync::Arc::new(running.clone());
             a
         };
         // An alloc of the previous version holds no index of this one.
         let mut old_version = alloc("v0", "batch", "n1", AllocClientStatus::Complete, 0);
-        old_version.job = job("batch", false, JobStatus::Running, 0);
+        old_version.job = std::sync::Arc::new(job("batch", false, JobStatus::Running, 0));
         let t = tables(
             vec![running],
             vec![done, failed, live, old_version],

@@ -1,6 +1,7 @@
 //! Allocations: a task group of a job placed on a node.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -77,8 +78,10 @@ pub struct Allocation {
     /// `<job>.<group>[<index>]`.
     pub name: String,
     pub job_id: String,
-    /// The job as it was when the alloc was placed.
-    pub job: Job,
+    /// The job as it was when the alloc was placed; shared by the allocs
+    /// placed with one version of it (in memory, not on the wire or on
+    /// disk), so that a 10,000-alloc job is held once, not 10,000 times.
+    pub job: Arc<Job>,
     pub task_group: String,
     /// The index within its group, used by `per_alloc` volumes.
     #[serde(default)]

@@ -465,7 +465,8 @@ mod tests {
                     ..Default::default()
                 }],
                 ..Default::default()
-            },
+            }
+            .into(),
             ..Default::default()
         };
         assert_eq!(

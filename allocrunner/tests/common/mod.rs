@@ -492,7 +492,8 @@ pub fn alloc(job_type: JobType, tasks: Vec<Task>) -> Allocation {
             job_type,
             task_groups: vec![group],
             ..Job::default()
-        },
+        }
+        .into(),
         task_group: "g".into(),
         node_id: "node-1".into(),
         id,
@@ -501,7 +502,7 @@ pub fn alloc(job_type: JobType, tasks: Vec<Task>) -> Allocation {
 }
 
 pub fn group_mut(alloc: &mut Allocation) -> &mut TaskGroup {
-    &mut alloc.job.task_groups[0]
+    &mut std::sync::Arc::make_mut(&mut alloc.job).task_groups[0]
 }
 
 /// A service alloc whose one task, `task`, has the CSI volume `volume`

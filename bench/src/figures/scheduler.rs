@@ -196,8 +196,9 @@ fn measure_size(
         // The baseline: the same allocs, written in one write.
         let base = copy_state(&seed, &dir.path().join(format!("base-{round}")))?;
         let store = open_store(&base)?;
+        let shared = std::sync::Arc::new(job.clone());
         let allocs: Vec<Change> = (0..n)
-            .map(|i| Change::PutAlloc(alloc(&job, i, &node_id(i))))
+            .map(|i| Change::PutAlloc(alloc(&shared, i, &node_id(i))))
             .collect();
         let start = Instant::now();
         store.write(|_, c| {
@@ -400,7 +401,7 @@ fn lookups(sizes: &[usize], per_sample: usize, samples: usize) -> Result<()> {
         let dir = tempfile::tempdir()?;
         let store = open_store(dir.path())?;
         let nodes = allocs / 10;
-        let job = job("lookup", 1);
+        let job = std::sync::Arc::new(job("lookup", 1));
         let changes: Vec<Change> = (0..allocs)
             .map(|i| Change::PutAlloc(alloc(&job, i, &node_id(i % nodes))))
             .collect();
@@ -515,14 +516,14 @@ pub(super) fn job(id: &str, count: usize) -> Job {
     }
 }
 
-/// An alloc of `job` as a placement makes it.
-fn alloc(job: &Job, index: usize, node_id: &str) -> Allocation {
+/// An alloc of `job` as a placement makes it (its allocs share the job).
+fn alloc(job: &std::sync::Arc<Job>, index: usize, node_id: &str) -> Allocation {
     let group = &job.task_groups[0];
     Allocation {
         id: berth_structs::generate_id(),
         name: format!("{}.{}[{index}]", job.id, group.name),
         job_id: job.id.clone(),
-        job: job.clone(),
+        job: std::sync::Arc::clone(job),
         task_group: group.name.clone(),
         index: u32::try_from(index).unwrap_or(u32::MAX),
         node_id: node_id.to_string(),

@@ -321,7 +321,8 @@ mod tests {
                     ..TaskGroup::default()
                 }],
                 ..Job::default()
-            },
+            }
+            .into(),
             client_status: AllocClientStatus::Lost,
             node_last_heartbeat_ms: last_heartbeat_ms,
             modify_time_ms: last_heartbeat_ms + 20_000,

@@ -3,6 +3,7 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
+use std::sync::Arc;
 
 use berth_structs::{
     AllocClientStatus, AllocDesiredStatus, Allocation, Job, JobType, Node, NodeStatus, TaskGroup,
@@ -21,12 +22,17 @@ use super::rules::Distinct;
 use super::score::{Score, Scoring};
 use super::update::{update_kind, UpdateKind};
 
-pub(super) fn new_alloc(job: &Job, group: &TaskGroup, index: u32, node_id: &str) -> Allocation {
+pub(super) fn new_alloc(
+    job: &Arc<Job>,
+    group: &TaskGroup,
+    index: u32,
+    node_id: &str,
+) -> Allocation {
     Allocation {
         id: berth_structs::generate_id(),
         name: format!("{}.{}[{}]", job.id, group.name, index),
         job_id: job.id.clone(),
-        job: job.clone(),
+        job: Arc::clone(job),
         task_group: group.name.clone(),
         index,
         node_id: node_id.to_string(),
@@ -58,6 +64,7 @@ pub(crate) fn place(
     let rollout = Rollout::open(t, job, changes);
     let mut placer = Placer {
         job,
+        shared_job: shared_job(job, &stored),
         cfg,
         now_ms,
         nodes: Vec::new(),
@@ -119,10 +126,24 @@ pub(crate) fn place(
     outcome
 }
 
+/// The copy of `job` the allocs it places hold: an equal one its stored
+/// allocs share (among the first few of the same registration), else a
+/// new one, which all the allocs this plan places share.
+fn shared_job(job: &Job, stored: &[&Allocation]) -> Arc<Job> {
+    stored
+        .iter()
+        .filter(|a| a.job.version == job.version && a.job.job_modify_index == job.job_modify_index)
+        .take(4)
+        .find(|a| *a.job == *job)
+        .map_or_else(|| Arc::new(job.clone()), |a| Arc::clone(&a.job))
+}
+
 /// One placement computation under way: what it sees and what it has
 /// decided so far.
 struct Placer<'a, 'c> {
     job: &'a Job,
+    /// The copy of the job its new and updated allocs hold.
+    shared_job: Arc<Job>,
     cfg: &'a ServerConfig,
     now_ms: i64,
     /// The ready nodes (set once the job's stops are decided).
@@ -241,7 +262,7 @@ impl Placer<'_, '_> {
                 };
                 if in_place {
                     let mut updated = (*a).clone();
-                    updated.job = self.job.clone();
+                    updated.job = Arc::clone(&self.shared_job);
                     self.put(updated);
                     continue;
                 }
@@ -425,7 +446,7 @@ impl Placer<'_, '_> {
             if self.held_on_node(here, group) {
                 continue;
             }
-            let alloc = new_alloc(job, group, 0, &node.id);
+            let alloc = new_alloc(&self.shared_job, group, 0, &node.id);
             match self.ctx.infeasible(job, group, 0, &alloc.id, node) {
                 Some(why) => tally.add(&why, node.name_or_id().to_string()),
                 None => {
@@ -566,7 +587,7 @@ impl Placer<'_, '_> {
             indexed.tally.add(reason, index);
             return;
         }
-        let mut alloc = new_alloc(job, group, index, "");
+        let mut alloc = new_alloc(&self.shared_job, group, index, "");
         if let Some(id) = &self.placing_canary {
             alloc.deployment = Some(berth_structs::AllocDeployment {
                 id: id.clone(),
@@ -947,7 +968,7 @@ mod tests {
     fn running(job: &Job, index: u32, node_id: &str) -> Allocation {
         Allocation {
             client_status: AllocClientStatus::Running,
-            ..new_alloc(job, &job.task_groups[0], index, node_id)
+            ..new_alloc(&Arc::new(job.clone()), &job.task_groups[0], index, node_id)
         }
     }
 
@@ -1749,7 +1770,10 @@ mod tests {
         // job is evaluated again when it turns healthy.
         let mut stopped_0 = stop(&olds[0], "job updated");
         stopped_0.client_status = AllocClientStatus::Complete;
-        let new_0 = running_since(new_alloc(&new, &new.task_groups[0], 0, "n1"), 9_000);
+        let new_0 = running_since(
+            new_alloc(&Arc::new(new.clone()), &new.task_groups[0], 0, "n1"),
+            9_000,
+        );
         let allocs = vec![stopped_0, new_0, olds[1].clone(), olds[2].clone()];
         let t = tables(nodes.clone(), vec![new.clone()], allocs.clone());
         let (outcome, changes) = plan_at(&t, "web", 10_000);
@@ -1910,7 +1934,7 @@ mod tests {
         let mut job_on_node: HashMap<String, usize> = HashMap::new();
         let mut out = Vec::new();
         for index in 0..group.count {
-            let mut alloc = new_alloc(job, group, index, "");
+            let mut alloc = new_alloc(&Arc::new(job.clone()), group, index, "");
             let mut best: Option<(&Node, (usize, Reverse<u64>))> = None;
             for node in &nodes {
                 if ctx.infeasible(job, group, index, &alloc.id, node).is_none() {

@@ -1013,7 +1013,7 @@ mod tests {
                         node_id: "n0".into(),
                         job_id: "web".into(),
                         task_group: "g".into(),
-                        job: job.clone(),
+                        job: std::sync::Arc::new(job.clone()),
                         ..Allocation::default()
                     }));
                 }

@@ -24,6 +24,7 @@ mod error;
 mod etcd_backend;
 mod etcd_follow;
 mod indexes;
+mod job_copies;
 pub mod job_versions;
 mod record;
 mod redb_backend;
@@ -306,6 +307,7 @@ impl StateStore {
     /// Load the tables from `backend`.
     pub fn open(backend: Box<dyn Backend>) -> Result<StateStore, StoreError> {
         let mut tables = backend.load()?;
+        job_copies::JobCopies::share_loaded(&mut tables);
         tables.indexes = Indexes::build(&tables);
         let (index_tx, _) = watch::channel(tables.index);
         let (allocs_or_nodes_tx, _) = watch::channel(tables.index);
@@ -478,6 +480,7 @@ impl StateStore {
     fn reload_blocking(&self) -> Result<u64, StoreError> {
         let _writer = self.writer();
         let mut loaded = self.backend.load()?;
+        job_copies::JobCopies::share_loaded(&mut loaded);
         loaded.indexes = Indexes::build(&loaded);
         let (index, nodes) = {
             let mut guard = self.tables.write_locked();
@@ -613,7 +616,11 @@ impl StateStore {
         let mut guard = self.tables.write_locked();
         let tables: &mut Tables = &mut guard;
         let mut fx = WriteEffects::default();
-        for change in changes {
+        let mut copies = job_copies::JobCopies::default();
+        for mut change in changes {
+            if let Change::PutAlloc(a) = &mut change {
+                copies.share(Some(tables), a);
+            }
             tables.table_index.insert(change.table(), index);
             change.apply(tables, &mut fx);
         }
@@ -1062,7 +1069,8 @@ mod tests {
                                 ..TaskGroup::default()
                             }],
                             ..Job::default()
-                        },
+                        }
+                        .into(),
                         ..Allocation::default()
                     })
                 }
