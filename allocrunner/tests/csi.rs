@@ -498,7 +498,7 @@ fn mount_and_leave_running_with(volumes: &[&str]) -> LeftRunning {
     );
     assert!(
         !mounts_under(&alloc_dir).is_empty(),
-        "the volume is bound into the task"
+        "the volume is bound into the task (and stays bound when its agent goes away)"
     );
     LeftRunning {
         h,

@@ -224,11 +224,12 @@ async fn a_restarted_task_keeps_its_csi_volume_mounted_throughout() {
     );
     assert_eq!(most_binds, 1, "the volume was bound twice in the task dir");
 
-    assert_eq!(
-        std::fs::read_to_string(bind.join("runs")).unwrap(),
-        "run\nrun\n",
-        "both runs wrote to the one volume"
-    );
+    // The second run writes its pid line before its run line.
+    let runs = bind.join("runs");
+    wait_for("both runs to write to the one volume", WITHIN, || {
+        std::fs::read_to_string(&runs).is_ok_and(|r| r == "run\nrun\n")
+    })
+    .await;
     assert!(h.claimer.unpublishes().is_empty(), "the claim was let go");
     assert_eq!(h.csi.volume_stubs_of(&id).len(), 1);
     assert_eq!(runner.task_states()["web"].restarts, 0);

@@ -421,7 +421,8 @@ impl RawExecDriver {
         let waited = record.clone();
         tokio::spawn(async move {
             if let Err(e) = child.wait().await {
-                warn!(executor_pid = waited.executor_pid, error = %e, "waiting for the executor");
+                warn!(executor_pid = waited.executor_pid, error = %e, "waiting for the executor; polling it");
+                until_gone(&waited).await;
             }
             tx.send_replace(Some(exit_of(&waited).await));
         });
@@ -563,9 +564,7 @@ impl Driver for RawExecDriver {
                 );
                 let waited = record.clone();
                 tokio::spawn(async move {
-                    while executor_alive(&waited) {
-                        tokio::time::sleep(EXECUTOR_POLL).await;
-                    }
+                    until_gone(&waited).await;
                     tx.send_replace(Some(exit_of(&waited).await));
                 });
             }
@@ -584,14 +583,15 @@ impl Driver for RawExecDriver {
                     };
                     match registered {
                         Ok(fd) => {
-                            // Readable once the process has exited.
-                            let _ = fd.readable().await;
+                            // Readable once the process has exited. An
+                            // error says nothing about the process.
+                            if fd.readable().await.is_err() {
+                                until_gone(&waited).await;
+                            }
                         }
                         Err(e) => {
                             warn!(executor_pid = waited.executor_pid, error = %e, "watching the executor; polling instead");
-                            while executor_alive(&waited) {
-                                tokio::time::sleep(EXECUTOR_POLL).await;
-                            }
+                            until_gone(&waited).await;
                         }
                     }
                     tx.send_replace(Some(exit_of(&waited).await));
@@ -655,6 +655,14 @@ enum ExecutorWatch {
 
 /// Whether the record's executor still runs: its pid names a process with
 /// the recorded start time (the pid was not reused).
+/// Returns once the record's executor is gone, looking every
+/// [`EXECUTOR_POLL`].
+async fn until_gone(record: &TaskHandleRecord) {
+    while executor_alive(record) {
+        tokio::time::sleep(EXECUTOR_POLL).await;
+    }
+}
+
 fn executor_alive(record: &TaskHandleRecord) -> bool {
     record.executor_pid != 0
         && live_process_start_ticks(record.executor_pid) == Some(record.executor_start_ticks)
@@ -803,10 +811,15 @@ impl TaskHandle for ExecutorHandle {
             .wait_for(|e| e.is_some())
             .await
             .map(|e| e.clone().unwrap_or_default());
-        exit.unwrap_or_else(|_| ExitResult {
-            error: Some("the process's waiter went away".into()),
-            ..ExitResult::default()
-        })
+        match exit {
+            Ok(exit) => exit,
+            // The waiter sends an exit only once the executor is gone; it
+            // goes away without one only with the runtime it ran on, when
+            // the agent shuts down and leaves its tasks running. The task
+            // has not exited: nothing may act as if it had (its volumes
+            // would be unbound under it). The caller goes with the runtime.
+            Err(_) => std::future::pending().await,
+        }
     }
 
     fn try_exit(&self) -> Option<ExitResult> {
@@ -889,6 +902,32 @@ mod tests {
                 _ => return path,
             }
         }
+    }
+
+    /// The runtime a task's waiter ran on shuts down (the agent goes
+    /// away and leaves its tasks running): the task has not exited, and
+    /// its handle never says it has (its runner would unbind its volumes).
+    #[tokio::test]
+    async fn a_handle_whose_waiter_went_away_never_reports_an_exit() {
+        let (tx, exit) = watch::channel(None);
+        let handle = ExecutorHandle {
+            record: TaskHandleRecord {
+                driver: "raw_exec".into(),
+                executor_dir: PathBuf::new(),
+                executor_pid: 0,
+                executor_start_ticks: 0,
+                task_pid: 0,
+                pgid: 0,
+                task_start_ticks: 0,
+                started_at_ms: 0,
+                cgroup: Vec::new(),
+            },
+            exit,
+        };
+        drop(tx);
+        let waited = tokio::time::timeout(Duration::from_millis(200), handle.wait()).await;
+        assert!(waited.is_err(), "wait answered {waited:?}");
+        assert_eq!(handle.try_exit(), None);
     }
 
     #[test]
