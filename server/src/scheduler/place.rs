@@ -64,7 +64,7 @@ pub(crate) fn place(
     let rollout = Rollout::open(t, job, changes);
     let mut placer = Placer {
         job,
-        shared_job: shared_job(job, &stored),
+        shared_job: crate::state::shared_copy(job, &stored),
         cfg,
         now_ms,
         nodes: Vec::new(),
@@ -124,18 +124,6 @@ pub(crate) fn place(
         changes.push(Change::PutJob(j));
     }
     outcome
-}
-
-/// The copy of `job` the allocs it places hold: an equal one its stored
-/// allocs share (among the first few of the same registration), else a
-/// new one, which all the allocs this plan places share.
-fn shared_job(job: &Job, stored: &[&Allocation]) -> Arc<Job> {
-    stored
-        .iter()
-        .filter(|a| a.job.version == job.version && a.job.job_modify_index == job.job_modify_index)
-        .take(4)
-        .find(|a| *a.job == *job)
-        .map_or_else(|| Arc::new(job.clone()), |a| Arc::clone(&a.job))
 }
 
 /// One placement computation under way: what it sees and what it has

@@ -73,6 +73,18 @@ impl JobCopies {
     }
 }
 
+/// The copy of `job` the allocs a plan places hold: an equal one its stored
+/// allocs share (among the first few of the same registration), else a
+/// new one, which all the allocs this plan places share.
+pub(crate) fn shared_copy(job: &Job, stored: &[&Allocation]) -> Arc<Job> {
+    stored
+        .iter()
+        .filter(|a| same_registration(&a.job, job))
+        .take(SEARCHED)
+        .find(|a| *a.job == *job)
+        .map_or_else(|| Arc::new(job.clone()), |a| Arc::clone(&a.job))
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;

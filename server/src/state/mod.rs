@@ -48,6 +48,7 @@ pub use acl_tables::{
 pub use etcd_backend::EtcdBackend;
 pub use etcd_follow::{Follower, Freshness, FRESH_FOR};
 pub use indexes::{Indexes, NodeUse};
+pub(crate) use job_copies::shared_copy;
 pub use record::{Record, RecordError, RecordStore, TableVisitor, WriteEffects};
 pub use redb_backend::{QuarantinedRecord, RedbBackend, SCHEMA_VERSION};
 pub use schema::{Change, Table, Tables};
