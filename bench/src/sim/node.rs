@@ -329,17 +329,32 @@ impl SimNode {
             if updates.is_empty() {
                 continue;
             }
-            let r = self
-                .node
-                .clone()
-                .update_allocations(with_secret(
-                    pb::UpdateAllocationsRequest {
-                        node_id: self.id.clone(),
-                        updates: updates.clone(),
-                    },
-                    &self.secret,
-                ))
-                .await;
+            // Sent again after a broken connection, as a client does
+            // (counted).
+            let mut tries = 0;
+            let r = loop {
+                let r = self
+                    .node
+                    .clone()
+                    .update_allocations(with_secret(
+                        pb::UpdateAllocationsRequest {
+                            node_id: self.id.clone(),
+                            updates: updates.clone(),
+                        },
+                        &self.secret,
+                    ))
+                    .await;
+                match r {
+                    Err(e) if super::retryable(&e) && tries < 10 => {
+                        self.stats
+                            .retried
+                            .note(format!("alloc updates of node {}: {e}", self.index));
+                        tries += 1;
+                        tokio::time::sleep(retry_delay(tries)).await;
+                    }
+                    r => break r,
+                }
+            };
             match r {
                 Ok(_) => {
                     for u in updates {
