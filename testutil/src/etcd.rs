@@ -53,17 +53,20 @@ impl EtcdCluster {
     }
 
     fn try_start(n: usize) -> Result<EtcdCluster, String> {
-        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+        // Distinct: a port picked and let go may be picked again.
+        let mut free = free_ports(3 * n).into_iter();
+        let mut next = || free.next().expect("as many ports as asked for");
+        let ports: Vec<(u16, u16, u16)> = (0..n).map(|_| (next(), next(), next())).collect();
         let initial_cluster = ports
             .iter()
             .enumerate()
-            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .map(|(i, (_, peer, _))| format!("m{i}=http://127.0.0.1:{peer}"))
             .collect::<Vec<_>>()
             .join(",");
         let mut members: Vec<Etcd> = ports
             .iter()
             .enumerate()
-            .map(|(i, &(client_port, peer_port))| Etcd {
+            .map(|(i, &(client_port, peer_port, metrics_port))| Etcd {
                 child: None,
                 dir: tempfile::tempdir().expect("etcd temp dir"),
                 name: format!("m{i}"),
@@ -71,7 +74,7 @@ impl EtcdCluster {
                 peer_port,
                 initial_cluster: initial_cluster.clone(),
                 tls: None,
-                metrics_port: free_port(),
+                metrics_port,
             })
             .collect();
         // All at once: a member waits for the others to elect a leader.
@@ -105,11 +108,15 @@ fn lost_a_port(log: &str) -> bool {
     log.contains("address already in use")
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+/// `count` distinct free loopback ports: each is held until all are
+/// picked, so none is handed out twice.
+fn free_ports(count: usize) -> Vec<u16> {
+    let held: Vec<TcpListener> = (0..count)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
+        .collect();
+    held.iter()
+        .map(|l| l.local_addr().expect("a bound port").port())
+        .collect()
 }
 
 impl Etcd {
@@ -143,16 +150,18 @@ impl Etcd {
     }
 
     fn on_free_ports(tls: Option<EtcdTlsFiles>) -> Etcd {
-        let peer_port = free_port();
+        let [client_port, peer_port, metrics_port] = free_ports(3)[..] else {
+            unreachable!("free_ports gives as many as asked for")
+        };
         Etcd {
             child: None,
             dir: tempfile::tempdir().expect("etcd temp dir"),
             name: "m0".into(),
-            client_port: free_port(),
+            client_port,
             peer_port,
             initial_cluster: format!("m0=http://127.0.0.1:{peer_port}"),
             tls,
-            metrics_port: free_port(),
+            metrics_port,
         }
     }
 

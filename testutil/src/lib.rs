@@ -12,6 +12,22 @@ pub mod relay;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// Threads of this process named `name` (every thread of a tokio runtime
+/// built with that name: its workers and its blocking pool).
+pub fn threads_named(name: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .map(|tasks| {
+            tasks
+                .flatten()
+                .filter(|t| {
+                    std::fs::read_to_string(t.path().join("comm"))
+                        .is_ok_and(|comm| comm.trim() == name)
+                })
+                .count()
+        })
+        .unwrap_or(0)
+}
+
 /// Mount points at or below `dir` (from /proc/self/mountinfo), deepest
 /// first.
 pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {

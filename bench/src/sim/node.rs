@@ -246,6 +246,38 @@ impl SimNode {
         }
     }
 
+    /// Sends `updates`, and again after a broken connection, as a client
+    /// does (counted).
+    async fn update_allocations(
+        &self,
+        updates: &[pb::AllocStatusUpdate],
+    ) -> Result<tonic::Response<pb::UpdateAllocationsResponse>, tonic::Status> {
+        let mut tries = 0;
+        loop {
+            let r = self
+                .node
+                .clone()
+                .update_allocations(with_secret(
+                    pb::UpdateAllocationsRequest {
+                        node_id: self.id.clone(),
+                        updates: updates.to_vec(),
+                    },
+                    &self.secret,
+                ))
+                .await;
+            match r {
+                Err(e) if super::retryable(&e) && tries < 10 => {
+                    self.stats
+                        .retried
+                        .note(format!("alloc updates of node {}: {e}", self.index));
+                    tries += 1;
+                    tokio::time::sleep(retry_delay(tries)).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// One alloc watch, until told to stop (None) or it breaks (why).
     async fn watch_allocs_once(
         &self,
@@ -329,32 +361,7 @@ impl SimNode {
             if updates.is_empty() {
                 continue;
             }
-            // Sent again after a broken connection, as a client does
-            // (counted).
-            let mut tries = 0;
-            let r = loop {
-                let r = self
-                    .node
-                    .clone()
-                    .update_allocations(with_secret(
-                        pb::UpdateAllocationsRequest {
-                            node_id: self.id.clone(),
-                            updates: updates.clone(),
-                        },
-                        &self.secret,
-                    ))
-                    .await;
-                match r {
-                    Err(e) if super::retryable(&e) && tries < 10 => {
-                        self.stats
-                            .retried
-                            .note(format!("alloc updates of node {}: {e}", self.index));
-                        tries += 1;
-                        tokio::time::sleep(retry_delay(tries)).await;
-                    }
-                    r => break r,
-                }
-            };
+            let r = self.update_allocations(&updates).await;
             match r {
                 Ok(_) => {
                     for u in updates {

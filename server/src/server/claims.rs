@@ -664,21 +664,6 @@ mod tests {
 
     use super::*;
 
-    /// Threads of this process named `name`.
-    fn threads_named(name: &str) -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .map(|tasks| {
-                tasks
-                    .flatten()
-                    .filter(|t| {
-                        std::fs::read_to_string(t.path().join("comm"))
-                            .is_ok_and(|comm| comm.trim() == name)
-                    })
-                    .count()
-            })
-            .unwrap_or(0)
-    }
-
     #[test]
     fn many_claims_released_at_once_wait_parked_not_on_a_thread_each() {
         const NAME: &str = "claim-storm";
@@ -726,7 +711,7 @@ mod tests {
             let (peak, done) = (peak.clone(), done.clone());
             std::thread::spawn(move || {
                 while !done.load(Ordering::SeqCst) {
-                    peak.fetch_max(threads_named(NAME), Ordering::SeqCst);
+                    peak.fetch_max(berth_testutil::threads_named(NAME), Ordering::SeqCst);
                     std::thread::sleep(Duration::from_millis(1));
                 }
             })

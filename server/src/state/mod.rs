@@ -698,22 +698,6 @@ mod tests {
             .1
     }
 
-    /// Threads of this process named `name` (every thread of a runtime
-    /// built with that name: its workers and its blocking pool).
-    fn threads_named(name: &str) -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .map(|tasks| {
-                tasks
-                    .flatten()
-                    .filter(|t| {
-                        std::fs::read_to_string(t.path().join("comm"))
-                            .is_ok_and(|comm| comm.trim() == name)
-                    })
-                    .count()
-            })
-            .unwrap_or(0)
-    }
-
     #[test]
     fn a_storm_of_async_writers_waits_parked_not_on_a_thread_each() {
         const NAME: &str = "store-storm";
@@ -735,7 +719,7 @@ mod tests {
                     store
                         .write_async(|_, changes| {
                             peak.fetch_max(
-                                threads_named(NAME),
+                                berth_testutil::threads_named(NAME),
                                 std::sync::atomic::Ordering::SeqCst,
                             );
                             std::thread::sleep(Duration::from_micros(500));
