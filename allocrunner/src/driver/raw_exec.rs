@@ -653,8 +653,6 @@ enum ExecutorWatch {
     Poll,
 }
 
-/// Whether the record's executor still runs: its pid names a process with
-/// the recorded start time (the pid was not reused).
 /// Returns once the record's executor is gone, looking every
 /// [`EXECUTOR_POLL`].
 async fn until_gone(record: &TaskHandleRecord) {
@@ -663,6 +661,8 @@ async fn until_gone(record: &TaskHandleRecord) {
     }
 }
 
+/// Whether the record's executor still runs: its pid names a process with
+/// the recorded start time (the pid was not reused).
 fn executor_alive(record: &TaskHandleRecord) -> bool {
     record.executor_pid != 0
         && live_process_start_ticks(record.executor_pid) == Some(record.executor_start_ticks)
