@@ -9,9 +9,9 @@
 use std::fmt;
 use std::io::Write;
 use std::sync::Mutex;
+use std::time::Duration;
 
 use berth_sync::MutexExt;
-use std::time::Duration;
 
 /// The heading printed last: the figure the next lines belong to.
 static FIGURE: Mutex<String> = Mutex::new(String::new());

@@ -411,6 +411,21 @@ mod tests {
         }
     }
 
+    /// Gives `a`'s group the CSI volume `vol`, as `data`.
+    fn use_volume(a: &mut Allocation) {
+        std::sync::Arc::make_mut(&mut a.job).task_groups[0]
+            .volumes
+            .insert(
+                "data".into(),
+                berth_structs::VolumeRequest {
+                    name: "data".into(),
+                    volume_type: "csi".into(),
+                    source: "vol".into(),
+                    ..Default::default()
+                },
+            );
+    }
+
     fn plugin_alloc(id: &str, node: &str) -> Allocation {
         let mut a = alloc(id, JobType::System, node, AllocClientStatus::Running);
         std::sync::Arc::make_mut(&mut a.job).task_groups[0].tasks[0].csi_plugin =
@@ -496,17 +511,7 @@ mod tests {
     fn a_plugin_alloc_waits_for_the_volume_users_and_their_claims_even_past_the_deadline() {
         let now = 1_000_000;
         let mut user = alloc("db", JobType::Service, "n1", AllocClientStatus::Running);
-        std::sync::Arc::make_mut(&mut user.job).task_groups[0]
-            .volumes
-            .insert(
-                "data".into(),
-                berth_structs::VolumeRequest {
-                    name: "data".into(),
-                    volume_type: "csi".into(),
-                    source: "vol".into(),
-                    ..Default::default()
-                },
-            );
+        use_volume(&mut user);
         let mut volume = berth_structs::CsiVolume {
             id: "vol".into(),
             plugin_id: "hostpath".into(),
@@ -622,17 +627,7 @@ mod tests {
                 a.desired_status = AllocDesiredStatus::Stop;
             }
             if *uses && kind % 4 != 3 {
-                std::sync::Arc::make_mut(&mut a.job).task_groups[0]
-                    .volumes
-                    .insert(
-                        "data".into(),
-                        berth_structs::VolumeRequest {
-                            name: "data".into(),
-                            volume_type: "csi".into(),
-                            source: "vol".into(),
-                            ..Default::default()
-                        },
-                    );
+                use_volume(&mut a);
                 if *claimed {
                     volume.read_claims.insert(id.clone(), claim(&id));
                 }

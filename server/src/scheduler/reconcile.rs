@@ -258,7 +258,7 @@ pub(super) fn job_status(
     allocs: &BTreeMap<String, Allocation>,
     outcome: &PlanOutcome,
 ) -> JobStatus {
-    if let Some(status) = status_of_allocs(job, &allocs.values().collect::<Vec<_>>()) {
+    if let Some(status) = status_of_allocs(job, allocs.values()) {
         return status;
     }
     // Nothing runs, nothing waits to be placed or replaced: done.
@@ -278,12 +278,20 @@ pub(super) fn job_status(
 /// `job run` says, whether a reschedule is due or the policy allows no
 /// more (see `given_up`). An alloc status report writes it with the
 /// allocs it changes, so the job's status never lags behind them.
-pub(crate) fn status_of_allocs(job: &Job, allocs: &[&Allocation]) -> Option<JobStatus> {
-    if allocs.iter().any(|a| still_running(a)) {
-        Some(JobStatus::Running)
-    } else if job.stop {
+pub(crate) fn status_of_allocs<'a>(
+    job: &Job,
+    allocs: impl IntoIterator<Item = &'a Allocation>,
+) -> Option<JobStatus> {
+    let mut failed = false;
+    for a in allocs {
+        if still_running(a) {
+            return Some(JobStatus::Running);
+        }
+        failed |= failed_unreplaced(job, a);
+    }
+    if job.stop {
         Some(JobStatus::Dead)
-    } else if allocs.iter().any(|a| failed_unreplaced(job, a)) {
+    } else if failed {
         Some(JobStatus::Failed)
     } else {
         None

@@ -466,9 +466,8 @@ fn apply_alloc_reports(
     for job in jobs.iter().filter_map(|id| t.jobs.get(id)) {
         let allocs = t
             .allocs_of_job(&job.id)
-            .map(|a| reported.get(&a.id).unwrap_or(a))
-            .collect::<Vec<_>>();
-        match crate::scheduler::status_of_allocs(job, &allocs) {
+            .map(|a| reported.get(&a.id).unwrap_or(a));
+        match crate::scheduler::status_of_allocs(job, allocs) {
             Some(status) if status != job.status => {
                 let mut job = job.clone();
                 job.status = status;
