@@ -224,8 +224,9 @@ impl AllocRunner {
             return;
         }
         let stop = alloc.server_terminal();
-        // The servers send every alloc of the node on every change to any
-        // of them: an unchanged one costs nothing, not a write.
+        // Servers that send full sets send every alloc of the node on
+        // every change to any of them: an unchanged one costs nothing, not
+        // a write.
         let changed = self.inner.alloc.send_if_modified(|current| {
             if **current == alloc {
                 return false;

@@ -646,6 +646,7 @@ impl Client {
         loop {
             let req = pb::WatchAllocationsRequest {
                 node_id: self.conn.node_id(),
+                deltas: true,
             };
             // The server this attempt goes to, moved on from if it fails.
             let server = self.conn.servers().current();
@@ -688,10 +689,17 @@ impl Client {
         }
     }
 
+    /// Brings the runners to the servers' view in `update`: the node's
+    /// allocs, or (a delta) those that changed and the IDs of those gone.
     async fn reconcile(&self, update: pb::AllocationsUpdate) {
         let (allocs, undecodable) = decode_allocs(&update.allocs_json);
         let mut runners = self.runners.lock().await;
-        let seen: HashSet<String> = allocs.iter().map(|a| a.id.clone()).collect();
+        let gone = if update.delta {
+            update.removed_ids
+        } else {
+            let seen: HashSet<String> = allocs.iter().map(|a| a.id.clone()).collect();
+            allocs_to_collect(runners.keys(), &seen, undecodable)
+        };
         for alloc in allocs {
             match runners.get(&alloc.id) {
                 Some(r) => r.update(alloc),
@@ -716,7 +724,6 @@ impl Client {
                 }
             }
         }
-        let gone = allocs_to_collect(runners.keys(), &seen, undecodable);
         for id in gone {
             if let Some(r) = runners.remove(&id) {
                 tracing::info!(alloc_id = %id, "alloc garbage collected by the servers; destroying");
@@ -977,6 +984,7 @@ mod tests {
                 .iter()
                 .map(|a| serde_json::to_vec(a).expect("an alloc encodes"))
                 .collect(),
+            ..pb::AllocationsUpdate::default()
         }
     }
 
@@ -1046,6 +1054,50 @@ mod tests {
         assert!(client.restore_allocs(Shutdown::channel().1).await);
         let tasks = reported_complete(&client, &alloc_id).await;
         assert_never_started(&tasks);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_delta_keeps_the_allocs_it_does_not_name_and_drops_those_it_names_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let client = offline_client(dir.path(), 50).await;
+        let node = client.conn.node_id();
+        // Stopped before they started: their runners start nothing.
+        let (a, b, c) = (
+            stopped(placed_alloc(&node)),
+            stopped(placed_alloc(&node)),
+            stopped(placed_alloc(&node)),
+        );
+        let runners = || async {
+            let mut ids: Vec<String> = client.runners.lock().await.keys().cloned().collect();
+            ids.sort();
+            ids
+        };
+        let sorted = |mut ids: Vec<String>| {
+            ids.sort();
+            ids
+        };
+        client.reconcile(update_of(&[a.clone(), b.clone()])).await;
+        assert_eq!(runners().await, sorted(vec![a.id.clone(), b.id.clone()]));
+
+        // A delta that names c alone: a and b stay.
+        let mut delta = update_of(std::slice::from_ref(&c));
+        delta.delta = true;
+        client.reconcile(delta).await;
+        assert_eq!(
+            runners().await,
+            sorted(vec![a.id.clone(), b.id.clone(), c.id.clone()])
+        );
+
+        // A delta that names a gone: a alone goes.
+        let mut delta = update_of(&[]);
+        delta.delta = true;
+        delta.removed_ids = vec![a.id.clone()];
+        client.reconcile(delta).await;
+        assert_eq!(runners().await, sorted(vec![b.id.clone(), c.id.clone()]));
+
+        // A full set that leaves out c: c goes.
+        client.reconcile(update_of(std::slice::from_ref(&b))).await;
+        assert_eq!(runners().await, vec![b.id.clone()]);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

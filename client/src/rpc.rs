@@ -954,6 +954,7 @@ mod tests {
             .node_client()
             .watch_allocations(pb::WatchAllocationsRequest {
                 node_id: conn.node_id(),
+                deltas: false,
             })
             .await
             .expect("the watch opens")

@@ -143,6 +143,7 @@ async fn every_node_rpc_with_a_wrong_secret_is_refused_and_changes_nothing() {
         let err = nc
             .watch_allocations(pb::WatchAllocationsRequest {
                 node_id: "n1".into(),
+                deltas: false,
             })
             .await
             .unwrap_err();

@@ -37,6 +37,7 @@ async fn client_registers_watches_its_allocs_and_reports_status() {
     let err = nc
         .watch_allocations(pb::WatchAllocationsRequest {
             node_id: "n1".into(),
+            deltas: false,
         })
         .await
         .unwrap_err();
@@ -288,5 +289,58 @@ async fn after_a_report_of_one_alloc_the_watch_sends_every_alloc_as_it_is_now() 
         by_id(&after_second, &second).0,
         s.allocation(&second).unwrap()
     );
+    ts.stop().await;
+}
+
+#[tokio::test]
+async fn a_delta_watch_sends_only_the_allocs_that_changed_and_the_ids_of_those_gone() {
+    let ts = TestServer::start(|_| {}).await;
+    let s = ts.server.clone();
+    let mut nc = ts.node_client().await;
+    register(&s, node("n1")).await;
+    let mut watch = open_watch_with(&mut nc, "n1", true).await;
+    let first = next(&mut watch).await;
+    assert!(!first.delta, "the first message is the full set");
+    assert!(first.allocs_json.is_empty());
+
+    s.register_job(job("web", JobType::Service, 2))
+        .await
+        .unwrap();
+    let placed = next(&mut watch).await;
+    assert!(placed.delta);
+    assert!(placed.removed_ids.is_empty());
+    let allocs = decode(&placed);
+    assert_eq!(allocs.len(), 2);
+    let (one, two) = (allocs[0].id.clone(), allocs[1].id.clone());
+
+    // One alloc changes: it alone is sent, as the servers have it now.
+    nc.update_allocations(running_update("n1", &one))
+        .await
+        .unwrap();
+    let changed = next(&mut watch).await;
+    assert!(changed.delta);
+    assert_eq!(decode(&changed), vec![s.allocation(&one).unwrap()]);
+
+    // Both stop, are done, and the purged job's allocs leave the state:
+    // their IDs are sent as gone.
+    s.stop_job_with("web", true).await.unwrap();
+    for id in [&one, &two] {
+        nc.update_allocations(status_update("n1", id, "complete", "stopped"))
+            .await
+            .unwrap();
+    }
+    let mut gone: Vec<String> = Vec::new();
+    while gone.len() < 2 {
+        let u = next(&mut watch).await;
+        assert!(u.delta, "every message after the first is a delta");
+        for a in decode(&u) {
+            assert!(a.id == one || a.id == two, "an alloc of another job: {a:?}");
+        }
+        gone.extend(u.removed_ids);
+    }
+    gone.sort();
+    let mut both = vec![one, two];
+    both.sort();
+    assert_eq!(gone, both);
     ts.stop().await;
 }

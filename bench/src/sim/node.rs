@@ -291,6 +291,7 @@ impl SimNode {
             .watch_allocations(with_secret(
                 pb::WatchAllocationsRequest {
                     node_id: self.id.clone(),
+                    deltas: true,
                 },
                 &self.secret,
             ))

@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::{decode_json, parse, presented_secret};
 use crate::error::ServerError;
-use crate::server::alloc_watch::NodeAllocs;
+use crate::server::alloc_watch::{NodeAllocs, SentAllocs, WatchUpdate};
 use crate::server::nodes::AllocUpdate;
 use crate::server::Server;
 
@@ -55,19 +55,21 @@ fn plugin_info(f: &pb::PluginFingerprint) -> CsiInfo {
     }
 }
 
-/// Send the node's allocs now and after each change of them, until the
-/// client goes away or the server shuts down.
+/// Send the node's allocs now and after each change of them (with
+/// `deltas`, only what changed), until the client goes away or the server
+/// shuts down.
 async fn stream_allocations(
     server: Arc<Server>,
     node_id: String,
+    deltas: bool,
     tx: mpsc::Sender<Result<pb::AllocationsUpdate, Status>>,
 ) {
     let mut index_rx = server.subscribe_node(&node_id);
     let mut shutdown = server.shutdown_rx();
-    // What was last sent: each alloc's ID and modify index. A write of an
+    // What was sent: each alloc's ID and modify index. A write of an
     // alloc's volume stats alone moves neither the node's alloc index nor
     // `index_rx` (see the store), so it is never sent back to the client.
-    let mut last: Option<Vec<(String, u64)>> = None;
+    let mut sent = SentAllocs::default();
     // The node's allocs are scanned again only when a write touched one of
     // them: a scan is of all allocs.
     let mut scanned_at: Option<u64> = None;
@@ -92,36 +94,26 @@ async fn stream_allocations(
         let scan = server.node_allocs_since(&node_id, scanned_at);
         if let Some(NodeAllocs { at, index, allocs }) = scan {
             scanned_at = Some(at);
-            let seen: Vec<(String, u64)> = allocs
-                .iter()
-                .map(|a| (a.id.clone(), a.modify_index))
-                .collect();
-            if last.as_ref() != Some(&seen) {
-                let mut allocs_json = Vec::with_capacity(allocs.len());
-                for a in &allocs {
-                    match serde_json::to_vec(a) {
-                        Ok(b) => allocs_json.push(b),
-                        Err(e) => {
-                            tracing::error!(alloc_id = %a.id, error = %e, "encoding alloc failed");
-                            let _ = tx
-                                .send(Err(Status::internal(format!(
-                                    "encoding alloc {}: {e}",
-                                    a.id
-                                ))))
-                                .await;
-                            return;
-                        }
+            if let Some(update) = sent.next(&allocs, deltas) {
+                let message = match encode_update(index, &update) {
+                    Ok(m) => m,
+                    Err(status) => {
+                        let _ = tx.send(Err(status)).await;
+                        return;
                     }
-                }
-                tracing::debug!(node_id, index, allocs = allocs.len(), "sending allocs");
-                if tx
-                    .send(Ok(pb::AllocationsUpdate { index, allocs_json }))
-                    .await
-                    .is_err()
-                {
+                };
+                tracing::debug!(
+                    node_id,
+                    index,
+                    allocs = update.allocs.len(),
+                    removed = update.removed.len(),
+                    delta = update.delta,
+                    "sending allocs"
+                );
+                if tx.send(Ok(message)).await.is_err() {
                     return;
                 }
-                last = Some(seen);
+                sent.sent(&update);
             }
         }
         tokio::select! {
@@ -142,6 +134,26 @@ async fn stream_allocations(
             }
         }
     }
+}
+
+/// One alloc watch message, each alloc as JSON.
+fn encode_update(index: u64, update: &WatchUpdate<'_>) -> Result<pb::AllocationsUpdate, Status> {
+    let mut allocs_json = Vec::with_capacity(update.allocs.len());
+    for a in &update.allocs {
+        match serde_json::to_vec(a) {
+            Ok(b) => allocs_json.push(b),
+            Err(e) => {
+                tracing::error!(alloc_id = %a.id, error = %e, "encoding alloc failed");
+                return Err(Status::internal(format!("encoding alloc {}: {e}", a.id)));
+            }
+        }
+    }
+    Ok(pb::AllocationsUpdate {
+        index,
+        allocs_json,
+        delta: update.delta,
+        removed_ids: update.removed.clone(),
+    })
 }
 
 #[tonic::async_trait]
@@ -235,7 +247,7 @@ impl Node for NodeService {
         req: Request<pb::WatchAllocationsRequest>,
     ) -> Result<Response<Self::WatchAllocationsStream>, Status> {
         let presented = presented_secret(&req);
-        let node_id = req.into_inner().node_id;
+        let pb::WatchAllocationsRequest { node_id, deltas } = req.into_inner();
         // A server that does not lead serves the watch from its tables
         // once they hold what the node's register (sent on to the
         // leader) wrote.
@@ -244,7 +256,7 @@ impl Node for NodeService {
         self.server
             .authenticate_node("WatchAllocations", &node_id, &presented)?;
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(stream_allocations(self.server.clone(), node_id, tx));
+        tokio::spawn(stream_allocations(self.server.clone(), node_id, deltas, tx));
         Ok(Response::new(ReceiverStream::new(rx)))
     }
 

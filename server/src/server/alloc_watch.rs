@@ -2,6 +2,8 @@
 //! state: the node's own wake-ups, whether it is still the node the watch
 //! was opened for, and its allocs when they changed.
 
+use std::collections::{HashMap, HashSet};
+
 use berth_structs::Allocation;
 use tokio::sync::watch;
 
@@ -55,5 +57,156 @@ impl Server {
                     .collect(),
             })
         })
+    }
+}
+
+/// What one message of an alloc watch carries.
+#[derive(Debug)]
+pub(crate) struct WatchUpdate<'a> {
+    pub(crate) allocs: Vec<&'a Allocation>,
+    /// With `delta`: the allocs sent before that are no longer the node's.
+    pub(crate) removed: Vec<String>,
+    /// Only what changed since the last message; the rest is as sent.
+    pub(crate) delta: bool,
+}
+
+/// What an alloc watch has sent: each alloc's ID and the modify index it
+/// was sent at. None before the first message.
+#[derive(Debug, Default)]
+pub(crate) struct SentAllocs {
+    sent: Option<HashMap<String, u64>>,
+}
+
+impl SentAllocs {
+    /// The message that brings the client from what was sent to `allocs`,
+    /// None when nothing changed (a write of the node alone, or of an
+    /// alloc's volume stats). The first message is all of them; then all
+    /// of them again when the client did not ask for `deltas`, or only
+    /// the new and changed ones and the IDs of those gone.
+    pub(crate) fn next<'a>(
+        &self,
+        allocs: &'a [Allocation],
+        deltas: bool,
+    ) -> Option<WatchUpdate<'a>> {
+        let Some(sent) = &self.sent else {
+            return Some(WatchUpdate {
+                allocs: allocs.iter().collect(),
+                removed: Vec::new(),
+                delta: false,
+            });
+        };
+        let changed: Vec<&Allocation> = allocs
+            .iter()
+            .filter(|a| sent.get(&a.id) != Some(&a.modify_index))
+            .collect();
+        // Every alloc now on the node that was sent before is unchanged or
+        // changed; any other ID sent before is gone.
+        let kept = allocs.len() - changed.iter().filter(|a| !sent.contains_key(&a.id)).count();
+        let removed: Vec<String> = if kept == sent.len() {
+            Vec::new()
+        } else {
+            let now: HashSet<&str> = allocs.iter().map(|a| a.id.as_str()).collect();
+            sent.keys()
+                .filter(|id| !now.contains(id.as_str()))
+                .cloned()
+                .collect()
+        };
+        if changed.is_empty() && removed.is_empty() {
+            return None;
+        }
+        Some(if deltas {
+            WatchUpdate {
+                allocs: changed,
+                removed,
+                delta: true,
+            }
+        } else {
+            WatchUpdate {
+                allocs: allocs.iter().collect(),
+                removed: Vec::new(),
+                delta: false,
+            }
+        })
+    }
+
+    /// Records `update` as sent.
+    pub(crate) fn sent(&mut self, update: &WatchUpdate<'_>) {
+        let sent = self.sent.get_or_insert_with(HashMap::new);
+        if !update.delta {
+            sent.clear();
+        }
+        for id in &update.removed {
+            sent.remove(id);
+        }
+        for a in &update.allocs {
+            match sent.get_mut(&a.id) {
+                Some(at) => *at = a.modify_index,
+                None => {
+                    sent.insert(a.id.clone(), a.modify_index);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn alloc(id: &str, modify_index: u64) -> Allocation {
+        Allocation {
+            id: id.to_string(),
+            modify_index,
+            ..Allocation::default()
+        }
+    }
+
+    fn ids(update: &WatchUpdate<'_>) -> Vec<String> {
+        let mut ids: Vec<String> = update.allocs.iter().map(|a| a.id.clone()).collect();
+        ids.sort();
+        ids
+    }
+
+    #[test]
+    fn a_delta_names_the_new_the_changed_and_the_gone_and_nothing_else() {
+        let mut sent = SentAllocs::default();
+        let first = vec![alloc("a", 1), alloc("b", 1), alloc("c", 1)];
+        let update = sent.next(&first, true).expect("the first message");
+        assert!(!update.delta, "the first message is the full set");
+        assert_eq!(ids(&update), ["a", "b", "c"]);
+        sent.sent(&update);
+
+        assert!(sent.next(&first, true).is_none(), "nothing changed");
+
+        // b changed, c went, d is new.
+        let second = vec![alloc("a", 1), alloc("b", 2), alloc("d", 2)];
+        let update = sent.next(&second, true).expect("a change");
+        assert!(update.delta);
+        assert_eq!(ids(&update), ["b", "d"]);
+        assert_eq!(update.removed, ["c"]);
+        sent.sent(&update);
+
+        // Gone alone, with the count unchanged by a new one before it.
+        let third = vec![alloc("b", 2), alloc("d", 2)];
+        let update = sent.next(&third, true).expect("a removal");
+        assert!(update.allocs.is_empty());
+        assert_eq!(update.removed, ["a"]);
+        sent.sent(&update);
+        assert!(sent.next(&third, true).is_none());
+    }
+
+    #[test]
+    fn without_deltas_every_change_sends_the_full_set() {
+        let mut sent = SentAllocs::default();
+        let first = vec![alloc("a", 1), alloc("b", 1)];
+        let update = sent.next(&first, false).expect("the first message");
+        sent.sent(&update);
+        let second = vec![alloc("b", 2)];
+        let update = sent.next(&second, false).expect("a change");
+        assert!(!update.delta);
+        assert_eq!(ids(&update), ["b"]);
+        assert!(update.removed.is_empty(), "a full set names no removals");
+        sent.sent(&update);
+        assert!(sent.next(&second, false).is_none());
     }
 }

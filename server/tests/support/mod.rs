@@ -628,13 +628,25 @@ pub async fn replacement_claims_data(ts: &TestServer, next: &Allocation) {
         .expect("the replacement claims the freed volume");
 }
 
-/// Opens the alloc watch of `node_id` over `nc`, as its client does.
+/// Opens the alloc watch of `node_id` over `nc`, as a client that takes
+/// full sets does.
 pub async fn open_watch(
     nc: &mut NodeClient<SecretChannel>,
     node_id: &str,
 ) -> tonic::Streaming<pb::AllocationsUpdate> {
+    open_watch_with(nc, node_id, false).await
+}
+
+/// Opens the alloc watch of `node_id` over `nc`, asking for `deltas` or
+/// not.
+pub async fn open_watch_with(
+    nc: &mut NodeClient<SecretChannel>,
+    node_id: &str,
+    deltas: bool,
+) -> tonic::Streaming<pb::AllocationsUpdate> {
     nc.watch_allocations(pb::WatchAllocationsRequest {
         node_id: node_id.into(),
+        deltas,
     })
     .await
     .expect("the alloc watch opens")
