@@ -176,6 +176,7 @@ impl AllocStateUpdater for Discard {
         _: AllocClientStatus,
         _: &str,
         _: &BTreeMap<String, TaskState>,
+        _: bool,
     ) {
     }
 }

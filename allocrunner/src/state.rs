@@ -16,12 +16,16 @@ use crate::error::StateError;
 /// state lock held, in order: implementations must return quickly and must
 /// not call back into the alloc runner.
 pub trait AllocStateUpdater: Send + Sync {
+    /// The alloc's state changed; `status_moved` when its client status
+    /// is not the one of the update before (a task's events alone, or a
+    /// task's end while others run, leave it).
     fn alloc_updated(
         &self,
         alloc_id: &str,
         client_status: AllocClientStatus,
         description: &str,
         task_states: &BTreeMap<String, TaskState>,
+        status_moved: bool,
     );
 }
 
@@ -254,6 +258,7 @@ impl AllocState {
         write: impl FnOnce(&dyn AllocStateStore, &str, &PersistedAllocState) -> Result<(), StateError>,
     ) {
         let mut inner = self.inner.locked();
+        let status_before = inner.client_status;
         f(&mut inner);
         if !inner.client_status.is_terminal()
             && inner.client_status == AllocClientStatus::Pending
@@ -279,6 +284,7 @@ impl AllocState {
             inner.client_status,
             &inner.description,
             &inner.task_states,
+            inner.client_status != status_before,
         );
     }
 

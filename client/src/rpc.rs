@@ -177,9 +177,11 @@ struct Inner {
     node: Mutex<Node>,
     pending_updates: Mutex<HashMap<String, pb::AllocStatusUpdate>>,
     pending_events: Mutex<Vec<NodeEvent>>,
-    /// Wakes the flusher at once: an alloc update is queued.
+    /// Wakes the flusher at once: an alloc update that moves a status is
+    /// queued.
     flush: Notify,
-    /// Wakes the flusher after `event_linger`: a node event is queued.
+    /// Wakes the flusher after `event_linger`: a node event or an alloc
+    /// update that informs only is queued.
     event_queued: Notify,
     event_linger: Duration,
     /// Bumped whenever the client's view of its allocs changes: the index
@@ -346,16 +348,18 @@ impl ServerConn {
     }
 
     /// Sends queued alloc updates and node events until `shutdown`. An
-    /// update that finds the flusher idle goes at once: a task's exit
-    /// reaches the servers without waiting out a window. Updates queued
-    /// while a request is in flight wait for it and go together in the
-    /// next one (the wake-up [`Notify`] keeps one permit), so a busy
-    /// client sends fewer, larger requests, one at a time.
+    /// update that moves an alloc's status and finds the flusher idle goes
+    /// at once: an alloc's end reaches the servers without waiting out a
+    /// window (one that informs only waits for one, at most the linger).
+    /// Updates queued while a request is in flight wait for it and go
+    /// together in the next one (the wake-up [`Notify`] keeps one permit),
+    /// so a busy client sends fewer, larger requests, one at a time.
     pub async fn run_flusher(&self, mut shutdown: Shutdown) {
         let mut failures: u32 = 0;
         loop {
-            // An update goes at once, and queued events with it (after
-            // it, see `flush_once`); events alone wait out the linger.
+            // An update that moves a status goes at once, and what
+            // informs only (events, other updates) with it (events after
+            // it, see `flush_once`); that alone waits out the linger.
             let lingered = async {
                 self.inner.event_queued.notified().await;
                 tokio::time::sleep(self.inner.event_linger).await;
@@ -454,6 +458,7 @@ impl AllocStateUpdater for ServerConn {
         client_status: AllocClientStatus,
         description: &str,
         task_states: &BTreeMap<String, TaskState>,
+        status_moved: bool,
     ) {
         let update = pb::AllocStatusUpdate {
             alloc_id: alloc_id.to_string(),
@@ -462,17 +467,27 @@ impl AllocStateUpdater for ServerConn {
             task_states_json: serde_json::to_vec(task_states).unwrap_or_default(),
             ..Default::default()
         };
-        self.send_update(update);
+        self.send_update(update, status_moved);
     }
 }
 
 impl ServerConn {
     /// Queues `update` (merged with the one waiting for its alloc) and
-    /// wakes the flusher.
-    fn send_update(&self, update: pb::AllocStatusUpdate) {
+    /// wakes the flusher: at once when `urgent`, or else after the
+    /// linger, unless something urgent takes it along first. An update
+    /// that leaves the alloc's status as it was (a task's events, one
+    /// task's end while others run) informs only, and the status change
+    /// that usually follows within milliseconds (the task runs, the
+    /// alloc is done) takes it along: one write on the servers for the
+    /// two, and no request in flight for the second to wait behind.
+    fn send_update(&self, update: pb::AllocStatusUpdate, urgent: bool) {
         queue_update(&mut self.inner.pending_updates.locked(), update);
         self.alloc_changed();
-        self.inner.flush.notify_one();
+        if urgent {
+            self.inner.flush.notify_one();
+        } else {
+            self.inner.event_queued.notify_one();
+        }
     }
 
     /// Queues the stats of all of `alloc_id`'s CSI volumes, by the group's
@@ -496,7 +511,7 @@ impl ServerConn {
             volume_stats_only: true,
             ..Default::default()
         };
-        self.send_update(update);
+        self.send_update(update, true);
     }
 }
 
@@ -998,6 +1013,7 @@ mod tests {
                 AllocClientStatus::Running,
                 &description,
                 &BTreeMap::new(),
+                true,
             );
             let deadline = sent + Duration::from_secs(30);
             loop {
@@ -1017,6 +1033,76 @@ mod tests {
             fastest < Duration::from_millis(40),
             "the fastest of five updates took {fastest:?}"
         );
+        stop.shutdown();
+        flusher.await.expect("the flusher ends on shutdown");
+        serving.abort();
+    }
+
+    /// An update that leaves the alloc's status as it was waits (up to the
+    /// linger) for one that moves it, and goes with it: with a linger far
+    /// longer than the test, it reaches the servers only once the status
+    /// change is queued, in the same write.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_update_that_informs_only_goes_with_the_next_status_change() {
+        let (_dir, server, serving, channel) = serve_node_service().await;
+        let mut conn = registered_raw_exec_node(channel, 1000).await;
+        Arc::get_mut(&mut conn.inner)
+            .expect("the only handle")
+            .event_linger = Duration::from_secs(600);
+        server
+            .register_job(true_job("two", 2, BTreeMap::new()))
+            .await
+            .expect("the job registers");
+        let allocs = server.job_allocations("two").expect("the job's allocs");
+        let (alloc_id, other) = (allocs[0].id.clone(), allocs[1].id.clone());
+        let (stop, flusher) = spawn_flusher(&conn);
+        let events = BTreeMap::from([(
+            "t".to_string(),
+            TaskState {
+                events: vec![berth_structs::TaskEvent::new("Task Setup", "building")],
+                ..TaskState::default()
+            },
+        )]);
+        let before = server.allocation(&alloc_id).expect("the alloc");
+        conn.alloc_updated(
+            &alloc_id,
+            AllocClientStatus::Pending,
+            "setting up",
+            &events,
+            false,
+        );
+        // Not sent on its own (an update sent at once is there in
+        // milliseconds, see above).
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let waiting = server.allocation(&alloc_id).expect("the alloc");
+        assert_eq!(waiting.modify_index, before.modify_index, "it waits");
+        // A status change of another alloc goes at once and takes it along.
+        conn.alloc_updated(
+            &other,
+            AllocClientStatus::Running,
+            "Tasks are running",
+            &BTreeMap::new(),
+            true,
+        );
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let (informed, moved) = loop {
+            let (a, b) = (
+                server.allocation(&alloc_id).expect("the alloc"),
+                server.allocation(&other).expect("the other alloc"),
+            );
+            if b.client_status == AllocClientStatus::Running {
+                break (a, b);
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the status change reaches the servers"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        };
+        assert_ne!(informed.modify_index, before.modify_index, "sent along");
+        assert_eq!(informed.client_description, "setting up");
+        assert_eq!(informed.task_states, events);
+        assert_eq!(informed.modify_index, moved.modify_index, "in one write");
         stop.shutdown();
         flusher.await.expect("the flusher ends on shutdown");
         serving.abort();
@@ -1055,6 +1141,7 @@ mod tests {
             AllocClientStatus::Complete,
             "done",
             &BTreeMap::new(),
+            true,
         );
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let event_index = loop {

@@ -69,6 +69,7 @@ impl AllocStateUpdater for RecordingUpdater {
         status: AllocClientStatus,
         description: &str,
         tasks: &BTreeMap<String, TaskState>,
+        _status_moved: bool,
     ) {
         self.0.lock().unwrap().push(Update {
             status,
