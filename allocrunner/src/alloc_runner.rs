@@ -226,11 +226,15 @@ impl AllocRunner {
         let stop = alloc.server_terminal();
         // Servers that send full sets send every alloc of the node on
         // every change to any of them: an unchanged one costs nothing, not
-        // a write.
+        // a write. Nor does the servers' copy after this node's own report
+        // of the alloc (its status, task states, volume stats): it is
+        // kept, not written; a restarted agent is sent it again.
+        let mut reported_only = false;
         let changed = self.inner.alloc.send_if_modified(|current| {
             if **current == alloc {
                 return false;
             }
+            reported_only = current.same_but_node_reports(&alloc);
             *current = Arc::new(alloc);
             true
         });
@@ -241,7 +245,7 @@ impl AllocRunner {
             return;
         }
         self.inner.in_store.store(false, Ordering::SeqCst);
-        if self.inner.started.load(Ordering::SeqCst) {
+        if self.inner.started.load(Ordering::SeqCst) && !reported_only {
             // A stop is synced: a restarted agent must not run the alloc
             // again. Any other change the servers send again after a
             // restart; it rides on the next synced write.

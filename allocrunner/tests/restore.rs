@@ -455,8 +455,10 @@ fn the_executors_record_wins_over_a_persisted_handle_with_a_later_clock() {
     });
 }
 
-/// The servers send every alloc of the node on each change to any of them;
-/// an alloc that did not change is not written to the state DB again.
+/// Servers that send full sets send every alloc of the node on each
+/// change to any of them; an alloc that did not change is not written to
+/// the state DB again, nor one whose only change is what this node
+/// reported of it.
 #[tokio::test]
 async fn an_unchanged_alloc_from_the_servers_is_not_written_again() {
     let allocs = Arc::new(MemAllocStore::default());
@@ -471,8 +473,21 @@ async fn an_unchanged_alloc_from_the_servers_is_not_written_again() {
         runner.update(a.clone());
     }
     assert_eq!(allocs.alloc_writes(), before, "unchanged: no write");
-    let mut changed = a.clone();
+    let mut reported = a.clone();
+    reported.modify_index += 1;
+    reported.client_status = AllocClientStatus::Running;
+    reported.client_description = "Tasks are running".into();
+    reported.task_states = runner.task_states();
+    runner.update(reported.clone());
+    assert_eq!(
+        allocs.alloc_writes(),
+        before,
+        "the node's own report sent back: no write"
+    );
+    assert_eq!(*runner.alloc(), reported, "but kept");
+    let mut changed = reported;
     changed.modify_index += 1;
+    changed.desired_description = "moved by the servers".into();
     runner.update(changed);
     assert_eq!(allocs.alloc_writes(), before + 1, "changed: one write");
     runner.stop();

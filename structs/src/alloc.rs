@@ -176,6 +176,19 @@ impl Allocation {
     /// usage its node reported and the modify stamps: what its client is
     /// sent of it is the same.
     pub fn same_but_volume_stats(&self, other: &Allocation) -> bool {
+        self.same_but(other, false)
+    }
+
+    /// Whether `other` is this alloc but for what its node reports of it
+    /// (client status and description, task states, volume stats) and
+    /// the modify stamps: the servers changed nothing of their own.
+    pub fn same_but_node_reports(&self, other: &Allocation) -> bool {
+        self.same_but(other, true)
+    }
+
+    /// Equal but for the volume stats, the tasks' usage and the modify
+    /// stamps, and with `reports` all else the node reports.
+    fn same_but(&self, other: &Allocation, reports: bool) -> bool {
         // Destructured so that a new field must say whether it counts.
         let Allocation {
             id,
@@ -211,13 +224,14 @@ impl Allocation {
             && *node_id == other.node_id
             && *desired_status == other.desired_status
             && *desired_description == other.desired_description
-            && *client_status == other.client_status
-            && *client_description == other.client_description
+            && (reports
+                || (*client_status == other.client_status
+                    && *client_description == other.client_description
+                    && same_but_usage(task_states, &other.task_states)))
             && *create_index == other.create_index
             && *create_time_ms == other.create_time_ms
             && *node_last_heartbeat_ms == other.node_last_heartbeat_ms
             && *disconnected == other.disconnected
-            && same_but_usage(task_states, &other.task_states)
             && *job == other.job
             && *previous_allocation == other.previous_allocation
             && *next_allocation == other.next_allocation

@@ -428,7 +428,12 @@ fn follow_run(
             names = node_names(api)?;
         }
         print_transitions(&mine, &mut seen, &names);
-        match crate::deployment::halt_of_version(api, job_id, version)? {
+        // Only a service job's versions roll out in deployments.
+        let halt = match job_type {
+            JobType::Service => crate::deployment::halt_of_version(api, job_id, version)?,
+            JobType::Batch | JobType::System => None,
+        };
+        match halt {
             Some(Halt::Failed(why)) => {
                 println!("==> Job {job_id:?}: {why}");
                 return Ok(1);

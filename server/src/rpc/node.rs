@@ -91,10 +91,10 @@ async fn stream_allocations(
                 .await;
             return;
         }
-        let scan = server.node_allocs_since(&node_id, scanned_at);
-        if let Some(NodeAllocs { at, index, allocs }) = scan {
+        let scan = server.node_allocs_since(&node_id, scanned_at, &sent, deltas);
+        if let Some(NodeAllocs { at, index, update }) = scan {
             scanned_at = Some(at);
-            if let Some(update) = sent.next(&allocs, deltas) {
+            if let Some(update) = update {
                 let message = match encode_update(index, &update) {
                     Ok(m) => m,
                     Err(status) => {
@@ -137,7 +137,7 @@ async fn stream_allocations(
 }
 
 /// One alloc watch message, each alloc as JSON.
-fn encode_update(index: u64, update: &WatchUpdate<'_>) -> Result<pb::AllocationsUpdate, Status> {
+fn encode_update(index: u64, update: &WatchUpdate) -> Result<pb::AllocationsUpdate, Status> {
     let mut allocs_json = Vec::with_capacity(update.allocs.len());
     for a in &update.allocs {
         match serde_json::to_vec(a) {

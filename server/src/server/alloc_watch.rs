@@ -9,13 +9,15 @@ use tokio::sync::watch;
 
 use crate::server::Server;
 
-/// A node's allocs as of one write.
+/// What a scan of a node's allocs found to send.
 pub(crate) struct NodeAllocs {
     /// The index of the last write of one of the node's allocs.
     pub(crate) at: u64,
     /// The state's index when they were read.
     pub(crate) index: u64,
-    pub(crate) allocs: Vec<Allocation>,
+    /// The message that brings the watch's client to them; None when
+    /// nothing it was sent changed.
+    pub(crate) update: Option<WatchUpdate>,
 }
 
 impl Server {
@@ -34,27 +36,28 @@ impl Server {
             .read(|t| t.nodes.get(node_id).map(|n| n.create_index))
     }
 
-    /// The allocs of `node_id`, unless none of them was written since
-    /// `scanned_at` (a scan is of all its allocs). An alloc that waits
-    /// for the claims of the allocs it replaces is not the node's yet.
+    /// What to send the alloc watch of `node_id` that has sent `sent`,
+    /// unless none of the node's allocs was written since `scanned_at` (a
+    /// scan is of all its allocs; only those sent are copied). An alloc
+    /// that waits for the claims of the allocs it replaces is not the
+    /// node's yet.
     pub(crate) fn node_allocs_since(
         &self,
         node_id: &str,
         scanned_at: Option<u64>,
+        sent: &SentAllocs,
+        deltas: bool,
     ) -> Option<NodeAllocs> {
         self.store.read(|t| {
             let at = t.node_allocs_index.get(node_id).copied().unwrap_or(0);
             if scanned_at == Some(at) {
                 return None;
             }
+            let allocs = t.allocs_on_node(node_id).filter(|a| !a.waits_for_claims());
             Some(NodeAllocs {
                 at,
                 index: t.index,
-                allocs: t
-                    .allocs_on_node(node_id)
-                    .filter(|a| !a.waits_for_claims())
-                    .cloned()
-                    .collect(),
+                update: sent.next(allocs, deltas),
             })
         })
     }
@@ -62,8 +65,8 @@ impl Server {
 
 /// What one message of an alloc watch carries.
 #[derive(Debug)]
-pub(crate) struct WatchUpdate<'a> {
-    pub(crate) allocs: Vec<&'a Allocation>,
+pub(crate) struct WatchUpdate {
+    pub(crate) allocs: Vec<Allocation>,
     /// With `delta`: the allocs sent before that are no longer the node's.
     pub(crate) removed: Vec<String>,
     /// Only what changed since the last message; the rest is as sent.
@@ -85,27 +88,36 @@ impl SentAllocs {
     /// the new and changed ones and the IDs of those gone.
     pub(crate) fn next<'a>(
         &self,
-        allocs: &'a [Allocation],
+        allocs: impl Iterator<Item = &'a Allocation>,
         deltas: bool,
-    ) -> Option<WatchUpdate<'a>> {
-        let Some(sent) = &self.sent else {
-            return Some(WatchUpdate {
-                allocs: allocs.iter().collect(),
-                removed: Vec::new(),
-                delta: false,
-            });
+    ) -> Option<WatchUpdate> {
+        let full = |allocs: Vec<&Allocation>| WatchUpdate {
+            allocs: allocs.into_iter().cloned().collect(),
+            removed: Vec::new(),
+            delta: false,
         };
-        let changed: Vec<&Allocation> = allocs
-            .iter()
-            .filter(|a| sent.get(&a.id) != Some(&a.modify_index))
-            .collect();
-        // Every alloc now on the node that was sent before is unchanged or
-        // changed; any other ID sent before is gone.
-        let kept = allocs.len() - changed.iter().filter(|a| !sent.contains_key(&a.id)).count();
-        let removed: Vec<String> = if kept == sent.len() {
+        let Some(sent) = &self.sent else {
+            return Some(full(allocs.collect()));
+        };
+        let mut now: HashSet<&str> = HashSet::new();
+        let mut all = Vec::new();
+        let mut changed = Vec::new();
+        for a in allocs {
+            if sent.get(&a.id) != Some(&a.modify_index) {
+                changed.push(a);
+            }
+            if sent.contains_key(&a.id) {
+                now.insert(a.id.as_str());
+            }
+            if !deltas {
+                all.push(a);
+            }
+        }
+        // Every ID sent before that is not among the node's allocs now is
+        // gone.
+        let removed: Vec<String> = if now.len() == sent.len() {
             Vec::new()
         } else {
-            let now: HashSet<&str> = allocs.iter().map(|a| a.id.as_str()).collect();
             sent.keys()
                 .filter(|id| !now.contains(id.as_str()))
                 .cloned()
@@ -114,23 +126,18 @@ impl SentAllocs {
         if changed.is_empty() && removed.is_empty() {
             return None;
         }
-        Some(if deltas {
-            WatchUpdate {
-                allocs: changed,
-                removed,
-                delta: true,
-            }
-        } else {
-            WatchUpdate {
-                allocs: allocs.iter().collect(),
-                removed: Vec::new(),
-                delta: false,
-            }
+        if !deltas {
+            return Some(full(all));
+        }
+        Some(WatchUpdate {
+            allocs: changed.into_iter().cloned().collect(),
+            removed,
+            delta: true,
         })
     }
 
     /// Records `update` as sent.
-    pub(crate) fn sent(&mut self, update: &WatchUpdate<'_>) {
+    pub(crate) fn sent(&mut self, update: &WatchUpdate) {
         let sent = self.sent.get_or_insert_with(HashMap::new);
         if !update.delta {
             sent.clear();
@@ -161,7 +168,7 @@ mod tests {
         }
     }
 
-    fn ids(update: &WatchUpdate<'_>) -> Vec<String> {
+    fn ids(update: &WatchUpdate) -> Vec<String> {
         let mut ids: Vec<String> = update.allocs.iter().map(|a| a.id.clone()).collect();
         ids.sort();
         ids
@@ -170,43 +177,43 @@ mod tests {
     #[test]
     fn a_delta_names_the_new_the_changed_and_the_gone_and_nothing_else() {
         let mut sent = SentAllocs::default();
-        let first = vec![alloc("a", 1), alloc("b", 1), alloc("c", 1)];
-        let update = sent.next(&first, true).expect("the first message");
+        let first = [alloc("a", 1), alloc("b", 1), alloc("c", 1)];
+        let update = sent.next(first.iter(), true).expect("the first message");
         assert!(!update.delta, "the first message is the full set");
         assert_eq!(ids(&update), ["a", "b", "c"]);
         sent.sent(&update);
 
-        assert!(sent.next(&first, true).is_none(), "nothing changed");
+        assert!(sent.next(first.iter(), true).is_none(), "nothing changed");
 
         // b changed, c went, d is new.
-        let second = vec![alloc("a", 1), alloc("b", 2), alloc("d", 2)];
-        let update = sent.next(&second, true).expect("a change");
+        let second = [alloc("a", 1), alloc("b", 2), alloc("d", 2)];
+        let update = sent.next(second.iter(), true).expect("a change");
         assert!(update.delta);
         assert_eq!(ids(&update), ["b", "d"]);
         assert_eq!(update.removed, ["c"]);
         sent.sent(&update);
 
         // Gone alone, with the count unchanged by a new one before it.
-        let third = vec![alloc("b", 2), alloc("d", 2)];
-        let update = sent.next(&third, true).expect("a removal");
+        let third = [alloc("b", 2), alloc("d", 2)];
+        let update = sent.next(third.iter(), true).expect("a removal");
         assert!(update.allocs.is_empty());
         assert_eq!(update.removed, ["a"]);
         sent.sent(&update);
-        assert!(sent.next(&third, true).is_none());
+        assert!(sent.next(third.iter(), true).is_none());
     }
 
     #[test]
     fn without_deltas_every_change_sends_the_full_set() {
         let mut sent = SentAllocs::default();
-        let first = vec![alloc("a", 1), alloc("b", 1)];
-        let update = sent.next(&first, false).expect("the first message");
+        let first = [alloc("a", 1), alloc("b", 1)];
+        let update = sent.next(first.iter(), false).expect("the first message");
         sent.sent(&update);
-        let second = vec![alloc("b", 2)];
-        let update = sent.next(&second, false).expect("a change");
+        let second = [alloc("b", 2)];
+        let update = sent.next(second.iter(), false).expect("a change");
         assert!(!update.delta);
         assert_eq!(ids(&update), ["b"]);
         assert!(update.removed.is_empty(), "a full set names no removals");
         sent.sent(&update);
-        assert!(sent.next(&second, false).is_none());
+        assert!(sent.next(second.iter(), false).is_none());
     }
 }
