@@ -666,7 +666,10 @@ impl Client {
                         match next {
                             Some(Ok(update)) => {
                                 failures = 0;
-                                self.reconcile(update).await;
+                                if let Err(why) = self.reconcile(update).await {
+                                    tracing::warn!(%why, "alloc watch update not applied; opening the watch anew");
+                                    break;
+                                }
                             }
                             Some(Err(e)) => {
                                 tracing::warn!(error = %e, "alloc watch failed");
@@ -691,9 +694,31 @@ impl Client {
 
     /// Brings the runners to the servers' view in `update`: the node's
     /// allocs, or (a delta) those that changed and the IDs of those gone.
-    async fn reconcile(&self, update: pb::AllocationsUpdate) {
-        let (allocs, undecodable) = decode_allocs(&update.allocs_json);
+    ///
+    /// Fails, applying nothing, when a delta leaves out the job of an
+    /// alloc this client keeps none of: the watch is then opened anew,
+    /// and starts with the full set.
+    async fn reconcile(&self, update: pb::AllocationsUpdate) -> Result<(), String> {
+        let (mut allocs, undecodable) = decode_allocs(&update.allocs_json);
         let mut runners = self.runners.lock().await;
+        if update.delta && !update.same_job_ids.is_empty() {
+            let same_job: HashSet<&str> = update.same_job_ids.iter().map(String::as_str).collect();
+            for alloc in allocs
+                .iter_mut()
+                .filter(|a| same_job.contains(a.id.as_str()))
+            {
+                match runners.get(&alloc.id) {
+                    Some(r) => alloc.job = r.alloc().job.clone(),
+                    None if alloc.client_status.is_terminal() => {}
+                    None => {
+                        return Err(format!(
+                            "the servers sent alloc {} without its job, which this client does not have",
+                            alloc.id
+                        ))
+                    }
+                }
+            }
+        }
         let gone = if update.delta {
             update.removed_ids
         } else {
@@ -735,6 +760,7 @@ impl Client {
         // The servers' view changed: terminal allocs they now know about
         // may be collected here.
         self.gc_wake.notify_one();
+        Ok(())
     }
 
     /// Collects garbage every `gc_interval` and whenever the servers' view
@@ -1032,7 +1058,10 @@ mod tests {
             // ever saw it running.
             let a = stopped(placed_alloc(&client.conn.node_id()));
             alloc_id = a.id.clone();
-            client.reconcile(update_of(&[a])).await;
+            client
+                .reconcile(update_of(&[a]))
+                .await
+                .expect("the update applies");
             let tasks = reported_complete(&client, &alloc_id).await;
             assert_never_started(&tasks);
             assert!(
@@ -1076,13 +1105,16 @@ mod tests {
             ids.sort();
             ids
         };
-        client.reconcile(update_of(&[a.clone(), b.clone()])).await;
+        client
+            .reconcile(update_of(&[a.clone(), b.clone()]))
+            .await
+            .expect("the update applies");
         assert_eq!(runners().await, sorted(vec![a.id.clone(), b.id.clone()]));
 
         // A delta that names c alone: a and b stay.
         let mut delta = update_of(std::slice::from_ref(&c));
         delta.delta = true;
-        client.reconcile(delta).await;
+        client.reconcile(delta).await.expect("the update applies");
         assert_eq!(
             runners().await,
             sorted(vec![a.id.clone(), b.id.clone(), c.id.clone()])
@@ -1092,12 +1124,51 @@ mod tests {
         let mut delta = update_of(&[]);
         delta.delta = true;
         delta.removed_ids = vec![a.id.clone()];
-        client.reconcile(delta).await;
+        client.reconcile(delta).await.expect("the update applies");
         assert_eq!(runners().await, sorted(vec![b.id.clone(), c.id.clone()]));
 
         // A full set that leaves out c: c goes.
-        client.reconcile(update_of(std::slice::from_ref(&b))).await;
+        client
+            .reconcile(update_of(std::slice::from_ref(&b)))
+            .await
+            .expect("the update applies");
         assert_eq!(runners().await, vec![b.id.clone()]);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_delta_without_a_job_keeps_the_runners_and_one_it_lacks_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let client = offline_client(dir.path(), 50).await;
+        let node = client.conn.node_id();
+        let a = stopped(placed_alloc(&node));
+        client
+            .reconcile(update_of(std::slice::from_ref(&a)))
+            .await
+            .expect("the update applies");
+
+        // The same alloc, moved on, without its job: the runner keeps its
+        // job.
+        let mut moved = a.clone();
+        moved.modify_index += 1;
+        moved.desired_description = "moved".into();
+        let mut slim = moved.clone();
+        slim.job = Default::default();
+        let mut delta = update_of(&[slim]);
+        delta.delta = true;
+        delta.same_job_ids = vec![a.id.clone()];
+        client.reconcile(delta).await.expect("the update applies");
+        let runner = client.runners.lock().await.get(&a.id).cloned();
+        assert_eq!(*runner.expect("its runner").alloc(), moved);
+
+        // An alloc this client has no runner of, sent without its job:
+        // refused, nothing started.
+        let mut unknown = placed_alloc(&node);
+        unknown.job = Default::default();
+        let mut delta = update_of(std::slice::from_ref(&unknown));
+        delta.delta = true;
+        delta.same_job_ids = vec![unknown.id.clone()];
+        assert!(client.reconcile(delta).await.is_err());
+        assert!(!client.runners.lock().await.contains_key(&unknown.id));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1114,7 +1185,10 @@ mod tests {
         assert_eq!(client.alloc_status_counts().await, zeros);
         let a = stopped(placed_alloc(&client.conn.node_id()));
         let id = a.id.clone();
-        client.reconcile(update_of(&[a])).await;
+        client
+            .reconcile(update_of(&[a]))
+            .await
+            .expect("the update applies");
         reported_complete(&client, &id).await;
         let mut want = zeros;
         want[2].1 = 1;
@@ -1149,7 +1223,10 @@ mod tests {
         )]
         .into();
         let id = a.id.clone();
-        client.reconcile(update_of(&[a])).await;
+        client
+            .reconcile(update_of(&[a]))
+            .await
+            .expect("the update applies");
         let req = logs::LogsRequest {
             task: None,
             stream: berth_allocrunner::logs::LogStream::Stdout,
@@ -1187,7 +1264,10 @@ mod tests {
             std::fs::create_dir_all(&logs).unwrap();
             std::fs::write(logs.join("web.stdout.0"), "output").unwrap();
             allocs.push(a);
-            client.reconcile(update_of(&allocs)).await;
+            client
+                .reconcile(update_of(&allocs))
+                .await
+                .expect("the update applies");
             let id = allocs.last().map(|a| a.id.clone()).unwrap_or_default();
             reported_complete(&client, &id).await;
             let ended = client.runners.lock().await[&id].terminal_at_ms();
@@ -1214,7 +1294,10 @@ mod tests {
                 a
             })
             .collect();
-        client.reconcile(update_of(&acknowledged)).await;
+        client
+            .reconcile(update_of(&acknowledged))
+            .await
+            .expect("the update applies");
         client.collect_garbage().await;
 
         let (oldest, newest) = allocs.split_at(3);
@@ -1241,7 +1324,10 @@ mod tests {
 
         // The servers still send the collected allocs (complete): none is
         // started again.
-        client.reconcile(update_of(&acknowledged)).await;
+        client
+            .reconcile(update_of(&acknowledged))
+            .await
+            .expect("the update applies");
         assert_eq!(client.runners.lock().await.len(), 2);
     }
 

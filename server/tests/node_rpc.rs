@@ -313,13 +313,18 @@ async fn a_delta_watch_sends_only_the_allocs_that_changed_and_the_ids_of_those_g
     assert_eq!(allocs.len(), 2);
     let (one, two) = (allocs[0].id.clone(), allocs[1].id.clone());
 
-    // One alloc changes: it alone is sent, as the servers have it now.
+    // One alloc changes: it alone is sent, as the servers have it now
+    // but for its job, the one sent with it before.
     nc.update_allocations(running_update("n1", &one))
         .await
         .unwrap();
     let changed = next(&mut watch).await;
     assert!(changed.delta);
-    assert_eq!(decode(&changed), vec![s.allocation(&one).unwrap()]);
+    assert_eq!(changed.same_job_ids, std::slice::from_ref(&one));
+    let mut now = s.allocation(&one).unwrap();
+    assert_eq!(now.job, allocs[0].job, "the job sent before");
+    now.job = Default::default();
+    assert_eq!(decode(&changed), vec![now]);
 
     // Both stop, are done, and the purged job's allocs leave the state:
     // their IDs are sent as gone.

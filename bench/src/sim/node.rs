@@ -6,11 +6,12 @@ use berth_sync::MutexExt;
 use berth_sync::Shutdown;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use berth_proto::berth::v1 as pb;
-use berth_structs::{AllocClientStatus, Allocation, Node, NodeResources};
+use berth_structs::{AllocClientStatus, Allocation, Job, Node, NodeResources};
 use tokio::sync::mpsc;
 
 use super::{interval, random_fraction, retry_delay, with_secret, SimNode, PLUGIN};
@@ -305,6 +306,9 @@ impl SimNode {
                 ))
             }
         };
+        // The jobs of this stream's allocs that have volumes to release:
+        // a delta leaves out a job sent before.
+        let mut jobs: HashMap<String, Arc<Job>> = HashMap::new();
         loop {
             let update = tokio::select! {
                 _ = stop.wait() => return None,
@@ -328,6 +332,7 @@ impl SimNode {
                     )),
                 }
             }
+            keep_jobs(&mut jobs, &mut allocs, &update);
             let mut updates = Vec::new();
             let mut releases = Vec::new();
             for a in &allocs {
@@ -464,5 +469,33 @@ fn status(a: &Allocation, s: AllocClientStatus, description: &str) -> pb::AllocS
         client_status: s.as_str().into(),
         client_description: description.into(),
         ..Default::default()
+    }
+}
+
+/// Gives the allocs of `update` sent without their job the one kept for
+/// them, and keeps the jobs of allocs with CSI volumes (what releasing
+/// them needs), as a client keeps its allocs.
+fn keep_jobs(
+    jobs: &mut HashMap<String, Arc<Job>>,
+    allocs: &mut [Allocation],
+    update: &pb::AllocationsUpdate,
+) {
+    if !update.delta {
+        jobs.clear();
+    }
+    for id in &update.removed_ids {
+        jobs.remove(id);
+    }
+    for a in allocs.iter_mut() {
+        if update.same_job_ids.contains(&a.id) {
+            if let Some(job) = jobs.get(&a.id) {
+                a.job = job.clone();
+            }
+        } else if a
+            .group()
+            .is_some_and(|g| g.volumes.values().any(|v| v.volume_type == "csi"))
+        {
+            jobs.insert(a.id.clone(), a.job.clone());
+        }
     }
 }

@@ -153,6 +153,7 @@ fn encode_update(index: u64, update: &WatchUpdate) -> Result<pb::AllocationsUpda
         allocs_json,
         delta: update.delta,
         removed_ids: update.removed.clone(),
+        same_job_ids: update.same_job.clone(),
     })
 }
 

@@ -3,8 +3,9 @@
 //! was opened for, and its allocs when they changed.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
-use berth_structs::Allocation;
+use berth_structs::{Allocation, Job};
 use tokio::sync::watch;
 
 use crate::server::Server;
@@ -69,15 +70,18 @@ pub(crate) struct WatchUpdate {
     pub(crate) allocs: Vec<Allocation>,
     /// With `delta`: the allocs sent before that are no longer the node's.
     pub(crate) removed: Vec<String>,
+    /// With `delta`: the allocs in `allocs` whose job is the one sent with
+    /// them before, left out (an empty job in its place).
+    pub(crate) same_job: Vec<String>,
     /// Only what changed since the last message; the rest is as sent.
     pub(crate) delta: bool,
 }
 
-/// What an alloc watch has sent: each alloc's ID and the modify index it
-/// was sent at. None before the first message.
+/// What an alloc watch has sent: each alloc's ID, the modify index it was
+/// sent at and the job it was sent with. None before the first message.
 #[derive(Debug, Default)]
 pub(crate) struct SentAllocs {
-    sent: Option<HashMap<String, u64>>,
+    sent: Option<HashMap<String, (u64, Arc<Job>)>>,
 }
 
 impl SentAllocs {
@@ -85,7 +89,9 @@ impl SentAllocs {
     /// None when nothing changed (a write of the node alone, or of an
     /// alloc's volume stats). The first message is all of them; then all
     /// of them again when the client did not ask for `deltas`, or only
-    /// the new and changed ones and the IDs of those gone.
+    /// the new and changed ones (without their job when it is the one
+    /// sent before: a change of the alloc's status, most often) and the
+    /// IDs of those gone.
     pub(crate) fn next<'a>(
         &self,
         allocs: impl Iterator<Item = &'a Allocation>,
@@ -94,6 +100,7 @@ impl SentAllocs {
         let full = |allocs: Vec<&Allocation>| WatchUpdate {
             allocs: allocs.into_iter().cloned().collect(),
             removed: Vec::new(),
+            same_job: Vec::new(),
             delta: false,
         };
         let Some(sent) = &self.sent else {
@@ -103,10 +110,11 @@ impl SentAllocs {
         let mut all = Vec::new();
         let mut changed = Vec::new();
         for a in allocs {
-            if sent.get(&a.id) != Some(&a.modify_index) {
-                changed.push(a);
+            let before = sent.get(&a.id);
+            if before.map(|(at, _)| *at) != Some(a.modify_index) {
+                changed.push((a, before.map(|(_, job)| job)));
             }
-            if sent.contains_key(&a.id) {
+            if before.is_some() {
                 now.insert(a.id.as_str());
             }
             if !deltas {
@@ -129,9 +137,22 @@ impl SentAllocs {
         if !deltas {
             return Some(full(all));
         }
+        let mut same_job = Vec::new();
+        let allocs = changed
+            .into_iter()
+            .map(|(a, job_sent)| {
+                let mut a = a.clone();
+                if job_sent.is_some_and(|j| Arc::ptr_eq(j, &a.job) || *j == a.job) {
+                    same_job.push(a.id.clone());
+                    a.job = Arc::default();
+                }
+                a
+            })
+            .collect();
         Some(WatchUpdate {
-            allocs: changed.into_iter().cloned().collect(),
+            allocs,
             removed,
+            same_job,
             delta: true,
         })
     }
@@ -145,11 +166,13 @@ impl SentAllocs {
         for id in &update.removed {
             sent.remove(id);
         }
+        let same_job: HashSet<&str> = update.same_job.iter().map(String::as_str).collect();
         for a in &update.allocs {
             match sent.get_mut(&a.id) {
-                Some(at) => *at = a.modify_index,
+                Some((at, _)) if same_job.contains(a.id.as_str()) => *at = a.modify_index,
+                Some(entry) => *entry = (a.modify_index, a.job.clone()),
                 None => {
-                    sent.insert(a.id.clone(), a.modify_index);
+                    sent.insert(a.id.clone(), (a.modify_index, a.job.clone()));
                 }
             }
         }
@@ -200,6 +223,47 @@ mod tests {
         assert_eq!(update.removed, ["a"]);
         sent.sent(&update);
         assert!(sent.next(third.iter(), true).is_none());
+    }
+
+    #[test]
+    fn a_changed_alloc_goes_without_its_job_when_that_is_the_one_sent() {
+        let job = |version| {
+            Arc::new(Job {
+                id: "web".into(),
+                version,
+                ..Job::default()
+            })
+        };
+        let with_job = |modify_index, job: &Arc<Job>| Allocation {
+            job: job.clone(),
+            ..alloc("a", modify_index)
+        };
+        let mut sent = SentAllocs::default();
+        let v0 = job(0);
+        let update = sent.next([with_job(1, &v0)].iter(), true).expect("first");
+        assert_eq!(update.allocs[0].job, v0, "the full set carries the job");
+        sent.sent(&update);
+
+        // Its status moved; the job is the same (an equal copy, too).
+        let update = sent
+            .next([with_job(2, &job(0))].iter(), true)
+            .expect("a change");
+        assert_eq!(update.same_job, ["a"]);
+        assert_eq!(*update.allocs[0].job, Job::default(), "left out");
+        sent.sent(&update);
+
+        // A new version of the job goes with it, and is then the one sent.
+        let v1 = job(1);
+        let update = sent
+            .next([with_job(3, &v1)].iter(), true)
+            .expect("a change");
+        assert!(update.same_job.is_empty());
+        assert_eq!(update.allocs[0].job, v1);
+        sent.sent(&update);
+        let update = sent
+            .next([with_job(4, &v1)].iter(), true)
+            .expect("a change");
+        assert_eq!(update.same_job, ["a"]);
     }
 
     #[test]
