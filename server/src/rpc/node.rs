@@ -66,7 +66,7 @@ async fn stream_allocations(
 ) {
     let mut index_rx = server.subscribe_node(&node_id);
     let mut shutdown = server.shutdown_rx();
-    // What was sent: each alloc's ID and modify index. A write of an
+    // What was sent: each alloc's ID, modify index and job. A write of an
     // alloc's volume stats alone moves neither the node's alloc index nor
     // `index_rx` (see the store), so it is never sent back to the client.
     let mut sent = SentAllocs::default();
