@@ -35,34 +35,23 @@ impl SimNode {
     /// Register; report the node plugin when `plugin`. Returns the TTL.
     pub(super) async fn register(&self, cpu: u64, plugin: bool) -> Result<Duration> {
         let node_json = serde_json::to_vec(&self.node_struct(cpu))?;
-        // Retried after a broken connection, as a client does (counted).
-        let mut failures = 0;
-        let ttl = loop {
-            let r = self
-                .node
-                .clone()
-                .register(with_secret(
+        let what = format!("register of node {}", self.index);
+        let ttl = self
+            .with_retries(&what, || {
+                let mut node = self.node.clone();
+                let req = with_secret(
                     pb::RegisterRequest {
                         node_json: node_json.clone(),
                         ..Default::default()
                     },
                     &self.secret,
-                ))
-                .await;
-            match r {
-                Ok(r) => break r.into_inner().heartbeat_ttl_ms,
-                Err(e) if super::retryable(&e) && failures < 10 => {
-                    self.stats
-                        .retried
-                        .note(format!("register of node {}: {e}", self.index));
-                    failures += 1;
-                    tokio::time::sleep(retry_delay(failures)).await;
-                }
-                Err(e) => {
-                    return Err(e).with_context(|| format!("register of node {}", self.index))
-                }
-            }
-        };
+                );
+                async move { node.register(req).await }
+            })
+            .await
+            .context(what)?
+            .into_inner()
+            .heartbeat_ttl_ms;
         if plugin {
             let fingerprint = pb::PluginFingerprint {
                 plugin_id: PLUGIN.into(),
@@ -253,24 +242,33 @@ impl SimNode {
         &self,
         updates: &[pb::AllocStatusUpdate],
     ) -> Result<tonic::Response<pb::UpdateAllocationsResponse>, tonic::Status> {
+        let what = format!("alloc updates of node {}", self.index);
+        self.with_retries(&what, || {
+            let mut node = self.node.clone();
+            let req = with_secret(
+                pb::UpdateAllocationsRequest {
+                    node_id: self.id.clone(),
+                    updates: updates.to_vec(),
+                },
+                &self.secret,
+            );
+            async move { node.update_allocations(req).await }
+        })
+        .await
+    }
+
+    /// `call`, made again after a broken connection as a client does: up
+    /// to 10 more times, each counted as retried under `what`.
+    async fn with_retries<T, F, Fut>(&self, what: &str, mut call: F) -> Result<T, tonic::Status>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
         let mut tries = 0;
         loop {
-            let r = self
-                .node
-                .clone()
-                .update_allocations(with_secret(
-                    pb::UpdateAllocationsRequest {
-                        node_id: self.id.clone(),
-                        updates: updates.to_vec(),
-                    },
-                    &self.secret,
-                ))
-                .await;
-            match r {
+            match call().await {
                 Err(e) if super::retryable(&e) && tries < 10 => {
-                    self.stats
-                        .retried
-                        .note(format!("alloc updates of node {}: {e}", self.index));
+                    self.stats.retried.note(format!("{what}: {e}"));
                     tries += 1;
                     tokio::time::sleep(retry_delay(tries)).await;
                 }
